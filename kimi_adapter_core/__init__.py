@@ -1,0 +1,34 @@
+"""kadapt's engine: declarative adapter specs applied to Hugging Face models.
+
+Public API (imported lazily so that ``import kimi_adapter_core`` stays torch-free):
+
+- ``load_spec(path) -> Spec``
+- ``applied(spec, ...)``: context manager that applies a spec and restores everything on exit
+- ``load_model(spec, device="meta", ...)``: build the adapted model (no weights)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "load_spec": "kimi_adapter_core.spec:load_spec",
+    "Spec": "kimi_adapter_core.spec:Spec",
+    "applied": "kimi_adapter_core.loading:applied",
+    "load_model": "kimi_adapter_core.loading:load_model",
+    "load_config": "kimi_adapter_core.loading:load_config",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'kimi_adapter_core' has no attribute {name!r}")
+    import importlib
+
+    module_name, _, attribute = target.partition(":")
+    return getattr(importlib.import_module(module_name), attribute)

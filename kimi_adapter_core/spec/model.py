@@ -1,0 +1,236 @@
+"""Typed, read-only view of a validated adapter spec.
+
+The YAML is validated against the JSON Schema first (``schema/adapter-spec.v1.json``); these
+dataclasses are built only from documents that passed, so they do no validation of their own.
+Every entry keeps the JSON-pointer-like ``where`` path of the node it came from so that later
+stages (apply, generate) can point back at the spec line through ``Spec.locate``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BACKENDS = ("extraction", "simulation")
+
+Location = tuple[int, int]  # 1-based (line, column)
+
+
+@dataclass(frozen=True)
+class Gate:
+    model_type: str
+    sub_configs: dict[str, tuple[str, ...]]
+
+
+@dataclass(frozen=True)
+class HubSource:
+    repo: str
+    revision: str
+
+
+@dataclass(frozen=True)
+class Source:
+    config: Path | None  # absolute path of the shipped config file, resolved against the spec
+    hub: HubSource | None
+    trust_remote_code: bool
+
+
+@dataclass(frozen=True)
+class EnvironmentShim:
+    id: str
+    why: str
+    kind: str  # "inject_symbol"
+    target: str  # "module:attr"
+    impl: str
+    where: str
+
+
+@dataclass(frozen=True)
+class ConfigBridge:
+    id: str
+    why: str
+    op: str  # rename | copy | derive | set_default | set | rewrite
+    source: str | None  # "from" in YAML
+    dest: str | None  # "to" in YAML
+    path: str | None
+    value: Any
+    has_value: bool
+    fallback: Any
+    has_fallback: bool
+    when: dict[str, Any]
+    backends: tuple[str, ...]
+    where: str
+
+
+@dataclass(frozen=True)
+class Pin:
+    signature: str | None
+    source_sha256: str | None
+
+
+@dataclass(frozen=True)
+class Patch:
+    id: str
+    why: str
+    target: str  # "module:Class.attr" or "remote:module:Class.attr"
+    kind: str  # replace | wrap | adapt_return | set_attribute | meta_stub
+    impl: str | None  # "builtin:name" or "package.module:callable"
+    options: dict[str, Any]
+    value: Any
+    pin: Pin | None
+    backends: tuple[str, ...]
+    where: str
+
+    @property
+    def is_remote(self) -> bool:
+        return self.target.startswith("remote:")
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    id: str
+    why: str
+    modules: str
+    bits: int
+    group_size: int
+    packed_dtype: str
+    scale_dtype: str
+
+
+@dataclass(frozen=True)
+class GraphAbi:
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Abi:
+    config: str | None  # sub-config holding the text backbone, None for a flat config
+    batch: int
+    prefill_len: int
+    max_cache_len: int
+    dtype: str
+    kv_layout: str  # latent | expanded
+    prefill: GraphAbi
+    decode: GraphAbi
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One adapter spec. ``raw`` is the validated YAML mapping, kept for generators and docs."""
+
+    path: Path
+    raw: dict[str, Any]
+    positions: dict[str, Location] = field(repr=False, compare=False)
+    name: str
+    gate: Gate
+    source: Source
+    requires: dict[str, str]
+    environment: tuple[EnvironmentShim, ...]
+    config_bridges: tuple[ConfigBridge, ...]
+    patches: tuple[Patch, ...]
+    module_paths: dict[str, str]
+    mla: dict[str, Any]
+    moe: dict[str, Any]
+    quantization: tuple[QuantScheme, ...]
+    abi: Abi | None
+    backends: dict[str, dict[str, Any]]
+
+    def locate(self, where: str) -> str:
+        """``file:line:col`` of the spec node at breadcrumb path ``where`` (e.g. ``patches[0]``)."""
+        line, col = self.positions.get(where, (1, 1))
+        return f"{self.path}:{line}:{col}"
+
+    def backend_options(self, backend: str) -> dict[str, Any]:
+        return dict(self.backends.get(backend) or {})
+
+
+def _backends(entry: dict[str, Any]) -> tuple[str, ...]:
+    return tuple(entry.get("backends") or BACKENDS)
+
+
+def build_spec(path: Path, raw: dict[str, Any], positions: dict[str, Location]) -> Spec:
+    """Build the typed view of a spec that already passed schema validation."""
+    gate = raw["gate"]
+    src = raw.get("source") or {}
+    hub = src.get("hub")
+    config_file = src.get("config")
+    abi = raw.get("abi")
+    return Spec(
+        path=path,
+        raw=raw,
+        positions=positions,
+        name=raw["metadata"]["name"],
+        gate=Gate(
+            model_type=gate["model_type"],
+            sub_configs={k: tuple(v) for k, v in (gate.get("sub_configs") or {}).items()},
+        ),
+        source=Source(
+            config=(path.parent / config_file).resolve() if config_file else None,
+            hub=HubSource(hub["repo"], hub["revision"]) if hub else None,
+            trust_remote_code=bool(src.get("trust_remote_code", False)),
+        ),
+        requires=dict(raw.get("requires") or {}),
+        environment=tuple(
+            EnvironmentShim(e["id"], e["why"], e["kind"], e["target"], e["impl"], f"environment[{i}]")
+            for i, e in enumerate(raw.get("environment") or [])
+        ),
+        config_bridges=tuple(
+            ConfigBridge(
+                id=b["id"],
+                why=b["why"],
+                op=b["op"],
+                source=b.get("from"),
+                dest=b.get("to"),
+                path=b.get("path"),
+                value=b.get("value"),
+                has_value="value" in b,
+                fallback=b.get("fallback"),
+                has_fallback="fallback" in b,
+                when=dict(b.get("when") or {}),
+                backends=_backends(b),
+                where=f"config_bridges[{i}]",
+            )
+            for i, b in enumerate(raw.get("config_bridges") or [])
+        ),
+        patches=tuple(
+            Patch(
+                id=p["id"],
+                why=p["why"],
+                target=p["target"],
+                kind=p["kind"],
+                impl=p.get("impl"),
+                options=dict(p.get("options") or {}),
+                value=p.get("value"),
+                pin=Pin(p["pin"].get("signature"), p["pin"].get("source_sha256")) if p.get("pin") else None,
+                backends=_backends(p),
+                where=f"patches[{i}]",
+            )
+            for i, p in enumerate(raw.get("patches") or [])
+        ),
+        module_paths=dict(raw.get("module_paths") or {}),
+        mla=dict(raw.get("mla") or {}),
+        moe=dict(raw.get("moe") or {}),
+        quantization=tuple(
+            QuantScheme(
+                q["id"], q["why"], q["modules"], q["bits"], q["group_size"], q["packed_dtype"], q["scale_dtype"]
+            )
+            for q in raw.get("quantization") or []
+        ),
+        abi=(
+            Abi(
+                config=abi.get("config"),
+                batch=abi["batch"],
+                prefill_len=abi["prefill_len"],
+                max_cache_len=abi["max_cache_len"],
+                dtype=abi.get("dtype", "bfloat16"),
+                kv_layout=abi.get("kv_layout", "latent"),
+                prefill=GraphAbi(tuple(abi["prefill"]["inputs"]), tuple(abi["prefill"]["outputs"])),
+                decode=GraphAbi(tuple(abi["decode"]["inputs"]), tuple(abi["decode"]["outputs"])),
+            )
+            if abi
+            else None
+        ),
+        backends={k: dict(v or {}) for k, v in (raw.get("backends") or {}).items()},
+    )
