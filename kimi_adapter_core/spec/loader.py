@@ -1,24 +1,61 @@
-"""Load one spec file into a typed ``Spec``.
+"""Load a spec file: positioned YAML, then the JSON Schema, then the semantic checks.
 
-PROVISIONAL: plain ``yaml.safe_load`` with no schema check and no positions. Being replaced by the
-positioned loader + schema + semantic checks (issue 2); the signature stays.
+``check_spec`` never raises for a bad spec: it returns every diagnostic (what ``kadapt validate``
+prints). ``load_spec`` is what the rest of kadapt calls: it raises ``SpecInvalid`` listing all
+errors, or returns the typed ``Spec`` whose ``positions`` let later stages say ``file:line:col``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-import yaml
-
-from ..errors import KadaptError
+from .diagnostics import Diagnostic, Location, Locator, SpecInvalid, sort_diagnostics
 from .model import Spec, build_spec
+from .schema_loader import schema_diagnostics
+from .semantic import semantic_diagnostics
+from .yaml_loader import load_yaml
+
+
+@dataclass(frozen=True)
+class SpecCheck:
+    """Outcome of checking one file. ``raw`` is ``None`` when the YAML itself could not be loaded."""
+
+    path: Path
+    raw: Any
+    positions: dict[str, Location] = field(repr=False)
+    diagnostics: tuple[Diagnostic, ...]
+
+    @property
+    def errors(self) -> list[Diagnostic]:
+        return [d for d in self.diagnostics if d.is_error]
+
+    @property
+    def warnings(self) -> list[Diagnostic]:
+        return [d for d in self.diagnostics if not d.is_error]
+
+
+def check_spec(path: str | Path) -> SpecCheck:
+    """Run every check on ``path``; diagnostics name the file as given (relative paths stay relative)."""
+    spec_path = Path(path)
+    loaded = load_yaml(spec_path, display=str(path))
+    if loaded.diagnostics:
+        return SpecCheck(spec_path, None, loaded.positions, tuple(sort_diagnostics(loaded.diagnostics)))
+    locator = Locator(str(path), loaded.positions)
+    found = schema_diagnostics(loaded.data, locator)
+    if isinstance(loaded.data, dict):
+        found += semantic_diagnostics(loaded.data, spec_path.resolve(), locator, found)
+    return SpecCheck(spec_path, loaded.data, loaded.positions, tuple(sort_diagnostics(found)))
 
 
 def load_spec(path: str | Path) -> Spec:
-    """Load and validate ``path``; raise ``KadaptError`` describing every problem found."""
-    spec_path = Path(path).resolve()
-    try:
-        raw = yaml.safe_load(spec_path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise KadaptError(f"cannot read spec {path}: {exc.strerror or exc}") from exc
-    return build_spec(spec_path, raw, {})
+    """Load and validate ``path``; raise ``SpecInvalid`` (a ``KadaptError``) listing every error.
+
+    Warnings do not stop loading. ``Spec.positions`` maps breadcrumbs (``patches[0].target``) to
+    1-based ``(line, col)``; ``Spec.locate(where)`` renders ``file:line:col``.
+    """
+    result = check_spec(path)
+    if result.errors:
+        raise SpecInvalid(result.errors)
+    return build_spec(Path(path).resolve(), result.raw, result.positions)

@@ -214,7 +214,13 @@ def build_spec(path: Path, raw: dict[str, Any], positions: dict[str, Location]) 
         moe=dict(raw.get("moe") or {}),
         quantization=tuple(
             QuantScheme(
-                q["id"], q["why"], q["modules"], q["bits"], q["group_size"], q["packed_dtype"], q["scale_dtype"]
+                q["id"],
+                q["why"],
+                q["modules"],
+                q["bits"],
+                q["group_size"],
+                q["packed_dtype"],
+                q["scale_dtype"],
             )
             for q in raw.get("quantization") or []
         ),

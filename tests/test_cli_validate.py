@@ -1,0 +1,125 @@
+"""``kadapt validate`` and ``kadapt schema`` through the real click group."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kimi_adapter_core.builtins import registry
+from kimi_adapter_core.cli import cli
+from kimi_adapter_core.resources import schema_path
+
+REPO = Path(__file__).resolve().parents[1]
+VALID = REPO / "tests" / "specs" / "valid"
+INVALID = REPO / "tests" / "specs" / "invalid"
+
+
+@pytest.fixture(autouse=True)
+def fake_builtins(monkeypatch: pytest.MonkeyPatch) -> None:
+    names = ("mla_expand_kv_functional", "moe_zeros_like", "is_torch_fx_available", "meta_passthrough")
+    monkeypatch.setattr(registry, "BUILTINS", {name: ("m:f", "s") for name in names})
+
+
+def run(*args: str):
+    return CliRunner().invoke(cli, list(args))
+
+
+def test_valid_folder_exits_zero_with_summary() -> None:
+    result = run("validate", str(VALID))
+    assert result.exit_code == 0, result.output
+    count = len(list(VALID.glob("*.yaml")))
+    assert result.output.strip().splitlines()[-1] == f"{count} specs checked, 0 invalid, 0 errors, 0 warnings"
+
+
+def test_invalid_file_exits_one_with_located_lines() -> None:
+    spec = INVALID / "remote_without_trust.yaml"
+    result = run("validate", str(spec), str(VALID / "minimal.yaml"))
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert lines[0].startswith(f"{spec}:13:5: patches[0].target: remote: targets")
+    assert lines[-1] == "2 specs checked, 1 invalid, 1 error, 0 warnings"
+
+
+def test_json_format(tmp_path: Path) -> None:
+    result = run(
+        "validate", "--format", "json", str(INVALID / "wrong_type.yaml"), str(VALID / "minimal.yaml")
+    )
+    assert result.exit_code == 1
+    report = json.loads(result.output)
+    assert report["valid"] is False
+    bad, good = report["files"]
+    assert (bad["valid"], good["valid"], good["diagnostics"]) == (False, True, [])
+    [diag] = bad["diagnostics"]
+    assert diag == {
+        "file": str(INVALID / "wrong_type.yaml"),
+        "line": 11,
+        "col": 3,
+        "breadcrumb": "abi.batch",
+        "message": "expected integer, got string 'one'",
+        "severity": "error",
+        "code": "schema-type",
+    }
+
+
+def test_strict_turns_warnings_into_failures(tmp_path: Path) -> None:
+    spec = tmp_path / "s.yaml"
+    text = (VALID / "hub_only.yaml").read_text(encoding="utf-8")
+    spec.write_text(text.replace("fedcba9876543210fedcba9876543210fedcba98", "main"), encoding="utf-8")
+    assert run("validate", str(spec)).exit_code == 0
+    strict = run("validate", "--strict", str(spec))
+    assert strict.exit_code == 1
+    assert strict.output.strip().endswith("1 spec checked, 1 invalid, 0 errors, 1 warning")
+
+
+def test_folder_search_is_recursive_and_skips_hidden_dirs(tmp_path: Path) -> None:
+    (tmp_path / "nested").mkdir()
+    (tmp_path / ".hidden").mkdir()
+    (tmp_path / "nested" / "a.yml").write_text("", encoding="utf-8")
+    (tmp_path / ".hidden" / "b.yaml").write_text("", encoding="utf-8")
+    result = run("validate", str(tmp_path))
+    assert result.exit_code == 1
+    assert "nested/a.yml:1:1: spec file is empty" in result.output
+    assert ".hidden" not in result.output
+
+
+def test_folder_without_specs_is_a_usage_error(tmp_path: Path) -> None:
+    result = run("validate", str(tmp_path))
+    assert result.exit_code == 2
+    assert "no *.yaml or *.yml specs found" in result.output
+
+
+def test_missing_path_is_a_usage_error(tmp_path: Path) -> None:
+    assert run("validate", str(tmp_path / "absent.yaml")).exit_code == 2
+
+
+def test_schema_command_prints_and_writes(tmp_path: Path) -> None:
+    shipped = json.loads(schema_path().read_text(encoding="utf-8"))
+    printed = run("schema")
+    assert printed.exit_code == 0 and json.loads(printed.output) == shipped
+    target = tmp_path / "out" / "schema.json"
+    assert run("schema", "--output", str(target)).exit_code == 0
+    assert json.loads(target.read_text(encoding="utf-8")) == shipped
+
+
+def test_validate_imports_neither_torch_nor_transformers() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "kimi_adapter_core", "validate", "specs/"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "specs checked" in proc.stdout or "spec checked" in proc.stdout, proc.stderr[-2000:]
+    imported = {
+        line.rsplit("|", 1)[-1].strip()
+        for line in proc.stderr.splitlines()
+        if line.startswith("import time:")
+    }
+    assert "kimi_adapter_core.spec.loader" in imported  # the check below sees real import lines
+    heavy = sorted(m for m in imported if m.split(".")[0] in {"torch", "transformers"})
+    assert heavy == []
