@@ -1,0 +1,210 @@
+"""Device profiles as data: YAML files validated by a small JSON Schema.
+
+Shipped profiles live in ``devices/``. Users add their own without touching the package: a file given
+with ``--device-file``, or any ``*.yaml`` in ``~/.config/kadapt/devices`` or in the directories listed
+in ``$KADAPT_DEVICE_PATH`` (user files shadow shipped ones of the same name). Every section carries a
+``source`` string so a reader can check where each number came from.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+from ...errors import KadaptError
+
+SHIPPED_DIR = Path(__file__).resolve().parent / "devices"
+USER_DIR = Path("~/.config/kadapt/devices").expanduser()
+
+_SOURCE = {"type": "string", "minLength": 1}
+_POSITIVE = {"type": "number", "exclusiveMinimum": 0}
+_FRACTION = {"type": "number", "exclusiveMinimum": 0, "maximum": 1}
+
+DEVICE_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "required": ["name", "memory", "compute", "op_overhead_us", "interconnect"],
+    "additionalProperties": False,
+    "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]+$"},
+        "aliases": {"type": "array", "items": {"type": "string"}},
+        "description": {"type": "string"},
+        "memory": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["size_gb", "bandwidth_gbps", "efficiency", "source"],
+            "properties": {
+                "size_gb": _POSITIVE,
+                "bandwidth_gbps": _POSITIVE,
+                "efficiency": _FRACTION,
+                "source": _SOURCE,
+            },
+        },
+        "compute": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["tflops", "efficiency", "source"],
+            "properties": {
+                "tflops": {
+                    "type": "object",
+                    "required": ["bf16", "vector"],
+                    "propertyNames": {"enum": ["bf16", "fp16", "fp8", "int8", "int4", "fp32", "vector"]},
+                    "additionalProperties": _POSITIVE,
+                },
+                "efficiency": _FRACTION,
+                "source": _SOURCE,
+            },
+        },
+        "op_overhead_us": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["value", "source"],
+            "properties": {"value": {"type": "number", "minimum": 0}, "source": _SOURCE},
+        },
+        "interconnect": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["name", "max_devices", "bandwidth_gbps", "latency_us", "efficiency", "source"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "max_devices": {"type": "integer", "minimum": 2},
+                    "bandwidth_gbps": _POSITIVE,
+                    "latency_us": {"type": "number", "minimum": 0},
+                    "efficiency": _FRACTION,
+                    "source": _SOURCE,
+                },
+            },
+        },
+    },
+}
+
+
+@dataclass(frozen=True)
+class Link:
+    name: str
+    max_devices: int
+    bandwidth: float  # bytes/s, one direction, per device
+    latency: float  # seconds per collective
+    efficiency: float
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    description: str
+    memory_bytes: float
+    hbm_bandwidth: float  # bytes/s
+    memory_efficiency: float
+    peak_flops: dict[str, float]  # flop/s by compute dtype
+    compute_efficiency: float
+    op_overhead: float  # seconds per kernel
+    links: tuple[Link, ...]  # narrowest group first
+    path: Path
+
+    def peak(self, dtype: str) -> float:
+        """Peak for ``dtype``; a dtype the device lacks runs at the next wider one (int4 → int8 → bf16)."""
+        for candidate in {
+            "int4": ("int4", "int8", "bf16"),
+            "int8": ("int8", "bf16"),
+            "fp8": ("fp8", "bf16"),
+        }.get(dtype, (dtype, "bf16")):
+            if candidate in self.peak_flops:
+                return self.peak_flops[candidate]
+        return self.peak_flops["bf16"]
+
+    def link_for(self, group: int) -> Link:
+        """The narrowest interconnect level that spans ``group`` devices."""
+        for link in self.links:
+            if group <= link.max_devices:
+                return link
+        raise KadaptError(
+            f"device {self.name} has no interconnect level spanning {group} devices "
+            f"(widest: {self.links[-1].max_devices})"
+        )
+
+
+def parse_device(data: Any, path: Path) -> Device:
+    """Validate one profile document and build the ``Device``."""
+    try:
+        jsonschema.validate(data, DEVICE_SCHEMA)
+    except jsonschema.ValidationError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
+        raise KadaptError(f"device profile {path} is invalid at {where}: {exc.message}") from exc
+    mem, comp = data["memory"], data["compute"]
+    links = sorted(
+        (
+            Link(
+                k["name"],
+                k["max_devices"],
+                k["bandwidth_gbps"] * 1e9,
+                k["latency_us"] * 1e-6,
+                k["efficiency"],
+            )
+            for k in data["interconnect"]
+        ),
+        key=lambda link: link.max_devices,
+    )
+    return Device(
+        name=data["name"],
+        description=data.get("description", data["name"]),
+        memory_bytes=mem["size_gb"] * 1e9,
+        hbm_bandwidth=mem["bandwidth_gbps"] * 1e9,
+        memory_efficiency=mem["efficiency"],
+        peak_flops={k: v * 1e12 for k, v in comp["tflops"].items()},
+        compute_efficiency=comp["efficiency"],
+        op_overhead=data["op_overhead_us"]["value"] * 1e-6,
+        links=tuple(links),
+        path=path,
+    )
+
+
+def load_device_file(path: str | Path) -> Device:
+    file = Path(path)
+    try:
+        data = yaml.safe_load(file.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise KadaptError(f"cannot read device profile {file}: {exc.strerror or exc}") from exc
+    except yaml.YAMLError as exc:
+        raise KadaptError(f"device profile {file} is not valid YAML: {exc}") from exc
+    return parse_device(data, file)
+
+
+def _search_dirs() -> list[Path]:
+    extra = [Path(p) for p in os.environ.get("KADAPT_DEVICE_PATH", "").split(os.pathsep) if p]
+    return [SHIPPED_DIR, USER_DIR, *extra]  # later directories shadow earlier ones
+
+
+def known_devices() -> dict[str, Device]:
+    """Every profile found, by lower-cased name and alias."""
+    found: dict[str, Device] = {}
+    for folder in _search_dirs():
+        if not folder.is_dir():
+            continue
+        for file in sorted(folder.glob("*.yaml")):
+            device = load_device_file(file)
+            aliases = yaml.safe_load(file.read_text(encoding="utf-8")).get("aliases") or []
+            for key in (device.name, *aliases):
+                found[key.lower()] = device
+    return found
+
+
+def get_device(name: str | None, device_file: str | Path | None = None) -> Device:
+    """Resolve ``--device``/``--device-file``; an unknown name lists the known ones."""
+    if device_file is not None:
+        return load_device_file(device_file)
+    if not name:
+        raise KadaptError("no device given: use --device NAME or --device-file PATH")
+    devices = known_devices()
+    device = devices.get(name.lower())
+    if device is None:
+        names = sorted({d.name for d in devices.values()})
+        raise KadaptError(f"unknown device {name!r}; known devices: {', '.join(names)}")
+    return device

@@ -1,0 +1,99 @@
+"""``kadapt simulate``: trace the per-rank model, price every kernel, size the memory, report.
+
+This module joins the pieces: spec → architecture and weight-format policy → per-rank trace
+(``rank_model``) → fused kernels (``tracer.fuse``) → roofline prices (``cost``) → a ``Simulation``
+holding the per-op table, the step time, tokens/s per device and the per-device memory breakdown.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .arch import Architecture
+from .cost import Priced, price
+from .deployment import Deployment
+from .device import Device
+from .planner import Memory, activation_bytes, kv_sizing, memory, weight_lines
+from .quant import Policy
+from .rank_model import trace_rank
+from .tracer import fuse
+
+
+@dataclass(frozen=True)
+class OpRow:
+    """One line of the per-op table: identical kernels aggregated over layers."""
+
+    scope: str
+    module: str
+    name: str
+    count: int
+    time: float  # seconds, all occurrences
+    bound: str
+    flops: float  # all occurrences
+    bytes: float
+
+
+@dataclass(frozen=True)
+class Simulation:
+    deployment: Deployment
+    device: Device
+    quant: str
+    kernels: tuple[Priced, ...]  # in execution order, one entry per traced kernel (repeat = layer count)
+    memory: Memory
+    warnings: tuple[str, ...]
+
+    @property
+    def step_time(self) -> float:
+        return sum(k.total for k in self.kernels)
+
+    @property
+    def tokens_per_s_per_device(self) -> float:
+        return self.deployment.output_tokens / self.step_time / self.deployment.parallel.devices
+
+    def rows(self) -> list[OpRow]:
+        table: dict[tuple[str, str, str], list[Any]] = {}
+        for k in self.kernels:
+            key = (k.op.scope, k.op.module, k.op.name)
+            row = table.setdefault(key, [0, 0.0, {}, 0.0, 0.0])
+            row[0] += k.op.repeat
+            row[1] += k.total
+            row[2][k.bound] = row[2].get(k.bound, 0.0) + k.total
+            row[3] += k.op.flops * k.op.repeat
+            row[4] += k.op.bytes * k.op.repeat
+        rows = [OpRow(s, m, n, c, t, max(b, key=b.get), f, y) for (s, m, n), (c, t, b, f, y) in table.items()]
+        return sorted(rows, key=lambda r: r.time, reverse=True)
+
+
+def simulate(
+    arch: Architecture,
+    text_cfg: dict[str, Any],
+    dep: Deployment,
+    policy: Policy,
+    quant_label: str,
+    device: Device,
+    *,
+    warnings: tuple[str, ...] = (),
+) -> Simulation:
+    """Price one prefill or decode step of ``dep`` on ``device``."""
+    t = arch.text
+    dep.check(t)
+    rec = trace_rank(text_cfg, t, dep, policy)
+    kernels = tuple(price(op, device) for op in fuse(rec.ops))
+    kv = kv_sizing(t, dep.kv_dtype)
+    logits_tokens = dep.tokens_per_rank if dep.decode else dep.batch_per_rank
+    mem = memory(
+        weight_lines(arch, dep.parallel, policy),
+        kv,
+        dep.batch_per_rank * (dep.context_len + dep.tokens_per_query),
+        activation_bytes(t, dep.parallel, dep.tokens_per_rank, logits_tokens),
+        device,
+    )
+    notes = list(warnings)
+    if dep.mtp and not t.num_mtp_layers:
+        notes.append(
+            f"the model declares no MTP layers (num_nextn_predict_layers=0); the {dep.mtp} draft "
+            "passes are priced as DeepSeek-style MTP blocks (eh_proj + one MoE layer + lm_head)"
+        )
+    notes += mem.warnings(device)
+    return Simulation(dep, device, quant_label, kernels, mem, tuple(notes))

@@ -1,0 +1,116 @@
+"""``kadapt simulate SPEC``: estimate one prefill or decode step with a roofline over traced ops.
+
+Options mirror TensorCast's text_generate (device, queries, query/context length, tp/dp/ep, quant,
+MTP, --decode). Exit 0 with a ``WARNING:`` line when the deployment does not fit in device memory -
+the timing is still informative - and a ``KadaptError`` for sizes that cannot be laid out at all.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from ..atomic import atomic_write_text
+from ..backends.simulation.device import get_device, known_devices
+from ..backends.simulation.inputs import model_inputs
+from ..backends.simulation.parallel import Parallel
+from ..spec import load_spec
+
+
+def _device_help() -> str:
+    return "Device profile: " + ", ".join(sorted({d.name for d in known_devices().values()})) + "."
+
+
+@click.command(name="simulate")
+@click.argument("spec_path", metavar="SPEC", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--device", default=None, help="Device profile name (shipped or user; see docs/cost_model.md).")
+@click.option(
+    "--device-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="A device profile YAML outside the shipped set.",
+)
+@click.option(
+    "--batch", type=int, default=1, show_default=True, help="Concurrent queries (global, split over dp)."
+)
+@click.option(
+    "--query-len", type=int, default=None, help="New tokens per query in a prefill step [default: 2048]."
+)
+@click.option(
+    "--context-len", type=int, default=0, show_default=True, help="Tokens already cached per query."
+)
+@click.option("--tp", type=int, default=1, show_default=True)
+@click.option("--dp", type=int, default=1, show_default=True)
+@click.option("--ep", type=int, default=1, show_default=True)
+@click.option(
+    "--quant", default=None, help="BF16 | W8A8 | W4A8 | W4A16 (as the spec declares) [default: checkpoint]."
+)
+@click.option(
+    "--mtp", type=int, default=0, show_default=True, help="MTP draft tokens verified per decode step."
+)
+@click.option(
+    "--mtp-acceptance",
+    type=float,
+    default=0.7,
+    show_default=True,
+    help="Fraction of draft tokens accepted (sets tokens/s with --mtp).",
+)
+@click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True)
+@click.option("--decode", is_flag=True, help="Simulate a decode step (1 + mtp tokens per query).")
+@click.option(
+    "--top", type=int, default=25, show_default=True, help="Rows of the op table in text output (0: all)."
+)
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.option(
+    "--trace",
+    "trace_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write a Chrome trace (chrome://tracing, Perfetto) of the step.",
+)
+def command(
+    spec_path: Path,
+    device: str | None,
+    device_file: Path | None,
+    batch: int,
+    query_len: int | None,
+    context_len: int,
+    tp: int,
+    dp: int,
+    ep: int,
+    quant: str | None,
+    mtp: int,
+    mtp_acceptance: float,
+    kv_dtype: str,
+    decode: bool,
+    top: int,
+    fmt: str,
+    trace_path: Path | None,
+) -> None:
+    """Price one step of SPEC's model on a device and report time, tokens/s and memory."""
+    from ..backends.simulation.deployment import Deployment
+    from ..backends.simulation.report import chrome_trace, sim_json, sim_text
+    from ..backends.simulation.simulator import simulate  # imports torch: only once the inputs are known good
+
+    spec = load_spec(spec_path)
+    inputs = model_inputs(spec, quant)
+    profile = get_device(device, device_file)
+    if decode and query_len not in (None, 1):
+        raise click.UsageError("--query-len is fixed at 1 (+ --mtp) for --decode")
+    dep = Deployment(
+        Parallel(tp=tp, dp=dp, ep=ep),
+        batch,
+        1 if decode else (query_len or 2048),
+        context_len,
+        decode,
+        mtp,
+        mtp_acceptance,
+        kv_dtype,
+    )
+    dep.check(inputs.arch.text)
+    sim = simulate(inputs.arch, inputs.text_config, dep, inputs.policy, inputs.quant_label, profile)
+    if trace_path is not None:
+        atomic_write_text(trace_path, json.dumps(chrome_trace(sim)))
+    click.echo(json.dumps(sim_json(sim), indent=2) if fmt == "json" else sim_text(sim, top or None))

@@ -1,0 +1,216 @@
+"""``kadapt plan``: the planner's figures for Kimi-K2.5 against numbers worked out by hand here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from kimi_adapter_core.backends.simulation.arch import spec_architecture
+from kimi_adapter_core.backends.simulation.device import get_device, load_device_file
+from kimi_adapter_core.backends.simulation.inputs import model_inputs
+from kimi_adapter_core.backends.simulation.parallel import Parallel
+from kimi_adapter_core.backends.simulation.planner import make_plan
+from kimi_adapter_core.cli import cli
+from kimi_adapter_core.errors import KadaptError
+from kimi_adapter_core.spec import Spec, load_spec
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = REPO / "specs" / "kimi_k25.yaml"
+
+
+def sizing_spec(tmp: Path) -> Path:
+    """The shipped spec, or - while its patches do not validate in this tree - a copy without them.
+
+    Plan and simulate read only source.config, quantization and backends.simulation; patches never
+    change a size, so stripping them keeps these tests about sizing.
+    """
+    try:
+        load_spec(SHIPPED)
+        return SHIPPED
+    except KadaptError:
+        raw = yaml.safe_load(SHIPPED.read_text(encoding="utf-8"))
+        raw["patches"] = []
+        (tmp / "kimi_k25").mkdir(exist_ok=True)
+        (tmp / "kimi_k25" / "config.json").write_bytes(
+            (REPO / "specs" / "kimi_k25" / "config.json").read_bytes()
+        )
+        copy = tmp / "kimi_k25.yaml"
+        copy.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+        return copy
+
+
+@pytest.fixture(scope="module")
+def spec_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return sizing_spec(tmp_path_factory.mktemp("spec"))
+
+
+@pytest.fixture(scope="module")
+def spec(spec_path: Path) -> Spec:
+    return load_spec(spec_path)
+
+
+def plan(spec: Spec, quant: str | None = None, **kwargs):  # noqa: ANN201 - a Plan
+    inputs = model_inputs(spec, quant)
+    par = Parallel(kwargs.pop("tp", 1), kwargs.pop("dp", 1), kwargs.pop("ep", 1))
+    return make_plan(inputs.arch, par, inputs.policy, inputs.quant_label, **kwargs)
+
+
+def test_architecture_summary(spec: Spec) -> None:
+    t = spec_architecture(spec).text
+    assert (t.num_layers, t.hidden, t.num_heads, t.vocab) == (61, 7168, 64, 163840)
+    assert (t.n_dense_layers, t.n_moe_layers, t.n_routed_experts, t.top_k) == (1, 60, 384, 8)
+    v = spec_architecture(spec).vision
+    assert v is not None and (v.hidden, v.num_layers, v.merge_h, v.text_hidden) == (1152, 27, 2, 7168)
+
+
+def test_kv_cache_bytes(spec: Spec) -> None:
+    p = plan(spec)
+    assert p.kv.latent_bytes_per_token_layer == (512 + 64) * 2 == 1152  # kv_lora + rope, bf16
+    assert p.kv.expanded_bytes_per_token_layer == 64 * (192 + 128) * 2 == 40960  # H x (qk + v), bf16
+    assert p.kv.ratio == pytest.approx(40960 / 1152) and round(p.kv.ratio, 1) == 35.6
+    assert p.kv.bytes_per_token == 1152 * 61
+    assert plan(spec, kv_dtype="fp8").kv.latent_bytes_per_token_layer == 576
+
+
+def test_max_seq_len(spec: Spec) -> None:
+    assert plan(spec).max_seq_len == 262144
+    assert plan(spec, seq_len=4096).seq_len == 4096
+    with pytest.raises(KadaptError, match="exceeds"):
+        plan(spec, seq_len=262145)
+
+
+def test_parameter_count_from_first_principles(spec: Spec) -> None:
+    h, v, layers, moe_layers = 7168, 163840, 61, 60
+    attention = (
+        h * 1536
+        + 1536  # q_a_proj + q_a_layernorm
+        + 1536 * 64 * 192  # q_b_proj: heads x (nope 128 + rope 64)
+        + h * (512 + 64)
+        + 512  # kv_a_proj_with_mqa + kv_a_layernorm
+        + 512 * 64 * (128 + 128)  # kv_b_proj: heads x (nope + v)
+        + 64 * 128 * h  # o_proj
+        + 2 * h
+    )  # input / post-attention RMSNorm
+    expert = 3 * h * 2048  # gate, up, down
+    text = (
+        2 * v * h
+        + h  # embed_tokens + lm_head (untied) + final norm
+        + layers * attention
+        + 1 * 3 * h * 18432  # the one dense MLP layer
+        + moe_layers * (384 * h + 384 + expert + 384 * expert)
+    )  # router + bias + shared + routed
+    p = plan(spec)
+    vision = sum(w.group.count for w in p.weights if w.group.name.startswith(("vision", "projector")))
+    assert p.total_params - vision == text
+    assert 1.0e12 < p.total_params < 1.1e12  # "1T parameters"
+    assert 0.4e9 < vision < 0.5e9  # MoonViT-400M + projector
+
+
+def test_weight_bytes_follow_the_spec_quantization(spec: Spec) -> None:
+    p = plan(spec)
+    routed = next(w for w in p.weights if w.group.name == "routed_experts")
+    assert routed.format == "int4/g32"
+    per_param = 4 / 8 + 2 / 32  # int4 payload + one bf16 scale per 32 weights
+    assert routed.total_bytes == pytest.approx(60 * 384 * 3 * 7168 * 2048 * per_param)
+    assert {w.format for w in p.weights if w.group.name != "routed_experts"} <= {"bf16", "fp32"}
+    assert 550e9 < p.weight_bytes < 650e9  # the published checkpoint is ~595 GB
+
+
+def test_weights_split_per_device(spec: Spec) -> None:
+    one, tp8 = plan(spec), plan(spec, tp=8, ep=8)
+    assert tp8.memory.weights < one.memory.weights
+    routed = next(w for w in tp8.weights if w.group.name == "routed_experts")
+    assert routed.params_per_device == routed.group.count // 8
+    q_a = next(w for w in tp8.weights if w.group.name == "attn.q_a_proj")
+    assert q_a.params_per_device == q_a.group.count  # latent projections are replicated under TP
+    embed = next(w for w in tp8.weights if w.group.name == "embed_tokens")
+    assert embed.params_per_device == 163840 // 8 * 7168  # vocab-parallel
+
+
+def test_vision_cache_entry(spec: Spec) -> None:
+    assert plan(spec).vision_cache_entry_bytes == 64 * 64 // 4 * 7168 * 2 == 14_680_064
+
+
+def test_quant_mode_reformats_linear_weights(spec: Spec) -> None:
+    bf16, w8 = plan(spec, "BF16"), plan(spec, "W8A8")
+    assert bf16.weight_bytes == pytest.approx(2 * bf16.total_params, rel=1e-6)
+    assert w8.weight_bytes < bf16.weight_bytes / 1.9
+    with pytest.raises(KadaptError, match="BF16, W8A8, W4A8, W4A16"):
+        plan(spec, "FP4")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"tp": 3}, "does not divide the 64 attention heads"),
+        ({"ep": 5, "dp": 5}, "does not divide the 384 routed experts"),
+        ({"tp": 2, "ep": 4}, "does not divide the 2 devices"),
+        ({"dp": 2, "batch": 3}, "does not split evenly"),
+    ],
+)
+def test_bad_parallel_sizes(spec: Spec, kwargs: dict, message: str) -> None:
+    with pytest.raises(KadaptError, match=message):
+        plan(spec, **kwargs)
+
+
+def test_memory_overflow_is_a_warning(spec: Spec) -> None:
+    p = plan(spec, device=get_device("a100"))
+    assert p.memory.free is not None and p.memory.free < 0
+    assert p.warnings and "does not fit" in p.warnings[0]
+
+
+def test_device_profiles_validate(tmp_path: Path) -> None:
+    for name in ("h100", "h200", "a100", "atlas_800_a3", "h800"):
+        assert get_device(name).memory_bytes > 0
+    with pytest.raises(KadaptError, match="known devices: .*h200"):
+        get_device("tpu9")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nmemory: {size_gb: -1}\n", encoding="utf-8")
+    with pytest.raises(KadaptError, match="invalid"):
+        load_device_file(bad)
+
+
+def test_cli_plan_text_and_json(spec_path: Path) -> None:
+    runner = CliRunner()
+    text = runner.invoke(cli, ["plan", str(spec_path), "--tp", "8", "--ep", "8", "--device", "h200"])
+    assert text.exit_code == 0, text.output
+    assert "1152 B" in text.output and "35.6x" in text.output and "free" in text.output
+    out = runner.invoke(cli, ["plan", str(spec_path), "--format", "json"])
+    assert out.exit_code == 0
+    data = json.loads(out.output)
+    assert data["kv_cache"]["latent_bytes_per_token_layer"] == 1152
+    assert data["vision_cache_entry_bytes"] == 14_680_064
+
+
+@pytest.mark.parametrize(
+    "args, code, message",
+    [
+        (["--tp", "3"], 2, "attention heads"),
+        (["--quant", "FP4"], 1, "not declared"),
+        (["--device", "tpu9"], 1, "known devices"),
+    ],
+)
+def test_cli_plan_errors(spec_path: Path, args: list[str], code: int, message: str) -> None:
+    result = CliRunner().invoke(cli, ["plan", str(spec_path), *args])
+    assert result.exit_code == code
+    assert message in result.output
+
+
+def test_cli_plan_memory_warning_exits_zero(spec_path: Path) -> None:
+    result = CliRunner().invoke(cli, ["plan", str(spec_path), "--device", "a100"])
+    assert result.exit_code == 0 and "WARNING: memory does not fit" in result.output
+
+
+def test_plan_never_imports_torch(spec_path: Path) -> None:
+    code = (
+        "import sys\nfrom click.testing import CliRunner\nfrom kimi_adapter_core.cli import cli\n"
+        f"r = CliRunner().invoke(cli, ['plan', {str(spec_path)!r}, '--format', 'json'])\n"
+        "assert r.exit_code == 0, r.output\nassert 'torch' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
