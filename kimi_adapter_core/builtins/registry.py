@@ -12,6 +12,34 @@ from typing import Any
 
 BUILTINS: dict[str, tuple[str, str]] = {
     # name: ("module:attribute", "what it does")
+    "mla_expand_kv_functional": (
+        "kimi_adapter_core.builtins.mla:mla_expand_kv_functional",
+        "MLA expand_kv without new_empty + copy_ into slices (torch.cat): a functional exported graph.",
+    ),
+    "is_torch_fx_available": (
+        "kimi_adapter_core.builtins.environment:is_torch_fx_available",
+        "Shim for transformers 4.x's is_torch_fx_available (removed in 5.x; remote code imports it).",
+    ),
+    "moe_zeros": (
+        "kimi_adapter_core.builtins.moe_stubs:moe_zeros",
+        "MoE forward/moe_infer stand-in returning zeros like the input (backend swaps the real MoE).",
+    ),
+    "moe_gate_uniform": (
+        "kimi_adapter_core.builtins.moe_stubs:moe_gate_uniform",
+        "Deterministic top-k gate: round-robin experts, weight 1/top_k; returns (topk_idx, topk_weight).",
+    ),
+    "patch_embed_flat_linear": (
+        "kimi_adapter_core.builtins.vision:patch_embed_flat_linear",
+        "Patch-embed wrap: flat [L, C*ph*pw] input as the equivalent linear projection + pos_emb.",
+    ),
+    "meta_merged_embeddings": (
+        "kimi_adapter_core.builtins.vision:meta_merged_embeddings",
+        "Meta stub for image-feature merging: an empty meta tensor shaped like inputs_embeds.",
+    ),
+    "rotary_seq_len_as_int": (
+        "kimi_adapter_core.builtins.rotary:rotary_seq_len_as_int",
+        "Rotary-embedding wrap: a tensor seq_len becomes an int (meta: the full cached length).",
+    ),
 }
 
 

@@ -1,0 +1,139 @@
+"""``kadapt apply SPEC``: apply the spec, build the model on meta, print the ledger, run a backend.
+
+Extraction options are checked *before* anything is applied or built, so a bad size or an
+unwritable output directory fails in a second, not after building a 1T-parameter model.
+torch and transformers are imported inside the command only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..errors import KadaptError
+from ..patching.selection import CHOICES
+
+
+def _extraction() -> Any:
+    try:
+        from ..backends import extraction
+    except ImportError as exc:
+        raise KadaptError(f"the extraction backend is not available in this installation: {exc}") from exc
+    for name in ("options_from_spec", "run", "verify"):
+        if not hasattr(extraction, name):
+            raise KadaptError(f"the extraction backend does not provide {name}() yet; use --backend none")
+    return extraction
+
+
+def _experts(spec: Any, config: Any) -> Any:
+    key = spec.moe.get("num_experts_key")
+    if key is None:
+        return None
+    node = config
+    for part in [key] if isinstance(key, str) else key:
+        node = node.get(part) if isinstance(node, dict) else getattr(node, part, None)
+    return node
+
+
+def model_summary(spec: Any, model: Any) -> dict[str, Any]:
+    """Class, parameter count (meta parameters count too), decoder layers and routed experts."""
+    from ..loading import submodule
+
+    layers = None
+    if "language_layers" in spec.module_paths:
+        layers = len(submodule(model, spec, "language_layers"))
+    return {
+        "class": type(model).__name__,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "layers": layers,
+        "experts": _experts(spec, model.config),
+    }
+
+
+@click.command(name="apply")
+@click.argument("spec_path", metavar="SPEC", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--backend", type=click.Choice(CHOICES), default="extraction", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.option(
+    "--trust-remote-code",
+    is_flag=True,
+    help="Allow the model's own remote code (the spec must allow it too).",
+)
+@click.option(
+    "--device", default="meta", show_default=True, help="Device the model is built on (no weights)."
+)
+@click.option(
+    "--source-dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Model directory (config.json + remote code) instead of the spec's shipped config.",
+)
+@click.option("--output-dir", type=click.Path(path_type=Path), help="extraction: where IR and weights go.")
+@click.option("--batch", type=int, help="extraction: batch size (default: spec abi).")
+@click.option("--prefill-len", type=int, help="extraction: prefill length (default: spec abi).")
+@click.option("--max-cache-len", type=int, help="extraction: KV cache capacity (default: spec abi).")
+@click.option("--kv-layout", type=click.Choice(["latent", "expanded"]), help="extraction: KV cache layout.")
+@click.option(
+    "--verify", is_flag=True, help="extraction: check the saved IR on a tiny model against transformers."
+)
+def command(
+    spec_path: Path,
+    backend: str,
+    fmt: str,
+    trust_remote_code: bool,
+    device: str,
+    source_dir: Path | None,
+    output_dir: Path | None,
+    batch: int | None,
+    prefill_len: int | None,
+    max_cache_len: int | None,
+    kv_layout: str | None,
+    verify: bool,
+) -> None:
+    """Apply SPEC behind its gate, build the model and run the chosen backend."""
+    from ..loading import applied, load_model
+    from ..spec import load_spec
+
+    spec = load_spec(spec_path)
+    extraction = opts = None
+    if backend == "extraction":
+        extraction = _extraction()
+        opts = extraction.options_from_spec(
+            spec,
+            output_dir=output_dir,
+            batch=batch,
+            prefill_len=prefill_len,
+            max_cache_len=max_cache_len,
+            kv_layout=kv_layout,
+        )
+    elif verify or any(v is not None for v in (output_dir, batch, prefill_len, max_cache_len, kv_layout)):
+        raise KadaptError(
+            "--output-dir/--batch/--prefill-len/--max-cache-len/--kv-layout/--verify "
+            "need --backend extraction"
+        )
+    echo = click.echo if fmt == "text" else (lambda *args, **kwargs: None)
+    with applied(spec, backend=backend, trust_remote_code=trust_remote_code, source_dir=source_dir) as ledger:
+        model = load_model(spec, device=device)
+        summary = model_summary(spec, model)
+        if fmt == "json":
+            click.echo(_json({"ledger": ledger.to_dict(), "model": summary}))
+        else:
+            click.echo(ledger.render_table())
+            click.echo(
+                f"model {summary['class']}: {summary['parameters']:,} parameters on {device}, "
+                f"{summary['layers']} layers, {summary['experts']} experts"
+            )
+        if extraction is not None:
+            result = extraction.run(spec, model, opts, echo=echo)
+            echo(result.render())
+    if extraction is not None and verify:
+        report = extraction.verify(spec, opts, echo=echo)
+        if not report.passed:
+            raise KadaptError("verification failed: the saved IR does not match transformers")
+
+
+def _json(data: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(data, indent=2)
