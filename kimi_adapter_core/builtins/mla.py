@@ -13,7 +13,9 @@ from typing import Any
 import torch
 
 
-def mla_expand_kv_functional(self: Any, kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def mla_expand_kv_functional(
+    self: Any, kv_nope: torch.Tensor, k_rot: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``replace`` impl for ``DeepseekV3Attention.expand_kv``: same result, no in-place writes.
 
     ``kv_nope`` is the compressed latent ``[B, 1, S, kv_lora_rank]``, ``k_rot`` the shared rope key

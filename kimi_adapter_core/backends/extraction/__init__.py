@@ -1,0 +1,42 @@
+"""Extraction backend: prefill/decode IR JSON + KV mapping for an applied spec (issue 4).
+
+Importing this package does not import torch: ``options_from_spec`` checks sizes and the output
+directory first, and ``run``/``verify`` import the heavy modules when called.
+
+- ``runtime``: the self-contained ABI (wrappers, static KV cache, inputs, KV mapping) that
+  ``kadapt generate`` embeds in standalone modules.
+- ``export`` -> ``convert`` -> ``stitch`` -> ``irjson``/``write``: trace, convert to kadapt's graph,
+  replicate layers, serialise; ``pipeline.run`` drives them; ``roundtrip.verify`` checks the saved files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .options import ExtractionOptions, options_from_spec
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ...spec.model import Spec
+    from .roundtrip import VerifyReport
+    from .summary import ExtractionSummary
+
+__all__ = ["ExtractionOptions", "options_from_spec", "run", "verify"]
+
+
+def run(
+    spec: Spec, model: nn.Module, options: ExtractionOptions, *, echo: Callable[[str], Any]
+) -> ExtractionSummary:
+    """Extract ``model`` (the full applied model from ``load_model``) into ``options.output_dir``."""
+    from .pipeline import run as run_pipeline
+
+    return run_pipeline(spec, model, options, echo=echo)
+
+
+def verify(spec: Spec, options: ExtractionOptions, *, echo: Callable[[str], Any]) -> VerifyReport:
+    """Extract a tiny random model of the spec's architecture and check the saved IR against transformers."""
+    from .roundtrip import verify as run_verify
+
+    return run_verify(spec, options, echo=echo)

@@ -1,0 +1,163 @@
+"""Trace one ABI wrapper with ``torch.export`` and turn it into a functional kadapt ``Graph``.
+
+``run_decompositions({})`` is what makes the program functional (in-place ``scatter_``/``div_`` of
+the router become out-of-place ops, mutations of fresh tensors disappear) without decomposing
+``linear``/``softmax`` into more, smaller nodes. Export runs under ``no_grad`` so the rotary
+embedding's ``@torch.no_grad`` adds no ``set_grad_enabled`` higher-order op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.export import ExportedProgram
+
+from ...errors import KadaptError
+from . import runtime
+from .convert import convert
+from .graph import Graph
+from .options import ExtractionOptions
+
+
+@dataclass(frozen=True)
+class Backbone:
+    """The text backbone inside the full model, as the spec's module_paths name it."""
+
+    model: nn.Module
+    language_model: nn.Module
+    lm_head: nn.Module
+
+    @property
+    def config(self) -> Any:
+        return self.language_model.config
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        return list(self.language_model.layers)[: self.config.num_hidden_layers]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.language_model.parameters()).device
+
+
+def check_exportable(backbone: Backbone) -> None:
+    """Refuse MoE layers whose experts implementation cannot be exported (data-dependent loops)."""
+    # transformers' @use_experts_implementation gives every experts module this attribute
+    has_experts = any(hasattr(m, "_is_expert_parallel") for m in backbone.language_model.modules())
+    implementation = getattr(backbone.config, "_experts_implementation", None)
+    if has_experts and implementation in (None, "eager"):
+        raise KadaptError(
+            f"the MoE experts use the {implementation or 'default eager'} implementation, which loops over "
+            "nonzero() expert hits and cannot be exported with static shapes; set "
+            "text_config._experts_implementation to batched_mm in the spec's config_bridges"
+        )
+
+
+def wrapper_for(kind: str, backbone: Backbone, options: ExtractionOptions, num_layers: int) -> nn.Module:
+    cls = runtime.PrefillWrapper if kind == "prefill" else runtime.DecodeWrapper
+    return cls.from_language_model(
+        backbone.language_model, backbone.lm_head, kv_layout=options.kv_layout, num_layers=num_layers
+    ).eval()
+
+
+def example_inputs(
+    kind: str, backbone: Backbone, options: ExtractionOptions, num_layers: int
+) -> tuple[Any, ...]:
+    dtype = getattr(torch, options.dtype)
+    if kind == "prefill":
+        return runtime.prefill_inputs(
+            batch=options.batch, prefill_len=options.prefill_len, dtype=dtype, device=backbone.device
+        )
+    return runtime.decode_inputs(
+        backbone.config,
+        batch=options.batch,
+        position=options.prefill_len,
+        max_cache_len=options.max_cache_len,
+        kv_layout=options.kv_layout,
+        num_layers=num_layers,
+        dtype=dtype,
+        device=backbone.device,
+    )
+
+
+def export_program(wrapper: nn.Module, inputs: tuple[Any, ...], kind: str) -> ExportedProgram:
+    with torch.no_grad():
+        try:
+            program = torch.export.export(wrapper, inputs, strict=False)
+        except Exception as exc:  # torch.export raises many types; the user needs the cause, not the type
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise KadaptError(f"torch.export failed on the {kind} wrapper: {first_line}") from exc
+        return program.run_decompositions({})
+
+
+def _param_path(wrapper: nn.Module, model: nn.Module) -> Callable[[str], str]:
+    """Wrapper tensor name -> the model's first name for the same tensor (tied weights: the source)."""
+    paths: dict[int, str] = {}
+    for path, tensor in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
+        paths.setdefault(id(tensor), path)
+
+    def path_of(name: str) -> str:
+        owner, _, leaf = name.rpartition(".")
+        module = wrapper.get_submodule(owner)
+        return paths[id(module._parameters.get(leaf, module._buffers.get(leaf)))]
+
+    return path_of
+
+
+def _constant_value(wrapper: nn.Module, program: ExportedProgram) -> Callable[[str], torch.Tensor]:
+    """Real value of a non-persistent buffer; on meta, rebuilt from ``type(owner)(owner.config)`` on CPU."""
+
+    def value(name: str) -> torch.Tensor:
+        tensor = program.constants.get(name)
+        if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+            return tensor.detach().cpu()
+        owner_path, _, leaf = name.rpartition(".")
+        owner = wrapper.get_submodule(owner_path)
+        try:
+            with torch.device("cpu"):
+                fresh = type(owner)(owner.config)
+            return fresh.get_buffer(leaf).detach()
+        except Exception as exc:
+            raise KadaptError(
+                f"buffer {name} has no value on the meta device and "
+                f"{type(owner).__name__}(config) cannot rebuild it"
+            ) from exc
+
+    return value
+
+
+def export_wrapper(
+    kind: str, backbone: Backbone, options: ExtractionOptions, num_layers: int
+) -> tuple[nn.Module, ExportedProgram]:
+    """Export the ``kind`` wrapper over the first ``num_layers`` decoder layers."""
+    wrapper = wrapper_for(kind, backbone, options, num_layers)
+    return wrapper, export_program(wrapper, example_inputs(kind, backbone, options, num_layers), kind)
+
+
+def to_graph(
+    kind: str,
+    wrapper: nn.Module,
+    program: ExportedProgram,
+    backbone: Backbone,
+    options: ExtractionOptions,
+    num_layers: int,
+    *,
+    device: str,
+) -> Graph:
+    """Convert an exported wrapper, naming weights by the full model's parameter paths."""
+    return convert(
+        program,
+        kind=kind,
+        names=options.prefill_names if kind == "prefill" else options.decode_names,
+        num_layers=num_layers,
+        param_path=_param_path(wrapper, backbone.model),
+        constant_value=_constant_value(wrapper, program),
+        device=device,
+    )

@@ -1,0 +1,195 @@
+"""What one extraction run produces and where: sizes, KV layout, names, output files.
+
+Torch-free on purpose: ``kadapt apply`` resolves and checks options (sizes, output directory) before
+it spends seconds importing torch and building the model, so bad input fails fast and leaves no files.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ...errors import KadaptError
+from ...spec.model import GraphAbi, Spec
+
+KV_LAYOUTS = ("latent", "expanded")
+DTYPES = ("bfloat16", "float16", "float32", "float64")
+LAYER = "{layer}"
+PREFILL_FIXED = ("input_ids", "attention_mask", "position_ids")
+DECODE_FIXED = (*PREFILL_FIXED, "cache_position")
+
+
+@dataclass(frozen=True)
+class GraphNames:
+    """ABI names of one graph: fixed inputs in wrapper order, per-layer KV name templates, logits."""
+
+    fixed_inputs: tuple[str, ...]
+    past_key: str | None  # template with "{layer}"; None for prefill
+    past_value: str | None
+    logits: str
+    present_key: str
+    present_value: str
+
+    def inputs(self, num_layers: int) -> list[str]:
+        names = list(self.fixed_inputs)
+        if self.past_key is not None and self.past_value is not None:
+            for layer in range(num_layers):
+                names += [self.past_key.format(layer=layer), self.past_value.format(layer=layer)]
+        return names
+
+    def outputs(self, num_layers: int) -> list[str]:
+        names = [self.logits]
+        for layer in range(num_layers):
+            names += [self.present_key.format(layer=layer), self.present_value.format(layer=layer)]
+        return names
+
+
+@dataclass(frozen=True)
+class ExtractionOptions:
+    """Everything ``run``/``verify`` need besides the spec and the model."""
+
+    output_dir: Path
+    file_prefix: str
+    model_name: str
+    batch: int
+    prefill_len: int
+    max_cache_len: int
+    dtype: str
+    kv_layout: str
+    prefill_names: GraphNames
+    decode_names: GraphNames
+    weight_renames: tuple[tuple[str, str], ...]
+    verify_overrides: dict[str, Any] = field(default_factory=dict)
+    verify_prefill_len: int = 8
+    verify_max_cache_len: int = 40
+    verify_decode_steps: int = 24
+    verify_tolerance: float = 1e-4
+    stitch: bool = True  # export one layer per kind and replicate it (False: export every layer)
+    top_ops: int = 12
+
+    def path(self, graph: str) -> Path:
+        """Output file of ``graph`` (``prefill``, ``decode`` or ``kv_mapping``)."""
+        suffix = "kv_mapping.json" if graph == "kv_mapping" else f"{graph}_ir.json"
+        return self.output_dir / f"{self.file_prefix}_{suffix}"
+
+
+def _graph_names(
+    abi: GraphAbi, fixed: tuple[str, ...], *, decode: bool, where: str, spec: Spec
+) -> GraphNames:
+    """Read the positional ABI of one graph: fixed names first, then two ``{layer}`` templates."""
+    location = spec.locate(where)
+    inputs, outputs = list(abi.inputs), list(abi.outputs)
+    n_fixed = len(fixed)
+    want_in = n_fixed + (2 if decode else 0)
+    templated_in = inputs[n_fixed:]
+    if (
+        len(inputs) != want_in
+        or any(LAYER in name for name in inputs[:n_fixed])
+        or not all(LAYER in name for name in templated_in)
+    ):
+        shape = ", ".join(fixed) + (', "<past key {layer}>", "<past value {layer}>"' if decode else "")
+        raise KadaptError(
+            f"{where}.inputs must be [{shape}] (positional roles), got {inputs}", location=location
+        )
+    if len(outputs) != 3 or LAYER in outputs[0] or not all(LAYER in name for name in outputs[1:]):
+        raise KadaptError(
+            f'{where}.outputs must be [<logits>, "<present key {{layer}}>", "<present value {{layer}}>"], '
+            f"got {outputs}",
+            location=location,
+        )
+    return GraphNames(
+        fixed_inputs=tuple(inputs[:n_fixed]),
+        past_key=templated_in[0] if decode else None,
+        past_value=templated_in[1] if decode else None,
+        logits=outputs[0],
+        present_key=outputs[1],
+        present_value=outputs[2],
+    )
+
+
+def _positive(name: str, value: Any, *, allow_zero: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if allow_zero else 1):
+        kind = "a non-negative" if allow_zero else "a positive"
+        raise KadaptError(f"{name} must be {kind} integer, got {value!r}")
+    return value
+
+
+def check_writable(directory: Path) -> None:
+    """Fail now, not after a minute of export, if ``directory`` cannot receive the output files."""
+    existing = directory
+    while not existing.exists():
+        if existing.parent == existing:
+            break
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        raise KadaptError(f"output directory {directory} is not a directory ({existing} is a file)")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as exc:
+        raise KadaptError(f"output directory {directory} is not writable: {exc.strerror or exc}") from exc
+
+
+def options_from_spec(
+    spec: Spec,
+    *,
+    output_dir: str | os.PathLike[str] | None = None,
+    batch: int | None = None,
+    prefill_len: int | None = None,
+    max_cache_len: int | None = None,
+    kv_layout: str | None = None,
+) -> ExtractionOptions:
+    """``spec.abi`` and ``backends.extraction`` defaults with CLI overrides, checked."""
+    abi = spec.abi
+    if abi is None:
+        raise KadaptError(f"spec {spec.name} has no `abi` section: extraction needs the prefill/decode ABI")
+    backend = spec.backend_options("extraction")
+    sizes = {
+        "batch": _positive("batch", abi.batch if batch is None else batch),
+        "prefill_len": _positive("prefill_len", abi.prefill_len if prefill_len is None else prefill_len),
+        "max_cache_len": _positive(
+            "max_cache_len", abi.max_cache_len if max_cache_len is None else max_cache_len
+        ),
+    }
+    if sizes["prefill_len"] > sizes["max_cache_len"]:
+        raise KadaptError(
+            f"prefill_len {sizes['prefill_len']} does not fit in max_cache_len {sizes['max_cache_len']}: "
+            "the prefill KV is placed into the decode cache"
+        )
+    if abi.dtype not in DTYPES:
+        raise KadaptError(f"abi.dtype {abi.dtype!r} is not a floating dtype; valid: {', '.join(DTYPES)}")
+    layout = abi.kv_layout if kv_layout is None else kv_layout
+    if layout not in KV_LAYOUTS:
+        raise KadaptError(f"unknown kv_layout {layout!r}; valid: {', '.join(KV_LAYOUTS)}")
+    verify = dict(backend.get("verify") or {})
+    verify_prefill = _positive("verify.prefill_len", verify.get("prefill_len", 8))
+    verify_cache = _positive("verify.max_cache_len", verify.get("max_cache_len", 40))
+    verify_steps = _positive("verify.decode_steps", verify.get("decode_steps", 24), allow_zero=True)
+    if verify_prefill + verify_steps > verify_cache:
+        raise KadaptError(
+            f"verify: prefill_len {verify_prefill} + decode_steps {verify_steps} "
+            f"exceed max_cache_len {verify_cache}"
+        )
+    out = Path(output_dir if output_dir is not None else backend.get("output_dir") or f"out/{spec.name}")
+    out = out if out.is_absolute() else Path.cwd() / out
+    check_writable(out)
+    return ExtractionOptions(
+        output_dir=out,
+        file_prefix=str(backend.get("file_prefix") or spec.name),
+        model_name=str(backend.get("model_name") or spec.name),
+        dtype=abi.dtype,
+        kv_layout=layout,
+        prefill_names=_graph_names(abi.prefill, PREFILL_FIXED, decode=False, where="abi.prefill", spec=spec),
+        decode_names=_graph_names(abi.decode, DECODE_FIXED, decode=True, where="abi.decode", spec=spec),
+        weight_renames=tuple((r["from"], r["to"]) for r in backend.get("weight_renames") or ()),
+        verify_overrides=dict(verify.get("config_overrides") or {}),
+        verify_tolerance=float(verify.get("tolerance", 1e-4)),
+        verify_prefill_len=verify_prefill,
+        verify_max_cache_len=verify_cache,
+        verify_decode_steps=verify_steps,
+        **sizes,
+    )

@@ -1,0 +1,208 @@
+"""``run``: prefill + decode graphs of an applied model -> IR JSON files + KV mapping, with progress."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+from ... import __version__
+from ...spec.model import Spec
+from . import runtime
+from .encoding import enum_tables
+from .export import Backbone, check_exportable, export_wrapper, to_graph
+from .graph import Graph
+from .irjson import FORMAT_VERSION, ir_chunks
+from .options import ExtractionOptions
+from .stitch import NotStitchable, Plan, plan, stitch
+from .summary import ExtractionSummary, GraphStats
+from .weights import cast_to_abi_dtype, keep_fp32_names, model_tensor_types, tied_names, weight_entries
+from .write import write_all
+
+GRAPHS = ("prefill", "decode")
+EXEC_DEVICE = "cpu"  # factory ops traced on meta get this device (the executors run on CPU)
+
+Echo = Callable[[str], None]
+
+
+class Clock:
+    """Times named steps and echoes each as it finishes."""
+
+    def __init__(self, echo: Echo) -> None:
+        self.echo = echo
+        self.steps: list[tuple[str, float]] = []
+
+    @contextlib.contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        seconds = time.perf_counter() - start
+        self.steps.append((name, seconds))
+        self.echo(f"  {name:<20} {seconds:6.2f} s")
+
+
+def backbone_of(spec: Spec, model: nn.Module) -> Backbone:
+    from ...loading import submodule
+
+    return Backbone(model, submodule(model, spec, "language_model"), submodule(model, spec, "lm_head"))
+
+
+def build_graph(
+    kind: str, backbone: Backbone, options: ExtractionOptions, chosen: Plan, clock: Clock
+) -> Graph:
+    """Trace ``chosen.prefix`` layers of ``kind``, convert, and replicate to every layer."""
+    with clock.step(f"export {kind}"):
+        wrapper, program = export_wrapper(kind, backbone, options, chosen.prefix)
+    with clock.step(f"convert {kind}"):
+        graph = to_graph(kind, wrapper, program, backbone, options, chosen.prefix, device=EXEC_DEVICE)
+    del program
+    if not chosen.templates:
+        return graph
+    module_paths = {id(m): p for p, m in backbone.model.named_modules()}
+    try:
+        with clock.step(f"replicate {kind}"):
+            return stitch(
+                graph,
+                chosen,
+                layer_paths=[module_paths[id(layer)] for layer in backbone.layers],
+                tensor_types=model_tensor_types(backbone.model),
+                names=options.prefill_names if kind == "prefill" else options.decode_names,
+            )
+    except NotStitchable as exc:
+        clock.echo(f"  cannot replicate layers ({exc}); tracing all {len(backbone.layers)} layers")
+        return build_graph(kind, backbone, options, Plan(len(backbone.layers)), clock)
+
+
+def metadata(spec: Spec, backbone: Backbone, options: ExtractionOptions, graph: Graph) -> dict[str, Any]:
+    config = backbone.config
+    return {
+        "graph": graph.kind,
+        "model_name": options.model_name,
+        "model": (spec.raw.get("metadata") or {}).get("model"),
+        "spec": spec.name,
+        "model_class": type(backbone.model).__name__,
+        "abi": {
+            "batch": options.batch,
+            "prefill_len": options.prefill_len,
+            "max_cache_len": options.max_cache_len,
+            "dtype": options.dtype,
+            "kv_layout": options.kv_layout,
+        },
+        "num_layers": len(backbone.layers),
+        "stitching": graph.notes or None,
+        "attn_implementation": getattr(config, "_attn_implementation", None),
+        "experts_implementation": getattr(config, "_experts_implementation", None),
+        "device": EXEC_DEVICE,
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "kadapt": __version__,
+        },
+        "enums": enum_tables(),
+    }
+
+
+def kv_mapping_document(options: ExtractionOptions, backbone: Backbone) -> dict[str, Any]:
+    prefill, decode = options.prefill_names, options.decode_names
+    assert decode.past_key is not None and decode.past_value is not None
+    mapping = runtime.build_kv_mapping(
+        backbone.config,
+        kv_layout=options.kv_layout,
+        batch=options.batch,
+        prefill_len=options.prefill_len,
+        max_cache_len=options.max_cache_len,
+        num_layers=len(backbone.layers),
+        dtype=options.dtype,
+        names={
+            "prefill_key": prefill.present_key,
+            "prefill_value": prefill.present_value,
+            "decode_key_in": decode.past_key,
+            "decode_value_in": decode.past_value,
+            "decode_key_out": decode.present_key,
+            "decode_value_out": decode.present_value,
+        },
+    )
+    graphs = {"prefill_graph": options.path("prefill").name, "decode_graph": options.path("decode").name}
+    return {"format_version": FORMAT_VERSION, "model_name": options.model_name, **graphs, **mapping}
+
+
+def graph_stats(graph: Graph, options: ExtractionOptions, size: int, layers: int) -> GraphStats:
+    return GraphStats(
+        kind=graph.kind,
+        path=options.path(graph.kind),
+        nodes=len(graph.nodes),
+        inputs=len(graph.inputs),
+        outputs=len(graph.outputs),
+        weights=len(graph.weights),
+        parameters=sum(math.prod(t.shape) for t in graph.weights.values()),
+        ops=Counter(node.op for node in graph.nodes),
+        bytes=size,
+        traced_layers=int(graph.notes.get("traced_layers", layers)),
+        layers=layers,
+    )
+
+
+def run(spec: Spec, model: nn.Module, options: ExtractionOptions, *, echo: Echo) -> ExtractionSummary:
+    """Extract prefill and decode IR of ``model`` (built by ``load_model`` under ``applied``).
+
+    The text backbone's parameters are brought to the ABI dtype in place (free on meta), keeping
+    transformers' fp32 modules in fp32, so the IR states the dtypes the checkpoint loads with.
+    """
+    clock = Clock(echo)
+    echo(
+        f"extracting {options.model_name}: {options.kv_layout} KV, batch {options.batch}, "
+        f"prefill {options.prefill_len}, cache {options.max_cache_len}, {options.dtype}"
+    )
+    with clock.step("prepare"):
+        backbone = backbone_of(spec, model)
+        check_exportable(backbone)
+        dtype = getattr(torch, options.dtype)
+        cast_to_abi_dtype([backbone.language_model, backbone.lm_head], dtype, keep_fp32_names(model))
+        chosen = plan(backbone.layers) if options.stitch else Plan(len(backbone.layers))
+    graphs = {kind: build_graph(kind, backbone, options, chosen, clock) for kind in GRAPHS}
+    with clock.step("write"):
+        ties = tied_names(model, {path for g in graphs.values() for path in g.weights})
+        files: dict[Path, Iterable[str]] = {}
+        for kind, graph in graphs.items():
+            weights = weight_entries(
+                graph,
+                renames=options.weight_renames,
+                ties=ties,
+                schemes=spec.quantization,
+                compute_dtype=options.dtype,
+            )
+            files[options.path(kind)] = ir_chunks(
+                graph,
+                model_name=f"{options.model_name}_{kind}",
+                pytorch_version=torch.__version__,
+                metadata=metadata(spec, backbone, options, graph),
+                weights=weights,
+                renames=options.weight_renames,
+            )
+        files[options.path("kv_mapping")] = [json.dumps(kv_mapping_document(options, backbone), indent=1)]
+        sizes = write_all(files)
+    summary = ExtractionSummary(
+        model_name=options.model_name,
+        kv_layout=options.kv_layout,
+        sizes={
+            "batch": options.batch,
+            "prefill_len": options.prefill_len,
+            "max_cache_len": options.max_cache_len,
+        },
+        steps=clock.steps,
+        top_ops=options.top_ops,
+    )
+    for kind, graph in graphs.items():
+        summary.graphs[kind] = graph_stats(graph, options, sizes[options.path(kind)], len(backbone.layers))
+    summary.kv_mapping = options.path("kv_mapping")
+    summary.kv_mapping_bytes = sizes[summary.kv_mapping]
+    return summary

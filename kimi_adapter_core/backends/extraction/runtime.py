@@ -1,0 +1,339 @@
+"""Prefill/decode ABI of an MLA decoder stack (DeepseekV3, Kimi-K2.5's text backbone) for export.
+
+This module is self-contained on purpose (stdlib + torch only): ``kadapt generate`` embeds its source
+verbatim in a standalone module that other tools import and hand to ``torch.export`` or
+``torch_ir.extract_ir``. Both wrappers take positional tensors and return a flat tuple.
+
+- ``PrefillWrapper(input_ids, attention_mask, position_ids)``
+  -> ``(logits, present.0.key, present.0.value, ...)``
+- ``DecodeWrapper(input_ids, attention_mask, position_ids, cache_position, past.0.key, past.0.value, ...)``
+  -> ``(logits, present.0.key, present.0.value, ...)``, each present = past with the new token
+  written at ``cache_position`` by ``index_copy`` (functional, so one decode graph serves every
+  position < max_cache_len: rope comes from ``position_ids``, the mask is an input).
+
+The attention mask is the caller's additive float mask ``[B, 1, Q, K]`` (0 = attend, dtype-min =
+masked), see ``additive_causal_mask``. The wrappers call the decoder layers themselves instead of the
+model's ``forward``: that skips transformers' mask construction (which would rebuild a mask from a
+cache object), its DynamicCache and output-capturing hooks, and lets an exporter trace any prefix of
+the layer stack (kadapt exports one layer per kind and replicates it).
+
+KV layouts:
+- ``latent``: MLA's compressed cache as transformers keeps it, key ``[B, 1, S, kv_lora_rank]`` and
+  value ``[B, 1, S, qk_rope_head_dim]`` (the rope'd shared key); attention re-expands it each step.
+- ``expanded``: per-head key ``[B, H, S, qk_nope + qk_rope]`` and value ``[B, H, S, v_head_dim]``,
+  i.e. the output of ``expand_kv`` (kv_b_proj + rope'd key broadcast per head) is what is cached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+KV_LAYOUTS = ("latent", "expanded")
+
+
+def kv_shapes(
+    config: Any, kv_layout: str, batch: int, length: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of one layer's cached key and value for ``length`` positions."""
+    if kv_layout == "latent":
+        return (batch, 1, length, config.kv_lora_rank), (batch, 1, length, config.qk_rope_head_dim)
+    if kv_layout == "expanded":
+        heads = config.num_attention_heads
+        key_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+        return (batch, heads, length, key_dim), (batch, heads, length, config.v_head_dim)
+    raise ValueError(f"unknown kv_layout {kv_layout!r}; valid: {', '.join(KV_LAYOUTS)}")
+
+
+def additive_causal_mask(query_positions: torch.Tensor, key_length: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, 1, Q, K]`` mask for ``query_positions`` ``[B, Q]``: key ``k`` visible iff ``k <= position``."""
+    keys = torch.arange(key_length, device=query_positions.device)
+    allowed = keys.view(1, 1, 1, key_length) <= query_positions.unsqueeze(1).unsqueeze(-1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=query_positions.device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+class StaticKVCache:
+    """Duck-typed stand-in for transformers' ``Cache`` that keeps every write a graph value.
+
+    Prefill (``past is None``) records the new KV as ``present``. Decode writes the new token into
+    the caller's ``past`` tensors with out-of-place ``index_copy`` at ``cache_position``; the tensors
+    stay graph inputs/outputs, so nothing is lifted to a constant or mutated behind the graph.
+    """
+
+    def __init__(
+        self,
+        kv_layout: str,
+        layer_ids: Sequence[int],
+        past: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        cache_position: torch.Tensor | None = None,
+    ) -> None:
+        if kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"unknown kv_layout {kv_layout!r}; valid: {', '.join(KV_LAYOUTS)}")
+        self.kv_layout = kv_layout
+        self._slot = {layer_id: slot for slot, layer_id in enumerate(layer_ids)}
+        self._past = past
+        self._cache_position = cache_position
+        self.present: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self._slot)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Called by the attention with the new latents (kv_nope, k_rot)."""
+        if self.kv_layout == "expanded":  # the latents pass through; expand_kv caches per-head K/V
+            return key_states, value_states
+        return self._write(self._slot[layer_idx], key_states, value_states)
+
+    def expand_kv(
+        self, attn: nn.Module, kv_nope: torch.Tensor, k_rot: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """``expanded`` layout: expand only the new tokens, write them, attend over the whole cache."""
+        key_states, value_states = type(attn).expand_kv(attn, kv_nope, k_rot)
+        return self._write(self._slot[attn.layer_idx], key_states, value_states)
+
+    def _write(self, slot: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._past is not None:
+            past_key, past_value = self._past[slot]
+            key = past_key.index_copy(2, self._cache_position, key)
+            value = past_value.index_copy(2, self._cache_position, value)
+        self.present[slot] = (key, value)
+        return key, value
+
+    @contextlib.contextmanager
+    def routing_expand_kv(self, layers: Sequence[nn.Module]) -> Iterator[None]:
+        """For ``expanded``, point each layer's ``self_attn.expand_kv`` at this cache while tracing.
+
+        The upstream attention calls ``update`` (latents) and then ``self.expand_kv`` on what it got
+        back; caching the expanded K/V means the expansion itself must write the cache. The instance
+        attribute shadows the (possibly patched) class method only inside this block.
+        """
+        if self.kv_layout != "expanded":
+            yield
+            return
+        attentions = [layer.self_attn for layer in layers]
+        for attn in attentions:
+            attn.__dict__["expand_kv"] = functools.partial(self.expand_kv, attn)
+        try:
+            yield
+        finally:
+            for attn in attentions:
+                attn.__dict__.pop("expand_kv", None)
+
+    def flat_present(self) -> list[torch.Tensor]:
+        flat: list[torch.Tensor] = []
+        for slot, entry in enumerate(self.present):
+            if entry is None:
+                raise RuntimeError(f"decoder layer in slot {slot} never wrote its KV cache")
+            flat += entry
+        return flat
+
+
+class _TextStack(nn.Module):
+    """Embedding, a run of decoder layers, final norm and LM head, called layer by layer."""
+
+    def __init__(
+        self,
+        embed_tokens: nn.Module,
+        layers: Sequence[nn.Module],
+        norm: nn.Module,
+        rotary_emb: nn.Module,
+        lm_head: nn.Module,
+        *,
+        kv_layout: str,
+    ) -> None:
+        super().__init__()
+        if kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"unknown kv_layout {kv_layout!r}; valid: {', '.join(KV_LAYOUTS)}")
+        self.embed_tokens = embed_tokens
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.rotary_emb = rotary_emb
+        self.lm_head = lm_head
+        self.kv_layout = kv_layout
+        self.layer_ids = [layer.self_attn.layer_idx for layer in self.layers]
+
+    @classmethod
+    def from_language_model(
+        cls, language_model: nn.Module, lm_head: nn.Module, *, kv_layout: str, num_layers: int | None = None
+    ) -> _TextStack:
+        """Wrap a transformers decoder model (``embed_tokens``/``layers``/``norm``/``rotary_emb``).
+
+        ``num_layers`` keeps only the first layers (a representative prefix for replication).
+        """
+        layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
+        if num_layers is not None:
+            layers = layers[:num_layers]
+        return cls(
+            language_model.embed_tokens,
+            layers,
+            language_model.norm,
+            language_model.rotary_emb,
+            lm_head,
+            kv_layout=kv_layout,
+        )
+
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: StaticKVCache,
+    ) -> tuple[torch.Tensor, ...]:
+        hidden_states = self.embed_tokens(input_ids)
+        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        with cache.routing_expand_kv(self.layers):
+            for layer in self.layers:
+                hidden_states = layer(
+                    hidden_states,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    past_key_values=cache,
+                    use_cache=True,
+                    position_embeddings=position_embeddings,
+                )
+        logits = self.lm_head(self.norm(hidden_states))
+        return (logits, *cache.flat_present())
+
+
+class PrefillWrapper(_TextStack):
+    """Prompt pass: ``(input_ids, attention_mask, position_ids)`` -> ``(logits, key0, value0, ...)``."""
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        cache = StaticKVCache(self.kv_layout, self.layer_ids)
+        return self._run(input_ids, attention_mask, position_ids, cache)
+
+
+class DecodeWrapper(_TextStack):
+    """One token over a static cache: inputs end with ``past key0, value0, ...``, outputs the updated ones."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache_position: torch.Tensor,
+        *past_key_values: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        if len(past_key_values) != 2 * len(self.layers):
+            raise ValueError(
+                f"expected {2 * len(self.layers)} past key/value tensors, got {len(past_key_values)}"
+            )
+        past = [(past_key_values[2 * i], past_key_values[2 * i + 1]) for i in range(len(self.layers))]
+        cache = StaticKVCache(self.kv_layout, self.layer_ids, past, cache_position)
+        return self._run(input_ids, attention_mask, position_ids, cache)
+
+
+def prefill_inputs(
+    *, batch: int, prefill_len: int, dtype: torch.dtype, device: str | torch.device = "meta"
+) -> tuple[torch.Tensor, ...]:
+    """Example prefill inputs (token ids 0; real positions and causal mask)."""
+    positions = torch.arange(prefill_len, device=device).unsqueeze(0).repeat(batch, 1)
+    input_ids = torch.zeros(batch, prefill_len, dtype=torch.long, device=device)
+    return input_ids, additive_causal_mask(positions, prefill_len, dtype), positions
+
+
+def decode_inputs(
+    config: Any,
+    *,
+    batch: int,
+    position: int,
+    max_cache_len: int,
+    kv_layout: str,
+    num_layers: int,
+    dtype: torch.dtype,
+    device: str | torch.device = "meta",
+) -> tuple[torch.Tensor, ...]:
+    """Example decode inputs for the token at ``position`` with zeroed caches."""
+    positions = torch.full((batch, 1), position, dtype=torch.long, device=device)
+    key_shape, value_shape = kv_shapes(config, kv_layout, batch, max_cache_len)
+    past: list[torch.Tensor] = []
+    for _ in range(num_layers):
+        past += [
+            torch.zeros(key_shape, dtype=dtype, device=device),
+            torch.zeros(value_shape, dtype=dtype, device=device),
+        ]
+    return (
+        torch.zeros(batch, 1, dtype=torch.long, device=device),
+        additive_causal_mask(positions, max_cache_len, dtype),
+        positions,
+        torch.tensor([position], dtype=torch.long, device=device),
+        *past,
+    )
+
+
+def place_prefill_kv(present: Sequence[torch.Tensor], max_cache_len: int) -> list[torch.Tensor]:
+    """Decode cache from prefill outputs: ``zeros.index_copy(2, arange(prefill_len), present)``."""
+    placed = []
+    for tensor in present:
+        shape = (*tensor.shape[:2], max_cache_len, *tensor.shape[3:])
+        positions = torch.arange(tensor.shape[2], device=tensor.device)
+        placed.append(
+            torch.zeros(shape, dtype=tensor.dtype, device=tensor.device).index_copy(2, positions, tensor)
+        )
+    return placed
+
+
+def build_kv_mapping(
+    config: Any,
+    *,
+    kv_layout: str,
+    batch: int,
+    prefill_len: int,
+    max_cache_len: int,
+    num_layers: int,
+    dtype: str,
+    names: dict[str, str],
+) -> dict[str, Any]:
+    """How prefill KV outputs become decode KV inputs, layer by layer.
+
+    ``names`` maps ``prefill_key``/``prefill_value``/``decode_key_in``/``decode_value_in``/
+    ``decode_key_out``/``decode_value_out`` to name templates containing ``{layer}``.
+    """
+    prefill_shapes = kv_shapes(config, kv_layout, batch, prefill_len)
+    decode_shapes = kv_shapes(config, kv_layout, batch, max_cache_len)
+
+    def tensor(role: str, layer: int, shape: tuple[int, ...]) -> dict[str, Any]:
+        return {"name": names[role].format(layer=layer), "shape": list(shape), "dtype": dtype}
+
+    layers = []
+    for layer in range(num_layers):
+        layers.append(
+            {
+                "layer": layer,
+                "prefill_key_output": tensor("prefill_key", layer, prefill_shapes[0]),
+                "prefill_value_output": tensor("prefill_value", layer, prefill_shapes[1]),
+                "decode_key_input": tensor("decode_key_in", layer, decode_shapes[0]),
+                "decode_value_input": tensor("decode_value_in", layer, decode_shapes[1]),
+                "decode_key_output": tensor("decode_key_out", layer, decode_shapes[0]),
+                "decode_value_output": tensor("decode_value_out", layer, decode_shapes[1]),
+            }
+        )
+    return {
+        "kv_layout": kv_layout,
+        "batch": batch,
+        "prefill_len": prefill_len,
+        "max_cache_len": max_cache_len,
+        "num_layers": num_layers,
+        "dtype": dtype,
+        "sequence_dim": 2,
+        "prefill_to_decode": {
+            "op": "index_copy",
+            "dim": 2,
+            "positions": [0, prefill_len],
+            "into": "zeros of the decode input shape",
+        },
+        "decode_update": {
+            "op": "index_copy",
+            "dim": 2,
+            "index": "cache_position",
+            "outputs_replace_inputs": True,
+        },
+        "layers": layers,
+    }

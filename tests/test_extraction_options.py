@@ -1,0 +1,125 @@
+"""options_from_spec: spec defaults, CLI overrides, and every bad input caught before any work."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kimi_adapter_core.backends.extraction import options_from_spec
+from kimi_adapter_core.errors import KadaptError
+from kimi_adapter_core.spec import load_spec
+from kimi_adapter_core.spec.model import GraphAbi
+
+REPO = Path(__file__).resolve().parents[1]
+SPEC = load_spec(REPO / "specs" / "kimi_k25.yaml")
+
+
+def test_defaults_come_from_the_spec(tmp_path: Path) -> None:
+    options = options_from_spec(SPEC, output_dir=tmp_path)
+    assert (options.batch, options.prefill_len, options.max_cache_len) == (1, 128, 2048)
+    assert (options.dtype, options.kv_layout, options.file_prefix) == ("bfloat16", "latent", "kimi_k25_text")
+    assert options.path("prefill") == tmp_path / "kimi_k25_text_prefill_ir.json"
+    assert options.path("kv_mapping") == tmp_path / "kimi_k25_text_kv_mapping.json"
+    assert options.weight_renames[0] == (r"^model\.language_model\.", "language_model.model.")
+    assert (options.verify_prefill_len, options.verify_max_cache_len, options.verify_decode_steps) == (
+        8,
+        40,
+        24,
+    )
+    assert options.decode_names.inputs(2) == [
+        "input_ids",
+        "attention_mask",
+        "position_ids",
+        "cache_position",
+        "past.0.key",
+        "past.0.value",
+        "past.1.key",
+        "past.1.value",
+    ]
+    assert options.prefill_names.outputs(1) == ["logits", "present.0.key", "present.0.value"]
+
+
+def test_cli_overrides_win(tmp_path: Path) -> None:
+    options = options_from_spec(
+        SPEC,
+        output_dir=tmp_path / "new" / "dir",
+        batch=2,
+        prefill_len=16,
+        max_cache_len=16,
+        kv_layout="expanded",
+    )
+    assert (options.batch, options.prefill_len, options.max_cache_len, options.kv_layout) == (
+        2,
+        16,
+        16,
+        "expanded",
+    )
+    assert options.output_dir.is_dir()  # created (and probed) up front
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"batch": 0}, "batch must be a positive integer"),
+        ({"prefill_len": -3}, "prefill_len must be a positive integer"),
+        ({"max_cache_len": 0}, "max_cache_len must be a positive integer"),
+        ({"prefill_len": 64, "max_cache_len": 32}, "prefill_len 64 does not fit in max_cache_len 32"),
+        ({"kv_layout": "paged"}, "unknown kv_layout 'paged'"),
+    ],
+)
+def test_bad_sizes_and_layouts(tmp_path: Path, kwargs: dict, message: str) -> None:
+    with pytest.raises(KadaptError, match=message):
+        options_from_spec(SPEC, output_dir=tmp_path, **kwargs)
+
+
+def test_unwritable_output_dir(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(KadaptError, match="is not a directory"):
+        options_from_spec(SPEC, output_dir=blocker / "out")
+
+
+def test_spec_without_abi(tmp_path: Path) -> None:
+    spec = dataclasses.replace(SPEC, abi=None)
+    with pytest.raises(KadaptError, match="has no `abi` section"):
+        options_from_spec(spec, output_dir=tmp_path)
+
+
+def test_abi_names_must_keep_their_roles(tmp_path: Path) -> None:
+    assert SPEC.abi is not None
+    decode = GraphAbi(
+        ("input_ids", "attention_mask", "position_ids", "past.{layer}.key"), SPEC.abi.decode.outputs
+    )
+    spec = dataclasses.replace(SPEC, abi=dataclasses.replace(SPEC.abi, decode=decode))
+    with pytest.raises(KadaptError, match=r"abi.decode.inputs must be \[input_ids, attention_mask"):
+        options_from_spec(spec, output_dir=tmp_path)
+
+
+def test_entry_points_survive_importing_every_submodule() -> None:
+    import importlib
+    import pkgutil
+
+    from kimi_adapter_core.backends import extraction
+
+    for module in pkgutil.iter_modules(extraction.__path__):
+        importlib.import_module(f"{extraction.__name__}.{module.name}")
+    assert callable(extraction.run) and callable(extraction.verify) and callable(extraction.options_from_spec)
+
+
+def test_importing_the_backend_does_not_import_torch() -> None:
+    code = (
+        "import sys; from kimi_adapter_core.backends.extraction import options_from_spec, run, verify; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_abi_dtype_must_be_a_float_dtype(tmp_path: Path) -> None:
+    assert SPEC.abi is not None
+    spec = dataclasses.replace(SPEC, abi=dataclasses.replace(SPEC.abi, dtype="int4"))
+    with pytest.raises(KadaptError, match="abi.dtype 'int4' is not a floating dtype"):
+        options_from_spec(spec, output_dir=tmp_path)
