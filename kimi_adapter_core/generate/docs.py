@@ -1,0 +1,196 @@
+"""The ``docs`` target: ``docs/specs/<name>.md``, the spec explained as tables and a flowchart.
+
+Every table is derived from the spec (and, for the ABI, from its shipped config): the document
+cannot drift from what ``kadapt apply`` does because both read the same entries.
+"""
+
+from __future__ import annotations
+
+from pathlib import PurePosixPath
+from typing import Any
+
+from ..spec.model import Spec
+from . import abi as abi_tables
+from .bridges import bridge_context
+from .common import Rendered, gate_context, spec_identity
+from .environment import render
+
+TARGET = "docs"
+
+
+def _bridge_rows(spec: Spec) -> list[dict[str, Any]]:
+    rows = bridge_context(spec, backend=None, target=TARGET)["bridges"]
+    for row in rows:
+        if row["dest"] is not None:
+            fallback = f" (fallback `{row['fallback']!r}`)" if row["has_fallback"] else ""
+            row["target_text"] = f"`{row['dest']}`{fallback}"
+        else:
+            row["target_text"] = f"`{row['value']!r}`"
+        when = row["when"]
+        tests = []
+        if "equals" in when:
+            tests.append(f"is {when['equals']!r}")
+        if "unless_importable" in when:
+            tests.append(f"{when['unless_importable']} not importable")
+        if "if_importable" in when:
+            tests.append(f"{when['if_importable']} importable")
+        row["condition"] = " and ".join(tests)
+    return rows
+
+
+def _patch_rows(spec: Spec) -> list[dict[str, Any]]:
+    rows = []
+    for patch in spec.patches:
+        if patch.kind == "set_attribute":
+            impl_text = f"`{patch.value!r}`"
+        else:
+            impl_text = f"`{patch.impl}`" if patch.impl else "—"
+        if patch.options:
+            impl_text += " " + ", ".join(f"{k}=`{v!r}`" for k, v in sorted(patch.options.items()))
+        rows.append(
+            {
+                "id": patch.id,
+                "target": patch.target,
+                "kind": patch.kind,
+                "impl_text": impl_text,
+                "backends": list(patch.backends),
+                "why": patch.why,
+            }
+        )
+    return rows
+
+
+def _flow(spec: Spec, files: dict[str, str]) -> dict[str, Any]:
+    """Mermaid flowchart of the extraction path: source, bridges, patches, model, wrappers, files."""
+    assert spec.abi is not None
+    source = spec.raw.get("source") or {}
+    hub = source.get("hub")
+    origin = source.get("config") or (f"{hub['repo']}@{hub['revision']}" if hub else "config.json")
+    bridges = [b.id for b in spec.config_bridges if "extraction" in b.backends]
+    patches = [p for p in spec.patches if "extraction" in p.backends]
+    where = f" (sub-config {spec.abi.config})" if spec.abi.config else ""
+    nodes = [
+        {"id": "SRC", "label": f"Config {origin}<br/>gate: model_type {spec.gate.model_type}"},
+        {"id": "BR", "label": "Config bridges<br/>" + (", ".join(bridges) or "none")},
+    ]
+    nodes += [
+        {"id": f"P{i}", "label": f"Patch {p.id}: {p.kind}<br/>{p.target.rpartition(':')[2]}"}
+        for i, p in enumerate(patches)
+    ]
+    nodes += [
+        {"id": "M", "label": f"Build model on meta, {spec.abi.dtype}<br/>text backbone{where}"},
+        {"id": "PW", "label": f"Prefill wrapper<br/>batch {spec.abi.batch}, {spec.abi.prefill_len} tokens"},
+        {
+            "id": "DW",
+            "label": f"Decode wrapper<br/>static {spec.abi.kv_layout} cache of {spec.abi.max_cache_len}",
+        },
+        {"id": "PI", "label": f"Prefill IR<br/>{files['prefill']}"},
+        {"id": "DI", "label": f"Decode IR<br/>{files['decode']}"},
+        {"id": "KV", "label": f"KV mapping<br/>{files['kv_mapping']}"},
+    ]
+    chain = ["SRC", "BR", *(f"P{i}" for i in range(len(patches))), "M"]
+    edges = [" --> ".join(chain), "M --> PW --> PI", "M --> DW --> DI", "PI --> KV", "DI --> KV"]
+    return {"nodes": nodes, "edges": edges}
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,} B"
+
+
+def _abi_context(spec: Spec) -> dict[str, Any] | None:
+    abi = spec.abi
+    if abi is None:
+        return None
+    d = abi_tables.dims(abi_tables.text_config(spec))
+    prefill, decode, graphs = abi_tables.graph_tables(spec, d)
+    prefix = spec.backend_options("extraction").get("file_prefix") or spec.name
+    files = {
+        "prefill": f"{prefix}_prefill_ir.json",
+        "decode": f"{prefix}_decode_ir.json",
+        "kv_mapping": f"{prefix}_kv_mapping.json",
+    }
+    for graph in graphs:
+        graph["file"] = files[graph["graph"]]
+    per_token, formula = abi_tables.kv_bytes_per_token(spec, d)
+    return {
+        "config_label": f"`{abi.config}`" if abi.config else "root config",
+        "num_layers": d.num_layers,
+        "batch": abi.batch,
+        "prefill_len": abi.prefill_len,
+        "max_cache_len": abi.max_cache_len,
+        "kv_layout": abi.kv_layout,
+        "graphs": graphs,
+        "files": files,
+        "kv": {
+            "file": files["kv_mapping"],
+            "prefill_key": prefill.present_key,
+            "prefill_value": prefill.present_value,
+            "past_key": decode.past_key,
+            "past_value": decode.past_value,
+            "present_key": decode.present_key,
+            "present_value": decode.present_value,
+            "per_token": f"{per_token:,} B",
+            "formula": formula,
+            "total": _size(per_token * abi.max_cache_len * abi.batch),
+        },
+    }
+
+
+def render_docs(spec: Spec) -> list[Rendered]:
+    raw = spec.raw
+    source = raw.get("source") or {}
+    hub = source.get("hub")
+    abi = _abi_context(spec)
+    context = {
+        "spec": spec_identity(spec),
+        "gate": gate_context(spec),
+        "source": {
+            "config": source.get("config"),
+            "hub": f"{hub['repo']}@{hub['revision']}" if hub else None,
+            "trust_remote_code": bool(source.get("trust_remote_code", False)),
+        },
+        "requires": dict(sorted(spec.requires.items())),
+        "environment": [vars(e) for e in spec.environment],
+        "bridges": _bridge_rows(spec),
+        "patches": _patch_rows(spec),
+        "module_paths": spec.module_paths,
+        "mla": {
+            "attention_class": spec.mla["attention_class"],
+            "field_renames": spec.mla.get("field_renames") or {},
+        }
+        if spec.mla
+        else None,
+        "moe": _moe_rows(spec.moe),
+        "quantization": [vars(q) for q in spec.quantization],
+        "abi": abi,
+        "flow": _flow(spec, abi["files"]) if abi else None,
+        "backends": _backend_rows(spec),
+    }
+    text = render("docs/spec.md.j2", context, spec_name=spec.name, target=TARGET)
+    return [Rendered(PurePosixPath("docs", "specs", f"{spec.name}.md"), text)]
+
+
+def _moe_rows(moe: dict[str, Any]) -> dict[str, Any]:
+    """MoE entries flattened for one table (``routing.*`` spelled out)."""
+    rows = {k: v for k, v in moe.items() if k != "routing"}
+    rows |= {f"routing.{k}": v for k, v in (moe.get("routing") or {}).items()}
+    return rows
+
+
+def _backend_rows(spec: Spec) -> dict[str, dict[str, Any]]:
+    """Backend options as ``backend -> option -> value``; weight renames spelled ``from -> to``."""
+    rows: dict[str, dict[str, Any]] = {}
+    for backend in sorted(spec.backends):
+        options = dict(spec.backends[backend])
+        renames = options.pop("weight_renames", None)
+        flat = {k: v for k, v in options.items() if not isinstance(v, dict)}
+        for key, value in options.items():
+            if isinstance(value, dict):
+                flat |= {f"{key}.{k}": v for k, v in value.items()}
+        if renames:
+            flat["weight_renames"] = [f"{r['from']} -> {r['to']}" for r in renames]
+        rows[backend] = flat
+    return rows

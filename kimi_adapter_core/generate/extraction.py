@@ -1,0 +1,136 @@
+"""The ``extraction`` target: a standalone module that builds the adapted model and its ABI wrappers.
+
+``adapters/<name>/extraction.py`` imports without kadapt: the extraction runtime
+(``backends/extraction/runtime.py``) is embedded verbatim, the shipped config becomes a dict
+literal, each config bridge a plain statement and each patch implementation its own source. What
+cannot be carried that way (remote-code targets, patch kinds without a generated form) is refused
+with the spec entry named, rather than generated half-working.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from ..backends.extraction import runtime, weights
+from ..backends.extraction.options import DECODE_FIXED, PREFILL_FIXED, _graph_names
+from ..errors import KadaptError
+from ..patching.impls import resolve_impl
+from ..patching.targets import parse_target
+from ..spec.model import Spec
+from .bridges import bridge_context
+from .common import Rendered, cannot, gate_context, package_files, require, spec_identity
+from .embed import EmbeddedCallables, split_module
+from .environment import render
+
+TARGET = "extraction"
+# Patch kinds the generated module can carry (see templates/extraction/module.py.j2).
+GENERATED_KINDS = ("replace",)
+
+
+def _fail(spec: Spec, where: str, message: str) -> KadaptError:
+    return cannot(spec, TARGET, message, where)
+
+
+def _patches(spec: Spec, embedded: EmbeddedCallables) -> list[dict[str, Any]]:
+    rows = []
+    for patch in spec.patches:
+        if TARGET not in patch.backends:
+            continue
+        if patch.is_remote:
+            raise _fail(
+                spec,
+                patch.where,
+                f"patch {patch.id} targets remote code, which a generated module cannot load",
+            )
+        if patch.kind not in GENERATED_KINDS:
+            raise _fail(spec, patch.where, f"patch {patch.id}: kind {patch.kind!r} has no generated form yet")
+        ref = parse_target(patch.target)
+        impl_name = embedded.add(resolve_impl(patch.impl or ""), what=f"patch {patch.id} ({patch.impl})")
+        rows.append(
+            {
+                "id": patch.id,
+                "why": patch.why,
+                "kind": patch.kind,
+                "module": ref.module,
+                "owner": ".".join(ref.owner_path),
+                "attr": ref.attr,
+                "impl": impl_name,
+            }
+        )
+    return rows
+
+
+def _source_config(spec: Spec) -> dict[str, Any]:
+    if spec.source.config is None:
+        raise _fail(spec, "source", "the spec ships no config (source.config) to embed")
+    return json.loads(Path(spec.source.config).read_text(encoding="utf-8"))
+
+
+def render_extraction(spec: Spec) -> list[Rendered]:
+    require(spec, TARGET, "abi", "module_paths")
+    abi = spec.abi
+    assert abi is not None
+    if spec.environment:
+        raise _fail(spec, "environment[0]", "environment shims have no generated form yet")
+    for key in ("language_model", "lm_head"):
+        if key not in spec.module_paths:
+            raise _fail(spec, "module_paths", f"module_paths has no {key!r}, which the wrappers need")
+    prefill = _graph_names(abi.prefill, PREFILL_FIXED, decode=False, where="abi.prefill", spec=spec)
+    decode = _graph_names(abi.decode, DECODE_FIXED, decode=True, where="abi.decode", spec=spec)
+    runtime_module = split_module(Path(runtime.__file__))
+    embedded = EmbeddedCallables()
+    patches = _patches(spec, embedded)
+    # The backend's own dtype step, so a generated model holds the dtypes kadapt exports.
+    cast = embedded.add(weights.cast_to_abi_dtype, what="extraction dtype cast")
+    keep_fp32 = embedded.add(weights.keep_fp32_names, what="extraction dtype cast")
+    clashes = sorted(runtime_module.names & set(embedded.sources))
+    if clashes:
+        raise _fail(
+            spec, "patches", f"patch implementations {clashes} clash with names of the extraction runtime"
+        )
+    backend = spec.backend_options(TARGET)
+    context = {
+        "spec": spec_identity(spec),
+        "gate": gate_context(spec),
+        "abi": {
+            "config": abi.config,
+            "batch": abi.batch,
+            "prefill_len": abi.prefill_len,
+            "max_cache_len": abi.max_cache_len,
+            "dtype": abi.dtype,
+            "kv_layout": abi.kv_layout,
+            "prefill_inputs": list(abi.prefill.inputs),
+            "prefill_outputs": list(abi.prefill.outputs),
+            "decode_inputs": list(abi.decode.inputs),
+            "decode_outputs": list(abi.decode.outputs),
+            "kv_names": {
+                "prefill_key": prefill.present_key,
+                "prefill_value": prefill.present_value,
+                "decode_key_in": decode.past_key,
+                "decode_value_in": decode.past_value,
+                "decode_key_out": decode.present_key,
+                "decode_value_out": decode.present_value,
+            },
+        },
+        "file_prefix": backend.get("file_prefix") or spec.name,
+        "module_paths": {k: spec.module_paths[k] for k in ("language_model", "lm_head")},
+        "source_config": _source_config(spec),
+        "runtime": {
+            "imports": list(runtime_module.imports),
+            "body": runtime_module.body,
+            "summary": runtime_module.summary,
+        },
+        "impl_imports": sorted(embedded.imports - set(runtime_module.imports)),
+        "impl_constants": dict(sorted(embedded.constants.items())),
+        "impl_sources": list(embedded.sources.values()),
+        "patches": patches,
+        "cast": {"function": cast, "keep_fp32": keep_fp32},
+        **bridge_context(spec, backend=TARGET, target=TARGET),
+    }
+    text = render("extraction/module.py.j2", context, spec_name=spec.name, target=TARGET)
+    return [
+        Rendered(PurePosixPath("adapters", spec.name, "extraction.py"), text),
+        *package_files(spec, TARGET),
+    ]

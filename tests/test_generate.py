@@ -1,0 +1,433 @@
+"""``kadapt generate``: goldens, determinism, formatting, --check, errors, the TensorCast profile and docs.
+
+Everything here renders templates and imports the torch-free TensorCast module; the extraction
+module is exercised against kadapt's own backend in ``test_generate_extraction.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from kimi_adapter_core.backends.extraction import runtime
+from kimi_adapter_core.cli import cli
+from kimi_adapter_core.errors import KadaptError
+from kimi_adapter_core.generate import check_all, render_spec, write_all
+from kimi_adapter_core.generate import environment as jinja_environment
+from kimi_adapter_core.generate.embed import split_module
+from kimi_adapter_core.generate.pyformat import format_python
+from kimi_adapter_core.generate.simulation import PROFILE_FIELDS
+from kimi_adapter_core.spec import load_spec
+
+REPO = Path(__file__).resolve().parents[1]
+SPECS = REPO / "specs"
+KIMI = SPECS / "kimi_k25.yaml"
+ALL_TARGETS = ("extraction", "simulation", "docs")
+
+
+def shipped_specs() -> list[Path]:
+    return sorted(SPECS.glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def kimi_files() -> dict[str, str]:
+    files, notes = render_spec(load_spec(KIMI), ALL_TARGETS)
+    assert notes == []
+    return {str(f.path): f.text for f in files}
+
+
+def import_path(path: Path, name: str) -> types.ModuleType:
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+# -- goldens, determinism, formatting ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec_path", shipped_specs(), ids=lambda p: p.stem)
+def test_committed_outputs_match_a_fresh_render(spec_path: Path, tmp_path: Path) -> None:
+    files, _ = render_spec(load_spec(spec_path), ALL_TARGETS, skip_inexpressible=True)
+    assert files, f"{spec_path.name} renders nothing"
+    write_all(files, tmp_path)
+    for item in files:
+        committed = REPO / item.path
+        assert committed.is_file(), f"{item.path} is not committed: run `kadapt generate`"
+        assert committed.read_bytes() == (tmp_path / item.path).read_bytes(), f"{item.path} is stale"
+
+
+def test_kimi_renders_every_target(kimi_files: dict[str, str]) -> None:
+    assert sorted(kimi_files) == [
+        "adapters/__init__.py",
+        "adapters/kimi_k25/__init__.py",
+        "adapters/kimi_k25/extraction.py",
+        "adapters/kimi_k25/tensorcast_profile.py",
+        "docs/specs/kimi_k25.md",
+    ]
+
+
+def test_rendering_is_deterministic_and_location_free(tmp_path: Path) -> None:
+    runner = CliRunner()
+    for out in ("a", "b"):
+        result = runner.invoke(cli, ["generate", str(KIMI), "--out", str(tmp_path / out)])
+        assert result.exit_code == 0, result.output
+    first, second = (
+        {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+        for root in (tmp_path / "a", tmp_path / "b")
+    )
+    assert first == second and len(first) == 5
+    for data in first.values():
+        text = data.decode()
+        assert str(REPO) not in text and str(tmp_path) not in text
+        assert text.endswith("\n") and not text.endswith("\n\n")
+
+
+def test_python_outputs_compile_and_are_ruff_clean(kimi_files: dict[str, str], tmp_path: Path) -> None:
+    for name, text in kimi_files.items():
+        if not name.endswith(".py"):
+            continue
+        compile(text, name, "exec")
+        assert format_python(text, name) == text, f"{name} is not stable under ruff"
+        target = tmp_path / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+    # The repository's own ruff settings. The only tolerated findings are over-long lines inside the
+    # verbatim runtime block (formatting is off there; runtime.py itself must fix them).
+    lint = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--config", str(REPO / "pyproject.toml")]
+        + ["--output-format", "json", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    extraction = kimi_files["adapters/kimi_k25/extraction.py"].splitlines()
+    runtime_block = range(extraction.index("# fmt: off"), extraction.index("# fmt: on") + 1)
+    for finding in json.loads(lint.stdout):
+        where = f"{finding['filename']}:{finding['location']['row']}"
+        assert finding["code"] == "E501" and finding["filename"].endswith("extraction.py"), where
+        assert finding["location"]["row"] - 1 in runtime_block, where
+
+
+def test_extraction_module_embeds_runtime_and_builtin_source(kimi_files: dict[str, str]) -> None:
+    text = kimi_files["adapters/kimi_k25/extraction.py"]
+    assert split_module(Path(runtime.__file__)).body in text  # byte for byte
+    assert "def mla_expand_kv_functional(" in text and "torch.cat((k_nope, k_rot), dim=-1)" in text
+    assert "kimi_adapter_core" not in text.replace("kimi_adapter_core/backends/extraction/runtime.py", "")
+    # one plain statement per extraction bridge, under its id and why
+    spec = load_spec(KIMI)
+    for bridge in spec.config_bridges:
+        assert (f"# {bridge.id} ({bridge.op}):" in text) == ("extraction" in bridge.backends)
+    assert 'written += _assign(raw, "text_config._experts_implementation", "batched_mm")' in text
+
+
+# -- --check and writing ------------------------------------------------------------------------------
+
+
+def test_check_reports_missing_and_stale_files_then_passes(tmp_path: Path) -> None:
+    runner = CliRunner()
+    args = ["generate", str(KIMI), "--out", str(tmp_path)]
+    missing = runner.invoke(cli, [*args, "--check"])
+    assert missing.exit_code == 1
+    assert "missing: adapters/kimi_k25/extraction.py" in missing.output
+    assert not (tmp_path / "adapters").exists(), "--check must not write"
+
+    assert runner.invoke(cli, args).exit_code == 0
+    assert runner.invoke(cli, [*args, "--check"]).exit_code == 0
+
+    profile = tmp_path / "adapters/kimi_k25/tensorcast_profile.py"
+    profile.write_text(profile.read_text().replace('"DeepseekV3MoE"', '"SomethingElse"'))
+    stale = runner.invoke(cli, [*args, "--check"])
+    assert stale.exit_code == 1
+    assert "stale: adapters/kimi_k25/tensorcast_profile.py" in stale.output
+    assert '-    "moe_module_name": "SomethingElse"' in stale.output
+    assert '+    "moe_module_name": "DeepseekV3MoE"' in stale.output
+    assert "1 generated file(s) out of date" in stale.output
+
+
+def test_check_without_spec_covers_the_shipped_specs_in_place() -> None:
+    result = CliRunner().invoke(cli, ["generate", "--check"])
+    assert result.exit_code == 0, result.output
+    assert "up to date" in result.output
+
+
+def test_unchanged_files_are_not_rewritten(tmp_path: Path) -> None:
+    files, _ = render_spec(load_spec(KIMI), ("docs",))
+    assert len(write_all(files, tmp_path)) == 1
+    assert write_all(files, tmp_path) == []
+    assert check_all(files, tmp_path) == []
+
+
+# -- errors: named entry and target, nothing half-written ----------------------------------------------
+
+
+def spec_variant(tmp_path: Path, edit: Any) -> Path:
+    """A copy of the Kimi spec (with its config) under ``tmp_path``, edited by ``edit(raw)``."""
+    shutil.copytree(SPECS / "kimi_k25", tmp_path / "kimi_k25")
+    raw = yaml.safe_load(KIMI.read_text())
+    edit(raw)
+    path = tmp_path / "variant.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("entry", "target"), [("abi", "extraction"), ("moe", "simulation"), ("module_paths", "simulation")]
+)
+def test_missing_entry_is_a_clear_error_and_writes_nothing(tmp_path: Path, entry: str, target: str) -> None:
+    def drop(raw: dict[str, Any]) -> None:
+        raw.pop(entry)
+        if entry == "moe":  # the semantic checks tie moe-related entries together
+            raw.pop("quantization", None)
+
+    path = spec_variant(tmp_path, drop)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["generate", str(path), "--target", target, "--out", str(out)])
+    if result.exit_code != 1 and "invalid spec" in str(result.exception):
+        pytest.skip(f"the validator already rejects a spec without {entry}")
+    assert result.exit_code == 1, result.output
+    assert f"cannot generate target '{target}'" in result.output and f"no '{entry}' entry" in result.output
+    assert not out.exists()
+
+
+def test_target_all_skips_what_a_spec_cannot_produce_with_a_note(tmp_path: Path) -> None:
+    path = spec_variant(tmp_path, lambda raw: raw.pop("abi"))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["generate", str(path), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "target 'extraction' skipped: the spec has no 'abi' entry" in result.output
+    assert (out / "adapters/kimi_k25/tensorcast_profile.py").is_file()
+    assert not (out / "adapters/kimi_k25/extraction.py").exists()
+
+
+def test_template_error_names_template_and_target_and_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    broken = tmp_path / "templates"
+    shutil.copytree(REPO / "templates", broken)
+    docs = broken / "docs" / "spec.md.j2"
+    docs.write_text(docs.read_text().replace("{{ spec.model }}", "{{ spec.no_such_field }}", 1))
+    monkeypatch.setattr(jinja_environment, "shipped_dir", lambda name: broken)
+    jinja_environment.environment.cache_clear()
+    try:
+        out = tmp_path / "out"
+        result = CliRunner().invoke(cli, ["generate", str(KIMI), "--out", str(out)])
+    finally:
+        jinja_environment.environment.cache_clear()
+    assert result.exit_code == 1
+    assert "cannot generate target 'docs' for spec 'kimi_k25': template spec.md.j2:2" in result.output
+    assert "no_such_field" in result.output
+    assert not out.exists(), "extraction and simulation rendered fine but must not be written alone"
+
+
+def test_default_out_is_refused_for_specs_outside_the_checkout(tmp_path: Path) -> None:
+    path = spec_variant(tmp_path, lambda raw: None)
+    result = CliRunner().invoke(cli, ["generate", str(path), "--target", "docs"])
+    assert result.exit_code == 2
+    assert "--out is required" in result.output
+
+
+# -- the TensorCast profile ---------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def profile_module(kimi_files: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    path = tmp_path / "tensorcast_profile.py"
+    path.write_text(kimi_files["adapters/kimi_k25/tensorcast_profile.py"])
+    for name in [n for n in sys.modules if n == "tensor_cast" or n.startswith("tensor_cast.")]:
+        monkeypatch.delitem(sys.modules, name)
+    return import_path(path, "generated_tensorcast_profile")
+
+
+def test_profile_imports_without_tensorcast_and_every_field_traces_to_the_spec(profile_module: Any) -> None:
+    assert not any(n == "tensor_cast" or n.startswith("tensor_cast.") for n in sys.modules)
+    spec = load_spec(KIMI)
+    sources = dict(PROFILE_FIELDS)
+    for name, value in profile_module.PROFILE.items():
+        node: Any = spec.raw
+        for key in sources[name].split("."):
+            node = node[key]
+        assert value == node, name
+    profile = profile_module.PROFILE
+    assert profile["moe_module_name"] == "DeepseekV3MoE"
+    assert profile["mla_module_name"] == "DeepseekV3Attention"
+    assert profile["moe_num_experts_key"] == ["text_config", "n_routed_experts"]
+    assert profile["language_layers_path_str"] == spec.module_paths["language_layers"]
+    assert profile["visual_layers_path_str"] == spec.module_paths["vision_layers"]
+    assert profile["mla_field_names_override"] == {"q_proj": "q_a_proj", "qk_head_dim": "q_head_dim"}
+    assert profile["moe_route_after_dp_transform"] is True
+    assert profile["moe_gate_returns_raw_logits"] is False
+
+
+def hub_config() -> dict[str, Any]:
+    return json.loads((SPECS / "kimi_k25" / "config.json").read_text())
+
+
+def to_namespace(value: Any) -> Any:
+    if isinstance(value, dict):
+        return SimpleNamespace(**{k: to_namespace(v) for k, v in value.items()})
+    return value
+
+
+def test_config_patch_is_gated_per_call(profile_module: Any) -> None:
+    other = {"model_type": "deepseek_v3", "n_routed_experts": 256, "vision_config": {"vt_hidden_size": 3}}
+    untouched = copy.deepcopy(other)
+    assert profile_module.hf_config_patch_method(other, "deepseek-ai/DeepSeek-V3") is other
+    assert other == untouched
+    wrong_sub_config = hub_config()
+    wrong_sub_config["text_config"]["model_type"] = "llama"
+    before = copy.deepcopy(wrong_sub_config)
+    profile_module.hf_config_patch_method(wrong_sub_config, "x")
+    assert wrong_sub_config == before
+
+
+def test_config_patch_bridges_dicts_and_namespaces(profile_module: Any) -> None:
+    as_dict = profile_module.hf_config_patch_method(hub_config(), "moonshotai/Kimi-K2.5")
+    vision = as_dict["vision_config"]
+    assert vision["hidden_size"] == 1152 and "vt_hidden_size" not in vision
+    assert vision["pos_emb_time"] == 4 and "init_pos_emb_time" not in vision
+    assert (vision["spatial_merge_size"], vision["temporal_patch_size"], vision["in_channels"]) == (2, 1, 3)
+    assert (as_dict["n_routed_experts"], as_dict["n_shared_experts"]) == (384, 1)
+    assert "_experts_implementation" not in as_dict["text_config"], "extraction-only bridge leaked"
+
+    raw = hub_config()
+    raw["text_config"]["_attn_implementation"] = "flash_attention_2"
+    del raw["text_config"]["n_shared_experts"]
+    ns = profile_module.hf_config_patch_method(to_namespace(raw), None)
+    assert ns.vision_config.num_hidden_layers == 27 and not hasattr(ns.vision_config, "vt_num_hidden_layers")
+    assert ns.n_routed_experts == 384 and ns.n_shared_experts == 1  # the fallback
+    flash = importlib.util.find_spec("flash_attn") is not None
+    assert ns.text_config._attn_implementation == ("flash_attention_2" if flash else "eager")
+
+
+def test_register_without_tensorcast_raises_a_clear_import_error(
+    profile_module: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "tensor_cast", None)  # import tensor_cast -> ImportError
+    with pytest.raises(ImportError, match="needs TensorCast .*custom_model_registry cannot be imported"):
+        profile_module.register()
+    with pytest.raises(ImportError, match="needs TensorCast"):
+        with profile_module.replace_builtin():
+            pass
+
+
+def fake_tensorcast(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    """A stand-in for ``tensor_cast.transformers.custom_model_registry`` with its registration rules."""
+    import contextlib
+
+    @dataclasses.dataclass
+    class ModelProfile:
+        model_type: str
+        moe_module_name: str | None = None
+        moe_num_experts_key: str | list[str] = "num_experts"
+        moe_route_after_dp_transform: bool = False
+        moe_gate_returns_raw_logits: bool = False
+        moe_field_names_override: dict | None = None
+        mtp_block_module_name: str | None = None
+        mla_module_name: str | None = None
+        hf_config_patch_method: Any = None
+        mla_field_names_override: dict | None = None
+        visual_module_path: str | None = None
+        language_module_path: str | None = None
+        visual_layers_module_path: str | None = None
+        visual_layers_path_str: str | None = None
+        language_layers_path_str: str | None = None
+
+    registry_dict: dict[str, ModelProfile] = {}
+
+    def register_model_profile(profile: ModelProfile) -> ModelProfile:
+        if profile.model_type in registry_dict:
+            raise ValueError(f"ModelProfile for '{profile.model_type}' is already registered.")
+        registry_dict[profile.model_type] = profile
+        return profile
+
+    @contextlib.contextmanager
+    def ignore_model_profiles(model_types: list[str]) -> Any:
+        removed = {t: registry_dict.pop(t) for t in model_types if t in registry_dict}
+        try:
+            yield
+        finally:
+            registry_dict.update(removed)
+
+    registry = types.ModuleType("tensor_cast.transformers.custom_model_registry")
+    registry.ModelProfile = ModelProfile  # type: ignore[attr-defined]
+    registry.register_model_profile = register_model_profile  # type: ignore[attr-defined]
+    registry.ignore_model_profiles = ignore_model_profiles  # type: ignore[attr-defined]
+    registry.REGISTRY = registry_dict  # type: ignore[attr-defined]
+    package = types.ModuleType("tensor_cast")
+    transformers_pkg = types.ModuleType("tensor_cast.transformers")
+    package.transformers = transformers_pkg  # type: ignore[attr-defined]
+    transformers_pkg.custom_model_registry = registry  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "tensor_cast", package)
+    monkeypatch.setitem(sys.modules, "tensor_cast.transformers", transformers_pkg)
+    monkeypatch.setitem(sys.modules, "tensor_cast.transformers.custom_model_registry", registry)
+    return registry
+
+
+def test_register_and_duplicate(profile_module: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    registry = fake_tensorcast(monkeypatch)
+    profile = profile_module.register()
+    assert registry.REGISTRY["kimi_k25"] is profile
+    assert profile.language_module_path == "model.language_model"
+    assert profile.hf_config_patch_method is profile_module.hf_config_patch_method
+    with pytest.raises(ValueError, match="already has a ModelProfile for 'kimi_k25'.*replace_builtin"):
+        profile_module.register()
+
+
+def test_replace_builtin_swaps_for_the_block_and_restores(
+    profile_module: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    registry = fake_tensorcast(monkeypatch)
+    builtin = registry.ModelProfile("kimi_k25", visual_layers_path_str="vision_tower.encoder.blocks")
+    registry.register_model_profile(builtin)
+    with profile_module.replace_builtin() as ours:
+        assert registry.REGISTRY["kimi_k25"] is ours
+        assert ours.visual_layers_path_str == "model.vision_tower.layers"
+    assert registry.REGISTRY["kimi_k25"] is builtin
+
+
+# -- docs ---------------------------------------------------------------------------------------------
+
+
+def test_docs_tables_flowchart_and_abi(kimi_files: dict[str, str]) -> None:
+    doc = kimi_files["docs/specs/kimi_k25.md"]
+    spec = load_spec(KIMI)
+    for bridge in spec.config_bridges:
+        assert f"| {bridge.id} | {bridge.op} |" in doc
+    for patch in spec.patches:
+        assert f"| {patch.id} | `{patch.target}` | {patch.kind} |" in doc
+    assert "```mermaid\nflowchart TD" in doc and "SRC --> BR --> P0 --> M" in doc and "DI --> KV" in doc
+    assert "| input | `past.{layer}.key` | `[1, 1, 2048, 512]` | bfloat16 |" in doc
+    assert "| input | `past.{layer}.value` | `[1, 1, 2048, 64]` | bfloat16 |" in doc
+    assert "| output | `present.{layer}.key` | `[1, 1, 128, 512]` | bfloat16 |" in doc  # prefill
+    assert "| output | `logits` | `[1, 1, 163840]` | bfloat16 |" in doc
+    assert "| `transformers` | `>=5.23,<6` |" in doc
+    assert "| Q1 | `language_model.model.layers.*.mlp.experts.*` | 4 | 32 | int32 | bfloat16 |" in doc
+    assert "70,272 B per token" in doc
+
+
+def test_expanded_layout_docs_use_per_head_shapes(tmp_path: Path) -> None:
+    path = spec_variant(tmp_path, lambda raw: raw["abi"].update(kv_layout="expanded"))
+    files, _ = render_spec(load_spec(path), ("docs",))
+    doc = files[0].text
+    assert "| input | `past.{layer}.key` | `[1, 64, 2048, 192]` | bfloat16 |" in doc
+    assert "| input | `past.{layer}.value` | `[1, 64, 2048, 128]` | bfloat16 |" in doc
+
+
+def test_error_type_is_kadapt_error(tmp_path: Path) -> None:
+    path = spec_variant(tmp_path, lambda raw: raw.pop("abi"))
+    with pytest.raises(KadaptError, match="'extraction'.*no 'abi' entry"):
+        render_spec(load_spec(path), ("extraction",))
