@@ -13,7 +13,9 @@ from .errors import KadaptError
 
 
 @contextlib.contextmanager
-def atomic_open(path: str | os.PathLike[str], mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO]:
+def atomic_open(
+    path: str | os.PathLike[str], mode: str = "w", encoding: str | None = "utf-8"
+) -> Iterator[IO]:
     """Open a temp file beside ``path``; rename it over ``path`` only if the block succeeds."""
     target = Path(path)
     try:

@@ -8,6 +8,7 @@ them for ``--help`` and only the one invoked otherwise, so ``kadapt --help`` and
 from __future__ import annotations
 
 import importlib
+
 import click
 
 from .. import __version__

@@ -29,6 +29,7 @@ _TEXT_TAGS = {f"{_CORE}timestamp"}
 # compose nodes here (construction is ours), so neither ever builds a Python object from a tag.
 _SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
+
 @dataclass
 class LoadedYaml:
     """The constructed document (``None`` if loading failed), its positions and the problems found."""
