@@ -1,4 +1,4 @@
-"""``kadapt apply`` and ``kadapt pin`` end to end (backend none: no extraction needed)."""
+"""``kadapt apply`` and ``kadapt pin`` end to end, through the CLI as a user runs them."""
 
 from __future__ import annotations
 
@@ -10,32 +10,49 @@ import pytest
 from click.testing import CliRunner
 from fixtures.remote_kimi import write_remote_model
 
-from kimi_adapter_core.builtins.registry import BUILTINS
 from kimi_adapter_core.cli import cli
 
 REPO = Path(__file__).resolve().parents[1]
-needs_mla = pytest.mark.skipif(
-    "mla_expand_kv_functional" not in BUILTINS,
-    reason="specs/kimi_k25.yaml's K1 needs builtin:mla_expand_kv_functional "
-    "(kimi_adapter_core/builtins/mla.py, "
-    "written by the extraction work) and it is not registered yet",
-)
 
 
 def run(*args: str):
     return CliRunner().invoke(cli, list(args), catch_exceptions=False)
 
 
-@needs_mla
-def test_apply_full_kimi_on_meta_backend_none():
-    result = run("apply", str(REPO / "specs" / "kimi_k25.yaml"), "--backend", "none", "--format", "json")
+def test_main_job_extracts_full_kimi(tmp_path):
+    """The README's main job: the full Kimi-K2.5 on meta, offline, extraction backend (the default)."""
+    out = tmp_path / "out"
+    result = run("apply", str(REPO / "specs" / "kimi_k25.yaml"), "--output-dir", str(out), "--format", "json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert data["model"]["layers"] == 61 and data["model"]["experts"] == 384
     assert data["model"]["class"] == "Kimi_K25ForConditionalGeneration"
     assert data["ledger"]["counts"]["failed"] == 0
     statuses = {e["id"]: e["status"] for e in data["ledger"]["entries"]}
-    assert statuses["K1"] == "not for this backend" and statuses["B1"] == "applied"
+    assert statuses["K1"] == "applied" and statuses["X2"] == "applied" and statuses["B1"] == "applied"
+    assert statuses["P2"] == "gated off"  # no flash_attention_2 in the shipped config
+    written = sorted(p.name for p in out.iterdir())
+    assert written == [f"kimi_k25_text_{kind}.json" for kind in ("decode_ir", "kv_mapping", "prefill_ir")]
+    for kind in ("prefill", "decode"):
+        graph = data["extraction"]["graphs"][kind]
+        assert (graph["layers"], graph["path"]) == (61, str(out / f"kimi_k25_text_{kind}_ir.json"))
+
+
+def test_apply_backend_none_builds_without_extracting(tmp_path):
+    result = run("apply", str(REPO / "specs" / "kimi_k25.yaml"), "--backend", "none", "--format", "json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert "extraction" not in data
+    assert {e["id"]: e["status"] for e in data["ledger"]["entries"]}["K1"] == "not for this backend"
+
+
+def test_apply_rejects_bad_sizes_before_building(tmp_path):
+    result = run(
+        "apply", str(REPO / "specs" / "kimi_k25.yaml"), "--prefill-len", "4096", "--output-dir", str(tmp_path)
+    )
+    assert result.exit_code == 1
+    assert "prefill_len" in result.output and "max_cache_len" in result.output
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.fixture

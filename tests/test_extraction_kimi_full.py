@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -19,11 +18,8 @@ torch_ir = pytest.importorskip("torch_ir")
 @pytest.mark.slow
 def test_full_kimi_extraction(tmp_path: Path) -> None:
     options = options_from_spec(SPEC, output_dir=tmp_path)
-    start = time.perf_counter()
     with applied(SPEC, backend="extraction"):
         summary = run(SPEC, load_model(SPEC, device="meta"), options, echo=lambda _: None)
-    seconds = time.perf_counter() - start
-    assert seconds < 60  # ~10 s here; pytorch-ir's own example takes 254 s
     for kind in ("prefill", "decode"):
         stats = summary.graphs[kind]
         assert (stats.layers, stats.traced_layers) == (61, 2)

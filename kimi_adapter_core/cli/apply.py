@@ -16,17 +16,6 @@ from ..errors import KadaptError
 from ..patching.selection import CHOICES
 
 
-def _extraction() -> Any:
-    try:
-        from ..backends import extraction
-    except ImportError as exc:
-        raise KadaptError(f"the extraction backend is not available in this installation: {exc}") from exc
-    for name in ("options_from_spec", "run", "verify"):
-        if not hasattr(extraction, name):
-            raise KadaptError(f"the extraction backend does not provide {name}() yet; use --backend none")
-    return extraction
-
-
 def _experts(spec: Any, config: Any) -> Any:
     key = spec.moe.get("num_experts_key")
     if key is None:
@@ -98,7 +87,8 @@ def command(
     spec = load_spec(spec_path)
     extraction = opts = None
     if backend == "extraction":
-        extraction = _extraction()
+        from ..backends import extraction
+
         opts = extraction.options_from_spec(
             spec,
             output_dir=output_dir,
@@ -113,24 +103,30 @@ def command(
             "need --backend extraction"
         )
     echo = click.echo if fmt == "text" else (lambda *args, **kwargs: None)
+    result: dict[str, Any] = {}
     with applied(spec, backend=backend, trust_remote_code=trust_remote_code, source_dir=source_dir) as ledger:
+        echo(ledger.render_table())
+        echo(f"building {spec.name} on {device} ...")
         model = load_model(spec, device=device)
         summary = model_summary(spec, model)
-        if fmt == "json":
-            click.echo(_json({"ledger": ledger.to_dict(), "model": summary}))
-        else:
-            click.echo(ledger.render_table())
-            click.echo(
-                f"model {summary['class']}: {summary['parameters']:,} parameters on {device}, "
-                f"{summary['layers']} layers, {summary['experts']} experts"
-            )
+        result.update(ledger=ledger.to_dict(), model=summary)
+        echo(
+            f"model {summary['class']}: {summary['parameters']:,} parameters on {device}, "
+            f"{summary['layers']} layers, {summary['experts']} experts"
+        )
         if extraction is not None:
-            result = extraction.run(spec, model, opts, echo=echo)
-            echo(result.render())
+            extracted = extraction.run(spec, model, opts, echo=echo)
+            result["extraction"] = extracted.to_dict()
+            echo(extracted.render())
+    report = None
     if extraction is not None and verify:
         report = extraction.verify(spec, opts, echo=echo)
-        if not report.passed:
-            raise KadaptError("verification failed: the saved IR does not match transformers")
+        result["verify"] = report.to_dict()
+        echo(report.render())
+    if fmt == "json":
+        click.echo(_json(result))
+    if report is not None and not report.passed:
+        raise KadaptError("verification failed: the saved IR does not match transformers")
 
 
 def _json(data: dict[str, Any]) -> str:
