@@ -60,7 +60,7 @@ def render_simulation(spec: Spec) -> list[Rendered]:
             spec,
             TARGET,
             f"its simulation patches/shims ({', '.join(carried_elsewhere)}) cannot be carried by a "
-            "TensorCast profile module yet (kadapt's own simulation backend applies them)",
+            "TensorCast profile module yet (`kadapt apply --backend simulation` applies them in-process)",
         )
     fields = profile_fields(spec)
     context = {
