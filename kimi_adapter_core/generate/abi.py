@@ -14,7 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from ..backends.extraction import runtime
-from ..backends.extraction.options import DECODE_FIXED, PREFILL_FIXED, GraphNames, _graph_names
+from ..backends.extraction.options import DECODE_FIXED, PREFILL_FIXED, GraphNames, abi_graph_names
 from ..config.bridges import apply_bridges
 from ..config.source import resolve_source
 from ..errors import KadaptError
@@ -67,8 +67,7 @@ def graph_tables(spec: Spec, d: Dims) -> tuple[GraphNames, GraphNames, list[dict
     """Names of both graphs, and per graph ``{title, graph, tensors: [{role, name, shape, dtype}]}``."""
     abi = spec.abi
     assert abi is not None
-    prefill = _graph_names(abi.prefill, PREFILL_FIXED, decode=False, where="abi.prefill", spec=spec)
-    decode = _graph_names(abi.decode, DECODE_FIXED, decode=True, where="abi.decode", spec=spec)
+    prefill, decode = abi_graph_names(spec)
     b, s, cap = abi.batch, abi.prefill_len, abi.max_cache_len
 
     def fixed(names: GraphNames, q: int, keys: int) -> list[dict[str, Any]]:

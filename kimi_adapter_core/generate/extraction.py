@@ -14,7 +14,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ..backends.extraction import runtime, weights
-from ..backends.extraction.options import DECODE_FIXED, PREFILL_FIXED, _graph_names
+from ..backends.extraction.options import abi_graph_names, kv_names
 from ..errors import KadaptError
 from ..patching.impls import resolve_impl
 from ..patching.targets import parse_target
@@ -77,8 +77,7 @@ def render_extraction(spec: Spec) -> list[Rendered]:
     for key in ("language_model", "lm_head"):
         if key not in spec.module_paths:
             raise _fail(spec, "module_paths", f"module_paths has no {key!r}, which the wrappers need")
-    prefill = _graph_names(abi.prefill, PREFILL_FIXED, decode=False, where="abi.prefill", spec=spec)
-    decode = _graph_names(abi.decode, DECODE_FIXED, decode=True, where="abi.decode", spec=spec)
+    prefill, decode = abi_graph_names(spec)
     runtime_module = split_module(Path(runtime.__file__))
     embedded = EmbeddedCallables()
     patches = _patches(spec, embedded)
@@ -105,14 +104,7 @@ def render_extraction(spec: Spec) -> list[Rendered]:
             "prefill_outputs": list(abi.prefill.outputs),
             "decode_inputs": list(abi.decode.inputs),
             "decode_outputs": list(abi.decode.outputs),
-            "kv_names": {
-                "prefill_key": prefill.present_key,
-                "prefill_value": prefill.present_value,
-                "decode_key_in": decode.past_key,
-                "decode_value_in": decode.past_value,
-                "decode_key_out": decode.present_key,
-                "decode_value_out": decode.present_value,
-            },
+            "kv_names": kv_names(prefill, decode),
         },
         "file_prefix": backend.get("file_prefix") or spec.name,
         "module_paths": {k: spec.module_paths[k] for k in ("language_model", "lm_head")},

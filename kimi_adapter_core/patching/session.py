@@ -175,21 +175,25 @@ class Session:
 
     # -- applying --------------------------------------------------------------------------------
 
-    def apply(self) -> None:
+    def _load_config(self) -> None:
+        """Load the spec's config (bridges recorded in the ledger, gate checked) for this session."""
         from ..config.load import load
 
+        self.config, self.source = load(
+            self.spec,
+            backend=self.backend,
+            trust_remote_code=self.trust_remote_code,
+            ledger=self.ledger,
+            source_dir=self.source_dir,
+            from_hub=self.from_hub,
+        )
+
+    def apply(self) -> None:
         shims, planned = self._plan_all()
         try:
             for shim in shims:
                 self._install_shim(shim)
-            self.config, self.source = load(
-                self.spec,
-                backend=self.backend,
-                trust_remote_code=self.trust_remote_code,
-                ledger=self.ledger,
-                source_dir=self.source_dir,
-                from_hub=self.from_hub,
-            )
+            self._load_config()
             self._remote = [p for p in planned if p.ref.remote and not p.not_for_backend]
             for item in self._remote:
                 self._bind_remote(item)
@@ -268,16 +272,7 @@ class Session:
             for shim in shims:
                 self._install_shim(shim)
             if any(p.is_remote for p in self.spec.patches):
-                from ..config.load import load
-
-                self.config, self.source = load(
-                    self.spec,
-                    backend=self.backend,
-                    trust_remote_code=self.trust_remote_code,
-                    ledger=self.ledger,
-                    source_dir=self.source_dir,
-                    from_hub=self.from_hub,
-                )
+                self._load_config()
             for patch in self.spec.patches:
                 planned = PlannedPatch(patch, parse_target(patch.target), None, self.spec.locate(patch.where))
                 must_exist = patch.kind != "set_attribute"

@@ -47,6 +47,19 @@ class GraphNames:
         return names
 
 
+def kv_names(prefill: GraphNames, decode: GraphNames) -> dict[str, str]:
+    """The per-layer KV name templates of both graphs, keyed as the KV mapping names them."""
+    assert decode.past_key is not None and decode.past_value is not None
+    return {
+        "prefill_key": prefill.present_key,
+        "prefill_value": prefill.present_value,
+        "decode_key_in": decode.past_key,
+        "decode_value_in": decode.past_value,
+        "decode_key_out": decode.present_key,
+        "decode_value_out": decode.present_value,
+    }
+
+
 @dataclass(frozen=True)
 class ExtractionOptions:
     """Everything ``run``/``verify`` need besides the spec and the model."""
@@ -74,6 +87,15 @@ class ExtractionOptions:
         """Output file of ``graph`` (``prefill``, ``decode`` or ``kv_mapping``)."""
         suffix = "kv_mapping.json" if graph == "kv_mapping" else f"{graph}_ir.json"
         return self.output_dir / f"{self.file_prefix}_{suffix}"
+
+
+def abi_graph_names(spec: Spec) -> tuple[GraphNames, GraphNames]:
+    """Prefill and decode names from ``spec.abi`` (KadaptError at the entry when roles do not fit)."""
+    assert spec.abi is not None
+    return (
+        _graph_names(spec.abi.prefill, PREFILL_FIXED, decode=False, where="abi.prefill", spec=spec),
+        _graph_names(spec.abi.decode, DECODE_FIXED, decode=True, where="abi.decode", spec=spec),
+    )
 
 
 def _graph_names(
@@ -177,14 +199,15 @@ def options_from_spec(
     out = Path(output_dir if output_dir is not None else backend.get("output_dir") or f"out/{spec.name}")
     out = out if out.is_absolute() else Path.cwd() / out
     check_writable(out)
+    prefill_names, decode_names = abi_graph_names(spec)
     return ExtractionOptions(
         output_dir=out,
         file_prefix=str(backend.get("file_prefix") or spec.name),
         model_name=str(backend.get("model_name") or spec.name),
         dtype=abi.dtype,
         kv_layout=layout,
-        prefill_names=_graph_names(abi.prefill, PREFILL_FIXED, decode=False, where="abi.prefill", spec=spec),
-        decode_names=_graph_names(abi.decode, DECODE_FIXED, decode=True, where="abi.decode", spec=spec),
+        prefill_names=prefill_names,
+        decode_names=decode_names,
         weight_renames=tuple((r["from"], r["to"]) for r in backend.get("weight_renames") or ()),
         verify_overrides=dict(verify.get("config_overrides") or {}),
         verify_tolerance=float(verify.get("tolerance", 1e-4)),

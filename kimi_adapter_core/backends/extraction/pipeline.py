@@ -22,7 +22,7 @@ from .encoding import enum_tables
 from .export import Backbone, check_exportable, export_wrapper, to_graph
 from .graph import Graph
 from .irjson import FORMAT_VERSION, ir_chunks
-from .options import ExtractionOptions
+from .options import ExtractionOptions, kv_names
 from .stitch import NotStitchable, Plan, plan, stitch
 from .summary import ExtractionSummary, GraphStats
 from .weights import cast_to_abi_dtype, keep_fp32_names, model_tensor_types, tied_names, weight_entries
@@ -113,7 +113,6 @@ def metadata(spec: Spec, backbone: Backbone, options: ExtractionOptions, graph: 
 
 def kv_mapping_document(options: ExtractionOptions, backbone: Backbone) -> dict[str, Any]:
     prefill, decode = options.prefill_names, options.decode_names
-    assert decode.past_key is not None and decode.past_value is not None
     mapping = runtime.build_kv_mapping(
         backbone.config,
         kv_layout=options.kv_layout,
@@ -122,14 +121,7 @@ def kv_mapping_document(options: ExtractionOptions, backbone: Backbone) -> dict[
         max_cache_len=options.max_cache_len,
         num_layers=len(backbone.layers),
         dtype=options.dtype,
-        names={
-            "prefill_key": prefill.present_key,
-            "prefill_value": prefill.present_value,
-            "decode_key_in": decode.past_key,
-            "decode_value_in": decode.past_value,
-            "decode_key_out": decode.present_key,
-            "decode_value_out": decode.present_value,
-        },
+        names=kv_names(prefill, decode),
     )
     graphs = {"prefill_graph": options.path("prefill").name, "decode_graph": options.path("decode").name}
     return {"format_version": FORMAT_VERSION, "model_name": options.model_name, **graphs, **mapping}
