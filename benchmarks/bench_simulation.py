@@ -19,55 +19,17 @@ Sources
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
-from kimi_adapter_core.backends.simulation.arch import architecture
 from kimi_adapter_core.backends.simulation.deployment import Deployment
 from kimi_adapter_core.backends.simulation.device import get_device
+from kimi_adapter_core.backends.simulation.inputs import model_inputs
 from kimi_adapter_core.backends.simulation.parallel import Parallel
-from kimi_adapter_core.backends.simulation.quant import mode_policy
 from kimi_adapter_core.backends.simulation.simulator import simulate
+from kimi_adapter_core.spec import load_spec
 
-# deepseek-ai/DeepSeek-V3 config.json (the fields sizing reads); weights ship FP8 (W8A8 here).
-DEEPSEEK_V3 = {
-    "model_type": "deepseek_v3",
-    "hidden_size": 7168,
-    "num_hidden_layers": 61,
-    "num_attention_heads": 128,
-    "num_key_value_heads": 128,
-    "q_lora_rank": 1536,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "intermediate_size": 18432,
-    "moe_intermediate_size": 2048,
-    "n_routed_experts": 256,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 8,
-    "first_k_dense_replace": 3,
-    "n_group": 8,
-    "topk_group": 4,
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 2.5,
-    "scoring_func": "sigmoid",
-    "topk_method": "noaux_tc",
-    "vocab_size": 129280,
-    "max_position_embeddings": 163840,
-    "num_nextn_predict_layers": 1,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-    "rope_scaling": {
-        "type": "yarn",
-        "factor": 40,
-        "original_max_position_embeddings": 4096,
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-    },
-}
+# DeepSeek-V3 as a spec (config values beside it); its weights ship FP8, so W8A8 here.
+SPEC = Path(__file__).resolve().parent / "specs" / "deepseek_v3.yaml"
 
 
 @dataclass(frozen=True)
@@ -118,11 +80,13 @@ CASES = [
 
 
 def main() -> None:
-    arch = architecture(DEEPSEEK_V3, None)
-    policy = mode_policy("W8A8", ())
+    spec = load_spec(SPEC)
+    inputs = model_inputs(spec, "W8A8")
     print(f"{'case':48} {'source':8} {'est tok/s/dev':>13} {'measured':>9} {'error':>7}  step")
     for case in CASES:
-        sim = simulate(arch, DEEPSEEK_V3, case.deployment, policy, "W8A8", get_device(case.device))
+        sim = simulate(
+            inputs.arch, spec, case.deployment, inputs.policy, inputs.quant_label, get_device(case.device)
+        )
         est = sim.tokens_per_s_per_device
         error = (est - case.measured_tok_s_per_device) / case.measured_tok_s_per_device
         print(

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+import yaml
 from click.testing import CliRunner
 from test_plan import sizing_spec  # tests/ is on sys.path (no package, rootdir import mode)
 
@@ -13,9 +16,17 @@ from kimi_adapter_core.backends.simulation.deployment import Deployment
 from kimi_adapter_core.backends.simulation.device import get_device
 from kimi_adapter_core.backends.simulation.inputs import model_inputs
 from kimi_adapter_core.backends.simulation.parallel import Parallel
+from kimi_adapter_core.backends.simulation.rank_model import (
+    RankMLA,
+    RoutedExperts,
+    build_rank,
+    declared_classes,
+)
 from kimi_adapter_core.backends.simulation.simulator import Simulation, simulate
+from kimi_adapter_core.backends.simulation.tracer import Recorder
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import KadaptError
+from kimi_adapter_core.loading import applied
 from kimi_adapter_core.spec import Spec, load_spec
 
 
@@ -45,9 +56,7 @@ def run(
 ) -> Simulation:
     inputs = model_inputs(spec, quant)
     dep = Deployment(Parallel(tp, dp, ep), batch, query_len, context_len, decode, mtp)
-    return simulate(
-        inputs.arch, inputs.text_config, dep, inputs.policy, inputs.quant_label, get_device(device)
-    )
+    return simulate(inputs.arch, spec, dep, inputs.policy, inputs.quant_label, get_device(device))
 
 
 @pytest.fixture(scope="module")
@@ -190,3 +199,116 @@ def test_cli_errors(spec_path: Path, args: list[str], code: int, message: str) -
     result = CliRunner().invoke(cli, ["simulate", str(spec_path), *args])
     assert result.exit_code == code, result.output
     assert message in result.output
+
+
+# --- the per-rank model is the spec's model ---------------------------------------------------------
+
+
+def variant(spec_path: Path, tmp: Path, edit: Any) -> Spec:
+    """A copy of the sizing spec (its config next to it) after ``edit(raw_yaml_dict)``."""
+    raw = yaml.safe_load(spec_path.read_text(encoding="utf-8"))
+    edit(raw)
+    (tmp / "kimi_k25").mkdir(exist_ok=True)
+    (tmp / "kimi_k25" / "config.json").write_bytes(
+        (spec_path.parent / "kimi_k25" / "config.json").read_bytes()
+    )
+    copy = tmp / "variant.yaml"
+    copy.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+    return load_spec(copy)
+
+
+def test_traced_modules_are_the_spec_classes(spec: Spec) -> None:
+    inputs = model_inputs(spec, None)
+    t, dep = inputs.arch.text, Deployment(Parallel(8, 1, 8), 32, 1, 4096, True, 0)
+    with applied(spec, backend="simulation"), torch.device("meta"):
+        parts, notes = build_rank(spec, t, dep, Recorder(), inputs.policy, declared_classes(spec, t))
+    assert notes == []  # the shipped bridges change no text size
+    assert len(parts.attention) == 2 and all(isinstance(m, RankMLA) for m in parts.attention)
+    assert {m.adopted.__name__ for m in parts.attention} == {spec.mla["attention_class"]}
+    assert [m.heads for m in parts.attention] == [64 // 8, 64 // 8]  # per-rank heads, from the override
+    assert parts.moe_layer is not None and parts.dense_layer is not None
+    moe = parts.mlps[-1]
+    assert type(moe).__name__ == spec.moe["moe_class"]
+    assert isinstance(moe.experts, RoutedExperts)
+    assert type(moe.gate).__name__ == spec.moe["gate_class"] and moe.gate.weight.dtype == torch.float32
+    assert parts.lm_head.weight.shape == (163840 // 8, 7168)  # vocab-parallel slice
+
+
+def test_unknown_attention_class_is_named(spec_path: Path, tmp_path: Path) -> None:
+    bad = variant(spec_path, tmp_path, lambda raw: raw["mla"].update(attention_class="KimiMLAttention"))
+    with pytest.raises(KadaptError) as info:
+        run(bad)
+    message = str(info.value)
+    assert "mla.attention_class = 'KimiMLAttention' matches no module" in message
+    assert "in model.language_model.layers.0" in message  # the first traced layer (the dense one)
+    assert "DeepseekV3Attention, DeepseekV3DecoderLayer, DeepseekV3MLP" in message  # what it holds instead
+    assert info.value.location and info.value.location.startswith(str(bad.path))
+
+
+def test_attention_class_without_mla_fields(spec_path: Path, tmp_path: Path) -> None:
+    bad = variant(spec_path, tmp_path, lambda raw: raw["mla"].update(attention_class="DeepseekV3MLP"))
+    with pytest.raises(KadaptError, match="DeepseekV3MLP has no num_heads"):
+        run(bad)
+
+
+@pytest.mark.parametrize(
+    "edit, entry",
+    [
+        (lambda raw: raw.pop("mla"), "mla.attention_class"),  # a spec with no mla section at all
+        (lambda raw: raw["moe"].pop("experts_class"), "moe.experts_class"),
+    ],
+)
+def test_missing_class_entry(spec_path: Path, tmp_path: Path, edit: Any, entry: str) -> None:
+    bad = variant(spec_path, tmp_path, edit)
+    with pytest.raises(KadaptError, match=f"has no {entry}: simulate swaps"):
+        run(bad)
+
+
+def _bridge(raw: dict[str, Any], path: str, value: Any) -> None:
+    raw["config_bridges"].append(
+        {"id": "T1", "why": "test", "op": "set", "path": path, "value": value, "backends": ["simulation"]}
+    )
+
+
+def test_bridge_changing_a_traced_size_is_honoured(
+    spec_path: Path, tmp_path: Path, decode: Simulation
+) -> None:
+    narrow = variant(spec_path, tmp_path, lambda raw: _bridge(raw, "text_config.q_lora_rank", 768))
+
+    def q_a_flops(sim: Simulation) -> float:
+        return next(r.flops for r in sim.rows() if r.module == "moe_layer.self_attn.q_a_proj")
+
+    sim = run(narrow)
+    assert q_a_flops(decode) == 2 * 32 * 7168 * 1536 * 60  # the shipped q_lora_rank
+    assert q_a_flops(sim) == 2 * 32 * 7168 * 768 * 60  # the bridged one reached the traced module
+    assert any("q_lora_rank from 1536 to 768" in w for w in sim.warnings)
+
+
+def test_bridge_may_not_undo_a_per_rank_size(spec_path: Path, tmp_path: Path) -> None:
+    bad = variant(spec_path, tmp_path, lambda raw: _bridge(raw, "text_config.num_attention_heads", 64))
+    with pytest.raises(KadaptError, match="num_attention_heads = 64 over the per-rank value 8"):
+        run(bad)
+
+
+DEEPSEEK_V3 = "transformers.models.deepseek_v3.modeling_deepseek_v3"
+
+
+def test_gated_patches_reach_the_traced_model(spec_path: Path, tmp_path: Path) -> None:
+    def probe(raw: dict[str, Any]) -> None:
+        raw["patches"] = [
+            {
+                "id": "T2",
+                "why": "test: a simulation-only attribute on the spec's decoder layers",
+                "target": f"{DEEPSEEK_V3}:DeepseekV3DecoderLayer.kadapt_probe",
+                "kind": "set_attribute",
+                "value": 7,
+                "backends": ["simulation"],
+            }
+        ]
+
+    patched = variant(spec_path, tmp_path, probe)
+    inputs = model_inputs(patched, None)
+    t, dep = inputs.arch.text, Deployment(Parallel(8, 1, 8), 32, 1, 4096, True, 0)
+    with applied(patched, backend="simulation"), torch.device("meta"):
+        parts, _ = build_rank(patched, t, dep, Recorder(), inputs.policy, declared_classes(patched, t))
+        assert parts.moe_layer is not None and parts.moe_layer.kadapt_probe == 7  # claimed for the spec

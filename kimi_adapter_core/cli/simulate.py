@@ -110,7 +110,7 @@ def command(
         kv_dtype,
     )
     dep.check(inputs.arch.text)
-    sim = simulate(inputs.arch, inputs.text_config, dep, inputs.policy, inputs.quant_label, profile)
+    sim = simulate(inputs.arch, spec, dep, inputs.policy, inputs.quant_label, profile)
     if trace_path is not None:
         atomic_write_text(trace_path, json.dumps(chrome_trace(sim)))
     click.echo(json.dumps(sim_json(sim), indent=2) if fmt == "json" else sim_text(sim, top or None))

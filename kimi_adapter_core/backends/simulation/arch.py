@@ -170,6 +170,16 @@ def read_config(spec: Spec) -> dict[str, Any]:
         raise KadaptError(f"config {path} is not valid JSON: {exc}") from exc
 
 
+def text_key(spec: Spec, raw: dict[str, Any]) -> str | None:
+    """Key of the text sub-config in the root config, or None when the root is the text config.
+
+    ``abi.config`` says it when the spec has an ABI; otherwise a ``text_config`` entry decides.
+    """
+    if spec.abi is not None:
+        return spec.abi.config
+    return "text_config" if isinstance(raw.get("text_config"), dict) else None
+
+
 def spec_architecture(spec: Spec) -> Architecture:
-    text_key = spec.abi.config if spec.abi else "text_config"
-    return architecture(read_config(spec), text_key)
+    raw = read_config(spec)
+    return architecture(raw, text_key(spec, raw))

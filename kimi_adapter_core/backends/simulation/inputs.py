@@ -3,7 +3,9 @@
 Shared by ``kadapt plan`` and ``kadapt simulate`` so that both size the same model the same way.
 Plan works from the raw hub JSON (``spec.source.config``), not ``loading.load_config``: the config
 bridges only rename vision fields (both spellings are accepted) and add root-level copies the
-planner does not read, so they cannot change a size - and the raw path needs no torch.
+planner does not read, so they cannot change a size - and the raw path needs no torch. ``simulate``
+sizes the deployment from these too, but builds the model it traces through the spec
+(``rank_model``: ``applied`` + ``load_config`` + ``load_model``), bridges and patches included.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...spec.model import Spec
-from .arch import Architecture, architecture, read_config
+from .arch import Architecture, architecture, read_config, text_key
 from .quant import Policy, resolve_policy
 
 
@@ -26,9 +28,9 @@ class ModelInputs:
 
 def model_inputs(spec: Spec, quant: str | None) -> ModelInputs:
     raw = read_config(spec)
-    text_key = spec.abi.config if spec.abi else "text_config"
-    arch = architecture(raw, text_key)
+    key = text_key(spec, raw)
+    arch = architecture(raw, key)
     declared = list(spec.backend_options("simulation").get("quant_modes") or [])
     policy = resolve_policy(quant, declared, spec.quantization)
-    text_cfg = raw[text_key] if text_key else raw
+    text_cfg = raw[key] if key else raw
     return ModelInputs(arch, text_cfg, policy, quant.upper() if quant else "checkpoint")

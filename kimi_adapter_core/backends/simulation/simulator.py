@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ...spec.model import Spec
 from .arch import Architecture
 from .cost import Priced, price
 from .deployment import Deployment
@@ -67,7 +68,7 @@ class Simulation:
 
 def simulate(
     arch: Architecture,
-    text_cfg: dict[str, Any],
+    spec: Spec,
     dep: Deployment,
     policy: Policy,
     quant_label: str,
@@ -75,10 +76,11 @@ def simulate(
     *,
     warnings: tuple[str, ...] = (),
 ) -> Simulation:
-    """Price one prefill or decode step of ``dep`` on ``device``."""
+    """Price one prefill or decode step of ``dep`` on ``device``; the per-rank model is built from
+    ``spec`` (its bridges and patches for backend ``simulation``), sized by ``arch``."""
     t = arch.text
     dep.check(t)
-    rec = trace_rank(text_cfg, t, dep, policy)
+    rec, trace_notes = trace_rank(spec, t, dep, policy)
     kernels = tuple(price(op, device) for op in fuse(rec.ops))
     kv = kv_sizing(t, dep.kv_dtype)
     logits_tokens = dep.tokens_per_rank if dep.decode else dep.batch_per_rank
@@ -89,7 +91,7 @@ def simulate(
         activation_bytes(t, dep.parallel, dep.tokens_per_rank, logits_tokens),
         device,
     )
-    notes = list(warnings)
+    notes = [*warnings, *trace_notes]
     if dep.mtp and not t.num_mtp_layers:
         notes.append(
             f"the model declares no MTP layers (num_nextn_predict_layers=0); the {dep.mtp} draft "
