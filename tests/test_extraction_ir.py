@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from fixtures.spec_files import KIMI_SPEC
 
 from kimi_adapter_core.backends.extraction import options_from_spec, run
 from kimi_adapter_core.backends.extraction import pipeline as pipeline_module
@@ -17,17 +19,15 @@ from kimi_adapter_core.backends.extraction.encoding import dtype_codes
 from kimi_adapter_core.backends.extraction.roundtrip import tiny_overrides
 from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.loading import applied, load_config, load_model
-from kimi_adapter_core.spec import load_spec
 
 torch_ir = pytest.importorskip("torch_ir")
 
-REPO = Path(__file__).resolve().parents[1]
-SPEC = load_spec(REPO / "specs" / "kimi_k25.yaml")
+SPEC = KIMI_SPEC
 LAYERS = 3
 
 
 def tiny_model(overrides: dict[str, Any] | None = None) -> torch.nn.Module:
-    options = options_from_spec(SPEC, output_dir=REPO / "out")
+    options = options_from_spec(SPEC, output_dir=Path(tempfile.gettempdir()))  # only sizes are read
     config = load_config(SPEC, overrides={**tiny_overrides(SPEC, options), **(overrides or {})})
     return load_model(SPEC, device="meta", config=config)  # fp32 parameters: run() casts to the ABI's bf16
 

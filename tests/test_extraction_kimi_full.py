@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures.spec_files import KIMI_SPEC as SPEC
 
 from kimi_adapter_core.backends.extraction import options_from_spec, run
 from kimi_adapter_core.loading import applied, load_model
-from tests.test_extraction_ir import SPEC
 
 torch_ir = pytest.importorskip("torch_ir")
 

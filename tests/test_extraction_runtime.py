@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures.spec_files import KIMI_SPEC as SPEC
 
 from kimi_adapter_core.backends.extraction import options_from_spec, runtime
 from kimi_adapter_core.backends.extraction.roundtrip import tiny_overrides
 from kimi_adapter_core.loading import applied, load_config, load_model, submodule
-from tests.test_extraction_ir import SPEC
 
 
 def test_runtime_imports_only_stdlib_and_torch() -> None:

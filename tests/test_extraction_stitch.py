@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from fixtures.spec_files import KIMI_SPEC as SPEC
 from torch import nn
 
 from kimi_adapter_core.backends.extraction import options_from_spec, runtime
@@ -27,7 +28,6 @@ from kimi_adapter_core.backends.extraction.pipeline import Clock, backbone_of, b
 from kimi_adapter_core.backends.extraction.roundtrip import tiny_overrides
 from kimi_adapter_core.backends.extraction.stitch import NotStitchable, Plan, plan, stitch
 from kimi_adapter_core.loading import applied, load_config, load_model
-from tests.test_extraction_ir import SPEC
 
 torch_ir = pytest.importorskip("torch_ir")
 LAYERS = 4

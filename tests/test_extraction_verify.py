@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from fixtures.spec_files import KIMI_SPEC as SPEC
 
 from kimi_adapter_core.backends.extraction import options_from_spec, verify
 from kimi_adapter_core.backends.extraction.roundtrip import Check, VerifyReport, tiny_overrides
-from tests.test_extraction_ir import SPEC
 
 pytest.importorskip("torch_ir")
 
