@@ -2,19 +2,37 @@
 
 Each profile field is copied from exactly one spec entry (``PROFILE_FIELDS``); a field whose entry
 the spec leaves out is left out too, so TensorCast's own default applies rather than a guess.
+
+A spec with environment shims or simulation patches also gets the patch runtime
+(``tensorcast_runtime.py``, embedded verbatim) plus its shims and patches as data, with each
+implementation's own source embedded; ``hf_config_patch_method`` installs them behind the gate.
 """
 
 from __future__ import annotations
 
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Any
 
+from ..errors import KadaptError
+from ..patching.impls import resolve_impl
+from ..patching.targets import parse_target
 from ..spec.model import Spec
+from . import tensorcast_runtime
 from .bridges import bridge_context
 from .common import Rendered, cannot, gate_context, lookup, package_files, require, spec_identity
+from .embed import EmbeddedCallables, split_module
 from .environment import render
 
 TARGET = "simulation"
+# Patch kinds the embedded runtime installs (tensorcast_runtime.BUILDERS + set_attribute).
+GENERATED_KINDS = (*tensorcast_runtime.BUILDERS, "set_attribute")
+# Names the profile template itself defines at module level: embedded code must not rebind them.
+TEMPLATE_NAMES = frozenset(
+    {"MODEL_TYPE", "GATE_MODEL_TYPE", "GATE_SUB_CONFIGS", "PROFILE", "REGISTRY_MODULE", "SHIMS", "PATCHES"}
+    | {"gate_matches", "hf_config_patch_method", "remove_patches", "installed_patches", "model_profile"}
+    | {"register", "replace_builtin", "_registry", "_RUNTIME", "_MISSING", "_PATH_STEP", "_steps"}
+    | {"_child", "_lookup", "_parent", "_assign", "_rename", "_copy", "_set_default", "_importable"}
+)
 
 # ModelProfile field -> spec entry it is copied from (TensorCast msmodeling 0.2.0 field names).
 PROFILE_FIELDS: tuple[tuple[str, str], ...] = (
@@ -51,17 +69,80 @@ def profile_fields(spec: Spec) -> list[dict[str, Any]]:
     return fields
 
 
+def _embed(spec: Spec, embedded: EmbeddedCallables, impl: str, who: str, where: str) -> str:
+    try:
+        return embedded.add(resolve_impl(impl), what=f"{who} ({impl})")
+    except KadaptError as exc:
+        raise cannot(spec, TARGET, exc.message, where) from exc
+
+
+def _shims(spec: Spec, embedded: EmbeddedCallables) -> list[dict[str, Any]]:
+    rows = []
+    for shim in spec.environment:
+        module, _, attr = shim.target.partition(":")
+        if shim.kind != "inject_symbol" or not module or not attr.isidentifier():
+            raise cannot(
+                spec, TARGET, f"environment {shim.id}: {shim.kind} {shim.target!r} has no generated form"
+            )
+        value = _embed(spec, embedded, shim.impl, f"environment {shim.id}", shim.where)
+        rows.append({"id": shim.id, "why": shim.why, "module": module, "attr": attr, "value": value})
+    return rows
+
+
+def _patches(spec: Spec, embedded: EmbeddedCallables) -> list[dict[str, Any]]:
+    rows = []
+    for patch in spec.patches:
+        if TARGET not in patch.backends:
+            continue
+        if patch.kind not in GENERATED_KINDS:
+            raise cannot(
+                spec, TARGET, f"patch {patch.id}: kind {patch.kind!r} has no generated form", patch.where
+            )
+        if patch.pin is not None:
+            raise cannot(
+                spec, TARGET, f"patch {patch.id}: pins are not checked by generated code yet", patch.where
+            )
+        ref = parse_target(patch.target)
+        impl = _embed(spec, embedded, patch.impl, f"patch {patch.id}", patch.where) if patch.impl else None
+        rows.append(
+            {
+                "id": patch.id,
+                "why": patch.why,
+                "kind": patch.kind,
+                "module": ref.module,
+                "owner": tuple(ref.owner_path),
+                "attr": ref.attr,
+                "remote": ref.remote,
+                "impl": impl,
+                "value": patch.value,
+                "options": dict(sorted(patch.options.items())),
+            }
+        )
+    return rows
+
+
+def _runtime_context(spec: Spec) -> dict[str, Any]:
+    """Shims, patches and the embedded runtime; ``None`` when the spec has nothing to install."""
+    embedded = EmbeddedCallables()
+    shims, patches = _shims(spec, embedded), _patches(spec, embedded)
+    if not shims and not patches:
+        return {"runtime": None}
+    module = split_module(Path(tensorcast_runtime.__file__))
+    clashes = sorted((module.names | TEMPLATE_NAMES) & (set(embedded.sources) | set(embedded.constants)))
+    if clashes:
+        raise cannot(spec, TARGET, f"implementations {clashes} clash with names of the generated module")
+    return {
+        "runtime": {"imports": list(module.imports), "body": module.body, "summary": module.summary},
+        "shims": shims,
+        "patches": patches,
+        "impl_imports": sorted(embedded.imports - set(module.imports)),
+        "impl_constants": dict(sorted(embedded.constants.items())),
+        "impl_sources": list(embedded.sources.values()),
+    }
+
+
 def render_simulation(spec: Spec) -> list[Rendered]:
     require(spec, TARGET, "moe", "module_paths")
-    patches = [p.id for p in spec.patches if TARGET in p.backends]
-    carried_elsewhere = patches + [e.id for e in spec.environment]
-    if carried_elsewhere:
-        raise cannot(
-            spec,
-            TARGET,
-            f"its simulation patches/shims ({', '.join(carried_elsewhere)}) cannot be carried by a "
-            "TensorCast profile module yet (`kadapt apply --backend simulation` applies them in-process)",
-        )
     fields = profile_fields(spec)
     context = {
         "spec": spec_identity(spec),
@@ -69,6 +150,7 @@ def render_simulation(spec: Spec) -> list[Rendered]:
         "model_type": next(f["value"] for f in fields if f["name"] == "model_type"),
         "profile": fields,
         **bridge_context(spec, backend=TARGET, target=TARGET),
+        **_runtime_context(spec),
     }
     text = render("simulation/tensorcast_profile.py.j2", context, spec_name=spec.name, target=TARGET)
     return [
