@@ -69,11 +69,43 @@ def test_cli_overrides_win(tmp_path: Path) -> None:
         ({"max_cache_len": 0}, "max_cache_len must be a positive integer"),
         ({"prefill_len": 64, "max_cache_len": 32}, "prefill_len 64 does not fit in max_cache_len 32"),
         ({"kv_layout": "paged"}, "unknown kv_layout 'paged'"),
+        ({"mla_attention": "fused"}, "unknown mla_attention 'fused'"),
+        (
+            {"kv_layout": "expanded", "mla_attention": "absorbed"},
+            "abi.mla_attention 'absorbed' .* needs abi.kv_layout 'latent'",
+        ),
     ],
 )
 def test_bad_sizes_and_layouts(tmp_path: Path, kwargs: dict, message: str) -> None:
     with pytest.raises(KadaptError, match=message):
         options_from_spec(SPEC, output_dir=tmp_path, **kwargs)
+
+
+def test_mla_attention_from_spec_and_override(tmp_path: Path) -> None:
+    assert SPEC.abi is not None and SPEC.abi.mla_attention == "reexpand"
+    assert options_from_spec(SPEC, output_dir=tmp_path).mla_attention == "reexpand"
+    assert options_from_spec(SPEC, output_dir=tmp_path, mla_attention="absorbed").mla_attention == "absorbed"
+    absorbed = dataclasses.replace(SPEC, abi=dataclasses.replace(SPEC.abi, mla_attention="absorbed"))
+    assert options_from_spec(absorbed, output_dir=tmp_path).mla_attention == "absorbed"
+    assert options_from_spec(absorbed, output_dir=tmp_path, mla_attention="reexpand").mla_attention == (
+        "reexpand"
+    )
+    with pytest.raises(KadaptError, match="needs abi.kv_layout 'latent'") as error:
+        options_from_spec(absorbed, output_dir=tmp_path, kv_layout="expanded")
+    assert error.value.location is not None and "kimi_k25.yaml" in error.value.location
+
+
+def test_mla_attention_in_the_schema(tmp_path: Path) -> None:
+    text = (REPO / "specs" / "kimi_k25.yaml").read_text()
+    spec_file = tmp_path / "kimi_k25.yaml"
+    layout = "  kv_layout: latent\n"
+    spec_file.write_text(text.replace(layout, layout + "  mla_attention: absorbed\n"))
+    (tmp_path / "kimi_k25").symlink_to(REPO / "specs" / "kimi_k25")
+    spec = load_spec(spec_file)
+    assert spec.abi is not None and spec.abi.mla_attention == "absorbed"
+    spec_file.write_text(text.replace(layout, layout + "  mla_attention: fused\n"))
+    with pytest.raises(Exception, match="mla_attention"):
+        load_spec(spec_file)
 
 
 def test_unwritable_output_dir(tmp_path: Path) -> None:

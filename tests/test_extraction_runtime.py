@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ def test_runtime_imports_only_stdlib_and_torch() -> None:
         "__future__",
         "contextlib",
         "functools",
+        "sys",
         "collections",
         "typing",
         "torch",
@@ -106,6 +108,74 @@ def test_wrappers_equal_transformers_forward(tiny_cpu: torch.nn.Module, kv_layou
     assert all("expand_kv" not in layer.self_attn.__dict__ for layer in language_model.layers)
 
 
+def _greedy(prefill: Any, decode: Any, ids: torch.Tensor, steps: int, cache_len: int) -> tuple[Any, ...]:
+    """Prefill logits and presents, then ``steps`` greedy decode steps over a ``cache_len`` cache."""
+    _, mask, positions = runtime.prefill_inputs(
+        batch=1, prefill_len=ids.shape[1], dtype=torch.float32, device="cpu"
+    )
+    logits, *present = prefill(ids, mask, positions)
+    cache = runtime.place_prefill_kv(present, cache_len)
+    token = logits[:, -1:].argmax(-1)
+    tokens, step_logits = [token], []
+    for position in range(ids.shape[1], ids.shape[1] + steps):
+        pos = torch.full((1, 1), position)
+        mask = runtime.additive_causal_mask(pos, cache_len, torch.float32)
+        decoded, *cache = decode(token, mask, pos, torch.tensor([position]), *cache)
+        token = decoded[:, -1:].argmax(-1)
+        tokens.append(token)
+        step_logits.append(decoded)
+    return logits, present, torch.cat(tokens, dim=1), torch.cat(step_logits, dim=1), cache
+
+
+def test_absorbed_mla_equals_reexpand(tiny_cpu: torch.nn.Module) -> None:
+    """Absorbing kv_b_proj is the same math: logits and cache within 1e-5, identical greedy tokens."""
+    language_model, lm_head = (
+        submodule(tiny_cpu, SPEC, "language_model"),
+        submodule(tiny_cpu, SPEC, "lm_head"),
+    )
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    runs, kv_b_calls = {}, []
+    hooks = [
+        layer.self_attn.kv_b_proj.register_forward_hook(lambda *_: kv_b_calls.append(1))
+        for layer in language_model.layers
+    ]
+    try:
+        with torch.no_grad(), applied(SPEC, backend="extraction"):
+            for attention in runtime.MLA_ATTENTIONS:
+                kv_b_calls.clear()
+                wrappers = [
+                    cls.from_language_model(
+                        language_model, lm_head, kv_layout="latent", mla_attention=attention
+                    )
+                    for cls in (runtime.PrefillWrapper, runtime.DecodeWrapper)
+                ]
+                runs[attention] = _greedy(*wrappers, ids, steps=16, cache_len=24)
+                # reexpand runs kv_b_proj in every layer of every step; absorbed only reads its weight
+                assert len(kv_b_calls) == (0 if attention == "absorbed" else 2 * 17)
+                assert all("forward" not in layer.self_attn.__dict__ for layer in language_model.layers)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    (logits, present, tokens, decoded, cache), (a_logits, a_present, a_tokens, a_decoded, a_cache) = (
+        runs["reexpand"],
+        runs["absorbed"],
+    )
+    tolerance = {"atol": 1e-5, "rtol": 1e-5}
+    torch.testing.assert_close(a_logits, logits, **tolerance)
+    for ours, theirs in zip([*a_present, *a_cache], [*present, *cache], strict=True):
+        torch.testing.assert_close(ours, theirs, **tolerance)
+    torch.testing.assert_close(a_decoded, decoded, **tolerance)
+    assert torch.equal(a_tokens, tokens) and len(set(tokens[0].tolist())) > 3
+
+
+def test_absorbed_needs_the_latent_layout() -> None:
+    with pytest.raises(ValueError, match="needs kv_layout 'latent'"):
+        runtime.check_mla_attention("expanded", "absorbed")
+    with pytest.raises(ValueError, match="unknown mla_attention 'fused'"):
+        runtime.check_mla_attention("latent", "fused")
+    runtime.check_mla_attention("expanded", "reexpand")
+
+
 def test_wrappers_work_with_torch_ir_extract_ir() -> None:
     torch_ir = pytest.importorskip("torch_ir")
     options = options_from_spec(SPEC, output_dir="/tmp")
@@ -128,3 +198,63 @@ def test_wrappers_work_with_torch_ir_extract_ir() -> None:
         ir = torch_ir.extract_ir(wrapper, inputs, strict=False)
     assert len(ir.graph_inputs) == 4 + 4 and len(ir.graph_outputs) == 1 + 4
     assert [tuple(m.shape) for m in ir.graph_outputs[1:3]] == [(1, 1, 8, 16), (1, 1, 8, 8)]
+
+
+def _attention_matmul_flops(graph: Any) -> int:
+    """Multiply-add FLOPs of every linear/mm/bmm node inside the attentions, from node shapes."""
+    import math
+
+    types, flops = graph.node_types(), 0
+    for node in graph.nodes:
+        if ".self_attn" not in node.scope:
+            continue
+        op = node.op.split(".")[1]
+        if op in ("linear", "mm", "bmm", "matmul"):
+            first = graph.type_of(node.inputs[0], types).shape
+            flops += 2 * math.prod(node.outputs[0].shape) * first[-1]
+    return flops
+
+
+def test_absorbed_decode_graph_never_expands_the_cache() -> None:
+    """kv_b_proj's weight is only reshaped (never a linear over the cache) and the attention FLOPs drop."""
+    import dataclasses
+
+    from kimi_adapter_core.backends.extraction.graph import WEIGHT
+    from kimi_adapter_core.backends.extraction.pipeline import Clock, backbone_of, build_graph
+    from kimi_adapter_core.backends.extraction.stitch import Plan
+
+    cache_len, graphs = 48, {}
+    options = options_from_spec(SPEC, output_dir="/tmp", prefill_len=4, max_cache_len=cache_len)
+    config = load_config(
+        SPEC, overrides={**tiny_overrides(SPEC, options), "text_config.num_hidden_layers": 2}
+    )
+    with applied(SPEC, backend="extraction"):
+        model = load_model(SPEC, device="meta", config=config, dtype=torch.float32)
+        backbone = backbone_of(SPEC, model)
+        for attention in runtime.MLA_ATTENTIONS:
+            chosen = dataclasses.replace(options, dtype="float32", mla_attention=attention)
+            graphs[attention] = build_graph("decode", backbone, chosen, Plan(2), Clock(lambda _: None))
+    text = backbone.config
+    kv_b_out = text.num_attention_heads * (text.qk_nope_head_dim + text.v_head_dim)
+    for attention, graph in graphs.items():
+        consumers = {
+            node.op.split(".")[1]
+            for node in graph.nodes
+            for ref in node.inputs
+            if ref.kind == WEIGHT and ref.key.endswith("self_attn.kv_b_proj.weight")
+        }
+        expanding = [  # a kv_b_proj-sized output over the cache positions
+            node
+            for node in graph.nodes
+            if len(node.outputs[0].shape) >= 2
+            and node.outputs[0].shape[-2] == cache_len
+            and node.outputs[0].shape[-1] == kv_b_out
+        ]
+        if attention == "absorbed":
+            assert consumers and consumers <= {"view", "reshape", "_unsafe_view"}, consumers
+            assert not expanding
+        else:
+            assert "linear" in consumers and expanding
+    absorbed, reexpand = (_attention_matmul_flops(graphs[a]) for a in ("absorbed", "reexpand"))
+    # kv_b_proj over 48 positions dominates the re-expanding attention; absorbed pays H x r per position
+    assert 0 < absorbed * 2 < reexpand, (absorbed, reexpand)

@@ -1,4 +1,5 @@
-"""verify(): saved IR files, replayed by torch_ir, generate what transformers generates — both KV layouts."""
+"""verify(): saved IR files, replayed by torch_ir, generate what transformers generates — both KV layouts,
+and the absorbed MLA attention over the latent cache."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ from kimi_adapter_core.backends.extraction.roundtrip import Check, VerifyReport,
 pytest.importorskip("torch_ir")
 
 
-@pytest.mark.parametrize("kv_layout", ["latent", "expanded"])
-def test_verify_matches_transformers_generate(tmp_path: Path, kv_layout: str) -> None:
-    options = options_from_spec(SPEC, output_dir=tmp_path, kv_layout=kv_layout)
+@pytest.mark.parametrize(
+    ("kv_layout", "mla_attention"), [("latent", "reexpand"), ("expanded", "reexpand"), ("latent", "absorbed")]
+)
+def test_verify_matches_transformers_generate(tmp_path: Path, kv_layout: str, mla_attention: str) -> None:
+    options = options_from_spec(SPEC, output_dir=tmp_path, kv_layout=kv_layout, mla_attention=mla_attention)
+    assert options.verify_decode_steps >= 20
     lines: list[str] = []
     report = verify(SPEC, options, echo=lines.append)
     assert report.passed, report.render()
@@ -30,6 +34,7 @@ def test_verify_matches_transformers_generate(tmp_path: Path, kv_layout: str) ->
     assert len(set(report.tokens_ir[0])) > 5  # a real sequence, not one repeated token
     assert report.max_logit_diff <= options.verify_tolerance
     assert report.to_dict()["kv_layout"] == kv_layout and "PASSED" in report.render()
+    assert report.to_dict()["mla_attention"] == mla_attention and f"{mla_attention} MLA" in report.render()
     assert any("replicate decode" in line for line in lines)  # the stitched path was exercised
     assert list(tmp_path.iterdir()) == []  # the check writes to a temp dir, not the output dir
 

@@ -30,6 +30,7 @@ import importlib.util
 import inspect
 import json
 import re
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from pathlib import Path
@@ -46,6 +47,100 @@ from torch import nn
 
 # fmt: off
 KV_LAYOUTS = ("latent", "expanded")
+MLA_ATTENTIONS = ("reexpand", "absorbed")
+
+
+def check_mla_attention(kv_layout: str, mla_attention: str) -> None:
+    """``absorbed`` attends over the latent cache, so it needs ``kv_layout`` ``latent``."""
+    if mla_attention not in MLA_ATTENTIONS:
+        raise ValueError(f"unknown mla_attention {mla_attention!r}; valid: {', '.join(MLA_ATTENTIONS)}")
+    if mla_attention == "absorbed" and kv_layout != "latent":
+        raise ValueError(
+            f"mla_attention 'absorbed' attends over the latent cache and needs kv_layout 'latent', "
+            f"got kv_layout {kv_layout!r}"
+        )
+
+
+def _rope_helper(attn: nn.Module) -> Any:
+    """The rope function the attention's own module uses (honouring ``config.rope_interleave``)."""
+    module = sys.modules.get(type(attn).__module__)
+    name = "apply_rotary_pos_emb_interleave" if attn.config.rope_interleave else "apply_rotary_pos_emb"
+    helper = getattr(module, name, None)
+    if helper is None:
+        raise RuntimeError(f"absorbed MLA: {type(attn).__module__} has no {name}")
+    return helper
+
+
+def absorbed_mla_forward(
+    attn: nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None,
+    past_key_values: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``DeepseekV3Attention.forward`` with ``kv_b_proj`` absorbed (eager math, no dropout).
+
+    Projections, the latent split, ``kv_a_layernorm``, rope and the cache write are upstream's; then,
+    with ``W = kv_b_proj.weight.view(H, qk_nope + v, r)`` split into ``W_uk`` ``[H, qk_nope, r]`` and
+    ``W_uv`` ``[H, v, r]``: ``q_lat = q_nope W_uk`` ``[B, H, Q, r]``, scores ``(q_lat kv_nope^T +
+    q_rot k_rot^T) * scaling + mask``, softmax in fp32 cast back, ``out = (probs kv_nope) W_uv^T``.
+    The cache (``[B, 1, S, r]``, ``[B, 1, S, rope]``) is read as is: no per-head keys or values.
+    """
+    batch_size, seq_length = hidden_states.shape[:-1]
+    heads, nope, rope, v_dim = attn.num_heads, attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim
+    rank = attn.kv_lora_rank
+
+    if attn.q_lora_rank is None:
+        q_states = attn.q_proj(hidden_states)
+    else:
+        q_states = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(hidden_states)))
+    q_states = q_states.view(batch_size, seq_length, -1, attn.qk_head_dim).transpose(1, 2)
+    q_nope, q_rot = torch.split(q_states, [nope, rope], dim=-1)
+
+    compressed_kv = attn.kv_a_proj_with_mqa(hidden_states)
+    kv_nope, k_rot = torch.split(compressed_kv, [rank, rope], dim=-1)
+    kv_nope = attn.kv_a_layernorm(kv_nope)
+    kv_nope = kv_nope.view(batch_size, 1, seq_length, rank)
+    k_rot = k_rot.view(batch_size, 1, seq_length, rope)
+
+    cos, sin = position_embeddings
+    q_rot, k_rot = _rope_helper(attn)(q_rot, k_rot, cos, sin)
+
+    if past_key_values is not None:
+        kv_nope, k_rot = past_key_values.update(kv_nope, k_rot, attn.layer_idx)
+
+    weight = attn.kv_b_proj.weight.view(heads, nope + v_dim, rank)
+    w_uk, w_uv = torch.split(weight, [nope, v_dim], dim=1)  # [H, nope, r], [H, v, r]
+    q_lat = torch.matmul(q_nope, w_uk)  # [B, H, Q, r]
+    scores = torch.matmul(q_lat, kv_nope.transpose(2, 3)) + torch.matmul(q_rot, k_rot.transpose(2, 3))
+    scores = scores * attn.scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(q_states.dtype)
+    out_lat = torch.matmul(probs, kv_nope)  # [B, H, Q, r]
+    attn_output = torch.matmul(out_lat, w_uv.transpose(1, 2))  # [B, H, Q, v]
+    attn_output = attn_output.transpose(1, 2).reshape(batch_size, seq_length, heads * v_dim).contiguous()
+    return attn.o_proj(attn_output), None
+
+
+@contextlib.contextmanager
+def absorbing_mla(layers: Sequence[nn.Module], mla_attention: str) -> Iterator[None]:
+    """For ``absorbed``, shadow each layer's ``self_attn.forward`` with ``absorbed_mla_forward``.
+
+    Like ``StaticKVCache.routing_expand_kv``: an instance attribute, only inside this block.
+    """
+    if mla_attention != "absorbed":
+        yield
+        return
+    attentions = [layer.self_attn for layer in layers]
+    for attn in attentions:
+        attn.__dict__["forward"] = functools.partial(absorbed_mla_forward, attn)
+    try:
+        yield
+    finally:
+        for attn in attentions:
+            attn.__dict__.pop("forward", None)
 
 
 def kv_shapes(
@@ -156,21 +251,30 @@ class _TextStack(nn.Module):
         lm_head: nn.Module,
         *,
         kv_layout: str,
+        mla_attention: str = "reexpand",
     ) -> None:
         super().__init__()
         if kv_layout not in KV_LAYOUTS:
             raise ValueError(f"unknown kv_layout {kv_layout!r}; valid: {', '.join(KV_LAYOUTS)}")
+        check_mla_attention(kv_layout, mla_attention)
         self.embed_tokens = embed_tokens
         self.layers = nn.ModuleList(layers)
         self.norm = norm
         self.rotary_emb = rotary_emb
         self.lm_head = lm_head
         self.kv_layout = kv_layout
+        self.mla_attention = mla_attention
         self.layer_ids = [layer.self_attn.layer_idx for layer in self.layers]
 
     @classmethod
     def from_language_model(
-        cls, language_model: nn.Module, lm_head: nn.Module, *, kv_layout: str, num_layers: int | None = None
+        cls,
+        language_model: nn.Module,
+        lm_head: nn.Module,
+        *,
+        kv_layout: str,
+        num_layers: int | None = None,
+        mla_attention: str = "reexpand",
     ) -> _TextStack:
         """Wrap a transformers decoder model (``embed_tokens``/``layers``/``norm``/``rotary_emb``).
 
@@ -186,6 +290,7 @@ class _TextStack(nn.Module):
             language_model.rotary_emb,
             lm_head,
             kv_layout=kv_layout,
+            mla_attention=mla_attention,
         )
 
     def _run(
@@ -197,7 +302,7 @@ class _TextStack(nn.Module):
     ) -> tuple[torch.Tensor, ...]:
         hidden_states = self.embed_tokens(input_ids)
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
-        with cache.routing_expand_kv(self.layers):
+        with cache.routing_expand_kv(self.layers), absorbing_mla(self.layers, self.mla_attention):
             for layer in self.layers:
                 hidden_states = layer(
                     hidden_states,
@@ -301,11 +406,13 @@ def build_kv_mapping(
     num_layers: int,
     dtype: str,
     names: dict[str, str],
+    mla_attention: str = "reexpand",
 ) -> dict[str, Any]:
     """How prefill KV outputs become decode KV inputs, layer by layer.
 
     ``names`` maps ``prefill_key``/``prefill_value``/``decode_key_in``/``decode_value_in``/
     ``decode_key_out``/``decode_value_out`` to name templates containing ``{layer}``.
+    ``mla_attention`` is recorded only when it is not the default ``reexpand`` (the cache is the same).
     """
     prefill_shapes = kv_shapes(config, kv_layout, batch, prefill_len)
     decode_shapes = kv_shapes(config, kv_layout, batch, max_cache_len)
@@ -326,8 +433,10 @@ def build_kv_mapping(
                 "decode_value_output": tensor("decode_value_out", layer, decode_shapes[1]),
             }
         )
+    attention = {} if mla_attention == "reexpand" else {"mla_attention": mla_attention}
     return {
         "kv_layout": kv_layout,
+        **attention,
         "batch": batch,
         "prefill_len": prefill_len,
         "max_cache_len": max_cache_len,
@@ -365,6 +474,7 @@ PREFILL_LEN = 128
 MAX_CACHE_LEN = 2048
 DTYPE = "bfloat16"
 KV_LAYOUT = "latent"
+MLA_ATTENTION = "reexpand"
 PREFILL_INPUTS = ["input_ids", "attention_mask", "position_ids"]
 PREFILL_OUTPUTS = ["logits", "present.{layer}.key", "present.{layer}.value"]
 DECODE_INPUTS = [
@@ -834,6 +944,7 @@ def prefill_wrapper(model: torch.nn.Module, num_layers: int | None = None) -> Pr
         model.get_submodule(LM_HEAD_PATH),
         kv_layout=KV_LAYOUT,
         num_layers=num_layers,
+        mla_attention=MLA_ATTENTION,
     )
 
 
@@ -844,6 +955,7 @@ def decode_wrapper(model: torch.nn.Module, num_layers: int | None = None) -> Dec
         model.get_submodule(LM_HEAD_PATH),
         kv_layout=KV_LAYOUT,
         num_layers=num_layers,
+        mla_attention=MLA_ATTENTION,
     )
 
 
@@ -904,6 +1016,7 @@ def kv_mapping(
         num_layers=config.num_hidden_layers,
         dtype=DTYPE,
         names=KV_NAMES,
+        mla_attention=MLA_ATTENTION,
     )
 
 

@@ -64,6 +64,11 @@ def model_summary(spec: Any, model: Any) -> dict[str, Any]:
 @click.option("--max-cache-len", type=int, help="extraction: KV cache capacity (default: spec abi).")
 @click.option("--kv-layout", type=click.Choice(["latent", "expanded"]), help="extraction: KV cache layout.")
 @click.option(
+    "--mla-attention",
+    type=click.Choice(["reexpand", "absorbed"]),
+    help="extraction: MLA attention over the latent cache (absorbed: kv_b_proj absorbed, no re-expansion).",
+)
+@click.option(
     "--verify", is_flag=True, help="extraction: check the saved IR on a tiny model against transformers."
 )
 def command(
@@ -78,6 +83,7 @@ def command(
     prefill_len: int | None,
     max_cache_len: int | None,
     kv_layout: str | None,
+    mla_attention: str | None,
     verify: bool,
 ) -> None:
     """Apply SPEC behind its gate, build the model and run the chosen backend."""
@@ -96,10 +102,13 @@ def command(
             prefill_len=prefill_len,
             max_cache_len=max_cache_len,
             kv_layout=kv_layout,
+            mla_attention=mla_attention,
         )
-    elif verify or any(v is not None for v in (output_dir, batch, prefill_len, max_cache_len, kv_layout)):
+    elif verify or any(
+        v is not None for v in (output_dir, batch, prefill_len, max_cache_len, kv_layout, mla_attention)
+    ):
         raise KadaptError(
-            "--output-dir/--batch/--prefill-len/--max-cache-len/--kv-layout/--verify "
+            "--output-dir/--batch/--prefill-len/--max-cache-len/--kv-layout/--mla-attention/--verify "
             "need --backend extraction"
         )
     echo = click.echo if fmt == "text" else (lambda *args, **kwargs: None)

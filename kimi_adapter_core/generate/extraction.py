@@ -100,6 +100,7 @@ def render_extraction(spec: Spec) -> list[Rendered]:
             "max_cache_len": abi.max_cache_len,
             "dtype": abi.dtype,
             "kv_layout": abi.kv_layout,
+            "mla_attention": abi.mla_attention,
             "prefill_inputs": list(abi.prefill.inputs),
             "prefill_outputs": list(abi.prefill.outputs),
             "decode_inputs": list(abi.decode.inputs),

@@ -114,6 +114,7 @@ class Abi:
     kv_layout: str  # latent | expanded
     prefill: GraphAbi
     decode: GraphAbi
+    mla_attention: str = "reexpand"  # reexpand | absorbed (latent layout only)
 
 
 @dataclass(frozen=True)
@@ -234,6 +235,7 @@ def build_spec(path: Path, raw: dict[str, Any], positions: dict[str, Location]) 
                 kv_layout=abi.get("kv_layout", "latent"),
                 prefill=GraphAbi(tuple(abi["prefill"]["inputs"]), tuple(abi["prefill"]["outputs"])),
                 decode=GraphAbi(tuple(abi["decode"]["inputs"]), tuple(abi["decode"]["outputs"])),
+                mla_attention=abi.get("mla_attention", "reexpand"),
             )
             if abi
             else None

@@ -61,7 +61,11 @@ def check_exportable(backbone: Backbone) -> None:
 def wrapper_for(kind: str, backbone: Backbone, options: ExtractionOptions, num_layers: int) -> nn.Module:
     cls = runtime.PrefillWrapper if kind == "prefill" else runtime.DecodeWrapper
     return cls.from_language_model(
-        backbone.language_model, backbone.lm_head, kv_layout=options.kv_layout, num_layers=num_layers
+        backbone.language_model,
+        backbone.lm_head,
+        kv_layout=options.kv_layout,
+        num_layers=num_layers,
+        mla_attention=options.mla_attention,
     ).eval()
 
 

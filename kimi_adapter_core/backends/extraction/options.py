@@ -16,6 +16,7 @@ from ...errors import KadaptError
 from ...spec.model import GraphAbi, Spec
 
 KV_LAYOUTS = ("latent", "expanded")
+MLA_ATTENTIONS = ("reexpand", "absorbed")
 DTYPES = ("bfloat16", "float16", "float32", "float64")
 LAYER = "{layer}"
 PREFILL_FIXED = ("input_ids", "attention_mask", "position_ids")
@@ -80,6 +81,7 @@ class ExtractionOptions:
     verify_max_cache_len: int = 40
     verify_decode_steps: int = 24
     verify_tolerance: float = 1e-4
+    mla_attention: str = "reexpand"  # reexpand | absorbed (kv_b_proj absorbed; latent layout only)
     stitch: bool = True  # export one layer per kind and replicate it (False: export every layer)
     top_ops: int = 12
 
@@ -164,6 +166,7 @@ def options_from_spec(
     prefill_len: int | None = None,
     max_cache_len: int | None = None,
     kv_layout: str | None = None,
+    mla_attention: str | None = None,
 ) -> ExtractionOptions:
     """``spec.abi`` and ``backends.extraction`` defaults with CLI overrides, checked."""
     abi = spec.abi
@@ -187,6 +190,19 @@ def options_from_spec(
     layout = abi.kv_layout if kv_layout is None else kv_layout
     if layout not in KV_LAYOUTS:
         raise KadaptError(f"unknown kv_layout {layout!r}; valid: {', '.join(KV_LAYOUTS)}")
+    attention = abi.mla_attention if mla_attention is None else mla_attention
+    if attention not in MLA_ATTENTIONS:
+        raise KadaptError(f"unknown mla_attention {attention!r}; valid: {', '.join(MLA_ATTENTIONS)}")
+    if attention == "absorbed" and layout != "latent":
+        raise KadaptError(
+            f"abi.mla_attention 'absorbed' attends over the latent cache and needs abi.kv_layout 'latent', "
+            f"got kv_layout {layout!r}",
+            location=(
+                spec.locate("abi.mla_attention" if "abi.mla_attention" in spec.positions else "abi")
+                if mla_attention is None
+                else None
+            ),
+        )
     verify = dict(backend.get("verify") or {})
     verify_prefill = _positive("verify.prefill_len", verify.get("prefill_len", 8))
     verify_cache = _positive("verify.max_cache_len", verify.get("max_cache_len", 40))
@@ -206,6 +222,7 @@ def options_from_spec(
         model_name=str(backend.get("model_name") or spec.name),
         dtype=abi.dtype,
         kv_layout=layout,
+        mla_attention=attention,
         prefill_names=prefill_names,
         decode_names=decode_names,
         weight_renames=tuple((r["from"], r["to"]) for r in backend.get("weight_renames") or ()),

@@ -96,6 +96,7 @@ def metadata(spec: Spec, backbone: Backbone, options: ExtractionOptions, graph: 
             "max_cache_len": options.max_cache_len,
             "dtype": options.dtype,
             "kv_layout": options.kv_layout,
+            **({} if options.mla_attention == "reexpand" else {"mla_attention": options.mla_attention}),
         },
         "num_layers": len(backbone.layers),
         "stitching": graph.notes or None,
@@ -122,6 +123,7 @@ def kv_mapping_document(options: ExtractionOptions, backbone: Backbone) -> dict[
         num_layers=len(backbone.layers),
         dtype=options.dtype,
         names=kv_names(prefill, decode),
+        mla_attention=options.mla_attention,
     )
     graphs = {"prefill_graph": options.path("prefill").name, "decode_graph": options.path("decode").name}
     return {"format_version": FORMAT_VERSION, "model_name": options.model_name, **graphs, **mapping}
@@ -151,7 +153,8 @@ def run(spec: Spec, model: nn.Module, options: ExtractionOptions, *, echo: Echo)
     """
     clock = Clock(echo)
     echo(
-        f"extracting {options.model_name}: {options.kv_layout} KV, batch {options.batch}, "
+        f"extracting {options.model_name}: {options.kv_layout} KV, {options.mla_attention} MLA, "
+        f"batch {options.batch}, "
         f"prefill {options.prefill_len}, cache {options.max_cache_len}, {options.dtype}"
     )
     with clock.step("prepare"):
@@ -185,6 +188,7 @@ def run(spec: Spec, model: nn.Module, options: ExtractionOptions, *, echo: Echo)
     summary = ExtractionSummary(
         model_name=options.model_name,
         kv_layout=options.kv_layout,
+        mla_attention=options.mla_attention,
         sizes={
             "batch": options.batch,
             "prefill_len": options.prefill_len,

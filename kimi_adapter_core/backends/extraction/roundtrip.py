@@ -101,6 +101,7 @@ class Check:
 class VerifyReport:
     kv_layout: str
     tolerance: float
+    mla_attention: str = "reexpand"
     checks: list[Check] = field(default_factory=list)
     tokens_ir: list[list[int]] = field(default_factory=list)
     tokens_reference: list[list[int]] = field(default_factory=list)
@@ -117,7 +118,8 @@ class VerifyReport:
     def render(self) -> str:
         verdict = "PASSED" if self.passed else "FAILED"
         lines = [
-            f"verify ({self.kv_layout} KV, tolerance {self.tolerance:g}): {verdict} in {self.seconds:.1f} s"
+            f"verify ({self.kv_layout} KV, {self.mla_attention} MLA, tolerance {self.tolerance:g}): "
+            f"{verdict} in {self.seconds:.1f} s"
         ]
         lines += [f"  [{'ok' if c.passed else 'FAIL'}] {c.name}: {c.detail}" for c in self.checks]
         return "\n".join(lines)
@@ -126,6 +128,7 @@ class VerifyReport:
         return {
             "passed": self.passed,
             "kv_layout": self.kv_layout,
+            "mla_attention": self.mla_attention,
             "tolerance": self.tolerance,
             "max_logit_diff": self.max_logit_diff,
             "tokens_ir": self.tokens_ir,
@@ -255,7 +258,7 @@ def verify(spec: Spec, options: ExtractionOptions, *, echo: Callable[[str], Any]
     from ...loading import applied, load_config, load_model
 
     start = time.perf_counter()
-    report = VerifyReport(options.kv_layout, options.verify_tolerance)
+    report = VerifyReport(options.kv_layout, options.verify_tolerance, options.mla_attention)
     config = load_config(spec, backend="extraction", overrides=tiny_overrides(spec, options))
     text_config = getattr(config, spec.abi.config) if spec.abi is not None and spec.abi.config else config
     if text_config.num_hidden_layers < 2:
@@ -275,7 +278,8 @@ def verify(spec: Spec, options: ExtractionOptions, *, echo: Callable[[str], Any]
             meta = load_model(spec, device="meta", config=config, dtype=torch.float32).eval()
             echo(
                 f"verify: tiny {type(model).__name__}, {text_config.num_hidden_layers} layers, "
-                f"{small.kv_layout} KV, prefill {small.prefill_len}, cache {small.max_cache_len}"
+                f"{small.kv_layout} KV, {small.mla_attention} MLA, "
+                f"prefill {small.prefill_len}, cache {small.max_cache_len}"
             )
             run(spec, meta, small, echo=lambda line: echo(f"  {line.strip()}"))
         weights = {rename_weight(name, options.weight_renames): t for name, t in model.state_dict().items()}

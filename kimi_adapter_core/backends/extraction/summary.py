@@ -42,6 +42,7 @@ class ExtractionSummary:
     model_name: str
     kv_layout: str
     sizes: dict[str, int]
+    mla_attention: str = "reexpand"
     graphs: dict[str, GraphStats] = field(default_factory=dict)
     kv_mapping: Path | None = None
     kv_mapping_bytes: int = 0
@@ -56,6 +57,7 @@ class ExtractionSummary:
         return {
             "model_name": self.model_name,
             "kv_layout": self.kv_layout,
+            "mla_attention": self.mla_attention,
             **self.sizes,
             "graphs": {kind: stats.to_dict(self.top_ops) for kind, stats in self.graphs.items()},
             "kv_mapping": {"path": str(self.kv_mapping), "bytes": self.kv_mapping_bytes},
@@ -65,7 +67,10 @@ class ExtractionSummary:
 
     def render(self) -> str:
         sizes = ", ".join(f"{k} {v}" for k, v in self.sizes.items())
-        lines = [f"extracted {self.model_name} ({self.kv_layout} KV; {sizes}) in {self.seconds:.1f} s"]
+        lines = [
+            f"extracted {self.model_name} ({self.kv_layout} KV, {self.mla_attention} MLA; {sizes}) "
+            f"in {self.seconds:.1f} s"
+        ]
         for kind, stats in self.graphs.items():
             traced = f", {stats.traced_layers} traced" if stats.traced_layers != stats.layers else ""
             lines.append(
