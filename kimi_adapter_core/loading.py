@@ -96,6 +96,7 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     trust_remote_code: bool = False,
     source_dir: str | Path | None = None,
+    from_hub: bool = False,
 ) -> torch.nn.Module:
     """Build the full model with no weights and claim its modules for the spec's call-time gate.
 
@@ -115,7 +116,11 @@ def load_model(
         from .config.load import load
 
         loaded, source = load(
-            spec, backend=backend or "extraction", trust_remote_code=trust_remote_code, source_dir=source_dir
+            spec,
+            backend=backend or "extraction",
+            trust_remote_code=trust_remote_code,
+            source_dir=source_dir,
+            from_hub=from_hub,
         )
         config = config if config is not None else loaded
     remote_code = remote.uses_remote_code(spec)

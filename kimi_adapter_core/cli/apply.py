@@ -14,6 +14,7 @@ import click
 
 from ..errors import KadaptError
 from ..patching.selection import CHOICES
+from .source_options import source_options
 
 
 def _experts(spec: Any, config: Any) -> Any:
@@ -46,19 +47,10 @@ def model_summary(spec: Any, model: Any) -> dict[str, Any]:
 @click.option("--backend", type=click.Choice(CHOICES), default="extraction", show_default=True)
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.option(
-    "--trust-remote-code",
-    is_flag=True,
-    help="Allow the model's own remote code (the spec must allow it too).",
-)
-@click.option(
     "--device", default="meta", show_default=True, help="Device the model is built on (no weights)."
 )
-@click.option(
-    "--source-dir",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
-    help="Model directory (config.json + remote code) instead of the spec's shipped config.",
-)
-@click.option("--output-dir", type=click.Path(path_type=Path), help="extraction: where IR and weights go.")
+@source_options
+@click.option("--output-dir", type=click.Path(path_type=Path), help="extraction: output folder.")
 @click.option("--batch", type=int, help="extraction: batch size (default: spec abi).")
 @click.option("--prefill-len", type=int, help="extraction: prefill length (default: spec abi).")
 @click.option("--max-cache-len", type=int, help="extraction: KV cache capacity (default: spec abi).")
@@ -75,9 +67,10 @@ def command(
     spec_path: Path,
     backend: str,
     fmt: str,
-    trust_remote_code: bool,
     device: str,
+    trust_remote_code: bool,
     source_dir: Path | None,
+    from_hub: bool,
     output_dir: Path | None,
     batch: int | None,
     prefill_len: int | None,
@@ -113,7 +106,8 @@ def command(
         )
     echo = click.echo if fmt == "text" else (lambda *args, **kwargs: None)
     result: dict[str, Any] = {}
-    with applied(spec, backend=backend, trust_remote_code=trust_remote_code, source_dir=source_dir) as ledger:
+    source = {"trust_remote_code": trust_remote_code, "source_dir": source_dir, "from_hub": from_hub}
+    with applied(spec, backend=backend, **source) as ledger:
         echo(ledger.render_table())
         echo(f"building {spec.name} on {device} ...")
         model = load_model(spec, device=device)

@@ -11,19 +11,18 @@ from pathlib import Path
 
 import click
 
+from .source_options import source_options
+
 
 @click.command(name="pin")
 @click.argument("spec_path", metavar="SPEC", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option(
     "--write", is_flag=True, help="Rewrite the spec file (atomically) instead of only showing the diff."
 )
-@click.option("--trust-remote-code", is_flag=True, help="Allow the model's remote code (remote: targets).")
-@click.option(
-    "--source-dir",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
-    help="Model directory (config.json + remote code) instead of the spec's source.",
-)
-def command(spec_path: Path, write: bool, trust_remote_code: bool, source_dir: Path | None) -> None:
+@source_options
+def command(
+    spec_path: Path, write: bool, trust_remote_code: bool, source_dir: Path | None, from_hub: bool
+) -> None:
     """Recompute signature/source_sha256 pins of SPEC's patches and print the diff."""
     from ..atomic import atomic_write_text
     from ..patching import pins
@@ -35,7 +34,7 @@ def command(spec_path: Path, write: bool, trust_remote_code: bool, source_dir: P
     spec = load_spec(spec_path)
     with LOCK:
         resolved = Session(
-            spec, "none", trust_remote_code=trust_remote_code, source_dir=source_dir
+            spec, "none", trust_remote_code=trust_remote_code, source_dir=source_dir, from_hub=from_hub
         ).resolve_targets()
     fresh = {p.id: pins.compute(resolved[p.id].function()) for p in spec.patches if p.kind in CALLABLE_KINDS}
     old = spec_path.read_text(encoding="utf-8")
