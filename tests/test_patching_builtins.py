@@ -11,7 +11,7 @@ from kimi_adapter_core.builtins.moe_stubs import moe_gate_uniform, moe_zeros
 from kimi_adapter_core.builtins.registry import BUILTINS, resolve
 from kimi_adapter_core.builtins.rotary import rotary_seq_len_as_int
 from kimi_adapter_core.builtins.vision import meta_merged_embeddings, patch_embed_flat_linear
-from kimi_adapter_core.patching.kinds import pad_or_trim
+from kimi_adapter_core.patching.portable import pad_or_trim
 
 MINE = (
     "is_torch_fx_available",

@@ -21,7 +21,7 @@ Importing this module never imports TensorCast. There is no plugin entry point, 
 TensorCast's CLI runs, then either ``register()`` (no builtin profile for 'kimi_k25' yet) or
 ``with replace_builtin(): ...`` (TensorCast ships its own and it must step aside).
 
-Patch runtime of generated TensorCast profiles: environment shims and class patches, per-call gated.
+The patch runtime that works without kadapt: patch-kind behaviours, shims, per-call gating.
 (embedded below, verbatim)
 """
 
@@ -199,7 +199,7 @@ def installed_patches() -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Patch runtime, verbatim from kimi_adapter_core/generate/tensorcast_runtime.py
+# Patch runtime, verbatim from kimi_adapter_core/patching/portable.py
 # (kept byte for byte: formatting is switched off for it)
 # ---------------------------------------------------------------------------------------------
 
@@ -254,18 +254,24 @@ class ClassPatch:
 # -- patch kinds: each returns the patched behaviour, taking the original's arguments ----------------
 
 
-def build_replace(patch: ClassPatch, original: Callable[..., Any]) -> Callable[..., Any]:
-    if patch.impl is None:
-        raise ValueError(f"patch {patch.id}: kind replace needs an impl")
-    return patch.impl
+Behaviour = Callable[..., Any]
 
 
-def build_wrap(patch: ClassPatch, original: Callable[..., Any]) -> Callable[..., Any]:
-    allow = patch.options.get("allow_kwargs")
+def build_replace(
+    patch_id: str, options: Mapping[str, Any], impl: Behaviour | None, original: Behaviour
+) -> Behaviour:
+    if impl is None:
+        raise ValueError(f"patch {patch_id}: kind replace needs an impl")
+    return impl
+
+
+def build_wrap(
+    patch_id: str, options: Mapping[str, Any], impl: Behaviour | None, original: Behaviour
+) -> Behaviour:
+    allow = options.get("allow_kwargs")
     allowed = set(allow) if allow is not None else None
-    renames = dict(patch.options.get("rename_kwargs") or {})
-    stash = patch.options.get("stash_extra_as")
-    impl = patch.impl
+    renames = dict(options.get("rename_kwargs") or {})
+    stash = options.get("stash_extra_as")
 
     def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
         for old, new in renames.items():
@@ -288,10 +294,12 @@ def pad_or_trim(result: Any, arity: int) -> tuple[Any, ...]:
     return values[:arity] + (None,) * (arity - len(values))
 
 
-def build_adapt_return(patch: ClassPatch, original: Callable[..., Any]) -> Callable[..., Any]:
-    arity = patch.options.get("arity")
+def build_adapt_return(
+    patch_id: str, options: Mapping[str, Any], impl: Behaviour | None, original: Behaviour
+) -> Behaviour:
+    arity = options.get("arity")
     if not isinstance(arity, int) or arity < 1:
-        raise ValueError(f"patch {patch.id}: kind adapt_return needs options.arity (a positive integer)")
+        raise ValueError(f"patch {patch_id}: kind adapt_return needs options.arity (a positive integer)")
 
     def adapted(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
         return pad_or_trim(original(*args, **kwargs), arity)
@@ -299,9 +307,9 @@ def build_adapt_return(patch: ClassPatch, original: Callable[..., Any]) -> Calla
     return adapted
 
 
-def build_meta_stub(patch: ClassPatch, original: Callable[..., Any]) -> Callable[..., Any]:
-    impl = patch.impl
-
+def build_meta_stub(
+    patch_id: str, options: Mapping[str, Any], impl: Behaviour | None, original: Behaviour
+) -> Behaviour:
     def stub(*args: Any, **kwargs: Any) -> Any:
         import torch
 
@@ -315,7 +323,8 @@ def build_meta_stub(patch: ClassPatch, original: Callable[..., Any]) -> Callable
     return stub
 
 
-BUILDERS: dict[str, Callable[[ClassPatch, Callable[..., Any]], Callable[..., Any]]] = {
+# kind -> builder(patch_id, options, impl, original) returning the patched behaviour
+BUILDERS: dict[str, Callable[[str, Mapping[str, Any], Behaviour | None, Behaviour], Behaviour]] = {
     "replace": build_replace,
     "wrap": build_wrap,
     "adapt_return": build_adapt_return,
@@ -480,7 +489,9 @@ class PatchRuntime:
         else:
             if stored is _ABSENT or not callable(func):
                 raise TypeError(f"patch {patch.id}: {patch.target} is not a function")
-            dispatcher = self._gated(marker, func, BUILDERS[patch.kind](patch, func))
+            dispatcher = self._gated(
+                marker, func, BUILDERS[patch.kind](patch.id, patch.options, patch.impl, func)
+            )
             is_wrapped_method = isinstance(stored, (staticmethod, classmethod))
             new = type(stored)(dispatcher) if is_wrapped_method else dispatcher
         setattr(owner, patch.attr, new)

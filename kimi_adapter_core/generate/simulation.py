@@ -4,7 +4,7 @@ Each profile field is copied from exactly one spec entry (``PROFILE_FIELDS``); a
 the spec leaves out is left out too, so TensorCast's own default applies rather than a guess.
 
 A spec with environment shims or simulation patches also gets the patch runtime
-(``tensorcast_runtime.py``, embedded verbatim) plus its shims and patches as data, with each
+(``patching/portable.py``, embedded verbatim) plus its shims and patches as data, with each
 implementation's own source embedded; ``hf_config_patch_method`` installs them behind the gate.
 """
 
@@ -14,18 +14,18 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ..errors import KadaptError
+from ..patching import portable
 from ..patching.impls import resolve_impl
 from ..patching.targets import parse_target
 from ..spec.model import Spec
-from . import tensorcast_runtime
 from .bridges import bridge_context
 from .common import Rendered, cannot, gate_context, lookup, package_files, require, spec_identity
 from .embed import EmbeddedCallables, split_module
 from .environment import render
 
 TARGET = "simulation"
-# Patch kinds the embedded runtime installs (tensorcast_runtime.BUILDERS + set_attribute).
-GENERATED_KINDS = (*tensorcast_runtime.BUILDERS, "set_attribute")
+# Patch kinds the embedded runtime installs (portable.BUILDERS + set_attribute).
+GENERATED_KINDS = (*portable.BUILDERS, "set_attribute")
 # Names the profile template itself defines at module level: embedded code must not rebind them.
 TEMPLATE_NAMES = frozenset(
     {"MODEL_TYPE", "GATE_MODEL_TYPE", "GATE_SUB_CONFIGS", "PROFILE", "REGISTRY_MODULE", "SHIMS", "PATCHES"}
@@ -127,7 +127,7 @@ def _runtime_context(spec: Spec) -> dict[str, Any]:
     shims, patches = _shims(spec, embedded), _patches(spec, embedded)
     if not shims and not patches:
         return {"runtime": None}
-    module = split_module(Path(tensorcast_runtime.__file__))
+    module = split_module(Path(portable.__file__))
     clashes = sorted((module.names | TEMPLATE_NAMES) & (set(embedded.sources) | set(embedded.constants)))
     if clashes:
         raise cannot(spec, TARGET, f"implementations {clashes} clash with names of the generated module")

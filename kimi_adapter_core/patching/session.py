@@ -139,7 +139,7 @@ class Session:
         if patch.pin is not None:
             pins.verify(patch.pin, original, target=patch.target, location=planned.location)
         cell = [original]
-        behaviour = kinds.BUILDERS[patch.kind](patch, via_cell(cell), planned.impl)
+        behaviour = kinds.build(patch, via_cell(cell), planned.impl)
         dispatcher = gated(self.spec.name, cell, behaviour)
         new = (
             type(resolved.raw)(dispatcher)
