@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import yaml
 from click.testing import CliRunner
+from fixtures.modules import import_path
 
 from kimi_adapter_core.backends.extraction import runtime
 from kimi_adapter_core.cli import cli
@@ -47,14 +48,6 @@ def kimi_files() -> dict[str, str]:
     files, notes = render_spec(load_spec(KIMI), ALL_TARGETS)
     assert notes == []
     return {str(f.path): f.text for f in files}
-
-
-def import_path(path: Path, name: str) -> types.ModuleType:
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    assert module_spec is not None and module_spec.loader is not None
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
 
 
 # -- goldens, determinism, formatting ---------------------------------------------------------------

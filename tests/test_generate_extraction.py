@@ -8,7 +8,6 @@ same graph input/output names, shapes and dtypes, and equal outputs on the same 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import types
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from fixtures.modules import import_path
 
 from kimi_adapter_core.backends.extraction import options_from_spec, run, runtime
 from kimi_adapter_core.backends.extraction.weights import cast_to_abi_dtype, keep_fp32_names
@@ -64,10 +64,7 @@ def generated(tmp_path_factory: pytest.TempPathFactory) -> types.ModuleType:
     files, _ = render_spec(SPEC, ("extraction",))
     write_all(files, out)
     path = out / "adapters" / "kimi_k25" / "extraction.py"
-    module_spec = importlib.util.spec_from_file_location("generated_kimi_k25_extraction", path)
-    assert module_spec is not None and module_spec.loader is not None
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    module = import_path(path, "generated_kimi_k25_extraction")
     assert "kimi_adapter_core" not in path.read_text().replace("kimi_adapter_core/backends", "")
     return module
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import ast
 import copy
-import importlib.util
-import types
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +18,7 @@ import pytest
 import torch
 import transformers.utils
 import transformers.utils.import_utils
+from fixtures.modules import import_path
 from fixtures.remote_kimi import IMAGE_TOKEN, write_remote_model
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from transformers.modeling_utils import PreTrainedModel
@@ -27,14 +26,6 @@ from transformers.modeling_utils import PreTrainedModel
 REPO = Path(__file__).resolve().parents[1]
 PROFILE = REPO / "adapters" / "kimi_k25_remote" / "tensorcast_profile.py"
 SIM_PATCHES = ["P4", "P5", "P6", "P7", "P7b", "P8", "P10", "P11", "P14"]
-
-
-def import_path(path: Path, name: str) -> types.ModuleType:
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    assert module_spec is not None and module_spec.loader is not None
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

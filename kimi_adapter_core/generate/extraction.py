@@ -9,12 +9,12 @@ with the spec entry named, rather than generated half-working.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ..backends.extraction import runtime, weights
 from ..backends.extraction.options import abi_graph_names, kv_names
+from ..config.source import resolve_source
 from ..errors import KadaptError
 from ..patching.impls import resolve_impl
 from ..patching.targets import parse_target
@@ -65,7 +65,7 @@ def _patches(spec: Spec, embedded: EmbeddedCallables) -> list[dict[str, Any]]:
 def _source_config(spec: Spec) -> dict[str, Any]:
     if spec.source.config is None:
         raise _fail(spec, "source", "the spec ships no config (source.config) to embed")
-    return json.loads(Path(spec.source.config).read_text(encoding="utf-8"))
+    return resolve_source(spec).raw
 
 
 def render_extraction(spec: Spec) -> list[Rendered]:

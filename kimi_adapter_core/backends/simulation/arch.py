@@ -8,11 +8,11 @@ only renamed fields are the vision tower's (hub ``vt_*`` / ``init_pos_emb_*`` vs
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ...config.source import resolve_source
 from ...errors import KadaptError
 from ...spec.model import Spec
 
@@ -162,12 +162,7 @@ def read_config(spec: Spec) -> dict[str, Any]:
             "spec has no source.config; plan/simulate need the shipped config file",
             location=spec.locate("source"),
         )
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise KadaptError(f"cannot read config {path}: {exc.strerror or exc}") from exc
-    except json.JSONDecodeError as exc:
-        raise KadaptError(f"config {path} is not valid JSON: {exc}") from exc
+    return resolve_source(spec).raw
 
 
 def text_key(spec: Spec, raw: dict[str, Any]) -> str | None:
