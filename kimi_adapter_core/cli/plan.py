@@ -18,17 +18,12 @@ from ..backends.simulation.parallel import Parallel
 from ..backends.simulation.planner import make_plan
 from ..backends.simulation.report import plan_json, plan_text
 from ..spec import load_spec
+from .deployment_options import deployment_options
 
 
 @click.command(name="plan")
 @click.argument("spec_path", metavar="SPEC", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option(
-    "--tp", type=int, default=1, show_default=True, help="Tensor-parallel size (attention, dense, shared)."
-)
-@click.option(
-    "--dp", type=int, default=1, show_default=True, help="Data-parallel groups (devices = tp x dp)."
-)
-@click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel size for routed experts.")
+@deployment_options
 @click.option("--batch", type=int, default=1, show_default=True, help="Concurrent sequences (split over dp).")
 @click.option(
     "--seq-len", type=int, default=None, help="Tokens per sequence to cache [default: max positions]."
@@ -39,19 +34,6 @@ from ..spec import load_spec
     default=8192,
     show_default=True,
     help="Tokens per rank in the largest forward (for the activation estimate).",
-)
-@click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True)
-@click.option(
-    "--quant", default=None, help="Weight mode from backends.simulation.quant_modes [default: checkpoint]."
-)
-@click.option(
-    "--device", default=None, help="Device profile name, to check fit (see kadapt simulate --help)."
-)
-@click.option(
-    "--device-file",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    default=None,
-    help="A device profile YAML outside the shipped set.",
 )
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 def command(

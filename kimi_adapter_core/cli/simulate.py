@@ -13,25 +13,16 @@ from pathlib import Path
 import click
 
 from ..atomic import atomic_write_text
-from ..backends.simulation.device import get_device, known_devices
+from ..backends.simulation.device import get_device
 from ..backends.simulation.inputs import model_inputs
 from ..backends.simulation.parallel import Parallel
 from ..spec import load_spec
-
-
-def _device_help() -> str:
-    return "Device profile: " + ", ".join(sorted({d.name for d in known_devices().values()})) + "."
+from .deployment_options import deployment_options
 
 
 @click.command(name="simulate")
 @click.argument("spec_path", metavar="SPEC", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--device", default=None, help="Device profile name (shipped or user; see docs/cost_model.md).")
-@click.option(
-    "--device-file",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    default=None,
-    help="A device profile YAML outside the shipped set.",
-)
+@deployment_options
 @click.option(
     "--batch", type=int, default=1, show_default=True, help="Concurrent queries (global, split over dp)."
 )
@@ -40,12 +31,6 @@ def _device_help() -> str:
 )
 @click.option(
     "--context-len", type=int, default=0, show_default=True, help="Tokens already cached per query."
-)
-@click.option("--tp", type=int, default=1, show_default=True)
-@click.option("--dp", type=int, default=1, show_default=True)
-@click.option("--ep", type=int, default=1, show_default=True)
-@click.option(
-    "--quant", default=None, help="BF16 | W8A8 | W4A8 | W4A16 (as the spec declares) [default: checkpoint]."
 )
 @click.option(
     "--mtp", type=int, default=0, show_default=True, help="MTP draft tokens verified per decode step."
@@ -57,7 +42,6 @@ def _device_help() -> str:
     show_default=True,
     help="Fraction of draft tokens accepted (sets tokens/s with --mtp).",
 )
-@click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True)
 @click.option("--decode", is_flag=True, help="Simulate a decode step (1 + mtp tokens per query).")
 @click.option(
     "--top", type=int, default=25, show_default=True, help="Rows of the op table in text output (0: all)."
