@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 from click.testing import CliRunner
+from fixtures.spec_files import KIMI_SPEC
 
 from kimi_adapter_core.backends.simulation.arch import spec_architecture
 from kimi_adapter_core.backends.simulation.device import get_device, load_device_file
@@ -18,41 +18,20 @@ from kimi_adapter_core.backends.simulation.parallel import Parallel
 from kimi_adapter_core.backends.simulation.planner import make_plan
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import KadaptError
-from kimi_adapter_core.spec import Spec, load_spec
+from kimi_adapter_core.spec import Spec
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "specs" / "kimi_k25.yaml"
 
 
-def sizing_spec(tmp: Path) -> Path:
-    """The shipped spec, or - while its patches do not validate in this tree - a copy without them.
-
-    Plan and simulate read only source.config, quantization and backends.simulation; patches never
-    change a size, so stripping them keeps these tests about sizing.
-    """
-    try:
-        load_spec(SHIPPED)
-        return SHIPPED
-    except KadaptError:
-        raw = yaml.safe_load(SHIPPED.read_text(encoding="utf-8"))
-        raw["patches"] = []
-        (tmp / "kimi_k25").mkdir(exist_ok=True)
-        (tmp / "kimi_k25" / "config.json").write_bytes(
-            (REPO / "specs" / "kimi_k25" / "config.json").read_bytes()
-        )
-        copy = tmp / "kimi_k25.yaml"
-        copy.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
-        return copy
+@pytest.fixture(scope="module")
+def spec_path() -> Path:
+    return SHIPPED
 
 
 @pytest.fixture(scope="module")
-def spec_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return sizing_spec(tmp_path_factory.mktemp("spec"))
-
-
-@pytest.fixture(scope="module")
-def spec(spec_path: Path) -> Spec:
-    return load_spec(spec_path)
+def spec() -> Spec:
+    return KIMI_SPEC
 
 
 def plan(spec: Spec, quant: str | None = None, **kwargs):  # noqa: ANN201 - a Plan

@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
-from test_plan import sizing_spec  # tests/ is on sys.path (no package, rootdir import mode)
+from fixtures.spec_files import KIMI_SPEC, REPO
 
 from kimi_adapter_core.backends.simulation.deployment import Deployment
 from kimi_adapter_core.backends.simulation.device import get_device
@@ -31,13 +31,13 @@ from kimi_adapter_core.spec import Spec, load_spec
 
 
 @pytest.fixture(scope="module")
-def spec_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return sizing_spec(tmp_path_factory.mktemp("spec"))
+def spec_path() -> Path:
+    return REPO / "specs" / "kimi_k25.yaml"
 
 
 @pytest.fixture(scope="module")
-def spec(spec_path: Path) -> Spec:
-    return load_spec(spec_path)
+def spec() -> Spec:
+    return KIMI_SPEC
 
 
 def run(
