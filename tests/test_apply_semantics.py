@@ -9,11 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 from fixtures.spec_files import TINY_KIMI
 
-from kimi_adapter_core.builtins.registry import BUILTINS
 from kimi_adapter_core.loading import applied, load_config, load_model
 from kimi_adapter_core.patching.gate import is_claimed
 from kimi_adapter_core.patching.ledger import APPLIED
@@ -21,11 +19,6 @@ from kimi_adapter_core.spec import load_spec
 
 SPEC = Path(__file__).resolve().parents[1] / "specs" / "kimi_k25.yaml"
 TOLERANCE = 1e-5
-
-pytestmark = pytest.mark.skipif(
-    "mla_expand_kv_functional" not in BUILTINS,
-    reason="K1 needs builtin:mla_expand_kv_functional (kimi_adapter_core/builtins/mla.py): not registered",
-)
 
 
 def test_extraction_patches_match_unpatched_logits():

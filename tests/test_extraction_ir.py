@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch_ir
 from fixtures.spec_files import KIMI_SPEC
 
 from kimi_adapter_core.backends.extraction import options_from_spec, run
@@ -19,8 +20,6 @@ from kimi_adapter_core.backends.extraction.encoding import dtype_codes
 from kimi_adapter_core.backends.extraction.roundtrip import tiny_overrides
 from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.loading import applied, load_config, load_model
-
-torch_ir = pytest.importorskip("torch_ir")
 
 SPEC = KIMI_SPEC
 LAYERS = 3

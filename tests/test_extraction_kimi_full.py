@@ -7,12 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch_ir
 from fixtures.spec_files import KIMI_SPEC as SPEC
 
 from kimi_adapter_core.backends.extraction import options_from_spec, run
 from kimi_adapter_core.loading import applied, load_model
-
-torch_ir = pytest.importorskip("torch_ir")
 
 
 @pytest.mark.slow

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import ast
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch_ir
 from fixtures.spec_files import KIMI_SPEC as SPEC
 
 from kimi_adapter_core.backends.extraction import options_from_spec, runtime
@@ -61,7 +63,7 @@ def test_kv_shapes_and_prefill_placement() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_cpu() -> torch.nn.Module:
-    options = options_from_spec(SPEC, output_dir="/tmp")
+    options = options_from_spec(SPEC, output_dir=tempfile.gettempdir())
     config = load_config(
         SPEC, overrides={**tiny_overrides(SPEC, options), "text_config.num_hidden_layers": 2}
     )
@@ -177,8 +179,7 @@ def test_absorbed_needs_the_latent_layout() -> None:
 
 
 def test_wrappers_work_with_torch_ir_extract_ir() -> None:
-    torch_ir = pytest.importorskip("torch_ir")
-    options = options_from_spec(SPEC, output_dir="/tmp")
+    options = options_from_spec(SPEC, output_dir=tempfile.gettempdir())
     config = load_config(
         SPEC, overrides={**tiny_overrides(SPEC, options), "text_config.num_hidden_layers": 2}
     )

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch_ir
 from fixtures.spec_files import KIMI_SPEC as SPEC
 from torch import nn
 
@@ -29,7 +30,6 @@ from kimi_adapter_core.backends.extraction.roundtrip import tiny_overrides
 from kimi_adapter_core.backends.extraction.stitch import NotStitchable, Plan, plan, stitch
 from kimi_adapter_core.loading import applied, load_config, load_model
 
-torch_ir = pytest.importorskip("torch_ir")
 LAYERS = 4
 
 

@@ -11,8 +11,6 @@ from fixtures.spec_files import KIMI_SPEC as SPEC
 from kimi_adapter_core.backends.extraction import options_from_spec, verify
 from kimi_adapter_core.backends.extraction.roundtrip import Check, VerifyReport, tiny_overrides
 
-pytest.importorskip("torch_ir")
-
 
 @pytest.mark.parametrize(
     ("kv_layout", "mla_attention"), [("latent", "reexpand"), ("expanded", "reexpand"), ("latent", "absorbed")]

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch_ir
 from fixtures.modules import import_path
 
 from kimi_adapter_core.backends.extraction import options_from_spec, run, runtime
@@ -22,8 +23,6 @@ from kimi_adapter_core.backends.extraction.weights import cast_to_abi_dtype, kee
 from kimi_adapter_core.generate import render_spec, write_all
 from kimi_adapter_core.loading import applied, load_config, load_model
 from kimi_adapter_core.spec import load_spec
-
-torch_ir = pytest.importorskip("torch_ir")
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = load_spec(REPO / "specs" / "kimi_k25.yaml")
