@@ -21,3 +21,8 @@ def shipped_dir(name: str) -> Path:
 
 def schema_path() -> Path:
     return _PACKAGE_DIR / "spec" / "schema" / "adapter-spec.v1.json"
+
+
+def package_file(*parts: str) -> Path:
+    """A data file inside the package (``package_file("structure", "config_keys.yaml")``)."""
+    return _PACKAGE_DIR.joinpath(*parts)

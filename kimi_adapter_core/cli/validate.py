@@ -20,9 +20,19 @@ _SPEC_SUFFIXES = (".yaml", ".yml")
 
 
 def discover(paths: Iterable[Path]) -> list[Path]:
-    """Files as given; folders searched recursively for ``*.yaml``/``*.yml``, hidden dirs skipped."""
+    """Files as given; folders searched recursively for ``*.yaml``/``*.yml``, hidden dirs skipped;
+    a name that is no path is looked up among the shipped specs (``kadapt validate kimi_k25``)."""
+    from ..errors import KadaptError
+    from ..spec.loader import resolve_spec_path
+
     found: list[Path] = []
     for path in paths:
+        if not path.exists():
+            try:
+                found.append(resolve_spec_path(path))
+            except KadaptError as exc:
+                raise UsageError(exc.message) from exc
+            continue
         if not path.is_dir():
             found.append(path)
             continue
@@ -40,15 +50,34 @@ def _walk(folder: Path) -> Iterable[Path]:
 
 
 @click.command(name="validate")
-@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
+@click.argument("paths", metavar="PATH_OR_NAME...", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--format", "fmt", type=click.Choice(sorted(REPORTERS)), default="text", show_default=True)
 @click.option("--strict", is_flag=True, help="Treat warnings as errors.")
-def command(paths: tuple[Path, ...], fmt: str, strict: bool) -> None:
-    """Validate adapter specs: YAML, the JSON Schema, and cross-checks against the shipped config."""
+@click.option(
+    "--resolve",
+    is_flag=True,
+    help="Also import every patch target, build the config and its structure, and build a shortened "
+    "model on meta to resolve module paths and class names (imports torch; runs the code a spec names).",
+)
+def command(paths: tuple[Path, ...], fmt: str, strict: bool, resolve: bool) -> None:
+    """Validate adapter specs: YAML, the JSON Schema, and cross-checks against the shipped config.
+
+    \b
+    Examples:
+      kadapt validate specs/
+      kadapt validate --resolve --format json specs/qwen3_moe.yaml
+    """
     reports = []
     for path in discover(paths):
         result = check_spec(path)
-        reports.append(FileReport(str(path), result.diagnostics))
+        diagnostics = result.diagnostics
+        if resolve and not result.errors:
+            from ..resolve import resolve_diagnostics
+            from ..spec.model import build_spec
+
+            spec = build_spec(path.resolve(), result.raw, result.positions)
+            diagnostics = (*diagnostics, *resolve_diagnostics(spec, path))
+        reports.append(FileReport(str(path), diagnostics))
     click.echo(reporter_for(fmt).render(reports, strict))
     if not all(report.valid(strict) for report in reports):
         raise SystemExit(1)

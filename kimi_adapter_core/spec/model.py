@@ -8,6 +8,8 @@ stages (apply, generate) can point back at the spec line through ``Spec.locate``
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,7 +113,7 @@ class Abi:
     prefill_len: int
     max_cache_len: int
     dtype: str
-    kv_layout: str  # latent | expanded
+    kv_layout: str | None  # heads | latent | expanded; None: the attention kind's default
     prefill: GraphAbi
     decode: GraphAbi
     mla_attention: str = "reexpand"  # reexpand | absorbed (latent layout only)
@@ -132,6 +134,7 @@ class Spec:
     config_bridges: tuple[ConfigBridge, ...]
     patches: tuple[Patch, ...]
     module_paths: dict[str, str]
+    architecture: dict[str, Any]
     mla: dict[str, Any]
     moe: dict[str, Any]
     quantization: tuple[QuantScheme, ...]
@@ -145,6 +148,29 @@ class Spec:
 
     def backend_options(self, backend: str) -> dict[str, Any]:
         return dict(self.backends.get(backend) or {})
+
+    @property
+    def entry_ids(self) -> tuple[str, ...]:
+        """Ids of every environment shim, config bridge and patch, in spec order."""
+        return tuple(e.id for e in (*self.environment, *self.config_bridges, *self.patches))
+
+    def without(self, ids: Iterable[str]) -> Spec:
+        """This spec minus the shims, bridges and patches named by ``ids`` (for ablation).
+
+        Unknown ids are a ``ValueError`` that lists the valid ones.
+        """
+        drop = set(ids)
+        unknown = sorted(drop - set(self.entry_ids))
+        if unknown:
+            raise ValueError(
+                f"no entry {', '.join(unknown)} in spec {self.name}; ids: {', '.join(self.entry_ids)}"
+            )
+        return dataclasses.replace(
+            self,
+            environment=tuple(e for e in self.environment if e.id not in drop),
+            config_bridges=tuple(b for b in self.config_bridges if b.id not in drop),
+            patches=tuple(p for p in self.patches if p.id not in drop),
+        )
 
 
 def _backends(entry: dict[str, Any]) -> tuple[str, ...]:
@@ -211,6 +237,7 @@ def build_spec(path: Path, raw: dict[str, Any], positions: dict[str, Location]) 
             for i, p in enumerate(raw.get("patches") or [])
         ),
         module_paths=dict(raw.get("module_paths") or {}),
+        architecture=dict(raw.get("architecture") or {}),
         mla=dict(raw.get("mla") or {}),
         moe=dict(raw.get("moe") or {}),
         quantization=tuple(
@@ -232,7 +259,7 @@ def build_spec(path: Path, raw: dict[str, Any], positions: dict[str, Location]) 
                 prefill_len=abi["prefill_len"],
                 max_cache_len=abi["max_cache_len"],
                 dtype=abi.get("dtype", "bfloat16"),
-                kv_layout=abi.get("kv_layout", "latent"),
+                kv_layout=abi.get("kv_layout"),
                 prefill=GraphAbi(tuple(abi["prefill"]["inputs"]), tuple(abi["prefill"]["outputs"])),
                 decode=GraphAbi(tuple(abi["decode"]["inputs"]), tuple(abi["decode"]["outputs"])),
                 mla_attention=abi.get("mla_attention", "reexpand"),

@@ -1,0 +1,312 @@
+"""Derive a ``ModelStructure`` from a config (transformers object or raw JSON dict) and a spec.
+
+The lookup is data: ``config_keys.yaml`` lists, for every structural fact, the keys families use
+for it; the spec's ``architecture`` section adds keys (``fields``) or states facts outright
+(``attention``, ``dense_layers``, ``router``); the older ``moe.num_experts_key`` and
+``moe.routing.scoring_func`` are honoured too. No ``model_type`` branches: a family kadapt has never
+seen works when its keys are in the table or the spec names them.
+
+Every contradiction between the spec and the config (an ``mla`` section on a GQA model, a stated
+attention kind the config does not have, a ``fields`` key the config lacks) is a ``KadaptError``
+located at the spec entry, raised before any model is built.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+from ..errors import KadaptError
+from ..resources import package_file
+from ..spec.model import Spec
+from .model import ATTENTION_KINDS, SCORING_FUNCS, Attention, Layer, ModelStructure, Moe, Rope
+
+_MISSING = object()
+
+
+@functools.cache
+def _tables() -> dict[str, Any]:
+    return yaml.safe_load(package_file("structure", "config_keys.yaml").read_text(encoding="utf-8"))
+
+
+def fact_keys() -> dict[str, list[str]]:
+    """Fact -> candidate config keys, in lookup order."""
+    return {fact: list(keys) for fact, keys in _tables()["facts"].items()}
+
+
+class _Reader:
+    """Looks facts up in one config (dict or object), remembering which key answered."""
+
+    def __init__(self, config: Any, spec: Spec | None, where: str) -> None:
+        self.config = config
+        self.spec = spec
+        self.where = where
+        self.keys: dict[str, str] = {}
+        self.candidates = fact_keys()
+        for fact, key in _spec_fields(spec).items():
+            self.candidates[fact] = [key]
+
+    def raw(self, key: str) -> Any:
+        if isinstance(self.config, Mapping):
+            return self.config.get(key, _MISSING)
+        return getattr(self.config, key, _MISSING)
+
+    def get(self, fact: str, default: Any = None) -> Any:
+        for key in self.candidates.get(fact, [fact]):
+            value = self.raw(key)
+            if value is not _MISSING and value is not None:
+                self.keys[fact] = key
+                return value
+        return default
+
+    def require(self, fact: str) -> Any:
+        value = self.get(fact)
+        if value is None:
+            names = ", ".join(self.candidates.get(fact, [fact]))
+            raise KadaptError(
+                f"{self.where} has no {fact} (looked for: {names}); name the config key under "
+                f"architecture.fields.{fact} in the spec",
+                location=self.spec.locate("architecture") if self.spec and self.spec.architecture else None,
+            )
+        return value
+
+
+def _spec_fields(spec: Spec | None) -> dict[str, str]:
+    if spec is None:
+        return {}
+    fields = dict((spec.architecture or {}).get("fields") or {})
+    key = (spec.moe or {}).get("num_experts_key")
+    if key and "num_experts" not in fields:
+        # [text_config, n_routed_experts] names the key inside the text sub-config
+        fields["num_experts"] = key[-1] if isinstance(key, list) else key
+    return fields
+
+
+def _locate(spec: Spec | None, where: str) -> str | None:
+    if spec is None:
+        return None
+    return spec.locate(where if where in spec.positions else where.rsplit(".", 1)[0])
+
+
+def _attention(read: _Reader, spec: Spec | None, hidden: int) -> Attention:
+    heads = int(read.require("num_heads"))
+    kv_lora = read.get("kv_lora_rank")
+    if kv_lora is not None:
+        nope, rope = int(read.require("qk_nope_head_dim")), int(read.require("qk_rope_head_dim"))
+        q_lora = read.get("q_lora_rank")
+        read.get("num_kv_heads")  # MLA keeps it equal to the heads; recorded so tiny models keep it so
+        attention = Attention(
+            kind="mla",
+            num_heads=heads,
+            num_kv_heads=heads,
+            head_dim=nope + rope,
+            v_head_dim=int(read.require("v_head_dim")),
+            q_lora_rank=int(q_lora) if q_lora is not None else None,
+            kv_lora_rank=int(kv_lora),
+            qk_nope_head_dim=nope,
+            qk_rope_head_dim=rope,
+        )
+    else:
+        kv_heads = int(read.get("num_kv_heads", heads))
+        if kv_heads <= 0 or heads % kv_heads:
+            raise KadaptError(f"{read.where}: {heads} attention heads do not split into {kv_heads} KV heads")
+        head_dim = int(read.get("head_dim") or hidden // heads)
+        kind = "mha" if kv_heads == heads else "mqa" if kv_heads == 1 else "gqa"
+        attention = Attention(kind, heads, kv_heads, head_dim, head_dim)
+    _check_attention_claims(attention, read, spec)
+    return attention
+
+
+def _check_attention_claims(attention: Attention, read: _Reader, spec: Spec | None) -> None:
+    """What the spec says about attention must be what the config has."""
+    if spec is None:
+        return
+    stated = (spec.architecture or {}).get("attention")
+    if stated is not None and stated != attention.kind:
+        raise KadaptError(
+            f"architecture.attention is {stated!r} but {read.where} describes {attention.kind.upper()} "
+            f"attention ({attention.describe()}); valid: {', '.join(ATTENTION_KINDS)}",
+            location=_locate(spec, "architecture.attention"),
+        )
+    if spec.mla and not attention.is_mla:
+        raise KadaptError(
+            f"the spec has an `mla` section but {read.where} has no multi-head latent attention "
+            f"(no kv_lora_rank; it describes {attention.describe()}); drop the section",
+            location=spec.locate("mla"),
+        )
+
+
+def _moe(read: _Reader, spec: Spec | None) -> Moe | None:
+    experts = int(read.get("num_experts", 0) or 0)
+    if experts <= 0:
+        if spec is not None and spec.moe:
+            raise KadaptError(
+                f"the spec has a `moe` section but {read.where} declares no routed experts "
+                f"(looked for: {', '.join(read.candidates['num_experts'])})",
+                location=spec.locate("moe"),
+            )
+        return None
+    top_k = int(read.require("top_k"))
+    width = int(read.get("expert_intermediate_size") or read.require("intermediate_size"))
+    shared = int(read.get("num_shared_experts", 0) or 0)
+    shared_width = read.get("shared_expert_intermediate_size")
+    if shared_width:  # Qwen2-MoE style: one shared expert of its own width
+        shared, shared_total = max(shared, 1), int(shared_width)
+    else:
+        shared_total = shared * width
+    router = dict((spec.architecture or {}).get("router") or {}) if spec else {}
+    routing = dict((spec.moe or {}).get("routing") or {}) if spec else {}
+    scoring = router.get("scoring") or routing.get("scoring_func") or read.get("scoring_func", "softmax")
+    if scoring not in SCORING_FUNCS:
+        raise KadaptError(
+            f"{read.where}: router scoring {scoring!r} is not one kadapt knows; "
+            f"valid: {', '.join(SCORING_FUNCS)}",
+            location=_locate(spec, "architecture.router.scoring"),
+        )
+    normalize = router.get("normalize_top_k")
+    if normalize is None:
+        normalize = bool(read.get("norm_topk_prob", False))
+    return Moe(
+        num_experts=experts,
+        top_k=top_k,
+        expert_intermediate_size=width,
+        num_shared_experts=shared,
+        shared_intermediate_size=shared_total,
+        scoring=scoring,
+        normalize_top_k=bool(normalize),
+        routed_scaling_factor=float(read.get("routed_scaling_factor", 1.0)),
+        expert_groups=int(read.get("expert_groups", 1) or 1),
+        top_k_groups=int(read.get("top_k_groups", 1) or 1),
+    )
+
+
+def _mlp_kinds(read: _Reader, spec: Spec | None, num_layers: int, moe: Moe | None) -> list[str]:
+    if moe is None:
+        return ["dense"] * num_layers
+    stated = (spec.architecture or {}).get("dense_layers") if spec else None
+    if stated is not None:
+        bad = [i for i in stated if not 0 <= i < num_layers]
+        if bad:
+            raise KadaptError(
+                f"architecture.dense_layers names layers {bad} outside 0..{num_layers - 1}",
+                location=_locate(spec, "architecture.dense_layers"),
+            )
+        dense = set(stated)
+    else:
+        first = int(read.get("first_dense_layers", 0) or 0)
+        listed = set(read.get("dense_layer_list", []) or [])
+        step = int(read.get("moe_layer_step", 1) or 1)
+        dense = {i for i in range(num_layers) if i < first or i in listed or (i + 1) % step}
+    return ["dense" if i in dense else "moe" for i in range(num_layers)]
+
+
+def _spans(read: _Reader, num_layers: int) -> list[tuple[str, int | None]]:
+    """Per layer ``(full|sliding, window)``: ``layer_types`` when the config lists them, else one rule."""
+    window = read.get("sliding_window")
+    if read.get("use_sliding_window", True) is False:
+        window = None
+    types = read.get("layer_types")
+    if types is not None:
+        if len(types) < num_layers:
+            raise KadaptError(
+                f"{read.where}: layer_types lists {len(types)} layers, the model has {num_layers}"
+            )
+        spans = []
+        for i, kind in enumerate(types[:num_layers]):
+            sliding = "sliding" in str(kind)
+            if sliding and not window:
+                raise KadaptError(f"{read.where}: layer {i} is {kind} but the config sets no sliding_window")
+            spans.append(("sliding", int(window)) if sliding else ("full", None))
+        return spans
+    if not window:
+        return [("full", None)] * num_layers
+    first_sliding = read.get("max_window_layers")  # Qwen2-style: layers from this index on slide
+    if first_sliding is not None and read.keys.get("use_sliding_window"):
+        return [("sliding", int(window)) if i >= first_sliding else ("full", None) for i in range(num_layers)]
+    return [("sliding", int(window))] * num_layers
+
+
+def _rope(read: _Reader) -> Rope:
+    params = read.get("rope_parameters") or {}
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    theta = params.get("rope_theta") or read.get("rope_theta")
+    return Rope(type=str(rope_type), theta=float(theta) if theta is not None else None)
+
+
+def _refuse_outside_layer_features(read: _Reader, spec: Spec | None) -> None:
+    """Features that live outside the decoder layers would be dropped silently by the ABI wrappers."""
+    for key, rule in _tables()["outside_layers"].items():
+        value = read.raw(key)
+        if value is not _MISSING and value not in rule["neutral"]:
+            raise KadaptError(
+                f"{read.where} sets {key} = {value!r}, which {rule['effect']}; kadapt's prefill/decode "
+                "wrappers call the decoder layers directly and cannot honour it, so the model is refused "
+                "rather than exported wrong",
+                location=spec.locate("gate") if spec is not None else None,
+            )
+
+
+def derive_structure(config: Any, spec: Spec | None = None, *, where: str = "text config") -> ModelStructure:
+    """The structure of the text backbone whose config (object or dict) is ``config``."""
+    read = _Reader(config, spec, where)
+    num_layers = int(read.require("num_layers"))
+    hidden = int(read.require("hidden_size"))
+    attention = _attention(read, spec, hidden)
+    moe = _moe(read, spec)
+    kinds = _mlp_kinds(read, spec, num_layers, moe)
+    spans = _spans(read, num_layers)
+    _refuse_outside_layer_features(read, spec)
+    dense_width = int(read.get("intermediate_size", 0) or 0) if "dense" in kinds else 0
+    model_type = read.raw("model_type")
+    return ModelStructure(
+        model_type=str(model_type if model_type is not _MISSING else ""),
+        num_layers=num_layers,
+        hidden_size=hidden,
+        vocab_size=int(read.require("vocab_size")),
+        max_positions=int(read.get("max_positions", 0) or 0),
+        attention=attention,
+        intermediate_size=dense_width,
+        moe=moe,
+        layers=tuple(
+            Layer(index=i, attention=span, window=window, mlp=kind)
+            for i, ((span, window), kind) in enumerate(zip(spans, kinds, strict=True))
+        ),
+        rope=_rope(read),
+        tie_word_embeddings=bool(read.get("tie_word_embeddings", False)),
+        num_mtp_layers=int(read.get("num_mtp_layers", 0) or 0),
+        keys=dict(read.keys),
+    )
+
+
+def text_config_key(spec: Spec, has_text_config: bool) -> str | None:
+    """Key of the text sub-config in the root config, or None when the root is the text config.
+
+    ``architecture.config`` or ``abi.config`` says it; otherwise a ``text_config`` entry decides.
+    """
+    stated = (spec.architecture or {}).get("config")
+    if stated:
+        return stated
+    if spec.abi is not None and spec.abi.config:
+        return spec.abi.config
+    return "text_config" if has_text_config else None
+
+
+def structure_of_raw(spec: Spec, raw: Mapping[str, Any]) -> ModelStructure:
+    """Structure from a raw root config dict (torch-free: ``kadapt plan`` uses this)."""
+    key = text_config_key(spec, isinstance(raw.get("text_config"), Mapping))
+    text = raw.get(key) if key else raw
+    if not isinstance(text, Mapping):
+        raise KadaptError(f"config has no '{key}' sub-config holding the text backbone")
+    return derive_structure(text, spec, where=f"config {key}" if key else "config")
+
+
+def structure_of_config(spec: Spec, config: Any) -> ModelStructure:
+    """Structure from a built transformers config (after bridges; the root or its text sub-config)."""
+    key = text_config_key(spec, getattr(config, "text_config", None) is not None)
+    text = getattr(config, key, None) if key else config
+    if text is None:
+        raise KadaptError(f"config has no '{key}' sub-config holding the text backbone")
+    return derive_structure(text, spec, where=f"config {key}" if key else "config")
