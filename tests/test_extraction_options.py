@@ -155,3 +155,26 @@ def test_abi_dtype_must_be_a_float_dtype(tmp_path: Path) -> None:
     spec = dataclasses.replace(SPEC, abi=dataclasses.replace(SPEC.abi, dtype="int4"))
     with pytest.raises(KadaptError, match="abi.dtype 'int4' is not a floating dtype"):
         options_from_spec(spec, output_dir=tmp_path)
+
+
+@pytest.mark.parametrize("escape", ["../../outside", "/tmp/kadapt-abs", "out/../../x"])
+def test_spec_output_dir_stays_inside_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, escape: str
+) -> None:
+    """A spec cannot choose to write outside the working tree; the user's --output-dir can."""
+    import dataclasses
+
+    work = tmp_path / "work" / "tree"
+    work.mkdir(parents=True)
+    monkeypatch.chdir(work)
+    backends = {**SPEC.backends, "extraction": {**SPEC.backends["extraction"], "output_dir": escape}}
+    hostile = dataclasses.replace(SPEC, backends=backends)
+    with pytest.raises(KadaptError, match="leaves the working directory") as caught:
+        options_from_spec(hostile)
+    assert caught.value.location is not None and str(SPEC.path) in caught.value.location
+    assert not (tmp_path / "outside").exists() and not Path("/tmp/kadapt-abs").exists()
+    assert options_from_spec(hostile, output_dir=tmp_path / "mine").output_dir == tmp_path / "mine"
+    inside = dataclasses.replace(
+        SPEC, backends={**SPEC.backends, "extraction": {**SPEC.backends["extraction"], "output_dir": "a/b"}}
+    )
+    assert options_from_spec(inside).output_dir == work / "a" / "b"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -11,10 +12,12 @@ import pytest
 import torch
 import torch_ir
 from fixtures.spec_files import KIMI_SPEC as SPEC
+from fixtures.spec_files import REPO
 
 from kimi_adapter_core.backends.extraction import options_from_spec, runtime
 from kimi_adapter_core.backends.extraction.roundtrip import tiny_overrides
 from kimi_adapter_core.loading import applied, load_config, load_model, submodule
+from kimi_adapter_core.structure.derive import derive_structure
 
 
 def test_runtime_imports_only_stdlib_and_torch() -> None:
@@ -41,24 +44,30 @@ def test_additive_causal_mask() -> None:
 
 
 def test_kv_shapes_and_prefill_placement() -> None:
-    class Config:
-        kv_lora_rank, qk_rope_head_dim, num_attention_heads, qk_nope_head_dim, v_head_dim = (
-            512,
-            64,
-            64,
-            128,
-            128,
-        )
-
-    assert runtime.kv_shapes(Config, "latent", 1, 2048) == ((1, 1, 2048, 512), (1, 1, 2048, 64))
-    assert runtime.kv_shapes(Config, "expanded", 2, 16) == ((2, 64, 16, 192), (2, 64, 16, 128))
-    with pytest.raises(ValueError, match="unknown kv_layout"):
-        runtime.kv_shapes(Config, "paged", 1, 1)
+    kimi = json.loads((REPO / "specs" / "kimi_k25" / "config.json").read_text())["text_config"]
+    mla = derive_structure(kimi).attention
+    assert runtime.kv_shapes(mla.kv_dims("latent"), 1, 2048) == ((1, 1, 2048, 512), (1, 1, 2048, 64))
+    assert runtime.kv_shapes(mla.kv_dims("expanded"), 2, 16) == ((2, 64, 16, 192), (2, 64, 16, 128))
+    qwen = derive_structure(json.loads((REPO / "specs" / "qwen3_moe" / "config.json").read_text())).attention
+    assert runtime.kv_shapes(qwen.kv_dims("heads"), 1, 64) == ((1, 4, 64, 128), (1, 4, 64, 128))
+    with pytest.raises(ValueError, match="does not fit GQA attention; valid: heads"):
+        qwen.kv_dims("latent")
     present = torch.arange(6.0).view(1, 1, 3, 2)
     (placed,) = runtime.place_prefill_kv([present], 5)
     assert (
         placed.shape == (1, 1, 5, 2) and torch.equal(placed[:, :, :3], present) and not placed[:, :, 3:].any()
     )
+
+
+def test_sliding_window_mask_hides_keys_a_window_behind() -> None:
+    positions = torch.tensor([[3, 4]])
+    full = runtime.additive_causal_mask(positions, 6, torch.float32)
+    visible = runtime.sliding_window_mask(full, positions, window=2) == 0
+    # transformers' overlay: key k visible to the query at p iff k <= p and p - k < window
+    assert visible[0, 0].tolist() == [
+        [False, False, True, True, False, False],
+        [False, False, False, True, True, False],
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -88,12 +97,12 @@ def test_wrappers_equal_transformers_forward(tiny_cpu: torch.nn.Module, kv_layou
                 batch=1, prefill_len=5, dtype=torch.float32, device="cpu"
             )
             logits, *present = prefill(ids[:, :5], mask, positions)
+            kv_dims = derive_structure(language_model.config).attention.kv_dims(kv_layout)
             step = runtime.decode_inputs(
-                language_model.config,
+                kv_dims,
                 batch=1,
                 position=5,
                 max_cache_len=9,
-                kv_layout=kv_layout,
                 num_layers=2,
                 dtype=torch.float32,
                 device="cpu",
@@ -101,7 +110,7 @@ def test_wrappers_equal_transformers_forward(tiny_cpu: torch.nn.Module, kv_layou
             decoded, *updated = decode(ids[:, 5:], *step[1:4], *runtime.place_prefill_kv(present, 9))
     torch.testing.assert_close(logits, expected[:, :5])
     torch.testing.assert_close(decoded, expected[:, 5:])
-    key, value = runtime.kv_shapes(language_model.config, kv_layout, 1, 9)
+    key, value = runtime.kv_shapes(kv_dims, 1, 9)
     assert [tuple(t.shape) for t in updated] == [key, value, key, value]
     assert torch.equal(updated[0][:, :, :5], runtime.place_prefill_kv(present, 9)[0][:, :, :5])
     assert (
@@ -188,11 +197,10 @@ def test_wrappers_work_with_torch_ir_extract_ir() -> None:
         language_model, lm_head = submodule(model, SPEC, "language_model"), model.lm_head
         wrapper = runtime.DecodeWrapper.from_language_model(language_model, lm_head, kv_layout="latent")
         inputs = runtime.decode_inputs(
-            language_model.config,
+            derive_structure(language_model.config).attention.kv_dims("latent"),
             batch=1,
             position=4,
             max_cache_len=8,
-            kv_layout="latent",
             num_layers=2,
             dtype=torch.float32,
         )
@@ -221,7 +229,7 @@ def test_absorbed_decode_graph_never_expands_the_cache() -> None:
     import dataclasses
 
     from kimi_adapter_core.backends.extraction.graph import WEIGHT
-    from kimi_adapter_core.backends.extraction.pipeline import Clock, backbone_of, build_graph
+    from kimi_adapter_core.backends.extraction.pipeline import Clock, backbone_of, bound_to, build_graph
     from kimi_adapter_core.backends.extraction.stitch import Plan
 
     cache_len, graphs = 48, {}
@@ -233,7 +241,9 @@ def test_absorbed_decode_graph_never_expands_the_cache() -> None:
         model = load_model(SPEC, device="meta", config=config, dtype=torch.float32)
         backbone = backbone_of(SPEC, model)
         for attention in runtime.MLA_ATTENTIONS:
-            chosen = dataclasses.replace(options, dtype="float32", mla_attention=attention)
+            chosen = bound_to(
+                SPEC, backbone, dataclasses.replace(options, dtype="float32", mla_attention=attention)
+            )
             graphs[attention] = build_graph("decode", backbone, chosen, Plan(2), Clock(lambda _: None))
     text = backbone.config
     kv_b_out = text.num_attention_heads * (text.qk_nope_head_dim + text.v_head_dim)

@@ -12,6 +12,7 @@ import torch_ir
 from fixtures.spec_files import KIMI_SPEC as SPEC
 from torch import nn
 
+from kimi_adapter_core.structure.derive import derive_structure
 from kimi_adapter_core.backends.extraction import options_from_spec, runtime
 from kimi_adapter_core.backends.extraction import pipeline as pipeline_module
 from kimi_adapter_core.backends.extraction.graph import (
@@ -25,7 +26,7 @@ from kimi_adapter_core.backends.extraction.graph import (
     TensorType,
 )
 from kimi_adapter_core.backends.extraction.irjson import ir_chunks
-from kimi_adapter_core.backends.extraction.pipeline import Clock, backbone_of, build_graph
+from kimi_adapter_core.backends.extraction.pipeline import Clock, backbone_of, bound_to, build_graph
 from kimi_adapter_core.backends.extraction.roundtrip import tiny_overrides
 from kimi_adapter_core.backends.extraction.stitch import NotStitchable, Plan, plan, stitch
 from kimi_adapter_core.loading import applied, load_config, load_model
@@ -62,7 +63,8 @@ def _tiny_backbone(kv_layout: str) -> tuple[Any, Any]:
     overrides = {**tiny_overrides(SPEC, options), "text_config.num_hidden_layers": LAYERS}
     config = load_config(SPEC, overrides=overrides)
     model = load_model(SPEC, device="meta", config=config, dtype=torch.float32)
-    return backbone_of(SPEC, model), dataclasses.replace(options, dtype="float32")
+    backbone = backbone_of(SPEC, model)
+    return backbone, bound_to(SPEC, backbone, dataclasses.replace(options, dtype="float32"))
 
 
 def _document(graph: Graph, options: Any) -> dict[str, Any]:
@@ -110,11 +112,10 @@ def _assert_same_execution(ours: dict, theirs: dict, backbone: Any, options: Any
     }
     inputs = list(
         runtime.decode_inputs(
-            backbone.config,
+            derive_structure(backbone.config).attention.kv_dims("latent"),
             batch=1,
             position=5,
             max_cache_len=12,
-            kv_layout="latent",
             num_layers=LAYERS,
             dtype=torch.float32,
             device="cpu",

@@ -21,12 +21,11 @@ def test_verify_matches_transformers_generate(tmp_path: Path, kv_layout: str, ml
     lines: list[str] = []
     report = verify(SPEC, options, echo=lines.append)
     assert report.passed, report.render()
-    assert [c.name for c in report.checks] == [
-        "weights bind to checkpoint names",
-        "prefill logits",
-        "greedy generation",
-        "decode logits",
-    ]
+    fp32 = ["weights bind to checkpoint names", "prefill logits", "greedy generation", "decode logits"]
+    bf16 = [f"{name} (bfloat16)" for name in fp32[1:]]
+    # absorbed MLA rounds in another order than transformers' attention: bf16 is noted, not compared
+    assert [c.name for c in report.checks] == (fp32 if mla_attention == "absorbed" else fp32 + bf16)
+    assert bool(report.notes) == (mla_attention == "absorbed")
     # 1 token from prefill + 24 decode steps through the one decode graph, positions 8..31
     assert len(report.tokens_ir[0]) == 25 and report.tokens_ir == report.tokens_reference
     assert len(set(report.tokens_ir[0])) > 5  # a real sequence, not one repeated token

@@ -12,23 +12,14 @@ from typing import Any
 
 import click
 
-from ..errors import KadaptError
+from ..errors import KadaptError, UsageError
 from ..patching.selection import CHOICES
 from .source_options import source_options
+from .spec_argument import spec_argument
 
 
-def _experts(spec: Any, config: Any) -> Any:
-    key = spec.moe.get("num_experts_key")
-    if key is None:
-        return None
-    node = config
-    for part in [key] if isinstance(key, str) else key:
-        node = node.get(part) if isinstance(node, dict) else getattr(node, part, None)
-    return node
-
-
-def model_summary(spec: Any, model: Any) -> dict[str, Any]:
-    """Class, parameter count (meta parameters count too), decoder layers and routed experts."""
+def model_summary(spec: Any, model: Any, structure: Any) -> dict[str, Any]:
+    """Class, parameter count (meta parameters count too), decoder layers, experts and structure."""
     from ..loading import submodule
 
     layers = None
@@ -38,12 +29,13 @@ def model_summary(spec: Any, model: Any) -> dict[str, Any]:
         "class": type(model).__name__,
         "parameters": sum(p.numel() for p in model.parameters()),
         "layers": layers,
-        "experts": _experts(spec, model.config),
+        "experts": structure.moe.num_experts if structure.moe else 0,
+        "structure": structure.describe(),
     }
 
 
 @click.command(name="apply")
-@click.argument("spec_path", metavar="SPEC", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@spec_argument()
 @click.option("--backend", type=click.Choice(CHOICES), default="extraction", show_default=True)
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.option(
@@ -54,7 +46,11 @@ def model_summary(spec: Any, model: Any) -> dict[str, Any]:
 @click.option("--batch", type=int, help="extraction: batch size (default: spec abi).")
 @click.option("--prefill-len", type=int, help="extraction: prefill length (default: spec abi).")
 @click.option("--max-cache-len", type=int, help="extraction: KV cache capacity (default: spec abi).")
-@click.option("--kv-layout", type=click.Choice(["latent", "expanded"]), help="extraction: KV cache layout.")
+@click.option(
+    "--kv-layout",
+    type=click.Choice(["heads", "latent", "expanded"]),
+    help="extraction: KV cache layout (heads for MHA/GQA/MQA; latent or expanded for MLA).",
+)
 @click.option(
     "--mla-attention",
     type=click.Choice(["reexpand", "absorbed"]),
@@ -62,6 +58,13 @@ def model_summary(spec: Any, model: Any) -> dict[str, Any]:
 )
 @click.option(
     "--verify", is_flag=True, help="extraction: check the saved IR on a tiny model against transformers."
+)
+@click.option(
+    "--without",
+    "without",
+    multiple=True,
+    metavar="ID",
+    help="Apply the spec without this shim, bridge or patch (repeatable): shows what an entry is for.",
 )
 def command(
     spec_path: Path,
@@ -78,12 +81,20 @@ def command(
     kv_layout: str | None,
     mla_attention: str | None,
     verify: bool,
+    without: tuple[str, ...],
 ) -> None:
     """Apply SPEC behind its gate, build the model and run the chosen backend."""
     from ..loading import applied, load_model
+    from ..patching.session import active_session
     from ..spec import load_spec
+    from ..structure.derive import structure_of_config
 
     spec = load_spec(spec_path)
+    if without:
+        try:
+            spec = spec.without(without)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
     extraction = opts = None
     if backend == "extraction":
         from ..backends import extraction
@@ -109,13 +120,21 @@ def command(
     source = {"trust_remote_code": trust_remote_code, "source_dir": source_dir, "from_hub": from_hub}
     with applied(spec, backend=backend, **source) as ledger:
         echo(ledger.render_table())
+        # the structure is checked against the spec before the (possibly 1T-parameter) model is built
+        session = active_session(spec)
+        assert session is not None
+        structure = structure_of_config(spec, session.config)
+        if opts is not None:
+            opts = extraction.bind_structure(opts, structure)
+        echo(f"structure: {structure.describe()}")
         echo(f"building {spec.name} on {device} ...")
         model = load_model(spec, device=device)
-        summary = model_summary(spec, model)
+        summary = model_summary(spec, model, structure)
         result.update(ledger=ledger.to_dict(), model=summary)
+        experts = f", {summary['experts']} experts" if summary["experts"] else ""
         echo(
             f"model {summary['class']}: {summary['parameters']:,} parameters on {device}, "
-            f"{summary['layers']} layers, {summary['experts']} experts"
+            f"{summary['layers']} layers{experts}"
         )
         if extraction is not None:
             extracted = extraction.run(spec, model, opts, echo=echo)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .options import ExtractionOptions, options_from_spec
+from .options import ExtractionOptions, bind_structure, options_from_spec
 
 if TYPE_CHECKING:
     from torch import nn
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .roundtrip import VerifyReport
     from .summary import ExtractionSummary
 
-__all__ = ["ExtractionOptions", "options_from_spec", "run", "verify"]
+__all__ = ["ExtractionOptions", "bind_structure", "options_from_spec", "run", "verify"]
 
 
 def run(

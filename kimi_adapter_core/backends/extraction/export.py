@@ -66,6 +66,7 @@ def wrapper_for(kind: str, backbone: Backbone, options: ExtractionOptions, num_l
         kv_layout=options.kv_layout,
         num_layers=num_layers,
         mla_attention=options.mla_attention,
+        windows=options.windows,
     ).eval()
 
 
@@ -78,11 +79,10 @@ def example_inputs(
             batch=options.batch, prefill_len=options.prefill_len, dtype=dtype, device=backbone.device
         )
     return runtime.decode_inputs(
-        backbone.config,
+        options.kv_dims,
         batch=options.batch,
         position=options.prefill_len,
         max_cache_len=options.max_cache_len,
-        kv_layout=options.kv_layout,
         num_layers=num_layers,
         dtype=dtype,
         device=backbone.device,

@@ -6,6 +6,7 @@ it spends seconds importing torch and building the model, so bad input fails fas
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -14,8 +15,8 @@ from typing import Any
 
 from ...errors import KadaptError
 from ...spec.model import GraphAbi, Spec
+from ...structure.model import ALL_KV_LAYOUTS, Attention, ModelStructure
 
-KV_LAYOUTS = ("latent", "expanded")
 MLA_ATTENTIONS = ("reexpand", "absorbed")
 DTYPES = ("bfloat16", "float16", "float32", "float64")
 LAYER = "{layer}"
@@ -72,7 +73,7 @@ class ExtractionOptions:
     prefill_len: int
     max_cache_len: int
     dtype: str
-    kv_layout: str
+    kv_layout: str | None  # None until bound to the model's structure (then its attention's default)
     prefill_names: GraphNames
     decode_names: GraphNames
     weight_renames: tuple[tuple[str, str], ...]
@@ -81,9 +82,32 @@ class ExtractionOptions:
     verify_max_cache_len: int = 40
     verify_decode_steps: int = 24
     verify_tolerance: float = 1e-4
+    # bfloat16 round trip: same greedy tokens as bf16 transformers, logits within this
+    verify_dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    verify_tolerance_low_precision: float = 5e-2
     mla_attention: str = "reexpand"  # reexpand | absorbed (kv_b_proj absorbed; latent layout only)
     stitch: bool = True  # export one layer per kind and replicate it (False: export every layer)
     top_ops: int = 12
+    structure: ModelStructure | None = None  # set by ``bind_structure`` once the config is built
+    kv_layout_where: str | None = None  # spec location of abi.kv_layout, when the spec chose it
+
+    @property
+    def kv_dims(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """Per-token ``((key_heads, key_dim), (value_heads, value_dim))`` of the bound layout."""
+        assert self.structure is not None and self.kv_layout is not None, "bind_structure first"
+        return self.structure.attention.kv_dims(self.kv_layout)
+
+    @property
+    def attention_label(self) -> str:
+        """``latent KV, reexpand MLA`` / ``heads KV, GQA``: what the graphs attend with."""
+        if self.structure is not None and not self.structure.attention.is_mla:
+            return f"{self.kv_layout} KV, {self.structure.attention.kind.upper()}"
+        return f"{self.kv_layout} KV, {self.mla_attention} MLA"
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        assert self.structure is not None, "bind_structure first"
+        return self.structure.windows
 
     def path(self, graph: str) -> Path:
         """Output file of ``graph`` (``prefill``, ``decode`` or ``kv_mapping``)."""
@@ -158,6 +182,23 @@ def check_writable(directory: Path) -> None:
         raise KadaptError(f"output directory {directory} is not writable: {exc.strerror or exc}") from exc
 
 
+def _confined(spec: Spec, relative: str) -> Path:
+    """A spec-given output directory, which must stay inside the working directory.
+
+    A spec is not trusted to choose where files land (``../../etc``); ``--output-dir`` is the user's
+    way to write elsewhere.
+    """
+    cwd = Path.cwd().resolve()
+    out = (cwd / relative).resolve()
+    if Path(relative).is_absolute() or not out.is_relative_to(cwd):
+        raise KadaptError(
+            f"backends.extraction.output_dir {relative!r} leaves the working directory {cwd}; a spec may "
+            "only name a folder inside it (pass --output-dir to write elsewhere)",
+            location=spec.locate("backends.extraction.output_dir"),
+        )
+    return out
+
+
 def options_from_spec(
     spec: Spec,
     *,
@@ -188,12 +229,12 @@ def options_from_spec(
     if abi.dtype not in DTYPES:
         raise KadaptError(f"abi.dtype {abi.dtype!r} is not a floating dtype; valid: {', '.join(DTYPES)}")
     layout = abi.kv_layout if kv_layout is None else kv_layout
-    if layout not in KV_LAYOUTS:
-        raise KadaptError(f"unknown kv_layout {layout!r}; valid: {', '.join(KV_LAYOUTS)}")
+    if layout is not None and layout not in ALL_KV_LAYOUTS:
+        raise KadaptError(f"unknown kv_layout {layout!r}; valid: {', '.join(ALL_KV_LAYOUTS)}")
     attention = abi.mla_attention if mla_attention is None else mla_attention
     if attention not in MLA_ATTENTIONS:
         raise KadaptError(f"unknown mla_attention {attention!r}; valid: {', '.join(MLA_ATTENTIONS)}")
-    if attention == "absorbed" and layout != "latent":
+    if attention == "absorbed" and layout not in (None, "latent"):
         raise KadaptError(
             f"abi.mla_attention 'absorbed' attends over the latent cache and needs abi.kv_layout 'latent', "
             f"got kv_layout {layout!r}",
@@ -212,8 +253,11 @@ def options_from_spec(
             f"verify: prefill_len {verify_prefill} + decode_steps {verify_steps} "
             f"exceed max_cache_len {verify_cache}"
         )
-    out = Path(output_dir if output_dir is not None else backend.get("output_dir") or f"out/{spec.name}")
-    out = out if out.is_absolute() else Path.cwd() / out
+    if output_dir is not None:  # the user's own choice: anywhere
+        out = Path(output_dir)
+        out = out if out.is_absolute() else Path.cwd() / out
+    else:
+        out = _confined(spec, str(backend.get("output_dir") or f"out/{spec.name}"))
     check_writable(out)
     prefill_names, decode_names = abi_graph_names(spec)
     return ExtractionOptions(
@@ -222,6 +266,7 @@ def options_from_spec(
         model_name=str(backend.get("model_name") or spec.name),
         dtype=abi.dtype,
         kv_layout=layout,
+        kv_layout_where=spec.locate("abi.kv_layout") if kv_layout is None and abi.kv_layout else None,
         mla_attention=attention,
         prefill_names=prefill_names,
         decode_names=decode_names,
@@ -233,3 +278,45 @@ def options_from_spec(
         verify_decode_steps=verify_steps,
         **sizes,
     )
+
+
+def resolve_kv_layout(
+    attention: Attention,
+    kv_layout: str | None,
+    mla_attention: str,
+    *,
+    layout_where: str | None = None,
+    attention_where: str | None = None,
+) -> str:
+    """The KV layout for a model with ``attention``: ``kv_layout`` or the attention kind's default.
+
+    A layout the attention cannot have (``latent`` on a GQA model), a non-default ``mla_attention`` on a
+    model without MLA, or ``absorbed`` off the latent layout is a ``KadaptError`` located at the spec
+    entry that asked for it. Torch-free: ``kadapt generate`` resolves layouts with it too.
+    """
+    layout = kv_layout or attention.default_kv_layout
+    if layout not in attention.kv_layouts:
+        raise KadaptError(
+            f"kv_layout {layout!r} does not fit this model's {attention.kind.upper()} attention "
+            f"({attention.describe()}); valid: {', '.join(attention.kv_layouts)}",
+            location=layout_where,
+        )
+    if mla_attention != "reexpand" and not attention.is_mla:
+        raise KadaptError(
+            f"mla_attention {mla_attention!r} needs MLA attention; this model has {attention.describe()}",
+            location=attention_where,
+        )
+    if mla_attention == "absorbed" and layout != "latent":
+        raise KadaptError(
+            f"mla_attention 'absorbed' needs kv_layout 'latent', got {layout!r}", location=attention_where
+        )
+    return layout
+
+
+def bind_structure(options: ExtractionOptions, structure: ModelStructure) -> ExtractionOptions:
+    """``options`` for a model of ``structure``: the KV layout defaulted and checked against its attention
+    (``resolve_kv_layout``), before any export."""
+    layout = resolve_kv_layout(
+        structure.attention, options.kv_layout, options.mla_attention, layout_where=options.kv_layout_where
+    )
+    return dataclasses.replace(options, kv_layout=layout, structure=structure)

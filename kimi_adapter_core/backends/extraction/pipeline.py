@@ -17,12 +17,13 @@ from torch import nn
 
 from ... import __version__
 from ...spec.model import Spec
+from ...structure.derive import derive_structure
 from . import runtime
 from .encoding import enum_tables
 from .export import Backbone, check_exportable, export_wrapper, to_graph
 from .graph import Graph
 from .irjson import FORMAT_VERSION, ir_chunks
-from .options import ExtractionOptions, kv_names
+from .options import ExtractionOptions, bind_structure, kv_names
 from .stitch import NotStitchable, Plan, plan, stitch
 from .summary import ExtractionSummary, GraphStats
 from .weights import cast_to_abi_dtype, keep_fp32_names, model_tensor_types, tied_names, weight_entries
@@ -54,6 +55,13 @@ def backbone_of(spec: Spec, model: nn.Module) -> Backbone:
     from ...loading import submodule
 
     return Backbone(model, submodule(model, spec, "language_model"), submodule(model, spec, "lm_head"))
+
+
+def bound_to(spec: Spec, backbone: Backbone, options: ExtractionOptions) -> ExtractionOptions:
+    """``options`` bound to the structure of ``backbone``'s config (unchanged if already bound)."""
+    if options.structure is not None:
+        return options
+    return bind_structure(options, derive_structure(backbone.config, spec))
 
 
 def build_graph(
@@ -98,6 +106,7 @@ def metadata(spec: Spec, backbone: Backbone, options: ExtractionOptions, graph: 
             "kv_layout": options.kv_layout,
             **({} if options.mla_attention == "reexpand" else {"mla_attention": options.mla_attention}),
         },
+        "structure": options.structure.to_dict() if options.structure is not None else None,
         "num_layers": len(backbone.layers),
         "stitching": graph.notes or None,
         "attn_implementation": getattr(config, "_attn_implementation", None),
@@ -115,7 +124,7 @@ def metadata(spec: Spec, backbone: Backbone, options: ExtractionOptions, graph: 
 def kv_mapping_document(options: ExtractionOptions, backbone: Backbone) -> dict[str, Any]:
     prefill, decode = options.prefill_names, options.decode_names
     mapping = runtime.build_kv_mapping(
-        backbone.config,
+        options.kv_dims,
         kv_layout=options.kv_layout,
         batch=options.batch,
         prefill_len=options.prefill_len,
@@ -126,7 +135,18 @@ def kv_mapping_document(options: ExtractionOptions, backbone: Backbone) -> dict[
         mla_attention=options.mla_attention,
     )
     graphs = {"prefill_graph": options.path("prefill").name, "decode_graph": options.path("decode").name}
-    return {"format_version": FORMAT_VERSION, "model_name": options.model_name, **graphs, **mapping}
+    assert options.structure is not None
+    attention = {
+        "attention": options.structure.attention.kind,
+        "sliding_windows": list(options.windows) if options.structure.has_sliding_layers else None,
+    }
+    return {
+        "format_version": FORMAT_VERSION,
+        "model_name": options.model_name,
+        **graphs,
+        **attention,
+        **mapping,
+    }
 
 
 def graph_stats(graph: Graph, options: ExtractionOptions, size: int, layers: int) -> GraphStats:
@@ -152,13 +172,14 @@ def run(spec: Spec, model: nn.Module, options: ExtractionOptions, *, echo: Echo)
     transformers' fp32 modules in fp32, so the IR states the dtypes the checkpoint loads with.
     """
     clock = Clock(echo)
+    backbone = backbone_of(spec, model)
+    options = bound_to(spec, backbone, options)
     echo(
-        f"extracting {options.model_name}: {options.kv_layout} KV, {options.mla_attention} MLA, "
+        f"extracting {options.model_name}: {options.attention_label}, "
         f"batch {options.batch}, "
         f"prefill {options.prefill_len}, cache {options.max_cache_len}, {options.dtype}"
     )
     with clock.step("prepare"):
-        backbone = backbone_of(spec, model)
         check_exportable(backbone)
         dtype = getattr(torch, options.dtype)
         cast_to_abi_dtype([backbone.language_model, backbone.lm_head], dtype, keep_fp32_names(model))
@@ -189,6 +210,7 @@ def run(spec: Spec, model: nn.Module, options: ExtractionOptions, *, echo: Echo)
         model_name=options.model_name,
         kv_layout=options.kv_layout,
         mla_attention=options.mla_attention,
+        attention_label=options.attention_label,
         sizes={
             "batch": options.batch,
             "prefill_len": options.prefill_len,

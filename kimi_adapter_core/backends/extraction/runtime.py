@@ -1,4 +1,4 @@
-"""Prefill/decode ABI of an MLA decoder stack (DeepseekV3, Kimi-K2.5's text backbone) for export.
+"""Prefill/decode ABI of a transformers decoder stack (any family: MHA/GQA/MQA/MLA, dense or MoE).
 
 This module is self-contained on purpose (stdlib + torch only): ``kadapt generate`` embeds its source
 verbatim in a standalone module that other tools import and hand to ``torch.export`` or
@@ -12,15 +12,20 @@ verbatim in a standalone module that other tools import and hand to ``torch.expo
   position < max_cache_len: rope comes from ``position_ids``, the mask is an input).
 
 The attention mask is the caller's additive float mask ``[B, 1, Q, K]`` (0 = attend, dtype-min =
-masked), see ``additive_causal_mask``. The wrappers call the decoder layers themselves instead of the
-model's ``forward``: that skips transformers' mask construction (which would rebuild a mask from a
-cache object), its DynamicCache and output-capturing hooks, and lets an exporter trace any prefix of
-the layer stack (kadapt exports one layer per kind and replicates it).
+masked), see ``additive_causal_mask``; cache slot ``k`` holds the token at position ``k``. Layers
+with a sliding window additionally mask keys at or beyond ``window`` positions behind the query
+(``k <= position - window``), inside the graph, so one mask input serves every layer. The wrappers
+call the decoder layers themselves instead of the model's ``forward``: that skips transformers' mask
+construction (which would rebuild a mask from a cache object), its DynamicCache and output-capturing
+hooks, and lets an exporter trace any prefix of the layer stack (kadapt exports one layer per kind
+and replicates it).
 
-KV layouts:
-- ``latent``: MLA's compressed cache as transformers keeps it, key ``[B, 1, S, kv_lora_rank]`` and
+KV layouts (``kv_dims`` gives ``((key_heads, key_dim), (value_heads, value_dim))`` per token):
+- ``heads`` (MHA/GQA/MQA): what the attention passes to ``Cache.update``, key and value
+  ``[B, kv_heads, S, head_dim]`` after rope, per layer.
+- ``latent`` (MLA): the compressed cache as transformers keeps it, key ``[B, 1, S, kv_lora_rank]`` and
   value ``[B, 1, S, qk_rope_head_dim]`` (the rope'd shared key); attention re-expands it each step.
-- ``expanded``: per-head key ``[B, H, S, qk_nope + qk_rope]`` and value ``[B, H, S, v_head_dim]``,
+- ``expanded`` (MLA): per-head key ``[B, H, S, qk_nope + qk_rope]`` and value ``[B, H, S, v_head_dim]``,
   i.e. the output of ``expand_kv`` (kv_b_proj + rope'd key broadcast per head) is what is cached.
 
 MLA attention (``latent`` layout only):
@@ -41,7 +46,8 @@ from typing import Any
 import torch
 from torch import nn
 
-KV_LAYOUTS = ("latent", "expanded")
+KV_LAYOUTS = ("heads", "latent", "expanded")
+KVDims = tuple[tuple[int, int], tuple[int, int]]  # ((key_heads, key_dim), (value_heads, value_dim))
 MLA_ATTENTIONS = ("reexpand", "absorbed")
 
 
@@ -138,17 +144,10 @@ def absorbing_mla(layers: Sequence[nn.Module], mla_attention: str) -> Iterator[N
             attn.__dict__.pop("forward", None)
 
 
-def kv_shapes(
-    config: Any, kv_layout: str, batch: int, length: int
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def kv_shapes(kv_dims: KVDims, batch: int, length: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Shapes of one layer's cached key and value for ``length`` positions."""
-    if kv_layout == "latent":
-        return (batch, 1, length, config.kv_lora_rank), (batch, 1, length, config.qk_rope_head_dim)
-    if kv_layout == "expanded":
-        heads = config.num_attention_heads
-        key_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
-        return (batch, heads, length, key_dim), (batch, heads, length, config.v_head_dim)
-    raise ValueError(f"unknown kv_layout {kv_layout!r}; valid: {', '.join(KV_LAYOUTS)}")
+    (key_heads, key_dim), (value_heads, value_dim) = kv_dims
+    return (batch, key_heads, length, key_dim), (batch, value_heads, length, value_dim)
 
 
 def additive_causal_mask(query_positions: torch.Tensor, key_length: int, dtype: torch.dtype) -> torch.Tensor:
@@ -157,6 +156,18 @@ def additive_causal_mask(query_positions: torch.Tensor, key_length: int, dtype: 
     allowed = keys.view(1, 1, 1, key_length) <= query_positions.unsqueeze(1).unsqueeze(-1)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=query_positions.device)
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def sliding_window_mask(
+    attention_mask: torch.Tensor, position_ids: torch.Tensor, window: int
+) -> torch.Tensor:
+    """``attention_mask`` with keys ``window`` or more positions behind each query masked too.
+
+    transformers' sliding-window overlay: key ``k`` visible to the query at ``p`` iff ``p - k < window``.
+    """
+    keys = torch.arange(attention_mask.shape[-1], device=attention_mask.device)
+    too_old = keys.view(1, 1, 1, -1) <= (position_ids - window).unsqueeze(1).unsqueeze(-1)
+    return attention_mask.masked_fill(too_old, torch.finfo(attention_mask.dtype).min)
 
 
 class StaticKVCache:
@@ -185,7 +196,7 @@ class StaticKVCache:
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Called by the attention with the new latents (kv_nope, k_rot)."""
+        """Called by the attention with the new key/value states (MLA: the latents kv_nope, k_rot)."""
         if self.kv_layout == "expanded":  # the latents pass through; expand_kv caches per-head K/V
             return key_states, value_states
         return self._write(self._slot[layer_idx], key_states, value_states)
@@ -247,6 +258,7 @@ class _TextStack(nn.Module):
         *,
         kv_layout: str,
         mla_attention: str = "reexpand",
+        windows: Sequence[int | None] | None = None,
     ) -> None:
         super().__init__()
         if kv_layout not in KV_LAYOUTS:
@@ -260,6 +272,9 @@ class _TextStack(nn.Module):
         self.kv_layout = kv_layout
         self.mla_attention = mla_attention
         self.layer_ids = [layer.self_attn.layer_idx for layer in self.layers]
+        # sliding window of each traced layer (None: full attention), by the layer's own index
+        windows = list(windows) if windows is not None else []
+        self.windows = [windows[i] if i < len(windows) else None for i in self.layer_ids]
 
     @classmethod
     def from_language_model(
@@ -270,10 +285,12 @@ class _TextStack(nn.Module):
         kv_layout: str,
         num_layers: int | None = None,
         mla_attention: str = "reexpand",
+        windows: Sequence[int | None] | None = None,
     ) -> _TextStack:
         """Wrap a transformers decoder model (``embed_tokens``/``layers``/``norm``/``rotary_emb``).
 
-        ``num_layers`` keeps only the first layers (a representative prefix for replication).
+        ``num_layers`` keeps only the first layers (a representative prefix for replication);
+        ``windows`` gives each layer's sliding window (None: full attention), indexed by layer.
         """
         layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
         if num_layers is not None:
@@ -286,6 +303,7 @@ class _TextStack(nn.Module):
             lm_head,
             kv_layout=kv_layout,
             mla_attention=mla_attention,
+            windows=windows,
         )
 
     def _run(
@@ -297,11 +315,17 @@ class _TextStack(nn.Module):
     ) -> tuple[torch.Tensor, ...]:
         hidden_states = self.embed_tokens(input_ids)
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        masks = {
+            window: attention_mask
+            if window is None
+            else sliding_window_mask(attention_mask, position_ids, window)
+            for window in dict.fromkeys(self.windows)  # first-use order: deterministic graphs
+        }
         with cache.routing_expand_kv(self.layers), absorbing_mla(self.layers, self.mla_attention):
-            for layer in self.layers:
+            for layer, window in zip(self.layers, self.windows, strict=True):
                 hidden_states = layer(
                     hidden_states,
-                    attention_mask=attention_mask,
+                    attention_mask=masks[window],
                     position_ids=position_ids,
                     past_key_values=cache,
                     use_cache=True,
@@ -351,19 +375,18 @@ def prefill_inputs(
 
 
 def decode_inputs(
-    config: Any,
+    kv_dims: KVDims,
     *,
     batch: int,
     position: int,
     max_cache_len: int,
-    kv_layout: str,
     num_layers: int,
     dtype: torch.dtype,
     device: str | torch.device = "meta",
 ) -> tuple[torch.Tensor, ...]:
     """Example decode inputs for the token at ``position`` with zeroed caches."""
     positions = torch.full((batch, 1), position, dtype=torch.long, device=device)
-    key_shape, value_shape = kv_shapes(config, kv_layout, batch, max_cache_len)
+    key_shape, value_shape = kv_shapes(kv_dims, batch, max_cache_len)
     past: list[torch.Tensor] = []
     for _ in range(num_layers):
         past += [
@@ -392,7 +415,7 @@ def place_prefill_kv(present: Sequence[torch.Tensor], max_cache_len: int) -> lis
 
 
 def build_kv_mapping(
-    config: Any,
+    kv_dims: KVDims,
     *,
     kv_layout: str,
     batch: int,
@@ -409,8 +432,8 @@ def build_kv_mapping(
     ``decode_key_out``/``decode_value_out`` to name templates containing ``{layer}``.
     ``mla_attention`` is recorded only when it is not the default ``reexpand`` (the cache is the same).
     """
-    prefill_shapes = kv_shapes(config, kv_layout, batch, prefill_len)
-    decode_shapes = kv_shapes(config, kv_layout, batch, max_cache_len)
+    prefill_shapes = kv_shapes(kv_dims, batch, prefill_len)
+    decode_shapes = kv_shapes(kv_dims, batch, max_cache_len)
 
     def tensor(role: str, layer: int, shape: tuple[int, ...]) -> dict[str, Any]:
         return {"name": names[role].format(layer=layer), "shape": list(shape), "dtype": dtype}

@@ -43,6 +43,7 @@ class ExtractionSummary:
     kv_layout: str
     sizes: dict[str, int]
     mla_attention: str = "reexpand"
+    attention_label: str = ""
     graphs: dict[str, GraphStats] = field(default_factory=dict)
     kv_mapping: Path | None = None
     kv_mapping_bytes: int = 0
@@ -67,10 +68,7 @@ class ExtractionSummary:
 
     def render(self) -> str:
         sizes = ", ".join(f"{k} {v}" for k, v in self.sizes.items())
-        lines = [
-            f"extracted {self.model_name} ({self.kv_layout} KV, {self.mla_attention} MLA; {sizes}) "
-            f"in {self.seconds:.1f} s"
-        ]
+        lines = [f"extracted {self.model_name} ({self.attention_label}; {sizes}) in {self.seconds:.1f} s"]
         for kind, stats in self.graphs.items():
             traced = f", {stats.traced_layers} traced" if stats.traced_layers != stats.layers else ""
             lines.append(
