@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import importlib.util
 import json
 import shutil
@@ -43,25 +44,56 @@ def shipped_specs() -> list[Path]:
     return sorted(SPECS.glob("*.yaml"))
 
 
+SHIPPED = shipped_specs()
+MLA_WORDS = ("mla", "latent", "reexpand", "absorbed", "kv_lora")
+
+
+@functools.cache
+def rendered(spec_path: Path) -> tuple[dict[str, str], tuple[str, ...]]:
+    """Every target of a shipped spec, rendered once per test session: ``{path: text}`` and notes."""
+    files, notes = render_spec(load_spec(spec_path), ALL_TARGETS, skip_inexpressible=True)
+    return {str(f.path): f.text for f in files}, tuple(notes)
+
+
 @pytest.fixture(scope="module")
 def kimi_files() -> dict[str, str]:
-    files, notes = render_spec(load_spec(KIMI), ALL_TARGETS)
-    assert notes == []
-    return {str(f.path): f.text for f in files}
+    files, notes = rendered(KIMI)
+    assert notes == ()
+    return files
 
 
 # -- goldens, determinism, formatting ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("spec_path", shipped_specs(), ids=lambda p: p.stem)
-def test_committed_outputs_match_a_fresh_render(spec_path: Path, tmp_path: Path) -> None:
-    files, _ = render_spec(load_spec(spec_path), ALL_TARGETS, skip_inexpressible=True)
+@pytest.mark.parametrize("spec_path", SHIPPED, ids=lambda p: p.stem)
+def test_committed_outputs_match_a_fresh_render(spec_path: Path) -> None:
+    files, _ = rendered(spec_path)
     assert files, f"{spec_path.name} renders nothing"
-    write_all(files, tmp_path)
-    for item in files:
-        committed = REPO / item.path
-        assert committed.is_file(), f"{item.path} is not committed: run `kadapt generate`"
-        assert committed.read_bytes() == (tmp_path / item.path).read_bytes(), f"{item.path} is stale"
+    for path, text in files.items():
+        committed = REPO / path
+        assert committed.is_file(), f"{path} is not committed: run `kadapt generate`"
+        assert committed.read_bytes() == text.encode("utf-8"), f"{path} is stale"
+
+
+@pytest.mark.parametrize("spec_path", SHIPPED, ids=lambda p: p.stem)
+def test_every_shipped_spec_renders_every_target_it_can(spec_path: Path) -> None:
+    """Extraction module, TensorCast profile and docs page for each spec; only a spec without an
+    ``abi`` skips the extraction target, and says so."""
+    spec = load_spec(spec_path)
+    files, notes = rendered(spec_path)
+    name = spec.name
+    expected = {
+        "adapters/__init__.py",
+        f"adapters/{name}/__init__.py",
+        f"adapters/{name}/tensorcast_profile.py",
+        f"docs/specs/{name}.md",
+    }
+    if spec.abi is not None:
+        expected.add(f"adapters/{name}/extraction.py")
+        assert notes == ()
+    else:
+        assert notes == (f"{name}: target 'extraction' skipped: the spec has no 'abi' entry",)
+    assert set(files) == expected
 
 
 def test_kimi_renders_every_target(kimi_files: dict[str, str]) -> None:
@@ -72,6 +104,18 @@ def test_kimi_renders_every_target(kimi_files: dict[str, str]) -> None:
         "adapters/kimi_k25/tensorcast_profile.py",
         "docs/specs/kimi_k25.md",
     ]
+
+
+@pytest.mark.parametrize("spec_path", [p for p in SHIPPED if not load_spec(p).mla], ids=lambda p: p.stem)
+def test_non_mla_outputs_never_speak_of_mla(spec_path: Path) -> None:
+    """A GQA model's docs, profile and extraction module (outside the verbatim runtime, which serves
+    every family) say nothing about latent caches or MLA attention."""
+    for path, text in rendered(spec_path)[0].items():
+        if path.endswith("extraction.py"):
+            head, _, rest = text.partition("# fmt: off")
+            text = head.split("Embedded extraction runtime:")[0] + rest.partition("# fmt: on")[2]
+        found = [w for w in MLA_WORDS if w in text.lower()]
+        assert not found, f"{path}: {found}"
 
 
 def test_rendering_is_deterministic_and_location_free(tmp_path: Path) -> None:
@@ -90,8 +134,10 @@ def test_rendering_is_deterministic_and_location_free(tmp_path: Path) -> None:
         assert text.endswith("\n") and not text.endswith("\n\n")
 
 
-def test_python_outputs_compile_and_are_ruff_clean(kimi_files: dict[str, str], tmp_path: Path) -> None:
-    for name, text in kimi_files.items():
+@pytest.mark.parametrize("spec_path", SHIPPED, ids=lambda p: p.stem)
+def test_python_outputs_compile_and_are_ruff_clean(spec_path: Path, tmp_path: Path) -> None:
+    files, _ = rendered(spec_path)
+    for name, text in files.items():
         if not name.endswith(".py"):
             continue
         compile(text, name, "exec")
@@ -107,7 +153,7 @@ def test_python_outputs_compile_and_are_ruff_clean(kimi_files: dict[str, str], t
         capture_output=True,
         text=True,
     )
-    extraction = kimi_files["adapters/kimi_k25/extraction.py"].splitlines()
+    extraction = files.get(f"adapters/{spec_path.stem}/extraction.py", "# fmt: off\n# fmt: on").splitlines()
     runtime_block = range(extraction.index("# fmt: off"), extraction.index("# fmt: on") + 1)
     for finding in json.loads(lint.stdout):
         where = f"{finding['filename']}:{finding['location']['row']}"
@@ -167,24 +213,21 @@ def test_unchanged_files_are_not_rewritten(tmp_path: Path) -> None:
 # -- errors: named entry and target, nothing half-written ----------------------------------------------
 
 
-def spec_variant(tmp_path: Path, edit: Any) -> Path:
-    """A copy of the Kimi spec (with its config) under ``tmp_path``, edited by ``edit(raw)``."""
-    shutil.copytree(SPECS / "kimi_k25", tmp_path / "kimi_k25")
-    raw = yaml.safe_load(KIMI.read_text())
+def spec_variant(tmp_path: Path, edit: Any, base: Path = KIMI) -> Path:
+    """A copy of a shipped spec (Kimi's by default, with its config) under ``tmp_path``, edited by
+    ``edit(raw)``."""
+    shutil.copytree(SPECS / base.stem, tmp_path / base.stem)
+    raw = yaml.safe_load(base.read_text())
     edit(raw)
     path = tmp_path / "variant.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
 
 
-@pytest.mark.parametrize(
-    ("entry", "target"), [("abi", "extraction"), ("moe", "simulation"), ("module_paths", "simulation")]
-)
+@pytest.mark.parametrize(("entry", "target"), [("abi", "extraction"), ("module_paths", "simulation")])
 def test_missing_entry_is_a_clear_error_and_writes_nothing(tmp_path: Path, entry: str, target: str) -> None:
     def drop(raw: dict[str, Any]) -> None:
         raw.pop(entry)
-        if entry == "moe":  # the semantic checks tie moe-related entries together
-            raw.pop("quantization", None)
 
     path = spec_variant(tmp_path, drop)
     out = tmp_path / "out"
@@ -243,6 +286,49 @@ def profile_module(kimi_files: dict[str, str], tmp_path: Path, monkeypatch: pyte
     for name in [n for n in sys.modules if n == "tensor_cast" or n.startswith("tensor_cast.")]:
         monkeypatch.delitem(sys.modules, name)
     return import_path(path, "generated_tensorcast_profile")
+
+
+@pytest.mark.parametrize("spec_path", SHIPPED, ids=lambda p: p.stem)
+def test_every_profile_claims_only_what_its_spec_declares(
+    spec_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each committed profile imports without TensorCast; every field traces to a spec entry, a spec
+    without ``mla`` gets no MLA module (no absorbed-MLA swap), one without ``moe`` no MoE fields."""
+    spec = load_spec(spec_path)
+    for name in [n for n in sys.modules if n == "tensor_cast" or n.startswith("tensor_cast.")]:
+        monkeypatch.delitem(sys.modules, name)
+    module = import_path(REPO / "adapters" / spec.name / "tensorcast_profile.py", f"profile_{spec.name}")
+    assert not any(n == "tensor_cast" or n.startswith("tensor_cast.") for n in sys.modules)
+    sources = dict(PROFILE_FIELDS)
+    for name, value in module.PROFILE.items():
+        source = sources[name]
+        if name == "model_type" and "model_type" not in (spec.backends.get("simulation") or {}):
+            source = "gate.model_type"
+        node: Any = spec.raw
+        for key in source.split("."):
+            node = node[key]
+        assert value == node, name
+    fields = set(module.PROFILE)
+    assert bool(fields & {"mla_module_name", "mla_field_names_override"}) == bool(spec.mla)
+    assert bool({f for f in fields if f.startswith("moe_")}) == bool(spec.moe)
+    if hasattr(module, "remove_patches"):
+        module.remove_patches()
+
+
+def test_dense_profile_bridges_nothing_and_leaves_other_models_alone() -> None:
+    """The Llama profile: no simulation bridges, so its config patch returns the config unchanged; a
+    Mistral config (another model_type) is not even looked at."""
+    from transformers import LlamaConfig, MistralConfig
+
+    module = import_path(REPO / "adapters" / "llama" / "tensorcast_profile.py", "profile_llama_dense")
+    llama = LlamaConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, vocab_size=32)
+    mistral = MistralConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, vocab_size=32)
+    for config in (llama, mistral):
+        before = config.to_dict()
+        assert module.hf_config_patch_method(config, None) is config
+        assert config.to_dict() == before
+    assert module.gate_matches(llama) and not module.gate_matches(mistral)
+    assert not hasattr(module, "PATCHES")
 
 
 def test_profile_imports_without_tensorcast_and_every_field_traces_to_the_spec(profile_module: Any) -> None:
@@ -424,3 +510,46 @@ def test_error_type_is_kadapt_error(tmp_path: Path) -> None:
     path = spec_variant(tmp_path, lambda raw: raw.pop("abi"))
     with pytest.raises(KadaptError, match="'extraction'.*no 'abi' entry"):
         render_spec(load_spec(path), ("extraction",))
+
+
+def test_docs_show_the_structure_and_the_kv_layouts_of_mla(kimi_files: dict[str, str]) -> None:
+    doc = kimi_files["docs/specs/kimi_k25.md"]
+    assert "## Structure" in doc and "61 layers, hidden 7168, MLA 64 heads, kv_lora_rank 512" in doc
+    assert "| attention.kind | `mla` |" in doc and "| moe.num_experts | `384` |" in doc
+    assert "| 0 | full | — | dense |" in doc and "| 1 .. 60 | full | — | moe |" in doc
+    assert "| `latent` | 1 x 512 | 1 x 64 | 576 | default for MLA, the ABI's |" in doc
+    assert "| `expanded` | 64 x 192 | 64 x 128 | 20,480 | — |" in doc
+    assert "latent KV, reexpand MLA" in doc and "static latent KV cache of 2048" in doc
+
+
+def test_docs_of_a_sliding_window_gqa_family() -> None:
+    doc = rendered(SPECS / "mistral.yaml")[0]["docs/specs/mistral.md"]
+    assert "32 layers, hidden 4096, GQA 32 heads / 8 KV heads x 128" in doc
+    assert "| 0 .. 31 | sliding | 4096 | dense |" in doc
+    assert "| `heads` | 8 x 128 | 8 x 128 | 2,048 | default for GQA, the ABI's |" in doc
+    assert "heads KV, GQA" in doc and "Sliding-window layers (window 4096)" in doc
+    assert "| input | `past.{layer}.key` | `[1, 8, 2048, 128]` | bfloat16 |" in doc
+    assert "| output | `present.{layer}.value` | `[1, 8, 128, 128]` | bfloat16 |" in doc  # prefill
+    assert "131,072 B per token (32 layers x 8 x (128 + 128) x 2 B)" in doc
+    assert "sliding-window masks in-graph" in doc
+
+
+def test_docs_of_moe_families_show_their_layer_kinds() -> None:
+    qwen = rendered(SPECS / "qwen3_moe.yaml")[0]["docs/specs/qwen3_moe.md"]
+    assert "| 0 .. 93 | full | — | moe |" in qwen and "MoE 128 experts top-8" in qwen
+    assert "| input | `past.{layer}.key` | `[1, 4, 2048, 128]` | bfloat16 |" in qwen
+    deepseek = rendered(SPECS / "deepseek_v3.yaml")[0]["docs/specs/deepseek_v3.md"]
+    assert "| 0 .. 2 | full | — | dense |" in deepseek and "| 3 .. 60 | full | — | moe |" in deepseek
+    assert "| input | `past.{layer}.key` | `[1, 1, 2048, 512]` | bfloat16 |" in deepseek
+
+
+def test_a_kv_layout_the_attention_cannot_have_is_a_located_error(tmp_path: Path) -> None:
+    path = spec_variant(
+        tmp_path, lambda raw: raw["abi"].update(kv_layout="latent"), base=SPECS / "llama.yaml"
+    )
+    for target in ("extraction", "docs"):
+        with pytest.raises(
+            KadaptError, match="kv_layout 'latent' does not fit this model's GQA attention"
+        ) as err:
+            render_spec(load_spec(path), (target,))
+        assert err.value.location is not None and err.value.location.startswith(str(path))

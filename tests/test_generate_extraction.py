@@ -1,15 +1,30 @@
-"""The generated extraction module, used the way other tools use it: imported by path, no kadapt.
+"""The generated extraction modules, used the way other tools use them: imported by path, no kadapt.
 
-A tiny config of Kimi-K2.5's architecture (config overrides) goes through the generated
-``build_model``; its wrappers are handed to ``torch_ir.extract_ir`` and ``torch.export.export`` and
-compared with what kadapt's own extraction backend produces for the same spec and overrides: the
-same graph input/output names, shapes and dtypes, and equal outputs on the same random weights.
+For every shipped spec with an ABI (discovered from ``specs/*.yaml``, so a new spec is covered
+without editing this file) the committed ``adapters/<spec>/extraction.py`` is imported by path and
+checked against kadapt itself:
+
+- what it bakes in (attention kind, KV layout, KV dims, sliding windows, structure) is kadapt's
+  structure of the shipped config, and its config readers agree with kadapt's ``derive_structure`` on
+  the shipped and on a tiny config;
+- on a tiny random-weight model of the family (shrunk the way ``--verify`` shrinks it) its prefill
+  and a few greedy decode steps equal kadapt's own runtime wrappers bit for bit and transformers'
+  eager forward within ``--verify``'s tolerance;
+- for one GQA family with sliding windows and one MLA family, the module goes through
+  ``torch_ir.extract_ir`` exactly as its docstring says, and torch_ir's executor replays the IR.
+
+The committed files equal a fresh render (``test_generate.py``), so this tests what ``kadapt
+generate`` produces.
 """
 
 from __future__ import annotations
 
-import json
+import ast
+import contextlib
+import dataclasses
 import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,168 +33,387 @@ import torch
 import torch_ir
 from fixtures.modules import import_path
 
-from kimi_adapter_core.backends.extraction import options_from_spec, run, runtime
-from kimi_adapter_core.backends.extraction.weights import cast_to_abi_dtype, keep_fp32_names
-from kimi_adapter_core.generate import render_spec, write_all
-from kimi_adapter_core.loading import applied, load_config, load_model
-from kimi_adapter_core.spec import load_spec
+from kimi_adapter_core.backends.extraction import options_from_spec, runtime
+from kimi_adapter_core.backends.extraction.options import ExtractionOptions, bind_structure
+from kimi_adapter_core.backends.extraction.pipeline import kv_mapping_document
+from kimi_adapter_core.backends.extraction.roundtrip import tiny_overrides
+from kimi_adapter_core.loading import applied, load_config, load_model, submodule
+from kimi_adapter_core.spec import Spec, load_spec
+from kimi_adapter_core.structure.derive import derive_structure, structure_of_config
+from kimi_adapter_core.structure.model import ModelStructure
 
 REPO = Path(__file__).resolve().parents[1]
-SPEC = load_spec(REPO / "specs" / "kimi_k25.yaml")
-PREFILL, CACHE = 8, 16
-TINY: dict[str, Any] = {
-    "text_config.num_hidden_layers": 2,  # first_k_dense_replace 1: one dense and one MoE layer
-    "text_config.hidden_size": 64,
-    "text_config.intermediate_size": 96,
-    "text_config.moe_intermediate_size": 32,
-    "text_config.n_routed_experts": 4,
-    "text_config.num_experts_per_tok": 2,
-    "text_config.num_attention_heads": 4,
-    "text_config.num_key_value_heads": 4,
-    "text_config.q_lora_rank": 32,
-    "text_config.kv_lora_rank": 16,
-    "text_config.qk_nope_head_dim": 8,
-    "text_config.qk_rope_head_dim": 8,
-    "text_config.v_head_dim": 8,
-    "text_config.vocab_size": 128,
-    "text_config.max_position_embeddings": 4096 * 64,
-    "text_config.pad_token_id": 1,
-    "text_config.bos_token_id": 2,
-    "text_config.eos_token_id": 3,
-    "pad_token_id": 1,
-    "bos_token_id": 2,
-    "eos_token_id": 3,
-    "vision_config.vt_hidden_size": 32,
-    "vision_config.vt_num_hidden_layers": 1,
-    "vision_config.vt_num_attention_heads": 2,
-    "vision_config.vt_intermediate_size": 64,
-    "vision_config.text_hidden_size": 64,
-}
+SPEC_PATHS = sorted((REPO / "specs").glob("*.yaml"))
+# Specs without an `abi` have no extraction target (test_generate.py checks the skip note).
+EXTRACTABLE = [p.stem for p in SPEC_PATHS if load_spec(p).abi is not None]
+# torch_ir.extract_ir end to end: GQA with a sliding window on every layer, and MLA + MoE.
+TORCH_IR = ("mistral", "kimi_k25")
+PREFILL, CACHE, STEPS = 8, 16, 3
+TOLERANCE = 1e-4  # --verify's default for logits against transformers
+MLA_WORDS = ("mla", "latent", "reexpand", "absorbed", "kv_lora")
+# torch_ir notes that the rotary buffers of a meta model have no values (they come with the weights)
+QUIET_META_CONSTANTS = pytest.mark.filterwarnings("ignore:Skipping .* meta-device constant:UserWarning")
+
+
+@dataclass(frozen=True)
+class Family:
+    """One shipped spec, its generated module and kadapt's view of a tiny model of it."""
+
+    spec: Spec
+    module: types.ModuleType
+    path: Path
+    tiny: dict[str, Any]
+    options: ExtractionOptions  # bound to the tiny structure, verify sizes
+    shipped: ModelStructure  # kadapt's structure of the shipped config (extraction bridges)
+    structure: ModelStructure  # kadapt's structure of the tiny config
 
 
 @pytest.fixture(scope="module")
-def generated(tmp_path_factory: pytest.TempPathFactory) -> types.ModuleType:
-    out = tmp_path_factory.mktemp("generated")
-    files, _ = render_spec(SPEC, ("extraction",))
-    write_all(files, out)
-    path = out / "adapters" / "kimi_k25" / "extraction.py"
-    module = import_path(path, "generated_kimi_k25_extraction")
-    assert "kimi_adapter_core" not in path.read_text().replace("kimi_adapter_core/backends", "")
-    return module
+def family(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Family]:
+    cache: dict[str, Family] = {}
+
+    def get(name: str) -> Family:
+        if name not in cache:
+            spec = load_spec(REPO / "specs" / f"{name}.yaml")
+            path = REPO / "adapters" / name / "extraction.py"
+            module = import_path(path, f"generated_{name}_extraction")
+            options = options_from_spec(
+                spec, output_dir=tmp_path_factory.mktemp(name), prefill_len=PREFILL, max_cache_len=CACHE
+            )
+            tiny = tiny_overrides(spec, options)
+            text = kadapt_text_config(spec, load_config(spec, backend="extraction", overrides=tiny))
+            structure = derive_structure(text, spec)
+            shipped = structure_of_config(spec, load_config(spec, backend="extraction"))
+            bound = dataclasses.replace(bind_structure(options, structure), dtype="float32")
+            cache[name] = Family(spec, module, path, tiny, bound, shipped, structure)
+        return cache[name]
+
+    return get
 
 
-def kadapt_model(device: str) -> torch.nn.Module:
-    """The model kadapt's backend extracts: applied spec, tiny config, cast like ``run`` casts."""
-    with applied(SPEC, backend="extraction"):
-        config = load_config(SPEC, backend="extraction", overrides=TINY)
-        return load_model(SPEC, device=device, config=config)
+def kadapt_text_config(spec: Spec, config: Any) -> Any:
+    return getattr(config, spec.abi.config) if spec.abi is not None and spec.abi.config else config
 
 
-def test_build_model_applies_bridges_and_gate(generated: types.ModuleType) -> None:
-    model = generated.build_model(device="meta", overrides=TINY)
-    text = generated.text_config(model.config)
-    assert (text._attn_implementation, text._experts_implementation) == ("eager", "batched_mm")
-    assert model.config.n_routed_experts == 4 and model.config.vision_config.hidden_size == 32
-    assert model.config.vision_config.spatial_merge_size == 2
-    bias = model.get_submodule("model.language_model.layers.1.mlp.gate").e_score_correction_bias
-    assert bias.dtype == torch.float32 and model.lm_head.weight.dtype == torch.bfloat16
+def outside_runtime(text: str) -> str:
+    """The module without the verbatim runtime block and the docstring line that summarises it."""
+    head, _, rest = text.partition("# fmt: off")
+    _, _, tail = rest.partition("# fmt: on")
+    head = head.split("Embedded extraction runtime:")[0]
+    return head + tail
+
+
+# -- what the module bakes in ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", EXTRACTABLE)
+def test_module_is_standalone_and_bakes_in_kadapts_structure(
+    family: Callable[[str], Family], name: str
+) -> None:
+    fam = family(name)
+    module, shipped = fam.module, fam.shipped
+    tree = ast.parse(fam.path.read_text(encoding="utf-8"))
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not any(i.startswith("kimi_adapter_core") for i in imported), imported
+
+    layout = fam.spec.abi.kv_layout or shipped.attention.default_kv_layout
+    assert module.ATTENTION == shipped.attention.kind
+    assert module.KV_LAYOUT == layout
+    assert module.KV_DIMS == shipped.attention.kv_dims(layout)
+    assert module.WINDOWS == shipped.windows
+    expected = shipped.to_dict()
+    expected["attention"] = {k: v for k, v in expected["attention"].items() if v is not None}
+    # model_type is the shipped config's (Kimi's text_config says kimi_k2, which transformers builds
+    # as its deepseek_v3 config class); every structural fact is the built config's
+    baked = dict(module.STRUCTURE)
+    source = module.SOURCE_CONFIG[module.ABI_CONFIG] if module.ABI_CONFIG else module.SOURCE_CONFIG
+    assert baked.pop("model_type") == source["model_type"]
+    expected.pop("model_type")
+    assert baked == expected
+    # the module's own config readers give the baked values for the config it ships
+    text = module.text_config(module.load_config())
+    assert module.kv_dims(text) == module.KV_DIMS
+    assert module.windows(text) == module.WINDOWS
+    assert hasattr(module, "MLA_ATTENTION") == shipped.attention.is_mla
+    if not shipped.attention.is_mla:
+        words = outside_runtime(fam.path.read_text(encoding="utf-8")).lower()
+        assert not [w for w in MLA_WORDS if w in words]
+
+
+@pytest.mark.parametrize("name", EXTRACTABLE)
+def test_config_readers_follow_a_tiny_config_like_kadapt(family: Callable[[str], Family], name: str) -> None:
+    fam = family(name)
+    module = fam.module
+    text = module.text_config(module.load_config(overrides=fam.tiny))
+    assert module.kv_dims(text) == fam.options.kv_dims
+    assert module.windows(text) == fam.structure.windows
+    if fam.shipped.has_sliding_layers:  # tiny windows are shorter than the prompt: they decide results
+        assert set(fam.structure.windows) == {4}
+    layers = fam.structure.num_layers
+    mapping = module.kv_mapping(text, prefill_len=PREFILL, max_cache_len=CACHE)
+    options = dataclasses.replace(fam.options, dtype=module.DTYPE)
+    kadapt = kv_mapping_document(options, types.SimpleNamespace(layers=[None] * layers))  # type: ignore[arg-type]
+    for key in ("format_version", "model_name", "prefill_graph", "decode_graph"):
+        kadapt.pop(key)
+    assert mapping == kadapt
+
+
+def test_a_spec_without_kv_layout_gets_its_attentions_default(family: Callable[[str], Family]) -> None:
+    """The shipped GQA specs leave abi.kv_layout out; the MLA ones may state it or not."""
+    defaults = [n for n in EXTRACTABLE if family(n).spec.abi.kv_layout is None]
+    assert defaults, "no shipped spec exercises the default KV layout"
+    for name in defaults:
+        fam = family(name)
+        assert fam.module.KV_LAYOUT == fam.shipped.attention.default_kv_layout
+
+
+# -- the adapted model ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", EXTRACTABLE)
+def test_build_model_applies_bridges_gate_and_dtype(family: Callable[[str], Family], name: str) -> None:
+    fam = family(name)
+    module = fam.module
+    model = module.build_model(device="meta", overrides=fam.tiny)
+    text = module.text_config(model.config)
+    for bridge in fam.spec.config_bridges:
+        if (
+            bridge.op == "set"
+            and "extraction" in bridge.backends
+            and bridge.path.startswith(f"{fam.spec.abi.config}." if fam.spec.abi.config else "")
+        ):
+            leaf = bridge.path.rpartition(".")[2]
+            assert getattr(text, leaf) == bridge.value, bridge.id
+    assert text.num_hidden_layers == fam.structure.num_layers
+    assert model.get_submodule(module.LM_HEAD_PATH).weight.dtype == getattr(torch, module.DTYPE)
+    for path, buffer in model.named_buffers():
+        if path.endswith("e_score_correction_bias"):  # transformers keeps the router bias in fp32
+            assert buffer.dtype == torch.float32, path
     with pytest.raises(ValueError, match="does not match this adapter"):
-        generated.build_model(overrides={"model_type": "llama"})
+        module.build_model(overrides={"model_type": f"not_{module.MODEL_TYPE}"})
 
 
-def test_patches_are_gated_and_restored(generated: types.ModuleType) -> None:
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
-
-    original = DeepseekV3Attention.__dict__["expand_kv"]
-    model = generated.build_model(device="meta", overrides=TINY)
-    attention = model.get_submodule("model.language_model.layers.0.self_attn")
-    with generated.patches_applied():
-        assert DeepseekV3Attention.__dict__["expand_kv"] is not original
-        assert generated._owns_call((attention,)) and not generated._owns_call((object(),))
-    assert DeepseekV3Attention.__dict__["expand_kv"] is original
-
-
-def read_ir(path: Path) -> tuple[list[tuple], list[tuple]]:
-    document = json.loads(path.read_text())
-
-    def rows(entries: list[dict]) -> list[tuple]:
-        return [(e["name"], list(e["shape"]), e["dtype"]) for e in entries]
-
-    return rows(document["graph_inputs"]), rows(document["graph_outputs"])
+@pytest.mark.parametrize("name", EXTRACTABLE)
+def test_patches_are_gated_and_restored(family: Callable[[str], Family], name: str) -> None:
+    fam = family(name)
+    module = fam.module
+    patches = [p for p in fam.spec.patches if "extraction" in p.backends]
+    assert [p[0] for p in module.PATCHES] == [p.id for p in patches]
+    model = module.build_model(device="meta", overrides=fam.tiny)
+    for _id, owner_module, owner_path, attr, _impl in module.PATCHES:
+        owner: Any = __import__(owner_module, fromlist=["_"])
+        for part in owner_path.split(".") if owner_path else ():
+            owner = getattr(owner, part)
+        original = vars(owner)[attr]
+        with module.patches_applied():
+            assert vars(owner)[attr] is not original
+        assert vars(owner)[attr] is original
+    layer = model.get_submodule(module.LANGUAGE_MODEL_PATH).layers[0].self_attn
+    assert module._owns_call((layer,)) and not module._owns_call((object(),))
 
 
-def test_ir_interface_matches_kadapts_backend(generated: types.ModuleType, tmp_path: Path) -> None:
-    model = generated.build_model(device="meta", overrides=TINY)
-    text = generated.text_config(model.config)
-    layers = text.num_hidden_layers
-    with generated.patches_applied():
-        prefill = torch_ir.extract_ir(
-            generated.prefill_wrapper(model),
-            generated.prefill_example_inputs(prefill_len=PREFILL),
-            strict=False,
-        )
-        decode = torch_ir.extract_ir(
-            generated.decode_wrapper(model),
-            generated.decode_example_inputs(text, position=PREFILL, max_cache_len=CACHE),
-            strict=False,
-        )
-
-    options = options_from_spec(SPEC, output_dir=tmp_path, prefill_len=PREFILL, max_cache_len=CACHE)
-    with applied(SPEC, backend="extraction"):
-        config = load_config(SPEC, backend="extraction", overrides=TINY)
-        run(SPEC, load_model(SPEC, device="meta", config=config), options, echo=lambda _: None)
-
-    for graph, ir in (("prefill", prefill), ("decode", decode)):
-        kadapt_inputs, kadapt_outputs = read_ir(options.path(graph))
-        names_in, names_out = generated.graph_names(graph, layers)
-        ours_in = [(n, list(t.shape), t.dtype) for n, t in zip(names_in, ir.graph_inputs, strict=True)]
-        ours_out = [(n, list(t.shape), t.dtype) for n, t in zip(names_out, ir.graph_outputs, strict=True)]
-        assert ours_in == kadapt_inputs, graph
-        assert ours_out == kadapt_outputs, graph
-    kadapt_mapping = json.loads(options.path("kv_mapping").read_text())
-    ours = generated.kv_mapping(text, prefill_len=PREFILL, max_cache_len=CACHE)
-    assert ours["layers"] == kadapt_mapping["layers"]
+# -- outputs: kadapt's runtime and transformers ---------------------------------------------------
 
 
-def test_outputs_equal_kadapts_on_the_same_weights(generated: types.ModuleType) -> None:
-    torch.manual_seed(0)
-    reference = kadapt_model("cpu")
-    cast_to_abi_dtype(
-        [reference.get_submodule("model.language_model"), reference.lm_head],
-        torch.bfloat16,
-        keep_fp32_names(reference),
+@contextlib.contextmanager
+def upstream_experts(config: Any) -> Iterator[None]:
+    """transformers' own eager experts loop for the reference (the export uses batched_mm)."""
+    saved = getattr(config, "_experts_implementation", None)
+    config._experts_implementation = "eager"
+    try:
+        yield
+    finally:
+        config._experts_implementation = saved
+
+
+def randomize_router_bias(model: torch.nn.Module) -> None:
+    generator = torch.Generator().manual_seed(1)
+    for path, buffer in model.named_buffers():
+        if path.endswith("e_score_correction_bias"):
+            buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.1)
+
+
+def kadapt_wrapper(cls: type, fam: Family, model: torch.nn.Module) -> torch.nn.Module:
+    return cls.from_language_model(
+        submodule(model, fam.spec, "language_model"),
+        submodule(model, fam.spec, "lm_head"),
+        kv_layout=fam.options.kv_layout,
+        mla_attention=fam.options.mla_attention,
+        windows=fam.options.windows,
     )
-    ours = generated.build_model(device="cpu", overrides=TINY)
+
+
+@pytest.mark.parametrize("name", EXTRACTABLE)
+def test_wrappers_equal_kadapts_runtime_and_transformers(family: Callable[[str], Family], name: str) -> None:
+    fam = family(name)
+    module, spec = fam.module, fam.spec
+    torch.manual_seed(0)
+    with applied(spec, backend="extraction"):
+        config = load_config(spec, backend="extraction", overrides=fam.tiny)
+        reference = load_model(spec, device="cpu", config=config, dtype=torch.float32).eval()
+    randomize_router_bias(reference)
+    ours = module.build_model(device="cpu", overrides=fam.tiny, dtype=None)
     ours.load_state_dict(reference.state_dict())
-    text = generated.text_config(ours.config)
+    text = kadapt_text_config(spec, reference.config)
+    layers = text.num_hidden_layers
+    dtype = torch.float32
 
-    ids = torch.randint(4, 128, (1, PREFILL))
-    _, mask, positions = generated.prefill_example_inputs("cpu", prefill_len=PREFILL)
-    inputs = (ids, mask, positions)
+    ids = torch.randint(4, text.vocab_size, (1, PREFILL), generator=torch.Generator().manual_seed(2))
+    _, mask, positions = module.prefill_inputs(batch=1, prefill_len=PREFILL, dtype=dtype, device="cpu")
     with torch.no_grad():
-        with applied(SPEC, backend="extraction"):
-            expected = runtime.PrefillWrapper.from_language_model(
-                reference.get_submodule("model.language_model"), reference.lm_head, kv_layout="latent"
-            )(*inputs)
-        with generated.patches_applied():
-            wrapper = generated.prefill_wrapper(ours)
-            got = wrapper(*inputs)
-            exported = torch.export.export(wrapper, inputs, strict=False).module()(*inputs)
-    assert len(got) == 1 + 2 * text.num_hidden_layers
-    for a, b, c in zip(expected, got, exported, strict=True):
-        assert torch.equal(a, b)
-        torch.testing.assert_close(c, b)
-
-    # one decode step over the placed prefill cache, at the position after the prompt
-    cache = generated.place_prefill_kv(got[1:], CACHE)
-    step = generated.decode_example_inputs(text, "cpu", position=PREFILL, max_cache_len=CACHE)
-    decode_inputs = (torch.tensor([[7]]), *step[1:4], *cache)
-    with torch.no_grad():
-        with applied(SPEC, backend="extraction"):
-            expected = runtime.DecodeWrapper.from_language_model(
-                reference.get_submodule("model.language_model"), reference.lm_head, kv_layout="latent"
-            )(*decode_inputs)
-        with generated.patches_applied():
-            got = generated.decode_wrapper(ours)(*decode_inputs)
+        with applied(spec, backend="extraction"):
+            expected = kadapt_wrapper(runtime.PrefillWrapper, fam, reference)(ids, mask, positions)
+        with module.patches_applied():
+            got = module.prefill_wrapper(ours)(ids, mask, positions)
+        with upstream_experts(text):
+            eager = reference(input_ids=ids).logits
+    assert len(got) == 1 + 2 * layers
+    key_shape, value_shape = runtime.kv_shapes(fam.options.kv_dims, 1, PREFILL)
+    assert [tuple(t.shape) for t in got[1:3]] == [key_shape, value_shape]
     for a, b in zip(expected, got, strict=True):
         assert torch.equal(a, b)
+    torch.testing.assert_close(got[0], eager, rtol=0, atol=TOLERANCE)
+
+    # greedy decode steps over the placed prefill cache, each token checked against a full forward
+    cache = module.place_prefill_kv(got[1:], CACHE)
+    tokens = ids
+    token = got[0][:, -1].argmax(-1, keepdim=True)
+    for step in range(STEPS):
+        position = PREFILL + step
+        example = module.decode_example_inputs(text, "cpu", position=position, max_cache_len=CACHE)
+        step_mask = module.additive_causal_mask(example[2], CACHE, dtype)
+        inputs = (token, step_mask, example[2], example[3], *cache)
+        assert [tuple(t.shape) for t in example[4:6]] == list(
+            runtime.kv_shapes(fam.options.kv_dims, 1, CACHE)
+        )
+        tokens = torch.cat([tokens, token], dim=1)
+        with torch.no_grad():
+            with applied(spec, backend="extraction"):
+                expected = kadapt_wrapper(runtime.DecodeWrapper, fam, reference)(*inputs)
+            with module.patches_applied():
+                got = module.decode_wrapper(ours)(*inputs)
+            with upstream_experts(text):
+                eager = reference(input_ids=tokens).logits[:, -1:]
+        for a, b in zip(expected, got, strict=True):
+            assert torch.equal(a, b), f"decode step {step}"
+        torch.testing.assert_close(got[0], eager, rtol=0, atol=TOLERANCE)
+        cache = list(got[1:])
+        token = got[0][:, -1].argmax(-1, keepdim=True)
+
+
+def test_sliding_windows_change_the_result(family: Callable[[str], Family]) -> None:
+    """The windows the generated wrappers pass are what makes a sliding family right."""
+    sliding = [n for n in EXTRACTABLE if family(n).shipped.has_sliding_layers]
+    assert sliding, "no shipped spec has sliding-window layers"
+    fam = family(sliding[0])
+    module = fam.module
+    torch.manual_seed(0)
+    model = module.build_model(device="cpu", overrides=fam.tiny, dtype=None)
+    ids = torch.randint(4, 128, (1, PREFILL), generator=torch.Generator().manual_seed(2))
+    _, mask, positions = module.prefill_inputs(
+        batch=1, prefill_len=PREFILL, dtype=torch.float32, device="cpu"
+    )
+    language_model = model.get_submodule(module.LANGUAGE_MODEL_PATH)
+    head = model.get_submodule(module.LM_HEAD_PATH)
+    with torch.no_grad(), module.patches_applied():
+        windowed = module.prefill_wrapper(model)(ids, mask, positions)[0]
+        full = module.PrefillWrapper.from_language_model(language_model, head, kv_layout=module.KV_LAYOUT)(
+            ids, mask, positions
+        )[0]
+        eager = model(input_ids=ids).logits
+    torch.testing.assert_close(windowed, eager, rtol=0, atol=TOLERANCE)
+    assert not torch.allclose(full, eager, atol=1e-3)
+
+
+# -- torch_ir, as the docstring says --------------------------------------------------------------
+
+
+@QUIET_META_CONSTANTS
+@pytest.mark.parametrize("name", TORCH_IR)
+def test_torch_ir_extracts_and_replays_the_generated_wrappers(
+    family: Callable[[str], Family], name: str
+) -> None:
+    fam = family(name)
+    module = fam.module
+    assert "torch_ir.extract_ir(prefill_wrapper(model), prefill_example_inputs())" in module.__doc__
+    model = module.build_model(device="meta", overrides=fam.tiny)
+    config = module.text_config(model.config)
+    layers = config.num_hidden_layers
+    with torch.no_grad(), module.patches_applied():
+        prefill = torch_ir.extract_ir(
+            module.prefill_wrapper(model), module.prefill_example_inputs(prefill_len=PREFILL)
+        )
+        decode = torch_ir.extract_ir(
+            module.decode_wrapper(model),
+            module.decode_example_inputs(config, position=PREFILL, max_cache_len=CACHE),
+        )
+
+    # the interface is the ABI kadapt documents and exports: names by position, shapes, dtypes
+    dtype = module.DTYPE
+    kv_prefill = runtime.kv_shapes(fam.options.kv_dims, 1, PREFILL)
+    kv_decode = runtime.kv_shapes(fam.options.kv_dims, 1, CACHE)
+    expected = {
+        "prefill": (
+            [(1, PREFILL), (1, 1, PREFILL, PREFILL), (1, PREFILL)],
+            [(1, PREFILL, fam.structure.vocab_size), *kv_prefill * layers],
+        ),
+        "decode": (
+            [(1, 1), (1, 1, 1, CACHE), (1, 1), (1,), *kv_decode * layers],
+            [(1, 1, fam.structure.vocab_size), *kv_decode * layers],
+        ),
+    }
+    for graph, ir in (("prefill", prefill), ("decode", decode)):
+        names_in, names_out = module.graph_names(graph, layers)
+        assert len(ir.graph_inputs) == len(names_in) and len(ir.graph_outputs) == len(names_out)
+        assert [tuple(t.shape) for t in ir.graph_inputs] == expected[graph][0], graph
+        assert [tuple(t.shape) for t in ir.graph_outputs] == expected[graph][1], graph
+        float_dtypes = {t.dtype for t in ir.graph_inputs[1:2]} | {t.dtype for t in ir.graph_outputs}
+        assert float_dtypes == {dtype}, graph
+
+    # torch_ir's executor replays both graphs on the CPU model's weights, equal to the wrappers
+    torch.manual_seed(0)
+    cpu = module.build_model(device="cpu", overrides=fam.tiny)
+    ids = torch.randint(4, 128, (1, PREFILL), generator=torch.Generator().manual_seed(2))
+    _, mask, positions = module.prefill_example_inputs("cpu", prefill_len=PREFILL)
+    with torch.no_grad(), module.patches_applied():
+        wrapper = module.prefill_wrapper(cpu)
+        eager = wrapper(ids, mask, positions)
+        replayed = torch_ir.IRExecutor(prefill, module.graph_weights(wrapper)).execute((ids, mask, positions))
+        for a, b in zip(eager, replayed, strict=True):
+            assert torch.equal(a, b)
+        step = module.decode_example_inputs(config, "cpu", position=PREFILL, max_cache_len=CACHE)
+        inputs = (
+            eager[0][:, -1].argmax(-1, keepdim=True),
+            *step[1:4],
+            *module.place_prefill_kv(eager[1:], CACHE),
+        )
+        wrapper = module.decode_wrapper(cpu)
+        eager = wrapper(*inputs)
+        replayed = torch_ir.IRExecutor(decode, module.graph_weights(wrapper)).execute(inputs)
+        for a, b in zip(eager, replayed, strict=True):
+            assert torch.equal(a, b)
+
+
+@QUIET_META_CONSTANTS
+def test_torch_ir_cannot_replay_a_graph_extracted_with_grad_enabled(family: Callable[[str], Family]) -> None:
+    """The limitation the docstring's ``torch.no_grad()`` avoids (pytorch-ir 0.2.3): with grad mode on,
+    the rotary embedding's ``@torch.no_grad`` is traced as a ``wrap_with_set_grad_enabled``
+    higher-order op, for which torch_ir's executor has no implementation."""
+    fam = family(TORCH_IR[0])
+    module = fam.module
+    model = module.build_model(device="meta", overrides=fam.tiny)
+    assert torch.is_grad_enabled()
+    with module.patches_applied():
+        prefill = torch_ir.extract_ir(
+            module.prefill_wrapper(model), module.prefill_example_inputs(prefill_len=PREFILL)
+        )
+    assert "wrap_with_set_grad_enabled" in {node.name for node in prefill.nodes}
+    cpu = module.build_model(device="cpu", overrides=fam.tiny)
+    inputs = module.prefill_example_inputs("cpu", prefill_len=PREFILL)
+    executor = torch_ir.IRExecutor(prefill, module.graph_weights(module.prefill_wrapper(cpu)))
+    with pytest.raises(
+        torch_ir.ExecutionError,
+        match="No execution function registered for op_type 'wrap_with_set_grad_enabled'",
+    ):
+        executor.execute(inputs)

@@ -5,18 +5,29 @@ change the spec and regenerate. Needs only torch and transformers (not kadapt)::
 
     model = build_model(device="meta")  # or overrides={...} for a tiny model of the same architecture
     config = text_config(model.config)
-    with patches_applied():
+    with torch.no_grad(), patches_applied():
         prefill = torch_ir.extract_ir(prefill_wrapper(model), prefill_example_inputs())
         decode = torch_ir.extract_ir(decode_wrapper(model), decode_example_inputs(config))
     mapping = kv_mapping(config)
+
+Extract under ``torch.no_grad()``: otherwise the rotary embedding's own ``no_grad`` is traced as a
+``wrap_with_set_grad_enabled`` node that torch_ir's executor cannot run. The IR names its weights
+after the wrapper's parameters and buffers (``layers.0.self_attn.o_proj.weight``,
+``rotary_emb.inv_freq``): ``graph_weights(wrapper)`` gives them for ``torch_ir.IRExecutor``.
 
 ``build_model`` loads the spec's config (embedded below as ``SOURCE_CONFIG``), runs the
 extraction config bridges, checks the gate and builds the model with transformers; its modules are
 claimed, and the spec's patches (installed by ``patches_applied``, removed on exit) change
 behaviour only for claimed modules, checked on every call.
 
-Embedded extraction runtime: Prefill/decode ABI of an MLA decoder stack (DeepseekV3, Kimi-K2.5's
-text backbone) for export.
+Text backbone: 61 layers, hidden 7168, MLA 64 heads, kv_lora_rank 512, q_lora_rank 1536, head_dim
+192/128, MoE 384 experts top-8 + 1 shared (width 2048, sigmoid, normalized), dense layers [0], rope
+yarn.
+KV cache: layout `latent` (from abi.kv_layout); per layer and token a key of 1 x 512 and a value of
+1 x 64 (heads x width); MLA attention `reexpand`.
+
+Embedded extraction runtime: Prefill/decode ABI of a transformers decoder stack (any family:
+MHA/GQA/MQA/MLA, dense or MoE).
 """
 
 from __future__ import annotations
@@ -46,7 +57,8 @@ from torch import nn
 # ---------------------------------------------------------------------------------------------
 
 # fmt: off
-KV_LAYOUTS = ("latent", "expanded")
+KV_LAYOUTS = ("heads", "latent", "expanded")
+KVDims = tuple[tuple[int, int], tuple[int, int]]  # ((key_heads, key_dim), (value_heads, value_dim))
 MLA_ATTENTIONS = ("reexpand", "absorbed")
 
 
@@ -143,17 +155,10 @@ def absorbing_mla(layers: Sequence[nn.Module], mla_attention: str) -> Iterator[N
             attn.__dict__.pop("forward", None)
 
 
-def kv_shapes(
-    config: Any, kv_layout: str, batch: int, length: int
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def kv_shapes(kv_dims: KVDims, batch: int, length: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Shapes of one layer's cached key and value for ``length`` positions."""
-    if kv_layout == "latent":
-        return (batch, 1, length, config.kv_lora_rank), (batch, 1, length, config.qk_rope_head_dim)
-    if kv_layout == "expanded":
-        heads = config.num_attention_heads
-        key_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
-        return (batch, heads, length, key_dim), (batch, heads, length, config.v_head_dim)
-    raise ValueError(f"unknown kv_layout {kv_layout!r}; valid: {', '.join(KV_LAYOUTS)}")
+    (key_heads, key_dim), (value_heads, value_dim) = kv_dims
+    return (batch, key_heads, length, key_dim), (batch, value_heads, length, value_dim)
 
 
 def additive_causal_mask(query_positions: torch.Tensor, key_length: int, dtype: torch.dtype) -> torch.Tensor:
@@ -162,6 +167,18 @@ def additive_causal_mask(query_positions: torch.Tensor, key_length: int, dtype: 
     allowed = keys.view(1, 1, 1, key_length) <= query_positions.unsqueeze(1).unsqueeze(-1)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=query_positions.device)
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def sliding_window_mask(
+    attention_mask: torch.Tensor, position_ids: torch.Tensor, window: int
+) -> torch.Tensor:
+    """``attention_mask`` with keys ``window`` or more positions behind each query masked too.
+
+    transformers' sliding-window overlay: key ``k`` visible to the query at ``p`` iff ``p - k < window``.
+    """
+    keys = torch.arange(attention_mask.shape[-1], device=attention_mask.device)
+    too_old = keys.view(1, 1, 1, -1) <= (position_ids - window).unsqueeze(1).unsqueeze(-1)
+    return attention_mask.masked_fill(too_old, torch.finfo(attention_mask.dtype).min)
 
 
 class StaticKVCache:
@@ -190,7 +207,7 @@ class StaticKVCache:
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Called by the attention with the new latents (kv_nope, k_rot)."""
+        """Called by the attention with the new key/value states (MLA: the latents kv_nope, k_rot)."""
         if self.kv_layout == "expanded":  # the latents pass through; expand_kv caches per-head K/V
             return key_states, value_states
         return self._write(self._slot[layer_idx], key_states, value_states)
@@ -252,6 +269,7 @@ class _TextStack(nn.Module):
         *,
         kv_layout: str,
         mla_attention: str = "reexpand",
+        windows: Sequence[int | None] | None = None,
     ) -> None:
         super().__init__()
         if kv_layout not in KV_LAYOUTS:
@@ -265,6 +283,9 @@ class _TextStack(nn.Module):
         self.kv_layout = kv_layout
         self.mla_attention = mla_attention
         self.layer_ids = [layer.self_attn.layer_idx for layer in self.layers]
+        # sliding window of each traced layer (None: full attention), by the layer's own index
+        windows = list(windows) if windows is not None else []
+        self.windows = [windows[i] if i < len(windows) else None for i in self.layer_ids]
 
     @classmethod
     def from_language_model(
@@ -275,10 +296,12 @@ class _TextStack(nn.Module):
         kv_layout: str,
         num_layers: int | None = None,
         mla_attention: str = "reexpand",
+        windows: Sequence[int | None] | None = None,
     ) -> _TextStack:
         """Wrap a transformers decoder model (``embed_tokens``/``layers``/``norm``/``rotary_emb``).
 
-        ``num_layers`` keeps only the first layers (a representative prefix for replication).
+        ``num_layers`` keeps only the first layers (a representative prefix for replication);
+        ``windows`` gives each layer's sliding window (None: full attention), indexed by layer.
         """
         layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
         if num_layers is not None:
@@ -291,6 +314,7 @@ class _TextStack(nn.Module):
             lm_head,
             kv_layout=kv_layout,
             mla_attention=mla_attention,
+            windows=windows,
         )
 
     def _run(
@@ -302,11 +326,17 @@ class _TextStack(nn.Module):
     ) -> tuple[torch.Tensor, ...]:
         hidden_states = self.embed_tokens(input_ids)
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        masks = {
+            window: attention_mask
+            if window is None
+            else sliding_window_mask(attention_mask, position_ids, window)
+            for window in dict.fromkeys(self.windows)  # first-use order: deterministic graphs
+        }
         with cache.routing_expand_kv(self.layers), absorbing_mla(self.layers, self.mla_attention):
-            for layer in self.layers:
+            for layer, window in zip(self.layers, self.windows, strict=True):
                 hidden_states = layer(
                     hidden_states,
-                    attention_mask=attention_mask,
+                    attention_mask=masks[window],
                     position_ids=position_ids,
                     past_key_values=cache,
                     use_cache=True,
@@ -356,19 +386,18 @@ def prefill_inputs(
 
 
 def decode_inputs(
-    config: Any,
+    kv_dims: KVDims,
     *,
     batch: int,
     position: int,
     max_cache_len: int,
-    kv_layout: str,
     num_layers: int,
     dtype: torch.dtype,
     device: str | torch.device = "meta",
 ) -> tuple[torch.Tensor, ...]:
     """Example decode inputs for the token at ``position`` with zeroed caches."""
     positions = torch.full((batch, 1), position, dtype=torch.long, device=device)
-    key_shape, value_shape = kv_shapes(config, kv_layout, batch, max_cache_len)
+    key_shape, value_shape = kv_shapes(kv_dims, batch, max_cache_len)
     past: list[torch.Tensor] = []
     for _ in range(num_layers):
         past += [
@@ -397,7 +426,7 @@ def place_prefill_kv(present: Sequence[torch.Tensor], max_cache_len: int) -> lis
 
 
 def build_kv_mapping(
-    config: Any,
+    kv_dims: KVDims,
     *,
     kv_layout: str,
     batch: int,
@@ -414,8 +443,8 @@ def build_kv_mapping(
     ``decode_key_out``/``decode_value_out`` to name templates containing ``{layer}``.
     ``mla_attention`` is recorded only when it is not the default ``reexpand`` (the cache is the same).
     """
-    prefill_shapes = kv_shapes(config, kv_layout, batch, prefill_len)
-    decode_shapes = kv_shapes(config, kv_layout, batch, max_cache_len)
+    prefill_shapes = kv_shapes(kv_dims, batch, prefill_len)
+    decode_shapes = kv_shapes(kv_dims, batch, max_cache_len)
 
     def tensor(role: str, layer: int, shape: tuple[int, ...]) -> dict[str, Any]:
         return {"name": names[role].format(layer=layer), "shape": list(shape), "dtype": dtype}
@@ -473,8 +502,8 @@ BATCH = 1
 PREFILL_LEN = 128
 MAX_CACHE_LEN = 2048
 DTYPE = "bfloat16"
-KV_LAYOUT = "latent"
-MLA_ATTENTION = "reexpand"
+KV_LAYOUT = "latent"  # from abi.kv_layout
+MLA_ATTENTION = "reexpand"  # abi.mla_attention
 PREFILL_INPUTS = ["input_ids", "attention_mask", "position_ids"]
 PREFILL_OUTPUTS = ["logits", "present.{layer}.key", "present.{layer}.value"]
 DECODE_INPUTS = [
@@ -498,6 +527,65 @@ FILE_PREFIX = "kimi_k25_text"
 LANGUAGE_MODEL_PATH = "model.language_model"
 LM_HEAD_PATH = "lm_head"
 MODEL_CLASSES = ("AutoModelForImageTextToText", "AutoModelForCausalLM", "AutoModel")
+
+# The text backbone as kadapt derives it from SOURCE_CONFIG after the extraction bridges:
+# 61 layers, hidden 7168, MLA 64 heads, kv_lora_rank 512, q_lora_rank 1536, head_dim 192/128, MoE 384
+# experts top-8 + 1 shared (width 2048, sigmoid, normalized), dense layers [0], rope yarn
+STRUCTURE: dict[str, Any] = {
+    "attention": {
+        "head_dim": 192,
+        "kind": "mla",
+        "kv_lora_rank": 512,
+        "num_heads": 64,
+        "num_kv_heads": 64,
+        "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+    },
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "layers": [
+        {"attention": "full", "layers": [0, 0], "mlp": "dense", "window": None},
+        {"attention": "full", "layers": [1, 60], "mlp": "moe", "window": None},
+    ],
+    "max_positions": 262144,
+    "model_type": "kimi_k2",
+    "moe": {
+        "expert_groups": 1,
+        "expert_intermediate_size": 2048,
+        "normalize_top_k": True,
+        "num_experts": 384,
+        "num_shared_experts": 1,
+        "routed_scaling_factor": 2.827,
+        "scoring": "sigmoid",
+        "shared_intermediate_size": 2048,
+        "top_k": 8,
+        "top_k_groups": 1,
+    },
+    "num_layers": 61,
+    "num_mtp_layers": 0,
+    "rope": {"theta": 50000.0, "type": "yarn"},
+    "tie_word_embeddings": False,
+    "vocab_size": 163840,
+}
+ATTENTION = "mla"
+# Per layer and token: ((key_heads, key_dim), (value_heads, value_dim)) of the cache in KV_LAYOUT.
+KV_DIMS = ((1, 512), (1, 64))
+# Per layer: its sliding window, or None for full attention.
+WINDOWS = (None,) * 61
+# The config keys each structural fact is read from, first one set wins (kadapt's table of key names,
+# or the spec's architecture.fields): kv_dims() and windows() read a config through them, so a model
+# built with overrides (a tiny one of the same architecture) gets its own sizes and windows.
+FACT_KEYS: dict[str, tuple[str, ...]] = {
+    "kv_lora_rank": ("kv_lora_rank",),
+    "layer_types": ("layer_types",),
+    "max_window_layers": ("max_window_layers",),
+    "num_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "qk_rope_head_dim": ("qk_rope_head_dim",),
+    "sliding_window": ("sliding_window",),
+    "use_sliding_window": ("use_sliding_window",),
+}
 
 # The model config as shipped with the spec (before bridges).
 SOURCE_CONFIG: dict[str, Any] = {
@@ -721,8 +809,8 @@ def apply_config_bridges(raw: dict[str, Any]) -> list[str]:
         written += _assign(raw, "vision_config._attn_implementation", "eager")
     # X1 (set): Eager attention keeps the exported graph free of SDPA kernels the IR executor cannot run.
     written += _assign(raw, "text_config._attn_implementation", "eager")
-    # X2 (set): The eager experts loop uses nonzero() and cannot be exported; batched_mm computes only the
-    # top-k experts with static shapes.
+    # X2 (set): transformers defaults experts to grouped_mm (a custom-op fallback in fp32, _grouped_mm in
+    # bf16) that IR executors cannot run; batched_mm is plain ATen with static shapes.
     written += _assign(raw, "text_config._experts_implementation", "batched_mm")
     return written
 
@@ -770,6 +858,54 @@ def load_config(config_path: str | Path | None = None, overrides: Mapping[str, A
 def text_config(config: Any) -> Any:
     """The config of the text backbone the ABI describes."""
     return config if ABI_CONFIG is None else getattr(config, ABI_CONFIG)
+
+
+# ---------------------------------------------------------------------------------------------
+# Structure: KV dims and sliding windows of a text config
+# ---------------------------------------------------------------------------------------------
+
+
+def _fact(config: Any, fact: str, default: Any = None) -> Any:
+    """``fact`` of a text config (object or mapping): the first key of ``FACT_KEYS[fact]`` set, not None."""
+    for key in FACT_KEYS[fact]:
+        value = config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+        if value is not None:
+            return value
+    return default
+
+
+def kv_dims(config: Any) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``((key_heads, key_dim), (value_heads, value_dim))`` one layer caches per token in ``KV_LAYOUT``.
+
+    ``config`` is the text config; for ``SOURCE_CONFIG`` this is ``KV_DIMS``.
+    """
+    # the compressed cache: the normalised latent (key) and the rope'd shared key (value), one "head"
+    return (1, int(_fact(config, "kv_lora_rank"))), (1, int(_fact(config, "qk_rope_head_dim")))
+
+
+def windows(config: Any) -> tuple[int | None, ...]:
+    """Per layer of the text ``config``: its sliding window, None for full attention (``WINDOWS``).
+
+    A config's ``layer_types`` decide when listed; otherwise layers from ``max_window_layers`` on slide
+    when the config has ``use_sliding_window``, else every layer does when a window is set;
+    ``use_sliding_window: false`` turns windows off.
+    """
+    num_layers = int(_fact(config, "num_layers"))
+    window = _fact(config, "sliding_window")
+    if _fact(config, "use_sliding_window", True) is False:
+        window = None
+    types = _fact(config, "layer_types")
+    if types is not None:
+        sliding = ["sliding" in str(kind) for kind in types[:num_layers]]
+        if any(sliding) and not window:
+            raise ValueError("the config lists sliding-window layers but sets no sliding_window")
+        return tuple(int(window) if slides else None for slides in sliding)
+    if not window:
+        return (None,) * num_layers
+    first_sliding = _fact(config, "max_window_layers")
+    if first_sliding is not None and _fact(config, "use_sliding_window") is not None:
+        return tuple(int(window) if i >= first_sliding else None for i in range(num_layers))
+    return (int(window),) * num_layers
 
 
 # ---------------------------------------------------------------------------------------------
@@ -860,7 +996,8 @@ def keep_fp32_names(model: nn.Module) -> set[str]:
 # (id, module, owner, attribute, implementation): kind ``replace`` -- the implementation is called
 # with the original's arguments (``self`` first) instead of the original.
 PATCHES: tuple[tuple[str, str, str, str, Callable[..., Any]], ...] = (
-    # K1: expand_kv writes into new_empty() slices with copy_; an exported graph must be functional.
+    # K1: expand_kv fills new_empty() slices with copy_, which export functionalizes into empty +
+    # slice_scatter (+6 nodes a layer); the functional version is one cat.
     (
         "K1",
         "transformers.models.deepseek_v3.modeling_deepseek_v3",
@@ -926,7 +1063,7 @@ def build_model(
     token = _BUILDING.set(True)
     try:
         with patches_applied(), torch.device(device):
-            model = _model_class(config)._from_config(config)
+            model = _model_class(config)._from_config(config, dtype=torch.float32)  # not the config's dtype
     finally:
         _BUILDING.reset(token)
     if dtype is not None:
@@ -939,24 +1076,34 @@ def build_model(
 
 def prefill_wrapper(model: torch.nn.Module, num_layers: int | None = None) -> PrefillWrapper:
     """The prefill graph: ``PREFILL_INPUTS`` -> ``PREFILL_OUTPUTS`` (one KV pair per layer)."""
+    language_model = model.get_submodule(LANGUAGE_MODEL_PATH)
     return PrefillWrapper.from_language_model(
-        model.get_submodule(LANGUAGE_MODEL_PATH),
+        language_model,
         model.get_submodule(LM_HEAD_PATH),
         kv_layout=KV_LAYOUT,
         num_layers=num_layers,
         mla_attention=MLA_ATTENTION,
+        windows=windows(language_model.config),
     )
 
 
 def decode_wrapper(model: torch.nn.Module, num_layers: int | None = None) -> DecodeWrapper:
     """The decode graph: ``DECODE_INPUTS`` -> ``DECODE_OUTPUTS`` over a static cache."""
+    language_model = model.get_submodule(LANGUAGE_MODEL_PATH)
     return DecodeWrapper.from_language_model(
-        model.get_submodule(LANGUAGE_MODEL_PATH),
+        language_model,
         model.get_submodule(LM_HEAD_PATH),
         kv_layout=KV_LAYOUT,
         num_layers=num_layers,
         mla_attention=MLA_ATTENTION,
+        windows=windows(language_model.config),
     )
+
+
+def graph_weights(wrapper: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor an extracted IR of ``wrapper`` reads, by its name there: parameters and buffers
+    (non-persistent ones such as the rotary ``inv_freq`` too, which ``state_dict`` leaves out)."""
+    return {**dict(wrapper.named_parameters()), **dict(wrapper.named_buffers())}
 
 
 def prefill_example_inputs(
@@ -977,12 +1124,11 @@ def decode_example_inputs(
 ) -> tuple[torch.Tensor, ...]:
     """Positional decode inputs for the token at ``position`` with zeroed caches (``config``: text)."""
     return decode_inputs(
-        config,
+        kv_dims(config),
         batch=batch,
         position=position,
         max_cache_len=max_cache_len,
-        kv_layout=KV_LAYOUT,
-        num_layers=config.num_hidden_layers if num_layers is None else num_layers,
+        num_layers=int(_fact(config, "num_layers")) if num_layers is None else num_layers,
         dtype=getattr(torch, DTYPE),
         device=device,
     )
@@ -1006,18 +1152,25 @@ def graph_names(graph: str, num_layers: int) -> tuple[list[str], list[str]]:
 def kv_mapping(
     config: Any, *, batch: int = BATCH, prefill_len: int = PREFILL_LEN, max_cache_len: int = MAX_CACHE_LEN
 ) -> dict[str, Any]:
-    """How prefill KV outputs seed the decode cache, layer by layer (``config``: text config)."""
-    return build_kv_mapping(
-        config,
+    """How prefill KV outputs seed the decode cache, layer by layer (``config``: text config).
+
+    The attention kind and the per-layer sliding windows (None without any) come first, as in the
+    KV mapping ``kadapt apply`` writes.
+    """
+    layer_windows = windows(config)
+    mapping = build_kv_mapping(
+        kv_dims(config),
         kv_layout=KV_LAYOUT,
         batch=batch,
         prefill_len=prefill_len,
         max_cache_len=max_cache_len,
-        num_layers=config.num_hidden_layers,
+        num_layers=int(_fact(config, "num_layers")),
         dtype=DTYPE,
         names=KV_NAMES,
         mla_attention=MLA_ATTENTION,
     )
+    sliding = list(layer_windows) if any(w is not None for w in layer_windows) else None
+    return {"attention": ATTENTION, "sliding_windows": sliding, **mapping}
 
 
 def write_kv_mapping(directory: str | Path, config: Any) -> Path:

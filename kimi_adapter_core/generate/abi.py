@@ -1,62 +1,99 @@
 """Graph ABI tables: every input and output of the prefill and decode graphs with shape and dtype.
 
-Shapes follow from the spec's sizes and the text config after the extraction bridges: KV shapes
-from the extraction runtime's own ``kv_shapes``, the rest from the wrapper signatures (checked
-against real exported graphs in the tests). Names come from ``backends.extraction.options`` so
-docs and exporter cannot disagree.
+Shapes follow from the spec's sizes and the model's structure (``structure/``), derived from the
+shipped config after the extraction bridges exactly as ``kadapt apply`` derives it: the KV layout is
+the spec's ``abi.kv_layout`` or the attention kind's default, the KV shapes come from the extraction
+runtime's own ``kv_shapes`` over the structure's ``kv_dims``, the rest from the wrapper signatures
+(checked against real exported graphs in the tests). Names come from
+``backends.extraction.options`` so docs and exporter cannot disagree.
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 from ..backends.extraction import runtime
 from ..backends.extraction.options import DECODE_FIXED, PREFILL_FIXED, GraphNames, abi_graph_names
+from ..backends.extraction.options import resolve_kv_layout as options_resolve_kv_layout
 from ..config.bridges import apply_bridges
 from ..config.source import resolve_source
-from ..errors import KadaptError
 from ..patching.ledger import Ledger
 from ..spec.model import Spec
+from ..structure.derive import structure_of_raw
+from ..structure.model import ModelStructure
 
 INDEX_DTYPE = "int64"
+KVDims = tuple[tuple[int, int], tuple[int, int]]
 
 
 @dataclass(frozen=True)
 class Dims:
-    """The text-backbone sizes the ABI depends on, plus the config as attributes for ``kv_shapes``."""
+    """What the ABI depends on: the text backbone's structure and the KV layout resolved for it."""
 
-    num_layers: int
-    vocab: int
-    config: SimpleNamespace
+    structure: ModelStructure
+    kv_layout: str
+    mla_attention: str | None  # None unless the attention is MLA
 
-    def kv(self, layout: str, batch: int, length: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    @property
+    def num_layers(self) -> int:
+        return self.structure.num_layers
+
+    @property
+    def vocab(self) -> int:
+        return self.structure.vocab_size
+
+    @property
+    def kv_dims(self) -> KVDims:
+        """Per-token ``((key_heads, key_dim), (value_heads, value_dim))`` in ``kv_layout``."""
+        return self.structure.attention.kv_dims(self.kv_layout)
+
+    @property
+    def attention_label(self) -> str:
+        """``heads KV, GQA`` / ``latent KV, reexpand MLA``, as ``kadapt apply`` prints it."""
+        if self.mla_attention is None:
+            return f"{self.kv_layout} KV, {self.structure.attention.kind.upper()}"
+        return f"{self.kv_layout} KV, {self.mla_attention} MLA"
+
+    def kv(self, batch: int, length: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Key and value shapes of one layer's cache, exactly as the extraction runtime builds them."""
-        try:
-            return runtime.kv_shapes(self.config, layout, batch, length)
-        except AttributeError as exc:
-            raise KadaptError(f"kv_layout {layout} needs an MLA text config: {exc}") from exc
+        return runtime.kv_shapes(self.kv_dims, batch, length)
 
 
-def text_config(spec: Spec) -> dict[str, Any]:
-    """The ABI's (sub-)config mapping from the spec's shipped config, extraction bridges applied."""
+def bridged_config(spec: Spec) -> dict[str, Any]:
+    """The spec's shipped root config mapping with the extraction bridges applied."""
     raw = copy.deepcopy(resolve_source(spec).raw)
     apply_bridges(spec, raw, backend="extraction", ledger=Ledger(spec.name, "extraction"))
-    if spec.abi is not None and spec.abi.config:
-        sub = raw.get(spec.abi.config)
-        if not isinstance(sub, dict):
-            raise KadaptError(f"abi.config {spec.abi.config!r} is not a sub-config of the spec's config")
-        return sub
     return raw
 
 
-def dims(config: dict[str, Any]) -> Dims:
-    missing = [k for k in ("num_hidden_layers", "vocab_size") if not isinstance(config.get(k), int)]
-    if missing:
-        raise KadaptError(f"the ABI config has no {', '.join(missing)}")
-    return Dims(config["num_hidden_layers"], config["vocab_size"], SimpleNamespace(**config))
+def structure(spec: Spec) -> ModelStructure:
+    """The text backbone's structure, as the extraction backend sees it (extraction bridges applied)."""
+    return structure_of_raw(spec, bridged_config(spec))
+
+
+def resolve_kv_layout(spec: Spec, found: ModelStructure) -> tuple[str, str | None]:
+    """``(kv_layout, mla_attention)`` for ``spec.abi`` on a model of structure ``found``, checked
+    exactly as ``kadapt apply`` checks it; ``mla_attention`` is None for attention kinds other than MLA.
+    """
+    abi = spec.abi
+    assert abi is not None
+    layout = options_resolve_kv_layout(
+        found.attention,
+        abi.kv_layout,
+        abi.mla_attention,
+        layout_where=spec.locate("abi.kv_layout"),
+        attention_where=spec.locate("abi.mla_attention" if "abi.mla_attention" in spec.positions else "abi"),
+    )
+    return layout, abi.mla_attention if found.attention.is_mla else None
+
+
+def dims(spec: Spec) -> Dims:
+    """The ABI's structure and resolved KV layout for ``spec`` (which must have an ``abi``)."""
+    found = structure(spec)
+    layout, mla_attention = resolve_kv_layout(spec, found)
+    return Dims(found, layout, mla_attention)
 
 
 def _shape(*sizes: int) -> str:
@@ -84,7 +121,7 @@ def graph_tables(spec: Spec, d: Dims) -> tuple[GraphNames, GraphNames, list[dict
         ]
 
     def kv(direction: str, key: str, value: str, length: int) -> list[dict[str, Any]]:
-        key_shape, value_shape = d.kv(abi.kv_layout, b, length)
+        key_shape, value_shape = d.kv(b, length)
         return [
             {"role": direction, "name": key, "shape": _shape(*key_shape), "dtype": abi.dtype},
             {"role": direction, "name": value, "shape": _shape(*value_shape), "dtype": abi.dtype},
@@ -117,14 +154,22 @@ def graph_tables(spec: Spec, d: Dims) -> tuple[GraphNames, GraphNames, list[dict
     return prefill, decode, tables
 
 
+def kv_bytes(d: Dims, layout: str, dtype: str) -> tuple[int, str]:
+    """Cache bytes one token costs across all layers in ``layout``, and the formula that gives them."""
+    (key_heads, key_dim), (value_heads, value_dim) = d.structure.attention.kv_dims(layout)
+    width = DTYPE_BYTES[dtype]
+    if key_heads == value_heads:
+        per_layer = f"{key_heads} x ({key_dim} + {value_dim})"
+    else:
+        per_layer = f"({key_heads} x {key_dim} + {value_heads} x {value_dim})"
+    formula = f"{d.num_layers} layers x {per_layer} x {width} B"
+    return d.num_layers * d.structure.attention.kv_elements(layout) * width, formula
+
+
 def kv_bytes_per_token(spec: Spec, d: Dims) -> tuple[int, str]:
-    """Cache bytes one token costs across all layers, and the formula that gives them."""
+    """Cache bytes one token costs across all layers in the ABI's layout, and the formula."""
     assert spec.abi is not None
-    key_shape, value_shape = d.kv(spec.abi.kv_layout, 1, 1)
-    heads, key_w, value_w = key_shape[1], key_shape[3], value_shape[3]
-    width = _DTYPE_BYTES[spec.abi.dtype]
-    formula = f"{d.num_layers} layers x {heads} x ({key_w} + {value_w}) x {width} B"
-    return d.num_layers * heads * (key_w + value_w) * width, formula
+    return kv_bytes(d, d.kv_layout, spec.abi.dtype)
 
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}

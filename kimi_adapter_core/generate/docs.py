@@ -1,7 +1,8 @@
 """The ``docs`` target: ``docs/specs/<name>.md``, the spec explained as tables and a flowchart.
 
-Every table is derived from the spec (and, for the ABI, from its shipped config): the document
-cannot drift from what ``kadapt apply`` does because both read the same entries.
+Every table is derived from the spec (and, for the structure and the ABI, from its shipped config
+through ``structure/``, as ``kadapt apply`` derives it): the document cannot drift from what
+``kadapt apply`` does because both read the same entries.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from ..spec.model import Spec
+from ..structure.derive import structure_of_raw, text_config_key
+from ..structure.model import ModelStructure
 from . import abi as abi_tables
 from .bridges import bridge_context
 from .common import Rendered, gate_context, spec_identity
@@ -60,7 +63,7 @@ def _patch_rows(spec: Spec) -> list[dict[str, Any]]:
     return rows
 
 
-def _flow(spec: Spec, files: dict[str, str]) -> dict[str, Any]:
+def _flow(spec: Spec, files: dict[str, str], d: abi_tables.Dims) -> dict[str, Any]:
     """Mermaid flowchart of the extraction path: source, bridges, patches, model, wrappers, files."""
     assert spec.abi is not None
     source = spec.raw.get("source") or {}
@@ -69,6 +72,7 @@ def _flow(spec: Spec, files: dict[str, str]) -> dict[str, Any]:
     bridges = [b.id for b in spec.config_bridges if "extraction" in b.backends]
     patches = [p for p in spec.patches if "extraction" in p.backends]
     where = f" (sub-config {spec.abi.config})" if spec.abi.config else ""
+    masks = "<br/>sliding-window masks in-graph" if d.structure.has_sliding_layers else ""
     nodes = [
         {"id": "SRC", "label": f"Config {origin}<br/>gate: model_type {spec.gate.model_type}"},
         {"id": "BR", "label": "Config bridges<br/>" + (", ".join(bridges) or "none")},
@@ -79,10 +83,13 @@ def _flow(spec: Spec, files: dict[str, str]) -> dict[str, Any]:
     ]
     nodes += [
         {"id": "M", "label": f"Build model on meta, {spec.abi.dtype}<br/>text backbone{where}"},
-        {"id": "PW", "label": f"Prefill wrapper<br/>batch {spec.abi.batch}, {spec.abi.prefill_len} tokens"},
+        {
+            "id": "PW",
+            "label": f"Prefill wrapper<br/>batch {spec.abi.batch}, {spec.abi.prefill_len} tokens{masks}",
+        },
         {
             "id": "DW",
-            "label": f"Decode wrapper<br/>static {spec.abi.kv_layout} cache of {spec.abi.max_cache_len}",
+            "label": f"Decode wrapper<br/>static {d.kv_layout} KV cache of {spec.abi.max_cache_len}{masks}",
         },
         {"id": "PI", "label": f"Prefill IR<br/>{files['prefill']}"},
         {"id": "DI", "label": f"Decode IR<br/>{files['decode']}"},
@@ -100,11 +107,68 @@ def _size(n: int) -> str:
     return f"{n:,} B"
 
 
-def _abi_context(spec: Spec) -> dict[str, Any] | None:
+# What each KV layout caches, per layer and token (see backends/extraction/runtime.py).
+KV_LAYOUT_TEXT = {
+    "heads": "key and value per KV head after rope, as the attention passes them to `Cache.update`",
+    "latent": "the compressed cache: the normalised latent (key) and the rope'd key shared by all heads "
+    "(value); the attention expands it each step",
+    "expanded": "key and value per head, the output of `expand_kv`; nothing is re-expanded",
+}
+
+
+def _structure_context(
+    spec: Spec, found: ModelStructure, d: abi_tables.Dims | None, text_key: str | None
+) -> dict[str, Any]:
+    """The structure as a fact table, per-layer runs, and the KV layouts its attention can have."""
+    data = found.to_dict()
+    runs = data.pop("layers")
+    facts: list[tuple[str, Any]] = []
+    for key, value in data.items():
+        if isinstance(value, dict):
+            facts += [(f"{key}.{k}", v) for k, v in value.items() if v is not None]
+        elif value is not None:
+            facts.append((key, value))
+    attention = found.attention
+    layouts = []
+    for layout in attention.kv_layouts:
+        (key_heads, key_dim), (value_heads, value_dim) = attention.kv_dims(layout)
+        notes = []
+        if layout == attention.default_kv_layout:
+            notes.append(f"default for {attention.kind.upper()}")
+        if d is not None and layout == d.kv_layout:
+            notes.append("the ABI's")
+        layouts.append(
+            {
+                "layout": layout,
+                "key": f"{key_heads} x {key_dim}",
+                "value": f"{value_heads} x {value_dim}",
+                "elements": f"{attention.kv_elements(layout):,}",
+                "notes": ", ".join(notes),
+                "what": KV_LAYOUT_TEXT[layout],
+            }
+        )
+    return {
+        "summary": found.describe(),
+        "config_label": f"`{text_key}`" if text_key else "root config",
+        "facts": facts,
+        "layers": [
+            {
+                "range": str(first) if first == last else f"{first} .. {last}",
+                "attention": run["attention"],
+                "window": run["window"],
+                "mlp": run["mlp"],
+            }
+            for run in runs
+            for first, last in [run["layers"]]
+        ],
+        "kv_layouts": layouts,
+    }
+
+
+def _abi_context(spec: Spec, d: abi_tables.Dims | None) -> dict[str, Any] | None:
     abi = spec.abi
-    if abi is None:
+    if abi is None or d is None:
         return None
-    d = abi_tables.dims(abi_tables.text_config(spec))
     prefill, decode, graphs = abi_tables.graph_tables(spec, d)
     prefix = spec.backend_options("extraction").get("file_prefix") or spec.name
     files = {
@@ -121,7 +185,9 @@ def _abi_context(spec: Spec) -> dict[str, Any] | None:
         "batch": abi.batch,
         "prefill_len": abi.prefill_len,
         "max_cache_len": abi.max_cache_len,
-        "kv_layout": abi.kv_layout,
+        "kv_layout": d.kv_layout,
+        "attention_label": d.attention_label,
+        "windows": sorted({w for w in d.structure.windows if w is not None}),
         "graphs": graphs,
         "files": files,
         "kv": {
@@ -143,7 +209,14 @@ def render_docs(spec: Spec) -> list[Rendered]:
     raw = spec.raw
     source = raw.get("source") or {}
     hub = source.get("hub")
-    abi = _abi_context(spec)
+    bridged = abi_tables.bridged_config(spec)
+    found = structure_of_raw(spec, bridged)
+    text_key = text_config_key(spec, isinstance(bridged.get("text_config"), dict))
+    d = None
+    if spec.abi is not None:
+        layout, mla_attention = abi_tables.resolve_kv_layout(spec, found)
+        d = abi_tables.Dims(found, layout, mla_attention)
+    abi = _abi_context(spec, d)
     context = {
         "spec": spec_identity(spec),
         "gate": gate_context(spec),
@@ -165,8 +238,9 @@ def render_docs(spec: Spec) -> list[Rendered]:
         else None,
         "moe": _moe_rows(spec.moe),
         "quantization": [vars(q) for q in spec.quantization],
+        "structure": _structure_context(spec, found, d, text_key),
         "abi": abi,
-        "flow": _flow(spec, abi["files"]) if abi else None,
+        "flow": _flow(spec, abi["files"], d) if abi and d else None,
         "backends": _backend_rows(spec),
     }
     text = render("docs/spec.md.j2", context, spec_name=spec.name, target=TARGET)

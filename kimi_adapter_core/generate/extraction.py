@@ -5,6 +5,12 @@
 literal, each config bridge a plain statement and each patch implementation its own source. What
 cannot be carried that way (remote-code targets, patch kinds without a generated form) is refused
 with the spec entry named, rather than generated half-working.
+
+The module bakes in the model's structure as kadapt derives it (``structure/``): the attention kind,
+the resolved KV layout (the spec's ``abi.kv_layout`` or the attention's default), the per-token KV
+dims and every layer's sliding window. It also carries the config keys each of those facts is read
+from, so that ``kv_dims(config)`` and ``windows(config)`` follow a config built with overrides (a
+tiny model of the same family) the way kadapt's ``derive_structure`` would.
 """
 
 from __future__ import annotations
@@ -19,14 +25,25 @@ from ..errors import KadaptError
 from ..patching.impls import resolve_impl
 from ..patching.targets import parse_target
 from ..spec.model import Spec
+from ..structure.derive import fact_keys
+from ..structure.model import ModelStructure
+from . import abi as abi_tables
 from .bridges import bridge_context
 from .common import Rendered, cannot, gate_context, package_files, require, spec_identity
 from .embed import EmbeddedCallables, split_module
 from .environment import render
+from .literals import py_literal
 
 TARGET = "extraction"
 # Patch kinds the generated module can carry (see templates/extraction/module.py.j2).
 GENERATED_KINDS = ("replace",)
+# Structural facts the generated ``kv_dims`` (per KV layout) and ``windows`` read from a text config.
+KV_FACTS = {
+    "heads": ("num_heads", "num_kv_heads", "head_dim", "hidden_size"),
+    "latent": ("kv_lora_rank", "qk_rope_head_dim"),
+    "expanded": ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
+}
+WINDOW_FACTS = ("num_layers", "sliding_window", "use_sliding_window", "layer_types", "max_window_layers")
 
 
 def _fail(spec: Spec, where: str, message: str) -> KadaptError:
@@ -68,6 +85,47 @@ def _source_config(spec: Spec) -> dict[str, Any]:
     return resolve_source(spec).raw
 
 
+def repeated_literal(values: tuple[Any, ...]) -> str:
+    """``(None,) * 32`` for a run of one value, else the tuple literal: short and exact."""
+    if values and len(set(values)) == 1:
+        return f"({py_literal(values[0])},) * {len(values)}"
+    return py_literal(values)
+
+
+def fact_candidates(spec: Spec, facts: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """Config keys of each fact in lookup order: kadapt's table, or the spec's ``architecture.fields``."""
+    table = fact_keys()
+    fields = dict((spec.architecture or {}).get("fields") or {})
+    return {fact: (fields[fact],) if fact in fields else tuple(table.get(fact, [fact])) for fact in facts}
+
+
+def structure_data(structure: ModelStructure) -> dict[str, Any]:
+    """``structure.to_dict()`` without the attention fields its kind does not have (all None)."""
+    data = structure.to_dict()
+    data["attention"] = {k: v for k, v in data["attention"].items() if v is not None}
+    return data
+
+
+def structure_context(spec: Spec, d: abi_tables.Dims) -> dict[str, Any]:
+    """What the module bakes in about the text backbone, read from kadapt's structure of it."""
+    facts = tuple(dict.fromkeys((*WINDOW_FACTS, *KV_FACTS[d.kv_layout])))
+    return {
+        "summary": d.structure.describe(),
+        "data": structure_data(d.structure),
+        "attention": d.structure.attention.kind,
+        "is_mla": d.structure.attention.is_mla,
+        "kv_layout": d.kv_layout,
+        "kv_layout_source": "from abi.kv_layout"
+        if spec.abi is not None and spec.abi.kv_layout
+        else f"the default of {d.structure.attention.kind.upper()} attention",
+        "mla_attention": d.mla_attention,
+        "kv_dims": d.kv_dims,
+        "windows": repeated_literal(d.structure.windows),
+        "sliding": d.structure.has_sliding_layers,
+        "fact_keys": fact_candidates(spec, facts),
+    }
+
+
 def render_extraction(spec: Spec) -> list[Rendered]:
     require(spec, TARGET, "abi", "module_paths")
     abi = spec.abi
@@ -78,6 +136,7 @@ def render_extraction(spec: Spec) -> list[Rendered]:
         if key not in spec.module_paths:
             raise _fail(spec, "module_paths", f"module_paths has no {key!r}, which the wrappers need")
     prefill, decode = abi_graph_names(spec)
+    structure = structure_context(spec, abi_tables.dims(spec))
     runtime_module = split_module(Path(runtime.__file__))
     embedded = EmbeddedCallables()
     patches = _patches(spec, embedded)
@@ -99,14 +158,13 @@ def render_extraction(spec: Spec) -> list[Rendered]:
             "prefill_len": abi.prefill_len,
             "max_cache_len": abi.max_cache_len,
             "dtype": abi.dtype,
-            "kv_layout": abi.kv_layout,
-            "mla_attention": abi.mla_attention,
             "prefill_inputs": list(abi.prefill.inputs),
             "prefill_outputs": list(abi.prefill.outputs),
             "decode_inputs": list(abi.decode.inputs),
             "decode_outputs": list(abi.decode.outputs),
             "kv_names": kv_names(prefill, decode),
         },
+        "structure": structure,
         "file_prefix": backend.get("file_prefix") or spec.name,
         "module_paths": {k: spec.module_paths[k] for k in ("language_model", "lm_head")},
         "source_config": _source_config(spec),

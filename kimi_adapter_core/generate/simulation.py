@@ -1,7 +1,9 @@
 """The ``simulation`` target: a TensorCast ``ModelProfile`` module filled from the spec.
 
 Each profile field is copied from exactly one spec entry (``PROFILE_FIELDS``); a field whose entry
-the spec leaves out is left out too, so TensorCast's own default applies rather than a guess.
+the spec leaves out is left out too, so TensorCast's own default applies rather than a guess. A dense
+model (no ``moe`` section) gets no MoE fields and a model without an ``mla`` section no MLA module:
+the profile claims only the swaps the spec declares.
 
 A spec with environment shims or simulation patches also gets the patch runtime
 (``patching/portable.py``, embedded verbatim) plus its shims and patches as data, with each
@@ -142,7 +144,7 @@ def _runtime_context(spec: Spec) -> dict[str, Any]:
 
 
 def render_simulation(spec: Spec) -> list[Rendered]:
-    require(spec, TARGET, "moe", "module_paths")
+    require(spec, TARGET, "module_paths")
     fields = profile_fields(spec)
     context = {
         "spec": spec_identity(spec),
