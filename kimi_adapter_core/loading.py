@@ -8,6 +8,7 @@ the spec, which is what turns the call-time gate on for that model and no other.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,7 @@ from .errors import KadaptError
 from .patching import gate, remote
 from .patching.ledger import Ledger
 from .patching.session import active_session, close_session, open_session
+from .spec.loader import load_spec
 from .spec.model import Spec
 
 if TYPE_CHECKING:
@@ -28,8 +30,11 @@ if TYPE_CHECKING:
 _AUTO_CLASSES = ("AutoModelForImageTextToText", "AutoModelForCausalLM", "AutoModel")
 
 
+SpecRef = Spec | str | os.PathLike[str]  # a Spec, a spec file's path, or a shipped spec's name
+
+
 def load_config(
-    spec: Spec,
+    spec: SpecRef,
     *,
     backend: str = "extraction",
     overrides: dict[str, Any] | None = None,
@@ -44,7 +49,7 @@ def load_config(
     from .config.load import load
 
     config, _ = load(
-        spec,
+        load_spec(spec),
         backend=backend,
         overrides=overrides,
         trust_remote_code=trust_remote_code,
@@ -57,7 +62,7 @@ def load_config(
 
 @contextlib.contextmanager
 def applied(
-    spec: Spec,
+    spec: SpecRef,
     *,
     backend: str = "extraction",
     trust_remote_code: bool = False,
@@ -65,6 +70,7 @@ def applied(
     from_hub: bool = False,
 ) -> Iterator[Ledger]:
     """Apply shims, bridges and patches for ``backend``; restore everything on exit."""
+    spec = load_spec(spec)
     session = open_session(
         spec, backend, trust_remote_code=trust_remote_code, source_dir=source_dir, from_hub=from_hub
     )
@@ -88,7 +94,7 @@ def _model_class(config: Any, source: ResolvedSource | None, *, remote_code: boo
 
 
 def load_model(
-    spec: Spec,
+    spec: SpecRef,
     *,
     device: str = "meta",
     backend: str | None = None,
@@ -105,6 +111,7 @@ def load_model(
     """
     import torch
 
+    spec = load_spec(spec)
     session = active_session(spec)
     if session is not None:
         if backend is not None and backend != session.backend:

@@ -12,10 +12,11 @@ from pathlib import Path
 import click
 
 from .source_options import source_options
+from .spec_argument import spec_argument
 
 
 @click.command(name="pin")
-@click.argument("spec_path", metavar="SPEC", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@spec_argument()
 @click.option(
     "--write", is_flag=True, help="Rewrite the spec file (atomically) instead of only showing the diff."
 )

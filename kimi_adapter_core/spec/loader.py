@@ -7,10 +7,12 @@ errors, or returns the typed ``Spec`` whose ``positions`` let later stages say `
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import KadaptError
 from .diagnostics import Diagnostic, Location, Locator, SpecInvalid, sort_diagnostics
 from .model import Spec, build_spec
 from .schema_loader import schema_diagnostics
@@ -49,13 +51,47 @@ def check_spec(path: str | Path) -> SpecCheck:
     return SpecCheck(spec_path, loaded.data, loaded.positions, tuple(sort_diagnostics(found)))
 
 
-def load_spec(path: str | Path) -> Spec:
-    """Load and validate ``path``; raise ``SpecInvalid`` (a ``KadaptError``) listing every error.
+def shipped_spec_names() -> list[str]:
+    """Names of the specs kadapt ships (``kimi_k25``, ``llama``, ...), checkout or installed wheel."""
+    from ..resources import shipped_dir
 
-    Warnings do not stop loading. ``Spec.positions`` maps breadcrumbs (``patches[0].target``) to
-    1-based ``(line, col)``; ``Spec.locate(where)`` renders ``file:line:col``.
+    try:
+        return sorted(p.stem for p in shipped_dir("specs").glob("*.yaml"))
+    except FileNotFoundError:
+        return []
+
+
+def resolve_spec_path(ref: str | os.PathLike[str]) -> Path:
+    """A spec file from a path, or from the name of a shipped spec (``kimi_k25``).
+
+    A path that exists wins; ``specs/<name>.yaml`` relative to a directory that is not the
+    checkout also finds the shipped copy, so README commands work from an installed wheel.
     """
+    path = Path(ref)
+    if path.exists():
+        return path
+    from ..resources import shipped_dir
+
+    names = shipped_spec_names()
+    stem = path.stem if path.suffix in (".yaml", ".yml") and path.parent.name in ("specs", "") else str(ref)
+    if stem in names:
+        return shipped_dir("specs") / f"{stem}.yaml"
+    raise KadaptError(
+        f"no spec file {str(ref)!r} and no shipped spec of that name; shipped: {', '.join(names) or 'none'}"
+    )
+
+
+def load_spec(ref: str | os.PathLike[str] | Spec) -> Spec:
+    """Load and validate a spec file, given as a path or a shipped spec's name (a ``Spec`` passes through).
+
+    Raises ``SpecInvalid`` (a ``KadaptError``) listing every error; warnings do not stop loading.
+    ``Spec.positions`` maps breadcrumbs (``patches[0].target``) to 1-based ``(line, col)``;
+    ``Spec.locate(where)`` renders ``file:line:col``.
+    """
+    if isinstance(ref, Spec):
+        return ref
+    path = resolve_spec_path(ref)
     result = check_spec(path)
     if result.errors:
         raise SpecInvalid(result.errors)
-    return build_spec(Path(path).resolve(), result.raw, result.positions)
+    return build_spec(path.resolve(), result.raw, result.positions)

@@ -1,0 +1,87 @@
+"""The Python API and the CLI take spec paths and shipped names, in the checkout and from a wheel."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import kimi_adapter_core
+from kimi_adapter_core.cli import cli
+from kimi_adapter_core.errors import KadaptError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_public_names_are_listed_and_typed() -> None:
+    assert {"load_spec", "applied", "load_model", "load_config", "derive_structure"} <= set(
+        dir(kimi_adapter_core)
+    )
+    assert (Path(kimi_adapter_core.__file__).parent / "py.typed").is_file()
+
+
+def test_api_takes_paths_and_names(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.chdir(tmp_path)  # names must not depend on the working directory
+    assert kimi_adapter_core.load_spec("kimi_k25").path == REPO / "specs" / "kimi_k25.yaml"
+    assert kimi_adapter_core.load_spec("specs/llama.yaml").name == "llama"  # the README's spelling
+    config = kimi_adapter_core.load_config(str(REPO / "specs" / "llama.yaml"))
+    assert config.num_key_value_heads == 8
+    with kimi_adapter_core.applied("llama"):
+        model = kimi_adapter_core.load_model("llama")
+    assert type(model).__name__ == "LlamaForCausalLM"
+    with pytest.raises(KadaptError, match="no shipped spec of that name; shipped: deepseek_v3, kimi_k25"):
+        kimi_adapter_core.load_spec("kimi_k2.5")
+
+
+def test_cli_spec_argument_lists_the_shipped_names() -> None:
+    result = CliRunner().invoke(cli, ["apply", "nope", "--backend", "none"])
+    assert result.exit_code == 2
+    assert "no shipped spec of that name" in result.output and "qwen3_moe" in result.output
+
+
+@pytest.mark.slow
+def test_installed_wheel_outside_the_checkout(tmp_path: Path) -> None:
+    """A wheel in a fresh venv (reusing this interpreter's torch/transformers) finds its shipped specs."""
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(REPO)],
+        check=True,
+        capture_output=True,
+    )
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    wheel = next(wheels.glob("kadapt-*.whl"))
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True)
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    env = {**os.environ, "PYTHONPATH": ""}
+    kadapt = venv / "bin" / "kadapt"
+    located = subprocess.run(
+        [python, "-c", "import kimi_adapter_core as k; print(k.__file__)"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert str(venv) in located.stdout  # the installed copy, not the checkout
+    for ref in ("kimi_k25", "specs/llama.yaml"):
+        done = subprocess.run(
+            [kadapt, "apply", ref, "--output-dir", str(work / "out" / Path(ref).stem), "--format", "json"],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert json.loads(done.stdout)["extraction"]["graphs"]["decode"]["nodes"] > 1000
+    validated = subprocess.run(
+        [kadapt, "validate", "--resolve", "llama"], cwd=work, env=env, capture_output=True
+    )
+    assert validated.returncode == 0, validated.stdout
