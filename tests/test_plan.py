@@ -1,4 +1,5 @@
-"""``kadapt plan``: the planner's figures for Kimi-K2.5 against numbers worked out by hand here."""
+"""``kadapt plan``: the planner's figures for Kimi-K2.5 against numbers worked out by hand here
+(other families: ``test_simulation_families.py``)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from kimi_adapter_core.spec import Spec
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "specs" / "kimi_k25.yaml"
+SHIPPED_SPECS = ("kimi_k25", "deepseek_v3", "qwen3_moe", "llama", "mistral")
 
 
 @pytest.fixture(scope="module")
@@ -37,24 +39,29 @@ def spec() -> Spec:
 def plan(spec: Spec, quant: str | None = None, **kwargs):  # noqa: ANN201 - a Plan
     inputs = model_inputs(spec, quant)
     par = Parallel(kwargs.pop("tp", 1), kwargs.pop("dp", 1), kwargs.pop("ep", 1))
-    return make_plan(inputs.arch, par, inputs.policy, inputs.quant_label, **kwargs)
+    return make_plan(inputs, par, **kwargs)
 
 
 def test_architecture_summary(spec: Spec) -> None:
-    t = spec_architecture(spec).text
-    assert (t.num_layers, t.hidden, t.num_heads, t.vocab) == (61, 7168, 64, 163840)
-    assert (t.n_dense_layers, t.n_moe_layers, t.n_routed_experts, t.top_k) == (1, 60, 384, 8)
-    v = spec_architecture(spec).vision
+    arch = spec_architecture(spec)
+    s = arch.structure
+    assert (s.num_layers, s.hidden_size, s.attention.num_heads, s.vocab_size) == (61, 7168, 64, 163840)
+    assert s.attention.is_mla and s.moe is not None
+    assert (s.n_dense_layers, s.n_moe_layers, s.moe.num_experts, s.moe.top_k) == (1, 60, 384, 8)
+    assert arch.model_type == "kimi_k25"  # the root's, not the text sub-config's kimi_k2
+    v = arch.vision
     assert v is not None and (v.hidden, v.num_layers, v.merge_h, v.text_hidden) == (1152, 27, 2, 7168)
 
 
 def test_kv_cache_bytes(spec: Spec) -> None:
     p = plan(spec)
-    assert p.kv.latent_bytes_per_token_layer == (512 + 64) * 2 == 1152  # kv_lora + rope, bf16
-    assert p.kv.expanded_bytes_per_token_layer == 64 * (192 + 128) * 2 == 40960  # H x (qk + v), bf16
-    assert p.kv.ratio == pytest.approx(40960 / 1152) and round(p.kv.ratio, 1) == 35.6
+    assert p.kv.layout == "latent"
+    assert p.kv.bytes_per_token_layer == (512 + 64) * 2 == 1152  # kv_lora + rope, bf16
+    assert p.kv.layouts() == {"latent": 1152, "expanded": 64 * (192 + 128) * 2}  # H x (qk + v), bf16
+    assert round(p.kv.layouts()["expanded"] / 1152, 1) == 35.6
     assert p.kv.bytes_per_token == 1152 * 61
-    assert plan(spec, kv_dtype="fp8").kv.latent_bytes_per_token_layer == 576
+    assert plan(spec, tp=8, ep=8).kv.rank_bytes_per_token_layer == 1152  # the latent is replicated over TP
+    assert plan(spec, kv_dtype="fp8").kv.bytes_per_token_layer == 576
 
 
 def test_max_seq_len(spec: Spec) -> None:
@@ -85,16 +92,37 @@ def test_parameter_count_from_first_principles(spec: Spec) -> None:
         + moe_layers * (384 * h + 384 + expert + 384 * expert)
     )  # router + bias + shared + routed
     p = plan(spec)
-    vision = sum(w.group.count for w in p.weights if w.group.name.startswith(("vision", "projector")))
+    vision = sum(w.params for w in p.weights if w.group.name.startswith(("vision", "projector")))
     assert p.total_params - vision == text
     assert 1.0e12 < p.total_params < 1.1e12  # "1T parameters"
     assert 0.4e9 < vision < 0.5e9  # MoonViT-400M + projector
+    routed = 60 * 384 * expert
+    assert p.active_params == p.total_params - routed + routed * 8 // 384  # top-8 of 384 experts
+    assert 32e9 < p.active_params - vision < 33e9  # "32B activated"
+
+
+def test_checkpoint_names_follow_the_spec(spec: Spec) -> None:
+    """module_paths + backends.extraction.weight_renames, applied to the model's own parameter names."""
+    groups = {g.name: g for g in model_inputs(spec, None).groups}
+    assert groups["embed_tokens"].checkpoint_name == "language_model.model.embed_tokens.weight"
+    assert groups["lm_head"].checkpoint_name == "language_model.lm_head.weight"
+    assert groups["attn.q_a_proj"].checkpoint_names[60] == (
+        "language_model.model.layers.60.self_attn.q_a_proj.weight",
+    )
+    assert groups["routed_experts"].checkpoint_names[0] == (
+        "language_model.model.layers.1.mlp.experts.gate_up_proj",
+        "language_model.model.layers.1.mlp.experts.down_proj",
+    )
+    assert (
+        groups["router_bias"].checkpoint_name
+        == "language_model.model.layers.1.mlp.gate.e_score_correction_bias"
+    )
 
 
 def test_weight_bytes_follow_the_spec_quantization(spec: Spec) -> None:
     p = plan(spec)
     routed = next(w for w in p.weights if w.group.name == "routed_experts")
-    assert routed.format == "int4/g32"
+    assert routed.format == "int4/g32" and routed.params == routed.group.count  # Q1 matches every expert
     per_param = 4 / 8 + 2 / 32  # int4 payload + one bf16 scale per 32 weights
     assert routed.total_bytes == pytest.approx(60 * 384 * 3 * 7168 * 2048 * per_param)
     assert {w.format for w in p.weights if w.group.name != "routed_experts"} <= {"bf16", "fp32"}
@@ -160,10 +188,12 @@ def test_cli_plan_text_and_json(spec_path: Path) -> None:
     text = runner.invoke(cli, ["plan", str(spec_path), "--tp", "8", "--ep", "8", "--device", "h200"])
     assert text.exit_code == 0, text.output
     assert "1152 B" in text.output and "35.6x" in text.output and "free" in text.output
+    assert "MLA 64 heads, kv_lora_rank 512" in text.output  # the structure's description
     out = runner.invoke(cli, ["plan", str(spec_path), "--format", "json"])
     assert out.exit_code == 0
     data = json.loads(out.output)
-    assert data["kv_cache"]["latent_bytes_per_token_layer"] == 1152
+    assert data["kv_cache"]["bytes_per_token_layer"] == 1152 and data["kv_cache"]["layout"] == "latent"
+    assert data["architecture"]["structure"]["attention"]["kind"] == "mla"
     assert data["vision_cache_entry_bytes"] == 14_680_064
 
 
@@ -186,10 +216,13 @@ def test_cli_plan_memory_warning_exits_zero(spec_path: Path) -> None:
     assert result.exit_code == 0 and "WARNING: memory does not fit" in result.output
 
 
-def test_plan_never_imports_torch(spec_path: Path) -> None:
+def test_plan_never_imports_torch() -> None:
+    paths = [str(REPO / "specs" / f"{name}.yaml") for name in SHIPPED_SPECS]
     code = (
         "import sys\nfrom click.testing import CliRunner\nfrom kimi_adapter_core.cli import cli\n"
-        f"r = CliRunner().invoke(cli, ['plan', {str(spec_path)!r}, '--format', 'json'])\n"
-        "assert r.exit_code == 0, r.output\nassert 'torch' not in sys.modules\n"
+        f"for path in {paths!r}:\n"
+        "    r = CliRunner().invoke(cli, ['plan', path, '--format', 'json'])\n"
+        "    assert r.exit_code == 0, r.output\n"
+        "assert 'torch' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

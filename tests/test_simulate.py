@@ -16,12 +16,7 @@ from kimi_adapter_core.backends.simulation.deployment import Deployment
 from kimi_adapter_core.backends.simulation.device import get_device
 from kimi_adapter_core.backends.simulation.inputs import model_inputs
 from kimi_adapter_core.backends.simulation.parallel import Parallel
-from kimi_adapter_core.backends.simulation.rank_model import (
-    RankMLA,
-    RoutedExperts,
-    build_rank,
-    declared_classes,
-)
+from kimi_adapter_core.backends.simulation.rank_model import RankMLA, RoutedExperts, build_rank
 from kimi_adapter_core.backends.simulation.simulator import Simulation, simulate
 from kimi_adapter_core.backends.simulation.tracer import Recorder
 from kimi_adapter_core.cli import cli
@@ -56,7 +51,7 @@ def run(
 ) -> Simulation:
     inputs = model_inputs(spec, quant)
     dep = Deployment(Parallel(tp, dp, ep), batch, query_len, context_len, decode, mtp)
-    return simulate(inputs.arch, spec, dep, inputs.policy, inputs.quant_label, get_device(device))
+    return simulate(inputs, spec, dep, get_device(device))
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +91,8 @@ def test_decode_time_grows_with_context(spec: Spec, decode: Simulation) -> None:
 def test_more_tp_less_weight_per_device(spec: Spec, decode: Simulation) -> None:
     narrow = run(spec, tp=4, ep=4)
     assert decode.memory.weights < narrow.memory.weights
-    assert decode.memory.kv_cache == pytest.approx(
-        32 * (4096 + 1) * 1152 * 61
-    )  # latent KV, replicated over TP
+    assert decode.memory.kv_cache == 32 * (4096 + 1) * 1152 * 61  # latent KV, replicated over TP
+    assert narrow.memory.kv_cache == decode.memory.kv_cache
 
 
 def test_quant_modes_change_prices(spec: Spec) -> None:
@@ -219,18 +213,28 @@ def variant(spec_path: Path, tmp: Path, edit: Any) -> Spec:
 
 def test_traced_modules_are_the_spec_classes(spec: Spec) -> None:
     inputs = model_inputs(spec, None)
-    t, dep = inputs.arch.text, Deployment(Parallel(8, 1, 8), 32, 1, 4096, True, 0)
+    dep = Deployment(Parallel(8, 1, 8), 32, 1, 4096, True, 0)
     with applied(spec, backend="simulation"), torch.device("meta"):
-        parts, notes = build_rank(spec, t, dep, Recorder(), inputs.policy, declared_classes(spec, t))
+        parts, notes = build_rank(spec, inputs, dep, Recorder())
     assert notes == []  # the shipped bridges change no text size
+    assert [(t.kind.kind, t.kind.index, len(t.kind.layers)) for t in parts.layers] == [
+        ("dense", 0, 1),
+        ("moe", 1, 60),
+    ]
     assert len(parts.attention) == 2 and all(isinstance(m, RankMLA) for m in parts.attention)
     assert {m.adopted.__name__ for m in parts.attention} == {spec.mla["attention_class"]}
     assert [m.heads for m in parts.attention] == [64 // 8, 64 // 8]  # per-rank heads, from the override
-    assert parts.moe_layer is not None and parts.dense_layer is not None
-    moe = parts.mlps[-1]
+    moe_layer, dense_layer = parts.layer("moe"), parts.layer("dense")
+    assert moe_layer is not None and dense_layer is not None
+    moe = moe_layer.mlp
     assert type(moe).__name__ == spec.moe["moe_class"]
-    assert isinstance(moe.experts, RoutedExperts)
-    assert type(moe.gate).__name__ == spec.moe["gate_class"] and moe.gate.weight.dtype == torch.float32
+    assert isinstance(moe.experts, RoutedExperts) and parts.experts == [moe.experts]
+    assert type(moe.gate).__name__ == spec.moe["gate_class"]
+    # weights as a checkpoint loads them: the router bf16 (its fp32 upcast is priced as free), the
+    # correction bias fp32 (transformers keeps it so)
+    assert moe.gate.weight.dtype == torch.bfloat16 and moe.gate.e_score_correction_bias.dtype == torch.float32
+    assert dense_layer.mlp.gate_proj.weight.shape == (18432 // 8, 7168)  # per-rank dense width
+    assert moe.shared_experts.gate_proj.weight.shape == (2048 // 8, 7168)  # per-rank shared width
     assert parts.lm_head.weight.shape == (163840 // 8, 7168)  # vocab-parallel slice
 
 
@@ -251,16 +255,30 @@ def test_attention_class_without_mla_fields(spec_path: Path, tmp_path: Path) -> 
         run(bad)
 
 
-@pytest.mark.parametrize(
-    "edit, entry",
-    [
-        (lambda raw: raw.pop("mla"), "mla.attention_class"),  # a spec with no mla section at all
-        (lambda raw: raw["moe"].pop("experts_class"), "moe.experts_class"),
-    ],
-)
-def test_missing_class_entry(spec_path: Path, tmp_path: Path, edit: Any, entry: str) -> None:
-    bad = variant(spec_path, tmp_path, edit)
-    with pytest.raises(KadaptError, match=f"has no {entry}: simulate swaps"):
+def test_spec_without_mla_attention_class(spec_path: Path, tmp_path: Path) -> None:
+    bad = variant(spec_path, tmp_path, lambda raw: raw.pop("mla"))
+    with pytest.raises(KadaptError, match="has no mla.attention_class: simulate swaps"):
+        run(bad)
+
+
+def test_experts_found_by_structure_without_experts_class(
+    spec_path: Path, tmp_path: Path, decode: Simulation
+) -> None:
+    """Without moe.experts_class, the experts are the module holding the stacked [384, ...] weights."""
+    loose = variant(
+        spec_path, tmp_path, lambda raw: (raw["moe"].pop("experts_class"), raw["moe"].pop("gate_class"))
+    )
+    sim = run(loose)
+    assert sim.step_time == pytest.approx(decode.step_time)
+    assert any(r.name == "grouped_gemm(routed_experts)" and r.count == 60 for r in sim.rows())
+
+
+def test_unknown_experts_class_is_named(spec_path: Path, tmp_path: Path) -> None:
+    bad = variant(spec_path, tmp_path, lambda raw: raw["moe"].update(experts_class="KimiExperts"))
+    with pytest.raises(
+        KadaptError,
+        match="moe.experts_class = 'KimiExperts' matches no module in model.language_model.layers.1",
+    ):
         run(bad)
 
 
@@ -308,7 +326,8 @@ def test_gated_patches_reach_the_traced_model(spec_path: Path, tmp_path: Path) -
 
     patched = variant(spec_path, tmp_path, probe)
     inputs = model_inputs(patched, None)
-    t, dep = inputs.arch.text, Deployment(Parallel(8, 1, 8), 32, 1, 4096, True, 0)
+    dep = Deployment(Parallel(8, 1, 8), 32, 1, 4096, True, 0)
     with applied(patched, backend="simulation"), torch.device("meta"):
-        parts, _ = build_rank(patched, t, dep, Recorder(), inputs.policy, declared_classes(patched, t))
-        assert parts.moe_layer is not None and parts.moe_layer.kadapt_probe == 7  # claimed for the spec
+        parts, _ = build_rank(patched, inputs, dep, Recorder())
+        moe_layer = parts.layer("moe")
+        assert moe_layer is not None and moe_layer.kadapt_probe == 7  # claimed for the spec

@@ -29,7 +29,8 @@ _OPTIONS = (
         type=int,
         default=1,
         show_default=True,
-        help="Tensor-parallel size (attention, dense, shared).",
+        help="Tensor-parallel size (attention heads, dense MLP, shared experts; KV heads are "
+        "replicated once tp exceeds them).",
     ),
     click.option(
         "--dp", type=int, default=1, show_default=True, help="Data-parallel groups (devices = tp x dp)."
@@ -40,9 +41,16 @@ _OPTIONS = (
     click.option(
         "--quant",
         default=None,
-        help="Weight mode from backends.simulation.quant_modes [default: checkpoint].",
+        help="Weight mode from backends.simulation.quant_modes [default: checkpoint, i.e. the spec's "
+        "quantization schemes and the config's FP8 quantization_config].",
     ),
-    click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True),
+    click.option(
+        "--kv-dtype",
+        type=click.Choice(["bf16", "fp8"]),
+        default="bf16",
+        show_default=True,
+        help="KV-cache element type (the layout follows the attention: MLA latent, else per KV head).",
+    ),
 )
 
 

@@ -1,6 +1,8 @@
 """``kadapt plan SPEC``: size a deployment before loading anything (KV cache, weights, activations).
 
-Pure Python from the spec's shipped config: never imports torch, so it answers instantly. A device is
+Pure Python from the spec's shipped config and the model structure derived from it (any decoder
+family: MHA/GQA/MQA/MLA attention, dense or MoE, sliding windows): never imports torch, so it
+answers instantly. A device is
 optional; with one, the report adds capacity and free memory, and a deployment that does not fit
 prints a ``WARNING:`` line (exit 0: a plan is advice, not a launch).
 """
@@ -55,10 +57,8 @@ def command(
     inputs = model_inputs(spec, quant)
     profile = get_device(device, device_file) if (device or device_file) else None
     plan = make_plan(
-        inputs.arch,
+        inputs,
         Parallel(tp=tp, dp=dp, ep=ep),
-        inputs.policy,
-        inputs.quant_label,
         batch=batch,
         seq_len=seq_len,
         prefill_chunk=prefill_chunk,

@@ -93,8 +93,8 @@ def command(
         mtp_acceptance,
         kv_dtype,
     )
-    dep.check(inputs.arch.text)
-    sim = simulate(inputs.arch, spec, dep, inputs.policy, inputs.quant_label, profile)
+    dep.check(inputs.arch.structure)
+    sim = simulate(inputs, spec, dep, profile)
     if trace_path is not None:
         atomic_write_text(trace_path, json.dumps(chrome_trace(sim)))
     click.echo(json.dumps(sim_json(sim), indent=2) if fmt == "json" else sim_text(sim, top or None))

@@ -1,7 +1,10 @@
 """Simulation backend: size a deployment (``kadapt plan``) and price one step (``kadapt simulate``).
 
-The planner (``arch``, ``params``, ``quant``, ``parallel``, ``planner``) is pure Python and reads the
-raw hub config, so ``kadapt plan`` never imports torch. The simulator (``tracer``, ``rank_model``,
-``cost``, ``simulator``) traces one dense and one MoE layer of the per-rank model on the meta device
-and prices every recorded op with a roofline; see ``docs/cost_model.md``.
+Both read the model through its ``ModelStructure`` (``kimi_adapter_core.structure``), so every
+decoder family it describes works: MHA/GQA/MQA or MLA attention, dense or MoE MLPs, sliding-window
+layers. The planner (``arch``, ``params``, ``quant``, ``parallel``, ``planner``) is pure Python and
+reads the raw hub config, so ``kadapt plan`` never imports torch. The simulator (``tracer``,
+``rank_model``, ``cost``, ``simulator``) traces the first decoder layer of each kind (dense, MoE) of
+the per-rank model on the meta device and prices every recorded op with a roofline; see
+``docs/cost_model.md``.
 """

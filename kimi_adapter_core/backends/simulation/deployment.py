@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...errors import UsageError
-from .arch import TextArch
+from ...structure.model import ModelStructure
 from .parallel import Parallel
 
 
@@ -46,8 +46,8 @@ class Deployment:
             return self.batch * (1 + self.mtp * self.mtp_acceptance)
         return float(self.batch * self.query_len)
 
-    def check(self, t: TextArch) -> None:
-        self.parallel.check(t)
+    def check(self, s: ModelStructure) -> None:
+        self.parallel.check(s)
         self.parallel.split_batch(self.batch)
         if self.query_len < 1:
             raise UsageError(f"--query-len must be >= 1 (got {self.query_len})")
@@ -59,8 +59,8 @@ class Deployment:
             raise UsageError("--mtp applies to decode steps; add --decode")
         if not 0 <= self.mtp_acceptance <= 1:
             raise UsageError(f"--mtp-acceptance must be in [0, 1] (got {self.mtp_acceptance})")
-        if self.context_len + self.tokens_per_query > t.max_positions:
+        if self.context_len + self.tokens_per_query > s.max_positions:
             raise UsageError(
                 f"context {self.context_len} + {self.tokens_per_query} new tokens exceeds the "
-                f"model's max_position_embeddings {t.max_positions}"
+                f"model's max_position_embeddings {s.max_positions}"
             )

@@ -1,146 +1,201 @@
-"""Analytic parameter inventory: every weight tensor family of the model, counted from the config.
+"""Analytic parameter inventory: every weight tensor family of the model, counted from its structure.
 
-Counting from the config (instead of instantiating the model) keeps ``kadapt plan`` torch-free and
-instant. Each group carries what sizing needs: how it is sharded, its native dtype, whether it is a
-linear weight a quantization mode may touch, and a representative checkpoint name (hub layout,
-``language_model.model.layers.N...``) that the spec's ``quantization[].modules`` globs match.
+Counting from the ``ModelStructure`` (instead of instantiating the model) keeps ``kadapt plan``
+torch-free and instant, and works for every family the structure describes: MHA/GQA/MQA or MLA
+attention, dense and MoE MLPs (shared experts, a router bias for sigmoid routing), tied embeddings.
+
+Each group carries what sizing needs: how it is sharded, its native dtype, whether it is a linear
+weight a quantization mode may touch, and the checkpoint names of its tensors - the model's own
+parameter names (``module_paths`` + transformers' conventional names inside a decoder layer:
+``self_attn.q_proj``, ``mlp.experts.gate_up_proj``, ...) after the spec's
+``backends.extraction.weight_renames``, i.e. what the extraction backend writes and what the spec's
+``quantization[].modules`` globs match. Sizes that the structure does not carry and that do not
+matter for sizing (q/k norms, attention biases, an MTP block the model class does not build) are
+not counted; see ``docs/cost_model.md``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .arch import Architecture, TextArch, VisionArch
+from ...spec.model import Spec
+from ...structure.model import ModelStructure
+from ..extraction.naming import rename_weight
+from .arch import Architecture, VisionArch
 
-Shard = Literal["tp", "ep", "vocab", "replicated"]
+# tp: split over tensor-parallel ranks (by heads or width); kv: split by KV heads, which are
+# replicated once TP exceeds them; ep: routed experts over expert-parallel ranks; vocab:
+# vocab-parallel rows (ceil(vocab/tp) per rank); replicated: every device holds all of it.
+Shard = Literal["tp", "kv", "ep", "vocab", "replicated"]
 
 
 @dataclass(frozen=True)
 class ParamGroup:
+    """One tensor family: the same tensors in each of ``instances`` layers (or once for the model)."""
+
     name: str  # short label for tables
-    checkpoint_name: str  # representative hub-layout name, matched by quantization globs
-    per_instance: int  # parameters in one instance (one layer / one expert set)
-    instances: int  # how many instances the model holds (layers)
+    checkpoint_names: tuple[tuple[str, ...], ...]  # per instance, the checkpoint name of each tensor
+    tensor_params: tuple[int, ...]  # parameters of each of those tensors in one instance
     shard: Shard
     dtype: str  # native dtype: bf16 | fp32
     linear: bool  # a linear weight that a --quant mode re-formats
 
     @property
+    def per_instance(self) -> int:
+        return sum(self.tensor_params)
+
+    @property
+    def instances(self) -> int:
+        return len(self.checkpoint_names)
+
+    @property
     def count(self) -> int:
         return self.per_instance * self.instances
 
+    @property
+    def checkpoint_name(self) -> str:
+        """A representative name: the first tensor of the first instance."""
+        return self.checkpoint_names[0][0]
 
-_LM = "language_model.model"
+    def tensors(self) -> Iterator[tuple[str, int]]:
+        """``(checkpoint name, parameters)`` of every tensor of every instance."""
+        for names in self.checkpoint_names:
+            yield from zip(names, self.tensor_params, strict=True)
 
 
-def _attention(t: TextArch) -> list[tuple[str, str, int, Shard, bool]]:
-    """MLA projections. q_a/kv_a project to shared latents and are replicated under TP (as vLLM/SGLang
-    do); q_b/kv_b are column-parallel and o_proj row-parallel, so they shard by heads."""
-    h, heads = t.hidden, t.num_heads
-    rows: list[tuple[str, str, int, Shard, bool]] = []
-    if t.q_lora_rank:
+@dataclass(frozen=True)
+class Naming:
+    """Where the text model's tensors live in the built model, and how the checkpoint renames them."""
+
+    language_model: str
+    layers: str
+    lm_head: str
+    renames: tuple[tuple[str, str], ...]
+
+    def checkpoint(self, path: str) -> str:
+        """The checkpoint's name of model tensor ``path`` (the extraction backend's rule)."""
+        return rename_weight(path, self.renames)
+
+
+def naming(spec: Spec) -> Naming:
+    renames = spec.backend_options("extraction").get("weight_renames") or ()
+    paths = spec.module_paths
+    return Naming(
+        paths["language_model"],
+        paths["language_layers"],
+        paths["lm_head"],
+        tuple((r["from"], r["to"]) for r in renames),
+    )
+
+
+Tensors = Sequence[tuple[str, int]]  # (name inside one layer, parameters)
+
+
+def _layers(
+    n: Naming, name: str, layers: Sequence[int], tensors: Tensors, shard: Shard, dtype: str, linear: bool
+) -> ParamGroup:
+    names = tuple(tuple(n.checkpoint(f"{n.layers}.{i}.{suffix}") for suffix, _ in tensors) for i in layers)
+    return ParamGroup(name, names, tuple(count for _, count in tensors), shard, dtype, linear)
+
+
+def _model(n: Naming, name: str, path: str, params: int, shard: Shard) -> ParamGroup:
+    return ParamGroup(name, ((n.checkpoint(path),),), (params,), shard, "bf16", False)
+
+
+def _attention(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
+    """Per-layer attention tensors. MLA: q_a/kv_a project to shared latents and are replicated under
+    TP (as vLLM/SGLang do); q_b/kv_b are column-parallel and o_proj row-parallel (split by heads).
+    MHA/GQA/MQA: q and o split by heads; k and v by KV heads (replicated once TP exceeds them)."""
+    a, h = s.attention, s.hidden_size
+    heads = a.num_heads
+    rows: list[tuple[str, Tensors, Shard, bool]] = []
+    if a.is_mla:
+        assert a.kv_lora_rank is not None and a.qk_nope_head_dim is not None
+        if a.q_lora_rank:
+            rows += [
+                ("q_a_proj", [("self_attn.q_a_proj.weight", h * a.q_lora_rank)], "replicated", True),
+                ("q_a_layernorm", [("self_attn.q_a_layernorm.weight", a.q_lora_rank)], "replicated", False),
+                ("q_b_proj", [("self_attn.q_b_proj.weight", a.q_lora_rank * heads * a.head_dim)], "tp", True),
+            ]
+        else:
+            rows.append(("q_proj", [("self_attn.q_proj.weight", h * heads * a.head_dim)], "tp", True))
+        latent = a.kv_elements("latent")
+        kv_b = a.kv_lora_rank * heads * (a.qk_nope_head_dim + a.v_head_dim)
         rows += [
-            ("q_a_proj", "self_attn.q_a_proj.weight", h * t.q_lora_rank, "replicated", True),
-            ("q_a_layernorm", "self_attn.q_a_layernorm.weight", t.q_lora_rank, "replicated", False),
-            ("q_b_proj", "self_attn.q_b_proj.weight", t.q_lora_rank * heads * t.qk_head_dim, "tp", True),
+            ("kv_a_proj_with_mqa", [("self_attn.kv_a_proj_with_mqa.weight", h * latent)], "replicated", True),
+            ("kv_a_layernorm", [("self_attn.kv_a_layernorm.weight", a.kv_lora_rank)], "replicated", False),
+            ("kv_b_proj", [("self_attn.kv_b_proj.weight", kv_b)], "tp", True),
         ]
     else:
-        rows.append(("q_proj", "self_attn.q_proj.weight", h * heads * t.qk_head_dim, "tp", True))
+        kv = a.num_kv_heads
+        rows += [
+            ("q_proj", [("self_attn.q_proj.weight", h * heads * a.head_dim)], "tp", True),
+            ("k_proj", [("self_attn.k_proj.weight", h * kv * a.head_dim)], "kv", True),
+            ("v_proj", [("self_attn.v_proj.weight", h * kv * a.v_head_dim)], "kv", True),
+        ]
+    norms = [("input_layernorm.weight", h), ("post_attention_layernorm.weight", h)]
     rows += [
-        (
-            "kv_a_proj_with_mqa",
-            "self_attn.kv_a_proj_with_mqa.weight",
-            h * t.kv_latent_dim,
-            "replicated",
-            True,
-        ),
-        ("kv_a_layernorm", "self_attn.kv_a_layernorm.weight", t.kv_lora_rank, "replicated", False),
-        (
-            "kv_b_proj",
-            "self_attn.kv_b_proj.weight",
-            t.kv_lora_rank * heads * (t.qk_nope_head_dim + t.v_head_dim),
-            "tp",
-            True,
-        ),
-        ("o_proj", "self_attn.o_proj.weight", heads * t.v_head_dim * h, "tp", True),
-        ("layer_norms", "input_layernorm.weight", 2 * h, "replicated", False),
+        ("o_proj", [("self_attn.o_proj.weight", heads * a.v_head_dim * h)], "tp", True),
+        ("layer_norms", norms, "replicated", False),
     ]
     return rows
 
 
-def text_groups(t: TextArch) -> list[ParamGroup]:
-    first_moe = t.n_dense_layers
-    groups = [
-        ParamGroup(
-            "embed_tokens", f"{_LM}.embed_tokens.weight", t.vocab * t.hidden, 1, "vocab", "bf16", False
-        ),
-        ParamGroup("final_norm", f"{_LM}.norm.weight", t.hidden, 1, "replicated", "bf16", False),
+def _gated_mlp(prefix: str, hidden: int, width: int) -> Tensors:
+    return [
+        (f"{prefix}.gate_proj.weight", hidden * width),
+        (f"{prefix}.up_proj.weight", hidden * width),
+        (f"{prefix}.down_proj.weight", width * hidden),
     ]
-    if not t.tie_word_embeddings:
-        groups.append(
-            ParamGroup(
-                "lm_head", "language_model.lm_head.weight", t.vocab * t.hidden, 1, "vocab", "bf16", False
-            )
-        )
-    for name, suffix, count, shard, linear in _attention(t):
-        groups.append(
-            ParamGroup(f"attn.{name}", f"{_LM}.layers.0.{suffix}", count, t.num_layers, shard, "bf16", linear)
-        )
-    if t.n_dense_layers:
-        groups.append(
-            ParamGroup(
-                "dense_mlp",
-                f"{_LM}.layers.0.mlp.gate_proj.weight",
-                3 * t.hidden * t.intermediate,
-                t.n_dense_layers,
-                "tp",
-                "bf16",
-                True,
-            )
-        )
-    if t.n_moe_layers:
-        layer = f"{_LM}.layers.{first_moe}.mlp"
-        n = t.n_moe_layers
-        groups += [
-            ParamGroup(
-                "router",
-                f"{layer}.gate.weight",
-                t.n_routed_experts * t.hidden,
-                n,
-                "replicated",
-                "bf16",
-                False,
-            ),
-            ParamGroup(
-                "router_bias",
-                f"{layer}.gate.e_score_correction_bias",
-                t.n_routed_experts,
-                n,
-                "replicated",
-                "fp32",
-                False,
-            ),
-            ParamGroup(
-                "shared_experts",
-                f"{layer}.shared_experts.gate_proj.weight",
-                3 * t.hidden * t.moe_intermediate * t.n_shared_experts,
-                n,
-                "tp",
-                "bf16",
-                True,
-            ),
-            ParamGroup(
-                "routed_experts",
-                f"{layer}.experts.0.gate_proj.weight",
-                3 * t.hidden * t.moe_intermediate * t.n_routed_experts,
-                n,
-                "ep",
-                "bf16",
-                True,
-            ),
+
+
+def text_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
+    h, vocab = s.hidden_size, s.vocab_size
+    groups = [
+        _model(n, "embed_tokens", f"{n.language_model}.embed_tokens.weight", vocab * h, "vocab"),
+        _model(n, "final_norm", f"{n.language_model}.norm.weight", h, "replicated"),
+    ]
+    if not s.tie_word_embeddings:
+        groups.append(_model(n, "lm_head", f"{n.lm_head}.weight", vocab * h, "vocab"))
+    every = range(s.num_layers)
+    for name, tensors, shard, linear in _attention(s):
+        groups.append(_layers(n, f"attn.{name}", every, tensors, shard, "bf16", linear))
+    if s.dense_layer_ids:
+        mlp = _gated_mlp("mlp", h, s.intermediate_size)
+        groups.append(_layers(n, "dense_mlp", s.dense_layer_ids, mlp, "tp", "bf16", True))
+    moe, ids = s.moe, s.moe_layer_ids
+    if moe is not None and ids:
+        experts = moe.num_experts
+        # Qwen2-MoE style (one shared expert of its own width, and a sigmoid gate on it) vs
+        # DeepSeek style (n shared experts of the routed width): the config key says which
+        qwen_style = "shared_expert_intermediate_size" in s.keys
+        router: list[tuple[str, int]] = [("mlp.gate.weight", experts * h)]
+        if qwen_style and moe.shared_intermediate_size:
+            router.append(("mlp.shared_expert_gate.weight", h))
+        groups.append(_layers(n, "router", ids, router, "replicated", "bf16", False))
+        if moe.scoring == "sigmoid":  # DeepSeek's noaux_tc correction bias, kept in fp32
+            bias = [("mlp.gate.e_score_correction_bias", experts)]
+            groups.append(_layers(n, "router_bias", ids, bias, "replicated", "fp32", False))
+        if moe.shared_intermediate_size:
+            prefix = "mlp.shared_expert" if qwen_style else "mlp.shared_experts"
+            shared = _gated_mlp(prefix, h, moe.shared_intermediate_size)
+            groups.append(_layers(n, "shared_experts", ids, shared, "tp", "bf16", True))
+        width = moe.expert_intermediate_size
+        routed = [
+            ("mlp.experts.gate_up_proj", experts * 2 * width * h),
+            ("mlp.experts.down_proj", experts * h * width),
         ]
+        groups.append(_layers(n, "routed_experts", ids, routed, "ep", "bf16", True))
     return groups
+
+
+def _vision(name: str, checkpoint: str, params: int, instances: int = 1) -> ParamGroup:
+    """A vision group, named after its hub-layout tensor (the vision tower is not renamed);
+    ``{i}`` in ``checkpoint`` is the block index."""
+    names = tuple((checkpoint.format(i=i),) for i in range(instances))
+    return ParamGroup(name, names, (params,), "replicated", "bf16", False)
 
 
 def vision_groups(v: VisionArch) -> list[ParamGroup]:
@@ -149,56 +204,28 @@ def vision_groups(v: VisionArch) -> list[ParamGroup]:
     per_layer = 4 * (h * h + h) + (h * i + i) + (i * h + h) + 2 * 2 * h  # qkv+proj, fc1, fc2, 2 LayerNorms
     merged = v.mm_hidden * v.merge_h * v.merge_w
     return [
-        ParamGroup(
+        _vision(
             "vision.patch_embed",
             "vision_tower.patch_embed.proj.weight",
             v.in_channels * v.patch_size * v.patch_size * h + h,
-            1,
-            "replicated",
-            "bf16",
-            False,
         ),
-        ParamGroup(
+        _vision(
             "vision.pos_emb",
             "vision_tower.patch_embed.pos_emb.weight",
             v.pos_emb_height * v.pos_emb_width * h,
-            1,
-            "replicated",
-            "bf16",
-            False,
         ),
-        ParamGroup(
-            "vision.layers",
-            "vision_tower.encoder.blocks.0.wqkv.weight",
-            per_layer,
-            v.num_layers,
-            "replicated",
-            "bf16",
-            False,
-        ),
-        ParamGroup(
-            "vision.final_norm",
-            "vision_tower.encoder.final_layernorm.weight",
-            2 * h,
-            1,
-            "replicated",
-            "bf16",
-            False,
-        ),
-        ParamGroup(
+        _vision("vision.layers", "vision_tower.encoder.blocks.{i}.wqkv.weight", per_layer, v.num_layers),
+        _vision("vision.final_norm", "vision_tower.encoder.final_layernorm.weight", 2 * h),
+        _vision(
             "projector",
             "mm_projector.proj.0.weight",
             2 * v.mm_hidden + (merged * merged + merged) + (merged * v.text_hidden + v.text_hidden),
-            1,
-            "replicated",
-            "bf16",
-            False,
         ),
     ]
 
 
-def param_groups(arch: Architecture) -> list[ParamGroup]:
-    groups = text_groups(arch.text)
+def param_groups(arch: Architecture, n: Naming) -> list[ParamGroup]:
+    groups = text_groups(arch.structure, n)
     if arch.vision is not None:
         groups += vision_groups(arch.vision)
     return groups

@@ -1,21 +1,28 @@
 """Weight formats and the two policies that assign them: the checkpoint as shipped, or a --quant mode.
 
-- ``checkpoint`` (the default): the spec's ``quantization`` schemes as declared (Kimi-K2.5: routed
-  experts int4, group 32, bf16 scales, computed in bf16), every other tensor in its native dtype.
+- ``checkpoint`` (the default): the spec's ``quantization`` schemes as declared, matched against
+  each tensor's checkpoint name (Kimi-K2.5: routed experts int4, group 32, bf16 scales, computed in
+  bf16); then the config's own ``quantization_config`` when it is a block-scaled FP8 checkpoint
+  (DeepSeek-V3: every linear weight of the text model FP8 e4m3 with one fp32 scale per 128x128
+  block, computed at the FP8 peak); every other tensor in its native dtype. A scheme whose glob
+  matches no tensor of the model is an error located at the scheme.
 - a ``--quant`` mode (TensorCast's quantize-linear-action): every *linear* weight of the text model
-  (MLA projections, dense MLP, shared and routed experts) takes the mode's format; router, norms,
-  embeddings, lm_head and the vision tower keep their native dtype. W4 modes reuse the group size and
-  scale dtype of the spec's 4-bit scheme when it declares one (else group 128, bf16 scales).
+  (attention projections, dense MLP, shared and routed experts) takes the mode's format; router,
+  norms, embeddings, lm_head and the vision tower keep their native dtype. W4 modes reuse the group
+  size and scale dtype of the spec's 4-bit scheme when it declares one (else group 128, bf16 scales).
 """
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ...errors import KadaptError
-from ...spec.model import QuantScheme
+from ...spec.model import QuantScheme, Spec
 from .params import ParamGroup
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1, "int8": 1}
@@ -27,14 +34,19 @@ class WeightFormat:
 
     label: str
     bits: int
-    group_size: int  # 0: no group scales
+    group_size: int  # weights per scale (0: no scales)
     scale_bytes: int
-    compute: str  # peak-table key the matmul runs at: bf16 | int8 | fp32
+    compute: str  # peak-table key the matmul runs at: bf16 | fp8 | int8 | fp32
 
     @property
     def bytes_per_param(self) -> float:
         scales = self.scale_bytes / self.group_size if self.group_size else 0.0
         return self.bits / 8 + scales
+
+    @property
+    def eight_bit_activations(self) -> bool:
+        """Matmuls take 8-bit activations (A8 modes, FP8 checkpoints): EP dispatch sends 1 B/elem."""
+        return self.compute in ("int8", "fp8")
 
 
 BF16 = WeightFormat("bf16", 16, 0, 0, "bf16")
@@ -44,7 +56,12 @@ NATIVE = {"bf16": BF16, "fp32": FP32}
 # (weight bits, activation bits) of each mode TensorCast names.
 MODES: dict[str, tuple[int, int]] = {"BF16": (16, 16), "W8A8": (8, 8), "W4A8": (4, 8), "W4A16": (4, 16)}
 
-Policy = Callable[[ParamGroup], WeightFormat]
+# (group, checkpoint name of one of its tensors) -> that tensor's format
+Policy = Callable[[ParamGroup, str], WeightFormat]
+
+
+def is_text_linear(group: ParamGroup) -> bool:
+    return group.linear and not group.name.startswith(("vision", "projector"))
 
 
 def scheme_format(scheme: QuantScheme) -> WeightFormat:
@@ -55,6 +72,38 @@ def scheme_format(scheme: QuantScheme) -> WeightFormat:
         DTYPE_BYTES.get(scheme.scale_dtype.replace("bfloat16", "bf16").replace("float32", "fp32"), 2),
         "bf16",
     )
+
+
+@dataclass(frozen=True)
+class ConfigQuant:
+    """The checkpoint format a config's ``quantization_config`` declares for the text linear weights."""
+
+    format: WeightFormat
+    not_converted: tuple[str, ...]  # module-name substrings left unquantized (transformers' rule)
+
+    def applies(self, group: ParamGroup, name: str) -> bool:
+        return is_text_linear(group) and not any(key in name for key in self.not_converted)
+
+
+def config_quantization(raw: Mapping[str, Any]) -> tuple[ConfigQuant | None, list[str]]:
+    """The root config's ``quantization_config``: FP8 (optionally block-scaled) is priced; any other
+    method is reported in the returned notes and the weights are sized without it."""
+    qc = raw.get("quantization_config")
+    if not isinstance(qc, Mapping):
+        return None, []
+    method = str(qc.get("quant_method", ""))
+    if method != "fp8":
+        return None, [
+            f"config quantization_config.quant_method {method!r} is not priced; weights are sized from "
+            "the spec's quantization schemes (or native dtypes) instead"
+        ]
+    block = qc.get("weight_block_size")
+    if block:
+        scale_group, label = math.prod(int(b) for b in block), "fp8/b" + "x".join(str(int(b)) for b in block)
+    else:
+        scale_group, label = 0, "fp8"  # one scale per tensor: negligible
+    fmt = WeightFormat(label, 8, scale_group, 4 if scale_group else 0, "fp8")  # fp32 scale_inv per block
+    return ConfigQuant(fmt, tuple(qc.get("modules_to_not_convert") or ())), []
 
 
 def mode_format(mode: str, schemes: Sequence[QuantScheme]) -> WeightFormat:
@@ -69,13 +118,16 @@ def mode_format(mode: str, schemes: Sequence[QuantScheme]) -> WeightFormat:
     return WeightFormat(f"int4/g{group} ({mode})", 4, group, scale, compute)
 
 
-def checkpoint_policy(schemes: Sequence[QuantScheme]) -> Policy:
-    """Formats as shipped: a group whose checkpoint name matches a scheme's glob takes that scheme."""
+def checkpoint_policy(schemes: Sequence[QuantScheme], config_quant: ConfigQuant | None = None) -> Policy:
+    """Formats as shipped: a tensor whose checkpoint name matches a scheme's glob takes that scheme,
+    else the config's FP8 format when it covers the tensor, else its native dtype."""
 
-    def policy(group: ParamGroup) -> WeightFormat:
+    def policy(group: ParamGroup, name: str) -> WeightFormat:
         for scheme in schemes:
-            if fnmatch.fnmatchcase(group.checkpoint_name, scheme.modules):
+            if fnmatch.fnmatchcase(name, scheme.modules):
                 return scheme_format(scheme)
+        if config_quant is not None and config_quant.applies(group, name):
+            return config_quant.format
         return NATIVE[group.dtype]
 
     return policy
@@ -84,17 +136,21 @@ def checkpoint_policy(schemes: Sequence[QuantScheme]) -> Policy:
 def mode_policy(mode: str, schemes: Sequence[QuantScheme]) -> Policy:
     fmt = mode_format(mode, schemes)
 
-    def policy(group: ParamGroup) -> WeightFormat:
-        is_text_linear = group.linear and not group.name.startswith(("vision", "projector"))
-        return fmt if is_text_linear else NATIVE[group.dtype]
+    def policy(group: ParamGroup, _name: str) -> WeightFormat:
+        return fmt if is_text_linear(group) else NATIVE[group.dtype]
 
     return policy
 
 
-def resolve_policy(quant: str | None, declared: Sequence[str], schemes: Sequence[QuantScheme]) -> Policy:
+def resolve_policy(
+    quant: str | None,
+    declared: Sequence[str],
+    schemes: Sequence[QuantScheme],
+    config_quant: ConfigQuant | None = None,
+) -> Policy:
     """``quant`` None → the checkpoint; otherwise it must be one the spec's simulation backend declares."""
     if quant is None:
-        return checkpoint_policy(schemes)
+        return checkpoint_policy(schemes, config_quant)
     mode = quant.upper()
     known = [m.upper() for m in declared]
     if mode not in known:
@@ -108,3 +164,19 @@ def resolve_policy(quant: str | None, declared: Sequence[str], schemes: Sequence
             f"(supported: {', '.join(MODES)})"
         )
     return mode_policy(mode, schemes)
+
+
+def check_schemes(spec: Spec, groups: Sequence[ParamGroup]) -> None:
+    """Every ``quantization[]`` glob must match at least one tensor of the inventory: a glob that
+    matches nothing would silently size the checkpoint wrong (located error, with real names)."""
+    names = [name for group in groups for name, _ in group.tensors()]
+    for index, scheme in enumerate(spec.quantization):
+        if any(fnmatch.fnmatchcase(name, scheme.modules) for name in names):
+            continue
+        distinct = list(dict.fromkeys(names))
+        close = difflib.get_close_matches(scheme.modules, distinct, n=4, cutoff=0.0)
+        raise KadaptError(
+            f"quantization[{index}] ({scheme.id}) modules {scheme.modules!r} matches no parameter of "
+            f"{spec.name}'s model; its checkpoint names look like: {', '.join(close)}",
+            location=spec.locate(f"quantization[{index}]"),
+        )

@@ -1,37 +1,45 @@
 """Build the per-rank text model through the spec on the meta device and trace one step of it.
 
-Tracing all 61 layers of a 1T-parameter model for every ``simulate`` call is slow and pointless: the
-layers of one kind are identical. So this builds the spec's own model - ``applied(spec)`` for backend
+Tracing every layer of a huge model for every ``simulate`` call is slow and pointless: the layers
+of one kind are identical. So this builds the spec's own model - ``applied(spec)`` for backend
 ``simulation`` (shims, bridges, gated patches), ``load_config`` with the text sub-config resized to
-ONE rank (heads / TP, dense and shared-expert widths / TP, vocab / TP, ``n_dense + 1`` layers), then
-``load_model`` on meta - and takes from it what one step runs: the embedding, the rotary embedding,
-one dense and one MoE decoder layer (``module_paths.language_layers``), the final norm and the lm_head.
-They run at the deployment's shapes under a ``Recorder`` that tags each layer's ops with its layer
-count. Three pieces are swapped, found by the class names the spec declares (``mla.attention_class``,
-``moe.moe_class`` / ``gate_class`` / ``experts_class``), for the kernels a serving runtime runs instead
-of the eager Hugging Face code:
+ONE rank, then ``load_model`` on meta - and takes from it what one step runs: the embedding, the
+rotary embedding, the first decoder layer of each MLP kind in the model (dense and/or MoE, from the
+``ModelStructure``; ``module_paths.language_layers``), the final norm and the lm_head. They run at
+the deployment's shapes under a ``Recorder`` that tags each layer's ops with the number of layers
+of its kind. The per-rank sizes are written under the config keys the structure read each fact
+from (``structure.keys``), so no family's key names are assumed.
 
-- MLA attention core: decode uses the weight-absorbed form over the latent cache (FlashMLA-style);
-  prefill expands the latent KV with ``kv_b_proj`` and runs a fused causal attention. The projections,
-  norms and rope around it are the real modules, traced. This is the one family-specific piece: it
-  reads DeepSeek-style MLA fields (``num_heads``, ``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim``,
-  ``qk_rope_head_dim``, ``v_head_dim``) and the rope helpers of the attention class's own module.
-- Routed experts: priced analytically as grouped GEMMs over a uniform token split (each rank computes
-  batch*tokens*top_k/EP token-expert pairs), with the weight bytes of the experts actually touched.
+The kernels a serving runtime runs replace the eager Hugging Face code in three places:
+
+- Attention core. MHA/GQA/MQA: the model's own attention module runs (its projections, q/k norms,
+  rope) and calls transformers' attention interface, which is pointed at ``AttentionKernel``: a
+  fused attention priced analytically over the deployment's KV cache (``num_heads`` queries over
+  ``num_kv_heads`` cached keys, each sliding layer capped at its window). MLA: the module of the
+  spec's ``mla.attention_class`` is swapped for ``RankMLA`` - decode uses the weight-absorbed form
+  over the latent cache (FlashMLA-style), prefill expands the latent KV with ``kv_b_proj`` and runs
+  a fused causal attention. It reads DeepSeek-style MLA fields (``num_heads``, ``q_lora_rank``,
+  ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``) and the rope helpers
+  of the attention class's own module.
+- Routed experts: the experts module (``moe.experts_class``, else the module holding the stacked
+  ``[num_experts, ...]`` expert weights) is priced analytically as grouped GEMMs over a uniform
+  token split (each rank computes batch*tokens*top_k/EP token-expert pairs), with the weight bytes
+  of the experts actually touched.
 - Collectives: 2 TP all-reduces per layer, EP dispatch + combine per MoE layer, vocab-parallel
   embedding all-reduce and logits all-gather.
 
-The whole model is built, vision tower included (at its shipped size: ~0.1 s on meta), because that is
-what ``load_model`` builds for the spec: the model class, remote code rules, the gate claim and
-``module_paths`` then all work exactly as for ``kadapt apply``, with no second code path.
+The whole model is built, a vision tower included (at its shipped size: ~0.1 s on meta), because
+that is what ``load_model`` builds for the spec: the model class, remote code rules, the gate claim
+and ``module_paths`` then all work exactly as for ``kadapt apply``, with no second code path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,13 +48,18 @@ from torch import nn
 from ...errors import KadaptError
 from ...loading import applied, load_config, load_model, submodule
 from ...spec.model import Spec
-from .arch import TextArch, read_config, text_key
+from ...structure.derive import text_config_key
+from ...structure.model import ModelStructure
+from ..extraction.weights import cast_to_abi_dtype, keep_fp32_names
+from .arch import read_config
 from .deployment import Deployment
-from .params import text_groups
-from .quant import DTYPE_BYTES, NATIVE, Policy, WeightFormat
+from .inputs import ModelInputs
+from .parallel import heads_per_rank, kv_heads_per_rank
+from .quant import DTYPE_BYTES, NATIVE, WeightFormat
 from .tracer import Recorder
 
 BACKEND = "simulation"
+ATTENTION_IMPLEMENTATION = "kadapt_simulation"  # registered with transformers while a trace runs
 
 # MLA fields the absorbed / expanded attention kernels read from the attention module (DeepSeek style)
 _MLA_FIELDS = (
@@ -58,71 +71,97 @@ _MLA_FIELDS = (
     "v_head_dim",
 )
 
-# Text-config fields the traced modules take as built (bridges included) while the routed-expert
-# kernel, the memory figures and ``kadapt plan`` take them from the raw config (``TextArch``).
-_TRACED_SIZES = {
-    "hidden_size": "hidden",
-    "q_lora_rank": "q_lora_rank",
-    "kv_lora_rank": "kv_lora_rank",
-    "qk_nope_head_dim": "qk_nope_head_dim",
-    "qk_rope_head_dim": "qk_rope_head_dim",
-    "v_head_dim": "v_head_dim",
-    "num_experts_per_tok": "top_k",
-    "first_k_dense_replace": "first_k_dense",
-}
-
-
-def rank_overrides(key: str | None, t: TextArch, dep: Deployment) -> dict[str, Any]:
-    """Dotted overrides (applied before the spec's bridges) that resize the text sub-config to one rank:
-    per-rank heads and widths; routed experts stay whole (the router is replicated; the experts
-    themselves are priced analytically). Token ids are cleared: they lie outside the per-rank vocab."""
-    tp = dep.parallel.tp
-    sizes: dict[str, Any] = {
-        "num_attention_heads": t.num_heads // tp,
-        "num_key_value_heads": t.num_heads // tp,
-        "intermediate_size": t.intermediate // tp,
-        "moe_intermediate_size": max(1, t.moe_intermediate * t.n_shared_experts // tp),
-        "n_shared_experts": 1,
-        "num_hidden_layers": t.n_dense_layers + 1,
-        "vocab_size": math.ceil(t.vocab / tp),
-        "n_routed_experts": max(1, t.n_routed_experts),
-        "pad_token_id": None,
-        "bos_token_id": None,
-        "eos_token_id": None,
-    }
-    prefix = f"{key}." if key else ""
-    return {prefix + name: value for name, value in sizes.items()}
+# Structural facts the traced modules take from the built (bridged) config while the routed-expert
+# kernel, the memory figures and ``kadapt plan`` take them from the raw config (the structure).
+_TRACED_FACTS = (
+    "hidden_size",
+    "head_dim",
+    "v_head_dim",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "intermediate_size",
+    "expert_intermediate_size",
+    "num_experts",
+    "top_k",
+    "first_dense_layers",
+    "dense_layer_list",
+    "moe_layer_step",
+    "sliding_window",
+)
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+_HEAD_FACTS = ("num_heads", "num_kv_heads", "head_dim")
 
 
 @dataclass(frozen=True)
-class Declared:
-    """The class names the spec declares for the modules the trace swaps or prices."""
+class LayerKind:
+    """The decoder layers of one MLP kind, traced once (at the first of them)."""
 
-    attention: str
-    moe: str | None
-    gate: str | None
-    experts: str | None
+    kind: str  # dense | moe
+    layers: tuple[int, ...]  # indices in the full model
+    windows: tuple[int | None, ...]  # each one's sliding window (None: full attention)
+
+    @property
+    def index(self) -> int:
+        return self.layers[0]
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}_layer"
 
 
-def declared_classes(spec: Spec, t: TextArch) -> Declared:
-    """Read (and require) the spec's ``mla`` / ``moe`` class names before anything is built."""
+def layer_kinds(s: ModelStructure) -> list[LayerKind]:
+    """One entry per MLP kind present, in the order their first layers appear."""
+    kinds: dict[str, list[int]] = {}
+    for layer in s.layers:
+        kinds.setdefault(layer.mlp, []).append(layer.index)
+    return [
+        LayerKind(kind, tuple(ids), tuple(s.layers[i].window for i in ids))
+        for kind, ids in sorted(kinds.items(), key=lambda item: item[1][0])
+    ]
 
-    def need(section: str, key: str) -> str:
-        value = getattr(spec, section).get(key)
-        if not value:
-            raise KadaptError(
-                f"spec {spec.name} has no {section}.{key}: simulate swaps the module of that class for "
-                "its serving kernel and finds it by the class name the spec declares",
-                location=spec.locate(section if getattr(spec, section) else "metadata"),
-            )
-        return str(value)
 
-    attention = need("mla", "attention_class")
-    if not t.n_moe_layers:
-        return Declared(attention, None, None, None)
-    return Declared(
-        attention, need("moe", "moe_class"), need("moe", "gate_class"), need("moe", "experts_class")
-    )
+def built_layers(s: ModelStructure) -> int:
+    """Layers the per-rank model keeps: up to the first layer of the last kind to appear."""
+    return max(kind.index for kind in layer_kinds(s)) + 1
+
+
+def rank_overrides(
+    key: str | None, s: ModelStructure, dep: Deployment, text: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Dotted overrides (applied before the spec's bridges) that resize the text sub-config to one rank,
+    written under the keys the structure read each fact from: per-rank query and KV heads (an explicit
+    head width, which would otherwise follow hidden / heads), dense and shared-expert widths / TP,
+    vocab / TP, and the layers up to the first of each kind. Routed experts stay whole (the router is
+    replicated; the experts themselves are priced analytically). Token ids are cleared: they lie
+    outside the per-rank vocab."""
+    tp, a, k = dep.parallel.tp, s.attention, s.keys
+    layers = built_layers(s)
+    sizes: dict[str, Any] = {
+        k["num_heads"]: heads_per_rank(a, tp),
+        k["num_layers"]: layers,
+        k["vocab_size"]: math.ceil(s.vocab_size / tp),
+    }
+    if "num_kv_heads" in k:
+        sizes[k["num_kv_heads"]] = kv_heads_per_rank(a, tp)
+    if not a.is_mla:
+        sizes[k.get("head_dim", "head_dim")] = a.head_dim
+    if s.dense_layer_ids and "intermediate_size" in k:
+        sizes[k["intermediate_size"]] = s.intermediate_size // tp
+    moe = s.moe
+    if moe is not None and moe.shared_intermediate_size:
+        if "shared_expert_intermediate_size" in k:  # one shared expert of its own width
+            sizes[k["shared_expert_intermediate_size"]] = moe.shared_intermediate_size // tp
+        else:  # n shared experts of the routed width: one of the per-rank total width
+            sizes[k.get("num_shared_experts", "n_shared_experts")] = 1
+            width_key = k.get("expert_intermediate_size") or k["intermediate_size"]
+            sizes[width_key] = max(1, moe.shared_intermediate_size // tp)
+    if "layer_types" in k and isinstance(text.get(k["layer_types"]), list):
+        sizes[k["layer_types"]] = list(text[k["layer_types"]][:layers])
+    sizes.update({name: None for name in _TOKEN_IDS if name in text})
+    prefix = f"{key}." if key else ""
+    return {prefix + name: value for name, value in sizes.items()}
 
 
 def _find(
@@ -140,16 +179,120 @@ def _find(
     return found
 
 
+def _stacked_experts(root: nn.Module, experts: int) -> list[tuple[str, nn.Module]]:
+    """Modules holding stacked expert weights (``[num_experts, out, in]`` parameters of their own)."""
+    return [
+        (path, m)
+        for path, m in root.named_modules()
+        if path and any(p.dim() == 3 and p.shape[0] == experts for p in m.parameters(recurse=False))
+    ]
+
+
 def _swap(root: nn.Module, path: str, new: nn.Module) -> None:
     parent, _, child = path.rpartition(".")
-    setattr(root.get_submodule(parent), child, new)
+    setattr(root.get_submodule(parent) if parent else root, child, new)
+
+
+def attended_pairs(past: int, new: int, window: int | None) -> int:
+    """Query-key pairs of ``new`` causal queries after ``past`` cached tokens, each query seeing at
+    most ``window`` keys (itself included)."""
+    uncapped = new if window is None else max(0, min(new, window - past))
+    pairs = uncapped * past + uncapped * (uncapped + 1) // 2
+    return pairs + (new - uncapped) * (window or 0)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+class AttentionKernel:
+    """Fused attention of MHA/GQA/MQA layers, priced analytically (FlashAttention / FlashDecoding
+    style); registered as a transformers attention implementation while the trace runs.
+
+    Each call is one layer of the kind it stands for; the price is the mean over those layers (their
+    sliding windows differ), and the recorder multiplies it by their count. Decode: every one of the
+    ``s`` new queries reads the whole (window-capped) cache; prefill: causal pairs, K/V read once."""
+
+    def __init__(
+        self, rec: Recorder, dep: Deployment, s: ModelStructure, kinds: dict[int, LayerKind]
+    ) -> None:
+        self.rec, self.dep, self.s = rec, dep, s
+        self.kinds = kinds  # id(module inside a traced layer) -> its layer kind
+        self.kv_bytes = DTYPE_BYTES[dep.kv_dtype]
+        self.called: set[str] = set()
+
+    def __call__(
+        self,
+        module: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **_: Any,
+    ) -> tuple[torch.Tensor, None]:
+        b, heads, s, hd = query.shape
+        kv, vd = key.shape[1], value.shape[-1]
+        kind = self.kinds.get(id(module))
+        if kind is None:
+            raise KadaptError(f"attention of {type(module).__name__} ran outside the traced decoder layers")
+        self._check(kind, heads, kv, hd, vd)
+        self.called.add(kind.name)
+        kvb, past = self.kv_bytes, self.dep.context_len
+        per_token = kv * (hd + vd) * kvb  # one token of this rank's cache
+        write = b * s * per_token
+        if self.dep.decode:
+            reads = [min(past + s, w or past + s) for w in kind.windows]
+            pairs = _mean([b * heads * s * r for r in reads])
+            nbytes = _mean([b * r * per_token for r in reads]) + 2 * b * s * heads * (hd + vd) + write
+            name = "attention_decode"
+        else:
+            pairs = _mean([b * heads * attended_pairs(past, s, w) for w in kind.windows])
+            keys = _mean([min(past, w or past) + s for w in kind.windows])
+            nbytes = 2 * b * s * heads * (hd + vd) + b * keys * per_token + write
+            name = "flash_attention_prefill"
+        self.rec.analytic(
+            name,
+            "attention",
+            flops=2 * pairs * hd + 2 * pairs * vd,
+            nbytes=nbytes,
+            shapes=f"B{b} H{heads} KV{kv} q{s} ctx{past + s}",
+        )
+        return query.new_empty(b, s, heads, vd), None
+
+    def _check(self, kind: LayerKind, heads: int, kv: int, hd: int, vd: int) -> None:
+        a, tp = self.s.attention, self.dep.parallel.tp
+        want = (heads_per_rank(a, tp), kv_heads_per_rank(a, tp), a.head_dim, a.v_head_dim)
+        if (heads, kv, hd, vd) != want:
+            raise KadaptError(
+                f"the per-rank attention of layer {kind.index} runs {heads} query / {kv} KV heads of "
+                f"{hd}/{vd} dims, not the {want[0]} / {want[1]} x {want[2]}/{want[3]} that TP {tp} gives: "
+                "its config class did not take the per-rank sizes kadapt wrote under the structure's keys "
+                f"({', '.join(sorted(self.s.keys.get(f, f) for f in _HEAD_FACTS))})"
+            )
+
+
+@contextlib.contextmanager
+def _attention_implementation(kernel: AttentionKernel, configs: list[Any]) -> Iterator[None]:
+    """Point the traced layers' configs at ``kernel`` through transformers' attention interface."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ALL_ATTENTION_FUNCTIONS[ATTENTION_IMPLEMENTATION] = kernel
+    previous = [(config, config._attn_implementation) for config in configs]
+    for config in configs:
+        config._attn_implementation = ATTENTION_IMPLEMENTATION
+    try:
+        yield
+    finally:
+        for config, value in previous:
+            config._attn_implementation = value
+        del ALL_ATTENTION_FUNCTIONS[ATTENTION_IMPLEMENTATION]
 
 
 class RankMLA(nn.Module):
     """MLA as serving runtimes run it, around the projections of the spec's attention module
     (adopted, not patched: no class is modified). Reads DeepSeek-style MLA fields."""
 
-    def __init__(self, inner: nn.Module, rec: Recorder, dep: Deployment, kv_bytes: int) -> None:
+    def __init__(self, inner: nn.Module, rec: Recorder, dep: Deployment, kind: LayerKind) -> None:
         super().__init__()
         cls = type(inner).__name__
         missing = [f for f in _MLA_FIELDS if not hasattr(inner, f)]
@@ -169,7 +312,8 @@ class RankMLA(nn.Module):
         self.q_lora_rank = inner.q_lora_rank
         self.heads, self.nope, self.rope = inner.num_heads, inner.qk_nope_head_dim, inner.qk_rope_head_dim
         self.v_dim, self.rank = inner.v_head_dim, inner.kv_lora_rank
-        self.rec, self.dep, self.kv_bytes = rec, dep, kv_bytes
+        self.rec, self.dep, self.kind = rec, dep, kind
+        self.kv_bytes = DTYPE_BYTES[dep.kv_dtype]
 
     def forward(
         self,
@@ -207,12 +351,13 @@ class RankMLA(nn.Module):
         w = self.kv_b_proj.weight.view(heads, nope + v_dim, rank)
         q_h = q_nope.permute(1, 0, 2, 3).reshape(heads, b * s, nope)
         q_latent = torch.bmm(q_h, w[:, :nope, :])  # [H, B*S, kv_lora]
-        pairs = b * heads * s * context
+        reads = [min(context, w or context) for w in self.kind.windows]
+        pairs = _mean([b * heads * s * r for r in reads])
         self.rec.analytic(
             "mla_decode_attention",
             "attention",
             flops=2 * pairs * (rank + rope) + 2 * pairs * rank,
-            nbytes=b * context * (rank + rope) * self.kv_bytes
+            nbytes=_mean([b * r * (rank + rope) * self.kv_bytes for r in reads])
             + q_latent.numel() * 2
             + q_rot.numel() * 2
             + heads * b * s * rank * 2
@@ -228,12 +373,14 @@ class RankMLA(nn.Module):
         heads, qk, v_dim, rank = self.heads, self.nope + self.rope, self.v_dim, self.rank
         latent = kv_nope.new_empty(b, context, rank)  # cache + new tokens; the read is charged to kv_b_proj
         self.kv_b_proj(latent)
-        pairs = b * heads * (s * (context - s) + s * (s + 1) // 2)  # causal query-key pairs
+        past = context - s
+        pairs = _mean([b * heads * attended_pairs(past, s, w) for w in self.kind.windows])
+        keys = _mean([min(past, w or past) + s for w in self.kind.windows])
         self.rec.analytic(
             "flash_attention_prefill",
             "attention",
             flops=2 * pairs * qk + 2 * pairs * v_dim,
-            nbytes=2 * (b * s * heads * qk + b * context * heads * (qk + v_dim) + b * s * heads * v_dim)
+            nbytes=2 * (b * s * heads * qk + b * keys * heads * (qk + v_dim) + b * s * heads * v_dim)
             + cache_write,
             shapes=f"B{b} H{heads} q{s} ctx{context}",
         )
@@ -241,25 +388,27 @@ class RankMLA(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """Stands in for the spec's ``moe.experts_class``: records EP dispatch, the grouped GEMMs, EP combine.
+    """Stands in for the model's routed-experts module: records EP dispatch, the grouped GEMMs, EP combine.
 
-    Called as transformers' experts modules are: ``(hidden_states, top_k_index, top_k_weights)``."""
+    Called as transformers' experts modules are: ``(hidden_states, top_k_index, top_k_weights)``,
+    hidden states flattened to ``[tokens, hidden]``."""
 
-    def __init__(self, t: TextArch, rec: Recorder, dep: Deployment, fmt: WeightFormat) -> None:
+    def __init__(self, s: ModelStructure, rec: Recorder, dep: Deployment, fmt: WeightFormat) -> None:
         super().__init__()
-        self.t, self.rec, self.dep, self.fmt = t, rec, dep, fmt
+        assert s.moe is not None
+        self.s, self.rec, self.dep, self.fmt = s, rec, dep, fmt
 
-    def forward(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-    ) -> torch.Tensor:
-        t, par = self.t, self.dep.parallel
+    def forward(self, hidden_states: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
+        moe, hidden, par = self.s.moe, self.s.hidden_size, self.dep.parallel
+        assert moe is not None
         tokens = hidden_states.shape[0]  # this rank's attention-side tokens
-        pairs = tokens * par.dp * t.top_k / par.ep  # uniform split of every token-expert pair
-        local = t.n_routed_experts // par.ep
+        pairs = tokens * par.dp * moe.top_k / par.ep  # uniform split of every token-expert pair
+        local = moe.num_experts // par.ep
         touched = local * (1 - (1 - 1 / local) ** pairs)  # expected experts hit by uniform routing
-        per_expert = 3 * t.hidden * t.moe_intermediate
-        sent = tokens / par.tp * t.top_k * t.hidden  # payload; cost.py splits it by destination
-        dispatch_bytes = 1 if self.fmt.compute == "int8" else 2  # A8 modes dispatch quantized tokens
+        width = moe.expert_intermediate_size
+        per_expert = 3 * hidden * width
+        sent = tokens / par.tp * moe.top_k * hidden  # payload; cost.py splits it by destination
+        dispatch_bytes = 1 if self.fmt.eight_bit_activations else 2  # 8-bit activations are dispatched
         if par.ep > 1:
             self.rec.analytic(
                 "ep_dispatch(all_to_all)",
@@ -270,8 +419,7 @@ class RoutedExperts(nn.Module):
             "grouped_gemm(routed_experts)",
             "experts",
             flops=2 * pairs * per_expert,
-            nbytes=touched * per_expert * self.fmt.bytes_per_param
-            + pairs * (2 * t.hidden + 3 * t.moe_intermediate) * 2,
+            nbytes=touched * per_expert * self.fmt.bytes_per_param + pairs * (2 * hidden + 3 * width) * 2,
             compute=self.fmt.compute,
             shapes=f"pairs{pairs:.0f} experts{local} hit{touched:.1f}",
         )
@@ -285,25 +433,38 @@ class RoutedExperts(nn.Module):
 
 
 @dataclass
+class TracedLayer:
+    kind: LayerKind
+    module: nn.Module
+
+
+@dataclass
 class RankParts:
     """What one step of the per-rank model runs, taken from the model built for the spec."""
 
     embed_tokens: nn.Module
     rotary: nn.Module
-    dense_layer: nn.Module | None
-    moe_layer: nn.Module | None
+    layers: list[TracedLayer]  # the first layer of each kind, in model order
     norm: nn.Module
     lm_head: nn.Module
     eh_proj: nn.Module | None
-    attention: list[nn.Module]  # the swapped attention modules (RankMLA), dense then MoE layer
-    mlps: list[nn.Module]  # each traced layer's MLP / MoE block (they end in a TP all-reduce)
+    attention: list[nn.Module] = field(default_factory=list)  # the swapped MLA modules (RankMLA)
+    experts: list[RoutedExperts] = field(default_factory=list)  # the swapped routed experts
+    configs: list[Any] = field(default_factory=list)  # configs of the traced layers' attention
+
+    def layer(self, kind: str) -> nn.Module | None:
+        return next((t.module for t in self.layers if t.kind.kind == kind), None)
 
     def named(self) -> Iterator[tuple[str, nn.Module]]:
-        """The parts under the names the op table uses (``dense_layer.self_attn.q_a_proj``, ...)."""
-        for name in ("embed_tokens", "rotary", "dense_layer", "moe_layer", "norm", "lm_head", "eh_proj"):
-            module = getattr(self, name)
-            if module is not None:
-                yield name, module
+        """The parts under the names the op table uses (``moe_layer.self_attn.q_a_proj``, ...)."""
+        yield "embed_tokens", self.embed_tokens
+        yield "rotary", self.rotary
+        for traced in self.layers:
+            yield traced.kind.name, traced.module
+        yield "norm", self.norm
+        yield "lm_head", self.lm_head
+        if self.eh_proj is not None:
+            yield "eh_proj", self.eh_proj
 
 
 def _child(spec: Spec, lm: nn.Module, name: str) -> nn.Module:
@@ -317,7 +478,14 @@ def _child(spec: Spec, lm: nn.Module, name: str) -> nn.Module:
     return module
 
 
-def _check_sizes(spec: Spec, key: str | None, text: Any, overrides: dict[str, Any], t: TextArch) -> list[str]:
+def _check_sizes(
+    spec: Spec,
+    key: str | None,
+    text: Any,
+    raw_text: Mapping[str, Any],
+    overrides: dict[str, Any],
+    s: ModelStructure,
+) -> list[str]:
     """A bridge may not undo a per-rank size; one that changes a traced size is reported."""
     for path, wanted in overrides.items():
         got = getattr(text, path.rpartition(".")[2], wanted)
@@ -329,151 +497,173 @@ def _check_sizes(spec: Spec, key: str | None, text: Any, overrides: dict[str, An
             )
     notes = []
     prefix = f"{key}." if key else ""
-    for field, attr in _TRACED_SIZES.items():
-        raw, got = getattr(t, attr), getattr(text, field, getattr(t, attr))
+    resized = {path.rpartition(".")[2] for path in overrides}
+    for fact in _TRACED_FACTS:
+        name = s.keys.get(fact)
+        if name is None or name in resized or name not in raw_text:
+            continue
+        raw, got = raw_text[name], getattr(text, name, raw_text[name])
         if got != raw:
             notes.append(
-                f"config bridges change {prefix}{field} from {raw} to {got}: the traced modules use {got}; "
+                f"config bridges change {prefix}{name} from {raw} to {got}: the traced modules use {got}; "
                 f"the routed-expert kernel, the memory figures and `kadapt plan` use the raw config's {raw}"
             )
     return notes
 
 
+def _experts_of(spec: Spec, layer: nn.Module, where: str, s: ModelStructure) -> list[tuple[nn.Module, str]]:
+    """(parent, path) of every routed-experts module in an MoE layer: inside the spec's
+    ``moe.moe_class`` blocks, of class ``moe.experts_class`` when the spec names one, else the
+    modules holding the stacked ``[num_experts, ...]`` expert weights."""
+    assert s.moe is not None
+    moe = spec.moe or {}
+    roots = (
+        _find(spec, layer, where, "moe", "moe_class", moe["moe_class"])
+        if moe.get("moe_class")
+        else [("", layer)]
+    )
+    found: list[tuple[nn.Module, str]] = []
+    for _, root in roots:
+        if moe.get("experts_class"):
+            matches = _find(spec, root, where, "moe", "experts_class", moe["experts_class"])
+        else:
+            matches = _stacked_experts(root, s.moe.num_experts)
+            if not matches:
+                lists = [
+                    type(m).__name__
+                    for m in root.modules()
+                    if isinstance(m, nn.ModuleList) and len(m) == s.moe.num_experts
+                ]
+                detail = " (its experts are a per-expert module list)" if lists else ""
+                raise KadaptError(
+                    f"no module in {where} of the model built for spec {spec.name} holds the "
+                    f"{s.moe.num_experts} routed experts as stacked weights{detail}; simulate prices an "
+                    "experts module called as transformers' (hidden_states, top_k_index, top_k_weights): "
+                    "name its class under moe.experts_class",
+                    location=spec.locate("moe" if spec.moe else "metadata"),
+                )
+        found += [(root, path) for path, _ in matches]
+    return found
+
+
 def build_rank(
-    spec: Spec, t: TextArch, dep: Deployment, rec: Recorder, policy: Policy, names: Declared
+    spec: Spec, inputs: ModelInputs, dep: Deployment, rec: Recorder
 ) -> tuple[RankParts, list[str]]:
     """Build the per-rank model for ``spec`` on meta and swap in the serving kernels.
 
     Must run inside ``applied(spec, backend="simulation")`` (so bridges, shims and gated patches act).
     """
-    key = text_key(spec, read_config(spec))
-    overrides = rank_overrides(key, t, dep)
+    s = inputs.arch.structure
+    raw = read_config(spec)
+    key = text_config_key(spec, isinstance(raw.get("text_config"), dict))
+    raw_text = raw[key] if key else raw
+    overrides = rank_overrides(key, s, dep, raw_text)
     config = load_config(spec, backend=BACKEND, overrides=overrides)
-    notes = _check_sizes(spec, key, getattr(config, key) if key else config, overrides, t)
+    notes = _check_sizes(spec, key, getattr(config, key) if key else config, raw_text, overrides, s)
     model = load_model(spec, device="meta", config=config)
     lm = submodule(model, spec, "language_model")
     layers = submodule(model, spec, "language_layers")
-    lm_head = (
-        submodule(model, spec, "lm_head") if "lm_head" in spec.module_paths else model.get_output_embeddings()
-    )
-    if lm_head is None:
-        raise KadaptError(f"spec {spec.name} has no module_paths.lm_head and its model no output embeddings")
+    lm_head = submodule(model, spec, "lm_head")
     layers_path = spec.module_paths["language_layers"]
-    dense = layers[0] if t.n_dense_layers else None
-    moe = layers[t.n_dense_layers] if t.n_moe_layers else None
+    kinds = layer_kinds(s)
     parts = RankParts(
         lm.get_input_embeddings(),
         _child(spec, lm, "rotary_emb"),
-        dense,
-        moe,
+        [TracedLayer(kind, layers[kind.index]) for kind in kinds],
         _child(spec, lm, "norm"),
         lm_head,
-        nn.Linear(2 * t.hidden, t.hidden, bias=False) if dep.mtp else None,
-        [],
-        [],
+        nn.Linear(2 * s.hidden_size, s.hidden_size, bias=False) if dep.mtp else None,
     )
+    # bf16 as a checkpoint loads: fp32 where transformers keeps it (the router's correction bias);
+    # computed buffers (rotary inv_freq) keep their dtype
+    cast_to_abi_dtype([part for _, part in parts.named()], torch.bfloat16, keep_fp32_names(model))
+    names = {id(t): n for n, t in model.named_parameters()}  # before any swap: the model's own names
+
+    group_of = inputs.group_of()
+    for traced in parts.layers:
+        where = f"{layers_path}.{traced.kind.index}"
+        if traced.kind.kind == "moe":
+            routed = next(g for g in inputs.groups if g.name == "routed_experts")
+            experts = RoutedExperts(s, rec, dep, inputs.policy(routed, routed.checkpoint_name))
+            for root, path in _experts_of(spec, traced.module, where, s):
+                _swap(root, path, experts)
+            parts.experts.append(experts)
+        if s.attention.is_mla:
+            attention_class = (spec.mla or {}).get("attention_class")
+            if not attention_class:
+                raise KadaptError(
+                    f"spec {spec.name} has no mla.attention_class: simulate swaps the MLA attention module "
+                    "for its serving kernel and finds it by the class name the spec declares",
+                    location=spec.locate("mla" if spec.mla else "metadata"),
+                )
+            for path, inner in _find(spec, traced.module, where, "mla", "attention_class", attention_class):
+                mla = RankMLA(inner, rec, dep, traced.kind)
+                _swap(traced.module, path, mla)
+                parts.attention.append(mla)
+        else:
+            configs = {id(m.config): m.config for m in traced.module.modules() if hasattr(m, "config")}
+            parts.configs += [c for c in configs.values() if hasattr(c, "_attn_implementation")]
+
     for _, part in parts.named():
-        part.to(torch.bfloat16)
-
-    kv_bytes = DTYPE_BYTES[dep.kv_dtype]
-    groups = {g.name: g for g in text_groups(t)}
-    group_of: dict[int, str] = {}  # id(parameter) -> inventory group (for its weight format)
-    for p in parts.embed_tokens.parameters():
-        group_of[id(p)] = "embed_tokens"
-    for p in parts.lm_head.parameters():
-        group_of[id(p)] = "lm_head"
-    mlp_slot = "mlp"
-    if moe is not None:
-        where = f"{layers_path}.{t.n_dense_layers}"
-        assert names.moe and names.gate and names.experts
-        blocks = _find(spec, moe, where, "moe", "moe_class", names.moe)
-        mlp_slot = blocks[0][0]
-        for _, block in blocks:
-            for p in block.parameters():
-                group_of[id(p)] = "shared_experts"  # all but the router and the (swapped) routed experts
-            for _, gate in _find(spec, block, where, "moe", "gate_class", names.gate):
-                gate.float()  # the fp32 router GEMM reads bf16 weights once
-                for p in gate.parameters():
-                    group_of[id(p)] = "router"
-            experts = RoutedExperts(t, rec, dep, policy(groups["routed_experts"]))
-            for path, _ in _find(spec, block, where, "moe", "experts_class", names.experts):
-                _swap(block, path, experts)
-        parts.mlps.append(moe.get_submodule(mlp_slot))
-    if dense is not None:
-        try:
-            parts.mlps.insert(0, dense.get_submodule(mlp_slot))
-        except AttributeError as exc:
-            raise KadaptError(f"{layers_path}.0 has no {mlp_slot!r} MLP like the MoE layer's") from exc
-        for p in parts.mlps[0].parameters():
-            group_of[id(p)] = "dense_mlp"
-    for index, layer in ((0, dense), (t.n_dense_layers, moe)):
-        if layer is None:
-            continue
-        for path, inner in _find(
-            spec, layer, f"{layers_path}.{index}", "mla", "attention_class", names.attention
-        ):
-            mla = RankMLA(inner, rec, dep, kv_bytes)
-            _swap(layer, path, mla)
-            parts.attention.append(mla)
-            for child_name, child in mla.named_children():
-                for p in child.parameters():
-                    group_of[id(p)] = f"attn.{child_name}"
-
-    for name, part in parts.named():
-        for _, param in part.named_parameters(prefix=name):
-            group = groups.get(group_of.get(id(param), ""))
-            rec.mark_weight(param, policy(group) if group else NATIVE["bf16"])
+        for param in part.parameters():
+            checkpoint = inputs.naming.checkpoint(names.get(id(param), ""))
+            group = group_of.get(checkpoint)
+            rec.mark_weight(param, inputs.policy(group, checkpoint) if group else NATIVE["bf16"])
     return parts, notes
 
 
-def trace_rank(spec: Spec, t: TextArch, dep: Deployment, policy: Policy) -> tuple[Recorder, list[str]]:
+def trace_rank(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[Recorder, list[str]]:
     """Run one step of the per-rank model on meta; return the recorder holding every op and notes."""
-    names = declared_classes(spec, t)
+    s = inputs.arch.structure
     rec = Recorder()
     par = dep.parallel
     with applied(spec, backend=BACKEND), torch.device("meta"):
-        model, notes = build_rank(spec, t, dep, rec, policy, names)
-        b, s = dep.batch_per_rank, dep.tokens_per_query
-        input_ids = torch.zeros(b, s, dtype=torch.long)
-        positions = torch.arange(dep.context_len, dep.context_len + s).unsqueeze(0).expand(b, s)
-        for name, part in model.named():
-            rec.hook(part, name)
-        hidden_bytes = b * s * t.hidden * 2
+        model, notes = build_rank(spec, inputs, dep, rec)
+        b, q = dep.batch_per_rank, dep.tokens_per_query
+        input_ids = torch.zeros(b, q, dtype=torch.long)
+        positions = torch.arange(dep.context_len, dep.context_len + q).unsqueeze(0).expand(b, q)
+        hidden_bytes = b * q * s.hidden_size * 2
         _all_reduce = {"collective": "all_reduce", "bytes": hidden_bytes, "group": par.tp}
 
-        def tp_all_reduce(_module: nn.Module, _args: Any, _out: Any) -> None:
-            rec.analytic("tp_all_reduce", "comm", comm=_all_reduce)
+        def tp_all_reduces(_module: nn.Module, _args: Any, _out: Any) -> None:
+            for _ in range(2):  # after the attention's o_proj and after the MLP's down projection
+                rec.analytic("tp_all_reduce", "comm", comm=_all_reduce)
 
-        if par.tp > 1:
-            for module in (*model.attention, *model.mlps):
-                module.register_forward_hook(tp_all_reduce)
+        if par.tp > 1:  # registered before the recorder's hooks: recorded under the layer's name
+            for traced in model.layers:
+                traced.module.register_forward_hook(tp_all_reduces)
+        for name, part in model.named():
+            rec.hook(part, name)
+        kinds = {id(m): t.kind for t in model.layers for m in t.module.modules()}
+        kernel = AttentionKernel(rec, dep, s, kinds)
 
-        with rec, torch.no_grad():
+        with _attention_implementation(kernel, model.configs), rec, torch.no_grad():
             hidden = model.embed_tokens(input_ids)
             if par.tp > 1:
                 rec.analytic("tp_all_reduce(vocab_parallel_embedding)", "comm", comm=_all_reduce)
             cos_sin = model.rotary(hidden, positions)
-            for layer, scope, repeat in (
-                (model.dense_layer, "dense", t.n_dense_layers),
-                (model.moe_layer, "moe", t.n_moe_layers),
-            ):
-                if layer is not None:
-                    with rec.scope(scope, repeat):
-                        hidden = layer(hidden, position_embeddings=cos_sin)
-            last = model.norm(
-                hidden if dep.decode else hidden[:, -1:, :]
-            )  # prefill needs logits of the last token only
-            _logits(model, rec, last, par.tp, t.vocab)
-            if dep.mtp and model.moe_layer is not None and model.eh_proj is not None:
+            for traced in model.layers:
+                with rec.scope(traced.kind.kind, len(traced.kind.layers)):
+                    hidden = traced.module(hidden, position_embeddings=cos_sin)
+            last = model.norm(hidden if dep.decode else hidden[:, -1:, :])  # prefill: last token's logits
+            _logits(model, rec, last, par.tp, s.vocab_size)
+            if dep.mtp and model.eh_proj is not None:
+                block = model.layers[-1].module  # the kind of the model's last layer
                 with rec.scope("mtp", dep.mtp):  # one DeepSeek-style MTP block per drafted token
                     draft_in = hidden[:, -1:, :]
                     draft = model.eh_proj(
                         torch.cat([draft_in, model.embed_tokens(input_ids[:, -1:])], dim=-1)
                     )
-                    draft = model.moe_layer(
-                        draft, position_embeddings=(cos_sin[0][:, -1:], cos_sin[1][:, -1:])
-                    )
-                    _logits(model, rec, model.norm(draft), par.tp, t.vocab)
+                    draft = block(draft, position_embeddings=(cos_sin[0][:, -1:], cos_sin[1][:, -1:]))
+                    _logits(model, rec, model.norm(draft), par.tp, s.vocab_size)
+        if not s.attention.is_mla:
+            missed = [t.kind.name for t in model.layers if t.kind.name not in kernel.called]
+            if missed:
+                raise KadaptError(
+                    f"the attention of {', '.join(missed)} never called transformers' attention interface "
+                    f"(config._attn_implementation); simulate prices {s.attention.kind.upper()} attention "
+                    "through it and cannot price this model's attention"
+                )
     return rec, notes
 
 

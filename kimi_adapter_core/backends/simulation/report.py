@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from .planner import ACTIVATION_FORMULA, Memory, Plan
+from .planner import Memory, Plan, activation_formula
 
 if TYPE_CHECKING:  # the simulator imports torch; ``kadapt plan`` renders through here without it
     from .simulator import Simulation
@@ -56,34 +56,53 @@ def _memory_text(mem: Memory) -> list[str]:
 
 
 # --- plan ------------------------------------------------------------------------------------------
+_LAYOUT_LABELS = {"latent": "MLA latent", "expanded": "expanded", "heads": "K+V heads"}
+
+
+def _kv_json(plan: Plan) -> dict[str, Any]:
+    kv = plan.kv
+    return {
+        "dtype": kv.dtype,
+        "layout": kv.layout,
+        "elems_per_token_layer": kv.elems_per_token_layer,
+        "bytes_per_token_layer": kv.bytes_per_token_layer,
+        "bytes_per_token_layer_per_device": kv.rank_bytes_per_token_layer,
+        "bytes_per_token": kv.bytes_per_token,
+        "layers": kv.layers,
+        "sliding_layers": sum(1 for w in kv.windows if w is not None),
+        "windows": sorted({w for w in kv.windows if w is not None}),
+        "bytes_per_sequence": kv.sequence_bytes(plan.seq_len, per_rank=False),
+        "bytes_per_sequence_per_device": kv.sequence_bytes(plan.seq_len),
+        "layouts_bytes_per_token_layer": kv.layouts(),
+    }
+
+
 def plan_json(plan: Plan) -> dict[str, Any]:
     p = plan.parallel
     return {
         "model_type": plan.arch.model_type,
-        "architecture": asdict(plan.arch),
+        "architecture": {
+            "description": plan.arch.structure.describe(),
+            "structure": plan.arch.structure.to_dict(),
+            "vision": asdict(plan.arch.vision) if plan.arch.vision else None,
+        },
         "parallel": {"tp": p.tp, "dp": p.dp, "ep": p.ep, "devices": p.devices},
         "batch": plan.batch,
         "seq_len": plan.seq_len,
         "max_seq_len": plan.max_seq_len,
-        "kv_cache": {
-            "dtype": plan.kv.dtype,
-            "latent_elems_per_token_layer": plan.kv.latent_elems,
-            "latent_bytes_per_token_layer": plan.kv.latent_bytes_per_token_layer,
-            "expanded_elems_per_token_layer": plan.kv.expanded_elems,
-            "expanded_bytes_per_token_layer": plan.kv.expanded_bytes_per_token_layer,
-            "expanded_over_latent": plan.kv.ratio,
-            "latent_bytes_per_token": plan.kv.bytes_per_token,
-            "layers": plan.kv.layers,
-        },
+        "kv_cache": _kv_json(plan),
         "quantization": plan.quant,
         "weights": {
             "total_params": plan.total_params,
+            "active_params": plan.active_params,
             "total_bytes": plan.weight_bytes,
             "bytes_by_format": plan.weight_bytes_by_format(),
             "groups": [
                 {
-                    "name": w.group.name,
-                    "params": w.group.count,
+                    "name": w.name,
+                    "group": w.group.name,
+                    "checkpoint_name": w.group.checkpoint_name,
+                    "params": w.params,
                     "format": w.format,
                     "bytes": w.total_bytes,
                     "shard": w.group.shard,
@@ -93,7 +112,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
                 for w in plan.weights
             ],
         },
-        "activation_formula": ACTIVATION_FORMULA,
+        "activation_formula": activation_formula(plan.arch.structure),
         "memory_per_device": _memory_json(plan.memory),
         "vision_cache_entry_bytes": plan.vision_cache_entry_bytes,
         "device": plan.device.name if plan.device else None,
@@ -101,20 +120,52 @@ def plan_json(plan: Plan) -> dict[str, Any]:
     }
 
 
+def _kv_text(plan: Plan) -> list[str]:
+    kv, a, p = plan.kv, plan.kv.attention, plan.parallel
+    layouts = kv.layouts()
+    rows: list[tuple[str, str, str]] = []
+    for layout, nbytes in layouts.items():
+        (kh, kd), (vh, vd) = a.kv_dims(layout)
+        elems = (
+            f"({kd}+{vd})" if kh == vh == 1 else f"{kh}x({kd}+{vd})" if kh == vh else f"{kh}x{kd}+{vh}x{vd}"
+        )
+        ratio = "" if layout == kv.layout else f"   ({nbytes / layouts[kv.layout]:.1f}x {kv.layout})"
+        rows.append((_LAYOUT_LABELS[layout], f"{elems} elems", f"{nbytes:>8} B{ratio}"))
+    if p.tp > 1:
+        if kv.layout == "latent":
+            how = "latent replicated"
+        else:
+            heads = max(1, a.kv_dims(kv.layout)[0][0] // p.tp)
+            how = f"{heads} KV head{'s' if heads > 1 else ''}/rank"
+        rows.append(("per device", f"tp={p.tp}, {how}", f"{kv.rank_bytes_per_token_layer:>8} B"))
+    rows.append((f"all {kv.layers} layers", "one token", f"{kv.bytes_per_token:>8} B"))
+    width = [max(len(r[i]) for r in rows) for i in range(2)]
+    lines = [f"KV cache ({kv.dtype}, per token per layer; cached as {kv.layout})"]
+    lines += [f"  {r[0]:<{width[0]}}  {r[1]:<{width[1]}}  {r[2]}" for r in rows]
+    sliding = [w for w in kv.windows if w is not None]
+    if sliding:
+        spans = ", ".join(str(w) for w in sorted(set(sliding)))
+        lines.append(f"  sliding window: {len(sliding)}/{kv.layers} layers keep only the last {spans} tokens")
+    whole, device = kv.sequence_bytes(plan.seq_len, per_rank=False), kv.sequence_bytes(plan.seq_len)
+    lines += [
+        f"  one sequence of {plan.seq_len} tokens: {whole / GB:.3f} GB ({device / GB:.3f} GB per device)",
+        f"  max sequence length  {plan.max_seq_len}",
+    ]
+    return lines
+
+
 def plan_text(plan: Plan) -> str:
-    t, p, kv = plan.arch.text, plan.parallel, plan.kv
+    s, p = plan.arch.structure, plan.parallel
     lines = [
         f"kadapt plan: {plan.arch.model_type}  tp={p.tp} dp={p.dp} ep={p.ep} ({p.devices} devices)  "
         f"batch={plan.batch} seq_len={plan.seq_len}  weights={plan.quant}"
         + (f"  device={plan.device.name}" if plan.device else ""),
         "",
         "Architecture",
-        f"  layers {t.num_layers} ({t.n_dense_layers} dense + {t.n_moe_layers} MoE), hidden {t.hidden}, "
-        f"heads {t.num_heads}, vocab {t.vocab}, max positions {t.max_positions}",
-        f"  MLA q_lora {t.q_lora_rank} kv_lora {t.kv_lora_rank} qk_nope {t.qk_nope_head_dim} "
-        f"qk_rope {t.qk_rope_head_dim} v_head {t.v_head_dim}",
-        f"  MoE {t.n_routed_experts} routed (top-{t.top_k}) + {t.n_shared_experts} shared, "
-        f"expert width {t.moe_intermediate}, dense width {t.intermediate}",
+        f"  {s.describe()}",
+        f"  vocab {s.vocab_size}{' (tied embeddings)' if s.tie_word_embeddings else ''}, "
+        f"max positions {s.max_positions}"
+        + (f", MTP layers {s.num_mtp_layers} (not counted)" if s.num_mtp_layers else ""),
     ]
     if plan.arch.vision:
         v = plan.arch.vision
@@ -122,22 +173,11 @@ def plan_text(plan: Plan) -> str:
             f"  vision {v.num_layers} layers, hidden {v.hidden}, heads {v.num_heads}, patch {v.patch_size}, "
             f"pos grid {v.pos_emb_height}x{v.pos_emb_width}, merge {v.merge_h}x{v.merge_w}"
         )
-    lines += [
-        "",
-        f"KV cache ({kv.dtype}, per token per layer)",
-        f"  MLA latent    ({t.kv_lora_rank}+{t.qk_rope_head_dim}) elems   "
-        f"{kv.latent_bytes_per_token_layer:>8} B",
-        f"  expanded      {t.num_heads}x({t.qk_head_dim}+{t.v_head_dim}) elems  "
-        f"{kv.expanded_bytes_per_token_layer:>8} B   ({kv.ratio:.1f}x latent)",
-        f"  all {kv.layers} layers (latent)         {kv.bytes_per_token:>8} B/token",
-        f"  max sequence length  {plan.max_seq_len}",
-        "",
-        "Weights",
-    ]
+    lines += ["", *_kv_text(plan), "", "Weights"]
     rows = [
         [
-            w.group.name,
-            f"{w.group.count / 1e9:.3f}",
+            w.name,
+            f"{w.params / 1e9:.3f}",
             w.format,
             f"{w.total_bytes / GB:.2f}",
             w.group.shard,
@@ -156,11 +196,12 @@ def plan_text(plan: Plan) -> str:
         ]
     )
     lines.append(_table(["group", "params (B)", "format", "GB", "shard", "GB/device"], rows))
+    lines.append(f"active per token    {plan.active_params / 1e9:.3f} B parameters")
     lines += [
         "",
         "Memory per device (KV for batch x seq_len, activations for one prefill chunk)",
         *_memory_text(plan.memory),
-        f"  activation formula: {ACTIVATION_FORMULA}",
+        f"  activation formula: {activation_formula(plan.arch.structure)}",
     ]
     if plan.vision_cache_entry_bytes is not None:
         lines.append(
@@ -181,6 +222,7 @@ def sim_json(sim: Simulation) -> dict[str, Any]:
     step = sim.step_time
     return {
         "phase": _phase(sim),
+        "model": sim.model,
         "device": sim.device.name,
         "quantization": sim.quant,
         "parallel": {"tp": p.tp, "dp": p.dp, "ep": p.ep, "devices": p.devices},
@@ -233,6 +275,7 @@ def sim_text(sim: Simulation, top: int | None = None) -> str:
         f"kadapt simulate: {_phase(sim)} on {sim.device.name}  tp={p.tp} dp={p.dp} ep={p.ep} "
         f"({p.devices} devices)  batch={d.batch} query_len={d.tokens_per_query} context_len={d.context_len}"
         f"  weights={sim.quant}" + (f"  mtp={d.mtp}@{d.mtp_acceptance:g}" if d.mtp else ""),
+        f"model: {sim.model}",
         "",
         _table(["scope", "module", "op", "count", "ms", "%", "bound"], table, text_columns=3),
     ]

@@ -1,6 +1,6 @@
 """``kadapt simulate``: trace the per-rank model, price every kernel, size the memory, report.
 
-This module joins the pieces: spec → architecture and weight-format policy → per-rank trace
+This module joins the pieces: spec → structure, parameter inventory and weight-format policy → per-rank trace
 (``rank_model``) → fused kernels (``tracer.fuse``) → roofline prices (``cost``) → a ``Simulation``
 holding the per-op table, the step time, tokens/s per device and the per-device memory breakdown.
 """
@@ -11,12 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...spec.model import Spec
-from .arch import Architecture
 from .cost import Priced, price
 from .deployment import Deployment
 from .device import Device
+from .inputs import ModelInputs
 from .planner import Memory, activation_bytes, kv_sizing, memory, weight_lines
-from .quant import Policy
 from .rank_model import trace_rank
 from .tracer import fuse
 
@@ -43,6 +42,7 @@ class Simulation:
     kernels: tuple[Priced, ...]  # in execution order, one entry per traced kernel (repeat = layer count)
     memory: Memory
     warnings: tuple[str, ...]
+    model: str = ""  # the structure's one-line description
 
     @property
     def step_time(self) -> float:
@@ -67,35 +67,34 @@ class Simulation:
 
 
 def simulate(
-    arch: Architecture,
+    inputs: ModelInputs,
     spec: Spec,
     dep: Deployment,
-    policy: Policy,
-    quant_label: str,
     device: Device,
     *,
     warnings: tuple[str, ...] = (),
 ) -> Simulation:
     """Price one prefill or decode step of ``dep`` on ``device``; the per-rank model is built from
-    ``spec`` (its bridges and patches for backend ``simulation``), sized by ``arch``."""
-    t = arch.text
-    dep.check(t)
-    rec, trace_notes = trace_rank(spec, t, dep, policy)
+    ``spec`` (its bridges and patches for backend ``simulation``), sized by ``inputs``."""
+    s = inputs.arch.structure
+    dep.check(s)
+    rec, trace_notes = trace_rank(spec, inputs, dep)
     kernels = tuple(price(op, device) for op in fuse(rec.ops))
-    kv = kv_sizing(t, dep.kv_dtype)
+    kv = kv_sizing(s, dep.parallel.tp, dep.kv_dtype)
     logits_tokens = dep.tokens_per_rank if dep.decode else dep.batch_per_rank
     mem = memory(
-        weight_lines(arch, dep.parallel, policy),
+        weight_lines(inputs, dep.parallel),
         kv,
-        dep.batch_per_rank * (dep.context_len + dep.tokens_per_query),
-        activation_bytes(t, dep.parallel, dep.tokens_per_rank, logits_tokens),
+        dep.batch_per_rank,
+        dep.context_len + dep.tokens_per_query,
+        activation_bytes(s, dep.parallel, dep.tokens_per_rank, logits_tokens),
         device,
     )
-    notes = [*warnings, *trace_notes]
-    if dep.mtp and not t.num_mtp_layers:
+    notes = [*warnings, *inputs.notes, *trace_notes]
+    if dep.mtp and not s.num_mtp_layers:
         notes.append(
-            f"the model declares no MTP layers (num_nextn_predict_layers=0); the {dep.mtp} draft "
-            "passes are priced as DeepSeek-style MTP blocks (eh_proj + one MoE layer + lm_head)"
+            f"the model declares no MTP layers; the {dep.mtp} draft passes are priced as DeepSeek-style "
+            "MTP blocks (eh_proj + one decoder layer of the model's last kind + lm_head)"
         )
     notes += mem.warnings(device)
-    return Simulation(dep, device, quant_label, kernels, mem, tuple(notes))
+    return Simulation(dep, device, inputs.quant_label, kernels, mem, tuple(notes), s.describe())

@@ -4,9 +4,10 @@ A ``TorchDispatchMode`` sees each op after autograd and composite decomposition,
 eager runtime would launch. FLOPs come from ``torch.utils.flop_counter``'s registry (matmuls,
 attention); every other op is a vector op priced by its bytes. Weights are recognised by identity
 (registered with ``mark_weight`` and followed through view ops) so a quantized weight is charged its
-packed bytes, not its bf16 meta bytes. Kernels the model does not run through aten (MLA attention
-cores, grouped expert GEMMs, collectives) are added with ``analytic``. Consecutive vector ops are
-fused afterwards (``fuse``), as every serving runtime fuses norms, rope and activations.
+packed bytes, not its bf16 meta bytes; a dtype cast of a weight is free (the copy stays that weight).
+Kernels the model does not run through aten (attention cores, grouped expert GEMMs, collectives) are
+added with ``analytic``. Consecutive vector ops are fused afterwards (``fuse``), as every serving
+runtime fuses norms, rope and activations.
 """
 
 from __future__ import annotations
@@ -141,7 +142,9 @@ class Recorder(TorchDispatchMode):
         short = func._overloadpacket.__name__
         ins, outs = _tensors((args, kwargs)), _tensors(out)
         self._keep.extend(outs)
-        if short in _FREE or func.is_view:
+        if short in _FREE or func.is_view or (short == "_to_copy" and ins and id(ins[0]) in self._weights):
+            # a dtype cast of a weight (DeepSeek's router upcasts its bf16 weight on every call) is free:
+            # a serving runtime keeps the weight in its compute dtype, so the copy *is* the weight
             base = ins[0] if ins else None
             for o in outs:
                 if base is not None:
