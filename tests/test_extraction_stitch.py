@@ -12,7 +12,6 @@ import torch_ir
 from fixtures.spec_files import KIMI_SPEC as SPEC
 from torch import nn
 
-from kimi_adapter_core.structure.derive import derive_structure
 from kimi_adapter_core.backends.extraction import options_from_spec, runtime
 from kimi_adapter_core.backends.extraction import pipeline as pipeline_module
 from kimi_adapter_core.backends.extraction.graph import (
@@ -30,6 +29,7 @@ from kimi_adapter_core.backends.extraction.pipeline import Clock, backbone_of, b
 from kimi_adapter_core.backends.extraction.roundtrip import tiny_overrides
 from kimi_adapter_core.backends.extraction.stitch import NotStitchable, Plan, plan, stitch
 from kimi_adapter_core.loading import applied, load_config, load_model
+from kimi_adapter_core.structure.derive import derive_structure
 
 LAYERS = 4
 

@@ -423,6 +423,69 @@ def place_prefill_kv(present: Sequence[torch.Tensor], max_cache_len: int) -> lis
     return placed
 
 
+# What each layout's cached tensors hold (the KV mapping's contract says it, so a runtime needs no code).
+KV_CONTENTS = {
+    "heads": (
+        "keys after rope, per KV head: [batch, kv_heads, slot, head_dim] (what the attention passes "
+        "to Cache.update; query heads share them in groups of heads / kv_heads)",
+        "values per KV head: [batch, kv_heads, slot, head_dim]",
+    ),
+    "latent": (
+        "MLA's normalised compressed KV (kv_a_layernorm of the kv_lora_rank part of kv_a_proj_with_mqa): "
+        "[batch, 1, slot, kv_lora_rank]; attention re-expands it with kv_b_proj",
+        "MLA's shared rope'd key (the qk_rope_head_dim part of kv_a_proj_with_mqa, after rope): "
+        "[batch, 1, slot, qk_rope_head_dim]",
+    ),
+    "expanded": (
+        "MLA keys per head, [k_nope from kv_b_proj | rope'd shared key]: [batch, heads, slot, qk_head_dim]",
+        "MLA values per head from kv_b_proj: [batch, heads, slot, v_head_dim]",
+    ),
+}
+
+
+def kv_contract(kv_dims: KVDims, *, kv_layout: str, max_cache_len: int) -> dict[str, Any]:
+    """Everything a runtime needs besides the graphs: cache semantics, masks, positions, capacity."""
+    key, value = KV_CONTENTS[kv_layout]
+    (key_heads, key_dim), (value_heads, value_dim) = kv_dims
+    return {
+        "version": 2,
+        "cache": {
+            "key": {"holds": key, "heads": key_heads, "dim": key_dim},
+            "value": {"holds": value, "heads": value_heads, "dim": value_dim},
+            "slot_rule": "cache slot k (dim 2) holds the token at position k",
+        },
+        "positions": {
+            "position_ids": "int64 [batch, query_len]: the positions of the query tokens (rope)",
+            "cache_position": "int64 [1] (decode only): the slot the new token is written to (its position)",
+            "rule": "position_ids must equal the slots the tokens occupy: prefill 0..prefill_len-1, "
+            "the decode token at position p uses position_ids [[p]] and cache_position [p]",
+        },
+        "mask": {
+            "input": "attention_mask",
+            "shape": "[batch, 1, query_len, key_len] (prefill: key_len = prefill_len; decode: max_cache_len)",
+            "dtype": "the ABI dtype",
+            "visible": 0.0,
+            "hidden": "finfo(dtype).min",
+            "rule": "key slot k is visible to the query at position p iff k <= p "
+            "and slot k holds a real token",
+            "sliding_windows": "layers with a window also hide k <= p - window; the graph adds that itself "
+            "from position_ids, the caller passes one causal mask for every layer",
+        },
+        "padding": {
+            "supported": "right",
+            "rule": "a shorter prompt of n < prefill_len tokens is padded after its end with any token id; "
+            "its mask hides the pad slots (columns n..prefill_len-1); the first decode token is at "
+            "position n and overwrites slot n. Left padding is not supported: positions would no longer "
+            "equal slots.",
+        },
+        "capacity": {
+            "max_position": max_cache_len - 1,
+            "rule": f"positions 0..{max_cache_len - 1}; a token at position >= max_cache_len has no slot "
+            "and must not be decoded",
+        },
+    }
+
+
 def build_kv_mapping(
     kv_dims: KVDims,
     *,
@@ -464,6 +527,7 @@ def build_kv_mapping(
     return {
         "kv_layout": kv_layout,
         **attention,
+        "contract": kv_contract(kv_dims, kv_layout=kv_layout, max_cache_len=max_cache_len),
         "batch": batch,
         "prefill_len": prefill_len,
         "max_cache_len": max_cache_len,

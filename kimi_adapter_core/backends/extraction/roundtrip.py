@@ -210,6 +210,9 @@ def _reference(
         output_logits=True,
         return_dict_in_generate=True,
     )
+    # generate() merges None with the model's own generation config, whose eos (the tiny config's 2)
+    # would end the reference early; the IR decodes a fixed number of steps.
+    model.generation_config.eos_token_id = None
     with torch.no_grad():
         prefill_logits = model(input_ids=prompt).logits
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=generation)
