@@ -1,15 +1,30 @@
-"""Atomic file output: a reader sees the old file or the whole new one, never a partial write."""
+"""Atomic file output: a reader sees the old file or the whole new one, never a partial write.
+
+The data goes to a hidden temp file beside the target (same file system), is flushed and fsynced,
+and only then renamed over the target with ``os.replace``. If anything stops the write, including
+``KeyboardInterrupt`` (Ctrl-C) or ``SystemExit``, the temp file is removed and the target is left
+as it was. The temp file's name is chosen before it is created, so an interrupt at any point,
+even inside the call that creates it, still finds and removes it.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
 from .errors import KadaptError
+
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
+_ATTEMPTS = 100
+
+
+def temp_path(target: Path) -> Path:
+    """A fresh hidden name beside ``target``: ``.<name>.<random>.tmp``."""
+    return target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
 
 
 @contextlib.contextmanager
@@ -20,27 +35,48 @@ def atomic_open(
     target = Path(path)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     except OSError as exc:
         raise KadaptError(f"cannot write {target}: {exc.strerror or exc}") from exc
     binary = "b" in mode
+    tmp: Path | None = None  # set *before* the file exists: an interrupt can never orphan it
     try:
-        with os.fdopen(fd, mode, encoding=None if binary else encoding) as handle:
-            yield handle
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; artifacts get normal permissions
-        os.replace(tmp, target)
+        try:
+            for _ in range(_ATTEMPTS):
+                tmp = temp_path(target)
+                try:
+                    fd = os.open(tmp, _CREATE, 0o666)  # 0o666 minus the umask, like any new file
+                    break
+                except FileExistsError:
+                    tmp = None  # someone else's file: never remove it
+            else:
+                raise FileExistsError(f"no free temporary name beside it after {_ATTEMPTS} tries")
+            handle = _fdopen(fd, mode, None if binary else encoding)
+        except OSError as exc:
+            raise KadaptError(f"cannot write {target}: {exc.strerror or exc}") from exc
+        with handle:
+            yield handle  # the caller's errors pass through unchanged (and the temp file goes)
+            try:
+                handle.flush()
+                os.fsync(handle.fileno())
+            except OSError as exc:
+                raise KadaptError(f"cannot write {target}: {exc.strerror or exc}") from exc
+        try:
+            os.replace(tmp, target)
+        except OSError as exc:
+            raise KadaptError(f"cannot write {target}: {exc.strerror or exc}") from exc
+        tmp = None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def _fdopen(fd: int, mode: str, encoding: str | None) -> IO:
+    try:
+        return os.fdopen(fd, mode, encoding=encoding)
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        os.close(fd)
         raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:

@@ -8,7 +8,19 @@ Order matters and is all-or-nothing:
 3. Resolve remote-code targets (that imports the model's code), then install every patch.
 
 A failure in 2-3 undoes what was installed. Apply and revert hold one process-wide ``RLock``.
-Applying a spec that is already applied is a no-op: its ledger says "skipped (already applied)".
+
+Sessions are **reference-counted** and process-wide, not per thread: class patches are process-wide
+by nature (the call-time gate decides, per call, whose modules get them). Opening a spec that is
+already applied (nested, or from another thread) applies nothing: it returns a handle on the live
+session whose ledger says "skipped (already applied)", and counts one more user. Closing a handle
+or the session itself counts one user down; the patches come off when the *last* user closes, in
+whatever order the blocks exit. So a thread inside ``applied(spec)`` keeps its patches even when
+the thread that applied them first has left its block. Closing twice is a no-op.
+
+Different specs may patch the same attribute and exit in any order: each change is a layer in that
+attribute's stack (``changes``), and undoing a layer re-links the one above it, so the original is
+back once every spec has exited. An environment shim whose symbol another live spec injected holds
+that symbol too, so it stays until both are gone.
 """
 
 from __future__ import annotations
@@ -24,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import KadaptError
 from ..spec.model import EnvironmentShim, Patch, Spec
 from . import kinds, pins, remote
-from .changes import Change
+from .changes import Change, layered
 from .gate import GatedAttribute, gated, via_cell
 from .impls import resolve_impl
 from .ledger import APPLIED, FAILED, GATED_OFF, NOT_FOR_BACKEND, SKIPPED, Ledger
@@ -89,7 +101,10 @@ class Session:
         self.config: Any = None
         self.source: ResolvedSource | None = None
         self.changes: list[Change] = []
-        self.nested = False
+        self.nested = False  # a handle on another live session (``owner``), which applied the spec
+        self.owner: Session | None = None
+        self.users = 0  # open handles on this session, itself included (owner sessions only)
+        self.closed = False
         self._remote: list[PlannedPatch] = []
         self._entry: ModuleType | None = None
 
@@ -210,6 +225,11 @@ class Session:
         location = self.spec.locate(shim.where)
         if hasattr(planned.module, planned.attr):
             reason = f"{planned.module.__name__} already provides {planned.attr}"
+            if layered(planned.module, planned.attr):
+                # another live spec injected it: hold it too, so it stays until both have exited
+                value = vars(planned.module)[planned.attr]
+                self.changes.append(Change(planned.module, planned.attr, value, value, True).install())
+                reason += " (injected by another applied spec; held until this one exits too)"
             self.ledger.record(shim.id, "environment", shim.target, shim.kind, GATED_OFF, reason, location)
             return
         change = Change(planned.module, planned.attr, planned.value, None, False, False)
@@ -266,6 +286,10 @@ class Session:
         What ``kadapt pin`` needs: remote targets still require the shims and the config (which
         decides where the remote code lives), but drifted pins must not stop re-pinning.
         """
+        with LOCK:
+            return self._resolve_targets()
+
+    def _resolve_targets(self) -> dict[str, Resolved]:
         shims = [self._plan_shim(shim) for shim in self.spec.environment]
         found: dict[str, Resolved] = {}
         try:
@@ -301,7 +325,11 @@ class Session:
 
 
 def open_session(spec: Spec, backend: str, **kwargs: Any) -> Session:
-    """Apply ``spec`` (or return a no-op session if it is already applied)."""
+    """Apply ``spec``, or, if it is already applied (any thread), count a user and return a handle.
+
+    Every session or handle returned must be passed to ``close_session`` exactly once (``applied``
+    does that in ``finally``); the patches come off when the last one is closed.
+    """
     with LOCK:
         outer = active_session(spec)
         if outer is not None:
@@ -309,9 +337,11 @@ def open_session(spec: Spec, backend: str, **kwargs: Any) -> Session:
                 raise KadaptError(
                     f"spec {spec.name} is already applied for backend {outer.backend}, not {backend}"
                 )
+            outer.users += 1
             return _nested(outer)
         session = Session(spec, backend, **kwargs)
         session.apply()
+        session.users = 1
         _active[spec_key(spec)] = session
         return session
 
@@ -319,6 +349,7 @@ def open_session(spec: Spec, backend: str, **kwargs: Any) -> Session:
 def _nested(outer: Session) -> Session:
     nested = Session(outer.spec, outer.backend, trust_remote_code=outer.trust_remote_code)
     nested.nested = True
+    nested.owner = outer
     nested.config, nested.source = outer.config, outer.source
     for entry in outer.ledger.entries:
         nested.ledger.record(entry.id, entry.section, entry.target, entry.kind, SKIPPED, "", entry.location)
@@ -326,10 +357,17 @@ def _nested(outer: Session) -> Session:
 
 
 def close_session(session: Session) -> None:
-    if session.nested:
-        return
+    """Count one user of ``session``'s spec down; the last one out reverts every change."""
     with LOCK:
+        if session.closed:
+            return
+        session.closed = True
+        owner = session.owner or session
+        owner.users -= 1
+        if owner.users > 0:
+            return
         try:
-            session.revert()
+            owner.revert()
         finally:
-            _active.pop(spec_key(session.spec), None)
+            if _active.get(spec_key(owner.spec)) is owner:
+                del _active[spec_key(owner.spec)]

@@ -8,6 +8,7 @@ the node may be malformed. Bridges are replayed in order on a copy of the shippe
 
 from __future__ import annotations
 
+import bisect
 import copy
 import difflib
 import json
@@ -20,6 +21,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 from ..builtins import registry
 from .diagnostics import Diagnostic, Locator, Severity, join_breadcrumb
+from .yaml_loader import FileRefused, read_regular_file
 
 _SECTIONS_WITH_IDS = ("environment", "config_bridges", "patches", "quantization")
 _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
@@ -29,6 +31,7 @@ _PATH_PART = re.compile(r"([A-Za-z_]\w*)((?:\[\d+\])*)")
 _COMMIT_SHA = re.compile(r"[0-9a-f]{40}")
 _MISSING = object()
 _FEW_BUILTINS = 12  # list every valid name when the catalogue is this small
+MAX_CONFIG_BYTES = 16 << 20  # a model's config.json is kilobytes; never read a huge file or a device
 
 
 def semantic_diagnostics(
@@ -58,12 +61,20 @@ class _Checks:
         self.raw = raw
         self.spec_path = spec_path
         self.locator = locator
-        self.dirty = dirty
         self.found: list[Diagnostic] = []
+        # sorted, so ``clean`` is a few binary searches rather than a scan of every schema error (a
+        # large broken spec has thousands of errors and as many checks)
+        self.dirty = sorted(set(dirty))
 
     def clean(self, where: str) -> bool:
         """True if no schema error sits at ``where`` or below it."""
-        return not any(b == where or b.startswith((f"{where}.", f"{where}[")) for b in self.dirty)
+        for prefix in (where, f"{where}.", f"{where}["):
+            index = bisect.bisect_left(self.dirty, prefix)
+            if index < len(self.dirty) and (
+                self.dirty[index] == where if prefix is where else self.dirty[index].startswith(prefix)
+            ):
+                return False
+        return True
 
     def error(self, where: str, message: str, code: str) -> None:
         self.found.append(self.locator.at(where, message, code))
@@ -234,8 +245,9 @@ class _Checks:
             if isinstance(pattern, str) and self.clean(where):
                 try:
                     re.compile(pattern)
-                except re.error as exc:
-                    self.error(where, f"not a valid regular expression: {exc}", "weight-rename-regex")
+                except (re.error, OverflowError, RecursionError, ValueError) as exc:
+                    problem = "nested too deeply" if isinstance(exc, RecursionError) else exc
+                    self.error(where, f"not a valid regular expression: {problem}", "weight-rename-regex")
         verify = extraction.get("verify")
         if isinstance(verify, dict) and self.clean("backends.extraction.verify"):
             total = verify["prefill_len"] + verify["decode_steps"]
@@ -264,10 +276,15 @@ class _Checks:
             return None
         path = self.spec_path.parent / relative
         try:
-            config = json.loads(path.read_text(encoding="utf-8"))
+            config = json.loads(read_regular_file(path, MAX_CONFIG_BYTES, "config file").decode("utf-8"))
         except FileNotFoundError:
             self.error(
                 "source.config", f"config file {relative!r} not found (looked for {path})", "config-missing"
+            )
+            return None
+        except FileRefused as exc:
+            self.error(
+                "source.config", f"cannot read config file {relative!r}: {exc.message}", "config-unreadable"
             )
             return None
         except (OSError, UnicodeDecodeError) as exc:
@@ -279,6 +296,10 @@ class _Checks:
                 f"{relative} is not valid JSON ({exc.msg} at {exc.lineno}:{exc.colno})",
                 "config-json",
             )
+            return None
+        except (ValueError, RecursionError) as exc:  # numbers over int's digit limit, deep nesting
+            problem = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            self.error("source.config", f"{relative} is not usable JSON ({problem})", "config-json")
             return None
         if not isinstance(config, dict):
             self.error("source.config", f"{relative} must hold a JSON object", "config-json")

@@ -1,0 +1,216 @@
+"""Ctrl-C: exit 130 with one ``interrupted`` line, no traceback, and no partial or temp files."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kimi_adapter_core import atomic
+from kimi_adapter_core.atomic import atomic_open, atomic_write_text
+from kimi_adapter_core.backends.extraction.write import write_all
+from kimi_adapter_core.cli import cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+# ``kadapt`` as installed (``kimi_adapter_core.cli:main``), with Python's own SIGINT handler even if
+# the test runner was started with SIGINT ignored (background jobs inherit that, and then Python
+# would never raise KeyboardInterrupt).
+KADAPT = [
+    sys.executable,
+    "-c",
+    "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv[0] = 'kadapt'; from kimi_adapter_core.cli import main; main()",
+]
+
+
+def _leftovers(folder: Path) -> list[str]:
+    """Anything that is not a complete JSON artifact: temp files, hidden files, unparsable JSON."""
+    if not folder.exists():
+        return []
+    bad = []
+    for path in folder.rglob("*"):
+        if path.is_dir():
+            continue
+        if path.name.startswith(".") or path.suffix == ".tmp" or path.suffix != ".json":
+            bad.append(path.name)
+            continue
+        try:
+            json.loads(path.read_text(encoding="utf-8"))
+        except ValueError:
+            bad.append(f"{path.name} (partial JSON)")
+    return bad
+
+
+def _interrupt_apply(tmp_path: Path, trigger: str) -> tuple[int, str, list[str], Path]:
+    """Run ``kadapt apply specs/llama.yaml``, SIGINT it once stdout shows ``trigger``."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [*KADAPT, "apply", "specs/llama.yaml", "--output-dir", str(out)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    seen: list[str] = []
+    try:
+        while True:
+            line = lines.get(timeout=300)
+            if line is None:
+                pytest.fail(f"kadapt apply ended before printing {trigger!r}:\n{''.join(seen)}")
+            seen.append(line)
+            if trigger in line:
+                proc.send_signal(signal.SIGINT)
+                break
+        assert proc.stderr is not None
+        stderr = proc.stderr.read()
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(timeout=10)
+    while not lines.empty():
+        line = lines.get()
+        if line is not None:
+            seen.append(line)
+    return code, stderr, seen, out
+
+
+def test_sigint_while_building_exits_130_with_one_line_and_no_partial_files(tmp_path):
+    code, stderr, stdout, out = _interrupt_apply(tmp_path, "building")
+    assert code == 130, (code, stderr)
+    assert "Traceback" not in stderr and "Aborted" not in stderr
+    assert stderr.strip() == "interrupted", stderr
+    assert _leftovers(out) == []
+    assert not any("extracted" in line for line in stdout)  # it really was stopped mid-way
+
+
+@pytest.mark.slow
+def test_sigint_near_the_write_leaves_only_complete_files(tmp_path):
+    """Interrupting around the write: whatever is on disk is whole (or the run finished)."""
+    code, stderr, _, out = _interrupt_apply(tmp_path, "replicate decode")
+    assert code in (0, 130), (code, stderr)
+    assert "Traceback" not in stderr
+    if code == 130:
+        assert stderr.strip() == "interrupted", stderr
+    assert _leftovers(out) == []
+
+
+# -- in process ----------------------------------------------------------------------------------
+
+
+def test_keyboard_interrupt_in_a_command_is_exit_130_not_aborted(monkeypatch, tmp_path):
+    def interrupted(path):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("kimi_adapter_core.cli.validate.check_spec", interrupted)
+    result = CliRunner().invoke(cli, ["validate", str(REPO / "specs" / "llama.yaml")])
+    assert result.exit_code == 130
+    assert result.stderr == "interrupted\n"
+    assert "Aborted" not in result.output
+
+
+def test_generate_interrupted_mid_file_leaves_whole_files_only(monkeypatch, tmp_path):
+    """``kadapt generate`` writes file after file; Ctrl-C inside the second write keeps the first
+    whole and leaves no temp file behind."""
+    calls = []
+
+    def write_then_interrupt(path, text):
+        calls.append(path)
+        if len(calls) == 1:
+            return atomic_write_text(path, text)
+        with atomic_open(path) as handle:
+            handle.write(text[: len(text) // 2])
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr("kimi_adapter_core.generate.output.atomic_write_text", write_then_interrupt)
+    out = tmp_path / "gen"
+    result = CliRunner().invoke(cli, ["generate", str(REPO / "specs" / "llama.yaml"), "--out", str(out)])
+    assert result.exit_code == 130, result.output
+    assert result.stderr.strip().splitlines()[-1] == "interrupted"
+    assert len(calls) == 2
+    written = [p for p in out.rglob("*") if p.is_file()]
+    assert written == [calls[0]]  # the first file, whole; nothing else (no temp files)
+    assert not calls[1].exists()
+
+
+def _names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_atomic_open_removes_its_temp_file_on_keyboard_interrupt(tmp_path, existing):
+    target = tmp_path / "artifact.json"
+    if existing:
+        target.write_text('{"old": true}', encoding="utf-8")
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_open(target) as handle:
+            handle.write('{"new": ')
+            raise KeyboardInterrupt
+    assert _names(tmp_path) == (["artifact.json"] if existing else [])
+    if existing:
+        assert target.read_text(encoding="utf-8") == '{"old": true}'
+
+
+@pytest.mark.parametrize("where", ["open", "fsync", "replace"])
+def test_interrupt_inside_atomic_opens_own_steps_leaves_nothing(tmp_path, monkeypatch, where):
+    """Ctrl-C landing in the syscall that creates the temp file (after it exists), in fsync, or just
+    before the rename: the temp file is still found and removed; the target is untouched."""
+    real = {"open": os.open, "fsync": os.fsync, "replace": os.replace}[where]
+
+    def interrupted(*args, **kwargs):
+        if where == "open":
+            real(*args, **kwargs)  # the file now exists, and the call never returns
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, where, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write_text(tmp_path / "artifact.json", "{}")
+    monkeypatch.undo()
+    assert _names(tmp_path) == []
+
+
+def test_write_all_interrupted_on_the_second_file_writes_neither(tmp_path):
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+
+    def chunks():
+        yield '{"b": '
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_all({first: ['{"a": 1}'], second: chunks()})
+    assert _names(tmp_path) == []
+
+
+def test_atomic_write_keeps_normal_permissions_and_passes_caller_errors_through(tmp_path):
+    target = tmp_path / "artifact.json"
+    atomic_write_text(target, "{}")
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert target.stat().st_mode & 0o777 == 0o666 & ~umask
+    with pytest.raises(FileNotFoundError):  # the caller's own error, not turned into KadaptError
+        with atomic_open(target) as handle:
+            handle.write("x")
+            open(tmp_path / "missing" / "file")  # noqa: SIM115
+    assert target.read_text(encoding="utf-8") == "{}" and _names(tmp_path) == ["artifact.json"]
+    assert atomic.temp_path(target).name.startswith(".artifact.json.")
