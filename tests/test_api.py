@@ -85,3 +85,22 @@ def test_installed_wheel_outside_the_checkout(tmp_path: Path) -> None:
         [kadapt, "validate", "--resolve", "llama"], cwd=work, env=env, capture_output=True
     )
     assert validated.returncode == 0, validated.stdout
+
+
+def test_without_the_model_extra_validate_works_and_apply_says_what_to_install(tmp_path: Path) -> None:
+    """`pip install kadapt` (what the pre-commit hook installs) has neither torch nor transformers."""
+    import tomllib
+
+    core = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert not [d for d in core if d.split(">")[0].split("<")[0].strip() in ("torch", "transformers")]
+    blocked = "import sys; sys.modules['torch'] = sys.modules['transformers'] = None; "
+    run_cli = "from kimi_adapter_core.cli import main; sys.argv = ['kadapt', *sys.argv[1:]]; main()"
+    for args, code, expected in [
+        (["validate", str(REPO / "specs")], 0, "0 invalid"),
+        (["apply", "llama", "--output-dir", str(tmp_path)], 1, "install the model extra"),
+    ]:
+        done = subprocess.run(
+            [sys.executable, "-c", blocked + run_cli, *args], capture_output=True, text=True, cwd=tmp_path
+        )
+        assert done.returncode == code, done.stderr
+        assert expected in done.stdout + done.stderr and "Traceback" not in done.stderr

@@ -3,11 +3,19 @@
 One module per subcommand (``cli/<name>.py`` exposing ``command``). The group imports none of
 them for ``--help`` and only the one invoked otherwise, so ``kadapt --help`` and
 ``kadapt validate`` never import torch or transformers.
+
+Errors reach the user as one line, never a traceback: a ``KadaptError`` prints ``error: ...`` and
+exits with its code (1, or 2 for usage); Ctrl-C (``KeyboardInterrupt``, wherever it lands: while
+importing torch, building a model, tracing or writing) prints ``interrupted`` and exits 130, the
+shell convention for SIGINT, after ``applied`` has taken its patches back and every atomic write in
+flight has removed its temp file (both run on the way out, in ``finally`` blocks).
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
+from typing import Any
 
 import click
 
@@ -42,12 +50,32 @@ class LazyGroup(click.Group):
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        try:
+            return super().make_context(*args, **kwargs)
+        except KeyboardInterrupt:  # while parsing the command line: still not click's "Aborted!"
+            _interrupted()
+            raise click.exceptions.Exit(INTERRUPTED) from None
+
     def invoke(self, ctx: click.Context):  # noqa: ANN201 - click's signature
         try:
             return super().invoke(ctx)
         except KadaptError as exc:
             click.echo(f"error: {exc}", err=True)
             ctx.exit(exc.exit_code)
+        except ModuleNotFoundError as exc:
+            package = (exc.name or "").split(".")[0]
+            if package not in MODEL_PACKAGES:
+                raise
+            click.echo(
+                f"error: kadapt {ctx.invoked_subcommand} needs {package}, which is not installed; "
+                "install the model extra: pip install torch==2.13.0 'kadapt[model]'",
+                err=True,
+            )
+            ctx.exit(1)
+        except KeyboardInterrupt:
+            _interrupted()
+            ctx.exit(INTERRUPTED)
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -61,5 +89,20 @@ def cli() -> None:
     """
 
 
+INTERRUPTED = 130  # 128 + SIGINT
+# Not core dependencies (`kadapt validate` and `plan` run without them): the `model` extra brings them.
+MODEL_PACKAGES = ("torch", "transformers")
+
+
+def _interrupted() -> None:
+    # on a terminal, start a fresh line after the echoed ``^C``
+    newline = "\n" if sys.stderr.isatty() else ""
+    click.echo(f"{newline}interrupted", err=True)
+
+
 def main() -> None:
-    cli(prog_name="kadapt")
+    try:
+        cli(prog_name="kadapt")
+    except KeyboardInterrupt:  # outside the group's ``invoke``: click's own parsing or teardown
+        _interrupted()
+        sys.exit(INTERRUPTED)
