@@ -553,3 +553,29 @@ def test_a_kv_layout_the_attention_cannot_have_is_a_located_error(tmp_path: Path
         ) as err:
             render_spec(load_spec(path), (target,))
         assert err.value.location is not None and err.value.location.startswith(str(path))
+
+
+def test_spec_text_cannot_escape_a_generated_docstring(tmp_path: Path) -> None:
+    """metadata.model is free text: it reaches generated Python only as inert docstring text."""
+    import importlib.util
+    import shutil
+
+    from click.testing import CliRunner
+
+    from kimi_adapter_core.cli import cli
+
+    shutil.copytree(REPO / "specs" / "llama", tmp_path / "llama")
+    payload = 'x""" + str(__import__("pathlib").Path("PWNED").touch()) + """\n'
+    text = (REPO / "specs" / "llama.yaml").read_text()
+    text = text.replace("  model: meta-llama/Llama-3.1-8B", f"  model: {json.dumps(payload)}")
+    (tmp_path / "llama.yaml").write_text(text)
+    result = CliRunner().invoke(
+        cli, ["generate", str(tmp_path / "llama.yaml"), "--out", str(tmp_path / "out")]
+    )
+    assert result.exit_code == 0, result.output
+    for module_path in (tmp_path / "out" / "adapters" / "llama").glob("*.py"):
+        spec = importlib.util.spec_from_file_location(f"hostile_{module_path.stem}", module_path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        assert 'x""" + str(__import__' in module.__doc__
+    assert not (Path.cwd() / "PWNED").exists() and not (tmp_path / "PWNED").exists()

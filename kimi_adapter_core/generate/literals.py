@@ -52,6 +52,16 @@ def md_code(value: Any) -> str:
     return "`" + text.replace("|", "\\|").replace("`", "'") + "`"
 
 
+def py_docstring_text(text: object) -> str:
+    """Spec text made inert inside a generated module's triple-quoted docstring.
+
+    Backslashes and quotes are escaped (no ``\"\"\"`` can close the docstring early) and line breaks
+    or other control characters become escapes, so the text stays one line of the docstring.
+    """
+    escaped = str(text).replace("\\", "\\\\").replace('"', '\\"')
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in escaped)
+
+
 def py_comment(text: str, indent: int = 0) -> str:
     """``text`` as ``# `` comment lines wrapped to the line length; continuation lines keep ``indent``.
 
