@@ -79,7 +79,12 @@ def test_pin_diff_write_and_drift(remote_spec):
     original = spec.read_text(encoding="utf-8")
     args = ["pin", str(spec), "--trust-remote-code", "--source-dir", str(model)]
     shown = run(*args)
-    assert shown.exit_code == 0 and "+    pin:" in shown.output and "source_sha256" in shown.output
+    assert (
+        shown.exit_code == 1
+        and "pins are stale" in shown.output
+        and "+    pin:" in shown.output
+        and "source_sha256" in shown.output
+    )
     assert spec.read_text(encoding="utf-8") == original  # no --write: untouched
     assert run(*args, "--write").exit_code == 0
     pinned = spec.read_text(encoding="utf-8")
@@ -98,3 +103,28 @@ def test_pin_diff_write_and_drift(remote_spec):
     )
     assert drift.exit_code == 1 and "upstream drift" in drift.output and "P10" in drift.output
     assert f"{spec}:" in drift.output  # points at the spec line
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["apply", "llama", "--device", "bogus"], "is not a torch device"),
+        (["simulate", "llama"], "one of: a100, atlas_800_a3, h100, h200, h800"),
+        (["simulate", "llama", "--device", "h200", "--query-len", "0"], "0 is not in the range"),
+        (["simulate", "llama", "--device", "h200", "--batch", "1000000000000"], "is not in the range"),
+        (["simulate", "llama", "--device", "h200", "--tp", "0"], "0 is not in the range"),
+    ],
+)
+def test_bad_command_line_values_are_usage_errors(args, message):
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_simulate_help_names_devices_that_exist():
+    from kimi_adapter_core.backends.simulation.device import known_devices
+
+    text = CliRunner().invoke(cli, ["simulate", "--help"]).output
+    listed = text.split("Device profile name:")[1].split("(see")[0]
+    names = [name.strip(" ,\n") for name in listed.replace("\n", " ").split(",")]
+    assert names and all(name in known_devices() for name in names)

@@ -84,11 +84,17 @@ def command(
     without: tuple[str, ...],
 ) -> None:
     """Apply SPEC behind its gate, build the model and run the chosen backend."""
+    import torch
+
     from ..loading import applied, load_model
     from ..patching.session import active_session
     from ..spec import load_spec
     from ..structure.derive import structure_of_config
 
+    try:
+        torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        raise UsageError(f"--device {device!r} is not a torch device (e.g. meta, cpu): {exc}") from exc
     spec = load_spec(spec_path)
     if without:
         try:

@@ -13,10 +13,13 @@ from typing import Any, TypeVar
 import click
 
 F = TypeVar("F", bound=Callable[..., Any])
+PARALLEL = click.IntRange(1, 1 << 16)  # devices per dimension: 0 or a typo's 1e12 is a usage error
 
 _OPTIONS = (
     click.option(
-        "--device", default=None, help="Device profile name (shipped or user; see docs/cost_model.md)."
+        "--device",
+        default=None,
+        help="Device profile name: a100, atlas_800_a3, h100, h200, h800 (see docs/cost_model.md).",
     ),
     click.option(
         "--device-file",
@@ -26,17 +29,17 @@ _OPTIONS = (
     ),
     click.option(
         "--tp",
-        type=int,
+        type=PARALLEL,
         default=1,
         show_default=True,
         help="Tensor-parallel size (attention heads, dense MLP, shared experts; KV heads are "
         "replicated once tp exceeds them).",
     ),
     click.option(
-        "--dp", type=int, default=1, show_default=True, help="Data-parallel groups (devices = tp x dp)."
+        "--dp", type=PARALLEL, default=1, show_default=True, help="Data-parallel groups (devices = tp x dp)."
     ),
     click.option(
-        "--ep", type=int, default=1, show_default=True, help="Expert-parallel size for routed experts."
+        "--ep", type=PARALLEL, default=1, show_default=True, help="Expert-parallel size for routed experts."
     ),
     click.option(
         "--quant",

@@ -16,6 +16,7 @@ from ..errors import KadaptError, UsageError
 from ..generate import ALL, TARGETS, check_all, expand_targets, render_spec, write_all
 from ..resources import shipped_dir
 from ..spec import load_spec
+from .spec_argument import SpecReference
 
 _SHIPPED_SUFFIXES = (".yaml", ".yml")
 
@@ -33,7 +34,7 @@ def default_out(spec_path: Path) -> Path:
 
 
 @click.command(name="generate")
-@click.argument("spec", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("spec", metavar="[SPEC]", required=False, type=SpecReference())
 @click.option(
     "--target",
     type=click.Choice([*TARGETS, ALL]),

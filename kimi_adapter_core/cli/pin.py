@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from ..errors import KadaptError
 from .source_options import source_options
 from .spec_argument import spec_argument
 
@@ -52,6 +53,7 @@ def command(
         click.echo(f"{spec_path}: {len(fresh)} pins up to date")
         return
     click.echo(diff, nl=False)
-    if write:
-        atomic_write_text(spec_path, new)
-        click.echo(f"wrote {len(fresh)} pins to {spec_path}")
+    if not write:  # stale pins are a finding (exit 1), like a failing lint
+        raise KadaptError(f"{spec_path}: pins are stale; review the patches, then run with --write")
+    atomic_write_text(spec_path, new)
+    click.echo(f"wrote {len(fresh)} pins to {spec_path}")

@@ -21,10 +21,11 @@ from ..backends.simulation.planner import make_plan
 from ..backends.simulation.report import plan_json, plan_text
 from ..spec import load_spec
 from .deployment_options import deployment_options
+from .spec_argument import spec_argument
 
 
 @click.command(name="plan")
-@click.argument("spec_path", metavar="SPEC", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@spec_argument()
 @deployment_options
 @click.option("--batch", type=int, default=1, show_default=True, help="Concurrent sequences (split over dp).")
 @click.option(

@@ -18,19 +18,31 @@ from ..backends.simulation.inputs import model_inputs
 from ..backends.simulation.parallel import Parallel
 from ..spec import load_spec
 from .deployment_options import deployment_options
+from .spec_argument import spec_argument
 
 
 @click.command(name="simulate")
-@click.argument("spec_path", metavar="SPEC", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@spec_argument()
 @deployment_options
 @click.option(
-    "--batch", type=int, default=1, show_default=True, help="Concurrent queries (global, split over dp)."
+    "--batch",
+    type=click.IntRange(1, 1 << 24),
+    default=1,
+    show_default=True,
+    help="Concurrent queries (global, split over dp).",
 )
 @click.option(
-    "--query-len", type=int, default=None, help="New tokens per query in a prefill step [default: 2048]."
+    "--query-len",
+    type=click.IntRange(1, 1 << 24),
+    default=None,
+    help="New tokens per query in a prefill step [default: 2048].",
 )
 @click.option(
-    "--context-len", type=int, default=0, show_default=True, help="Tokens already cached per query."
+    "--context-len",
+    type=click.IntRange(0, 1 << 24),
+    default=0,
+    show_default=True,
+    help="Tokens already cached per query.",
 )
 @click.option(
     "--mtp", type=int, default=0, show_default=True, help="MTP draft tokens verified per decode step."
@@ -86,7 +98,7 @@ def command(
     dep = Deployment(
         Parallel(tp=tp, dp=dp, ep=ep),
         batch,
-        1 if decode else (query_len or 2048),
+        1 if decode else (2048 if query_len is None else query_len),
         context_len,
         decode,
         mtp,

@@ -16,7 +16,7 @@ from typing import Any
 import jsonschema
 import yaml
 
-from ...errors import KadaptError
+from ...errors import KadaptError, UsageError
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "devices"
 USER_DIR = Path("~/.config/kadapt/devices").expanduser()
@@ -200,11 +200,11 @@ def get_device(name: str | None, device_file: str | Path | None = None) -> Devic
     """Resolve ``--device``/``--device-file``; an unknown name lists the known ones."""
     if device_file is not None:
         return load_device_file(device_file)
-    if not name:
-        raise KadaptError("no device given: use --device NAME or --device-file PATH")
     devices = known_devices()
+    names = ", ".join(sorted({d.name for d in devices.values()}))
+    if not name:
+        raise UsageError(f"no device given: use --device NAME (one of: {names}) or --device-file PATH")
     device = devices.get(name.lower())
     if device is None:
-        names = sorted({d.name for d in devices.values()})
-        raise KadaptError(f"unknown device {name!r}; known devices: {', '.join(names)}")
+        raise UsageError(f"unknown device {name!r}; known devices: {names}")
     return device
