@@ -24,8 +24,8 @@ _COMMON = ["--isolated", "--line-length", str(LINE_LENGTH), "--target-version", 
 def _ruff(args: list[str], path: Path, what: str) -> None:
     if importlib.util.find_spec("ruff") is None:
         raise KadaptError(
-            f"cannot format {what}: ruff is not installed (install it with `pip install ruff` "
-            "or the test extra `pip install kadapt[test]`)"
+            f"cannot format {what}: ruff is not installed (it comes with the model extra: "
+            "`pip install 'kadapt[model]'`)"
         )
     proc = subprocess.run(
         [sys.executable, "-m", "ruff", *args, *_COMMON, str(path)],
