@@ -81,6 +81,17 @@ def test_installed_wheel_outside_the_checkout(tmp_path: Path) -> None:
         )
         assert done.returncode == 0, done.stderr[-2000:]
         assert json.loads(done.stdout)["extraction"]["graphs"]["decode"]["nodes"] > 1000
+    generated = subprocess.run(
+        [kadapt, "generate", "llama", "--out", str(work / "gen")],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert generated.returncode == 0, generated.stderr
+    assert (work / "gen" / "adapters" / "llama" / "extraction.py").read_text() == (
+        REPO / "adapters" / "llama" / "extraction.py"
+    ).read_text()  # the wheel's templates and specs render what the checkout committed
     validated = subprocess.run(
         [kadapt, "validate", "--resolve", "llama"], cwd=work, env=env, capture_output=True
     )
