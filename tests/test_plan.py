@@ -202,7 +202,7 @@ def test_cli_plan_text_and_json(spec_path: Path) -> None:
     [
         (["--tp", "3"], 2, "attention heads"),
         (["--quant", "FP4"], 1, "not declared"),
-        (["--device", "tpu9"], 1, "known devices"),
+        (["--device", "tpu9"], 2, "known devices"),
     ],
 )
 def test_cli_plan_errors(spec_path: Path, args: list[str], code: int, message: str) -> None:
