@@ -344,9 +344,10 @@ def test_profile_imports_without_tensorcast_and_every_field_traces_to_the_spec(p
     assert profile["moe_module_name"] == "DeepseekV3MoE"
     assert profile["mla_module_name"] == "DeepseekV3Attention"
     assert profile["moe_num_experts_key"] == ["text_config", "n_routed_experts"]
-    assert profile["language_layers_path_str"] == spec.module_paths["language_layers"]
-    assert profile["visual_layers_path_str"] == spec.module_paths["vision_layers"]
-    assert profile["mla_field_names_override"] == {"q_proj": "q_a_proj", "qk_head_dim": "q_head_dim"}
+    # rooted at the class TensorCast builds (AutoModel: Kimi_K25Model), not kadapt's ForConditionalGeneration
+    assert profile_module.MODULE_PATHS["language_layers_path_str"] == "language_model.layers"
+    assert profile_module.MODULE_PATHS["visual_layers_path_str"] == "vision_tower.layers"
+    assert profile["mla_field_names_override"] == {}  # the native class uses TensorCast's own field names
     assert profile["moe_route_after_dp_transform"] is True
     assert profile["moe_gate_returns_raw_logits"] is False
 
@@ -424,6 +425,9 @@ def fake_tensorcast(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
         visual_layers_module_path: str | None = None
         visual_layers_path_str: str | None = None
         language_layers_path_str: str | None = None
+        patch_method: Any = None
+        custom_expert_module_type: Any = None
+        mla_module_class_type: Any = None
 
     registry_dict: dict[str, ModelProfile] = {}
 
@@ -460,7 +464,7 @@ def test_register_and_duplicate(profile_module: Any, monkeypatch: pytest.MonkeyP
     registry = fake_tensorcast(monkeypatch)
     profile = profile_module.register()
     assert registry.REGISTRY["kimi_k25"] is profile
-    assert profile.language_module_path == "model.language_model"
+    assert profile.language_module_path == "language_model"
     assert profile.hf_config_patch_method is profile_module.hf_config_patch_method
     with pytest.raises(ValueError, match="already has a ModelProfile for 'kimi_k25'.*replace_builtin"):
         profile_module.register()
@@ -474,7 +478,7 @@ def test_replace_builtin_swaps_for_the_block_and_restores(
     registry.register_model_profile(builtin)
     with profile_module.replace_builtin() as ours:
         assert registry.REGISTRY["kimi_k25"] is ours
-        assert ours.visual_layers_path_str == "model.vision_tower.layers"
+        assert ours.visual_layers_path_str == "vision_tower.layers"
     assert registry.REGISTRY["kimi_k25"] is builtin
 
 

@@ -71,7 +71,10 @@ def test_profile_carries_the_spec_and_stays_standalone(profile: Any) -> None:
     assert [s.id for s in profile.SHIMS] == ["P1", "P1b"]
     assert [p.id for p in profile.PATCHES] == SIM_PATCHES
     assert all(p.remote for p in profile.PATCHES)
-    assert profile.PROFILE["visual_layers_path_str"] == "vision_tower.encoder.blocks"
+    # remote code: TensorCast builds auto_map's class, the one module_paths are rooted at
+    assert profile.TENSORCAST_BUILDS == profile.KADAPT_BUILDS == "KimiK25ForConditionalGeneration"
+    assert profile.MODULE_PATHS["visual_layers_path_str"] == "vision_tower.encoder.blocks"
+    assert profile.MODULE_PATHS["language_layers_path_str"] == "language_model.model.layers"
     assert profile.installed_patches() == []  # importing installs nothing
 
 

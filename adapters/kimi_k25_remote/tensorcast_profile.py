@@ -5,9 +5,10 @@ change the spec and regenerate.
 
 TensorCast (``tensor_cast``, not on PyPI) keys its model knowledge by ``model_type`` in a
 ``ModelProfile`` registry. This module states that profile as plain data (``PROFILE``, every value
-taken from the spec) plus ``hf_config_patch_method``, which performs the spec's config bridges on
-the hub config before TensorCast builds the model -- only for configs of model_type
-'kimi_k25', checked on every call.
+taken from the spec, and ``MODULE_PATHS``, the spec's module paths rooted at the
+KimiK25ForConditionalGeneration that TensorCast builds) plus ``hf_config_patch_method``, which
+performs the spec's config bridges on the hub config before TensorCast builds the model -- only for
+configs of model_type 'kimi_k25', checked on every call.
 
 After the bridges it installs the spec's environment shims (P1, P1b) and
 simulation patches (P4, P5, P6, P7, P7b, P8, P10, P11, P14) --
@@ -17,9 +18,26 @@ idempotent, every patched method checks per call that its receiver belongs to a 
 model (any other model sharing the class gets the original), and ``remove_patches()`` restores
 every original and removes the injected symbols.
 
+The profile checks itself and fails loudly. TensorCast only logs an exception raised by
+``hf_config_patch_method`` and skips, with a ``PatchReport`` entry alone, a module swap whose module
+lacks a field; so ``hf_config_patch_method`` records its failure and ``patch_method`` (TensorCast's
+post-load hook, whose exceptions propagate) raises it, then checks the model TensorCast built: its
+class, every module path, every field each declared swap needs (MLA DeepseekV3Attention, MoE
+DeepseekV3MoE). After TensorCast's swaps ``verify_swaps`` checks they all happened. ``register()``,
+``replace_builtin()`` and every hook first check that the installed transformers is in the range the
+spec was written against (>=5.23,<6).
+
 Importing this module never imports TensorCast. There is no plugin entry point, so import it before
 TensorCast's CLI runs, then either ``register()`` (no builtin profile for 'kimi_k25' yet) or
-``with replace_builtin(): ...`` (TensorCast ships its own and it must step aside).
+``with replace_builtin(): ...`` (TensorCast ships its own and it must step aside). Or run
+``python tensorcast_profile.py [--replace-builtin] MODEL_DIR ...`` from TensorCast's tree root: its
+``text_generate`` CLI with this profile registered.
+
+TensorCast swaps DeepseekV3Attention for its own MLA module, which this model's code calls its own
+way; the profile's MLA module (``mla_module_class_type``) bridges that: it returns the 3 values the
+decoder unpacks, takes the kwargs TensorCast passed to the model from where the model's ``forward``
+stashes them (``_extra_forward_kwargs``), and supplies the rotary position embeddings the decoder
+does not pass (neutral ones: TensorCast prices shapes, on the meta device).
 
 The patch runtime that works without kadapt: patch-kind behaviours, shims, per-call gating.
 (embedded below, verbatim)
@@ -32,9 +50,12 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import operator
+import os
 import re
 import sys
 import threading
+import typing
 import weakref
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
@@ -57,6 +78,14 @@ PROFILE: dict[str, Any] = {
     "mtp_block_module_name": None,  # backends.simulation.mtp_module_name
     "mla_module_name": "DeepseekV3Attention",  # mla.attention_class
     "mla_field_names_override": {"q_proj": "q_a_proj", "qk_head_dim": "q_head_dim"},  # mla.field_renames
+}
+
+# TensorCast builds transformers' AutoModel class for the config (AutoModelForCausalLM only when
+# that fails); kadapt's module_paths are rooted at the class kadapt builds.
+TENSORCAST_BUILDS = "KimiK25ForConditionalGeneration"
+KADAPT_BUILDS = "KimiK25ForConditionalGeneration"
+# ModelProfile path fields: the spec's module_paths, rooted at TENSORCAST_BUILDS.
+MODULE_PATHS: dict[str, str] = {
     "language_module_path": "language_model",  # module_paths.language_model
     "language_layers_path_str": "language_model.model.layers",  # module_paths.language_layers
     "visual_module_path": "vision_tower",  # module_paths.vision_tower
@@ -64,7 +93,62 @@ PROFILE: dict[str, Any] = {
     "visual_layers_path_str": "vision_tower.encoder.blocks",  # module_paths.vision_layers
 }
 
+# Versions the spec was written against (requires), checked before anything runs.
+REQUIRES: dict[str, str] = {"transformers": ">=5.23,<6"}
+
+# The declared swaps, by TensorCast's pass name: the class swapped, TensorCast's config attribute,
+# TensorCast field -> this model's attribute (field_renames applied), TensorCast's optional fields,
+# the fields the spec renames.
+SWAPS: dict[str, dict[str, Any]] = {
+    "MLA": {
+        "fields": {
+            "config": "config",
+            "kv_a_layernorm": "kv_a_layernorm",
+            "kv_a_proj_with_mqa": "kv_a_proj_with_mqa",
+            "kv_b_proj": "kv_b_proj",
+            "kv_lora_rank": "kv_lora_rank",
+            "layer_idx": "layer_idx",
+            "num_heads": "num_heads",
+            "o_proj": "o_proj",
+            "q_a_layernorm": "q_a_layernorm",
+            "q_a_proj": "q_a_proj",
+            "q_b_proj": "q_b_proj",
+            "q_lora_rank": "q_lora_rank",
+            "q_proj": "q_a_proj",
+            "qk_head_dim": "q_head_dim",
+            "qk_nope_head_dim": "qk_nope_head_dim",
+            "qk_rope_head_dim": "qk_rope_head_dim",
+            "v_head_dim": "v_head_dim",
+        },
+        "module": "DeepseekV3Attention",
+        "optional": ["kv_b_proj", "q_a_layernorm", "q_a_proj", "q_b_proj", "q_proj"],
+        "renamed": ["q_proj", "qk_head_dim"],
+        "tensorcast_config": "mla_config",
+    },
+    "MoE": {
+        "experts_layout": "per_expert",
+        "fields": {
+            "experts": "experts",
+            "gate": "gate",
+            "norm_topk_prob": "norm_topk_prob",
+            "shared_experts": "shared_experts",
+            "shared_experts_gate": "shared_experts_gate",
+            "top_k": "top_k",
+        },
+        "module": "DeepseekV3MoE",
+        "num_experts_key": ["text_config", "n_routed_experts"],
+        "optional": ["norm_topk_prob", "shared_experts", "shared_experts_gate", "top_k"],
+        "renamed": [],
+        "tensorcast_config": "moe_config",
+    },
+}
+# How TensorCast's attention module must be called for this model.
+BRIDGE: dict[str, Any] = {"arity": 3, "stash": "_extra_forward_kwargs"}
+ATTENTION_MODULE = "tensor_cast.layers.mla"
+
 REGISTRY_MODULE = "tensor_cast.transformers.custom_model_registry"
+# How errors name this profile (its import name may be anything, "__main__" included).
+ADAPTER = "TensorCast profile kimi_k25_remote (model_type kimi_k25)"
 _MISSING = object()
 _PATH_STEP = re.compile(r"\[(-?\d+)\]|([^.\[\]]+)")
 
@@ -142,6 +226,28 @@ def _importable(module: str) -> bool:
         return False
 
 
+class ProfileError(RuntimeError):
+    """This profile does not fit the environment or the model TensorCast built; says what and why."""
+
+
+def check_environment() -> None:
+    """Raise ``ProfileError`` unless the installed packages are in the spec's ``requires`` range."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    for package, wanted in REQUIRES.items():
+        try:
+            found = __import__(package).__version__
+        except ImportError as exc:
+            raise ProfileError(f"{ADAPTER} needs {package} {wanted}, which is not installed") from exc
+        if not SpecifierSet(wanted).contains(Version(found), prereleases=True):
+            raise ProfileError(
+                f"{ADAPTER} was generated for {package} {wanted} (requires.{package} of its spec), "
+                f"found {package} {found}: class names, module paths and fields may differ; "
+                f"install {package}{wanted}"
+            )
+
+
 def gate_matches(hf_config: Any) -> bool:
     """True for a config this adapter is for: its model_type matches, and no sub-config names a
     model_type the spec does not accept (a raw hub mapping may leave a sub-config's type out)."""
@@ -154,16 +260,26 @@ def gate_matches(hf_config: Any) -> bool:
     return True
 
 
-def hf_config_patch_method(hf_config: Any, model_id: str | None = None) -> Any:
-    """Apply the spec's simulation config bridges to ``hf_config`` in place and return it.
+# id(config) -> (config, the exception hf_config_patch_method raised for it, or None)
+_STATE: dict[int, tuple[Any, BaseException | None]] = {}
 
-    The gate runs on every call: a config of another model_type is returned untouched, so one
-    registered profile can never edit another model's config.
-    For a matching config it then installs ``SHIMS`` and ``PATCHES`` (once per process, whatever
-    the number of calls); remote-code targets are loaded from ``model_id`` (hub id or local dir).
-    """
-    if not gate_matches(hf_config):
-        return hf_config
+
+def _expected_class(hf_config: Any) -> str | None:
+    """Name of the class TensorCast will build for ``hf_config`` (None when it cannot be told)."""
+    auto_map = _lookup(hf_config, "auto_map")
+    if isinstance(auto_map, Mapping):
+        for key in ("AutoModel", "AutoModelForCausalLM"):
+            if key in auto_map:
+                return str(auto_map[key]).rpartition(".")[2]
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+    except ImportError:
+        return None
+    return MODEL_MAPPING_NAMES.get(_lookup(hf_config, "model_type"))
+
+
+def _apply_spec(hf_config: Any, model_id: str | None) -> None:
+    """The spec's config bridges, then its shims and patches."""
     # P2 (rewrite): flash_attention_2 cannot run without flash_attn; fall back to eager attention.
     if _lookup(hf_config, "text_config._attn_implementation") == "flash_attention_2" and not _importable(
         "flash_attn"
@@ -185,7 +301,277 @@ def hf_config_patch_method(hf_config: Any, model_id: str | None = None) -> Any:
     # P12b (copy): Same as P12 for the shared-expert count.
     _copy(hf_config, "text_config.n_shared_experts", "n_shared_experts", fallback=1)
     _RUNTIME.install(hf_config, model_id)
+
+
+def hf_config_patch_method(hf_config: Any, model_id: str | None = None) -> Any:
+    """Apply the spec's simulation config bridges to ``hf_config`` in place and return it.
+
+    The gate runs on every call: a config of another model_type is returned untouched, so one
+    registered profile can never edit another model's config.
+    For a matching config it then installs ``SHIMS`` and ``PATCHES`` (once per process, whatever
+    the number of calls); remote-code targets are loaded from ``model_id`` (hub id or local dir).
+    TensorCast only logs what this raises, so a failure is also kept for ``patch_method``.
+    """
+    if not gate_matches(hf_config):
+        return hf_config
+    try:
+        check_environment()
+        _apply_spec(hf_config, model_id)
+        expected = _expected_class(hf_config)
+        if expected is not None and expected != TENSORCAST_BUILDS:
+            raise ProfileError(
+                f"TensorCast will build {expected} for this config; this profile's module paths are "
+                f"rooted at {TENSORCAST_BUILDS}"
+            )
+    except Exception as exc:
+        _STATE[id(hf_config)] = (hf_config, exc)
+        raise
+    _STATE[id(hf_config)] = (hf_config, None)
     return hf_config
+
+
+# -- checks against the model TensorCast built ------------------------------------------------------
+
+
+def _fields_of(field_names: Any) -> dict[str, Any]:
+    """TensorCast's field-names dataclass of one swap as ``{fields, optional}`` (``SWAPS``' shape)."""
+    import dataclasses
+
+    fields, optional = {}, []
+    for field in dataclasses.fields(field_names):
+        fields[field.name] = getattr(field_names, field.name)
+        hint = typing.get_type_hints(type(field_names)).get(field.name)
+        if type(None) in typing.get_args(hint):  # Optional[str]: the module may lack it
+            optional.append(field.name)
+    return {"fields": fields, "optional": optional}
+
+
+def _readable(path: str) -> str:
+    """A module path as the model names it: without TensorCast's ``_inner`` wrapper steps."""
+    return ".".join(step for step in path.split(".") if step != "_inner")
+
+
+def _modules_of(root: Any, class_name: str) -> list[tuple[str, Any]]:
+    return [(name, module) for name, module in root.named_modules() if type(module).__name__ == class_name]
+
+
+def _experts_layout(experts: Any) -> str | None:
+    """``per_expert`` (a list of modules), ``stacked`` (3-D [num_experts, ...] weights) or None."""
+    import torch
+
+    if isinstance(experts, torch.nn.ModuleList):
+        return "per_expert"
+    if any(p.dim() == 3 for p in experts.parameters(recurse=False)):
+        return "stacked"
+    return None
+
+
+def _experts_count(experts: Any) -> int:
+    import torch
+
+    if isinstance(experts, torch.nn.ModuleList):
+        return len(experts)
+    return int(getattr(experts, "num_experts", 0) or next(p.shape[0] for p in experts.parameters()))
+
+
+def check_model(hf_model: Any, fields: Mapping[str, Mapping[str, Any]] | None = None) -> list[str]:
+    """What in ``hf_model`` (the model TensorCast built, unwrapped) contradicts this profile.
+
+    The built class, every ``MODULE_PATHS`` entry, and for each declared swap: that modules of its
+    class exist and have every field TensorCast requires and every field the spec renames
+    (``fields``: TensorCast's own field names per swap, else ``SWAPS``); routed experts laid out as
+    declared, as many as ``moe_num_experts_key`` says. Empty when all is well.
+    """
+    problems = []
+    built = type(hf_model).__name__
+    if built != TENSORCAST_BUILDS:
+        problems.append(f"TensorCast built a {built}; the module paths are rooted at a {TENSORCAST_BUILDS}")
+    for field, path in MODULE_PATHS.items():
+        try:
+            found = operator.attrgetter(path)(hf_model)
+        except AttributeError as exc:
+            problems.append(f"{field} = {path!r} does not resolve in the {built}: {exc}")
+            continue
+        if field.endswith("layers_path_str") and not len(found):
+            problems.append(f"{field} = {path!r} is an empty {type(found).__name__}")
+    for label, swap in SWAPS.items():
+        names = (fields or {}).get(label) or swap
+        found = _modules_of(hf_model, swap["module"])
+        if not found:
+            classes = ", ".join(sorted({type(m).__name__ for _, m in hf_model.named_modules()}))
+            problems.append(f"{label}: no {swap['module']} module in the {built}; its classes: {classes}")
+            continue
+        required = {
+            name: attr
+            for name, attr in names["fields"].items()
+            if attr is not None and (name not in names["optional"] or name in swap["renamed"])
+        }
+        lacking: dict[tuple[str, ...], list[tuple[str, Any]]] = {}
+        for path, module in found:
+            missing = tuple(
+                f"{a} (its {n})" if a != n else a for n, a in required.items() if not hasattr(module, a)
+            )
+            if missing:
+                lacking.setdefault(missing, []).append((_readable(path), module))
+        for missing, where in lacking.items():
+            (first, module), more = where[0], len(where) - 1
+            has = ", ".join(sorted(n for n in {*vars(module), *module._modules} if not n.startswith("_")))
+            problems.append(
+                f"{label}: {first}{f' (and {more} more)' if more else ''}, a {swap['module']}, lacks "
+                f"{', '.join(missing)}, so TensorCast would skip its swap; it has: {has}"
+            )
+        if "experts_layout" in swap:
+            problems += _check_experts(hf_model, swap, names, found[0])
+    return problems
+
+
+def _check_experts(hf_model: Any, swap: Mapping[str, Any], names: Mapping[str, Any], found: Any) -> list[str]:
+    path, module = found
+    attr = names["fields"].get("experts") or "experts"
+    experts = getattr(module, attr, None)
+    if experts is None:
+        return []
+    problems = []
+    layout, where = _experts_layout(experts), f"{_readable(path)}.{attr}"
+    if layout != swap["experts_layout"]:
+        problems.append(
+            f"{where} is a {type(experts).__name__} laid out {layout or 'neither way'}; the spec declares "
+            f"experts_layout {swap['experts_layout']!r}"
+        )
+    key = swap["num_experts_key"]
+    count = _lookup(getattr(hf_model, "config", None), ".".join([key] if isinstance(key, str) else key))
+    if count is _MISSING or count != _experts_count(experts):
+        shown = "nothing" if count is _MISSING else count
+        problems.append(f"moe_num_experts_key {key!r} gives {shown}; {where} holds {_experts_count(experts)}")
+    return problems
+
+
+def _problems_text(what: str, problems: list[str]) -> str:
+    return f"{ADAPTER}: {what}:\n  - " + "\n  - ".join(problems)
+
+
+def patch_method(model: Any) -> None:
+    """TensorCast's post-load hook: raise what ``hf_config_patch_method`` could only log, check the
+    model TensorCast built against this profile, and have TensorCast's swaps checked once done."""
+    config = getattr(model, "hf_config", None)
+    if config is None or not gate_matches(config):
+        raise ProfileError(
+            f"{ADAPTER} is registered for model_type {MODEL_TYPE!r} but this config fails its gate "
+            f"(model_type {GATE_MODEL_TYPE!r}, sub-configs {GATE_SUB_CONFIGS}): the spec does not apply"
+        )
+    record = _STATE.get(id(config))
+    if record is None:
+        raise ProfileError(f"{ADAPTER}: hf_config_patch_method never ran on this config before the build")
+    if record[1] is not None:
+        raise ProfileError(
+            f"{ADAPTER}: hf_config_patch_method failed before TensorCast built the model (TensorCast "
+            f"only logged it): {type(record[1]).__name__}: {record[1]}"
+        ) from record[1]
+    check_environment()
+    problems, fields = [], {}
+    for label, swap in SWAPS.items():
+        config_of_swap = getattr(getattr(model, "model_config", None), swap["tensorcast_config"], None)
+        if config_of_swap is None:
+            problems.append(f"{label}: TensorCast has no {swap['tensorcast_config']} for {MODEL_TYPE!r}")
+        else:
+            fields[label] = _fields_of(config_of_swap.field_names)
+    hf_model = model.unwrap()
+    problems += check_model(hf_model, fields)
+    if problems:
+        raise ProfileError(
+            _problems_text(f"the {type(hf_model).__name__} TensorCast built does not fit", problems)
+        )
+    owner = weakref.ref(hf_model)
+    for _, module in _modules_of(hf_model, SWAPS["MLA"]["module"]):
+        vars(module)["_kadapt_stash_owner"] = owner  # where the bridged attention finds the kwargs
+    load_weights = model.load_weights
+
+    def verify_then_load_weights(*args: Any, **kwargs: Any) -> Any:
+        # TensorCast calls load_weights() right after its module swaps.
+        problems = verify_swaps(model)
+        if problems:
+            raise ProfileError(_problems_text("TensorCast did not make every declared swap", problems))
+        return load_weights(*args, **kwargs)
+
+    model.load_weights = verify_then_load_weights
+
+
+def verify_swaps(model: Any) -> list[str]:
+    """What TensorCast's own ``PatchReport``s say went wrong with the declared swaps."""
+    reports = {report.pass_name: report for report in getattr(model, "patch_reports", None) or []}
+    problems = []
+    for label, swap in SWAPS.items():
+        report = reports.get(label)
+        if report is None:
+            problems.append(f"{label}: TensorCast made no {label} pass (no PatchReport)")
+            continue
+        if not report.replaced_modules:
+            problems.append(f"{label}: TensorCast replaced no {swap['module']} module")
+        for issue in report.skipped_modules:
+            missing = ", ".join(issue.missing_fields)
+            skipped = f"{issue.module_name} ({issue.module_type})"
+            problems.append(f"{label}: TensorCast skipped {skipped}: {issue.reason} {missing}")
+        left = sorted(set(report.matched_modules) - set(report.replaced_modules))
+        if left and not report.skipped_modules:
+            problems.append(f"{label}: TensorCast left {', '.join(left)} in place")
+    return problems
+
+
+# -- TensorCast's MLA module, called the way this model calls attention -----------------------------
+
+
+def _bridge_kwargs(attention: Any) -> dict[str, Any]:
+    """The kwargs TensorCast passed to the model, from where the model's forward stashed them."""
+    owner = vars(attention._inner).get("_kadapt_stash_owner")
+    model = owner() if owner is not None else None
+    stashed = getattr(model, "_extra_forward_kwargs", None) or {}
+    return {key: value for key, value in stashed.items() if value is not None}
+
+
+def _neutral_rope(attention: Any, hidden_states: Any) -> tuple[Any, Any]:
+    """cos = 1, sin = 0 shaped ``[batch, seq, qk_rope_head_dim]``: what the decoder does not pass."""
+    if hidden_states.device.type != "meta":
+        raise ProfileError(f"{ADAPTER}: neutral rotary embeddings are for meta-device simulation only")
+    shape = (*hidden_states.shape[:-1], attention.qk_rope_head_dim)
+    return hidden_states.new_ones(shape), hidden_states.new_zeros(shape)
+
+
+def _pad_or_trim(result: Any, arity: int | None) -> Any:
+    if arity is None:
+        return result
+    values = tuple(result) if isinstance(result, tuple) else (result,)
+    return values[:arity] + (None,) * (arity - len(values))
+
+
+_ATTENTION_CLASS: list[type] = []
+
+
+def _attention_class() -> type:
+    """TensorCast's MLA module class, taught this model's attention call (created once)."""
+    if not _ATTENTION_CLASS:
+        import importlib
+
+        base = importlib.import_module(ATTENTION_MODULE).MultiheadLatentAttentionTensorCast
+
+        class BridgedMultiheadLatentAttention(base):  # type: ignore[misc, valid-type]
+            def forward(
+                self,
+                hidden_states: Any,
+                position_embeddings: Any = None,
+                attention_mask: Any = None,
+                *args: Any,
+                **kwargs: Any,
+            ) -> Any:
+                for key, value in _bridge_kwargs(self).items():
+                    kwargs.setdefault(key, value)
+                if position_embeddings is None:
+                    position_embeddings = _neutral_rope(self, hidden_states)
+                result = super().forward(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+                return _pad_or_trim(result, BRIDGE["arity"])
+
+        BridgedMultiheadLatentAttention.__qualname__ = "BridgedMultiheadLatentAttention"
+        _ATTENTION_CLASS.append(BridgedMultiheadLatentAttention)
+    return _ATTENTION_CLASS[0]
 
 
 def remove_patches() -> list[str]:
@@ -766,6 +1152,9 @@ PATCHES: tuple[ClassPatch, ...] = (
 _RUNTIME = PatchRuntime("kimi_k25_remote", gate_matches, SHIMS, PATCHES)
 
 
+# -- registering with TensorCast ---------------------------------------------------------------------
+
+
 def _registry() -> Any:
     try:
         import tensor_cast.transformers.custom_model_registry as registry
@@ -778,13 +1167,21 @@ def _registry() -> Any:
 
 
 def model_profile() -> Any:
-    """A TensorCast ``ModelProfile`` built from ``PROFILE`` and ``hf_config_patch_method``."""
-    return _registry().ModelProfile(**PROFILE, hf_config_patch_method=hf_config_patch_method)
+    """A TensorCast ``ModelProfile``: ``PROFILE``, ``MODULE_PATHS`` and this module's hooks."""
+    return _registry().ModelProfile(
+        **PROFILE,
+        **MODULE_PATHS,
+        hf_config_patch_method=hf_config_patch_method,
+        patch_method=patch_method,
+        custom_expert_module_type=None,  # backends.simulation.experts_layout: per_expert
+        mla_module_class_type=_attention_class(),
+    )
 
 
 def register() -> Any:
     """Register the profile; fails loudly when TensorCast already has one for this model_type."""
     registry = _registry()
+    check_environment()
     try:
         return registry.register_model_profile(model_profile())
     except ValueError as exc:
@@ -802,5 +1199,39 @@ def replace_builtin() -> Iterator[Any]:
     afterwards (when there was none, this profile stays registered, as after ``register()``).
     """
     registry = _registry()
+    check_environment()
     with registry.ignore_model_profiles([MODEL_TYPE]):
         yield registry.register_model_profile(model_profile())
+
+
+def _load_text_generate() -> Any:
+    try:
+        from cli.inference import text_generate
+    except ImportError:
+        sys.path.insert(0, os.getcwd())
+        try:
+            from cli.inference import text_generate
+        except ImportError as exc:
+            raise ImportError(f"run {ADAPTER} from TensorCast's tree root (cli/inference/): {exc}") from exc
+    return text_generate
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``[--replace-builtin] MODEL_DIR ...``: TensorCast's ``text_generate`` with this profile."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    replace = "--replace-builtin" in args
+    if replace:
+        args.remove("--replace-builtin")
+    check_environment()
+    text_generate = _load_text_generate()
+    sys.argv = ["text_generate", *args]
+    if replace:
+        with replace_builtin():
+            text_generate.main()
+    else:
+        register()
+        text_generate.main()
+
+
+if __name__ == "__main__":
+    main()

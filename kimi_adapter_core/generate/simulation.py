@@ -5,9 +5,23 @@ the spec leaves out is left out too, so TensorCast's own default applies rather 
 model (no ``moe`` section) gets no MoE fields and a model without an ``mla`` section no MLA module:
 the profile claims only the swaps the spec declares.
 
+Module paths are the exception: a spec's ``module_paths`` are rooted at the model kadapt builds
+(``loading.load_model``: the first of transformers' image-text-to-text / causal-LM / base auto
+classes that knows the config), while TensorCast builds ``AutoModel`` (its
+``AutoModelConfigLoader.try_to_load_model``, ``AutoModelForCausalLM`` only when that fails). For a
+native config that is the base model kadapt's model holds at ``base_model_prefix``, so the profile
+gets each path re-rooted there (``PATH_FIELDS``; ``model.language_model.layers`` becomes
+``language_model.layers``). Remote code names its classes in ``auto_map``; both build the class
+``auto_map`` names, or the target cannot be generated.
+
 A spec with environment shims or simulation patches also gets the patch runtime
 (``patching/portable.py``, embedded verbatim) plus its shims and patches as data, with each
 implementation's own source embedded; ``hf_config_patch_method`` installs them behind the gate.
+
+Every profile checks itself, loudly, where TensorCast cannot swallow it: the transformers range of
+``requires.transformers``, and -- once TensorCast has built the model -- the class it built, every
+module path, and every field each declared MLA/MoE swap needs (``TENSORCAST_MLA_FIELDS``,
+``TENSORCAST_MOE_FIELDS``); after TensorCast's swaps it checks they all happened.
 """
 
 from __future__ import annotations
@@ -15,9 +29,11 @@ from __future__ import annotations
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from ..config.source import resolve_source
 from ..errors import KadaptError
 from ..patching import portable
 from ..patching.impls import resolve_impl
+from ..patching.remote import uses_remote_code
 from ..patching.targets import parse_target
 from ..spec.model import Spec
 from .bridges import bridge_context
@@ -34,6 +50,19 @@ TEMPLATE_NAMES = frozenset(
     | {"gate_matches", "hf_config_patch_method", "remove_patches", "installed_patches", "model_profile"}
     | {"register", "replace_builtin", "_registry", "_RUNTIME", "_MISSING", "_PATH_STEP", "_steps"}
     | {"_child", "_lookup", "_parent", "_assign", "_rename", "_copy", "_set_default", "_importable"}
+    | {
+        "MODULE_PATHS",
+        "REQUIRES",
+        "TENSORCAST_BUILDS",
+        "KADAPT_BUILDS",
+        "SWAPS",
+        "BRIDGE",
+        "ATTENTION_MODULE",
+    }
+    | {"ProfileError", "check_environment", "check_model", "patch_method", "verify_swaps", "main"}
+    | {"_STATE", "_expected_class", "_fields_of", "_modules_of", "_experts_layout", "_experts_count"}
+    | {"_problems_text", "_load_text_generate", "_bridge_kwargs", "_neutral_rope", "_pad_or_trim"}
+    | {"_attention_class", "_ATTENTION_CLASS", "_apply_spec", "_check_experts", "ADAPTER", "_readable"}
 )
 
 # ModelProfile field -> spec entry it is copied from (TensorCast msmodeling 0.2.0 field names).
@@ -46,12 +75,52 @@ PROFILE_FIELDS: tuple[tuple[str, str], ...] = (
     ("mtp_block_module_name", "backends.simulation.mtp_module_name"),
     ("mla_module_name", "mla.attention_class"),
     ("mla_field_names_override", "mla.field_renames"),
-    ("language_module_path", "module_paths.language_model"),
-    ("language_layers_path_str", "module_paths.language_layers"),
-    ("visual_module_path", "module_paths.vision_tower"),
-    ("visual_layers_module_path", "module_paths.vision_layers"),
-    ("visual_layers_path_str", "module_paths.vision_layers"),
 )
+# ModelProfile path field -> module_paths key it is re-rooted from (at the class TensorCast builds).
+PATH_FIELDS: tuple[tuple[str, str], ...] = (
+    ("language_module_path", "language_model"),
+    ("language_layers_path_str", "language_layers"),
+    ("visual_module_path", "vision_tower"),
+    ("visual_layers_module_path", "vision_layers"),
+    ("visual_layers_path_str", "vision_layers"),
+)
+# TensorCast's MlaFieldNames / MoEFieldNames (msmodeling 0.2.0, tensor_cast/model_config.py):
+# field -> required. A swap whose module lacks a required field is skipped with only a PatchReport
+# entry; optional ones (``Optional[str]`` there) may be absent. ``q_proj`` or all three of
+# ``q_a_proj``/``q_b_proj``/``q_a_layernorm`` must be named (MlaFieldNames.__post_init__).
+TENSORCAST_MLA_FIELDS: dict[str, bool] = {
+    "config": True,
+    "layer_idx": True,
+    "num_heads": True,
+    "q_lora_rank": True,
+    "qk_nope_head_dim": True,
+    "qk_rope_head_dim": True,
+    "qk_head_dim": True,
+    "kv_lora_rank": True,
+    "v_head_dim": True,
+    "q_proj": False,
+    "q_a_proj": False,
+    "q_b_proj": False,
+    "kv_a_proj_with_mqa": True,
+    "kv_b_proj": False,
+    "o_proj": True,
+    "q_a_layernorm": False,
+    "kv_a_layernorm": True,
+}
+TENSORCAST_MOE_FIELDS: dict[str, bool] = {
+    "gate": True,
+    "experts": True,
+    "shared_experts": False,
+    "shared_experts_gate": False,
+    "top_k": False,
+    "norm_topk_prob": False,
+}
+# How routed experts hold their weights (backends.simulation.experts_layout) -> TensorCast's
+# custom_expert_module_type: its default (MoeExpertMLP) splits stacked [num_experts, ...] weights
+# into per-expert modules and fails on a per-expert ModuleList, which must be left alone (None).
+EXPERTS_LAYOUTS = ("stacked", "per_expert")
+# auto_map keys, in the order TensorCast tries them (AutoModel, then AutoModelForCausalLM).
+TENSORCAST_AUTO_KEYS = ("AutoModel", "AutoModelForCausalLM")
 
 
 def _has(raw: dict[str, Any], dotted: str) -> bool:
@@ -69,6 +138,183 @@ def profile_fields(spec: Spec) -> list[dict[str, Any]]:
         if _has(spec.raw, source):
             fields.append({"name": name, "value": lookup(spec.raw, source), "source": source})
     return fields
+
+
+# -- which class TensorCast builds, and where kadapt's module paths sit in it ------------------------
+
+
+def _remote_roots(spec: Spec) -> dict[str, Any]:
+    from ..patching.remote import _MODEL_AUTO_KEYS
+
+    try:
+        raw = resolve_source(spec).raw
+    except KadaptError as exc:
+        raise cannot(spec, TARGET, exc.message, "source") from exc
+    auto_map = raw.get("auto_map") or {}
+    ours = next((auto_map[k] for k in _MODEL_AUTO_KEYS if k in auto_map), None)
+    theirs = next((auto_map[k] for k in TENSORCAST_AUTO_KEYS if k in auto_map), None)
+    if ours is None or theirs is None:
+        raise cannot(spec, TARGET, "the remote config's auto_map names no model class", "source")
+    if ours != theirs:
+        raise cannot(
+            spec,
+            TARGET,
+            f"TensorCast builds auto_map's {theirs} and kadapt's module_paths are rooted at {ours}",
+            "module_paths",
+        )
+    name = ours.rpartition(".")[2]
+    return {"tensorcast": name, "kadapt": name, "prefix": "", "remote": True}
+
+
+def _native_roots(spec: Spec) -> dict[str, Any]:
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from ..loading import _AUTO_CLASSES
+
+    model_type = spec.gate.model_type
+    try:
+        raw = resolve_source(spec).raw
+        model_type = raw.get("model_type") or model_type
+    except KadaptError:
+        pass
+    if model_type not in CONFIG_MAPPING:
+        raise cannot(
+            spec, TARGET, f"transformers {transformers.__version__} has no model_type {model_type!r}"
+        )
+    config_class = CONFIG_MAPPING[model_type]
+
+    def mapped(auto_name: str) -> type | None:
+        mapping = getattr(transformers, auto_name)._model_mapping
+        return mapping[config_class] if config_class in mapping else None
+
+    ours = next((c for c in map(mapped, _AUTO_CLASSES) if c is not None), None)
+    theirs = mapped("AutoModel") or mapped("AutoModelForCausalLM")
+    if ours is None or theirs is None:
+        raise cannot(spec, TARGET, f"transformers has no model class for {config_class.__name__}")
+    prefix = "" if ours is theirs else ours.base_model_prefix
+    return {"tensorcast": theirs.__name__, "kadapt": ours.__name__, "prefix": prefix, "remote": False}
+
+
+def tensorcast_roots(spec: Spec) -> dict[str, Any]:
+    """``{tensorcast, kadapt, prefix, remote}``: the class TensorCast builds, the one kadapt builds
+    and the attribute path of the former inside the latter (``""`` when they are the same)."""
+    return _remote_roots(spec) if uses_remote_code(spec) else _native_roots(spec)
+
+
+def rebase(path: str, prefix: str) -> str | None:
+    """``path`` (rooted at kadapt's model) seen from the submodule at ``prefix``; None outside it."""
+    if not prefix:
+        return path
+    if path == prefix:
+        return ""
+    return path[len(prefix) + 1 :] if path.startswith(prefix + ".") else None
+
+
+def path_fields(spec: Spec, roots: dict[str, Any]) -> list[dict[str, Any]]:
+    """``[{name, value, source}]`` for the ModelProfile path fields, re-rooted at TensorCast's model.
+
+    A language model that *is* TensorCast's root gets no ``language_module_path`` (TensorCast reads
+    an empty path as "no separate language model", its text-only default).
+    """
+    fields = []
+    for name, key in PATH_FIELDS:
+        if key not in spec.module_paths:
+            continue
+        path = spec.module_paths[key]
+        value = rebase(path, roots["prefix"])
+        if value is None:
+            raise cannot(
+                spec,
+                TARGET,
+                f"module_paths.{key} = {path!r} is outside {roots['prefix']!r}, the {roots['tensorcast']} "
+                f"that TensorCast builds",
+                f"module_paths.{key}",
+            )
+        if not value and name == "language_module_path":
+            continue
+        if not value:
+            raise cannot(
+                spec,
+                TARGET,
+                f"module_paths.{key} = {path!r} is the whole {roots['tensorcast']}, not a submodule",
+                f"module_paths.{key}",
+            )
+        source = f"module_paths.{key}" + (f", under {roots['prefix']}" if roots["prefix"] else "")
+        fields.append({"name": name, "value": value, "source": source})
+    return fields
+
+
+# -- the declared swaps ------------------------------------------------------------------------------
+
+
+def _swap(fields: dict[str, bool], renames: dict[str, str]) -> dict[str, Any]:
+    return {
+        "fields": {name: renames.get(name, name) for name in fields},
+        "optional": sorted(n for n, required in fields.items() if not required),
+        "renamed": sorted(renames),
+    }
+
+
+def swaps_context(spec: Spec) -> dict[str, dict[str, Any]]:
+    """The swaps the spec declares, keyed by TensorCast's pass name (its ``PatchReport.pass_name``):
+    class, TensorCast's config attribute, field -> attribute, optional fields, renamed fields."""
+    swaps: dict[str, dict[str, Any]] = {}
+    if spec.mla:
+        renames = dict(spec.mla.get("field_renames") or {})
+        unknown = sorted(set(renames) - set(TENSORCAST_MLA_FIELDS))
+        if unknown:
+            raise cannot(
+                spec, TARGET, f"mla.field_renames names {unknown}, which TensorCast has no field for", "mla"
+            )
+        swaps["MLA"] = {
+            "module": spec.mla["attention_class"],
+            "tensorcast_config": "mla_config",
+            **_swap(TENSORCAST_MLA_FIELDS, renames),
+        }
+    if spec.moe:
+        layout = spec.backend_options(TARGET).get("experts_layout", "stacked")
+        if layout not in EXPERTS_LAYOUTS:  # the schema refuses it first
+            raise cannot(spec, TARGET, f"experts_layout {layout!r} is none of {EXPERTS_LAYOUTS}")
+        swaps["MoE"] = {
+            "module": spec.moe["moe_class"],
+            "tensorcast_config": "moe_config",
+            **_swap(TENSORCAST_MOE_FIELDS, {}),
+            "experts_layout": layout,
+            "num_experts_key": spec.moe["num_experts_key"],
+        }
+    return swaps
+
+
+def _bridge_context(spec: Spec, roots: dict[str, Any]) -> dict[str, Any] | None:
+    """What TensorCast's MLA module must do for a model whose own code calls attention its way.
+
+    Derived from the spec's simulation patches: an ``adapt_return`` on the MLA class's ``forward``
+    says how many values the model's decoder unpacks (TensorCast's MLA returns two), and a ``wrap``
+    of the built class's ``forward`` that stashes extra kwargs says where the kwargs TensorCast
+    passes to the model (``attention_meta``, ``kv_cache_by_layers``, ...) end up. Such a model's
+    decoder also passes no rotary ``position_embeddings``; the bridge supplies them.
+    """
+    if not spec.mla:
+        return None
+    arity, stash = None, None
+    for patch in spec.patches:
+        if TARGET not in patch.backends:
+            continue
+        ref = parse_target(patch.target)
+        if ref.attr != "forward" or len(ref.owner_path) != 1:
+            continue
+        owner = ref.owner_path[0]
+        if patch.kind == "adapt_return" and owner == spec.mla["attention_class"]:
+            arity = patch.options.get("arity")
+        if patch.kind == "wrap" and owner == roots["tensorcast"] and patch.options.get("stash_extra_as"):
+            stash = patch.options["stash_extra_as"]
+    if arity is None and stash is None:
+        return None
+    return {"arity": arity, "stash": stash}
+
+
+# -- shims and patches -------------------------------------------------------------------------------
 
 
 def _embed(spec: Spec, embedded: EmbeddedCallables, impl: str, who: str, where: str) -> str:
@@ -146,11 +392,18 @@ def _runtime_context(spec: Spec) -> dict[str, Any]:
 def render_simulation(spec: Spec) -> list[Rendered]:
     require(spec, TARGET, "module_paths")
     fields = profile_fields(spec)
+    roots = tensorcast_roots(spec)
+    requires = {k: v for k, v in spec.requires.items() if k == "transformers"}
     context = {
         "spec": spec_identity(spec),
         "gate": gate_context(spec),
         "model_type": next(f["value"] for f in fields if f["name"] == "model_type"),
         "profile": fields,
+        "paths": path_fields(spec, roots),
+        "roots": roots,
+        "requires": requires,
+        "swaps": swaps_context(spec),
+        "bridge": _bridge_context(spec, roots),
         **bridge_context(spec, backend=TARGET, target=TARGET),
         **_runtime_context(spec),
     }
