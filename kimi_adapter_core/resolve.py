@@ -67,13 +67,10 @@ def _short_model_overrides(spec: Spec) -> dict[str, Any]:
 
     raw = resolve_source(spec).raw
     structure = structure_of_raw(spec, raw)
-    kinds_seen: set[str] = set()
-    keep = structure.num_layers
+    first_of_kind: dict[str, int] = {}
     for layer in structure.layers:
-        kinds_seen.add(layer.mlp)
-        if len(kinds_seen) == len({layer.mlp for layer in structure.layers}):
-            keep = layer.index + 1
-            break
+        first_of_kind.setdefault(layer.mlp, layer.index)
+    keep = max(first_of_kind.values()) + 1
     key = text_config_key(spec, isinstance(raw.get("text_config"), dict))
     prefix = f"{key}." if key else ""
     return {prefix + structure.keys["num_layers"]: keep}

@@ -309,6 +309,7 @@ def _verify_in(
     options: ExtractionOptions,
     config: Any,
     text_config: Any,
+    structure: ModelStructure,
     dtype: str,
     report: VerifyReport,
     echo: Callable[[str], Any],
@@ -327,7 +328,7 @@ def _verify_in(
             dtype=dtype,
             structure=None,
         )
-        small = bind_structure(small, derive_structure(text_config, spec))
+        small = bind_structure(small, structure)
         torch.manual_seed(0)
         with applied(spec, backend="extraction"):
             model = load_model(spec, device="cpu", config=config, dtype=torch_dtype).eval()
@@ -370,7 +371,8 @@ def verify(spec: Spec, options: ExtractionOptions, *, echo: Callable[[str], Any]
     text_config = getattr(config, spec.abi.config) if spec.abi is not None and spec.abi.config else config
     if text_config.num_hidden_layers < 2:
         raise KadaptError("verify needs a tiny model with at least 2 decoder layers")
-    bound = bind_structure(dataclasses.replace(options, structure=None), derive_structure(text_config, spec))
+    structure = derive_structure(text_config, spec)
+    bound = bind_structure(dataclasses.replace(options, structure=None), structure)
     report = VerifyReport(
         bound.kv_layout or "", options.verify_tolerance, bound.mla_attention, bound.attention_label
     )
@@ -378,6 +380,6 @@ def verify(spec: Spec, options: ExtractionOptions, *, echo: Callable[[str], Any]
         if dtype != "float32" and bound.mla_attention == "absorbed":
             report.notes.append(ABSORBED_LOW_PRECISION)
             continue
-        _verify_in(spec, options, config, text_config, dtype, report, echo)
+        _verify_in(spec, options, config, text_config, structure, dtype, report, echo)
     report.seconds = time.perf_counter() - start
     return report
