@@ -297,7 +297,8 @@ def test_simulate_every_family(name: str, decode: bool) -> None:
         else run(spec, tp=8, ep=ep, batch=2, query_len=1024, context_len=0, decode=False)
     )
     rows = sim.rows()
-    assert sim.step_time > 0 and all(r.time > 0 for r in rows)
+    # decode hides shared experts behind the routed path (priced 0, bound "overlapped")
+    assert sim.step_time > 0 and all(r.time > 0 or r.bound == "overlapped" for r in rows)
     assert sum(r.time for r in rows) == pytest.approx(sim.step_time)
     names = {r.name for r in rows}
     if s.attention.is_mla:
@@ -314,7 +315,7 @@ def test_simulate_every_family(name: str, decode: bool) -> None:
     assert sum(r.count for r in rows if r.name == "tp_all_reduce") == 2 * s.num_layers
     if moe:
         assert row(sim, "grouped_gemm(routed_experts)").count == s.n_moe_layers
-        assert {"ep_dispatch(all_to_all)", "ep_combine(all_to_all)"} <= names
+        assert not any(n.startswith("ep_") for n in names)  # EP 8 inside TP 8: no all-to-all
     else:
         assert not any("experts" in n or n.startswith("ep_") for n in names)
     assert sim.model == s.describe()
@@ -334,8 +335,9 @@ def test_llama_decode_attention_by_hand() -> None:
         b * kv * 2 * dim * 2,
     )
     assert attention.bytes == 32 * (cache_read + q_and_out + cache_write)
-    q_proj = next(r for r in sim.rows() if r.module == "dense_layer.self_attn.q_proj")
-    assert q_proj.flops == 32 * 2 * b * 4096 * heads * dim  # the traced projection at per-rank width
+    qkv = next(r for r in sim.rows() if r.name == "mm(q_proj+k_proj+v_proj)")  # one merged GEMM
+    assert qkv.module == "dense_layer.self_attn"
+    assert qkv.flops == 32 * 2 * b * 4096 * (heads + 2 * kv) * dim  # the traced projections at per-rank width
     assert sim.memory.kv_cache == 32 * (8192 + 1) * 32 * kv * 2 * dim * 2
 
 
@@ -379,7 +381,9 @@ def test_qwen3_traces_one_moe_layer() -> None:
 
 def test_deepseek_fp8_checkpoint_dispatches_8bit_activations() -> None:
     spec = shipped("deepseek_v3")
-    fp8, bf16 = run(spec, tp=8, ep=8, context_len=4096), run(spec, tp=8, ep=8, context_len=4096, quant="BF16")
+    # attention DP 8 with EP 8: tokens travel by all-to-all
+    fp8 = run(spec, tp=1, dp=8, ep=8, batch=64, context_len=4096)
+    bf16 = run(spec, tp=1, dp=8, ep=8, batch=64, context_len=4096, quant="BF16")
     assert row(fp8, "ep_dispatch(all_to_all)").time < row(fp8, "ep_combine(all_to_all)").time
     assert row(bf16, "ep_dispatch(all_to_all)").time == pytest.approx(
         row(bf16, "ep_combine(all_to_all)").time

@@ -1,8 +1,10 @@
 """``kadapt simulate SPEC``: estimate one prefill or decode step with a roofline over traced ops.
 
 Options mirror TensorCast's text_generate (device, queries, query/context length, tp/dp/ep, quant,
-MTP, --decode). Exit 0 with a ``WARNING:`` line when the deployment does not fit in device memory -
-the timing is still informative - and a ``KadaptError`` for sizes that cannot be laid out at all.
+MTP, --decode), plus the routing imbalance and the cost model (``--cost-model measured`` reads
+NVIDIA AIConfigurator's measured kernel tables when the ``measured`` extra is installed). Exit 0
+with a ``WARNING:`` line when the deployment does not fit in device memory - the timing is still
+informative - and a ``KadaptError`` for sizes that cannot be laid out at all.
 """
 
 from __future__ import annotations
@@ -56,6 +58,28 @@ from .spec_argument import spec_argument
 )
 @click.option("--decode", is_flag=True, help="Simulate a decode step (1 + mtp tokens per query).")
 @click.option(
+    "--routing",
+    type=click.Choice(["power-law", "uniform"]),
+    default="power-law",
+    show_default=True,
+    help="Token spread over routed experts: power-law (real routers, measured slowdown) or uniform.",
+)
+@click.option(
+    "--cost-model",
+    type=click.Choice(["roofline", "measured"]),
+    default="roofline",
+    show_default=True,
+    help="roofline: kadapt's roofline with the device's kernel-efficiency table; measured: look GEMM, "
+    "attention, MoE and collectives up in AIConfigurator's tables (extra 'measured'), roofline elsewhere.",
+)
+@click.option(
+    "--framework",
+    type=click.Choice(["trtllm", "sglang", "vllm"]),
+    default="trtllm",
+    show_default=True,
+    help="Serving framework whose measured tables --cost-model measured reads.",
+)
+@click.option(
     "--top", type=int, default=25, show_default=True, help="Rows of the op table in text output (0: all)."
 )
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
@@ -81,6 +105,9 @@ def command(
     mtp_acceptance: float,
     kv_dtype: str,
     decode: bool,
+    routing: str,
+    cost_model: str,
+    framework: str,
     top: int,
     fmt: str,
     trace_path: Path | None,
@@ -104,9 +131,15 @@ def command(
         mtp,
         mtp_acceptance,
         kv_dtype,
+        routing.replace("-", "_"),
     )
     dep.check(inputs.arch.structure)
-    sim = simulate(inputs, spec, dep, profile)
+    if cost_model == "measured":  # fail before the trace: a missing extra or an unmeasured device
+        from ..backends.simulation.aiconfigurator import require, system_for
+
+        require()
+        system_for(profile.name)
+    sim = simulate(inputs, spec, dep, profile, cost_model=cost_model, framework=framework)
     if trace_path is not None:
         atomic_write_text(trace_path, json.dumps(chrome_trace(sim)))
     click.echo(json.dumps(sim_json(sim), indent=2) if fmt == "json" else sim_text(sim, top or None))

@@ -3,7 +3,9 @@
 ``query_len`` is the number of new tokens each query feeds in this step and ``context_len`` the tokens
 already in its KV cache. A decode step feeds ``1 + mtp`` tokens per query (the next token plus the
 MTP drafts being verified); a prefill step feeds ``query_len`` tokens on top of ``context_len`` cached
-ones (chunked prefill / prefix-cache hits).
+ones (chunked prefill / prefix-cache hits). ``routing`` says how tokens spread over the routed experts:
+``power_law`` (real routers without expert-load balancing: a few hot experts set the busiest rank's
+time, priced by the factor measured in the kernel table) or ``uniform`` (a perfectly balanced load).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 from ...errors import UsageError
 from ...structure.model import ModelStructure
 from .parallel import Parallel
+
+ROUTINGS = ("power_law", "uniform")
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,7 @@ class Deployment:
     mtp: int = 0
     mtp_acceptance: float = 0.7
     kv_dtype: str = "bf16"
+    routing: str = "power_law"  # power_law | uniform
 
     @property
     def tokens_per_query(self) -> int:
@@ -57,6 +62,8 @@ class Deployment:
             raise UsageError(f"--mtp must be >= 0 (got {self.mtp})")
         if self.mtp and not self.decode:
             raise UsageError("--mtp applies to decode steps; add --decode")
+        if self.routing not in ROUTINGS:
+            raise UsageError(f"routing must be one of {', '.join(ROUTINGS)} (got {self.routing!r})")
         if not 0 <= self.mtp_acceptance <= 1:
             raise UsageError(f"--mtp-acceptance must be in [0, 1] (got {self.mtp_acceptance})")
         if self.context_len + self.tokens_per_query > s.max_positions:

@@ -3,7 +3,9 @@
 Shipped profiles live in ``devices/``. Users add their own without touching the package: a file given
 with ``--device-file``, or any ``*.yaml`` in ``~/.config/kadapt/devices`` or in the directories listed
 in ``$KADAPT_DEVICE_PATH`` (user files shadow shipped ones of the same name). Every section carries a
-``source`` string so a reader can check where each number came from.
+``source`` string so a reader can check where each number came from. ``kernels: NAME`` names a
+kernel-efficiency table (``kernels/NAME.yaml``, see ``kernels.py``) that replaces the flat efficiencies
+by measured ones per op kind, dtype and shape.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ DEVICE_SCHEMA: dict[str, Any] = {
         "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]+$"},
         "aliases": {"type": "array", "items": {"type": "string"}},
         "description": {"type": "string"},
+        "kernels": {"type": "string", "pattern": "^[A-Za-z0-9_.-]+$"},
         "memory": {
             "type": "object",
             "additionalProperties": False,
@@ -108,6 +111,7 @@ class Device:
     op_overhead: float  # seconds per kernel
     links: tuple[Link, ...]  # narrowest group first
     path: Path
+    kernels: str | None = None  # kernel-efficiency table (kernels/<name>.yaml); None: flat efficiencies
 
     def peak(self, dtype: str) -> float:
         """Peak for ``dtype``; a dtype the device lacks runs at the next wider one (int4 → int8 → bf16)."""
@@ -163,6 +167,7 @@ def parse_device(data: Any, path: Path) -> Device:
         op_overhead=data["op_overhead_us"]["value"] * 1e-6,
         links=tuple(links),
         path=path,
+        kernels=data.get("kernels"),
     )
 
 

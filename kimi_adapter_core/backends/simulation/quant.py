@@ -44,6 +44,16 @@ class WeightFormat:
         return self.bits / 8 + scales
 
     @property
+    def kernel(self) -> str:
+        """The kernel family a matmul on this weight runs (the key of the efficiency tables):
+        bf16 | fp32 | fp8 (per-tensor) | fp8_block | int8 | w4a16 (Marlin-like) | w4a8."""
+        if self.bits == 4:
+            return "w4a8" if self.compute in ("int8", "fp8") else "w4a16"
+        if self.compute == "fp8":
+            return "fp8_block" if self.group_size else "fp8"
+        return self.compute
+
+    @property
     def eight_bit_activations(self) -> bool:
         """Matmuls take 8-bit activations (A8 modes, FP8 checkpoints): EP dispatch sends 1 B/elem."""
         return self.compute in ("int8", "fp8")

@@ -22,11 +22,11 @@ The kernels a serving runtime runs replace the eager Hugging Face code in three 
   ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``) and the rope helpers
   of the attention class's own module.
 - Routed experts: the experts module (``moe.experts_class``, else the module holding the stacked
-  ``[num_experts, ...]`` expert weights) is priced analytically as grouped GEMMs over a uniform
-  token split (each rank computes batch*tokens*top_k/EP token-expert pairs), with the weight bytes
-  of the experts actually touched.
-- Collectives: 2 TP all-reduces per layer, EP dispatch + combine per MoE layer, vocab-parallel
-  embedding all-reduce and logits all-gather.
+  ``[num_experts, ...]`` expert weights) is priced analytically as grouped GEMMs over a balanced
+  token split (each rank computes tokens*top_k/TP token-expert pairs), with the weight bytes of the
+  experts actually touched; the deployment's routing (uniform or power-law) scales it in ``cost.py``.
+- Collectives: 2 TP all-reduces per layer, EP dispatch + combine per MoE layer when the EP group
+  spans more than one TP group, vocab-parallel embedding all-reduce and logits all-gather.
 
 The whole model is built, a vision tower included (at its shipped size: ~0.1 s on meta), because
 that is what ``load_model`` builds for the spec: the model class, remote code rules, the gate claim
@@ -205,6 +205,22 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
+def _attention_attrs(
+    kind: str, dep: Deployment, b: int, s: int, heads: int, kv_read: float
+) -> dict[str, Any]:
+    """What the efficiency tables and the measured cost model key an attention kernel by."""
+    return {
+        "kernel": kind,
+        "decode": dep.decode,
+        "batch": b,
+        "seq": s,
+        "past": dep.context_len,
+        "heads": heads,
+        "kv_bytes": kv_read,
+        "kv_dtype": dep.kv_dtype,
+    }
+
+
 class AttentionKernel:
     """Fused attention of MHA/GQA/MQA layers, priced analytically (FlashAttention / FlashDecoding
     style); registered as a transformers attention implementation while the trace runs.
@@ -243,19 +259,24 @@ class AttentionKernel:
         if self.dep.decode:
             reads = [min(past + s, w or past + s) for w in kind.windows]
             pairs = _mean([b * heads * s * r for r in reads])
-            nbytes = _mean([b * r * per_token for r in reads]) + 2 * b * s * heads * (hd + vd) + write
+            kv_read = _mean([b * r * per_token for r in reads])
+            nbytes = kv_read + 2 * b * s * heads * (hd + vd) + write
             name = "attention_decode"
         else:
             pairs = _mean([b * heads * attended_pairs(past, s, w) for w in kind.windows])
             keys = _mean([min(past, w or past) + s for w in kind.windows])
-            nbytes = 2 * b * s * heads * (hd + vd) + b * keys * per_token + write
+            kv_read = b * keys * per_token
+            nbytes = 2 * b * s * heads * (hd + vd) + kv_read + write
             name = "flash_attention_prefill"
+        window = max((w or 0) for w in kind.windows)
         self.rec.analytic(
             name,
             "attention",
             flops=2 * pairs * hd + 2 * pairs * vd,
             nbytes=nbytes,
             shapes=f"B{b} H{heads} KV{kv} q{s} ctx{past + s}",
+            attrs=_attention_attrs("gqa", self.dep, b, s, heads, kv_read)
+            | {"kv_heads": kv, "head_dim": hd, "window": window},
         )
         return query.new_empty(b, s, heads, vd), None
 
@@ -350,22 +371,26 @@ class RankMLA(nn.Module):
         heads, nope, rope, v_dim, rank = self.heads, self.nope, self.rope, self.v_dim, self.rank
         w = self.kv_b_proj.weight.view(heads, nope + v_dim, rank)
         q_h = q_nope.permute(1, 0, 2, 3).reshape(heads, b * s, nope)
-        q_latent = torch.bmm(q_h, w[:, :nope, :])  # [H, B*S, kv_lora]
+        with self.rec.tagged("mla_bmm_pre"):
+            q_latent = torch.bmm(q_h, w[:, :nope, :])  # [H, B*S, kv_lora]
         reads = [min(context, w or context) for w in self.kind.windows]
         pairs = _mean([b * heads * s * r for r in reads])
+        kv_read = _mean([b * r * (rank + rope) * self.kv_bytes for r in reads])
         self.rec.analytic(
             "mla_decode_attention",
             "attention",
             flops=2 * pairs * (rank + rope) + 2 * pairs * rank,
-            nbytes=_mean([b * r * (rank + rope) * self.kv_bytes for r in reads])
+            nbytes=kv_read
             + q_latent.numel() * 2
             + q_rot.numel() * 2
             + heads * b * s * rank * 2
             + cache_write,
             shapes=f"B{b} H{heads} q{s} ctx{context}",
+            attrs=_attention_attrs("mla", self.dep, b, s, heads, kv_read),
         )
         o_latent = q_latent.new_empty(heads, b * s, rank)
-        out = torch.bmm(o_latent, w[:, nope:, :].transpose(1, 2))  # [H, B*S, v]
+        with self.rec.tagged("mla_bmm_post"):
+            out = torch.bmm(o_latent, w[:, nope:, :].transpose(1, 2))  # [H, B*S, v]
         return out.view(heads, b, s, v_dim).permute(1, 2, 0, 3).reshape(b, s, heads * v_dim)
 
     def _prefill(self, kv_nope: torch.Tensor, b: int, s: int, context: int, cache_write: int) -> torch.Tensor:
@@ -376,13 +401,14 @@ class RankMLA(nn.Module):
         past = context - s
         pairs = _mean([b * heads * attended_pairs(past, s, w) for w in self.kind.windows])
         keys = _mean([min(past, w or past) + s for w in self.kind.windows])
+        kv_read = 2 * b * keys * heads * (qk + v_dim)
         self.rec.analytic(
             "flash_attention_prefill",
             "attention",
             flops=2 * pairs * qk + 2 * pairs * v_dim,
-            nbytes=2 * (b * s * heads * qk + b * keys * heads * (qk + v_dim) + b * s * heads * v_dim)
-            + cache_write,
+            nbytes=2 * (b * s * heads * qk + b * s * heads * v_dim) + kv_read + cache_write,
             shapes=f"B{b} H{heads} q{s} ctx{context}",
+            attrs=_attention_attrs("mla", self.dep, b, s, heads, kv_read),
         )
         return kv_nope.new_empty(b, s, heads * v_dim)
 
@@ -391,7 +417,15 @@ class RoutedExperts(nn.Module):
     """Stands in for the model's routed-experts module: records EP dispatch, the grouped GEMMs, EP combine.
 
     Called as transformers' experts modules are: ``(hidden_states, top_k_index, top_k_weights)``,
-    hidden states flattened to ``[tokens, hidden]``."""
+    hidden states flattened to ``[tokens, hidden]``.
+
+    Work per rank: every device runs experts, so each computes ``tokens * top_k / tp`` token-expert
+    pairs on average (the DP groups' tokens spread over all devices; TP ranks of a group share
+    theirs). Layout: when the EP group fits inside a TP group (``ep <= tp``), every rank already
+    holds all of its group's tokens after the attention all-reduce, runs them through its local
+    experts and the MLP all-reduce sums the partial outputs - TensorRT-LLM's (and SGLang's/vLLM's
+    non-DeepEP) layout, with no dispatch or combine. Otherwise tokens travel by all-to-all
+    (DeepEP-style, see ``cost.py``)."""
 
     def __init__(self, s: ModelStructure, rec: Recorder, dep: Deployment, fmt: WeightFormat) -> None:
         super().__init__()
@@ -402,18 +436,24 @@ class RoutedExperts(nn.Module):
         moe, hidden, par = self.s.moe, self.s.hidden_size, self.dep.parallel
         assert moe is not None
         tokens = hidden_states.shape[0]  # this rank's attention-side tokens
-        pairs = tokens * par.dp * moe.top_k / par.ep  # uniform split of every token-expert pair
+        pairs = tokens * moe.top_k / par.tp  # balanced split of every token-expert pair over the devices
         local = moe.num_experts // par.ep
         touched = local * (1 - (1 - 1 / local) ** pairs)  # expected experts hit by uniform routing
         width = moe.expert_intermediate_size
         per_expert = 3 * hidden * width
-        sent = tokens / par.tp * moe.top_k * hidden  # payload; cost.py splits it by destination
+        all_to_all = par.ep > par.tp
+        sent = tokens / par.tp  # tokens each rank sends (TP ranks of a group split their shared tokens)
         dispatch_bytes = 1 if self.fmt.eight_bit_activations else 2  # 8-bit activations are dispatched
-        if par.ep > 1:
+        comm = {"collective": "all_to_all", "group": par.ep, "tokens": sent, "top_k": moe.top_k}
+        if all_to_all:
             self.rec.analytic(
                 "ep_dispatch(all_to_all)",
                 "comm",
-                comm={"collective": "all_to_all", "bytes": sent * dispatch_bytes, "group": par.ep},
+                comm=comm
+                | {
+                    "bytes": sent * moe.top_k * hidden * dispatch_bytes,
+                    "token_bytes": hidden * dispatch_bytes,
+                },
             )
         self.rec.analytic(
             "grouped_gemm(routed_experts)",
@@ -422,12 +462,24 @@ class RoutedExperts(nn.Module):
             nbytes=touched * per_expert * self.fmt.bytes_per_param + pairs * (2 * hidden + 3 * width) * 2,
             compute=self.fmt.compute,
             shapes=f"pairs{pairs:.0f} experts{local} hit{touched:.1f}",
+            attrs={
+                "kernel": self.fmt.kernel,
+                "pairs": pairs,
+                "pairs_per_expert": pairs / local,
+                "routing": self.dep.routing,
+                "tokens": pairs * par.ep / moe.top_k,  # AIConfigurator's num_tokens for this rank's share
+                "hidden": hidden,
+                "width": width,
+                "top_k": moe.top_k,
+                "experts": moe.num_experts,
+                "ep": par.ep,
+            },
         )
-        if par.ep > 1:
+        if all_to_all:
             self.rec.analytic(
                 "ep_combine(all_to_all)",
                 "comm",
-                comm={"collective": "all_to_all", "bytes": sent * 2, "group": par.ep},
+                comm=comm | {"bytes": sent * moe.top_k * hidden * 2, "token_bytes": hidden * 2},
             )
         return hidden_states
 

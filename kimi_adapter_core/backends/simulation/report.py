@@ -231,6 +231,14 @@ def sim_json(sim: Simulation) -> dict[str, Any]:
         "context_len": d.context_len,
         "mtp": d.mtp,
         "mtp_acceptance": d.mtp_acceptance,
+        "routing": d.routing,
+        "cost_model": {
+            "name": sim.cost_model,
+            "sources": {
+                source: {"kernels": count, "time_s": time, "percent": 100 * time / step}
+                for source, (count, time) in sim.sources().items()
+            },
+        },
         "step_time_s": step,
         "output_tokens_per_step": d.output_tokens,
         "tokens_per_s": d.output_tokens / step,
@@ -246,6 +254,7 @@ def sim_json(sim: Simulation) -> dict[str, Any]:
                 "bound": r.bound,
                 "flops": r.flops,
                 "bytes": r.bytes,
+                "source": r.source,
             }
             for r in sim.rows()
         ],
@@ -268,22 +277,29 @@ def sim_text(sim: Simulation, top: int | None = None) -> str:
             f"{r.time * 1e3:.3f}",
             f"{100 * r.time / step:.1f}",
             r.bound,
+            r.source,
         ]
         for r in shown
     ]
     lines = [
         f"kadapt simulate: {_phase(sim)} on {sim.device.name}  tp={p.tp} dp={p.dp} ep={p.ep} "
         f"({p.devices} devices)  batch={d.batch} query_len={d.tokens_per_query} context_len={d.context_len}"
-        f"  weights={sim.quant}" + (f"  mtp={d.mtp}@{d.mtp_acceptance:g}" if d.mtp else ""),
+        f"  weights={sim.quant}  routing={d.routing}"
+        + (f"  mtp={d.mtp}@{d.mtp_acceptance:g}" if d.mtp else ""),
         f"model: {sim.model}",
         "",
-        _table(["scope", "module", "op", "count", "ms", "%", "bound"], table, text_columns=3),
+        _table(["scope", "module", "op", "count", "ms", "%", "bound", "source"], table, text_columns=3),
     ]
     if top and len(rows) > top:
         rest = sum(r.time for r in rows[top:])
         lines.append(f"... {len(rows) - top} more rows, {rest * 1e3:.3f} ms ({100 * rest / step:.1f}%)")
+    sources = ", ".join(
+        f"{source} {count} kernels {100 * time / step:.1f}%"
+        for source, (count, time) in sim.sources().items()
+    )
     lines += [
         "",
+        f"cost model           {sim.cost_model}: {sources}",
         f"step time            {step * 1e3:10.3f} ms",
         f"tokens per step      {d.output_tokens:10.1f}",
         f"tokens/s (total)     {d.output_tokens / step:10.1f}",

@@ -1,8 +1,12 @@
 """``kadapt simulate``: trace the per-rank model, price every kernel, size the memory, report.
 
 This module joins the pieces: spec → structure, parameter inventory and weight-format policy → per-rank trace
-(``rank_model``) → fused kernels (``tracer.fuse``) → roofline prices (``cost``) → a ``Simulation``
-holding the per-op table, the step time, tokens/s per device and the per-device memory breakdown.
+(``rank_model``) → fused kernels (``tracer.fuse``) → prices → a ``Simulation`` holding the per-op
+table, the step time, tokens/s per device and the per-device memory breakdown. Two cost models:
+``roofline`` (``cost.price``: the roofline scaled by the device's kernel-efficiency table) and
+``measured`` (each GEMM, attention, routed-expert and collective looked up in AIConfigurator's
+measured tables for the device, ``aiconfigurator.MeasuredPricer``; the roofline prices what they
+lack, and every op says where its price came from).
 """
 
 from __future__ import annotations
@@ -10,14 +14,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ...errors import KadaptError
 from ...spec.model import Spec
-from .cost import Priced, price
+from .cost import Priced, overlap_shared_experts, price
 from .deployment import Deployment
 from .device import Device
 from .inputs import ModelInputs
 from .planner import Memory, activation_bytes, kv_sizing, memory, weight_lines
 from .rank_model import trace_rank
 from .tracer import fuse
+
+COST_MODELS = ("roofline", "measured")
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,7 @@ class OpRow:
     bound: str
     flops: float  # all occurrences
     bytes: float
+    source: str = "roofline"  # where the price came from (see ``cost.Priced.source``)
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,7 @@ class Simulation:
     memory: Memory
     warnings: tuple[str, ...]
     model: str = ""  # the structure's one-line description
+    cost_model: str = "roofline"  # roofline | measured
 
     @property
     def step_time(self) -> float:
@@ -56,14 +65,26 @@ class Simulation:
         table: dict[tuple[str, str, str], list[Any]] = {}
         for k in self.kernels:
             key = (k.op.scope, k.op.module, k.op.name)
-            row = table.setdefault(key, [0, 0.0, {}, 0.0, 0.0])
+            row = table.setdefault(key, [0, 0.0, {}, 0.0, 0.0, {}])
             row[0] += k.op.repeat
             row[1] += k.total
             row[2][k.bound] = row[2].get(k.bound, 0.0) + k.total
             row[3] += k.op.flops * k.op.repeat
             row[4] += k.op.bytes * k.op.repeat
-        rows = [OpRow(s, m, n, c, t, max(b, key=b.get), f, y) for (s, m, n), (c, t, b, f, y) in table.items()]
+            row[5][k.source] = row[5].get(k.source, 0.0) + k.total + 1e-30
+        rows = [
+            OpRow(s, m, n, c, t, max(b, key=b.get), f, y, max(src, key=src.get))
+            for (s, m, n), (c, t, b, f, y, src) in table.items()
+        ]
         return sorted(rows, key=lambda r: r.time, reverse=True)
+
+    def sources(self) -> dict[str, tuple[int, float]]:
+        """Per price source: (kernels, seconds of the step)."""
+        out: dict[str, tuple[int, float]] = {}
+        for k in self.kernels:
+            count, time = out.get(k.source, (0, 0.0))
+            out[k.source] = (count + 1, time + k.total)
+        return out
 
 
 def simulate(
@@ -73,13 +94,32 @@ def simulate(
     device: Device,
     *,
     warnings: tuple[str, ...] = (),
+    cost_model: str = "roofline",
+    framework: str = "trtllm",
 ) -> Simulation:
     """Price one prefill or decode step of ``dep`` on ``device``; the per-rank model is built from
-    ``spec`` (its bridges and patches for backend ``simulation``), sized by ``inputs``."""
+    ``spec`` (its bridges and patches for backend ``simulation``), sized by ``inputs``.
+    ``cost_model="measured"`` looks ops up in AIConfigurator's ``framework`` tables for ``device``."""
     s = inputs.arch.structure
     dep.check(s)
+    if cost_model not in COST_MODELS:
+        raise KadaptError(f"unknown cost model {cost_model!r} (known: {', '.join(COST_MODELS)})")
+    measured = None
+    if cost_model == "measured":
+        from .aiconfigurator import MeasuredPricer, require, system_for
+
+        require()
+        measured = MeasuredPricer(system_for(device.name), framework)
     rec, trace_notes = trace_rank(spec, inputs, dep)
-    kernels = tuple(price(op, device) for op in fuse(rec.ops))
+    priced = []
+    for op in fuse(rec.ops):
+        seconds = measured.time(op, decode=dep.decode) if measured else None
+        priced.append(
+            Priced(op, seconds, "measured", measured.source)
+            if measured and seconds is not None
+            else price(op, device)
+        )
+    kernels = tuple(overlap_shared_experts(priced) if dep.decode else priced)
     kv = kv_sizing(s, dep.parallel.tp, dep.kv_dtype)
     logits_tokens = dep.tokens_per_rank if dep.decode else dep.batch_per_rank
     mem = memory(
@@ -97,4 +137,4 @@ def simulate(
             "MTP blocks (eh_proj + one decoder layer of the model's last kind + lm_head)"
         )
     notes += mem.warnings(device)
-    return Simulation(dep, device, inputs.quant_label, kernels, mem, tuple(notes), s.describe())
+    return Simulation(dep, device, inputs.quant_label, kernels, mem, tuple(notes), s.describe(), cost_model)

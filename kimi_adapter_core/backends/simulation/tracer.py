@@ -4,17 +4,21 @@ A ``TorchDispatchMode`` sees each op after autograd and composite decomposition,
 eager runtime would launch. FLOPs come from ``torch.utils.flop_counter``'s registry (matmuls,
 attention); every other op is a vector op priced by its bytes. Weights are recognised by identity
 (registered with ``mark_weight`` and followed through view ops) so a quantized weight is charged its
-packed bytes, not its bf16 meta bytes; a dtype cast of a weight is free (the copy stays that weight).
+packed bytes, not its bf16 meta bytes; a dtype cast of a weight is free (the copy stays that weight),
+and so is an fp32 upcast of a bf16 activation (norms, softmax and the router upcast in registers: the
+consumer reads the bf16 tensor). Each matmul carries its shape (``attrs``: batch, m, n, k) and the
+kernel family of its weight, which the efficiency tables and the measured cost model look up.
 Kernels the model does not run through aten (attention cores, grouped expert GEMMs, collectives) are
-added with ``analytic``. Consecutive vector ops are fused afterwards (``fuse``), as every serving
-runtime fuses norms, rope and activations.
+added with ``analytic``. Consecutive vector ops of one layer are fused afterwards (``fuse``), as every
+serving runtime fuses norms with the residual add, rope and activations.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -66,6 +70,7 @@ class Op:
     compute: str = "bf16"  # peak-table key
     comm: dict[str, float] | None = None  # collective description for ``kind == "comm"``
     shapes: str = ""
+    attrs: dict[str, Any] = field(default_factory=dict)  # shape facts the cost models look up
     inputs: list[tuple[int, float]] = field(default_factory=list, repr=False)  # (root tensor id, bytes)
     outputs: list[tuple[int, float]] = field(default_factory=list, repr=False)
 
@@ -87,8 +92,10 @@ class Recorder(TorchDispatchMode):
         self._weights: dict[int, WeightFormat] = {}
         self._keep: list[torch.Tensor] = []  # keeps ids unique for the trace's lifetime
         self._root: dict[int, int] = {}
+        self._upcast: dict[int, int] = {}  # fp32 copy of a bf16 activation -> bytes per element read
         self._scope = ("model", 1)
         self._modules: list[str] = []
+        self._tag = ""
 
     # --- context -------------------------------------------------------------------------------
     def mark_weight(self, tensor: torch.Tensor, fmt: WeightFormat) -> None:
@@ -102,6 +109,15 @@ class Recorder(TorchDispatchMode):
             yield
         finally:
             self._scope = previous
+
+    @contextlib.contextmanager
+    def tagged(self, tag: str) -> Iterator[None]:
+        """Ops recorded inside carry ``attrs["tag"] = tag`` (e.g. MLA's absorbed bmm before/after)."""
+        previous, self._tag = self._tag, tag
+        try:
+            yield
+        finally:
+            self._tag = previous
 
     def hook(self, module: torch.nn.Module, prefix: str = "") -> None:
         """Name every op after the innermost module that ran it."""
@@ -130,10 +146,25 @@ class Recorder(TorchDispatchMode):
         compute: str = "bf16",
         comm: dict[str, float] | None = None,
         shapes: str = "",
+        attrs: dict[str, Any] | None = None,
     ) -> None:
         """Add a kernel priced from a formula rather than from a traced aten op."""
         scope, repeat = self._scope
-        self.ops.append(Op(name, self.module, scope, repeat, kind, flops, nbytes, compute, comm, shapes))
+        self.ops.append(
+            Op(
+                name,
+                self.module,
+                scope,
+                repeat,
+                kind,
+                flops,
+                nbytes,
+                compute,
+                comm,
+                shapes,
+                dict(attrs or {}),
+            )
+        )
 
     # --- dispatch ------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch API
@@ -142,6 +173,16 @@ class Recorder(TorchDispatchMode):
         short = func._overloadpacket.__name__
         ins, outs = _tensors((args, kwargs)), _tensors(out)
         self._keep.extend(outs)
+        if (
+            short == "_to_copy"
+            and ins
+            and outs
+            and id(ins[0]) not in self._weights
+            and _upcast(ins[0], outs[0])
+        ):
+            self._root[id(outs[0])] = self._root.get(id(ins[0]), id(ins[0]))
+            self._upcast[id(outs[0])] = self._upcast.get(id(ins[0]), ins[0].element_size())
+            return out
         if short in _FREE or func.is_view or (short == "_to_copy" and ins and id(ins[0]) in self._weights):
             # a dtype cast of a weight (DeepSeek's router upcasts its bf16 weight on every call) is free:
             # a serving runtime keeps the weight in its compute dtype, so the copy *is* the weight
@@ -151,43 +192,120 @@ class Recorder(TorchDispatchMode):
                     self._root[id(o)] = self._root.get(id(base), id(base))
                     if id(base) in self._weights:
                         self._weights[id(o)] = self._weights[id(base)]
+                    if id(base) in self._upcast and o.dtype == torch.float32:
+                        self._upcast[id(o)] = self._upcast[id(base)]
             return out
         self._record(func, short, args, kwargs, out, ins, outs)
         return out
 
     def _record(self, func, short: str, args, kwargs, out, ins, outs) -> None:  # noqa: ANN001
         weight = next((self._weights[id(t)] for t in ins if id(t) in self._weights), None)
-        inputs = [
-            (
-                self._root.get(id(t), id(t)),
-                t.numel() * self._weights[id(t)].bytes_per_param if id(t) in self._weights else _nbytes(t),
-            )
-            for t in ins
-        ]
+        inputs = [(self._root.get(id(t), id(t)), self._read_bytes(t)) for t in ins]
         outputs = [(id(t), float(_nbytes(t))) for t in outs]
         if short in _GATHER:  # reads only the gathered rows, not the whole table
             inputs[0] = (inputs[0][0], sum(b for _, b in outputs))
         counter = flop_registry.get(func._overloadpacket)
+        attrs: dict[str, Any] = {"tag": self._tag} if self._tag else {}
         if counter is not None:
             flops, kind = float(counter(*args, **kwargs, out_val=out)), "matmul"
-            dtype = ins[0].dtype if ins else torch.bfloat16
-            compute = weight.compute if weight else ("fp32" if dtype == torch.float32 else "bf16")
+            real_fp32 = any(t.dtype == torch.float32 and id(t) not in self._upcast for t in ins)
+            compute = weight.compute if weight else ("fp32" if real_fp32 else "bf16")
+            attrs["kernel"] = weight.kernel if weight else compute
+            activation = next((t for t in ins if id(t) not in self._weights), None)
+            if weight is not None and activation is not None:  # a projection: fusable with its siblings
+                attrs["activation"] = self._root.get(id(activation), id(activation))
+            if outs and outs[0].dim() >= 2:
+                m, n = outs[0].shape[-2], outs[0].shape[-1]
+                batch = outs[0].numel() // max(1, m * n)
+                attrs.update(batch=batch, m=m, n=n, k=round(flops / max(1, 2 * batch * m * n)))
         else:
             flops, kind, compute = float(sum(t.numel() for t in outs)), "vector", "vector"
         scope, repeat = self._scope
         shapes = " ".join("x".join(map(str, t.shape)) or "scalar" for t in ins[:3])
         nbytes = sum(b for _, b in inputs) + sum(b for _, b in outputs)
         self.ops.append(
-            Op(short, self.module, scope, repeat, kind, flops, nbytes, compute, None, shapes, inputs, outputs)
+            Op(
+                short,
+                self.module,
+                scope,
+                repeat,
+                kind,
+                flops,
+                nbytes,
+                compute,
+                None,
+                shapes,
+                attrs,
+                inputs,
+                outputs,
+            )
         )
+
+    def _read_bytes(self, t: torch.Tensor) -> float:
+        """Bytes a kernel reads of ``t``: a weight's packed bytes, an upcast activation's source bytes."""
+        if id(t) in self._weights:
+            return t.numel() * self._weights[id(t)].bytes_per_param
+        if id(t) in self._upcast:
+            return float(t.numel() * self._upcast[id(t)])
+        return float(_nbytes(t))
+
+
+def _upcast(source: torch.Tensor, copy: torch.Tensor) -> bool:
+    """A widening cast of a floating activation to fp32 (bf16/fp16 -> fp32)."""
+    return copy.dtype == torch.float32 and source.dtype in (torch.bfloat16, torch.float16)
+
+
+def merge_projections(ops: list[Op]) -> list[Op]:
+    """Merge sibling projections that read the same activation into one GEMM, as serving runtimes
+    load them (q/k/v into qkv_proj, gate/up into gate_up_proj, MLA's q_a/kv_a into one): same layer,
+    same parent module, same weight kernel and shape; N adds up and the activation is read once.
+    Returns new ops; ``ops`` is not modified."""
+    merged: list[Op] = []
+    first: dict[tuple[object, ...], int] = {}
+    for op in ops:
+        source = op.attrs.get("activation")
+        if op.kind != "matmul" or source is None:
+            merged.append(op)
+            continue
+        parent, _, leaf = op.module.rpartition(".")
+        key = (
+            op.scope,
+            op.repeat,
+            parent,
+            source,
+            op.attrs.get("kernel"),
+            op.attrs.get("m"),
+            op.attrs.get("k"),
+        )
+        if key not in first:
+            first[key] = len(merged)
+            merged.append(replace(op, attrs={**op.attrs, "leaves": (leaf,)}))
+            continue
+        head = merged[first[key]]
+        leaves = (*head.attrs["leaves"], leaf)
+        merged[first[key]] = replace(
+            head,
+            name=f"{op.name}({'+'.join(leaves)})",
+            module=parent,
+            flops=head.flops + op.flops,
+            bytes=head.bytes + op.bytes - sum(b for tid, b in op.inputs if tid == source),
+            attrs={**head.attrs, "n": head.attrs.get("n", 0) + op.attrs.get("n", 0), "leaves": leaves},
+            inputs=head.inputs + [i for i in op.inputs if i[0] != source],
+            outputs=head.outputs + op.outputs,
+        )
+    return merged
 
 
 def fuse(ops: list[Op]) -> list[Op]:
-    """Merge each run of consecutive vector ops (same module scope) into one kernel.
+    """Merge each run of consecutive vector ops of one traced layer (same scope) into one kernel.
 
     A fused kernel reads only the tensors produced outside the run and writes only those consumed
     after it (or never consumed: the run's result), so intermediate round trips through HBM vanish.
+    Runs cross module boundaries inside a layer: the residual add of one sub-block and the next
+    norm are one fused add-RMSNorm kernel in every serving runtime. The kernel is named after the
+    module of its first op. Sibling projections are merged first (``merge_projections``).
     """
+    ops = merge_projections(ops)
     consumers: dict[int, int] = {}
     for index, op in enumerate(ops):
         for tid, _ in op.inputs:
@@ -226,7 +344,7 @@ def fuse(ops: list[Op]) -> list[Op]:
         run.clear()
 
     for index, op in enumerate(ops):
-        same = run and (run[0].scope, run[0].module) == (op.scope, op.module)
+        same = run and (run[0].scope, run[0].repeat) == (op.scope, op.repeat)
         if op.kind != "vector" or (run and not same):
             flush(index)
         if op.kind == "vector":

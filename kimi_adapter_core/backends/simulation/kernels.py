@@ -1,0 +1,196 @@
+"""Kernel-efficiency tables: the achieved fraction of the roofline bound per op kind, dtype and shape.
+
+One flat compute efficiency cannot price a decode GEMM (a few tokens: bandwidth-bound, ~50-80% of
+HBM), a 4,096-token fp8-block GEMM (~40% of the FP8 peak) and a power-law-routed fp8 grouped expert
+GEMM (~16%) at once. A device profile names a table (``kernels: hopper``) kept as data in
+``kernels/*.yaml``, generated from measured kernel tables by ``calibrate.py`` (each file cites its
+source). A curve maps one shape variable (tokens M, pairs per local expert, sequence length, KV bytes
+read, message bytes) to an efficiency, interpolated linearly in log(shape) and held flat past its
+ends. A device without a table keeps the flat ``compute.efficiency`` / ``memory.efficiency``.
+
+Curves and the op kinds they price:
+- ``gemm.<dtype>`` by M (tokens): the compute efficiency of dense matmuls; ``gemm_memory.<dtype>`` by
+  bytes moved: their memory efficiency (a small weight streams at a fraction of HBM bandwidth).
+  dtypes bf16, fp8 (per-tensor), fp8_block, and whatever else a table measures (a missing dtype falls
+  back: int8 -> fp8, w4a16 -> bf16, w4a8 -> fp8).
+- ``grouped_gemm.<dtype>`` by token-expert pairs per local expert: the routed experts, with the
+  fixed cost of the whole routed-expert pipeline (``overhead_us``: permute, two GEMMs, unpermute).
+- ``routing.power_law.<dtype>`` by the same: the slowdown of power-law over balanced routing.
+- ``attention.prefill.{gqa,mla}`` by new tokens per sequence; ``attention.decode.{gqa,mla}`` by the
+  KV bytes one call reads.
+- ``all_reduce`` by message bytes, with its own latency: the TP all-reduces inside one node.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+from ...errors import KadaptError
+
+KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
+
+_CURVE = {
+    "type": "object",
+    "minProperties": 2,
+    "properties": {
+        "efficiency": {"type": "array", "items": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}},
+        "factor": {"type": "array", "items": {"type": "number", "exclusiveMinimum": 0}},
+        "source": {"type": "string"},
+        "overhead_us": {"type": "number", "minimum": 0},
+    },
+    "additionalProperties": {"type": "array", "items": {"type": "number", "exclusiveMinimum": 0}},
+}
+_CURVES = {"type": "object", "additionalProperties": _CURVE}
+KERNELS_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "required": ["name", "source"],
+    "additionalProperties": False,
+    "properties": {
+        "name": {"type": "string"},
+        "source": {"type": "string", "minLength": 1},
+        "gemm": _CURVES,
+        "gemm_memory": _CURVES,
+        "grouped_gemm": _CURVES,
+        "routing": {"type": "object", "additionalProperties": _CURVES},
+        "attention": {"type": "object", "additionalProperties": _CURVES},
+        "all_reduce": {
+            "type": "object",
+            "required": ["latency_us", "bytes", "efficiency"],
+            "properties": {
+                "latency_us": {"type": "number", "minimum": 0},
+                "bytes": _CURVE["additionalProperties"],
+                "efficiency": _CURVE["properties"]["efficiency"],
+            },
+            "additionalProperties": False,
+        },
+    },
+}
+
+# a dtype the table did not measure is priced with the nearest one it did
+_FALLBACK = {
+    "int8": "fp8",
+    "fp8": "fp8_block",
+    "fp8_block": "fp8",
+    "w4a16": "bf16",
+    "w4a8": "fp8",
+    "fp32": "bf16",
+}
+
+
+@dataclass(frozen=True)
+class Curve:
+    xs: tuple[float, ...]
+    ys: tuple[float, ...]
+    overhead: float = 0.0  # seconds of fixed cost per call (grouped GEMMs); 0: the device's op overhead
+
+    def __call__(self, x: float) -> float:
+        """Linear in log(x) between grid points, flat past the ends."""
+        if x <= self.xs[0]:
+            return self.ys[0]
+        if x >= self.xs[-1]:
+            return self.ys[-1]
+        i = bisect.bisect_right(self.xs, x)
+        x0, x1, y0, y1 = self.xs[i - 1], self.xs[i], self.ys[i - 1], self.ys[i]
+        t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+        return y0 + t * (y1 - y0)
+
+
+def _curve(body: dict[str, Any], where: str, value: str = "efficiency") -> Curve:
+    axes = [k for k, v in body.items() if k not in ("efficiency", "factor") and isinstance(v, list)]
+    if len(axes) != 1 or value not in body or len(body[axes[0]]) != len(body[value]) or not body[value]:
+        raise KadaptError(
+            f"kernel table curve {where} needs one shape axis and a {value} list of equal length"
+        )
+    xs = [float(x) for x in body[axes[0]]]
+    if xs != sorted(xs):
+        raise KadaptError(f"kernel table curve {where}: the {axes[0]} axis must increase")
+    return Curve(tuple(xs), tuple(float(y) for y in body[value]), float(body.get("overhead_us", 0.0)) * 1e-6)
+
+
+@dataclass(frozen=True)
+class KernelTable:
+    name: str
+    source: str
+    path: Path
+    gemm: dict[str, Curve]  # compute efficiency by M
+    gemm_memory: dict[str, Curve]  # memory efficiency by bytes moved
+    grouped: dict[str, Curve]
+    imbalance: dict[str, Curve]  # power-law / balanced latency, per grouped dtype
+    prefill: dict[str, Curve]  # gqa | mla
+    decode: dict[str, Curve]
+    all_reduce: tuple[float, Curve] | None  # (latency s, efficiency by bytes)
+
+    @staticmethod
+    def _pick(curves: dict[str, Curve], dtype: str) -> Curve | None:
+        seen = set()
+        while dtype not in curves and dtype in _FALLBACK and dtype not in seen:
+            seen.add(dtype)
+            dtype = _FALLBACK[dtype]
+        return curves.get(dtype) or curves.get("bf16")
+
+    def gemm_eff(self, dtype: str, m: float, nbytes: float) -> tuple[float, float] | None:
+        """(compute efficiency at M, memory efficiency at ``nbytes`` moved)."""
+        compute, memory = self._pick(self.gemm, dtype), self._pick(self.gemm_memory, dtype)
+        return (compute(m), memory(nbytes)) if compute and memory else None
+
+    def grouped_eff(self, dtype: str, pairs_per_expert: float) -> tuple[float, float] | None:
+        """(efficiency, fixed cost in seconds)."""
+        curve = self._pick(self.grouped, dtype)
+        return (curve(pairs_per_expert), curve.overhead) if curve else None
+
+    def imbalance_factor(self, dtype: str, pairs_per_expert: float) -> float:
+        curve = self._pick(self.imbalance, dtype)
+        return curve(pairs_per_expert) if curve else 1.0
+
+    def attention_eff(self, decode: bool, kind: str, x: float) -> float | None:
+        curve = (self.decode if decode else self.prefill).get(kind)
+        return curve(x) if curve else None
+
+
+def parse_kernels(data: Any, path: Path) -> KernelTable:
+    try:
+        jsonschema.validate(data, KERNELS_SCHEMA)
+    except jsonschema.ValidationError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
+        raise KadaptError(f"kernel table {path} is invalid at {where}: {exc.message}") from exc
+
+    def curves(section: dict[str, Any] | None, where: str, value: str = "efficiency") -> dict[str, Curve]:
+        return {k: _curve(v, f"{where}.{k}", value) for k, v in (section or {}).items()}
+
+    attention = data.get("attention") or {}
+    ar = data.get("all_reduce")
+    return KernelTable(
+        name=data["name"],
+        source=data["source"],
+        path=path,
+        gemm=curves(data.get("gemm"), "gemm"),
+        gemm_memory=curves(data.get("gemm_memory"), "gemm_memory"),
+        grouped=curves(data.get("grouped_gemm"), "grouped_gemm"),
+        imbalance=curves((data.get("routing") or {}).get("power_law"), "routing.power_law", "factor"),
+        prefill=curves(attention.get("prefill"), "attention.prefill"),
+        decode=curves(attention.get("decode"), "attention.decode"),
+        all_reduce=(ar["latency_us"] * 1e-6, _curve(ar, "all_reduce")) if ar else None,
+    )
+
+
+@cache
+def load_kernels(name: str, folder: Path = KERNELS_DIR) -> KernelTable:
+    """The table ``name`` (a file ``<name>.yaml`` next to the device profiles' kernels folder)."""
+    path = folder / f"{name}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in folder.glob("*.yaml"))) or "none"
+        raise KadaptError(f"unknown kernel table {name!r} (known: {known})")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise KadaptError(f"kernel table {path} is not valid YAML: {exc}") from exc
+    return parse_kernels(data, path)

@@ -1,0 +1,241 @@
+"""The cost model: measured kernel-efficiency tables, routing imbalance, layouts, DeepEP all-to-all,
+and the optional measured cost model checked against NVIDIA AIConfigurator itself (when installed)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from fixtures.spec_files import REPO
+
+from kimi_adapter_core.backends.simulation import aiconfigurator
+from kimi_adapter_core.backends.simulation.cost import _all_to_all, comm_time, kernel_table
+from kimi_adapter_core.backends.simulation.deployment import Deployment
+from kimi_adapter_core.backends.simulation.device import get_device
+from kimi_adapter_core.backends.simulation.inputs import model_inputs
+from kimi_adapter_core.backends.simulation.kernels import KERNELS_DIR, Curve, load_kernels, parse_kernels
+from kimi_adapter_core.backends.simulation.parallel import Parallel
+from kimi_adapter_core.backends.simulation.simulator import Simulation, simulate
+from kimi_adapter_core.backends.simulation.tracer import fuse, merge_projections
+from kimi_adapter_core.cli import cli
+from kimi_adapter_core.errors import KadaptError
+from kimi_adapter_core.spec import load_spec
+
+DEEPSEEK = REPO / "specs" / "deepseek_v3.yaml"
+needs_aic = pytest.mark.skipif(not aiconfigurator.available(), reason="aiconfigurator-core not installed")
+
+
+def run(
+    spec_path: Path, *, tp: int = 8, dp: int = 1, ep: int = 8, batch: int = 1, decode: bool = False, **kw
+):  # noqa: ANN003, ANN201
+    spec = load_spec(spec_path)
+    dep = Deployment(
+        Parallel(tp, dp, ep),
+        batch,
+        1 if decode else 4096,
+        4096 if decode else 0,
+        decode,
+        kv_dtype="fp8",
+        routing=kw.pop("routing", "power_law"),
+    )
+    return simulate(model_inputs(spec, None), spec, dep, get_device(kw.pop("device", "h200")), **kw)
+
+
+def row(sim: Simulation, name: str, scope: str = "moe"):  # noqa: ANN201
+    return next(r for r in sim.rows() if r.name == name and r.scope == scope)
+
+
+# --- the kernel table -------------------------------------------------------------------------------
+def test_shipped_table_is_valid_and_cited() -> None:
+    table = load_kernels("hopper")
+    assert "AIConfigurator" in table.source and "Apache-2.0" in table.source
+    assert {"bf16", "fp8", "fp8_block"} <= set(table.gemm) and "w4a16" in table.grouped
+    for name in ("h100", "h200", "h800"):
+        assert get_device(name).kernels == "hopper"
+    # measured facts the issue states, read back from the data: a 4,096-token fp8-block GEMM reaches
+    # ~40% of its bound, an int4 (Marlin) grouped GEMM at prefill under 10%, and power-law routing
+    # slows a prefill-sized grouped GEMM by more than 1.3x
+    assert 0.3 < table.gemm_eff("fp8_block", 4096, 1e9)[0] < 0.5
+    assert table.grouped_eff("w4a16", 64)[0] < 0.1
+    assert table.imbalance_factor("fp8_block", 128) > 1.3
+
+
+def test_curve_interpolates_in_log_space_and_holds_its_ends() -> None:
+    curve = Curve((1.0, 100.0), (0.2, 0.6))
+    assert curve(0.5) == 0.2 and curve(1e6) == 0.6
+    assert curve(10.0) == pytest.approx(0.4)  # halfway in log(x)
+
+
+def test_bad_table_is_a_located_error(tmp_path: Path) -> None:
+    data = {"name": "x", "source": "s", "gemm": {"bf16": {"m": [1, 2], "efficiency": [0.5, 1.5]}}}
+    with pytest.raises(KadaptError, match="gemm/bf16/efficiency/1"):
+        parse_kernels(data, tmp_path / "x.yaml")
+    data["gemm"]["bf16"] = {"m": [4, 2], "efficiency": [0.5, 0.6]}
+    with pytest.raises(KadaptError, match="must increase"):
+        parse_kernels(data, tmp_path / "x.yaml")
+    with pytest.raises(KadaptError, match="unknown kernel table 'nope'"):
+        load_kernels("nope", KERNELS_DIR)
+
+
+# --- pricing --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def prefill() -> Simulation:
+    return run(DEEPSEEK)
+
+
+def test_table_prices_each_op_kind(prefill: Simulation) -> None:
+    sources = {k.op.kind: k.source for k in prefill.kernels}
+    assert sources["matmul"] == sources["experts"] == sources["attention"] == "table:h200_sxm_measured"
+    assert sources["vector"] == "roofline"
+    # the fp8-block expert GEMMs run far below the flat 0.70 the profile used to assume
+    experts = row(prefill, "grouped_gemm(routed_experts)")
+    device = get_device("h200")
+    flat = experts.flops / (device.peak("fp8") * device.compute_efficiency)
+    assert experts.time > 2 * flat
+
+
+def test_power_law_routing_costs_more_than_uniform(prefill: Simulation) -> None:
+    uniform = run(DEEPSEEK, routing="uniform")
+    table = load_kernels("hopper")
+    fixed = table.grouped_eff("fp8_block", 128)[1]  # the pipeline's fixed cost is not skewed
+    skewed, even = (row(s, "grouped_gemm(routed_experts)") for s in (prefill, uniform))
+    factor = (skewed.time / skewed.count - fixed) / (even.time / even.count - fixed)
+    assert factor == pytest.approx(table.imbalance_factor("fp8_block", 4096 * 8 / 8 / 32), rel=1e-6)
+    assert factor > 1.3
+    assert row(prefill, "tp_all_reduce").time == row(uniform, "tp_all_reduce").time
+
+
+def test_tp_layout_has_no_all_to_all_and_dp_layout_has(prefill: Simulation) -> None:
+    assert not any(r.name.startswith("ep_") for r in prefill.rows())
+    dp = run(DEEPSEEK, tp=1, dp=8, ep=8, batch=8, decode=True)
+    assert {"ep_dispatch(all_to_all)", "ep_combine(all_to_all)"} <= {r.name for r in dp.rows()}
+    assert not any(r.name == "tp_all_reduce" for r in dp.rows())
+
+
+def test_deepep_all_to_all_deduplicates_per_rank_and_node() -> None:
+    device = get_device("h100")
+    base = {"collective": "all_to_all", "tokens": 1000.0, "top_k": 8, "token_bytes": 7168.0}
+    one_node = _all_to_all(device, base | {"group": 8})[0]
+    naive = 1000 * 8 * 7168 * 7 / 8 / (device.links[0].bandwidth * device.links[0].efficiency)
+    assert one_node == pytest.approx(naive * (1 - (7 / 8) ** 8))  # one copy per distinct rank, not per pair
+    # 4 nodes: every token crosses InfiniBand once per other node it has experts on (< 3), not per pair
+    four = _all_to_all(device, base | {"group": 32})[0]
+    outer = device.links[1]
+    remote_nodes = 3 * (1 - (1 - 8 / 32) ** 8)
+    assert four == pytest.approx(1000 * 7168 * remote_nodes / (outer.bandwidth * outer.efficiency))
+    pairwise = 1000 * 8 * 7168 * 24 / 32 / (outer.bandwidth * outer.efficiency)
+    assert four < 0.5 * pairwise
+
+
+def test_all_reduce_uses_the_measured_curve_inside_a_node() -> None:
+    device = get_device("h200")
+    table = kernel_table(device)
+    assert table is not None and table.all_reduce is not None
+    latency, curve = table.all_reduce
+    small = comm_time(device, {"collective": "all_reduce", "bytes": 65536, "group": 8}, table)[0]
+    assert small == pytest.approx(latency + 2 * 7 / 8 * 65536 / (device.links[0].bandwidth * curve(65536)))
+    flat = comm_time(device, {"collective": "all_reduce", "bytes": 65536, "group": 8}, None)[0]
+    assert small != flat
+
+
+def test_router_and_norms_read_bf16_and_projections_merge() -> None:
+    """DeepSeek's router upcasts its input to fp32 in eager code; serving runs it on the bf16 tensor."""
+    sim = run(DEEPSEEK)
+    router = next(k for k in sim.kernels if k.op.module == "moe_layer.mlp.gate" and k.op.kind == "matmul")
+    assert router.op.compute == "bf16"
+    assert router.op.bytes == pytest.approx(4096 * 7168 * 2 + 256 * 7168 * 2 + 4096 * 256 * 4)
+    assert not any(k.op.name == "_to_copy" for k in sim.kernels)
+    names = {k.op.name for k in sim.kernels}
+    assert "mm(q_a_proj+kv_a_proj_with_mqa)" in names and "mm(gate_proj+up_proj)" in names
+
+
+def test_merging_keeps_work_and_reads_the_activation_once() -> None:
+    from kimi_adapter_core.backends.simulation.rank_model import trace_rank
+
+    spec = load_spec(REPO / "specs" / "llama.yaml")
+    dep = Deployment(Parallel(1, 1, 1), 4, 1, 128, True)
+    rec, _ = trace_rank(spec, model_inputs(spec, None), dep)
+    merged = merge_projections(rec.ops)
+    assert sum(o.flops for o in merged) == sum(o.flops for o in rec.ops)
+    qkv = next(o for o in merged if o.name == "mm(q_proj+k_proj+v_proj)")
+    parts = [o for o in rec.ops if o.module.endswith(("q_proj", "k_proj", "v_proj")) and o.kind == "matmul"]
+    activation = 4 * 4096 * 2
+    assert qkv.bytes == pytest.approx(sum(o.bytes for o in parts) - 2 * activation)
+    assert fuse(rec.ops) == fuse(rec.ops)  # fusing does not modify the recorded ops
+
+
+# --- the measured cost model --------------------------------------------------------------------------
+def test_measured_without_the_package_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "aiconfigurator_core", None)
+    monkeypatch.setitem(sys.modules, "aiconfigurator_core.sdk", None)
+    result = CliRunner().invoke(
+        cli,
+        ["simulate", str(DEEPSEEK), "--device", "h200", "--tp", "8", "--ep", "8", "--cost-model", "measured"],
+    )
+    assert result.exit_code == 1 and "kadapt[measured]" in result.output
+    assert "Traceback" not in result.output
+
+
+@needs_aic
+def test_measured_unknown_system_is_an_error() -> None:
+    result = CliRunner().invoke(
+        cli,
+        ["simulate", str(DEEPSEEK), "--device", "h800", "--tp", "8", "--ep", "8", "--cost-model", "measured"],
+    )
+    assert result.exit_code == 1 and "no AIConfigurator tables for device 'h800'" in result.output
+
+
+@needs_aic
+def test_measured_cli_reports_sources() -> None:
+    args = [
+        "simulate",
+        str(DEEPSEEK),
+        "--device",
+        "h200",
+        "--tp",
+        "8",
+        "--ep",
+        "8",
+        "--decode",
+        "--batch",
+        "32",
+    ]
+    result = CliRunner().invoke(
+        cli, [*args, "--context-len", "4096", "--cost-model", "measured", "--format", "json"]
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    sources = data["cost_model"]["sources"]
+    assert data["cost_model"]["name"] == "measured"
+    assert set(sources) == {"aiconfigurator:h200_sxm/trtllm", "roofline"}
+    assert sources["aiconfigurator:h200_sxm/trtllm"]["percent"] > 90
+    by_op = {op["op"]: op["source"] for op in data["ops"]}
+    assert by_op["grouped_gemm(routed_experts)"] == "aiconfigurator:h200_sxm/trtllm"
+    assert by_op["mla_decode_attention"] == "aiconfigurator:h200_sxm/trtllm"
+    assert by_op["embedding"] == "roofline"
+    text = CliRunner().invoke(cli, [*args, "--cost-model", "measured"]).output
+    assert "cost model           measured: " in text and "aiconfigurator:h200_sxm/trtllm" in text
+
+
+AIC_DEEPSEEK = ("deepseek-ai/DeepSeek-V3", "h200_sxm", "trtllm")
+
+
+@needs_aic
+@pytest.mark.parametrize(("batch", "decode"), [(1, True), (32, True), (128, True), (1, False)])
+def test_deepseek_v3_against_aiconfigurator(batch: int, decode: bool) -> None:
+    """Within 20% of AIConfigurator in total and 30% per component (roofline), 10% in total (measured)."""
+    ref = aiconfigurator.reference_step(
+        *AIC_DEEPSEEK, tp=8, ep=8, decode=decode, batch=batch, seq=4096, fmha_quant_mode="bfloat16"
+    )
+    roofline = run(DEEPSEEK, batch=batch, decode=decode)
+    assert roofline.step_time * 1e3 == pytest.approx(ref.total_ms, rel=0.20)
+    parts = dict.fromkeys(aiconfigurator.COMPONENTS, 0.0)
+    for k in roofline.kernels:
+        parts[aiconfigurator.kadapt_component(k.op)] += k.total * 1e3
+    for name in ("attention", "experts", "communication"):
+        assert parts[name] == pytest.approx(ref.components[name], rel=0.30), name
+    measured = run(DEEPSEEK, batch=batch, decode=decode, cost_model="measured")
+    assert measured.step_time * 1e3 == pytest.approx(ref.total_ms, rel=0.10)
