@@ -5,7 +5,8 @@ them for ``--help`` and only the one invoked otherwise, so ``kadapt --help`` and
 ``kadapt validate`` never import torch or transformers.
 
 Errors reach the user as one line, never a traceback: a ``KadaptError`` prints ``error: ...`` and
-exits with its code (1, or 2 for usage); Ctrl-C (``KeyboardInterrupt``, wherever it lands: while
+exits with its code (1, or 2 for usage; with ``--format json`` an exit-1 error is also a JSON
+document on stdout, see ``output.py``); Ctrl-C (``KeyboardInterrupt``, wherever it lands: while
 importing torch, building a model, tracing or writing) prints ``interrupted`` and exits 130, the
 shell convention for SIGINT, after ``applied`` has taken its patches back and every atomic write in
 flight has removed its temp file (both run on the way out, in ``finally`` blocks).
@@ -21,6 +22,7 @@ import click
 
 from .. import __version__
 from ..errors import KadaptError
+from .output import report_error, verbosity_options
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("kimi_adapter_core.cli.validate", "Validate and lint adapter specs (files or folders)."),
@@ -61,18 +63,18 @@ class LazyGroup(click.Group):
         try:
             return super().invoke(ctx)
         except KadaptError as exc:
-            click.echo(f"error: {exc}", err=True)
+            report_error(ctx, exc)
             ctx.exit(exc.exit_code)
         except ModuleNotFoundError as exc:
             package = (exc.name or "").split(".")[0]
             if package not in MODEL_PACKAGES:
                 raise
-            click.echo(
-                f"error: kadapt {ctx.invoked_subcommand} needs {package}, which is not installed; "
-                "install the model extra: pip install torch==2.13.0 'kadapt[model]'",
-                err=True,
+            missing = KadaptError(
+                f"kadapt {ctx.invoked_subcommand} needs {package}, which is not installed; "
+                "install the model extra: pip install torch==2.13.0 'kadapt[model]'"
             )
-            ctx.exit(1)
+            report_error(ctx, missing)
+            ctx.exit(missing.exit_code)
         except KeyboardInterrupt:
             _interrupted()
             ctx.exit(INTERRUPTED)
@@ -80,12 +82,21 @@ class LazyGroup(click.Group):
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="kadapt")
+@verbosity_options
 def cli() -> None:
     """kadapt: declarative adapters that make huge Hugging Face models extractable and simulatable.
 
     A YAML spec (see `kadapt schema`) declares config bridges, environment shims, class patches,
     module paths and the prefill/decode ABI; `kadapt apply SPEC` applies it behind its model_type
-    gate and runs the extraction backend.
+    gate and runs the extraction backend. -q/-v work before or after the command; every command
+    that reports takes --format json (keys: docs/cli.md). Exit status: 0 ok, 1 failed check or
+    user error, 2 usage error, 130 interrupted.
+
+    \b
+    Examples:
+      kadapt validate specs/
+      kadapt -q generate --check
+      kadapt apply kimi_k25 --format json -v
     """
 
 

@@ -1,12 +1,15 @@
 """``kadapt apply SPEC``: apply the spec, build the model on meta, print the ledger, run a backend.
 
 Extraction options are checked *before* anything is applied or built, so a bad size or an
-unwritable output directory fails in a second, not after building a 1T-parameter model.
-torch and transformers are imported inside the command only.
+unwritable output directory fails in a second, not after building a 1T-parameter model; a value
+no run could use (size 0, extraction options with another backend) is a usage error (exit 2).
+torch and transformers are imported inside the command only. Everything apply prints is progress,
+so ``-q`` prints nothing unless it fails; ``-v`` adds the resolved spec path and stage timings.
 """
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,7 @@ import click
 
 from ..errors import KadaptError, UsageError
 from ..patching.selection import CHOICES
+from .output import format_option, reporter, verbosity_options
 from .source_options import source_options
 from .spec_argument import spec_argument
 
@@ -34,18 +38,21 @@ def model_summary(spec: Any, model: Any, structure: Any) -> dict[str, Any]:
     }
 
 
+SIZE = click.IntRange(1, 1 << 24)  # tokens or sequences: 0 or a typo's 1e12 is a usage error
+
+
 @click.command(name="apply")
 @spec_argument()
 @click.option("--backend", type=click.Choice(CHOICES), default="extraction", show_default=True)
-@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@format_option
 @click.option(
     "--device", default="meta", show_default=True, help="Device the model is built on (no weights)."
 )
 @source_options
 @click.option("--output-dir", type=click.Path(path_type=Path), help="extraction: output folder.")
-@click.option("--batch", type=int, help="extraction: batch size (default: spec abi).")
-@click.option("--prefill-len", type=int, help="extraction: prefill length (default: spec abi).")
-@click.option("--max-cache-len", type=int, help="extraction: KV cache capacity (default: spec abi).")
+@click.option("--batch", type=SIZE, help="extraction: batch size (default: spec abi).")
+@click.option("--prefill-len", type=SIZE, help="extraction: prefill length (default: spec abi).")
+@click.option("--max-cache-len", type=SIZE, help="extraction: KV cache capacity (default: spec abi).")
 @click.option(
     "--kv-layout",
     type=click.Choice(["heads", "latent", "expanded"]),
@@ -66,6 +73,7 @@ def model_summary(spec: Any, model: Any, structure: Any) -> dict[str, Any]:
     metavar="ID",
     help="Apply the spec without this shim, bridge or patch (repeatable): shows what an entry is for.",
 )
+@verbosity_options
 def command(
     spec_path: Path,
     backend: str,
@@ -83,19 +91,34 @@ def command(
     verify: bool,
     without: tuple[str, ...],
 ) -> None:
-    """Apply SPEC behind its gate, build the model and run the chosen backend."""
-    import torch
+    """Apply SPEC behind its gate, build the model and run the chosen backend.
 
-    from ..loading import applied, load_model
-    from ..patching.session import active_session
-    from ..spec import load_spec
-    from ..structure.derive import structure_of_config
+    JSON (--format json): {"ledger": {"spec", "backend", "counts", "entries"}, "model": {"class",
+    "parameters", "layers", "experts", "structure"}, "extraction": {...} (extraction backend),
+    "verify": {"passed", ...} (with --verify; a failed check exits 1 after the document)}.
+
+    \b
+    Examples:
+      kadapt apply kimi_k25
+      kadapt apply specs/llama.yaml --output-dir out/llama --verify -v
+      kadapt apply kimi_k25 --backend none --format json
+    """
+    out = reporter(fmt)
+    out.detail(f"spec: {spec_path.resolve()}")
+    with out.stage("import torch"):
+        import torch
+
+        from ..loading import applied, load_model
+        from ..patching.session import active_session
+        from ..spec import load_spec
+        from ..structure.derive import structure_of_config
 
     try:
         torch.device(device)
     except (RuntimeError, ValueError) as exc:
         raise UsageError(f"--device {device!r} is not a torch device (e.g. meta, cpu): {exc}") from exc
-    spec = load_spec(spec_path)
+    with out.stage("load spec"):
+        spec = load_spec(spec_path)
     if without:
         try:
             spec = spec.without(without)
@@ -117,47 +140,47 @@ def command(
     elif verify or any(
         v is not None for v in (output_dir, batch, prefill_len, max_cache_len, kv_layout, mla_attention)
     ):
-        raise KadaptError(
+        raise UsageError(
             "--output-dir/--batch/--prefill-len/--max-cache-len/--kv-layout/--mla-attention/--verify "
             "need --backend extraction"
         )
-    echo = click.echo if fmt == "text" else (lambda *args, **kwargs: None)
     result: dict[str, Any] = {}
     source = {"trust_remote_code": trust_remote_code, "source_dir": source_dir, "from_hub": from_hub}
-    with applied(spec, backend=backend, **source) as ledger:
-        echo(ledger.render_table())
+    with ExitStack() as session_scope:
+        with out.stage("apply patches"):
+            ledger = session_scope.enter_context(applied(spec, backend=backend, **source))
+        out.info(ledger.render_table())
         # the structure is checked against the spec before the (possibly 1T-parameter) model is built
-        session = active_session(spec)
-        assert session is not None
-        structure = structure_of_config(spec, session.config)
-        if opts is not None:
-            opts = extraction.bind_structure(opts, structure)
-        echo(f"structure: {structure.describe()}")
-        echo(f"building {spec.name} on {device} ...")
-        model = load_model(spec, device=device)
+        with out.stage("structure"):
+            session = active_session(spec)
+            assert session is not None
+            structure = structure_of_config(spec, session.config)
+            if opts is not None:
+                opts = extraction.bind_structure(opts, structure)
+        out.info(f"structure: {structure.describe()}")
+        out.info(f"building {spec.name} on {device} ...")
+        with out.stage("build model"):
+            model = load_model(spec, device=device)
         summary = model_summary(spec, model, structure)
         result.update(ledger=ledger.to_dict(), model=summary)
         experts = f", {summary['experts']} experts" if summary["experts"] else ""
-        echo(
+        out.info(
             f"model {summary['class']}: {summary['parameters']:,} parameters on {device}, "
             f"{summary['layers']} layers{experts}"
         )
         if extraction is not None:
-            extracted = extraction.run(spec, model, opts, echo=echo)
+            with out.stage("extraction"):
+                extracted = extraction.run(spec, model, opts, echo=out.info)
             result["extraction"] = extracted.to_dict()
-            echo(extracted.render())
+            out.info(extracted.render())
     report = None
     if extraction is not None and verify:
-        report = extraction.verify(spec, opts, echo=echo)
+        with out.stage("verify"):
+            report = extraction.verify(spec, opts, echo=out.info)
         result["verify"] = report.to_dict()
-        echo(report.render())
-    if fmt == "json":
-        click.echo(_json(result))
+        if not out.json:  # failing checks are the finding: shown even with -q
+            (out.info if report.passed else out.result)(report.render())
+    if out.json:
+        out.document(result)
     if report is not None and not report.passed:
         raise KadaptError("verification failed: the saved IR does not match transformers")
-
-
-def _json(data: dict[str, Any]) -> str:
-    import json
-
-    return json.dumps(data, indent=2)

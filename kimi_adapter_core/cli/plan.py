@@ -4,12 +4,12 @@ Pure Python from the spec's shipped config and the model structure derived from 
 family: MHA/GQA/MQA/MLA attention, dense or MoE, sliding windows): never imports torch, so it
 answers instantly. A device is
 optional; with one, the report adds capacity and free memory, and a deployment that does not fit
-prints a ``WARNING:`` line (exit 0: a plan is advice, not a launch).
+prints a ``WARNING:`` line (exit 0: a plan is advice, not a launch). The plan is the answer, so
+``-q`` still prints it; ``-v`` adds the resolved spec path and the device profile used.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
@@ -21,6 +21,7 @@ from ..backends.simulation.planner import make_plan
 from ..backends.simulation.report import plan_json, plan_text
 from ..spec import load_spec
 from .deployment_options import deployment_options
+from .output import format_option, reporter, verbosity_options
 from .spec_argument import spec_argument
 
 
@@ -38,7 +39,8 @@ from .spec_argument import spec_argument
     show_default=True,
     help="Tokens per rank in the largest forward (for the activation estimate).",
 )
-@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@format_option
+@verbosity_options
 def command(
     spec_path: Path,
     tp: int,
@@ -53,10 +55,23 @@ def command(
     device_file: Path | None,
     fmt: str,
 ) -> None:
-    """Size KV cache, max length, weights per device, activations and vision-cache entries."""
+    """Size KV cache, max length, weights per device, activations and vision-cache entries.
+
+    JSON (--format json): {"model_type", "architecture", "parallel", "batch", "seq_len",
+    "max_seq_len", "kv_cache", "quantization", "weights", "activation_formula",
+    "memory_per_device", "vision_cache_entry_bytes", "device", "warnings"}.
+
+    \b
+    Examples:
+      kadapt plan kimi_k25 --tp 8 --ep 8 --device h200
+      kadapt plan specs/llama.yaml --seq-len 32768 --format json
+    """
+    out = reporter(fmt)
+    out.detail(f"spec: {spec_path.resolve()}")
     spec = load_spec(spec_path)
     inputs = model_inputs(spec, quant)
     profile = get_device(device, device_file) if (device or device_file) else None
+    out.detail(f"device: {device_file.resolve() if device_file else device or 'none'}")
     plan = make_plan(
         inputs,
         Parallel(tp=tp, dp=dp, ep=ep),
@@ -66,4 +81,7 @@ def command(
         kv_dtype=kv_dtype,
         device=profile,
     )
-    click.echo(json.dumps(plan_json(plan), indent=2) if fmt == "json" else plan_text(plan))
+    if out.json:
+        out.document(plan_json(plan))
+    else:
+        out.result(plan_text(plan))

@@ -20,6 +20,7 @@ from ..backends.simulation.inputs import model_inputs
 from ..backends.simulation.parallel import Parallel
 from ..spec import load_spec
 from .deployment_options import deployment_options
+from .output import format_option, reporter, verbosity_options
 from .spec_argument import spec_argument
 
 
@@ -82,7 +83,7 @@ from .spec_argument import spec_argument
 @click.option(
     "--top", type=int, default=25, show_default=True, help="Rows of the op table in text output (0: all)."
 )
-@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@format_option
 @click.option(
     "--trace",
     "trace_path",
@@ -90,6 +91,7 @@ from .spec_argument import spec_argument
     default=None,
     help="Write a Chrome trace (chrome://tracing, Perfetto) of the step.",
 )
+@verbosity_options
 def command(
     spec_path: Path,
     device: str | None,
@@ -112,14 +114,29 @@ def command(
     fmt: str,
     trace_path: Path | None,
 ) -> None:
-    """Price one step of SPEC's model on a device and report time, tokens/s and memory."""
+    """Price one step of SPEC's model on a device and report time, tokens/s and memory.
+
+    JSON (--format json): {"phase", "model", "device", "quantization", "parallel", "batch",
+    "query_len", "context_len", "mtp", "mtp_acceptance", "routing", "cost_model", "step_time_s",
+    "output_tokens_per_step", "tokens_per_s", "tokens_per_s_per_device", "ops", "memory_per_device",
+    "warnings"}.
+
+    \b
+    Examples:
+      kadapt simulate kimi_k25 --device h200 --tp 8 --ep 8
+      kadapt simulate kimi_k25 --device h200 --tp 8 --decode --context-len 4096 --format json
+      kadapt simulate deepseek_v3 --device h200 --tp 8 --ep 8 --cost-model measured
+    """
     from ..backends.simulation.deployment import Deployment
     from ..backends.simulation.report import chrome_trace, sim_json, sim_text
     from ..backends.simulation.simulator import simulate  # imports torch: only once the inputs are known good
 
+    out = reporter(fmt)
+    out.detail(f"spec: {spec_path.resolve()}")
     spec = load_spec(spec_path)
     inputs = model_inputs(spec, quant)
     profile = get_device(device, device_file)
+    out.detail(f"device: {device_file.resolve() if device_file else device}")
     if decode and query_len not in (None, 1):
         raise click.UsageError("--query-len is fixed at 1 (+ --mtp) for --decode")
     dep = Deployment(
@@ -139,7 +156,12 @@ def command(
 
         require()
         system_for(profile.name)
-    sim = simulate(inputs, spec, dep, profile, cost_model=cost_model, framework=framework)
+    with out.stage("simulate"):
+        sim = simulate(inputs, spec, dep, profile, cost_model=cost_model, framework=framework)
     if trace_path is not None:
         atomic_write_text(trace_path, json.dumps(chrome_trace(sim)))
-    click.echo(json.dumps(sim_json(sim), indent=2) if fmt == "json" else sim_text(sim, top or None))
+        out.detail(f"wrote trace {trace_path}")
+    if out.json:
+        out.document(sim_json(sim))
+    else:
+        out.result(sim_text(sim, top or None))
