@@ -11,7 +11,13 @@ checked against kadapt itself:
   and a few greedy decode steps equal kadapt's own runtime wrappers bit for bit and transformers'
   eager forward within ``--verify``'s tolerance;
 - for one GQA family with sliding windows and one MLA family, the module goes through
-  ``torch_ir.extract_ir`` exactly as its docstring says, and torch_ir's executor replays the IR.
+  ``torch_ir.extract_ir`` exactly as its docstring says, torch_ir's executor replays the IR, and the
+  file the module's ``save_ir`` writes loads and replays the same (``save_ir``'s encoding is kadapt's
+  IR writer's; it refuses the wrong graph and writes atomically; ``torch_ir.save_ir`` cannot write
+  these graphs at all).
+
+``test_generated_module_roundtrip.py`` runs the module's documented flow vendored outside the
+checkout, without kadapt, against transformers' ``generate()``.
 
 The committed files equal a fresh render (``test_generate.py``), so this tests what ``kadapt
 generate`` produces.
@@ -22,7 +28,10 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
+import json
+import math
 import types
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +42,7 @@ import torch
 import torch_ir
 from fixtures.modules import import_path
 
-from kimi_adapter_core.backends.extraction import options_from_spec, runtime
+from kimi_adapter_core.backends.extraction import encoding, options_from_spec, runtime
 from kimi_adapter_core.backends.extraction.options import ExtractionOptions, bind_structure
 from kimi_adapter_core.backends.extraction.pipeline import kv_mapping_document
 from kimi_adapter_core.backends.extraction.roundtrip import tiny_overrides
@@ -332,7 +341,7 @@ def test_sliding_windows_change_the_result(family: Callable[[str], Family]) -> N
 @QUIET_META_CONSTANTS
 @pytest.mark.parametrize("name", TORCH_IR)
 def test_torch_ir_extracts_and_replays_the_generated_wrappers(
-    family: Callable[[str], Family], name: str
+    family: Callable[[str], Family], name: str, tmp_path: Path
 ) -> None:
     fam = family(name)
     module = fam.module
@@ -394,6 +403,18 @@ def test_torch_ir_extracts_and_replays_the_generated_wrappers(
         for a, b in zip(eager, replayed, strict=True):
             assert torch.equal(a, b)
 
+        # saved by the module, loaded by torch_ir: ABI names, and the same outputs
+        path = module.save_ir(decode, tmp_path / "decode_ir.json", "decode")
+        assert [t.name for t in decode.graph_outputs][0] != "logits"  # the extracted IR is left as it was
+        loaded = torch_ir.load_ir(path)
+        assert ([t.name for t in loaded.graph_inputs], [t.name for t in loaded.graph_outputs]) == (
+            module.graph_names("decode", layers)
+        )
+        assert len(loaded.nodes) == len(decode.nodes)
+        reloaded = torch_ir.IRExecutor(loaded, module.graph_weights(wrapper)).execute(inputs)
+        for a, b in zip(eager, reloaded, strict=True):
+            assert torch.equal(a, b)
+
 
 @QUIET_META_CONSTANTS
 def test_torch_ir_cannot_replay_a_graph_extracted_with_grad_enabled(family: Callable[[str], Family]) -> None:
@@ -417,3 +438,79 @@ def test_torch_ir_cannot_replay_a_graph_extracted_with_grad_enabled(family: Call
         match="No execution function registered for op_type 'wrap_with_set_grad_enabled'",
     ):
         executor.execute(inputs)
+
+
+@pytest.fixture(scope="module")
+def mistral_prefill(family: Callable[[str], Family]) -> tuple[types.ModuleType, Any]:
+    """The generated module of a GQA family and a tiny prefill IR torch_ir extracted from it."""
+    fam = family(TORCH_IR[0])
+    module = fam.module
+    model = module.build_model(device="meta", overrides=fam.tiny)
+    with warnings.catch_warnings(), torch.no_grad(), module.patches_applied():
+        warnings.filterwarnings("ignore", "Skipping .* meta-device constant", UserWarning)
+        ir = torch_ir.extract_ir(
+            module.prefill_wrapper(model), module.prefill_example_inputs(prefill_len=PREFILL)
+        )
+    return module, ir
+
+
+def test_torch_ir_save_ir_cannot_write_these_graphs(
+    mistral_prefill: tuple[types.ModuleType, Any], tmp_path: Path
+) -> None:
+    """Why the module has its own ``save_ir`` (pytorch-ir 0.2.3): the graphs carry ``torch.dtype``
+    attributes, which torch_ir's writer cannot serialise, and it has opened the file by then."""
+    _, ir = mistral_prefill
+    assert any(isinstance(v, torch.dtype) for node in ir.nodes for v in node.attrs.values())
+    path = tmp_path / "prefill_ir.json"
+    with pytest.raises(TypeError, match="dtype is not JSON serializable"):
+        torch_ir.save_ir(ir, path)
+    assert path.stat().st_size == 0
+
+
+def test_save_ir_encodes_attributes_like_kadapts_ir_writer(
+    mistral_prefill: tuple[types.ModuleType, Any], tmp_path: Path
+) -> None:
+    """One encoding for both writers: ATen's integer codes, meta -> cpu, infinities as +-1e400."""
+    module, ir = mistral_prefill
+    assert module._dtype_codes() == encoding.dtype_codes()
+    assert module._enum_names() == encoding.enum_tables()
+    values = [*encoding.dtype_codes(), *encoding.LAYOUT_CODES, *encoding.MEMORY_FORMAT_CODES]
+    values += [torch.device("meta"), torch.device("cpu"), [torch.float32, torch.strided], 1.5, None, "x"]
+    for value in values:
+        assert module._encoded(value, "test") == encoding.encode(value, device="cpu"), value
+    with pytest.raises(TypeError, match="cannot write attribute value"):
+        module._encoded(object(), "node x attribute y")
+
+    # masking fills (-inf) are JSON numbers that parse back as infinities; no string is rewritten
+    text = module._json_text({"fill": [-math.inf, math.inf, 0.5], "name": "Infinity"})
+    assert text == '{"fill":[-1e400,1e400,0.5],"name":"Infinity"}'
+    assert json.loads(text)["fill"] == [-math.inf, math.inf, 0.5]
+
+    document = json.loads(module.save_ir(ir, tmp_path / "prefill_ir.json", "prefill").read_text())
+    attrs = [node.get("attrs", {}) for node in document["nodes"]]
+    assert {a["dtype"] for a in attrs if "dtype" in a} <= set(encoding.dtype_codes().values())
+    assert {a["device"] for a in attrs if "device" in a} == {"cpu"}
+    assert document["metadata"]["enums"] == encoding.enum_tables()
+
+
+def test_save_ir_refuses_the_wrong_graph_and_writes_atomically(
+    mistral_prefill: tuple[types.ModuleType, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module, ir = mistral_prefill
+    path = tmp_path / "ir.json"
+    with pytest.raises(ValueError, match="is it the decode graph"):
+        module.save_ir(ir, path, "decode")
+    with pytest.raises(ValueError, match="graph must be 'prefill' or 'decode'"):
+        module.save_ir(ir, path, "prefil")
+    assert list(tmp_path.iterdir()) == []
+
+    path.write_text("previous", encoding="utf-8")
+
+    def full_disk(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(module.os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        module.save_ir(ir, path, "prefill")
+    assert path.read_text(encoding="utf-8") == "previous"
+    assert list(tmp_path.iterdir()) == [path]  # no temp file left behind
