@@ -32,7 +32,15 @@ def test_main_job_extracts_full_kimi(tmp_path):
     assert statuses["K1"] == "applied" and statuses["X2"] == "applied" and statuses["B1"] == "applied"
     assert statuses["P2"] == "gated off"  # no flash_attention_2 in the shipped config
     written = sorted(p.name for p in out.iterdir())
-    assert written == [f"kimi_k25_text_{kind}.json" for kind in ("decode_ir", "kv_mapping", "prefill_ir")]
+    kinds = ("decode_ir", "kv_mapping", "prefill_ir", "vision_ir", "weight_map")
+    assert written == [f"kimi_k25_text_{kind}.json" for kind in kinds]
+    weight_map = json.loads((out / "kimi_k25_text_weight_map.json").read_text())
+    experts = weight_map["weights"]["language_model.model.layers.1.mlp.experts.gate_up_proj"]
+    assert [len(group["tensors"]) for group in experts["sources"]] == [384, 384]
+    assert experts["sources"][0]["storage"]["format"] == "compressed-tensors/pack-quantized"
+    assert weight_map["checkpoint_tensors"] == 60 * 3 * 384 + (975 - 60 * 2)
+    vision = data["extraction"]["graphs"]["vision"]
+    assert vision["layers"] == 27 and vision["path"] == str(out / "kimi_k25_text_vision_ir.json")
     for kind in ("prefill", "decode"):
         graph = data["extraction"]["graphs"][kind]
         assert (graph["layers"], graph["path"]) == (61, str(out / f"kimi_k25_text_{kind}_ir.json"))

@@ -23,6 +23,8 @@ def test_verify_matches_transformers_generate(tmp_path: Path, kv_layout: str, ml
     assert report.passed, report.render()
     fp32 = ["weights bind to checkpoint names", "prefill logits", "greedy generation", "decode logits"]
     bf16 = [f"{name} (bfloat16)" for name in fp32[1:]]
+    vision = ["vision weights bind", "vision features"]  # the spec's abi.vision graph, in each dtype
+    fp32, bf16 = fp32 + vision, bf16 + [f"{name} (bfloat16)" for name in vision]
     # absorbed MLA rounds in another order than transformers' attention: bf16 is noted, not compared
     assert [c.name for c in report.checks] == (fp32 if mla_attention == "absorbed" else fp32 + bf16)
     assert bool(report.notes) == (mla_attention == "absorbed")

@@ -107,6 +107,17 @@ class GraphAbi:
 
 
 @dataclass(frozen=True)
+class VisionAbi:
+    """``abi.vision``: the vision graph's fixed image ABI (patch grids packed into one call)."""
+
+    projector: str  # module path of the projector; the encoder is module_paths.vision_tower
+    grid_thws: tuple[tuple[int, int, int], ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    merge_kernel: tuple[int, int] | None = None  # a claim checked against the vision config
+
+
+@dataclass(frozen=True)
 class Abi:
     config: str | None  # sub-config holding the text backbone, None for a flat config
     batch: int
@@ -117,6 +128,7 @@ class Abi:
     prefill: GraphAbi
     decode: GraphAbi
     mla_attention: str = "reexpand"  # reexpand | absorbed (latent layout only)
+    vision: VisionAbi | None = None  # the vision graph, for vision-language models that declare it
 
 
 @dataclass(frozen=True)
@@ -263,9 +275,23 @@ def build_spec(path: Path, raw: dict[str, Any], positions: dict[str, Location]) 
                 prefill=GraphAbi(tuple(abi["prefill"]["inputs"]), tuple(abi["prefill"]["outputs"])),
                 decode=GraphAbi(tuple(abi["decode"]["inputs"]), tuple(abi["decode"]["outputs"])),
                 mla_attention=abi.get("mla_attention", "reexpand"),
+                vision=_vision_abi(abi.get("vision")),
             )
             if abi
             else None
         ),
         backends={k: dict(v or {}) for k, v in (raw.get("backends") or {}).items()},
+    )
+
+
+def _vision_abi(raw: dict[str, Any] | None) -> VisionAbi | None:
+    if raw is None:
+        return None
+    kernel = raw.get("merge_kernel")
+    return VisionAbi(
+        projector=raw["projector"],
+        grid_thws=tuple((t, h, w) for t, h, w in raw["grid_thws"]),
+        inputs=tuple(raw["inputs"]),
+        outputs=tuple(raw["outputs"]),
+        merge_kernel=(kernel[0], kernel[1]) if kernel is not None else None,
     )

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import KadaptError
-from ...spec.model import GraphAbi, Spec
+from ...spec.model import GraphAbi, Spec, VisionAbi
 from ...structure.model import ALL_KV_LAYOUTS, Attention, ModelStructure
 
 MLA_ATTENTIONS = ("reexpand", "absorbed")
@@ -63,6 +63,50 @@ def kv_names(prefill: GraphNames, decode: GraphNames) -> dict[str, str]:
 
 
 @dataclass(frozen=True)
+class VisionOptions:
+    """The vision graph's fixed image ABI (``abi.vision``): which images one call packs, and names."""
+
+    projector: str  # module path of the projector
+    grid_thws: tuple[tuple[int, int, int], ...]
+    merge_kernel: tuple[int, int] | None  # the spec's claim, checked against the config at export
+    input_name: str
+    output_name: str
+    where: str | None = None  # spec location of abi.vision
+
+    @property
+    def num_patches(self) -> int:
+        return sum(t * h * w for t, h, w in self.grid_thws)
+
+
+def vision_options(spec: Spec, vision: VisionAbi) -> VisionOptions:
+    """``abi.vision`` read and checked (one input, one output, plain names) without torch."""
+    where = spec.locate("abi.vision")
+    for side, names in (("inputs", vision.inputs), ("outputs", vision.outputs)):
+        if len(names) != 1 or LAYER in names[0]:
+            raise KadaptError(
+                f"abi.vision.{side} must name exactly one tensor (no {{layer}}), got {list(names)}",
+                location=spec.locate(f"abi.vision.{side}"),
+            )
+    if vision.merge_kernel is not None:
+        rows, cols = vision.merge_kernel
+        for index, (_, h, w) in enumerate(vision.grid_thws):
+            if h % rows or w % cols:
+                raise KadaptError(
+                    f"abi.vision.grid_thws[{index}] = [{h}, {w}] patches is not divisible by the "
+                    f"merge kernel {rows}x{cols}",
+                    location=spec.locate(f"abi.vision.grid_thws[{index}]"),
+                )
+    return VisionOptions(
+        projector=vision.projector,
+        grid_thws=vision.grid_thws,
+        merge_kernel=vision.merge_kernel,
+        input_name=vision.inputs[0],
+        output_name=vision.outputs[0],
+        where=where,
+    )
+
+
+@dataclass(frozen=True)
 class ExtractionOptions:
     """Everything ``run``/``verify`` need besides the spec and the model."""
 
@@ -90,6 +134,7 @@ class ExtractionOptions:
     top_ops: int = 12
     structure: ModelStructure | None = None  # set by ``bind_structure`` once the config is built
     kv_layout_where: str | None = None  # spec location of abi.kv_layout, when the spec chose it
+    vision: VisionOptions | None = None  # abi.vision: also export the vision encoder + projector
 
     @property
     def kv_dims(self) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -110,8 +155,8 @@ class ExtractionOptions:
         return self.structure.windows
 
     def path(self, graph: str) -> Path:
-        """Output file of ``graph`` (``prefill``, ``decode`` or ``kv_mapping``)."""
-        suffix = "kv_mapping.json" if graph == "kv_mapping" else f"{graph}_ir.json"
+        """Output file of ``graph``: ``prefill``, ``decode``, ``vision``, ``kv_mapping``, ``weight_map``."""
+        suffix = f"{graph}.json" if graph in ("kv_mapping", "weight_map") else f"{graph}_ir.json"
         return self.output_dir / f"{self.file_prefix}_{suffix}"
 
 
@@ -276,6 +321,7 @@ def options_from_spec(
         verify_prefill_len=verify_prefill,
         verify_max_cache_len=verify_cache,
         verify_decode_steps=verify_steps,
+        vision=vision_options(spec, abi.vision) if abi.vision is not None else None,
         **sizes,
     )
 

@@ -18,7 +18,7 @@ from torch import nn
 from ... import __version__
 from ...spec.model import Spec
 from ...structure.derive import derive_structure
-from . import runtime
+from . import runtime, vision
 from .encoding import enum_tables
 from .export import Backbone, check_exportable, export_wrapper, to_graph
 from .graph import Graph
@@ -26,6 +26,7 @@ from .irjson import FORMAT_VERSION, ir_chunks
 from .options import ExtractionOptions, bind_structure, kv_names
 from .stitch import NotStitchable, Plan, plan, stitch
 from .summary import ExtractionSummary, GraphStats
+from .weight_map import weight_map_document
 from .weights import cast_to_abi_dtype, keep_fp32_names, model_tensor_types, tied_names, weight_entries
 from .write import write_all
 
@@ -185,6 +186,11 @@ def run(spec: Spec, model: nn.Module, options: ExtractionOptions, *, echo: Echo)
         cast_to_abi_dtype([backbone.language_model, backbone.lm_head], dtype, keep_fp32_names(model))
         chosen = plan(backbone.layers) if options.stitch else Plan(len(backbone.layers))
     graphs = {kind: build_graph(kind, backbone, options, chosen, clock) for kind in GRAPHS}
+    vision_modules, vision_graph = None, None
+    if options.vision is not None:
+        with clock.step("export vision"):
+            vision_modules = vision.prepare(spec, model, options)
+            vision_graph = vision.build_vision_graph(vision_modules, options, EXEC_DEVICE)
     with clock.step("write"):
         ties = tied_names(model, {path for g in graphs.values() for path in g.weights})
         files: dict[Path, Iterable[str]] = {}
@@ -205,6 +211,22 @@ def run(spec: Spec, model: nn.Module, options: ExtractionOptions, *, echo: Echo)
                 renames=options.weight_renames,
             )
         files[options.path("kv_mapping")] = [json.dumps(kv_mapping_document(options, backbone), indent=1)]
+        files[options.path("weight_map")] = [
+            json.dumps(
+                weight_map_document(
+                    spec,
+                    model,
+                    graphs.values(),
+                    model_name=options.model_name,
+                    renames=options.weight_renames,
+                ),
+                indent=1,
+            )
+        ]
+        if vision_modules is not None and vision_graph is not None:
+            files[options.path("vision")] = vision.vision_chunks(
+                spec, vision_modules, vision_graph, options, EXEC_DEVICE
+            )
         sizes = write_all(files)
     summary = ExtractionSummary(
         model_name=options.model_name,
@@ -221,6 +243,12 @@ def run(spec: Spec, model: nn.Module, options: ExtractionOptions, *, echo: Echo)
     )
     for kind, graph in graphs.items():
         summary.graphs[kind] = graph_stats(graph, options, sizes[options.path(kind)], len(backbone.layers))
+    if vision_modules is not None and vision_graph is not None:
+        layers = len(vision_modules.encoder.layers)
+        summary.graphs["vision"] = graph_stats(vision_graph, options, sizes[options.path("vision")], layers)
+        summary.vision = vision.describe(vision_modules)
     summary.kv_mapping = options.path("kv_mapping")
     summary.kv_mapping_bytes = sizes[summary.kv_mapping]
+    summary.weight_map = options.path("weight_map")
+    summary.weight_map_bytes = sizes[summary.weight_map]
     return summary

@@ -36,6 +36,7 @@ from . import runtime
 from .naming import rename_weight
 from .options import ExtractionOptions, bind_structure
 from .pipeline import run
+from .vision_verify import check_vision
 
 # Sizes of the tiny text backbone, by structural fact: each is written to whichever config key the
 # model's structure read that fact from (``ModelStructure.keys``), so any family shrinks the same way.
@@ -80,6 +81,10 @@ TINY_OTHER = {
     "vt_intermediate_size": 64,
     "text_hidden_size": TINY_FACTS["hidden_size"],
 }
+# Root-config sizes of a vision-language model's projector, set when the spec exports the vision graph:
+# the projector's input width lives on the root config (Kimi_K25Config.projection_hidden_size, absent
+# from the shipped config, default 1152) and must match the tiny encoder's.
+TINY_PROJECTOR = {"projection_hidden_size": TINY_OTHER["vt_hidden_size"]}
 TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "media_placeholder_token_id": 3}
 
 
@@ -110,6 +115,8 @@ def tiny_overrides(spec: Spec, options: ExtractionOptions) -> dict[str, Any]:
             sizes = {name: value for name, value in TINY_OTHER.items() if key and name in section}
         sizes.update({name: value for name, value in TOKEN_IDS.items() if name in section})
         overrides.update({prefix + name: value for name, value in sizes.items()})
+    if options.vision is not None:
+        overrides.update(TINY_PROJECTOR)
     overrides.update(options.verify_overrides)
     return overrides
 
@@ -359,6 +366,8 @@ def _verify_in(
             _compare(
                 report, model, replay, prompt, options.verify_decode_steps, tolerance=tolerance, suffix=suffix
             )
+        if small.vision is not None:
+            check_vision(report, spec, model, small, weights, tolerance=tolerance, suffix=suffix)
 
 
 def verify(spec: Spec, options: ExtractionOptions, *, echo: Callable[[str], Any]) -> VerifyReport:

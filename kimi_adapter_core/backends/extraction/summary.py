@@ -47,6 +47,9 @@ class ExtractionSummary:
     graphs: dict[str, GraphStats] = field(default_factory=dict)
     kv_mapping: Path | None = None
     kv_mapping_bytes: int = 0
+    weight_map: Path | None = None
+    weight_map_bytes: int = 0
+    vision: str | None = None  # the image ABI of the vision graph, when one was exported
     steps: list[tuple[str, float]] = field(default_factory=list)
     top_ops: int = 12
 
@@ -62,6 +65,8 @@ class ExtractionSummary:
             **self.sizes,
             "graphs": {kind: stats.to_dict(self.top_ops) for kind, stats in self.graphs.items()},
             "kv_mapping": {"path": str(self.kv_mapping), "bytes": self.kv_mapping_bytes},
+            "weight_map": {"path": str(self.weight_map), "bytes": self.weight_map_bytes},
+            **({"vision": self.vision} if self.vision is not None else {}),
             "steps": [{"step": name, "seconds": round(seconds, 3)} for name, seconds in self.steps],
             "seconds": round(self.seconds, 3),
         }
@@ -78,8 +83,12 @@ class ExtractionSummary:
             )
             ops = ", ".join(f"{op.split('.')[1]} {n}" for op, n in stats.ops.most_common(self.top_ops))
             lines.append(f"           ops: {ops}")
+        if self.vision is not None:
+            lines.append(f"  image    {self.vision}")
         if self.kv_mapping is not None:
             lines.append(f"  kv map   {_size(self.kv_mapping_bytes)}  -> {self.kv_mapping}")
+        if self.weight_map is not None:
+            lines.append(f"  weights  {_size(self.weight_map_bytes)}  -> {self.weight_map}")
         lines.append("  time: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.steps))
         return "\n".join(lines)
 

@@ -1,0 +1,173 @@
+"""Which checkpoint tensors make each graph weight, and how they are combined.
+
+A graph reads the model's parameters; the checkpoint on disk may store them differently. transformers
+v5 fuses per-expert tensors when it loads (``experts.E.gate_proj.weight`` + ``experts.E.up_proj.weight``
+for every E become one ``experts.gate_up_proj``) through ``WeightConverter`` entries of its conversion
+mapping. This module reads those converters - the code ``from_pretrained`` runs, not a copy of it -
+and turns each into data: the checkpoint names of every source tensor, in load order, and the ops
+(``stack``, ``concat``, ``transpose``) that rebuild the graph weight from them. Checkpoint names are
+the model path after the spec's ``weight_renames``; each name is then checked against transformers'
+own loading rename (``rename_source_key``), so a spec rename that would not load is an error here.
+
+transformers' *reverse* mapping (``save_pretrained``) is not used for names: for Kimi-K2.5 it writes
+``language_model.model.blocks.N`` (a vision-tower rename leaks into the text model), a name the
+published checkpoint does not have; loading accepts both, so only the forward direction is checked.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from ...errors import KadaptError
+from .graph import TensorType
+from .naming import rename_weight
+
+# ops transformers applies when loading, and how kadapt's weight map spells them
+_STACK, _CONCAT, _TRANSPOSE = "MergeModulelist", "Concatenate", "Transpose"
+
+
+@dataclass(frozen=True)
+class SourceGroup:
+    """Checkpoint tensors of one source pattern (one per expert, or a single tensor)."""
+
+    pattern: str  # transformers' source pattern ("mlp.experts.*.gate_proj.weight"), "" for a plain tensor
+    tensors: tuple[str, ...]  # checkpoint names, in the order the ops consume them
+    shape: tuple[int, ...]  # shape of each tensor, as the graph computes with it (before any packing)
+
+
+@dataclass(frozen=True)
+class CheckpointSource:
+    """How one graph weight is rebuilt from the checkpoint."""
+
+    groups: tuple[SourceGroup, ...]
+    ops: tuple[dict[str, Any], ...]  # applied in order; see weight_loader.combine
+    linear: bool  # the sources are ``nn.Linear`` weights (what a quantization ``targets: [Linear]`` selects)
+
+    @property
+    def tensors(self) -> tuple[str, ...]:
+        return tuple(name for group in self.groups for name in group.tensors)
+
+
+def _converters(model: nn.Module) -> tuple[list[Any], list[Any]]:
+    """transformers' loading conversions for ``model`` (renamings, converters), as loading uses them."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange, WeightConverter, WeightRenaming
+
+    transforms = [
+        t for t in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(t, PrefixChange)
+    ]
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    return renamings, converters
+
+
+def _target_match(converter: Any, path: str) -> str | None:
+    """The prefix of ``path`` before ``converter``'s target pattern if ``path`` is its target, else None."""
+    (target,) = converter.target_patterns if len(converter.target_patterns) == 1 else (None,)
+    if target is None or not path.endswith("." + target):
+        return None
+    prefix = path[: -len(target)]
+    scope = converter.scope_prefix
+    if scope and not (prefix.startswith(scope + ".") or f".{scope}." in f".{prefix}"):
+        return None
+    return prefix
+
+
+def _op(op: Any, where: str) -> dict[str, Any]:
+    kind = type(op).__name__
+    if kind == _STACK:
+        return {"op": "stack", "dim": op.dim}
+    if kind == _CONCAT:
+        return {"op": "concat", "dim": op.dim}
+    if kind == _TRANSPOSE and not op.check_dims:
+        return {"op": "transpose", "dims": [op.dim0, op.dim1]}
+    raise KadaptError(
+        f"weight map: transformers loads {where} with {kind}, which the weight map cannot describe "
+        "(supported: MergeModulelist, Concatenate, Transpose)"
+    )
+
+
+def _source_shapes(shape: tuple[int, ...], ops: list[dict[str, Any]], groups: int) -> tuple[int, ...]:
+    """Each source tensor's shape: ``shape`` with the ops undone, last op first."""
+    dims = list(shape)
+    for op in reversed(ops):
+        if op["op"] == "concat":
+            if dims[op["dim"]] % groups:
+                raise KadaptError(
+                    f"weight map: {shape} does not split into {groups} equal parts on dim {op['dim']}"
+                )
+            dims[op["dim"]] //= groups
+        elif op["op"] == "stack":
+            del dims[op["dim"]]
+        else:
+            a, b = op["dims"]
+            dims[a], dims[b] = dims[b], dims[a]
+    return tuple(dims)
+
+
+def _expand(prefix: str, pattern: str, count: int | None) -> tuple[str, ...]:
+    """Concrete names of ``pattern`` under ``prefix``: ``*`` numbered 0..count-1."""
+    if re.search(r"[\\()\[\]|?+^$]", pattern):
+        raise KadaptError(f"weight map: cannot expand transformers source pattern {pattern!r} into names")
+    if "*" not in pattern:
+        return (prefix + pattern,)
+    if count is None:
+        raise KadaptError(f"weight map: source pattern {pattern!r} is numbered but no op stacks it")
+    return tuple(prefix + pattern.replace("*", str(i)) for i in range(count))
+
+
+def _is_linear_weight(model: nn.Module, path: str) -> bool:
+    owner, _, leaf = path.rpartition(".")
+    return leaf == "weight" and isinstance(model.get_submodule(owner), nn.Linear)
+
+
+def checkpoint_sources(
+    model: nn.Module, weights: dict[str, TensorType], renames: tuple[tuple[str, str], ...]
+) -> dict[str, CheckpointSource]:
+    """For every model path in ``weights``, the checkpoint tensors and ops that rebuild it.
+
+    Each checkpoint name is the expanded source under the spec's ``weight_renames``, checked to load
+    back into that very path through transformers' own renamings and converters.
+    """
+    from transformers.core_model_loading import rename_source_key
+
+    renamings, converters = _converters(model)
+    meta_state = dict.fromkeys(weights, True)
+    out: dict[str, CheckpointSource] = {}
+    for path, tensor in weights.items():
+        converter = next((c for c in converters if _target_match(c, path) is not None), None)
+        if converter is None:
+            source = CheckpointSource(
+                (SourceGroup("", (rename_weight(path, renames),), tuple(tensor.shape)),),
+                (),
+                _is_linear_weight(model, path),
+            )
+        else:
+            prefix = _target_match(converter, path)
+            ops = [_op(op, path) for op in converter.operations]
+            stack = next((op["dim"] for op in ops if op["op"] == "stack"), None)
+            patterns = list(converter._original_source_patterns)
+            shape = _source_shapes(tuple(tensor.shape), ops, len(patterns))
+            count = tensor.shape[stack] if stack is not None else None
+            groups = tuple(
+                SourceGroup(
+                    pattern,
+                    tuple(rename_weight(name, renames) for name in _expand(prefix or "", pattern, count)),
+                    shape,
+                )
+                for pattern in patterns
+            )
+            source = CheckpointSource(groups, tuple(ops), linear=stack is not None and len(shape) == 2)
+        for name in source.tensors:
+            loaded, _ = rename_source_key(name, renamings, converters, model.base_model_prefix, meta_state)
+            if loaded != path:
+                raise KadaptError(
+                    f"weight map: checkpoint tensor {name} (from {path} through weight_renames) would load "
+                    f"into {loaded}, not {path}: fix backends.extraction.weight_renames"
+                )
+        out[path] = source
+    return out

@@ -1,0 +1,310 @@
+"""The vision graph: the encoder (``module_paths.vision_tower``) and projector at the spec's fixed image ABI.
+
+``abi.vision`` fixes the patch grid of every image one call packs (``grid_thws``), so everything
+transformers derives from ``grid_thw`` at run time (bicubic position-embedding taps, frame indices,
+rotary positions, the 2x2 merge gather) is computed here once, by transformers' own helpers, and
+handed to the encoder through the keyword arguments those helpers pop. The graph then has one input,
+the pixel patches, and one output, one projected feature row per image placeholder token; the grid
+constants are written into the IR (``constants``), as the rotary frequencies are.
+
+The encoder is exported whole (no layer stitching): MoonViT's 27 layers trace in seconds on meta.
+Only MoonViT (transformers' ``Kimi_K25VisionModel``) is supported: the precomputed tensors are the
+ones its forward consumes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+from torch import nn
+
+from ... import __version__
+from ...errors import KadaptError
+from ...spec.model import Spec
+from .convert import convert
+from .encoding import enum_tables
+from .export import _param_path, export_program
+from .graph import Graph
+from .irjson import ir_chunks
+from .options import ExtractionOptions, GraphNames, VisionOptions
+from .weights import cast_to_abi_dtype, keep_fp32_names, tied_names, weight_entries
+
+KIND = "vision"
+ABI_PREFIX = "vision_abi"  # IR name prefix of the grid constants the wrapper owns
+# keyword arguments of Kimi_K25VisionModel.forward whose helpers pop a precomputed value
+GRID_CONSTANTS = ("interp_indices", "interp_weights", "frame_index", "position_ids", "temporal_merge_index")
+
+
+def _grid_tensors(tower: nn.Module, grid_thw: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What MoonViT computes from ``grid_thw`` each call, computed on CPU by transformers' helpers."""
+    from transformers.models.kimi_k25 import modeling_kimi_k25 as kimi
+    from transformers.vision_utils import (
+        get_vision_interpolation_indices_and_weights,
+        get_vision_position_ids,
+    )
+
+    pos_emb = tower.patch_embed.pos_emb
+    indices, weights = get_vision_interpolation_indices_and_weights(
+        grid_thw,
+        pos_emb.num_grid_per_side,
+        mode=pos_emb.interpolation_mode,
+        align_corners=pos_emb.interpolation_align_corners,
+    )
+    rows, cols = tower.merge_kernel_size
+    return {
+        "interp_indices": indices,
+        "interp_weights": weights,
+        "frame_index": kimi.get_vision_frame_index(grid_thw),
+        "position_ids": get_vision_position_ids(grid_thw, spatial_merge_size=1),
+        "temporal_merge_index": kimi.get_vision_temporal_merge_index(grid_thw, rows, cols),
+    }
+
+
+class VisionWrapper(nn.Module):
+    """``pixel_values [patches, channels, patch, patch]`` -> ``image features [tokens, text hidden]``.
+
+    Equal to ``torch.cat(model.get_image_features(pixel_values, grid_thw).pooler_output)`` for the
+    fixed ``grid_thw``. ``cu_seqlens`` is a numpy array on purpose: MoonViT's eager attention splits
+    the packed images with ``(cu_seqlens[1:] - cu_seqlens[:-1]).tolist()``, which on a tensor traces
+    into data-dependent ``item()`` calls and symbolic split sizes; numpy gives the static sizes.
+    """
+
+    def __init__(self, encoder: nn.Module, projector: nn.Module, grid_thws: tuple[tuple[int, int, int], ...]):
+        super().__init__()
+        self.encoder = encoder
+        self.projector = projector
+        self.grid_thw = torch.tensor(grid_thws, dtype=torch.long)
+        self.values = _grid_tensors(encoder, self.grid_thw)  # CPU values, for the IR's constants
+        device = next(encoder.parameters()).device
+        for name, value in self.values.items():
+            self.register_buffer(name, value.to(device), persistent=False)
+        seqlens = [t * h * w for t, h, w in grid_thws]
+        self.cu_seqlens = np.cumsum([0, *seqlens])
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        grid = {name: getattr(self, name) for name in GRID_CONSTANTS}
+        out = self.encoder(pixel_values, grid_thw=self.grid_thw, cu_seqlens=self.cu_seqlens, **grid)
+        return self.projector(out.pooler_output).squeeze(1)
+
+
+@dataclass(frozen=True)
+class VisionModules:
+    """The encoder and projector inside the full model, and the image ABI they are exported at."""
+
+    model: nn.Module
+    encoder: nn.Module
+    projector: nn.Module
+    abi: VisionOptions
+
+    @property
+    def config(self) -> Any:
+        return self.encoder.config
+
+    @property
+    def patch_shape(self) -> tuple[int, int, int]:
+        proj = self.encoder.patch_embed.proj
+        return (proj.in_channels, *proj.kernel_size)
+
+    @property
+    def merge_kernel(self) -> tuple[int, int]:
+        rows, cols = self.encoder.merge_kernel_size
+        return int(rows), int(cols)
+
+    @property
+    def tokens_per_image(self) -> list[int]:
+        rows, cols = self.merge_kernel
+        return [h // rows * (w // cols) for _, h, w in self.abi.grid_thws]
+
+
+def vision_modules(spec: Spec, model: nn.Module, abi: VisionOptions) -> VisionModules:
+    """Find the encoder and projector, and check the ABI against them (merge kernel, grid divisibility)."""
+    from ...loading import submodule
+
+    encoder = submodule(model, spec, "vision_tower")
+    try:
+        projector = model.get_submodule(abi.projector)
+    except AttributeError as exc:
+        raise KadaptError(
+            f"abi.vision.projector {abi.projector!r} does not exist in {type(model).__name__}: {exc}",
+            location=abi.where,
+        ) from exc
+    if not hasattr(encoder, "merge_kernel_size") or not hasattr(encoder, "patch_embed"):
+        raise KadaptError(
+            f"abi.vision supports MoonViT encoders (Kimi_K25VisionModel); module_paths.vision_tower is a "
+            f"{type(encoder).__name__}",
+            location=abi.where,
+        )
+    modules = VisionModules(model, encoder, projector, abi)
+    rows, cols = modules.merge_kernel
+    if abi.merge_kernel is not None and abi.merge_kernel != (rows, cols):
+        raise KadaptError(
+            f"abi.vision.merge_kernel {list(abi.merge_kernel)} contradicts the vision config's "
+            f"merge_kernel_size [{rows}, {cols}]",
+            location=abi.where,
+        )
+    for index, (_, h, w) in enumerate(abi.grid_thws):
+        if h % rows or w % cols:
+            raise KadaptError(
+                f"abi.vision.grid_thws[{index}] = [{h}, {w}] patches is not divisible by the merge kernel "
+                f"{rows}x{cols}",
+                location=abi.where,
+            )
+    if getattr(modules.config, "_attn_implementation", None) not in (None, "eager", "sdpa"):
+        raise KadaptError(
+            f"the vision encoder uses {modules.config._attn_implementation} attention; the vision graph "
+            "needs eager or sdpa attention (set vision_config._attn_implementation in config_bridges)",
+            location=abi.where,
+        )
+    return modules
+
+
+def _graph_names(abi: VisionOptions) -> GraphNames:
+    # one fixed input, one output: GraphNames with no per-layer KV (converted with num_layers=0)
+    return GraphNames((abi.input_name,), None, None, abi.output_name, "", "")
+
+
+def _constant_value(wrapper: VisionWrapper, program: Any) -> Any:
+    """Real value of a constant: the wrapper's grid tensors, else the buffer rebuilt on CPU.
+
+    On meta the model's non-persistent buffers have no values; they are rebuilt from their owner's
+    class on CPU with the owner's config, or the encoder's config for owners that keep none
+    (MoonViT's position embeddings), in the dtype the traced buffer has.
+    """
+
+    def value(name: str) -> torch.Tensor:
+        if name in wrapper.values:
+            return wrapper.values[name]
+        tensor = program.constants.get(name)
+        if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+            return tensor.detach().cpu()
+        owner_path, _, leaf = name.rpartition(".")
+        owner = wrapper.get_submodule(owner_path)
+        try:
+            with torch.device("cpu"):
+                fresh = type(owner)(getattr(owner, "config", wrapper.encoder.config))
+            return fresh.get_buffer(leaf).detach().to(owner.get_buffer(leaf).dtype)
+        except Exception as exc:
+            raise KadaptError(
+                f"buffer {name} has no value on the meta device and {type(owner).__name__} cannot rebuild it"
+            ) from exc
+
+    return value
+
+
+def build_vision_graph(modules: VisionModules, options: ExtractionOptions, device: str) -> Graph:
+    """Export and convert the vision wrapper at the fixed grid; weights named by model paths."""
+    wrapper = VisionWrapper(modules.encoder, modules.projector, modules.abi.grid_thws).eval()
+    dtype = getattr(torch, options.dtype)
+    pixels = torch.zeros(
+        (modules.abi.num_patches, *modules.patch_shape), dtype=dtype, device=modules.encoder.device
+    )
+    program = export_program(wrapper, (pixels,), KIND)
+    model_path = _param_path(wrapper, modules.model)
+
+    def path_of(name: str) -> str:
+        return f"{ABI_PREFIX}.{name}" if name in wrapper.values else model_path(name)
+
+    return convert(
+        program,
+        kind=KIND,
+        names=_graph_names(modules.abi),
+        num_layers=0,
+        param_path=path_of,
+        constant_value=_constant_value(wrapper, program),
+        device=device,
+    )
+
+
+def prepare(spec: Spec, model: nn.Module, options: ExtractionOptions) -> VisionModules:
+    """The vision modules of ``model``, checked, with parameters in the ABI dtype (free on meta)."""
+    assert options.vision is not None
+    modules = vision_modules(spec, model, options.vision)
+    cast_to_abi_dtype(
+        [modules.encoder, modules.projector], getattr(torch, options.dtype), keep_fp32_names(model)
+    )
+    return modules
+
+
+def metadata(spec: Spec, modules: VisionModules, options: ExtractionOptions, device: str) -> dict[str, Any]:
+    """The vision IR's metadata: the image ABI and how its features enter the text prefill."""
+    abi = modules.abi
+    tokens = modules.tokens_per_image
+    config = modules.model.config
+    return {
+        "graph": KIND,
+        "model_name": options.model_name,
+        "model": (spec.raw.get("metadata") or {}).get("model"),
+        "spec": spec.name,
+        "model_class": type(modules.model).__name__,
+        "abi": {
+            "grid_thws": [list(grid) for grid in abi.grid_thws],
+            "num_images": len(abi.grid_thws),
+            "num_patches": abi.num_patches,
+            "patch": list(modules.patch_shape),
+            "merge_kernel": list(modules.merge_kernel),
+            "num_image_tokens": sum(tokens),
+            "tokens_per_image": tokens,
+            "dtype": options.dtype,
+            "pixel_layout": (
+                "patches of all images in grid_thws order, each image's patches row-major over its "
+                "(rows, columns) grid, frames outermost; each patch [channels, patch, patch], normalised "
+                "as the image processor does"
+            ),
+        },
+        "feature_mapping": {
+            "placeholder_token_id": getattr(config, "image_token_id", None),
+            "rule": (
+                f"row i of {abi.output_name} replaces the input embedding of the i-th image placeholder "
+                "token of the prompt (images in grid_thws order, tokens_per_image placeholders each); the "
+                "placeholders keep their ordinary consecutive position_ids"
+            ),
+            "text_hidden_size": int(getattr(config.get_text_config(), "hidden_size", 0)) or None,
+        },
+        "num_layers": len(modules.encoder.layers),
+        "attn_implementation": getattr(modules.config, "_attn_implementation", None),
+        "device": device,
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "kadapt": __version__,
+        },
+        "enums": enum_tables(),
+    }
+
+
+def vision_chunks(
+    spec: Spec, modules: VisionModules, graph: Graph, options: ExtractionOptions, device: str
+) -> Any:
+    """The vision IR document as text chunks (same layout as the text graphs)."""
+    weights = weight_entries(
+        graph,
+        renames=options.weight_renames,
+        ties=tied_names(modules.model, graph.weights),
+        schemes=spec.quantization,
+        compute_dtype=options.dtype,
+    )
+    return ir_chunks(
+        graph,
+        model_name=f"{options.model_name}_{KIND}",
+        pytorch_version=torch.__version__,
+        metadata=metadata(spec, modules, options, device),
+        weights=weights,
+        renames=options.weight_renames,
+    )
+
+
+def describe(modules: VisionModules) -> str:
+    """One summary line: the image ABI the vision graph was exported at."""
+    grids = ", ".join(f"{t}x{h}x{w}" for t, h, w in modules.abi.grid_thws)
+    rows, cols = modules.merge_kernel
+    tokens = sum(modules.tokens_per_image)
+    images = len(modules.abi.grid_thws)
+    _, height, width = modules.patch_shape
+    return (
+        f"{images} image{'s' if images > 1 else ''}, t x h x w patch grid {grids} ({modules.abi.num_patches} "
+        f"patches of {height}x{width} px), merge {rows}x{cols} -> {tokens} image tokens"
+    )

@@ -1,0 +1,107 @@
+"""The weight map: for every graph weight, the checkpoint tensors, their storage and the ops that build it.
+
+Written next to the IR as ``<prefix>_weight_map.json``; a runtime reads it to load real checkpoint
+weights into the graphs (``weight_loader.load_weights`` is the reference reader). Both graphs of an
+extraction read weights by the same names, so one map serves prefill and decode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from torch import nn
+
+from ...errors import KadaptError
+from ...spec.model import Spec
+from .checkpoint_layout import CheckpointSource, checkpoint_sources
+from .checkpoint_storage import storage_rule
+from .graph import Graph, TensorType
+from .naming import rename_weight
+
+FORMAT, VERSION = "kadapt-weight-map", 1
+
+RULES = {
+    "load": (
+        "for each weight: read every source tensor (dequantizing per its storage), apply ops in order, "
+        "cast to the weight's dtype; the result has the weight's shape"
+    ),
+    "ops": {
+        "stack": "stack the tensors of each source group along dim (one tensor per group)",
+        "concat": "concatenate the groups' tensors, in source order, along dim",
+        "transpose": "swap the two dims of the single tensor",
+    },
+    "storage": (
+        "absent: the tensor is stored under its name with the source's dtype; otherwise the tensor name plus "
+        "each storage tensor's suffix, combined as 'dequantize' says"
+    ),
+}
+
+
+def _quantization_config(config: Any) -> tuple[dict[str, Any] | None, str]:
+    """The text config's ``quantization_config``, else the root's, as a dict, with where it was found."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for where, holder in (("text config", text), ("config", config)):
+        qc = getattr(holder, "quantization_config", None)
+        if qc:
+            return (qc.to_dict() if hasattr(qc, "to_dict") else dict(qc)), f"{where} quantization_config"
+    return None, "spec quantization"
+
+
+def _source_entry(source: CheckpointSource, dtypes: dict[str, str], rule: Any) -> list[dict[str, Any]]:
+    groups = []
+    for group in source.groups:
+        storages = {repr(rule(name, group.shape, source.linear)) for name in group.tensors}
+        if len(storages) > 1:
+            raise KadaptError(f"weight map: the tensors of {group.pattern} are stored in different formats")
+        entry: dict[str, Any] = {
+            "tensors": list(group.tensors),
+            "shape": list(group.shape),
+            "dtype": dtypes[group.tensors[0]],
+        }
+        if group.pattern:
+            entry["pattern"] = group.pattern
+        storage = rule(group.tensors[0], group.shape, source.linear)
+        if storage is not None:
+            entry["storage"] = storage
+        groups.append(entry)
+    return groups
+
+
+def weight_map_document(
+    spec: Spec,
+    model: nn.Module,
+    graphs: Iterable[Graph],
+    *,
+    model_name: str,
+    renames: tuple[tuple[str, str], ...],
+) -> dict[str, Any]:
+    """The weight map of ``graphs`` (model paths in ``Graph.weights``) for ``model`` built from ``spec``."""
+    weights: dict[str, TensorType] = {}
+    for graph in graphs:
+        weights.update(graph.weights)
+    sources = checkpoint_sources(model, weights, renames)
+    qc, found_in = _quantization_config(model.config)
+    head_path = next((p for p in weights if p.endswith("lm_head.weight")), "lm_head.weight")
+    head = rename_weight(head_path, renames).removesuffix(".weight")
+    rule = storage_rule(qc, spec.quantization, head=head, where=found_in)
+    entries: dict[str, Any] = {}
+    for path in sorted(weights):
+        tensor = weights[path]
+        source = sources[path]
+        dtypes = dict.fromkeys(source.tensors, tensor.dtype)
+        entries[rename_weight(path, renames)] = {
+            "shape": list(tensor.shape),
+            "dtype": tensor.dtype,
+            "sources": _source_entry(source, dtypes, rule),
+            "ops": list(source.ops),
+        }
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "model": model_name,
+        "quantization": found_in if (qc or spec.quantization) else None,
+        "rules": RULES,
+        "checkpoint_tensors": sum(len(g["tensors"]) for e in entries.values() for g in e["sources"]),
+        "weights": entries,
+    }

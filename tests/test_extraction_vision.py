@@ -1,0 +1,186 @@
+"""The vision graph (MoonViT encoder + projector) of Kimi-K2.5: spec ABI, export on meta, saved JSON run by
+torch_ir against transformers' own ``get_image_features``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch_ir
+import yaml
+from fixtures.spec_files import KIMI_SPEC, REPO
+
+from kimi_adapter_core.backends.extraction import options_from_spec, run
+from kimi_adapter_core.backends.extraction import vision as vision_module
+from kimi_adapter_core.backends.extraction.naming import rename_weight
+from kimi_adapter_core.backends.extraction.options import VisionOptions
+from kimi_adapter_core.backends.extraction.roundtrip import VerifyReport, tiny_overrides
+from kimi_adapter_core.backends.extraction.vision_verify import check_vision
+from kimi_adapter_core.backends.extraction.write import write_all
+from kimi_adapter_core.errors import KadaptError
+from kimi_adapter_core.loading import applied, load_config, load_model
+from kimi_adapter_core.spec import load_spec
+
+SPEC = KIMI_SPEC
+# two images packed into one call: the encoder attends within each image only
+GRIDS = ((1, 4, 6), (1, 2, 4))
+TOKENS = 4 * 6 // 4 + 2 * 4 // 4
+
+
+def _options(out: Path, grids: tuple[tuple[int, int, int], ...] = GRIDS, dtype: str = "float32") -> Any:
+    options = options_from_spec(SPEC, output_dir=out, prefill_len=8, max_cache_len=32)
+    assert options.vision is not None
+    return dataclasses.replace(
+        options, dtype=dtype, vision=dataclasses.replace(options.vision, grid_thws=grids)
+    )
+
+
+def _config(options: Any) -> Any:
+    return load_config(SPEC, backend="extraction", overrides=tiny_overrides(SPEC, options))
+
+
+@pytest.fixture(scope="module")
+def exported(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Any, torch.nn.Module, dict[str, Any]]]:
+    """The tiny model's vision IR (fp32, two images), written by the vision module on meta, plus a CPU
+    model with random weights and the same config."""
+    out = tmp_path_factory.mktemp("vision")
+    options = _options(out)
+    config = _config(options)
+    torch.manual_seed(0)
+    with applied(SPEC, backend="extraction"):
+        model = load_model(SPEC, device="cpu", config=config).eval()
+        meta = load_model(SPEC, device="meta", config=config).eval()
+        modules = vision_module.prepare(SPEC, meta, options)
+        graph = vision_module.build_vision_graph(modules, options, "cpu")
+        write_all({options.path("vision"): vision_module.vision_chunks(SPEC, modules, graph, options, "cpu")})
+    weights = {rename_weight(name, options.weight_renames): t for name, t in model.state_dict().items()}
+    yield options, model, weights
+
+
+def test_spec_declares_the_fixed_image_abi(tmp_path: Path) -> None:
+    options = options_from_spec(SPEC, output_dir=tmp_path)
+    assert options.vision is not None
+    assert options.vision.grid_thws == ((1, 32, 32),)
+    assert options.vision.merge_kernel == (2, 2)
+    assert options.vision.num_patches == 1024
+    assert (options.vision.input_name, options.vision.output_name) == ("pixel_values", "image_features")
+    assert options.path("vision") == tmp_path / "kimi_k25_text_vision_ir.json"
+
+
+def test_saved_vision_ir_equals_transformers(exported: tuple) -> None:
+    options, model, weights = exported
+    report = VerifyReport("latent", 1e-5)
+    result = check_vision(report, SPEC, model, options, weights, tolerance=1e-5)
+    assert report.passed, report.render()
+    assert [c.name for c in report.checks] == ["vision weights bind", "vision features"]
+    assert result["shape"] == [TOKENS, model.config.text_config.hidden_size]
+
+
+def test_vision_ir_interface_and_metadata(exported: tuple) -> None:
+    options, model, _ = exported
+    doc = json.loads(options.path("vision").read_text())
+    ir = torch_ir.load_ir(options.path("vision"))
+    assert torch_ir.validate_ir(ir)
+    patches = sum(t * h * w for t, h, w in GRIDS)
+    assert doc["graph_inputs"] == [
+        {"name": "pixel_values", "shape": [patches, 3, 14, 14], "dtype": "float32"}
+    ]
+    hidden = model.config.text_config.hidden_size
+    assert doc["graph_outputs"] == [{"name": "image_features", "shape": [TOKENS, hidden], "dtype": "float32"}]
+    abi = doc["metadata"]["abi"]
+    assert abi["grid_thws"] == [list(g) for g in GRIDS]
+    assert (abi["merge_kernel"], abi["tokens_per_image"], abi["num_image_tokens"]) == ([2, 2], [6, 2], TOKENS)
+    mapping = doc["metadata"]["feature_mapping"]
+    assert mapping["placeholder_token_id"] == model.config.image_token_id
+    assert mapping["text_hidden_size"] == hidden
+    # the grid-derived tensors are constants of the IR, with the values transformers computes
+    interp = doc["constants"]["vision_abi.interp_indices"]
+    assert torch.tensor(interp["data"]).shape == (patches, 16)  # bicubic: 4x4 taps per patch
+    names = {w["name"] for w in doc["weights"]}
+    assert "model.vision_tower.patch_embed.proj.weight" in names
+    assert "model.mm_projector.out_proj.weight" in names
+    assert not any(name.startswith("language_model.") for name in names)
+
+
+def test_a_wrong_grid_constant_fails_the_check(exported: tuple, tmp_path: Path) -> None:
+    """The check compares numbers that the grid constants decide: zeroed interpolation weights (no
+    position embedding) must fail it."""
+    options, model, weights = exported
+    doc = json.loads(options.path("vision").read_text())
+    entry = doc["constants"]["vision_abi.interp_weights"]
+    entry["data"] = torch.zeros_like(torch.tensor(entry["data"])).tolist()
+    broken = dataclasses.replace(options, output_dir=tmp_path)
+    broken.path("vision").write_text(json.dumps(doc))
+    report = VerifyReport("latent", 1e-5)
+    check_vision(report, SPEC, model, broken, weights, tolerance=1e-5)
+    assert [c.passed for c in report.checks] == [True, False]
+
+
+def test_run_writes_the_vision_graph_and_its_summary_line(tmp_path: Path) -> None:
+    options = _options(tmp_path, dtype="bfloat16")
+    lines: list[str] = []
+    with applied(SPEC, backend="extraction"):
+        meta = load_model(SPEC, device="meta", config=_config(options))
+        summary = run(SPEC, meta, options, echo=lines.append)
+    assert set(summary.graphs) == {"prefill", "decode", "vision"}
+    stats = summary.graphs["vision"]
+    assert stats.path == options.path("vision") and stats.path.stat().st_size == stats.bytes
+    assert stats.nodes == len(torch_ir.load_ir(stats.path).nodes) > 0
+    assert stats.inputs == 1 and stats.outputs == 1 and stats.layers == 1
+    rendered = summary.render()
+    assert f"-> {options.path('vision')}" in rendered
+    assert (
+        "2 images, t x h x w patch grid 1x4x6, 1x2x4 (32 patches of 14x14 px), merge 2x2 -> 8 image tokens"
+        in rendered
+    )
+    assert summary.to_dict()["graphs"]["vision"]["layers"] == 1
+    assert any("export vision" in line for line in lines)
+    # the text graphs and the weight map are unchanged by the vision graph
+    weight_map = json.loads(options.path("weight_map").read_text())
+    assert not any("vision_tower" in name for name in weight_map["weights"])
+    doc = json.loads(options.path("vision").read_text())
+    assert {w["dtype"] for w in doc["weights"]} == {"bfloat16"}
+
+
+def _variant(tmp_path: Path, edit: Any) -> Any:
+    shutil.copytree(REPO / "specs" / "kimi_k25", tmp_path / "kimi_k25")
+    raw = yaml.safe_load((REPO / "specs" / "kimi_k25.yaml").read_text())
+    edit(raw["abi"]["vision"])
+    path = tmp_path / "variant.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return load_spec(path)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda v: v.update(grid_thws=[[1, 32, 31]]), "grid_thws[0] = [32, 31] patches is not divisible"),
+        (lambda v: v.update(inputs=["pixel_values", "grid_thw"]), "abi.vision.inputs must name exactly one"),
+        (lambda v: v.update(outputs=["features.{layer}"]), "abi.vision.outputs must name exactly one"),
+    ],
+)
+def test_bad_vision_abi_is_a_located_error(tmp_path: Path, edit: Any, message: str) -> None:
+    spec = _variant(tmp_path, edit)
+    with pytest.raises(KadaptError, match=message.replace("[", r"\[").replace("]", r"\]")) as info:
+        options_from_spec(spec, output_dir=tmp_path / "out")
+    assert info.value.location is not None and "variant.yaml:" in info.value.location
+
+
+def test_merge_kernel_claim_is_checked_against_the_config(tmp_path: Path) -> None:
+    options = _options(tmp_path)
+    claim = VisionOptions("model.mm_projector", ((1, 4, 4),), (1, 1), "pixel_values", "f")
+    with applied(SPEC, backend="extraction"):
+        meta = load_model(SPEC, device="meta", config=_config(options))
+        with pytest.raises(KadaptError, match=r"merge_kernel \[1, 1\] contradicts .* \[2, 2\]"):
+            vision_module.vision_modules(SPEC, meta, claim)
+        missing = dataclasses.replace(claim, merge_kernel=None, projector="model.no_projector")
+        with pytest.raises(KadaptError, match="abi.vision.projector 'model.no_projector' does not exist"):
+            vision_module.vision_modules(SPEC, meta, missing)

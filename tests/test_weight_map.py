@@ -1,0 +1,220 @@
+"""The weight map binds real checkpoint files to the executed IR.
+
+Checkpoints here are written the way the real ones are: by transformers' own ``save_pretrained`` (its
+reverse conversion splits fused experts back into per-expert tensors), and for Kimi-K2.5 in the
+published layout (``language_model.model.layers.N.mlp.experts.E.gate_proj.weight_packed``, int4
+packed by compressed-tensors' own packer) - a layout the test checks transformers' loader accepts.
+Weights then reach the saved IR only through ``weight_loader.load_weights``; the executed graph must
+match the eager model holding the same (dequantized) weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch_ir
+from safetensors.torch import save_file
+
+from kimi_adapter_core.backends.extraction import options_from_spec, run
+from kimi_adapter_core.backends.extraction.naming import rename_weight
+from kimi_adapter_core.backends.extraction.roundtrip import tiny_overrides
+from kimi_adapter_core.backends.extraction.weight_loader import load_weights, unpack_int
+from kimi_adapter_core.errors import KadaptError
+from kimi_adapter_core.loading import applied, load_config, load_model
+from kimi_adapter_core.spec import load_spec
+
+PREFILL = 8
+
+
+def _extract(name: str, out: Path, **overrides):
+    spec = load_spec(name)
+    options = options_from_spec(spec, output_dir=out, prefill_len=PREFILL, max_cache_len=16)
+    config = load_config(spec, overrides={**tiny_overrides(spec, options), **overrides})
+    torch.manual_seed(0)
+    with applied(spec):
+        model = load_model(spec, device="cpu", config=config, dtype=torch.float32).eval()
+        meta = load_model(spec, device="meta", config=config, dtype=torch.float32).eval()
+        run(spec, meta, dataclasses.replace(options, dtype="float32"), echo=lambda _: None)
+    return spec, options, config, model
+
+
+def _prefill_logits(options, weights: dict[str, torch.Tensor], prompt: torch.Tensor) -> torch.Tensor:
+    graph = torch_ir.load_ir(str(options.path("prefill")))
+    assert not torch_ir.weight_loader.validate_weights_against_ir(weights, graph)
+    mask = torch.zeros(1, 1, PREFILL, PREFILL).masked_fill(
+        torch.ones(PREFILL, PREFILL, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min
+    )
+    logits, *_ = torch_ir.IRExecutor(graph, weights).execute((prompt, mask, torch.arange(PREFILL)[None]))
+    return logits
+
+
+def _eager_logits(spec, model, prompt):
+    with applied(spec), torch.no_grad():
+        return model(input_ids=prompt).logits
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen3_moe", "deepseek_v3"])
+def test_checkpoint_written_by_transformers_loads_into_the_ir(name: str, tmp_path: Path) -> None:
+    # deepseek_v3 ships an FP8 quantization_config: this tiny checkpoint is written unquantized
+    spec, options, config, model = _extract(name, tmp_path / "ir", quantization_config=None)
+    model.save_pretrained(tmp_path / "ckpt")  # transformers' writer: fused experts saved per expert
+    doc = json.loads(options.path("weight_map").read_text())
+    assert not any("storage" in g for e in doc["weights"].values() for g in e["sources"])
+    weights = load_weights(doc, tmp_path / "ckpt")
+    state = model.state_dict()
+    assert set(weights) == {rename_weight(p, options.weight_renames) for p in state} & set(weights)
+    for path, tensor in state.items():
+        if rename_weight(path, options.weight_renames) in weights:
+            assert torch.equal(weights[rename_weight(path, options.weight_renames)], tensor), path
+    fused = [e for e in doc["weights"].values() if e["ops"]]
+    assert bool(fused) == (name in ("qwen3_moe", "deepseek_v3"))
+    for entry in fused:  # rebuilt from one tensor per expert
+        assert all(re.search(r"\.experts\.\d+\.", t) for g in entry["sources"] for t in g["tensors"])
+    prompt = torch.randint(
+        3, config.get_text_config().vocab_size, (1, PREFILL), generator=torch.Generator().manual_seed(1)
+    )
+    torch.testing.assert_close(_prefill_logits(options, weights, prompt), _eager_logits(spec, model, prompt))
+
+
+def _published_kimi_name(path: str) -> str:
+    """Kimi-K2.5's checkpoint name of a native model path (the published index's convention)."""
+    path = re.sub(r"^model\.language_model\.", "language_model.model.", path)
+    return re.sub(r"^lm_head\.", "language_model.lm_head.", path)
+
+
+def _kimi_checkpoint(
+    model: torch.nn.Module, group: int
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(dense per-expert bf16-free layout, the same with routed experts int4-packed) from ``model``."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    dense: dict[str, torch.Tensor] = {}
+    packed: dict[str, torch.Tensor] = {}
+    for path, tensor in model.state_dict().items():
+        if not path.startswith(("model.language_model.", "lm_head.")):
+            continue
+        fused = re.match(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$", path)
+        if not fused:
+            dense[_published_kimi_name(path)] = packed[_published_kimi_name(path)] = tensor.contiguous()
+            continue
+        prefix, kind = fused.groups()
+        for expert, w in enumerate(tensor):
+            parts = (
+                dict(zip(("gate_proj", "up_proj"), w.chunk(2, dim=0), strict=True))
+                if kind == "gate_up_proj"
+                else {"down_proj": w}
+            )
+            for proj, weight in parts.items():
+                base = _published_kimi_name(f"{prefix}.{expert}.{proj}.weight")
+                groups = weight.reshape(weight.shape[0], -1, group)
+                scale = (groups.abs().amax(-1, keepdim=True) / 7).clamp(min=1e-8).to(torch.bfloat16)
+                q = torch.clamp(torch.round(groups / scale.float()), -8, 7).to(torch.int8)
+                dense[base] = (q.float() * scale.float()).reshape(weight.shape)
+                packed[base + "_packed"] = pack_to_int32(q.reshape(weight.shape), 4)
+                packed[base + "_scale"] = scale.squeeze(-1).contiguous()
+                packed[base + "_shape"] = torch.tensor(weight.shape)
+    return dense, packed
+
+
+def test_kimi_int4_checkpoint_in_the_published_layout_loads_into_the_ir(tmp_path: Path) -> None:
+    from transformers import AutoModelForImageTextToText
+
+    spec, options, config, model = _extract("kimi_k25", tmp_path / "ir")
+    doc = json.loads(options.path("weight_map").read_text())
+    scheme = config.text_config.quantization_config["config_groups"]["group_0"]["weights"]
+    dense, packed = _kimi_checkpoint(model, scheme["group_size"])
+
+    # 1. the layout is the one transformers' loader reads: the dequantized per-expert checkpoint, plus the
+    # non-text tensors, loads into a fresh native model equal to the values we wrote
+    text_only = {
+        k: v for k, v in model.state_dict().items() if not k.startswith(("model.language_model.", "lm_head."))
+    }
+    (tmp_path / "dense").mkdir()
+    save_file(
+        {**dense, **{k: v.contiguous() for k, v in text_only.items()}},
+        str(tmp_path / "dense" / "model.safetensors"),
+    )
+    plain = config.to_dict()
+    del plain["text_config"]["quantization_config"]
+    (tmp_path / "dense" / "config.json").write_text(json.dumps(plain))
+    loaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "dense", dtype=torch.float32).eval()
+
+    # 2. the int4 checkpoint: routed experts only, as the config's ignore list says
+    (tmp_path / "int4").mkdir()
+    save_file(packed, str(tmp_path / "int4" / "model.safetensors"))
+    quantized = {n for n in packed if n.endswith("_packed")}
+    assert quantized and all(".mlp.experts." in n for n in quantized)
+    assert not any(".shared_experts." in n or "self_attn" in n or "lm_head" in n for n in quantized)
+    weights = load_weights(doc, tmp_path / "int4")
+    reference = loaded.state_dict()
+    for graph_name, tensor in weights.items():
+        native = re.sub(r"^language_model\.model\.", "model.language_model.", graph_name)
+        native = re.sub(r"^language_model\.lm_head\.", "lm_head.", native)
+        torch.testing.assert_close(tensor, reference[native], rtol=0, atol=1e-6, msg=graph_name)
+
+    prompt = torch.randint(
+        3, config.text_config.vocab_size, (1, PREFILL), generator=torch.Generator().manual_seed(1)
+    )
+    torch.testing.assert_close(_prefill_logits(options, weights, prompt), _eager_logits(spec, loaded, prompt))
+
+
+def test_int4_unpacking_agrees_with_compressed_tensors() -> None:
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+
+    q = torch.randint(-8, 8, (6, 64), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+    packed = pack_to_int32(q, 4)
+    assert torch.equal(unpack_int(packed, 4, 64).to(torch.int8), q)
+    assert torch.equal(unpack_int(packed, 4, 64).to(torch.int8), unpack_from_int32(packed, 4, q.shape))
+
+
+def test_fp8_block_storage_dequantizes_per_block(tmp_path: Path) -> None:
+    spec, options, config, model = _extract("deepseek_v3", tmp_path / "ir")
+    doc = json.loads(options.path("weight_map").read_text())
+    entries = doc["weights"]
+    fp8 = {
+        g["tensors"][0]: g
+        for e in entries.values()
+        for g in e["sources"]
+        if g.get("storage", {}).get("format") == "fp8-block"
+    }
+    assert any("self_attn.kv_a_proj_with_mqa" in n for n in fp8) and any(".experts.0." in n for n in fp8)
+    assert not any("lm_head" in n or "mlp.gate.weight" in n or "norm" in n for n in fp8)
+    name, group = next(iter(fp8.items()))
+    block = group["storage"]["block"]
+    rows, cols = group["shape"]
+    weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(4))
+    scale = torch.rand(-(-rows // block[0]), -(-cols // block[1])) + 0.5
+    stored = (
+        weight / scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    ).to(torch.float8_e4m3fn)
+    (tmp_path / "ckpt").mkdir()
+    save_file({name: stored, name + "_scale_inv": scale}, str(tmp_path / "ckpt" / "model.safetensors"))
+    one = {"weights": {name: {"shape": [rows, cols], "dtype": "float32", "sources": [group], "ops": []}}}
+    got = load_weights(one, tmp_path / "ckpt")[name]
+    expected = (
+        stored.float() * scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    )
+    assert torch.equal(got, expected)
+    assert (got - weight).abs().max() <= weight.abs().max() * 0.07  # e4m3: 3 mantissa bits
+
+
+def test_a_weight_rename_transformers_would_not_load_is_an_error(tmp_path: Path) -> None:
+    from kimi_adapter_core.backends.extraction.checkpoint_layout import checkpoint_sources
+    from kimi_adapter_core.backends.extraction.graph import TensorType
+
+    spec = load_spec("kimi_k25")
+    options = options_from_spec(spec, output_dir=tmp_path)
+    config = load_config(spec, overrides=tiny_overrides(spec, options))
+    with applied(spec):
+        meta = load_model(spec, device="meta", config=config, dtype=torch.float32)
+    path = "model.language_model.layers.1.mlp.experts.gate_up_proj"
+    weights = {path: TensorType(tuple(meta.get_parameter(path).shape), "float32")}
+    good = checkpoint_sources(meta, weights, options.weight_renames)[path]
+    assert good.tensors[0] == "language_model.model.layers.1.mlp.experts.0.gate_proj.weight"
+    with pytest.raises(KadaptError, match="would load into"):
+        checkpoint_sources(meta, weights, (("^model\\.language_model\\.", "text.model."),))
