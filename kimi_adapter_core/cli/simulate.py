@@ -22,6 +22,7 @@ from ..spec import load_spec
 from .deployment_options import deployment_options
 from .output import format_option, reporter, verbosity_options
 from .spec_argument import spec_argument
+from .sweep_options import run_sweep, sweep_options
 
 
 @click.command(name="simulate")
@@ -92,6 +93,7 @@ from .spec_argument import spec_argument
     help="Write a Chrome trace (chrome://tracing, Perfetto) of the step.",
 )
 @verbosity_options
+@sweep_options
 def command(
     spec_path: Path,
     device: str | None,
@@ -113,6 +115,10 @@ def command(
     top: int,
     fmt: str,
     trace_path: Path | None,
+    sweep: bool,
+    devices: int | None,
+    batches: tuple[int, ...] | None,
+    plot: Path | None,
 ) -> None:
     """Price one step of SPEC's model on a device and report time, tokens/s and memory.
 
@@ -126,6 +132,7 @@ def command(
       kadapt simulate kimi_k25 --device h200 --tp 8 --ep 8
       kadapt simulate kimi_k25 --device h200 --tp 8 --decode --context-len 4096 --format json
       kadapt simulate deepseek_v3 --device h200 --tp 8 --ep 8 --cost-model measured
+      kadapt simulate qwen3_moe --device h200 --decode --sweep --devices 8 --plot front.html
     """
     from ..backends.simulation.deployment import Deployment
     from ..backends.simulation.report import chrome_trace, sim_json, sim_text
@@ -150,6 +157,25 @@ def command(
         kv_dtype,
         routing.replace("-", "_"),
     )
+    if sweep:
+        if cost_model != "roofline":
+            raise click.UsageError("--sweep prices with the roofline cost model")
+        out.result(
+            run_sweep(
+                spec,
+                inputs,
+                profile,
+                dep,
+                devices=devices or tp * dp,
+                batches=batches,
+                quant=quant,
+                plot=plot,
+                fmt="json" if out.json else "text",
+            )
+        )
+        return
+    if devices is not None or batches is not None or plot is not None:
+        raise click.UsageError("--devices, --batches and --plot apply to --sweep")
     dep.check(inputs.arch.structure)
     if cost_model == "measured":  # fail before the trace: a missing extra or an unmeasured device
         from ..backends.simulation.aiconfigurator import require, system_for

@@ -1,0 +1,711 @@
+"""``kadapt simulate --sweep``: price every parallel layout, batch and weight mode for N devices.
+
+Calling ``simulate`` per configuration would build and trace the per-rank model on meta each time
+(0.05-0.3 s), and a sweep has thousands of configurations. A traced step depends on a configuration
+through a few things only, and this module measures that dependence instead of assuming it:
+
+- **TP** fixes the per-rank shapes: one *family* of traces per TP size (DP = devices / TP).
+- **Tokens per rank.** Kernels' FLOPs, bytes and shape facts are affine in the per-rank batch ``b``
+  (each op runs on ``b`` x tokens-per-query rows; weights are read once). A family is traced at
+  b = 2 and b = 3 and checked against a trace at the largest b the sweep needs: same kernels and
+  the same price for each. b = 1 is a family of its own (eager code takes other paths for one row).
+  A family that fails a check is traced per configuration instead, exactly as ``simulate`` does.
+- **Weight formats.** A matmul's bytes are affine in its weight's bytes per parameter; its compute
+  dtype and kernel family follow that weight's format. A family is traced under one mode with every
+  format the policy hands out *tagged* (its ``compute`` key carries an index, so each traced matmul
+  names the weight it read), and once more with the weights whose format differs between the swept
+  modes one byte per parameter wider, which gives each matmul's weight elements. Any other mode is
+  then exact arithmetic. A kernel that reads such a weight without naming it (a vector op) sends the
+  family to the per-configuration path.
+- **DP and EP** reach only the routed experts (dispatch, grouped GEMM, combine: analytic kernels),
+  recomputed per configuration by the simulator's own ``RoutedExperts``.
+
+Kernels are priced by a pricing callable (``cost.price`` unless one is given, so a measured cost
+model plugs in) and the step finished as ``simulate`` finishes it. Memory uses the planner's
+formulas as ``simulate`` does. ``tests/test_sweep.py`` checks kernels, step time and memory against
+``simulate`` on sampled configurations.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ...errors import KadaptError, UsageError
+from ...spec.model import Spec
+from ...structure.model import ModelStructure
+from .cost import Priced
+from .deployment import Deployment
+from .device import Device
+from .inputs import ModelInputs, model_inputs
+from .parallel import Parallel
+from .planner import Memory, activation_bytes, kv_sizing, params_per_device, weight_lines
+from .quant import MODES, WeightFormat
+from .tracer import Op
+
+Pricer = Callable[[Op, Device], Priced]
+Key = tuple[str, str]  # (parameter group name, checkpoint name) of one weight
+DEFAULT_BATCHES = tuple(2**i for i in range(11))  # 1 .. 1024 concurrent queries
+_TAG = "#"
+_REL = 1e-9  # predictions are checked to this relative tolerance (means over layers round)
+
+
+# --- seams onto the simulator: the one place to re-point when its internals move -------------------
+def default_pricer() -> Pricer:
+    """The per-kernel pricing ``simulate`` uses by default."""
+    from .cost import price
+
+    return price
+
+
+def finish_step(kernels: list[Priced], dep: Deployment) -> list[Priced]:
+    """What ``simulate`` does to the priced kernels of a step (decode: shared experts overlap)."""
+    from .cost import overlap_shared_experts
+
+    return overlap_shared_experts(kernels) if dep.decode else kernels
+
+
+def trace_kernels(spec: Spec, inputs: ModelInputs, dep: Deployment) -> list[Op]:
+    """The fused kernels ``simulate`` prices for ``dep`` (imports torch)."""
+    from .rank_model import trace_rank
+    from .tracer import fuse
+
+    rec, _notes = trace_rank(spec, inputs, dep)
+    return fuse(rec.ops)
+
+
+def expert_kernels(s: ModelStructure, dep: Deployment, fmt: WeightFormat, tokens: int) -> list[Op]:
+    """The kernels the simulator's routed-experts module records for ``tokens`` rows on one rank."""
+    import torch
+
+    from .rank_model import RoutedExperts
+    from .tracer import Recorder
+
+    rec = Recorder()
+    RoutedExperts(s, rec, dep, fmt).forward(torch.empty(tokens, s.hidden_size, device="meta"))
+    return rec.ops
+
+
+# --- what a sweep covers ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Config:
+    parallel: Parallel
+    batch: int  # global concurrent queries
+    quant: str | None  # a --quant mode, or None for the checkpoint as shipped
+
+    @property
+    def quant_label(self) -> str:
+        return self.quant or "checkpoint"
+
+    @property
+    def layout(self) -> str:
+        p = self.parallel
+        return f"TP{p.tp} DP{p.dp} EP{p.ep}"
+
+
+@dataclass(frozen=True)
+class Point:
+    """One priced configuration."""
+
+    config: Config
+    step_time: float  # seconds
+    tokens_per_s_per_device: float
+    tokens_per_s_per_user: float  # tokens one query gets per second (decode: its output speed)
+    memory: Memory
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.free is None or self.memory.free >= 0
+
+
+@dataclass
+class SweepResult:
+    devices: int
+    layouts: tuple[Parallel, ...]
+    quants: tuple[str | None, ...]
+    batches: tuple[int, ...]
+    points: list[Point] = field(default_factory=list)  # every priced configuration, fitting or not
+    skipped: dict[str, int] = field(default_factory=dict)  # reason -> configurations not priced
+    traces: int = 0  # per-rank traces run (the expensive part)
+    trace_seconds: float = 0.0  # time spent in them
+    same_as: dict[str | None, str | None] = field(default_factory=dict)  # mode -> identical earlier one
+    fallbacks: dict[str, str] = field(default_factory=dict)  # family -> why it was traced per config
+
+    @property
+    def configs(self) -> int:
+        """Configurations enumerated: priced plus skipped."""
+        return len(self.points) + sum(self.skipped.values())
+
+    @property
+    def fitting(self) -> list[Point]:
+        return [p for p in self.points if p.fits]
+
+    @property
+    def dropped(self) -> list[Point]:
+        """Configurations that do not fit in device memory."""
+        return [p for p in self.points if not p.fits]
+
+    @property
+    def front(self) -> list[Point]:
+        """Fitting points no other fitting point beats on both tokens/s per user and per device."""
+        from .pareto import pareto_front
+
+        return pareto_front(self.fitting, lambda p: (p.tokens_per_s_per_user, p.tokens_per_s_per_device))
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(s: ModelStructure, devices: int) -> list[Parallel]:
+    """Every TP x DP = ``devices`` layout the model accepts (``Parallel.check``); EP > 1 only for MoE
+    models, over the divisors of ``devices`` that also divide the routed experts."""
+    if devices < 1:
+        raise UsageError(f"--devices must be >= 1 (got {devices})")
+    moe = s.moe is not None and bool(s.moe_layer_ids)
+    found = []
+    for tp in divisors(devices):
+        for ep in divisors(devices) if moe else [1]:
+            par = Parallel(tp=tp, dp=devices // tp, ep=ep)
+            try:
+                par.check(s)
+            except UsageError:
+                continue
+            found.append(par)
+    if not found:
+        raise UsageError(f"no TP x DP layout of {devices} devices divides this model's heads and widths")
+    return found
+
+
+def quant_modes(spec: Spec, only: str | None = None) -> tuple[str | None, ...]:
+    """``only`` when given; else the checkpoint plus every mode the spec declares that kadapt prices."""
+    if only is not None:
+        return (only.upper(),)
+    declared = spec.backend_options("simulation").get("quant_modes") or []
+    return (None, *dict.fromkeys(m.upper() for m in declared if m.upper() in MODES))
+
+
+def sweep_inputs(spec: Spec, quants: Sequence[str | None]) -> dict[str | None, ModelInputs]:
+    """``model_inputs`` of each weight mode (torch-free, milliseconds each)."""
+    return {quant: model_inputs(spec, quant) for quant in quants}
+
+
+def batch_grid(batches: Sequence[int] | None) -> tuple[int, ...]:
+    grid = tuple(sorted(set(batches))) if batches else DEFAULT_BATCHES
+    if grid[0] < 1:
+        raise UsageError(f"--batches must be >= 1 (got {grid[0]})")
+    return grid
+
+
+# --- kernels as functions of the batch and the weight format ------------------------------------------
+@dataclass(frozen=True)
+class _TaggedFormat(WeightFormat):
+    """A format whose ``compute`` key names its weight (``<compute>#<index>``); everything the tracer
+    and the simulator derive from the format (kernel family, 8-bit dispatch) is the untagged one's,
+    so a tagged trace merges and records exactly what an untagged one does."""
+
+    untagged: WeightFormat | None = None
+
+    @property
+    def kernel(self) -> str:
+        assert self.untagged is not None
+        return _kernel(self.untagged)
+
+    @property
+    def eight_bit_activations(self) -> bool:
+        assert self.untagged is not None
+        return self.untagged.eight_bit_activations
+
+
+def _kernel(fmt: WeightFormat) -> str:
+    """The kernel family a matmul on ``fmt`` runs (what projection merging and the tables key on)."""
+    return str(getattr(fmt, "kernel", fmt.compute))
+
+
+class _Tagger:
+    """A weight policy whose formats name their weight (``_TaggedFormat``); weights in ``widen`` get
+    8 more bits (one more byte per parameter)."""
+
+    def __init__(self, policy: Callable[..., WeightFormat], widen: frozenset[Key] = frozenset()) -> None:
+        self.policy, self.widen = policy, widen
+        self.keys: list[Key] = []
+        self.formats: list[WeightFormat] = []  # the tagged formats handed out, by index
+        self.groups: dict[Key, Any] = {}
+
+    def __call__(self, group: Any, name: str) -> WeightFormat:
+        fmt, key = self.policy(group, name), (group.name, name)
+        self.groups[key] = group
+        if key in self.widen:
+            fmt = replace(fmt, bits=fmt.bits + 8)
+        self.keys.append(key)
+        tag = f"{fmt.compute}{_TAG}{len(self.keys) - 1}"
+        self.formats.append(_TaggedFormat(**{**vars(fmt), "compute": tag, "untagged": fmt}))
+        return self.formats[-1]
+
+    def named(self, compute: str) -> tuple[Key | None, WeightFormat | None]:
+        """The weight a kernel with this compute key read, and its tagged format."""
+        base, tag, index = compute.rpartition(_TAG)
+        if not (tag and base and index.isdigit()):
+            return None, None
+        return self.keys[int(index)], self.formats[int(index)]
+
+
+def _numeric(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _place(op: Op) -> tuple[Any, ...]:
+    return (op.name, op.module, op.scope, op.repeat, op.kind)
+
+
+def _shape(op: Op) -> tuple[Any, ...]:
+    """What must not change with the batch: place, dtype keys, group sizes, non-numeric facts."""
+    fixed = [(f"comm.{k}", v) for k, v in (op.comm or {}).items() if not _numeric(v) or k == "group"]
+    fixed += [(f"attrs.{k}", v) for k, v in op.attrs.items() if not _numeric(v)]
+    return (*_place(op), op.compute, tuple(sorted(fixed, key=str)))
+
+
+def _close(a: float, b: float) -> bool:
+    return a == b or abs(a - b) <= _REL * max(abs(a), abs(b))
+
+
+def _affine(lo: Any, hi: Any, b: int, at: int) -> Any:
+    """The value at ``b`` of a quantity that is ``lo`` at ``at`` and ``hi`` at ``at + 1``."""
+    return lo if lo == hi else lo + (hi - lo) * (b - at)
+
+
+@dataclass
+class _Scaled:
+    """A kernel traced at b = ``at`` and ``at + 1`` (one trace when the family has one batch)."""
+
+    lo: Op
+    hi: Op
+    at: int
+    key: Key | None  # the weight it reads, for matmuls that name one
+    traced: WeightFormat | None  # that weight's (tagged) traced format
+    elements: float  # that weight's elements (0: its format is the same in every swept mode)
+    opaque: frozenset[str] = frozenset()  # numeric facts that are not affine (ids): left out
+
+    def op(self, b: int, fmt: WeightFormat | None = None, base: WeightFormat | None = None) -> Op:
+        """The kernel at per-rank batch ``b``, its weight in ``fmt`` (traced as ``base``) when given."""
+        lo, hi, at = self.lo, self.hi, self.at
+        nbytes = _affine(lo.bytes, hi.bytes, b, at)
+        attrs = {
+            k: _affine(v, hi.attrs[k], b, at) if _numeric(v) else v
+            for k, v in lo.attrs.items()
+            if k not in self.opaque
+        }
+        compute = lo.compute
+        if fmt is not None and base is not None and self.traced is not None:
+            compute = fmt.compute
+            if self.elements:
+                nbytes += self.elements * (fmt.bytes_per_param - base.bytes_per_param)
+            if "kernel" in attrs:  # the kernel family follows the weight format
+                attrs["kernel"] = _kernel(fmt)
+        comm = None
+        if lo.comm is not None and hi.comm is not None:
+            comm = {k: _affine(v, hi.comm[k], b, at) if _numeric(v) else v for k, v in lo.comm.items()}
+        return replace(
+            lo,
+            flops=_affine(lo.flops, hi.flops, b, at),
+            bytes=nbytes,
+            compute=compute,
+            comm=comm,
+            shapes="",
+            attrs=attrs,
+            inputs=[],
+            outputs=[],
+        )
+
+
+@dataclass
+class _Experts:
+    """One routed-experts call, recomputed per configuration; its rows on the rank are affine in b."""
+
+    module: str
+    scope: str
+    repeat: int
+    at: int
+    tokens_lo: int
+    tokens_hi: int
+    traced: WeightFormat  # the (tagged) format it was traced with, to check the reproduction
+
+    def kernels(self, s: ModelStructure, dep: Deployment, fmt: WeightFormat, b: int) -> list[Op]:
+        ops = expert_kernels(s, dep, fmt, _affine(self.tokens_lo, self.tokens_hi, b, self.at))
+        for op in ops:  # recorded outside the model: give them the traced call's place
+            op.module, op.scope, op.repeat = self.module, self.scope, self.repeat
+        return ops
+
+
+def _expert_spans(ops: list[Op]) -> dict[int, int]:
+    """start -> end of each routed-experts call: its grouped GEMM and the collectives around it."""
+    spans = {}
+    for i, op in enumerate(ops):
+        if op.kind != "experts":
+            continue
+        start, end = i, i + 1
+        while start and ops[start - 1].kind == "comm" and _same_call(ops[start - 1], op):
+            start -= 1
+        while end < len(ops) and ops[end].kind == "comm" and _same_call(ops[end], op):
+            end += 1
+        spans[start] = end
+    return spans
+
+
+def _same_call(a: Op, b: Op) -> bool:
+    return (a.module, a.scope, a.repeat) == (b.module, b.scope, b.repeat)
+
+
+def _values(op: Op) -> tuple[Any, ...]:
+    """Everything a pricer may read of a kernel recorded outside the model (not its place in it)."""
+    return (op.name, op.kind, op.flops, op.bytes, op.compute, op.comm, op.attrs)
+
+
+class _Family:
+    """The kernels of every configuration with one TP size and per-rank batches in ``[at, ...)``
+    (or exactly ``at`` when ``single``), from a few traces (see the module docstring).
+
+    ``entries`` is None when the family cannot be scaled (``reason`` says why): its configurations
+    are then traced one by one."""
+
+    def __init__(
+        self,
+        sweep: Sweep,
+        tp: int,
+        at: int,
+        single: bool,
+        verify_at: int | None,
+        modes: tuple[str | None, ...],
+    ) -> None:
+        self.sweep, self.tp, self.dp, self.at = sweep, tp, sweep.devices // tp, at
+        self.modes, self.base = modes, modes[0]  # traced in the first mode, repriced for the others
+        self.entries: list[_Scaled | _Experts] | None = None
+        self.reason = ""
+        self._build(single, verify_at)
+
+    def _dep(self, b: int) -> Deployment:
+        return self.sweep.deployment(Parallel(self.tp, self.dp, 1), b * self.dp)
+
+    def _trace(self, b: int, widen: frozenset[Key] = frozenset()) -> tuple[list[Op], _Tagger]:
+        sw = self.sweep
+        tagger = _Tagger(sw.inputs[self.base].policy, widen)
+        return sw.trace(replace(sw.inputs[self.base], policy=tagger), self._dep(b)), tagger
+
+    def _build(self, single: bool, verify_at: int | None) -> None:
+        sw = self.sweep
+        lo, tagger = self._trace(self.at)
+        hi = lo if single else self._trace(self.at + 1)[0]
+        if [_shape(o) for o in lo] != [_shape(o) for o in hi]:
+            self.reason = "its kernel list changes with the batch"
+            return
+        varying = frozenset(k for k in tagger.groups if len({sw.format(q, k) for q in self.modes}) > 1)
+        wide = self._trace(self.at, varying)[0] if varying else lo
+        if [_place(o) for o in wide] != [_place(o) for o in lo]:
+            self.reason = "its kernel list changes with the weight format"
+            return
+        spans = _expert_spans(lo)
+        entries: list[_Scaled | _Experts] = []
+        i = 0
+        while i < len(lo):
+            if i in spans:
+                expert = self._experts(lo[i : spans[i]], hi[i : spans[i]], tagger, single)
+                if expert is None:
+                    return
+                entries.append(expert)
+                i = spans[i]
+                continue
+            key, traced = tagger.named(lo[i].compute)
+            elements = wide[i].bytes - lo[i].bytes
+            if elements and key not in varying:
+                self.reason = f"kernel {lo[i].name} reads a weight of varying format it does not name"
+                return
+            entries.append(_Scaled(lo[i], hi[i], self.at, key, traced, elements))
+            i += 1
+        if verify_at is not None and not self._verify(entries, verify_at):
+            return
+        self.entries = entries
+
+    def _experts(self, lo: list[Op], hi: list[Op], tagger: _Tagger, single: bool) -> _Experts | None:
+        """The rows each traced routed-experts call ran, found by re-running the module."""
+        gemm = next(o for o in lo if o.kind == "experts")
+        key, traced = tagger.named(gemm.compute)
+        if key is None or traced is None:
+            self.reason = "its routed-experts kernel names no weight"
+            return None
+        rows = []
+        for b, ops in ((self.at, lo), (self.at + 1, hi))[: 1 if single else 2]:
+            dep = self._dep(b)
+            unit = next(o for o in expert_kernels(self.sweep.s, dep, traced, 1) if o.kind == "experts")
+            tokens = round(next(o for o in ops if o.kind == "experts").flops / unit.flops)
+            if [_values(o) for o in expert_kernels(self.sweep.s, dep, traced, tokens)] != [
+                _values(o) for o in ops
+            ]:
+                self.reason = "its routed-experts kernels could not be reproduced"
+                return None
+            rows.append(tokens)
+        return _Experts(gemm.module, gemm.scope, gemm.repeat, self.at, rows[0], rows[-1], traced)
+
+    def _verify(self, entries: list[_Scaled | _Experts], b: int) -> bool:
+        """A real trace at ``b`` (the family's first mode, untagged) must give the same kernels at the
+        same prices; numeric facts that are not affine (tensor ids) are left out if prices agree."""
+        sw, dep = self.sweep, self._dep(b)
+        traced = sw.trace(sw.inputs[self.base], dep)
+        predicted = sw.expand(self, entries, b, self.base, dep)
+        if [_shape(o) for o in traced] != [_shape(o) for _, o in predicted]:
+            self.reason = f"its kernel list changes with the batch (checked at {b} per rank)"
+            return False
+        for real, (entry, guess) in zip(traced, predicted, strict=True):
+            if entry is not None:
+                entry.opaque = frozenset(
+                    k
+                    for k, v in real.attrs.items()
+                    if _numeric(v) and not (_numeric(guess.attrs.get(k)) and _close(v, guess.attrs[k]))
+                )
+        mine = sw.finish([op for _, op in sw.expand(self, entries, b, self.base, dep)], dep)
+        theirs = sw.finish(traced, dep)
+        if not all(
+            _close(x.op.flops, y.op.flops) and _close(x.op.bytes, y.op.bytes) and _close(x.time, y.time)
+            for x, y in zip(mine, theirs, strict=True)
+        ):
+            self.reason = f"its kernels are not affine in the batch (checked at {b} per rank)"
+            return False
+        return True
+
+
+# --- the sweep --------------------------------------------------------------------------------------
+class Sweep:
+    """Prices configurations of one model, step shape and device count on one device profile.
+
+    ``inputs`` maps each swept weight mode (None: the checkpoint) to its ``model_inputs``; ``base``
+    carries the step shape (query/context length, decode, MTP, KV dtype, routing): its layout and
+    batch are replaced per configuration."""
+
+    def __init__(
+        self,
+        spec: Spec,
+        inputs: Mapping[str | None, ModelInputs],
+        device: Device,
+        base: Deployment,
+        devices: int,
+        *,
+        pricer: Pricer | None = None,
+        batches: Sequence[int] = DEFAULT_BATCHES,
+    ) -> None:
+        if not inputs:
+            raise UsageError("a sweep needs at least one weight mode")
+        self.spec, self.inputs, self.device, self.base = spec, dict(inputs), device, base
+        self.devices, self.batches = devices, batch_grid(batches)
+        self.quants = tuple(self.inputs)
+        first = self.inputs[self.quants[0]]
+        self.s = first.arch.structure
+        self.pricer = pricer or default_pricer()
+        self.traces, self.trace_seconds = 0, 0.0
+        self._groups = {g.name: g for g in first.groups}
+        routed = self._groups.get("routed_experts")
+        self.routed_key: Key | None = (routed.name, routed.checkpoint_name) if routed else None
+        self._keys = [(g.name, name) for g in first.groups for name, _ in g.tensors()]
+        self._formats: dict[tuple[str | None, Key], WeightFormat] = {}
+        self.same_as = self._same_weights()
+        self.quants = tuple(q for q in self.quants if q not in self.same_as)
+        self._families: dict[tuple[int, int, str | None], _Family] = {}
+        self._classes: dict[str | None, tuple[str | None, ...]] | None = None
+        self._scaled: dict[tuple[int, int, int, str | None], list[Priced | _Experts]] = {}
+        self._direct: dict[Config, list[Op]] = {}
+        self._lines: dict[str | None, tuple[Any, ...]] = {}
+        self._kv: dict[int, int] = {}
+        replace(base, parallel=Parallel(), batch=1).check(self.s)  # the step shape itself is valid
+
+    # --- plumbing ---------------------------------------------------------------------------------
+    def deployment(self, par: Parallel, batch: int) -> Deployment:
+        return replace(self.base, parallel=par, batch=batch)
+
+    def trace(self, inputs: ModelInputs, dep: Deployment) -> list[Op]:
+        self.traces += 1
+        start = time.perf_counter()
+        try:
+            return trace_kernels(self.spec, inputs, dep)
+        finally:
+            self.trace_seconds += time.perf_counter() - start
+
+    def finish(self, ops: Iterable[Op], dep: Deployment) -> list[Priced]:
+        return finish_step([self.pricer(op, self.device) for op in ops], dep)
+
+    def format(self, quant: str | None, key: Key) -> WeightFormat:
+        fmt = self._formats.get((quant, key))
+        if fmt is None:
+            fmt = self._formats[(quant, key)] = self.inputs[quant].policy(self._groups[key[0]], key[1])
+        return fmt
+
+    def _same_weights(self) -> dict[str | None, str | None]:
+        """Modes that store every weight as an earlier mode does (Llama's BF16 is its checkpoint):
+        mode -> that earlier mode. They would price identically, so they are not swept twice."""
+        seen: dict[tuple[WeightFormat, ...], str | None] = {}
+        same = {}
+        for mode in self.quants:
+            formats = tuple(self.format(mode, key) for key in self._keys)
+            if formats in seen:
+                same[mode] = seen[formats]
+            else:
+                seen[formats] = mode
+        return same
+
+    def modes_with(self, quant: str | None) -> tuple[str | None, ...]:
+        """The swept modes one family prices together with ``quant``: those that give the same weights
+        the same kernel family (so the tracer merges the same projections). The routed experts are
+        left out: they are priced analytically, never merged."""
+        if self._classes is None:
+            keys = [key for key in self._keys if key[0] != "routed_experts"]
+            classes: dict[frozenset[frozenset[Key]], list[str | None]] = {}
+            for mode in self.quants:
+                by_kernel: dict[str, set[Key]] = {}
+                for key in keys:
+                    by_kernel.setdefault(_kernel(self.format(mode, key)), set()).add(key)
+                classes.setdefault(frozenset(frozenset(v) for v in by_kernel.values()), []).append(mode)
+            self._classes = {mode: tuple(modes) for modes in classes.values() for mode in modes}
+        return self._classes[quant]
+
+    def family(self, tp: int, b: int, quant: str | None) -> _Family:
+        """The family pricing per-rank batch ``b`` at TP ``tp`` in mode ``quant``: b = 1 alone (eager
+        code takes other paths for one row), b >= 2 together."""
+        at, modes = min(b, 2), self.modes_with(quant)
+        fam = self._families.get((tp, at, modes[0]))
+        if fam is None:
+            dp = self.devices // tp
+            largest = max([x // dp for x in self.batches if x % dp == 0] + [b])
+            verify = largest if at == 2 and largest > 3 else None
+            fam = self._families[(tp, at, modes[0])] = _Family(self, tp, at, at == 1, verify, modes)
+        return fam
+
+    def expand(
+        self, fam: _Family, entries: list[_Scaled | _Experts], b: int, quant: str | None, dep: Deployment
+    ) -> list[tuple[_Scaled | None, Op]]:
+        """Every kernel at per-rank batch ``b`` in weight mode ``quant``, with the entry it came from."""
+        out: list[tuple[_Scaled | None, Op]] = []
+        for entry in entries:
+            if isinstance(entry, _Scaled):
+                out.append((entry, entry.op(b, *self._formats_of(fam, entry, quant))))
+            else:
+                out += [(None, op) for op in entry.kernels(self.s, dep, self._routed(quant), b)]
+        return out
+
+    def _formats_of(
+        self, fam: _Family, entry: _Scaled, quant: str | None
+    ) -> tuple[WeightFormat | None, WeightFormat | None]:
+        if entry.key is None:
+            return None, None
+        return self.format(quant, entry.key), self.format(fam.base, entry.key)
+
+    def _routed(self, quant: str | None) -> WeightFormat:
+        assert self.routed_key is not None
+        return self.format(quant, self.routed_key)
+
+    # --- one configuration -----------------------------------------------------------------------
+    def kernels(self, config: Config) -> list[Priced]:
+        """Every kernel of ``config``'s step, priced and finished as ``simulate`` does, in its order."""
+        par, quant = config.parallel, self.same_as.get(config.quant, config.quant)
+        if par.devices != self.devices:
+            raise UsageError(f"layout {config.layout} does not use the sweep's {self.devices} devices")
+        dep = self.deployment(par, config.batch)
+        b = dep.batch_per_rank
+        fam = self.family(par.tp, b, quant)
+        if fam.entries is None:
+            ops = self._direct.get(config)
+            if ops is None:
+                ops = self._direct[config] = self.trace(self.inputs[quant], dep)
+            return self.finish(ops, dep)
+        priced: list[Priced] = []
+        for item in self._scaled_kernels(fam, b, quant):
+            if isinstance(item, _Experts):
+                priced += [
+                    self.pricer(op, self.device) for op in item.kernels(self.s, dep, self._routed(quant), b)
+                ]
+            else:
+                priced.append(item)
+        return finish_step(priced, dep)
+
+    def _scaled_kernels(self, fam: _Family, b: int, quant: str | None) -> list[Priced | _Experts]:
+        """The priced kernels DP and EP do not reach, shared by every layout of the family."""
+        key = (fam.tp, fam.at, b, quant)  # one family per (tp, at, mode): the mode names it
+        cached = self._scaled.get(key)
+        if cached is None:
+            cached = [
+                self.pricer(entry.op(b, *self._formats_of(fam, entry, quant)), self.device)
+                if isinstance(entry, _Scaled)
+                else entry
+                for entry in fam.entries or []
+            ]
+            self._scaled[key] = cached
+        return cached
+
+    def memory(self, config: Config) -> Memory:
+        """Per-device memory as ``simulate`` sizes it (planner formulas; weight lines built once)."""
+        s, par = self.s, config.parallel
+        dep = self.deployment(par, config.batch)
+        lines = self._lines.get(config.quant)
+        if lines is None:
+            lines = self._lines[config.quant] = weight_lines(self.inputs[config.quant], Parallel())
+        sequence = self._kv.get(par.tp)
+        if sequence is None:
+            kv = kv_sizing(s, par.tp, dep.kv_dtype)
+            sequence = self._kv[par.tp] = kv.sequence_bytes(dep.context_len + dep.tokens_per_query)
+        logits_tokens = dep.tokens_per_rank if dep.decode else dep.batch_per_rank
+        return Memory(
+            weights=sum(params_per_device(x.group, x.params, s, par) * x.bytes_per_param for x in lines),
+            kv_cache=float(dep.batch_per_rank * sequence),
+            activations=activation_bytes(s, par, dep.tokens_per_rank, logits_tokens),
+            capacity=self.device.memory_bytes,
+        )
+
+    def evaluate(self, config: Config) -> Point:
+        dep = self.deployment(config.parallel, config.batch)
+        step = sum(k.total for k in self.kernels(config))
+        return Point(
+            config,
+            step,
+            dep.output_tokens / step / self.devices,
+            dep.output_tokens / dep.batch / step,
+            self.memory(config),
+        )
+
+    def simulation(self, config: Config) -> Any:
+        """``config`` as the ``Simulation`` ``simulate`` returns (without its notes)."""
+        from .simulator import Simulation
+
+        dep = self.deployment(config.parallel, config.batch)
+        kernels = tuple(self.kernels(config))
+        label = self.inputs[config.quant].quant_label
+        return Simulation(dep, self.device, label, kernels, self.memory(config), (), self.s.describe())
+
+    # --- the whole grid --------------------------------------------------------------------------
+    def run(self) -> SweepResult:
+        """Every layout x weight mode x batch; invalid deployments skipped, misfits kept (``fits``)."""
+        pars = layouts(self.s, self.devices)
+        result = SweepResult(self.devices, tuple(pars), self.quants, self.batches)
+        for par in pars:
+            for quant in self.quants:
+                for batch in self.batches:
+                    config = Config(par, batch, quant)
+                    try:
+                        self.deployment(par, batch).check(self.s)  # what ``simulate`` would refuse
+                    except UsageError as exc:
+                        reason = "batch not divisible by DP" if batch % par.dp else str(exc)
+                        result.skipped[reason] = result.skipped.get(reason, 0) + 1
+                        continue
+                    try:
+                        result.points.append(self.evaluate(config))
+                    except KadaptError as exc:  # e.g. no interconnect level spans the group
+                        reason = f"{config.layout}: {exc}"
+                        result.skipped[reason] = result.skipped.get(reason, 0) + 1
+        result.traces, result.trace_seconds, result.same_as = (
+            self.traces,
+            self.trace_seconds,
+            dict(self.same_as),
+        )
+        result.fallbacks = {
+            f"TP{tp} b{'=1' if at == 1 else '>=2'} {base or 'checkpoint'}": fam.reason
+            for (tp, at, base), fam in self._families.items()
+            if fam.entries is None
+        }
+        return result
