@@ -206,12 +206,23 @@ def roundtrip(m, tiny, dtype, out, prefill_len, max_cache_len, steps):
     return result
 
 
+def kadapt_code_found():
+    # An install of kadapt (editable too) places the shipped specs and templates in
+    # site-packages/kimi_adapter_core/_shipped: a data-only directory that Python finds as a namespace
+    # package. What must be absent is kadapt's code.
+    spec = importlib.util.find_spec("kimi_adapter_core")
+    if spec is None:
+        return False
+    locations = [Path(p) for p in (spec.submodule_search_locations or ())]
+    return spec.origin is not None or any(any(p.glob("*.py")) for p in locations)
+
+
 def main():
     request = json.loads(Path(sys.argv[1]).read_text())
     report = {
         "sys_path": sys.path,
         "cwd": str(Path.cwd()),
-        "kadapt_importable": importlib.util.find_spec("kimi_adapter_core") is not None,
+        "kadapt_importable": kadapt_code_found(),
         "modules": {},
         "results": {},
     }
