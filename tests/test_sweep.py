@@ -28,11 +28,10 @@ from kimi_adapter_core.backends.simulation.inputs import model_inputs
 from kimi_adapter_core.backends.simulation.parallel import Parallel
 from kimi_adapter_core.backends.simulation.pareto import dominates, pareto_front
 from kimi_adapter_core.backends.simulation.pareto_plot import PlotPoint, write_plot
-from kimi_adapter_core.backends.simulation.simulator import simulate
+from kimi_adapter_core.backends.simulation.simulator import finish_step, simulate
 from kimi_adapter_core.backends.simulation.sweep import (
     Config,
     Sweep,
-    finish_step,
     layouts,
     quant_modes,
     sweep_inputs,

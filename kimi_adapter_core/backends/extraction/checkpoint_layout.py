@@ -139,7 +139,12 @@ def checkpoint_sources(
     meta_state = dict.fromkeys(weights, True)
     out: dict[str, CheckpointSource] = {}
     for path, tensor in weights.items():
-        converter = next((c for c in converters if _target_match(c, path) is not None), None)
+        converter, prefix = None, ""
+        for candidate in converters:
+            found = _target_match(candidate, path)
+            if found is not None:
+                converter, prefix = candidate, found
+                break
         if converter is None:
             source = CheckpointSource(
                 (SourceGroup("", (rename_weight(path, renames),), tuple(tensor.shape)),),
@@ -147,7 +152,6 @@ def checkpoint_sources(
                 _is_linear_weight(model, path),
             )
         else:
-            prefix = _target_match(converter, path)
             ops = [_op(op, path) for op in converter.operations]
             stack = next((op["dim"] for op in ops if op["op"] == "stack"), None)
             patterns = list(converter._original_source_patterns)
@@ -156,7 +160,7 @@ def checkpoint_sources(
             groups = tuple(
                 SourceGroup(
                     pattern,
-                    tuple(rename_weight(name, renames) for name in _expand(prefix or "", pattern, count)),
+                    tuple(rename_weight(name, renames) for name in _expand(prefix, pattern, count)),
                     shape,
                 )
                 for pattern in patterns

@@ -15,7 +15,7 @@ from torch import nn
 from ...errors import KadaptError
 from ...spec.model import Spec
 from .checkpoint_layout import CheckpointSource, checkpoint_sources
-from .checkpoint_storage import storage_rule
+from .checkpoint_storage import StorageRule, storage_rule
 from .graph import Graph, TensorType
 from .naming import rename_weight
 
@@ -48,22 +48,18 @@ def _quantization_config(config: Any) -> tuple[dict[str, Any] | None, str]:
     return None, "spec quantization"
 
 
-def _source_entry(source: CheckpointSource, dtypes: dict[str, str], rule: Any) -> list[dict[str, Any]]:
+def _source_entry(source: CheckpointSource, dtype: str, rule: StorageRule) -> list[dict[str, Any]]:
+    """The weight map's ``sources`` of one graph weight; every source has the weight's logical dtype."""
     groups = []
     for group in source.groups:
-        storages = {repr(rule(name, group.shape, source.linear)) for name in group.tensors}
-        if len(storages) > 1:
+        storages = [rule(name, group.shape, source.linear) for name in group.tensors]
+        if any(storage != storages[0] for storage in storages[1:]):
             raise KadaptError(f"weight map: the tensors of {group.pattern} are stored in different formats")
-        entry: dict[str, Any] = {
-            "tensors": list(group.tensors),
-            "shape": list(group.shape),
-            "dtype": dtypes[group.tensors[0]],
-        }
+        entry: dict[str, Any] = {"tensors": list(group.tensors), "shape": list(group.shape), "dtype": dtype}
         if group.pattern:
             entry["pattern"] = group.pattern
-        storage = rule(group.tensors[0], group.shape, source.linear)
-        if storage is not None:
-            entry["storage"] = storage
+        if storages[0] is not None:
+            entry["storage"] = storages[0]
         groups.append(entry)
     return groups
 
@@ -89,11 +85,10 @@ def weight_map_document(
     for path in sorted(weights):
         tensor = weights[path]
         source = sources[path]
-        dtypes = dict.fromkeys(source.tensors, tensor.dtype)
         entries[rename_weight(path, renames)] = {
             "shape": list(tensor.shape),
             "dtype": tensor.dtype,
-            "sources": _source_entry(source, dtypes, rule),
+            "sources": _source_entry(source, tensor.dtype, rule),
             "ops": list(source.ops),
         }
     return {

@@ -22,7 +22,7 @@ from .device import Device
 from .inputs import ModelInputs
 from .planner import Memory, activation_bytes, kv_sizing, memory, weight_lines
 from .rank_model import trace_rank
-from .tracer import fuse
+from .tracer import Op, fuse
 
 COST_MODELS = ("roofline", "measured")
 
@@ -87,6 +87,17 @@ class Simulation:
         return out
 
 
+def trace_kernels(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[list[Op], tuple[str, ...]]:
+    """The fused kernels of one step of ``dep`` on one rank, and the trace's notes."""
+    rec, notes = trace_rank(spec, inputs, dep)
+    return fuse(rec.ops), tuple(notes)
+
+
+def finish_step(kernels: list[Priced], dep: Deployment) -> list[Priced]:
+    """A step's priced kernels as the step runs them (decode: the shared experts overlap the routed path)."""
+    return overlap_shared_experts(kernels) if dep.decode else kernels
+
+
 def simulate(
     inputs: ModelInputs,
     spec: Spec,
@@ -110,16 +121,16 @@ def simulate(
 
         require()
         measured = MeasuredPricer(system_for(device.name), framework)
-    rec, trace_notes = trace_rank(spec, inputs, dep)
+    ops, trace_notes = trace_kernels(spec, inputs, dep)
     priced = []
-    for op in fuse(rec.ops):
+    for op in ops:
         seconds = measured.time(op, decode=dep.decode) if measured else None
         priced.append(
             Priced(op, seconds, "measured", measured.source)
             if measured and seconds is not None
             else price(op, device)
         )
-    kernels = tuple(overlap_shared_experts(priced) if dep.decode else priced)
+    kernels = tuple(finish_step(priced, dep))
     kv = kv_sizing(s, dep.parallel.tp, dep.kv_dtype)
     logits_tokens = dep.tokens_per_rank if dep.decode else dep.batch_per_rank
     mem = memory(

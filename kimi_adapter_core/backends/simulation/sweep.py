@@ -36,7 +36,8 @@ from typing import Any
 from ...errors import KadaptError, UsageError
 from ...spec.model import Spec
 from ...structure.model import ModelStructure
-from .cost import Priced
+from . import simulator
+from .cost import Priced, price
 from .deployment import Deployment
 from .device import Device
 from .inputs import ModelInputs, model_inputs
@@ -52,28 +53,10 @@ _TAG = "#"
 _REL = 1e-9  # predictions are checked to this relative tolerance (means over layers round)
 
 
-# --- seams onto the simulator: the one place to re-point when its internals move -------------------
-def default_pricer() -> Pricer:
-    """The per-kernel pricing ``simulate`` uses by default."""
-    from .cost import price
-
-    return price
-
-
-def finish_step(kernels: list[Priced], dep: Deployment) -> list[Priced]:
-    """What ``simulate`` does to the priced kernels of a step (decode: shared experts overlap)."""
-    from .cost import overlap_shared_experts
-
-    return overlap_shared_experts(kernels) if dep.decode else kernels
-
-
+# --- seams onto the simulator: ``simulate``'s own trace and step finishing, the experts module ---------
 def trace_kernels(spec: Spec, inputs: ModelInputs, dep: Deployment) -> list[Op]:
     """The fused kernels ``simulate`` prices for ``dep`` (imports torch)."""
-    from .rank_model import trace_rank
-    from .tracer import fuse
-
-    rec, _notes = trace_rank(spec, inputs, dep)
-    return fuse(rec.ops)
+    return simulator.trace_kernels(spec, inputs, dep)[0]
 
 
 def expert_kernels(s: ModelStructure, dep: Deployment, fmt: WeightFormat, tokens: int) -> list[Op]:
@@ -500,7 +483,7 @@ class Sweep:
         self.quants = tuple(self.inputs)
         first = self.inputs[self.quants[0]]
         self.s = first.arch.structure
-        self.pricer = pricer or default_pricer()
+        self.pricer = pricer or price
         self.traces, self.trace_seconds = 0, 0.0
         self._groups = {g.name: g for g in first.groups}
         routed = self._groups.get("routed_experts")
@@ -530,7 +513,7 @@ class Sweep:
             self.trace_seconds += time.perf_counter() - start
 
     def finish(self, ops: Iterable[Op], dep: Deployment) -> list[Priced]:
-        return finish_step([self.pricer(op, self.device) for op in ops], dep)
+        return simulator.finish_step([self.pricer(op, self.device) for op in ops], dep)
 
     def format(self, quant: str | None, key: Key) -> WeightFormat:
         fmt = self._formats.get((quant, key))
@@ -623,7 +606,7 @@ class Sweep:
                 ]
             else:
                 priced.append(item)
-        return finish_step(priced, dep)
+        return simulator.finish_step(priced, dep)
 
     def _scaled_kernels(self, fam: _Family, b: int, quant: str | None) -> list[Priced | _Experts]:
         """The priced kernels DP and EP do not reach, shared by every layout of the family."""
@@ -669,14 +652,14 @@ class Sweep:
             self.memory(config),
         )
 
-    def simulation(self, config: Config) -> Any:
+    def simulation(self, config: Config) -> simulator.Simulation:
         """``config`` as the ``Simulation`` ``simulate`` returns (without its notes)."""
-        from .simulator import Simulation
-
         dep = self.deployment(config.parallel, config.batch)
         kernels = tuple(self.kernels(config))
         label = self.inputs[config.quant].quant_label
-        return Simulation(dep, self.device, label, kernels, self.memory(config), (), self.s.describe())
+        return simulator.Simulation(
+            dep, self.device, label, kernels, self.memory(config), (), self.s.describe()
+        )
 
     # --- the whole grid --------------------------------------------------------------------------
     def run(self) -> SweepResult:
