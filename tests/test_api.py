@@ -44,6 +44,20 @@ def test_cli_spec_argument_lists_the_shipped_names() -> None:
     assert "no shipped spec of that name" in result.output and "qwen3_moe" in result.output
 
 
+def test_a_directory_named_like_a_spec_does_not_hide_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``kadapt apply llama --output-dir llama`` then ``kadapt plan llama``: the name still means the spec."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "llama").mkdir()
+    assert kimi_adapter_core.load_spec("llama").path == REPO / "specs" / "llama.yaml"
+    result = CliRunner().invoke(cli, ["plan", "llama", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    (tmp_path / "other").mkdir()  # a directory that is no spec name is still refused
+    refused = CliRunner().invoke(cli, ["plan", "other"])
+    assert refused.exit_code == 2 and "is not a spec file" in refused.output
+
+
 @pytest.mark.slow
 def test_installed_wheel_outside_the_checkout(tmp_path: Path) -> None:
     """A wheel in a fresh venv (reusing this interpreter's torch/transformers) finds its shipped specs."""

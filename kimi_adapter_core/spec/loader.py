@@ -64,11 +64,13 @@ def shipped_spec_names() -> list[str]:
 def resolve_spec_path(ref: str | os.PathLike[str]) -> Path:
     """A spec file from a path, or from the name of a shipped spec (``kimi_k25``).
 
-    A path that exists wins; ``specs/<name>.yaml`` relative to a directory that is not the
-    checkout also finds the shipped copy, so README commands work from an installed wheel.
+    A file that exists wins; ``specs/<name>.yaml`` relative to a directory that is not the
+    checkout also finds the shipped copy, so README commands work from an installed wheel. A name
+    that is also a directory in the working directory (``--output-dir llama``) still means the
+    shipped spec; any other existing path is returned for the caller to refuse.
     """
     path = Path(ref)
-    if path.exists():
+    if path.is_file():
         return path
     from ..resources import shipped_dir
 
@@ -76,6 +78,8 @@ def resolve_spec_path(ref: str | os.PathLike[str]) -> Path:
     stem = path.stem if path.suffix in (".yaml", ".yml") and path.parent.name in ("specs", "") else str(ref)
     if stem in names:
         return shipped_dir("specs") / f"{stem}.yaml"
+    if path.exists():
+        return path
     raise KadaptError(
         f"no spec file {str(ref)!r} and no shipped spec of that name; shipped: {', '.join(names) or 'none'}"
     )
