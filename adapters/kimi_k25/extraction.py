@@ -171,8 +171,10 @@ def absorbing_mla(layers: Sequence[nn.Module], mla_attention: str) -> Iterator[N
             attn.__dict__.pop("forward", None)
 
 
-def kv_shapes(kv_dims: KVDims, batch: int, length: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Shapes of one layer's cached key and value for ``length`` positions."""
+def kv_shapes(
+    kv_dims: KVDims, batch: int | str, length: int | str
+) -> tuple[tuple[int | str, ...], tuple[int | str, ...]]:
+    """Shapes of one layer's cached key and value for ``length`` positions (a str: a dynamic size)."""
     (key_heads, key_dim), (value_heads, value_dim) = kv_dims
     return (batch, key_heads, length, key_dim), (batch, value_heads, length, value_dim)
 
@@ -461,11 +463,39 @@ KV_CONTENTS = {
 }
 
 
-def kv_contract(kv_dims: KVDims, *, kv_layout: str, max_cache_len: int) -> dict[str, Any]:
-    """Everything a runtime needs besides the graphs: cache semantics, masks, positions, capacity."""
+DYNAMIC_RULE = (
+    "a dimension written as a name instead of a number is that dynamic size: bind each name from the "
+    "graph input that carries it (input_ids dim 0 is batch, dim 1 is prefill_len), refuse a size outside "
+    'its range before executing, and replace every operator attribute {"expr": text} by the value of '
+    "text, a Python integer expression (integers, names, + - * // %, parentheses, max(), min())"
+)
+
+
+def kv_contract(
+    kv_dims: KVDims,
+    *,
+    kv_layout: str,
+    max_cache_len: int,
+    dynamic: dict[str, tuple[int, int]] | None = None,
+) -> dict[str, Any]:
+    """Everything a runtime needs besides the graphs: cache semantics, masks, positions, capacity,
+    and with ``dynamic`` sizes (``{"prefill_len": (1, 64)}``) how to bind them."""
     key, value = KV_CONTENTS[kv_layout]
     (key_heads, key_dim), (value_heads, value_dim) = kv_dims
-    return {
+    dynamic = dynamic or {}
+    padding = (
+        "a shorter prompt of n < prefill_len tokens is padded after its end with any token id; "
+        "its mask hides the pad slots (columns n..prefill_len-1); the first decode token is at "
+        "position n and overwrites slot n. Left padding is not supported: positions would no longer "
+        "equal slots."
+    )
+    if "prefill_len" in dynamic:
+        low, high = dynamic["prefill_len"]
+        padding = (
+            f"none needed: the prefill graph takes any prompt length n in {low}..{high} (prefill_len = n). "
+            "Prompts of different lengths in one batch are right padded to the longest: " + padding
+        )
+    contract: dict[str, Any] = {
         "version": 2,
         "cache": {
             "key": {"holds": key, "heads": key_heads, "dim": key_dim},
@@ -489,19 +519,19 @@ def kv_contract(kv_dims: KVDims, *, kv_layout: str, max_cache_len: int) -> dict[
             "sliding_windows": "layers with a window also hide k <= p - window; the graph adds that itself "
             "from position_ids, the caller passes one causal mask for every layer",
         },
-        "padding": {
-            "supported": "right",
-            "rule": "a shorter prompt of n < prefill_len tokens is padded after its end with any token id; "
-            "its mask hides the pad slots (columns n..prefill_len-1); the first decode token is at "
-            "position n and overwrites slot n. Left padding is not supported: positions would no longer "
-            "equal slots.",
-        },
+        "padding": {"supported": "right", "rule": padding},
         "capacity": {
             "max_position": max_cache_len - 1,
             "rule": f"positions 0..{max_cache_len - 1}; a token at position >= max_cache_len has no slot "
             "and must not be decoded",
         },
     }
+    if dynamic:
+        contract["dynamic"] = {
+            "sizes": {name: list(bounds) for name, bounds in dynamic.items()},
+            "rule": DYNAMIC_RULE,
+        }
+    return contract
 
 
 def build_kv_mapping(
@@ -515,15 +545,20 @@ def build_kv_mapping(
     dtype: str,
     names: dict[str, str],
     mla_attention: str = "reexpand",
+    dynamic: dict[str, tuple[int, int]] | None = None,
 ) -> dict[str, Any]:
     """How prefill KV outputs become decode KV inputs, layer by layer.
 
     ``names`` maps ``prefill_key``/``prefill_value``/``decode_key_in``/``decode_value_in``/
     ``decode_key_out``/``decode_value_out`` to name templates containing ``{layer}``.
     ``mla_attention`` is recorded only when it is not the default ``reexpand`` (the cache is the same).
+    ``dynamic`` sizes (``{"batch": (1, 8)}``) appear in shapes by name, with their ranges.
     """
-    prefill_shapes = kv_shapes(kv_dims, batch, prefill_len)
-    decode_shapes = kv_shapes(kv_dims, batch, max_cache_len)
+    dynamic = dynamic or {}
+    batch_dim: int | str = "batch" if "batch" in dynamic else batch
+    length_dim: int | str = "prefill_len" if "prefill_len" in dynamic else prefill_len
+    prefill_shapes = kv_shapes(kv_dims, batch_dim, length_dim)
+    decode_shapes = kv_shapes(kv_dims, batch_dim, max_cache_len)
 
     def tensor(role: str, layer: int, shape: tuple[int, ...]) -> dict[str, Any]:
         return {"name": names[role].format(layer=layer), "shape": list(shape), "dtype": dtype}
@@ -545,9 +580,10 @@ def build_kv_mapping(
     return {
         "kv_layout": kv_layout,
         **attention,
-        "contract": kv_contract(kv_dims, kv_layout=kv_layout, max_cache_len=max_cache_len),
+        "contract": kv_contract(kv_dims, kv_layout=kv_layout, max_cache_len=max_cache_len, dynamic=dynamic),
         "batch": batch,
         "prefill_len": prefill_len,
+        **({"dynamic": {name: list(bounds) for name, bounds in dynamic.items()}} if dynamic else {}),
         "max_cache_len": max_cache_len,
         "num_layers": num_layers,
         "dtype": dtype,
@@ -555,7 +591,7 @@ def build_kv_mapping(
         "prefill_to_decode": {
             "op": "index_copy",
             "dim": 2,
-            "positions": [0, prefill_len],
+            "positions": [0, length_dim],
             "into": "zeros of the decode input shape",
         },
         "decode_update": {

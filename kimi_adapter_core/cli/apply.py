@@ -64,6 +64,15 @@ SIZE = click.IntRange(1, 1 << 24)  # tokens or sequences: 0 or a typo's 1e12 is 
     help="extraction: MLA attention over the latent cache (absorbed: kv_b_proj absorbed, no re-expansion).",
 )
 @click.option(
+    "--dynamic",
+    "dynamic",
+    multiple=True,
+    type=click.Choice(["batch", "prefill_len"]),
+    help="extraction: export this size as a dynamic dimension, 1 up to its value (repeatable; "
+    "default: the spec's abi.dynamic).",
+)
+@click.option("--static", is_flag=True, help="extraction: fixed sizes only, ignoring the spec's abi.dynamic.")
+@click.option(
     "--verify", is_flag=True, help="extraction: check the saved IR on a tiny model against transformers."
 )
 @click.option(
@@ -88,6 +97,8 @@ def command(
     max_cache_len: int | None,
     kv_layout: str | None,
     mla_attention: str | None,
+    dynamic: tuple[str, ...],
+    static: bool,
     verify: bool,
     without: tuple[str, ...],
 ) -> None:
@@ -102,6 +113,7 @@ def command(
       kadapt apply kimi_k25
       kadapt apply specs/llama.yaml --output-dir out/llama --verify -v
       kadapt apply kimi_k25 --backend none --format json
+      kadapt apply llama --dynamic prefill_len --dynamic batch --batch 8
     """
     out = reporter(fmt)
     out.detail(f"spec: {spec_path.resolve()}")
@@ -124,6 +136,8 @@ def command(
             spec = spec.without(without)
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
+    if dynamic and static:
+        raise UsageError("--dynamic and --static contradict each other")
     extraction = opts = None
     if backend == "extraction":
         from ..backends import extraction
@@ -136,13 +150,19 @@ def command(
             max_cache_len=max_cache_len,
             kv_layout=kv_layout,
             mla_attention=mla_attention,
+            dynamic=() if static else (dynamic or None),
         )
-    elif verify or any(
-        v is not None for v in (output_dir, batch, prefill_len, max_cache_len, kv_layout, mla_attention)
+    elif (
+        verify
+        or dynamic
+        or static
+        or any(
+            v is not None for v in (output_dir, batch, prefill_len, max_cache_len, kv_layout, mla_attention)
+        )
     ):
         raise UsageError(
-            "--output-dir/--batch/--prefill-len/--max-cache-len/--kv-layout/--mla-attention/--verify "
-            "need --backend extraction"
+            "--output-dir/--batch/--prefill-len/--max-cache-len/--kv-layout/--mla-attention/--dynamic/"
+            "--static/--verify need --backend extraction"
         )
     result: dict[str, Any] = {}
     source = {"trust_remote_code": trust_remote_code, "source_dir": source_dir, "from_hub": from_hub}

@@ -129,6 +129,7 @@ class Abi:
     decode: GraphAbi
     mla_attention: str = "reexpand"  # reexpand | absorbed (latent layout only)
     vision: VisionAbi | None = None  # the vision graph, for vision-language models that declare it
+    dynamic: tuple[str, ...] = ()  # sizes exported as dynamic dimensions (batch, prefill_len)
 
 
 @dataclass(frozen=True)
@@ -276,6 +277,7 @@ def build_spec(path: Path, raw: dict[str, Any], positions: dict[str, Location]) 
                 decode=GraphAbi(tuple(abi["decode"]["inputs"]), tuple(abi["decode"]["outputs"])),
                 mla_attention=abi.get("mla_attention", "reexpand"),
                 vision=_vision_abi(abi.get("vision")),
+                dynamic=tuple(abi.get("dynamic") or ()),
             )
             if abi
             else None

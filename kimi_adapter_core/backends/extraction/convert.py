@@ -10,14 +10,19 @@ than discovered as wrong numbers later.
 
 ``getitem`` nodes disappear: consumers point at output ``i`` of the multi-output node directly.
 ``_assert_tensor_metadata`` checks and dtype-preserving ``_to_copy``/``alias`` nodes disappear too.
+
+With dynamic dimensions (``abi.dynamic``), nodes that compute sizes (``sym_size``, ``operator.mul`` on
+sizes) disappear as well: each size they produce is written where it is used, as an expression over
+the ABI's symbols (``symbolic``), and symbolic tensor dimensions as the expression text.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import sympy
 import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
@@ -38,6 +43,7 @@ from .graph import (
     dtype_name,
 )
 from .options import GraphNames
+from .symbolic import EXPR
 
 _MISSING = object()
 _DROPPED = {
@@ -58,13 +64,104 @@ def _arg_class(arg: torch.Argument) -> str:
     return "other"
 
 
-def _types(value: Any) -> list[TensorType]:
-    values = value if isinstance(value, (list, tuple)) else [value]
-    return [
-        TensorType(tuple(int(d) for d in v.shape), dtype_name(v.dtype))
-        for v in values
-        if isinstance(v, torch.Tensor)
+class Symbols:
+    """Writes the exported program's size symbols (``s43``) as the ABI's names (``batch``)."""
+
+    def __init__(self, names: Mapping[sympy.Symbol, str]) -> None:
+        self.names = dict(names)
+
+    def text(self, expr: sympy.Expr) -> str:
+        """``expr`` as a Python integer expression over the ABI's symbol names (``symbolic.evaluate``)."""
+        from torch.utils._sympy.functions import CleanDiv, FloorDiv, Max, Min, Mod, PythonMod
+
+        def paren(arg: sympy.Expr) -> str:
+            text = self.text(arg)
+            return f"({text})" if isinstance(arg, (sympy.Add, sympy.Mul)) else text
+
+        if isinstance(expr, sympy.Integer):
+            return str(int(expr))
+        if isinstance(expr, sympy.Symbol):
+            if expr not in self.names:
+                raise KadaptError(
+                    f"size {expr} depends on no dynamic ABI dimension (data-dependent?); "
+                    f"known: {', '.join(self.names.values()) or 'none'}"
+                )
+            return self.names[expr]
+        if isinstance(expr, sympy.Add):
+            return " + ".join(self.text(term) for term in expr.as_ordered_terms())
+        if isinstance(expr, sympy.Mul):
+            return "*".join(
+                f"({self.text(factor)})" if isinstance(factor, sympy.Add) else self.text(factor)
+                for factor in expr.as_ordered_factors()
+            )
+        if isinstance(expr, sympy.Pow) and expr.exp.is_Integer and int(expr.exp) > 0:
+            return "*".join([paren(expr.base)] * int(expr.exp))
+        if isinstance(expr, (FloorDiv, CleanDiv)):
+            return f"{paren(expr.args[0])}//{paren(expr.args[1])}"
+        if isinstance(expr, (Mod, PythonMod)):
+            return f"{paren(expr.args[0])}%{paren(expr.args[1])}"
+        if isinstance(expr, (Max, Min)):
+            name = "max" if isinstance(expr, Max) else "min"
+            return f"{name}({', '.join(self.text(arg) for arg in expr.args)})"
+        raise KadaptError(f"size expression {expr} ({type(expr).__name__}) cannot be written to the IR")
+
+    def dim(self, size: int | torch.SymInt) -> int | str:
+        """A tensor dimension: its integer, or the text of its expression."""
+        if isinstance(size, torch.SymInt):
+            expr = size.node.expr
+            return int(expr) if isinstance(expr, sympy.Integer) else self.text(expr)
+        return int(size)
+
+    def value(self, value: Any) -> Any:
+        """A size argument (a ``SymInt`` node's value or an int) as an IR attribute."""
+        size = value.meta.get("val") if isinstance(value, torch.fx.Node) else value
+        if isinstance(size, torch.SymInt):
+            written = self.dim(size)
+            return written if isinstance(written, int) else {EXPR: written}
+        if isinstance(size, int) and not isinstance(size, bool):
+            return size
+        raise KadaptError(f"argument {value} is not a size ({type(size).__name__}); the IR cannot express it")
+
+    def types(self, value: Any) -> list[TensorType]:
+        values = value if isinstance(value, (list, tuple)) else [value]
+        return [
+            TensorType(tuple(self.dim(d) for d in v.shape), dtype_name(v.dtype))
+            for v in values
+            if isinstance(v, torch.Tensor)
+        ]
+
+
+STATIC = Symbols({})
+
+
+def _computes_size(fx_node: torch.fx.Node) -> bool:
+    """A node whose result is a size (``sym_size``, arithmetic on sizes), not a tensor."""
+    return isinstance(fx_node.meta.get("val"), (torch.SymInt, torch.SymBool, torch.SymFloat))
+
+
+def symbol_names(program: ExportedProgram, dims: Mapping[str, Mapping[int, str]]) -> dict[sympy.Symbol, str]:
+    """Which exported symbol each dynamic ABI dimension became: ``dims`` gives, per user input name,
+    ``{dim: abi_symbol}``; the placeholder's fake shape at that dim holds the symbol."""
+    names: dict[sympy.Symbol, str] = {}
+    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    user_inputs = [
+        spec.arg.name for spec in program.graph_signature.input_specs if spec.kind == InputKind.USER_INPUT
     ]
+    for position, input_dims in dims.items():
+        shape = placeholders[user_inputs[int(position)]].meta["val"].shape
+        for dim, abi_name in input_dims.items():
+            size = shape[dim]
+            if not isinstance(size, torch.SymInt) or not isinstance(size.node.expr, sympy.Symbol):
+                raise KadaptError(
+                    f"the model does not allow a dynamic {abi_name}: export made input {position} "
+                    f"dim {dim} {size}"
+                )
+            if names.get(size.node.expr, abi_name) != abi_name:
+                raise KadaptError(
+                    f"export tied {abi_name} to {names[size.node.expr]}: the model needs them equal"
+                )
+            names[size.node.expr] = abi_name
+    return names
 
 
 def _scope(node: torch.fx.Node) -> str:
@@ -76,9 +173,10 @@ def _scope(node: torch.fx.Node) -> str:
 
 
 class _Converter:
-    def __init__(self, env: dict[str, Ref], device: str) -> None:
+    def __init__(self, env: dict[str, Ref], device: str, symbols: Symbols) -> None:
         self.env = env
         self.device = device
+        self.symbols = symbols
 
     def ref(self, value: torch.fx.Node) -> Ref:
         return self.env[value.name]
@@ -104,7 +202,11 @@ class _Converter:
             else:
                 value = node.kwargs.get(arg.name, _MISSING)
             kind = _arg_class(arg)
-            if kind == "tensor":
+            if kind in ("tensor", "optional") and isinstance(value, torch.fx.Node) and _computes_size(value):
+                # a size used as a scalar operand (``mul.Tensor(x, size)``): written as its expression
+                attrs[arg.name] = self.symbols.value(value)
+                ambiguous = f"scalar {arg.name}"
+            elif kind == "tensor":
                 if isinstance(value, torch.fx.Node):
                     add_input(value)
                 elif value is not _MISSING:
@@ -127,15 +229,16 @@ class _Converter:
                 if not arg.kwarg_only:
                     pending.append(arg)
             else:
-                if isinstance(value, torch.fx.Node) or (
-                    isinstance(value, (list, tuple)) and any(isinstance(v, torch.fx.Node) for v in value)
-                ):
-                    raise KadaptError(f"{node.target}: symbolic {arg.name}; extraction needs static shapes")
                 if not arg.kwarg_only:
                     for skipped in pending:
                         attrs[skipped.name] = encode(skipped.default_value, device=self.device)
                     pending.clear()
-                attrs[arg.name] = encode(value, device=self.device)
+                if isinstance(value, torch.fx.Node):
+                    attrs[arg.name] = self.symbols.value(value)
+                elif isinstance(value, (list, tuple)) and any(isinstance(v, torch.fx.Node) for v in value):
+                    attrs[arg.name] = [self.symbols.value(v) for v in value]
+                else:
+                    attrs[arg.name] = encode(value, device=self.device)
         if sizes:
             attrs["_tensor_list_sizes"] = sizes
         if masks:
@@ -152,11 +255,13 @@ def convert(
     param_path: Callable[[str], str],
     constant_value: Callable[[str], torch.Tensor],
     device: str,
+    symbols: Symbols = STATIC,
 ) -> Graph:
     """Convert a functional (decomposed) exported program of a prefill/decode wrapper.
 
     ``param_path`` maps the wrapper's parameter names to the model's; ``constant_value`` gives the
-    real value of a non-persistent buffer (meta programs carry none).
+    real value of a non-persistent buffer (meta programs carry none); ``symbols`` names the dynamic
+    dimensions (``symbol_names``), if any.
     """
     signature = program.graph_signature
     placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
@@ -172,7 +277,7 @@ def convert(
             position = len(inputs)
             if position >= len(input_names):
                 raise KadaptError(f"{kind} graph has more inputs than its ABI names ({len(input_names)})")
-            (tensor_type,) = _types(placeholders[name].meta["val"])
+            (tensor_type,) = symbols.types(placeholders[name].meta["val"])
             extra = position - n_fixed
             role = "fixed" if extra < 0 else ("key", "value")[extra % 2]
             inputs.append(
@@ -181,7 +286,7 @@ def convert(
             env[name] = Ref(INPUT, position)
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER) and spec.persistent is not False:
             path = param_path(spec.target)
-            (weights[path],) = _types(placeholders[name].meta["val"])
+            (weights[path],) = symbols.types(placeholders[name].meta["val"])
             env[name] = Ref(WEIGHT, path)
         elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             path = param_path(spec.target)
@@ -192,10 +297,10 @@ def convert(
     if len(inputs) != len(input_names):
         raise KadaptError(f"{kind} graph has {len(inputs)} inputs, its ABI names {len(input_names)}")
 
-    converter = _Converter(env, device)
+    converter = _Converter(env, device, symbols)
     nodes: list[Node] = []
     for fx_node in program.graph.nodes:
-        if fx_node.op != "call_function":
+        if fx_node.op != "call_function" or _computes_size(fx_node):
             continue
         target = fx_node.target
         if target is operator.getitem:
@@ -219,7 +324,7 @@ def convert(
                 f"{kind} graph is not functional: {target} in {_scope(fx_node) or 'the wrapper'}"
             )
         operands, attrs = converter.operands(fx_node, target._schema)
-        outputs = _types(fx_node.meta["val"])
+        outputs = symbols.types(fx_node.meta["val"])
         source = _operand_type(operands[0] if operands else None, nodes, inputs, weights)
         if _is_identity(fx_node, attrs, outputs, source):
             env[fx_node.name] = operands[0]

@@ -19,7 +19,7 @@ from torch.export import ExportedProgram
 
 from ...errors import KadaptError
 from . import runtime
-from .convert import convert
+from .convert import Symbols, convert, symbol_names
 from .graph import Graph
 from .options import ExtractionOptions
 
@@ -89,13 +89,52 @@ def example_inputs(
     )
 
 
-def export_program(wrapper: nn.Module, inputs: tuple[Any, ...], kind: str) -> ExportedProgram:
+def dynamic_dims(kind: str, options: ExtractionOptions, num_inputs: int) -> dict[int, dict[int, str]]:
+    """``{input position: {dim: ABI symbol}}`` of the wrapper's inputs for ``options.dynamic``.
+
+    Prefill: ``input_ids``/``position_ids`` ``[batch, prefill_len]``, the mask ``[batch, 1,
+    prefill_len, prefill_len]``. Decode: batch only (one token, a cache of fixed capacity), on every
+    input but ``cache_position`` (one slot for the whole batch).
+    """
+    batch = "batch" in options.dynamic
+    length = "prefill_len" in options.dynamic and kind == "prefill"
+    dims: dict[int, dict[int, str]] = {}
+    for position in range(num_inputs):
+        if kind == "decode" and position == 3:  # cache_position [1]
+            continue
+        these = {0: "batch"} if batch else {}
+        if length:
+            these.update({1: "prefill_len"} if position != 1 else {2: "prefill_len", 3: "prefill_len"})
+        if these:
+            dims[position] = these
+    return dims
+
+
+def _torch_dynamic_shapes(
+    kind: str, dims: dict[int, dict[int, str]], num_inputs: int
+) -> tuple[Any, ...] | None:
+    """``dims`` as ``torch.export``'s ``dynamic_shapes`` (decode's ``*past`` is one nested tuple)."""
+    if not dims:
+        return None
+    symbols = {name: torch.export.Dim(name, min=1) for d in dims.values() for name in d.values()}
+    per_input = [
+        {dim: symbols[name] for dim, name in dims[position].items()} if position in dims else None
+        for position in range(num_inputs)
+    ]
+    if kind == "decode":
+        return (*per_input[:4], tuple(per_input[4:]))
+    return tuple(per_input)
+
+
+def export_program(
+    wrapper: nn.Module, inputs: tuple[Any, ...], kind: str, dynamic_shapes: tuple[Any, ...] | None = None
+) -> ExportedProgram:
     # torch 2.13's own pytree code trips its LeafSpec deprecation inside export; it is not ours to fix
     # and would only bury the progress lines.
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
         try:
-            program = torch.export.export(wrapper, inputs, strict=False)
+            program = torch.export.export(wrapper, inputs, dynamic_shapes=dynamic_shapes, strict=False)
         except Exception as exc:  # torch.export raises many types; the user needs the cause, not the type
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise KadaptError(f"torch.export failed on the {kind} wrapper: {first_line}") from exc
@@ -146,7 +185,9 @@ def export_wrapper(
 ) -> tuple[nn.Module, ExportedProgram]:
     """Export the ``kind`` wrapper over the first ``num_layers`` decoder layers."""
     wrapper = wrapper_for(kind, backbone, options, num_layers)
-    return wrapper, export_program(wrapper, example_inputs(kind, backbone, options, num_layers), kind)
+    inputs = example_inputs(kind, backbone, options, num_layers)
+    dims = dynamic_dims(kind, options, len(inputs))
+    return wrapper, export_program(wrapper, inputs, kind, _torch_dynamic_shapes(kind, dims, len(inputs)))
 
 
 def to_graph(
@@ -160,6 +201,8 @@ def to_graph(
     device: str,
 ) -> Graph:
     """Convert an exported wrapper, naming weights by the full model's parameter paths."""
+    num_inputs = len(program.graph_signature.user_inputs)
+    symbols = Symbols(symbol_names(program, dynamic_dims(kind, options, num_inputs)))
     return convert(
         program,
         kind=kind,
@@ -168,4 +211,5 @@ def to_graph(
         param_path=_param_path(wrapper, backbone.model),
         constant_value=_constant_value(wrapper, program),
         device=device,
+        symbols=symbols,
     )

@@ -16,7 +16,7 @@ NODE, INPUT, WEIGHT, CONSTANT = "node", "input", "weight", "constant"
 
 @dataclass(frozen=True)
 class TensorType:
-    shape: tuple[int, ...]
+    shape: tuple[int | str, ...]  # a str is a dynamic dimension's expression (``symbolic``)
     dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
 
 

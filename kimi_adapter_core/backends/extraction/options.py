@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from typing import Any
 from ...errors import KadaptError
 from ...spec.model import GraphAbi, Spec, VisionAbi
 from ...structure.model import ALL_KV_LAYOUTS, Attention, ModelStructure
+from .symbolic import SYMBOLS as DYNAMIC_SIZES
+from .symbolic import DimRange
 
 MLA_ATTENTIONS = ("reexpand", "absorbed")
 DTYPES = ("bfloat16", "float16", "float32", "float64")
@@ -135,6 +138,12 @@ class ExtractionOptions:
     structure: ModelStructure | None = None  # set by ``bind_structure`` once the config is built
     kv_layout_where: str | None = None  # spec location of abi.kv_layout, when the spec chose it
     vision: VisionOptions | None = None  # abi.vision: also export the vision encoder + projector
+    dynamic: tuple[str, ...] = ()  # abi.dynamic: sizes that become symbols ranging 1..their value
+
+    @property
+    def dynamic_ranges(self) -> dict[str, DimRange]:
+        """Range of each dynamic size: 1 up to the ABI's value (``{"prefill_len": DimRange(1, 64)}``)."""
+        return {name: DimRange(1, getattr(self, name)) for name in DYNAMIC_SIZES if name in self.dynamic}
 
     @property
     def kv_dims(self) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -158,6 +167,22 @@ class ExtractionOptions:
         """Output file of ``graph``: ``prefill``, ``decode``, ``vision``, ``kv_mapping``, ``weight_map``."""
         suffix = f"{graph}.json" if graph in ("kv_mapping", "weight_map") else f"{graph}_ir.json"
         return self.output_dir / f"{self.file_prefix}_{suffix}"
+
+
+def check_dynamic(dynamic: Iterable[str], sizes: dict[str, int], where: str | None) -> tuple[str, ...]:
+    """The dynamic sizes, known and each at least 2 (torch.export fixes a dimension traced at size 1)."""
+    chosen = tuple(dict.fromkeys(dynamic))
+    for name in chosen:
+        if name not in DYNAMIC_SIZES:
+            raise KadaptError(
+                f"dynamic size {name!r} is unknown; valid: {', '.join(DYNAMIC_SIZES)}", location=where
+            )
+        if sizes[name] < 2:
+            raise KadaptError(
+                f"dynamic {name} needs {name} >= 2 (the graph covers 1..{name}), got {sizes[name]}",
+                location=where,
+            )
+    return tuple(name for name in DYNAMIC_SIZES if name in chosen)
 
 
 def abi_graph_names(spec: Spec) -> tuple[GraphNames, GraphNames]:
@@ -253,6 +278,7 @@ def options_from_spec(
     max_cache_len: int | None = None,
     kv_layout: str | None = None,
     mla_attention: str | None = None,
+    dynamic: Iterable[str] | None = None,
 ) -> ExtractionOptions:
     """``spec.abi`` and ``backends.extraction`` defaults with CLI overrides, checked."""
     abi = spec.abi
@@ -322,6 +348,11 @@ def options_from_spec(
         verify_max_cache_len=verify_cache,
         verify_decode_steps=verify_steps,
         vision=vision_options(spec, abi.vision) if abi.vision is not None else None,
+        dynamic=check_dynamic(
+            abi.dynamic if dynamic is None else dynamic,
+            sizes,
+            spec.locate("abi.dynamic") if dynamic is None and abi.dynamic else None,
+        ),
         **sizes,
     )
 

@@ -106,6 +106,7 @@ def metadata(spec: Spec, backbone: Backbone, options: ExtractionOptions, graph: 
             "dtype": options.dtype,
             "kv_layout": options.kv_layout,
             **({} if options.mla_attention == "reexpand" else {"mla_attention": options.mla_attention}),
+            **({"dynamic": dynamic_sizes(options)} if options.dynamic else {}),
         },
         "structure": options.structure.to_dict() if options.structure is not None else None,
         "num_layers": len(backbone.layers),
@@ -122,6 +123,11 @@ def metadata(spec: Spec, backbone: Backbone, options: ExtractionOptions, graph: 
     }
 
 
+def dynamic_sizes(options: ExtractionOptions) -> dict[str, tuple[int, int]]:
+    """``{"prefill_len": (1, 64)}``: each dynamic size's range, as the IR metadata and KV mapping state it."""
+    return {name: (r.min, r.max) for name, r in options.dynamic_ranges.items()}
+
+
 def kv_mapping_document(options: ExtractionOptions, backbone: Backbone) -> dict[str, Any]:
     prefill, decode = options.prefill_names, options.decode_names
     mapping = runtime.build_kv_mapping(
@@ -134,6 +140,7 @@ def kv_mapping_document(options: ExtractionOptions, backbone: Backbone) -> dict[
         dtype=options.dtype,
         names=kv_names(prefill, decode),
         mla_attention=options.mla_attention,
+        dynamic=dynamic_sizes(options),
     )
     graphs = {"prefill_graph": options.path("prefill").name, "decode_graph": options.path("decode").name}
     assert options.structure is not None
@@ -175,10 +182,14 @@ def run(spec: Spec, model: nn.Module, options: ExtractionOptions, *, echo: Echo)
     clock = Clock(echo)
     backbone = backbone_of(spec, model)
     options = bound_to(spec, backbone, options)
+    ranges = options.dynamic_ranges
+
+    def size(name: str) -> str:
+        return f"1..{ranges[name].max}" if name in ranges else str(getattr(options, name))
+
     echo(
-        f"extracting {options.model_name}: {options.attention_label}, "
-        f"batch {options.batch}, "
-        f"prefill {options.prefill_len}, cache {options.max_cache_len}, {options.dtype}"
+        f"extracting {options.model_name}: {options.attention_label}, batch {size('batch')}, "
+        f"prefill {size('prefill_len')}, cache {options.max_cache_len}, {options.dtype}"
     )
     with clock.step("prepare"):
         check_exportable(backbone)

@@ -36,6 +36,7 @@ from . import runtime
 from .naming import rename_weight
 from .options import ExtractionOptions, bind_structure
 from .pipeline import run
+from .symbolic import bind_ir
 from .vision_verify import check_vision
 
 # Sizes of the tiny text backbone, by structural fact: each is written to whichever config key the
@@ -227,21 +228,32 @@ def _reference(
 
 
 class _Replay:
-    """Runs the saved IR files with torch_ir's executor, the way another tool would."""
+    """Runs the saved IR files with torch_ir's executor, the way another tool would.
+
+    Graphs with dynamic sizes are bound to each call's input shapes first (``symbolic.bind_ir``), which
+    is also where a prompt outside the graph's range is refused.
+    """
 
     def __init__(self, options: ExtractionOptions, weights: dict[str, torch.Tensor]) -> None:
         import torch_ir
 
-        self.prefill = torch_ir.IRExecutor(torch_ir.load_ir(options.path("prefill")), weights)
-        self.decode = torch_ir.IRExecutor(torch_ir.load_ir(options.path("decode")), weights)
+        self.irs = {kind: torch_ir.load_ir(options.path(kind)) for kind in ("prefill", "decode")}
+        self.weights = weights
+        self.ranges = options.dynamic_ranges
         self.dtype = getattr(torch, options.dtype)
         self.max_cache_len = options.max_cache_len
+
+    def execute(self, kind: str, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        import torch_ir
+
+        ir = bind_ir(self.irs[kind], [tuple(t.shape) for t in inputs], self.ranges, graph=kind)
+        return list(torch_ir.IRExecutor(ir, self.weights).execute(inputs))
 
     def run_prefill(self, prompt: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         _, mask, positions = runtime.prefill_inputs(
             batch=prompt.shape[0], prefill_len=prompt.shape[1], dtype=self.dtype, device="cpu"
         )
-        logits, *present = self.prefill.execute((prompt, mask, positions))
+        logits, *present = self.execute("prefill", (prompt, mask, positions))
         return logits, runtime.place_prefill_kv(present, self.max_cache_len)
 
     def run_decode(
@@ -249,7 +261,7 @@ class _Replay:
     ) -> tuple[torch.Tensor, list]:
         positions = torch.full((token.shape[0], 1), position, dtype=torch.long)
         mask = runtime.additive_causal_mask(positions, self.max_cache_len, self.dtype)
-        logits, *present = self.decode.execute((token, mask, positions, torch.tensor([position]), *cache))
+        logits, *present = self.execute("decode", (token, mask, positions, torch.tensor([position]), *cache))
         return logits, present
 
 
@@ -294,6 +306,33 @@ def _compare(
     report.add(
         f"decode logits{suffix}", worst <= tolerance, f"max |diff| {worst:.2e} over {steps + 1} tokens"
     )
+
+
+def _compare_dynamic(
+    report: VerifyReport,
+    model: nn.Module,
+    replay: _Replay,
+    prompt: torch.Tensor,
+    options: ExtractionOptions,
+    *,
+    tolerance: float,
+    suffix: str,
+) -> None:
+    """The same graphs at smaller sizes inside their ranges, and a refusal just outside them."""
+    rows = 1 if "batch" in options.dynamic else prompt.shape[0]
+    length = max(1, prompt.shape[1] // 2 - 1) if "prefill_len" in options.dynamic else prompt.shape[1]
+    smaller = prompt[:rows, :length]
+    where = f" (batch {rows}, prompt {length}{', ' + suffix.strip(' ()') if suffix else ''})"
+    _compare(report, model, replay, smaller, 4, tolerance=tolerance, suffix=where)
+    for name, allowed in options.dynamic_ranges.items():
+        shape = {"batch": prompt.shape[0], "prefill_len": prompt.shape[1], name: allowed.max + 1}
+        check = f"{name} {allowed.max + 1} refused before execution{suffix}"
+        try:
+            replay.run_prefill(torch.zeros(shape["batch"], shape["prefill_len"], dtype=torch.long))
+        except KadaptError as exc:
+            report.add(check, f"({name})" in str(exc), str(exc))
+        else:
+            report.add(check, False, f"a {shape['batch']}x{shape['prefill_len']} prompt ran")
 
 
 def _check_weights(
@@ -366,6 +405,8 @@ def _verify_in(
             _compare(
                 report, model, replay, prompt, options.verify_decode_steps, tolerance=tolerance, suffix=suffix
             )
+            if small.dynamic:
+                _compare_dynamic(report, model, replay, prompt, small, tolerance=tolerance, suffix=suffix)
         if small.vision is not None:
             check_vision(report, spec, model, small, weights, tolerance=tolerance, suffix=suffix)
 
