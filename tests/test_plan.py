@@ -17,6 +17,7 @@ from kimi_adapter_core.backends.simulation.device import get_device, load_device
 from kimi_adapter_core.backends.simulation.inputs import model_inputs
 from kimi_adapter_core.backends.simulation.parallel import Parallel
 from kimi_adapter_core.backends.simulation.planner import make_plan
+from kimi_adapter_core.backends.simulation.vision_images import image_batch
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.spec import Spec
@@ -144,6 +145,22 @@ def test_vision_cache_entry(spec: Spec) -> None:
     assert plan(spec).vision_cache_entry_bytes == 64 * 64 // 4 * 7168 * 2 == 14_680_064
 
 
+def test_vision_cache_for_a_batch_of_images(spec: Spec) -> None:
+    """--batch sequences x --images images: the features each device's DP group keeps."""
+    images = image_batch(spec, spec_architecture(spec), 2, (896, 448))  # 64x32 patches -> 512 tokens
+    assert (images.grid, images.tokens_per_image) == ((64, 32), 512)
+    assert images.feature_bytes_per_image == 512 * 7168 * 2
+    p = plan(spec, tp=4, dp=2, batch=6, images=images)
+    assert p.memory.vision_cache == 3 * 2 * 512 * 7168 * 2  # 3 sequences per DP group, 2 images each
+    assert p.memory.used == pytest.approx(
+        p.memory.weights + p.memory.kv_cache + p.memory.activations + p.memory.vision_cache
+    )
+    assert plan(spec, tp=4, dp=2, batch=6).memory.vision_cache == 0
+    assert not p.warnings
+    large = plan(spec, images=image_batch(spec, spec_architecture(spec), 1, (1792, 1792)))
+    assert any("fills 4096 tokens, more than the 1024" in w for w in large.warnings)
+
+
 def test_quant_mode_reformats_linear_weights(spec: Spec) -> None:
     bf16, w8 = plan(spec, "BF16"), plan(spec, "W8A8")
     assert bf16.weight_bytes == pytest.approx(2 * bf16.total_params, rel=1e-6)
@@ -197,6 +214,34 @@ def test_cli_plan_text_and_json(spec_path: Path) -> None:
     assert data["vision_cache_entry_bytes"] == 14_680_064
 
 
+def test_cli_plan_vision_cache_per_image_and_batch(spec_path: Path) -> None:
+    args = ["plan", str(spec_path), "--tp", "4", "--dp", "2", "--batch", "4", "--images", "3"]
+    out = CliRunner().invoke(cli, [*args, "--image-size", "896x896", "--format", "json"])
+    assert out.exit_code == 0, out.output
+    cache = json.loads(out.stdout)["vision_cache"]
+    per_image = 1024 * 7168 * 2
+    assert (cache["entry_bytes"], cache["max_tokens_per_image"]) == (14_680_064, 1024)
+    images = cache["images"]
+    assert (images["image_size"], images["tokens_per_image"], images["feature_bytes_per_image"]) == (
+        [896, 896],
+        1024,
+        per_image,
+    )
+    assert (images["images"], images["batch_bytes"], images["batch_entry_bytes"]) == (
+        12,
+        12 * per_image,
+        12 * 14_680_064,
+    )
+    assert (images["images_per_device"], images["batch_bytes_per_device"]) == (6, 6 * per_image)
+    assert json.loads(out.stdout)["memory_per_device"]["vision_cache_bytes"] == 6 * per_image
+    text = CliRunner().invoke(cli, args)  # the spec's abi.vision image: 448x448, 256 tokens
+    assert text.exit_code == 0, text.output
+    assert "one 448x448 image         3.5 MiB   32x32 patches of 14 px -> 256 tokens" in text.output
+    assert "batch                    42.0 MiB   12 images (4 sequences x 3)" in text.output
+    assert "per device               21.0 MiB   6 images" in text.output
+    assert "entry per image          14.0 MiB" in text.output
+
+
 @pytest.mark.parametrize(
     "args, code, message",
     [
@@ -223,6 +268,8 @@ def test_plan_never_imports_torch() -> None:
         f"for path in {paths!r}:\n"
         "    r = CliRunner().invoke(cli, ['plan', path, '--format', 'json'])\n"
         "    assert r.exit_code == 0, r.output\n"
+        f"r = CliRunner().invoke(cli, ['plan', {str(SHIPPED)!r}, '--images', '2', '--image-size', '56x28'])\n"
+        "assert r.exit_code == 0, r.output\n"
         "assert 'torch' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

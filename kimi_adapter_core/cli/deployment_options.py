@@ -1,16 +1,22 @@
 """Command-line options shared by ``plan`` and ``simulate``: the deployment being sized.
 
 Both commands size the same model the same way (``backends/simulation/inputs.py``), so they take
-the parallel layout, weight mode, KV-cache dtype and device with one spelling and one default.
+the parallel layout, weight mode, KV-cache dtype and device with one spelling and one default, and
+the images each prompt carries (``--images``, ``--image-size``) alike.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
+
+if TYPE_CHECKING:
+    from ..backends.simulation.arch import Architecture
+    from ..backends.simulation.vision_images import ImageBatch
+    from ..spec.model import Spec
 
 F = TypeVar("F", bound=Callable[..., Any])
 PARALLEL = click.IntRange(1, 1 << 16)  # devices per dimension: 0 or a typo's 1e12 is a usage error
@@ -55,6 +61,63 @@ _OPTIONS = (
         help="KV-cache element type (the layout follows the attention: MLA latent, else per KV head).",
     ),
 )
+
+
+class ImageSize(click.ParamType):
+    """``HEIGHTxWIDTH`` in pixels (``448x448``); whether the model's patch grid takes it is checked later."""
+
+    name = "HxW"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> tuple[int, int]:
+        if isinstance(value, tuple):
+            return value
+        from ..backends.simulation.vision_images import parse_image_size
+
+        try:
+            return parse_image_size(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+_IMAGE_OPTIONS = (
+    click.option(
+        "--images",
+        type=click.IntRange(1, 1 << 16),
+        default=None,
+        help="Images in each query's (plan: sequence's) prompt, for vision-language models; each adds its "
+        "placeholder tokens.",
+    ),
+    click.option(
+        "--image-size",
+        type=ImageSize(),
+        metavar="HxW",
+        default=None,
+        help="Image size HxW in pixels as the encoder sees it (after the processor's resize and pad: whole "
+        "patch x merge blocks) [default: the spec's abi.vision image].",
+    ),
+)
+
+
+def image_options(command: F) -> F:
+    """Add ``--images --image-size`` to ``command``."""
+    for option in reversed(_IMAGE_OPTIONS):
+        command = option(command)
+    return command
+
+
+def requested_images(
+    spec: Spec, arch: Architecture, images: int | None, size: tuple[int, int] | None
+) -> ImageBatch | None:
+    """The images ``--images`` / ``--image-size`` ask for, checked against the model (usage errors)."""
+    from ..backends.simulation.vision_images import image_batch
+
+    if images is None:
+        if size is not None:
+            raise click.UsageError("--image-size applies to --images N")
+        return None
+    return image_batch(spec, arch, images, size)
 
 
 def deployment_options(command: F) -> F:

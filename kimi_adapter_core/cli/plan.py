@@ -1,4 +1,5 @@
-"""``kadapt plan SPEC``: size a deployment before loading anything (KV cache, weights, activations).
+"""``kadapt plan SPEC``: size a deployment before loading anything (KV cache, weights, activations,
+vision cache per image and, with ``--images``, for the batch).
 
 Pure Python from the spec's shipped config and the model structure derived from it (any decoder
 family: MHA/GQA/MQA/MLA attention, dense or MoE, sliding windows): never imports torch, so it
@@ -20,7 +21,7 @@ from ..backends.simulation.parallel import Parallel
 from ..backends.simulation.planner import make_plan
 from ..backends.simulation.report import plan_json, plan_text
 from ..spec import load_spec
-from .deployment_options import deployment_options
+from .deployment_options import deployment_options, image_options, requested_images
 from .output import format_option, reporter, verbosity_options
 from .spec_argument import spec_argument
 
@@ -39,6 +40,7 @@ from .spec_argument import spec_argument
     show_default=True,
     help="Tokens per rank in the largest forward (for the activation estimate).",
 )
+@image_options
 @format_option
 @verbosity_options
 def command(
@@ -53,23 +55,31 @@ def command(
     quant: str | None,
     device: str | None,
     device_file: Path | None,
+    images: int | None,
+    image_size: tuple[int, int] | None,
     fmt: str,
 ) -> None:
-    """Size KV cache, max length, weights per device, activations and vision-cache entries.
+    """Size KV cache, max length, weights per device, activations and the vision cache.
+
+    The vision cache is reported per image (MAX's entry for the largest image and, with --images, the
+    features of one --image-size image) and for the batch (--batch sequences x --images images, total
+    and per device).
 
     JSON (--format json): {"model_type", "architecture", "parallel", "batch", "seq_len",
     "max_seq_len", "kv_cache", "quantization", "weights", "activation_formula",
-    "memory_per_device", "vision_cache_entry_bytes", "device", "warnings"}.
+    "memory_per_device", "vision_cache_entry_bytes", "vision_cache", "device", "warnings"}.
 
     \b
     Examples:
       kadapt plan kimi_k25 --tp 8 --ep 8 --device h200
+      kadapt plan kimi_k25 --tp 8 --ep 8 --batch 4 --images 2 --image-size 896x896
       kadapt plan specs/llama.yaml --seq-len 32768 --format json
     """
     out = reporter(fmt)
     out.detail(f"spec: {spec_path.resolve()}")
     spec = load_spec(spec_path)
     inputs = model_inputs(spec, quant)
+    requested = requested_images(spec, inputs.arch, images, image_size)
     profile = get_device(device, device_file) if (device or device_file) else None
     out.detail(f"device: {device_file.resolve() if device_file else device or 'none'}")
     plan = make_plan(
@@ -80,6 +90,7 @@ def command(
         prefill_chunk=prefill_chunk,
         kv_dtype=kv_dtype,
         device=profile,
+        images=requested,
     )
     if out.json:
         out.document(plan_json(plan))

@@ -2,8 +2,10 @@
 
 Options mirror TensorCast's text_generate (device, queries, query/context length, tp/dp/ep, quant,
 MTP, --decode), plus the routing imbalance and the cost model (``--cost-model measured`` reads
-NVIDIA AIConfigurator's measured kernel tables when the ``measured`` extra is installed). Exit 0
-with a ``WARNING:`` line when the deployment does not fit in device memory - the timing is still
+NVIDIA AIConfigurator's measured kernel tables when the ``measured`` extra is installed), and images:
+``--images N --image-size HxW`` prices a vision-language prefill (vision encoder, projector, and the
+text prefill with the images' placeholder tokens added to each prompt: ``simulation/vision.py``).
+Exit 0 with a ``WARNING:`` line when the deployment does not fit in device memory - the timing is still
 informative - and a ``KadaptError`` for sizes that cannot be laid out at all.
 """
 
@@ -19,7 +21,7 @@ from ..backends.simulation.device import get_device
 from ..backends.simulation.inputs import model_inputs
 from ..backends.simulation.parallel import Parallel
 from ..spec import load_spec
-from .deployment_options import deployment_options
+from .deployment_options import deployment_options, image_options, requested_images
 from .output import format_option, reporter, verbosity_options
 from .spec_argument import spec_argument
 from .sweep_options import run_sweep, sweep_options
@@ -39,7 +41,8 @@ from .sweep_options import run_sweep, sweep_options
     "--query-len",
     type=click.IntRange(1, 1 << 24),
     default=None,
-    help="New tokens per query in a prefill step [default: 2048].",
+    help="New text tokens per query in a prefill step (--images adds their placeholder tokens) "
+    "[default: 2048].",
 )
 @click.option(
     "--context-len",
@@ -59,6 +62,7 @@ from .sweep_options import run_sweep, sweep_options
     help="Fraction of draft tokens accepted (sets tokens/s with --mtp).",
 )
 @click.option("--decode", is_flag=True, help="Simulate a decode step (1 + mtp tokens per query).")
+@image_options
 @click.option(
     "--routing",
     type=click.Choice(["power-law", "uniform"]),
@@ -109,6 +113,8 @@ def command(
     mtp_acceptance: float,
     kv_dtype: str,
     decode: bool,
+    images: int | None,
+    image_size: tuple[int, int] | None,
     routing: str,
     cost_model: str,
     framework: str,
@@ -125,23 +131,37 @@ def command(
     JSON (--format json): {"phase", "model", "device", "quantization", "parallel", "batch",
     "query_len", "context_len", "mtp", "mtp_acceptance", "routing", "cost_model", "step_time_s",
     "output_tokens_per_step", "tokens_per_s", "tokens_per_s_per_device", "ops", "memory_per_device",
-    "warnings"}.
+    "warnings"}; with --images also "image_prefill" (encoder, projector, merged prefill and total
+    seconds; the step then runs the vision kernels before the text prefill).
 
     \b
     Examples:
       kadapt simulate kimi_k25 --device h200 --tp 8 --ep 8
+      kadapt simulate kimi_k25 --device h200 --tp 8 --ep 8 --images 4 --image-size 896x896 --query-len 512
       kadapt simulate kimi_k25 --device h200 --tp 8 --decode --context-len 4096 --format json
       kadapt simulate deepseek_v3 --device h200 --tp 8 --ep 8 --cost-model measured
       kadapt simulate qwen3_moe --device h200 --decode --sweep --devices 8 --plot front.html
     """
     from ..backends.simulation.deployment import Deployment
-    from ..backends.simulation.report import chrome_trace, sim_json, sim_text
+    from ..backends.simulation.report import (
+        chrome_trace,
+        image_prefill_json,
+        image_prefill_text,
+        sim_json,
+        sim_text,
+    )
     from ..backends.simulation.simulator import simulate  # imports torch: only once the inputs are known good
 
     out = reporter(fmt)
     out.detail(f"spec: {spec_path.resolve()}")
     spec = load_spec(spec_path)
     inputs = model_inputs(spec, quant)
+    requested = requested_images(spec, inputs.arch, images, image_size)
+    if requested is not None and (decode or sweep):
+        raise click.UsageError(
+            f"--images prices a prefill step; {'--decode' if decode else '--sweep'} does not encode images "
+            "(count their placeholder tokens in --context-len)"
+        )
     profile = get_device(device, device_file)
     out.detail(f"device: {device_file.resolve() if device_file else device}")
     if decode and query_len not in (None, 1):
@@ -182,12 +202,23 @@ def command(
 
         require()
         system_for(profile.name)
+    prefill = None  # the image prefill's parts, with --images
     with out.stage("simulate"):
-        sim = simulate(inputs, spec, dep, profile, cost_model=cost_model, framework=framework)
+        if requested is None:
+            sim = simulate(inputs, spec, dep, profile, cost_model=cost_model, framework=framework)
+        else:
+            from ..backends.simulation.vision import simulate_images
+
+            prefill = simulate_images(
+                inputs, spec, dep, profile, requested, cost_model=cost_model, framework=framework
+            )
+            sim = prefill.simulation
     if trace_path is not None:
         atomic_write_text(trace_path, json.dumps(chrome_trace(sim)))
         out.detail(f"wrote trace {trace_path}")
     if out.json:
-        out.document(sim_json(sim))
+        out.document(sim_json(sim) if prefill is None else image_prefill_json(prefill))
     else:
-        out.result(sim_text(sim, top or None))
+        out.result(
+            sim_text(sim, top or None) if prefill is None else image_prefill_text(prefill, top or None)
+        )

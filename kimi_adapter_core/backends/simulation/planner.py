@@ -10,7 +10,7 @@ attention kind, and are spelled out in ``docs/cost_model.md``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ...errors import UsageError
 from ...structure.model import Attention, ModelStructure
@@ -20,6 +20,8 @@ from .inputs import ModelInputs
 from .parallel import Parallel, heads_per_rank, kv_elements_per_rank, kv_heads_per_rank
 from .params import ParamGroup
 from .quant import DTYPE_BYTES, Policy
+from .vision_images import ImageBatch
+from .vision_images import vision_cache_entry_bytes as entry_bytes
 
 
 def activation_formula(s: ModelStructure) -> str:
@@ -120,10 +122,11 @@ class Memory:
     kv_cache: float
     activations: float
     capacity: float | None
+    vision_cache: float = 0.0  # image features of the DP group's images (``--images``)
 
     @property
     def used(self) -> float:
-        return self.weights + self.kv_cache + self.activations
+        return self.weights + self.kv_cache + self.activations + self.vision_cache
 
     @property
     def free(self) -> float | None:
@@ -153,6 +156,7 @@ class Plan:
     quant: str
     device: Device | None
     warnings: tuple[str, ...] = field(default=())
+    images: ImageBatch | None = None  # images per sequence (``--images``), for the batch's vision cache
 
     @property
     def total_params(self) -> int:
@@ -260,10 +264,7 @@ def activation_bytes(s: ModelStructure, par: Parallel, tokens: int, logits_token
 
 def vision_cache_entry_bytes(arch: Architecture) -> int | None:
     """MAX's estimate: max tokens per image (pos grid / merge area) x text hidden x 2 bytes (bf16)."""
-    v = arch.vision
-    if v is None:
-        return None
-    return v.pos_emb_height * v.pos_emb_width // (v.merge_h * v.merge_w) * v.text_hidden * 2
+    return None if arch.vision is None else entry_bytes(arch.vision)
 
 
 def memory(
@@ -292,8 +293,10 @@ def make_plan(
     prefill_chunk: int = 8192,
     kv_dtype: str = "bf16",
     device: Device | None = None,
+    images: ImageBatch | None = None,
 ) -> Plan:
-    """Size ``batch`` sequences of ``seq_len`` tokens (default: the max) on ``par``."""
+    """Size ``batch`` sequences of ``seq_len`` tokens (default: the max) on ``par``; with ``images``,
+    each sequence also carries that many images, whose features the vision cache holds per device."""
     arch = inputs.arch
     s = arch.structure
     par.check(s)
@@ -306,6 +309,10 @@ def make_plan(
     tokens = min(prefill_chunk, per_dp * length)  # the largest forward: one prefill chunk
     acts = activation_bytes(s, par, tokens, logits_tokens=per_dp)
     mem = memory(weights, kv, per_dp, length, acts, device)
+    notes: list[str] = []
+    if images is not None:
+        mem = replace(mem, vision_cache=float(images.images(per_dp) * images.feature_bytes_per_image))
+        notes = images.notes()
     return Plan(
         arch,
         par,
@@ -319,5 +326,6 @@ def make_plan(
         vision_cache_entry_bytes(arch),
         inputs.quant_label,
         device,
-        (*inputs.notes, *mem.warnings(device)),
+        (*inputs.notes, *notes, *mem.warnings(device)),
+        images,
     )

@@ -11,11 +11,14 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from .planner import Memory, Plan, activation_formula
+from .vision_images import max_tokens_per_image
 
 if TYPE_CHECKING:  # the simulator imports torch; ``kadapt plan`` renders through here without it
     from .simulator import Simulation
+    from .vision import ImagePrefill
 
 GB = 1e9
+MIB = 2**20
 
 
 def _table(headers: list[str], rows: list[list[str]], text_columns: int = 1) -> str:
@@ -35,6 +38,7 @@ def _memory_json(mem: Memory) -> dict[str, Any]:
         "weights_bytes": mem.weights,
         "kv_cache_bytes": mem.kv_cache,
         "activation_bytes": mem.activations,
+        "vision_cache_bytes": mem.vision_cache,
         "used_bytes": mem.used,
         "capacity_bytes": mem.capacity,
         "free_bytes": mem.free,
@@ -47,6 +51,8 @@ def _memory_text(mem: Memory) -> list[str]:
         f"  KV cache/device     {mem.kv_cache / GB:10.2f} GB",
         f"  activations/device  {mem.activations / GB:10.2f} GB",
     ]
+    if mem.vision_cache:
+        out.append(f"  vision cache/device {mem.vision_cache / GB:10.2f} GB")
     if mem.capacity is not None and mem.free is not None:
         out += [
             f"  capacity            {mem.capacity / GB:10.2f} GB",
@@ -115,9 +121,80 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "activation_formula": activation_formula(plan.arch.structure),
         "memory_per_device": _memory_json(plan.memory),
         "vision_cache_entry_bytes": plan.vision_cache_entry_bytes,
+        "vision_cache": _vision_cache_json(plan),
         "device": plan.device.name if plan.device else None,
         "warnings": list(plan.warnings),
     }
+
+
+def _vision_cache_json(plan: Plan) -> dict[str, Any] | None:
+    """Per image (MAX's entry for the largest image, and the features of ``--image-size``) and for the
+    batch (``--batch`` sequences x ``--images``; per device: one DP group's sequences)."""
+    v, entry = plan.arch.vision, plan.vision_cache_entry_bytes
+    if v is None or entry is None:
+        return None
+    out: dict[str, Any] = {
+        "entry_bytes": entry,
+        "max_tokens_per_image": max_tokens_per_image(v),
+        "feature_bytes_per_token": v.text_hidden * 2,
+        "images": None,
+    }
+    im = plan.images
+    if im is not None:
+        images, per_device = im.images(plan.batch), im.images(plan.batch // plan.parallel.dp)
+        out["images"] = {
+            **im.to_dict(),
+            "sequences": plan.batch,
+            "images": images,
+            "batch_bytes": images * im.feature_bytes_per_image,
+            "batch_entry_bytes": images * entry,
+            "images_per_device": per_device,
+            "batch_bytes_per_device": per_device * im.feature_bytes_per_image,
+        }
+    return out
+
+
+def _vision_cache_text(plan: Plan) -> list[str]:
+    v, entry = plan.arch.vision, plan.vision_cache_entry_bytes
+    if v is None or entry is None:
+        return []
+
+    def row(label: str, nbytes: float, detail: str) -> str:
+        return f"  {label:<20} {nbytes / MIB:8.1f} MiB   {detail}"
+
+    lines = [
+        f"Vision cache (bf16 image features, {v.text_hidden} wide per token)",
+        row(
+            "entry per image",
+            entry,
+            f"MAX's estimate: up to {max_tokens_per_image(v)} tokens ({v.pos_emb_height}x{v.pos_emb_width} "
+            f"position grid / merge {v.merge_h}x{v.merge_w}); {entry} B",
+        ),
+    ]
+    im = plan.images
+    if im is not None:
+        rows, cols = im.grid
+        images, dp = im.images(plan.batch), plan.parallel.dp
+        per_device = im.images(plan.batch // dp)
+        lines += [
+            row(
+                f"one {im.label} image",
+                im.feature_bytes_per_image,
+                f"{rows}x{cols} patches of {v.patch_size} px -> {im.tokens_per_image} tokens",
+            ),
+            row(
+                "batch",
+                images * im.feature_bytes_per_image,
+                f"{images} images ({plan.batch} sequences x {im.per_query}); "
+                f"{images * entry / MIB:.1f} MiB in MAX-sized entries",
+            ),
+            row(
+                "per device",
+                per_device * im.feature_bytes_per_image,
+                f"{per_device} images (one DP group's sequences, dp={dp})",
+            ),
+        ]
+    return lines
 
 
 def _kv_text(plan: Plan) -> list[str]:
@@ -203,11 +280,9 @@ def plan_text(plan: Plan) -> str:
         *_memory_text(plan.memory),
         f"  activation formula: {activation_formula(plan.arch.structure)}",
     ]
-    if plan.vision_cache_entry_bytes is not None:
-        lines.append(
-            f"\nVision cache entry  {plan.vision_cache_entry_bytes} B "
-            f"({plan.vision_cache_entry_bytes / 2**20:.1f} MiB) per image"
-        )
+    vision = _vision_cache_text(plan)
+    if vision:
+        lines += ["", *vision]
     lines += [f"WARNING: {w}" for w in plan.warnings]
     return "\n".join(lines)
 
@@ -310,6 +385,74 @@ def sim_text(sim: Simulation, top: int | None = None) -> str:
     ]
     lines += [f"WARNING: {w}" for w in sim.warnings]
     return "\n".join(lines)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _image_parts(prefill: ImagePrefill) -> dict[str, float]:
+    return {
+        "encoder": prefill.seconds("encoder"),
+        "projector": prefill.seconds("projector"),
+        "merged_prefill": prefill.merged_prefill_s,
+        "feature_merge": prefill.seconds("merge"),
+        "text_prefill": prefill.seconds("text"),
+        "total": prefill.total_s,
+    }
+
+
+def image_prefill_json(prefill: ImagePrefill) -> dict[str, Any]:
+    """``sim_json`` of the whole step (vision kernels + merged prefill) plus ``image_prefill``."""
+    im, dep = prefill.images, prefill.simulation.deployment
+    return {
+        **sim_json(prefill.simulation),
+        "image_prefill": {
+            **im.to_dict(),
+            "text_tokens_per_query": prefill.text_tokens,
+            "images": im.images(dep.batch),
+            "images_per_rank": prefill.images_per_rank,
+            "vision_layers": prefill.vision_layers,
+            "time_s": _image_parts(prefill),
+            "flops_per_rank": {part: prefill.flops(part) for part in ("encoder", "projector", "text")},
+        },
+    }
+
+
+def image_prefill_text(prefill: ImagePrefill, top: int | None = None) -> str:
+    """``sim_text`` of the whole step, then the image prefill's parts."""
+    im, dep = prefill.images, prefill.simulation.deployment
+    v, parts = im.vision, _image_parts(prefill)
+    rows, cols = im.grid
+    total = parts["total"]
+
+    def line(label: str, seconds: float, detail: str) -> str:
+        return f"  {label:<16} {seconds * 1e3:10.3f} ms {100 * seconds / total:5.1f}%  {detail}"
+
+    return "\n".join(
+        [
+            sim_text(prefill.simulation, top),
+            "",
+            f"Image prefill: {im.per_query} image{'s' if im.per_query > 1 else ''} of {im.label} per query "
+            f"({rows}x{cols} patches of {v.patch_size} px, merge {v.merge_h}x{v.merge_w} -> "
+            f"{im.tokens_per_image} tokens each); {_count(im.images(dep.batch), 'image')} in the step, "
+            f"{prefill.images_per_rank} encoded per rank (a DP group's images spread over its "
+            f"{dep.parallel.tp} TP ranks)",
+            line(
+                "vision encoder",
+                parts["encoder"],
+                f"{prefill.vision_layers} layers, attention within each image",
+            ),
+            line("projector", parts["projector"], f"merge {v.merge_h}x{v.merge_w} -> {v.text_hidden} wide"),
+            line(
+                "merged prefill",
+                parts["merged_prefill"],
+                f"features into the prompt {parts['feature_merge'] * 1e3:.3f} ms + text prefill of "
+                f"{prefill.text_tokens} text + {im.tokens_per_query} image tokens per query",
+            ),
+            f"  {'total':<16} {total * 1e3:10.3f} ms",
+        ]
+    )
 
 
 def chrome_trace(sim: Simulation) -> dict[str, Any]:
