@@ -19,7 +19,8 @@ Sources
   published step times for 16 dies (DP4 x TP4, EP16), W4A8 (W4A8_DYNAMIC), torch.compile, MTP=3 on
   decode. Printed side by side: published, TensorCast running kadapt's generated profile
   (adapters/kimi_k25/tensorcast_profile.py, unmodified, on the shipped full-size config) when a
-  TensorCast checkout is given, and ``kadapt simulate``; ratios are to the published figure.
+  TensorCast checkout is given, and ``kadapt simulate`` with its step split into attention,
+  experts, communication and other; ratios are to the published figure.
 
 - [AIC] NVIDIA AIConfigurator 0.12 (``aiconfigurator-core==0.12.0``, Apache-2.0): its own step-time
   estimate from measured kernel tables (h200_sxm, TensorRT-LLM 1.3.0rc20), computed in this run through
@@ -28,7 +29,9 @@ Sources
   from that version (the output says which). Cases: DeepSeek-V3 (fp8 block, fp8 KV, bf16 FMHA) and
   Qwen3-235B-A22B (bf16) at TP8 EP8, Llama-3.1-8B (bf16) on one GPU; decode batch 1/32/128 at
   context 4096 and prefill 1 x 4096. DeepSeek-V3 also per component (attention, expert GEMMs,
-  communication). kadapt runs twice: ``--cost-model roofline`` and ``--cost-model measured``.
+  communication). kadapt runs twice: ``--cost-model roofline`` and ``--cost-model measured``. Then,
+  when the package is installed, DeepSeek-V3's EP dispatch and combine per call in attention-DP
+  layouts: the roofline against the measured cost model (AIConfigurator's DeepEP tables).
 
 TensorCast column: ``--tensorcast DIR --tensorcast-python PY`` (or KADAPT_TENSORCAST /
 KADAPT_TENSORCAST_PYTHON), a checkout and a python that imports it; ~1 minute per case on a CPU.
@@ -157,7 +160,8 @@ def tensorcast_ms(case: A3Case, checkout: str, python: str, model_dir: Path) -> 
     return float(match.group(1)) * {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}[match.group(2)]
 
 
-def kadapt_ms(case: A3Case) -> float:
+def kadapt_ms(case: A3Case) -> tuple[float, dict[str, float]]:
+    """kadapt's step time for ``case`` and its parts (ms): attention, experts, communication, other."""
     spec = load_spec(KIMI_SPEC)
     deployment = Deployment(
         A3_PARALLEL,
@@ -167,7 +171,11 @@ def kadapt_ms(case: A3Case) -> float:
         decode=case.decode,
         mtp=case.mtp,
     )
-    return simulate(model_inputs(spec, "W4A8"), spec, deployment, get_device(A3)).step_time * 1e3
+    sim = simulate(model_inputs(spec, "W4A8"), spec, deployment, get_device(A3))
+    parts = dict.fromkeys(aiconfigurator.COMPONENTS, 0.0)
+    for k in sim.kernels:
+        parts[aiconfigurator.kadapt_component(k.op)] += k.total * 1e3
+    return sim.step_time * 1e3, parts
 
 
 def kimi_a3_table(checkout: str | None, python: str | None) -> None:
@@ -175,13 +183,16 @@ def kimi_a3_table(checkout: str | None, python: str | None) -> None:
     print(
         "Kimi-K2.5 on Atlas 800 A3, 16 dies DP4xTP4 EP16, W4A8, compile (TensorCast's cases) [TC-A3], ms/step"
     )
-    print(f"{'case':24} {'published':>10} {'TensorCast':>11} {'TC/pub':>7} {'kadapt':>9} {'kadapt/pub':>10}")
+    print(
+        f"{'case':24} {'published':>10} {'TensorCast':>11} {'TC/pub':>7} {'kadapt':>9} {'kadapt/pub':>10}"
+        "   kadapt parts: attention / experts / communication / other"
+    )
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = Path(scratch) / "Kimi-K2.5"  # config-only, full size: what TensorCast builds on meta
         model_dir.mkdir()
         (model_dir / "config.json").write_text((REPO / "specs" / "kimi_k25" / "config.json").read_text())
         for case in A3_CASES:
-            ours = kadapt_ms(case)
+            ours, parts = kadapt_ms(case)
             theirs: float | str = "—"
             if checkout and python:
                 theirs = tensorcast_ms(case, checkout, python, model_dir)
@@ -190,8 +201,10 @@ def kimi_a3_table(checkout: str | None, python: str | None) -> None:
                 if isinstance(theirs, float)
                 else f"{theirs:>19}"
             )
+            split = " / ".join(f"{parts[name]:.1f}" for name in aiconfigurator.COMPONENTS)
             print(
                 f"{case.name:24} {case.published_ms:10.2f} {tc} {ours:9.2f} {ours / case.published_ms:10.2f}"
+                f"   {split}"
             )
             if isinstance(theirs, str) and theirs != "—":
                 print(f"    TensorCast: {theirs}")
@@ -199,7 +212,9 @@ def kimi_a3_table(checkout: str | None, python: str | None) -> None:
         print("    TensorCast column: pass --tensorcast CHECKOUT --tensorcast-python PYTHON to fill it")
     print("    targets: decode within 15%, prefill within 20% of published; measured cost model: n/a")
     print(
-        "    (AIConfigurator has no Atlas tables; the A3 profile uses the Hopper-measured efficiency curves)"
+        "    (AIConfigurator has no Atlas tables; the A3 kernel table (kernels/atlas_a3.yaml) holds the "
+        "dispatch/combine kernels measured on the A3 by DeepEP-Ascend and borrows the Hopper-measured "
+        "GEMM and attention curves: no Ascend measurements of those are public)"
     )
 
 
@@ -316,6 +331,48 @@ def aic_table() -> None:
     )
 
 
+# EP layouts whose dispatch / combine AIConfigurator measured (DeepEP: one 8-GPU node, and two for SGLang)
+A2A_CASES = [
+    ("DP8 EP8 decode, 32 tokens/rank", Parallel(tp=1, dp=8, ep=8), 256, True, "trtllm"),
+    ("DP8 EP8 prefill, 4096 tokens/rank", Parallel(tp=1, dp=8, ep=8), 8, False, "trtllm"),
+    ("DP16 EP16 decode, 16 tokens/rank", Parallel(tp=1, dp=16, ep=16), 256, True, "sglang"),
+]
+
+
+def all_to_all_table() -> None:
+    """DeepSeek-V3's EP dispatch and combine per call: kadapt's DeepEP-style roofline against the
+    measured cost model (AIConfigurator's DeepEP tables, or the roofline where it has none)."""
+    if not aiconfigurator.available():
+        return
+    print()
+    print("EP all-to-all per call, DeepSeek-V3 on H200 (fp8 dispatch), us: roofline vs --cost-model measured")
+    print(
+        f"{'layout':36} {'framework':9} {'dispatch roof/meas':>18} {'combine roof/meas':>18}  measured from"
+    )
+    spec = load_spec(SPEC)
+    for label, par, batch, decode, framework in A2A_CASES:
+        dep = Deployment(par, batch, 1 if decode else 4096, 4096 if decode else 0, decode, kv_dtype="fp8")
+        per_call = {}
+        for cost_model in ("roofline", "measured"):
+            sim = simulate(
+                model_inputs(spec, None),
+                spec,
+                dep,
+                get_device("h200"),
+                cost_model=cost_model,
+                framework=framework,
+            )
+            per_call[cost_model] = {
+                r.name: (r.time / r.count * 1e6, r.source) for r in sim.rows() if r.name.startswith("ep_")
+            }
+        cells = [
+            f"{per_call['roofline'][name][0]:8.1f} {per_call['measured'][name][0]:8.1f}"
+            for name in ("ep_dispatch(all_to_all)", "ep_combine(all_to_all)")
+        ]
+        source = per_call["measured"]["ep_dispatch(all_to_all)"][1]
+        print(f"{label:36} {framework:9} {cells[0]:>18} {cells[1]:>18}  {source}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -348,6 +405,7 @@ def main() -> None:
     )
     kimi_a3_table(options.tensorcast, options.tensorcast_python)
     aic_table()
+    all_to_all_table()
 
 
 if __name__ == "__main__":

@@ -5,10 +5,12 @@ the grid). Both paths run in the same process after the model is loaded (spec, i
 mode, one warm-up ``simulate`` so imports and first-call caches are paid for):
 
 - sweep: ``Sweep.run()`` over every layout x weight mode x batch, timed end to end, with the time
-  spent in per-rank traces (a few per TP size and weight-kernel class) reported separately, and the
-  repricing rate without them;
+  spent in per-rank traces (three or four per TP size, shared by every weight mode) reported
+  separately, and the repricing rate without them;
 - naive: ``simulate`` for a random sample of the same configurations, the path the sweep replaces;
-  its configurations/s is extrapolated from the sample.
+  its configurations/s is extrapolated from the sample;
+- one trace on a per-rank model built for it (what ``simulate`` does) against one on a model built
+  once and traced again (what the sweep does), at the sweep's shapes.
 
 Each sampled configuration's step time is also compared between the two paths (they must agree to
 rounding: the sweep reproduces ``simulate``'s kernels, see tests/test_sweep.py).
@@ -23,7 +25,8 @@ import time
 from kimi_adapter_core.backends.simulation.deployment import Deployment
 from kimi_adapter_core.backends.simulation.device import get_device
 from kimi_adapter_core.backends.simulation.parallel import Parallel
-from kimi_adapter_core.backends.simulation.simulator import simulate
+from kimi_adapter_core.backends.simulation.rank_model import RankModel
+from kimi_adapter_core.backends.simulation.simulator import simulate, trace_kernels
 from kimi_adapter_core.backends.simulation.sweep import Sweep, quant_modes, sweep_inputs
 from kimi_adapter_core.spec import load_spec
 from kimi_adapter_core.spec.loader import resolve_spec_path
@@ -66,6 +69,20 @@ def main() -> None:
         worst = max(worst, abs(sim.step_time - point.step_time) / sim.step_time)
     naive = len(sample) / (time.perf_counter() - start)
 
+    # a trace on a freshly built per-rank model against one on a model built once, same shapes
+    tp = max(p.tp for p in result.layouts if p.tp < args.devices) if args.devices > 1 else 1
+    dp = args.devices // tp
+    deps = [sweep.deployment(Parallel(tp, dp, 1), b * dp) for b in (2, 3, 4)]
+    start = time.perf_counter()
+    for dep in deps:
+        trace_kernels(spec, inputs[None], dep)
+    fresh = (time.perf_counter() - start) / len(deps)
+    model = RankModel(spec, inputs[None], deps[0])
+    start = time.perf_counter()
+    for dep in deps:
+        model.trace(inputs[None], dep)
+    reused = (time.perf_counter() - start) / len(deps)
+
     rate = priced / elapsed
     reprice = priced / max(elapsed - result.trace_seconds, 1e-9)
     phase = f"prefill {args.prefill}" if args.prefill else f"decode ctx {args.context}"
@@ -83,6 +100,10 @@ def main() -> None:
     print(f"  configs/s without traces:  {reprice:10.0f}")
     print(f"naive simulate per config:   {naive:10.1f} configs/s ({len(sample)} sampled)")
     print(f"ratio sweep / naive: {rate / naive:.0f}x end to end, {reprice / naive:.0f}x without traces")
+    print(
+        f"one trace at TP{tp}: {fresh * 1e3:.0f} ms building the per-rank model, {reused * 1e3:.0f} ms "
+        f"on a model built once ({fresh / reused:.1f}x)"
+    )
     print(f"largest step-time difference on the sample: {worst:.1e} (relative)")
 
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from click.testing import CliRunner
 from fixtures.spec_files import REPO
 
@@ -78,6 +79,10 @@ def test_bad_table_is_a_located_error(tmp_path: Path) -> None:
         parse_kernels(data, tmp_path / "x.yaml")
     with pytest.raises(KadaptError, match="unknown kernel table 'nope'"):
         load_kernels("nope", KERNELS_DIR)
+    for name, base in (("a", "b"), ("b", "a")):  # bases naming each other would load forever
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump({"name": name, "source": "s", "base": base}))
+    with pytest.raises(KadaptError, match="names a base of its own"):
+        load_kernels("a", tmp_path)
 
 
 # --- pricing --------------------------------------------------------------------------------------------
@@ -239,3 +244,108 @@ def test_deepseek_v3_against_aiconfigurator(batch: int, decode: bool) -> None:
         assert parts[name] == pytest.approx(ref.components[name], rel=0.30), name
     measured = run(DEEPSEEK, batch=batch, decode=decode, cost_model="measured")
     assert measured.step_time * 1e3 == pytest.approx(ref.total_ms, rel=0.10)
+
+
+@needs_aic
+def test_measured_all_to_all_comes_from_the_deepep_tables() -> None:
+    """Attention DP8 x EP8 on one H200 node: dispatch and combine are looked up in AIConfigurator's
+    DeepEP low-latency tables (TensorRT-LLM's build); across two nodes it has no measurement (its
+    answer there is the one-node row, tier 'estimated'), so the roofline prices them."""
+    sim = run(DEEPSEEK, tp=1, dp=8, ep=8, batch=256, decode=True, cost_model="measured")
+    engine = aiconfigurator._database_handle("h200_sxm", "trtllm")
+    for name, phase, dtype in (
+        ("ep_dispatch(all_to_all)", "dispatch", "fp8"),
+        ("ep_combine(all_to_all)", "combine", "fp8"),
+    ):
+        got = row(sim, name)
+        assert got.source == "aiconfigurator:h200_sxm/trtllm"
+        spec = {
+            "MoeAllToAll": {
+                "name": name,
+                "scale_factor": 1.0,
+                "phase": phase,
+                "comm_backend": "trtllm_deepep_ll",
+                "comm_dtype": dtype if phase == "dispatch" else "bfloat16",
+                "hidden_size": 7168,
+                "topk": 8,
+                "num_experts": 256,
+                "moe_ep_size": 8,
+                "node_num": 1,
+                "sms": 0,
+                "attention_tp_size": 1,
+            }
+        }
+        ((_, ms, _, tier),) = engine.evaluate_ops_json(
+            json.dumps([spec]), is_context=False, batch_size=1, s=32, x=32
+        )
+        assert tier == "silicon" and got.time / got.count == pytest.approx(ms * 1e-3, rel=1e-9)
+    wide = run(DEEPSEEK, tp=1, dp=16, ep=16, batch=256, decode=True, cost_model="measured")
+    assert row(wide, "ep_dispatch(all_to_all)").source == "roofline"
+    sglang = run(
+        DEEPSEEK, tp=1, dp=16, ep=16, batch=256, decode=True, cost_model="measured", framework="sglang"
+    )
+    assert (
+        row(sglang, "ep_combine(all_to_all)").source == "aiconfigurator:h200_sxm/sglang"
+    )  # measured on 2 nodes
+
+
+# --- the Atlas A3 table --------------------------------------------------------------------------------
+def a3_all_to_all(phase: str, tokens: float, group: int = 16) -> float:
+    device = get_device("atlas_800_a3")
+    row_bytes = 7168 * (1 if phase == "dispatch" else 2)  # int8 rows out, bf16 rows back
+    comm = {
+        "collective": "all_to_all",
+        "group": group,
+        "tokens": tokens,
+        "top_k": 8,
+        "token_bytes": row_bytes,
+    }
+    time, _, measured = comm_time(
+        device, comm | {"bytes": tokens * 8 * row_bytes}, kernel_table(device), phase
+    )
+    assert measured == (group <= 32)
+    return time * 1e6
+
+
+def test_atlas_a3_table_reproduces_the_published_kernel_times() -> None:
+    """DeepEP-Ascend's A3 figures, read back through kadapt's pricing of the same shapes (hidden 7168,
+    top-8, int8 dispatch, bf16 combine)."""
+    for group, (dispatch, combine) in {8: (132, 126), 16: (139, 135), 32: (153, 151)}.items():
+        assert a3_all_to_all("dispatch", 128, group) == pytest.approx(dispatch, abs=0.5)
+        assert a3_all_to_all("combine", 128, group) == pytest.approx(combine, abs=0.5)
+    assert a3_all_to_all("dispatch", 32) == pytest.approx(80, abs=0.5)
+    assert a3_all_to_all("combine", 32) == pytest.approx(75, abs=0.5)
+    rows = 4096 * 8 * 7168  # high-throughput kernels: GB/s of rows received per rank
+    assert rows / a3_all_to_all("dispatch", 4096) / 1e3 == pytest.approx(107, rel=0.01)
+    assert 2 * rows / a3_all_to_all("combine", 4096) / 1e3 == pytest.approx(103, rel=0.01)
+    # a few tokens cost the measured latency floor, not the link's 0.5 us
+    assert a3_all_to_all("dispatch", 5) > 60 and a3_all_to_all("dispatch", 5, group=64) < 20
+
+
+def test_atlas_a3_table_is_generated_and_borrows_only_what_it_says() -> None:
+    from kimi_adapter_core.backends.simulation import ascend_calibrate
+
+    shipped = yaml.safe_load((KERNELS_DIR / "atlas_a3.yaml").read_text(encoding="utf-8"))
+    assert shipped == json.loads(json.dumps(ascend_calibrate.calibrate()))  # regenerating changes nothing
+    table, hopper = load_kernels("atlas_a3"), load_kernels("hopper")
+    assert get_device("atlas_800_a3").kernels == "atlas_a3"
+    assert table.gemm == hopper.gemm and table.decode == hopper.decode and table.grouped == hopper.grouped
+    assert table.all_to_all is not None and hopper.all_to_all is None
+    assert (
+        "Git LFS" in table.source and "Hopper" in table.source and "DeepEP-Ascend" in table.all_to_all.source
+    )
+
+
+def test_kimi_on_atlas_a3_prices_dispatch_and_combine_from_the_table() -> None:
+    """TensorCast's 16k decode case: 20 queries over DP4 x TP4, MTP3 - 5 tokens per rank per call."""
+    spec = load_spec(REPO / "specs" / "kimi_k25.yaml")
+    dep = Deployment(Parallel(4, 4, 16), 20, 1, 8500, True, mtp=3)
+    sim = simulate(model_inputs(spec, "W4A8"), spec, dep, get_device("atlas_800_a3"))
+    for name, phase in (("ep_dispatch(all_to_all)", "dispatch"), ("ep_combine(all_to_all)", "combine")):
+        got = row(sim, name)
+        assert got.source == "table:atlas_a3_measured" and got.count == 60
+        sent = 5 * 4 / 4  # per rank: 5 queries x 4 tokens, split over TP4
+        assert got.time / got.count * 1e6 == pytest.approx(a3_all_to_all(phase, sent), rel=1e-9)
+    # a borrowed curve names the table that measured it
+    assert row(sim, "grouped_gemm(routed_experts)").source == "table:h200_sxm_measured"
+    assert row(sim, "mla_decode_attention").source == "table:h200_sxm_measured"

@@ -28,14 +28,13 @@ from kimi_adapter_core.backends.simulation.inputs import model_inputs
 from kimi_adapter_core.backends.simulation.parallel import Parallel
 from kimi_adapter_core.backends.simulation.pareto import dominates, pareto_front
 from kimi_adapter_core.backends.simulation.pareto_plot import PlotPoint, write_plot
-from kimi_adapter_core.backends.simulation.simulator import finish_step, simulate
+from kimi_adapter_core.backends.simulation.simulator import finish_step, simulate, trace_kernels
 from kimi_adapter_core.backends.simulation.sweep import (
     Config,
     Sweep,
     layouts,
     quant_modes,
     sweep_inputs,
-    trace_kernels,
 )
 from kimi_adapter_core.cli.sweep_options import run_sweep, sweep_options
 from kimi_adapter_core.errors import KadaptError
@@ -175,6 +174,9 @@ def test_kimi_int4_checkpoint_and_modes_equal_simulate() -> None:
         Config(Parallel(4, 4, 16), 64, "W8A8"),
     ]
     assert_same_as_simulate(sweep, configs)
+    # four weight modes at two TP sizes: one per-rank model per TP size, traced at b = 2, 3 and the
+    # largest b (16 / DP4 = 4 per rank at TP4), shared by every mode
+    assert sweep.traces <= 3 + 3 and sorted(sweep.rank_models) == [4, 8]
 
 
 def test_a_pricing_callable_replaces_the_default() -> None:
@@ -185,7 +187,7 @@ def test_a_pricing_callable_replaces_the_default() -> None:
     sweep = sweep_of("llama", 4, DECODE, (4, 32), pricer=slow_matmuls)
     config = Config(Parallel(2, 2, 1), 32, None)
     dep = sweep.deployment(config.parallel, config.batch)
-    ops = trace_kernels(sweep.spec, sweep.inputs[None], dep)
+    ops, _ = trace_kernels(sweep.spec, sweep.inputs[None], dep)
     expected = sum(k.total for k in finish_step([slow_matmuls(op, H200) for op in ops], dep))
     default = sweep_of("llama", 4, DECODE, (4, 32)).evaluate(config).step_time
     assert sweep.evaluate(config).step_time == pytest.approx(expected, rel=1e-12)

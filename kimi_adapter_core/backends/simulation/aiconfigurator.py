@@ -8,9 +8,9 @@ renamed, so nothing else is touched):
   every op, each op also sorted into a component (attention, experts, communication, other) - which
   the benchmark and the accuracy tests compare kadapt with.
 - ``MeasuredPricer``: the ``--cost-model measured`` back end: each kadapt GEMM, attention,
-  routed-expert and communication op is turned into AIConfigurator's op description and looked up
-  in its measured tables for the system; ``None`` where it has no such op or table (the caller falls
-  back to the roofline for that op).
+  routed-expert and communication op (TP all-reduce / all-gather, EP dispatch / combine) is turned
+  into AIConfigurator's op description and looked up in its measured tables for the system; ``None``
+  where it has no such op or table (the caller falls back to the roofline for that op).
 
 The import is lazy: without the package ``require()`` raises a ``KadaptError`` naming the extra.
 """
@@ -30,6 +30,7 @@ EXTRA = "measured"
 PACKAGE = "aiconfigurator-core"
 # kadapt device profile -> AIConfigurator system (only systems it ships measured tables for)
 SYSTEMS = {"h200": "h200_sxm", "h100": "h100_sxm", "a100": "a100_sxm"}
+GPUS_PER_NODE = 8  # every system above: 8-GPU NVLink nodes (the all-to-all tables key node counts)
 FRAMEWORKS = ("trtllm", "sglang", "vllm")
 # kadapt weight kernel -> AIConfigurator quant mode (GEMM, MoE)
 _GEMM_QUANT = {"bf16": "bfloat16", "fp8": "fp8", "fp8_block": "fp8_block", "int8": "fp8", "fp32": "bfloat16"}
@@ -197,12 +198,18 @@ class MeasuredPricer:
         s: int,
         prefix: int = 0,
         x: int | None = None,
+        measured_only: bool = False,
     ) -> float | None:
+        """Seconds AIConfigurator gives ``spec``; None when it cannot price it, or (``measured_only``)
+        when its answer is not read from a table measured at that shape (tier other than ``silicon``:
+        e.g. an all-to-all at an EP size it never ran, which it prices as the nearest one it did)."""
         try:
-            ((_, ms, _energy, _tier),) = self._engine().evaluate_ops_json(
+            ((_, ms, _energy, tier),) = self._engine().evaluate_ops_json(
                 json.dumps([spec]), is_context=context, batch_size=batch, s=s, prefix=prefix, x=x
             )
         except Exception:  # noqa: BLE001 - a shape or dtype the tables lack: the roofline prices it
+            return None
+        if measured_only and tier != "silicon":
             return None
         return ms * 1e-3 if ms > 0 else None
 
@@ -216,6 +223,8 @@ class MeasuredPricer:
         if op.kind == "experts" and "tokens" in attrs:
             return self._experts(attrs)
         if op.kind == "comm" and op.comm is not None:
+            if op.comm["collective"] == "all_to_all":
+                return self._all_to_all(op, decode)
             return self._comm(op.comm)
         return None
 
@@ -326,6 +335,41 @@ class MeasuredPricer:
         }
         tokens = max(1, round(float(attrs["tokens"])))
         return self._evaluate(spec, context=True, batch=1, s=tokens, x=tokens)
+
+    def _all_to_all(self, op: Op, decode: bool) -> float | None:
+        """EP dispatch or combine in AIConfigurator's large-EP tables: DeepEP low-latency kernels in
+        decode, high-throughput ones in prefill (TensorRT-LLM's own DeepEP builds for ``trtllm``), at
+        the tokens one rank sends. DeepEP moves what the model's activations are (8-bit or bf16);
+        TensorRT-LLM's high-throughput path sends bf16 either way (AIConfigurator's serving rule)."""
+        comm = op.comm
+        assert comm is not None
+        if "hidden" not in comm or int(comm["group"]) <= 1:
+            return None
+        hidden, group = int(comm["hidden"]), int(comm["group"])
+        eight_bit = comm["token_bytes"] < 2 * hidden and op.name.startswith("ep_dispatch")
+        if self.framework == "trtllm":
+            backend = "trtllm_deepep_ll" if decode else "trtllm_deepep_ht"
+            dtype = "fp8" if eight_bit and decode else "bfloat16"
+        else:
+            backend, dtype = ("deepep_ll" if decode else "deepep_ht"), "default"
+        spec = {
+            "MoeAllToAll": {
+                "name": op.name,
+                "scale_factor": 1.0,
+                "phase": "dispatch" if op.name.startswith("ep_dispatch") else "combine",
+                "comm_backend": backend,
+                "comm_dtype": dtype,
+                "hidden_size": hidden,
+                "topk": int(comm["top_k"]),
+                "num_experts": int(comm["experts"]),
+                "moe_ep_size": group,
+                "node_num": -(-group // GPUS_PER_NODE),
+                "sms": 20 if backend == "deepep_ht" else 0,  # AIConfigurator's default SM budget
+                "attention_tp_size": 1,  # ``tokens`` is already what one rank sends
+            }
+        }
+        tokens = max(1, round(float(comm["tokens"])))
+        return self._evaluate(spec, context=not decode, batch=1, s=tokens, x=tokens, measured_only=True)
 
     def _comm(self, comm: dict[str, Any]) -> float | None:
         group, nbytes = int(comm["group"]), float(comm["bytes"])

@@ -13,6 +13,9 @@ All-to-all: DeepEP-style: a token goes once to every rank holding one of its exp
             deduplication) and once to every other node holding one (per-node deduplication over the
             wide link, forwarded inside the node over the narrow one); both links run concurrently:
             time = latency + max(intra-node bytes / inner_bw, inter-node bytes / outer_bw).
+            A kernel table that measured the device's dispatch / combine kernels (``all_to_all``: the
+            Atlas A3's) replaces this inside the EP sizes it measured: measured latency by group size
+            + one row per token and expert at the measured fraction of the link bandwidth.
 The link is the narrowest interconnect level spanning the group. One overlap is modelled: in decode the
 shared experts run beside the routed path (``overlap_shared_experts``); otherwise a step is the sum of its
 kernels (see docs/cost_model.md for what that misses).
@@ -74,21 +77,32 @@ def _all_to_all(device: Device, comm: dict[str, float]) -> tuple[float, float]:
     return max(transfers), outer.latency
 
 
-def comm_time(device: Device, comm: dict[str, float], table: KernelTable | None = None) -> tuple[float, str]:
+def comm_time(
+    device: Device, comm: dict[str, float], table: KernelTable | None = None, phase: str = "dispatch"
+) -> tuple[float, str, bool]:
+    """(seconds, bound, whether the kernel table's measurement priced it) of one collective;
+    ``phase`` says which half of an EP all-to-all it is (``dispatch`` or ``combine``)."""
     collective, nbytes, group = str(comm["collective"]), comm["bytes"], int(comm["group"])
     if group <= 1:
-        return 0.0, "network"
+        return 0.0, "network", False
+    measured = False
     if collective == "all_to_all":
-        transfer, latency = _all_to_all(device, comm)
+        a2a = table.all_to_all if table is not None else None
+        if a2a is not None and a2a.covers(group) and "tokens" in comm:
+            latency, rows = a2a.latency[phase](group), comm["top_k"] * comm["token_bytes"]
+            transfer = a2a.transfer(phase, comm["tokens"], rows, device.link_for(group).bandwidth)
+            measured = True
+        else:
+            transfer, latency = _all_to_all(device, comm)
     else:
         link = device.link_for(group)
         factor = 2 * (group - 1) / group if collective == "all_reduce" else (group - 1) / group
         efficiency, latency = link.efficiency, link.latency
         if collective == "all_reduce" and table is not None and table.all_reduce and link is device.links[0]:
             latency, curve = table.all_reduce
-            efficiency = curve(nbytes)
+            efficiency, measured = curve(nbytes), True
         transfer = factor * nbytes / (link.bandwidth * efficiency)
-    return latency + transfer, "network" if transfer >= latency else "latency"
+    return latency + transfer, "network" if transfer >= latency else "latency", measured
 
 
 def _table_time(op: Op, table: KernelTable, compute: float, memory: float) -> tuple[float, float] | None:
@@ -113,20 +127,28 @@ def _table_time(op: Op, table: KernelTable, compute: float, memory: float) -> tu
     return None
 
 
+def _section(op: Op) -> str:
+    """The kernel-table section whose curves price ``op``."""
+    if op.kind == "attention":
+        return "decode" if op.attrs.get("decode") else "prefill"
+    return {"experts": "grouped"}.get(op.kind, "gemm")
+
+
 def price(op: Op, device: Device, table: KernelTable | None = None) -> Priced:
     """Price ``op`` with the roofline; ``table`` defaults to the device's kernel table."""
     table = table if table is not None else kernel_table(device)
     if op.kind == "comm":
         assert op.comm is not None
-        time, bound = comm_time(device, op.comm, table)
-        measured = table is not None and table.all_reduce and op.comm["collective"] == "all_reduce"
-        return Priced(op, time, bound, f"table:{table.name}" if measured and table else "roofline")
+        phase = "combine" if op.name.startswith("ep_combine") else "dispatch"
+        time, bound, measured = comm_time(device, op.comm, table, phase)
+        section = "all_to_all" if op.comm["collective"] == "all_to_all" else "all_reduce"
+        return Priced(op, time, bound, f"table:{table.origin(section)}" if measured and table else "roofline")
     compute = op.flops / device.peak(op.compute)
     memory = op.bytes / device.hbm_bandwidth
     found = _table_time(op, table, compute, memory) if table else None
     bound = "compute" if compute >= memory else "memory"
     if found is not None and table is not None:
-        (body, fixed), source = found, f"table:{table.name}"
+        (body, fixed), source = found, f"table:{table.origin(_section(op))}"
     else:
         compute, memory = compute / device.compute_efficiency, memory / device.memory_efficiency
         body, fixed, source = max(compute, memory), 0.0, "roofline"

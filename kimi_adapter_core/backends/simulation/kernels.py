@@ -19,13 +19,19 @@ Curves and the op kinds they price:
 - ``attention.prefill.{gqa,mla}`` by new tokens per sequence; ``attention.decode.{gqa,mla}`` by the
   KV bytes one call reads.
 - ``all_reduce`` by message bytes, with its own latency: the TP all-reduces inside one node.
+- ``all_to_all``: EP dispatch and combine as the measured kernels move tokens (one row per token and
+  expert it is routed to): a fixed latency by EP group size plus the rows' bytes at a measured
+  fraction of the link bandwidth by tokens per rank, for groups up to the largest measured.
+
+A table may name a ``base`` table: the curves it does not measure itself are the base's (the Atlas A3
+table measures the all-to-all and borrows the Hopper kernel curves, and says so).
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -49,6 +55,15 @@ _CURVE = {
     "additionalProperties": {"type": "array", "items": {"type": "number", "exclusiveMinimum": 0}},
 }
 _CURVES = {"type": "object", "additionalProperties": _CURVE}
+_PHASES = {  # one list per all-to-all phase
+    "type": "object",
+    "required": ["dispatch", "combine"],
+    "additionalProperties": False,
+    "properties": {
+        "dispatch": {"type": "array", "items": {"type": "number", "exclusiveMinimum": 0}},
+        "combine": {"type": "array", "items": {"type": "number", "exclusiveMinimum": 0}},
+    },
+}
 KERNELS_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "type": "object",
@@ -62,6 +77,19 @@ KERNELS_SCHEMA: dict[str, Any] = {
         "grouped_gemm": _CURVES,
         "routing": {"type": "object", "additionalProperties": _CURVES},
         "attention": {"type": "object", "additionalProperties": _CURVES},
+        "base": {"type": "string", "pattern": "^[A-Za-z0-9_.-]+$"},
+        "all_to_all": {
+            "type": "object",
+            "required": ["source", "devices", "latency_us", "tokens", "efficiency"],
+            "additionalProperties": False,
+            "properties": {
+                "source": {"type": "string", "minLength": 1},
+                "devices": _CURVE["additionalProperties"],
+                "latency_us": _PHASES,
+                "tokens": _CURVE["additionalProperties"],
+                "efficiency": _PHASES,
+            },
+        },
         "all_reduce": {
             "type": "object",
             "required": ["latency_us", "bytes", "efficiency"],
@@ -117,6 +145,24 @@ def _curve(body: dict[str, Any], where: str, value: str = "efficiency") -> Curve
 
 
 @dataclass(frozen=True)
+class AllToAll:
+    """Measured EP dispatch / combine: ``latency(group) + rows x row bytes / (link bw x efficiency)``."""
+
+    max_devices: int  # the largest EP group measured; larger ones keep the roofline
+    latency: dict[str, Curve]  # phase -> seconds by EP group size
+    efficiency: dict[str, Curve]  # phase -> fraction of the link bandwidth by tokens per rank
+    source: str
+
+    def covers(self, group: int) -> bool:
+        return group <= self.max_devices
+
+    def transfer(self, phase: str, tokens: float, row_bytes: float, link_bandwidth: float) -> float:
+        """Seconds moving one ``phase``'s rows: ``row_bytes`` = top-k x bytes per token (one row per
+        expert a token is routed to, as the measured kernels move them)."""
+        return tokens * row_bytes / (link_bandwidth * self.efficiency[phase](max(tokens, 1.0)))
+
+
+@dataclass(frozen=True)
 class KernelTable:
     name: str
     source: str
@@ -128,6 +174,12 @@ class KernelTable:
     prefill: dict[str, Curve]  # gqa | mla
     decode: dict[str, Curve]
     all_reduce: tuple[float, Curve] | None  # (latency s, efficiency by bytes)
+    all_to_all: AllToAll | None = None
+    origins: dict[str, str] = field(default_factory=dict)  # section -> the table that measured it
+
+    def origin(self, section: str) -> str:
+        """Name of the table whose measurements a section's curves are (a base's when borrowed)."""
+        return self.origins.get(section, self.name)
 
     @staticmethod
     def _pick(curves: dict[str, Curve], dtype: str) -> Curve | None:
@@ -166,25 +218,64 @@ def parse_kernels(data: Any, path: Path) -> KernelTable:
     def curves(section: dict[str, Any] | None, where: str, value: str = "efficiency") -> dict[str, Curve]:
         return {k: _curve(v, f"{where}.{k}", value) for k, v in (section or {}).items()}
 
+    base = _base(data["base"], path) if data.get("base") else None
     attention = data.get("attention") or {}
     ar = data.get("all_reduce")
+
+    origins: dict[str, str] = {}
+
+    def inherit(own: dict[str, Curve], name: str) -> dict[str, Curve]:
+        if base is not None and not own:
+            origins[name] = base.origin(name)
+        return {**(getattr(base, name) if base else {}), **own}
+
+    if base is not None:
+        origins.update(
+            {name: base.origin(name) for name in ("all_reduce", "all_to_all") if not data.get(name)}
+        )
     return KernelTable(
         name=data["name"],
-        source=data["source"],
+        source=data["source"] + (f"; other curves from kernel table {base.name}" if base else ""),
         path=path,
-        gemm=curves(data.get("gemm"), "gemm"),
-        gemm_memory=curves(data.get("gemm_memory"), "gemm_memory"),
-        grouped=curves(data.get("grouped_gemm"), "grouped_gemm"),
-        imbalance=curves((data.get("routing") or {}).get("power_law"), "routing.power_law", "factor"),
-        prefill=curves(attention.get("prefill"), "attention.prefill"),
-        decode=curves(attention.get("decode"), "attention.decode"),
-        all_reduce=(ar["latency_us"] * 1e-6, _curve(ar, "all_reduce")) if ar else None,
+        gemm=inherit(curves(data.get("gemm"), "gemm"), "gemm"),
+        gemm_memory=inherit(curves(data.get("gemm_memory"), "gemm_memory"), "gemm_memory"),
+        grouped=inherit(curves(data.get("grouped_gemm"), "grouped_gemm"), "grouped"),
+        imbalance=inherit(
+            curves((data.get("routing") or {}).get("power_law"), "routing.power_law", "factor"), "imbalance"
+        ),
+        prefill=inherit(curves(attention.get("prefill"), "attention.prefill"), "prefill"),
+        decode=inherit(curves(attention.get("decode"), "attention.decode"), "decode"),
+        all_reduce=(ar["latency_us"] * 1e-6, _curve(ar, "all_reduce")) if ar else (base and base.all_reduce),
+        all_to_all=_all_to_all(data["all_to_all"]) if data.get("all_to_all") else (base and base.all_to_all),
+        origins=origins,
     )
 
 
-@cache
-def load_kernels(name: str, folder: Path = KERNELS_DIR) -> KernelTable:
-    """The table ``name`` (a file ``<name>.yaml`` next to the device profiles' kernels folder)."""
+def _all_to_all(body: dict[str, Any]) -> AllToAll:
+    def phases(axis: str, values: str, scale: float) -> dict[str, Curve]:
+        return {
+            phase: _curve({axis: body[axis], "efficiency": [v * scale for v in body[values][phase]]}, phase)
+            for phase in ("dispatch", "combine")
+        }
+
+    if any(v > 1 for phase in ("dispatch", "combine") for v in body["efficiency"][phase]):
+        raise KadaptError("kernel table all_to_all: an efficiency is a fraction of the link bandwidth (<= 1)")
+    return AllToAll(
+        max_devices=int(max(body["devices"])),
+        latency=phases("devices", "latency_us", 1e-6),
+        efficiency=phases("tokens", "efficiency", 1.0),
+        source=body["source"],
+    )
+
+
+def _base(name: str, path: Path) -> KernelTable:
+    """The base table of the table at ``path``: one level only (a base naming a base could loop)."""
+    if _read(name, path.parent).get("base"):
+        raise KadaptError(f"kernel table {path}: its base {name!r} names a base of its own (one level only)")
+    return load_kernels(name, path.parent)
+
+
+def _read(name: str, folder: Path) -> Any:
     path = folder / f"{name}.yaml"
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in folder.glob("*.yaml"))) or "none"
@@ -193,4 +284,12 @@ def load_kernels(name: str, folder: Path = KERNELS_DIR) -> KernelTable:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         raise KadaptError(f"kernel table {path} is not valid YAML: {exc}") from exc
+    return data if isinstance(data, dict) else {}
+
+
+@cache
+def load_kernels(name: str, folder: Path = KERNELS_DIR) -> KernelTable:
+    """The table ``name`` (a file ``<name>.yaml`` next to the device profiles' kernels folder)."""
+    path = folder / f"{name}.yaml"
+    data = _read(name, folder)
     return parse_kernels(data, path)

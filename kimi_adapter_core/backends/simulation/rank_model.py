@@ -28,6 +28,9 @@ The kernels a serving runtime runs replace the eager Hugging Face code in three 
 - Collectives: 2 TP all-reduces per layer, EP dispatch + combine per MoE layer when the EP group
   spans more than one TP group, vocab-parallel embedding all-reduce and logits all-gather.
 
+``RankModel`` keeps the built model: what a step changes (recorder, deployment, weight formats) is
+bound per trace, so a sweep builds it once per TP size and traces it at every shape and weight mode.
+
 The whole model is built, a vision tower included (at its shipped size: ~0.1 s on meta), because
 that is what ``load_model`` builds for the spec: the model class, remote code rules, the gate claim
 and ``module_paths`` then all work exactly as for ``kadapt apply``, with no second code path.
@@ -54,7 +57,7 @@ from ..extraction.weights import cast_to_abi_dtype, keep_fp32_names
 from .arch import read_config
 from .deployment import Deployment
 from .inputs import ModelInputs
-from .parallel import heads_per_rank, kv_heads_per_rank
+from .parallel import Parallel, heads_per_rank, kv_heads_per_rank
 from .quant import DTYPE_BYTES, NATIVE, WeightFormat
 from .tracer import Recorder
 
@@ -333,8 +336,16 @@ class RankMLA(nn.Module):
         self.q_lora_rank = inner.q_lora_rank
         self.heads, self.nope, self.rope = inner.num_heads, inner.qk_nope_head_dim, inner.qk_rope_head_dim
         self.v_dim, self.rank = inner.v_head_dim, inner.kv_lora_rank
-        self.rec, self.dep, self.kind = rec, dep, kind
-        self.kv_bytes = DTYPE_BYTES[dep.kv_dtype]
+        self.kind = kind
+        self.bind(rec, dep)
+
+    def bind(self, rec: Recorder, dep: Deployment) -> None:
+        """Record the next forward into ``rec`` at the shapes of ``dep`` (a built model is traced again)."""
+        self.rec, self.dep = rec, dep
+
+    @property
+    def kv_bytes(self) -> float:
+        return DTYPE_BYTES[self.dep.kv_dtype]
 
     def forward(
         self,
@@ -430,7 +441,12 @@ class RoutedExperts(nn.Module):
     def __init__(self, s: ModelStructure, rec: Recorder, dep: Deployment, fmt: WeightFormat) -> None:
         super().__init__()
         assert s.moe is not None
-        self.s, self.rec, self.dep, self.fmt = s, rec, dep, fmt
+        self.s = s
+        self.bind(rec, dep, fmt)
+
+    def bind(self, rec: Recorder, dep: Deployment, fmt: WeightFormat) -> None:
+        """Record the next call into ``rec`` at the shapes of ``dep``, the experts stored in ``fmt``."""
+        self.rec, self.dep, self.fmt = rec, dep, fmt
 
     def forward(self, hidden_states: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
         moe, hidden, par = self.s.moe, self.s.hidden_size, self.dep.parallel
@@ -444,7 +460,14 @@ class RoutedExperts(nn.Module):
         all_to_all = par.ep > par.tp
         sent = tokens / par.tp  # tokens each rank sends (TP ranks of a group split their shared tokens)
         dispatch_bytes = 1 if self.fmt.eight_bit_activations else 2  # 8-bit activations are dispatched
-        comm = {"collective": "all_to_all", "group": par.ep, "tokens": sent, "top_k": moe.top_k}
+        comm = {
+            "collective": "all_to_all",
+            "group": par.ep,
+            "tokens": sent,
+            "top_k": moe.top_k,
+            "hidden": hidden,
+            "experts": moe.num_experts,
+        }
         if all_to_all:
             self.rec.analytic(
                 "ep_dispatch(all_to_all)",
@@ -500,9 +523,10 @@ class RankParts:
     norm: nn.Module
     lm_head: nn.Module
     eh_proj: nn.Module | None
-    attention: list[nn.Module] = field(default_factory=list)  # the swapped MLA modules (RankMLA)
+    attention: list[RankMLA] = field(default_factory=list)  # the swapped MLA modules
     experts: list[RoutedExperts] = field(default_factory=list)  # the swapped routed experts
     configs: list[Any] = field(default_factory=list)  # configs of the traced layers' attention
+    names: dict[int, str] = field(default_factory=dict)  # id(parameter) -> its name in the built model
 
     def layer(self, kind: str) -> nn.Module | None:
         return next((t.module for t in self.layers if t.kind.kind == kind), None)
@@ -517,6 +541,24 @@ class RankParts:
         yield "lm_head", self.lm_head
         if self.eh_proj is not None:
             yield "eh_proj", self.eh_proj
+
+    def bind(self, rec: Recorder, dep: Deployment, inputs: ModelInputs) -> None:
+        """Point the swapped serving kernels at ``rec`` and ``dep`` and tag every weight with the format
+        ``inputs`` gives its checkpoint name (the weight mode): the next forward records one step of
+        ``dep`` in that mode. Nothing of the built model changes, so it can be bound again."""
+        if self.experts:
+            routed = next(g for g in inputs.groups if g.name == "routed_experts")
+            fmt = inputs.policy(routed, routed.checkpoint_name)
+            for experts in self.experts:
+                experts.bind(rec, dep, fmt)
+        for mla in self.attention:
+            mla.bind(rec, dep)
+        group_of = inputs.group_of()
+        for _, part in self.named():
+            for param in part.parameters():
+                checkpoint = inputs.naming.checkpoint(self.names.get(id(param), ""))
+                group = group_of.get(checkpoint)
+                rec.mark_weight(param, inputs.policy(group, checkpoint) if group else NATIVE["bf16"])
 
 
 def _child(spec: Spec, lm: nn.Module, name: str) -> nn.Module:
@@ -598,13 +640,10 @@ def _experts_of(spec: Spec, layer: nn.Module, where: str, s: ModelStructure) -> 
     return found
 
 
-def build_rank(
-    spec: Spec, inputs: ModelInputs, dep: Deployment, rec: Recorder
-) -> tuple[RankParts, list[str]]:
-    """Build the per-rank model for ``spec`` on meta and swap in the serving kernels.
-
-    Must run inside ``applied(spec, backend="simulation")`` (so bridges, shims and gated patches act).
-    """
+def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts, list[str]]:
+    """Build the per-rank model for ``spec`` at ``dep``'s TP size (with an MTP block if it drafts) on
+    meta and swap in the serving kernels (bound to nothing yet: ``RankParts.bind``). Must run inside
+    ``applied(spec, backend="simulation")``."""
     s = inputs.arch.structure
     raw = read_config(spec)
     key = text_config_key(spec, isinstance(raw.get("text_config"), dict))
@@ -629,14 +668,13 @@ def build_rank(
     # bf16 as a checkpoint loads: fp32 where transformers keeps it (the router's correction bias);
     # computed buffers (rotary inv_freq) keep their dtype
     cast_to_abi_dtype([part for _, part in parts.named()], torch.bfloat16, keep_fp32_names(model))
-    names = {id(t): n for n, t in model.named_parameters()}  # before any swap: the model's own names
+    parts.names = {id(t): n for n, t in model.named_parameters()}  # before any swap: the model's own names
 
-    group_of = inputs.group_of()
+    unbound = Recorder()  # every swapped kernel is bound to the trace's recorder before it runs
     for traced in parts.layers:
         where = f"{layers_path}.{traced.kind.index}"
         if traced.kind.kind == "moe":
-            routed = next(g for g in inputs.groups if g.name == "routed_experts")
-            experts = RoutedExperts(s, rec, dep, inputs.policy(routed, routed.checkpoint_name))
+            experts = RoutedExperts(s, unbound, _UNBOUND, NATIVE["bf16"])
             for root, path in _experts_of(spec, traced.module, where, s):
                 _swap(root, path, experts)
             parts.experts.append(experts)
@@ -649,65 +687,75 @@ def build_rank(
                     location=spec.locate("mla" if spec.mla else "metadata"),
                 )
             for path, inner in _find(spec, traced.module, where, "mla", "attention_class", attention_class):
-                mla = RankMLA(inner, rec, dep, traced.kind)
+                mla = RankMLA(inner, unbound, _UNBOUND, traced.kind)
                 _swap(traced.module, path, mla)
                 parts.attention.append(mla)
         else:
             configs = {id(m.config): m.config for m in traced.module.modules() if hasattr(m, "config")}
             parts.configs += [c for c in configs.values() if hasattr(c, "_attn_implementation")]
-
-    for _, part in parts.named():
-        for param in part.parameters():
-            checkpoint = inputs.naming.checkpoint(names.get(id(param), ""))
-            group = group_of.get(checkpoint)
-            rec.mark_weight(param, inputs.policy(group, checkpoint) if group else NATIVE["bf16"])
     return parts, notes
 
 
-def trace_rank(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[Recorder, list[str]]:
-    """Run one step of the per-rank model on meta; return the recorder holding every op and notes."""
-    s = inputs.arch.structure
-    rec = Recorder()
-    par = dep.parallel
-    with applied(spec, backend=BACKEND), torch.device("meta"):
-        model, notes = build_rank(spec, inputs, dep, rec)
-        b, q = dep.batch_per_rank, dep.tokens_per_query
-        input_ids = torch.zeros(b, q, dtype=torch.long)
-        positions = torch.arange(dep.context_len, dep.context_len + q).unsqueeze(0).expand(b, q)
-        hidden_bytes = b * q * s.hidden_size * 2
-        _all_reduce = {"collective": "all_reduce", "bytes": hidden_bytes, "group": par.tp}
+_UNBOUND = Deployment(Parallel(), 1, 1, 0, True)  # placeholder shapes until a trace binds its own
 
-        def tp_all_reduces(_module: nn.Module, _args: Any, _out: Any) -> None:
-            for _ in range(2):  # after the attention's o_proj and after the MLP's down projection
-                rec.analytic("tp_all_reduce", "comm", comm=_all_reduce)
 
-        if par.tp > 1:  # registered before the recorder's hooks: recorded under the layer's name
-            for traced in model.layers:
-                traced.module.register_forward_hook(tp_all_reduces)
-        for name, part in model.named():
-            rec.hook(part, name)
-        kinds = {id(m): t.kind for t in model.layers for m in t.module.modules()}
-        kernel = AttentionKernel(rec, dep, s, kinds)
+def build_rank(
+    spec: Spec, inputs: ModelInputs, dep: Deployment, rec: Recorder
+) -> tuple[RankParts, list[str]]:
+    """Build the per-rank model for ``spec`` on meta, swap in the serving kernels and bind them to
+    ``rec`` and ``dep``. Must run inside ``applied(spec, backend="simulation")``."""
+    parts, notes = _build(spec, inputs, dep)
+    parts.bind(rec, dep, inputs)
+    return parts, notes
 
-        with _attention_implementation(kernel, model.configs), rec, torch.no_grad():
-            hidden = model.embed_tokens(input_ids)
-            if par.tp > 1:
-                rec.analytic("tp_all_reduce(vocab_parallel_embedding)", "comm", comm=_all_reduce)
-            cos_sin = model.rotary(hidden, positions)
-            for traced in model.layers:
-                with rec.scope(traced.kind.kind, len(traced.kind.layers)):
-                    hidden = traced.module(hidden, position_embeddings=cos_sin)
-            last = model.norm(hidden if dep.decode else hidden[:, -1:, :])  # prefill: last token's logits
-            _logits(model, rec, last, par.tp, s.vocab_size)
-            if dep.mtp and model.eh_proj is not None:
-                block = model.layers[-1].module  # the kind of the model's last layer
-                with rec.scope("mtp", dep.mtp):  # one DeepSeek-style MTP block per drafted token
-                    draft_in = hidden[:, -1:, :]
-                    draft = model.eh_proj(
-                        torch.cat([draft_in, model.embed_tokens(input_ids[:, -1:])], dim=-1)
-                    )
-                    draft = block(draft, position_embeddings=(cos_sin[0][:, -1:], cos_sin[1][:, -1:]))
-                    _logits(model, rec, model.norm(draft), par.tp, s.vocab_size)
+
+class RankModel:
+    """The per-rank model of ``spec`` at one TP size, built once and traced at any batch, context,
+    phase and weight mode (a sweep traces it dozens of times; building is about half of a trace).
+
+    What a step changes is bound per trace (``RankParts.bind``: the recorder, the deployment, the
+    weight formats) and the hooks a trace registers are removed after it, so a trace on a reused
+    model records exactly what a trace on a fresh one does (``tests/test_sweep.py``)."""
+
+    def __init__(self, spec: Spec, inputs: ModelInputs, dep: Deployment) -> None:
+        self.spec, self.tp, self.mtp = spec, dep.parallel.tp, bool(dep.mtp)
+        self.s = inputs.arch.structure
+        with applied(spec, backend=BACKEND), torch.device("meta"):
+            self.parts, self.notes = _build(spec, inputs, dep)
+
+    def serves(self, dep: Deployment) -> bool:
+        return dep.parallel.tp == self.tp and bool(dep.mtp) == self.mtp
+
+    def trace(self, inputs: ModelInputs, dep: Deployment) -> Recorder:
+        """Run one step of ``dep`` with the weights in ``inputs``' formats; the recorder holds every op."""
+        if not self.serves(dep):
+            raise KadaptError(f"the per-rank model for TP {self.tp} cannot trace TP {dep.parallel.tp}")
+        s, model, rec, par = self.s, self.parts, Recorder(), dep.parallel
+        with applied(self.spec, backend=BACKEND), torch.device("meta"):
+            model.bind(rec, dep, inputs)
+            b, q = dep.batch_per_rank, dep.tokens_per_query
+            input_ids = torch.zeros(b, q, dtype=torch.long)
+            positions = torch.arange(dep.context_len, dep.context_len + q).unsqueeze(0).expand(b, q)
+            hidden_bytes = b * q * s.hidden_size * 2
+            _all_reduce = {"collective": "all_reduce", "bytes": hidden_bytes, "group": par.tp}
+
+            def tp_all_reduces(_module: nn.Module, _args: Any, _out: Any) -> None:
+                for _ in range(2):  # after the attention's o_proj and after the MLP's down projection
+                    rec.analytic("tp_all_reduce", "comm", comm=_all_reduce)
+
+            handles = []
+            if par.tp > 1:  # registered before the recorder's hooks: recorded under the layer's name
+                handles += [t.module.register_forward_hook(tp_all_reduces) for t in model.layers]
+            for name, part in model.named():
+                handles += rec.hook(part, name)
+            kinds = {id(m): t.kind for t in model.layers for m in t.module.modules()}
+            kernel = AttentionKernel(rec, dep, s, kinds)
+            try:
+                with _attention_implementation(kernel, model.configs), rec, torch.no_grad():
+                    _step(model, rec, dep, s, input_ids, positions, _all_reduce)
+            finally:
+                for handle in handles:
+                    handle.remove()
         if not s.attention.is_mla:
             missed = [t.kind.name for t in model.layers if t.kind.name not in kernel.called]
             if missed:
@@ -716,7 +764,44 @@ def trace_rank(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[Record
                     f"(config._attn_implementation); simulate prices {s.attention.kind.upper()} attention "
                     "through it and cannot price this model's attention"
                 )
-    return rec, notes
+        return rec
+
+
+def _step(
+    model: RankParts,
+    rec: Recorder,
+    dep: Deployment,
+    s: ModelStructure,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    all_reduce: dict[str, Any],
+) -> None:
+    """One step: embedding, the traced layers (each standing for its kind), the last norm and logits,
+    and the MTP drafts."""
+    par, vocab = dep.parallel, s.vocab_size
+    hidden = model.embed_tokens(input_ids)
+    if par.tp > 1:
+        rec.analytic("tp_all_reduce(vocab_parallel_embedding)", "comm", comm=all_reduce)
+    cos_sin = model.rotary(hidden, positions)
+    for traced in model.layers:
+        with rec.scope(traced.kind.kind, len(traced.kind.layers)):
+            hidden = traced.module(hidden, position_embeddings=cos_sin)
+    last = model.norm(hidden if dep.decode else hidden[:, -1:, :])  # prefill: last token's logits
+    _logits(model, rec, last, par.tp, vocab)
+    if dep.mtp and model.eh_proj is not None:
+        block = model.layers[-1].module  # the kind of the model's last layer
+        with rec.scope("mtp", dep.mtp):  # one DeepSeek-style MTP block per drafted token
+            draft_in = hidden[:, -1:, :]
+            draft = model.eh_proj(torch.cat([draft_in, model.embed_tokens(input_ids[:, -1:])], dim=-1))
+            draft = block(draft, position_embeddings=(cos_sin[0][:, -1:], cos_sin[1][:, -1:]))
+            _logits(model, rec, model.norm(draft), par.tp, vocab)
+
+
+def trace_rank(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[Recorder, list[str]]:
+    """Build the per-rank model and run one step of it on meta; the recorder holds every op."""
+    with applied(spec, backend=BACKEND):  # one session for the build and the trace
+        model = RankModel(spec, inputs, dep)
+        return model.trace(inputs, dep), list(model.notes)
 
 
 def _logits(model: RankParts, rec: Recorder, hidden: torch.Tensor, tp: int, vocab: int) -> None:

@@ -1,22 +1,26 @@
 """``kadapt simulate --sweep``: price every parallel layout, batch and weight mode for N devices.
 
 Calling ``simulate`` per configuration would build and trace the per-rank model on meta each time
-(0.05-0.3 s), and a sweep has thousands of configurations. A traced step depends on a configuration
+(0.1-0.4 s), and a sweep has thousands of configurations. A traced step depends on a configuration
 through a few things only, and this module measures that dependence instead of assuming it:
 
-- **TP** fixes the per-rank shapes: one *family* of traces per TP size (DP = devices / TP).
+- **TP** fixes the per-rank shapes: the per-rank model is built once per TP size (``RankModel``,
+  about half of a trace) and traced at every shape the sweep needs (DP = devices / TP).
 - **Tokens per rank.** Kernels' FLOPs, bytes and shape facts are affine in the per-rank batch ``b``
-  (each op runs on ``b`` x tokens-per-query rows; weights are read once). A family is traced at
-  b = 2 and b = 3 and checked against a trace at the largest b the sweep needs: same kernels and
-  the same price for each. b = 1 is a family of its own (eager code takes other paths for one row).
-  A family that fails a check is traced per configuration instead, exactly as ``simulate`` does.
-- **Weight formats.** A matmul's bytes are affine in its weight's bytes per parameter; its compute
-  dtype and kernel family follow that weight's format. A family is traced under one mode with every
-  format the policy hands out *tagged* (its ``compute`` key carries an index, so each traced matmul
-  names the weight it read), and once more with the weights whose format differs between the swept
-  modes one byte per parameter wider, which gives each matmul's weight elements. Any other mode is
-  then exact arithmetic. A kernel that reads such a weight without naming it (a vector op) sends the
-  family to the per-configuration path.
+  (each op runs on ``b`` x tokens-per-query rows; weights are read once). A TP size is traced at
+  b = 2 and b = 3 and each *family* (below) is checked against a trace at the largest b the sweep
+  needs: same kernels and the same price for each. b = 1 is a family of its own (eager code takes
+  other paths for one row). A family that fails a check is traced per configuration instead,
+  exactly as ``simulate`` does.
+- **Weight formats.** A trace tags every format the policy hands out (its ``compute`` key carries
+  an index, so each matmul names the weight it read) and every op lists the weights it read with
+  their element counts (``Op.weights``). Any mode is then exact arithmetic on the same trace: each
+  weight's bytes re-formatted, each matmul's compute key and kernel family set from its weight
+  (``in_mode``), and the projections merged and vector ops fused again - which projections merge
+  depends on the kernel families, so modes that merge alike form one family, repriced per mode
+  through the elements of the weights whose format differs. A kernel that reads such a weight
+  without naming it (a vector op) sends the family to the per-configuration path. So every weight
+  mode of a TP size shares its three or four traces.
 - **DP and EP** reach only the routed experts (dispatch, grouped GEMM, combine: analytic kernels),
   recomputed per configuration by the simulator's own ``RoutedExperts``.
 
@@ -34,6 +38,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ...errors import KadaptError, UsageError
+from ...loading import applied
 from ...spec.model import Spec
 from ...structure.model import ModelStructure
 from . import simulator
@@ -44,7 +49,8 @@ from .inputs import ModelInputs, model_inputs
 from .parallel import Parallel
 from .planner import Memory, activation_bytes, kv_sizing, params_per_device, weight_lines
 from .quant import MODES, WeightFormat
-from .tracer import Op
+from .rank_model import BACKEND, RankModel
+from .tracer import Op, fuse
 
 Pricer = Callable[[Op, Device], Priced]
 Key = tuple[str, str]  # (parameter group name, checkpoint name) of one weight
@@ -53,12 +59,7 @@ _TAG = "#"
 _REL = 1e-9  # predictions are checked to this relative tolerance (means over layers round)
 
 
-# --- seams onto the simulator: ``simulate``'s own trace and step finishing, the experts module ---------
-def trace_kernels(spec: Spec, inputs: ModelInputs, dep: Deployment) -> list[Op]:
-    """The fused kernels ``simulate`` prices for ``dep`` (imports torch)."""
-    return simulator.trace_kernels(spec, inputs, dep)[0]
-
-
+# --- seam onto the simulator: its routed-experts module ------------------------------------------------
 def expert_kernels(s: ModelStructure, dep: Deployment, fmt: WeightFormat, tokens: int) -> list[Op]:
     """The kernels the simulator's routed-experts module records for ``tokens`` rows on one rank."""
     import torch
@@ -208,11 +209,10 @@ def _kernel(fmt: WeightFormat) -> str:
 
 
 class _Tagger:
-    """A weight policy whose formats name their weight (``_TaggedFormat``); weights in ``widen`` get
-    8 more bits (one more byte per parameter)."""
+    """A weight policy whose formats name their weight (``_TaggedFormat``: ``<compute>#<index>``)."""
 
-    def __init__(self, policy: Callable[..., WeightFormat], widen: frozenset[Key] = frozenset()) -> None:
-        self.policy, self.widen = policy, widen
+    def __init__(self, policy: Callable[..., WeightFormat]) -> None:
+        self.policy = policy
         self.keys: list[Key] = []
         self.formats: list[WeightFormat] = []  # the tagged formats handed out, by index
         self.groups: dict[Key, Any] = {}
@@ -220,19 +220,58 @@ class _Tagger:
     def __call__(self, group: Any, name: str) -> WeightFormat:
         fmt, key = self.policy(group, name), (group.name, name)
         self.groups[key] = group
-        if key in self.widen:
-            fmt = replace(fmt, bits=fmt.bits + 8)
         self.keys.append(key)
-        tag = f"{fmt.compute}{_TAG}{len(self.keys) - 1}"
-        self.formats.append(_TaggedFormat(**{**vars(fmt), "compute": tag, "untagged": fmt}))
+        self.formats.append(_tagged(fmt, len(self.keys) - 1))
         return self.formats[-1]
 
     def named(self, compute: str) -> tuple[Key | None, WeightFormat | None]:
         """The weight a kernel with this compute key read, and its tagged format."""
-        base, tag, index = compute.rpartition(_TAG)
-        if not (tag and base and index.isdigit()):
+        index = _index(compute)
+        if index is None:
             return None, None
-        return self.keys[int(index)], self.formats[int(index)]
+        return self.keys[index], self.formats[index]
+
+
+def _tagged(fmt: WeightFormat, index: int) -> _TaggedFormat:
+    return _TaggedFormat(**{**vars(fmt), "compute": f"{fmt.compute}{_TAG}{index}", "untagged": fmt})
+
+
+def _index(compute: str) -> int | None:
+    base, tag, index = compute.rpartition(_TAG)
+    return int(index) if tag and base and index.isdigit() else None
+
+
+def _untag(op: Op) -> Op:
+    """``op`` as an untagged trace records it."""
+    return op if _index(op.compute) is None else replace(op, compute=op.compute.rpartition(_TAG)[0])
+
+
+def _reformat(op: Op, convert: Callable[[WeightFormat], WeightFormat]) -> Op:
+    """``op`` as a trace with each weight's format ``convert``ed records it: the bytes it reads of
+    each weight, and for a matmul the compute key and kernel family of its (first) weight."""
+    if not op.weights:
+        return op
+    swapped = {tid: (fmt, convert(fmt), n) for tid, fmt, n in op.weights}
+    inputs = [
+        (tid, swapped[tid][2] * swapped[tid][1].bytes_per_param if tid in swapped else b)
+        for tid, b in op.inputs
+    ]
+    nbytes = op.bytes + sum(b for _, b in inputs) - sum(b for _, b in op.inputs)
+    weights = [(tid, swapped[tid][1], n) for tid, _, n in op.weights]
+    if op.kind != "matmul":
+        return replace(op, bytes=nbytes, inputs=inputs, weights=weights)
+    first = weights[0][1]
+    attrs = {**op.attrs, "kernel": _kernel(first)}
+    return replace(op, bytes=nbytes, inputs=inputs, weights=weights, compute=first.compute, attrs=attrs)
+
+
+@dataclass
+class _Raw:
+    """One tagged trace of the per-rank model (its ops before fusion) and the tagger that named its
+    weights. Re-formatted and fused, it is what a trace in any weight mode records (``Sweep.in_mode``)."""
+
+    ops: list[Op]
+    tagger: _Tagger
 
 
 def _numeric(value: Any) -> bool:
@@ -371,23 +410,19 @@ class _Family:
     def _dep(self, b: int) -> Deployment:
         return self.sweep.deployment(Parallel(self.tp, self.dp, 1), b * self.dp)
 
-    def _trace(self, b: int, widen: frozenset[Key] = frozenset()) -> tuple[list[Op], _Tagger]:
-        sw = self.sweep
-        tagger = _Tagger(sw.inputs[self.base].policy, widen)
-        return sw.trace(replace(sw.inputs[self.base], policy=tagger), self._dep(b)), tagger
+    def _kernels(self, b: int) -> tuple[list[Op], _Tagger]:
+        """The kernels a tagged trace at per-rank batch ``b`` records in this family's first mode."""
+        raw = self.sweep.raw(self.tp, b)
+        return self.sweep.in_mode(raw, self.base), raw.tagger
 
     def _build(self, single: bool, verify_at: int | None) -> None:
         sw = self.sweep
-        lo, tagger = self._trace(self.at)
-        hi = lo if single else self._trace(self.at + 1)[0]
+        lo, tagger = self._kernels(self.at)
+        hi = lo if single else self._kernels(self.at + 1)[0]
         if [_shape(o) for o in lo] != [_shape(o) for o in hi]:
             self.reason = "its kernel list changes with the batch"
             return
         varying = frozenset(k for k in tagger.groups if len({sw.format(q, k) for q in self.modes}) > 1)
-        wide = self._trace(self.at, varying)[0] if varying else lo
-        if [_place(o) for o in wide] != [_place(o) for o in lo]:
-            self.reason = "its kernel list changes with the weight format"
-            return
         spans = _expert_spans(lo)
         entries: list[_Scaled | _Experts] = []
         i = 0
@@ -400,7 +435,8 @@ class _Family:
                 i = spans[i]
                 continue
             key, traced = tagger.named(lo[i].compute)
-            elements = wide[i].bytes - lo[i].bytes
+            # elements of the weights whose format differs between the family's modes
+            elements = sum(n for _, fmt, n in lo[i].weights if tagger.named(fmt.compute)[0] in varying)
             if elements and key not in varying:
                 self.reason = f"kernel {lo[i].name} reads a weight of varying format it does not name"
                 return
@@ -419,22 +455,53 @@ class _Family:
             return None
         rows = []
         for b, ops in ((self.at, lo), (self.at + 1, hi))[: 1 if single else 2]:
-            dep = self._dep(b)
-            unit = next(o for o in expert_kernels(self.sweep.s, dep, traced, 1) if o.kind == "experts")
-            tokens = round(next(o for o in ops if o.kind == "experts").flops / unit.flops)
-            if [_values(o) for o in expert_kernels(self.sweep.s, dep, traced, tokens)] != [
-                _values(o) for o in ops
-            ]:
-                self.reason = "its routed-experts kernels could not be reproduced"
+            tokens = self._tokens(ops, traced, self._dep(b))
+            if tokens is None:
                 return None
             rows.append(tokens)
         return _Experts(gemm.module, gemm.scope, gemm.repeat, self.at, rows[0], rows[-1], traced)
+
+    def _tokens(self, ops: list[Op], fmt: WeightFormat, dep: Deployment) -> int | None:
+        """The rows of the routed-experts call that recorded ``ops`` (experts in ``fmt``), or None when
+        the module does not reproduce them from that count."""
+        s = self.sweep.s
+        unit = next(o for o in expert_kernels(s, dep, fmt, 1) if o.kind == "experts")
+        tokens = round(next(o for o in ops if o.kind == "experts").flops / unit.flops)
+        if [_values(o) for o in expert_kernels(s, dep, fmt, tokens)] != [_values(o) for o in ops]:
+            self.reason = "its routed-experts kernels could not be reproduced"
+            return None
+        return tokens
+
+    def _real(self, b: int, dep: Deployment) -> list[Op] | None:
+        """What an untagged trace at ``b`` in the family's first mode records: the tagged trace,
+        re-formatted, with its routed experts re-run in that mode's expert format."""
+        kernels, tagger = self._kernels(b)
+        spans = _expert_spans(kernels)
+        real: list[Op] = []
+        i = 0
+        while i < len(kernels):
+            if i not in spans:
+                real.append(_untag(kernels[i]))
+                i += 1
+                continue
+            chunk = kernels[i : spans[i]]
+            gemm = next(o for o in chunk if o.kind == "experts")
+            traced = tagger.named(gemm.compute)[1]
+            tokens = self._tokens(chunk, traced, dep) if traced is not None else None
+            if tokens is None:
+                return None
+            rerun = expert_kernels(self.sweep.s, dep, self.sweep.routed_format(self.base), tokens)
+            real += [replace(o, module=gemm.module, scope=gemm.scope, repeat=gemm.repeat) for o in rerun]
+            i = spans[i]
+        return real
 
     def _verify(self, entries: list[_Scaled | _Experts], b: int) -> bool:
         """A real trace at ``b`` (the family's first mode, untagged) must give the same kernels at the
         same prices; numeric facts that are not affine (tensor ids) are left out if prices agree."""
         sw, dep = self.sweep, self._dep(b)
-        traced = sw.trace(sw.inputs[self.base], dep)
+        traced = self._real(b, dep)
+        if traced is None:
+            return False
         predicted = sw.expand(self, entries, b, self.base, dep)
         if [_shape(o) for o in traced] != [_shape(o) for _, o in predicted]:
             self.reason = f"its kernel list changes with the batch (checked at {b} per rank)"
@@ -498,19 +565,61 @@ class Sweep:
         self._direct: dict[Config, list[Op]] = {}
         self._lines: dict[str | None, tuple[Any, ...]] = {}
         self._kv: dict[int, int] = {}
+        self._models: dict[int, RankModel] = {}  # per TP size: built once, traced at every shape
+        self._raw: dict[tuple[int, int], _Raw] = {}
         replace(base, parallel=Parallel(), batch=1).check(self.s)  # the step shape itself is valid
 
     # --- plumbing ---------------------------------------------------------------------------------
     def deployment(self, par: Parallel, batch: int) -> Deployment:
         return replace(self.base, parallel=par, batch=batch)
 
-    def trace(self, inputs: ModelInputs, dep: Deployment) -> list[Op]:
+    @property
+    def rank_models(self) -> tuple[int, ...]:
+        """TP sizes whose per-rank model has been built (once each)."""
+        return tuple(self._models)
+
+    def record(self, inputs: ModelInputs, dep: Deployment) -> list[Op]:
+        """The ops (before fusion) one step of ``dep`` records with the weights in ``inputs``' formats,
+        on the per-rank model of its TP size (built on first use)."""
         self.traces += 1
         start = time.perf_counter()
         try:
-            return trace_kernels(self.spec, inputs, dep)
+            model = self._models.get(dep.parallel.tp)
+            if model is None:
+                model = self._models[dep.parallel.tp] = RankModel(self.spec, inputs, dep)
+            return model.trace(inputs, dep).ops
         finally:
             self.trace_seconds += time.perf_counter() - start
+
+    def trace(self, inputs: ModelInputs, dep: Deployment) -> list[Op]:
+        """The fused kernels ``simulate`` prices for ``dep`` (a real trace, untagged)."""
+        return fuse(self.record(inputs, dep))
+
+    def raw(self, tp: int, b: int) -> _Raw:
+        """The tagged trace at TP ``tp`` and per-rank batch ``b`` in the first swept mode, shared by
+        every weight mode (``in_mode``); traced once."""
+        found = self._raw.get((tp, b))
+        if found is None:
+            dp = self.devices // tp
+            tagger = _Tagger(self.inputs[self.quants[0]].policy)
+            inputs = replace(self.inputs[self.quants[0]], policy=tagger)
+            found = self._raw[(tp, b)] = _Raw(
+                self.record(inputs, self.deployment(Parallel(tp, dp, 1), b * dp)), tagger
+            )
+        return found
+
+    def in_mode(self, raw: _Raw, quant: str | None) -> list[Op]:
+        """The fused kernels a trace tagged like ``raw`` records with the weights in ``quant``'s formats:
+        each weight's reads re-formatted, then the projections merged and vector ops fused as the
+        tracer does (which projections merge depends on the formats' kernel families)."""
+        if quant == self.quants[0]:
+            return fuse(raw.ops)
+
+        def convert(fmt: WeightFormat) -> WeightFormat:
+            index = _index(fmt.compute)
+            return fmt if index is None else _tagged(self.format(quant, raw.tagger.keys[index]), index)
+
+        return fuse([_reformat(op, convert) for op in raw.ops])
 
     def finish(self, ops: Iterable[Op], dep: Deployment) -> list[Priced]:
         return simulator.finish_step([self.pricer(op, self.device) for op in ops], dep)
@@ -570,7 +679,7 @@ class Sweep:
             if isinstance(entry, _Scaled):
                 out.append((entry, entry.op(b, *self._formats_of(fam, entry, quant))))
             else:
-                out += [(None, op) for op in entry.kernels(self.s, dep, self._routed(quant), b)]
+                out += [(None, op) for op in entry.kernels(self.s, dep, self.routed_format(quant), b)]
         return out
 
     def _formats_of(
@@ -580,7 +689,7 @@ class Sweep:
             return None, None
         return self.format(quant, entry.key), self.format(fam.base, entry.key)
 
-    def _routed(self, quant: str | None) -> WeightFormat:
+    def routed_format(self, quant: str | None) -> WeightFormat:
         assert self.routed_key is not None
         return self.format(quant, self.routed_key)
 
@@ -602,7 +711,8 @@ class Sweep:
         for item in self._scaled_kernels(fam, b, quant):
             if isinstance(item, _Experts):
                 priced += [
-                    self.pricer(op, self.device) for op in item.kernels(self.s, dep, self._routed(quant), b)
+                    self.pricer(op, self.device)
+                    for op in item.kernels(self.s, dep, self.routed_format(quant), b)
                 ]
             else:
                 priced.append(item)
@@ -664,6 +774,10 @@ class Sweep:
     # --- the whole grid --------------------------------------------------------------------------
     def run(self) -> SweepResult:
         """Every layout x weight mode x batch; invalid deployments skipped, misfits kept (``fits``)."""
+        with applied(self.spec, backend=BACKEND):  # one patch session for every trace of the sweep
+            return self._run()
+
+    def _run(self) -> SweepResult:
         pars = layouts(self.s, self.devices)
         result = SweepResult(self.devices, tuple(pars), self.quants, self.batches)
         for par in pars:

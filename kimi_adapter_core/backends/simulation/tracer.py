@@ -7,7 +7,8 @@ attention); every other op is a vector op priced by its bytes. Weights are recog
 packed bytes, not its bf16 meta bytes; a dtype cast of a weight is free (the copy stays that weight),
 and so is an fp32 upcast of a bf16 activation (norms, softmax and the router upcast in registers: the
 consumer reads the bf16 tensor). Each matmul carries its shape (``attrs``: batch, m, n, k) and the
-kernel family of its weight, which the efficiency tables and the measured cost model look up.
+kernel family of its weight, which the efficiency tables and the measured cost model look up; every
+op lists the weights it read with their formats (``Op.weights``), so a trace can be re-formatted.
 Kernels the model does not run through aten (attention cores, grouped expert GEMMs, collectives) are
 added with ``analytic``. Consecutive vector ops of one layer are fused afterwards (``fuse``), as every
 serving runtime fuses norms with the residual add, rope and activations.
@@ -24,6 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
+from torch.utils.hooks import RemovableHandle
 
 from .quant import WeightFormat
 
@@ -73,6 +75,9 @@ class Op:
     attrs: dict[str, Any] = field(default_factory=dict)  # shape facts the cost models look up
     inputs: list[tuple[int, float]] = field(default_factory=list, repr=False)  # (root tensor id, bytes)
     outputs: list[tuple[int, float]] = field(default_factory=list, repr=False)
+    # the weights among ``inputs``: (root tensor id, format, elements read); lets a sweep re-format
+    # a trace (``sweep.py``) without tracing again
+    weights: list[tuple[int, WeightFormat, int]] = field(default_factory=list, repr=False)
 
 
 def _tensors(tree: object) -> list[torch.Tensor]:
@@ -119,8 +124,9 @@ class Recorder(TorchDispatchMode):
         finally:
             self._tag = previous
 
-    def hook(self, module: torch.nn.Module, prefix: str = "") -> None:
-        """Name every op after the innermost module that ran it."""
+    def hook(self, module: torch.nn.Module, prefix: str = "") -> list[RemovableHandle]:
+        """Name every op after the innermost module that ran it; the handles remove the hooks (a
+        model traced again registers its next recorder's)."""
 
         def enter(name: str) -> Callable[..., None]:
             return lambda *_: self._modules.append(name)
@@ -128,9 +134,11 @@ class Recorder(TorchDispatchMode):
         def leave(*_: object) -> None:  # a forward hook must return None or it replaces the output
             self._modules.pop()
 
+        handles = []
         for name, sub in module.named_modules(prefix=prefix):
-            sub.register_forward_pre_hook(enter(name))
-            sub.register_forward_hook(leave)
+            handles.append(sub.register_forward_pre_hook(enter(name)))
+            handles.append(sub.register_forward_hook(leave))
+        return handles
 
     @property
     def module(self) -> str:
@@ -202,6 +210,11 @@ class Recorder(TorchDispatchMode):
         weight = next((self._weights[id(t)] for t in ins if id(t) in self._weights), None)
         inputs = [(self._root.get(id(t), id(t)), self._read_bytes(t)) for t in ins]
         outputs = [(id(t), float(_nbytes(t))) for t in outs]
+        weights = [
+            (self._root.get(id(t), id(t)), self._weights[id(t)], t.numel())
+            for i, t in enumerate(ins)
+            if id(t) in self._weights and not (i == 0 and short in _GATHER)
+        ]
         if short in _GATHER:  # reads only the gathered rows, not the whole table
             inputs[0] = (inputs[0][0], sum(b for _, b in outputs))
         counter = flop_registry.get(func._overloadpacket)
@@ -238,6 +251,7 @@ class Recorder(TorchDispatchMode):
                 attrs,
                 inputs,
                 outputs,
+                weights,
             )
         )
 
@@ -292,6 +306,7 @@ def merge_projections(ops: list[Op]) -> list[Op]:
             attrs={**head.attrs, "n": head.attrs.get("n", 0) + op.attrs.get("n", 0), "leaves": leaves},
             inputs=head.inputs + [i for i in op.inputs if i[0] != source],
             outputs=head.outputs + op.outputs,
+            weights=head.weights + op.weights,
         )
     return merged
 
@@ -339,6 +354,7 @@ def fuse(ops: list[Op]) -> list[Op]:
                 "vector",
                 None,
                 head.shapes,
+                weights=list({tid: (tid, fmt, n) for op in run for tid, fmt, n in op.weights}.values()),
             )
         )
         run.clear()
