@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import types
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -280,12 +281,17 @@ def test_default_out_is_refused_for_specs_outside_the_checkout(tmp_path: Path) -
 
 
 @pytest.fixture()
-def profile_module(kimi_files: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+def profile_module(
+    kimi_files: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Any]:
     path = tmp_path / "tensorcast_profile.py"
     path.write_text(kimi_files["adapters/kimi_k25/tensorcast_profile.py"])
     for name in [n for n in sys.modules if n == "tensor_cast" or n.startswith("tensor_cast.")]:
         monkeypatch.delitem(sys.modules, name)
-    return import_path(path, "generated_tensorcast_profile")
+    module = import_path(path, "generated_tensorcast_profile")
+    yield module
+    if hasattr(module, "remove_patches"):  # the profile installs its patches when TensorCast loads
+        module.remove_patches()
 
 
 @pytest.mark.parametrize("spec_path", SHIPPED, ids=lambda p: p.stem)

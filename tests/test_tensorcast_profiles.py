@@ -624,37 +624,40 @@ def test_the_first_kimi_profile_is_caught(tmp_path: Path) -> None:
     """The profile kadapt first generated for kimi_k25 (paths rooted at the wrong class, the remote
     spec's field renames) fails both checks, naming what TensorCast would have tripped on."""
     item = Built("kimi_k25", tmp_path / "model")
-    old = {
-        **profile_kwargs(item.profile),
-        "language_module_path": "model.language_model",
-        "language_layers_path_str": "model.language_model.layers",
-        "visual_module_path": "model.vision_tower",
-        "visual_layers_path_str": "model.vision_tower.layers",
-        "visual_layers_module_path": "model.vision_tower.layers",
-        "mla_field_names_override": {"q_proj": "q_a_proj", "qk_head_dim": "q_head_dim"},
-    }
-    found = independent_problems(old, item.model, item.config)
-    assert any("'Kimi_K25Model' object has no attribute 'model'" in p for p in found), found
-    fixed_paths = {**old, **item.profile.MODULE_PATHS}
-    assert independent_problems(fixed_paths, item.model, item.config) == [
-        "MLA field qk_head_dim -> 'q_head_dim' missing"
-    ]
-
-    profile = item.profile
-    profile.MODULE_PATHS["language_layers_path_str"] = "model.language_model.layers"
-    profile.SWAPS["MLA"]["fields"]["qk_head_dim"] = "q_head_dim"
-    profile.SWAPS["MLA"]["renamed"].append("qk_head_dim")
     try:
-        problems = profile.check_model(item.model)
+        old = {
+            **profile_kwargs(item.profile),
+            "language_module_path": "model.language_model",
+            "language_layers_path_str": "model.language_model.layers",
+            "visual_module_path": "model.vision_tower",
+            "visual_layers_path_str": "model.vision_tower.layers",
+            "visual_layers_module_path": "model.vision_tower.layers",
+            "mla_field_names_override": {"q_proj": "q_a_proj", "qk_head_dim": "q_head_dim"},
+        }
+        found = independent_problems(old, item.model, item.config)
+        assert any("'Kimi_K25Model' object has no attribute 'model'" in p for p in found), found
+        fixed_paths = {**old, **item.profile.MODULE_PATHS}
+        assert independent_problems(fixed_paths, item.model, item.config) == [
+            "MLA field qk_head_dim -> 'q_head_dim' missing"
+        ]
+
+        profile = item.profile
+        profile.MODULE_PATHS["language_layers_path_str"] = "model.language_model.layers"
+        profile.SWAPS["MLA"]["fields"]["qk_head_dim"] = "q_head_dim"
+        profile.SWAPS["MLA"]["renamed"].append("qk_head_dim")
+        try:
+            problems = profile.check_model(item.model)
+        finally:
+            del profile.SWAPS["MLA"]["renamed"][-1]
+            profile.SWAPS["MLA"]["fields"]["qk_head_dim"] = "qk_head_dim"
+            profile.MODULE_PATHS["language_layers_path_str"] = "language_model.layers"
+        assert len(problems) == 2, problems
+        assert "'model.language_model.layers' does not resolve in the Kimi_K25Model" in problems[0]
+        lacks = "a DeepseekV3Attention, lacks q_head_dim (its qk_head_dim)"
+        assert f"language_model.layers.0.self_attn (and 1 more), {lacks}" in problems[1]
+        assert profile.check_model(item.model) == []
     finally:
-        del profile.SWAPS["MLA"]["renamed"][-1]
-        profile.SWAPS["MLA"]["fields"]["qk_head_dim"] = "qk_head_dim"
-        profile.MODULE_PATHS["language_layers_path_str"] = "language_model.layers"
-    assert len(problems) == 2, problems
-    assert "'model.language_model.layers' does not resolve in the Kimi_K25Model" in problems[0]
-    lacks = "a DeepseekV3Attention, lacks q_head_dim (its qk_head_dim)"
-    assert f"language_model.layers.0.self_attn (and 1 more), {lacks}" in problems[1]
-    assert profile.check_model(item.model) == []
+        item.close()  # the profile's simulation patches (P11, P5) are installed while built
 
 
 def test_remote_profile_needs_per_expert_experts_and_the_hub_field_names(tmp_path: Path) -> None:
@@ -747,8 +750,13 @@ def test_config_patch_failures_are_kept_for_patch_method_and_raised_there(tmp_pa
     profile = load_profile("kimi_k25")
     config = copy.deepcopy(short_config("kimi_k25"))
     config["auto_map"] = {"AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration"}  # remote code
-    with pytest.raises(profile.ProfileError, match="TensorCast will build KimiK25ForConditionalGeneration"):
-        profile.hf_config_patch_method(config, str(tmp_path))
+    try:
+        with pytest.raises(
+            profile.ProfileError, match="TensorCast will build KimiK25ForConditionalGeneration"
+        ):
+            profile.hf_config_patch_method(config, str(tmp_path))
+    finally:
+        profile.remove_patches()  # installed before the class check failed
     model = TensorCastModelView(config, None)
     with pytest.raises(profile.ProfileError, match="failed before TensorCast built the model") as caught:
         profile.patch_method(model)
@@ -821,3 +829,87 @@ def test_patch_method_checks_the_built_model_then_chains_the_swap_check(tmp_path
     report.replaced_modules, report.skipped_modules = ["layers.0.mlp"], []
     view.load_weights()
     assert view.loaded
+
+
+# -- the vision path: what TensorCast's image inputs meet in the model --------------------------------
+
+
+def test_image_size_pads_each_side_to_whole_merged_patches() -> None:
+    """TensorCast asks the profile for the size an image is patchified at (``install_image_sizing``
+    routes its ``resize_image`` there): the processor's padding, never a rescale; only profiles of
+    specs with a vision tower have it."""
+    for spec_path in SPECS:
+        profile = load_profile(spec_path.stem)
+        has_vision = "vision_layers" in load_spec(spec_path).module_paths
+        assert hasattr(profile, "image_size") == has_vision, spec_path.stem
+        assert hasattr(profile, "tag_vision_attention") == has_vision, spec_path.stem
+    size = load_profile("kimi_k25").image_size
+    assert size(448, 448, 14, 2) == (448, 448)  # 32x32 patches, 256 image tokens
+    assert size(460, 300, 14, 2) == (476, 308)  # Qwen2-VL's smart_resize would round 460 down to 448
+    assert (
+        size(1, 1, 14, 2) == (28, 28) and size(29, 56, 14, 2) == (56, 56) and size(30, 30, 16, 1) == (32, 32)
+    )
+
+
+def tiny_kimi_dir(directory: Path) -> Path:
+    """A config-only ``kimi_k25`` model directory, small enough to run on CPU with real values."""
+    raw = short_config("kimi_k25", experts=4)
+    raw.update(projection_hidden_size=32, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    raw["vision_config"].update(vt_hidden_size=32, vt_intermediate_size=64, vt_num_attention_heads=2)
+    raw["text_config"].update(
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        vocab_size=256,
+        pad_token_id=0,
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(raw), encoding="utf-8")
+    return directory
+
+
+def test_native_vision_path_takes_tensorcasts_flat_patches(tmp_path: Path) -> None:
+    """TensorCast feeds ``pixel_values`` as flat ``[patches, channels*patch*patch]`` rows with
+    ``image_grid_thw``; transformers' Kimi_K25VisionPatchEmbed convolves 4-D patches and
+    ``get_placeholder_mask`` counts image tokens with ``.item()``, which meta tensors cannot answer.
+    With the profile's simulation patches the flat rows give what the 4-D patches give (P11: the
+    convolution as the equal linear map) and the merge check passes on meta (P5); without them both
+    fail as they failed inside TensorCast."""
+    model_dir = tiny_kimi_dir(tmp_path / "tiny")
+    config = tensorcast_config(model_dir)
+    profile = load_profile("kimi_k25")
+    try:
+        profile.hf_config_patch_method(config, str(model_dir))
+        assert {"P11", "P5"} <= set(profile.installed_patches())
+        torch.manual_seed(0)
+        model = AutoModel.from_config(config).eval()  # TensorCast's class, on CPU with real values
+        patch = config.vision_config.patch_size
+        grid = torch.tensor([[1, 8, 6]])  # one 112x84 image: 8x6 patches, 12 image tokens
+        flat = torch.randn(48, 3 * patch * patch)
+        with torch.no_grad():
+            from_flat = model.get_image_features(flat, grid).pooler_output
+            from_patches = model.get_image_features(flat.view(48, 3, patch, patch), grid).pooler_output
+        assert [tuple(f.shape) for f in from_flat] == [(12, config.text_config.hidden_size)]
+        torch.testing.assert_close(from_flat[0], from_patches[0], rtol=1e-5, atol=1e-5)
+
+        hidden = config.text_config.hidden_size
+        ids = torch.empty(1, 128 + 12, dtype=torch.long, device="meta")
+        embeds = torch.empty(1, 128 + 12, hidden, device="meta")
+        features = torch.empty(12, hidden, device="meta")
+        image_mask, _ = model.get_placeholder_mask(ids, inputs_embeds=embeds, image_features=features)
+        assert tuple(embeds.masked_scatter(image_mask, features).shape) == (1, 140, hidden)
+
+        assert {"P11", "P5"} <= set(profile.remove_patches())
+        with pytest.raises(RuntimeError, match="Expected 3D .* or 4D .* input to conv2d"):
+            model.get_image_features(flat, grid)
+        with pytest.raises(RuntimeError, match="meta tensors"):
+            model.get_placeholder_mask(ids, inputs_embeds=embeds, image_features=features)
+    finally:
+        profile.remove_patches()

@@ -10,6 +10,14 @@ TensorCast builds) plus ``hf_config_patch_method``, which performs the spec's co
 hub config before TensorCast builds the model -- only for configs of model_type 'kimi_k25', checked
 on every call.
 
+After the bridges it installs the spec's environment shims (none) and
+simulation patches (P11, P5) --
+remote-code targets are resolved in the model's own code with
+``transformers.dynamic_module_utils.get_class_from_dynamic_module`` and ``model_id``. Installing is
+idempotent, every patched method checks per call that its receiver belongs to a 'kimi_k25'
+model (any other model sharing the class gets the original), and ``remove_patches()`` restores
+every original and removes the injected symbols.
+
 The profile checks itself and fails loudly. TensorCast only logs an exception raised by
 ``hf_config_patch_method`` and skips, with a ``PatchReport`` entry alone, a module swap whose module
 lacks a field; so ``hf_config_patch_method`` records its failure and ``patch_method`` (TensorCast's
@@ -24,19 +32,37 @@ TensorCast's CLI runs, then either ``register()`` (no builtin profile for 'kimi_
 ``with replace_builtin(): ...`` (TensorCast ships its own and it must step aside). Or run
 ``python tensorcast_profile.py [--replace-builtin] MODEL_DIR ...`` from TensorCast's tree root: its
 ``text_generate`` CLI with this profile registered.
+
+The vision path (``--image-batch-size``, ``--image-height``, ``--image-width``): once TensorCast has
+built the model, ``install_image_sizing`` has it size images of 'kimi_k25' configs with
+``image_size`` (each side padded up to whole merged patches; TensorCast's fallback for a model_type
+it does not know is Qwen2-VL's rule, whose module needs torchvision), and once its passes are done
+``tag_vision_attention`` gives each vision layer's attention the TensorCast attention instance that
+its own ``blocks.*.attn`` pattern gives Qwen-VL's.
+
+The patch runtime that works without kadapt: patch-kind behaviours, shims, per-call gating.
+(embedded below, verbatim)
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import importlib.util
+import inspect
 import operator
 import os
 import re
 import sys
+import threading
 import typing
-from collections.abc import Iterator, Mapping, MutableMapping
+import weakref
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
+
+import torch
+import torch.nn.functional as F
 
 MODEL_TYPE = "kimi_k25"
 # The gate: root model_type, then accepted model_types per sub-config.
@@ -119,6 +145,11 @@ SWAPS: dict[str, dict[str, Any]] = {
 }
 
 REGISTRY_MODULE = "tensor_cast.transformers.custom_model_registry"
+# TensorCast's image sizing (module, function) and the arguments this profile reads from its calls.
+IMAGE_SIZING = ("tensor_cast.core.input_generator", "resize_image")
+IMAGE_SIZING_ARGS = ("model_type", "image_height", "image_width", "patch_size", "merge_size")
+# A vision layer's attention, as named under MODULE_PATHS["visual_layers_module_path"].
+VISION_ATTENTION = re.compile(r"\d+\.attn")
 # How errors name this profile (its import name may be anything, "__main__" included).
 ADAPTER = "TensorCast profile kimi_k25 (model_type kimi_k25)"
 _MISSING = object()
@@ -265,8 +296,7 @@ def _expected_class(hf_config: Any) -> str | None:
 
 
 def _apply_spec(hf_config: Any, model_id: str | None) -> None:
-    """The spec's config bridges."""
-    del model_id  # the bridges depend on the config alone, never on where it came from
+    """The spec's config bridges, then its shims and patches."""
     # B1 (rename): Kimi_K25VisionConfig ignores the hub's vt_* keys; map them explicitly instead of trusting
     # defaults.
     _rename(hf_config, "vision_config.vt_hidden_size", "vision_config.hidden_size")
@@ -303,6 +333,7 @@ def _apply_spec(hf_config: Any, model_id: str | None) -> None:
         "flash_attn"
     ):
         _assign(hf_config, "vision_config._attn_implementation", "eager")
+    _RUNTIME.install(hf_config, model_id)
 
 
 def hf_config_patch_method(hf_config: Any, model_id: str | None = None) -> Any:
@@ -310,6 +341,8 @@ def hf_config_patch_method(hf_config: Any, model_id: str | None = None) -> Any:
 
     The gate runs on every call: a config of another model_type is returned untouched, so one
     registered profile can never edit another model's config.
+    For a matching config it then installs ``SHIMS`` and ``PATCHES`` (once per process, whatever
+    the number of calls); remote-code targets are loaded from ``model_id`` (hub id or local dir).
     TensorCast only logs what this raises, so a failure is also kept for ``patch_method``.
     """
     if not gate_matches(hf_config):
@@ -481,6 +514,7 @@ def patch_method(model: Any) -> None:
         raise ProfileError(
             _problems_text(f"the {type(hf_model).__name__} TensorCast built does not fit", problems)
         )
+    install_image_sizing()  # TensorCast makes the image inputs once the model is built
     load_weights = model.load_weights
 
     def verify_then_load_weights(*args: Any, **kwargs: Any) -> Any:
@@ -488,6 +522,7 @@ def patch_method(model: Any) -> None:
         problems = verify_swaps(model)
         if problems:
             raise ProfileError(_problems_text("TensorCast did not make every declared swap", problems))
+        tag_vision_attention(model)
         return load_weights(*args, **kwargs)
 
     model.load_weights = verify_then_load_weights
@@ -512,6 +547,526 @@ def verify_swaps(model: Any) -> list[str]:
         if left and not report.skipped_modules:
             problems.append(f"{label}: TensorCast left {', '.join(left)} in place")
     return problems
+
+
+# -- the vision path: image sizing and vision attention ----------------------------------------------
+
+
+def image_size(height: int, width: int, patch_size: int, merge_size: int) -> tuple[int, int]:
+    """The (height, width) an image is patchified at: each side padded up to whole merged patches
+    (``patch_size * merge_size`` pixels), never scaled. At patch 14 and merge 2 a 448x448 image is
+    32x32 patches, 256 image tokens; 460x300 is padded to 476x308, 34x22 patches.
+
+    This is the padding of NaViT-style processors (Kimi-K2.5's ``navit_resize``) for images within
+    their patch budget; the downscaling such a processor applies to larger images is not modelled.
+    """
+    factor = patch_size * merge_size
+    return -(-height // factor) * factor, -(-width // factor) * factor
+
+
+_SIZING: list[tuple[Any, Any]] = []  # (TensorCast's module, the function replaced) while installed
+
+
+def install_image_sizing() -> bool:
+    """Have TensorCast size images of 'kimi_k25' configs with ``image_size`` (``patch_method``
+    calls it, inside TensorCast); False when already installed.
+
+    TensorCast's input generator asks ``IMAGE_SIZING`` for the size an image is patchified at; it
+    knows Qwen-VL's and GLM-4V's rules and borrows Qwen2-VL's ``smart_resize`` for every other
+    model_type (rounding to the nearest multiple and up to Qwen's minimum pixels; its module imports
+    torchvision). The replacement decides per call, by model_type: other models keep TensorCast's
+    rule.
+    """
+    import functools
+    import importlib
+    import inspect
+
+    module_name, attr = IMAGE_SIZING
+    module = importlib.import_module(module_name)
+    original = getattr(module, attr, None)
+    if getattr(original, "__kadapt_profile__", None) == ADAPTER:
+        return False
+    if not callable(original):
+        raise ProfileError(f"{ADAPTER}: TensorCast's {module_name} has no {attr}(); its image inputs changed")
+    signature = inspect.signature(original)
+    lacking = sorted(set(IMAGE_SIZING_ARGS) - set(signature.parameters))
+    if lacking:
+        raise ProfileError(
+            f"{ADAPTER}: TensorCast's {module_name}.{attr}{signature} takes no {', '.join(lacking)}; "
+            f"its image inputs changed"
+        )
+
+    @functools.wraps(original)
+    def sized(*args: Any, **kwargs: Any) -> Any:
+        given = signature.bind(*args, **kwargs).arguments
+        if given["model_type"] != MODEL_TYPE:
+            return original(*args, **kwargs)
+        return image_size(*(given[name] for name in IMAGE_SIZING_ARGS[1:]))
+
+    sized.__kadapt_profile__ = ADAPTER  # type: ignore[attr-defined]
+    setattr(module, attr, sized)
+    _SIZING.append((module, original))
+    return True
+
+
+def remove_image_sizing() -> bool:
+    """Put TensorCast's own image sizing back; False when it was not replaced."""
+    if not _SIZING:
+        return False
+    module, original = _SIZING.pop()
+    setattr(module, IMAGE_SIZING[1], original)
+    return True
+
+
+def tag_vision_attention(model: Any) -> list[str]:
+    """Have TensorCast price each vision layer's attention with its own attention op; return the
+    paths tagged.
+
+    TensorCast's ``patch_attention`` gives every text layer an attention instance and tags, with a
+    ``_tensor_cast_context`` naming its instance, only vision modules named ``blocks.*.attn`` under
+    ``visual_module_path``; an untagged vision attention reaches TensorCast's attention function
+    without a layer index and fails. This tags each ``attn`` of ``MODULE_PATHS
+    ["visual_layers_module_path"]`` it missed, the same way. It runs once TensorCast's passes are
+    done (from ``load_weights``): ``patch_attention`` builds its registry after ``patch_method``.
+    """
+    registry = getattr(model, "attention_by_layers", None)
+    if registry is None:  # TensorCast has no attention class of its own for this run
+        return []
+    layers = operator.attrgetter(MODULE_PATHS["visual_layers_module_path"])(model.unwrap())
+    tagged = []
+    for name, module in layers.named_modules():
+        if not VISION_ATTENTION.fullmatch(_readable(name)) or hasattr(module, "_tensor_cast_context"):
+            continue
+        index = max(registry, default=-1) + 1
+        registry[index] = model.model_config.attention_cls()
+        module._tensor_cast_context = {"attention_by_layers": registry, "depth_layer_idx": index}
+        tagged.append(f"{MODULE_PATHS['visual_layers_module_path']}.{_readable(name)}")
+    return tagged
+
+
+def remove_patches() -> list[str]:
+    """Restore every patched original and remove injected symbols; return the ids taken back."""
+    return _RUNTIME.remove()
+
+
+def installed_patches() -> list[str]:
+    """Ids of the shims and patches installed now (``claim`` is the model-claiming hook)."""
+    return _RUNTIME.installed()
+
+
+# ---------------------------------------------------------------------------------------------
+# Patch runtime, verbatim from kimi_adapter_core/patching/portable.py
+# (kept byte for byte: formatting is switched off for it)
+# ---------------------------------------------------------------------------------------------
+
+# fmt: off
+AUTO_MODEL_KEYS = ("AutoModelForCausalLM", "AutoModelForImageTextToText", "AutoModel")
+POST_INIT_TARGET = ("transformers.modeling_utils", ("PreTrainedModel",), "post_init")
+
+
+class Shim:
+    """``module.attr = value`` when ``module`` lacks ``attr`` (kind ``inject_symbol``)."""
+
+    def __init__(self, id: str, module: str, attr: str, value: Any) -> None:
+        self.id, self.module, self.attr, self.value = id, module, attr, value
+
+    def __repr__(self) -> str:
+        return f"Shim({self.id!r}, {self.module}:{self.attr})"
+
+
+class ClassPatch:
+    """One patch: ``module:Owner.attr``, or ``remote:<file stem>:Owner.attr`` in the model's code.
+
+    (Plain classes, not dataclasses: the generated module may be executed without being registered
+    in ``sys.modules``, which dataclasses need under ``from __future__ import annotations``.)
+    """
+
+    def __init__(
+        self,
+        id: str,
+        kind: str,
+        module: str,
+        owner: tuple[str, ...],
+        attr: str,
+        *,
+        remote: bool = False,
+        impl: Callable[..., Any] | None = None,
+        value: Any = None,
+        options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.id, self.kind, self.module, self.owner, self.attr = id, kind, module, tuple(owner), attr
+        self.remote, self.impl, self.value = remote, impl, value
+        self.options: Mapping[str, Any] = dict(options or {})
+
+    @property
+    def target(self) -> str:
+        prefix = "remote:" if self.remote else ""
+        return f"{prefix}{self.module}:{'.'.join((*self.owner, self.attr))}"
+
+    def __repr__(self) -> str:
+        return f"ClassPatch({self.id!r}, {self.kind}, {self.target})"
+
+
+# -- patch kinds: each returns the patched behaviour, taking the original's arguments ----------------
+
+
+Behaviour = Callable[..., Any]
+
+
+def build_replace(
+    patch_id: str, options: Mapping[str, Any], impl: Behaviour | None, original: Behaviour
+) -> Behaviour:
+    if impl is None:
+        raise ValueError(f"patch {patch_id}: kind replace needs an impl")
+    return impl
+
+
+def build_wrap(
+    patch_id: str, options: Mapping[str, Any], impl: Behaviour | None, original: Behaviour
+) -> Behaviour:
+    allow = options.get("allow_kwargs")
+    allowed = set(allow) if allow is not None else None
+    renames = dict(options.get("rename_kwargs") or {})
+    stash = options.get("stash_extra_as")
+
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        for old, new in renames.items():
+            if old in kwargs and new not in kwargs:
+                kwargs[new] = kwargs.pop(old)
+        extra: dict[str, Any] = {}
+        if allowed is not None:
+            extra = {k: kwargs.pop(k) for k in list(kwargs) if k not in allowed}
+        if stash:
+            setattr(self, stash, extra)
+        if impl is not None:
+            return impl(original, self, *args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    return wrapped
+
+
+def pad_or_trim(result: Any, arity: int) -> tuple[Any, ...]:
+    values = tuple(result) if isinstance(result, tuple) else (result,)
+    return values[:arity] + (None,) * (arity - len(values))
+
+
+def build_adapt_return(
+    patch_id: str, options: Mapping[str, Any], impl: Behaviour | None, original: Behaviour
+) -> Behaviour:
+    arity = options.get("arity")
+    if not isinstance(arity, int) or arity < 1:
+        raise ValueError(f"patch {patch_id}: kind adapt_return needs options.arity (a positive integer)")
+
+    def adapted(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        return pad_or_trim(original(*args, **kwargs), arity)
+
+    return adapted
+
+
+def build_meta_stub(
+    patch_id: str, options: Mapping[str, Any], impl: Behaviour | None, original: Behaviour
+) -> Behaviour:
+    def stub(*args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+        if not any(t.device.type == "meta" for t in tensors):
+            return original(*args, **kwargs)
+        if impl is not None:
+            return impl(*args, **kwargs)
+        return torch.empty(tensors[0].shape, dtype=tensors[0].dtype, device="meta")
+
+    return stub
+
+
+# kind -> builder(patch_id, options, impl, original) returning the patched behaviour
+BUILDERS: dict[str, Callable[[str, Mapping[str, Any], Behaviour | None, Behaviour], Behaviour]] = {
+    "replace": build_replace,
+    "wrap": build_wrap,
+    "adapt_return": build_adapt_return,
+    "meta_stub": build_meta_stub,
+}
+
+
+_ABSENT = object()  # "the class had no such attribute"
+
+
+class GatedAttribute:
+    """Non-data descriptor: ``value`` on owned instances, the class's previous attribute elsewhere."""
+
+    def __init__(
+        self, marker: tuple[str, str], owns: Callable[[Any], bool], name: str, value: Any, old: Any
+    ) -> None:
+        self.marker = marker
+        self.owns = owns
+        self.name = name
+        self.value = value
+        self.old = old  # the previous class attribute as stored, or _ABSENT
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        if instance is not None and self.owns(instance):
+            return self.value
+        if self.old is _ABSENT:
+            if instance is None:
+                return self
+            raise AttributeError(f"{type(instance).__name__!r} object has no attribute {self.name!r}")
+        if hasattr(self.old, "__get__"):
+            return self.old.__get__(instance, owner)
+        return self.old
+
+
+class _Undo:
+    """How to take one change back: restore ``old`` on ``owner.attr``, or delete the attribute."""
+
+    def __init__(self, label: str, owner: Any, attr: str, old: Any, had_own: bool) -> None:
+        self.label, self.owner, self.attr, self.old, self.had_own = label, owner, attr, old, had_own
+
+    def __call__(self) -> None:
+        if self.had_own:
+            setattr(self.owner, self.attr, self.old)
+        elif self.attr in vars(self.owner):
+            delattr(self.owner, self.attr)
+
+
+class PatchRuntime:
+    """The shims and patches of one spec, installed on demand and removable as a whole."""
+
+    def __init__(
+        self,
+        name: str,
+        config_matches: Callable[[Any], bool],
+        shims: Sequence[Shim],
+        patches: Sequence[ClassPatch],
+    ) -> None:
+        self.name = name
+        self.config_matches = config_matches
+        self.shims = tuple(shims)
+        self.patches = tuple(patches)
+        self._lock = threading.RLock()
+        self._undo: list[_Undo] = []
+        self._claimed: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    # -- the per-call gate ---------------------------------------------------------------------------
+
+    def owns(self, receiver: Any) -> bool:
+        """True when ``receiver`` belongs to a model of the spec's gate (checked on every call)."""
+        try:
+            if receiver in self._claimed:
+                return True
+        except TypeError:  # not weak-referenceable: never built inside a claimed model
+            pass
+        try:
+            config = getattr(receiver, "config", None)
+        except Exception:  # noqa: BLE001 - an odd receiver is simply not ours
+            return False
+        return config is not None and self.config_matches(config)
+
+    def claim(self, model: Any) -> None:
+        """Mark ``model`` and every submodule as owned (what the ``post_init`` hook does)."""
+        for module in model.modules():
+            self._claimed.add(module)
+
+    # -- installing ----------------------------------------------------------------------------------
+
+    def install(self, hf_config: Any, model_id: str | None) -> list[str]:
+        """Install what is not installed yet; return the ids installed by this call.
+
+        All targets are resolved before any class changes (shims first: remote code may need them
+        to import); if installing fails half-way, this call's changes are taken back.
+        """
+        with self._lock:
+            start = len(self._undo)
+            done: list[str] = []
+            try:
+                for shim in self.shims:
+                    module = importlib.import_module(shim.module)
+                    if not hasattr(module, shim.attr):
+                        setattr(module, shim.attr, shim.value)
+                        self._undo.append(_Undo(shim.id, module, shim.attr, None, False))
+                        done.append(shim.id)
+                resolved = [(patch, self._owner(patch, hf_config, model_id)) for patch in self.patches]
+                if resolved:
+                    self._install_claim_hook()
+                for patch, owner in resolved:
+                    if self._install_patch(patch, owner):
+                        done.append(patch.id)
+            except BaseException:
+                self._undo_from(start)
+                raise
+            return done
+
+    def _owner(self, patch: ClassPatch, hf_config: Any, model_id: str | None) -> Any:
+        if patch.remote:
+            module = self._remote_module(patch, hf_config, model_id)
+        else:
+            module = importlib.import_module(patch.module)
+        owner = module
+        for name in patch.owner:
+            if not hasattr(owner, name):
+                raise AttributeError(f"patch {patch.id}: {patch.target}: {owner.__name__} has no {name!r}")
+            owner = getattr(owner, name)
+        return owner
+
+    def _remote_module(self, patch: ClassPatch, hf_config: Any, model_id: str | None) -> Any:
+        """The remote module the model itself imports: a sibling of its ``auto_map`` entry.
+
+        For a local directory transformers gives every entry module its own hash-named package,
+        so loading ``<stem>.<Class>`` directly could yield a copy the model never uses.
+        """
+        from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+        if model_id is None:
+            raise ValueError(f"patch {patch.id}: {patch.target} needs the model id to load remote code")
+        auto_map = getattr(hf_config, "auto_map", None)
+        if auto_map is None and isinstance(hf_config, Mapping):
+            auto_map = hf_config.get("auto_map")
+        entry = next((auto_map[k] for k in AUTO_MODEL_KEYS if k in (auto_map or {})), None)
+        if entry is not None:
+            model_class = get_class_from_dynamic_module(entry, model_id)
+            package = model_class.__module__.rpartition(".")[0]
+            return importlib.import_module(f"{package}.{patch.module}")
+        found = get_class_from_dynamic_module(f"{patch.module}.{patch.owner[0]}", model_id)
+        return sys.modules[found.__module__]
+
+    def _install_patch(self, patch: ClassPatch, owner: Any) -> bool:
+        marker = (self.name, patch.id)
+        try:
+            stored = inspect.getattr_static(owner, patch.attr)
+        except AttributeError:
+            stored = _ABSENT
+        func = getattr(stored, "__func__", stored)
+        if getattr(func, "__tensorcast_patch__", None) == marker or getattr(stored, "marker", None) == marker:
+            return False  # installed by an earlier call
+        had_own = patch.attr in vars(owner)
+        if patch.kind == "set_attribute":
+            if patch.options.get("only_if_missing") and stored is not _ABSENT:
+                return False
+            new: Any = GatedAttribute(marker, self.owns, patch.attr, patch.value, stored)
+        else:
+            if stored is _ABSENT or not callable(func):
+                raise TypeError(f"patch {patch.id}: {patch.target} is not a function")
+            dispatcher = self._gated(
+                marker, func, BUILDERS[patch.kind](patch.id, patch.options, patch.impl, func)
+            )
+            is_wrapped_method = isinstance(stored, (staticmethod, classmethod))
+            new = type(stored)(dispatcher) if is_wrapped_method else dispatcher
+        setattr(owner, patch.attr, new)
+        self._undo.append(_Undo(patch.id, owner, patch.attr, stored, had_own))
+        return True
+
+    def _gated(
+        self, marker: tuple[str, str], original: Callable[..., Any], patched: Callable[..., Any]
+    ) -> Callable[..., Any]:
+        owns = self.owns
+
+        @functools.wraps(original)
+        def dispatcher(*args: Any, **kwargs: Any) -> Any:
+            if args and owns(args[0]):
+                return patched(*args, **kwargs)
+            return original(*args, **kwargs)
+
+        dispatcher.__tensorcast_patch__ = marker  # type: ignore[attr-defined]
+        return dispatcher
+
+    def _install_claim_hook(self) -> None:
+        """Hook ``PreTrainedModel.post_init``: a model whose root config passes the gate is claimed."""
+        module_name, owner_path, attr = POST_INIT_TARGET
+        owner = getattr(importlib.import_module(module_name), owner_path[0])
+        marker = (self.name, "claim")
+        stored = inspect.getattr_static(owner, attr)
+        if getattr(stored, "__tensorcast_patch__", None) == marker:
+            return
+        claim, matches = self.claim, self.config_matches
+
+        @functools.wraps(stored)
+        def post_init(model: Any, *args: Any, **kwargs: Any) -> Any:
+            result = stored(model, *args, **kwargs)
+            config = getattr(model, "config", None)
+            if config is not None and matches(config):
+                claim(model)
+            return result
+
+        post_init.__tensorcast_patch__ = marker  # type: ignore[attr-defined]
+        setattr(owner, attr, post_init)
+        self._undo.append(_Undo("claim", owner, attr, stored, attr in vars(owner)))
+
+    # -- removing ------------------------------------------------------------------------------------
+
+    def installed(self) -> list[str]:
+        """Ids of the shims and patches currently installed, in installation order."""
+        return [undo.label for undo in self._undo]
+
+    def remove(self) -> list[str]:
+        """Restore every original, newest first; keep going past failures, then raise the first."""
+        with self._lock:
+            labels = self.installed()
+            self._undo_from(0)
+            return labels
+
+    def _undo_from(self, start: int) -> None:
+        first: BaseException | None = None
+        while len(self._undo) > start:
+            undo = self._undo.pop()
+            try:
+                undo()
+            except Exception as exc:  # noqa: BLE001 - restore the rest before reporting
+                first = first or exc
+        if first is not None:
+            raise first
+
+# fmt: on
+
+# ---------------------------------------------------------------------------------------------
+# The spec's shims and patches; implementations embedded from kadapt's builtins
+# ---------------------------------------------------------------------------------------------
+
+
+def patch_embed_flat_linear(
+    original: Callable[..., Any], self: Any, x: torch.Tensor, *args: Any, **kwargs: Any
+) -> Any:
+    """``wrap`` impl for ``MoonVision3dPatchEmbed.forward`` (remote code) and transformers'
+    ``Kimi_K25VisionPatchEmbed.forward``: accept flat 2-D patches.
+
+    Simulators feed patches as ``[L, C*ph*pw]``; the upstream ``Conv2d`` wants ``[L, C, ph, pw]``.
+    A conv whose kernel equals the patch is a linear map over the flattened patch, so this computes
+    ``x @ proj.weight.flatten(1).T + bias`` and then the upstream position embedding
+    ``self.pos_emb(out, grid_thws)``. Other inputs run the original unchanged.
+    """
+    if x.dim() != 2:
+        return original(self, x, *args, **kwargs)
+    proj = self.proj
+    out = F.linear(x, proj.weight.reshape(proj.weight.shape[0], -1), proj.bias)
+    return self.pos_emb(out, *args, **kwargs)
+
+
+SHIMS: tuple[Shim, ...] = ()
+
+PATCHES: tuple[ClassPatch, ...] = (
+    # P11: Simulators feed image patches flat, [patches, channels*patch*patch]; the patch embedding's Conv2d
+    # wants [patches, channels, patch, patch].
+    ClassPatch(
+        id="P11",
+        kind="wrap",
+        module="transformers.models.kimi_k25.modeling_kimi_k25",
+        owner=("Kimi_K25VisionPatchEmbed",),
+        attr="forward",
+        remote=False,
+        impl=patch_embed_flat_linear,
+    ),
+    # P5: The placeholder check compares the image-token count with the feature rows through .item(), which
+    # meta tensors cannot answer; a simulator's inputs are shaped to match.
+    ClassPatch(
+        id="P5",
+        kind="wrap",
+        module="transformers.models.kimi_k25.modeling_kimi_k25",
+        owner=("Kimi_K25Model",),
+        attr="get_placeholder_mask",
+        remote=False,
+        options={"allow_kwargs": ["inputs_embeds"]},
+    ),
+)
+
+_RUNTIME = PatchRuntime("kimi_k25", gate_matches, SHIMS, PATCHES)
 
 
 # -- registering with TensorCast ---------------------------------------------------------------------
@@ -557,11 +1112,15 @@ def replace_builtin() -> Iterator[Any]:
 
     TensorCast's ``ignore_model_profiles`` takes the builtin out for the block and puts it back
     afterwards (when there was none, this profile stays registered, as after ``register()``).
+    TensorCast's own image sizing is back after the block too.
     """
     registry = _registry()
     check_environment()
     with registry.ignore_model_profiles([MODEL_TYPE]):
-        yield registry.register_model_profile(model_profile())
+        try:
+            yield registry.register_model_profile(model_profile())
+        finally:
+            remove_image_sizing()
 
 
 def _load_text_generate() -> Any:

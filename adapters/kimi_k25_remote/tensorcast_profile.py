@@ -33,6 +33,13 @@ TensorCast's CLI runs, then either ``register()`` (no builtin profile for 'kimi_
 ``python tensorcast_profile.py [--replace-builtin] MODEL_DIR ...`` from TensorCast's tree root: its
 ``text_generate`` CLI with this profile registered.
 
+The vision path (``--image-batch-size``, ``--image-height``, ``--image-width``): once TensorCast has
+built the model, ``install_image_sizing`` has it size images of 'kimi_k25' configs with
+``image_size`` (each side padded up to whole merged patches; TensorCast's fallback for a model_type
+it does not know is Qwen2-VL's rule, whose module needs torchvision), and once its passes are done
+``tag_vision_attention`` gives each vision layer's attention the TensorCast attention instance that
+its own ``blocks.*.attn`` pattern gives Qwen-VL's.
+
 TensorCast swaps DeepseekV3Attention for its own MLA module, which this model's code calls its own
 way; the profile's MLA module (``mla_module_class_type``) bridges that: it returns the 3 values the
 decoder unpacks, takes the kwargs TensorCast passed to the model from where the model's ``forward``
@@ -147,6 +154,11 @@ BRIDGE: dict[str, Any] = {"arity": 3, "stash": "_extra_forward_kwargs"}
 ATTENTION_MODULE = "tensor_cast.layers.mla"
 
 REGISTRY_MODULE = "tensor_cast.transformers.custom_model_registry"
+# TensorCast's image sizing (module, function) and the arguments this profile reads from its calls.
+IMAGE_SIZING = ("tensor_cast.core.input_generator", "resize_image")
+IMAGE_SIZING_ARGS = ("model_type", "image_height", "image_width", "patch_size", "merge_size")
+# A vision layer's attention, as named under MODULE_PATHS["visual_layers_module_path"].
+VISION_ATTENTION = re.compile(r"\d+\.attn")
 # How errors name this profile (its import name may be anything, "__main__" included).
 ADAPTER = "TensorCast profile kimi_k25_remote (model_type kimi_k25)"
 _MISSING = object()
@@ -481,6 +493,7 @@ def patch_method(model: Any) -> None:
         raise ProfileError(
             _problems_text(f"the {type(hf_model).__name__} TensorCast built does not fit", problems)
         )
+    install_image_sizing()  # TensorCast makes the image inputs once the model is built
     owner = weakref.ref(hf_model)
     for _, module in _modules_of(hf_model, SWAPS["MLA"]["module"]):
         vars(module)["_kadapt_stash_owner"] = owner  # where the bridged attention finds the kwargs
@@ -491,6 +504,7 @@ def patch_method(model: Any) -> None:
         problems = verify_swaps(model)
         if problems:
             raise ProfileError(_problems_text("TensorCast did not make every declared swap", problems))
+        tag_vision_attention(model)
         return load_weights(*args, **kwargs)
 
     model.load_weights = verify_then_load_weights
@@ -515,6 +529,101 @@ def verify_swaps(model: Any) -> list[str]:
         if left and not report.skipped_modules:
             problems.append(f"{label}: TensorCast left {', '.join(left)} in place")
     return problems
+
+
+# -- the vision path: image sizing and vision attention ----------------------------------------------
+
+
+def image_size(height: int, width: int, patch_size: int, merge_size: int) -> tuple[int, int]:
+    """The (height, width) an image is patchified at: each side padded up to whole merged patches
+    (``patch_size * merge_size`` pixels), never scaled. At patch 14 and merge 2 a 448x448 image is
+    32x32 patches, 256 image tokens; 460x300 is padded to 476x308, 34x22 patches.
+
+    This is the padding of NaViT-style processors (Kimi-K2.5's ``navit_resize``) for images within
+    their patch budget; the downscaling such a processor applies to larger images is not modelled.
+    """
+    factor = patch_size * merge_size
+    return -(-height // factor) * factor, -(-width // factor) * factor
+
+
+_SIZING: list[tuple[Any, Any]] = []  # (TensorCast's module, the function replaced) while installed
+
+
+def install_image_sizing() -> bool:
+    """Have TensorCast size images of 'kimi_k25' configs with ``image_size`` (``patch_method``
+    calls it, inside TensorCast); False when already installed.
+
+    TensorCast's input generator asks ``IMAGE_SIZING`` for the size an image is patchified at; it
+    knows Qwen-VL's and GLM-4V's rules and borrows Qwen2-VL's ``smart_resize`` for every other
+    model_type (rounding to the nearest multiple and up to Qwen's minimum pixels; its module imports
+    torchvision). The replacement decides per call, by model_type: other models keep TensorCast's
+    rule.
+    """
+    import functools
+    import importlib
+    import inspect
+
+    module_name, attr = IMAGE_SIZING
+    module = importlib.import_module(module_name)
+    original = getattr(module, attr, None)
+    if getattr(original, "__kadapt_profile__", None) == ADAPTER:
+        return False
+    if not callable(original):
+        raise ProfileError(f"{ADAPTER}: TensorCast's {module_name} has no {attr}(); its image inputs changed")
+    signature = inspect.signature(original)
+    lacking = sorted(set(IMAGE_SIZING_ARGS) - set(signature.parameters))
+    if lacking:
+        raise ProfileError(
+            f"{ADAPTER}: TensorCast's {module_name}.{attr}{signature} takes no {', '.join(lacking)}; "
+            f"its image inputs changed"
+        )
+
+    @functools.wraps(original)
+    def sized(*args: Any, **kwargs: Any) -> Any:
+        given = signature.bind(*args, **kwargs).arguments
+        if given["model_type"] != MODEL_TYPE:
+            return original(*args, **kwargs)
+        return image_size(*(given[name] for name in IMAGE_SIZING_ARGS[1:]))
+
+    sized.__kadapt_profile__ = ADAPTER  # type: ignore[attr-defined]
+    setattr(module, attr, sized)
+    _SIZING.append((module, original))
+    return True
+
+
+def remove_image_sizing() -> bool:
+    """Put TensorCast's own image sizing back; False when it was not replaced."""
+    if not _SIZING:
+        return False
+    module, original = _SIZING.pop()
+    setattr(module, IMAGE_SIZING[1], original)
+    return True
+
+
+def tag_vision_attention(model: Any) -> list[str]:
+    """Have TensorCast price each vision layer's attention with its own attention op; return the
+    paths tagged.
+
+    TensorCast's ``patch_attention`` gives every text layer an attention instance and tags, with a
+    ``_tensor_cast_context`` naming its instance, only vision modules named ``blocks.*.attn`` under
+    ``visual_module_path``; an untagged vision attention reaches TensorCast's attention function
+    without a layer index and fails. This tags each ``attn`` of ``MODULE_PATHS
+    ["visual_layers_module_path"]`` it missed, the same way. It runs once TensorCast's passes are
+    done (from ``load_weights``): ``patch_attention`` builds its registry after ``patch_method``.
+    """
+    registry = getattr(model, "attention_by_layers", None)
+    if registry is None:  # TensorCast has no attention class of its own for this run
+        return []
+    layers = operator.attrgetter(MODULE_PATHS["visual_layers_module_path"])(model.unwrap())
+    tagged = []
+    for name, module in layers.named_modules():
+        if not VISION_ATTENTION.fullmatch(_readable(name)) or hasattr(module, "_tensor_cast_context"):
+            continue
+        index = max(registry, default=-1) + 1
+        registry[index] = model.model_config.attention_cls()
+        module._tensor_cast_context = {"attention_by_layers": registry, "depth_layer_idx": index}
+        tagged.append(f"{MODULE_PATHS['visual_layers_module_path']}.{_readable(name)}")
+    return tagged
 
 
 # -- TensorCast's MLA module, called the way this model calls attention -----------------------------
@@ -1003,7 +1112,8 @@ def moe_gate_uniform(
 def patch_embed_flat_linear(
     original: Callable[..., Any], self: Any, x: torch.Tensor, *args: Any, **kwargs: Any
 ) -> Any:
-    """``wrap`` impl for ``MoonVision3dPatchEmbed.forward``: accept flat 2-D patches.
+    """``wrap`` impl for ``MoonVision3dPatchEmbed.forward`` (remote code) and transformers'
+    ``Kimi_K25VisionPatchEmbed.forward``: accept flat 2-D patches.
 
     Simulators feed patches as ``[L, C*ph*pw]``; the upstream ``Conv2d`` wants ``[L, C, ph, pw]``.
     A conv whose kernel equals the patch is a linear map over the flattened patch, so this computes
@@ -1197,11 +1307,15 @@ def replace_builtin() -> Iterator[Any]:
 
     TensorCast's ``ignore_model_profiles`` takes the builtin out for the block and puts it back
     afterwards (when there was none, this profile stays registered, as after ``register()``).
+    TensorCast's own image sizing is back after the block too.
     """
     registry = _registry()
     check_environment()
     with registry.ignore_model_profiles([MODEL_TYPE]):
-        yield registry.register_model_profile(model_profile())
+        try:
+            yield registry.register_model_profile(model_profile())
+        finally:
+            remove_image_sizing()
 
 
 def _load_text_generate() -> Any:

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 def patch_embed_flat_linear(
     original: Callable[..., Any], self: Any, x: torch.Tensor, *args: Any, **kwargs: Any
 ) -> Any:
-    """``wrap`` impl for ``MoonVision3dPatchEmbed.forward``: accept flat 2-D patches.
+    """``wrap`` impl for ``MoonVision3dPatchEmbed.forward`` (remote code) and transformers'
+    ``Kimi_K25VisionPatchEmbed.forward``: accept flat 2-D patches.
 
     Simulators feed patches as ``[L, C*ph*pw]``; the upstream ``Conv2d`` wants ``[L, C, ph, pw]``.
     A conv whose kernel equals the patch is a linear map over the flattened patch, so this computes

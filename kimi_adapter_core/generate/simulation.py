@@ -18,6 +18,11 @@ A spec with environment shims or simulation patches also gets the patch runtime
 (``patching/portable.py``, embedded verbatim) plus its shims and patches as data, with each
 implementation's own source embedded; ``hf_config_patch_method`` installs them behind the gate.
 
+A spec with a vision tower (``module_paths.vision_layers``) also gets the vision path TensorCast's
+image inputs need: its image sizing for the profile's model_type (TensorCast's fallback is another
+family's rule, in a module that imports torchvision) and a TensorCast attention instance for each
+vision layer's ``attn`` (TensorCast tags only Qwen-VL's ``blocks.*.attn``).
+
 Every profile checks itself, loudly, where TensorCast cannot swallow it: the transformers range of
 ``requires.transformers``, and -- once TensorCast has built the model -- the class it built, every
 module path, and every field each declared MLA/MoE swap needs (``TENSORCAST_MLA_FIELDS``,
@@ -63,6 +68,8 @@ TEMPLATE_NAMES = frozenset(
     | {"_STATE", "_expected_class", "_fields_of", "_modules_of", "_experts_layout", "_experts_count"}
     | {"_problems_text", "_load_text_generate", "_bridge_kwargs", "_neutral_rope", "_pad_or_trim"}
     | {"_attention_class", "_ATTENTION_CLASS", "_apply_spec", "_check_experts", "ADAPTER", "_readable"}
+    | {"IMAGE_SIZING", "IMAGE_SIZING_ARGS", "VISION_ATTENTION", "image_size", "_SIZING"}
+    | {"install_image_sizing", "remove_image_sizing", "tag_vision_attention"}
 )
 
 # ModelProfile field -> spec entry it is copied from (TensorCast msmodeling 0.2.0 field names).
@@ -393,17 +400,19 @@ def render_simulation(spec: Spec) -> list[Rendered]:
     require(spec, TARGET, "module_paths")
     fields = profile_fields(spec)
     roots = tensorcast_roots(spec)
+    paths = path_fields(spec, roots)
     requires = {k: v for k, v in spec.requires.items() if k == "transformers"}
     context = {
         "spec": spec_identity(spec),
         "gate": gate_context(spec),
         "model_type": next(f["value"] for f in fields if f["name"] == "model_type"),
         "profile": fields,
-        "paths": path_fields(spec, roots),
+        "paths": paths,
         "roots": roots,
         "requires": requires,
         "swaps": swaps_context(spec),
         "bridge": _bridge_context(spec, roots),
+        "vision": any(f["name"] == "visual_layers_module_path" for f in paths),
         **bridge_context(spec, backend=TARGET, target=TARGET),
         **_runtime_context(spec),
     }
