@@ -4,13 +4,18 @@ Each spec (default: every ``specs/*.yaml`` but the remote-code one) runs each co
 own subprocess (so peak RSS is its own) from a cold interpreter; wall time covers everything a user
 waits for: imports, building the full-size model on meta, both graphs, writing JSON.
 
-- ``kadapt``: ``kadapt apply``'s path (load_model under applied + extraction ``run``, layer stitching).
+- ``kadapt``: ``kadapt apply``'s path (load_model under applied + extraction ``run``, layer stitching);
+  for a spec with ``abi.vision`` (kimi_k25) this is the main job, vision graph included.
 - ``kadapt-full``: the same with stitching off (every layer traced), for reference.
+- ``vision`` / ``vision-full``: only the vision graph (MoonViT encoder + projector at the spec's image
+  ABI) of the full-size model, stitched (2 of 27 encoder layers traced) and with every layer traced;
+  each child hashes the IR JSON it would write, so the report also says whether both are identical.
+  Skipped for specs without ``abi.vision``.
 - ``torch_ir``: ``torch_ir.extract_ir`` on kadapt's own ABI wrappers over the same applied model.
   pytorch-ir's ``IR.save`` cannot write dtype/device attributes (its defect 1), so its JSON size is
   measured on ``json.dumps(ir.to_dict(), indent=2, default=str)``, the text ``save`` would write.
 
-Usage: ``python benchmarks/bench_extraction.py [--specs llama,kimi_k25] [--modes kadapt,torch_ir]``.
+Usage: ``python benchmarks/bench_extraction.py [--specs llama,kimi_k25] [--modes kadapt,torch_ir,vision]``.
 Figures from pytorch-ir's own Kimi-K2.5 example (shared reference): 254 s, 1.8 GB, 41.5 MB per graph;
 they are printed against the ``kimi_k25`` row only.
 """
@@ -18,6 +23,7 @@ they are printed against the ``kimi_k25`` row only.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import resource
 import subprocess
@@ -30,6 +36,8 @@ from typing import Any
 START = time.perf_counter()
 REPO = Path(__file__).resolve().parents[1]
 SPECS = sorted(p.stem for p in (REPO / "specs").glob("*.yaml") if p.stem != "kimi_k25_remote")
+MODES = ("kadapt", "kadapt-full", "torch_ir", "vision", "vision-full")
+VISION_MODES = ("vision", "vision-full")
 REFERENCE = {"seconds": 254.0, "peak_rss_mb": 1800.0, "json_mb_per_graph": 41.5}
 
 
@@ -57,8 +65,48 @@ def child_kadapt(spec_name: str, output_dir: Path, stitch: bool) -> dict[str, An
     return {
         "build_seconds": built,
         "extract_seconds": summary.seconds,
+        "steps": dict(summary.steps),
         "nodes": {kind: graphs[kind]["nodes"] for kind in graphs},
         "json_bytes": {kind: graphs[kind]["bytes"] for kind in graphs},
+    }
+
+
+def child_vision(spec_name: str, stitch: bool) -> dict[str, Any]:
+    """The full-size vision graph alone, as ``run`` builds it, and the IR text it would write."""
+    import dataclasses
+    import math
+
+    import torch
+
+    from kimi_adapter_core.backends.extraction import options_from_spec, vision
+    from kimi_adapter_core.loading import applied, load_model
+    from kimi_adapter_core.spec import load_spec
+
+    spec = load_spec(REPO / "specs" / f"{spec_name}.yaml")
+    options = dataclasses.replace(options_from_spec(spec, output_dir=tempfile.gettempdir()), stitch=stitch)
+    with applied(spec, backend="extraction"):
+        model = load_model(spec, device="meta", dtype=torch.bfloat16)
+        start = time.perf_counter()
+        modules = vision.prepare(spec, model, options)
+        graph = vision.build_vision_graph(
+            modules, options, "cpu", echo=lambda line: print(line, file=sys.stderr)
+        )
+        seconds = time.perf_counter() - start
+        digest = hashlib.sha256()
+        size = 0
+        for chunk in vision.vision_chunks(spec, modules, graph, options, "cpu"):
+            data = chunk.encode()
+            digest.update(data)
+            size += len(data)
+    return {
+        "vision_seconds": seconds,
+        "layers": len(modules.encoder.layers),
+        "traced_layers": int(graph.notes.get("traced_layers", len(modules.encoder.layers))),
+        "nodes": len(graph.nodes),
+        "weights": len(graph.weights),
+        "parameters": sum(math.prod(t.shape) for t in graph.weights.values()),
+        "json_bytes": size,
+        "sha256": digest.hexdigest(),
     }
 
 
@@ -116,6 +164,13 @@ def child_torch_ir(spec_name: str) -> dict[str, Any]:
     return {"nodes": nodes, "json_bytes": sizes, "save_errors": save_errors}
 
 
+def has_vision(spec_name: str) -> bool:
+    from kimi_adapter_core.spec import load_spec  # no torch: the parent stays light
+
+    abi = load_spec(REPO / "specs" / f"{spec_name}.yaml").abi
+    return abi is not None and abi.vision is not None
+
+
 def run_child(spec_name: str, mode: str, output_dir: Path) -> dict[str, Any]:
     command = [
         sys.executable,
@@ -146,6 +201,44 @@ def _row(label: str, seconds: float, rss: float, nodes: dict[str, int], mb: dict
     )
 
 
+def vision_report(results: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """The vision-graph table, stitched vs every layer traced, and their ratios (same run)."""
+    lines = [
+        "",
+        f"{'vision graph (full size)':<24} {'wall s':>7} {'vision s':>8} {'peak RSS MB':>11} {'layers':>9} "
+        f"{'nodes':>7} {'weights':>7} {'params':>8} {'JSON MB':>7}",
+    ]
+    for spec_name, modes in results.items():
+        for mode in VISION_MODES:
+            r = modes.get(mode)
+            if r is None:
+                continue
+            lines.append(
+                f"{spec_name + ' / ' + mode:<24} {r['seconds']:>7.1f} {r['vision_seconds']:>8.2f} "
+                f"{r['peak_rss_mb']:>11.0f} {r['traced_layers']:>3}/{r['layers']:<3}  {r['nodes']:>7,} "
+                f"{r['weights']:>7,} {r['parameters'] / 1e9:>7.3f}B {r['json_bytes'] / 1e6:>7.2f}"
+            )
+        ours, full = modes.get("vision"), modes.get("vision-full")
+        if ours is not None and full is not None:
+            same = "identical" if ours["sha256"] == full["sha256"] else "DIFFERENT"
+            lines.append(
+                f"  {spec_name} vision stitched vs every layer traced (same run): vision graph "
+                f"{_ratio(full['vision_seconds'], ours['vision_seconds'])} faster, wall "
+                f"{_ratio(full['seconds'], ours['seconds'])} faster, peak RSS "
+                f"{ours['peak_rss_mb'] / full['peak_rss_mb']:.0%}; IR JSON {same} "
+                f"({ours['nodes']:,} vs {full['nodes']:,} nodes)"
+            )
+        main = modes.get("kadapt")
+        vision_step = (main or {}).get("steps", {}).get("export vision")
+        if main is not None and vision_step is not None:
+            lines.append(
+                f"  {spec_name} main job (kadapt apply's path, vision included): wall "
+                f"{main['seconds']:.1f} s, extraction {main['extract_seconds']:.1f} s, of which vision "
+                f"{vision_step:.1f} s"
+            )
+    return lines
+
+
 def report(results: dict[str, dict[str, dict[str, Any]]]) -> str:
     lines = [
         f"{'spec / contender':<24} {'wall s':>7} {'peak RSS MB':>11} {'prefill nodes':>13} "
@@ -158,6 +251,8 @@ def report(results: dict[str, dict[str, dict[str, Any]]]) -> str:
                 _row("kimi_k25 / pytorch-ir*", REFERENCE["seconds"], REFERENCE["peak_rss_mb"], nodes, mb)
             )
         for mode, r in modes.items():
+            if mode in VISION_MODES:
+                continue
             mb = {k: v / 1e6 for k, v in r["json_bytes"].items()}
             lines.append(_row(f"{spec_name} / {mode}", r["seconds"], r["peak_rss_mb"], r["nodes"], mb))
     if "kimi_k25" in results:
@@ -191,6 +286,8 @@ def report(results: dict[str, dict[str, dict[str, Any]]]) -> str:
             )
             if theirs.get("save_errors"):
                 lines.append(f"  torch_ir.save_ir failed: {next(iter(theirs['save_errors'].values()))}")
+    if any(mode in VISION_MODES for modes in results.values() for mode in modes):
+        lines += vision_report(results)
     return "\n".join(lines)
 
 
@@ -198,7 +295,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--specs", default=",".join(SPECS), help="comma list of shipped spec names")
     parser.add_argument(
-        "--modes", default="kadapt,torch_ir", help="comma list of kadapt, kadapt-full, torch_ir"
+        "--modes",
+        default="kadapt,torch_ir,vision,vision-full",
+        help=f"comma list of {', '.join(MODES)} (vision modes: specs with abi.vision only)",
     )
     parser.add_argument(
         "--output-dir", type=Path, default=None, help="where kadapt writes (default: a temp dir)"
@@ -210,17 +309,24 @@ def main() -> None:
     if args.child:
         if args.child == "torch_ir":
             result = child_torch_ir(args.spec)
+        elif args.child in VISION_MODES:
+            result = child_vision(args.spec, stitch=args.child == "vision")
         else:
             result = child_kadapt(args.spec, args.output_dir, stitch=args.child == "kadapt")
         result.update(child_seconds=time.perf_counter() - START, peak_rss_mb=_peak_rss_mb())
         print(json.dumps(result))
         return
+    modes = args.modes.split(",")
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        parser.error(f"unknown modes {', '.join(unknown)}; choose from {', '.join(MODES)}")
     results: dict[str, dict[str, dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="kadapt-bench-") as tmp:
         out = args.output_dir or Path(tmp)
         for spec_name in args.specs.split(","):
+            runnable = [m for m in modes if m not in VISION_MODES or has_vision(spec_name)]
             results[spec_name] = {
-                mode: run_child(spec_name, mode, out / spec_name / mode) for mode in args.modes.split(",")
+                mode: run_child(spec_name, mode, out / spec_name / mode) for mode in runnable
             }
     print(report(results))
     if args.json:

@@ -15,6 +15,7 @@ from torch import nn
 from kimi_adapter_core.backends.extraction import options_from_spec, runtime
 from kimi_adapter_core.backends.extraction import pipeline as pipeline_module
 from kimi_adapter_core.backends.extraction.graph import (
+    CONSTANT,
     INPUT,
     NODE,
     Graph,
@@ -154,6 +155,43 @@ def test_a_layer_reading_an_older_layer_is_not_stitchable() -> None:
     names = options_from_spec(SPEC, output_dir="/tmp").prefill_names
     with pytest.raises(NotStitchable, match="layer 2 reads layer 0"):
         stitch(graph, Plan(3, {3: 2}), layer_paths=["l0", "l1", "l2", "l3"], tensor_types={}, names=names)
+
+
+def test_a_layer_reading_its_own_constant_is_not_stitchable() -> None:
+    """A per-layer non-persistent buffer has a value only for the traced layers: no copy may read it.
+    (Layers found under another wrapper path, as the vision encoder's, via ``layer_scope``.)"""
+    value = TensorType((1,), "float32")
+
+    def node(node_id: int, layer: int | None, inputs: list[Ref]) -> Node:
+        scope = f"encoder.layers.{layer}.attn" if layer is not None else "encoder.patch_embed"
+        return Node(node_id, "aten.add.Tensor", scope, inputs, [value], (), {})
+
+    graph = Graph(
+        "vision",
+        [GraphInput("x", value, "fixed")],
+        [GraphOutput("y", Ref(NODE, 3), "logits")],
+        [
+            node(0, None, [Ref(INPUT, 0)]),
+            node(1, 0, [Ref(NODE, 0), Ref(CONSTANT, "vt.layers.0.table")]),
+            node(2, 1, [Ref(NODE, 1), Ref(CONSTANT, "vt.layers.1.table")]),
+            node(3, None, [Ref(NODE, 2)]),
+        ],
+        {},
+        {"vt.layers.0.table": torch.zeros(1), "vt.layers.1.table": torch.ones(1)},
+    )
+    names = options_from_spec(SPEC, output_dir="/tmp").prefill_names
+    paths = [f"vt.layers.{i}" for i in range(3)]
+    with pytest.raises(NotStitchable, match="layer 1 reads its own constant vt.layers.1.table"):
+        stitch(
+            graph,
+            Plan(2, {2: 1}),
+            layer_paths=paths,
+            tensor_types={},
+            names=names,
+            layer_scope="encoder.layers",
+        )
+    with pytest.raises(NotStitchable, match="hands more or less than one value"):  # no layers.<i> scopes
+        stitch(graph, Plan(2, {2: 1}), layer_paths=paths, tensor_types={}, names=names)
 
 
 def test_build_graph_falls_back_to_tracing_every_layer(monkeypatch: pytest.MonkeyPatch) -> None:

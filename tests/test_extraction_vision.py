@@ -31,6 +31,8 @@ SPEC = KIMI_SPEC
 # two images packed into one call: the encoder attends within each image only
 GRIDS = ((1, 4, 6), (1, 2, 4))
 TOKENS = 4 * 6 // 4 + 2 * 4 // 4
+# several encoder layers, so the graphs checked against transformers are stitched (2 traced, 2 copies)
+VISION_LAYERS = 4
 
 
 def _options(out: Path, grids: tuple[tuple[int, int, int], ...] = GRIDS, dtype: str = "float32") -> Any:
@@ -42,15 +44,16 @@ def _options(out: Path, grids: tuple[tuple[int, int, int], ...] = GRIDS, dtype: 
 
 
 def _config(options: Any) -> Any:
-    return load_config(SPEC, backend="extraction", overrides=tiny_overrides(SPEC, options))
+    overrides = {**tiny_overrides(SPEC, options), "vision_config.vt_num_hidden_layers": VISION_LAYERS}
+    return load_config(SPEC, backend="extraction", overrides=overrides)
 
 
 @pytest.fixture(scope="module")
 def exported(
     tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[tuple[Any, torch.nn.Module, dict[str, Any]]]:
-    """The tiny model's vision IR (fp32, two images), written by the vision module on meta, plus a CPU
-    model with random weights and the same config."""
+) -> Iterator[tuple[Any, torch.nn.Module, dict[str, Any], Any]]:
+    """The tiny model's vision IR (fp32, two images, stitched), written by the vision module on meta, plus
+    a CPU model with random weights and the same config, and the graph written."""
     out = tmp_path_factory.mktemp("vision")
     options = _options(out)
     config = _config(options)
@@ -62,7 +65,7 @@ def exported(
         graph = vision_module.build_vision_graph(modules, options, "cpu")
         write_all({options.path("vision"): vision_module.vision_chunks(SPEC, modules, graph, options, "cpu")})
     weights = {rename_weight(name, options.weight_renames): t for name, t in model.state_dict().items()}
-    yield options, model, weights
+    yield options, model, weights, graph
 
 
 def test_spec_declares_the_fixed_image_abi(tmp_path: Path) -> None:
@@ -76,7 +79,9 @@ def test_spec_declares_the_fixed_image_abi(tmp_path: Path) -> None:
 
 
 def test_saved_vision_ir_equals_transformers(exported: tuple) -> None:
-    options, model, weights = exported
+    options, model, weights, graph = exported
+    assert graph.notes == {"traced_layers": 2, "replicated_from": {"2": 1, "3": 1}}
+    assert len(model.model.vision_tower.layers) == VISION_LAYERS
     report = VerifyReport("latent", 1e-5)
     result = check_vision(report, SPEC, model, options, weights, tolerance=1e-5)
     assert report.passed, report.render()
@@ -85,7 +90,7 @@ def test_saved_vision_ir_equals_transformers(exported: tuple) -> None:
 
 
 def test_vision_ir_interface_and_metadata(exported: tuple) -> None:
-    options, model, _ = exported
+    options, model, _, _ = exported
     doc = json.loads(options.path("vision").read_text())
     ir = torch_ir.load_ir(options.path("vision"))
     assert torch_ir.validate_ir(ir)
@@ -95,6 +100,22 @@ def test_vision_ir_interface_and_metadata(exported: tuple) -> None:
     ]
     hidden = model.config.text_config.hidden_size
     assert doc["graph_outputs"] == [{"name": "image_features", "shape": [TOKENS, hidden], "dtype": "float32"}]
+    # the layout tools read: stitching adds no key (the summary, not the IR, says how it was obtained)
+    assert set(doc["metadata"]) == {
+        "graph",
+        "model_name",
+        "model",
+        "spec",
+        "model_class",
+        "abi",
+        "feature_mapping",
+        "num_layers",
+        "attn_implementation",
+        "device",
+        "versions",
+        "enums",
+    }
+    assert doc["metadata"]["num_layers"] == VISION_LAYERS
     abi = doc["metadata"]["abi"]
     assert abi["grid_thws"] == [list(g) for g in GRIDS]
     assert (abi["merge_kernel"], abi["tokens_per_image"], abi["num_image_tokens"]) == ([2, 2], [6, 2], TOKENS)
@@ -104,16 +125,21 @@ def test_vision_ir_interface_and_metadata(exported: tuple) -> None:
     # the grid-derived tensors are constants of the IR, with the values transformers computes
     interp = doc["constants"]["vision_abi.interp_indices"]
     assert torch.tensor(interp["data"]).shape == (patches, 16)  # bicubic: 4x4 taps per patch
+    # weights under the spec's checkpoint names; the copied layers' own weights (layer 3), not layer 1's
     names = {w["name"] for w in doc["weights"]}
-    assert "model.vision_tower.patch_embed.proj.weight" in names
-    assert "model.mm_projector.out_proj.weight" in names
+    paths = [f"model.vision_tower.layers.{i}.mlp.fc2.weight" for i in range(VISION_LAYERS)]
+    paths += ["model.vision_tower.patch_embed.proj.weight", "model.mm_projector.out_proj.weight"]
+    assert {rename_weight(path, options.weight_renames) for path in paths} <= names
+    assert len(names) == len(model.model.vision_tower.state_dict()) + len(
+        model.model.mm_projector.state_dict()
+    )
     assert not any(name.startswith("language_model.") for name in names)
 
 
 def test_a_wrong_grid_constant_fails_the_check(exported: tuple, tmp_path: Path) -> None:
     """The check compares numbers that the grid constants decide: zeroed interpolation weights (no
     position embedding) must fail it."""
-    options, model, weights = exported
+    options, model, weights, _ = exported
     doc = json.loads(options.path("vision").read_text())
     entry = doc["constants"]["vision_abi.interp_weights"]
     entry["data"] = torch.zeros_like(torch.tensor(entry["data"])).tolist()
@@ -134,14 +160,16 @@ def test_run_writes_the_vision_graph_and_its_summary_line(tmp_path: Path) -> Non
     stats = summary.graphs["vision"]
     assert stats.path == options.path("vision") and stats.path.stat().st_size == stats.bytes
     assert stats.nodes == len(torch_ir.load_ir(stats.path).nodes) > 0
-    assert stats.inputs == 1 and stats.outputs == 1 and stats.layers == 1
+    assert stats.inputs == 1 and stats.outputs == 1
+    assert (stats.layers, stats.traced_layers) == (VISION_LAYERS, 2)
     rendered = summary.render()
     assert f"-> {options.path('vision')}" in rendered
     assert (
         "2 images, t x h x w patch grid 1x4x6, 1x2x4 (32 patches of 14x14 px), merge 2x2 -> 8 image tokens"
         in rendered
     )
-    assert summary.to_dict()["graphs"]["vision"]["layers"] == 1
+    assert f"{VISION_LAYERS} layers, 2 traced  -> {options.path('vision')}" in rendered
+    assert summary.to_dict()["graphs"]["vision"]["layers"] == VISION_LAYERS
     assert any("export vision" in line for line in lines)
     # the text graphs and the weight map are unchanged by the vision graph
     weight_map = json.loads(options.path("weight_map").read_text())

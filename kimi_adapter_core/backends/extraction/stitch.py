@@ -1,27 +1,30 @@
-"""Replicate exported decoder layers instead of tracing all of them.
+"""Replicate exported layers instead of tracing all of them.
 
-Decoder layers of one kind (same module tree, same parameter shapes and dtypes) trace to the same
+Layers of one kind (same module tree, same parameter shapes and dtypes) trace to the same
 node sequence; only their weights, KV tensors and names differ. Tracing all 61 Kimi layers takes
 ~3 minutes here for the two graphs and yields 60 identical MoE copies, so kadapt traces the shortest
 prefix that holds every kind at a position >= 1 (Kimi: dense layer 0 + MoE layer 1) and clones the
 template layer for the rest, re-pointing each clone at its own weights, its own past/present KV and
-the previous layer's hidden state.
+the previous layer's hidden state. The same holds for any stack of layers run in sequence: the vision
+encoder's 27 MoonViT layers are stitched the same way (``layer_scope`` names where a graph's layers
+sit in its wrapper: ``layers`` for the text wrappers, ``encoder.layers`` for the vision wrapper).
 
 The clone is only valid if a layer is self-contained: it may read shared values computed before the
 first layer (embedding, rotary cos/sin), graph inputs, its own weights, and exactly one value of the
-layer before it (the hidden state). ``plan``/``stitch`` check that and raise ``NotStitchable``
+layer before it (the hidden state); it may not read a constant of its own (a per-layer buffer has no
+value for the layers that were not traced). ``plan``/``stitch`` check that and raise ``NotStitchable``
 otherwise, and the caller falls back to tracing every layer. Tests compare stitched graphs with full
 traces node for node.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 
 from torch import nn
 
-from .graph import INPUT, NODE, WEIGHT, Graph, GraphInput, GraphOutput, Node, Ref, TensorType
+from .graph import CONSTANT, INPUT, NODE, WEIGHT, Graph, GraphInput, GraphOutput, Node, Ref, TensorType
 from .options import GraphNames
 
 
@@ -75,10 +78,26 @@ def plan(layers: Sequence[nn.Module]) -> Plan:
     return Plan(len(kinds))
 
 
-def _rescope(scope: str, source: int, target: int) -> str:
-    head = f"layers.{source}"
+LayerOf = Callable[[Node], int | None]
+
+
+def _layer_finder(layer_scope: str) -> LayerOf:
+    """Index of the layer a node belongs to (scope ``<layer_scope>.<i>...``), else None."""
+    head = layer_scope + "."
+
+    def index(node: Node) -> int | None:
+        if not node.scope.startswith(head):
+            return None
+        position = node.scope[len(head) :].split(".", 1)[0]
+        return int(position) if position.isdigit() else None
+
+    return index
+
+
+def _rescope(scope: str, layer_scope: str, source: int, target: int) -> str:
+    head = f"{layer_scope}.{source}"
     if scope == head or scope.startswith(head + "."):
-        return f"layers.{target}" + scope[len(head) :]
+        return f"{layer_scope}.{target}" + scope[len(head) :]
     raise NotStitchable(f"node scope {scope} is outside layer {source}")
 
 
@@ -95,13 +114,13 @@ class _Layout:
     carry: list[Slot]  # per traced layer: the one value it hands to the next layer
 
 
-def _layout(graph: Graph, prefix: int) -> _Layout:
+def _layout(graph: Graph, prefix: int, layer_of: LayerOf) -> _Layout:
     head: list[Node] = []
     tail: list[Node] = []
     layers: list[list[Node]] = [[] for _ in range(prefix)]
     last_layer = -1
     for node in graph.nodes:
-        layer = node.layer
+        layer = layer_of(node)
         if layer is None:
             (head if last_layer < 0 else tail).append(node)
         elif tail or layer < last_layer or layer >= prefix:
@@ -113,13 +132,14 @@ def _layout(graph: Graph, prefix: int) -> _Layout:
     graph_outputs = {(o.ref.key, o.ref.index) for o in graph.outputs if o.ref.kind == NODE}
     handed: list[set[Slot]] = [set() for _ in range(prefix)]
     for reader in [*(node for nodes in layers for node in nodes), *tail]:
+        reader_layer = layer_of(reader)
         for ref in reader.inputs:
             source = owner.get(ref.key) if ref.kind == NODE else None
-            if source is None or source == reader.layer:
+            if source is None or source == reader_layer:
                 continue
-            if reader.layer is not None and source != reader.layer - 1:
-                raise NotStitchable(f"layer {reader.layer} reads layer {source}")
-            if reader.layer is None and source != prefix - 1:
+            if reader_layer is not None and source != reader_layer - 1:
+                raise NotStitchable(f"layer {reader_layer} reads layer {source}")
+            if reader_layer is None and source != prefix - 1:
                 raise NotStitchable(f"the final nodes read layer {source}")
             if (ref.key, ref.index) not in graph_outputs:
                 handed[source].add((ref.key, ref.index))
@@ -137,6 +157,7 @@ class _Clone:
         template: Graph,
         layout: _Layout,
         layer_paths: Sequence[str],
+        layer_scope: str,
         tensor_types: dict[str, TensorType],
         source: int,
         target: int,
@@ -145,6 +166,7 @@ class _Clone:
         self.stitched = stitched
         self.template = template
         self.layer_paths = layer_paths
+        self.layer_scope = layer_scope
         self.tensor_types = tensor_types
         self.source = source
         self.target = target
@@ -183,11 +205,13 @@ class _Clone:
                 raise NotStitchable(f"{path} does not match the traced {ref.key}")
             self.stitched.weights[path] = self.template.weights[ref.key]
             return Ref(WEIGHT, path)
+        if ref.kind == CONSTANT and ref.key.startswith(prefix):
+            raise NotStitchable(f"layer {self.source} reads its own constant {ref.key}")
         return ref
 
     def node(self, node: Node, new_id: int) -> Node:
         self.ids[node.id] = new_id
-        scope = _rescope(node.scope, self.source, self.target)
+        scope = _rescope(node.scope, self.layer_scope, self.source, self.target)
         return Node(
             new_id,
             node.op,
@@ -206,15 +230,17 @@ def stitch(
     layer_paths: Sequence[str],
     tensor_types: dict[str, TensorType],
     names: GraphNames,
+    layer_scope: str = "layers",
 ) -> Graph:
     """The graph of all ``len(layer_paths)`` layers from a trace of ``chosen.prefix`` layers.
 
     ``layer_paths[j]`` is layer ``j``'s module path in the model (``model.language_model.layers.5``);
-    ``tensor_types`` the model's parameters, to check every clone's weights exist as traced.
+    ``tensor_types`` the model's parameters, to check every clone's weights exist as traced;
+    ``layer_scope`` the layers' module path inside the traced wrapper (node scopes ``<layer_scope>.<j>...``).
     """
     if not chosen.templates:
         return graph
-    layout = _layout(graph, chosen.prefix)
+    layout = _layout(graph, chosen.prefix, _layer_finder(layer_scope))
     stitched = Graph(
         graph.kind,
         list(graph.inputs),
@@ -229,7 +255,9 @@ def stitch(
     next_id = max(node.id for node in graph.nodes) + 1
     for target in range(chosen.prefix, len(layer_paths)):
         source = chosen.templates[target]
-        clone = _Clone(stitched, graph, layout, layer_paths, tensor_types, source, target, carry[-1])
+        clone = _Clone(
+            stitched, graph, layout, layer_paths, layer_scope, tensor_types, source, target, carry[-1]
+        )
         clone.add_kv_inputs(names)
         for node in layout.layers[source]:
             stitched.nodes.append(clone.node(node, next_id))

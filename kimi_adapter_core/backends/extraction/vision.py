@@ -7,13 +7,17 @@ handed to the encoder through the keyword arguments those helpers pop. The graph
 the pixel patches, and one output, one projected feature row per image placeholder token; the grid
 constants are written into the IR (``constants``), as the rotary frequencies are.
 
-The encoder is exported whole (no layer stitching): MoonViT's 27 layers trace in seconds on meta.
-Only MoonViT (transformers' ``Kimi_K25VisionModel``) is supported: the precomputed tensors are the
-ones its forward consumes.
+MoonViT's 27 encoder layers are identical, so, as for the text graphs (``stitch``), a shallow copy of
+the encoder that runs only its first layers is exported (2 of 27: exporting all of them took ~12 s of
+a ~21 s main job) and the template layer is cloned onto the other layers' weights; if the trace
+cannot be replicated the whole encoder is exported. Only MoonViT (transformers'
+``Kimi_K25VisionModel``) is supported: the precomputed tensors are the ones its forward consumes.
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,12 +35,15 @@ from .export import _param_path, export_program
 from .graph import Graph
 from .irjson import ir_chunks
 from .options import ExtractionOptions, GraphNames, VisionOptions
-from .weights import cast_to_abi_dtype, keep_fp32_names, tied_names, weight_entries
+from .stitch import NotStitchable, Plan, plan, stitch
+from .weights import cast_to_abi_dtype, keep_fp32_names, model_tensor_types, tied_names, weight_entries
 
 KIND = "vision"
 ABI_PREFIX = "vision_abi"  # IR name prefix of the grid constants the wrapper owns
 # keyword arguments of Kimi_K25VisionModel.forward whose helpers pop a precomputed value
 GRID_CONSTANTS = ("interp_indices", "interp_weights", "frame_index", "position_ids", "temporal_merge_index")
+# where the encoder layers sit in VisionWrapper: node scopes encoder.layers.<i>...
+LAYER_SCOPE = "encoder.layers"
 
 
 def _grid_tensors(tower: nn.Module, grid_thw: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -195,9 +202,20 @@ def _constant_value(wrapper: VisionWrapper, program: Any) -> Any:
     return value
 
 
-def build_vision_graph(modules: VisionModules, options: ExtractionOptions, device: str) -> Graph:
-    """Export and convert the vision wrapper at the fixed grid; weights named by model paths."""
-    wrapper = VisionWrapper(modules.encoder, modules.projector, modules.abi.grid_thws).eval()
+def _first_layers(encoder: nn.Module, num_layers: int) -> nn.Module:
+    """``encoder`` running only its first ``num_layers`` layers: a shallow copy sharing every submodule
+    and parameter (so weights keep their model paths); the model itself is not touched."""
+    if num_layers == len(encoder.layers):
+        return encoder
+    short = copy.copy(encoder)
+    short._modules = {**encoder._modules, "layers": nn.ModuleList(list(encoder.layers)[:num_layers])}
+    return short
+
+
+def _traced_graph(modules: VisionModules, options: ExtractionOptions, device: str, num_layers: int) -> Graph:
+    """Export and convert the vision wrapper over the first ``num_layers`` encoder layers."""
+    encoder = _first_layers(modules.encoder, num_layers)
+    wrapper = VisionWrapper(encoder, modules.projector, modules.abi.grid_thws).eval()
     dtype = getattr(torch, options.dtype)
     pixels = torch.zeros(
         (modules.abi.num_patches, *modules.patch_shape), dtype=dtype, device=modules.encoder.device
@@ -217,6 +235,40 @@ def build_vision_graph(modules: VisionModules, options: ExtractionOptions, devic
         constant_value=_constant_value(wrapper, program),
         device=device,
     )
+
+
+def build_vision_graph(
+    modules: VisionModules,
+    options: ExtractionOptions,
+    device: str,
+    *,
+    echo: Callable[[str], Any] | None = None,
+) -> Graph:
+    """The vision graph at the fixed grid, weights named by model paths.
+
+    With ``options.stitch`` the shortest prefix of encoder layers holding a template for the rest is
+    traced and replicated (``stitch``); a trace that cannot be replicated is redone over every layer,
+    and ``echo`` (the progress printer) says why.
+    """
+    layers = list(modules.encoder.layers)
+    chosen = plan(layers) if options.stitch else Plan(len(layers))
+    graph = _traced_graph(modules, options, device, chosen.prefix)
+    if not chosen.templates:
+        return graph
+    module_paths = {id(m): p for p, m in modules.model.named_modules()}
+    try:
+        return stitch(
+            graph,
+            chosen,
+            layer_paths=[module_paths[id(layer)] for layer in layers],
+            tensor_types=model_tensor_types(modules.model),
+            names=_graph_names(modules.abi),
+            layer_scope=LAYER_SCOPE,
+        )
+    except NotStitchable as exc:
+        if echo is not None:
+            echo(f"  cannot replicate vision layers ({exc}); tracing all {len(layers)} layers")
+        return _traced_graph(modules, options, device, len(layers))
 
 
 def prepare(spec: Spec, model: nn.Module, options: ExtractionOptions) -> VisionModules:
