@@ -32,7 +32,7 @@ def test_main_job_extracts_full_kimi(tmp_path):
     assert statuses["K1"] == "applied" and statuses["X2"] == "applied" and statuses["B1"] == "applied"
     assert statuses["P2"] == "gated off"  # no flash_attention_2 in the shipped config
     written = sorted(p.name for p in out.iterdir())
-    kinds = ("decode_ir", "kv_mapping", "prefill_ir", "vision_ir", "weight_map")
+    kinds = ("decode_ir", "kv_mapping", "prefill_ir", "prefill_mm_ir", "vision_ir", "weight_map")
     assert written == [f"kimi_k25_text_{kind}.json" for kind in kinds]
     weight_map = json.loads((out / "kimi_k25_text_weight_map.json").read_text())
     experts = weight_map["weights"]["language_model.model.layers.1.mlp.experts.gate_up_proj"]

@@ -24,7 +24,14 @@ def test_verify_matches_transformers_generate(tmp_path: Path, kv_layout: str, ml
     fp32 = ["weights bind to checkpoint names", "prefill logits", "greedy generation", "decode logits"]
     bf16 = [f"{name} (bfloat16)" for name in fp32[1:]]
     vision = ["vision weights bind", "vision features"]  # the spec's abi.vision graph, in each dtype
-    fp32, bf16 = fp32 + vision, bf16 + [f"{name} (bfloat16)" for name in vision]
+    # abi.vision.merged_prefill: an image prompt through the saved vision, merged and decode JSON
+    multimodal = [
+        "multimodal prefill logits",
+        "multimodal greedy generation",
+        "multimodal decode logits",
+        "multimodal placeholder count checked before execution",
+    ]
+    fp32, bf16 = fp32 + vision + multimodal, bf16 + [f"{n} (bfloat16)" for n in vision + multimodal]
     # absorbed MLA rounds in another order than transformers' attention: bf16 is noted, not compared
     assert [c.name for c in report.checks] == (fp32 if mla_attention == "absorbed" else fp32 + bf16)
     assert bool(report.notes) == (mla_attention == "absorbed")

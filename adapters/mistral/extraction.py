@@ -313,11 +313,13 @@ class _TextStack(nn.Module):
         num_layers: int | None = None,
         mla_attention: str = "reexpand",
         windows: Sequence[int | None] | None = None,
+        **extra: Any,
     ) -> _TextStack:
         """Wrap a transformers decoder model (``embed_tokens``/``layers``/``norm``/``rotary_emb``).
 
         ``num_layers`` keeps only the first layers (a representative prefix for replication);
-        ``windows`` gives each layer's sliding window (None: full attention), indexed by layer.
+        ``windows`` gives each layer's sliding window (None: full attention), indexed by layer;
+        ``extra`` goes to the wrapper's constructor (``image_token_id`` of ``MultimodalPrefillWrapper``).
         """
         layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
         if num_layers is not None:
@@ -331,6 +333,7 @@ class _TextStack(nn.Module):
             kv_layout=kv_layout,
             mla_attention=mla_attention,
             windows=windows,
+            **extra,
         )
 
     def _run(
@@ -340,7 +343,16 @@ class _TextStack(nn.Module):
         position_ids: torch.Tensor,
         cache: StaticKVCache,
     ) -> tuple[torch.Tensor, ...]:
-        hidden_states = self.embed_tokens(input_ids)
+        return self._stack(self.embed_tokens(input_ids), attention_mask, position_ids, cache)
+
+    def _stack(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: StaticKVCache,
+    ) -> tuple[torch.Tensor, ...]:
+        """The layers, final norm and LM head over input embeddings ``hidden_states`` ``[B, Q, hidden]``."""
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         masks = {
             window: attention_mask
@@ -372,6 +384,58 @@ class PrefillWrapper(_TextStack):
         return self._run(input_ids, attention_mask, position_ids, cache)
 
 
+def merge_image_features(
+    embed_tokens: nn.Module, input_ids: torch.Tensor, image_features: torch.Tensor, image_token_id: int
+) -> torch.Tensor:
+    """Input embeddings ``[B, Q, hidden]`` with image feature row ``k`` at the ``k``-th placeholder token.
+
+    transformers' ``Kimi_K25Model.forward`` semantics: placeholder ids are embedded as token 0, the
+    features are cast to the embedding dtype, and ``masked_scatter`` puts them at the placeholders in
+    row-major order over ``[B, Q]`` (all rows of the batch share one feature tensor). Written as a
+    gather instead (``order`` counts the placeholders before each token), so the graph is static and
+    executable by plain ATen executors. The caller must pass exactly as many placeholders as feature
+    rows (``check_image_placeholders``): fewer leave rows unused, more index past the features.
+    """
+    placeholders = input_ids == image_token_id
+    embeds = embed_tokens(input_ids.masked_fill(placeholders, 0))
+    order = placeholders.flatten().to(torch.long).cumsum(0) - 1  # placeholder k has order k
+    rows = image_features.to(embeds.dtype).index_select(0, order.clamp(min=0))
+    return torch.where(placeholders.unsqueeze(-1), rows.view(embeds.shape), embeds)
+
+
+def check_image_placeholders(input_ids: torch.Tensor, image_token_id: int, feature_rows: int) -> None:
+    """Refuse a prompt whose placeholder count differs from the feature rows (the graph cannot check)."""
+    count = int((input_ids == image_token_id).sum())
+    if count != feature_rows:
+        raise ValueError(
+            f"the prompt has {count} image placeholder tokens (id {image_token_id}) but the image features "
+            f"have {feature_rows} rows; they must be equal"
+        )
+
+
+class MultimodalPrefillWrapper(_TextStack):
+    """Prompt pass with images: ``(input_ids, image_features, attention_mask, position_ids)`` ->
+    ``(logits, key0, value0, ...)``; the embeddings come from ``merge_image_features``, the rest is
+    the prefill's, so its KV continues into the decode graph exactly like the text prefill's."""
+
+    def __init__(self, *args: Any, image_token_id: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.image_token_id = image_token_id
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        image_features: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        cache = StaticKVCache(self.kv_layout, self.layer_ids)
+        hidden_states = merge_image_features(
+            self.embed_tokens, input_ids, image_features, self.image_token_id
+        )
+        return self._stack(hidden_states, attention_mask, position_ids, cache)
+
+
 class DecodeWrapper(_TextStack):
     """One token over a static cache: inputs end with ``past key0, value0, ...``, outputs the updated ones."""
 
@@ -399,6 +463,23 @@ def prefill_inputs(
     positions = torch.arange(prefill_len, device=device).unsqueeze(0).repeat(batch, 1)
     input_ids = torch.zeros(batch, prefill_len, dtype=torch.long, device=device)
     return input_ids, additive_causal_mask(positions, prefill_len, dtype), positions
+
+
+def multimodal_prefill_inputs(
+    *,
+    batch: int,
+    prefill_len: int,
+    feature_rows: int,
+    hidden_size: int,
+    dtype: torch.dtype,
+    device: str | torch.device = "meta",
+) -> tuple[torch.Tensor, ...]:
+    """Example multimodal prefill inputs: the prefill's, with zero image features after the token ids."""
+    input_ids, mask, positions = prefill_inputs(
+        batch=batch, prefill_len=prefill_len, dtype=dtype, device=device
+    )
+    features = torch.zeros(feature_rows, hidden_size, dtype=dtype, device=device)
+    return input_ids, features, mask, positions
 
 
 def decode_inputs(
@@ -599,6 +680,79 @@ def build_kv_mapping(
             "outputs_replace_inputs": True,
         },
         "layers": layers,
+    }
+
+
+MERGED_PREFILL_RULE = (
+    "the multimodal prefill replaces the text prefill for a prompt with images: its input_ids hold one "
+    "placeholder token (placeholder_token_id) per image feature row, and the placeholder count must equal "
+    "the feature rows (the graph cannot check it: fewer leave rows unused, more index past them); row k "
+    "of the features replaces the k-th placeholder in row-major order over [batch, prefill_len]. "
+    "Placeholders take ordinary consecutive position_ids; mask, positions and right padding (with any "
+    "token id but the placeholder) are the text prefill's. The KV outputs continue into the decode graph "
+    "exactly like the text prefill's (prefill_to_decode)."
+)
+
+
+def build_merged_prefill_mapping(
+    kv_dims: KVDims,
+    *,
+    graph: str,
+    inputs: Sequence[str],
+    batch: int,
+    prefill_len: int,
+    num_layers: int,
+    dtype: str,
+    names: dict[str, str],
+    feature_input: str,
+    feature_shape: Sequence[int],
+    placeholder_token_id: int,
+    features_from: dict[str, Any] | None = None,
+    dynamic: dict[str, tuple[int, int]] | None = None,
+) -> dict[str, Any]:
+    """The KV mapping's ``merged_prefill`` section: the multimodal prefill graph and how its KV feeds decode.
+
+    ``names`` maps ``prefill_key``/``prefill_value`` (this graph's outputs) and ``decode_key_in``/
+    ``decode_value_in`` to ``{layer}`` templates; ``dynamic`` sizes appear in shapes by name.
+    """
+    dynamic = dynamic or {}
+    batch_dim: int | str = "batch" if "batch" in dynamic else batch
+    length_dim: int | str = "prefill_len" if "prefill_len" in dynamic else prefill_len
+    key_shape, value_shape = kv_shapes(kv_dims, batch_dim, length_dim)
+
+    def tensor(role: str, layer: int, shape: tuple[int | str, ...]) -> dict[str, Any]:
+        return {"name": names[role].format(layer=layer), "shape": list(shape), "dtype": dtype}
+
+    return {
+        "graph": graph,
+        "inputs": list(inputs),
+        "batch": batch,
+        "prefill_len": prefill_len,
+        **({"dynamic": {name: list(bounds) for name, bounds in dynamic.items()}} if dynamic else {}),
+        "image_features": {
+            "input": feature_input,
+            "shape": list(feature_shape),
+            "dtype": dtype,
+            **({"from": features_from} if features_from else {}),
+        },
+        "placeholder_token_id": placeholder_token_id,
+        "rule": MERGED_PREFILL_RULE,
+        "prefill_to_decode": {
+            "op": "index_copy",
+            "dim": 2,
+            "positions": [0, length_dim],
+            "into": "zeros of the decode input shape",
+        },
+        "layers": [
+            {
+                "layer": layer,
+                "prefill_key_output": tensor("prefill_key", layer, key_shape),
+                "prefill_value_output": tensor("prefill_value", layer, value_shape),
+                "decode_key_input": names["decode_key_in"].format(layer=layer),
+                "decode_value_input": names["decode_value_in"].format(layer=layer),
+            }
+            for layer in range(num_layers)
+        ],
     }
 
 # fmt: on

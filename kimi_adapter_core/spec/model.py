@@ -107,6 +107,16 @@ class GraphAbi:
 
 
 @dataclass(frozen=True)
+class MergedPrefillAbi:
+    """``abi.vision.merged_prefill``: a prefill graph whose image placeholder tokens take the vision
+    graph's features (inputs ``[ids, features, mask, positions]``, outputs like ``abi.prefill``)."""
+
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    prefill_len: int | None = None  # prompt length, placeholders included; None: abi.prefill_len
+
+
+@dataclass(frozen=True)
 class VisionAbi:
     """``abi.vision``: the vision graph's fixed image ABI (patch grids packed into one call)."""
 
@@ -115,6 +125,7 @@ class VisionAbi:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     merge_kernel: tuple[int, int] | None = None  # a claim checked against the vision config
+    merged_prefill: MergedPrefillAbi | None = None
 
 
 @dataclass(frozen=True)
@@ -296,4 +307,11 @@ def _vision_abi(raw: dict[str, Any] | None) -> VisionAbi | None:
         inputs=tuple(raw["inputs"]),
         outputs=tuple(raw["outputs"]),
         merge_kernel=(kernel[0], kernel[1]) if kernel is not None else None,
+        merged_prefill=_merged_prefill_abi(raw.get("merged_prefill")),
     )
+
+
+def _merged_prefill_abi(raw: dict[str, Any] | None) -> MergedPrefillAbi | None:
+    if raw is None:
+        return None
+    return MergedPrefillAbi(tuple(raw["inputs"]), tuple(raw["outputs"]), raw.get("prefill_len"))

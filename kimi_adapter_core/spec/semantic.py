@@ -209,9 +209,15 @@ class _Checks:
             self.error(
                 "abi.prefill_len", f"prefill_len {prefill} exceeds max_cache_len {cache}", "abi-lengths"
             )
-        for graph in ("prefill", "decode"):
+        vision = abi.get("vision") if isinstance(abi.get("vision"), dict) else {}
+        merged = vision.get("merged_prefill")
+        graphs = {"prefill": abi.get("prefill"), "decode": abi.get("decode")}
+        if isinstance(merged, dict):
+            graphs["vision.merged_prefill"] = merged
+            self.check_merged_prefill(merged, vision, prefill, cache)
+        for graph, section in graphs.items():
             for side in ("inputs", "outputs"):
-                names = (abi.get(graph) or {}).get(side) if isinstance(abi.get(graph), dict) else None
+                names = section.get(side) if isinstance(section, dict) else None
                 for index, name in enumerate(names if isinstance(names, list) else []):
                     where = f"abi.{graph}.{side}[{index}]"
                     if isinstance(name, str) and "." in name and "{layer}" not in name and self.clean(where):
@@ -220,6 +226,39 @@ class _Checks:
                             f"{name!r} is a per-layer (dotted) name: it must contain {{layer}}",
                             "abi-layer-name",
                         )
+
+    def check_merged_prefill(
+        self, merged: dict[str, Any], vision: dict[str, Any], prefill: Any, cache: Any
+    ) -> None:
+        """The multimodal prompt fits the cache (abi.prefill_len, its default, is checked already) and
+        holds the image's placeholder tokens (counted with the spec's merge_kernel claim; without one the
+        export counts them from the encoder)."""
+        own = "prefill_len" in merged
+        where = "abi.vision.merged_prefill.prefill_len" if own else "abi.vision.merged_prefill"
+        length = merged.get("prefill_len", prefill)
+        if not isinstance(length, int) or not self.clean(where if own else "abi.prefill_len"):
+            return
+        named = "" if own else " (abi.prefill_len; set abi.vision.merged_prefill.prefill_len)"
+        if own and isinstance(cache, int) and length > cache and self.clean("abi.max_cache_len"):
+            self.error(
+                where, f"merged prefill length {length}{named} exceeds max_cache_len {cache}", "abi-lengths"
+            )
+        kernel, grids = vision.get("merge_kernel"), vision.get("grid_thws")
+        if (
+            kernel is None
+            or not self.clean("abi.vision.merge_kernel")
+            or not self.clean("abi.vision.grid_thws")
+        ):
+            return
+        rows, cols = kernel
+        tokens = sum(h // rows * (w // cols) for _, h, w in grids)
+        if length < tokens:
+            self.error(
+                where,
+                f"merged prefill length {length}{named} is shorter than the {tokens} image placeholder "
+                "tokens of abi.vision.grid_thws",
+                "abi-image-tokens",
+            )
 
     def check_module_paths(self) -> None:
         paths = self.section("module_paths")

@@ -21,7 +21,7 @@ from ...errors import KadaptError
 from . import runtime
 from .convert import Symbols, convert, symbol_names
 from .graph import Graph
-from .options import ExtractionOptions
+from .options import MERGED, ExtractionOptions, GraphNames
 
 
 @dataclass(frozen=True)
@@ -58,16 +58,35 @@ def check_exportable(backbone: Backbone) -> None:
         )
 
 
+def graph_names(kind: str, options: ExtractionOptions) -> GraphNames:
+    """ABI names of the ``kind`` graph: ``prefill``, ``decode`` or ``prefill_mm``."""
+    if kind == MERGED:
+        assert options.merged_prefill is not None
+        return options.merged_prefill.names
+    return options.prefill_names if kind == "prefill" else options.decode_names
+
+
 def wrapper_for(kind: str, backbone: Backbone, options: ExtractionOptions, num_layers: int) -> nn.Module:
-    cls = runtime.PrefillWrapper if kind == "prefill" else runtime.DecodeWrapper
-    return cls.from_language_model(
-        backbone.language_model,
-        backbone.lm_head,
-        kv_layout=options.kv_layout,
-        num_layers=num_layers,
-        mla_attention=options.mla_attention,
-        windows=options.windows,
-    ).eval()
+    classes = {"prefill": runtime.PrefillWrapper, "decode": runtime.DecodeWrapper}
+    extra: dict[str, Any] = {}
+    if kind == MERGED:
+        merged = options.merged_prefill
+        assert merged is not None and merged.image_token_id is not None, "bind_merged_prefill first"
+        classes[kind] = runtime.MultimodalPrefillWrapper
+        extra["image_token_id"] = merged.image_token_id
+    return (
+        classes[kind]
+        .from_language_model(
+            backbone.language_model,
+            backbone.lm_head,
+            kv_layout=options.kv_layout,
+            num_layers=num_layers,
+            mla_attention=options.mla_attention,
+            windows=options.windows,
+            **extra,
+        )
+        .eval()
+    )
 
 
 def example_inputs(
@@ -77,6 +96,17 @@ def example_inputs(
     if kind == "prefill":
         return runtime.prefill_inputs(
             batch=options.batch, prefill_len=options.prefill_len, dtype=dtype, device=backbone.device
+        )
+    if kind == MERGED:
+        merged = options.merged_prefill
+        assert merged is not None and merged.feature_rows is not None, "bind_merged_prefill first"
+        return runtime.multimodal_prefill_inputs(
+            batch=options.batch,
+            prefill_len=merged.prefill_len,
+            feature_rows=merged.feature_rows,
+            hidden_size=backbone.language_model.get_input_embeddings().embedding_dim,
+            dtype=dtype,
+            device=backbone.device,
         )
     return runtime.decode_inputs(
         options.kv_dims,
@@ -94,17 +124,19 @@ def dynamic_dims(kind: str, options: ExtractionOptions, num_inputs: int) -> dict
 
     Prefill: ``input_ids``/``position_ids`` ``[batch, prefill_len]``, the mask ``[batch, 1,
     prefill_len, prefill_len]``. Decode: batch only (one token, a cache of fixed capacity), on every
-    input but ``cache_position`` (one slot for the whole batch).
+    input but ``cache_position`` (one slot for the whole batch). Multimodal prefill: the prefill's,
+    but the image features ``[image tokens, hidden]`` stay fixed (one image ABI for the whole batch).
     """
     batch = "batch" in options.dynamic
-    length = "prefill_len" in options.dynamic and kind == "prefill"
+    length = "prefill_len" in options.dynamic and kind != "decode"
+    mask = 2 if kind == MERGED else 1
     dims: dict[int, dict[int, str]] = {}
     for position in range(num_inputs):
-        if kind == "decode" and position == 3:  # cache_position [1]
+        if (kind, position) in (("decode", 3), (MERGED, 1)):  # cache_position [1]; image features
             continue
         these = {0: "batch"} if batch else {}
         if length:
-            these.update({1: "prefill_len"} if position != 1 else {2: "prefill_len", 3: "prefill_len"})
+            these.update({1: "prefill_len"} if position != mask else {2: "prefill_len", 3: "prefill_len"})
         if these:
             dims[position] = these
     return dims
@@ -206,7 +238,7 @@ def to_graph(
     return convert(
         program,
         kind=kind,
-        names=options.prefill_names if kind == "prefill" else options.decode_names,
+        names=graph_names(kind, options),
         num_layers=num_layers,
         param_path=_param_path(wrapper, backbone.model),
         constant_value=_constant_value(wrapper, program),

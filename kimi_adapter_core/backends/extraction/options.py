@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import KadaptError
-from ...spec.model import GraphAbi, Spec, VisionAbi
+from ...spec.model import GraphAbi, MergedPrefillAbi, Spec, VisionAbi
 from ...structure.model import ALL_KV_LAYOUTS, Attention, ModelStructure
 from .symbolic import SYMBOLS as DYNAMIC_SIZES
 from .symbolic import DimRange
@@ -25,6 +25,8 @@ DTYPES = ("bfloat16", "float16", "float32", "float64")
 LAYER = "{layer}"
 PREFILL_FIXED = ("input_ids", "attention_mask", "position_ids")
 DECODE_FIXED = (*PREFILL_FIXED, "cache_position")
+MERGED_FIXED = ("input_ids", "image_features", "attention_mask", "position_ids")
+MERGED = "prefill_mm"  # graph kind (and file name part) of the multimodal prefill
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,45 @@ def vision_options(spec: Spec, vision: VisionAbi) -> VisionOptions:
 
 
 @dataclass(frozen=True)
+class MergedPrefillOptions:
+    """The multimodal prefill graph (``abi.vision.merged_prefill``): its names and prompt length."""
+
+    names: GraphNames  # fixed inputs [ids, features, mask, positions], prefill outputs
+    prefill_len: int  # prompt length, image placeholders included
+    where: str | None = None  # spec location of abi.vision.merged_prefill
+    # bound from the model before export (``bind_merged_prefill``)
+    image_token_id: int | None = None  # the config's placeholder token
+    feature_rows: int | None = None  # image tokens of the vision ABI: rows of the features input
+
+    @property
+    def feature_input(self) -> str:
+        return self.names.fixed_inputs[1]
+
+
+def merged_prefill_options(
+    spec: Spec, merged: MergedPrefillAbi, *, max_cache_len: int
+) -> tuple[MergedPrefillOptions | None, str | None]:
+    """``abi.vision.merged_prefill`` read without torch: ``(options, None)``, or ``(None, why)`` when
+    ``max_cache_len`` cannot hold the merged prompt.
+
+    The spec's own sizes are checked when it is loaded (``semantic``: the prompt fits the spec's cache and
+    holds the image tokens), so only an explicitly smaller cache (``--max-cache-len``) gets here: a
+    text-only deployment the spec did not describe, for which the merged graph is left out and the run
+    says so. The image tokens are checked again at export, from the encoder's own merge kernel.
+    """
+    where = "abi.vision.merged_prefill"
+    names = _graph_names(merged, MERGED_FIXED, decode=False, where=where, spec=spec)
+    assert spec.abi is not None
+    length = merged.prefill_len if merged.prefill_len is not None else spec.abi.prefill_len
+    if length > max_cache_len:
+        return None, (
+            f"multimodal prefill ({where}, {length} tokens) not exported: max_cache_len {max_cache_len} "
+            "cannot hold its prompt"
+        )
+    return MergedPrefillOptions(names, length, spec.locate(where)), None
+
+
+@dataclass(frozen=True)
 class ExtractionOptions:
     """Everything ``run``/``verify`` need besides the spec and the model."""
 
@@ -138,12 +179,23 @@ class ExtractionOptions:
     structure: ModelStructure | None = None  # set by ``bind_structure`` once the config is built
     kv_layout_where: str | None = None  # spec location of abi.kv_layout, when the spec chose it
     vision: VisionOptions | None = None  # abi.vision: also export the vision encoder + projector
+    merged_prefill: MergedPrefillOptions | None = None  # abi.vision.merged_prefill: multimodal prefill
+    notes: tuple[str, ...] = ()  # what the run leaves out and why, said before it starts
     dynamic: tuple[str, ...] = ()  # abi.dynamic: sizes that become symbols ranging 1..their value
 
     @property
     def dynamic_ranges(self) -> dict[str, DimRange]:
         """Range of each dynamic size: 1 up to the ABI's value (``{"prefill_len": DimRange(1, 64)}``)."""
         return {name: DimRange(1, getattr(self, name)) for name in DYNAMIC_SIZES if name in self.dynamic}
+
+    def graph_ranges(self, kind: str) -> dict[str, DimRange]:
+        """``dynamic_ranges`` as the ``kind`` graph has them: the multimodal prefill's prompt holds at
+        least its image placeholders, so its ``prefill_len`` starts at the feature rows."""
+        ranges = self.dynamic_ranges
+        merged = self.merged_prefill
+        if kind == MERGED and merged is not None and "prefill_len" in ranges:
+            ranges["prefill_len"] = DimRange(merged.feature_rows or 1, merged.prefill_len)
+        return ranges
 
     @property
     def kv_dims(self) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -164,7 +216,8 @@ class ExtractionOptions:
         return self.structure.windows
 
     def path(self, graph: str) -> Path:
-        """Output file of ``graph``: ``prefill``, ``decode``, ``vision``, ``kv_mapping``, ``weight_map``."""
+        """Output file of ``graph``: ``prefill``, ``decode``, ``prefill_mm`` (the multimodal prefill),
+        ``vision``, ``kv_mapping``, ``weight_map``."""
         suffix = f"{graph}.json" if graph in ("kv_mapping", "weight_map") else f"{graph}_ir.json"
         return self.output_dir / f"{self.file_prefix}_{suffix}"
 
@@ -195,7 +248,7 @@ def abi_graph_names(spec: Spec) -> tuple[GraphNames, GraphNames]:
 
 
 def _graph_names(
-    abi: GraphAbi, fixed: tuple[str, ...], *, decode: bool, where: str, spec: Spec
+    abi: GraphAbi | MergedPrefillAbi, fixed: tuple[str, ...], *, decode: bool, where: str, spec: Spec
 ) -> GraphNames:
     """Read the positional ABI of one graph: fixed names first, then two ``{layer}`` templates."""
     location = spec.locate(where)
@@ -331,6 +384,11 @@ def options_from_spec(
         out = _confined(spec, str(backend.get("output_dir") or f"out/{spec.name}"))
     check_writable(out)
     prefill_names, decode_names = abi_graph_names(spec)
+    merged, note = None, None
+    if abi.vision is not None and abi.vision.merged_prefill is not None:
+        merged, note = merged_prefill_options(
+            spec, abi.vision.merged_prefill, max_cache_len=sizes["max_cache_len"]
+        )
     return ExtractionOptions(
         output_dir=out,
         file_prefix=str(backend.get("file_prefix") or spec.name),
@@ -348,6 +406,8 @@ def options_from_spec(
         verify_max_cache_len=verify_cache,
         verify_decode_steps=verify_steps,
         vision=vision_options(spec, abi.vision) if abi.vision is not None else None,
+        merged_prefill=merged,
+        notes=(note,) if note else (),
         dynamic=check_dynamic(
             abi.dynamic if dynamic is None else dynamic,
             sizes,
@@ -388,6 +448,30 @@ def resolve_kv_layout(
             f"mla_attention 'absorbed' needs kv_layout 'latent', got {layout!r}", location=attention_where
         )
     return layout
+
+
+def bind_merged_prefill(
+    options: ExtractionOptions, image_token_id: Any, feature_rows: int
+) -> ExtractionOptions:
+    """``options`` with the multimodal prefill bound to the model: its placeholder token (the config's
+    ``image_token_id``) and the image tokens the vision graph yields, checked against the prompt length."""
+    merged = options.merged_prefill
+    assert merged is not None
+    if isinstance(image_token_id, bool) or not isinstance(image_token_id, int) or image_token_id < 0:
+        raise KadaptError(
+            f"abi.vision.merged_prefill needs the config's image_token_id (the placeholder token), "
+            f"got {image_token_id!r}",
+            location=merged.where,
+        )
+    if feature_rows > merged.prefill_len:
+        raise KadaptError(
+            f"abi.vision.merged_prefill prompt length {merged.prefill_len} is shorter than the "
+            f"{feature_rows} image placeholder tokens of the vision graph; set "
+            f"abi.vision.merged_prefill.prefill_len to at least {feature_rows}",
+            location=merged.where,
+        )
+    bound = dataclasses.replace(merged, image_token_id=image_token_id, feature_rows=feature_rows)
+    return dataclasses.replace(options, merged_prefill=bound)
 
 
 def bind_structure(options: ExtractionOptions, structure: ModelStructure) -> ExtractionOptions:

@@ -1,4 +1,9 @@
-"""``run``: prefill + decode graphs of an applied model -> IR JSON files + KV mapping, with progress."""
+"""``run``: prefill + decode graphs of an applied model -> IR JSON files + KV mapping, with progress.
+
+With ``abi.vision`` also the vision graph, and with ``abi.vision.merged_prefill`` the multimodal prefill
+(``prefill_mm``: the prefill wrapper whose embeddings take image features at placeholder tokens, traced
+and stitched like the text prefill, so its KV continues into the same decode graph).
+"""
 
 from __future__ import annotations
 
@@ -20,10 +25,10 @@ from ...spec.model import Spec
 from ...structure.derive import derive_structure
 from . import runtime, vision
 from .encoding import enum_tables
-from .export import Backbone, check_exportable, export_wrapper, to_graph
+from .export import Backbone, check_exportable, export_wrapper, graph_names, to_graph
 from .graph import Graph
 from .irjson import FORMAT_VERSION, ir_chunks
-from .options import ExtractionOptions, bind_structure, kv_names
+from .options import MERGED, ExtractionOptions, bind_merged_prefill, bind_structure, kv_names
 from .stitch import NotStitchable, Plan, plan, stitch
 from .summary import ExtractionSummary, GraphStats
 from .weight_map import weight_map_document
@@ -84,7 +89,7 @@ def build_graph(
                 chosen,
                 layer_paths=[module_paths[id(layer)] for layer in backbone.layers],
                 tensor_types=model_tensor_types(backbone.model),
-                names=options.prefill_names if kind == "prefill" else options.decode_names,
+                names=graph_names(kind, options),
             )
     except NotStitchable as exc:
         clock.echo(f"  cannot replicate layers ({exc}); tracing all {len(backbone.layers)} layers")
@@ -93,6 +98,7 @@ def build_graph(
 
 def metadata(spec: Spec, backbone: Backbone, options: ExtractionOptions, graph: Graph) -> dict[str, Any]:
     config = backbone.config
+    merged = graph.kind == MERGED
     return {
         "graph": graph.kind,
         "model_name": options.model_name,
@@ -101,13 +107,16 @@ def metadata(spec: Spec, backbone: Backbone, options: ExtractionOptions, graph: 
         "model_class": type(backbone.model).__name__,
         "abi": {
             "batch": options.batch,
-            "prefill_len": options.prefill_len,
+            "prefill_len": options.merged_prefill.prefill_len
+            if merged and options.merged_prefill is not None
+            else options.prefill_len,
             "max_cache_len": options.max_cache_len,
             "dtype": options.dtype,
             "kv_layout": options.kv_layout,
             **({} if options.mla_attention == "reexpand" else {"mla_attention": options.mla_attention}),
-            **({"dynamic": dynamic_sizes(options)} if options.dynamic else {}),
+            **({"dynamic": dynamic_sizes(options, graph.kind)} if options.dynamic else {}),
         },
+        **({"multimodal": multimodal_metadata(options)} if merged else {}),
         "structure": options.structure.to_dict() if options.structure is not None else None,
         "num_layers": len(backbone.layers),
         "stitching": graph.notes or None,
@@ -123,9 +132,23 @@ def metadata(spec: Spec, backbone: Backbone, options: ExtractionOptions, graph: 
     }
 
 
-def dynamic_sizes(options: ExtractionOptions) -> dict[str, tuple[int, int]]:
-    """``{"prefill_len": (1, 64)}``: each dynamic size's range, as the IR metadata and KV mapping state it."""
-    return {name: (r.min, r.max) for name, r in options.dynamic_ranges.items()}
+def dynamic_sizes(options: ExtractionOptions, kind: str = "prefill") -> dict[str, tuple[int, int]]:
+    """``{"prefill_len": (1, 64)}``: each dynamic size's range in the ``kind`` graph, as the IR metadata
+    and KV mapping state it."""
+    return {name: (r.min, r.max) for name, r in options.graph_ranges(kind).items()}
+
+
+def multimodal_metadata(options: ExtractionOptions) -> dict[str, Any]:
+    """The multimodal prefill IR's own metadata: which input takes the features, and the placeholder."""
+    merged, vision_abi = options.merged_prefill, options.vision
+    assert merged is not None and vision_abi is not None
+    return {
+        "feature_input": merged.feature_input,
+        "feature_rows": merged.feature_rows,
+        "placeholder_token_id": merged.image_token_id,
+        "features_from": {"graph": options.path("vision").name, "output": vision_abi.output_name},
+        "rule": runtime.MERGED_PREFILL_RULE,
+    }
 
 
 def kv_mapping_document(options: ExtractionOptions, backbone: Backbone) -> dict[str, Any]:
@@ -148,12 +171,33 @@ def kv_mapping_document(options: ExtractionOptions, backbone: Backbone) -> dict[
         "attention": options.structure.attention.kind,
         "sliding_windows": list(options.windows) if options.structure.has_sliding_layers else None,
     }
+    merged = options.merged_prefill
+    extra: dict[str, Any] = {}
+    if merged is not None and merged.image_token_id is not None and merged.feature_rows is not None:
+        assert options.vision is not None
+        hidden = backbone.language_model.get_input_embeddings().embedding_dim
+        extra["merged_prefill"] = runtime.build_merged_prefill_mapping(
+            options.kv_dims,
+            graph=options.path(MERGED).name,
+            inputs=merged.names.fixed_inputs,
+            batch=options.batch,
+            prefill_len=merged.prefill_len,
+            num_layers=len(backbone.layers),
+            dtype=options.dtype,
+            names=kv_names(merged.names, decode),
+            feature_input=merged.feature_input,
+            feature_shape=(merged.feature_rows, hidden),
+            placeholder_token_id=merged.image_token_id,
+            features_from={"graph": options.path("vision").name, "output": options.vision.output_name},
+            dynamic=dynamic_sizes(options, MERGED),
+        )
     return {
         "format_version": FORMAT_VERSION,
         "model_name": options.model_name,
         **graphs,
         **attention,
         **mapping,
+        **extra,
     }
 
 
@@ -191,16 +235,24 @@ def run(spec: Spec, model: nn.Module, options: ExtractionOptions, *, echo: Echo)
         f"extracting {options.model_name}: {options.attention_label}, batch {size('batch')}, "
         f"prefill {size('prefill_len')}, cache {options.max_cache_len}, {options.dtype}"
     )
+    for note in options.notes:
+        echo(f"  note: {note}")
+    vision_modules, vision_graph = None, None
     with clock.step("prepare"):
         check_exportable(backbone)
         dtype = getattr(torch, options.dtype)
         cast_to_abi_dtype([backbone.language_model, backbone.lm_head], dtype, keep_fp32_names(model))
         chosen = plan(backbone.layers) if options.stitch else Plan(len(backbone.layers))
-    graphs = {kind: build_graph(kind, backbone, options, chosen, clock) for kind in GRAPHS}
-    vision_modules, vision_graph = None, None
-    if options.vision is not None:
-        with clock.step("export vision"):
+        if options.vision is not None:
             vision_modules = vision.prepare(spec, model, options)
+            if options.merged_prefill is not None:  # checked before any export
+                image_token_id = getattr(model.config, "image_token_id", None)
+                options = bind_merged_prefill(options, image_token_id, sum(vision_modules.tokens_per_image))
+    graphs = {kind: build_graph(kind, backbone, options, chosen, clock) for kind in GRAPHS}
+    if options.merged_prefill is not None:
+        graphs[MERGED] = build_graph(MERGED, backbone, options, chosen, clock)
+    if vision_modules is not None:
+        with clock.step("export vision"):
             vision_graph = vision.build_vision_graph(vision_modules, options, EXEC_DEVICE)
     with clock.step("write"):
         ties = tied_names(model, {path for g in graphs.values() for path in g.weights})
@@ -251,6 +303,7 @@ def run(spec: Spec, model: nn.Module, options: ExtractionOptions, *, echo: Echo)
         },
         steps=clock.steps,
         top_ops=options.top_ops,
+        notes=list(options.notes),
     )
     for kind, graph in graphs.items():
         summary.graphs[kind] = graph_stats(graph, options, sizes[options.path(kind)], len(backbone.layers))

@@ -11,13 +11,17 @@ decode graph produces by being fed its own present KV, must equal ``model.genera
 token for token, logits within a tolerance. It runs twice: in float32 against the upstream eager
 experts loop (tolerance ``verify_tolerance``, 1e-4: the exported math is upstream's), and in bfloat16
 against transformers running the exported experts implementation (``verify_tolerance_low_precision``,
-5e-2; observed 0: the graph is bit-identical to bf16 eager).
+5e-2; observed 0: the graph is bit-identical to bf16 eager). A spec with a vision graph also has it
+checked against ``get_image_features`` (``vision_verify``), and one with a multimodal prefill has an
+image prompt run pixels -> vision IR -> merged prefill IR -> decode IR against transformers given the
+pixels (``multimodal_verify``); the verify cache then grows to hold that prompt.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -32,9 +36,9 @@ from ...errors import KadaptError
 from ...spec.model import Spec
 from ...structure.derive import derive_structure, structure_of_raw, text_config_key
 from ...structure.model import ModelStructure
-from . import runtime
+from . import multimodal_verify, runtime
 from .naming import rename_weight
-from .options import ExtractionOptions, bind_structure
+from .options import MERGED, ExtractionOptions, bind_structure
 from .pipeline import run
 from .symbolic import bind_ir
 from .vision_verify import check_vision
@@ -87,6 +91,9 @@ TINY_OTHER = {
 # from the shipped config, default 1152) and must match the tiny encoder's.
 TINY_PROJECTOR = {"projection_hidden_size": TINY_OTHER["vt_hidden_size"]}
 TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "media_placeholder_token_id": 3}
+# Greedy steps after the multimodal prefill: the decode graph itself is checked over the full
+# decode_steps by the text prompt; these show the image prompt's KV continues into it.
+MERGED_DECODE_STEPS = 8
 
 
 def _tiny_text(structure: ModelStructure, section: dict[str, Any]) -> dict[str, Any]:
@@ -196,6 +203,16 @@ def _upstream_experts(config: Any) -> Iterator[None]:
         config._experts_implementation = saved
 
 
+def _reference_experts(text_config: Any, low_precision: bool) -> contextlib.AbstractContextManager[None]:
+    """The experts transformers runs as the reference.
+
+    fp32 checks the exported experts' math against transformers' eager loop; bf16 checks the graph
+    against transformers running the exported experts implementation (eager and batched_mm round
+    differently in bf16: on tiny Kimi-K2.5 their own outputs drift apart by up to 8 logits).
+    """
+    return contextlib.nullcontext() if low_precision else _upstream_experts(text_config)
+
+
 def _randomize_router_bias(model: nn.Module) -> None:
     """The router's correction bias initialises to zeros; random values exercise the biased top-k."""
     generator = torch.Generator().manual_seed(1)
@@ -205,9 +222,10 @@ def _randomize_router_bias(model: nn.Module) -> None:
 
 
 def _reference(
-    model: nn.Module, prompt: torch.Tensor, steps: int
+    model: nn.Module, prompt: torch.Tensor, steps: int, **inputs: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """Unpatched transformers: prefill logits, greedy tokens and per-token logits of ``generate``."""
+    """Unpatched transformers: prefill logits, greedy tokens and per-token logits of ``generate``;
+    ``inputs`` go to both (``pixel_values``/``image_grid_thw`` for an image prompt)."""
     from transformers import GenerationConfig
 
     generation = GenerationConfig(
@@ -222,8 +240,10 @@ def _reference(
     # would end the reference early; the IR decodes a fixed number of steps.
     model.generation_config.eos_token_id = None
     with torch.no_grad():
-        prefill_logits = model(input_ids=prompt).logits
-        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=generation)
+        prefill_logits = model(input_ids=prompt, **inputs).logits
+        out = model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), generation_config=generation, **inputs
+        )
     return prefill_logits, out.sequences[:, prompt.shape[1] :], list(out.logits)
 
 
@@ -274,12 +294,20 @@ def _compare(
     *,
     tolerance: float,
     suffix: str = "",
+    prefill: multimodal_verify.Prefill | None = None,
+    reference_inputs: dict[str, torch.Tensor] | None = None,
+    label: str = "",
 ) -> None:
-    ref_prefill, ref_tokens, ref_logits = _reference(model, prompt, steps)
-    logits, cache = replay.run_prefill(prompt)
+    """Prefill ``prompt`` (with ``prefill``, default the saved text prefill), decode ``steps`` greedy
+    tokens with the saved decode graph, and compare each with transformers given ``reference_inputs``;
+    check names start with ``label``."""
+    ref_prefill, ref_tokens, ref_logits = _reference(model, prompt, steps, **(reference_inputs or {}))
+    logits, cache = (prefill or replay.run_prefill)(prompt)
     diff = (logits - ref_prefill).abs().max().item()
     report.add(
-        f"prefill logits{suffix}", diff <= tolerance, f"max |diff| {diff:.2e} over {tuple(logits.shape)}"
+        f"{label}prefill logits{suffix}",
+        diff <= tolerance,
+        f"max |diff| {diff:.2e} over {tuple(logits.shape)}",
     )
     token = logits[:, -1].argmax(-1, keepdim=True)
     tokens = [token]
@@ -291,20 +319,22 @@ def _compare(
         tokens.append(token)
     ir_tokens = torch.cat(tokens, dim=1)
     worst = max(step_diffs)
-    if not suffix:  # the fp32 run is the one the report's tokens and max diff describe
+    if not suffix and not label:  # the fp32 text run is the one the report's tokens and max diff describe
         report.tokens_ir = ir_tokens.tolist()
         report.tokens_reference = ref_tokens.tolist()
         report.max_logit_diff = max(diff, worst)
     last = prompt.shape[1] + steps - 1
     equal = torch.equal(ir_tokens, ref_tokens)
     report.add(
-        f"greedy generation{suffix}",
+        f"{label}greedy generation{suffix}",
         equal,
         f"{ir_tokens.shape[1]} tokens (1 prefill + {steps} decode steps, "
         f"positions {prompt.shape[1]}..{last}) {'equal' if equal else 'DIFFER'} to model.generate",
     )
     report.add(
-        f"decode logits{suffix}", worst <= tolerance, f"max |diff| {worst:.2e} over {steps + 1} tokens"
+        f"{label}decode logits{suffix}",
+        worst <= tolerance,
+        f"max |diff| {worst:.2e} over {steps + 1} tokens",
     )
 
 
@@ -335,6 +365,76 @@ def _compare_dynamic(
             report.add(check, False, f"a {shape['batch']}x{shape['prefill_len']} prompt ran")
 
 
+def _compare_merged(
+    report: VerifyReport,
+    spec: Spec,
+    model: nn.Module,
+    replay: _Replay,
+    options: ExtractionOptions,
+    weights: dict[str, torch.Tensor],
+    *,
+    vocab_size: int,
+    tolerance: float,
+    suffix: str,
+) -> None:
+    """An image prompt through the saved vision, multimodal prefill and decode graphs vs transformers."""
+    case = multimodal_verify.merged_case(
+        spec, model, options, weights, text_len=options.verify_prefill_len, vocab_size=vocab_size
+    )
+    compare = functools.partial(
+        _compare,
+        report,
+        model,
+        replay,
+        tolerance=tolerance,
+        prefill=case.prefill,
+        reference_inputs=case.reference_inputs,
+        label="multimodal ",
+    )
+    compare(case.prompt, MERGED_DECODE_STEPS, suffix=suffix)
+    if options.dynamic:  # a shorter image prompt (and batch 1) through the same files
+        rows = 1 if "batch" in options.dynamic else case.prompt.shape[0]
+        text = 2 if "prefill_len" in options.dynamic else options.verify_prefill_len
+        prompt = multimodal_verify.image_prompt(
+            batch=rows,
+            text_len=text,
+            image_tokens=case.replay.feature_rows,
+            placeholder=case.replay.placeholder,
+            vocab_size=vocab_size,
+        )
+        where = f" (batch {rows}, prompt {prompt.shape[1]}{', ' + suffix.strip(' ()') if suffix else ''})"
+        compare(prompt, 4, suffix=where)
+    multimodal_verify.check_placeholder_refusal(report, case, suffix=suffix)
+
+
+def _small_options(
+    spec: Spec,
+    options: ExtractionOptions,
+    structure: ModelStructure,
+    output_dir: Path,
+    dtype: str,
+    model: nn.Module,
+) -> ExtractionOptions:
+    """The verify sizes: a short text prompt and, with a multimodal prefill, an image prompt of the
+    vision graph's placeholder tokens plus ``verify_prefill_len`` text tokens, which the cache holds."""
+    small = dataclasses.replace(
+        options,
+        output_dir=output_dir,
+        prefill_len=options.verify_prefill_len,
+        max_cache_len=options.verify_max_cache_len,
+        dtype=dtype,
+        structure=None,
+    )
+    if options.merged_prefill is not None:
+        length = multimodal_verify.image_tokens(spec, model, options) + options.verify_prefill_len
+        small = dataclasses.replace(
+            small,
+            merged_prefill=dataclasses.replace(options.merged_prefill, prefill_len=length),
+            max_cache_len=max(small.max_cache_len, length + MERGED_DECODE_STEPS),
+        )
+    return bind_structure(small, structure)
+
+
 def _check_weights(
     report: VerifyReport, options: ExtractionOptions, weights: dict[str, torch.Tensor]
 ) -> None:
@@ -343,7 +443,7 @@ def _check_weights(
     from torch_ir.weight_loader import validate_weights_against_ir
 
     problems = []
-    for kind in ("prefill", "decode"):
+    for kind in ("prefill", "decode", *((MERGED,) if options.merged_prefill is not None else ())):
         problems += validate_weights_against_ir(weights, torch_ir.load_ir(options.path(kind)))
     report.add(
         "weights bind to checkpoint names", not problems, "; ".join(problems) or "all names, shapes, dtypes"
@@ -366,23 +466,17 @@ def _verify_in(
     bf16 = dtype != "float32"
     torch_dtype = getattr(torch, dtype)
     with tempfile.TemporaryDirectory(prefix="kadapt-verify-") as tmp:
-        small = dataclasses.replace(
-            options,
-            output_dir=Path(tmp),
-            prefill_len=options.verify_prefill_len,
-            max_cache_len=options.verify_max_cache_len,
-            dtype=dtype,
-            structure=None,
-        )
-        small = bind_structure(small, structure)
         torch.manual_seed(0)
         with applied(spec, backend="extraction"):
             model = load_model(spec, device="cpu", config=config, dtype=torch_dtype).eval()
             _randomize_router_bias(model)
             meta = load_model(spec, device="meta", config=config, dtype=torch_dtype).eval()
+            small = _small_options(spec, options, structure, Path(tmp), dtype, meta)
+            merged = f", image prompt {small.merged_prefill.prefill_len}" if small.merged_prefill else ""
             echo(
                 f"verify: tiny {type(model).__name__}, {text_config.num_hidden_layers} layers, "
-                f"{small.attention_label}, {dtype}, prefill {small.prefill_len}, cache {small.max_cache_len}"
+                f"{small.attention_label}, {dtype}, prefill {small.prefill_len}{merged}, "
+                f"cache {small.max_cache_len}"
             )
             run(spec, meta, small, echo=lambda line: echo(f"  {line.strip()}"))
         weights = {rename_weight(name, options.weight_renames): t for name, t in model.state_dict().items()}
@@ -395,13 +489,9 @@ def _verify_in(
             (small.batch, small.prefill_len),
             generator=torch.Generator().manual_seed(2),
         )
-        # fp32 checks the exported experts' math against transformers' eager loop; bf16 checks the graph
-        # against transformers running the exported experts implementation (eager and batched_mm round
-        # differently in bf16: on tiny Kimi-K2.5 their own outputs drift apart by up to 8 logits).
-        reference_experts = _upstream_experts(text_config) if not bf16 else contextlib.nullcontext()
-        with reference_experts:
-            tolerance = options.verify_tolerance_low_precision if bf16 else options.verify_tolerance
-            suffix = f" ({dtype})" if bf16 else ""
+        tolerance = options.verify_tolerance_low_precision if bf16 else options.verify_tolerance
+        suffix = f" ({dtype})" if bf16 else ""
+        with _reference_experts(text_config, bf16):
             _compare(
                 report, model, replay, prompt, options.verify_decode_steps, tolerance=tolerance, suffix=suffix
             )
@@ -409,6 +499,19 @@ def _verify_in(
                 _compare_dynamic(report, model, replay, prompt, small, tolerance=tolerance, suffix=suffix)
         if small.vision is not None:
             check_vision(report, spec, model, small, weights, tolerance=tolerance, suffix=suffix)
+        if small.merged_prefill is not None:  # the vision graph checked, then used for an image prompt
+            with _reference_experts(text_config, bf16):
+                _compare_merged(
+                    report,
+                    spec,
+                    model,
+                    replay,
+                    small,
+                    weights,
+                    vocab_size=text_config.vocab_size,
+                    tolerance=tolerance,
+                    suffix=suffix,
+                )
 
 
 def verify(spec: Spec, options: ExtractionOptions, *, echo: Callable[[str], Any]) -> VerifyReport:

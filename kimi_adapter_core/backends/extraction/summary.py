@@ -50,6 +50,7 @@ class ExtractionSummary:
     weight_map: Path | None = None
     weight_map_bytes: int = 0
     vision: str | None = None  # the image ABI of the vision graph, when one was exported
+    notes: list[str] = field(default_factory=list)  # what the run left out and why
     steps: list[tuple[str, float]] = field(default_factory=list)
     top_ops: int = 12
 
@@ -67,6 +68,7 @@ class ExtractionSummary:
             "kv_mapping": {"path": str(self.kv_mapping), "bytes": self.kv_mapping_bytes},
             "weight_map": {"path": str(self.weight_map), "bytes": self.weight_map_bytes},
             **({"vision": self.vision} if self.vision is not None else {}),
+            **({"notes": self.notes} if self.notes else {}),
             "steps": [{"step": name, "seconds": round(seconds, 3)} for name, seconds in self.steps],
             "seconds": round(self.seconds, 3),
         }
@@ -74,21 +76,23 @@ class ExtractionSummary:
     def render(self) -> str:
         sizes = ", ".join(f"{k} {v}" for k, v in self.sizes.items())
         lines = [f"extracted {self.model_name} ({self.attention_label}; {sizes}) in {self.seconds:.1f} s"]
+        width = max([8, *map(len, self.graphs)])  # prefill_mm is wider than the other kinds
         for kind, stats in self.graphs.items():
             traced = f", {stats.traced_layers} traced" if stats.traced_layers != stats.layers else ""
             lines.append(
-                f"  {kind:<8} {stats.nodes:>7,} nodes  {stats.inputs} inputs  {stats.outputs} outputs  "
+                f"  {kind:<{width}} {stats.nodes:>7,} nodes  {stats.inputs} inputs  {stats.outputs} outputs  "
                 f"{stats.weights:,} weights ({stats.parameters / 1e9:.2f} B params)  "
                 f"{_size(stats.bytes)}  {stats.layers} layers{traced}  -> {stats.path}"
             )
             ops = ", ".join(f"{op.split('.')[1]} {n}" for op, n in stats.ops.most_common(self.top_ops))
-            lines.append(f"           ops: {ops}")
+            lines.append(f"{'':{width + 3}}ops: {ops}")
         if self.vision is not None:
             lines.append(f"  image    {self.vision}")
         if self.kv_mapping is not None:
             lines.append(f"  kv map   {_size(self.kv_mapping_bytes)}  -> {self.kv_mapping}")
         if self.weight_map is not None:
             lines.append(f"  weights  {_size(self.weight_map_bytes)}  -> {self.weight_map}")
+        lines += [f"  note: {note}" for note in self.notes]
         lines.append("  time: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.steps))
         return "\n".join(lines)
 
