@@ -38,7 +38,9 @@ def test_main_job_extracts_full_kimi(tmp_path):
     experts = weight_map["weights"]["language_model.model.layers.1.mlp.experts.gate_up_proj"]
     assert [len(group["tensors"]) for group in experts["sources"]] == [384, 384]
     assert experts["sources"][0]["storage"]["format"] == "compressed-tensors/pack-quantized"
-    assert weight_map["checkpoint_tensors"] == 60 * 3 * 384 + (975 - 60 * 2)
+    # text: 3 tensors per routed expert; vision: 443 weights, q/k/v weight+bias of 27 layers from 2 wqkv
+    vision = 443 - 27 * 4
+    assert weight_map["checkpoint_tensors"] == 60 * 3 * 384 + (975 - 60 * 2) + vision
     vision = data["extraction"]["graphs"]["vision"]
     assert vision["layers"] == 27 and vision["path"] == str(out / "kimi_k25_text_vision_ir.json")
     for kind in ("prefill", "decode"):

@@ -51,7 +51,7 @@ def test_tiny_overrides_shrink_every_sub_model(tmp_path: Path) -> None:
     assert overrides["text_config.first_k_dense_replace"] == 1 and overrides["text_config.vocab_size"] == 128
     assert (
         overrides["vision_config.vt_hidden_size"] == 32
-        and overrides["vision_config.vt_num_hidden_layers"] == 1
+        and overrides["vision_config.vt_num_hidden_layers"] == 3  # stitched: 2 traced, 1 copied
     )
     assert overrides["text_config.pad_token_id"] == 0 and overrides["pad_token_id"] == 0
     assert "text_config.num_local_experts" not in overrides  # only keys the config has

@@ -171,10 +171,14 @@ def test_run_writes_the_vision_graph_and_its_summary_line(tmp_path: Path) -> Non
     assert f"{VISION_LAYERS} layers, 2 traced  -> {options.path('vision')}" in rendered
     assert summary.to_dict()["graphs"]["vision"]["layers"] == VISION_LAYERS
     assert any("export vision" in line for line in lines)
-    # the text graphs and the weight map are unchanged by the vision graph
+    # one weight map serves every graph: each vision weight is in it, q/k/v from the fused wqkv
     weight_map = json.loads(options.path("weight_map").read_text())
-    assert not any("vision_tower" in name for name in weight_map["weights"])
     doc = json.loads(options.path("vision").read_text())
+    assert {w["name"] for w in doc["weights"]} <= set(weight_map["weights"])
+    q_proj = next(
+        entry for name, entry in weight_map["weights"].items() if name.endswith(".attn.q_proj.weight")
+    )
+    assert q_proj["sources"][0]["tensors"][0].endswith(".wqkv.weight")
     assert {w["dtype"] for w in doc["weights"]} == {"bfloat16"}
 
 

@@ -22,8 +22,9 @@ from safetensors.torch import save_file
 
 from kimi_adapter_core.backends.extraction import options_from_spec, run
 from kimi_adapter_core.backends.extraction.naming import rename_weight
-from kimi_adapter_core.backends.extraction.roundtrip import tiny_overrides
-from kimi_adapter_core.backends.extraction.weight_loader import load_weights, unpack_int
+from kimi_adapter_core.backends.extraction.roundtrip import VerifyReport, tiny_overrides
+from kimi_adapter_core.backends.extraction.vision_verify import check_vision
+from kimi_adapter_core.backends.extraction.weight_loader import load_weights, permute_for_rope, unpack_int
 from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.loading import applied, load_config, load_model
 from kimi_adapter_core.spec import load_spec
@@ -81,10 +82,57 @@ def test_checkpoint_written_by_transformers_loads_into_the_ir(name: str, tmp_pat
     torch.testing.assert_close(_prefill_logits(options, weights, prompt), _eager_logits(spec, model, prompt))
 
 
+# the published checkpoint's vision names (the hub's remote-code MoonViT modules), native path -> name
+_PUBLISHED_VISION = (
+    (r"^model\.vision_tower\.layers\.(\d+)\.attn\.proj\.", r"vision_tower.encoder.blocks.\1.wo."),
+    (r"^model\.vision_tower\.layers\.(\d+)\.norm1\.", r"vision_tower.encoder.blocks.\1.norm0."),
+    (r"^model\.vision_tower\.layers\.(\d+)\.norm2\.", r"vision_tower.encoder.blocks.\1.norm1."),
+    (r"^model\.vision_tower\.layers\.(\d+)\.mlp\.fc1\.", r"vision_tower.encoder.blocks.\1.mlp.fc0."),
+    (r"^model\.vision_tower\.layers\.(\d+)\.mlp\.fc2\.", r"vision_tower.encoder.blocks.\1.mlp.fc1."),
+    (r"^model\.vision_tower\.layers\.(\d+)\.attn\.qkv\.", r"vision_tower.encoder.blocks.\1.wqkv."),
+    (r"^model\.vision_tower\.final_layernorm\.", "vision_tower.encoder.final_layernorm."),
+    (
+        r"^model\.vision_tower\.patch_embed\.pos_emb\.position_embeddings$",
+        "vision_tower.patch_embed.pos_emb.weight",
+    ),
+    (r"^model\.vision_tower\.", "vision_tower."),
+    (r"^model\.mm_projector\.in_proj\.", "mm_projector.proj.0."),
+    (r"^model\.mm_projector\.out_proj\.", "mm_projector.proj.2."),
+    (r"^model\.mm_projector\.", "mm_projector."),
+)
+
+
 def _published_kimi_name(path: str) -> str:
     """Kimi-K2.5's checkpoint name of a native model path (the published index's convention)."""
     path = re.sub(r"^model\.language_model\.", "language_model.model.", path)
+    for pattern, replacement in _PUBLISHED_VISION:
+        path = re.sub(pattern, replacement, path)
     return re.sub(r"^lm_head\.", "language_model.lm_head.", path)
+
+
+def _published_vision(model: torch.nn.Module, heads: int) -> dict[str, torch.Tensor]:
+    """The vision tower and projector as published: q, k, v fused into ``wqkv`` with q and k rows in
+    interleaved rope order (what transformers' loader chunks and permutes back)."""
+    state = model.state_dict()
+    out: dict[str, torch.Tensor] = {}
+    for path, tensor in state.items():
+        if not path.startswith(("model.vision_tower.", "model.mm_projector.")):
+            continue
+        fused = re.match(r"(.*\.attn)\.([qkv])_proj\.(weight|bias)$", path)
+        if fused is None:
+            out[_published_kimi_name(path)] = tensor.contiguous()
+        elif fused.group(2) == "q":
+            base, _, leaf = fused.groups()
+            parts = [state[f"{base}.{x}_proj.{leaf}"] for x in "qkv"]
+            parts[:2] = [_interleave(part, heads) for part in parts[:2]]
+            out[_published_kimi_name(f"{base}.qkv.{leaf}")] = torch.cat(parts).contiguous()
+    return out
+
+
+def _interleave(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """Half-split rope rows of each head back to interleaved pairs (the checkpoint's order)."""
+    half = rows.shape[0] // heads // 2
+    return rows.reshape(heads, 2, half, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
 
 
 def _kimi_checkpoint(
@@ -129,33 +177,45 @@ def test_kimi_int4_checkpoint_in_the_published_layout_loads_into_the_ir(tmp_path
     scheme = config.text_config.quantization_config["config_groups"]["group_0"]["weights"]
     dense, packed = _kimi_checkpoint(model, scheme["group_size"])
 
-    # 1. the layout is the one transformers' loader reads: the dequantized per-expert checkpoint, plus the
-    # non-text tensors, loads into a fresh native model equal to the values we wrote
-    text_only = {
-        k: v for k, v in model.state_dict().items() if not k.startswith(("model.language_model.", "lm_head."))
-    }
+    vision = _published_vision(model, config.vision_config.num_attention_heads)
+    assert any(name.endswith(".wqkv.weight") for name in vision)
+
+    # 1. the layout is the one transformers' loader reads: the dequantized per-expert checkpoint and the
+    # fused, rope-interleaved vision tensors load into a fresh native model equal to the values we wrote
     (tmp_path / "dense").mkdir()
-    save_file(
-        {**dense, **{k: v.contiguous() for k, v in text_only.items()}},
-        str(tmp_path / "dense" / "model.safetensors"),
-    )
+    save_file({**dense, **vision}, str(tmp_path / "dense" / "model.safetensors"))
     plain = config.to_dict()
     del plain["text_config"]["quantization_config"]
     (tmp_path / "dense" / "config.json").write_text(json.dumps(plain))
     loaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "dense", dtype=torch.float32).eval()
+    reference = loaded.state_dict()
+    for path, tensor in model.state_dict().items():
+        if path.startswith(("model.vision_tower.", "model.mm_projector.")):
+            assert torch.equal(reference[path], tensor), path
 
     # 2. the int4 checkpoint: routed experts only, as the config's ignore list says
     (tmp_path / "int4").mkdir()
-    save_file(packed, str(tmp_path / "int4" / "model.safetensors"))
+    save_file({**packed, **vision}, str(tmp_path / "int4" / "model.safetensors"))
     quantized = {n for n in packed if n.endswith("_packed")}
     assert quantized and all(".mlp.experts." in n for n in quantized)
     assert not any(".shared_experts." in n or "self_attn" in n or "lm_head" in n for n in quantized)
     weights = load_weights(doc, tmp_path / "int4")
-    reference = loaded.state_dict()
+    native_of = {rename_weight(path, options.weight_renames): path for path in reference}
+    assert {native_of[name] for name in weights} >= {
+        p for p in reference if p.startswith("model.vision_tower.")
+    }
     for graph_name, tensor in weights.items():
-        native = re.sub(r"^language_model\.model\.", "model.language_model.", graph_name)
-        native = re.sub(r"^language_model\.lm_head\.", "lm_head.", native)
-        torch.testing.assert_close(tensor, reference[native], rtol=0, atol=1e-6, msg=graph_name)
+        torch.testing.assert_close(
+            tensor, reference[native_of[graph_name]], rtol=0, atol=1e-6, msg=graph_name
+        )
+    q_proj = doc["weights"]["vision_tower.encoder.blocks.0.attn.q_proj.weight"]
+    assert q_proj["sources"][0]["tensors"] == ["vision_tower.encoder.blocks.0.wqkv.weight"]
+    assert [op["op"] for op in q_proj["ops"]] == ["chunk", "permute_for_rope"]
+
+    # 3. the vision graph runs on those weights and equals transformers' image features
+    report = VerifyReport("latent", 1e-4)
+    check_vision(report, spec, loaded, dataclasses.replace(options, dtype="float32"), weights, tolerance=1e-4)
+    assert report.passed, report.render()
 
     prompt = torch.randint(
         3, config.text_config.vocab_size, (1, PREFILL), generator=torch.Generator().manual_seed(1)
@@ -170,6 +230,22 @@ def test_int4_unpacking_agrees_with_compressed_tensors() -> None:
     packed = pack_to_int32(q, 4)
     assert torch.equal(unpack_int(packed, 4, 64).to(torch.int8), q)
     assert torch.equal(unpack_int(packed, 4, 64).to(torch.int8), unpack_from_int32(packed, 4, q.shape))
+
+
+@pytest.mark.parametrize("shape", [(48, 10), (48,)])
+def test_rope_permutation_is_transformers_own(shape: tuple[int, ...]) -> None:
+    """The weight map's ``permute_for_rope`` equals transformers' ``PermuteForRope`` (weights and biases),
+    and ``inverse`` undoes it."""
+    from types import SimpleNamespace
+
+    from transformers.core_model_loading import PermuteForRope
+
+    tensor = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    config = SimpleNamespace(vision_config=SimpleNamespace(num_attention_heads=4))
+    theirs = PermuteForRope(subconfig_key="vision_config")._permute_for_rope(tensor, config)
+    ours = permute_for_rope(tensor, 4)
+    assert torch.equal(ours, theirs) and not torch.equal(ours, tensor)
+    assert torch.equal(permute_for_rope(ours, 4, inverse=True), tensor)
 
 
 def test_fp8_block_storage_dequantizes_per_block(tmp_path: Path) -> None:

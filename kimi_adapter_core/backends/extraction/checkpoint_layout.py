@@ -5,7 +5,10 @@ v5 fuses per-expert tensors when it loads (``experts.E.gate_proj.weight`` + ``ex
 for every E become one ``experts.gate_up_proj``) through ``WeightConverter`` entries of its conversion
 mapping. This module reads those converters - the code ``from_pretrained`` runs, not a copy of it -
 and turns each into data: the checkpoint names of every source tensor, in load order, and the ops
-(``stack``, ``concat``, ``transpose``) that rebuild the graph weight from them. Checkpoint names are
+(``stack``, ``concat``, ``transpose``) that rebuild the graph weight from them. Converters also go the
+other way, one checkpoint tensor into several weights (Kimi-K2.5's vision ``wqkv`` is chunked into
+``q_proj``/``k_proj``/``v_proj``, q and k permuted from interleaved to half-split rope order): those
+become ``chunk`` (which part of the source) and ``permute_for_rope`` ops. Checkpoint names are
 the model path after the spec's ``weight_renames``; each name is then checked against transformers'
 own loading rename (``rename_source_key``), so a spec rename that would not load is an error here.
 
@@ -28,6 +31,7 @@ from .naming import rename_weight
 
 # ops transformers applies when loading, and how kadapt's weight map spells them
 _STACK, _CONCAT, _TRANSPOSE = "MergeModulelist", "Concatenate", "Transpose"
+_CHUNK, _ROPE = "Chunk", "PermuteForRope"
 
 
 @dataclass(frozen=True)
@@ -65,19 +69,41 @@ def _converters(model: nn.Module) -> tuple[list[Any], list[Any]]:
     return renamings, converters
 
 
-def _target_match(converter: Any, path: str) -> str | None:
-    """The prefix of ``path`` before ``converter``'s target pattern if ``path`` is its target, else None."""
-    (target,) = converter.target_patterns if len(converter.target_patterns) == 1 else (None,)
-    if target is None or not path.endswith("." + target):
-        return None
-    prefix = path[: -len(target)]
-    scope = converter.scope_prefix
-    if scope and not (prefix.startswith(scope + ".") or f".{scope}." in f".{prefix}"):
-        return None
-    return prefix
+@dataclass(frozen=True)
+class _Target:
+    """Where a graph weight sits in a converter's output: ``prefix + targets[index] + suffix``."""
+
+    prefix: str
+    index: int
+    suffix: str  # "" when the target names the tensor itself; ".weight"/".bias" when it names a module
 
 
-def _op(op: Any, where: str) -> dict[str, Any]:
+def _target_match(converter: Any, path: str) -> _Target | None:
+    """How ``path`` is one of ``converter``'s targets, else None.
+
+    A many-to-one converter names the tensor (``mlp.experts.gate_up_proj``); a one-to-many one names
+    modules whose every tensor it produces (``attn.q_proj`` for its weight and bias).
+    """
+    targets = list(converter.target_patterns)
+    for index, target in enumerate(targets):
+        if path.endswith("." + target):
+            prefix, suffix = path[: -len(target)], ""
+        elif len(targets) > 1 and f".{target}." in path:
+            head, _, leaf = path.rpartition(".")
+            if not head.endswith("." + target):
+                continue
+            prefix, suffix = head[: -len(target)], "." + leaf
+        else:
+            continue
+        scope = converter.scope_prefix
+        if scope and not (prefix.startswith(scope + ".") or f".{scope}." in f".{prefix}"):
+            continue
+        return _Target(prefix, index, suffix)
+    return None
+
+
+def _op(op: Any, where: str, converter: Any, target: _Target, config: Any) -> dict[str, Any] | None:
+    """One converter op as weight-map data (None: an op that leaves this target untouched)."""
     kind = type(op).__name__
     if kind == _STACK:
         return {"op": "stack", "dim": op.dim}
@@ -85,9 +111,22 @@ def _op(op: Any, where: str) -> dict[str, Any]:
         return {"op": "concat", "dim": op.dim}
     if kind == _TRANSPOSE and not op.check_dims:
         return {"op": "transpose", "dims": [op.dim0, op.dim1]}
+    if kind == _CHUNK and op.num_shards_attribute is None:
+        chunks = len(converter.target_patterns)
+        return {"op": "chunk", "dim": op.dim, "chunks": chunks, "index": target.index}
+    if kind == _ROPE:
+        name = converter.target_patterns[target.index]
+        if op.permute_layer_names is not None and not any(n in name for n in op.permute_layer_names):
+            return None
+        sub = getattr(config, op.subconfig_key, config) if op.subconfig_key else config
+        return {
+            "op": "permute_for_rope",
+            "heads": int(getattr(sub, "num_attention_heads", 1)),
+            "inverse": op.inverse,
+        }
     raise KadaptError(
         f"weight map: transformers loads {where} with {kind}, which the weight map cannot describe "
-        "(supported: MergeModulelist, Concatenate, Transpose)"
+        "(supported: MergeModulelist, Concatenate, Transpose, Chunk, PermuteForRope)"
     )
 
 
@@ -103,6 +142,10 @@ def _source_shapes(shape: tuple[int, ...], ops: list[dict[str, Any]], groups: in
             dims[op["dim"]] //= groups
         elif op["op"] == "stack":
             del dims[op["dim"]]
+        elif op["op"] == "chunk":
+            dims[op["dim"]] *= op["chunks"]
+        elif op["op"] == "permute_for_rope":
+            continue
         else:
             a, b = op["dims"]
             dims[a], dims[b] = dims[b], dims[a]
@@ -139,20 +182,21 @@ def checkpoint_sources(
     meta_state = dict.fromkeys(weights, True)
     out: dict[str, CheckpointSource] = {}
     for path, tensor in weights.items():
-        converter, prefix = None, ""
+        converter, target = None, None
         for candidate in converters:
-            found = _target_match(candidate, path)
-            if found is not None:
-                converter, prefix = candidate, found
+            target = _target_match(candidate, path)
+            if target is not None:
+                converter = candidate
                 break
-        if converter is None:
+        loads_as = path
+        if converter is None or target is None:
             source = CheckpointSource(
                 (SourceGroup("", (rename_weight(path, renames),), tuple(tensor.shape)),),
                 (),
                 _is_linear_weight(model, path),
             )
         else:
-            ops = [_op(op, path) for op in converter.operations]
+            ops = [d for op in converter.operations if (d := _op(op, path, converter, target, model.config))]
             stack = next((op["dim"] for op in ops if op["op"] == "stack"), None)
             patterns = list(converter._original_source_patterns)
             shape = _source_shapes(tuple(tensor.shape), ops, len(patterns))
@@ -160,15 +204,21 @@ def checkpoint_sources(
             groups = tuple(
                 SourceGroup(
                     pattern,
-                    tuple(rename_weight(name, renames) for name in _expand(prefix, pattern, count)),
+                    tuple(
+                        rename_weight(name + target.suffix, renames)
+                        for name in _expand(target.prefix, pattern, count)
+                    ),
                     shape,
                 )
                 for pattern in patterns
             )
-            source = CheckpointSource(groups, tuple(ops), linear=stack is not None and len(shape) == 2)
+            linear = len(shape) == 2 and (stack is not None or _is_linear_weight(model, path))
+            source = CheckpointSource(groups, tuple(ops), linear=linear)
+            # a one-to-many converter renames its source to the first target; its ops make the others
+            loads_as = target.prefix + converter.target_patterns[0] + target.suffix
         for name in source.tensors:
             loaded, _ = rename_source_key(name, renamings, converters, model.base_model_prefix, meta_state)
-            if loaded != path:
+            if loaded != loads_as:
                 raise KadaptError(
                     f"weight map: checkpoint tensor {name} (from {path} through weight_renames) would load "
                     f"into {loaded}, not {path}: fix backends.extraction.weight_renames"

@@ -253,7 +253,7 @@ def run(spec: Spec, model: nn.Module, options: ExtractionOptions, *, echo: Echo)
         graphs[MERGED] = build_graph(MERGED, backbone, options, chosen, clock)
     if vision_modules is not None:
         with clock.step("export vision"):
-            vision_graph = vision.build_vision_graph(vision_modules, options, EXEC_DEVICE)
+            vision_graph = vision.build_vision_graph(vision_modules, options, EXEC_DEVICE, echo=clock.echo)
     with clock.step("write"):
         ties = tied_names(model, {path for g in graphs.values() for path in g.weights})
         files: dict[Path, Iterable[str]] = {}
@@ -279,7 +279,7 @@ def run(spec: Spec, model: nn.Module, options: ExtractionOptions, *, echo: Echo)
                 weight_map_document(
                     spec,
                     model,
-                    graphs.values(),
+                    [*graphs.values(), *([vision_graph] if vision_graph is not None else [])],
                     model_name=options.model_name,
                     renames=options.weight_renames,
                 ),

@@ -90,6 +90,8 @@ TINY_OTHER = {
 # the projector's input width lives on the root config (Kimi_K25Config.projection_hidden_size, absent
 # from the shipped config, default 1152) and must match the tiny encoder's.
 TINY_PROJECTOR = {"projection_hidden_size": TINY_OTHER["vt_hidden_size"]}
+TINY_VISION_LAYERS = 3
+VISION_LAYER_KEYS = (".num_hidden_layers", ".vt_num_hidden_layers")
 TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "media_placeholder_token_id": 3}
 # Greedy steps after the multimodal prefill: the decode graph itself is checked over the full
 # decode_steps by the text prompt; these show the image prompt's KV continues into it.
@@ -125,6 +127,11 @@ def tiny_overrides(spec: Spec, options: ExtractionOptions) -> dict[str, Any]:
         overrides.update({prefix + name: value for name, value in sizes.items()})
     if options.vision is not None:
         overrides.update(TINY_PROJECTOR)
+        # an exported vision encoder gets 3 layers, so the check runs a stitched one (2 traced, 1 copied)
+        for name in list(overrides):
+            section = name.partition(".")[0]
+            if name.endswith(VISION_LAYER_KEYS) and "." in name and section != text_key:
+                overrides[name] = TINY_VISION_LAYERS
     overrides.update(options.verify_overrides)
     return overrides
 

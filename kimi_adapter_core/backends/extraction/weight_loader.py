@@ -77,6 +77,15 @@ def _read(checkpoint: Checkpoint, name: str, group: Mapping[str, Any]) -> torch.
     raise KadaptError(f"{name}: storage format {storage['format']!r} is unknown")
 
 
+def permute_for_rope(tensor: torch.Tensor, heads: int, *, inverse: bool = False) -> torch.Tensor:
+    """Rows of each head from interleaved rope pairs to two halves (``inverse``: back): dim 0 viewed as
+    ``[heads, half, 2]`` (inverse: ``[heads, 2, half]``), its last two axes swapped."""
+    rows = tensor.shape[0]
+    half = rows // heads // 2
+    head_shape = (2, half) if inverse else (half, 2)
+    return tensor.reshape(heads, *head_shape, *tensor.shape[1:]).transpose(1, 2).reshape(tensor.shape)
+
+
 def combine(groups: list[list[torch.Tensor]], ops: list[Mapping[str, Any]]) -> torch.Tensor:
     """Apply the weight map's ops to the source groups (see weight_map.RULES)."""
     state: list[Any] = [g if len(g) > 1 else g[0] for g in groups]
@@ -87,6 +96,10 @@ def combine(groups: list[list[torch.Tensor]], ops: list[Mapping[str, Any]]) -> t
             state = [torch.cat(state, dim=op["dim"])]
         elif op["op"] == "transpose":
             state = [state[0].transpose(*op["dims"])]
+        elif op["op"] == "chunk":
+            state = [torch.chunk(state[0], op["chunks"], dim=op["dim"])[op["index"]]]
+        elif op["op"] == "permute_for_rope":
+            state = [permute_for_rope(state[0], op["heads"], inverse=op["inverse"])]
         else:
             raise KadaptError(f"weight map op {op['op']!r} is unknown")
     if len(state) != 1 or isinstance(state[0], list):

@@ -1,8 +1,8 @@
 """The weight map: for every graph weight, the checkpoint tensors, their storage and the ops that build it.
 
 Written next to the IR as ``<prefix>_weight_map.json``; a runtime reads it to load real checkpoint
-weights into the graphs (``weight_loader.load_weights`` is the reference reader). Both graphs of an
-extraction read weights by the same names, so one map serves prefill and decode.
+weights into the graphs (``weight_loader.load_weights`` is the reference reader). Every graph of an
+extraction reads weights by the same names, so one map serves prefill, decode and the vision graph.
 """
 
 from __future__ import annotations
@@ -30,6 +30,11 @@ RULES = {
         "stack": "stack the tensors of each source group along dim (one tensor per group)",
         "concat": "concatenate the groups' tensors, in source order, along dim",
         "transpose": "swap the two dims of the single tensor",
+        "chunk": "split the single tensor into `chunks` equal parts along dim and keep part `index`",
+        "permute_for_rope": (
+            "view dim 0 of the single tensor as [heads, rows/heads/2, 2] ([heads, 2, rows/heads/2] when "
+            "inverse), swap those last two axes, flatten back (interleaved rope pairs to halves)"
+        ),
     },
     "storage": (
         "absent: the tensor is stored under its name with the source's dtype; otherwise the tensor name plus "
@@ -97,6 +102,7 @@ def weight_map_document(
         "model": model_name,
         "quantization": found_in if (qc or spec.quantization) else None,
         "rules": RULES,
-        "checkpoint_tensors": sum(len(g["tensors"]) for e in entries.values() for g in e["sources"]),
+        # distinct tensors: one fused checkpoint tensor may build several weights (q, k, v from wqkv)
+        "checkpoint_tensors": len({t for e in entries.values() for g in e["sources"] for t in g["tensors"]}),
         "weights": entries,
     }
