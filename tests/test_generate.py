@@ -25,7 +25,7 @@ import yaml
 from click.testing import CliRunner
 from fixtures.modules import import_path
 
-from kimi_adapter_core.backends.extraction import runtime
+from kimi_adapter_core.backends.extraction import encoding, runtime
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.generate import check_all, render_spec, write_all
@@ -166,7 +166,9 @@ def test_extraction_module_embeds_runtime_and_builtin_source(kimi_files: dict[st
     text = kimi_files["adapters/kimi_k25/extraction.py"]
     assert split_module(Path(runtime.__file__)).body in text  # byte for byte
     assert "def mla_expand_kv_functional(" in text and "torch.cat((k_nope, k_rot), dim=-1)" in text
-    assert "kimi_adapter_core" not in text.replace("kimi_adapter_core/backends/extraction/runtime.py", "")
+    assert split_module(Path(encoding.__file__)).body in text
+    provenance = [f"kimi_adapter_core/backends/extraction/{name}.py" for name in ("runtime", "encoding")]
+    assert "kimi_adapter_core" not in text.replace(provenance[0], "").replace(provenance[1], "")
     # one plain statement per extraction bridge, under its id and why
     spec = load_spec(KIMI)
     for bridge in spec.config_bridges:

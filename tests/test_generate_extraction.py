@@ -46,6 +46,7 @@ from kimi_adapter_core.backends.extraction import encoding, options_from_spec, r
 from kimi_adapter_core.backends.extraction.options import ExtractionOptions, bind_structure
 from kimi_adapter_core.backends.extraction.pipeline import kv_mapping_document
 from kimi_adapter_core.backends.extraction.roundtrip import tiny_overrides
+from kimi_adapter_core.generate.embed import split_module
 from kimi_adapter_core.loading import applied, load_config, load_model, submodule
 from kimi_adapter_core.spec import Spec, load_spec
 from kimi_adapter_core.structure.derive import derive_structure, structure_of_config
@@ -472,13 +473,15 @@ def test_save_ir_encodes_attributes_like_kadapts_ir_writer(
 ) -> None:
     """One encoding for both writers: ATen's integer codes, meta -> cpu, infinities as +-1e400."""
     module, ir = mistral_prefill
-    assert module._dtype_codes() == encoding.dtype_codes()
-    assert module._enum_names() == encoding.enum_tables()
+    body = split_module(Path(encoding.__file__)).body
+    assert body in Path(module.__file__).read_text(encoding="utf-8")  # embedded verbatim, not a copy
+    assert module.dtype_codes() == encoding.dtype_codes()
+    assert module.enum_tables() == encoding.enum_tables()
     values = [*encoding.dtype_codes(), *encoding.LAYOUT_CODES, *encoding.MEMORY_FORMAT_CODES]
     values += [torch.device("meta"), torch.device("cpu"), [torch.float32, torch.strided], 1.5, None, "x"]
     for value in values:
         assert module._encoded(value, "test") == encoding.encode(value, device="cpu"), value
-    with pytest.raises(TypeError, match="cannot write attribute value"):
+    with pytest.raises(TypeError, match="node x attribute y: cannot encode operator attribute"):
         module._encoded(object(), "node x attribute y")
 
     # masking fills (-inf) are JSON numbers that parse back as infinities; no string is rewritten

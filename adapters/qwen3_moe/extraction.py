@@ -1319,15 +1319,71 @@ def write_kv_mapping(
 # Saving an extracted IR: ABI names, attributes the ops accept back, atomic files
 # ---------------------------------------------------------------------------------------------
 
-# TorchScript enum values of c10::Layout and c10::MemoryFormat (stable across releases): the ops accept
-# these integers wherever they take a layout or memory format.
-_LAYOUT_CODES = {torch.strided: 0, torch.sparse_coo: 1}
-_MEMORY_FORMAT_CODES = {
+# Attribute encoding, verbatim from kimi_adapter_core/backends/extraction/encoding.py: dtypes, layouts and
+# memory formats as the integer codes ATen accepts back, the same as kadapt's own writer.
+# fmt: off
+LAYOUT_CODES = {torch.strided: 0, torch.sparse_coo: 1}
+MEMORY_FORMAT_CODES = {
     torch.contiguous_format: 0,
     torch.preserve_format: 1,
     torch.channels_last: 2,
     torch.channels_last_3d: 3,
 }
+
+
+@functools.cache
+def dtype_codes() -> dict[torch.dtype, int]:
+    """c10::ScalarType code of every dtype this torch knows, read back from the dispatcher."""
+    codes: dict[torch.dtype, int] = {}
+    probe = torch.empty(0, device="meta")  # no allocation, no per-dtype CPU warnings
+    for code in range(64):
+        if code == 8:  # complex32: allocating it makes c10 print an "experimental" warning
+            continue
+        try:
+            dtype = torch.ops.aten._to_copy.default(probe, dtype=code).dtype
+        except (RuntimeError, TypeError):
+            continue
+        codes.setdefault(dtype, code)
+    return codes
+
+
+def enum_tables() -> dict[str, dict[str, str]]:
+    """Code -> name tables written into the IR metadata so readers can decode attributes."""
+
+    def table(codes: dict[Any, int]) -> dict[str, str]:
+        return {
+            str(code): str(item).removeprefix("torch.")
+            for item, code in sorted(codes.items(), key=lambda x: x[1])
+        }
+
+    return {
+        "dtype": table(dtype_codes()),
+        "layout": table(LAYOUT_CODES),
+        "memory_format": table(MEMORY_FORMAT_CODES),
+    }
+
+
+def encode(value: Any, *, device: str) -> Any:
+    """A JSON value the op accepts in place of ``value``; meta devices become ``device``.
+
+    Non-finite floats stay floats (masking fill values); ``irjson`` writes them as ``±1e400``.
+    """
+    if isinstance(value, torch.dtype):
+        return dtype_codes()[value]
+    if isinstance(value, torch.layout):
+        return LAYOUT_CODES[value]
+    if isinstance(value, torch.memory_format):
+        return MEMORY_FORMAT_CODES[value]
+    if isinstance(value, torch.device):
+        return device if value.type == "meta" else str(value)
+    if isinstance(value, (list, tuple)):
+        return [encode(item, device=device) for item in value]
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    raise TypeError(f"cannot encode operator attribute {value!r} ({type(value).__name__}) in the IR")
+
+# fmt: on
+
 # Dtypes torch_ir.load_ir gives constants back in (pytorch-ir 0.2.3 reads any other as float32).
 _LOADABLE_CONSTANT_DTYPES = ("float32", "float64", "float16", "int32", "int64", "int8", "bool")
 # Infinite floats (mask fill values) go out as 1e400 / -1e400, numbers JSON parsers read as infinity:
@@ -1337,49 +1393,12 @@ _INFINITY_MARKS = {math.inf: "\0+inf", -math.inf: "\0-inf"}
 _INFINITY_NUMBERS = {json.dumps("\0+inf"): "1e400", json.dumps("\0-inf"): "-1e400"}
 
 
-@functools.cache
-def _dtype_codes() -> dict[torch.dtype, int]:
-    """c10::ScalarType code of every dtype this torch knows, read back from the dispatcher."""
-    codes: dict[torch.dtype, int] = {}
-    probe = torch.empty(0, device="meta")  # no allocation
-    for code in range(64):
-        if code == 8:  # complex32: creating it makes c10 print an "experimental" warning
-            continue
-        try:
-            codes.setdefault(torch.ops.aten._to_copy.default(probe, dtype=code).dtype, code)
-        except (RuntimeError, TypeError):
-            continue
-    return codes
-
-
 def _encoded(value: Any, where: str) -> Any:
-    """A JSON value an op accepts in place of attribute ``value``: dtypes, layouts and memory formats as
-    ATen's integer codes, a meta device as ``cpu`` (where the saved graph runs)."""
-    if isinstance(value, torch.dtype):
-        return _dtype_codes()[value]
-    if isinstance(value, torch.layout):
-        return _LAYOUT_CODES[value]
-    if isinstance(value, torch.memory_format):
-        return _MEMORY_FORMAT_CODES[value]
-    if isinstance(value, torch.device):
-        return "cpu" if value.type == "meta" else str(value)
-    if isinstance(value, (list, tuple)):
-        return [_encoded(item, where) for item in value]
-    if isinstance(value, (bool, int, float, str)) or value is None:
-        return value
-    raise TypeError(f"{where}: cannot write attribute value {value!r} ({type(value).__name__}) as JSON")
-
-
-def _enum_names() -> dict[str, dict[str, str]]:
-    """Code -> name of every dtype, layout and memory format code ``_encoded`` writes."""
-    tables = {"dtype": _dtype_codes(), "layout": _LAYOUT_CODES, "memory_format": _MEMORY_FORMAT_CODES}
-    return {
-        kind: {
-            str(code): str(item).removeprefix("torch.")
-            for item, code in sorted(codes.items(), key=lambda x: x[1])
-        }
-        for kind, codes in tables.items()
-    }
+    """``encode`` for a saved attribute (the saved graph runs on CPU), naming the attribute it fails on."""
+    try:
+        return encode(value, device="cpu")
+    except TypeError as exc:
+        raise TypeError(f"{where}: {exc}") from exc
 
 
 def _abi_named(document: dict[str, Any], graph: str) -> None:
@@ -1502,6 +1521,6 @@ def save_ir(ir: Any, path: str | Path, graph: str) -> Path:
         "graph": graph,
         "spec": SPEC_NAME,
         "num_layers": (len(document["graph_outputs"]) - 1) // 2,
-        "enums": _enum_names(),
+        "enums": enum_tables(),
     }
     return _write_atomically(path, _json_text(document))

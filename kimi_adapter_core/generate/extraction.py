@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from ..backends.extraction import runtime, weights
+from ..backends.extraction import encoding, runtime, weights
 from ..backends.extraction.options import abi_graph_names, kv_names
 from ..config.source import resolve_source
 from ..errors import KadaptError
@@ -138,16 +138,18 @@ def render_extraction(spec: Spec) -> list[Rendered]:
     prefill, decode = abi_graph_names(spec)
     structure = structure_context(spec, abi_tables.dims(spec))
     runtime_module = split_module(Path(runtime.__file__))
+    encoding_module = split_module(Path(encoding.__file__))
     embedded = EmbeddedCallables()
     patches = _patches(spec, embedded)
     # The backend's own dtype step, so a generated model holds the dtypes kadapt exports.
     cast = embedded.add(weights.cast_to_abi_dtype, what="extraction dtype cast")
     keep_fp32 = embedded.add(weights.keep_fp32_names, what="extraction dtype cast")
-    clashes = sorted(runtime_module.names & set(embedded.sources))
+    clashes = sorted((runtime_module.names | encoding_module.names) & set(embedded.sources))
     if clashes:
         raise _fail(
             spec, "patches", f"patch implementations {clashes} clash with names of the extraction runtime"
         )
+    own_imports = set(runtime_module.imports) | set(encoding_module.imports)
     backend = spec.backend_options(TARGET)
     context = {
         "spec": spec_identity(spec),
@@ -169,11 +171,13 @@ def render_extraction(spec: Spec) -> list[Rendered]:
         "module_paths": {k: spec.module_paths[k] for k in ("language_model", "lm_head")},
         "source_config": _source_config(spec),
         "runtime": {
-            "imports": list(runtime_module.imports),
+            "imports": list(runtime_module.imports)
+            + [line for line in encoding_module.imports if line not in runtime_module.imports],
             "body": runtime_module.body,
             "summary": runtime_module.summary,
         },
-        "impl_imports": sorted(embedded.imports - set(runtime_module.imports)),
+        "encoding": {"body": encoding_module.body, "summary": encoding_module.summary},
+        "impl_imports": sorted(embedded.imports - own_imports),
         "impl_constants": dict(sorted(embedded.constants.items())),
         "impl_sources": list(embedded.sources.values()),
         "patches": patches,

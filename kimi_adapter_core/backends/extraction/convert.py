@@ -181,6 +181,12 @@ class _Converter:
     def ref(self, value: torch.fx.Node) -> Ref:
         return self.env[value.name]
 
+    def encode(self, node: torch.fx.Node, value: Any) -> Any:
+        try:
+            return encode(value, device=self.device)
+        except TypeError as exc:
+            raise KadaptError(f"{node.target} in {_scope(node) or 'the wrapper'}: {exc}") from exc
+
     def operands(self, node: torch.fx.Node, schema: torch.FunctionSchema) -> tuple[list[Ref], dict[str, Any]]:
         inputs: list[Ref] = []
         attrs: dict[str, Any] = {}
@@ -210,7 +216,7 @@ class _Converter:
                 if isinstance(value, torch.fx.Node):
                     add_input(value)
                 elif value is not _MISSING:
-                    attrs[arg.name] = encode(value, device=self.device)
+                    attrs[arg.name] = self.encode(node, value)
                     ambiguous = f"scalar {arg.name}"
             elif kind == "optional":
                 if isinstance(value, torch.fx.Node):
@@ -231,14 +237,14 @@ class _Converter:
             else:
                 if not arg.kwarg_only:
                     for skipped in pending:
-                        attrs[skipped.name] = encode(skipped.default_value, device=self.device)
+                        attrs[skipped.name] = self.encode(node, skipped.default_value)
                     pending.clear()
                 if isinstance(value, torch.fx.Node):
                     attrs[arg.name] = self.symbols.value(value)
                 elif isinstance(value, (list, tuple)) and any(isinstance(v, torch.fx.Node) for v in value):
                     attrs[arg.name] = [self.symbols.value(v) for v in value]
                 else:
-                    attrs[arg.name] = encode(value, device=self.device)
+                    attrs[arg.name] = self.encode(node, value)
         if sizes:
             attrs["_tensor_list_sizes"] = sizes
         if masks:

@@ -5,6 +5,9 @@ and its executor then passes those strings to the op, which rejects them. ATen's
 representation of ``ScalarType``, ``Layout`` and ``MemoryFormat`` is an integer, and ``torch.ops``
 accepts those integers and device strings directly, so that is what the IR stores: the saved JSON
 runs as is, and the ``enums`` table in the metadata names every code.
+
+Imports only torch: generated extraction modules embed this file verbatim for their ``save_ir``, so
+kadapt's writer and theirs encode attributes the same way.
 """
 
 from __future__ import annotations
@@ -13,8 +16,6 @@ import functools
 from typing import Any
 
 import torch
-
-from ...errors import KadaptError
 
 # TorchScript enum values (c10::Layout, c10::MemoryFormat); stable across releases.
 LAYOUT_CODES = {torch.strided: 0, torch.sparse_coo: 1}
@@ -75,4 +76,4 @@ def encode(value: Any, *, device: str) -> Any:
         return [encode(item, device=device) for item in value]
     if isinstance(value, (bool, int, float, str)) or value is None:
         return value
-    raise KadaptError(f"cannot encode operator attribute {value!r} ({type(value).__name__}) in the IR")
+    raise TypeError(f"cannot encode operator attribute {value!r} ({type(value).__name__}) in the IR")
