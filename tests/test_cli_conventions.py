@@ -179,11 +179,12 @@ def test_generate_document_then_check_finds_the_stale_file(tmp_path: Path) -> No
 
 
 def test_errors_in_json_mode_are_a_json_document_on_stdout() -> None:
+    # a value the spec does not declare is a bad option value: a usage error, text on stderr only
     bad_quant = run("plan", "llama", "--quant", "bogus", "--format", "json")
-    assert bad_quant.exit_code == 1
-    error = json.loads(bad_quant.stdout)["error"]
-    assert "quantization 'bogus'" in error["message"] and error["exit_code"] == 1
-    assert error["diagnostics"] == [] and "error: quantization 'bogus'" in bad_quant.stderr
+    assert (bad_quant.exit_code, bad_quant.stdout) == (2, "")
+    assert "error: quantization 'bogus' is not declared by this spec" in bad_quant.stderr
+    declared = run("plan", "llama", "--quant", "bf16", "--format", "json")  # case-insensitive
+    assert declared.exit_code == 0 and json.loads(declared.stdout)["model_type"] == "llama"
 
     invalid = run("plan", str(INVALID_SPEC), "--format", "json")
     assert invalid.exit_code == 1
@@ -193,9 +194,9 @@ def test_errors_in_json_mode_are_a_json_document_on_stdout() -> None:
 
 
 def test_text_mode_errors_stay_on_stderr() -> None:
-    result = run("plan", "llama", "--quant", "bogus")
+    result = run("plan", str(INVALID_SPEC))
     assert result.exit_code == 1 and result.stdout == ""
-    assert result.stderr.startswith("error: quantization 'bogus'")
+    assert result.stderr.startswith("error: invalid spec (1 error):")
 
 
 # -- quiet and verbose ------------------------------------------------------------------------------
@@ -283,7 +284,7 @@ def test_installed_kadapt_entry_point_follows_the_conventions() -> None:
     assert "spec: " in plan.stderr
     usage = call("validate", "no_such_spec", "--format", "json")
     assert (usage.returncode, usage.stdout) == (2, "") and "no spec file" in usage.stderr
-    failed = call("plan", "llama", "--quant", "bogus", "--format", "json")
-    assert failed.returncode == 1 and "quantization" in json.loads(failed.stdout)["error"]["message"]
+    failed = call("plan", str(INVALID_SPEC), "--format", "json")
+    assert failed.returncode == 1 and json.loads(failed.stdout)["error"]["diagnostics"]
     help_text = call("generate", "--help")
     assert help_text.returncode == 0 and "Examples:" in help_text.stdout

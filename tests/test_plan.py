@@ -246,7 +246,7 @@ def test_cli_plan_vision_cache_per_image_and_batch(spec_path: Path) -> None:
     "args, code, message",
     [
         (["--tp", "3"], 2, "attention heads"),
-        (["--quant", "FP4"], 1, "not declared"),
+        (["--quant", "FP4"], 2, "not declared"),
         (["--device", "tpu9"], 2, "known devices"),
     ],
 )

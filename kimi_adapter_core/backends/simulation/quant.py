@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import KadaptError
+from ...errors import KadaptError, UsageError
 from ...spec.model import QuantScheme, Spec
 from .params import ParamGroup
 
@@ -163,8 +163,8 @@ def resolve_policy(
         return checkpoint_policy(schemes, config_quant)
     mode = quant.upper()
     known = [m.upper() for m in declared]
-    if mode not in known:
-        raise KadaptError(
+    if mode not in known:  # a bad option value, like an unknown --device or --tp 3 on 64 heads
+        raise UsageError(
             f"quantization {quant!r} is not declared by this spec "
             f"(backends.simulation.quant_modes: {', '.join(declared) or 'none'})"
         )
