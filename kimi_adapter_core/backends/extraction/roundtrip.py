@@ -269,12 +269,15 @@ class _Replay:
         self.ranges = options.dynamic_ranges
         self.dtype = getattr(torch, options.dtype)
         self.max_cache_len = options.max_cache_len
+        self._bound: dict[tuple[str, tuple[tuple[int, ...], ...]], Any] = {}  # every decode step: one shape
 
     def execute(self, kind: str, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         import torch_ir
 
-        ir = bind_ir(self.irs[kind], [tuple(t.shape) for t in inputs], self.ranges, graph=kind)
-        return list(torch_ir.IRExecutor(ir, self.weights).execute(inputs))
+        shapes = tuple(tuple(t.shape) for t in inputs)
+        if (kind, shapes) not in self._bound:
+            self._bound[kind, shapes] = bind_ir(self.irs[kind], shapes, self.ranges, graph=kind)
+        return list(torch_ir.IRExecutor(self._bound[kind, shapes], self.weights).execute(inputs))
 
     def run_prefill(self, prompt: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         _, mask, positions = runtime.prefill_inputs(

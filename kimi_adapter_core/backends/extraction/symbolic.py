@@ -48,9 +48,6 @@ class DimRange:
     min: int
     max: int
 
-    def to_list(self) -> list[int]:
-        return [self.min, self.max]
-
 
 def evaluate(text: str, sizes: Mapping[str, int]) -> int:
     """The integer value of expression ``text`` with ``sizes`` bound (no ``eval``: a tiny AST walk)."""
