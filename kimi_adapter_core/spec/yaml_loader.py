@@ -195,6 +195,14 @@ def load_yaml_bytes(raw: bytes, name: str) -> LoadedYaml:
         message = "a spec file holds one YAML document; found a second"
         return LoadedYaml(diagnostics=[Diagnostic(name, line, col, "", message, code="multi-doc")])
     except yaml.MarkedYAMLError as exc:
+        if "maximum nesting depth" in (exc.problem or ""):
+            # PyYAML >= 6.0.4's scanner stops at 1,000 flow levels while looking ahead, before the
+            # events reach MAX_DEPTH: the same limit, reported as ours
+            mark = exc.problem_mark or exc.context_mark
+            limit = _LimitExceeded(mark, f"nested more than {MAX_DEPTH} levels deep (limit for a spec file)")
+            return LoadedYaml(
+                diagnostics=[Diagnostic(name, limit.line, limit.col, "", limit.message, code="yaml-limit")]
+            )
         return LoadedYaml(diagnostics=[_syntax_diagnostic(name, exc)])
     except ReaderError as exc:  # invalid characters the scan above did not catch
         return LoadedYaml(diagnostics=[_reader_diagnostic(name, text, exc)])
