@@ -114,8 +114,9 @@ def child_torch_ir(spec_name: str) -> dict[str, Any]:
     import torch
     import torch_ir
 
+    from kimi_adapter_core import upstream
     from kimi_adapter_core.backends.extraction import bind_structure, options_from_spec, runtime
-    from kimi_adapter_core.backends.extraction.weights import cast_to_abi_dtype, keep_fp32_names
+    from kimi_adapter_core.backends.extraction.weights import cast_to_abi_dtype
     from kimi_adapter_core.loading import applied, load_model, submodule
     from kimi_adapter_core.spec import load_spec
     from kimi_adapter_core.structure.derive import derive_structure
@@ -126,7 +127,7 @@ def child_torch_ir(spec_name: str) -> dict[str, Any]:
     with applied(spec, backend="extraction"):
         model = load_model(spec, device="meta", dtype=torch.bfloat16)
         language_model, lm_head = submodule(model, spec, "language_model"), submodule(model, spec, "lm_head")
-        cast_to_abi_dtype([language_model, lm_head], torch.bfloat16, keep_fp32_names(model))
+        cast_to_abi_dtype(model, [language_model, lm_head], torch.bfloat16)
         config = language_model.config
         options = bind_structure(options, derive_structure(config, spec))
         dtype = torch.bfloat16
@@ -149,7 +150,11 @@ def child_torch_ir(spec_name: str) -> dict[str, Any]:
         }
         for kind, (cls, inputs) in graphs.items():
             wrapper = cls.from_language_model(
-                language_model, lm_head, kv_layout=options.kv_layout, windows=options.windows
+                language_model,
+                lm_head,
+                kv_layout=options.kv_layout,
+                cache_keyword=upstream.decoder_protocol(language_model).cache_keyword,
+                windows=options.windows,
             )
             with torch.no_grad():
                 ir = torch_ir.extract_ir(wrapper, inputs, strict=False)

@@ -14,6 +14,7 @@ import torch_ir
 from fixtures.spec_files import KIMI_SPEC as SPEC
 from fixtures.spec_files import REPO
 
+from kimi_adapter_core import upstream
 from kimi_adapter_core.backends.extraction import options_from_spec, runtime
 from kimi_adapter_core.backends.extraction.roundtrip import tiny_overrides
 from kimi_adapter_core.loading import applied, load_config, load_model, submodule
@@ -91,8 +92,13 @@ def test_wrappers_equal_transformers_forward(tiny_cpu: torch.nn.Module, kv_layou
     with torch.no_grad():
         expected = tiny_cpu(input_ids=ids).logits
         with applied(SPEC, backend="extraction"):
-            prefill = runtime.PrefillWrapper.from_language_model(language_model, lm_head, kv_layout=kv_layout)
-            decode = runtime.DecodeWrapper.from_language_model(language_model, lm_head, kv_layout=kv_layout)
+            keyword = upstream.decoder_protocol(language_model).cache_keyword
+            prefill = runtime.PrefillWrapper.from_language_model(
+                language_model, lm_head, kv_layout=kv_layout, cache_keyword=keyword
+            )
+            decode = runtime.DecodeWrapper.from_language_model(
+                language_model, lm_head, kv_layout=kv_layout, cache_keyword=keyword
+            )
             _, mask, positions = runtime.prefill_inputs(
                 batch=1, prefill_len=5, dtype=torch.float32, device="cpu"
             )
@@ -156,7 +162,11 @@ def test_absorbed_mla_equals_reexpand(tiny_cpu: torch.nn.Module) -> None:
                 kv_b_calls.clear()
                 wrappers = [
                     cls.from_language_model(
-                        language_model, lm_head, kv_layout="latent", mla_attention=attention
+                        language_model,
+                        lm_head,
+                        kv_layout="latent",
+                        cache_keyword=upstream.decoder_protocol(language_model).cache_keyword,
+                        mla_attention=attention,
                     )
                     for cls in (runtime.PrefillWrapper, runtime.DecodeWrapper)
                 ]
@@ -195,7 +205,12 @@ def test_wrappers_work_with_torch_ir_extract_ir() -> None:
     with applied(SPEC, backend="extraction"):
         model = load_model(SPEC, device="meta", config=config)
         language_model, lm_head = submodule(model, SPEC, "language_model"), model.lm_head
-        wrapper = runtime.DecodeWrapper.from_language_model(language_model, lm_head, kv_layout="latent")
+        wrapper = runtime.DecodeWrapper.from_language_model(
+            language_model,
+            lm_head,
+            kv_layout="latent",
+            cache_keyword=upstream.decoder_protocol(language_model).cache_keyword,
+        )
         inputs = runtime.decode_inputs(
             derive_structure(language_model.config).attention.kv_dims("latent"),
             batch=1,

@@ -23,8 +23,9 @@ from typing import Any
 import pytest
 import yaml
 from click.testing import CliRunner
-from fixtures.modules import import_path
+from fixtures.modules import import_path, outside_runtime
 
+from kimi_adapter_core import upstream
 from kimi_adapter_core.backends.extraction import encoding, runtime
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import KadaptError
@@ -113,8 +114,7 @@ def test_non_mla_outputs_never_speak_of_mla(spec_path: Path) -> None:
     every family) say nothing about latent caches or MLA attention."""
     for path, text in rendered(spec_path)[0].items():
         if path.endswith("extraction.py"):
-            head, _, rest = text.partition("# fmt: off")
-            text = head.split("Embedded extraction runtime:")[0] + rest.partition("# fmt: on")[2]
+            text = outside_runtime(text)
         found = [w for w in MLA_WORDS if w in text.lower()]
         assert not found, f"{path}: {found}"
 
@@ -167,8 +167,12 @@ def test_extraction_module_embeds_runtime_and_builtin_source(kimi_files: dict[st
     assert split_module(Path(runtime.__file__)).body in text  # byte for byte
     assert "def mla_expand_kv_functional(" in text and "torch.cat((k_nope, k_rot), dim=-1)" in text
     assert split_module(Path(encoding.__file__)).body in text
+    assert split_module(Path(upstream.__file__)).body in text
     provenance = [f"kimi_adapter_core/backends/extraction/{name}.py" for name in ("runtime", "encoding")]
-    assert "kimi_adapter_core" not in text.replace(provenance[0], "").replace(provenance[1], "")
+    provenance.append("kimi_adapter_core/upstream.py")
+    for name in provenance:
+        text = text.replace(name, "")
+    assert "kimi_adapter_core" not in text
     # one plain statement per extraction bridge, under its id and why
     spec = load_spec(KIMI)
     for bridge in spec.config_bridges:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
+import inspect
 import json
 import math
 import types
@@ -40,8 +41,9 @@ from typing import Any
 import pytest
 import torch
 import torch_ir
-from fixtures.modules import import_path
+from fixtures.modules import import_path, outside_runtime
 
+from kimi_adapter_core import upstream
 from kimi_adapter_core.backends.extraction import encoding, options_from_spec, runtime
 from kimi_adapter_core.backends.extraction.options import ExtractionOptions, bind_structure
 from kimi_adapter_core.backends.extraction.pipeline import kv_mapping_document
@@ -103,14 +105,6 @@ def family(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Family]:
 
 def kadapt_text_config(spec: Spec, config: Any) -> Any:
     return getattr(config, spec.abi.config) if spec.abi is not None and spec.abi.config else config
-
-
-def outside_runtime(text: str) -> str:
-    """The module without the verbatim runtime block and the docstring line that summarises it."""
-    head, _, rest = text.partition("# fmt: off")
-    _, _, tail = rest.partition("# fmt: on")
-    head = head.split("Embedded extraction runtime:")[0]
-    return head + tail
 
 
 # -- what the module bakes in ---------------------------------------------------------------------
@@ -245,10 +239,12 @@ def randomize_router_bias(model: torch.nn.Module) -> None:
 
 
 def kadapt_wrapper(cls: type, fam: Family, model: torch.nn.Module) -> torch.nn.Module:
+    language_model = submodule(model, fam.spec, "language_model")
     return cls.from_language_model(
-        submodule(model, fam.spec, "language_model"),
+        language_model,
         submodule(model, fam.spec, "lm_head"),
         kv_layout=fam.options.kv_layout,
+        cache_keyword=upstream.decoder_protocol(language_model).cache_keyword,
         mla_attention=fam.options.mla_attention,
         windows=fam.options.windows,
     )
@@ -328,9 +324,12 @@ def test_sliding_windows_change_the_result(family: Callable[[str], Family]) -> N
     head = model.get_submodule(module.LM_HEAD_PATH)
     with torch.no_grad(), module.patches_applied():
         windowed = module.prefill_wrapper(model)(ids, mask, positions)[0]
-        full = module.PrefillWrapper.from_language_model(language_model, head, kv_layout=module.KV_LAYOUT)(
-            ids, mask, positions
-        )[0]
+        full = module.PrefillWrapper.from_language_model(
+            language_model,
+            head,
+            kv_layout=module.KV_LAYOUT,
+            cache_keyword=module.decoder_protocol(language_model).cache_keyword,
+        )(ids, mask, positions)[0]
         eager = model(input_ids=ids).logits
     torch.testing.assert_close(windowed, eager, rtol=0, atol=TOLERANCE)
     assert not torch.allclose(full, eager, atol=1e-3)
@@ -418,27 +417,35 @@ def test_torch_ir_extracts_and_replays_the_generated_wrappers(
 
 
 @QUIET_META_CONSTANTS
-def test_torch_ir_cannot_replay_a_graph_extracted_with_grad_enabled(family: Callable[[str], Family]) -> None:
-    """The limitation the docstring's ``torch.no_grad()`` avoids (pytorch-ir 0.2.3): with grad mode on,
-    the rotary embedding's ``@torch.no_grad`` is traced as a ``wrap_with_set_grad_enabled``
-    higher-order op, for which torch_ir's executor has no implementation."""
+def test_grad_mode_at_extraction_matters_only_under_a_no_grad_rotary(family: Callable[[str], Family]) -> None:
+    """Why the docstring extracts under ``torch.no_grad()`` (pytorch-ir 0.2.3): where the rotary
+    embedding's forward carries its own ``@torch.no_grad`` (transformers 5.23), grad mode on traces it
+    as a ``wrap_with_set_grad_enabled`` higher-order op that torch_ir's executor cannot run; where it
+    does not (5.24), the graph extracted with grad on runs like the one extracted without."""
     fam = family(TORCH_IR[0])
     module = fam.module
     model = module.build_model(device="meta", overrides=fam.tiny)
+    rotary = model.get_submodule(module.LANGUAGE_MODEL_PATH).rotary_emb
+    own_no_grad = "@torch.no_grad" in inspect.getsource(type(rotary).forward)
     assert torch.is_grad_enabled()
     with module.patches_applied():
         prefill = torch_ir.extract_ir(
             module.prefill_wrapper(model), module.prefill_example_inputs(prefill_len=PREFILL)
         )
-    assert "wrap_with_set_grad_enabled" in {node.name for node in prefill.nodes}
+    assert ("wrap_with_set_grad_enabled" in {node.name for node in prefill.nodes}) == own_no_grad
     cpu = module.build_model(device="cpu", overrides=fam.tiny)
     inputs = module.prefill_example_inputs("cpu", prefill_len=PREFILL)
     executor = torch_ir.IRExecutor(prefill, module.graph_weights(module.prefill_wrapper(cpu)))
-    with pytest.raises(
-        torch_ir.ExecutionError,
-        match="No execution function registered for op_type 'wrap_with_set_grad_enabled'",
-    ):
-        executor.execute(inputs)
+    if own_no_grad:
+        with pytest.raises(
+            torch_ir.ExecutionError,
+            match="No execution function registered for op_type 'wrap_with_set_grad_enabled'",
+        ):
+            executor.execute(inputs)
+        return
+    with torch.no_grad(), module.patches_applied():
+        expected = module.prefill_wrapper(cpu)(*inputs)
+    torch.testing.assert_close(executor.execute(inputs)[0], expected[0], rtol=0, atol=1e-5)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
+from fixtures.loader import loaded_dtypes
 from fixtures.spec_files import KIMI_SPEC, REPO
 
 from kimi_adapter_core.backends.simulation.deployment import Deployment
@@ -232,9 +233,11 @@ def test_traced_modules_are_the_spec_classes(spec: Spec) -> None:
     assert type(moe).__name__ == spec.moe["moe_class"]
     assert isinstance(moe.experts, RoutedExperts) and parts.experts == [moe.experts]
     assert type(moe.gate).__name__ == spec.moe["gate_class"]
-    # weights as a checkpoint loads them: the router bf16 (its fp32 upcast is priced as free), the
-    # correction bias fp32 (transformers keeps it so)
-    assert moe.gate.weight.dtype == torch.bfloat16 and moe.gate.e_score_correction_bias.dtype == torch.float32
+    # weights as transformers' loader gives them: the correction bias fp32, the router weight as
+    # from_pretrained(dtype=bf16) loads it (fp32 since transformers 5.24)
+    loaded = loaded_dtypes("deepseek_v3")
+    assert moe.gate.weight.dtype == loaded["model.layers.1.mlp.gate.weight"]
+    assert moe.gate.e_score_correction_bias.dtype == torch.float32
     assert dense_layer.mlp.gate_proj.weight.shape == (18432 // 8, 7168)  # per-rank dense width
     assert moe.shared_experts.gate_proj.weight.shape == (2048 // 8, 7168)  # per-rank shared width
     assert parts.lm_head.weight.shape == (163840 // 8, 7168)  # vocab-parallel slice

@@ -82,8 +82,13 @@ def _defined_names(statements: list[ast.stmt]) -> list[str]:
 
 @dataclass
 class EmbeddedCallables:
-    """Source of builtin implementations plus the imports and helpers they need, in order."""
+    """Source of builtin implementations plus the imports and helpers they need, in order.
 
+    ``provided`` names the kadapt modules embedded whole in the same generated file (``upstream``):
+    what a callable uses from one of them is already defined there, so it is neither copied nor refused.
+    """
+
+    provided: dict[str, frozenset[str]] = field(default_factory=dict)  # module -> names its body defines
     imports: set[str] = field(default_factory=set)
     constants: dict[str, Any] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)  # name -> source, dependency order
@@ -108,6 +113,8 @@ class EmbeddedCallables:
         if name not in func.__globals__:
             return  # a builtin, a parameter or a local: nothing to carry over
         obj = func.__globals__[name]
+        if name in self.provided.get(getattr(obj, "__module__", ""), ()):
+            return  # defined by a module embedded whole beside it
         if isinstance(obj, types.ModuleType):
             self._require_standalone(obj.__name__, what=what, name=name)
             self.imports.add(_module_import(obj.__name__, name))

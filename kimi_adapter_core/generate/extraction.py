@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from .. import __version__, upstream
 from ..backends.extraction import encoding, runtime, weights
 from ..backends.extraction.options import abi_graph_names, kv_names
 from ..config.source import resolve_source
@@ -79,6 +80,12 @@ def _patches(spec: Spec, embedded: EmbeddedCallables) -> list[dict[str, Any]]:
     return rows
 
 
+def _generated_points(spec: Spec, structure: ModelStructure) -> tuple[str, ...]:
+    """The contact points a generated module checks at import (its wrappers probe the layers too)."""
+    points = ("cache_update", "loader_dtype_plan", "model_classes")
+    return (*points, "experts_implementation") if structure.moe is not None else points
+
+
 def _source_config(spec: Spec) -> dict[str, Any]:
     if spec.source.config is None:
         raise _fail(spec, "source", "the spec ships no config (source.config) to embed")
@@ -136,20 +143,22 @@ def render_extraction(spec: Spec) -> list[Rendered]:
         if key not in spec.module_paths:
             raise _fail(spec, "module_paths", f"module_paths has no {key!r}, which the wrappers need")
     prefill, decode = abi_graph_names(spec)
-    structure = structure_context(spec, abi_tables.dims(spec))
+    dims = abi_tables.dims(spec)
+    structure = structure_context(spec, dims)
     runtime_module = split_module(Path(runtime.__file__))
     encoding_module = split_module(Path(encoding.__file__))
-    embedded = EmbeddedCallables()
+    upstream_module = split_module(Path(upstream.__file__))
+    embedded = EmbeddedCallables(provided={upstream.__name__: upstream_module.names})
     patches = _patches(spec, embedded)
     # The backend's own dtype step, so a generated model holds the dtypes kadapt exports.
     cast = embedded.add(weights.cast_to_abi_dtype, what="extraction dtype cast")
-    keep_fp32 = embedded.add(weights.keep_fp32_names, what="extraction dtype cast")
-    clashes = sorted((runtime_module.names | encoding_module.names) & set(embedded.sources))
+    whole = runtime_module.names | encoding_module.names | upstream_module.names
+    clashes = sorted(whole & set(embedded.sources))
     if clashes:
         raise _fail(
             spec, "patches", f"patch implementations {clashes} clash with names of the extraction runtime"
         )
-    own_imports = set(runtime_module.imports) | set(encoding_module.imports)
+    own_imports = set(runtime_module.imports) | set(encoding_module.imports) | set(upstream_module.imports)
     backend = spec.backend_options(TARGET)
     context = {
         "spec": spec_identity(spec),
@@ -171,17 +180,26 @@ def render_extraction(spec: Spec) -> list[Rendered]:
         "module_paths": {k: spec.module_paths[k] for k in ("language_model", "lm_head")},
         "source_config": _source_config(spec),
         "runtime": {
-            "imports": list(runtime_module.imports)
-            + [line for line in encoding_module.imports if line not in runtime_module.imports],
+            "imports": list(
+                dict.fromkeys((*runtime_module.imports, *encoding_module.imports, *upstream_module.imports))
+            ),
             "body": runtime_module.body,
             "summary": runtime_module.summary,
         },
         "encoding": {"body": encoding_module.body, "summary": encoding_module.summary},
+        "upstream": {
+            "body": upstream_module.body,
+            "summary": upstream_module.summary,
+            "points": _generated_points(spec, dims.structure),
+            "transformers": upstream.TESTED_TRANSFORMERS,
+            "torch": upstream.TESTED_TORCH,
+            "kadapt": __version__,
+        },
         "impl_imports": sorted(embedded.imports - own_imports),
         "impl_constants": dict(sorted(embedded.constants.items())),
         "impl_sources": list(embedded.sources.values()),
         "patches": patches,
-        "cast": {"function": cast, "keep_fp32": keep_fp32},
+        "cast": cast,
         **bridge_context(spec, backend=TARGET, target=TARGET),
     }
     text = render("extraction/module.py.j2", context, spec_name=spec.name, target=TARGET)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.export import ExportedProgram
 
+from ... import upstream
 from ...errors import KadaptError
 from . import runtime
 from .convert import Symbols, convert, symbol_names
@@ -47,8 +48,7 @@ class Backbone:
 
 def check_exportable(backbone: Backbone) -> None:
     """Refuse MoE layers whose experts implementation cannot be exported (data-dependent loops)."""
-    # transformers' @use_experts_implementation gives every experts module this attribute
-    has_experts = any(hasattr(m, "_is_expert_parallel") for m in backbone.language_model.modules())
+    has_experts = any(upstream.is_experts_module(m) for m in backbone.language_model.modules())
     implementation = getattr(backbone.config, "_experts_implementation", None)
     if has_experts and implementation in (None, "eager"):
         raise KadaptError(
@@ -80,6 +80,7 @@ def wrapper_for(kind: str, backbone: Backbone, options: ExtractionOptions, num_l
             backbone.language_model,
             backbone.lm_head,
             kv_layout=options.kv_layout,
+            cache_keyword=upstream.decoder_protocol(backbone.language_model).cache_keyword,
             num_layers=num_layers,
             mla_attention=options.mla_attention,
             windows=options.windows,

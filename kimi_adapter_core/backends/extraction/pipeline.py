@@ -20,7 +20,7 @@ import torch
 import transformers
 from torch import nn
 
-from ... import __version__
+from ... import __version__, upstream
 from ...spec.model import Spec
 from ...structure.derive import derive_structure
 from . import runtime, vision
@@ -32,7 +32,7 @@ from .options import MERGED, ExtractionOptions, bind_merged_prefill, bind_struct
 from .stitch import NotStitchable, Plan, plan, stitch
 from .summary import ExtractionSummary, GraphStats
 from .weight_map import weight_map_document
-from .weights import cast_to_abi_dtype, keep_fp32_names, model_tensor_types, tied_names, weight_entries
+from .weights import cast_to_abi_dtype, model_tensor_types, tied_names, weight_entries
 from .write import write_all
 
 GRAPHS = ("prefill", "decode")
@@ -217,6 +217,12 @@ def graph_stats(graph: Graph, options: ExtractionOptions, size: int, layers: int
     )
 
 
+def check_upstream(options: ExtractionOptions) -> None:
+    """Every transformers contact point this extraction relies on, probed before anything is exported."""
+    points = (*upstream.EXPORT_POINTS, "loading_converters")
+    upstream.check((*points, "vision_grid_helpers") if options.vision is not None else points)
+
+
 def run(spec: Spec, model: nn.Module, options: ExtractionOptions, *, echo: Echo) -> ExtractionSummary:
     """Extract prefill and decode IR of ``model`` (built by ``load_model`` under ``applied``).
 
@@ -239,9 +245,11 @@ def run(spec: Spec, model: nn.Module, options: ExtractionOptions, *, echo: Echo)
         echo(f"  note: {note}")
     vision_modules, vision_graph = None, None
     with clock.step("prepare"):
+        check_upstream(options)
         check_exportable(backbone)
         dtype = getattr(torch, options.dtype)
-        cast_to_abi_dtype([backbone.language_model, backbone.lm_head], dtype, keep_fp32_names(model))
+        cast_to_abi_dtype(model, [backbone.language_model, backbone.lm_head], dtype)
+        upstream.decoder_protocol(backbone.language_model)  # the layers themselves, before any export
         chosen = plan(backbone.layers) if options.stitch else Plan(len(backbone.layers))
         if options.vision is not None:
             vision_modules = vision.prepare(spec, model, options)

@@ -80,11 +80,14 @@ def absorbed_mla_forward(
     hidden_states: torch.Tensor,
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
     attention_mask: torch.Tensor | None,
-    past_key_values: Any = None,
+    *,
+    cache_keyword: str,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """``DeepseekV3Attention.forward`` with ``kv_b_proj`` absorbed (eager math, no dropout).
 
+    The layer hands the cache over under ``cache_keyword`` (what ``upstream.probe_decoder_layers``
+    found the layers take: ``past_key_values`` up to transformers 5.23, ``cache`` since 5.24).
     Projections, the latent split, ``kv_a_layernorm``, rope and the cache write are upstream's; then,
     with ``W = kv_b_proj.weight.view(H, qk_nope + v, r)`` split into ``W_uk`` ``[H, qk_nope, r]`` and
     ``W_uv`` ``[H, v, r]``: ``q_lat = q_nope W_uk`` ``[B, H, Q, r]``, scores ``(q_lat kv_nope^T +
@@ -111,8 +114,9 @@ def absorbed_mla_forward(
     cos, sin = position_embeddings
     q_rot, k_rot = _rope_helper(attn)(q_rot, k_rot, cos, sin)
 
-    if past_key_values is not None:
-        kv_nope, k_rot = past_key_values.update(kv_nope, k_rot, attn.layer_idx)
+    cache = kwargs.get(cache_keyword)
+    if cache is not None:
+        kv_nope, k_rot = cache.update(kv_nope, k_rot, attn.layer_idx)
 
     weight = attn.kv_b_proj.weight.view(heads, nope + v_dim, rank)
     w_uk, w_uv = torch.split(weight, [nope, v_dim], dim=1)  # [H, nope, r], [H, v, r]
@@ -129,7 +133,7 @@ def absorbed_mla_forward(
 
 
 @contextlib.contextmanager
-def absorbing_mla(layers: Sequence[nn.Module], mla_attention: str) -> Iterator[None]:
+def absorbing_mla(layers: Sequence[nn.Module], mla_attention: str, cache_keyword: str) -> Iterator[None]:
     """For ``absorbed``, shadow each layer's ``self_attn.forward`` with ``absorbed_mla_forward``.
 
     Like ``StaticKVCache.routing_expand_kv``: an instance attribute, only inside this block.
@@ -139,7 +143,7 @@ def absorbing_mla(layers: Sequence[nn.Module], mla_attention: str) -> Iterator[N
         return
     attentions = [layer.self_attn for layer in layers]
     for attn in attentions:
-        attn.__dict__["forward"] = functools.partial(absorbed_mla_forward, attn)
+        attn.__dict__["forward"] = functools.partial(absorbed_mla_forward, attn, cache_keyword=cache_keyword)
     try:
         yield
     finally:
@@ -181,6 +185,8 @@ class StaticKVCache:
     Prefill (``past is None``) records the new KV as ``present``. Decode writes the new token into
     the caller's ``past`` tensors with out-of-place ``index_copy`` at ``cache_position``; the tensors
     stay graph inputs/outputs, so nothing is lifted to a constant or mutated behind the graph.
+    ``update`` mirrors ``transformers.cache_utils.Cache.update`` (upstream's ``cache_update`` contact
+    point) and is the cache's only protocol: anything else the attention reads does not exist here.
     """
 
     def __init__(
@@ -199,9 +205,12 @@ class StaticKVCache:
         self.present: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self._slot)
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs: Any = None
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Called by the attention with the new key/value states (MLA: the latents kv_nope, k_rot)."""
+        """Called by the attention with the new key/value states (MLA: the latents kv_nope, k_rot).
+
+        Extra arguments (5.23: none; 5.24: ``kwargs=`` the attention's own kwargs) carry nothing the
+        static cache needs: positions come from ``cache_position``, given at construction."""
         if self.kv_layout == "expanded":  # the latents pass through; expand_kv caches per-head K/V
             return key_states, value_states
         return self._write(self._slot[layer_idx], key_states, value_states)
@@ -262,6 +271,7 @@ class _TextStack(nn.Module):
         lm_head: nn.Module,
         *,
         kv_layout: str,
+        cache_keyword: str,
         mla_attention: str = "reexpand",
         windows: Sequence[int | None] | None = None,
     ) -> None:
@@ -275,6 +285,7 @@ class _TextStack(nn.Module):
         self.rotary_emb = rotary_emb
         self.lm_head = lm_head
         self.kv_layout = kv_layout
+        self.cache_keyword = cache_keyword
         self.mla_attention = mla_attention
         self.layer_ids = [layer.self_attn.layer_idx for layer in self.layers]
         # sliding window of each traced layer (None: full attention), by the layer's own index
@@ -288,6 +299,7 @@ class _TextStack(nn.Module):
         lm_head: nn.Module,
         *,
         kv_layout: str,
+        cache_keyword: str,
         num_layers: int | None = None,
         mla_attention: str = "reexpand",
         windows: Sequence[int | None] | None = None,
@@ -295,7 +307,9 @@ class _TextStack(nn.Module):
     ) -> _TextStack:
         """Wrap a transformers decoder model (``embed_tokens``/``layers``/``norm``/``rotary_emb``).
 
-        ``num_layers`` keeps only the first layers (a representative prefix for replication);
+        ``cache_keyword`` is the keyword the decoder layers take the cache under (``past_key_values`` or
+        ``cache``: ``upstream.probe_decoder_layers`` finds it); ``num_layers`` keeps only the first
+        layers (a representative prefix for replication);
         ``windows`` gives each layer's sliding window (None: full attention), indexed by layer;
         ``extra`` goes to the wrapper's constructor (``image_token_id`` of ``MultimodalPrefillWrapper``).
         """
@@ -309,6 +323,7 @@ class _TextStack(nn.Module):
             language_model.rotary_emb,
             lm_head,
             kv_layout=kv_layout,
+            cache_keyword=cache_keyword,
             mla_attention=mla_attention,
             windows=windows,
             **extra,
@@ -338,15 +353,18 @@ class _TextStack(nn.Module):
             else sliding_window_mask(attention_mask, position_ids, window)
             for window in dict.fromkeys(self.windows)  # first-use order: deterministic graphs
         }
-        with cache.routing_expand_kv(self.layers), absorbing_mla(self.layers, self.mla_attention):
+        with (
+            cache.routing_expand_kv(self.layers),
+            absorbing_mla(self.layers, self.mla_attention, self.cache_keyword),
+        ):
             for layer, window in zip(self.layers, self.windows, strict=True):
                 hidden_states = layer(
                     hidden_states,
                     attention_mask=masks[window],
                     position_ids=position_ids,
-                    past_key_values=cache,
                     use_cache=True,
                     position_embeddings=position_embeddings,
+                    **{self.cache_keyword: cache},
                 )
         logits = self.lm_head(self.norm(hidden_states))
         return (logits, *cache.flat_present())

@@ -26,7 +26,7 @@ import torch
 import transformers
 from torch import nn
 
-from ... import __version__
+from ... import __version__, upstream
 from ...errors import KadaptError
 from ...spec.model import Spec
 from .convert import convert
@@ -36,18 +36,22 @@ from .graph import Graph
 from .irjson import ir_chunks
 from .options import ExtractionOptions, GraphNames, VisionOptions
 from .stitch import NotStitchable, Plan, plan, stitch
-from .weights import cast_to_abi_dtype, keep_fp32_names, model_tensor_types, tied_names, weight_entries
+from .weights import cast_to_abi_dtype, model_tensor_types, tied_names, weight_entries
 
 KIND = "vision"
 ABI_PREFIX = "vision_abi"  # IR name prefix of the grid constants the wrapper owns
-# keyword arguments of Kimi_K25VisionModel.forward whose helpers pop a precomputed value
-GRID_CONSTANTS = ("interp_indices", "interp_weights", "frame_index", "position_ids", "temporal_merge_index")
 # where the encoder layers sit in VisionWrapper: node scopes encoder.layers.<i>...
 LAYER_SCOPE = "encoder.layers"
 
 
-def _grid_tensors(tower: nn.Module, grid_thw: torch.Tensor) -> dict[str, torch.Tensor]:
-    """What MoonViT computes from ``grid_thw`` each call, computed on CPU by transformers' helpers."""
+def _grid_tensors(tower: nn.Module, grid_thw: torch.Tensor) -> tuple[dict[str, torch.Tensor], int | None]:
+    """What MoonViT computes from ``grid_thw`` each call, computed on CPU by transformers' helpers.
+
+    The tensors by IR constant name, and the merged token count the 5.24 scatter merge also takes.
+    The temporal merge is the ``vision_grid_helpers`` contact point: a gather index up to transformers
+    5.23; since 5.24 a destination index, a per-patch frame weight and the merged token count.
+    """
+    upstream.check(("vision_grid_helpers",))
     from transformers.models.kimi_k25 import modeling_kimi_k25 as kimi
     from transformers.vision_utils import (
         get_vision_interpolation_indices_and_weights,
@@ -62,13 +66,19 @@ def _grid_tensors(tower: nn.Module, grid_thw: torch.Tensor) -> dict[str, torch.T
         align_corners=pos_emb.interpolation_align_corners,
     )
     rows, cols = tower.merge_kernel_size
-    return {
+    tensors = {
         "interp_indices": indices,
         "interp_weights": weights,
         "frame_index": kimi.get_vision_frame_index(grid_thw),
         "position_ids": get_vision_position_ids(grid_thw, spatial_merge_size=1),
-        "temporal_merge_index": kimi.get_vision_temporal_merge_index(grid_thw, rows, cols),
     }
+    merge = kimi.get_vision_temporal_merge_index(grid_thw, rows, cols)
+    if upstream.temporal_merge_layout() == "tensor":
+        return {**tensors, "temporal_merge_index": merge}, None
+    destination, frame_weight, merged_tokens = merge
+    return {**tensors, "temporal_merge_index": destination, "temporal_merge_frame_weight": frame_weight}, int(
+        merged_tokens
+    )
 
 
 class VisionWrapper(nn.Module):
@@ -85,16 +95,29 @@ class VisionWrapper(nn.Module):
         self.encoder = encoder
         self.projector = projector
         self.grid_thw = torch.tensor(grid_thws, dtype=torch.long)
-        self.values = _grid_tensors(encoder, self.grid_thw)  # CPU values, for the IR's constants
+        # CPU values, for the IR's constants
+        self.values, self.merged_tokens = _grid_tensors(encoder, self.grid_thw)
         device = next(encoder.parameters()).device
         for name, value in self.values.items():
             self.register_buffer(name, value.to(device), persistent=False)
         seqlens = [t * h * w for t, h, w in grid_thws]
         self.cu_seqlens = np.cumsum([0, *seqlens])
 
+    def grid_kwargs(self) -> dict[str, Any]:
+        """The precomputed values under the keyword arguments MoonViT's helpers pop."""
+        grid: dict[str, Any] = {name: getattr(self, name) for name in upstream.VISION_GRID_KWARGS}
+        if self.merged_tokens is not None:  # the scatter merge takes its three values as one argument
+            grid["temporal_merge_index"] = (
+                self.temporal_merge_index,
+                self.temporal_merge_frame_weight,
+                self.merged_tokens,
+            )
+        return grid
+
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        grid = {name: getattr(self, name) for name in GRID_CONSTANTS}
-        out = self.encoder(pixel_values, grid_thw=self.grid_thw, cu_seqlens=self.cu_seqlens, **grid)
+        out = self.encoder(
+            pixel_values, grid_thw=self.grid_thw, cu_seqlens=self.cu_seqlens, **self.grid_kwargs()
+        )
         return self.projector(out.pooler_output).squeeze(1)
 
 
@@ -275,9 +298,7 @@ def prepare(spec: Spec, model: nn.Module, options: ExtractionOptions) -> VisionM
     """The vision modules of ``model``, checked, with parameters in the ABI dtype (free on meta)."""
     assert options.vision is not None
     modules = vision_modules(spec, model, options.vision)
-    cast_to_abi_dtype(
-        [modules.encoder, modules.projector], getattr(torch, options.dtype), keep_fp32_names(model)
-    )
+    cast_to_abi_dtype(model, [modules.encoder, modules.projector], getattr(torch, options.dtype))
     return modules
 
 

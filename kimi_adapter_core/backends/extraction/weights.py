@@ -17,29 +17,26 @@ from torch import nn
 
 from ...errors import KadaptError
 from ...spec.model import QuantScheme
+from ...upstream import loader_keeps_fp32
 from .graph import WEIGHT, Graph, TensorType, dtype_name
 from .naming import rename_weight
 
 
-def keep_fp32_names(model: nn.Module) -> set[str]:
-    """transformers' ``_keep_in_fp32_modules(_strict)`` of every sub-model (e.g. the router bias)."""
-    names: set[str] = set()
-    for module in model.modules():
-        for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
-            names.update(getattr(module, attr, None) or ())
-    return names
+def cast_to_abi_dtype(model: nn.Module, roots: Iterable[nn.Module], dtype: torch.dtype) -> int:
+    """Bring the parameters and persistent buffers under ``roots`` (submodules of ``model``) to the ABI
+    dtype, as ``from_pretrained(dtype=dtype)`` would load them.
 
-
-def cast_to_abi_dtype(modules: Iterable[nn.Module], dtype: torch.dtype, keep_fp32: set[str]) -> int:
-    """Bring parameters and persistent buffers to the ABI dtype, as a checkpoint load would.
-
-    Names listed in ``keep_fp32`` stay float32 (transformers loads them that way); non-persistent
-    buffers (rotary ``inv_freq``) keep their dtype because they are computed, not loaded. Returns the
-    number of tensors changed; on the meta device this costs nothing.
+    What transformers' loader keeps float32 (its dtype plan: the MoE router of DeepSeek-V3 since 5.24,
+    ``e_score_correction_bias``) stays float32, matched on the parameter's path in ``model`` as the
+    loader matches it; non-persistent buffers (rotary ``inv_freq``) keep their dtype because they are
+    computed, not loaded. Returns the number of tensors changed; on the meta device this costs nothing.
     """
+    keeps_fp32 = loader_keeps_fp32(model, dtype)
+    names = {id(module): name for name, module in model.named_modules()}
     changed = 0
-    for root in modules:
-        for module_name, module in root.named_modules():
+    for root in roots:
+        prefix = names.get(id(root), "")  # a module outside ``model`` (a simulated MTP projection)
+        for module_name, module in root.named_modules(prefix=prefix):
             tensors = [(n, p, True) for n, p in module.named_parameters(recurse=False)]
             tensors += [
                 (n, b, False)
@@ -50,7 +47,7 @@ def cast_to_abi_dtype(modules: Iterable[nn.Module], dtype: torch.dtype, keep_fp3
                 if not tensor.is_floating_point():
                     continue
                 path = f"{module_name}.{name}" if module_name else name
-                want = torch.float32 if keep_fp32 & set(path.split(".")) else dtype
+                want = torch.float32 if keeps_fp32(path) else dtype
                 if tensor.dtype == want:
                     continue
                 if is_param:

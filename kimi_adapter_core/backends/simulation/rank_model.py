@@ -38,7 +38,6 @@ and ``module_paths`` then all work exactly as for ``kadapt apply``, with no seco
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
 from collections.abc import Iterator, Mapping
@@ -48,12 +47,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from ... import upstream
 from ...errors import KadaptError
 from ...loading import applied, load_config, load_model, submodule
 from ...spec.model import Spec
 from ...structure.derive import text_config_key
 from ...structure.model import ModelStructure
-from ..extraction.weights import cast_to_abi_dtype, keep_fp32_names
+from ..extraction.weights import cast_to_abi_dtype
 from .arch import read_config
 from .deployment import Deployment
 from .inputs import ModelInputs
@@ -293,23 +293,6 @@ class AttentionKernel:
                 "its config class did not take the per-rank sizes kadapt wrote under the structure's keys "
                 f"({', '.join(sorted(self.s.keys.get(f, f) for f in _HEAD_FACTS))})"
             )
-
-
-@contextlib.contextmanager
-def _attention_implementation(kernel: AttentionKernel, configs: list[Any]) -> Iterator[None]:
-    """Point the traced layers' configs at ``kernel`` through transformers' attention interface."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    ALL_ATTENTION_FUNCTIONS[ATTENTION_IMPLEMENTATION] = kernel
-    previous = [(config, config._attn_implementation) for config in configs]
-    for config in configs:
-        config._attn_implementation = ATTENTION_IMPLEMENTATION
-    try:
-        yield
-    finally:
-        for config, value in previous:
-            config._attn_implementation = value
-        del ALL_ATTENTION_FUNCTIONS[ATTENTION_IMPLEMENTATION]
 
 
 class RankMLA(nn.Module):
@@ -667,7 +650,7 @@ def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts,
     )
     # bf16 as a checkpoint loads: fp32 where transformers keeps it (the router's correction bias);
     # computed buffers (rotary inv_freq) keep their dtype
-    cast_to_abi_dtype([part for _, part in parts.named()], torch.bfloat16, keep_fp32_names(model))
+    cast_to_abi_dtype(model, [part for _, part in parts.named()], torch.bfloat16)
     parts.names = {id(t): n for n, t in model.named_parameters()}  # before any swap: the model's own names
 
     unbound = Recorder()  # every swapped kernel is bound to the trace's recorder before it runs
@@ -751,7 +734,11 @@ class RankModel:
             kinds = {id(m): t.kind for t in model.layers for m in t.module.modules()}
             kernel = AttentionKernel(rec, dep, s, kinds)
             try:
-                with _attention_implementation(kernel, model.configs), rec, torch.no_grad():
+                with (
+                    upstream.attention_kernel(ATTENTION_IMPLEMENTATION, kernel, model.configs),
+                    rec,
+                    torch.no_grad(),
+                ):
                     _step(model, rec, dep, s, input_ids, positions, _all_reduce)
             finally:
                 for handle in handles:

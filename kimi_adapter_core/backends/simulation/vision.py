@@ -29,9 +29,7 @@ either cost model.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -39,13 +37,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ... import upstream
 from ...errors import KadaptError
 from ...loading import applied, load_config, load_model, submodule
 from ...spec.model import Spec
 from ...structure.derive import text_config_key
 from ..extraction.options import vision_options
 from ..extraction.vision import VisionWrapper, vision_modules
-from ..extraction.weights import cast_to_abi_dtype, keep_fp32_names
+from ..extraction.weights import cast_to_abi_dtype
 from .arch import read_config
 from .cost import Priced, price
 from .deployment import Deployment
@@ -119,22 +118,10 @@ class VisionAttention:
         return query.new_empty(b, s, heads, vd), None
 
 
-@contextlib.contextmanager
-def _attention_implementation(kernel: VisionAttention, encoder: nn.Module) -> Iterator[None]:
-    """Point the encoder's configs at ``kernel`` through transformers' attention interface."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
+def _encoder_configs(encoder: nn.Module) -> list[Any]:
+    """Every distinct config an encoder module attends with (the ones the attention interface reads)."""
     configs = {id(m.config): m.config for m in encoder.modules() if hasattr(m, "config")}
-    previous = [(c, c._attn_implementation) for c in configs.values() if hasattr(c, "_attn_implementation")]
-    ALL_ATTENTION_FUNCTIONS[ATTENTION_IMPLEMENTATION] = kernel
-    for config, _ in previous:
-        config._attn_implementation = ATTENTION_IMPLEMENTATION
-    try:
-        yield
-    finally:
-        for config, value in previous:
-            config._attn_implementation = value
-        del ALL_ATTENTION_FUNCTIONS[ATTENTION_IMPLEMENTATION]
+    return [c for c in configs.values() if hasattr(c, "_attn_implementation")]
 
 
 class _Scoped(nn.Module):
@@ -198,7 +185,7 @@ def trace_vision(spec: Spec, inputs: ModelInputs, dep: Deployment, images: Image
         model = load_model(spec, device="meta", config=config)
         modules = vision_modules(spec, model, options)
         encoder, projector = modules.encoder, modules.projector
-        cast_to_abi_dtype([encoder, projector], torch.bfloat16, keep_fp32_names(model))
+        cast_to_abi_dtype(model, [encoder, projector], torch.bfloat16)
         for param in [*encoder.parameters(), *projector.parameters()]:
             rec.mark_weight(param, NATIVE["fp32" if param.dtype == torch.float32 else "bf16"])
         layers = submodule(model, spec, "vision_layers")
@@ -218,7 +205,12 @@ def trace_vision(spec: Spec, inputs: ModelInputs, dep: Deployment, images: Image
         wrapper = VisionWrapper(encoder, _Scoped(projector, rec, SCOPE_PROJECTOR, 1), options.grid_thws)
         pixels = torch.zeros((options.num_patches, *patch_shape), dtype=torch.bfloat16, device="meta")
         kernel = VisionAttention(rec)
-        with _attention_implementation(kernel, encoder), rec, torch.no_grad(), rec.scope(SCOPE_ENCODER, 1):
+        with (
+            upstream.attention_kernel(ATTENTION_IMPLEMENTATION, kernel, _encoder_configs(encoder)),
+            rec,
+            torch.no_grad(),
+            rec.scope(SCOPE_ENCODER, 1),
+        ):
             features = wrapper(pixels)
         if not kernel.kernels:
             raise KadaptError(

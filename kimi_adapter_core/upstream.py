@@ -1,0 +1,705 @@
+"""transformers' internals kadapt relies on: every contact point, feature-detected, probed once.
+
+kadapt calls decoder layers itself, hands them its own static KV cache, reads transformers' loading
+converters and dtype plan, precomputes MoonViT's grid tensors with transformers' helpers and plugs
+kernels into its attention interface. None of that is public API, and a minor release moves it
+(5.24 renamed the layers' ``past_key_values`` to ``cache`` and made ``get_vision_temporal_merge_index``
+return a tuple). This module is the one place that touches those internals: each contact point is a
+``ContactPoint`` with a probe that detects the current shape of the internal (by signature or by
+calling it on something tiny), never by comparing version strings. A probe that finds a shape kadapt
+does not know raises ``ContactPointMoved``: one message naming the contact point, what kadapt expected,
+what it found and the versions kadapt is tested with, before any export starts.
+
+Two kinds of probe:
+- library probes (``check``) need no model: signatures and tiny behavioural calls, milliseconds each;
+- ``probe_decoder_layers`` runs the model's own decoder layers (on whatever device they are, meta
+  included) once per layer class with a recording cache: which keyword takes the cache, how the
+  attention calls ``Cache.update``, what the layer returns, what the rotary embedding returns.
+
+Self-contained on purpose (the standard library at import; torch and transformers inside functions):
+``kadapt generate`` embeds this module verbatim in standalone extraction modules, which run the same
+checks at import and when they build their wrappers. Keep it free of kadapt imports, and of
+dataclasses (they need their module in ``sys.modules``, which an ``exec``'d generated module is not).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+# The releases this kadapt is tested with (CI runs the suite on each; constraints.txt pins the newest).
+TESTED_TRANSFORMERS = ("5.23.0", "5.24.0")
+TESTED_TORCH = ("2.13.0",)
+# Where a user reads what each contact point is and what to do when one moves.
+COMPATIBILITY_DOC = "docs/compatibility.md"
+
+
+class ContactPointMoved(RuntimeError):
+    """An internal of transformers kadapt relies on is not where (or not what) kadapt expects.
+
+    ``findings`` holds one ``Finding`` per moved contact point; the message names each with what was
+    expected and what was found, then the tested versions.
+    """
+
+    def __init__(self, findings: Sequence[Finding]) -> None:
+        self.findings = tuple(findings)
+        lines = [
+            f"transformers {_version('transformers')} moved "
+            + ("a contact point" if len(self.findings) == 1 else f"{len(self.findings)} contact points")
+            + " kadapt relies on:"
+        ]
+        for finding in self.findings:
+            lines.append(
+                f"  {finding.name} ({finding.symbol}): expected {finding.expected}; found {finding.found}"
+            )
+        lines.append(
+            f"kadapt is tested with transformers {', '.join(TESTED_TRANSFORMERS)} and torch "
+            f"{', '.join(TESTED_TORCH)}; install a tested release (pip install -c constraints.txt ...) or "
+            f"see {COMPATIBILITY_DOC}"
+        )
+        super().__init__("\n".join(lines))
+
+
+class _Moved(Exception):
+    """Raised by a probe: the internal exists in a shape kadapt does not know."""
+
+    def __init__(self, expected: str, found: str) -> None:
+        super().__init__(found)
+        self.expected = expected
+        self.found = found
+
+
+class Finding(NamedTuple):
+    """What one probe saw: ``ok`` with what was found, or moved (``expected`` vs ``found``)."""
+
+    name: str
+    symbol: str
+    ok: bool
+    found: str
+    expected: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "symbol": self.symbol,
+            "status": "ok" if self.ok else "moved",
+            "found": self.found,
+            "expected": self.expected,
+        }
+
+
+class ContactPoint(NamedTuple):
+    """One internal of transformers: what it is, why kadapt needs it, who uses it, how it is probed."""
+
+    name: str
+    symbol: str  # the transformers symbol or behaviour, as a reader would search for it
+    expected: str  # the shape kadapt knows, as the error states it
+    why: str
+    used_by: tuple[str, ...]  # kadapt parts that rely on it
+    probe: Callable[[], str]  # returns what it found; raises _Moved
+
+
+def _version(package: str) -> str:
+    try:
+        return str(importlib.import_module(package).__version__)
+    except Exception:  # noqa: BLE001 - a report, not a dependency
+        return "(not importable)"
+
+
+def _signature(func: Callable[..., Any]) -> inspect.Signature:
+    return inspect.signature(inspect.unwrap(func))
+
+
+def _describe(func: Callable[..., Any], name: str) -> str:
+    return f"{name}{_signature(func)}".replace("torch.", "")
+
+
+def _attr(module: str, name: str, expected: str) -> Any:
+    """``module.name``, or _Moved saying which of the two is gone."""
+    try:
+        owner = importlib.import_module(module)
+    except ImportError as exc:
+        raise _Moved(expected, f"module {module} does not import ({exc})") from exc
+    if not hasattr(owner, name):
+        raise _Moved(expected, f"{module} has no {name}")
+    return getattr(owner, name)
+
+
+def _leading_parameters(func: Callable[..., Any], names: Sequence[str]) -> tuple[bool, bool]:
+    """Whether ``func``'s parameters after ``self`` start with ``names``, and whether it takes more."""
+    params = list(_signature(func).parameters.values())
+    if params and params[0].name == "self":
+        params = params[1:]
+    leading = [p.name for p in params[: len(names)]] == list(names)
+    extra = any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params)
+    return leading, extra
+
+
+# -- library probes ---------------------------------------------------------------------------------
+
+CACHE_UPDATE = ("key_states", "value_states", "layer_idx")
+
+
+def _probe_cache_update() -> str:
+    expected = "Cache.update(key_states, value_states, layer_idx, *args, **kwargs)"
+    cache = _attr("transformers.cache_utils", "Cache", expected)
+    update = getattr(cache, "update", None)
+    if update is None:
+        raise _Moved(expected, "Cache has no update")
+    leading, extra = _leading_parameters(update, CACHE_UPDATE)
+    if not (leading and extra):
+        raise _Moved(expected, _describe(update, "Cache.update"))
+    return _describe(update, "Cache.update")
+
+
+def _probe_dtype_plan() -> str:
+    expected = "PreTrainedModel._get_dtype_plan(dtype) and core_model_loading.build_glob_alternation(globs)"
+    model = _attr("transformers.modeling_utils", "PreTrainedModel", expected)
+    if not callable(getattr(model, "_get_dtype_plan", None)):
+        raise _Moved(expected, "PreTrainedModel has no _get_dtype_plan")
+    alternation = _attr("transformers.core_model_loading", "build_glob_alternation", expected)
+    matcher = _fp32_matcher(alternation, ["gate.weight", "e_score_correction_bias"])
+    if not (matcher("model.layers.1.mlp.gate.weight") and not matcher("model.layers.1.mlp.up_proj.weight")):
+        raise _Moved(expected + " matching parameter names by regex search", "another matching rule")
+    return "dtype plan patterns matched by regex search over parameter names"
+
+
+def _probe_model_classes() -> str:
+    expected = (
+        "AutoModelForCausalLM._model_mapping[config class] and PreTrainedModel._from_config(config, dtype=)"
+    )
+    transformers = importlib.import_module("transformers")
+    mapping = getattr(getattr(transformers, "AutoModelForCausalLM", None), "_model_mapping", None)
+    if mapping is None or not hasattr(mapping, "__contains__"):
+        raise _Moved(expected, "AutoModelForCausalLM has no _model_mapping")
+    model = _attr("transformers.modeling_utils", "PreTrainedModel", expected)
+    from_config = getattr(model, "_from_config", None)
+    if from_config is None:
+        raise _Moved(expected, "PreTrainedModel has no _from_config")
+    params = _signature(from_config).parameters
+    if "dtype" not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        raise _Moved(expected, _describe(from_config, "PreTrainedModel._from_config"))
+    return "lazy auto mappings and _from_config(config, dtype=)"
+
+
+def _probe_experts() -> str:
+    expected = "ALL_EXPERTS_FUNCTIONS with 'batched_mm'; experts modules marked _is_expert_parallel"
+    functions = _attr("transformers.integrations.moe", "ALL_EXPERTS_FUNCTIONS", expected)
+    decorate = _attr("transformers.integrations.moe", "use_experts_implementation", expected)
+    if "batched_mm" not in functions:
+        raise _Moved(expected, f"experts implementations {sorted(functions)}")
+    from torch import nn
+
+    class _Experts(nn.Module):
+        def __init__(self, config: Any) -> None:
+            super().__init__()
+
+        def forward(self, hidden_states: Any, *args: Any) -> Any:
+            return hidden_states
+
+    experts = decorate(_Experts)(type("Config", (), {"_experts_implementation": "batched_mm"})())
+    if not is_experts_module(experts):
+        raise _Moved(expected, "use_experts_implementation no longer sets _is_expert_parallel")
+    return f"experts implementations {', '.join(sorted(functions))}"
+
+
+def _probe_attention_interface() -> str:
+    expected = "modeling_utils.ALL_ATTENTION_FUNCTIONS: item set/delete, get_interface(name, default)"
+    functions = _attr("transformers.modeling_utils", "ALL_ATTENTION_FUNCTIONS", expected)
+    name = "kadapt_probe"
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        return None
+
+    try:
+        functions[name] = kernel
+        found = functions.get_interface(name, None)
+        del functions[name]
+    except Exception as exc:  # noqa: BLE001 - any failure is the finding
+        raise _Moved(expected, f"{type(exc).__name__}: {exc}") from exc
+    if found is not kernel or name in functions:
+        raise _Moved(expected, "a registered kernel is not returned, or not removed")
+    return "registered kernels are looked up by config._attn_implementation"
+
+
+def _probe_loading() -> str:
+    expected = (
+        "core_model_loading: WeightConverter/WeightRenaming/PrefixChange with source/target patterns, "
+        "operations, scope_prefix; rename_source_key(key, renamings, converters, prefix, meta_state) -> "
+        "(key, pattern); conversion_mapping.get_model_conversion_mapping(model, ..., add_legacy=)"
+    )
+    api = loading_api()
+    converter = api.WeightConverter(
+        source_patterns=["mlp.experts.*.w1.weight"],
+        target_patterns="mlp.experts.gate_up_proj",
+        operations=[api.MergeModulelist(dim=0)],
+    )
+    missing = [
+        a
+        for a in ("target_patterns", "_original_source_patterns", "operations", "scope_prefix")
+        if not hasattr(converter, a)
+    ]
+    if missing:
+        raise _Moved(expected, f"WeightConverter has no {', '.join(missing)}")
+    leading, _ = _leading_parameters(
+        api.rename_source_key, ("source_key", "weight_renamings", "weight_converters")
+    )
+    if not leading:
+        raise _Moved(expected, _describe(api.rename_source_key, "rename_source_key"))
+    target = "model.layers.0.mlp.experts.gate_up_proj"
+    loaded, _ = api.rename_source_key(
+        "model.layers.0.mlp.experts.3.w1.weight", [], [converter], "model", {target: 1}
+    )
+    if loaded != target:
+        raise _Moved(expected + " renaming a converter's source to its target", f"it renamed to {loaded}")
+    if "add_legacy" not in _signature(api.get_model_conversion_mapping).parameters:
+        raise _Moved(expected, _describe(api.get_model_conversion_mapping, "get_model_conversion_mapping"))
+    return "converters rename their sources to their targets"
+
+
+def _probe_vision_grid() -> str:
+    layout = temporal_merge_layout()
+    return f"MoonViT grid helpers pop precomputed kwargs; temporal merge index is {layout}"
+
+
+def _probe_remote_code() -> str:
+    expected = "get_class_in_module(class_name, module_path, ...) and get_class_from_dynamic_module"
+    loader = _attr("transformers.dynamic_module_utils", "get_class_in_module", expected)
+    _attr("transformers.dynamic_module_utils", "get_class_from_dynamic_module", expected)
+    leading, _ = _leading_parameters(loader, ("class_name", "module_path"))
+    if not leading:
+        raise _Moved(expected, _describe(loader, "get_class_in_module"))
+    return _describe(loader, "get_class_in_module")
+
+
+def _probe_generation() -> str:
+    expected = "GenerationConfig(max_new_tokens, do_sample, output_logits, return_dict_in_generate)"
+    config_class = _attr("transformers", "GenerationConfig", expected)
+    config = config_class(max_new_tokens=1, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    if not (getattr(config, "output_logits", False) and getattr(config, "return_dict_in_generate", False)):
+        raise _Moved(expected, "GenerationConfig drops output_logits or return_dict_in_generate")
+    return "greedy generate() returns sequences and per-step logits"
+
+
+CONTACT_POINTS: tuple[ContactPoint, ...] = (
+    ContactPoint(
+        "cache_update",
+        "transformers.cache_utils.Cache.update",
+        "update(key_states, value_states, layer_idx, *args, **kwargs)",
+        "kadapt's static KV cache stands in for transformers' Cache: the attention hands it the new "
+        "key/value states (MLA: the latents) and attends over what it returns",
+        ("extraction", "generated modules"),
+        _probe_cache_update,
+    ),
+    ContactPoint(
+        "loader_dtype_plan",
+        "PreTrainedModel._get_dtype_plan, core_model_loading.build_glob_alternation",
+        "patterns matched by regex search",
+        "the IR states the dtype each weight loads with: parameters the loader keeps in float32 "
+        "(_keep_in_fp32_modules[_strict], e.g. the MoE router) stay float32 in a bf16 graph",
+        ("extraction", "simulation", "generated modules"),
+        _probe_dtype_plan,
+    ),
+    ContactPoint(
+        "model_classes",
+        "AutoModelForCausalLM._model_mapping, PreTrainedModel._from_config",
+        "lazy auto mappings and _from_config(config, dtype=)",
+        "models are built from a config without weights (meta device) in float32",
+        ("apply", "simulation", "generated modules"),
+        _probe_model_classes,
+    ),
+    ContactPoint(
+        "experts_implementation",
+        "transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS, use_experts_implementation",
+        "'batched_mm' registered; experts modules marked _is_expert_parallel",
+        "MoE experts export as batched_mm (static shapes); kadapt finds experts modules by the marker "
+        "to refuse the eager loop before export",
+        ("extraction", "simulation"),
+        _probe_experts,
+    ),
+    ContactPoint(
+        "attention_interface",
+        "transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS",
+        "item set/delete and get_interface(name, default)",
+        "simulation points the traced layers' attention at an analytic kernel for the trace only",
+        ("simulation",),
+        _probe_attention_interface,
+    ),
+    ContactPoint(
+        "loading_converters",
+        "transformers.core_model_loading, conversion_mapping.get_model_conversion_mapping",
+        "converters with source/target patterns and operations; rename_source_key renames a source to "
+        "its target",
+        "the weight map names, for every graph weight, the checkpoint tensors transformers' own loader "
+        "builds it from, and checks each name loads back through rename_source_key",
+        ("extraction (weight map)",),
+        _probe_loading,
+    ),
+    ContactPoint(
+        "vision_grid_helpers",
+        "transformers.vision_utils, modeling_kimi_k25.get_vision_frame_index/get_vision_temporal_merge_index",
+        "helpers that pop a precomputed value from kwargs; merge index a tensor or "
+        "(destination_index, frame_weight, num_merged_tokens)",
+        "the vision graph precomputes MoonViT's grid tensors once and passes them as the kwargs its "
+        "helpers pop",
+        ("extraction (vision)", "simulation (--images)"),
+        _probe_vision_grid,
+    ),
+    ContactPoint(
+        "remote_code_loader",
+        "transformers.dynamic_module_utils.get_class_in_module",
+        "get_class_in_module(class_name, module_path, ...)",
+        "remote-code patches follow the module transformers really imported (and re-imports)",
+        ("apply (remote code)",),
+        _probe_remote_code,
+    ),
+    ContactPoint(
+        "generation",
+        "transformers.GenerationConfig, GenerationMixin.generate",
+        "greedy generate() with output_logits and return_dict_in_generate",
+        "--verify compares the saved graphs with transformers' own generate()",
+        ("verify",),
+        _probe_generation,
+    ),
+)
+# What every export needs; the rest is checked by the part that uses it.
+EXPORT_POINTS = ("cache_update", "loader_dtype_plan", "model_classes", "experts_implementation")
+BY_NAME = {point.name: point for point in CONTACT_POINTS}
+
+
+@functools.cache
+def _run(name: str) -> Finding:
+    point = BY_NAME[name]
+    try:
+        found = point.probe()
+    except _Moved as moved:
+        return Finding(name, point.symbol, False, moved.found, moved.expected)
+    return Finding(name, point.symbol, True, found, point.expected)
+
+
+def findings(names: Sequence[str] | None = None) -> list[Finding]:
+    """Probe ``names`` (default: every contact point), each once per process; nothing raised."""
+    unknown = sorted(set(names or ()) - set(BY_NAME))
+    if unknown:
+        raise ValueError(f"unknown contact points {unknown}; known: {', '.join(BY_NAME)}")
+    return [_run(name) for name in (names or BY_NAME)]
+
+
+def check(names: Sequence[str] | None = None) -> list[Finding]:
+    """``findings(names)``, raising one ``ContactPointMoved`` that lists every moved point."""
+    found = findings(names)
+    moved = [f for f in found if not f.ok]
+    if moved:
+        raise ContactPointMoved(moved)
+    return found
+
+
+def require(name: str, expected: str, found: str) -> None:
+    """Raise ``ContactPointMoved`` for ``name`` from a check made outside a probe."""
+    raise ContactPointMoved([Finding(name, BY_NAME[name].symbol, False, found, expected)])
+
+
+# -- accessors: what the rest of kadapt reads through this module ------------------------------------
+
+
+class LoadingApi(NamedTuple):
+    """transformers' loading conversions, as ``checkpoint_layout`` reads them."""
+
+    get_model_conversion_mapping: Callable[..., Any]
+    rename_source_key: Callable[..., Any]
+    WeightConverter: type
+    WeightRenaming: type
+    PrefixChange: type
+    MergeModulelist: type
+
+
+@functools.cache
+def loading_api() -> LoadingApi:
+    """The loading symbols, or ``ContactPointMoved`` naming the one that is gone."""
+    expected = BY_NAME["loading_converters"].expected
+    names = ("rename_source_key", "WeightConverter", "WeightRenaming", "PrefixChange", "MergeModulelist")
+    try:
+        found = {name: _attr("transformers.core_model_loading", name, expected) for name in names}
+        mapping = _attr("transformers.conversion_mapping", "get_model_conversion_mapping", expected)
+    except _Moved as moved:
+        require("loading_converters", moved.expected, moved.found)
+    return LoadingApi(get_model_conversion_mapping=mapping, **found)
+
+
+def is_experts_module(module: Any) -> bool:
+    """transformers' ``@use_experts_implementation`` marks every experts module it builds."""
+    return hasattr(module, "_is_expert_parallel")
+
+
+def _fp32_matcher(alternation: Callable[..., Any], patterns: list[str]) -> Callable[[str], bool]:
+    if not patterns:
+        return lambda name: False
+    regex = alternation(patterns)[0]
+    return lambda name: regex.search(name) is not None
+
+
+def loader_keeps_fp32(model: Any, dtype: Any) -> Callable[[str], bool]:
+    """Predicate on a parameter's path in ``model``: does ``from_pretrained(dtype=dtype)`` keep it float32?
+
+    transformers' own dtype plan (``_keep_in_fp32_modules_strict`` for fp16/bf16,
+    ``_keep_in_fp32_modules`` for fp16 only), matched the way its loader matches it.
+    """
+    check(("loader_dtype_plan",))
+    from transformers.core_model_loading import build_glob_alternation
+
+    plan = model._get_dtype_plan(dtype)
+    import torch
+
+    return _fp32_matcher(build_glob_alternation, [p for p, d in plan.items() if d == torch.float32])
+
+
+@contextmanager
+def attention_kernel(name: str, kernel: Callable[..., Any], configs: Sequence[Any]) -> Iterator[None]:
+    """Register ``kernel`` as attention implementation ``name`` and point ``configs`` at it, in the block."""
+    check(("attention_interface",))
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ALL_ATTENTION_FUNCTIONS[name] = kernel
+    previous = [(config, config._attn_implementation) for config in configs]
+    for config in configs:
+        config._attn_implementation = name
+    try:
+        yield
+    finally:
+        for config, value in previous:
+            config._attn_implementation = value
+        del ALL_ATTENTION_FUNCTIONS[name]
+
+
+# MoonViT's precomputable grid tensors: the kwargs its forward hands to the helper that pops each.
+VISION_GRID_KWARGS = (
+    "interp_indices",
+    "interp_weights",
+    "frame_index",
+    "position_ids",
+    "temporal_merge_index",
+)
+
+
+@functools.cache
+def temporal_merge_layout() -> str:
+    """``tensor`` (5.23: a gather index) or ``scatter`` (5.24: destination index, frame weight, count).
+
+    Probed by calling ``get_vision_temporal_merge_index`` on one 1x2x2 grid, and by checking that the
+    helpers pop a precomputed value from ``kwargs`` (the protocol the vision graph relies on).
+    """
+    name = "vision_grid_helpers"
+    expected = BY_NAME[name].expected
+    import torch
+
+    kimi = "transformers.models.kimi_k25.modeling_kimi_k25"
+    merge = _attr(kimi, "get_vision_temporal_merge_index", expected)
+    frames = _attr(kimi, "get_vision_frame_index", expected)
+    interpolation = _attr(
+        "transformers.vision_utils", "get_vision_interpolation_indices_and_weights", expected
+    )
+    positions = _attr("transformers.vision_utils", "get_vision_position_ids", expected)
+    grid = torch.tensor([[1, 2, 2]])
+    sentinel = object()
+    popped = {
+        "get_vision_temporal_merge_index": lambda kw: merge(grid, 2, 2, kwargs=kw),
+        "get_vision_frame_index": lambda kw: frames(grid, kwargs=kw),
+        "get_vision_position_ids": lambda kw: positions(grid, spatial_merge_size=1, kwargs=kw),
+    }
+    keys = {
+        "get_vision_temporal_merge_index": "temporal_merge_index",
+        "get_vision_frame_index": "frame_index",
+        "get_vision_position_ids": "position_ids",
+    }
+    for helper, call in popped.items():
+        kwargs = {keys[helper]: sentinel}
+        try:
+            result = call(kwargs)
+        except TypeError as exc:
+            raise _Moved(expected, f"{helper}: {exc}") from exc
+        if result is not sentinel or kwargs:
+            raise _Moved(expected, f"{helper} does not pop {keys[helper]!r} from kwargs")
+    if "kwargs" not in _signature(interpolation).parameters:
+        raise _Moved(expected, _describe(interpolation, "get_vision_interpolation_indices_and_weights"))
+    value = merge(grid, 2, 2)
+    if isinstance(value, torch.Tensor):
+        return "tensor"
+    if (
+        isinstance(value, tuple)
+        and len(value) == 3
+        and all(isinstance(v, torch.Tensor) for v in value[:2])
+        and isinstance(value[2], int)
+    ):
+        return "scatter"
+    raise _Moved(expected, f"get_vision_temporal_merge_index returns {type(value).__name__}")
+
+
+# -- model probe: the decoder layers, called on what they run on ------------------------------------
+
+CACHE_KEYWORDS = ("cache", "past_key_values")  # newest first: 5.24 renamed past_key_values to cache
+
+
+class LayerProtocol(NamedTuple):
+    """How a model's decoder layers take kadapt's cache (what the ABI wrappers call them with)."""
+
+    cache_keyword: str
+
+
+class _UpdateCall:
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.args, self.kwargs = args, kwargs
+
+    def states(self) -> tuple[Any, Any, Any]:
+        """(key, value, layer_idx) from positional or named arguments (missing: None)."""
+        named = dict(zip(CACHE_UPDATE, self.args, strict=False))
+        named.update({k: v for k, v in self.kwargs.items() if k in CACHE_UPDATE})
+        return named.get("key_states"), named.get("value_states"), named.get("layer_idx")
+
+    def describe(self) -> str:
+        def show(value: Any) -> str:
+            shape = getattr(value, "shape", None)
+            return f"Tensor{list(shape)}" if shape is not None else repr(value)
+
+        parts = [show(a) for a in self.args] + [f"{k}={show(v)}" for k, v in self.kwargs.items()]
+        return f"update({', '.join(parts)})"
+
+
+class _RecordingCache:
+    """The ABI cache's protocol (``update`` only), recording each call; any other attribute is refused."""
+
+    def __init__(self) -> None:
+        self.calls: list[_UpdateCall] = []
+
+    def update(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        call = _UpdateCall(args, kwargs)
+        self.calls.append(call)
+        key, value, _ = call.states()
+        return key, value
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(f"kadapt's static KV cache has no {name!r}")
+
+
+def cache_keyword(layer: Any) -> str:
+    """The keyword ``type(layer).forward`` takes the cache under (signature; 5.24: ``cache``)."""
+    params = _signature(type(layer).forward).parameters
+    for keyword in CACHE_KEYWORDS:
+        if keyword in params:
+            return keyword
+    return CACHE_KEYWORDS[-1]  # a **kwargs-only forward: the behavioural probe decides
+
+
+def _layer_key(layer: Any) -> tuple[type, ...]:
+    return tuple(type(m) for m in layer.modules())
+
+
+_protocols: dict[tuple[type, ...], LayerProtocol] = {}
+
+
+def probe_decoder_layers(layers: Sequence[Any], rotary_emb: Any) -> LayerProtocol:
+    """Call one layer of each structure in ``layers`` with a recording cache; their shared protocol.
+
+    Checked: the layer accepts the cache under ``cache_keyword``, its attention calls
+    ``update(key_states, value_states, layer_idx, ...)`` exactly once with its own ``layer_idx`` and
+    uses nothing else of the cache, the layer returns the hidden states tensor, and the rotary
+    embedding returns ``(cos, sin)``. Runs on the layers' own device: free on meta, tiny elsewhere.
+    """
+    import torch
+
+    protocols = []
+    for layer in layers:
+        key = _layer_key(layer)
+        if key not in _protocols:
+            with torch.no_grad():
+                _protocols[key] = _probe_layer(layer, rotary_emb)
+        protocols.append(_protocols[key])
+    keywords = {p.cache_keyword for p in protocols}
+    if len(keywords) != 1:
+        require(
+            "cache_update",
+            "one cache keyword for every decoder layer",
+            f"decoder layers take the cache as {sorted(keywords) or 'nothing (no layers)'}",
+        )
+    return protocols[0]
+
+
+def decoder_protocol(language_model: Any) -> LayerProtocol:
+    """``probe_decoder_layers`` over a transformers decoder model (``layers``, ``rotary_emb``)."""
+    layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
+    return probe_decoder_layers(layers, language_model.rotary_emb)
+
+
+def forget() -> None:
+    """Drop every probe result, so the next check probes again (after transformers was patched)."""
+    _run.cache_clear()
+    loading_api.cache_clear()
+    temporal_merge_layout.cache_clear()
+    _protocols.clear()
+
+
+def _probe_layer(layer: Any, rotary_emb: Any) -> LayerProtocol:
+    import torch
+
+    expected = BY_NAME["cache_update"].expected
+    layer_name = type(layer).__name__
+    attention = getattr(layer, "self_attn", None)
+    layer_idx = getattr(attention, "layer_idx", None)
+    parameter = next(layer.parameters())
+    hidden = torch.zeros(1, 2, _hidden_size(layer), dtype=parameter.dtype, device=parameter.device)
+    positions = torch.arange(2, device=parameter.device).unsqueeze(0)
+    mask = torch.zeros(1, 1, 2, 2, dtype=parameter.dtype, device=parameter.device)
+    embeddings = rotary_emb(hidden, positions)
+    if not (isinstance(embeddings, tuple) and len(embeddings) == 2):
+        require(
+            "cache_update",
+            "rotary_emb(hidden_states, position_ids) -> (cos, sin)",
+            f"{type(rotary_emb).__name__} returns {type(embeddings).__name__}",
+        )
+    keyword = cache_keyword(layer)
+    cache = _RecordingCache()
+    try:
+        out = layer(
+            hidden,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            position_embeddings=embeddings,
+            **{keyword: cache},
+        )
+    except AttributeError as exc:
+        if "kadapt's static KV cache" not in str(exc):
+            raise
+        require("cache_update", expected + " and nothing else of the cache", f"{layer_name}: {exc}")
+    except TypeError as exc:
+        if keyword not in str(exc):
+            raise
+        require("cache_update", f"{layer_name}.forward takes the cache as {keyword}=", str(exc))
+    if len(cache.calls) != 1:
+        require(
+            "cache_update",
+            f"{layer_name}(..., {keyword}=cache) calls cache.update once",
+            f"{len(cache.calls)} calls",
+        )
+    key, value, index = cache.calls[0].states()
+    if not (isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor) and index == layer_idx):
+        require(
+            "cache_update",
+            f"update(key_states, value_states, layer_idx={layer_idx}, ...)",
+            f"{layer_name}'s attention calls {cache.calls[0].describe()}",
+        )
+    if not (isinstance(out, torch.Tensor) and out.shape == hidden.shape):
+        require(
+            "cache_update",
+            f"{layer_name} returns the hidden states tensor",
+            f"it returns {type(out).__name__}",
+        )
+    return LayerProtocol(keyword)
+
+
+def _hidden_size(layer: Any) -> int:
+    config = getattr(getattr(layer, "self_attn", None), "config", None) or getattr(layer, "config", None)
+    return int(config.hidden_size)
