@@ -58,8 +58,8 @@ class ContactPointMoved(RuntimeError):
             )
         lines.append(
             f"kadapt is tested with transformers {', '.join(TESTED_TRANSFORMERS)} and torch "
-            f"{', '.join(TESTED_TORCH)}; install a tested release (pip install -c constraints.txt ...) or "
-            f"see {COMPATIBILITY_DOC}"
+            f"{', '.join(TESTED_TORCH)}; install a tested release (pip install "
+            f"'transformers=={TESTED_TRANSFORMERS[-1]}') or see {COMPATIBILITY_DOC}"
         )
         super().__init__("\n".join(lines))
 
@@ -569,10 +569,11 @@ class _UpdateCall:
 
 
 class _RecordingCache:
-    """The ABI cache's protocol (``update`` only), recording each call; any other attribute is refused."""
+    """The ABI cache's protocol (``update`` only), recording each call and each other attribute asked for."""
 
     def __init__(self) -> None:
         self.calls: list[_UpdateCall] = []
+        self.missing: list[str] = []
 
     def update(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         call = _UpdateCall(args, kwargs)
@@ -581,6 +582,7 @@ class _RecordingCache:
         return key, value
 
     def __getattr__(self, name: str) -> Any:
+        self.missing.append(name)
         raise AttributeError(f"kadapt's static KV cache has no {name!r}")
 
 
@@ -661,6 +663,7 @@ def _probe_layer(layer: Any, rotary_emb: Any) -> LayerProtocol:
         )
     keyword = cache_keyword(layer)
     cache = _RecordingCache()
+    failure: Exception | None = None
     try:
         out = layer(
             hidden,
@@ -670,26 +673,32 @@ def _probe_layer(layer: Any, rotary_emb: Any) -> LayerProtocol:
             position_embeddings=embeddings,
             **{keyword: cache},
         )
-    except AttributeError as exc:
-        if "kadapt's static KV cache" not in str(exc):
-            raise
-        require("cache_update", expected + " and nothing else of the cache", f"{layer_name}: {exc}")
-    except TypeError as exc:
-        if keyword not in str(exc):
-            raise
-        require("cache_update", f"{layer_name}.forward takes the cache as {keyword}=", str(exc))
+    except Exception as exc:  # noqa: BLE001 - a protocol mismatch explains what failed after it
+        failure, out = exc, None
+    # how the layer used the cache first: whatever failed after a malformed call is its consequence
+    if cache.missing:
+        require(
+            "cache_update",
+            expected + " and nothing else of the cache",
+            f"{layer_name} reads cache.{cache.missing[0]}",
+        )
+    for call in cache.calls:
+        key, value, index = call.states()
+        if not (isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor) and index == layer_idx):
+            require(
+                "cache_update",
+                f"update(key_states, value_states, layer_idx={layer_idx}, ...)",
+                f"{layer_name}'s attention calls {call.describe()}",
+            )
+    if isinstance(failure, TypeError) and keyword in str(failure):
+        require("cache_update", f"{layer_name}.forward takes the cache as {keyword}=", str(failure))
+    if failure is not None:
+        raise failure
     if len(cache.calls) != 1:
         require(
             "cache_update",
             f"{layer_name}(..., {keyword}=cache) calls cache.update once",
             f"{len(cache.calls)} calls",
-        )
-    key, value, index = cache.calls[0].states()
-    if not (isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor) and index == layer_idx):
-        require(
-            "cache_update",
-            f"update(key_states, value_states, layer_idx={layer_idx}, ...)",
-            f"{layer_name}'s attention calls {cache.calls[0].describe()}",
         )
     if not (isinstance(out, torch.Tensor) and out.shape == hidden.shape):
         require(

@@ -205,7 +205,7 @@ def test_patches_are_gated_and_restored(family: Callable[[str], Family], name: s
     patches = [p for p in fam.spec.patches if "extraction" in p.backends]
     assert [p[0] for p in module.PATCHES] == [p.id for p in patches]
     model = module.build_model(device="meta", overrides=fam.tiny)
-    for _id, owner_module, owner_path, attr, _impl in module.PATCHES:
+    for _id, owner_module, owner_path, attr, _impl, _pin in module.PATCHES:
         owner: Any = __import__(owner_module, fromlist=["_"])
         for part in owner_path.split(".") if owner_path else ():
             owner = getattr(owner, part)

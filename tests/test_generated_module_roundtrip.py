@@ -31,9 +31,7 @@ other shipped specs run in a second interpreter, marked ``slow``.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import site
 import subprocess
 import sys
 from collections.abc import Callable
@@ -41,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fixtures.modules import without_kadapt_env
 
 from kimi_adapter_core.backends.extraction import options_from_spec
 from kimi_adapter_core.backends.extraction.roundtrip import tiny_overrides
@@ -242,12 +241,6 @@ main()
 '''
 
 
-def installed_packages_path() -> str:
-    """site-packages (torch, transformers, torch_ir), never a directory of this checkout."""
-    paths = [*site.getsitepackages(), site.getusersitepackages()]
-    return os.pathsep.join(p for p in paths if Path(p).is_dir() and REPO not in (Path(p), *Path(p).parents))
-
-
 def vendor_and_run(names: list[str], tmp: Path) -> dict[str, Any]:
     """Copy each spec's generated module into ``tmp``, run the user's script there, return its report."""
     assert REPO not in tmp.parents, f"{tmp} must be outside the checkout"
@@ -272,22 +265,10 @@ def vendor_and_run(names: list[str], tmp: Path) -> dict[str, Any]:
     )
     script = tmp / "user_script.py"
     script.write_text(USER_SCRIPT)
-    env = {
-        key: value
-        for key, value in os.environ.items()
-        if key not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONSAFEPATH")
-    }
-    env.update(
-        PYTHONPATH=installed_packages_path(),
-        PYTHONNOUSERSITE="1",
-        PYTHONDONTWRITEBYTECODE="1",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-    )
     proc = subprocess.run(
         [sys.executable, "-S", str(script), str(request)],
         cwd=tmp,
-        env=env,
+        env=without_kadapt_env(),
         capture_output=True,
         text=True,
         timeout=900,

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -55,6 +56,7 @@ import operator
 import os
 import re
 import sys
+import textwrap
 import threading
 import typing
 import weakref
@@ -664,6 +666,41 @@ AUTO_MODEL_KEYS = ("AutoModelForCausalLM", "AutoModelForImageTextToText", "AutoM
 POST_INIT_TARGET = ("transformers.modeling_utils", ("PreTrainedModel",), "post_init")
 
 
+def signature_of(func: Callable[..., Any]) -> str:
+    """The pinned form of ``func``'s signature."""
+    return str(inspect.signature(func))
+
+
+def source_sha256(func: Callable[..., Any]) -> str:
+    """sha256 of ``func``'s dedented source (OSError/TypeError when it has none)."""
+    return hashlib.sha256(textwrap.dedent(inspect.getsource(func)).encode("utf-8")).hexdigest()
+
+
+def pin_drift(
+    func: Callable[..., Any], signature: str | None, sha256: str | None
+) -> list[tuple[str, str, str]]:
+    """``(field, pinned, found)`` for each pinned field (None: not pinned) ``func`` no longer matches."""
+    drifted = []
+    if signature is not None and (found := signature_of(func)) != signature:
+        drifted.append(("signature", signature, found))
+    if sha256 is not None and (found := source_sha256(func)) != sha256:
+        drifted.append(("source_sha256", sha256, found))
+    return drifted
+
+
+def check_pin(
+    patch_id: str, target: str, func: Callable[..., Any], pin: tuple[str | None, str | None]
+) -> None:
+    """Refuse to patch ``func`` when it drifted from ``pin`` (signature, source sha256)."""
+    drifted = pin_drift(func, *pin)
+    if drifted:
+        found = "; ".join(f"{field} pinned {then}, found {now}" for field, then, now in drifted)
+        raise RuntimeError(
+            f"patch {patch_id}: upstream drift: {target} no longer matches its pin ({found}); review the "
+            "patch against the new upstream code and regenerate with `kadapt pin --write`"
+        )
+
+
 class Shim:
     """``module.attr = value`` when ``module`` lacks ``attr`` (kind ``inject_symbol``)."""
 
@@ -693,10 +730,12 @@ class ClassPatch:
         impl: Callable[..., Any] | None = None,
         value: Any = None,
         options: Mapping[str, Any] | None = None,
+        pin: tuple[str | None, str | None] | None = None,
     ) -> None:
         self.id, self.kind, self.module, self.owner, self.attr = id, kind, module, tuple(owner), attr
         self.remote, self.impl, self.value = remote, impl, value
         self.options: Mapping[str, Any] = dict(options or {})
+        self.pin = pin  # (signature, source_sha256) of the upstream function, checked before patching
 
     @property
     def target(self) -> str:
@@ -945,6 +984,8 @@ class PatchRuntime:
         else:
             if stored is _ABSENT or not callable(func):
                 raise TypeError(f"patch {patch.id}: {patch.target} is not a function")
+            if patch.pin is not None:
+                check_pin(patch.id, patch.target, func, patch.pin)
             dispatcher = self._gated(
                 marker, func, BUILDERS[patch.kind](patch.id, patch.options, patch.impl, func)
             )
@@ -1052,6 +1093,10 @@ PATCHES: tuple[ClassPatch, ...] = (
         attr="forward",
         remote=False,
         impl=patch_embed_flat_linear,
+        pin=(
+            "(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, **kwargs) -> torch.Tensor",  # noqa: E501 - the pinned signature, verbatim
+            "030b479aa13ad74c1846dbdd5dc23f7ceeb00f1c974c0da0c63e9cafd2cb326a",
+        ),
     ),
     # P5: The placeholder check compares the image-token count with the feature rows through .item(), which
     # meta tensors cannot answer; a simulator's inputs are shaped to match.
@@ -1062,6 +1107,10 @@ PATCHES: tuple[ClassPatch, ...] = (
         owner=("Kimi_K25Model",),
         attr="get_placeholder_mask",
         remote=False,
+        pin=(
+            "(self, input_ids: torch.LongTensor, inputs_embeds: torch.Tensor, image_features: torch.Tensor | None = None, video_features: torch.Tensor | None = None)",  # noqa: E501 - the pinned signature, verbatim
+            "d2bd83df1ef5e3636d3a47f23d07d2c2db7ae29503d1f2a74dc1373872dff616",
+        ),
         options={"allow_kwargs": ["inputs_embeds"]},
     ),
 )

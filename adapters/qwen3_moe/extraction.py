@@ -54,6 +54,7 @@ import contextlib
 import contextvars
 import copy
 import functools
+import hashlib
 import importlib
 import inspect
 import json
@@ -62,6 +63,7 @@ import os
 import re
 import secrets
 import sys
+import textwrap
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
@@ -813,8 +815,8 @@ class ContactPointMoved(RuntimeError):
             )
         lines.append(
             f"kadapt is tested with transformers {', '.join(TESTED_TRANSFORMERS)} and torch "
-            f"{', '.join(TESTED_TORCH)}; install a tested release (pip install -c constraints.txt ...) or "
-            f"see {COMPATIBILITY_DOC}"
+            f"{', '.join(TESTED_TORCH)}; install a tested release (pip install "
+            f"'transformers=={TESTED_TRANSFORMERS[-1]}') or see {COMPATIBILITY_DOC}"
         )
         super().__init__("\n".join(lines))
 
@@ -1324,10 +1326,11 @@ class _UpdateCall:
 
 
 class _RecordingCache:
-    """The ABI cache's protocol (``update`` only), recording each call; any other attribute is refused."""
+    """The ABI cache's protocol (``update`` only), recording each call and each other attribute asked for."""
 
     def __init__(self) -> None:
         self.calls: list[_UpdateCall] = []
+        self.missing: list[str] = []
 
     def update(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         call = _UpdateCall(args, kwargs)
@@ -1336,6 +1339,7 @@ class _RecordingCache:
         return key, value
 
     def __getattr__(self, name: str) -> Any:
+        self.missing.append(name)
         raise AttributeError(f"kadapt's static KV cache has no {name!r}")
 
 
@@ -1416,6 +1420,7 @@ def _probe_layer(layer: Any, rotary_emb: Any) -> LayerProtocol:
         )
     keyword = cache_keyword(layer)
     cache = _RecordingCache()
+    failure: Exception | None = None
     try:
         out = layer(
             hidden,
@@ -1425,26 +1430,32 @@ def _probe_layer(layer: Any, rotary_emb: Any) -> LayerProtocol:
             position_embeddings=embeddings,
             **{keyword: cache},
         )
-    except AttributeError as exc:
-        if "kadapt's static KV cache" not in str(exc):
-            raise
-        require("cache_update", expected + " and nothing else of the cache", f"{layer_name}: {exc}")
-    except TypeError as exc:
-        if keyword not in str(exc):
-            raise
-        require("cache_update", f"{layer_name}.forward takes the cache as {keyword}=", str(exc))
+    except Exception as exc:  # noqa: BLE001 - a protocol mismatch explains what failed after it
+        failure, out = exc, None
+    # how the layer used the cache first: whatever failed after a malformed call is its consequence
+    if cache.missing:
+        require(
+            "cache_update",
+            expected + " and nothing else of the cache",
+            f"{layer_name} reads cache.{cache.missing[0]}",
+        )
+    for call in cache.calls:
+        key, value, index = call.states()
+        if not (isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor) and index == layer_idx):
+            require(
+                "cache_update",
+                f"update(key_states, value_states, layer_idx={layer_idx}, ...)",
+                f"{layer_name}'s attention calls {call.describe()}",
+            )
+    if isinstance(failure, TypeError) and keyword in str(failure):
+        require("cache_update", f"{layer_name}.forward takes the cache as {keyword}=", str(failure))
+    if failure is not None:
+        raise failure
     if len(cache.calls) != 1:
         require(
             "cache_update",
             f"{layer_name}(..., {keyword}=cache) calls cache.update once",
             f"{len(cache.calls)} calls",
-        )
-    key, value, index = cache.calls[0].states()
-    if not (isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor) and index == layer_idx):
-        require(
-            "cache_update",
-            f"update(key_states, value_states, layer_idx={layer_idx}, ...)",
-            f"{layer_name}'s attention calls {cache.calls[0].describe()}",
         )
     if not (isinstance(out, torch.Tensor) and out.shape == hidden.shape):
         require(
@@ -1815,9 +1826,45 @@ def cast_to_abi_dtype(model: nn.Module, roots: Iterable[nn.Module], dtype: torch
     return changed
 
 
-# (id, module, owner, attribute, implementation): kind ``replace`` -- the implementation is called
-# with the original's arguments (``self`` first) instead of the original.
-PATCHES: tuple[tuple[str, str, str, str, Callable[..., Any]], ...] = ()
+def signature_of(func: Callable[..., Any]) -> str:
+    """The pinned form of ``func``'s signature."""
+    return str(inspect.signature(func))
+
+
+def source_sha256(func: Callable[..., Any]) -> str:
+    """sha256 of ``func``'s dedented source (OSError/TypeError when it has none)."""
+    return hashlib.sha256(textwrap.dedent(inspect.getsource(func)).encode("utf-8")).hexdigest()
+
+
+def pin_drift(
+    func: Callable[..., Any], signature: str | None, sha256: str | None
+) -> list[tuple[str, str, str]]:
+    """``(field, pinned, found)`` for each pinned field (None: not pinned) ``func`` no longer matches."""
+    drifted = []
+    if signature is not None and (found := signature_of(func)) != signature:
+        drifted.append(("signature", signature, found))
+    if sha256 is not None and (found := source_sha256(func)) != sha256:
+        drifted.append(("source_sha256", sha256, found))
+    return drifted
+
+
+def check_pin(
+    patch_id: str, target: str, func: Callable[..., Any], pin: tuple[str | None, str | None]
+) -> None:
+    """Refuse to patch ``func`` when it drifted from ``pin`` (signature, source sha256)."""
+    drifted = pin_drift(func, *pin)
+    if drifted:
+        found = "; ".join(f"{field} pinned {then}, found {now}" for field, then, now in drifted)
+        raise RuntimeError(
+            f"patch {patch_id}: upstream drift: {target} no longer matches its pin ({found}); review the "
+            "patch against the new upstream code and regenerate with `kadapt pin --write`"
+        )
+
+
+# (id, module, owner, attribute, implementation, pin): kind ``replace`` -- the implementation is called
+# with the original's arguments (``self`` first) instead of the original; a pin (signature, source
+# sha256 of the upstream function it was written against) is checked before patching.
+PATCHES: tuple[tuple[str, str, str, str, Callable[..., Any], tuple[str | None, str | None] | None], ...] = ()
 
 
 @contextlib.contextmanager
@@ -1825,12 +1872,14 @@ def patches_applied() -> Iterator[None]:
     """Install ``PATCHES`` for the block; the originals come back on exit, even after an error."""
     restore: list[tuple[Any, str, Any, bool]] = []
     try:
-        for _id, module, owner_path, attr, impl in PATCHES:
+        for patch_id, module, owner_path, attr, impl, pin in PATCHES:
             owner: Any = importlib.import_module(module)
             for name in owner_path.split(".") if owner_path else ():  # "" patches a module function
                 owner = getattr(owner, name)
             stored = inspect.getattr_static(owner, attr)
             original = getattr(stored, "__func__", stored)
+            if pin is not None:
+                check_pin(patch_id, f"{module}:{owner_path}.{attr}", original, pin)
             dispatcher = _gated(original, impl)
             if isinstance(stored, (staticmethod, classmethod)):
                 dispatcher = type(stored)(dispatcher)

@@ -4,9 +4,10 @@ One module per subcommand (``cli/<name>.py`` exposing ``command``). The group im
 them for ``--help`` and only the one invoked otherwise, so ``kadapt --help`` and
 ``kadapt validate`` never import torch or transformers.
 
-Errors reach the user as one line, never a traceback: a ``KadaptError`` prints ``error: ...`` and
-exits with its code (1, or 2 for usage; with ``--format json`` an exit-1 error is also a JSON
-document on stdout, see ``output.py``); Ctrl-C (``KeyboardInterrupt``, wherever it lands: while
+Errors reach the user as one line, never a traceback: a ``KadaptError`` (or an
+``upstream.ContactPointMoved``: a transformers internal kadapt relies on has moved) prints
+``error: ...`` and exits with its code (1, or 2 for usage; with ``--format json`` an exit-1 error is
+also a JSON document on stdout, see ``output.py``); Ctrl-C (``KeyboardInterrupt``, wherever it lands: while
 importing torch, building a model, tracing or writing) prints ``interrupted`` and exits 130, the
 shell convention for SIGINT, after ``applied`` has taken its patches back and every atomic write in
 flight has removed its temp file (both run on the way out, in ``finally`` blocks).
@@ -22,6 +23,7 @@ import click
 
 from .. import __version__
 from ..errors import KadaptError
+from ..upstream import ContactPointMoved
 from .output import report_error, verbosity_options
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -32,6 +34,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("kimi_adapter_core.cli.generate", "Render wrapper modules and docs from a spec."),
     "plan": ("kimi_adapter_core.cli.plan", "Size a deployment: KV cache, weights, activations."),
     "simulate": ("kimi_adapter_core.cli.simulate", "Estimate latency and memory with a roofline model."),
+    "doctor": ("kimi_adapter_core.cli.doctor", "Check versions, transformers contact points and pins."),
 }
 
 
@@ -65,6 +68,10 @@ class LazyGroup(click.Group):
         except KadaptError as exc:
             report_error(ctx, exc)
             ctx.exit(exc.exit_code)
+        except ContactPointMoved as exc:  # before any export: what moved, and the tested versions
+            moved = KadaptError(str(exc))
+            report_error(ctx, moved)
+            ctx.exit(moved.exit_code)
         except ModuleNotFoundError as exc:
             package = (exc.name or "").split(".")[0]
             if package not in MODEL_PACKAGES:

@@ -164,6 +164,9 @@ def command(
             "--output-dir/--batch/--prefill-len/--max-cache-len/--kv-layout/--mla-attention/--dynamic/"
             "--static/--verify need --backend extraction"
         )
+    if opts is not None:
+        with out.stage("check transformers"):  # its internals, before a 1T-parameter model is built
+            extraction.check_upstream(opts)
     result: dict[str, Any] = {}
     source = {"trust_remote_code": trust_remote_code, "source_dir": source_dir, "from_hub": from_hub}
     with ExitStack() as session_scope:

@@ -23,6 +23,7 @@ from ..backends.extraction import encoding, runtime, weights
 from ..backends.extraction.options import abi_graph_names, kv_names
 from ..config.source import resolve_source
 from ..errors import KadaptError
+from ..patching import portable
 from ..patching.impls import resolve_impl
 from ..patching.targets import parse_target
 from ..spec.model import Spec
@@ -75,6 +76,7 @@ def _patches(spec: Spec, embedded: EmbeddedCallables) -> list[dict[str, Any]]:
                 "owner": ".".join(ref.owner_path),
                 "attr": ref.attr,
                 "impl": impl_name,
+                "pin": (patch.pin.signature, patch.pin.source_sha256) if patch.pin is not None else None,
             }
         )
     return rows
@@ -152,6 +154,8 @@ def render_extraction(spec: Spec) -> list[Rendered]:
     patches = _patches(spec, embedded)
     # The backend's own dtype step, so a generated model holds the dtypes kadapt exports.
     cast = embedded.add(weights.cast_to_abi_dtype, what="extraction dtype cast")
+    # kadapt's own pin check, so a generated module refuses drifted upstream code as apply does
+    check_pin = embedded.add(portable.check_pin, what="patch pins")
     whole = runtime_module.names | encoding_module.names | upstream_module.names
     clashes = sorted(whole & set(embedded.sources))
     if clashes:
@@ -200,6 +204,7 @@ def render_extraction(spec: Spec) -> list[Rendered]:
         "impl_sources": list(embedded.sources.values()),
         "patches": patches,
         "cast": cast,
+        "check_pin": check_pin,
         **bridge_context(spec, backend=TARGET, target=TARGET),
     }
     text = render("extraction/module.py.j2", context, spec_name=spec.name, target=TARGET)

@@ -353,10 +353,6 @@ def _patches(spec: Spec, embedded: EmbeddedCallables) -> list[dict[str, Any]]:
             raise cannot(
                 spec, TARGET, f"patch {patch.id}: kind {patch.kind!r} has no generated form", patch.where
             )
-        if patch.pin is not None:
-            raise cannot(
-                spec, TARGET, f"patch {patch.id}: pins are not checked by generated code yet", patch.where
-            )
         ref = parse_target(patch.target)
         impl = _embed(spec, embedded, patch.impl, f"patch {patch.id}", patch.where) if patch.impl else None
         rows.append(
@@ -371,6 +367,7 @@ def _patches(spec: Spec, embedded: EmbeddedCallables) -> list[dict[str, Any]]:
                 "impl": impl,
                 "value": patch.value,
                 "options": dict(sorted(patch.options.items())),
+                "pin": (patch.pin.signature, patch.pin.source_sha256) if patch.pin is not None else None,
             }
         )
     return rows

@@ -7,39 +7,39 @@ apply time, pointing at the spec line; ``kadapt pin`` recomputes the pins after 
 
 from __future__ import annotations
 
-import hashlib
-import inspect
-import textwrap
 from collections.abc import Callable
 from typing import Any
 
 from ..errors import KadaptError
 from ..spec.model import Pin
+from . import portable
 
 
-def signature_of(func: Callable[..., Any]) -> str:
-    return str(inspect.signature(func))
-
-
-def source_sha256(func: Callable[..., Any]) -> str:
-    try:
-        source = inspect.getsource(func)
-    except (OSError, TypeError) as exc:
-        raise KadaptError(f"cannot read the source of {getattr(func, '__qualname__', func)}: {exc}") from exc
-    return hashlib.sha256(textwrap.dedent(source).encode("utf-8")).hexdigest()
+def _unreadable(func: Callable[..., Any], exc: Exception) -> KadaptError:
+    return KadaptError(f"cannot read the source of {getattr(func, '__qualname__', func)}: {exc}")
 
 
 def compute(func: Callable[..., Any]) -> Pin:
-    return Pin(signature=signature_of(func), source_sha256=source_sha256(func))
+    try:
+        return Pin(signature=portable.signature_of(func), source_sha256=portable.source_sha256(func))
+    except (OSError, TypeError) as exc:
+        raise _unreadable(func, exc) from exc
+
+
+def drift(pin: Pin, func: Callable[..., Any]) -> list[tuple[str, str, str]]:
+    """``(field, expected, found)`` for every pinned field ``func`` no longer matches."""
+    try:
+        return portable.pin_drift(func, pin.signature, pin.source_sha256)
+    except (OSError, TypeError) as exc:
+        raise _unreadable(func, exc) from exc
 
 
 def verify(pin: Pin, func: Callable[..., Any], *, target: str, location: str) -> None:
     """Raise ``KadaptError`` showing expected vs found for every pinned field that drifted."""
-    problems = []
-    if pin.signature is not None and (found := signature_of(func)) != pin.signature:
-        problems.append(f"  signature expected {pin.signature}\n  signature found    {found}")
-    if pin.source_sha256 is not None and (found := source_sha256(func)) != pin.source_sha256:
-        problems.append(f"  source_sha256 expected {pin.source_sha256}\n  source_sha256 found    {found}")
+    problems = [
+        f"  {field} expected {expected}\n  {field} found    {found}"
+        for field, expected, found in drift(pin, func)
+    ]
     if problems:
         raise KadaptError(
             f"upstream drift: {target} no longer matches its pin\n"

@@ -16,6 +16,9 @@ needs them) and never kadapt. The patch kinds:
 - ``set_attribute``: a descriptor giving ``value`` to owned instances (``only_if_missing``: left
   alone when the class already has the attribute).
 
+A patch with a pin (the signature and source sha256 of the upstream function it was written against,
+``pin_drift``) is checked before it is installed: drifted upstream code is refused, never patched.
+
 Every patched attribute becomes a dispatcher that decides on each call: the receiver (``self``)
 is owned when its own ``config`` passes the gate, or when it was built inside a model whose root
 config passes it (``PreTrainedModel.post_init`` is hooked to claim such models). Anything else runs
@@ -26,9 +29,11 @@ the original. Installing twice patches once (dispatchers are marked with the spe
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
 import inspect
 import sys
+import textwrap
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -37,6 +42,41 @@ from typing import Any
 # auto_map keys whose class is the model TensorCast builds: remote targets live next to its module.
 AUTO_MODEL_KEYS = ("AutoModelForCausalLM", "AutoModelForImageTextToText", "AutoModel")
 POST_INIT_TARGET = ("transformers.modeling_utils", ("PreTrainedModel",), "post_init")
+
+
+def signature_of(func: Callable[..., Any]) -> str:
+    """The pinned form of ``func``'s signature."""
+    return str(inspect.signature(func))
+
+
+def source_sha256(func: Callable[..., Any]) -> str:
+    """sha256 of ``func``'s dedented source (OSError/TypeError when it has none)."""
+    return hashlib.sha256(textwrap.dedent(inspect.getsource(func)).encode("utf-8")).hexdigest()
+
+
+def pin_drift(
+    func: Callable[..., Any], signature: str | None, sha256: str | None
+) -> list[tuple[str, str, str]]:
+    """``(field, pinned, found)`` for each pinned field (None: not pinned) ``func`` no longer matches."""
+    drifted = []
+    if signature is not None and (found := signature_of(func)) != signature:
+        drifted.append(("signature", signature, found))
+    if sha256 is not None and (found := source_sha256(func)) != sha256:
+        drifted.append(("source_sha256", sha256, found))
+    return drifted
+
+
+def check_pin(
+    patch_id: str, target: str, func: Callable[..., Any], pin: tuple[str | None, str | None]
+) -> None:
+    """Refuse to patch ``func`` when it drifted from ``pin`` (signature, source sha256)."""
+    drifted = pin_drift(func, *pin)
+    if drifted:
+        found = "; ".join(f"{field} pinned {then}, found {now}" for field, then, now in drifted)
+        raise RuntimeError(
+            f"patch {patch_id}: upstream drift: {target} no longer matches its pin ({found}); review the "
+            "patch against the new upstream code and regenerate with `kadapt pin --write`"
+        )
 
 
 class Shim:
@@ -68,10 +108,12 @@ class ClassPatch:
         impl: Callable[..., Any] | None = None,
         value: Any = None,
         options: Mapping[str, Any] | None = None,
+        pin: tuple[str | None, str | None] | None = None,
     ) -> None:
         self.id, self.kind, self.module, self.owner, self.attr = id, kind, module, tuple(owner), attr
         self.remote, self.impl, self.value = remote, impl, value
         self.options: Mapping[str, Any] = dict(options or {})
+        self.pin = pin  # (signature, source_sha256) of the upstream function, checked before patching
 
     @property
     def target(self) -> str:
@@ -320,6 +362,8 @@ class PatchRuntime:
         else:
             if stored is _ABSENT or not callable(func):
                 raise TypeError(f"patch {patch.id}: {patch.target} is not a function")
+            if patch.pin is not None:
+                check_pin(patch.id, patch.target, func, patch.pin)
             dispatcher = self._gated(
                 marker, func, BUILDERS[patch.kind](patch.id, patch.options, patch.impl, func)
             )

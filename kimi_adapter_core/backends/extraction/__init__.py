@@ -23,7 +23,16 @@ if TYPE_CHECKING:
     from .roundtrip import VerifyReport
     from .summary import ExtractionSummary
 
-__all__ = ["ExtractionOptions", "bind_structure", "options_from_spec", "run", "verify"]
+__all__ = ["ExtractionOptions", "bind_structure", "check_upstream", "options_from_spec", "run", "verify"]
+
+
+def check_upstream(options: ExtractionOptions) -> None:
+    """Probe every transformers contact point this extraction relies on (``upstream.ContactPointMoved``
+    names what moved); ``run`` probes the model's own decoder layers after it is built."""
+    from ... import upstream
+
+    points = (*upstream.EXPORT_POINTS, "loading_converters")
+    upstream.check((*points, "vision_grid_helpers") if options.vision is not None else points)
 
 
 def run(

@@ -23,7 +23,7 @@ from torch import nn
 from ... import __version__, upstream
 from ...spec.model import Spec
 from ...structure.derive import derive_structure
-from . import runtime, vision
+from . import check_upstream, runtime, vision
 from .encoding import enum_tables
 from .export import Backbone, check_exportable, export_wrapper, graph_names, to_graph
 from .graph import Graph
@@ -215,12 +215,6 @@ def graph_stats(graph: Graph, options: ExtractionOptions, size: int, layers: int
         traced_layers=int(graph.notes.get("traced_layers", layers)),
         layers=layers,
     )
-
-
-def check_upstream(options: ExtractionOptions) -> None:
-    """Every transformers contact point this extraction relies on, probed before anything is exported."""
-    points = (*upstream.EXPORT_POINTS, "loading_converters")
-    upstream.check((*points, "vision_grid_helpers") if options.vision is not None else points)
 
 
 def run(spec: Spec, model: nn.Module, options: ExtractionOptions, *, echo: Echo) -> ExtractionSummary:

@@ -1,0 +1,295 @@
+"""transformers' internals as kadapt meets them (``kimi_adapter_core/upstream.py``), and the day they move.
+
+Against the installed transformers: every contact point holds, the dtype step equals what
+``save_pretrained`` + ``from_pretrained`` really give, the layer probe finds the keyword the layers
+declare. Against a faked future release (``fixtures/future_transformers.py``: the installed
+transformers changed in place): ``kadapt apply``, ``kadapt doctor`` and a vendored generated module
+each stop before any export with one error naming the contact point, what was expected, what was
+found and the tested versions.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from click.testing import CliRunner
+from fixtures import future_transformers
+from fixtures.loader import loaded_dtypes, tiny_model
+from fixtures.modules import REPO, import_path, without_kadapt_env
+
+from kimi_adapter_core import upstream
+from kimi_adapter_core.backends.extraction import options_from_spec
+from kimi_adapter_core.backends.extraction.roundtrip import tiny_overrides
+from kimi_adapter_core.backends.extraction.weights import cast_to_abi_dtype
+from kimi_adapter_core.cli import cli
+from kimi_adapter_core.spec import load_spec
+
+TESTED = ", ".join(upstream.TESTED_TRANSFORMERS)
+
+
+@pytest.fixture
+def future(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The installed transformers as a future release with ``request.param``'s change, for one test."""
+    upstream.forget()
+    restore = future_transformers.install(request.param)
+    try:
+        yield request.param
+    finally:
+        restore()
+        upstream.forget()
+
+
+# -- the installed transformers ---------------------------------------------------------------------
+
+
+def test_every_contact_point_holds_on_the_installed_transformers() -> None:
+    found = upstream.check()
+    assert [f.name for f in found] == [p.name for p in upstream.CONTACT_POINTS]
+    assert all(f.ok for f in found)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "llama"])
+def test_the_dtype_step_gives_what_from_pretrained_loads(family: str) -> None:
+    """kadapt's bf16 model holds each tensor in the dtype transformers' own loader gives it (5.24 keeps
+    DeepSeek-V3's router weight float32, 5.23 did not: both are what the loader does)."""
+    model = tiny_model(family)
+    cast_to_abi_dtype(model, [model], torch.bfloat16)
+    ours = {name: t.dtype for name, t in model.state_dict().items()}
+    assert ours == loaded_dtypes(family)
+    assert (
+        torch.float32 in ours.values() if family == "deepseek_v3" else set(ours.values()) == {torch.bfloat16}
+    )
+
+
+def test_the_layer_probe_finds_the_keyword_the_layers_declare() -> None:
+    model = tiny_model("llama")
+    declared = inspect.signature(type(model.model.layers[0]).forward).parameters
+    keyword = upstream.decoder_protocol(model.model).cache_keyword
+    assert keyword in declared and keyword == ("cache" if "cache" in declared else "past_key_values")
+
+
+def test_an_attention_reading_more_of_the_cache_than_update_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The ABI's cache has ``update`` only; an attention that asks it for its length (as Llama-4's does)
+    is refused by the probe, before any export, naming what it asked for."""
+    model = tiny_model("llama")
+    attention = type(model.model.layers[0].self_attn)
+    original = attention.forward
+
+    def forward(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - a stand-in attention
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        cache.get_seq_length(self.layer_idx)
+        return original(self, *args, **kwargs)
+
+    upstream.forget()
+    monkeypatch.setattr(attention, "forward", forward)
+    try:
+        with pytest.raises(upstream.ContactPointMoved, match="reads cache.get_seq_length") as caught:
+            upstream.decoder_protocol(model.model)
+    finally:
+        upstream.forget()
+    assert "cache_update" in str(caught.value) and TESTED in str(caught.value)
+
+
+def test_the_temporal_merge_layout_is_what_the_helper_returns() -> None:
+    from transformers.models.kimi_k25.modeling_kimi_k25 import get_vision_temporal_merge_index
+
+    returned = get_vision_temporal_merge_index(torch.tensor([[1, 4, 4]]), 2, 2)
+    assert upstream.temporal_merge_layout() == ("scatter" if isinstance(returned, tuple) else "tensor")
+
+
+# -- a future release, met by kadapt apply -----------------------------------------------------------
+
+EXPECTED = {
+    "update_signature": (
+        "cache_update",
+        "expected Cache.update(key_states, value_states, layer_idx, *args, **kwargs); "
+        "found Cache.update(self, layer_idx, key_states, value_states, **kwargs)",
+    ),
+    "attention_call": (
+        "cache_update",
+        "expected update(key_states, value_states, layer_idx=0, ...); found LlamaDecoderLayer's attention "
+        "calls update(0, Tensor[",
+    ),
+    "removed_helper": (
+        "loader_dtype_plan",
+        "found transformers.core_model_loading has no build_glob_alternation",
+    ),
+}
+
+
+def assert_clear_error(output: str, change: str) -> None:
+    """One error: the contact point, expected and found, the tested versions; no traceback, no export."""
+    point, detail = EXPECTED[change]
+    assert "Traceback" not in output and "torch.export" not in output
+    output = output[output.index("error: ") :]
+    assert output.startswith(f"error: transformers {transformers.__version__} moved a contact point")
+    assert f"  {point} (" in output and detail in output
+    assert f"kadapt is tested with transformers {TESTED}" in output
+
+
+@pytest.mark.parametrize("future", future_transformers.CHANGES, indirect=True)
+def test_apply_refuses_a_future_release_before_exporting(future: str, tmp_path: Path) -> None:
+    result = CliRunner().invoke(cli, ["apply", "llama", "--output-dir", str(tmp_path / "out")])
+    assert result.exit_code == 1, result.output
+    assert_clear_error(result.output, future)
+    assert not any((tmp_path / "out").iterdir())  # checked writable up front, then nothing written
+
+
+def test_apply_in_a_users_process_on_a_future_release(tmp_path: Path) -> None:
+    """The same refusal as a user sees it: a fresh interpreter, the change made before kadapt runs."""
+    proc = subprocess.run(
+        [sys.executable, future_transformers.__file__, "update_signature", "--"]
+        + ["-m", "kimi_adapter_core", "apply", "llama", "--output-dir", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert_clear_error(proc.stderr, "update_signature")
+    assert not any((tmp_path / "out").iterdir())  # checked writable up front, then nothing written
+
+
+@pytest.mark.parametrize("future", ["removed_helper"], indirect=True)
+def test_doctor_names_what_moved(future: str) -> None:
+    result = CliRunner().invoke(cli, ["doctor", "--format", "json"])
+    assert result.exit_code == 1
+    document = json.loads(result.stdout)
+    status = {p["name"]: p["status"] for p in document["contact_points"]}
+    assert status.pop("loader_dtype_plan") == "moved" and set(status.values()) == {"ok"}
+    assert not document["ok"]
+
+
+def test_doctor_passes_here_and_finds_a_moved_pin(monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = CliRunner()
+    ok = runner.invoke(cli, ["doctor"])
+    assert ok.exit_code == 0, ok.output
+    assert "MOVED" not in ok.output and "ok     kimi_k25 K1 " in ok.output
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
+
+    def expand_kv(self, kv_nope, k_rot):  # noqa: ANN001, ANN202 - an upstream edit
+        return kv_nope, k_rot
+
+    monkeypatch.setattr(deepseek.DeepseekV3Attention, "expand_kv", expand_kv)
+    moved = runner.invoke(cli, ["doctor", "--format", "json"])
+    assert moved.exit_code == 1
+    pins = {(p["spec"], p["id"]): p for p in json.loads(moved.stdout)["pins"]}
+    assert pins["kimi_k25", "K1"]["status"] == "moved" and "source_sha256" in pins["kimi_k25", "K1"]["found"]
+    assert pins["kimi_k25", "P5"]["status"] == "ok"
+
+
+# -- a future release, met by a vendored generated module ---------------------------------------------
+
+USER_SCRIPT = """
+import importlib.util, json, sys
+
+path, overrides = sys.argv[1], json.loads(sys.argv[2])
+spec = importlib.util.spec_from_file_location("vendored_extraction", path)
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+print("imported", flush=True)
+model = module.build_model(device="meta", overrides=overrides)
+module.prefill_wrapper(model)
+print("built the prefill wrapper", flush=True)
+"""
+
+
+def run_vendored(change: str | None, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """adapters/llama/extraction.py copied outside the checkout, imported by a user's script in an
+    interpreter that cannot import kadapt, on the installed transformers or a faked future one."""
+    assert REPO not in tmp_path.parents
+    shutil.copyfile(REPO / "adapters" / "llama" / "extraction.py", tmp_path / "llama_extraction.py")
+    (tmp_path / "user_script.py").write_text(USER_SCRIPT)
+    shutil.copyfile(future_transformers.__file__, tmp_path / "future_transformers.py")
+    spec = load_spec(REPO / "specs" / "llama.yaml")
+    tiny = tiny_overrides(spec, options_from_spec(spec, output_dir=tmp_path / "unused"))
+    script = ["user_script.py", "llama_extraction.py", json.dumps(tiny)]
+    prefix = ["future_transformers.py", change, "--"] if change else []
+    return subprocess.run(
+        [sys.executable, "-S", *prefix, *script],
+        cwd=tmp_path,
+        env=without_kadapt_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_a_generated_module_states_and_checks_its_tested_versions(tmp_path: Path) -> None:
+    module = import_path(REPO / "adapters" / "llama" / "extraction.py", "llama_extraction_versions")
+    assert module.TESTED_TRANSFORMERS == upstream.TESTED_TRANSFORMERS
+    assert f"Tested with transformers {TESTED} and torch" in module.__doc__.replace("\n", " ")
+    proc = run_vendored(None, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["imported", "built", "the", "prefill", "wrapper"]
+
+
+@pytest.mark.parametrize(
+    "change, stage",
+    [("removed_helper", "import"), ("update_signature", "import"), ("attention_call", "wrapper")],
+)
+def test_a_generated_module_refuses_a_future_release(change: str, stage: str, tmp_path: Path) -> None:
+    """At import (the library's contact points) or when it builds a wrapper (the model's own layers):
+    the same error as kadapt's, raised as ContactPointMoved, before anything is traced."""
+    proc = run_vendored(change, tmp_path)
+    assert proc.returncode == 1
+    assert ("imported" in proc.stdout) == (stage == "wrapper") and "built" not in proc.stdout
+    error = proc.stderr[proc.stderr.index("ContactPointMoved: ") + len("ContactPointMoved: ") :]
+    assert_clear_error("error: " + error, change)
+
+
+# -- pinned patches: drifted upstream code is refused by generated modules too ------------------------
+
+
+def _drifted_expand_kv(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSeek-V3's ``expand_kv`` (K1's pinned target) edited upstream."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
+
+    def expand_kv(self, kv_nope, k_rot):  # noqa: ANN001, ANN202 - an upstream edit
+        return kv_nope, k_rot
+
+    monkeypatch.setattr(deepseek.DeepseekV3Attention, "expand_kv", expand_kv)
+
+
+def test_an_extraction_module_refuses_to_patch_drifted_upstream_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = import_path(REPO / "adapters" / "kimi_k25" / "extraction.py", "kimi_extraction_pins")
+    with module.patches_applied():  # the pinned code as shipped: patched
+        pass
+    _drifted_expand_kv(monkeypatch)
+    with pytest.raises(RuntimeError, match=r"patch K1: upstream drift: .*DeepseekV3Attention\.expand_kv"):
+        with module.patches_applied():
+            pass
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
+
+    assert deepseek.DeepseekV3Attention.expand_kv.__name__ == "expand_kv"  # nothing left installed
+
+
+def test_a_tensorcast_profile_refuses_to_patch_drifted_upstream_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kimi-K2.5's profile pins P11 and P5 (simulation patches); a drifted P5 target is refused and
+    nothing the profile installed stays."""
+    from transformers.models.kimi_k25 import modeling_kimi_k25 as kimi
+
+    for name in [n for n in sys.modules if n == "tensor_cast" or n.startswith("tensor_cast.")]:
+        monkeypatch.delitem(sys.modules, name)
+    module = import_path(REPO / "adapters" / "kimi_k25" / "tensorcast_profile.py", "kimi_profile_pins")
+    config = json.loads((REPO / "specs" / "kimi_k25" / "config.json").read_text())
+    original = kimi.Kimi_K25Model.__dict__["get_placeholder_mask"]
+
+    def get_placeholder_mask(self, input_ids, inputs_embeds, image_features=None, video_features=None):  # noqa: ANN001, ANN202
+        return original(self, input_ids, inputs_embeds, image_features, video_features)
+
+    monkeypatch.setattr(kimi.Kimi_K25Model, "get_placeholder_mask", get_placeholder_mask)
+    with pytest.raises(RuntimeError, match=r"patch P5: upstream drift: .*get_placeholder_mask"):
+        module.hf_config_patch_method(config, None)
+    assert module.installed_patches() == []
+    assert kimi.Kimi_K25Model.__dict__["get_placeholder_mask"] is get_placeholder_mask
