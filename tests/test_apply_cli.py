@@ -138,3 +138,40 @@ def test_simulate_help_names_devices_that_exist():
     listed = text.split("Device profile name:")[1].split("(see")[0]
     names = [name.strip(" ,\n") for name in listed.replace("\n", " ").split(",")]
     assert names and all(name in known_devices() for name in names)
+
+
+def test_the_ledger_says_which_patches_the_export_never_reached(tmp_path):
+    """A patch is only "applied" when a call of the run reached it: a wrap on kadapt's own cache class
+    (tried as a workaround) is installed but never runs for a module of the model, so the ledger says
+    "not reached" and a note says it had no effect; a wrap on the model's own norm is reached."""
+    shutil.copytree(REPO / "specs" / "llama", tmp_path / "llama")
+    spec = tmp_path / "llama.yaml"
+    spec.write_text(
+        (REPO / "specs" / "llama.yaml").read_text()
+        + """
+patches:
+  - id: W1
+    why: Tried as a workaround for a cache that rejects new arguments.
+    target: kimi_adapter_core.backends.extraction.runtime:StaticKVCache.update
+    kind: wrap
+    backends: [extraction]
+  - id: W2
+    why: Runs for every norm of the model (a wrap without an implementation passes through).
+    target: transformers.models.llama.modeling_llama:LlamaRMSNorm.forward
+    kind: wrap
+    backends: [extraction]
+"""
+    )
+    result = CliRunner().invoke(
+        cli, ["apply", str(spec), "--output-dir", str(tmp_path / "out"), "--format", "json"]
+    )
+    assert result.exit_code == 0, result.output
+    entries = {e["id"]: e for e in json.loads(result.stdout)["ledger"]["entries"]}
+    assert (entries["W1"]["status"], entries["W1"]["reached"]) == ("not reached", 0)
+    assert "no call during the export reached it" in entries["W1"]["reason"]
+    assert entries["W2"]["status"] == "applied" and entries["W2"]["reached"] > 0
+    target = "kimi_adapter_core.backends.extraction.runtime:StaticKVCache.update"
+    assert f"note: patch W1 (wrap {target}) had no effect" in result.stderr
+    text = CliRunner().invoke(cli, ["apply", str(spec), "--output-dir", str(tmp_path / "out")])
+    row = next(line for line in text.stdout.splitlines() if line.startswith("W1 "))
+    assert "not reached" in row and " applied " not in row

@@ -172,7 +172,8 @@ def command(
     with ExitStack() as session_scope:
         with out.stage("apply patches"):
             ledger = session_scope.enter_context(applied(spec, backend=backend, **source))
-        out.info(ledger.render_table())
+        if extraction is None:  # with a run, the ledger is printed after it, with what was reached
+            out.info(ledger.render_table())
         # the structure is checked against the spec before the (possibly 1T-parameter) model is built
         with out.stage("structure"):
             session = active_session(spec)
@@ -194,8 +195,15 @@ def command(
         if extraction is not None:
             with out.stage("extraction"):
                 extracted = extraction.run(spec, model, opts, echo=out.info)
-            result["extraction"] = extracted.to_dict()
+            missed = ledger.record_reach({k: r.count for k, r in session.reach.items()}, run="the export")
+            result.update(ledger=ledger.to_dict(), extraction=extracted.to_dict())
+            out.info(ledger.render_table())
             out.info(extracted.render())
+            for entry in missed:
+                out.note(
+                    f"note: patch {entry.id} ({entry.kind} {entry.target}) had no effect: no call during the "
+                    "export reached it for a module of this model"
+                )
     report = None
     if extraction is not None and verify:
         with out.stage("verify"):

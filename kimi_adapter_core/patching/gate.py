@@ -18,6 +18,7 @@ from typing import Any
 
 _claims: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
 _building: contextvars.ContextVar[str | None] = contextvars.ContextVar("kadapt_building", default=None)
+_counting: contextvars.ContextVar[bool] = contextvars.ContextVar("kadapt_counting", default=True)
 
 
 def claim_model(model: Any, spec_name: str) -> int:
@@ -53,6 +54,31 @@ def owns_call(spec_name: str, args: tuple[Any, ...]) -> bool:
     return bool(args) and is_claimed(args[0], spec_name)
 
 
+class Reach:
+    """How many calls (or attribute reads) a patch's own behaviour served: 0 after a run means the
+    patch was installed but had no effect, which the ledger then says."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def hit(self) -> None:
+        if _counting.get():
+            self.count += 1
+
+
+@contextlib.contextmanager
+def uncounted() -> Iterator[None]:
+    """Calls that check the model rather than make the artifacts (the contact-point probe) do not
+    count as reaching a patch."""
+    token = _counting.set(False)
+    try:
+        yield
+    finally:
+        _counting.reset(token)
+
+
 def via_cell(cell: list[Callable[..., Any]]) -> Callable[..., Any]:
     """Call whatever function ``cell`` holds now (carrying its metadata for ``inspect``)."""
 
@@ -63,8 +89,11 @@ def via_cell(cell: list[Callable[..., Any]]) -> Callable[..., Any]:
     return call_original
 
 
-def gated(spec_name: str, cell: list[Callable[..., Any]], patched: Callable[..., Any]) -> Callable[..., Any]:
-    """A function that calls ``patched`` for the spec's own modules and ``cell[0]`` otherwise.
+def gated(
+    spec_name: str, cell: list[Callable[..., Any]], patched: Callable[..., Any], reach: Reach
+) -> Callable[..., Any]:
+    """A function that calls ``patched`` for the spec's own modules (counted in ``reach``) and
+    ``cell[0]`` otherwise.
 
     ``cell`` holds the original; it is a one-slot list so that a gate stacked under this one can be
     unlinked later (see ``changes.Change.undo``). The dispatcher carries the original's metadata
@@ -74,6 +103,7 @@ def gated(spec_name: str, cell: list[Callable[..., Any]], patched: Callable[...,
     @functools.wraps(cell[0])
     def dispatcher(*args: Any, **kwargs: Any) -> Any:
         if owns_call(spec_name, args):
+            reach.hit()
             return patched(*args, **kwargs)
         return cell[0](*args, **kwargs)
 
@@ -88,17 +118,21 @@ class GatedAttribute:
     Instance assignments still win (no ``__set__``), exactly like a plain class attribute.
     """
 
-    def __init__(self, spec_name: str, name: str, value: Any, original: Any, has_original: bool) -> None:
+    def __init__(
+        self, spec_name: str, name: str, value: Any, original: Any, has_original: bool, reach: Reach
+    ) -> None:
         self.spec_name = spec_name
         self.name = name
         self.value = value
         self.original = original
         self.has_original = has_original
+        self.reach = reach
 
     def __get__(self, instance: Any, owner: type | None = None) -> Any:
         if instance is not None and (
             _building.get() == self.spec_name or is_claimed(instance, self.spec_name)
         ):
+            self.reach.hit()
             return self.value
         if not self.has_original:
             if instance is None:

@@ -1,14 +1,17 @@
 """The ledger: one row per spec entry saying what ``apply`` did with it and why.
 
 A spec is only trustworthy if every entry is visibly accounted for: applied, deliberately not
-applied (gated off, other backend, already applied) or failed with the reason. The CLI prints it
-as a table or JSON; tests read it to assert what happened.
+applied (gated off, other backend, already applied) or failed with the reason. After a run,
+``record_reach`` says how often each applied patch's behaviour ran: one that never ran had no
+effect, and is ``not reached`` instead of ``applied``. The CLI prints it as a table or JSON; tests
+read it to assert what happened.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 APPLIED = "applied"
@@ -16,7 +19,8 @@ GATED_OFF = "gated off"
 NOT_FOR_BACKEND = "not for this backend"
 SKIPPED = "skipped (already applied)"
 FAILED = "failed"
-STATUSES = (APPLIED, GATED_OFF, NOT_FOR_BACKEND, SKIPPED, FAILED)
+NOT_REACHED = "not reached"  # installed, but no call of the run reached it
+STATUSES = (APPLIED, NOT_REACHED, GATED_OFF, NOT_FOR_BACKEND, SKIPPED, FAILED)
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,7 @@ class LedgerEntry:
     status: str
     reason: str
     location: str | None = None  # "file:line:col" of the spec entry
+    reached: int | None = None  # patches, after a run: calls (or reads) its behaviour served
 
 
 @dataclass
@@ -60,6 +65,22 @@ class Ledger:
             if entry.id == entry_id:
                 return entry.status
         raise KeyError(entry_id)
+
+    def record_reach(self, reach: Mapping[str, int], run: str) -> list[LedgerEntry]:
+        """After ``run`` (what was run, for the reason): each applied patch's reach; those that no call
+        reached become ``not reached``. Returns them."""
+        missed = []
+        for index, entry in enumerate(self.entries):
+            if entry.section != "patch" or entry.status != APPLIED or entry.id not in reach:
+                continue
+            count = reach[entry.id]
+            if count:
+                self.entries[index] = replace(entry, reached=count)
+                continue
+            reason = f"installed, but no call during {run} reached it for a module of this model"
+            self.entries[index] = replace(entry, status=NOT_REACHED, reason=reason, reached=0)
+            missed.append(self.entries[index])
+        return missed
 
     def counts(self) -> dict[str, int]:
         return {status: sum(e.status == status for e in self.entries) for status in STATUSES}

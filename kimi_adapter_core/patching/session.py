@@ -37,7 +37,7 @@ from ..errors import KadaptError
 from ..spec.model import EnvironmentShim, Patch, Spec
 from . import kinds, pins, remote
 from .changes import Change, layered
-from .gate import GatedAttribute, gated, via_cell
+from .gate import GatedAttribute, Reach, gated, via_cell
 from .impls import resolve_impl
 from .ledger import APPLIED, FAILED, GATED_OFF, NOT_FOR_BACKEND, SKIPPED, Ledger
 from .selection import CHOICES, applies_to
@@ -107,6 +107,7 @@ class Session:
         self.closed = False
         self._remote: list[PlannedPatch] = []
         self._entry: ModuleType | None = None
+        self.reach: dict[str, Reach] = {}  # patch id -> calls its behaviour served (all its targets)
 
     # -- planning (no side effects) -------------------------------------------------------------
 
@@ -155,7 +156,7 @@ class Session:
             pins.verify(patch.pin, original, target=patch.target, location=planned.location)
         cell = [original]
         behaviour = kinds.build(patch, via_cell(cell), planned.impl)
-        dispatcher = gated(self.spec.name, cell, behaviour)
+        dispatcher = gated(self.spec.name, cell, behaviour, self.reach.setdefault(patch.id, Reach()))
         new = (
             type(resolved.raw)(dispatcher)
             if isinstance(resolved.raw, (staticmethod, classmethod))
@@ -169,7 +170,12 @@ class Session:
 
     def _attribute_installer(self, patch: Patch, resolved: Resolved) -> Callable[[], Change]:
         descriptor = GatedAttribute(
-            self.spec.name, resolved.ref.attr, patch.value, resolved.raw, resolved.exists
+            self.spec.name,
+            resolved.ref.attr,
+            patch.value,
+            resolved.raw,
+            resolved.exists,
+            self.reach.setdefault(patch.id, Reach()),
         )
         change = Change(
             resolved.owner, resolved.ref.attr, descriptor, resolved.raw, resolved.own, resolved.exists

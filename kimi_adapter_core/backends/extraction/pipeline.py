@@ -21,6 +21,7 @@ import transformers
 from torch import nn
 
 from ... import __version__, upstream
+from ...patching.gate import uncounted
 from ...spec.model import Spec
 from ...structure.derive import derive_structure
 from . import check_upstream, runtime, vision
@@ -243,7 +244,8 @@ def run(spec: Spec, model: nn.Module, options: ExtractionOptions, *, echo: Echo)
         check_exportable(backbone)
         dtype = getattr(torch, options.dtype)
         cast_to_abi_dtype(model, [backbone.language_model, backbone.lm_head], dtype)
-        upstream.decoder_protocol(backbone.language_model)  # the layers themselves, before any export
+        with uncounted():  # the layers themselves, before any export (a check, not an artifact)
+            upstream.decoder_protocol(backbone.language_model)
         chosen = plan(backbone.layers) if options.stitch else Plan(len(backbone.layers))
         if options.vision is not None:
             vision_modules = vision.prepare(spec, model, options)
