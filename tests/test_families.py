@@ -40,6 +40,7 @@ def test_every_family_kind_is_shipped() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.compat
 @pytest.mark.parametrize("spec_path", SHIPPED, ids=lambda p: p.stem)
 def test_full_size_apply_and_verify(spec_path: Path, tmp_path: Path) -> None:
     spec = load_spec(spec_path)

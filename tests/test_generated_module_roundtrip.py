@@ -45,6 +45,7 @@ from kimi_adapter_core.backends.extraction import options_from_spec
 from kimi_adapter_core.backends.extraction.roundtrip import tiny_overrides
 from kimi_adapter_core.spec import load_spec
 
+pytestmark = pytest.mark.compat  # run by .ci/compat against other transformers releases
 REPO = Path(__file__).resolve().parents[1]
 EXTRACTABLE = [p.stem for p in sorted((REPO / "specs").glob("*.yaml")) if load_spec(p).abi is not None]
 CORE = ("llama", "kimi_k25", "mistral")

@@ -32,6 +32,7 @@ from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import UsageError
 from kimi_adapter_core.loading import load_config, load_model
 
+pytestmark = pytest.mark.compat  # run by .ci/compat: --images on every supported transformers release
 INPUTS = model_inputs(KIMI_SPEC, None)
 VISION = INPUTS.arch.vision
 assert VISION is not None

@@ -33,6 +33,7 @@ from kimi_adapter_core.backends.extraction.weights import cast_to_abi_dtype
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.spec import load_spec
 
+pytestmark = pytest.mark.compat  # run by .ci/compat against other transformers releases
 TESTED = ", ".join(upstream.TESTED_TRANSFORMERS)
 
 
@@ -293,3 +294,47 @@ def test_a_tensorcast_profile_refuses_to_patch_drifted_upstream_code(monkeypatch
         module.hf_config_patch_method(config, None)
     assert module.installed_patches() == []
     assert kimi.Kimi_K25Model.__dict__["get_placeholder_mask"] is get_placeholder_mask
+
+
+def test_apply_notes_a_release_outside_the_tested_set(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    tested = upstream.TESTED_TRANSFORMERS
+    monkeypatch.setattr(upstream, "TESTED_TRANSFORMERS", ("5.0.0",))
+    result = CliRunner().invoke(cli, ["apply", "llama", "--output-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert (
+        f"note: transformers {transformers.__version__} is not a release kadapt is tested with (5.0.0)"
+        in (result.stderr)
+    )
+    monkeypatch.setattr(upstream, "TESTED_TRANSFORMERS", tested)
+    assert (
+        "not a release kadapt is tested with"
+        not in CliRunner().invoke(cli, ["apply", "llama", "--output-dir", str(tmp_path)]).stderr
+    )
+
+
+# -- what the repository states about versions agrees with itself --------------------------------------
+
+
+def test_tested_versions_are_stated_once_and_agree() -> None:
+    """constraints.txt pins the newest tested transformers and the tested torch; the declared range
+    (pyproject, every shipped spec's requires) starts at the oldest; the compatibility page lists
+    every contact point."""
+    import tomllib
+
+    pins = dict(
+        line.split("==") for line in (REPO / "constraints.txt").read_text().splitlines() if "==" in line
+    )
+    assert pins["transformers"] == upstream.TESTED_TRANSFORMERS[-1]
+    assert pins["torch"] in upstream.TESTED_TORCH
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    declared = next(d for d in project["optional-dependencies"]["model"] if d.startswith("transformers"))
+    assert declared == f"transformers>={upstream.TESTED_TRANSFORMERS[0].rsplit('.', 1)[0]},<6"
+    for path in sorted((REPO / "specs").glob("*.yaml")):
+        requires = load_spec(path).raw.get("requires") or {}
+        assert requires.get("transformers") == declared.removeprefix("transformers"), path.name
+    page = (REPO / "docs" / "compatibility.md").read_text()
+    for point in upstream.CONTACT_POINTS:
+        assert f"| `{point.name}` |" in page, point.name
+    assert f"transformers | {', '.join(upstream.TESTED_TRANSFORMERS)} |" in page

@@ -796,6 +796,17 @@ TESTED_TORCH = ("2.13.0",)
 COMPATIBILITY_DOC = "docs/compatibility.md"
 
 
+def untested_release() -> str | None:
+    """A sentence when the installed transformers is not a release kadapt is tested with, else None."""
+    version = _version("transformers")
+    if version in TESTED_TRANSFORMERS:
+        return None
+    return (
+        f"transformers {version} is not a release kadapt is tested with ({', '.join(TESTED_TRANSFORMERS)}); "
+        "its contact points hold, and --verify checks the artifacts against it"
+    )
+
+
 class ContactPointMoved(RuntimeError):
     """An internal of transformers kadapt relies on is not where (or not what) kadapt expects.
 

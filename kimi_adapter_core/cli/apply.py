@@ -167,6 +167,10 @@ def command(
     if opts is not None:
         with out.stage("check transformers"):  # its internals, before a 1T-parameter model is built
             extraction.check_upstream(opts)
+        from ..upstream import untested_release
+
+        if (untested := untested_release()) is not None:
+            out.note(f"note: {untested}")
     result: dict[str, Any] = {}
     source = {"trust_remote_code": trust_remote_code, "source_dir": source_dir, "from_hub": from_hub}
     with ExitStack() as session_scope:
