@@ -137,7 +137,8 @@ def command(fmt: str) -> None:
 
     Exits 1 when a contact point or a pin moved. JSON (--format json): {"ok", "environment":
     {"python", "platform", "kadapt", "packages": {NAME: {"version", "tested", "used_for"}}, "tested",
-    "tensorcast"}, "contact_points": [{"name", "symbol", "status", "found", "expected"}], "pins":
+    "tensorcast"}, "contact_points": [{"name", "symbol", "status", "found", "expected", "why",
+    "used_by"}], "pins":
     [{"spec", "id", "target", "status", "found"}]}.
 
     \b
@@ -166,7 +167,14 @@ def command(fmt: str) -> None:
             {
                 "ok": not moved,
                 "environment": env,
-                "contact_points": [f.to_dict() for f in points],
+                "contact_points": [
+                    {
+                        **f.to_dict(),
+                        "why": upstream.BY_NAME[f.name].why,
+                        "used_by": list(upstream.BY_NAME[f.name].used_by),
+                    }
+                    for f in points
+                ],
                 "pins": pin_rows,
             }
         )
