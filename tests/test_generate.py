@@ -595,3 +595,21 @@ def test_spec_text_cannot_escape_a_generated_docstring(tmp_path: Path) -> None:
         spec.loader.exec_module(module)
         assert 'x""" + str(__import__' in module.__doc__
     assert not (Path.cwd() / "PWNED").exists() and not (tmp_path / "PWNED").exists()
+
+
+def test_verbatim_modules_that_define_the_same_name_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """runtime.py, encoding.py and upstream.py share one generated namespace: a name two of them define
+    would silently replace the other's (as upstream's check_mla_attention once shadowed runtime's)."""
+    from kimi_adapter_core.generate import extraction as generate_extraction
+
+    real = generate_extraction.split_module
+
+    def split(path: Path) -> Any:
+        module = real(path)
+        if path.name == "upstream.py":
+            module = dataclasses.replace(module, definitions=module.definitions | {"check_mla_attention"})
+        return module
+
+    monkeypatch.setattr(generate_extraction, "split_module", split)
+    with pytest.raises(KadaptError, match=r"must not define the same names: \['check_mla_attention'\]"):
+        render_spec(load_spec(KIMI), ("extraction",))

@@ -1044,6 +1044,66 @@ def _probe_remote_code() -> str:
     return _describe(loader, "get_class_in_module")
 
 
+# What kadapt's absorbed MLA (runtime.absorbed_mla_forward) and simulated MLA kernels read from a
+# DeepSeek-style attention module, besides its projections.
+MLA_FIELDS = (
+    "num_heads",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+)
+MLA_MODULES = ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
+
+
+def mla_attention_drift(attention: Any) -> str | None:
+    """What ``attention`` (an MLA attention instance) lacks of what kadapt reads, or None.
+
+    Fields, projections (``q_proj``, or ``q_a_proj``/``q_a_layernorm``/``q_b_proj`` with a query
+    LoRA), ``expand_kv`` (the expanded KV layout), ``scaling``, ``layer_idx`` and the rope helper its
+    own module defines for ``config.rope_interleave``.
+    """
+    import sys
+
+    lora = getattr(attention, "q_lora_rank", None) is not None
+    wanted = (*MLA_FIELDS, *MLA_MODULES, "scaling", "layer_idx", "expand_kv")
+    wanted += ("q_a_proj", "q_a_layernorm", "q_b_proj") if lora else ("q_proj",)
+    missing = [name for name in wanted if not hasattr(attention, name)]
+    interleave = bool(getattr(getattr(attention, "config", None), "rope_interleave", False))
+    rope = "apply_rotary_pos_emb_interleave" if interleave else "apply_rotary_pos_emb"
+    module = sys.modules.get(type(attention).__module__)
+    if not hasattr(module, rope):
+        missing.append(f"{type(attention).__module__}.{rope}")
+    return f"{type(attention).__name__} has no {', '.join(missing)}" if missing else None
+
+
+def require_mla_attention(attention: Any) -> None:
+    """``ContactPointMoved`` (``mla_attention``) when ``attention`` lacks what kadapt reads."""
+    found = mla_attention_drift(attention)
+    if found is not None:
+        require("mla_attention", BY_NAME["mla_attention"].expected, found)
+
+
+def _probe_mla() -> str:
+    expected = "DeepseekV3Attention with MLA fields, projections, expand_kv and its module's rope helpers"
+    module = "transformers.models.deepseek_v3.modeling_deepseek_v3"
+    attention_class = _attr(module, "DeepseekV3Attention", expected)
+    config_class = _attr(module, "DeepseekV3Config", expected)
+    import torch
+
+    config = config_class(
+        hidden_size=64, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=8, num_hidden_layers=1,
+    )  # fmt: skip
+    with torch.device("meta"):
+        attention = attention_class(config, 0)
+    found = mla_attention_drift(attention)
+    if found is not None:
+        raise _Moved(expected, found)
+    return "DeepseekV3Attention: fields, projections, expand_kv and rope helpers as kadapt reads them"
+
+
 def _probe_generation() -> str:
     expected = "GenerationConfig(max_new_tokens, do_sample, output_logits, return_dict_in_generate)"
     config_class = _attr("transformers", "GenerationConfig", expected)
@@ -1116,6 +1176,15 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
         "helpers pop",
         ("extraction (vision)", "simulation (--images)"),
         _probe_vision_grid,
+    ),
+    ContactPoint(
+        "mla_attention",
+        "DeepseekV3Attention (fields, projections, expand_kv), apply_rotary_pos_emb[_interleave]",
+        "the MLA fields, projections, expand_kv and rope helper kadapt reads",
+        "the expanded KV layout caches expand_kv's output; absorbed MLA and the simulated MLA kernels run "
+        "the attention's own projections and rope helper around kadapt's kernels",
+        ("extraction (expanded, absorbed)", "simulation"),
+        _probe_mla,
     ),
     ContactPoint(
         "remote_code_loader",

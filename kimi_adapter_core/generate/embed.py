@@ -30,7 +30,8 @@ class EmbeddedModule:
     imports: tuple[str, ...]
     body: str
     summary: str
-    names: frozenset[str]  # top-level names the body defines
+    names: frozenset[str]  # top-level names the body binds (imports included)
+    definitions: frozenset[str]  # top-level functions, classes and assignments (imports left out)
 
 
 def split_module(path: Path) -> EmbeddedModule:
@@ -59,7 +60,11 @@ def split_module(path: Path) -> EmbeddedModule:
                 f"{path.name} uses a relative import and cannot be embedded in a generated module"
             )
     names = frozenset(_defined_names(statements))
-    return EmbeddedModule(tuple(imports), "".join(lines[body_start:]).strip("\n") + "\n", summary, names)
+    imported = frozenset(
+        _defined_names([n for n in statements if isinstance(n, (ast.Import, ast.ImportFrom))])
+    )
+    body = "".join(lines[body_start:]).strip("\n") + "\n"
+    return EmbeddedModule(tuple(imports), body, summary, names, names - imported)
 
 
 def _first_line(node: ast.stmt) -> int:

@@ -156,6 +156,14 @@ def render_extraction(spec: Spec) -> list[Rendered]:
     cast = embedded.add(weights.cast_to_abi_dtype, what="extraction dtype cast")
     # kadapt's own pin check, so a generated module refuses drifted upstream code as apply does
     check_pin = embedded.add(portable.check_pin, what="patch pins")
+    runtime_defs, encoding_defs, upstream_defs = (
+        m.definitions for m in (runtime_module, encoding_module, upstream_module)
+    )
+    shared = sorted(
+        (runtime_defs & encoding_defs) | (runtime_defs & upstream_defs) | (encoding_defs & upstream_defs)
+    )
+    if shared:  # one would silently replace the other in the generated module
+        raise KadaptError(f"runtime.py, encoding.py and upstream.py must not define the same names: {shared}")
     whole = runtime_module.names | encoding_module.names | upstream_module.names
     clashes = sorted(whole & set(embedded.sources))
     if clashes:

@@ -246,6 +246,8 @@ def run(spec: Spec, model: nn.Module, options: ExtractionOptions, *, echo: Echo)
         cast_to_abi_dtype(model, [backbone.language_model, backbone.lm_head], dtype)
         with uncounted():  # the layers themselves, before any export (a check, not an artifact)
             upstream.decoder_protocol(backbone.language_model)
+        if options.structure is not None and options.structure.attention.is_mla:
+            upstream.require_mla_attention(backbone.layers[0].self_attn)
         chosen = plan(backbone.layers) if options.stitch else Plan(len(backbone.layers))
         if options.vision is not None:
             vision_modules = vision.prepare(spec, model, options)

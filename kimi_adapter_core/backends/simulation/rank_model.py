@@ -64,15 +64,6 @@ from .tracer import Recorder
 BACKEND = "simulation"
 ATTENTION_IMPLEMENTATION = "kadapt_simulation"  # registered with transformers while a trace runs
 
-# MLA fields the absorbed / expanded attention kernels read from the attention module (DeepSeek style)
-_MLA_FIELDS = (
-    "num_heads",
-    "q_lora_rank",
-    "kv_lora_rank",
-    "qk_nope_head_dim",
-    "qk_rope_head_dim",
-    "v_head_dim",
-)
 
 # Structural facts the traced modules take from the built (bridged) config while the routed-expert
 # kernel, the memory figures and ``kadapt plan`` take them from the raw config (the structure).
@@ -302,11 +293,11 @@ class RankMLA(nn.Module):
     def __init__(self, inner: nn.Module, rec: Recorder, dep: Deployment, kind: LayerKind) -> None:
         super().__init__()
         cls = type(inner).__name__
-        missing = [f for f in _MLA_FIELDS if not hasattr(inner, f)]
+        missing = [f for f in upstream.MLA_FIELDS if not hasattr(inner, f)]
         if missing:
             raise KadaptError(
                 f"mla.attention_class {cls} has no {', '.join(missing)}: the simulated MLA kernels read "
-                f"DeepSeek-style MLA fields ({', '.join(_MLA_FIELDS)})"
+                f"DeepSeek-style MLA fields ({', '.join(upstream.MLA_FIELDS)})"
             )
         for name, child in inner.named_children():  # adopt the real projections and norms by name
             setattr(self, name, child)
