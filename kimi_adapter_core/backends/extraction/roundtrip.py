@@ -68,6 +68,11 @@ TINY_FACTS = {
     # shorter than the verify prompt, so sliding-window masks decide the result
     "sliding_window": 4,
 }
+# With group-limited routing (DeepSeek's n_group/topk_group), the tiny router keeps groups: 4 groups of
+# 2 experts, the top 2 groups chosen, so the group mask decides which experts can win.
+TINY_EXPERT_GROUPS = {"expert_groups": 4, "top_k_groups": 2}
+# The tiny stack holds at least one whole period of the layer pattern (sliding/full), up to this many.
+TINY_MAX_LAYERS = 8
 # KV heads of the tiny model keep the attention kind: 4 of 4 (MHA, MLA), 2 of 4 (GQA), 1 (MQA).
 TINY_KV_HEADS = {"mha": 4, "mla": 4, "gqa": 2, "mqa": 1}
 # Random weights at the default 0.02 give near-uniform logits whose argmax float noise could flip;
@@ -98,13 +103,33 @@ TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "media_pla
 MERGED_DECODE_STEPS = 8
 
 
+def tiny_layer_count(structure: ModelStructure) -> int:
+    """Layers of the tiny stack: ``TINY_FACTS["num_layers"]``, or one whole period of the model's
+    sliding/full pattern when that is longer (a 5:1 pattern needs 6 layers to have a full one), or,
+    for a pattern with no short period, enough layers to hold every kind once (at most
+    ``TINY_MAX_LAYERS``)."""
+    spans = [(layer.attention, layer.window) for layer in structure.layers]
+    period = next(p for p in range(1, len(spans) + 1) if all(s == spans[i % p] for i, s in enumerate(spans)))
+    if period > TINY_MAX_LAYERS:
+        kinds = set(spans)
+        period = next(i + 1 for i in range(len(spans)) if set(spans[: i + 1]) == kinds)
+    return max(TINY_FACTS["num_layers"], min(period, TINY_MAX_LAYERS))
+
+
 def _tiny_text(structure: ModelStructure, section: dict[str, Any]) -> dict[str, Any]:
-    """Overrides of the text config that keep ``structure``'s kinds at tiny sizes."""
+    """Overrides of the text config that keep ``structure``'s kinds at tiny sizes: the attention kind,
+    a whole period of the sliding/full pattern, dense and MoE layers, the router's expert groups."""
     tiny = {structure.keys[fact]: value for fact, value in TINY_FACTS.items() if fact in structure.keys}
     if "num_kv_heads" in structure.keys:
         tiny[structure.keys["num_kv_heads"]] = TINY_KV_HEADS[structure.attention.kind]
+    layers = tiny_layer_count(structure)
+    tiny[structure.keys["num_layers"]] = layers
     if isinstance(section.get("layer_types"), list):  # an explicit per-layer list shrinks with the stack
-        tiny["layer_types"] = section["layer_types"][: TINY_FACTS["num_layers"]]
+        tiny["layer_types"] = section["layer_types"][:layers]
+    if "max_window_layers" in structure.keys and structure.has_sliding_layers:
+        tiny[structure.keys["max_window_layers"]] = 1  # layers from 1 on slide: full and sliding both present
+    if structure.moe is not None and structure.moe.expert_groups > 1:
+        tiny.update({structure.keys[f]: v for f, v in TINY_EXPERT_GROUPS.items() if f in structure.keys})
     tiny["initializer_range"] = TINY_INITIALIZER_RANGE
     return tiny
 
@@ -220,12 +245,35 @@ def _reference_experts(text_config: Any, low_precision: bool) -> contextlib.Abst
     return contextlib.nullcontext() if low_precision else _upstream_experts(text_config)
 
 
-def _randomize_router_bias(model: nn.Module) -> None:
-    """The router's correction bias initialises to zeros; random values exercise the biased top-k."""
+# Relative spread given to every tensor transformers initialises to one constant value.
+CONSTANT_SPREAD = 0.1
+
+
+def randomize_constants(model: nn.Module) -> list[str]:
+    """Give every parameter and persistent buffer that holds one constant value (biases and the MoE
+    router's correction bias at 0, norm weights at 1) random values around it; return their names.
+
+    transformers' init leaves them constant, so a graph that dropped a bias or a norm scale would still
+    equal the reference: with them random, ``--verify`` is a proof for every weight, not only the
+    matrices. Non-persistent buffers (rotary frequencies) are computed, not loaded, and stay as built.
+    """
     generator = torch.Generator().manual_seed(1)
-    for name, buffer in model.named_buffers():
-        if name.endswith("e_score_correction_bias"):
-            buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.1)
+    changed = []
+    with torch.no_grad():
+        for module_name, module in model.named_modules():
+            tensors = list(module.named_parameters(recurse=False)) + [
+                (n, b)
+                for n, b in module.named_buffers(recurse=False)
+                if n not in module._non_persistent_buffers_set
+            ]
+            for name, tensor in tensors:
+                if not tensor.is_floating_point() or tensor.numel() < 2 or tensor.min() != tensor.max():
+                    continue
+                value = float(tensor.flatten()[0])
+                noise = torch.randn(tensor.shape, generator=generator).to(tensor.dtype) * CONSTANT_SPREAD
+                tensor.copy_(noise if value == 0 else value * (1 + noise))
+                changed.append(f"{module_name}.{name}" if module_name else name)
+    return changed
 
 
 def _reference(
@@ -479,7 +527,7 @@ def _verify_in(
         torch.manual_seed(0)
         with applied(spec, backend="extraction"):
             model = load_model(spec, device="cpu", config=config, dtype=torch_dtype).eval()
-            _randomize_router_bias(model)
+            randomize_constants(model)
             meta = load_model(spec, device="meta", config=config, dtype=torch_dtype).eval()
             small = _small_options(spec, options, structure, Path(tmp), dtype, meta)
             merged = f", image prompt {small.merged_prefill.prefill_len}" if small.merged_prefill else ""
