@@ -73,7 +73,11 @@ def _short_model_overrides(spec: Spec) -> dict[str, Any]:
     keep = max(first_of_kind.values()) + 1
     key = text_config_key(spec, isinstance(raw.get("text_config"), dict))
     prefix = f"{key}." if key else ""
-    return {prefix + structure.keys["num_layers"]: keep}
+    overrides = {prefix + structure.keys["num_layers"]: keep}
+    types = (raw.get(key) if key else raw).get("layer_types")
+    if isinstance(types, list):  # config classes require one entry per layer
+        overrides[prefix + "layer_types"] = types[:keep]
+    return overrides
 
 
 def _check_classes(findings: _Findings, model: Any) -> None:

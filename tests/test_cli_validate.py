@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from fixtures.spec_files import write_qwen3_three_to_one
 
 from kimi_adapter_core.builtins import registry
 from kimi_adapter_core.cli import cli
@@ -131,3 +132,21 @@ def test_linting_paths_import_neither_torch_nor_transformers(argv: list[str], ex
     assert "kimi_adapter_core.cli" in imported  # the check below sees real import lines
     heavy = sorted(m for m in imported if m.split(".")[0] in {"torch", "transformers"})
     assert heavy == []
+
+
+def test_resolve_shortens_a_config_that_lists_layer_types(tmp_path: Path) -> None:
+    """The shortened model keeps one entry of layer_types per layer (transformers validates that);
+    the full config is resolved without a traceback."""
+    spec = write_qwen3_three_to_one(tmp_path)
+    result = CliRunner().invoke(cli, ["validate", "--resolve", str(spec)])
+    assert result.exit_code == 0, result.output
+    assert "1 spec checked, 0 invalid, 0 errors" in result.output
+
+
+def test_a_config_its_class_rejects_is_an_error_not_a_traceback(tmp_path: Path) -> None:
+    spec = write_qwen3_three_to_one(tmp_path, num_hidden_layers=6)  # 8 layer_types for 6 layers
+    result = CliRunner().invoke(cli, ["apply", str(spec), "--backend", "none"])
+    assert result.exit_code == 1
+    assert "error: Qwen3Config rejects the bridged config:" in result.output
+    assert "must be equal to the number of `layer_types`" in result.output
+    assert "Traceback" not in result.output

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from fixtures.spec_files import write_qwen3_three_to_one
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen3 import modeling_qwen3
 
@@ -40,31 +41,7 @@ def llama_with_biases(tmp_path: Path) -> Any:
 
 
 def qwen3_three_to_one(tmp_path: Path) -> Any:
-    """Qwen3 with a 3:1 sliding/full pattern (``layer_types``): the tiny stack must hold a full layer."""
-    (tmp_path / "qwen3").mkdir()
-    types = ["sliding_attention"] * 3 + ["full_attention"]
-    config = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "num_hidden_layers": 8,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "vocab_size": 512,
-        "max_position_embeddings": 4096,
-        "use_sliding_window": True,
-        "sliding_window": 64,
-        "layer_types": types * 2,
-        "tie_word_embeddings": False,
-    }
-    (tmp_path / "qwen3" / "config.json").write_text(json.dumps(config))
-    spec = (REPO / "specs" / "llama.yaml").read_text()
-    spec = spec.replace("name: llama", "name: qwen3").replace("model_type: llama", "model_type: qwen3")
-    spec = spec.replace("config: llama/config.json", "config: qwen3/config.json")
-    (tmp_path / "qwen3.yaml").write_text(spec)
-    return load_spec(tmp_path / "qwen3.yaml")
+    return load_spec(write_qwen3_three_to_one(tmp_path))
 
 
 @contextlib.contextmanager

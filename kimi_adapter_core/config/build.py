@@ -69,8 +69,9 @@ def config_class(raw: dict[str, Any], source: ResolvedSource, *, remote: bool) -
 def build_config(cls: type[PreTrainedConfig], raw: dict[str, Any], written: list[str]) -> PreTrainedConfig:
     try:
         config = cls.from_dict(raw)
-    except (TypeError, ValueError) as exc:
-        raise KadaptError(f"{cls.__name__} rejects the bridged config: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - config classes validate with their own error types
+        detail = " ".join(str(exc).split())
+        raise KadaptError(f"{cls.__name__} rejects the bridged config: {detail}") from exc
     for path in written:
         value = paths.get(raw, path)
         if value is not MISSING and paths.get(config, path) != value:
