@@ -26,3 +26,26 @@ class UsageError(KadaptError):
     """Bad command-line usage (exit 2, like click's own usage errors)."""
 
     exit_code = 2
+
+
+class Refusal(KadaptError):
+    """Something kadapt does not model, refused before any work: ``code`` is one of ``REFUSALS``.
+
+    The message starts with ``refused (code):`` so a reader (and the family matrix) can tell a
+    documented refusal from any other error.
+    """
+
+    def __init__(self, code: str, message: str, *, location: str | None = None) -> None:
+        if code not in REFUSALS:
+            raise ValueError(f"unknown refusal code {code!r}; known: {', '.join(REFUSALS)}")
+        super().__init__(f"refused ({code}): {message}", location=location)
+        self.code = code
+
+
+# The documented list (docs/families.md explains each): what kadapt refuses, and why.
+REFUSALS = {
+    "outside-layers": "math outside the decoder layers (embedding scale, logit scale, soft-capping...) "
+    "that the wrappers do not reproduce",
+    "stack-differs": "the decoder layers, called by the wrappers with the ABI's masks, positions and cache, "
+    "give other hidden states than the model's own forward gives them",
+}

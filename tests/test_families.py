@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kimi_adapter_core.backends.extraction import runtime
+from kimi_adapter_core.backends.extraction import options_from_spec, runtime, verify
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.spec import load_spec
 from kimi_adapter_core.structure.derive import structure_of_raw
@@ -90,13 +90,16 @@ def test_verify_catches_a_missing_sliding_window_mask(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Mistral's tiny model slides a window of 4 over an 8-token prompt: without the per-layer mask
-    the saved IR is wrong, and --verify must say so (a full causal mask is what a naive ABI passes)."""
+    the wrappers are wrong (a full causal mask is what a naive ABI passes). The whole-model check
+    refuses the export before it starts, and --verify on its own says so too."""
     monkeypatch.setattr(runtime, "sliding_window_mask", lambda mask, positions, window: mask)
-    result = CliRunner().invoke(
-        cli, ["apply", str(REPO / "specs" / "mistral.yaml"), "--output-dir", str(tmp_path), "--verify"]
-    )
-    assert result.exit_code == 1
-    assert "verification failed" in result.output and "[FAIL] prefill logits" in result.output
+    spec = load_spec(REPO / "specs" / "mistral.yaml")
+    result = CliRunner().invoke(cli, ["apply", str(spec.path), "--output-dir", str(tmp_path / "out")])
+    assert result.exit_code == 1 and not any((tmp_path / "out").iterdir())
+    assert "refused (stack-differs):" in result.output and "at the decoder stack" in result.output
+    report = verify(spec, options_from_spec(spec, output_dir=tmp_path / "verify"), echo=lambda line: None)
+    assert not report.passed
+    assert "prefill logits" in {check.name for check in report.checks if not check.passed}
 
 
 # A family kadapt does not ship, adapted from YAML alone (the guide's procedure): Qwen3 dense with

@@ -1104,6 +1104,54 @@ def _probe_mla() -> str:
     return "DeepseekV3Attention: fields, projections, expand_kv and rope helpers as kadapt reads them"
 
 
+def rebuild_buffer(model: Any, path: str) -> Any:
+    """The value of non-persistent buffer ``path`` of ``model`` (built on meta), computed on CPU by
+    transformers' own ``_init_weights``, the way a meta-built model gets its buffers when it loads.
+
+    Only the owning module's own buffers are materialised: a shallow copy of it holds CPU buffers and
+    fresh meta parameters (so the 1T-parameter model is never touched and nothing is allocated for
+    its weights), and the nearest ``PreTrainedModel`` above it initialises that copy. None when that
+    init does not give the buffer a value (it stays as ``torch.empty`` left it: checked by NaN fill).
+    """
+    import copy
+
+    import torch
+
+    owner_path, _, leaf = path.rpartition(".")
+    owner = model.get_submodule(owner_path)
+    parts = owner_path.split(".") if owner_path else []
+    pretrained = next(
+        (
+            candidate
+            for candidate in (
+                model.get_submodule(".".join(parts[:depth])) for depth in range(len(parts), -1, -1)
+            )
+            if callable(getattr(candidate, "_init_weights", None)) and hasattr(candidate, "config")
+        ),
+        None,
+    )
+    if pretrained is None:
+        return None
+    ghost = copy.copy(owner)
+    ghost._modules = {}
+    ghost._parameters = {
+        name: None if p is None else torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+        for name, p in owner._parameters.items()
+    }
+    ghost._buffers = {
+        name: None
+        if b is None
+        else torch.full_like(b, float("nan") if b.is_floating_point() else 0, device="cpu")
+        for name, b in owner._buffers.items()
+    }
+    with torch.no_grad():
+        pretrained._init_weights(ghost)
+    value = ghost._buffers.get(leaf)
+    if value is None or (value.is_floating_point() and bool(value.isnan().any())):
+        return None
+    return value
+
+
 def _probe_generation() -> str:
     expected = "GenerationConfig(max_new_tokens, do_sample, output_logits, return_dict_in_generate)"
     config_class = _attr("transformers", "GenerationConfig", expected)

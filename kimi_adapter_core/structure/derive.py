@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from ..errors import KadaptError
+from ..errors import KadaptError, Refusal
 from ..resources import package_file
 from ..spec.model import Spec
 from .model import ATTENTION_KINDS, SCORING_FUNCS, Attention, Layer, ModelStructure, Moe, Rope
@@ -241,7 +241,8 @@ def _refuse_outside_layer_features(read: _Reader, spec: Spec | None) -> None:
     for key, rule in _tables()["outside_layers"].items():
         value = read.raw(key)
         if value is not _MISSING and value not in rule["neutral"]:
-            raise KadaptError(
+            raise Refusal(
+                "outside-layers",
                 f"{read.where} sets {key} = {value!r}, which {rule['effect']}; kadapt's prefill/decode "
                 "wrappers call the decoder layers directly and cannot honour it, so the model is refused "
                 "rather than exported wrong",

@@ -191,8 +191,12 @@ def _param_path(wrapper: nn.Module, model: nn.Module) -> Callable[[str], str]:
     return path_of
 
 
-def _constant_value(wrapper: nn.Module, program: ExportedProgram) -> Callable[[str], torch.Tensor]:
-    """Real value of a non-persistent buffer; on meta, rebuilt from ``type(owner)(owner.config)`` on CPU."""
+def _constant_value(
+    wrapper: nn.Module, program: ExportedProgram, model: nn.Module
+) -> Callable[[str], torch.Tensor]:
+    """Real value of a non-persistent buffer: the traced one, or on meta the value transformers' own
+    ``_init_weights`` gives it (``upstream.rebuild_buffer``), else ``type(owner)(owner.config)``."""
+    modules = {id(module): path for path, module in model.named_modules()}
 
     def value(name: str) -> torch.Tensor:
         tensor = program.constants.get(name)
@@ -200,14 +204,19 @@ def _constant_value(wrapper: nn.Module, program: ExportedProgram) -> Callable[[s
             return tensor.detach().cpu()
         owner_path, _, leaf = name.rpartition(".")
         owner = wrapper.get_submodule(owner_path)
+        if id(owner) in modules:
+            path = f"{modules[id(owner)]}.{leaf}".lstrip(".")
+            rebuilt = upstream.rebuild_buffer(model, path)
+            if rebuilt is not None:
+                return rebuilt.detach()
         try:
             with torch.device("cpu"):
                 fresh = type(owner)(owner.config)
             return fresh.get_buffer(leaf).detach()
         except Exception as exc:
             raise KadaptError(
-                f"buffer {name} has no value on the meta device and "
-                f"{type(owner).__name__}(config) cannot rebuild it"
+                f"buffer {name} has no value on the meta device: neither transformers' _init_weights nor "
+                f"{type(owner).__name__}(config) computes it"
             ) from exc
 
     return value
@@ -242,7 +251,7 @@ def to_graph(
         names=graph_names(kind, options),
         num_layers=num_layers,
         param_path=_param_path(wrapper, backbone.model),
-        constant_value=_constant_value(wrapper, program),
+        constant_value=_constant_value(wrapper, program, backbone.model),
         device=device,
         symbols=symbols,
     )

@@ -34,6 +34,7 @@ from .stitch import NotStitchable, Plan, plan, stitch
 from .summary import ExtractionSummary, GraphStats
 from .weight_map import weight_map_document
 from .weights import cast_to_abi_dtype, model_tensor_types, tied_names, weight_entries
+from .whole_model import check_whole_model
 from .write import write_all
 
 GRAPHS = ("prefill", "decode")
@@ -218,7 +219,9 @@ def graph_stats(graph: Graph, options: ExtractionOptions, size: int, layers: int
     )
 
 
-def run(spec: Spec, model: nn.Module, options: ExtractionOptions, *, echo: Echo) -> ExtractionSummary:
+def run(
+    spec: Spec, model: nn.Module, options: ExtractionOptions, *, echo: Echo, check_whole: bool = True
+) -> ExtractionSummary:
     """Extract prefill and decode IR of ``model`` (built by ``load_model`` under ``applied``).
 
     The text backbone's parameters are brought to the ABI dtype in place (free on meta), keeping
@@ -254,6 +257,9 @@ def run(spec: Spec, model: nn.Module, options: ExtractionOptions, *, echo: Echo)
             if options.merged_prefill is not None:  # checked before any export
                 image_token_id = getattr(model.config, "image_token_id", None)
                 options = bind_merged_prefill(options, image_token_id, sum(vision_modules.tokens_per_image))
+    if check_whole:  # verify, which replays the saved files against transformers, does more
+        with clock.step("whole model"), uncounted():
+            check_whole_model(spec, options)
     graphs = {kind: build_graph(kind, backbone, options, chosen, clock) for kind in GRAPHS}
     if options.merged_prefill is not None:
         graphs[MERGED] = build_graph(MERGED, backbone, options, chosen, clock)

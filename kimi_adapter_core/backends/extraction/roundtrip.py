@@ -42,6 +42,7 @@ from .options import MERGED, ExtractionOptions, bind_structure
 from .pipeline import run
 from .symbolic import bind_ir
 from .vision_verify import check_vision
+from .whole_model import one_thread
 
 # Sizes of the tiny text backbone, by structural fact: each is written to whichever config key the
 # model's structure read that fact from (``ModelStructure.keys``), so any family shrinks the same way.
@@ -536,7 +537,7 @@ def _verify_in(
                 f"{small.attention_label}, {dtype}, prefill {small.prefill_len}{merged}, "
                 f"cache {small.max_cache_len}"
             )
-            run(spec, meta, small, echo=lambda line: echo(f"  {line.strip()}"))
+            run(spec, meta, small, echo=lambda line: echo(f"  {line.strip()}"), check_whole=False)
         weights = {rename_weight(name, options.weight_renames): t for name, t in model.state_dict().items()}
         if not bf16:
             _check_weights(report, small, weights)
@@ -591,6 +592,7 @@ def verify(spec: Spec, options: ExtractionOptions, *, echo: Callable[[str], Any]
         if dtype != "float32" and bound.mla_attention == "absorbed":
             report.notes.append(ABSORBED_LOW_PRECISION)
             continue
-        _verify_in(spec, options, config, text_config, structure, dtype, report, echo)
+        with one_thread():  # tiny models: one intra-op thread, no spin-waiting pool
+            _verify_in(spec, options, config, text_config, structure, dtype, report, echo)
     report.seconds = time.perf_counter() - start
     return report

@@ -1,0 +1,81 @@
+"""Before exporting, the wrappers are checked against the model's own forward on a tiny random model:
+math a family does outside its decoder layers is refused (``outside-layers``), located at the
+embeddings or at the head, whether or not any config key announces it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from fixtures.spec_files import write_family_spec
+
+from kimi_adapter_core.cli import cli
+
+SMALL = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 256,
+}
+
+
+PATCHES = {
+    "embeddings": (
+        "transformers.models.llama.modeling_llama:LlamaModel.forward",
+        "fixtures.outside_math:scale_embeddings",
+        "at the embeddings: LlamaForCausalLM's forward hands the first decoder layer "
+        "embed_tokens(input_ids) x3",
+    ),
+    "head": (
+        "transformers.models.llama.modeling_llama:LlamaForCausalLM.forward",
+        "fixtures.outside_math:scale_logits",
+        "at the head: LlamaForCausalLM's logits are lm_head(norm(hidden)) x0.5",
+    ),
+}
+
+
+@pytest.mark.parametrize("side", sorted(PATCHES))
+def test_math_outside_the_layers_is_refused_before_export(side: str, tmp_path: Path) -> None:
+    """A family kadapt has never seen that scales its embeddings in the model's forward, or its logits in
+    the head's, with no config key saying so (made here from Llama by a spec patch): refused, located."""
+    target, impl, where = PATCHES[side]
+    spec = write_family_spec(tmp_path, "llama", SMALL)
+    spec.write_text(
+        spec.read_text()
+        + f"""
+patches:
+  - id: O1
+    why: math outside the decoder layers
+    target: {target}
+    kind: wrap
+    impl: {impl}
+    backends: [extraction]
+"""
+    )
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["apply", str(spec), "--output-dir", str(out)])
+    assert result.exit_code == 1, result.output
+    assert "refused (outside-layers):" in result.output and where in result.output, result.output
+    assert "Traceback" not in result.output and not any(out.iterdir())  # nothing exported
+
+
+def test_cohere_logit_scale_is_refused_not_dropped(tmp_path: Path) -> None:
+    """Cohere multiplies the logits by config.logit_scale (0.0625) in CohereForCausalLM.forward: kadapt
+    exported it without the factor (exit 0, wrong logits); now the check refuses it at the head."""
+    spec = write_family_spec(tmp_path, "cohere", SMALL)
+    result = CliRunner().invoke(cli, ["apply", str(spec), "--output-dir", str(tmp_path / "out")])
+    assert result.exit_code == 1
+    assert "at the head: CohereForCausalLM's logits are lm_head(norm(hidden)) x0.0625" in result.output
+
+
+def test_a_scaled_embedding_module_is_the_model_and_exports(tmp_path: Path) -> None:
+    """Gemma scales its embeddings inside its embedding module (embed_scale, a computed buffer that has
+    no value on meta: transformers' own _init_weights gives it one): adapted, and --verify proves it."""
+    spec = write_family_spec(tmp_path, "gemma", SMALL)
+    result = CliRunner().invoke(cli, ["apply", str(spec), "--output-dir", str(tmp_path / "out"), "--verify"])
+    assert result.exit_code == 0, result.output
+    assert "PASSED" in result.output
