@@ -79,13 +79,31 @@ def test_mqa_and_mha_kinds() -> None:
         derive_structure({**base, "num_key_value_heads": 3})
 
 
-def test_feature_outside_the_layers_is_refused() -> None:
-    from transformers import Gemma2Config
+def test_math_outside_the_layers_is_modelled_from_the_config() -> None:
+    """Gemma-2's final soft-capping, Cohere's logit scale, Granite's multipliers: data the wrappers apply,
+    read from the config object and the raw JSON alike."""
+    from transformers import CohereConfig, Gemma2Config, GraniteConfig
 
-    with pytest.raises(
-        KadaptError, match="final_logit_softcapping = 30.0.*refused rather than exported wrong"
-    ):
-        derive_structure(Gemma2Config(num_hidden_layers=2))
+    gemma = derive_structure(Gemma2Config(num_hidden_layers=2))
+    assert gemma.outside_ops("logits") == (("softcap", 30.0),) and gemma.outside_ops("embeddings") == ()
+    cohere = CohereConfig(num_hidden_layers=2)
+    assert derive_structure(cohere).outside_ops("logits") == (("mul", 0.0625),)
+    assert derive_structure(cohere.to_dict()).outside == derive_structure(cohere).outside
+    granite = derive_structure(
+        GraniteConfig(num_hidden_layers=2, embedding_multiplier=12.0, logits_scaling=8.0)
+    )
+    assert granite.outside_ops("embeddings") == (("mul", 12.0),)
+    assert granite.outside_ops("logits") == (("div", 8.0),)
+    assert "embeddings x 12 (embedding_multiplier), logits / 8 (logits_scaling)" in granite.describe()
+    assert derive_structure(GraniteConfig(num_hidden_layers=2)).outside == ()  # 1.0 means none
+
+
+def test_feature_outside_the_layers_that_is_not_modelled_is_refused() -> None:
+    with pytest.raises(KadaptError, match=r"refused \(outside-layers\): .*rope_local_base_freq = 10000.0"):
+        derive_structure(
+            {"num_hidden_layers": 2, "hidden_size": 64, "vocab_size": 10, "num_attention_heads": 4,
+             "rope_local_base_freq": 10000.0}
+        )  # fmt: skip
 
 
 @pytest.fixture()

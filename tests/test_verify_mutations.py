@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from fixtures.spec_files import write_qwen3_three_to_one
+from fixtures.spec_files import write_family_spec, write_qwen3_three_to_one
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen3 import modeling_qwen3
 
@@ -27,6 +27,15 @@ from kimi_adapter_core.backends.extraction import options_from_spec, roundtrip, 
 from kimi_adapter_core.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
+SMALL_FAMILY = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 256,
+}
 
 
 def llama_with_biases(tmp_path: Path) -> Any:
@@ -164,3 +173,17 @@ def test_constants_are_randomised_but_computed_buffers_are_not() -> None:
         model.model.norm.weight.std() > 0.05
         and model.model.layers[0].self_attn.q_proj.bias.abs().mean() > 0.01
     )
+
+
+def test_a_dropped_logit_scale_fails_verify(tmp_path: Path) -> None:
+    """Cohere multiplies its logits by logit_scale after the LM head; a graph without it fails."""
+    spec = load_spec(write_family_spec(tmp_path, "cohere", SMALL_FAMILY))
+    assert verified(spec, tmp_path).passed
+
+    def without_outside_math(model: torch.nn.Module, options: Any) -> Any:
+        assert options.structure.outside_ops("logits") == (("mul", 0.0625),)
+        return dataclasses.replace(options, structure=dataclasses.replace(options.structure, outside=()))
+
+    with exported_with(without_outside_math):
+        report = verified(spec, tmp_path)
+    assert not report.passed and "prefill logits" in failed_checks(report)

@@ -63,13 +63,17 @@ patches:
     assert "Traceback" not in result.output and not any(out.iterdir())  # nothing exported
 
 
-def test_cohere_logit_scale_is_refused_not_dropped(tmp_path: Path) -> None:
-    """Cohere multiplies the logits by config.logit_scale (0.0625) in CohereForCausalLM.forward: kadapt
-    exported it without the factor (exit 0, wrong logits); now the check refuses it at the head."""
-    spec = write_family_spec(tmp_path, "cohere", SMALL)
-    result = CliRunner().invoke(cli, ["apply", str(spec), "--output-dir", str(tmp_path / "out")])
-    assert result.exit_code == 1
-    assert "at the head: CohereForCausalLM's logits are lm_head(norm(hidden)) x0.0625" in result.output
+@pytest.mark.parametrize("model_type", ["cohere", "gemma2"])
+def test_modelled_math_outside_the_layers_exports_and_verifies(model_type: str, tmp_path: Path) -> None:
+    """Cohere's logit scale (exported without it before, exit 0) and Gemma-2's final soft-capping are
+    applied by the wrappers: the whole-model check passes and --verify proves the saved graphs."""
+    spec = write_family_spec(tmp_path, model_type, SMALL)
+    result = CliRunner().invoke(cli, ["apply", str(spec), "--output-dir", str(tmp_path / "out"), "--verify"])
+    assert result.exit_code == 0, result.output
+    assert {"cohere": "logits x 0.0625 (logit_scale)", "gemma2": "soft-capped at 30"}[
+        model_type
+    ] in result.output
+    assert "PASSED" in result.output
 
 
 def test_a_scaled_embedding_module_is_the_model_and_exports(tmp_path: Path) -> None:

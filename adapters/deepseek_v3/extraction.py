@@ -183,6 +183,23 @@ def absorbing_mla(layers: Sequence[nn.Module], mla_attention: str, cache_keyword
             attn.__dict__.pop("forward", None)
 
 
+OpList = Sequence[tuple[str, float]]
+
+
+def apply_ops(tensor: torch.Tensor, ops: OpList) -> torch.Tensor:
+    """``tensor`` through ``ops`` in order, as the model's own forward applies them."""
+    for op, value in ops:
+        if op == "mul":
+            tensor = tensor * value
+        elif op == "div":
+            tensor = tensor / value
+        elif op == "softcap":
+            tensor = torch.tanh(tensor / value) * value
+        else:
+            raise ValueError(f"unknown op {op!r}; valid: mul, div, softcap")
+    return tensor
+
+
 def kv_shapes(
     kv_dims: KVDims, batch: int | str, length: int | str
 ) -> tuple[tuple[int | str, ...], tuple[int | str, ...]]:
@@ -306,6 +323,8 @@ class _TextStack(nn.Module):
         cache_keyword: str,
         mla_attention: str = "reexpand",
         windows: Sequence[int | None] | None = None,
+        embedding_ops: OpList = (),
+        logit_ops: OpList = (),
     ) -> None:
         super().__init__()
         if kv_layout not in KV_LAYOUTS:
@@ -319,6 +338,8 @@ class _TextStack(nn.Module):
         self.kv_layout = kv_layout
         self.cache_keyword = cache_keyword
         self.mla_attention = mla_attention
+        self.embedding_ops = tuple(embedding_ops)
+        self.logit_ops = tuple(logit_ops)
         self.layer_ids = [layer.self_attn.layer_idx for layer in self.layers]
         # sliding window of each traced layer (None: full attention), by the layer's own index
         windows = list(windows) if windows is not None else []
@@ -335,6 +356,8 @@ class _TextStack(nn.Module):
         num_layers: int | None = None,
         mla_attention: str = "reexpand",
         windows: Sequence[int | None] | None = None,
+        embedding_ops: OpList = (),
+        logit_ops: OpList = (),
         **extra: Any,
     ) -> _TextStack:
         """Wrap a transformers decoder model (``embed_tokens``/``layers``/``norm``/``rotary_emb``).
@@ -343,6 +366,7 @@ class _TextStack(nn.Module):
         ``cache``: ``upstream.probe_decoder_layers`` finds it); ``num_layers`` keeps only the first
         layers (a representative prefix for replication);
         ``windows`` gives each layer's sliding window (None: full attention), indexed by layer;
+        ``embedding_ops``/``logit_ops`` are the family's math outside the layers (``apply_ops``);
         ``extra`` goes to the wrapper's constructor (``image_token_id`` of ``MultimodalPrefillWrapper``).
         """
         layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
@@ -358,6 +382,8 @@ class _TextStack(nn.Module):
             cache_keyword=cache_keyword,
             mla_attention=mla_attention,
             windows=windows,
+            embedding_ops=embedding_ops,
+            logit_ops=logit_ops,
             **extra,
         )
 
@@ -378,6 +404,7 @@ class _TextStack(nn.Module):
         cache: StaticKVCache,
     ) -> tuple[torch.Tensor, ...]:
         """The layers, final norm and LM head over input embeddings ``hidden_states`` ``[B, Q, hidden]``."""
+        hidden_states = apply_ops(hidden_states, self.embedding_ops)
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         masks = {
             window: attention_mask
@@ -398,7 +425,7 @@ class _TextStack(nn.Module):
                     position_embeddings=position_embeddings,
                     **{self.cache_keyword: cache},
                 )
-        logits = self.lm_head(self.norm(hidden_states))
+        logits = apply_ops(self.lm_head(self.norm(hidden_states)), self.logit_ops)
         return (logits, *cache.flat_present())
 
 
@@ -1688,6 +1715,14 @@ ATTENTION = "mla"
 KV_DIMS = ((1, 512), (1, 64))
 # Per layer: its sliding window, or None for full attention.
 WINDOWS = (None,) * 61
+# Math families do outside their decoder layers, which the wrappers reproduce (kadapt's table):
+# config key -> (site, op, values that mean none); see ``apply_ops``.
+OUTSIDE_MODELLED: dict[str, tuple[str, str, tuple[Any, ...]]] = {
+    "embedding_multiplier": ("embeddings", "mul", (None, 1, 1.0)),
+    "final_logit_softcapping": ("logits", "softcap", (None,)),
+    "logit_scale": ("logits", "mul", (None, 1, 1.0)),
+    "logits_scaling": ("logits", "div", (None, 1, 1.0)),
+}
 # The config keys each structural fact is read from, first one set wins (kadapt's table of key names,
 # or the spec's architecture.fields): kv_dims() and windows() read a config through them, so a model
 # built with overrides (a tiny one of the same architecture) gets its own sizes and windows.
@@ -1919,6 +1954,17 @@ def windows(config: Any) -> tuple[int | None, ...]:
     return (int(window),) * num_layers
 
 
+def outside_ops(config: Any, site: str) -> tuple[tuple[str, float], ...]:
+    """``(op, value)`` of the text ``config``'s math outside the decoder layers at ``site`` (embeddings
+    or logits), in order, as kadapt reads it (``OUTSIDE_MODELLED``)."""
+    ops = []
+    for key, (where, op, neutral) in OUTSIDE_MODELLED.items():
+        value = config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+        if where == site and value not in neutral:
+            ops.append((op, float(value)))
+    return tuple(ops)
+
+
 # ---------------------------------------------------------------------------------------------
 # Patches (extraction backend) behind a call-time gate
 # ---------------------------------------------------------------------------------------------
@@ -2134,6 +2180,8 @@ def prefill_wrapper(model: torch.nn.Module, num_layers: int | None = None) -> Pr
         num_layers=num_layers,
         mla_attention=MLA_ATTENTION,
         windows=windows(language_model.config),
+        embedding_ops=outside_ops(language_model.config, "embeddings"),
+        logit_ops=outside_ops(language_model.config, "logits"),
     )
 
 
@@ -2148,6 +2196,8 @@ def decode_wrapper(model: torch.nn.Module, num_layers: int | None = None) -> Dec
         num_layers=num_layers,
         mla_attention=MLA_ATTENTION,
         windows=windows(language_model.config),
+        embedding_ops=outside_ops(language_model.config, "embeddings"),
+        logit_ops=outside_ops(language_model.config, "logits"),
     )
 
 

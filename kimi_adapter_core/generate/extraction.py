@@ -27,7 +27,7 @@ from ..patching import portable
 from ..patching.impls import resolve_impl
 from ..patching.targets import parse_target
 from ..spec.model import Spec
-from ..structure.derive import fact_keys
+from ..structure.derive import fact_keys, outside_modelled
 from ..structure.model import ModelStructure
 from . import abi as abi_tables
 from .bridges import bridge_context
@@ -188,6 +188,10 @@ def render_extraction(spec: Spec) -> list[Rendered]:
             "kv_names": kv_names(prefill, decode),
         },
         "structure": structure,
+        "outside_modelled": {
+            key: (rule["site"], rule["op"], tuple(rule["neutral"]))
+            for key, rule in outside_modelled().items()
+        },
         "file_prefix": backend.get("file_prefix") or spec.name,
         "module_paths": {k: spec.module_paths[k] for k in ("language_model", "lm_head")},
         "source_config": _source_config(spec),

@@ -22,7 +22,7 @@ import yaml
 from ..errors import KadaptError, Refusal
 from ..resources import package_file
 from ..spec.model import Spec
-from .model import ATTENTION_KINDS, SCORING_FUNCS, Attention, Layer, ModelStructure, Moe, Rope
+from .model import ATTENTION_KINDS, SCORING_FUNCS, Attention, Layer, ModelStructure, Moe, OutsideOp, Rope
 
 _MISSING = object()
 
@@ -30,6 +30,11 @@ _MISSING = object()
 @functools.cache
 def _tables() -> dict[str, Any]:
     return yaml.safe_load(package_file("structure", "config_keys.yaml").read_text(encoding="utf-8"))
+
+
+def outside_modelled() -> dict[str, dict[str, Any]]:
+    """Config key -> {site, op, neutral}: the math outside the layers the wrappers reproduce."""
+    return {key: dict(rule) for key, rule in _tables()["outside_modelled"].items()}
 
 
 def fact_keys() -> dict[str, list[str]]:
@@ -250,6 +255,19 @@ def _refuse_outside_layer_features(read: _Reader, spec: Spec | None) -> None:
             )
 
 
+def _outside(read: _Reader) -> tuple[OutsideOp, ...]:
+    """The modelled math outside the layers that this config switches on (``outside_modelled``)."""
+    ops = []
+    for key, rule in outside_modelled().items():
+        value = read.raw(key)
+        if value is _MISSING or value in rule["neutral"]:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise KadaptError(f"{read.where}: {key} = {value!r} is not a number")
+        ops.append(OutsideOp(rule["site"], rule["op"], float(value), key))
+    return tuple(ops)
+
+
 def derive_structure(config: Any, spec: Spec | None = None, *, where: str = "text config") -> ModelStructure:
     """The structure of the text backbone whose config (object or dict) is ``config``."""
     read = _Reader(config, spec, where)
@@ -278,6 +296,7 @@ def derive_structure(config: Any, spec: Spec | None = None, *, where: str = "tex
         rope=_rope(read),
         tie_word_embeddings=bool(read.get("tie_word_embeddings", False)),
         num_mtp_layers=int(read.get("num_mtp_layers", 0) or 0),
+        outside=_outside(read),
         keys=dict(read.keys),
     )
 

@@ -120,6 +120,32 @@ class Rope:
     theta: float | None
 
 
+OUTSIDE_SITES = ("embeddings", "logits")
+OUTSIDE_OPS = ("mul", "div", "softcap")
+
+
+@dataclass(frozen=True)
+class OutsideOp:
+    """Math a family does outside its decoder layers, which the ABI wrappers reproduce.
+
+    ``embeddings``: applied to what enters the first decoder layer; ``logits``: after the LM head.
+    ``softcap`` is ``tanh(x / value) * value``.
+    """
+
+    site: str
+    op: str
+    value: float
+    key: str  # the config key it comes from
+
+    def describe(self) -> str:
+        text = {
+            "mul": f"x {self.value:g}",
+            "div": f"/ {self.value:g}",
+            "softcap": f"soft-capped at {self.value:g}",
+        }
+        return f"{self.site} {text[self.op]} ({self.key})"
+
+
 @dataclass(frozen=True)
 class ModelStructure:
     """A decoder-only text backbone as every kadapt backend sees it."""
@@ -136,6 +162,7 @@ class ModelStructure:
     rope: Rope
     tie_word_embeddings: bool
     num_mtp_layers: int = 0
+    outside: tuple[OutsideOp, ...] = ()  # math outside the decoder layers, in the order it is applied
     # fact -> the config key it was read from (so tiny verify models shrink the right keys)
     keys: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -164,6 +191,10 @@ class ModelStructure:
     def has_sliding_layers(self) -> bool:
         return any(window is not None for window in self.windows)
 
+    def outside_ops(self, site: str) -> tuple[tuple[str, float], ...]:
+        """``(op, value)`` of the math outside the layers at ``site`` (embeddings | logits), in order."""
+        return tuple((o.op, o.value) for o in self.outside if o.site == site)
+
     def describe(self) -> str:
         mlp = self.moe.describe() if self.moe else f"dense MLP {self.intermediate_size}"
         if self.moe and self.n_dense_layers:
@@ -172,14 +203,17 @@ class ModelStructure:
         if self.has_sliding_layers:
             sliding = sum(1 for w in self.windows if w is not None)
             spans = f", {sliding}/{self.num_layers} sliding-window layers"
+        outside = "".join(f", {o.describe()}" for o in self.outside)
         return (
             f"{self.num_layers} layers, hidden {self.hidden_size}, {self.attention.describe()}, "
-            f"{mlp}{spans}, rope {self.rope.type}"
+            f"{mlp}{spans}, rope {self.rope.type}{outside}"
         )
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data.pop("keys")
+        if not self.outside:  # most families: the key stays out of the IR metadata
+            data.pop("outside")
         data["layers"] = _compress_layers(self.layers)
         return data
 

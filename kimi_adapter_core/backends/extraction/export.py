@@ -84,6 +84,8 @@ def wrapper_for(kind: str, backbone: Backbone, options: ExtractionOptions, num_l
             num_layers=num_layers,
             mla_attention=options.mla_attention,
             windows=options.windows,
+            embedding_ops=options.structure.outside_ops("embeddings") if options.structure else (),
+            logit_ops=options.structure.outside_ops("logits") if options.structure else (),
             **extra,
         )
         .eval()

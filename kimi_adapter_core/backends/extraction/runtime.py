@@ -14,6 +14,11 @@ verbatim in a standalone module that other tools import and hand to ``torch.expo
   -> the prefill's outputs, for a prompt whose image placeholder tokens take the image features
   (``merge_image_features``: row k replaces the k-th placeholder, as transformers' ``masked_scatter``).
 
+Math some families do outside their decoder layers is reproduced as data: ``embedding_ops`` on what
+enters the first layer (Granite's ``embedding_multiplier``), ``logit_ops`` after the LM head (Cohere's
+``logit_scale``, Granite's ``logits_scaling``, Gemma-2's final soft-capping), each ``(op, value)`` with
+op ``mul``, ``div`` or ``softcap`` (``tanh(x / value) * value``), see ``apply_ops``.
+
 The attention mask is the caller's additive float mask ``[B, 1, Q, K]`` (0 = attend, dtype-min =
 masked), see ``additive_causal_mask``; cache slot ``k`` holds the token at position ``k``. Layers
 with a sliding window additionally mask keys at or beyond ``window`` positions behind the query
@@ -151,6 +156,23 @@ def absorbing_mla(layers: Sequence[nn.Module], mla_attention: str, cache_keyword
             attn.__dict__.pop("forward", None)
 
 
+OpList = Sequence[tuple[str, float]]
+
+
+def apply_ops(tensor: torch.Tensor, ops: OpList) -> torch.Tensor:
+    """``tensor`` through ``ops`` in order, as the model's own forward applies them."""
+    for op, value in ops:
+        if op == "mul":
+            tensor = tensor * value
+        elif op == "div":
+            tensor = tensor / value
+        elif op == "softcap":
+            tensor = torch.tanh(tensor / value) * value
+        else:
+            raise ValueError(f"unknown op {op!r}; valid: mul, div, softcap")
+    return tensor
+
+
 def kv_shapes(
     kv_dims: KVDims, batch: int | str, length: int | str
 ) -> tuple[tuple[int | str, ...], tuple[int | str, ...]]:
@@ -274,6 +296,8 @@ class _TextStack(nn.Module):
         cache_keyword: str,
         mla_attention: str = "reexpand",
         windows: Sequence[int | None] | None = None,
+        embedding_ops: OpList = (),
+        logit_ops: OpList = (),
     ) -> None:
         super().__init__()
         if kv_layout not in KV_LAYOUTS:
@@ -287,6 +311,8 @@ class _TextStack(nn.Module):
         self.kv_layout = kv_layout
         self.cache_keyword = cache_keyword
         self.mla_attention = mla_attention
+        self.embedding_ops = tuple(embedding_ops)
+        self.logit_ops = tuple(logit_ops)
         self.layer_ids = [layer.self_attn.layer_idx for layer in self.layers]
         # sliding window of each traced layer (None: full attention), by the layer's own index
         windows = list(windows) if windows is not None else []
@@ -303,6 +329,8 @@ class _TextStack(nn.Module):
         num_layers: int | None = None,
         mla_attention: str = "reexpand",
         windows: Sequence[int | None] | None = None,
+        embedding_ops: OpList = (),
+        logit_ops: OpList = (),
         **extra: Any,
     ) -> _TextStack:
         """Wrap a transformers decoder model (``embed_tokens``/``layers``/``norm``/``rotary_emb``).
@@ -311,6 +339,7 @@ class _TextStack(nn.Module):
         ``cache``: ``upstream.probe_decoder_layers`` finds it); ``num_layers`` keeps only the first
         layers (a representative prefix for replication);
         ``windows`` gives each layer's sliding window (None: full attention), indexed by layer;
+        ``embedding_ops``/``logit_ops`` are the family's math outside the layers (``apply_ops``);
         ``extra`` goes to the wrapper's constructor (``image_token_id`` of ``MultimodalPrefillWrapper``).
         """
         layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
@@ -326,6 +355,8 @@ class _TextStack(nn.Module):
             cache_keyword=cache_keyword,
             mla_attention=mla_attention,
             windows=windows,
+            embedding_ops=embedding_ops,
+            logit_ops=logit_ops,
             **extra,
         )
 
@@ -346,6 +377,7 @@ class _TextStack(nn.Module):
         cache: StaticKVCache,
     ) -> tuple[torch.Tensor, ...]:
         """The layers, final norm and LM head over input embeddings ``hidden_states`` ``[B, Q, hidden]``."""
+        hidden_states = apply_ops(hidden_states, self.embedding_ops)
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         masks = {
             window: attention_mask
@@ -366,7 +398,7 @@ class _TextStack(nn.Module):
                     position_embeddings=position_embeddings,
                     **{self.cache_keyword: cache},
                 )
-        logits = self.lm_head(self.norm(hidden_states))
+        logits = apply_ops(self.lm_head(self.norm(hidden_states)), self.logit_ops)
         return (logits, *cache.flat_present())
 
 

@@ -85,6 +85,8 @@ def _check(spec: Spec, options: ExtractionOptions) -> None:
         cache_keyword=upstream.decoder_protocol(language_model).cache_keyword,
         mla_attention=options.mla_attention,
         windows=structure.windows,
+        embedding_ops=structure.outside_ops("embeddings"),
+        logit_ops=structure.outside_ops("logits"),
     )
     ids = torch.randint(3, structure.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(3))
     _, mask, positions = runtime.prefill_inputs(
@@ -112,8 +114,8 @@ def _check(spec: Spec, options: ExtractionOptions) -> None:
         ours = wrapper(ids, mask, positions)[0]
         if _close(ours, reference):
             return
-        embeddings = language_model.embed_tokens(ids)
-        head = lm_head(language_model.norm(seen["last"]))
+        embeddings = runtime.apply_ops(language_model.embed_tokens(ids), structure.outside_ops("embeddings"))
+        head = runtime.apply_ops(lm_head(language_model.norm(seen["last"])), structure.outside_ops("logits"))
     name = type(model).__name__
     code = "outside-layers"
     if not _close(embeddings, seen["first"]):
