@@ -48,4 +48,21 @@ REFUSALS = {
     "that the wrappers do not reproduce",
     "stack-differs": "the decoder layers, called by the wrappers with the ABI's masks, positions and cache, "
     "give other hidden states than the model's own forward gives them",
+    "hybrid": "layers that are not attention (SSM, linear attention, recurrence, convolution): their state "
+    "is not a KV cache",
+    "layer-types": "attention kinds other than full and sliding-window (chunked, indexed/sparse, compressed)",
+    "per-layer-config": "attention sizes that differ per layer (a per_layer_config)",
+    "stack-layout": "a decoder stack without the embed_tokens / layers / norm / rotary_emb the wrappers "
+    "call, or layers without a self_attn that knows its layer_idx",
+    "cache-protocol": "decoder layers that use the cache beyond update(key, value, layer_idx), take it under "
+    "no known keyword, or return something else than the hidden states",
+    "rotary-form": "a rotary embedding that gives something else than (cos, sin) per position (complex "
+    "frequencies: DeepSeek-V2, Llama-4)",
+    "routing": "a router scoring function kadapt does not know (it knows softmax and sigmoid)",
+    "unknown-key": "a structural fact under a config key kadapt's table does not list: the spec names the "
+    "key (architecture.fields)",
+    "not-exportable": "a decoder layer that does not run on the meta device (it reads tensor values, which "
+    "a static graph cannot)",
+    "checkpoint-layout": "weights that transformers' loader builds with an operation the weight map cannot "
+    "describe",
 }

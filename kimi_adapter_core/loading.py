@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import KadaptError
+from .errors import KadaptError, Refusal
 from .patching import gate, remote
 from .patching.ledger import Ledger
 from .patching.session import active_session, close_session, open_session
@@ -84,6 +84,11 @@ def _model_class(config: Any, source: ResolvedSource | None, *, remote_code: boo
     if remote_code:
         assert source is not None
         return remote.model_class(getattr(config, "auto_map", None) or {}, source)
+    return model_class(config)
+
+
+def model_class(config: Any) -> type:
+    """The transformers class kadapt builds for ``config``: the first of ``_AUTO_CLASSES`` that maps it."""
     import transformers
 
     for name in _AUTO_CLASSES:
@@ -136,7 +141,17 @@ def load_model(
     cls = _model_class(config, source, remote_code=remote_code)
     kwargs = {} if dtype is None else {"dtype": getattr(torch, dtype) if isinstance(dtype, str) else dtype}
     with torch.device(device), gate.building(spec.name):
-        model = cls._from_config(config, **kwargs)
+        try:
+            model = cls._from_config(config, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - whatever the class raises, the user needs the cause
+            detail = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+            if device == "meta" and "meta" in str(exc):  # init code that reads tensor values
+                raise Refusal(
+                    "not-exportable",
+                    f"{cls.__name__} does not build on the meta device ({detail}); kadapt builds models "
+                    "without weights",
+                ) from exc
+            raise KadaptError(f"transformers cannot build {cls.__name__} from this config: {detail}") from exc
     gate.claim_model(model, spec.name)
     return model
 

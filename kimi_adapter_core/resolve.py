@@ -63,7 +63,7 @@ def _check_targets(findings: _Findings) -> None:
 def _short_model_overrides(spec: Spec) -> dict[str, Any]:
     """Keep enough layers to hold one of each kind (dense and MoE), so class names can be found."""
     from .config.source import resolve_source
-    from .structure.derive import structure_of_raw, text_config_key
+    from .structure.derive import shorten_layers, structure_of_raw, text_config_key
 
     raw = resolve_source(spec).raw
     structure = structure_of_raw(spec, raw)
@@ -73,11 +73,9 @@ def _short_model_overrides(spec: Spec) -> dict[str, Any]:
     keep = max(first_of_kind.values()) + 1
     key = text_config_key(spec, isinstance(raw.get("text_config"), dict))
     prefix = f"{key}." if key else ""
-    overrides = {prefix + structure.keys["num_layers"]: keep}
-    types = (raw.get(key) if key else raw).get("layer_types")
-    if isinstance(types, list):  # config classes require one entry per layer
-        overrides[prefix + "layer_types"] = types[:keep]
-    return overrides
+    section = raw.get(key) if key else raw
+    lists = shorten_layers(section, structure.num_layers, keep)  # config classes need one entry per layer
+    return {prefix + structure.keys["num_layers"]: keep, **{prefix + k: v for k, v in lists.items()}}
 
 
 def _check_classes(findings: _Findings, model: Any) -> None:

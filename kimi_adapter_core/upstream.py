@@ -75,6 +75,29 @@ class ContactPointMoved(RuntimeError):
         super().__init__("\n".join(lines))
 
 
+class LayersUnsupported(ContactPointMoved):
+    """The model's own decoder layers, probed with the ABI's cache, do not fit kadapt's ABI.
+
+    A family trait (an attention that asks the cache for its length, a complex rotary embedding, a
+    layer that reads tensor values) or a release that changed a tested family: the message says both,
+    with the contact point, what was expected and found, and the tested versions. ``code`` is the
+    refusal code kadapt documents for it (``cache-protocol``, ``rotary-form``, ``not-exportable``).
+    """
+
+    def __init__(self, code: str, layer: str, finding: Finding) -> None:
+        self.code = code
+        self.findings = (finding,)
+        RuntimeError.__init__(
+            self,
+            f"refused ({code}): {layer} does not fit kadapt's prefill/decode ABI:\n"
+            f"  {finding.name} ({finding.symbol}): expected {finding.expected}; found {finding.found}\n"
+            f"kadapt is tested with transformers {', '.join(TESTED_TRANSFORMERS)} and torch "
+            f"{', '.join(TESTED_TORCH)}; a family that exported with those and fails here was moved by "
+            f"transformers {_version('transformers')}: install a tested release (pip install "
+            f"'transformers=={TESTED_TRANSFORMERS[-1]}') or see {COMPATIBILITY_DOC}",
+        )
+
+
 class _Moved(Exception):
     """Raised by a probe: the internal exists in a shape kadapt does not know."""
 
@@ -672,9 +695,12 @@ CACHE_KEYWORDS = ("cache", "past_key_values")  # newest first: 5.24 renamed past
 
 
 class LayerProtocol(NamedTuple):
-    """How a model's decoder layers take kadapt's cache (what the ABI wrappers call them with)."""
+    """How a model's decoder layers take kadapt's cache (what the ABI wrappers call them with), and
+    what they cache per token: ``((key_heads, key_dim), (value_heads, value_dim))`` of what the
+    attention hands to ``update`` (per-head K/V; MLA: its latents)."""
 
     cache_keyword: str
+    kv_dims: tuple[tuple[int, int], tuple[int, int]]
 
 
 class _UpdateCall:
@@ -723,44 +749,77 @@ def cache_keyword(layer: Any) -> str:
     return CACHE_KEYWORDS[-1]  # a **kwargs-only forward: the behavioural probe decides
 
 
-def _layer_key(layer: Any) -> tuple[type, ...]:
-    return tuple(type(m) for m in layer.modules())
+def _layer_key(layer: Any) -> tuple[Any, ...]:
+    """A layer's structure: its module classes and parameter shapes (layers of one class can differ in
+    size: MiMo-V2-Flash's sliding layers have other KV heads)."""
+    return tuple(
+        (type(m), tuple(tuple(p.shape) for p in m.parameters(recurse=False))) for m in layer.modules()
+    )
 
 
-_protocols: dict[tuple[type, ...], LayerProtocol] = {}
+_protocols: dict[tuple[Any, ...], LayerProtocol] = {}
 
 
-def probe_decoder_layers(layers: Sequence[Any], rotary_emb: Any) -> LayerProtocol:
+def probe_decoder_layers(
+    layers: Sequence[Any], rotary_emb: Any, layer_types: Sequence[str] | None = None
+) -> LayerProtocol:
     """Call one layer of each structure in ``layers`` with a recording cache; their shared protocol.
 
     Checked: the layer accepts the cache under ``cache_keyword``, its attention calls
     ``update(key_states, value_states, layer_idx, ...)`` exactly once with its own ``layer_idx`` and
     uses nothing else of the cache, the layer returns the hidden states tensor, and the rotary
-    embedding returns ``(cos, sin)``. Runs on the layers' own device: free on meta, tiny elsewhere.
+    embedding returns ``(cos, sin)`` (given the layer's type from ``layer_types`` when it takes one).
+    Runs on the layers' own device: free on meta, tiny elsewhere.
     """
     import torch
 
     protocols = []
-    for layer in layers:
+    for index, layer in enumerate(layers):
         key = _layer_key(layer)
         if key not in _protocols:
+            layer_type = layer_types[index] if layer_types is not None else None
             with torch.no_grad():
-                _protocols[key] = _probe_layer(layer, rotary_emb)
+                _protocols[key] = _probe_layer(layer, rotary_emb, layer_type)
         protocols.append(_protocols[key])
+    kv_dims = {p.kv_dims for p in protocols}
+    if len(kv_dims) > 1:
+        _unsupported(
+            "per-layer-config",
+            "the decoder layers",
+            "one KV shape per token for every layer (the ABI's cache has one)",
+            f"the layers cache {sorted(kv_dims)} ((heads, dim) of key and value)",
+        )
     keywords = {p.cache_keyword for p in protocols}
     if len(keywords) != 1:
-        require(
-            "cache_update",
+        _unsupported(
+            "cache-protocol",
+            "the decoder layers",
             "one cache keyword for every decoder layer",
             f"decoder layers take the cache as {sorted(keywords) or 'nothing (no layers)'}",
         )
     return protocols[0]
 
 
+def rope_layer_types(language_model: Any) -> tuple[str, ...] | None:
+    """Each layer's type, when the stack's rotary embedding takes one (``rotary_emb(x, position_ids,
+    layer_type)``: Gemma-3, OLMo-3 give sliding and full layers their own frequencies), else None."""
+    if "layer_type" not in _signature(type(language_model.rotary_emb).forward).parameters:
+        return None
+    types = getattr(language_model.config, "layer_types", None)
+    if not types:
+        _unsupported(
+            "rotary-form",
+            type(language_model).__name__,
+            "config.layer_types for a rotary embedding that takes a layer_type",
+            f"{type(language_model.config).__name__} has no layer_types",
+        )
+    return tuple(types[: language_model.config.num_hidden_layers])
+
+
 def decoder_protocol(language_model: Any) -> LayerProtocol:
     """``probe_decoder_layers`` over a transformers decoder model (``layers``, ``rotary_emb``)."""
     layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
-    return probe_decoder_layers(layers, language_model.rotary_emb)
+    return probe_decoder_layers(layers, language_model.rotary_emb, rope_layer_types(language_model))
 
 
 def forget() -> None:
@@ -771,7 +830,7 @@ def forget() -> None:
     _protocols.clear()
 
 
-def _probe_layer(layer: Any, rotary_emb: Any) -> LayerProtocol:
+def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None) -> LayerProtocol:
     import torch
 
     expected = BY_NAME["cache_update"].expected
@@ -782,10 +841,21 @@ def _probe_layer(layer: Any, rotary_emb: Any) -> LayerProtocol:
     hidden = torch.zeros(1, 2, _hidden_size(layer), dtype=parameter.dtype, device=parameter.device)
     positions = torch.arange(2, device=parameter.device).unsqueeze(0)
     mask = torch.zeros(1, 1, 2, 2, dtype=parameter.dtype, device=parameter.device)
-    embeddings = rotary_emb(hidden, positions)
+    try:
+        embeddings = (
+            rotary_emb(hidden, positions) if layer_type is None else rotary_emb(hidden, positions, layer_type)
+        )
+    except Exception as exc:  # noqa: BLE001 - meta buffers read as values, mixed devices, ...
+        _unsupported(
+            "not-exportable",
+            type(rotary_emb).__name__,
+            f"rotary_emb(hidden_states, position_ids) runs on the {parameter.device.type} device",
+            f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}",
+        )
     if not (isinstance(embeddings, tuple) and len(embeddings) == 2):
-        require(
-            "cache_update",
+        _unsupported(
+            "rotary-form",
+            layer_name,
             "rotary_emb(hidden_states, position_ids) -> (cos, sin)",
             f"{type(rotary_emb).__name__} returns {type(embeddings).__name__}",
         )
@@ -805,36 +875,53 @@ def _probe_layer(layer: Any, rotary_emb: Any) -> LayerProtocol:
         failure, out = exc, None
     # how the layer used the cache first: whatever failed after a malformed call is its consequence
     if cache.missing:
-        require(
-            "cache_update",
+        _unsupported(
+            "cache-protocol",
+            layer_name,
             expected + " and nothing else of the cache",
             f"{layer_name} reads cache.{cache.missing[0]}",
         )
     for call in cache.calls:
         key, value, index = call.states()
         if not (isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor) and index == layer_idx):
-            require(
-                "cache_update",
+            _unsupported(
+                "cache-protocol",
+                layer_name,
                 f"update(key_states, value_states, layer_idx={layer_idx}, ...)",
                 f"{layer_name}'s attention calls {call.describe()}",
             )
     if isinstance(failure, TypeError) and keyword in str(failure):
-        require("cache_update", f"{layer_name}.forward takes the cache as {keyword}=", str(failure))
+        _unsupported(
+            "cache-protocol", layer_name, f"{layer_name}.forward takes the cache as {keyword}=", str(failure)
+        )
     if failure is not None:
-        raise failure
+        _unsupported(
+            "not-exportable",
+            layer_name,
+            f"{layer_name} runs on the {parameter.device.type} device with the ABI's inputs",
+            f"{type(failure).__name__}: {' '.join(str(failure).split())[:300]}",
+        )
     if len(cache.calls) != 1:
-        require(
-            "cache_update",
+        _unsupported(
+            "cache-protocol",
+            layer_name,
             f"{layer_name}(..., {keyword}=cache) calls cache.update once",
             f"{len(cache.calls)} calls",
         )
     if not (isinstance(out, torch.Tensor) and out.shape == hidden.shape):
-        require(
-            "cache_update",
+        _unsupported(
+            "cache-protocol",
+            layer_name,
             f"{layer_name} returns the hidden states tensor",
             f"it returns {type(out).__name__}",
         )
-    return LayerProtocol(keyword)
+    key, value, _ = cache.calls[0].states()
+    return LayerProtocol(keyword, ((key.shape[1], key.shape[-1]), (value.shape[1], value.shape[-1])))
+
+
+def _unsupported(code: str, layer: str, expected: str, found: str) -> None:
+    point = BY_NAME["cache_update"]
+    raise LayersUnsupported(code, layer, Finding(point.name, point.symbol, False, found, expected))
 
 
 def _hidden_size(layer: Any) -> int:

@@ -153,7 +153,8 @@ def test_config_readers_follow_a_tiny_config_like_kadapt(family: Callable[[str],
     assert module.kv_dims(text) == fam.options.kv_dims
     assert module.windows(text) == fam.structure.windows
     if fam.shipped.has_sliding_layers:  # tiny windows are shorter than the prompt: they decide results
-        assert set(fam.structure.windows) == {4}
+        assert {w for w in fam.structure.windows if w is not None} == {4}
+        assert (None in fam.structure.windows) == (None in fam.shipped.windows)  # full layers stay full
     layers = fam.structure.num_layers
     mapping = module.kv_mapping(text, prefill_len=PREFILL, max_cache_len=CACHE)
     options = dataclasses.replace(fam.options, dtype=module.DTYPE)
@@ -247,6 +248,9 @@ def kadapt_wrapper(cls: type, fam: Family, model: torch.nn.Module) -> torch.nn.M
         cache_keyword=upstream.decoder_protocol(language_model).cache_keyword,
         mla_attention=fam.options.mla_attention,
         windows=fam.options.windows,
+        embedding_ops=fam.structure.outside_ops("embeddings"),
+        logit_ops=fam.structure.outside_ops("logits"),
+        rope_layer_types=upstream.rope_layer_types(language_model),
     )
 
 
@@ -329,6 +333,9 @@ def test_sliding_windows_change_the_result(family: Callable[[str], Family]) -> N
             head,
             kv_layout=module.KV_LAYOUT,
             cache_keyword=module.decoder_protocol(language_model).cache_keyword,
+            embedding_ops=module.outside_ops(language_model.config, "embeddings"),
+            logit_ops=module.outside_ops(language_model.config, "logits"),
+            rope_layer_types=module.rope_layer_types(language_model),
         )(ids, mask, positions)[0]
         eager = model(input_ids=ids).logits
     torch.testing.assert_close(windowed, eager, rtol=0, atol=TOLERANCE)

@@ -99,10 +99,11 @@ def test_math_outside_the_layers_is_modelled_from_the_config() -> None:
 
 
 def test_feature_outside_the_layers_that_is_not_modelled_is_refused() -> None:
-    with pytest.raises(KadaptError, match=r"refused \(outside-layers\): .*rope_local_base_freq = 10000.0"):
+    refused = r"refused \(outside-layers\): .*use_bidirectional_attention = True"
+    with pytest.raises(KadaptError, match=refused):
         derive_structure(
             {"num_hidden_layers": 2, "hidden_size": 64, "vocab_size": 10, "num_attention_heads": 4,
-             "rope_local_base_freq": 10000.0}
+             "use_bidirectional_attention": True}
         )  # fmt: skip
 
 

@@ -25,6 +25,8 @@ from ..spec.model import Spec
 from .model import ATTENTION_KINDS, SCORING_FUNCS, Attention, Layer, ModelStructure, Moe, OutsideOp, Rope
 
 _MISSING = object()
+# facts whose value is a list; every other fact is one number (or string) for the whole stack
+LIST_FACTS = ("layer_types", "dense_layer_list")
 
 
 @functools.cache
@@ -57,12 +59,27 @@ class _Reader:
     def raw(self, key: str) -> Any:
         if isinstance(self.config, Mapping):
             return self.config.get(key, _MISSING)
-        return getattr(self.config, key, _MISSING)
+        try:
+            return getattr(self.config, key, _MISSING)
+        except Exception as exc:  # noqa: BLE001 - per-layer configs refuse global reads (Gemma-4)
+            raise Refusal(
+                "per-layer-config",
+                f"{self.where} gives {key} per layer ({type(exc).__name__}); kadapt describes one "
+                "attention shape for every layer",
+                location=_locate(self.spec, "gate"),
+            ) from exc
 
     def get(self, fact: str, default: Any = None) -> Any:
         for key in self.candidates.get(fact, [fact]):
             value = self.raw(key)
             if value is not _MISSING and value is not None:
+                if isinstance(value, (list, tuple)) and fact not in LIST_FACTS:
+                    raise Refusal(
+                        "per-layer-config",
+                        f"{self.where}: {key} is a list (one value per layer); kadapt describes one "
+                        f"{fact} for every layer",
+                        location=_locate(self.spec, "gate"),
+                    )
                 self.keys[fact] = key
                 return value
         return default
@@ -71,7 +88,8 @@ class _Reader:
         value = self.get(fact)
         if value is None:
             names = ", ".join(self.candidates.get(fact, [fact]))
-            raise KadaptError(
+            raise Refusal(
+                "unknown-key",
                 f"{self.where} has no {fact} (looked for: {names}); name the config key under "
                 f"architecture.fields.{fact} in the spec",
                 location=self.spec.locate("architecture") if self.spec and self.spec.architecture else None,
@@ -164,16 +182,18 @@ def _moe(read: _Reader, spec: Spec | None) -> Moe | None:
         shared_total = shared * width
     router = dict((spec.architecture or {}).get("router") or {}) if spec else {}
     routing = dict((spec.moe or {}).get("routing") or {}) if spec else {}
-    scoring = router.get("scoring") or routing.get("scoring_func") or read.get("scoring_func", "softmax")
-    if scoring not in SCORING_FUNCS:
-        raise KadaptError(
+    # routing has one source: the spec's statement, else the config's key, else nothing (no default)
+    scoring = router.get("scoring") or routing.get("scoring_func") or read.get("scoring_func")
+    if scoring is not None and scoring not in SCORING_FUNCS:
+        raise Refusal(
+            "routing",
             f"{read.where}: router scoring {scoring!r} is not one kadapt knows; "
             f"valid: {', '.join(SCORING_FUNCS)}",
             location=_locate(spec, "architecture.router.scoring"),
         )
     normalize = router.get("normalize_top_k")
     if normalize is None:
-        normalize = bool(read.get("norm_topk_prob", False))
+        normalize = read.get("norm_topk_prob")
     return Moe(
         num_experts=experts,
         top_k=top_k,
@@ -181,7 +201,7 @@ def _moe(read: _Reader, spec: Spec | None) -> Moe | None:
         num_shared_experts=shared,
         shared_intermediate_size=shared_total,
         scoring=scoring,
-        normalize_top_k=bool(normalize),
+        normalize_top_k=None if normalize is None else bool(normalize),
         routed_scaling_factor=float(read.get("routed_scaling_factor", 1.0)),
         expert_groups=int(read.get("expert_groups", 1) or 1),
         top_k_groups=int(read.get("top_k_groups", 1) or 1),
@@ -219,19 +239,45 @@ def _spans(read: _Reader, num_layers: int) -> list[tuple[str, int | None]]:
             raise KadaptError(
                 f"{read.where}: layer_types lists {len(types)} layers, the model has {num_layers}"
             )
+        known = _tables()["layer_types"]
+        _check_layer_types(read, types[:num_layers])
         spans = []
         for i, kind in enumerate(types[:num_layers]):
-            sliding = "sliding" in str(kind)
+            sliding = known[kind] == "sliding"
             if sliding and not window:
                 raise KadaptError(f"{read.where}: layer {i} is {kind} but the config sets no sliding_window")
             spans.append(("sliding", int(window)) if sliding else ("full", None))
         return spans
     if not window:
         return [("full", None)] * num_layers
+    pattern = read.get("sliding_window_pattern")
+    if (
+        pattern
+    ):  # Gemma-3's rule (its config class builds layer_types from it): layer i full iff (i+1) % N == 0
+        return [
+            ("full", None) if (i + 1) % int(pattern) == 0 else ("sliding", int(window))
+            for i in range(num_layers)
+        ]
     first_sliding = read.get("max_window_layers")  # Qwen2-style: layers from this index on slide
     if first_sliding is not None and read.keys.get("use_sliding_window"):
         return [("sliding", int(window)) if i >= first_sliding else ("full", None) for i in range(num_layers)]
     return [("sliding", int(window))] * num_layers
+
+
+def _check_layer_types(read: _Reader, types: list[Any]) -> None:
+    """Every entry of ``layer_types`` must be an attention kind kadapt models (full, sliding)."""
+    known = _tables()["layer_types"]
+    for i, kind in enumerate(types):
+        if kind in known:
+            continue
+        hybrid = kind in _tables()["hybrid_layer_types"]
+        raise Refusal(
+            "hybrid" if hybrid else "layer-types",
+            f"{read.where}: layer {i} is {kind!r}"
+            + (" (not attention: its state is not a KV cache)" if hybrid else "")
+            + f"; kadapt models {' and '.join(repr(k) for k in known)} layers",
+            location=_locate(read.spec, "gate"),
+        )
 
 
 def _rope(read: _Reader) -> Rope:
@@ -239,6 +285,29 @@ def _rope(read: _Reader) -> Rope:
     rope_type = params.get("rope_type") or params.get("type") or "default"
     theta = params.get("rope_theta") or read.get("rope_theta")
     return Rope(type=str(rope_type), theta=float(theta) if theta is not None else None)
+
+
+def _refuse_unmodelled_layers(read: _Reader, spec: Spec | None) -> None:
+    """Hybrid stacks (SSM, linear attention, recurrence, convolution) and per-layer attention configs,
+    told apart by keys only they have, on the config object and the raw JSON alike."""
+    for key in _tables()["hybrid_keys"]:
+        value = read.raw(key)
+        if value is not _MISSING and value is not None:
+            raise Refusal(
+                "hybrid",
+                f"{read.where} sets {key}, which only models with non-attention layers (SSM, linear "
+                "attention, recurrence, convolution) have; their state is not a KV cache, and kadapt "
+                "models attention-only stacks",
+                location=_locate(spec, "gate"),
+            )
+    # a config object with one refuses global reads of its per-layer keys (``_Reader.raw``); JSON keeps it
+    if isinstance(read.config, Mapping) and read.config.get("per_layer_config"):
+        raise Refusal(
+            "per-layer-config",
+            f"{read.where} has a per_layer_config (attention sizes that differ per layer); kadapt describes "
+            "one attention shape for every layer",
+            location=_locate(spec, "gate"),
+        )
 
 
 def _refuse_outside_layer_features(read: _Reader, spec: Spec | None) -> None:
@@ -268,9 +337,23 @@ def _outside(read: _Reader) -> tuple[OutsideOp, ...]:
     return tuple(ops)
 
 
+def refuse_unmodelled(config: Any, spec: Spec | None = None, *, where: str = "text config") -> None:
+    """The refusals alone (hybrid layers, per-layer configs, unknown layer types, unmodelled math outside
+    the layers), without the facts a bare config.json may leave to its class's defaults: what runs on
+    the raw JSON before any config class sees it, and in plain ``validate``."""
+    read = _Reader(config, spec, where)
+    _refuse_unmodelled_layers(read, spec)
+    types = read.raw("layer_types")
+    if isinstance(types, list):
+        read.keys["layer_types"] = "layer_types"
+        _check_layer_types(read, types)
+    _refuse_outside_layer_features(read, spec)
+
+
 def derive_structure(config: Any, spec: Spec | None = None, *, where: str = "text config") -> ModelStructure:
     """The structure of the text backbone whose config (object or dict) is ``config``."""
     read = _Reader(config, spec, where)
+    _refuse_unmodelled_layers(read, spec)
     num_layers = int(read.require("num_layers"))
     hidden = int(read.require("hidden_size"))
     attention = _attention(read, spec, hidden)
@@ -299,6 +382,17 @@ def derive_structure(config: Any, spec: Spec | None = None, *, where: str = "tex
         outside=_outside(read),
         keys=dict(read.keys),
     )
+
+
+def shorten_layers(section: Mapping[str, Any], total: int, keep: int) -> dict[str, Any]:
+    """Overrides that cut every per-layer list of a text config section (``layer_types``,
+    ``mlp_layer_types``, ``activation_sparsity_pattern``, ...: any list with one entry per layer) to
+    its first ``keep`` layers, as config classes require once the stack is shortened."""
+    return {
+        key: list(value[:keep])
+        for key, value in section.items()
+        if isinstance(value, list) and len(value) == total and key != "architectures"
+    }
 
 
 def text_config_key(spec: Spec, has_text_config: bool) -> str | None:

@@ -89,18 +89,24 @@ class Moe:
     expert_intermediate_size: int
     num_shared_experts: int
     shared_intermediate_size: int  # total width of the shared experts (0 when none)
-    scoring: str  # softmax | sigmoid
-    normalize_top_k: bool
+    scoring: (
+        str | None
+    )  # softmax | sigmoid; None: neither the config nor the spec says (the model's code decides)
+    normalize_top_k: bool | None  # None: not stated
     routed_scaling_factor: float = 1.0
     expert_groups: int = 1  # group-limited routing (DeepSeek's n_group / topk_group)
     top_k_groups: int = 1
 
     def describe(self) -> str:
         shared = f" + {self.num_shared_experts} shared" if self.num_shared_experts else ""
-        norm = ", normalized" if self.normalize_top_k else ""
+        if self.scoring is None:
+            routing = "routing as the model's code does it: not stated by the config or spec"
+        else:
+            norm = {True: ", normalized", False: "", None: ", normalization not stated"}[self.normalize_top_k]
+            routing = f"{self.scoring}{norm}"
         return (
             f"MoE {self.num_experts} experts top-{self.top_k}{shared} "
-            f"(width {self.expert_intermediate_size}, {self.scoring}{norm})"
+            f"(width {self.expert_intermediate_size}, {routing})"
         )
 
 

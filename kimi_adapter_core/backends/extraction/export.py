@@ -8,6 +8,7 @@ embedding's ``@torch.no_grad`` adds no ``set_grad_enabled`` higher-order op.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from torch import nn
 from torch.export import ExportedProgram
 
 from ... import upstream
-from ...errors import KadaptError
+from ...errors import KadaptError, Refusal
 from . import runtime
 from .convert import Symbols, convert, symbol_names
 from .graph import Graph
@@ -44,6 +45,67 @@ class Backbone:
     @property
     def device(self) -> torch.device:
         return next(self.language_model.parameters()).device
+
+
+STACK = ("embed_tokens", "layers", "norm", "rotary_emb")  # what the wrappers call on the decoder stack
+# what a decoder layer's forward may take: the wrappers pass the first five (and the cache under its
+# keyword); any other named input is something the model's forward computes and the wrappers do not
+LAYER_INPUTS = frozenset(
+    {"self", "hidden_states", "attention_mask", "position_ids", "position_embeddings", "use_cache",
+     "cache", "past_key_values", "past_key_value", "cache_position", "output_attentions", "kwargs"}
+)  # fmt: skip
+# child module class names of a decoder layer that mixes tokens without attention
+NON_ATTENTION = ("Mamba", "Mixer", "Linear", "Conv", "Recurrent", "DeltaNet", "Rwkv", "Lstm")
+
+
+def check_stack(backbone: Backbone) -> None:
+    """Refuse a decoder stack the wrappers cannot drive: no ``embed_tokens``/``layers``/``norm``/
+    ``rotary_emb`` (GPT-NeoX, GPT-2, Falcon, Phi layouts: ``stack-layout``), or layers without a
+    ``self_attn`` that knows its ``layer_idx`` (``hybrid`` when they mix tokens another way)."""
+    stack = backbone.language_model
+    name = type(stack).__name__
+    missing = [attr for attr in STACK if not hasattr(stack, attr)]
+    if missing:
+        has = ", ".join(n for n, _ in stack.named_children())
+        raise Refusal(
+            "stack-layout",
+            f"{name} has no {', '.join(missing)} (its children: {has}); the prefill/decode wrappers call a "
+            f"decoder stack's {', '.join(STACK)}",
+        )
+    for index, layer in enumerate(backbone.layers):
+        params = inspect.signature(inspect.unwrap(type(layer).forward)).parameters
+        extra = [
+            n
+            for n, p in params.items()
+            if n not in LAYER_INPUTS and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+        ]
+        if extra:
+            raise Refusal(
+                "stack-layout",
+                f"{type(layer).__name__}.forward (layer {index}) takes {', '.join(extra)}, which "
+                f"{type(stack).__name__}'s forward computes and the prefill/decode wrappers do not",
+            )
+        attention = getattr(layer, "self_attn", None)
+        if attention is not None and getattr(attention, "layer_idx", None) == index:
+            continue
+        others = [type(m).__name__ for _, m in layer.named_children()]
+        hybrid = [n for n in others if any(word in n for word in NON_ATTENTION)]
+        if hybrid:
+            raise Refusal(
+                "hybrid",
+                f"{type(layer).__name__} (layer {index}) mixes tokens with {', '.join(hybrid)}, not "
+                "attention: its state is not a KV cache",
+            )
+        found = (
+            "no self_attn"
+            if attention is None
+            else f"self_attn.layer_idx {getattr(attention, 'layer_idx', None)}"
+        )
+        raise Refusal(
+            "stack-layout",
+            f"{type(layer).__name__} (layer {index}) has {found} (children: {', '.join(others)}); the KV "
+            "cache is addressed by each self_attn's layer_idx",
+        )
 
 
 def check_exportable(backbone: Backbone) -> None:
@@ -86,6 +148,7 @@ def wrapper_for(kind: str, backbone: Backbone, options: ExtractionOptions, num_l
             windows=options.windows,
             embedding_ops=options.structure.outside_ops("embeddings") if options.structure else (),
             logit_ops=options.structure.outside_ops("logits") if options.structure else (),
+            rope_layer_types=upstream.rope_layer_types(backbone.language_model),
             **extra,
         )
         .eval()

@@ -21,12 +21,13 @@ import transformers
 from torch import nn
 
 from ... import __version__, upstream
+from ...errors import KadaptError, Refusal
 from ...patching.gate import uncounted
 from ...spec.model import Spec
 from ...structure.derive import derive_structure
 from . import check_upstream, runtime, vision
 from .encoding import enum_tables
-from .export import Backbone, check_exportable, export_wrapper, graph_names, to_graph
+from .export import Backbone, check_exportable, check_stack, export_wrapper, graph_names, to_graph
 from .graph import Graph
 from .irjson import FORMAT_VERSION, ir_chunks
 from .options import MERGED, ExtractionOptions, bind_merged_prefill, bind_structure, kv_names
@@ -219,6 +220,50 @@ def graph_stats(graph: Graph, options: ExtractionOptions, size: int, layers: int
     )
 
 
+def check_kv_dims(options: ExtractionOptions, protocol: upstream.LayerProtocol) -> None:
+    """What the layers hand the cache must be what kadapt read from the config (the KV mapping and the
+    ABI's input shapes say it)."""
+    if options.structure is None:
+        return
+    attention = options.structure.attention
+    read = attention.kv_dims(attention.default_kv_layout)
+    if tuple(map(tuple, read)) != protocol.kv_dims:
+        keys = ", ".join(f"{f}={k}" for f, k in sorted(options.structure.keys.items()) if "head" in f)
+        raise Refusal(
+            "stack-differs",
+            f"the config describes {attention.describe()}, {read} ((heads, dim) of key and value per token, "
+            f"from {keys}), but the decoder layers cache {protocol.kv_dims}",
+        )
+
+
+def check_checkpoint_layout(
+    spec: Spec, model: nn.Module, backbone: Backbone, chosen: Plan, options: ExtractionOptions
+) -> None:
+    """The weight map of what will be traced (the template layers, embeddings, norm, head), before any
+    export: a loading converter or a storage the map cannot describe refuses the run up front."""
+    layers = {id(layer) for layer in backbone.layers[chosen.prefix :]}
+    skipped = {
+        path for path, module in model.named_modules() if id(module) in layers
+    }  # the layers stitching replicates: same converters, same storage, other numbers
+    stack = {
+        path for path, m in model.named_modules() if m is backbone.language_model or m is backbone.lm_head
+    }
+    weights = {
+        path: tensor
+        for path, tensor in model_tensor_types(model).items()
+        if any(path.startswith(f"{s}.") or not s for s in stack)
+        and not any(path.startswith(f"{s}.") for s in skipped)
+    }
+    try:
+        weight_map_document(
+            spec, model, weights, model_name=options.model_name, renames=options.weight_renames
+        )
+    except Refusal:
+        raise
+    except KadaptError as exc:
+        raise Refusal("checkpoint-layout", exc.message) from exc
+
+
 def run(
     spec: Spec, model: nn.Module, options: ExtractionOptions, *, echo: Echo, check_whole: bool = True
 ) -> ExtractionSummary:
@@ -244,11 +289,13 @@ def run(
     vision_modules, vision_graph = None, None
     with clock.step("prepare"):
         check_upstream(options)
+        check_stack(backbone)
         check_exportable(backbone)
         dtype = getattr(torch, options.dtype)
         cast_to_abi_dtype(model, [backbone.language_model, backbone.lm_head], dtype)
         with uncounted():  # the layers themselves, before any export (a check, not an artifact)
-            upstream.decoder_protocol(backbone.language_model)
+            protocol = upstream.decoder_protocol(backbone.language_model)
+        check_kv_dims(options, protocol)
         if options.structure is not None and options.structure.attention.is_mla:
             upstream.require_mla_attention(backbone.layers[0].self_attn)
         chosen = plan(backbone.layers) if options.stitch else Plan(len(backbone.layers))
@@ -257,6 +304,8 @@ def run(
             if options.merged_prefill is not None:  # checked before any export
                 image_token_id = getattr(model.config, "image_token_id", None)
                 options = bind_merged_prefill(options, image_token_id, sum(vision_modules.tokens_per_image))
+    with clock.step("checkpoint layout"):
+        check_checkpoint_layout(spec, model, backbone, chosen, options)
     if check_whole:  # verify, which replays the saved files against transformers, does more
         with clock.step("whole model"), uncounted():
             check_whole_model(spec, options)
@@ -291,7 +340,11 @@ def run(
                 weight_map_document(
                     spec,
                     model,
-                    [*graphs.values(), *([vision_graph] if vision_graph is not None else [])],
+                    {
+                        path: tensor
+                        for graph in [*graphs.values(), *([vision_graph] if vision_graph is not None else [])]
+                        for path, tensor in graph.weights.items()
+                    },
                     model_name=options.model_name,
                     renames=options.weight_renames,
                 ),

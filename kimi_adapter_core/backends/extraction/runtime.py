@@ -298,6 +298,7 @@ class _TextStack(nn.Module):
         windows: Sequence[int | None] | None = None,
         embedding_ops: OpList = (),
         logit_ops: OpList = (),
+        rope_layer_types: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
         if kv_layout not in KV_LAYOUTS:
@@ -317,6 +318,10 @@ class _TextStack(nn.Module):
         # sliding window of each traced layer (None: full attention), by the layer's own index
         windows = list(windows) if windows is not None else []
         self.windows = [windows[i] if i < len(windows) else None for i in self.layer_ids]
+        # per traced layer, the layer type a per-type rotary embedding (Gemma-3) takes; None: one for all
+        self.rope_layer_types = (
+            [rope_layer_types[i] for i in self.layer_ids] if rope_layer_types is not None else None
+        )
 
     @classmethod
     def from_language_model(
@@ -331,6 +336,7 @@ class _TextStack(nn.Module):
         windows: Sequence[int | None] | None = None,
         embedding_ops: OpList = (),
         logit_ops: OpList = (),
+        rope_layer_types: Sequence[str] | None = None,
         **extra: Any,
     ) -> _TextStack:
         """Wrap a transformers decoder model (``embed_tokens``/``layers``/``norm``/``rotary_emb``).
@@ -340,6 +346,8 @@ class _TextStack(nn.Module):
         layers (a representative prefix for replication);
         ``windows`` gives each layer's sliding window (None: full attention), indexed by layer;
         ``embedding_ops``/``logit_ops`` are the family's math outside the layers (``apply_ops``);
+        ``rope_layer_types`` each layer's type for a rotary embedding that takes one (``rotary_emb(x,
+        position_ids, layer_type)``: Gemma-3, OLMo-3), indexed by layer;
         ``extra`` goes to the wrapper's constructor (``image_token_id`` of ``MultimodalPrefillWrapper``).
         """
         layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
@@ -357,6 +365,7 @@ class _TextStack(nn.Module):
             windows=windows,
             embedding_ops=embedding_ops,
             logit_ops=logit_ops,
+            rope_layer_types=rope_layer_types,
             **extra,
         )
 
@@ -378,7 +387,14 @@ class _TextStack(nn.Module):
     ) -> tuple[torch.Tensor, ...]:
         """The layers, final norm and LM head over input embeddings ``hidden_states`` ``[B, Q, hidden]``."""
         hidden_states = apply_ops(hidden_states, self.embedding_ops)
-        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        if self.rope_layer_types is None:
+            position_embeddings = [self.rotary_emb(hidden_states, position_ids)] * len(self.layers)
+        else:
+            by_type = {
+                t: self.rotary_emb(hidden_states, position_ids, t)
+                for t in dict.fromkeys(self.rope_layer_types)
+            }
+            position_embeddings = [by_type[t] for t in self.rope_layer_types]
         masks = {
             window: attention_mask
             if window is None
@@ -389,13 +405,13 @@ class _TextStack(nn.Module):
             cache.routing_expand_kv(self.layers),
             absorbing_mla(self.layers, self.mla_attention, self.cache_keyword),
         ):
-            for layer, window in zip(self.layers, self.windows, strict=True):
+            for layer, window, embeddings in zip(self.layers, self.windows, position_embeddings, strict=True):
                 hidden_states = layer(
                     hidden_states,
                     attention_mask=masks[window],
                     position_ids=position_ids,
                     use_cache=True,
-                    position_embeddings=position_embeddings,
+                    position_embeddings=embeddings,
                     **{self.cache_keyword: cache},
                 )
         logits = apply_ops(self.lm_head(self.norm(hidden_states)), self.logit_ops)

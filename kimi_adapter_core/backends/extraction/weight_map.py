@@ -7,7 +7,7 @@ extraction reads weights by the same names, so one map serves prefill, decode an
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
@@ -16,7 +16,7 @@ from ...errors import KadaptError
 from ...spec.model import Spec
 from .checkpoint_layout import CheckpointSource, checkpoint_sources
 from .checkpoint_storage import StorageRule, storage_rule
-from .graph import Graph, TensorType
+from .graph import TensorType
 from .naming import rename_weight
 
 FORMAT, VERSION = "kadapt-weight-map", 1
@@ -72,15 +72,12 @@ def _source_entry(source: CheckpointSource, dtype: str, rule: StorageRule) -> li
 def weight_map_document(
     spec: Spec,
     model: nn.Module,
-    graphs: Iterable[Graph],
+    weights: Mapping[str, TensorType],
     *,
     model_name: str,
     renames: tuple[tuple[str, str], ...],
 ) -> dict[str, Any]:
-    """The weight map of ``graphs`` (model paths in ``Graph.weights``) for ``model`` built from ``spec``."""
-    weights: dict[str, TensorType] = {}
-    for graph in graphs:
-        weights.update(graph.weights)
+    """The weight map of ``weights`` (the graphs' weights by model path) for ``model`` built from ``spec``."""
     sources = checkpoint_sources(model, weights, renames)
     qc, found_in = _quantization_config(model.config)
     head_path = next((p for p in weights if p.endswith("lm_head.weight")), "lm_head.weight")

@@ -87,6 +87,7 @@ def _check(spec: Spec, options: ExtractionOptions) -> None:
         windows=structure.windows,
         embedding_ops=structure.outside_ops("embeddings"),
         logit_ops=structure.outside_ops("logits"),
+        rope_layer_types=upstream.rope_layer_types(language_model),
     )
     ids = torch.randint(3, structure.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(3))
     _, mask, positions = runtime.prefill_inputs(
@@ -111,7 +112,15 @@ def _check(spec: Spec, options: ExtractionOptions) -> None:
         for hook in hooks:
             hook.remove()
     with torch.no_grad():
-        ours = wrapper(ids, mask, positions)[0]
+        try:
+            ours = wrapper(ids, mask, positions)[0]
+        except Exception as exc:  # noqa: BLE001 - what the model's own forward ran, the wrappers cannot
+            raise Refusal(
+                "stack-differs",
+                f"the prefill wrapper cannot run {type(model).__name__}'s decoder stack the way its own "
+                f"forward does (tiny random model of this architecture): {type(exc).__name__}: {exc}",
+                location=spec.locate("gate"),
+            ) from exc
         if _close(ours, reference):
             return
         embeddings = runtime.apply_ops(language_model.embed_tokens(ids), structure.outside_ops("embeddings"))
