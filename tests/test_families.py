@@ -210,3 +210,15 @@ def test_unshipped_family_from_yaml_alone(tmp_path: Path, family: str) -> None:
     assert mapping["layers"][0]["decode_key_input"]["shape"] == [1, 2, 64, 32]
     if family == "qwen3":  # layers from max_window_layers on slide; the tiny verify model keeps that
         assert mapping["sliding_windows"] == [None, None, 64, 64]
+    if family == "mixtral":  # named as Mixtral checkpoints (and save_pretrained) name them
+        weights = json.loads((tmp_path / "out" / "mixtral_weight_map.json").read_text())["weights"]
+        fused = weights["model.layers.0.mlp.experts.gate_up_proj"]["sources"]
+        assert [g["tensors"][0] for g in fused] == [
+            "model.layers.0.block_sparse_moe.experts.0.w1.weight",
+            "model.layers.0.block_sparse_moe.experts.0.w3.weight",
+        ]
+        assert len(fused[0]["tensors"]) == 8
+        down = weights["model.layers.1.mlp.experts.down_proj"]["sources"][0]["tensors"]
+        assert down[-1] == "model.layers.1.block_sparse_moe.experts.7.w2.weight"
+        router = weights["model.layers.0.mlp.gate.weight"]["sources"][0]["tensors"]
+        assert router == ["model.layers.0.block_sparse_moe.gate.weight"]

@@ -9,18 +9,21 @@ and turns each into data: the checkpoint names of every source tensor, in load o
 other way, one checkpoint tensor into several weights (Kimi-K2.5's vision ``wqkv`` is chunked into
 ``q_proj``/``k_proj``/``v_proj``, q and k permuted from interleaved to half-split rope order): those
 become ``chunk`` (which part of the source) and ``permute_for_rope`` ops. Checkpoint names are
-the model path after the spec's ``weight_renames``; each name (of a numbered group: the first and the
-last) is then checked against transformers' own loading rename (``rename_source_key``), so a spec
-rename that would not load is an error here.
+the model path after the spec's ``weight_renames`` when the spec states them (it describes the
+checkpoint it targets), else the name transformers' ``save_pretrained`` writes: its loading renamings
+reversed (Mixtral's ``mlp.experts`` is ``block_sparse_moe.experts`` on disk). Each name (of a numbered
+group: the first and the last) is then checked against transformers' own loading rename
+(``rename_source_key``), so a name that would not load is an error here.
 
-transformers' *reverse* mapping (``save_pretrained``) is not used for names: for Kimi-K2.5 it writes
-``language_model.model.blocks.N`` (a vision-tower rename leaks into the text model), a name the
-published checkpoint does not have; loading accepts both, so only the forward direction is checked.
+Why the spec's renames win: for Kimi-K2.5 the reversed mapping writes ``language_model.model.blocks.N``
+(a vision-tower rename leaks into the text model), a name the published checkpoint does not have;
+loading accepts both, so the spec names the published layout.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +73,11 @@ def _converters(model: nn.Module) -> tuple[list[Any], list[Any]]:
     return renamings, converters
 
 
+def loading_renamings(model: nn.Module) -> list[Any]:
+    """transformers' loading renamings for ``model`` (checkpoint name -> model name, applied in order)."""
+    return _converters(model)[0]
+
+
 @dataclass(frozen=True)
 class _Target:
     """Where a graph weight sits in a converter's output: ``prefix + targets[index] + suffix``."""
@@ -85,7 +93,7 @@ def _target_match(converter: Any, path: str) -> _Target | None:
     A many-to-one converter names the tensor (``mlp.experts.gate_up_proj``); a one-to-many one names
     modules whose every tensor it produces (``attn.q_proj`` for its weight and bias).
     """
-    targets = list(converter.target_patterns)
+    targets = [target.strip(".") for target in converter.target_patterns]  # Mixtral's: ".experts.down_proj"
     for index, target in enumerate(targets):
         if path.endswith("." + target):
             prefix, suffix = path[: -len(target)], ""
@@ -155,6 +163,7 @@ def _source_shapes(shape: tuple[int, ...], ops: list[dict[str, Any]], groups: in
 
 def _expand(prefix: str, pattern: str, count: int | None) -> tuple[str, ...]:
     """Concrete names of ``pattern`` under ``prefix``: ``*`` numbered 0..count-1."""
+    pattern = pattern.strip(".")
     if re.search(r"[\\()\[\]|?+^$]", pattern):
         raise KadaptError(f"weight map: cannot expand transformers source pattern {pattern!r} into names")
     if "*" not in pattern:
@@ -162,6 +171,21 @@ def _expand(prefix: str, pattern: str, count: int | None) -> tuple[str, ...]:
     if count is None:
         raise KadaptError(f"weight map: source pattern {pattern!r} is numbered but no op stacks it")
     return tuple(prefix + pattern.replace("*", str(i)) for i in range(count))
+
+
+def _checkpoint_namer(renamings: list[Any], renames: tuple[tuple[str, str], ...]) -> Callable[[str], str]:
+    """Model path -> checkpoint name: the spec's ``weight_renames``, else ``save_pretrained``'s names
+    (transformers' loading renamings reversed, last first, as ``revert_weight_conversion`` does)."""
+    if renames or not renamings:
+        return lambda path: rename_weight(path, renames)
+    reverse = [renaming.reverse_transform() for renaming in renamings[::-1]]
+
+    def saved_name(path: str) -> str:
+        for renaming in reverse:
+            path, _ = renaming.rename_source_key(path)
+        return path
+
+    return saved_name
 
 
 def _is_linear_weight(model: nn.Module, path: str) -> bool:
@@ -187,6 +211,7 @@ def checkpoint_sources(
     from transformers.core_model_loading import rename_source_key
 
     renamings, converters = _converters(model)
+    checkpoint_name = _checkpoint_namer(renamings, renames)
     meta_state = dict.fromkeys(weights, True)
     out: dict[str, CheckpointSource] = {}
     for path, tensor in weights.items():
@@ -199,7 +224,7 @@ def checkpoint_sources(
         loads_as = path
         if converter is None or target is None:
             source = CheckpointSource(
-                (SourceGroup("", (rename_weight(path, renames),), tuple(tensor.shape)),),
+                (SourceGroup("", (checkpoint_name(path),), tuple(tensor.shape)),),
                 (),
                 _is_linear_weight(model, path),
             )
@@ -213,7 +238,7 @@ def checkpoint_sources(
                 SourceGroup(
                     pattern,
                     tuple(
-                        rename_weight(name + target.suffix, renames)
+                        checkpoint_name(name + target.suffix)
                         for name in _expand(target.prefix, pattern, count)
                     ),
                     shape,
@@ -223,13 +248,13 @@ def checkpoint_sources(
             linear = len(shape) == 2 and (stack is not None or _is_linear_weight(model, path))
             source = CheckpointSource(groups, tuple(ops), linear=linear)
             # a one-to-many converter renames its source to the first target; its ops make the others
-            loads_as = target.prefix + converter.target_patterns[0] + target.suffix
+            loads_as = target.prefix + converter.target_patterns[0].strip(".") + target.suffix
         for name in _checked_names(source):
             loaded, _ = rename_source_key(name, renamings, converters, model.base_model_prefix, meta_state)
             if loaded != loads_as:
                 raise KadaptError(
-                    f"weight map: checkpoint tensor {name} (from {path} through weight_renames) would load "
-                    f"into {loaded}, not {path}: fix backends.extraction.weight_renames"
+                    f"weight map: checkpoint tensor {name} (from {path}) would load into {loaded}, "
+                    f"not {path}: fix backends.extraction.weight_renames"
                 )
         out[path] = source
     return out
