@@ -294,3 +294,42 @@ def test_a_weight_rename_transformers_would_not_load_is_an_error(tmp_path: Path)
     assert good.tensors[0] == "language_model.model.layers.1.mlp.experts.0.gate_proj.weight"
     with pytest.raises(KadaptError, match="would load into"):
         checkpoint_sources(meta, weights, (("^model\\.language_model\\.", "text.model."),))
+
+
+def test_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path: Path) -> None:
+    """gpt-oss's published layout: routed experts as MXFP4 blocks + e8m0 scales, transposed on disk.
+    The expected weights come from transformers' own dequantizer (``convert_moe_packed_tensors``)."""
+    from safetensors.torch import load_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    spec, options, config, model = _extract("gpt_oss", tmp_path / "ir")
+    doc = json.loads(options.path("weight_map").read_text())
+    packed = {
+        g["tensors"][0]: g["storage"]
+        for e in doc["weights"].values()
+        for g in e["sources"]
+        if g.get("storage", {}).get("format") == "mxfp4"
+    }
+    layers = config.num_hidden_layers
+    assert len(packed) == 2 * layers and all(n.endswith(("gate_up_proj", "down_proj")) for n in packed)
+    model.save_pretrained(tmp_path / "ckpt")
+    tensors = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    generator = torch.Generator().manual_seed(5)
+    expected: dict[str, torch.Tensor] = {}
+    for name, storage in packed.items():
+        del tensors[name]  # the published checkpoint has no dense copy
+        blocks = torch.randint(0, 256, storage["tensors"]["blocks"]["shape"], generator=generator)
+        scales = torch.randint(122, 129, storage["tensors"]["scales"]["shape"], generator=generator)
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks.to(torch.uint8), scales.to(torch.uint8)
+        expected[name] = convert_moe_packed_tensors(
+            blocks.to(torch.uint8), scales.to(torch.uint8), dtype=torch.float32
+        )
+    save_file(tensors, str(tmp_path / "ckpt" / "model.safetensors"))
+    weights = load_weights(doc, tmp_path / "ckpt")
+    for name, tensor in expected.items():
+        assert torch.equal(weights[name], tensor), name
+    with torch.no_grad():  # the eager model holding the dequantized experts is the reference
+        for name, tensor in expected.items():
+            model.get_parameter(name).copy_(tensor)
+    prompt = torch.randint(3, config.vocab_size, (1, PREFILL), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(_prefill_logits(options, weights, prompt), _eager_logits(spec, model, prompt))

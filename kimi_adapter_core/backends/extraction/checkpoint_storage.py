@@ -10,6 +10,11 @@ object transformers and vLLM read - and, when the config says nothing, from the 
   ``X.weight_shape`` (the unpacked shape); ``w = (q - 2**(bits-1)) * scale``.
 - ``fp8`` with ``weight_block_size`` (DeepSeek-V3): ``X.weight`` in float8_e4m3fn plus
   ``X.weight_scale_inv`` (float32, one per block); ``w = weight * scale_inv[block]``.
+- ``mxfp4`` (gpt-oss's routed experts, the stacked ``experts.gate_up_proj`` / ``experts.down_proj``
+  of shape ``[E, in, out]``): ``X_blocks`` (uint8 ``[E, out, in/32, 16]``, two e2m1 values a byte,
+  low nibble first) and ``X_scales`` (uint8 e8m0 ``[E, out, in/32]``);
+  ``w[e, :, o] = e2m1[nibble] * 2**(scale - 127)`` - transposed on disk, as transformers'
+  ``convert_moe_packed_tensors`` reads it.
 
 Which tensors: compressed-tensors' ``targets`` (``Linear`` = an ``nn.Linear`` weight, per expert for
 fused experts) minus ``ignore``. ``ignore`` entries match the checkpoint module name (the tensor name
@@ -34,6 +39,10 @@ StorageRule = Callable[[str, tuple[int, ...], bool], "Storage | None"]
 
 PACK_QUANTIZED = "compressed-tensors/pack-quantized"
 FP8_BLOCK = "fp8-block"
+MXFP4 = "mxfp4"
+MXFP4_BLOCK = 32  # e2m1 values per e8m0 scale (OCP microscaling)
+# the expert tensors transformers' Mxfp4GptOssExperts stores packed
+MXFP4_TENSORS = ("experts.gate_up_proj", "experts.down_proj")
 
 
 def _matches(module: str, entry: str) -> bool:
@@ -76,6 +85,45 @@ def fp8_block(shape: tuple[int, ...], block: tuple[int, int]) -> Storage:
         },
         "dequantize": f"w[r, c] = weight[r, c] * scale_inv[r // {block[0]}, c // {block[1]}]",
     }
+
+
+def mxfp4(shape: tuple[int, ...]) -> Storage:
+    """Storage of one stacked ``[experts, in, out]`` expert weight as MXFP4 (transposed on disk)."""
+    experts, cols, rows = shape
+    if cols % MXFP4_BLOCK:
+        raise KadaptError(f"weight map: {cols} inputs do not split into MXFP4 blocks of {MXFP4_BLOCK}")
+    blocks, per_block = cols // MXFP4_BLOCK, MXFP4_BLOCK // 2  # two values a byte
+    return {
+        "format": MXFP4,
+        "block": MXFP4_BLOCK,
+        "tensors": {
+            "blocks": {
+                "suffix": "_blocks",
+                "dtype": "uint8",
+                "shape": [experts, rows, blocks, per_block],
+            },
+            "scales": {"suffix": "_scales", "dtype": "uint8", "shape": [experts, rows, blocks]},
+        },
+        "dequantize": (
+            "v[e, o, 32*b + 2*j + h] = e2m1[(blocks[e, o, b, j] >> 4*h) & 15] * 2**(scales[e, o, b] - 127); "
+            "w = v.transpose(1, 2); e2m1 = [0, .5, 1, 1.5, 2, 3, 4, 6, -0, -.5, -1, -1.5, -2, -3, -4, -6]"
+        ),
+    }
+
+
+def _mxfp4(qc: dict[str, Any]) -> StorageRule:
+    import fnmatch
+
+    skip = tuple(qc.get("modules_to_not_convert") or ())
+
+    def rule(name: str, shape: tuple[int, ...], linear: bool) -> Storage | None:
+        if len(shape) != 3 or not name.endswith(MXFP4_TENSORS):
+            return None
+        if any(fnmatch.fnmatchcase(name, f"{s}*") or _matches(name, s) for s in skip):
+            return None
+        return mxfp4(shape)
+
+    return rule
 
 
 def _compressed_tensors(qc: dict[str, Any], where: str) -> StorageRule:
@@ -140,4 +188,8 @@ def storage_rule(
         return _compressed_tensors(quantization_config, where)
     if method == "fp8":
         return _fp8(quantization_config, head)
-    raise KadaptError(f"{where}: quant_method {method!r} is not described (compressed-tensors, fp8 are)")
+    if method == "mxfp4":
+        return _mxfp4(quantization_config)
+    raise KadaptError(
+        f"{where}: quant_method {method!r} is not described (compressed-tensors, fp8, mxfp4 are)"
+    )

@@ -47,6 +47,10 @@ class Checkpoint:
         return self._handles[file].get_tensor(name)
 
 
+# OCP e2m1 (FP4) values by their 4-bit code: sign bit 3, then exponent and mantissa
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
 def unpack_int(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
     """compressed-tensors' dense packing undone: value ``i`` of a row is at bits ``bits*i``, offset coded."""
     words = packed.to(torch.int64) & 0xFFFFFFFF
@@ -56,11 +60,22 @@ def unpack_int(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
     return values.reshape(*packed.shape[:-1], -1)[..., :columns] - (1 << (bits - 1))
 
 
+def _mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 ``[E, out, in/32, 16]`` blocks and ``[E, out, in/32]`` e8m0 scales -> ``[E, in, out]``."""
+    e2m1 = torch.tensor(E2M1, dtype=torch.float32)
+    blocks = blocks.to(torch.uint8)
+    values = torch.stack((e2m1[(blocks & 0x0F).long()], e2m1[(blocks >> 4).long()]), dim=-1)
+    values = torch.ldexp(values.flatten(-2), (scales.to(torch.int32) - 127)[..., None])
+    return values.flatten(-2).transpose(1, 2).contiguous()
+
+
 def _read(checkpoint: Checkpoint, name: str, group: Mapping[str, Any]) -> torch.Tensor:
     storage = group.get("storage")
     if storage is None:
         return checkpoint.get(name)
     parts = {role: checkpoint.get(name + t["suffix"]) for role, t in storage["tensors"].items()}
+    if storage["format"] == "mxfp4":
+        return _mxfp4(parts["blocks"], parts["scales"])
     rows, cols = group["shape"]
     if storage["format"] == "compressed-tensors/pack-quantized":
         shape = tuple(int(v) for v in parts["shape"].tolist())

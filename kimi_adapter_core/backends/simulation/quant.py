@@ -4,7 +4,8 @@
   each tensor's checkpoint name (Kimi-K2.5: routed experts int4, group 32, bf16 scales, computed in
   bf16); then the config's own ``quantization_config`` when it is a block-scaled FP8 checkpoint
   (DeepSeek-V3: every linear weight of the text model FP8 e4m3 with one fp32 scale per 128x128
-  block, computed at the FP8 peak); every other tensor in its native dtype. A scheme whose glob
+  block, computed at the FP8 peak), or MXFP4 (gpt-oss: routed experts 4-bit e2m1 with one e8m0
+  scale per 32 weights, computed in bf16); every other tensor in its native dtype. A scheme whose glob
   matches no tensor of the model is an error located at the scheme.
 - a ``--quant`` mode (TensorCast's quantize-linear-action): every *linear* weight of the text model
   (attention projections, dense MLP, shared and routed experts) takes the mode's format; router,
@@ -89,10 +90,20 @@ class ConfigQuant:
     """The checkpoint format a config's ``quantization_config`` declares for the text linear weights."""
 
     format: WeightFormat
-    not_converted: tuple[str, ...]  # module-name substrings left unquantized (transformers' rule)
+    not_converted: tuple[str, ...]  # module names (globs) left unquantized, matched anywhere in the name
+    groups: tuple[str, ...] | None = None  # the only parameter groups it covers (None: every text linear)
 
     def applies(self, group: ParamGroup, name: str) -> bool:
-        return is_text_linear(group) and not any(key in name for key in self.not_converted)
+        if self.groups is not None and group.name not in self.groups:
+            return False
+        return is_text_linear(group) and not any(
+            fnmatch.fnmatchcase(name, f"*{k}*") for k in self.not_converted
+        )
+
+
+# MXFP4 (OCP microscaling, gpt-oss): 4-bit e2m1 values, one e8m0 (1-byte) scale per 32; transformers
+# quantizes only the routed experts (Mxfp4GptOssExperts). Hopper has no FP4 unit: computed in bf16.
+MXFP4 = WeightFormat("mxfp4", 4, 32, 1, "bf16")
 
 
 def config_quantization(raw: Mapping[str, Any]) -> tuple[ConfigQuant | None, list[str]]:
@@ -102,6 +113,9 @@ def config_quantization(raw: Mapping[str, Any]) -> tuple[ConfigQuant | None, lis
     if not isinstance(qc, Mapping):
         return None, []
     method = str(qc.get("quant_method", ""))
+    not_converted = tuple(str(m) for m in qc.get("modules_to_not_convert") or ())
+    if method == "mxfp4":
+        return ConfigQuant(MXFP4, not_converted, groups=("routed_experts",)), []
     if method != "fp8":
         return None, [
             f"config quantization_config.quant_method {method!r} is not priced; weights are sized from "
@@ -113,7 +127,7 @@ def config_quantization(raw: Mapping[str, Any]) -> tuple[ConfigQuant | None, lis
     else:
         scale_group, label = 0, "fp8"  # one scale per tensor: negligible
     fmt = WeightFormat(label, 8, scale_group, 4 if scale_group else 0, "fp8")  # fp32 scale_inv per block
-    return ConfigQuant(fmt, tuple(qc.get("modules_to_not_convert") or ())), []
+    return ConfigQuant(fmt, not_converted), []
 
 
 def mode_format(mode: str, schemes: Sequence[QuantScheme]) -> WeightFormat:
