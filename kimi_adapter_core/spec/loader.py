@@ -48,6 +48,10 @@ def check_spec(path: str | Path) -> SpecCheck:
     found = schema_diagnostics(loaded.data, locator)
     if isinstance(loaded.data, dict):
         found += semantic_diagnostics(loaded.data, spec_path.resolve(), locator, found)
+        if not any(d.is_error for d in found):
+            from .against_config import config_diagnostics
+
+            found += config_diagnostics(spec_path.resolve(), loaded.data, loaded.positions, locator)
     return SpecCheck(spec_path, loaded.data, loaded.positions, tuple(sort_diagnostics(found)))
 
 

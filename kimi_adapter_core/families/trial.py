@@ -1,0 +1,220 @@
+"""One model type through the path a user takes: the spec ``docs/writing-a-spec.md`` describes, then
+``validate --resolve``, ``apply`` (the extraction backend: every check before export, the export
+itself) and ``--verify`` (float32: the saved files replayed against transformers' ``generate``).
+
+The spec is the guide's: gate and source, eager attention and ``batched_mm`` experts for export, and
+``module_paths`` where the built model holds its decoder stack (the module with ``layers`` and an
+``embed_tokens``, else the causal LM's base model) and its LM head. The config is the model type's
+own defaults made small (``tiny``), so apply and verify run in seconds.
+
+A row is ``adapted`` (apply wrote its files and verify passed), ``refused`` (a ``Refusal`` with its
+documented code, or a moved contact point: raised before anything was written) or ``failed``
+(anything else: an error kadapt did not classify, a traceback, a failed verify, files written by a
+refused run). The matrix's promise is that no row fails. A type whose own default config does not
+build a model in transformers (small or not) is ``untested``: there is nothing to try it with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import tempfile
+import textwrap
+import traceback
+from pathlib import Path
+from typing import Any, NamedTuple
+
+ADAPTED, REFUSED, FAILED, UNTESTED = "adapted", "refused", "failed", "untested"
+
+
+class Row(NamedTuple):
+    model_type: str
+    outcome: str  # adapted | refused | failed
+    code: str  # the refusal code (refused), the error kind (failed), or "" (adapted)
+    detail: str  # one line: what was refused or failed, or what was proven
+
+
+def _module_paths(model: Any) -> dict[str, str]:
+    """Where the guide tells a spec author to look: the decoder stack, its layer list and the LM head."""
+    from torch.nn import ModuleList
+
+    paths = {"language_model": "model", "lm_head": "lm_head", "language_layers": "model.layers"}
+    for path, module in model.named_modules():
+        if hasattr(module, "embed_tokens") and hasattr(module, "layers"):
+            paths["language_model"] = path
+            break
+    else:
+        prefix = getattr(model, "base_model_prefix", "")
+        if prefix and hasattr(model, prefix):
+            paths["language_model"] = prefix
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for path, module in model.named_modules():
+        if head is not None and module is head:
+            paths["lm_head"] = path
+            break
+    stack = model.get_submodule(paths["language_model"]) if _has(model, paths["language_model"]) else None
+    found = (
+        name
+        for name, child in (stack.named_modules() if stack is not None else ())
+        if isinstance(child, ModuleList)
+    )
+    paths["language_layers"] = f"{paths['language_model']}.{next(found, 'layers')}".strip(".")
+    return paths
+
+
+def _has(model: Any, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def write_spec(folder: Path, model_type: str, config: dict[str, Any], paths: dict[str, str]) -> Path:
+    """The guide's spec for ``model_type`` on ``config`` (written to ``folder/model_type/config.json``)."""
+    (folder / model_type).mkdir(parents=True, exist_ok=True)
+    (folder / model_type / "config.json").write_text(json.dumps(config, default=str))
+    abi_config = "  config: text_config\n" if isinstance(config.get("text_config"), dict) else ""
+    spec = folder / f"{model_type.replace('-', '_')}.yaml"
+    spec.write_text(
+        textwrap.dedent(
+            f"""\
+            apiVersion: kadapt/v1
+            kind: AdapterSpec
+            metadata: {{name: {json.dumps(model_type.replace("-", "_"))}}}
+            gate: {{model_type: {json.dumps(model_type)}}}
+            source: {{config: {json.dumps(model_type + "/config.json")}}}
+            config_bridges:
+              - {{id: X1, why: eager attention exports as plain ops, op: set, path: _attn_implementation,
+                  value: eager, backends: [extraction]}}
+              - {{id: X2, why: batched_mm experts export with static shapes, op: set,
+                  path: _experts_implementation, value: batched_mm, backends: [extraction]}}
+            module_paths: {json.dumps(paths)}
+            abi:
+            """
+        )
+        + abi_config
+        + textwrap.indent(
+            textwrap.dedent(
+                """\
+                batch: 1
+                prefill_len: 8
+                max_cache_len: 64
+                dtype: float32
+                prefill:
+                  inputs: [input_ids, attention_mask, position_ids]
+                  outputs: [logits, "k.{layer}", "v.{layer}"]
+                decode:
+                  inputs: [input_ids, attention_mask, position_ids, cache_position,
+                           "pk.{layer}", "pv.{layer}"]
+                  outputs: [logits, "k.{layer}", "v.{layer}"]
+                """
+            ),
+            "  ",
+        )
+    )
+    return spec
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _classify(exc: BaseException) -> tuple[str, str, str]:
+    from ..errors import KadaptError, Refusal
+    from ..upstream import ContactPointMoved, LayersUnsupported
+
+    if isinstance(exc, Refusal):
+        return REFUSED, exc.code, _one_line(exc.message.partition(": ")[2])
+    if isinstance(exc, LayersUnsupported):
+        return REFUSED, exc.code, _one_line(exc.findings[0].found)
+    if isinstance(exc, ContactPointMoved):
+        return FAILED, "contact-point", _one_line(str(exc))
+    if isinstance(exc, KadaptError):
+        return FAILED, "error", _one_line(exc.message)
+    frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+    where = f" ({Path(frame.filename).name}:{frame.lineno})" if frame else ""
+    return FAILED, "traceback", _one_line(f"{type(exc).__name__}: {exc}{where}")
+
+
+def _buildable_config(model_type: str) -> tuple[dict[str, Any], Any] | str:
+    """The small config (else transformers' default) and the model transformers builds from it on
+    meta (the class kadapt builds, without kadapt's patches); or why neither builds."""
+    import torch
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    from ..loading import model_class
+    from .tiny import tiny_config
+
+    def small() -> dict[str, Any]:
+        return tiny_config(model_type)
+
+    def default() -> dict[str, Any]:
+        return {**CONFIG_MAPPING[model_type]().to_dict(), "model_type": model_type}
+
+    failure = ""
+    for make in (small, default):
+        try:
+            config = make()
+            built = AutoConfig.for_model(**config)
+            with torch.device("meta"):
+                return config, model_class(built)._from_config(built)
+        except Exception as exc:  # noqa: BLE001 - transformers' own default does not build
+            failure = failure or _one_line(f"{type(exc).__name__}: {exc}")
+    return f"transformers' own default config does not build a model: {failure}"
+
+
+def run_trial(model_type: str) -> Row:
+    """``model_type`` through validate --resolve, apply and verify; its row."""
+    from ..backends import extraction
+    from ..loading import applied, load_model
+    from ..resolve import resolve_diagnostics
+    from ..spec import load_spec
+    from ..spec.loader import check_spec
+
+    with tempfile.TemporaryDirectory(prefix=f"kadapt-family-{model_type}-") as tmp:
+        folder = Path(tmp)
+        found = _buildable_config(model_type)
+        if isinstance(found, str):
+            return Row(model_type, UNTESTED, "default-config", found)
+        config, built = found
+        spec_path = write_spec(folder, model_type, config, _module_paths(built))
+        checked = check_spec(spec_path)
+        if checked.diagnostics:  # plain validate refuses what it can read from the config alone
+            message = checked.diagnostics[0].message
+            refused = re.match(r"refused \(([\w-]+)\): (.*)", message, re.DOTALL)
+            if refused:
+                return Row(model_type, REFUSED, refused[1], _one_line(refused[2]))
+            return Row(model_type, FAILED, "spec", _one_line(message))
+        spec = load_spec(spec_path)
+        out = folder / "out"
+        try:
+            findings = resolve_diagnostics(spec, spec_path)
+            resolved = [d for d in findings if "refused (" in d.message]
+            if findings and not resolved:
+                return Row(model_type, FAILED, "resolve", _one_line(findings[0].message))
+            options = extraction.options_from_spec(spec, output_dir=out)
+            with applied(spec, backend="extraction"):
+                model = load_model(spec, device="meta")
+                extraction.run(spec, model, options, echo=lambda line: None)
+            report = extraction.verify(
+                spec, dataclasses.replace(options, verify_dtypes=("float32",)), echo=lambda line: None
+            )
+        except BaseException as exc:  # noqa: BLE001 - every outcome is a row
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            outcome, code, detail = _classify(exc)
+            if outcome == REFUSED and out.exists() and any(out.iterdir()):
+                return Row(model_type, FAILED, "refused-late", f"{code} after writing files: {detail}")
+            return Row(model_type, outcome, code, detail)
+        if not report.passed:
+            failed = [c for c in report.checks if not c.passed]
+            return Row(model_type, FAILED, "verify", _one_line(f"{failed[0].name}: {failed[0].detail}"))
+        return Row(
+            model_type,
+            ADAPTED,
+            "",
+            _one_line(f"{report.attention_label}; verify max |diff| {report.max_logit_diff:.1e}"),
+        )
