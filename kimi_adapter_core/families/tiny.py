@@ -1,0 +1,179 @@
+"""A small config of a model type, from transformers' own defaults.
+
+``tiny_config(model_type)`` builds the default config, shrinks its text backbone (hidden 64, 4 heads,
+2 KV heads, 4 experts, small MLA ranks, one whole period of its layer pattern up to 8 layers, every
+per-layer list cut to the layers kept) and its other sub-configs, repairs the defaults some configs
+leave unbuildable (``head_dim`` or the KV heads left ``None``), and returns it as the dict a
+``config.json`` holds. Sizes only: every kind the defaults choose (attention, MoE, windows, routing,
+scaling) stays as transformers ships it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..structure.derive import shorten_layers
+
+MAX_LAYERS = 8
+# config key -> tiny value, set where the default config has the key with a value
+TEXT_SIZES: dict[str, Any] = {
+    "hidden_size": 64,
+    "d_model": 64,
+    "n_embd": 64,
+    "intermediate_size": 128,
+    "ffn_dim": 128,
+    "num_attention_heads": 4,
+    "n_head": 4,
+    "num_key_value_heads": 2,
+    "num_kv_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 128,
+    "max_position_embeddings": 256,
+    "n_positions": 256,
+    "moe_intermediate_size": 32,
+    "expert_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "num_local_experts": 4,
+    "num_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_topk": 2,
+    "n_shared_experts": 1,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "sliding_window": 8,
+    "attention_chunk_size": 8,
+    "n_group": 1,
+    "topk_group": 1,
+}
+# defaults some configs leave None although their model needs a value (set where the key exists)
+REPAIRS: dict[str, Any] = {
+    "head_dim": 16,
+    "num_key_value_heads": 2,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "n_shared_experts": 1,
+}
+# token ids must lie inside the tiny vocabulary
+TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+OTHER_SIZES: dict[str, Any] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 128,
+    "projection_dim": 32,
+}
+# ints that say "every n-th layer": the tiny stack keeps one whole such period
+PERIOD_KEYS = (
+    "sliding_window_pattern",
+    "decoder_sparse_step",
+    "interleave_moe_layer_step",
+    "no_rope_layer_interval",
+    "attn_layer_period",
+    "full_attention_interval",
+)
+
+
+def _period(sequence: list[Any]) -> int:
+    """The shortest p with ``sequence[i] == sequence[i % p]``; for no short period, the prefix that
+    holds every distinct value once."""
+    for p in range(1, len(sequence) + 1):
+        if all(v == sequence[i % p] for i, v in enumerate(sequence)):
+            break
+    if p > MAX_LAYERS:
+        kinds = {repr(v) for v in sequence}
+        p = next(i + 1 for i in range(len(sequence)) if {repr(v) for v in sequence[: i + 1]} == kinds)
+    return p
+
+
+def _layers(config: Any) -> int:
+    total = int(config.num_hidden_layers)
+    keep = 2
+    types = _get(config, "layer_types")
+    if isinstance(types, (list, tuple)) and len(types) == total:
+        keep = max(keep, _period(list(types)))
+    for key in PERIOD_KEYS:
+        value = _get(config, key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            keep = max(keep, value)
+    return min(keep, MAX_LAYERS, total)
+
+
+def _get(config: Any, key: str) -> Any:
+    """``config.key`` or None; per-layer configs (Gemma-4) refuse global reads of per-layer keys."""
+    try:
+        return getattr(config, key, None)
+    except Exception:  # noqa: BLE001 - AmbiguousGlobalPerLayerAttributeError and the like
+        return None
+
+
+def _set(config: Any, key: str, value: Any) -> None:
+    try:
+        setattr(config, key, value)
+    except Exception:  # noqa: BLE001 - a config that validates the key keeps its default
+        pass
+
+
+def _shrink_text(config: Any) -> None:
+    for key, value in REPAIRS.items():
+        if key in vars(config) and _get(config, key) is None:
+            _set(config, key, value)
+    total = _get(config, "num_hidden_layers")
+    if isinstance(total, int):
+        keep = _layers(config)
+        for key, value in shorten_layers(config.to_dict(), total, keep).items():  # per-layer lists
+            _set(config, key, value)
+        for key, value in config.to_dict().items():  # lists of layer indices keep one of their kind
+            if "layer" in key and isinstance(value, list) and value and len(value) != total:
+                if all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < total for i in value):
+                    kept = [i for i in value if i < keep]
+                    _set(config, key, kept or [keep - 1])
+        _set(config, "num_hidden_layers", keep)
+        first_dense = _get(config, "first_k_dense_replace")
+        if isinstance(first_dense, int) and first_dense > 1:
+            _set(config, "first_k_dense_replace", 1)
+    for key, value in TEXT_SIZES.items():
+        if _get(config, key) is not None:
+            _set(config, key, value)
+    if _get(config, "kv_lora_rank") is not None:  # MLA: one KV head per query head, head_dim is the rope part
+        _set(config, "num_key_value_heads", TEXT_SIZES["num_attention_heads"])
+        if _get(config, "head_dim") is not None:
+            _set(config, "head_dim", TEXT_SIZES["qk_rope_head_dim"])
+    for key, value in TOKEN_IDS.items():
+        if isinstance(_get(config, key), int):
+            _set(config, key, value)
+
+
+def tiny_config(model_type: str) -> dict[str, Any]:
+    """transformers' default config of ``model_type``, small, as a ``config.json`` dict."""
+    from transformers import CONFIG_MAPPING, PreTrainedConfig
+
+    config = CONFIG_MAPPING[model_type]()
+    text = config.get_text_config(decoder=True)
+    for name in list(vars(config)):
+        sub = getattr(config, name, None)
+        if isinstance(sub, PreTrainedConfig) and sub is not text:
+            for key, value in OTHER_SIZES.items():
+                if _get(sub, key) is not None:
+                    _set(sub, key, value)
+    _shrink_text(text)
+    raw = config.to_dict()
+    raw["model_type"] = model_type
+    _drop_layers_beyond(raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw)
+    return raw
+
+
+def _drop_layers_beyond(text: dict[str, Any]) -> None:
+    """Per-layer overrides (``per_layer_config``) of layers the tiny stack no longer has."""
+    overrides = text.get("per_layer_config")
+    layers = text.get("num_hidden_layers")
+    if isinstance(overrides, dict) and isinstance(layers, int):
+        text["per_layer_config"] = {k: v for k, v in overrides.items() if int(k) < layers}
