@@ -556,9 +556,11 @@ def independent_problems(fields: dict[str, Any], model: Any, config: Any) -> lis
         mlp_kinds = [type(layer.mlp).__name__ for layer in text_layers]
         if not moe or len(moe) != mlp_kinds.count(fields["moe_module_name"]):
             problems.append(f"MoE class {fields['moe_module_name']} in layers: {mlp_kinds}")
+        moe_renames = fields.get("moe_field_names_override") or {}
         for field, required in TENSORCAST_MOE_FIELDS.items():
-            if required and not all(hasattr(m, field) for m in moe):
-                problems.append(f"MoE field {field} missing")
+            attr = moe_renames.get(field, field)
+            if (required or field in moe_renames) and not all(hasattr(m, attr) for m in moe):
+                problems.append(f"MoE field {field} -> {attr!r} missing")
         key = fields.get("moe_num_experts_key", "num_experts")
         count = operator.attrgetter(".".join([key] if isinstance(key, str) else key))(config)
         per_expert = fields.get("custom_expert_module_type", "default") is None

@@ -326,6 +326,7 @@ class _TextStack(nn.Module):
         windows: Sequence[int | None] | None = None,
         embedding_ops: OpList = (),
         logit_ops: OpList = (),
+        rope_layer_types: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
         if kv_layout not in KV_LAYOUTS:
@@ -345,6 +346,10 @@ class _TextStack(nn.Module):
         # sliding window of each traced layer (None: full attention), by the layer's own index
         windows = list(windows) if windows is not None else []
         self.windows = [windows[i] if i < len(windows) else None for i in self.layer_ids]
+        # per traced layer, the layer type a per-type rotary embedding (Gemma-3) takes; None: one for all
+        self.rope_layer_types = (
+            [rope_layer_types[i] for i in self.layer_ids] if rope_layer_types is not None else None
+        )
 
     @classmethod
     def from_language_model(
@@ -359,6 +364,7 @@ class _TextStack(nn.Module):
         windows: Sequence[int | None] | None = None,
         embedding_ops: OpList = (),
         logit_ops: OpList = (),
+        rope_layer_types: Sequence[str] | None = None,
         **extra: Any,
     ) -> _TextStack:
         """Wrap a transformers decoder model (``embed_tokens``/``layers``/``norm``/``rotary_emb``).
@@ -368,6 +374,8 @@ class _TextStack(nn.Module):
         layers (a representative prefix for replication);
         ``windows`` gives each layer's sliding window (None: full attention), indexed by layer;
         ``embedding_ops``/``logit_ops`` are the family's math outside the layers (``apply_ops``);
+        ``rope_layer_types`` each layer's type for a rotary embedding that takes one (``rotary_emb(x,
+        position_ids, layer_type)``: Gemma-3, OLMo-3), indexed by layer;
         ``extra`` goes to the wrapper's constructor (``image_token_id`` of ``MultimodalPrefillWrapper``).
         """
         layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
@@ -385,6 +393,7 @@ class _TextStack(nn.Module):
             windows=windows,
             embedding_ops=embedding_ops,
             logit_ops=logit_ops,
+            rope_layer_types=rope_layer_types,
             **extra,
         )
 
@@ -406,7 +415,14 @@ class _TextStack(nn.Module):
     ) -> tuple[torch.Tensor, ...]:
         """The layers, final norm and LM head over input embeddings ``hidden_states`` ``[B, Q, hidden]``."""
         hidden_states = apply_ops(hidden_states, self.embedding_ops)
-        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        if self.rope_layer_types is None:
+            position_embeddings = [self.rotary_emb(hidden_states, position_ids)] * len(self.layers)
+        else:
+            by_type = {
+                t: self.rotary_emb(hidden_states, position_ids, t)
+                for t in dict.fromkeys(self.rope_layer_types)
+            }
+            position_embeddings = [by_type[t] for t in self.rope_layer_types]
         masks = {
             window: attention_mask
             if window is None
@@ -417,13 +433,13 @@ class _TextStack(nn.Module):
             cache.routing_expand_kv(self.layers),
             absorbing_mla(self.layers, self.mla_attention, self.cache_keyword),
         ):
-            for layer, window in zip(self.layers, self.windows, strict=True):
+            for layer, window, embeddings in zip(self.layers, self.windows, position_embeddings, strict=True):
                 hidden_states = layer(
                     hidden_states,
                     attention_mask=masks[window],
                     position_ids=position_ids,
                     use_cache=True,
-                    position_embeddings=position_embeddings,
+                    position_embeddings=embeddings,
                     **{self.cache_keyword: cache},
                 )
         logits = apply_ops(self.lm_head(self.norm(hidden_states)), self.logit_ops)
@@ -859,6 +875,29 @@ class ContactPointMoved(RuntimeError):
             f"'transformers=={TESTED_TRANSFORMERS[-1]}') or see {COMPATIBILITY_DOC}"
         )
         super().__init__("\n".join(lines))
+
+
+class LayersUnsupported(ContactPointMoved):
+    """The model's own decoder layers, probed with the ABI's cache, do not fit kadapt's ABI.
+
+    A family trait (an attention that asks the cache for its length, a complex rotary embedding, a
+    layer that reads tensor values) or a release that changed a tested family: the message says both,
+    with the contact point, what was expected and found, and the tested versions. ``code`` is the
+    refusal code kadapt documents for it (``cache-protocol``, ``rotary-form``, ``not-exportable``).
+    """
+
+    def __init__(self, code: str, layer: str, finding: Finding) -> None:
+        self.code = code
+        self.findings = (finding,)
+        RuntimeError.__init__(
+            self,
+            f"refused ({code}): {layer} does not fit kadapt's prefill/decode ABI:\n"
+            f"  {finding.name} ({finding.symbol}): expected {finding.expected}; found {finding.found}\n"
+            f"kadapt is tested with transformers {', '.join(TESTED_TRANSFORMERS)} and torch "
+            f"{', '.join(TESTED_TORCH)}; a family that exported with those and fails here was moved by "
+            f"transformers {_version('transformers')}: install a tested release (pip install "
+            f"'transformers=={TESTED_TRANSFORMERS[-1]}') or see {COMPATIBILITY_DOC}",
+        )
 
 
 class _Moved(Exception):
@@ -1458,9 +1497,12 @@ CACHE_KEYWORDS = ("cache", "past_key_values")  # newest first: 5.24 renamed past
 
 
 class LayerProtocol(NamedTuple):
-    """How a model's decoder layers take kadapt's cache (what the ABI wrappers call them with)."""
+    """How a model's decoder layers take kadapt's cache (what the ABI wrappers call them with), and
+    what they cache per token: ``((key_heads, key_dim), (value_heads, value_dim))`` of what the
+    attention hands to ``update`` (per-head K/V; MLA: its latents)."""
 
     cache_keyword: str
+    kv_dims: tuple[tuple[int, int], tuple[int, int]]
 
 
 class _UpdateCall:
@@ -1509,44 +1551,77 @@ def cache_keyword(layer: Any) -> str:
     return CACHE_KEYWORDS[-1]  # a **kwargs-only forward: the behavioural probe decides
 
 
-def _layer_key(layer: Any) -> tuple[type, ...]:
-    return tuple(type(m) for m in layer.modules())
+def _layer_key(layer: Any) -> tuple[Any, ...]:
+    """A layer's structure: its module classes and parameter shapes (layers of one class can differ in
+    size: MiMo-V2-Flash's sliding layers have other KV heads)."""
+    return tuple(
+        (type(m), tuple(tuple(p.shape) for p in m.parameters(recurse=False))) for m in layer.modules()
+    )
 
 
-_protocols: dict[tuple[type, ...], LayerProtocol] = {}
+_protocols: dict[tuple[Any, ...], LayerProtocol] = {}
 
 
-def probe_decoder_layers(layers: Sequence[Any], rotary_emb: Any) -> LayerProtocol:
+def probe_decoder_layers(
+    layers: Sequence[Any], rotary_emb: Any, layer_types: Sequence[str] | None = None
+) -> LayerProtocol:
     """Call one layer of each structure in ``layers`` with a recording cache; their shared protocol.
 
     Checked: the layer accepts the cache under ``cache_keyword``, its attention calls
     ``update(key_states, value_states, layer_idx, ...)`` exactly once with its own ``layer_idx`` and
     uses nothing else of the cache, the layer returns the hidden states tensor, and the rotary
-    embedding returns ``(cos, sin)``. Runs on the layers' own device: free on meta, tiny elsewhere.
+    embedding returns ``(cos, sin)`` (given the layer's type from ``layer_types`` when it takes one).
+    Runs on the layers' own device: free on meta, tiny elsewhere.
     """
     import torch
 
     protocols = []
-    for layer in layers:
+    for index, layer in enumerate(layers):
         key = _layer_key(layer)
         if key not in _protocols:
+            layer_type = layer_types[index] if layer_types is not None else None
             with torch.no_grad():
-                _protocols[key] = _probe_layer(layer, rotary_emb)
+                _protocols[key] = _probe_layer(layer, rotary_emb, layer_type)
         protocols.append(_protocols[key])
+    kv_dims = {p.kv_dims for p in protocols}
+    if len(kv_dims) > 1:
+        _unsupported(
+            "per-layer-config",
+            "the decoder layers",
+            "one KV shape per token for every layer (the ABI's cache has one)",
+            f"the layers cache {sorted(kv_dims)} ((heads, dim) of key and value)",
+        )
     keywords = {p.cache_keyword for p in protocols}
     if len(keywords) != 1:
-        require(
-            "cache_update",
+        _unsupported(
+            "cache-protocol",
+            "the decoder layers",
             "one cache keyword for every decoder layer",
             f"decoder layers take the cache as {sorted(keywords) or 'nothing (no layers)'}",
         )
     return protocols[0]
 
 
+def rope_layer_types(language_model: Any) -> tuple[str, ...] | None:
+    """Each layer's type, when the stack's rotary embedding takes one (``rotary_emb(x, position_ids,
+    layer_type)``: Gemma-3, OLMo-3 give sliding and full layers their own frequencies), else None."""
+    if "layer_type" not in _signature(type(language_model.rotary_emb).forward).parameters:
+        return None
+    types = getattr(language_model.config, "layer_types", None)
+    if not types:
+        _unsupported(
+            "rotary-form",
+            type(language_model).__name__,
+            "config.layer_types for a rotary embedding that takes a layer_type",
+            f"{type(language_model.config).__name__} has no layer_types",
+        )
+    return tuple(types[: language_model.config.num_hidden_layers])
+
+
 def decoder_protocol(language_model: Any) -> LayerProtocol:
     """``probe_decoder_layers`` over a transformers decoder model (``layers``, ``rotary_emb``)."""
     layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
-    return probe_decoder_layers(layers, language_model.rotary_emb)
+    return probe_decoder_layers(layers, language_model.rotary_emb, rope_layer_types(language_model))
 
 
 def forget() -> None:
@@ -1557,7 +1632,7 @@ def forget() -> None:
     _protocols.clear()
 
 
-def _probe_layer(layer: Any, rotary_emb: Any) -> LayerProtocol:
+def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None) -> LayerProtocol:
     import torch
 
     expected = BY_NAME["cache_update"].expected
@@ -1568,10 +1643,21 @@ def _probe_layer(layer: Any, rotary_emb: Any) -> LayerProtocol:
     hidden = torch.zeros(1, 2, _hidden_size(layer), dtype=parameter.dtype, device=parameter.device)
     positions = torch.arange(2, device=parameter.device).unsqueeze(0)
     mask = torch.zeros(1, 1, 2, 2, dtype=parameter.dtype, device=parameter.device)
-    embeddings = rotary_emb(hidden, positions)
+    try:
+        embeddings = (
+            rotary_emb(hidden, positions) if layer_type is None else rotary_emb(hidden, positions, layer_type)
+        )
+    except Exception as exc:  # noqa: BLE001 - meta buffers read as values, mixed devices, ...
+        _unsupported(
+            "not-exportable",
+            type(rotary_emb).__name__,
+            f"rotary_emb(hidden_states, position_ids) runs on the {parameter.device.type} device",
+            f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}",
+        )
     if not (isinstance(embeddings, tuple) and len(embeddings) == 2):
-        require(
-            "cache_update",
+        _unsupported(
+            "rotary-form",
+            layer_name,
             "rotary_emb(hidden_states, position_ids) -> (cos, sin)",
             f"{type(rotary_emb).__name__} returns {type(embeddings).__name__}",
         )
@@ -1591,36 +1677,53 @@ def _probe_layer(layer: Any, rotary_emb: Any) -> LayerProtocol:
         failure, out = exc, None
     # how the layer used the cache first: whatever failed after a malformed call is its consequence
     if cache.missing:
-        require(
-            "cache_update",
+        _unsupported(
+            "cache-protocol",
+            layer_name,
             expected + " and nothing else of the cache",
             f"{layer_name} reads cache.{cache.missing[0]}",
         )
     for call in cache.calls:
         key, value, index = call.states()
         if not (isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor) and index == layer_idx):
-            require(
-                "cache_update",
+            _unsupported(
+                "cache-protocol",
+                layer_name,
                 f"update(key_states, value_states, layer_idx={layer_idx}, ...)",
                 f"{layer_name}'s attention calls {call.describe()}",
             )
     if isinstance(failure, TypeError) and keyword in str(failure):
-        require("cache_update", f"{layer_name}.forward takes the cache as {keyword}=", str(failure))
+        _unsupported(
+            "cache-protocol", layer_name, f"{layer_name}.forward takes the cache as {keyword}=", str(failure)
+        )
     if failure is not None:
-        raise failure
+        _unsupported(
+            "not-exportable",
+            layer_name,
+            f"{layer_name} runs on the {parameter.device.type} device with the ABI's inputs",
+            f"{type(failure).__name__}: {' '.join(str(failure).split())[:300]}",
+        )
     if len(cache.calls) != 1:
-        require(
-            "cache_update",
+        _unsupported(
+            "cache-protocol",
+            layer_name,
             f"{layer_name}(..., {keyword}=cache) calls cache.update once",
             f"{len(cache.calls)} calls",
         )
     if not (isinstance(out, torch.Tensor) and out.shape == hidden.shape):
-        require(
-            "cache_update",
+        _unsupported(
+            "cache-protocol",
+            layer_name,
             f"{layer_name} returns the hidden states tensor",
             f"it returns {type(out).__name__}",
         )
-    return LayerProtocol(keyword)
+    key, value, _ = cache.calls[0].states()
+    return LayerProtocol(keyword, ((key.shape[1], key.shape[-1]), (value.shape[1], value.shape[-1])))
+
+
+def _unsupported(code: str, layer: str, expected: str, found: str) -> None:
+    point = BY_NAME["cache_update"]
+    raise LayersUnsupported(code, layer, Finding(point.name, point.symbol, False, found, expected))
 
 
 def _hidden_size(layer: Any) -> int:
@@ -1731,9 +1834,10 @@ FACT_KEYS: dict[str, tuple[str, ...]] = {
     "kv_lora_rank": ("kv_lora_rank",),
     "layer_types": ("layer_types",),
     "max_window_layers": ("max_window_layers",),
-    "num_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "num_layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
     "qk_rope_head_dim": ("qk_rope_head_dim",),
     "sliding_window": ("sliding_window",),
+    "sliding_window_pattern": ("sliding_window_pattern",),
     "use_sliding_window": ("use_sliding_window",),
 }
 
@@ -2069,7 +2173,8 @@ def kv_dims(config: Any) -> tuple[tuple[int, int], tuple[int, int]]:
 def windows(config: Any) -> tuple[int | None, ...]:
     """Per layer of the text ``config``: its sliding window, None for full attention (``WINDOWS``).
 
-    A config's ``layer_types`` decide when listed; otherwise layers from ``max_window_layers`` on slide
+    A config's ``layer_types`` decide when listed; otherwise every ``sliding_window_pattern``-th layer is
+    full and the others slide, or layers from ``max_window_layers`` on slide
     when the config has ``use_sliding_window``, else every layer does when a window is set;
     ``use_sliding_window: false`` turns windows off.
     """
@@ -2085,6 +2190,9 @@ def windows(config: Any) -> tuple[int | None, ...]:
         return tuple(int(window) if slides else None for slides in sliding)
     if not window:
         return (None,) * num_layers
+    pattern = _fact(config, "sliding_window_pattern")
+    if pattern:  # every pattern-th layer is full (Gemma-3's config builds layer_types this way)
+        return tuple(None if (i + 1) % int(pattern) == 0 else int(window) for i in range(num_layers))
     first_sliding = _fact(config, "max_window_layers")
     if first_sliding is not None and _fact(config, "use_sliding_window") is not None:
         return tuple(int(window) if i >= first_sliding else None for i in range(num_layers))
@@ -2319,6 +2427,7 @@ def prefill_wrapper(model: torch.nn.Module, num_layers: int | None = None) -> Pr
         windows=windows(language_model.config),
         embedding_ops=outside_ops(language_model.config, "embeddings"),
         logit_ops=outside_ops(language_model.config, "logits"),
+        rope_layer_types=rope_layer_types(language_model),
     )
 
 
@@ -2335,13 +2444,18 @@ def decode_wrapper(model: torch.nn.Module, num_layers: int | None = None) -> Dec
         windows=windows(language_model.config),
         embedding_ops=outside_ops(language_model.config, "embeddings"),
         logit_ops=outside_ops(language_model.config, "logits"),
+        rope_layer_types=rope_layer_types(language_model),
     )
 
 
 def graph_weights(wrapper: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every tensor an extracted IR of ``wrapper`` reads, by its name there: parameters and buffers
-    (non-persistent ones such as the rotary ``inv_freq`` too, which ``state_dict`` leaves out)."""
-    return {**dict(wrapper.named_parameters()), **dict(wrapper.named_buffers())}
+    (non-persistent ones such as the rotary ``inv_freq`` too, which ``state_dict`` leaves out), under
+    every name a tied tensor has (the extracted IR may read a tied embedding as ``lm_head.weight``)."""
+    return {
+        **dict(wrapper.named_parameters(remove_duplicate=False)),
+        **dict(wrapper.named_buffers(remove_duplicate=False)),
+    }
 
 
 def _torch_dtype(dtype: str | None) -> torch.dtype:

@@ -45,7 +45,14 @@ KV_FACTS = {
     "latent": ("kv_lora_rank", "qk_rope_head_dim"),
     "expanded": ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
 }
-WINDOW_FACTS = ("num_layers", "sliding_window", "use_sliding_window", "layer_types", "max_window_layers")
+WINDOW_FACTS = (
+    "num_layers",
+    "sliding_window",
+    "use_sliding_window",
+    "layer_types",
+    "max_window_layers",
+    "sliding_window_pattern",
+)
 
 
 def _fail(spec: Spec, where: str, message: str) -> KadaptError:

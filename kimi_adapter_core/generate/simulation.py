@@ -82,6 +82,7 @@ PROFILE_FIELDS: tuple[tuple[str, str], ...] = (
     ("mtp_block_module_name", "backends.simulation.mtp_module_name"),
     ("mla_module_name", "mla.attention_class"),
     ("mla_field_names_override", "mla.field_renames"),
+    ("moe_field_names_override", "moe.field_renames"),
 )
 # ModelProfile path field -> module_paths key it is re-rooted from (at the class TensorCast builds).
 PATH_FIELDS: tuple[tuple[str, str], ...] = (
@@ -280,13 +281,19 @@ def swaps_context(spec: Spec) -> dict[str, dict[str, Any]]:
             **_swap(TENSORCAST_MLA_FIELDS, renames),
         }
     if spec.moe:
+        moe_renames = dict(spec.moe.get("field_renames") or {})
+        unknown = sorted(set(moe_renames) - set(TENSORCAST_MOE_FIELDS))
+        if unknown:
+            raise cannot(
+                spec, TARGET, f"moe.field_renames names {unknown}, which TensorCast has no field for", "moe"
+            )
         layout = spec.backend_options(TARGET).get("experts_layout", "stacked")
         if layout not in EXPERTS_LAYOUTS:  # the schema refuses it first
             raise cannot(spec, TARGET, f"experts_layout {layout!r} is none of {EXPERTS_LAYOUTS}")
         swaps["MoE"] = {
             "module": spec.moe["moe_class"],
             "tensorcast_config": "moe_config",
-            **_swap(TENSORCAST_MOE_FIELDS, {}),
+            **_swap(TENSORCAST_MOE_FIELDS, moe_renames),
             "experts_layout": layout,
             "num_experts_key": spec.moe["num_experts_key"],
         }
