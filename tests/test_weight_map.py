@@ -30,6 +30,7 @@ from kimi_adapter_core.loading import applied, load_config, load_model
 from kimi_adapter_core.spec import load_spec
 
 PREFILL = 8
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _extract(name: str, out: Path, **overrides):
@@ -333,3 +334,34 @@ def test_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path: Path) -> 
             model.get_parameter(name).copy_(tensor)
     prompt = torch.randint(3, config.vocab_size, (1, PREFILL), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(_prefill_logits(options, weights, prompt), _eager_logits(spec, model, prompt))
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "model.layers.0.self_attn",
+        "model.layers.11.self_attn.q_proj",
+        "model.layers.1.mlp.router",
+        "model.layers.1.mlp.router_bias",
+        "model.layers.1.mlp.experts",
+        "model.embed_tokens",
+        "lm_head",
+        "language_model.lm_head",
+        "model.layers.1.mlp.gate",
+        "model.layers.1.mlp.gate_proj",
+    ],
+)
+def test_modules_to_not_convert_match_as_transformers_matches_them(module: str) -> None:
+    """One rule for a quantization_config's modules_to_not_convert (the weight map's FP8/MXFP4 storage,
+    simulation's weight sizes): transformers' own should_convert_module, negated."""
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    from kimi_adapter_core.backends.extraction.checkpoint_storage import not_converted
+
+    gpt_oss = json.loads((REPO / "specs" / "gpt_oss" / "config.json").read_text())
+    for patterns in (
+        gpt_oss["quantization_config"]["modules_to_not_convert"],
+        ["mlp.gate", "layers.1"],
+        ["lm_head"],
+    ):
+        assert not_converted(module, tuple(patterns)) == (not should_convert_module(module, patterns))

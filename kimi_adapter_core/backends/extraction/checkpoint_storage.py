@@ -45,6 +45,15 @@ MXFP4_BLOCK = 32  # e2m1 values per e8m0 scale (OCP microscaling)
 MXFP4_TENSORS = ("experts.gate_up_proj", "experts.down_proj")
 
 
+def not_converted(module: str, patterns: tuple[str, ...]) -> bool:
+    """``module`` is one a ``quantization_config``'s ``modules_to_not_convert`` leaves unquantized, by
+    transformers' own rule (``quantizers_utils.should_convert_module``): a pattern matches as a regex
+    from the start up to a module boundary (``model.layers.*.self_attn``, ``lm_head``), or as a suffix.
+    Torch-free; simulation sizes weights with it too."""
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    return any(re.match(rf"(?:{key}){boundary}", module) or module.endswith(key) for key in patterns)
+
+
 def _matches(module: str, entry: str) -> bool:
     if entry.startswith("re:"):
         return re.match(entry[3:], module) is not None
@@ -112,14 +121,12 @@ def mxfp4(shape: tuple[int, ...]) -> Storage:
 
 
 def _mxfp4(qc: dict[str, Any]) -> StorageRule:
-    import fnmatch
-
     skip = tuple(qc.get("modules_to_not_convert") or ())
 
     def rule(name: str, shape: tuple[int, ...], linear: bool) -> Storage | None:
         if len(shape) != 3 or not name.endswith(MXFP4_TENSORS):
             return None
-        if any(fnmatch.fnmatchcase(name, f"{s}*") or _matches(name, s) for s in skip):
+        if not_converted(name.rpartition(".")[0], skip):  # the experts module holds the tensor
             return None
         return mxfp4(shape)
 
@@ -158,7 +165,7 @@ def _fp8(qc: dict[str, Any], head: str) -> StorageRule:
 
     def rule(name: str, shape: tuple[int, ...], linear: bool) -> Storage | None:
         module = name.removesuffix(".weight")
-        if not linear or module == head or any(_matches(module, s) for s in skip):
+        if not linear or module == head or not_converted(module, skip):
             return None
         return fp8_block(shape, block if len(block) == 2 else shape)  # type: ignore[arg-type]
 

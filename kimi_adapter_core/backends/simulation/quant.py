@@ -24,6 +24,7 @@ from typing import Any
 
 from ...errors import KadaptError, UsageError
 from ...spec.model import QuantScheme, Spec
+from ..extraction.checkpoint_storage import not_converted
 from .params import ParamGroup
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1, "int8": 1}
@@ -90,15 +91,14 @@ class ConfigQuant:
     """The checkpoint format a config's ``quantization_config`` declares for the text linear weights."""
 
     format: WeightFormat
-    not_converted: tuple[str, ...]  # module names (globs) left unquantized, matched anywhere in the name
+    skip: tuple[str, ...]  # modules_to_not_convert, matched as transformers matches them
     groups: tuple[str, ...] | None = None  # the only parameter groups it covers (None: every text linear)
 
     def applies(self, group: ParamGroup, name: str) -> bool:
         if self.groups is not None and group.name not in self.groups:
             return False
-        return is_text_linear(group) and not any(
-            fnmatch.fnmatchcase(name, f"*{k}*") for k in self.not_converted
-        )
+        module = name.rpartition(".")[0]  # the checkpoint name of the module holding the tensor
+        return is_text_linear(group) and not not_converted(module, self.skip)
 
 
 # MXFP4 (OCP microscaling, gpt-oss): 4-bit e2m1 values, one e8m0 (1-byte) scale per 32; transformers
@@ -113,9 +113,9 @@ def config_quantization(raw: Mapping[str, Any]) -> tuple[ConfigQuant | None, lis
     if not isinstance(qc, Mapping):
         return None, []
     method = str(qc.get("quant_method", ""))
-    not_converted = tuple(str(m) for m in qc.get("modules_to_not_convert") or ())
+    skip = tuple(str(m) for m in qc.get("modules_to_not_convert") or ())
     if method == "mxfp4":
-        return ConfigQuant(MXFP4, not_converted, groups=("routed_experts",)), []
+        return ConfigQuant(MXFP4, skip, groups=("routed_experts",)), []
     if method != "fp8":
         return None, [
             f"config quantization_config.quant_method {method!r} is not priced; weights are sized from "
@@ -127,7 +127,7 @@ def config_quantization(raw: Mapping[str, Any]) -> tuple[ConfigQuant | None, lis
     else:
         scale_group, label = 0, "fp8"  # one scale per tensor: negligible
     fmt = WeightFormat(label, 8, scale_group, 4 if scale_group else 0, "fp8")  # fp32 scale_inv per block
-    return ConfigQuant(fmt, not_converted), []
+    return ConfigQuant(fmt, skip), []
 
 
 def mode_format(mode: str, schemes: Sequence[QuantScheme]) -> WeightFormat:
