@@ -89,9 +89,8 @@ class Moe:
     expert_intermediate_size: int
     num_shared_experts: int
     shared_intermediate_size: int  # total width of the shared experts (0 when none)
-    scoring: (
-        str | None
-    )  # softmax | sigmoid; None: neither the config nor the spec says (the model's code decides)
+    # softmax | sigmoid; None: neither the config nor the spec says (the model's code decides)
+    scoring: str | None
     normalize_top_k: bool | None  # None: not stated
     routed_scaling_factor: float = 1.0
     expert_groups: int = 1  # group-limited routing (DeepSeek's n_group / topk_group)
