@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..structure.derive import shorten_layers
+from ..structure.derive import pattern_period, shorten_layers
 
 MAX_LAYERS = 8
 # config key -> tiny value, set where the default config has the key with a value
@@ -82,24 +82,12 @@ PERIOD_KEYS = (
 )
 
 
-def _period(sequence: list[Any]) -> int:
-    """The shortest p with ``sequence[i] == sequence[i % p]``; for no short period, the prefix that
-    holds every distinct value once."""
-    for p in range(1, len(sequence) + 1):
-        if all(v == sequence[i % p] for i, v in enumerate(sequence)):
-            break
-    if p > MAX_LAYERS:
-        kinds = {repr(v) for v in sequence}
-        p = next(i + 1 for i in range(len(sequence)) if {repr(v) for v in sequence[: i + 1]} == kinds)
-    return p
-
-
 def _layers(config: Any) -> int:
     total = int(config.num_hidden_layers)
     keep = 2
     types = _get(config, "layer_types")
     if isinstance(types, (list, tuple)) and len(types) == total:
-        keep = max(keep, _period(list(types)))
+        keep = max(keep, pattern_period(types, MAX_LAYERS))
     for key in PERIOD_KEYS:
         value = _get(config, key)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:

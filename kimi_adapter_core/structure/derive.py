@@ -14,7 +14,7 @@ located at the spec entry, raised before any model is built.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
@@ -251,9 +251,8 @@ def _spans(read: _Reader, num_layers: int) -> list[tuple[str, int | None]]:
     if not window:
         return [("full", None)] * num_layers
     pattern = read.get("sliding_window_pattern")
-    if (
-        pattern
-    ):  # Gemma-3's rule (its config class builds layer_types from it): layer i full iff (i+1) % N == 0
+    # Gemma-3's rule (its config class builds layer_types from it): layer i is full iff (i + 1) % N == 0
+    if pattern:
         return [
             ("full", None) if (i + 1) % int(pattern) == 0 else ("sliding", int(window))
             for i in range(num_layers)
@@ -382,6 +381,20 @@ def derive_structure(config: Any, spec: Spec | None = None, *, where: str = "tex
         outside=_outside(read),
         keys=dict(read.keys),
     )
+
+
+def pattern_period(sequence: Sequence[Any], limit: int) -> int:
+    """Layers that hold one whole period of a per-layer pattern: the shortest ``p`` with ``sequence[i] ==
+    sequence[i % p]`` (6 for Gemma-3's 5 sliding : 1 full), or, when that is longer than ``limit``, the
+    shortest prefix holding every distinct value once. Values are compared by ``repr`` (lists allowed)."""
+    values = [repr(v) for v in sequence]
+    period = next(
+        p for p in range(1, len(values) + 1) if all(v == values[i % p] for i, v in enumerate(values))
+    )
+    if period > limit:
+        kinds = set(values)
+        period = next(i + 1 for i in range(len(values)) if set(values[: i + 1]) == kinds)
+    return period
 
 
 def shorten_layers(section: Mapping[str, Any], total: int, keep: int) -> dict[str, Any]:

@@ -37,7 +37,13 @@ from torch import nn
 
 from ...errors import KadaptError
 from ...spec.model import Spec
-from ...structure.derive import derive_structure, shorten_layers, structure_of_raw, text_config_key
+from ...structure.derive import (
+    derive_structure,
+    pattern_period,
+    shorten_layers,
+    structure_of_raw,
+    text_config_key,
+)
 from ...structure.model import ModelStructure
 from . import multimodal_verify, runtime
 from .naming import rename_weight
@@ -112,11 +118,7 @@ def tiny_layer_count(structure: ModelStructure) -> int:
     sliding/full pattern when that is longer (a 5:1 pattern needs 6 layers to have a full one), or,
     for a pattern with no short period, enough layers to hold every kind once (at most
     ``TINY_MAX_LAYERS``); never more than the model has."""
-    spans = [(layer.attention, layer.window) for layer in structure.layers]
-    period = next(p for p in range(1, len(spans) + 1) if all(s == spans[i % p] for i, s in enumerate(spans)))
-    if period > TINY_MAX_LAYERS:
-        kinds = set(spans)
-        period = next(i + 1 for i in range(len(spans)) if set(spans[: i + 1]) == kinds)
+    period = pattern_period([(layer.attention, layer.window) for layer in structure.layers], TINY_MAX_LAYERS)
     return min(max(TINY_FACTS["num_layers"], min(period, TINY_MAX_LAYERS)), structure.num_layers)
 
 
