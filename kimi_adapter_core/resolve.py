@@ -63,7 +63,7 @@ def _check_targets(findings: _Findings) -> None:
 def _short_model_overrides(spec: Spec) -> dict[str, Any]:
     """Keep enough layers to hold one of each kind (dense and MoE), so class names can be found."""
     from .config.source import resolve_source
-    from .structure.derive import shorten_layers, structure_of_raw, text_config_key
+    from .structure.derive import raw_text_section, shorten_layers, structure_of_raw
 
     raw = resolve_source(spec).raw
     structure = structure_of_raw(spec, raw)
@@ -71,10 +71,10 @@ def _short_model_overrides(spec: Spec) -> dict[str, Any]:
     for layer in structure.layers:
         first_of_kind.setdefault(layer.mlp, layer.index)
     keep = max(first_of_kind.values()) + 1
-    key = text_config_key(spec, isinstance(raw.get("text_config"), dict))
+    key, section = raw_text_section(spec, raw)
     prefix = f"{key}." if key else ""
-    section = raw.get(key) if key else raw
-    lists = shorten_layers(section, structure.num_layers, keep)  # config classes need one entry per layer
+    # config classes need one entry per layer in every per-layer list
+    lists = shorten_layers(section or {}, structure.num_layers, keep)
     return {prefix + structure.keys["num_layers"]: keep, **{prefix + k: v for k, v in lists.items()}}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -150,3 +151,39 @@ def test_a_config_its_class_rejects_is_an_error_not_a_traceback(tmp_path: Path) 
     assert "error: Qwen3Config rejects the bridged config:" in result.output
     assert "must be equal to the number of `layer_types`" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (lambda config, spec: config["quantization_config"].update(quant_method="awq"), "quant_method 'awq'"),
+        (
+            lambda config, spec: config.update(mamba_d_state=16),
+            r"refused \(hybrid\): config sets mamba_d_state",
+        ),
+        (
+            lambda config, spec: config.update(layer_types=["chunked_attention"] * 36),
+            r"refused \(layer-types\)",
+        ),
+        (
+            lambda config, spec: spec.replace(
+                "  dtype: bfloat16\n", "  dtype: bfloat16\n  kv_layout: expanded\n"
+            ),
+            "kv_layout 'expanded' does not fit this model's GQA attention",
+        ),
+    ],
+    ids=["quant-method", "hybrid", "layer-types", "kv-layout"],
+)
+def test_plain_validate_reads_what_the_shipped_config_says(tmp_path: Path, change, expected: str) -> None:
+    """Without torch, plain validate finds what apply would refuse: a storage the weight map cannot
+    describe, what kadapt does not model, an ABI layout the attention cannot hold - located in the spec."""
+    spec_text = (REPO / "specs" / "gpt_oss.yaml").read_text()
+    config = json.loads((REPO / "specs" / "gpt_oss" / "config.json").read_text())
+    spec_text = change(config, spec_text) or spec_text
+    (tmp_path / "gpt_oss").mkdir()
+    (tmp_path / "gpt_oss" / "config.json").write_text(json.dumps(config))
+    path = tmp_path / "gpt_oss.yaml"
+    path.write_text(spec_text)
+    result = run("validate", str(path))
+    assert result.exit_code == 1, result.output
+    assert re.search(re.escape(str(path)) + r":\d+:\d+: .*" + expected, result.output), result.output

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from ..patching.ledger import Ledger
 from ..patching.remote import check_allowed, uses_remote_code
 from ..spec.model import Spec
+from ..structure.derive import refuse_unmodelled_in_raw
 from . import paths
 from .bridges import apply_bridges
 from .build import build_config, check_gate, check_root_gate, config_class
@@ -38,17 +39,7 @@ def load(
         paths.set_(raw, path, copy.deepcopy(value))
     check_root_gate(spec, raw)
     written = apply_bridges(spec, raw, backend=backend, ledger=ledger or Ledger(spec.name, backend))
-    _refuse_unmodelled(spec, raw)  # before a config class validates (or chokes on) what kadapt refuses
+    refuse_unmodelled_in_raw(spec, raw)  # before a config class validates (or chokes on) what kadapt refuses
     config = build_config(config_class(raw, source, remote=remote), raw, written)
     check_gate(spec, config)
     return config, source
-
-
-def _refuse_unmodelled(spec: Spec, raw: dict[str, Any]) -> None:
-    """What kadapt refuses, read on the raw JSON of the text backbone (``refuse_unmodelled``)."""
-    from ..structure.derive import refuse_unmodelled, text_config_key
-
-    key = text_config_key(spec, isinstance(raw.get("text_config"), dict))
-    text = raw.get(key) if key else raw
-    if isinstance(text, dict):
-        refuse_unmodelled(text, spec, where=f"config {key}" if key else "config")

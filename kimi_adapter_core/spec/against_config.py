@@ -43,18 +43,17 @@ def config_diagnostics(
 
 
 def _refusals(spec: Any, config: dict[str, Any], locator: Locator) -> list[Diagnostic]:
-    from ..structure.derive import refuse_unmodelled, text_config_key
+    from ..structure.derive import raw_text_section, refuse_unmodelled_in_raw
 
-    key = text_config_key(spec, isinstance(config.get("text_config"), dict))
-    text = config.get(key) if key else config
-    if not isinstance(text, dict):
+    key, text = raw_text_section(spec, config)
+    if text is None:
         return [
             locator.at(
                 "source.config", f"config has no '{key}' sub-config holding the text backbone", "config"
             )
         ]
     try:
-        refuse_unmodelled(text, spec, where=f"config {key}" if key else "config")
+        refuse_unmodelled_in_raw(spec, config)
     except KadaptError as exc:
         return [locator.at("source.config", exc.message, "refused")]
     return []

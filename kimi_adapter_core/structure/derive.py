@@ -421,13 +421,37 @@ def text_config_key(spec: Spec, has_text_config: bool) -> str | None:
     return "text_config" if has_text_config else None
 
 
-def structure_of_raw(spec: Spec, raw: Mapping[str, Any]) -> ModelStructure:
-    """Structure from a raw root config dict (torch-free: ``kadapt plan`` uses this)."""
+def raw_text_section(spec: Spec, raw: Mapping[str, Any]) -> tuple[str | None, Mapping[str, Any] | None]:
+    """The text backbone's key in a raw root config dict (None: the root is it) and its section (None:
+    the config has no such section)."""
     key = text_config_key(spec, isinstance(raw.get("text_config"), Mapping))
     text = raw.get(key) if key else raw
-    if not isinstance(text, Mapping):
-        raise KadaptError(f"config has no '{key}' sub-config holding the text backbone")
-    return derive_structure(text, spec, where=f"config {key}" if key else "config")
+    return key, text if isinstance(text, Mapping) else None
+
+
+def _where(key: str | None) -> str:
+    """How errors name the text section of the config."""
+    return f"config {key}" if key else "config"
+
+
+def _missing(key: str | None) -> KadaptError:
+    return KadaptError(f"config has no '{key}' sub-config holding the text backbone")
+
+
+def structure_of_raw(spec: Spec, raw: Mapping[str, Any]) -> ModelStructure:
+    """Structure from a raw root config dict (torch-free: ``kadapt plan`` uses this)."""
+    key, text = raw_text_section(spec, raw)
+    if text is None:
+        raise _missing(key)
+    return derive_structure(text, spec, where=_where(key))
+
+
+def refuse_unmodelled_in_raw(spec: Spec, raw: Mapping[str, Any]) -> None:
+    """``refuse_unmodelled`` on the text section of a raw root config dict (no section: nothing to refuse,
+    the structure reports it missing)."""
+    key, text = raw_text_section(spec, raw)
+    if text is not None:
+        refuse_unmodelled(text, spec, where=_where(key))
 
 
 def structure_of_config(spec: Spec, config: Any) -> ModelStructure:
@@ -435,5 +459,5 @@ def structure_of_config(spec: Spec, config: Any) -> ModelStructure:
     key = text_config_key(spec, getattr(config, "text_config", None) is not None)
     text = getattr(config, key, None) if key else config
     if text is None:
-        raise KadaptError(f"config has no '{key}' sub-config holding the text backbone")
-    return derive_structure(text, spec, where=f"config {key}" if key else "config")
+        raise _missing(key)
+    return derive_structure(text, spec, where=_where(key))
