@@ -73,9 +73,24 @@ def _converters(model: nn.Module) -> tuple[list[Any], list[Any]]:
     return renamings, converters
 
 
-def loading_renamings(model: nn.Module) -> list[Any]:
-    """transformers' loading renamings for ``model`` (checkpoint name -> model name, applied in order)."""
-    return _converters(model)[0]
+def _renamed(name: str, renamings: list[Any]) -> str:
+    """``name`` through each of transformers' ``renamings`` in turn."""
+    for renaming in renamings:
+        name, _ = renaming.rename_source_key(name)
+    return name
+
+
+def loading_renamer(model: nn.Module) -> Callable[[str], str]:
+    """Checkpoint name -> the name transformers' loading renamings give it (its converters, which fuse
+    tensors, are not applied: per-expert names stay per expert)."""
+    renamings = _converters(model)[0]
+    return lambda name: _renamed(name, renamings)
+
+
+def _targets(converter: Any) -> list[str]:
+    """A converter's target patterns without the dots some families write around them (Mixtral's
+    ``.experts.gate_up_proj``)."""
+    return [target.strip(".") for target in converter.target_patterns]
 
 
 @dataclass(frozen=True)
@@ -93,7 +108,7 @@ def _target_match(converter: Any, path: str) -> _Target | None:
     A many-to-one converter names the tensor (``mlp.experts.gate_up_proj``); a one-to-many one names
     modules whose every tensor it produces (``attn.q_proj`` for its weight and bias).
     """
-    targets = [target.strip(".") for target in converter.target_patterns]  # Mixtral's: ".experts.down_proj"
+    targets = _targets(converter)
     for index, target in enumerate(targets):
         if path.endswith("." + target):
             prefix, suffix = path[: -len(target)], ""
@@ -162,7 +177,8 @@ def _source_shapes(shape: tuple[int, ...], ops: list[dict[str, Any]], groups: in
 
 
 def _expand(prefix: str, pattern: str, count: int | None) -> tuple[str, ...]:
-    """Concrete names of ``pattern`` under ``prefix``: ``*`` numbered 0..count-1."""
+    """Concrete names of ``pattern`` (dots around it dropped, as for ``_targets``) under ``prefix``:
+    ``*`` numbered 0..count-1."""
     pattern = pattern.strip(".")
     if re.search(r"[\\()\[\]|?+^$]", pattern):
         raise KadaptError(f"weight map: cannot expand transformers source pattern {pattern!r} into names")
@@ -179,13 +195,7 @@ def _checkpoint_namer(renamings: list[Any], renames: tuple[tuple[str, str], ...]
     if renames or not renamings:
         return lambda path: rename_weight(path, renames)
     reverse = [renaming.reverse_transform() for renaming in renamings[::-1]]
-
-    def saved_name(path: str) -> str:
-        for renaming in reverse:
-            path, _ = renaming.rename_source_key(path)
-        return path
-
-    return saved_name
+    return lambda path: _renamed(path, reverse)
 
 
 def _is_linear_weight(model: nn.Module, path: str) -> bool:
@@ -248,7 +258,7 @@ def checkpoint_sources(
             linear = len(shape) == 2 and (stack is not None or _is_linear_weight(model, path))
             source = CheckpointSource(groups, tuple(ops), linear=linear)
             # a one-to-many converter renames its source to the first target; its ops make the others
-            loads_as = target.prefix + converter.target_patterns[0].strip(".") + target.suffix
+            loads_as = target.prefix + _targets(converter)[0] + target.suffix
         for name in _checked_names(source):
             loaded, _ = rename_source_key(name, renamings, converters, model.base_model_prefix, meta_state)
             if loaded != loads_as:

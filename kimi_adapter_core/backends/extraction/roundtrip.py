@@ -556,17 +556,14 @@ def _in_spec_names(model: nn.Module, saved: Path, renames: tuple[tuple[str, str]
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from .checkpoint_layout import loading_renamings
+    from .checkpoint_layout import loading_renamer
 
-    renamings = loading_renamings(model)
+    loaded_name = loading_renamer(model)
     tensors: dict[str, torch.Tensor] = {}
     for shard in sorted(saved.glob("*.safetensors")):
         with safe_open(str(shard), "pt") as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                path = name
-                for renaming in renamings:
-                    path, _ = renaming.rename_source_key(path)
-                tensors[rename_weight(path, renames)] = handle.get_tensor(name)
+                tensors[rename_weight(loaded_name(name), renames)] = handle.get_tensor(name)
     out.mkdir()
     save_file(tensors, str(out / "model.safetensors"))
     return out
