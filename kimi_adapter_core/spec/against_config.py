@@ -36,7 +36,7 @@ def config_diagnostics(
     except KadaptError:
         return []  # unreadable config: the semantic checks reported it
     found = _refusals(spec, config, locator)
-    found += _quantization(config, locator)
+    found += _quantization(spec, config, locator)
     if not found and spec.abi is not None:
         found += _kv_layout(spec, config, locator)
     return found
@@ -59,20 +59,18 @@ def _refusals(spec: Any, config: dict[str, Any], locator: Locator) -> list[Diagn
     return []
 
 
-def _quantization(config: dict[str, Any], locator: Locator) -> list[Diagnostic]:
-    from ..backends.extraction.checkpoint_storage import storage_rule
+def _quantization(spec: Any, config: dict[str, Any], locator: Locator) -> list[Diagnostic]:
+    from ..backends.extraction.checkpoint_storage import quantization_config_of, storage_rule
+    from ..structure.derive import raw_text_section
 
-    for where, holder in (
-        ("text_config.quantization_config", config.get("text_config")),
-        ("quantization_config", config),
-    ):
-        qc = holder.get("quantization_config") if isinstance(holder, dict) else None
-        if isinstance(qc, dict) and qc:
-            try:
-                storage_rule(qc, (), head="lm_head", where=f"config {where}")
-            except KadaptError as exc:
-                return [locator.at("source.config", exc.message, "quantization")]
-            return []
+    _, text = raw_text_section(spec, config)
+    qc, where = quantization_config_of(text or {}, config)
+    if qc is None:
+        return []
+    try:
+        storage_rule(qc, (), head="lm_head", where=where)
+    except KadaptError as exc:
+        return [locator.at("source.config", exc.message, "quantization")]
     return []
 
 

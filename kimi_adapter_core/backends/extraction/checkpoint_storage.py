@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ...errors import KadaptError
@@ -182,6 +182,20 @@ def _schemes(schemes: tuple[QuantScheme, ...]) -> StorageRule:
         return None
 
     return rule
+
+
+def quantization_config_of(text: Any, root: Any) -> tuple[dict[str, Any] | None, str]:
+    """The text config's ``quantization_config``, else the root's, as a dict, with where it was found.
+
+    ``text`` and ``root`` are config objects or raw JSON dicts (plain ``validate`` reads the latter)."""
+    for where, holder in (("text config", text), ("config", root)):
+        if isinstance(holder, Mapping):
+            qc = holder.get("quantization_config")
+        else:
+            qc = getattr(holder, "quantization_config", None)
+        if qc:
+            return (qc.to_dict() if hasattr(qc, "to_dict") else dict(qc)), f"{where} quantization_config"
+    return None, "spec quantization"
 
 
 def storage_rule(

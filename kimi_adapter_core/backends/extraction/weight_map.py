@@ -15,7 +15,7 @@ from torch import nn
 from ...errors import KadaptError
 from ...spec.model import Spec
 from .checkpoint_layout import CheckpointSource, checkpoint_sources
-from .checkpoint_storage import StorageRule, storage_rule
+from .checkpoint_storage import StorageRule, quantization_config_of, storage_rule
 from .graph import TensorType
 from .naming import rename_weight
 
@@ -41,16 +41,6 @@ RULES = {
         "each storage tensor's suffix, combined as 'dequantize' says"
     ),
 }
-
-
-def _quantization_config(config: Any) -> tuple[dict[str, Any] | None, str]:
-    """The text config's ``quantization_config``, else the root's, as a dict, with where it was found."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for where, holder in (("text config", text), ("config", config)):
-        qc = getattr(holder, "quantization_config", None)
-        if qc:
-            return (qc.to_dict() if hasattr(qc, "to_dict") else dict(qc)), f"{where} quantization_config"
-    return None, "spec quantization"
 
 
 def _source_entry(source: CheckpointSource, dtype: str, rule: StorageRule) -> list[dict[str, Any]]:
@@ -79,7 +69,9 @@ def weight_map_document(
 ) -> dict[str, Any]:
     """The weight map of ``weights`` (the graphs' weights by model path) for ``model`` built from ``spec``."""
     sources = checkpoint_sources(model, weights, renames)
-    qc, found_in = _quantization_config(model.config)
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    qc, found_in = quantization_config_of(text, config)
     head_path = next((p for p in weights if p.endswith("lm_head.weight")), "lm_head.weight")
     head = rename_weight(head_path, renames).removesuffix(".weight")
     rule = storage_rule(qc, spec.quantization, head=head, where=found_in)
