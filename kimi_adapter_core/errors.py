@@ -7,6 +7,8 @@ directory, drifted upstream code). The CLI prints ``error: <message>`` and exits
 
 from __future__ import annotations
 
+import re
+
 
 class KadaptError(Exception):
     """A user error: printed as one located message, exit status ``exit_code``."""
@@ -26,6 +28,16 @@ class UsageError(KadaptError):
     """Bad command-line usage (exit 2, like click's own usage errors)."""
 
     exit_code = 2
+
+
+_REFUSED = re.compile(r"refused \(([\w-]+)\): (.*)", re.DOTALL)  # what Refusal writes
+
+
+def parse_refusal(message: str) -> tuple[str, str] | None:
+    """``(code, reason)`` of a ``Refusal``'s message wherever it is reported as text (a diagnostic, a
+    wrapped error), else None."""
+    found = _REFUSED.search(message)
+    return (found[1], found[2]) if found else None
 
 
 class Refusal(KadaptError):

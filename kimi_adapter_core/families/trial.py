@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import tempfile
 import textwrap
 import traceback
 from pathlib import Path
 from typing import Any, NamedTuple
+
+from ..errors import parse_refusal
 
 ADAPTED, REFUSED, FAILED, UNTESTED = "adapted", "refused", "failed", "untested"
 
@@ -184,15 +185,15 @@ def run_trial(model_type: str) -> Row:
         checked = check_spec(spec_path)
         if checked.diagnostics:  # plain validate refuses what it can read from the config alone
             message = checked.diagnostics[0].message
-            refused = re.match(r"refused \(([\w-]+)\): (.*)", message, re.DOTALL)
+            refused = parse_refusal(message)
             if refused:
-                return Row(model_type, REFUSED, refused[1], _one_line(refused[2]))
+                return Row(model_type, REFUSED, refused[0], _one_line(refused[1]))
             return Row(model_type, FAILED, "spec", _one_line(message))
         spec = load_spec(spec_path)
         out = folder / "out"
         try:
             findings = resolve_diagnostics(spec, spec_path)
-            resolved = [d for d in findings if "refused (" in d.message]
+            resolved = [d for d in findings if parse_refusal(d.message)]
             if findings and not resolved:
                 return Row(model_type, FAILED, "resolve", _one_line(findings[0].message))
             options = extraction.options_from_spec(spec, output_dir=out)
