@@ -21,7 +21,9 @@ fused experts) minus ``ignore``. ``ignore`` entries match the checkpoint module 
 without ``.weight``) as compressed-tensors does - ``re:`` prefix a ``re.match``, else the exact name -
 and, deliberately more lenient, a plain entry also matches as the name's last dotted components:
 Kimi-K2.5 lists ``lm_head`` while its head is ``language_model.lm_head``, and its checkpoint stores
-that head in bf16. FP8 applies to every Linear weight but the output head (transformers' rule).
+that head in bf16. FP8 applies to every Linear weight but the output head (transformers' rule), MXFP4
+to the routed experts; for both, ``modules_to_not_convert`` is matched as transformers matches it
+(``not_converted``).
 """
 
 from __future__ import annotations
