@@ -73,6 +73,7 @@ class Naming:
     layers: str
     lm_head: str
     renames: tuple[tuple[str, str], ...]
+    router: str = "gate"  # the MoE block's router attribute (gpt-oss: ``router``; moe.field_renames.gate)
 
     def checkpoint(self, path: str) -> str:
         """The checkpoint's name of model tensor ``path`` (the extraction backend's rule)."""
@@ -87,6 +88,7 @@ def naming(spec: Spec) -> Naming:
         paths["language_layers"],
         paths["lm_head"],
         tuple((r["from"], r["to"]) for r in renames),
+        ((spec.moe or {}).get("field_renames") or {}).get("gate", "gate"),
     )
 
 
@@ -171,12 +173,12 @@ def text_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
         # Qwen2-MoE style (one shared expert of its own width, and a sigmoid gate on it) vs
         # DeepSeek style (n shared experts of the routed width): the config key says which
         qwen_style = "shared_expert_intermediate_size" in s.keys
-        router: list[tuple[str, int]] = [("mlp.gate.weight", experts * h)]
+        router: list[tuple[str, int]] = [(f"mlp.{n.router}.weight", experts * h)]
         if qwen_style and moe.shared_intermediate_size:
             router.append(("mlp.shared_expert_gate.weight", h))
         groups.append(_layers(n, "router", ids, router, "replicated", "bf16", False))
         if moe.scoring == "sigmoid":  # DeepSeek's noaux_tc correction bias, kept in fp32
-            bias = [("mlp.gate.e_score_correction_bias", experts)]
+            bias = [(f"mlp.{n.router}.e_score_correction_bias", experts)]
             groups.append(_layers(n, "router_bias", ids, bias, "replicated", "fp32", False))
         if moe.shared_intermediate_size:
             prefix = "mlp.shared_expert" if qwen_style else "mlp.shared_experts"

@@ -485,6 +485,7 @@ class RoutedExperts(nn.Module):
 class TracedLayer:
     kind: LayerKind
     module: nn.Module
+    rope_type: str | None = None  # its layer type, for a rotary embedding that takes one (Gemma-3)
 
 
 @dataclass
@@ -631,10 +632,11 @@ def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts,
     lm_head = submodule(model, spec, "lm_head")
     layers_path = spec.module_paths["language_layers"]
     kinds = layer_kinds(s)
+    rope_types = upstream.rope_layer_types(lm)
     parts = RankParts(
         lm.get_input_embeddings(),
         _child(spec, lm, "rotary_emb"),
-        [TracedLayer(kind, layers[kind.index]) for kind in kinds],
+        [TracedLayer(kind, layers[kind.index], rope_types and rope_types[kind.index]) for kind in kinds],
         _child(spec, lm, "norm"),
         lm_head,
         nn.Linear(2 * s.hidden_size, s.hidden_size, bias=False) if dep.mtp else None,
@@ -760,10 +762,14 @@ def _step(
     hidden = model.embed_tokens(input_ids)
     if par.tp > 1:
         rec.analytic("tp_all_reduce(vocab_parallel_embedding)", "comm", comm=all_reduce)
-    cos_sin = model.rotary(hidden, positions)
+    # one (cos, sin) per rotary kind the traced layers use (Gemma-3: local and global frequencies)
+    rope = {
+        t: model.rotary(hidden, positions, *([t] if t else []))
+        for t in dict.fromkeys(traced.rope_type for traced in model.layers)
+    }
     for traced in model.layers:
         with rec.scope(traced.kind.kind, len(traced.kind.layers)):
-            hidden = traced.module(hidden, position_embeddings=cos_sin)
+            hidden = traced.module(hidden, position_embeddings=rope[traced.rope_type])
     last = model.norm(hidden if dep.decode else hidden[:, -1:, :])  # prefill: last token's logits
     _logits(model, rec, last, par.tp, vocab)
     if dep.mtp and model.eh_proj is not None:
@@ -771,7 +777,8 @@ def _step(
         with rec.scope("mtp", dep.mtp):  # one DeepSeek-style MTP block per drafted token
             draft_in = hidden[:, -1:, :]
             draft = model.eh_proj(torch.cat([draft_in, model.embed_tokens(input_ids[:, -1:])], dim=-1))
-            draft = block(draft, position_embeddings=(cos_sin[0][:, -1:], cos_sin[1][:, -1:]))
+            cos, sin = rope[model.layers[-1].rope_type]
+            draft = block(draft, position_embeddings=(cos[:, -1:], sin[:, -1:]))
             _logits(model, rec, model.norm(draft), par.tp, vocab)
 
 
