@@ -1,7 +1,7 @@
-"""``kadapt plan`` and ``kadapt simulate`` for every shipped spec (apply, structure and exit status),
-and against figures worked out by hand here: GQA (Llama-3.1-8B), GQA + sliding windows (Mistral-7B), GQA MoE with no dense layer
-and no shared expert (Qwen3-235B-A22B), MLA MoE with an FP8 checkpoint (DeepSeek-V3); Kimi-K2.5's
-own figures are in ``test_plan.py`` / ``test_simulate.py``."""
+"""``kadapt plan`` and ``kadapt simulate`` for every shipped spec (exit status, structure, inventory),
+and against figures worked out by hand here: GQA (Llama-3.1-8B), GQA + sliding windows (Mistral-7B),
+GQA MoE with no dense layer and no shared expert (Qwen3-235B-A22B), MLA MoE with an FP8 checkpoint
+(DeepSeek-V3); Kimi-K2.5's own figures are in ``test_plan.py`` / ``test_simulate.py``."""
 
 from __future__ import annotations
 
