@@ -10,8 +10,8 @@ parameter names (``module_paths`` + transformers' conventional names inside a de
 ``self_attn.q_proj``, ``mlp.experts.gate_up_proj``, ...) after the spec's
 ``backends.extraction.weight_renames``, i.e. what the extraction backend writes and what the spec's
 ``quantization[].modules`` globs match. Sizes that the structure does not carry and that do not
-matter for sizing (q/k norms, attention biases, an MTP block the model class does not build) are
-not counted; see ``docs/cost_model.md``.
+matter for sizing (q/k norms, attention and expert biases, gpt-oss's attention sinks: 0.03% of
+gpt-oss-120b; an MTP block the model class does not build) are not counted; see ``docs/cost_model.md``.
 """
 
 from __future__ import annotations
