@@ -33,6 +33,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from kimi_adapter_core.generate.simulation import (
     PATH_FIELDS,
+    TENSORCAST_EXPERT_ADAPTER_FIELDS,
     TENSORCAST_MLA_FIELDS,
     TENSORCAST_MOE_FIELDS,
 )
@@ -41,7 +42,13 @@ from kimi_adapter_core.spec import load_spec
 from kimi_adapter_core.structure.derive import structure_of_raw
 
 REPO = Path(__file__).resolve().parents[1]
-SPECS = sorted((REPO / "specs").glob("*.yaml"))
+# every shipped spec but those declaring experts TensorCast's per-expert adapter cannot read (no profile)
+UNPROFILED = sorted(
+    p
+    for p in (REPO / "specs").glob("*.yaml")
+    if load_spec(p).backend_options("simulation").get("experts_layout") == "other"
+)
+SPECS = sorted(p for p in (REPO / "specs").glob("*.yaml") if p not in UNPROFILED)
 VISION_LAYERS = 2  # vision blocks kept in the shortened Kimi models
 
 
@@ -574,7 +581,29 @@ def independent_problems(fields: dict[str, Any], model: Any, config: Any) -> lis
             held = len(experts) if per_expert else (stacked[0].shape[0] if stacked else None)
             if held != count:
                 problems.append(f"{key} = {count}, experts hold {held}")
+            if not per_expert:
+                problems += [
+                    f"stacked experts {type(experts).__name__} lack {field}, which TensorCast's per-expert "
+                    "adapter reads"
+                    for field in adapter_fields_missing(experts)
+                ]
     return problems
+
+
+def adapter_fields_missing(experts: Any) -> list[str]:
+    """What TensorCast's per-expert adapter (MoeExpertMLP) reads and ``experts`` lacks, with the shapes
+    it assumes: gate_up_proj [E, 2 * intermediate_dim, hidden_dim], down_proj [E, hidden_dim,
+    intermediate_dim]."""
+    missing = [field for field in TENSORCAST_EXPERT_ADAPTER_FIELDS if not hasattr(experts, field)]
+    if missing:
+        return missing
+    hidden, inner = experts.hidden_dim, experts.intermediate_dim
+    shapes = {"gate_up_proj": (2 * inner, hidden), "down_proj": (hidden, inner)}
+    return [
+        f"{name} shaped [E, {a}, {b}]"
+        for name, (a, b) in shapes.items()
+        if tuple(getattr(experts, name).shape[1:]) != (a, b)
+    ]
 
 
 def profile_kwargs(profile: Any) -> dict[str, Any]:
@@ -915,3 +944,16 @@ def test_native_vision_path_takes_tensorcasts_flat_patches(tmp_path: Path) -> No
             model.get_placeholder_mask(ids, inputs_embeds=embeds, image_features=features)
     finally:
         profile.remove_patches()
+
+
+@pytest.mark.parametrize("spec_path", UNPROFILED, ids=lambda p: p.stem)
+def test_experts_declared_other_are_ones_tensorcasts_adapter_cannot_read(
+    spec_path: Path, tmp_path: Path
+) -> None:
+    """``experts_layout: other`` (no TensorCast profile) is a claim about the built model: checked here."""
+    spec = load_spec(spec_path)
+    config = AutoConfig.from_pretrained(write_model_dir(spec_path.stem, tmp_path / "model", experts=4))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    experts = [m.experts for m in model.modules() if type(m).__name__ == spec.moe["moe_class"]]
+    assert experts and all(adapter_fields_missing(e) for e in experts)

@@ -127,6 +127,10 @@ TENSORCAST_MOE_FIELDS: dict[str, bool] = {
 # custom_expert_module_type: its default (MoeExpertMLP) splits stacked [num_experts, ...] weights
 # into per-expert modules and fails on a per-expert ModuleList, which must be left alone (None).
 EXPERTS_LAYOUTS = ("stacked", "per_expert")
+# What TensorCast's default per-expert adapter (MoeExpertMLP, msmodeling 0.2.0) reads from stacked
+# experts: gate_up_proj [num_experts, 2 * intermediate, hidden] (gate rows first), down_proj
+# [num_experts, hidden, intermediate]. Experts laid out otherwise are declared ``experts_layout: other``.
+TENSORCAST_EXPERT_ADAPTER_FIELDS = ("hidden_dim", "intermediate_dim", "act_fn", "gate_up_proj", "down_proj")
 # auto_map keys, in the order TensorCast tries them (AutoModel, then AutoModelForCausalLM).
 TENSORCAST_AUTO_KEYS = ("AutoModel", "AutoModelForCausalLM")
 
@@ -288,6 +292,14 @@ def swaps_context(spec: Spec) -> dict[str, dict[str, Any]]:
                 spec, TARGET, f"moe.field_renames names {unknown}, which TensorCast has no field for", "moe"
             )
         layout = spec.backend_options(TARGET).get("experts_layout", "stacked")
+        if layout == "other":
+            raise cannot(
+                spec,
+                TARGET,
+                "backends.simulation.experts_layout is 'other': TensorCast's per-expert adapter "
+                f"(MoeExpertMLP: {', '.join(TENSORCAST_EXPERT_ADAPTER_FIELDS)}) cannot read these experts",
+                "backends.simulation.experts_layout",
+            )
         if layout not in EXPERTS_LAYOUTS:  # the schema refuses it first
             raise cannot(spec, TARGET, f"experts_layout {layout!r} is none of {EXPERTS_LAYOUTS}")
         swaps["MoE"] = {
