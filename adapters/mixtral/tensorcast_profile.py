@@ -195,8 +195,9 @@ def _expected_class(hf_config: Any) -> str | None:
 def _apply_spec(hf_config: Any, model_id: str | None) -> None:
     """The spec's config bridges."""
     del model_id  # the bridges depend on the config alone, never on where it came from
-
-    return None
+    # S1 (set): TensorCast sizes its KV cache from config.head_dim, which MixtralConfig leaves None
+    # (transformers' attention uses hidden_size / num_attention_heads = 128).
+    _assign(hf_config, "head_dim", 128)
 
 
 def hf_config_patch_method(hf_config: Any, model_id: str | None = None) -> Any:
