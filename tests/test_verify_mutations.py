@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from fixtures.spec_files import write_family_spec, write_qwen3_three_to_one
+from fixtures.spec_files import SMALL_FAMILY, write_family_spec, write_qwen3_three_to_one
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen3 import modeling_qwen3
 
@@ -27,15 +27,6 @@ from kimi_adapter_core.backends.extraction import options_from_spec, roundtrip, 
 from kimi_adapter_core.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL_FAMILY = {
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "vocab_size": 256,
-}
 
 
 def llama_with_biases(tmp_path: Path) -> Any:

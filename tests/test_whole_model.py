@@ -8,20 +8,9 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from fixtures.spec_files import write_family_spec
+from fixtures.spec_files import SMALL_FAMILY, write_family_spec
 
 from kimi_adapter_core.cli import cli
-
-SMALL = {
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "vocab_size": 256,
-}
-
 
 PATCHES = {
     "embeddings": (
@@ -43,7 +32,7 @@ def test_math_outside_the_layers_is_refused_before_export(side: str, tmp_path: P
     """A family kadapt has never seen that scales its embeddings in the model's forward, or its logits in
     the head's, with no config key saying so (made here from Llama by a spec patch): refused, located."""
     target, impl, where = PATCHES[side]
-    spec = write_family_spec(tmp_path, "llama", SMALL)
+    spec = write_family_spec(tmp_path, "llama", SMALL_FAMILY)
     spec.write_text(
         spec.read_text()
         + f"""
@@ -67,7 +56,7 @@ patches:
 def test_modelled_math_outside_the_layers_exports_and_verifies(model_type: str, tmp_path: Path) -> None:
     """Cohere's logit scale (exported without it before, exit 0) and Gemma-2's final soft-capping are
     applied by the wrappers: the whole-model check passes and --verify proves the saved graphs."""
-    spec = write_family_spec(tmp_path, model_type, SMALL)
+    spec = write_family_spec(tmp_path, model_type, SMALL_FAMILY)
     result = CliRunner().invoke(cli, ["apply", str(spec), "--output-dir", str(tmp_path / "out"), "--verify"])
     assert result.exit_code == 0, result.output
     assert {"cohere": "logits x 0.0625 (logit_scale)", "gemma2": "soft-capped at 30"}[
@@ -79,7 +68,7 @@ def test_modelled_math_outside_the_layers_exports_and_verifies(model_type: str, 
 def test_a_scaled_embedding_module_is_the_model_and_exports(tmp_path: Path) -> None:
     """Gemma scales its embeddings inside its embedding module (embed_scale, a computed buffer that has
     no value on meta: transformers' own _init_weights gives it one): adapted, and --verify proves it."""
-    spec = write_family_spec(tmp_path, "gemma", SMALL)
+    spec = write_family_spec(tmp_path, "gemma", SMALL_FAMILY)
     result = CliRunner().invoke(cli, ["apply", str(spec), "--output-dir", str(tmp_path / "out"), "--verify"])
     assert result.exit_code == 0, result.output
     assert "PASSED" in result.output
