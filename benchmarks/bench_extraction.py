@@ -79,6 +79,7 @@ def child_vision(spec_name: str, stitch: bool) -> dict[str, Any]:
     import torch
 
     from kimi_adapter_core.backends.extraction import options_from_spec, vision
+    from kimi_adapter_core.backends.extraction.weight_map import weight_map_document
     from kimi_adapter_core.loading import applied, load_model
     from kimi_adapter_core.spec import load_spec
 
@@ -94,7 +95,10 @@ def child_vision(spec_name: str, stitch: bool) -> dict[str, Any]:
         seconds = time.perf_counter() - start
         digest = hashlib.sha256()
         size = 0
-        for chunk in vision.vision_chunks(spec, modules, graph, options, "cpu"):
+        weight_map = weight_map_document(
+            spec, model, graph.weights, model_name=options.model_name, renames=options.weight_renames
+        )
+        for chunk in vision.vision_chunks(spec, modules, graph, options, "cpu", weight_map):
             data = chunk.encode()
             digest.update(data)
             size += len(data)

@@ -77,14 +77,26 @@ def test_sizes_bind_from_inputs_and_are_checked_before_execution() -> None:
         "batch": 2,
         "prefill_len": 7,
     }
-    with pytest.raises(KadaptError, match=r"input_ids dim 1 \(prefill_len\) is 65, outside .* 1..64"):
+    # one error naming the input, its expected and its received shape, and why
+    expected = r"expected shape \[batch, 1, prefill_len, prefill_len\], got"
+    with pytest.raises(
+        KadaptError,
+        match=r"^prefill input input_ids: expected shape \[batch, prefill_len\], got \[2, 65\]: "
+        r"dim 1 \(prefill_len\) is 65, outside the graph's range 1..64$",
+    ):
         bind_sizes(PREFILL, [(2, 65), (2, 1, 65, 65)], RANGES, graph="prefill")
-    with pytest.raises(KadaptError, match=r"mask dim 2 \(prefill_len\) is 6, but another input has"):
+    with pytest.raises(
+        KadaptError, match=rf"mask: {expected} \[2, 1, 6, 7\]: dim 2 \(prefill_len\) is 6, but"
+    ):
         bind_sizes(PREFILL, [(2, 7), (2, 1, 6, 7)], RANGES, graph="prefill")
-    with pytest.raises(KadaptError, match=r"mask dim 1 must be 1 \(static\), got 2"):
+    with pytest.raises(
+        KadaptError, match=rf"mask: {expected} \[2, 2, 7, 7\]: dim 1 must be 1 \(static\), got 2"
+    ):
         bind_sizes(PREFILL, [(2, 7), (2, 2, 7, 7)], RANGES, graph="prefill")
-    with pytest.raises(KadaptError, match="must have 4 dims"):
+    with pytest.raises(KadaptError, match=rf"mask: {expected} \[2, 7, 7\]: must have 4 dims, got 3"):
         bind_sizes(PREFILL, [(2, 7), (2, 7, 7)], RANGES, graph="prefill")
+    with pytest.raises(KadaptError, match=r"prefill graph takes 2 inputs \(input_ids, mask\), got 1"):
+        bind_sizes(PREFILL, [(2, 7)], RANGES, graph="prefill")
 
 
 def test_dynamic_sizes_are_checked_with_the_spec() -> None:
@@ -144,7 +156,7 @@ def test_symbolic_ir_and_kv_mapping_name_the_sizes(tmp_path: Path) -> None:
         ["batch", 1, "prefill_len", "prefill_len"],
         ["batch", "prefill_len"],
     ]
-    assert decode["graph_inputs"][3]["shape"] == [1]  # cache_position: one slot for the batch
+    assert decode["graph_inputs"][3]["shape"] == ["batch"]  # cache_position: one position per row
     assert all(i["shape"][0] == "batch" for i in decode["graph_inputs"][:3] + decode["graph_inputs"][4:])
     assert all(isinstance(d, int) for w in prefill["weights"] for d in w["shape"])
     layer = mapping["layers"][0]

@@ -119,15 +119,16 @@ def test_weights_bind_to_the_checkpoint(extracted: tuple) -> None:
     assert weights["language_model.lm_head.weight"]["shape"] == [128, 64]
     gate_up = weights["language_model.model.layers.2.mlp.experts.gate_up_proj"]
     assert gate_up["shape"] == [8, 64, 64] and gate_up["dtype"] == "bfloat16"
-    assert gate_up["quantization"] == {
-        "scheme": "Q1",
-        "bits": 4,
-        "group_size": 32,
-        "pack_dim": 2,
-        "packed": {"shape": [8, 64, 8], "dtype": "int32"},
-        "scale": {"shape": [8, 64, 2], "dtype": "bfloat16"},
-        "compute_dtype": "bfloat16",
-    }
+    # what the checkpoint holds: per expert, gate and up [32, 64] as int32 words + bf16 group scales
+    quantization = gate_up["quantization"]
+    assert quantization["weight_map"] == "language_model.model.layers.2.mlp.experts.gate_up_proj"
+    assert [op["op"] for op in quantization["ops"]] == ["stack", "concat"]
+    for source, proj in zip(quantization["sources"], ("gate_proj", "up_proj"), strict=True):
+        assert source["first"] == f"language_model.model.layers.2.mlp.experts.0.{proj}.weight"
+        assert source["count"] == 8 and source["shape"] == [32, 64]
+        stored = source["storage"]["tensors"]
+        assert (stored["packed"]["shape"], stored["packed"]["dtype"]) == ([32, 64 * 4 // 32], "int32")
+        assert (stored["scale"]["shape"], stored["scale"]["dtype"]) == ([32, 64 // 32], "bfloat16")
     assert "quantization" not in weights["language_model.model.layers.2.mlp.shared_experts.up_proj.weight"]
     assert not any("rotary" in name for name in weights)
     constants = load(options, "decode")["constants"]

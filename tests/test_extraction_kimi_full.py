@@ -38,8 +38,18 @@ def test_full_kimi_extraction(tmp_path: Path) -> None:
     gate_up = weights["language_model.model.layers.60.mlp.experts.gate_up_proj"]
     assert gate_up["shape"] == [384, 4096, 7168] and gate_up["dtype"] == "bfloat16"
     # the checkpoint's per-expert gate/up weight_packed int32 [2048, 896], weight_scale bf16 [2048, 224]
-    assert gate_up["quantization"]["packed"] == {"shape": [384, 4096, 896], "dtype": "int32"}
-    assert gate_up["quantization"]["scale"] == {"shape": [384, 4096, 224], "dtype": "bfloat16"}
+    for source in gate_up["quantization"]["sources"]:
+        assert source["count"] == 384 and source["shape"] == [2048, 7168]
+        assert source["storage"]["tensors"]["packed"] == {
+            "suffix": "_packed",
+            "dtype": "int32",
+            "shape": [2048, 896],
+        }
+        assert source["storage"]["tensors"]["scale"] == {
+            "suffix": "_scale",
+            "dtype": "bfloat16",
+            "shape": [2048, 224],
+        }
     assert weights["language_model.model.layers.60.mlp.gate.e_score_correction_bias"]["dtype"] == "float32"
     assert weights["language_model.lm_head.weight"]["shape"] == [163840, 7168]
     assert "layers.60.mlp.experts.bmm_1" in {node["name"] for node in decode["nodes"]}

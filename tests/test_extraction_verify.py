@@ -3,6 +3,7 @@ and the absorbed MLA attention over the latent cache."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from fixtures.spec_files import KIMI_SPEC as SPEC
 
 from kimi_adapter_core.backends.extraction import options_from_spec, verify
 from kimi_adapter_core.backends.extraction.roundtrip import Check, VerifyReport, tiny_overrides
+from kimi_adapter_core.spec import load_spec
 
 
 @pytest.mark.parametrize(
@@ -43,6 +45,33 @@ def test_verify_matches_transformers_generate(tmp_path: Path, kv_layout: str, ml
     assert report.to_dict()["mla_attention"] == mla_attention and f"{mla_attention} MLA" in report.render()
     assert any("replicate decode" in line for line in lines)  # the stitched path was exercised
     assert list(tmp_path.iterdir()) == []  # the check writes to a temp dir, not the output dir
+
+
+LONG_STEPS = 200
+
+
+@pytest.mark.slow
+def test_bf16_verify_holds_over_200_greedy_steps(tmp_path: Path) -> None:
+    """Issue 22's case: Mistral decoding 200 greedy steps in bf16, logits of magnitude near 8 where one
+    bf16 step is 0.03-0.06. The bound is in ulps (the one ``tolerance.compare``), stated in the report."""
+    spec = load_spec("mistral")
+    options = options_from_spec(spec, output_dir=tmp_path)
+    options = dataclasses.replace(
+        options,
+        verify_decode_steps=LONG_STEPS,
+        verify_max_cache_len=options.verify_prefill_len + LONG_STEPS + 8,
+    )
+    report = verify(spec, options, echo=lambda _: None)
+    assert report.passed, report.render()
+    checks = {check.name: check for check in report.checks}
+    bound = f"bound {options.verify_tolerance_ulps:g} ulps of bfloat16"
+    for name in ("prefill logits (bfloat16)", "decode logits (bfloat16)"):
+        assert bound in checks[name].detail and " ulps; " in checks[name].detail
+    assert f"over {LONG_STEPS + 1} tokens" in checks["decode logits (bfloat16)"].detail
+    assert f"{LONG_STEPS + 1} tokens" in checks["greedy generation (bfloat16)"].detail
+    assert len(report.tokens_ir[0]) == LONG_STEPS + 1 and report.tokens_ir == report.tokens_reference
+    assert report.to_dict()["tolerance_ulps"] == options.verify_tolerance_ulps
+    assert f"{options.verify_tolerance_ulps:g} ulps in low precision" in report.render()
 
 
 def test_tiny_overrides_shrink_every_sub_model(tmp_path: Path) -> None:

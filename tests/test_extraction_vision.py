@@ -21,7 +21,9 @@ from kimi_adapter_core.backends.extraction import vision as vision_module
 from kimi_adapter_core.backends.extraction.naming import rename_weight
 from kimi_adapter_core.backends.extraction.options import VisionOptions
 from kimi_adapter_core.backends.extraction.roundtrip import VerifyReport, tiny_overrides
+from kimi_adapter_core.backends.extraction.tolerance import Tolerance
 from kimi_adapter_core.backends.extraction.vision_verify import check_vision
+from kimi_adapter_core.backends.extraction.weight_map import weight_map_document
 from kimi_adapter_core.backends.extraction.write import write_all
 from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.loading import applied, load_config, load_model
@@ -63,7 +65,11 @@ def exported(
         meta = load_model(SPEC, device="meta", config=config).eval()
         modules = vision_module.prepare(SPEC, meta, options)
         graph = vision_module.build_vision_graph(modules, options, "cpu")
-        write_all({options.path("vision"): vision_module.vision_chunks(SPEC, modules, graph, options, "cpu")})
+        weight_map = weight_map_document(
+            SPEC, meta, graph.weights, model_name=options.model_name, renames=options.weight_renames
+        )
+        chunks = vision_module.vision_chunks(SPEC, modules, graph, options, "cpu", weight_map)
+        write_all({options.path("vision"): chunks})
     weights = {rename_weight(name, options.weight_renames): t for name, t in model.state_dict().items()}
     yield options, model, weights, graph
 
@@ -83,7 +89,7 @@ def test_saved_vision_ir_equals_transformers(exported: tuple) -> None:
     assert graph.notes == {"traced_layers": 2, "replicated_from": {"2": 1, "3": 1}}
     assert len(model.model.vision_tower.layers) == VISION_LAYERS
     report = VerifyReport("latent", 1e-5)
-    result = check_vision(report, SPEC, model, options, weights, tolerance=1e-5)
+    result = check_vision(report, SPEC, model, options, weights, tolerance=Tolerance("float32", 1e-5))
     assert report.passed, report.render()
     assert [c.name for c in report.checks] == ["vision weights bind", "vision features"]
     assert result["shape"] == [TOKENS, model.config.text_config.hidden_size]
@@ -146,7 +152,7 @@ def test_a_wrong_grid_constant_fails_the_check(exported: tuple, tmp_path: Path) 
     broken = dataclasses.replace(options, output_dir=tmp_path)
     broken.path("vision").write_text(json.dumps(doc))
     report = VerifyReport("latent", 1e-5)
-    check_vision(report, SPEC, model, broken, weights, tolerance=1e-5)
+    check_vision(report, SPEC, model, broken, weights, tolerance=Tolerance("float32", 1e-5))
     assert [c.passed for c in report.checks] == [True, False]
 
 

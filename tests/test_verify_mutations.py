@@ -178,3 +178,55 @@ def test_a_dropped_logit_scale_fails_verify(tmp_path: Path) -> None:
     with exported_with(without_outside_math):
         report = verified(spec, tmp_path)
     assert not report.passed and "prefill logits" in failed_checks(report)
+
+
+def batched_verify(spec: Any, tmp_path: Path, **cache: Any) -> Any:
+    options = options_from_spec(spec, output_dir=tmp_path / "out", batch=3, **cache)
+    return verify(spec, dataclasses.replace(options, verify_dtypes=("float32",)), echo=lambda line: None)
+
+
+def test_one_position_for_the_whole_batch_fails_the_ragged_check(tmp_path: Path) -> None:
+    """The decode graph before ragged batches wrote every row's token at row 0's position: a batch of
+    equal-length prompts cannot see it, the ragged check must."""
+    from kimi_adapter_core.backends.extraction import runtime
+
+    spec = load_spec(REPO / "specs" / "mistral.yaml")  # sliding windows too
+    clean = batched_verify(spec, tmp_path)
+    assert clean.passed, clean.render()
+    assert any(check.name == "ragged batch" for check in clean.checks)
+    real = runtime.write_rows
+
+    @contextlib.contextmanager
+    def first_row_position(model: torch.nn.Module, options: Any) -> Iterator[None]:
+        runtime.write_rows = lambda cache, new, position: real(cache, new, position[:1].expand_as(position))
+        try:
+            yield
+        finally:
+            runtime.write_rows = real
+
+    with exported_with(first_row_position):
+        report = batched_verify(spec, tmp_path)
+    assert failed_checks(report) == {"ragged batch"}
+
+
+def test_blocks_read_in_pool_order_fail_the_paged_check(tmp_path: Path) -> None:
+    """A paged graph that reads the pool's blocks in physical order instead of the block table's passes
+    nothing once the rows' blocks are out of order."""
+    from kimi_adapter_core.backends.extraction import runtime
+
+    spec = load_spec(REPO / "specs" / "deepseek_v3.yaml")  # MLA latent blocks
+    clean = batched_verify(spec, tmp_path, kv_cache="paged", block_size=4)
+    assert clean.passed, clean.render()
+    real = runtime.paged_view
+
+    @contextlib.contextmanager
+    def pool_order(model: torch.nn.Module, options: Any) -> Iterator[None]:
+        runtime.paged_view = lambda pool, table: real(pool, table.sort(dim=1).values)
+        try:
+            yield
+        finally:
+            runtime.paged_view = real
+
+    with exported_with(pool_order):
+        report = batched_verify(spec, tmp_path, kv_cache="paged", block_size=4)
+    assert {"greedy generation", "ragged batch"} <= failed_checks(report)

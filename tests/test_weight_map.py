@@ -17,53 +17,34 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch_ir
+from fixtures.checkpoints import (
+    PREFILL,
+    eager_logits,
+    extract,
+    fp8_quantized,
+    kimi_checkpoint,
+    prefill_logits,
+    published_vision,
+)
 from safetensors.torch import save_file
 
-from kimi_adapter_core.backends.extraction import options_from_spec, run
+from kimi_adapter_core.backends.extraction import options_from_spec
 from kimi_adapter_core.backends.extraction.naming import rename_weight
 from kimi_adapter_core.backends.extraction.roundtrip import VerifyReport, tiny_overrides
+from kimi_adapter_core.backends.extraction.tolerance import Tolerance
 from kimi_adapter_core.backends.extraction.vision_verify import check_vision
 from kimi_adapter_core.backends.extraction.weight_loader import load_weights, permute_for_rope, unpack_int
 from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.loading import applied, load_config, load_model
 from kimi_adapter_core.spec import load_spec
 
-PREFILL = 8
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _extract(name: str, out: Path, **overrides):
-    spec = load_spec(name)
-    options = options_from_spec(spec, output_dir=out, prefill_len=PREFILL, max_cache_len=16)
-    config = load_config(spec, overrides={**tiny_overrides(spec, options), **overrides})
-    torch.manual_seed(0)
-    with applied(spec):
-        model = load_model(spec, device="cpu", config=config, dtype=torch.float32).eval()
-        meta = load_model(spec, device="meta", config=config, dtype=torch.float32).eval()
-        run(spec, meta, dataclasses.replace(options, dtype="float32"), echo=lambda _: None)
-    return spec, options, config, model
-
-
-def _prefill_logits(options, weights: dict[str, torch.Tensor], prompt: torch.Tensor) -> torch.Tensor:
-    graph = torch_ir.load_ir(str(options.path("prefill")))
-    assert not torch_ir.weight_loader.validate_weights_against_ir(weights, graph)
-    mask = torch.zeros(1, 1, PREFILL, PREFILL).masked_fill(
-        torch.ones(PREFILL, PREFILL, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min
-    )
-    logits, *_ = torch_ir.IRExecutor(graph, weights).execute((prompt, mask, torch.arange(PREFILL)[None]))
-    return logits
-
-
-def _eager_logits(spec, model, prompt):
-    with applied(spec), torch.no_grad():
-        return model(input_ids=prompt).logits
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen3_moe", "deepseek_v3"])
 def test_checkpoint_written_by_transformers_loads_into_the_ir(name: str, tmp_path: Path) -> None:
     # deepseek_v3 ships an FP8 quantization_config: this tiny checkpoint is written unquantized
-    spec, options, config, model = _extract(name, tmp_path / "ir", quantization_config=None)
+    spec, options, config, model = extract(name, tmp_path / "ir", quantization_config=None)
     model.save_pretrained(tmp_path / "ckpt")  # transformers' writer: fused experts saved per expert
     doc = json.loads(options.path("weight_map").read_text())
     assert not any("storage" in g for e in doc["weights"].values() for g in e["sources"])
@@ -80,105 +61,18 @@ def test_checkpoint_written_by_transformers_loads_into_the_ir(name: str, tmp_pat
     prompt = torch.randint(
         3, config.get_text_config().vocab_size, (1, PREFILL), generator=torch.Generator().manual_seed(1)
     )
-    torch.testing.assert_close(_prefill_logits(options, weights, prompt), _eager_logits(spec, model, prompt))
-
-
-# the published checkpoint's vision names (the hub's remote-code MoonViT modules), native path -> name
-_PUBLISHED_VISION = (
-    (r"^model\.vision_tower\.layers\.(\d+)\.attn\.proj\.", r"vision_tower.encoder.blocks.\1.wo."),
-    (r"^model\.vision_tower\.layers\.(\d+)\.norm1\.", r"vision_tower.encoder.blocks.\1.norm0."),
-    (r"^model\.vision_tower\.layers\.(\d+)\.norm2\.", r"vision_tower.encoder.blocks.\1.norm1."),
-    (r"^model\.vision_tower\.layers\.(\d+)\.mlp\.fc1\.", r"vision_tower.encoder.blocks.\1.mlp.fc0."),
-    (r"^model\.vision_tower\.layers\.(\d+)\.mlp\.fc2\.", r"vision_tower.encoder.blocks.\1.mlp.fc1."),
-    (r"^model\.vision_tower\.layers\.(\d+)\.attn\.qkv\.", r"vision_tower.encoder.blocks.\1.wqkv."),
-    (r"^model\.vision_tower\.final_layernorm\.", "vision_tower.encoder.final_layernorm."),
-    (
-        r"^model\.vision_tower\.patch_embed\.pos_emb\.position_embeddings$",
-        "vision_tower.patch_embed.pos_emb.weight",
-    ),
-    (r"^model\.vision_tower\.", "vision_tower."),
-    (r"^model\.mm_projector\.in_proj\.", "mm_projector.proj.0."),
-    (r"^model\.mm_projector\.out_proj\.", "mm_projector.proj.2."),
-    (r"^model\.mm_projector\.", "mm_projector."),
-)
-
-
-def _published_kimi_name(path: str) -> str:
-    """Kimi-K2.5's checkpoint name of a native model path (the published index's convention)."""
-    path = re.sub(r"^model\.language_model\.", "language_model.model.", path)
-    for pattern, replacement in _PUBLISHED_VISION:
-        path = re.sub(pattern, replacement, path)
-    return re.sub(r"^lm_head\.", "language_model.lm_head.", path)
-
-
-def _published_vision(model: torch.nn.Module, heads: int) -> dict[str, torch.Tensor]:
-    """The vision tower and projector as published: q, k, v fused into ``wqkv`` with q and k rows in
-    interleaved rope order (what transformers' loader chunks and permutes back)."""
-    state = model.state_dict()
-    out: dict[str, torch.Tensor] = {}
-    for path, tensor in state.items():
-        if not path.startswith(("model.vision_tower.", "model.mm_projector.")):
-            continue
-        fused = re.match(r"(.*\.attn)\.([qkv])_proj\.(weight|bias)$", path)
-        if fused is None:
-            out[_published_kimi_name(path)] = tensor.contiguous()
-        elif fused.group(2) == "q":
-            base, _, leaf = fused.groups()
-            parts = [state[f"{base}.{x}_proj.{leaf}"] for x in "qkv"]
-            parts[:2] = [_interleave(part, heads) for part in parts[:2]]
-            out[_published_kimi_name(f"{base}.qkv.{leaf}")] = torch.cat(parts).contiguous()
-    return out
-
-
-def _interleave(rows: torch.Tensor, heads: int) -> torch.Tensor:
-    """Half-split rope rows of each head back to interleaved pairs (the checkpoint's order)."""
-    half = rows.shape[0] // heads // 2
-    return rows.reshape(heads, 2, half, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
-
-
-def _kimi_checkpoint(
-    model: torch.nn.Module, group: int
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(dense per-expert bf16-free layout, the same with routed experts int4-packed) from ``model``."""
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-
-    dense: dict[str, torch.Tensor] = {}
-    packed: dict[str, torch.Tensor] = {}
-    for path, tensor in model.state_dict().items():
-        if not path.startswith(("model.language_model.", "lm_head.")):
-            continue
-        fused = re.match(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$", path)
-        if not fused:
-            dense[_published_kimi_name(path)] = packed[_published_kimi_name(path)] = tensor.contiguous()
-            continue
-        prefix, kind = fused.groups()
-        for expert, w in enumerate(tensor):
-            parts = (
-                dict(zip(("gate_proj", "up_proj"), w.chunk(2, dim=0), strict=True))
-                if kind == "gate_up_proj"
-                else {"down_proj": w}
-            )
-            for proj, weight in parts.items():
-                base = _published_kimi_name(f"{prefix}.{expert}.{proj}.weight")
-                groups = weight.reshape(weight.shape[0], -1, group)
-                scale = (groups.abs().amax(-1, keepdim=True) / 7).clamp(min=1e-8).to(torch.bfloat16)
-                q = torch.clamp(torch.round(groups / scale.float()), -8, 7).to(torch.int8)
-                dense[base] = (q.float() * scale.float()).reshape(weight.shape)
-                packed[base + "_packed"] = pack_to_int32(q.reshape(weight.shape), 4)
-                packed[base + "_scale"] = scale.squeeze(-1).contiguous()
-                packed[base + "_shape"] = torch.tensor(weight.shape)
-    return dense, packed
+    torch.testing.assert_close(prefill_logits(options, weights, prompt), eager_logits(spec, model, prompt))
 
 
 def test_kimi_int4_checkpoint_in_the_published_layout_loads_into_the_ir(tmp_path: Path) -> None:
     from transformers import AutoModelForImageTextToText
 
-    spec, options, config, model = _extract("kimi_k25", tmp_path / "ir")
+    spec, options, config, model = extract("kimi_k25", tmp_path / "ir")
     doc = json.loads(options.path("weight_map").read_text())
     scheme = config.text_config.quantization_config["config_groups"]["group_0"]["weights"]
-    dense, packed = _kimi_checkpoint(model, scheme["group_size"])
+    dense, packed = kimi_checkpoint(model, scheme["group_size"])
 
-    vision = _published_vision(model, config.vision_config.num_attention_heads)
+    vision = published_vision(model, config.vision_config.num_attention_heads)
     assert any(name.endswith(".wqkv.weight") for name in vision)
 
     # 1. the layout is the one transformers' loader reads: the dequantized per-expert checkpoint and the
@@ -215,13 +109,14 @@ def test_kimi_int4_checkpoint_in_the_published_layout_loads_into_the_ir(tmp_path
 
     # 3. the vision graph runs on those weights and equals transformers' image features
     report = VerifyReport("latent", 1e-4)
-    check_vision(report, spec, loaded, dataclasses.replace(options, dtype="float32"), weights, tolerance=1e-4)
+    float32 = dataclasses.replace(options, dtype="float32")
+    check_vision(report, spec, loaded, float32, weights, tolerance=Tolerance("float32", 1e-4))
     assert report.passed, report.render()
 
     prompt = torch.randint(
         3, config.text_config.vocab_size, (1, PREFILL), generator=torch.Generator().manual_seed(1)
     )
-    torch.testing.assert_close(_prefill_logits(options, weights, prompt), _eager_logits(spec, loaded, prompt))
+    torch.testing.assert_close(prefill_logits(options, weights, prompt), eager_logits(spec, loaded, prompt))
 
 
 def test_int4_unpacking_agrees_with_compressed_tensors() -> None:
@@ -250,7 +145,7 @@ def test_rope_permutation_is_transformers_own(shape: tuple[int, ...]) -> None:
 
 
 def test_fp8_block_storage_dequantizes_per_block(tmp_path: Path) -> None:
-    spec, options, config, model = _extract("deepseek_v3", tmp_path / "ir")
+    spec, options, config, model = extract("deepseek_v3", tmp_path / "ir")
     doc = json.loads(options.path("weight_map").read_text())
     entries = doc["weights"]
     fp8 = {
@@ -266,16 +161,11 @@ def test_fp8_block_storage_dequantizes_per_block(tmp_path: Path) -> None:
     rows, cols = group["shape"]
     weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(4))
     scale = torch.rand(-(-rows // block[0]), -(-cols // block[1])) + 0.5
-    stored = (
-        weight / scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-    ).to(torch.float8_e4m3fn)
+    stored, expected = fp8_quantized(weight, scale, block)
     (tmp_path / "ckpt").mkdir()
     save_file({name: stored, name + "_scale_inv": scale}, str(tmp_path / "ckpt" / "model.safetensors"))
     one = {"weights": {name: {"shape": [rows, cols], "dtype": "float32", "sources": [group], "ops": []}}}
     got = load_weights(one, tmp_path / "ckpt")[name]
-    expected = (
-        stored.float() * scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-    )
     assert torch.equal(got, expected)
     assert (got - weight).abs().max() <= weight.abs().max() * 0.07  # e4m3: 3 mantissa bits
 
@@ -303,7 +193,7 @@ def test_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path: Path) -> 
     from safetensors.torch import load_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    spec, options, config, model = _extract("gpt_oss", tmp_path / "ir")
+    spec, options, config, model = extract("gpt_oss", tmp_path / "ir")
     doc = json.loads(options.path("weight_map").read_text())
     packed = {
         g["tensors"][0]: g["storage"]
@@ -333,7 +223,7 @@ def test_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path: Path) -> 
         for name, tensor in expected.items():
             model.get_parameter(name).copy_(tensor)
     prompt = torch.randint(3, config.vocab_size, (1, PREFILL), generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(_prefill_logits(options, weights, prompt), _eager_logits(spec, model, prompt))
+    torch.testing.assert_close(prefill_logits(options, weights, prompt), eager_logits(spec, model, prompt))
 
 
 @pytest.mark.parametrize(

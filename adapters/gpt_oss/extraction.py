@@ -227,6 +227,45 @@ def sliding_window_mask(
     return attention_mask.masked_fill(too_old, torch.finfo(attention_mask.dtype).min)
 
 
+def write_rows(cache: torch.Tensor, new: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+    """``cache`` ``[B, heads, S, dim]`` with row ``b``'s new token ``new[b]`` ``[heads, 1, dim]`` at slot
+    ``cache_position[b]``: rows at different positions in one step (continuous batching).
+
+    Written as ``where(slot == position)`` rather than a scatter: plain elementwise ATen ops that any
+    executor runs, for a static or a dynamic batch.
+    """
+    slots = torch.arange(cache.shape[2], device=cache.device).view(1, 1, -1, 1)
+    return torch.where(slots == cache_position.view(-1, 1, 1, 1), new, cache)
+
+
+def paged_slots(cache_position: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Physical slot of each row's token (the paged slot rule):
+    ``block_table[b, p // block_size] * block_size + p % block_size``."""
+    blocks = block_table.gather(1, torch.div(cache_position, block_size, rounding_mode="floor").view(-1, 1))
+    return blocks.view(-1) * block_size + torch.remainder(cache_position, block_size)
+
+
+def paged_write(
+    pool: torch.Tensor, new: torch.Tensor, cache_position: torch.Tensor, block_table: torch.Tensor
+) -> torch.Tensor:
+    """``pool`` ``[num_blocks, block_size, heads, dim]`` with row ``b``'s new token (``new`` ``[B, heads,
+    1, dim]``) written at its physical slot (``paged_slots``); functional ``index_copy`` on the pool
+    viewed as ``[num_blocks * block_size, heads, dim]``."""
+    num_blocks, block_size, heads, dim = pool.shape
+    slots = paged_slots(cache_position, block_table, block_size)
+    flat = pool.reshape(num_blocks * block_size, heads, dim).index_copy(0, slots, new.squeeze(2))
+    return flat.view(num_blocks, block_size, heads, dim)
+
+
+def paged_view(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """The logical cache ``[B, heads, blocks * block_size, dim]`` of each row: its blocks from ``pool``
+    in ``block_table`` order, so logical slot ``k`` is position ``k`` and the mask rule is unchanged."""
+    _, block_size, heads, dim = pool.shape
+    batch, blocks = block_table.shape
+    rows = pool.index_select(0, block_table.reshape(-1))  # [B * blocks, block_size, heads, dim]
+    return rows.view(batch, blocks * block_size, heads, dim).transpose(1, 2)
+
+
 class StaticKVCache:
     """Duck-typed stand-in for transformers' ``Cache`` that keeps every write a graph value.
 
@@ -243,6 +282,7 @@ class StaticKVCache:
         layer_ids: Sequence[int],
         past: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
         cache_position: torch.Tensor | None = None,
+        block_table: torch.Tensor | None = None,
     ) -> None:
         if kv_layout not in KV_LAYOUTS:
             raise ValueError(f"unknown kv_layout {kv_layout!r}; valid: {', '.join(KV_LAYOUTS)}")
@@ -250,6 +290,7 @@ class StaticKVCache:
         self._slot = {layer_id: slot for slot, layer_id in enumerate(layer_ids)}
         self._past = past
         self._cache_position = cache_position
+        self._block_table = block_table
         self.present: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self._slot)
 
     def update(
@@ -271,12 +312,27 @@ class StaticKVCache:
         return self._write(self._slot[attn.layer_idx], key_states, value_states)
 
     def _write(self, slot: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._past is not None:
-            past_key, past_value = self._past[slot]
-            key = past_key.index_copy(2, self._cache_position, key)
-            value = past_value.index_copy(2, self._cache_position, value)
-        self.present[slot] = (key, value)
-        return key, value
+        """Prefill: the new KV is the present. Decode: write each row's token at its own position.
+
+        Contiguous: row ``b``'s token goes to slot ``cache_position[b]`` of row ``b``; the present is
+        the whole updated cache. Paged: it goes to offset ``p % block_size`` of physical block
+        ``block_table[b, p // block_size]`` of the shared pool; the present is the updated pool and
+        the attention reads the row's blocks gathered in logical order (``paged_write``/``paged_view``).
+        """
+        if self._past is None:
+            self.present[slot] = (key, value)
+            return key, value
+        assert self._cache_position is not None
+        past_key, past_value = self._past[slot]
+        if self._block_table is None:
+            key = write_rows(past_key, key, self._cache_position)
+            value = write_rows(past_value, value, self._cache_position)
+            self.present[slot] = (key, value)
+            return key, value
+        pool_key = paged_write(past_key, key, self._cache_position, self._block_table)
+        pool_value = paged_write(past_value, value, self._cache_position, self._block_table)
+        self.present[slot] = (pool_key, pool_value)
+        return paged_view(pool_key, self._block_table), paged_view(pool_value, self._block_table)
 
     @contextlib.contextmanager
     def routing_expand_kv(self, layers: Sequence[nn.Module]) -> Iterator[None]:
@@ -507,7 +563,18 @@ class MultimodalPrefillWrapper(_TextStack):
 
 
 class DecodeWrapper(_TextStack):
-    """One token over a static cache: inputs end with ``past key0, value0, ...``, outputs the updated ones."""
+    """One token per row over a static cache: inputs end with ``past key0, value0, ...``, outputs the
+    updated ones. ``cache_position`` ``[B]`` is each row's own position (rows may be at different
+    positions: continuous batching).
+
+    ``paged=True``: after ``cache_position`` comes ``block_table`` ``[B, max_cache_len / block_size]``
+    (int64, physical block of each row's logical block) and each past tensor is a shared block pool
+    ``[num_blocks, block_size, heads, dim]`` (vLLM's layout); the outputs are the updated pools.
+    """
+
+    def __init__(self, *args: Any, paged: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.paged = paged
 
     def forward(
         self,
@@ -515,14 +582,15 @@ class DecodeWrapper(_TextStack):
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
         cache_position: torch.Tensor,
-        *past_key_values: torch.Tensor,
+        *tensors: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
+        block_table, past_key_values = (tensors[0], tensors[1:]) if self.paged else (None, tensors)
         if len(past_key_values) != 2 * len(self.layers):
             raise ValueError(
                 f"expected {2 * len(self.layers)} past key/value tensors, got {len(past_key_values)}"
             )
         past = [(past_key_values[2 * i], past_key_values[2 * i + 1]) for i in range(len(self.layers))]
-        cache = StaticKVCache(self.kv_layout, self.layer_ids, past, cache_position)
+        cache = StaticKVCache(self.kv_layout, self.layer_ids, past, cache_position, block_table)
         return self._run(input_ids, attention_mask, position_ids, cache)
 
 
@@ -561,10 +629,22 @@ def decode_inputs(
     num_layers: int,
     dtype: torch.dtype,
     device: str | torch.device = "meta",
+    paged: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Example decode inputs for the token at ``position`` with zeroed caches."""
+    """Example decode inputs for the token at ``position`` in every row, with zeroed caches.
+
+    ``paged`` ``(block_size, num_blocks)``: a block table giving row ``b`` blocks ``b * blocks ...``
+    and zeroed pools ``[num_blocks, block_size, heads, dim]`` instead of per-row caches.
+    """
     positions = torch.full((batch, 1), position, dtype=torch.long, device=device)
-    key_shape, value_shape = kv_shapes(kv_dims, batch, max_cache_len)
+    if paged is None:
+        key_shape, value_shape = kv_shapes(kv_dims, batch, max_cache_len)
+        table: tuple[torch.Tensor, ...] = ()
+    else:
+        block_size, num_blocks = paged
+        key_shape, value_shape = paged_shapes(kv_dims, block_size, num_blocks)
+        blocks = max_cache_len // block_size
+        table = (torch.arange(batch * blocks, device=device).remainder(num_blocks).view(batch, blocks),)
     past: list[torch.Tensor] = []
     for _ in range(num_layers):
         past += [
@@ -575,9 +655,18 @@ def decode_inputs(
         torch.zeros(batch, 1, dtype=torch.long, device=device),
         additive_causal_mask(positions, max_cache_len, dtype),
         positions,
-        torch.tensor([position], dtype=torch.long, device=device),
+        torch.full((batch,), position, dtype=torch.long, device=device),
+        *table,
         *past,
     )
+
+
+def paged_shapes(
+    kv_dims: KVDims, block_size: int, num_blocks: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of one layer's key and value block pools: ``[num_blocks, block_size, heads, dim]``."""
+    (key_heads, key_dim), (value_heads, value_dim) = kv_dims
+    return (num_blocks, block_size, key_heads, key_dim), (num_blocks, block_size, value_heads, value_dim)
 
 
 def place_prefill_kv(present: Sequence[torch.Tensor], max_cache_len: int) -> list[torch.Tensor]:
@@ -590,6 +679,28 @@ def place_prefill_kv(present: Sequence[torch.Tensor], max_cache_len: int) -> lis
             torch.zeros(shape, dtype=tensor.dtype, device=tensor.device).index_copy(2, positions, tensor)
         )
     return placed
+
+
+def place_prefill_kv_paged(
+    present: Sequence[torch.Tensor],
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    pool_shapes: Sequence[Sequence[int]],
+) -> list[torch.Tensor]:
+    """Decode block pools from prefill outputs (``kv_cache: paged``): row ``b``'s positions
+    ``0..lengths[b]-1`` written to their slots by the slot rule, the rest of each pool zeros.
+
+    Pad positions are not written: their slots may be in blocks another row owns."""
+    pools = []
+    for tensor, shape in zip(present, pool_shapes, strict=True):
+        num_blocks, block_size, heads, dim = shape
+        flat = torch.zeros(num_blocks * block_size, heads, dim, dtype=tensor.dtype, device=tensor.device)
+        for row in range(tensor.shape[0]):
+            positions = torch.arange(int(lengths[row]), device=tensor.device)
+            slots = paged_slots(positions, block_table[row : row + 1].expand(len(positions), -1), block_size)
+            flat = flat.index_copy(0, slots, tensor[row, :, : len(positions)].transpose(0, 1))
+        pools.append(flat.view(num_blocks, block_size, heads, dim))
+    return pools
 
 
 # What each layout's cached tensors hold (the KV mapping's contract says it, so a runtime needs no code).
@@ -620,23 +731,61 @@ DYNAMIC_RULE = (
 )
 
 
+class PagedKV(NamedTuple):
+    """``abi.kv_cache: paged``: the decode cache is a pool of fixed-size blocks shared by all rows."""
+
+    block_size: int
+    num_blocks: int
+    block_table: str  # the decode graph's block-table input
+
+    def contract(self, max_cache_len: int) -> dict[str, Any]:
+        blocks = max_cache_len // self.block_size
+        return {
+            "block_size": self.block_size,
+            "num_blocks": self.num_blocks,
+            "blocks_per_row": blocks,
+            "pool": "each decode KV input/output of a layer is a pool [num_blocks, block_size, heads, dim] "
+            "shared by every row (the cache's heads and dim above); the outputs replace the inputs",
+            "block_table": {
+                "input": self.block_table,
+                "shape": ["batch", blocks],
+                "dtype": "int64",
+                "rule": "block_table[b, j] is the pool block holding row b's positions "
+                f"j*{self.block_size}..(j+1)*{self.block_size}-1; blocks may be in any order, each owned by "
+                "one row; entries for blocks a row has not reached yet may name any block (the mask hides "
+                "them), but a row's written blocks must be its own. A row with no request still writes its "
+                "token: give it a scratch block",
+            },
+            "slot_rule": f"position p of row b is offset p % {self.block_size} of block "
+            f"block_table[b, p // {self.block_size}]; the mask is the contiguous layout's, over logical "
+            f"positions 0..{max_cache_len - 1}",
+            "prefill_to_decode": "the prefill graph's KV outputs stay [batch, heads, prefill_len, dim]: "
+            "write row b's positions 0..n_b-1 (its real tokens only) to their slots by the slot rule",
+            "initial": "a pool starts as zeros (any finite values: masked slots are multiplied by 0)",
+        }
+
+
 def kv_contract(
     kv_dims: KVDims,
     *,
     kv_layout: str,
     max_cache_len: int,
     dynamic: dict[str, tuple[int, int]] | None = None,
+    paged: PagedKV | None = None,
 ) -> dict[str, Any]:
     """Everything a runtime needs besides the graphs: cache semantics, masks, positions, capacity,
-    and with ``dynamic`` sizes (``{"prefill_len": (1, 64)}``) how to bind them."""
+    with ``dynamic`` sizes (``{"prefill_len": (1, 64)}``) how to bind them, and with ``paged`` the
+    block pool and block table."""
     key, value = KV_CONTENTS[kv_layout]
     (key_heads, key_dim), (value_heads, value_dim) = kv_dims
     dynamic = dynamic or {}
     padding = (
         "a shorter prompt of n < prefill_len tokens is padded after its end with any token id; "
         "its mask hides the pad slots (columns n..prefill_len-1); the first decode token is at "
-        "position n and overwrites slot n. Left padding is not supported: positions would no longer "
-        "equal slots."
+        "position n and overwrites slot n. Each row of a batch is padded on its own: rows of "
+        "lengths n_0, n_1, ... each hide their own pad slots and decode from their own length "
+        "(ragged batches; a row may also join later, its cache rows placed from its own prefill). "
+        "Left padding is not supported: positions would no longer equal slots."
     )
     if "prefill_len" in dynamic:
         low, high = dynamic["prefill_len"]
@@ -653,9 +802,10 @@ def kv_contract(
         },
         "positions": {
             "position_ids": "int64 [batch, query_len]: the positions of the query tokens (rope)",
-            "cache_position": "int64 [1] (decode only): the slot the new token is written to (its position)",
+            "cache_position": "int64 [batch] (decode only): each row's position, the slot its new token "
+            "is written to; rows are independent and may be at different positions in one step",
             "rule": "position_ids must equal the slots the tokens occupy: prefill 0..prefill_len-1, "
-            "the decode token at position p uses position_ids [[p]] and cache_position [p]",
+            "row b's decode token at position p_b uses position_ids[b] = [p_b] and cache_position[b] = p_b",
         },
         "mask": {
             "input": "attention_mask",
@@ -680,6 +830,8 @@ def kv_contract(
             "sizes": {name: list(bounds) for name, bounds in dynamic.items()},
             "rule": DYNAMIC_RULE,
         }
+    if paged is not None:
+        contract["paged"] = paged.contract(max_cache_len)
     return contract
 
 
@@ -695,6 +847,7 @@ def build_kv_mapping(
     names: dict[str, str],
     mla_attention: str = "reexpand",
     dynamic: dict[str, tuple[int, int]] | None = None,
+    paged: PagedKV | None = None,
 ) -> dict[str, Any]:
     """How prefill KV outputs become decode KV inputs, layer by layer.
 
@@ -702,12 +855,17 @@ def build_kv_mapping(
     ``decode_key_out``/``decode_value_out`` to name templates containing ``{layer}``.
     ``mla_attention`` is recorded only when it is not the default ``reexpand`` (the cache is the same).
     ``dynamic`` sizes (``{"batch": (1, 8)}``) appear in shapes by name, with their ranges.
+    ``paged``: the decode KV tensors are block pools (``kv_cache: paged``), the contract says how.
     """
     dynamic = dynamic or {}
     batch_dim: int | str = "batch" if "batch" in dynamic else batch
     length_dim: int | str = "prefill_len" if "prefill_len" in dynamic else prefill_len
     prefill_shapes = kv_shapes(kv_dims, batch_dim, length_dim)
-    decode_shapes = kv_shapes(kv_dims, batch_dim, max_cache_len)
+    decode_shapes: tuple[tuple[int | str, ...], tuple[int | str, ...]] = (
+        kv_shapes(kv_dims, batch_dim, max_cache_len)
+        if paged is None
+        else paged_shapes(kv_dims, paged.block_size, paged.num_blocks)
+    )
 
     def tensor(role: str, layer: int, shape: tuple[int, ...]) -> dict[str, Any]:
         return {"name": names[role].format(layer=layer), "shape": list(shape), "dtype": dtype}
@@ -729,7 +887,10 @@ def build_kv_mapping(
     return {
         "kv_layout": kv_layout,
         **attention,
-        "contract": kv_contract(kv_dims, kv_layout=kv_layout, max_cache_len=max_cache_len, dynamic=dynamic),
+        "contract": kv_contract(
+            kv_dims, kv_layout=kv_layout, max_cache_len=max_cache_len, dynamic=dynamic, paged=paged
+        ),
+        "kv_cache": "contiguous" if paged is None else "paged",
         "batch": batch,
         "prefill_len": prefill_len,
         **({"dynamic": {name: list(bounds) for name, bounds in dynamic.items()}} if dynamic else {}),
@@ -737,18 +898,32 @@ def build_kv_mapping(
         "num_layers": num_layers,
         "dtype": dtype,
         "sequence_dim": 2,
-        "prefill_to_decode": {
-            "op": "index_copy",
-            "dim": 2,
-            "positions": [0, length_dim],
-            "into": "zeros of the decode input shape",
-        },
-        "decode_update": {
-            "op": "index_copy",
-            "dim": 2,
-            "index": "cache_position",
-            "outputs_replace_inputs": True,
-        },
+        "prefill_to_decode": (
+            {
+                "op": "index_copy",
+                "dim": 2,
+                "positions": [0, length_dim],
+                "into": "zeros of the decode input shape",
+            }
+            if paged is None
+            else {"op": "paged_write", "rule": "see contract.paged.prefill_to_decode"}
+        ),
+        "decode_update": (
+            {
+                "op": "write_rows",
+                "dim": 2,
+                "index": "cache_position",
+                "rule": "row b's new token at slot cache_position[b] of row b",
+                "outputs_replace_inputs": True,
+            }
+            if paged is None
+            else {
+                "op": "paged_write",
+                "index": "cache_position",
+                "rule": "see contract.paged.slot_rule",
+                "outputs_replace_inputs": True,
+            }
+        ),
         "layers": layers,
     }
 

@@ -73,6 +73,15 @@ SIZE = click.IntRange(1, 1 << 24)  # tokens or sequences: 0 or a typo's 1e12 is 
 )
 @click.option("--static", is_flag=True, help="extraction: fixed sizes only, ignoring the spec's abi.dynamic.")
 @click.option(
+    "--kv-cache",
+    type=click.Choice(["contiguous", "paged"]),
+    help="extraction: decode cache as per-row caches or a paged block pool with a block-table input "
+    "(default: the spec's abi.kv_cache, else contiguous).",
+)
+@click.option(
+    "--block-size", type=SIZE, help="extraction: positions per block of a paged cache (implies paged)."
+)
+@click.option(
     "--verify", is_flag=True, help="extraction: check the saved IR on a tiny model against transformers."
 )
 @click.option(
@@ -99,6 +108,8 @@ def command(
     mla_attention: str | None,
     dynamic: tuple[str, ...],
     static: bool,
+    kv_cache: str | None,
+    block_size: int | None,
     verify: bool,
     without: tuple[str, ...],
 ) -> None:
@@ -114,6 +125,7 @@ def command(
       kadapt apply specs/llama.yaml --output-dir out/llama --verify -v
       kadapt apply kimi_k25 --backend none --format json
       kadapt apply llama --dynamic prefill_len --dynamic batch --batch 8
+      kadapt apply llama --batch 8 --kv-cache paged --block-size 16 --verify
     """
     out = reporter(fmt)
     out.detail(f"spec: {spec_path.resolve()}")
@@ -151,18 +163,30 @@ def command(
             kv_layout=kv_layout,
             mla_attention=mla_attention,
             dynamic=() if static else (dynamic or None),
+            kv_cache=kv_cache,
+            block_size=block_size,
         )
     elif (
         verify
         or dynamic
         or static
         or any(
-            v is not None for v in (output_dir, batch, prefill_len, max_cache_len, kv_layout, mla_attention)
+            v is not None
+            for v in (
+                output_dir,
+                batch,
+                prefill_len,
+                max_cache_len,
+                kv_layout,
+                mla_attention,
+                kv_cache,
+                block_size,
+            )
         )
     ):
         raise UsageError(
             "--output-dir/--batch/--prefill-len/--max-cache-len/--kv-layout/--mla-attention/--dynamic/"
-            "--static/--verify need --backend extraction"
+            "--static/--kv-cache/--block-size/--verify need --backend extraction"
         )
     if opts is not None:
         with out.stage("check transformers"):  # its internals, before a 1T-parameter model is built

@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..backends.extraction import runtime
-from ..backends.extraction.options import DECODE_FIXED, PREFILL_FIXED, GraphNames, abi_graph_names
+from ..backends.extraction.options import (
+    DECODE_FIXED,
+    PREFILL_FIXED,
+    GraphNames,
+    abi_graph_names,
+    paged_options,
+)
 from ..backends.extraction.options import resolve_kv_layout as options_resolve_kv_layout
 from ..config.bridges import apply_bridges
 from ..config.source import resolve_source
@@ -106,22 +112,29 @@ def graph_tables(spec: Spec, d: Dims) -> tuple[GraphNames, GraphNames, list[dict
     assert abi is not None
     prefill, decode = abi_graph_names(spec)
     b, s, cap = abi.batch, abi.prefill_len, abi.max_cache_len
+    paged = paged_options(abi.kv_cache, batch=b, max_cache_len=cap, where=spec.locate("abi"))
 
     def fixed(names: GraphNames, q: int, keys: int) -> list[dict[str, Any]]:
         shapes = {
             "input_ids": (_shape(b, q), INDEX_DTYPE),
             "attention_mask": (_shape(b, 1, q, keys), abi.dtype),
             "position_ids": (_shape(b, q), INDEX_DTYPE),
-            "cache_position": (_shape(q), INDEX_DTYPE),
+            "cache_position": (_shape(b), INDEX_DTYPE),
         }
         roles = PREFILL_FIXED if names.past_key is None else DECODE_FIXED
-        return [
+        rows = [
             {"role": "input", "name": name, "shape": shapes[role][0], "dtype": shapes[role][1]}
             for role, name in zip(roles, names.fixed_inputs, strict=True)
         ]
+        if names.past_key is not None and paged is not None:
+            table = _shape(b, cap // paged.block_size)
+            rows.append({"role": "input", "name": paged.block_table, "shape": table, "dtype": INDEX_DTYPE})
+        return rows
 
     def kv(direction: str, key: str, value: str, length: int) -> list[dict[str, Any]]:
         key_shape, value_shape = d.kv(b, length)
+        if length == cap and paged is not None:  # decode: block pools
+            key_shape, value_shape = runtime.paged_shapes(d.kv_dims, paged.block_size, paged.num_blocks)
         return [
             {"role": direction, "name": key, "shape": _shape(*key_shape), "dtype": abi.dtype},
             {"role": direction, "name": value, "shape": _shape(*value_shape), "dtype": abi.dtype},

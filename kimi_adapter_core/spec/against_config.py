@@ -5,7 +5,9 @@ with the same code ``apply`` runs later, so a spec that cannot work fails at lin
 
 - what kadapt refuses to model (hybrid layers, per-layer configs, other attention kinds, math
   outside the layers it does not reproduce) - ``structure.derive.refuse_unmodelled`` on the raw JSON;
-- a ``quantization_config`` whose storage the weight map cannot describe (``quant_method``, format);
+- a ``quantization_config`` whose storage the weight map cannot describe (``quant_method``, format),
+  or that a spec ``quantization`` scheme contradicts (a scheme beside no ``quantization_config``: a
+  warning, since extraction then reads the checkpoint dense);
 - an ``abi.kv_layout`` (or ``mla_attention``) the model's attention cannot hold (``expanded`` on GQA).
 
 A fact a bare ``config.json`` leaves to its transformers class's defaults cannot be read here; the
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import KadaptError
-from .diagnostics import Diagnostic, Location, Locator
+from .diagnostics import Diagnostic, Location, Locator, Severity
 
 
 def config_diagnostics(
@@ -60,18 +62,40 @@ def _refusals(spec: Any, config: dict[str, Any], locator: Locator) -> list[Diagn
 
 
 def _quantization(spec: Any, config: dict[str, Any], locator: Locator) -> list[Diagnostic]:
-    from ..backends.extraction.checkpoint_storage import quantization_config_of, storage_rule
+    """The shipped config's ``quantization_config`` must be one the weight map describes, and the spec's
+    ``quantization`` schemes must agree with it (the config decides storage; a scheme is a claim). A
+    scheme beside a config without one describes another checkpoint than the one shipped: a warning."""
+    from ..backends.extraction.checkpoint_storage import (
+        quantization_config_of,
+        scheme_contradiction,
+        storage_rule,
+    )
     from ..structure.derive import raw_text_section
 
     _, text = raw_text_section(spec, config)
     qc, where = quantization_config_of(text or {}, config)
     if qc is None:
-        return []
+        return [
+            locator.at(
+                f"quantization[{index}]",
+                f"{scheme.id} describes int{scheme.bits} storage, but the config has no quantization_config: "
+                "extraction reads that checkpoint dense, as transformers loads it (set the config's "
+                "quantization_config if the checkpoint is quantized)",
+                "quantization",
+                Severity.WARNING,
+            )
+            for index, scheme in enumerate(spec.quantization)
+        ]
     try:
-        storage_rule(qc, (), head="lm_head", where=where)
+        storage_rule(qc, head="lm_head", where=where)
     except KadaptError as exc:
         return [locator.at("source.config", exc.message, "quantization")]
-    return []
+    found = []
+    for index, scheme in enumerate(spec.quantization):
+        problem = scheme_contradiction(scheme, qc, where)
+        if problem is not None:
+            found.append(locator.at(f"quantization[{index}]", f"{scheme.id}: {problem}", "quantization"))
+    return found
 
 
 def _kv_layout(spec: Any, config: dict[str, Any], locator: Locator) -> list[Diagnostic]:

@@ -129,6 +129,27 @@ class VisionAbi:
 
 
 @dataclass(frozen=True)
+class KvCacheAbi:
+    """``abi.kv_cache``: contiguous per-row caches, or a paged block pool with a block-table input."""
+
+    kind: str = "contiguous"  # contiguous | paged
+    block_size: int = 16
+    num_blocks: int | None = None  # None: batch * max_cache_len / block_size
+    block_table: str = "block_table"
+
+    @classmethod
+    def from_raw(cls, raw: str | dict[str, Any] | None) -> KvCacheAbi:
+        if raw is None or isinstance(raw, str):
+            return cls(kind=raw or "contiguous")
+        return cls(
+            kind=raw["kind"],
+            block_size=raw.get("block_size", 16),
+            num_blocks=raw.get("num_blocks"),
+            block_table=raw.get("block_table", "block_table"),
+        )
+
+
+@dataclass(frozen=True)
 class Abi:
     config: str | None  # sub-config holding the text backbone, None for a flat config
     batch: int
@@ -141,6 +162,7 @@ class Abi:
     mla_attention: str = "reexpand"  # reexpand | absorbed (latent layout only)
     vision: VisionAbi | None = None  # the vision graph, for vision-language models that declare it
     dynamic: tuple[str, ...] = ()  # sizes exported as dynamic dimensions (batch, prefill_len)
+    kv_cache: KvCacheAbi = KvCacheAbi()
 
 
 @dataclass(frozen=True)
@@ -289,6 +311,7 @@ def build_spec(path: Path, raw: dict[str, Any], positions: dict[str, Location]) 
                 mla_attention=abi.get("mla_attention", "reexpand"),
                 vision=_vision_abi(abi.get("vision")),
                 dynamic=tuple(abi.get("dynamic") or ()),
+                kv_cache=KvCacheAbi.from_raw(abi.get("kv_cache")),
             )
             if abi
             else None

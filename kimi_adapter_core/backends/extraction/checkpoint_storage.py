@@ -1,8 +1,13 @@
 """How the checkpoint stores each source tensor: as is, int4 pack-quantized, or FP8 with block scales.
 
-Read from the model config's ``quantization_config`` (the text config's, else the root's) - the same
-object transformers and vLLM read - and, when the config says nothing, from the spec's
-``quantization`` schemes (which then describe compressed-tensors' pack-quantized layout). Formats:
+Read from the config of the checkpoint given, its ``quantization_config`` (the text config's, else the
+root's) - the object transformers reads to load that very checkpoint. No ``quantization_config`` means
+a dense checkpoint, as it does for transformers; to read a quantized checkpoint whose config is silent,
+give the config its ``quantization_config`` (a config bridge ``set``). The spec's ``quantization``
+schemes never decide storage: they are claims about the checkpoint (plan/simulate size weights by
+them), checked against the ``quantization_config`` - parameters by ``scheme_contradiction`` (plain
+``validate`` too), every tensor a scheme's glob covers by ``CheckpointStorage.storage`` - so a spec and
+a config that disagree are a located error, and schemes beside a dense config a note. Formats:
 
 - ``compressed-tensors`` / ``pack-quantized`` (Kimi-K2.5's routed experts): ``X.weight`` is stored as
   ``X.weight_packed`` (int32 words, 32/bits values each, value ``i`` of a row at bits ``bits*i``,
@@ -28,9 +33,11 @@ to the routed experts; for both, ``modules_to_not_convert`` is matched as transf
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ...errors import KadaptError
@@ -174,38 +181,31 @@ def _fp8(qc: dict[str, Any], head: str) -> StorageRule:
     return rule
 
 
-def _schemes(schemes: tuple[QuantScheme, ...]) -> StorageRule:
-    import fnmatch
-
-    def rule(name: str, shape: tuple[int, ...], linear: bool) -> Storage | None:
-        for scheme in schemes:
-            if len(shape) == 2 and name.endswith(".weight") and fnmatch.fnmatchcase(name, scheme.modules):
-                return pack_quantized(shape, scheme.bits, scheme.group_size, scheme.scale_dtype)
-        return None
-
-    return rule
-
-
 def quantization_config_of(text: Any, root: Any) -> tuple[dict[str, Any] | None, str]:
     """The text config's ``quantization_config``, else the root's, as a dict, with where it was found.
 
     ``text`` and ``root`` are config objects or raw JSON dicts (plain ``validate`` reads the latter)."""
-    for where, holder in (("text config", text), ("config", root)):
+    holders = (("config", root),) if text is root else (("text config", text), ("config", root))
+    for where, holder in holders:
         if isinstance(holder, Mapping):
             qc = holder.get("quantization_config")
         else:
             qc = getattr(holder, "quantization_config", None)
         if qc:
             return (qc.to_dict() if hasattr(qc, "to_dict") else dict(qc)), f"{where} quantization_config"
-    return None, "spec quantization"
+    return None, "config (no quantization_config)"
 
 
-def storage_rule(
-    quantization_config: dict[str, Any] | None, schemes: tuple[QuantScheme, ...], *, head: str, where: str
-) -> StorageRule:
-    """The rule deciding each source tensor's storage; ``head`` is the output head's module name."""
+def _dense(name: str, shape: tuple[int, ...], linear: bool) -> Storage | None:
+    return None
+
+
+def storage_rule(quantization_config: dict[str, Any] | None, *, head: str, where: str) -> StorageRule:
+    """The rule deciding each source tensor's storage; ``head`` is the output head's module name.
+
+    No ``quantization_config``: every tensor is stored as is (what transformers loads then)."""
     if not quantization_config:
-        return _schemes(schemes)
+        return _dense
     method = quantization_config.get("quant_method")
     if method == "compressed-tensors":
         return _compressed_tensors(quantization_config, where)
@@ -216,3 +216,123 @@ def storage_rule(
     raise KadaptError(
         f"{where}: quant_method {method!r} is not described (compressed-tensors, fp8, mxfp4 are)"
     )
+
+
+def describe(storage: Storage | None) -> str:
+    """One phrase for a storage block, for messages: ``int4 pack-quantized, groups of 32, bfloat16
+    scales``."""
+    if storage is None:
+        return "dense (stored as is)"
+    if storage["format"] == PACK_QUANTIZED:
+        scale = storage["tensors"]["scale"]["dtype"]
+        return f"int{storage['bits']} pack-quantized, groups of {storage['group_size']}, {scale} scales"
+    if storage["format"] == FP8_BLOCK:
+        rows, cols = storage["block"]
+        return f"float8_e4m3fn with {rows}x{cols} block scales"
+    return str(storage["format"])
+
+
+def _claimed(scheme: QuantScheme, name: str, shape: tuple[int, ...]) -> Storage | None:
+    """The storage ``scheme`` claims for source tensor ``name``, None when its glob does not cover it
+    (a scheme describes 2-D ``X.weight`` tensors, as compressed-tensors quantizes them)."""
+    if len(shape) != 2 or not name.endswith(".weight") or not fnmatch.fnmatchcase(name, scheme.modules):
+        return None
+    return pack_quantized(shape, scheme.bits, scheme.group_size, scheme.scale_dtype)
+
+
+def scheme_contradiction(scheme: QuantScheme, quantization_config: dict[str, Any], where: str) -> str | None:
+    """What in ``quantization_config`` contradicts ``scheme``, a spec's claim that its modules are
+    stored int-``bits`` packed into ``packed_dtype`` words with one ``scale_dtype`` scale per
+    ``group_size`` inputs; None when some config group stores exactly that. Torch-free: plain
+    ``validate`` runs it on the shipped config, the weight map on the config of the checkpoint given."""
+    claim = (
+        f"{scheme.modules!r} is int{scheme.bits} packed into {scheme.packed_dtype} words, "
+        f"groups of {scheme.group_size}, {scheme.scale_dtype} scales"
+    )
+    method = quantization_config.get("quant_method")
+    if method != "compressed-tensors" or quantization_config.get("format") != "pack-quantized":
+        stored = f"quant_method {method!r}" + (
+            f", format {quantization_config.get('format')!r}" if method == "compressed-tensors" else ""
+        )
+        return f"{claim}, but {where} has {stored} (int schemes describe compressed-tensors pack-quantized)"
+    if scheme.packed_dtype != "int32":
+        return f"{claim}, but compressed-tensors ({where}) packs into int32 words"
+    groups = []
+    for group_name, group in (quantization_config.get("config_groups") or {}).items():
+        weights = group.get("weights") or {}
+        scale = (weights.get("scale_dtype") or "torch.bfloat16").removeprefix("torch.")
+        stated = (weights.get("num_bits"), weights.get("group_size"), scale)
+        if stated == (scheme.bits, scheme.group_size, scheme.scale_dtype):
+            return None
+        groups.append(f"{group_name}: int{stated[0]}, groups of {stated[1]}, {stated[2]} scales")
+    return f"{claim}, but {where} has no such config group ({'; '.join(groups) or 'none'})"
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A spec ``quantization`` scheme, checked on every checkpoint tensor its glob covers."""
+
+    scheme: QuantScheme
+    entry: str  # "quantization[0] (Q1)"
+    location: str | None  # file:line:col of the entry
+
+
+@dataclass(frozen=True)
+class CheckpointStorage:
+    """The storage of the checkpoint given, with the spec's ``quantization`` claims that hold for it.
+
+    ``storage`` is the one answer for a source tensor: the weight map writes it and the IR's per-weight
+    ``quantization`` is read from the map, so the two cannot disagree."""
+
+    rule: StorageRule
+    found_in: str | None  # where the quantization_config was read; None: a dense checkpoint
+    claims: tuple[Claim, ...] = ()
+    notes: tuple[str, ...] = ()  # spec schemes that do not describe this checkpoint, and why
+
+    def storage(self, name: str, shape: tuple[int, ...], linear: bool) -> Storage | None:
+        """How ``name`` is stored; a spec scheme covering ``name`` that says otherwise is an error."""
+        stored = self.rule(name, shape, linear)
+        for claim in self.claims:
+            claimed = _claimed(claim.scheme, name, shape)
+            if claimed is not None and claimed != stored:
+                raise KadaptError(
+                    f"{claim.entry}: {claim.scheme.modules!r} covers checkpoint tensor {name} and says it is "
+                    f"{describe(claimed)}, but the {self.found_in} stores it {describe(stored)}; the config "
+                    "decides what is read: fix the scheme (or the config)",
+                    location=claim.location,
+                )
+        return stored
+
+
+def checkpoint_storage(
+    quantization_config: dict[str, Any] | None,
+    found_in: str,
+    schemes: tuple[QuantScheme, ...],
+    *,
+    head: str,
+    locate: Callable[[int], str | None],
+) -> CheckpointStorage:
+    """The storage of the checkpoint whose config holds ``quantization_config`` (found at ``found_in``).
+
+    ``schemes`` are the spec's ``quantization`` entries, ``locate(i)`` the location of entry ``i``. With
+    a ``quantization_config`` each scheme must agree with it (else a located ``KadaptError``) and is then
+    checked on every tensor its glob covers; without one the checkpoint is dense, as transformers reads
+    it, and each scheme only earns a note: it describes another checkpoint (the published one)."""
+    if not quantization_config:
+        notes = tuple(
+            f"quantization[{index}] ({scheme.id}, int{scheme.bits} {scheme.modules!r}) not applied: the "
+            "config has no quantization_config, so the checkpoint is read dense, as transformers loads it "
+            "(for a quantized checkpoint whose config is silent, set its quantization_config with a config "
+            "bridge)"
+            for index, scheme in enumerate(schemes)
+        )
+        return CheckpointStorage(_dense, None, notes=notes)
+    rule = storage_rule(quantization_config, head=head, where=found_in)
+    claims = []
+    for index, scheme in enumerate(schemes):
+        entry = f"quantization[{index}] ({scheme.id})"
+        problem = scheme_contradiction(scheme, quantization_config, found_in)
+        if problem is not None:
+            raise KadaptError(f"{entry}: {problem}", location=locate(index))
+        claims.append(Claim(scheme, entry, locate(index)))
+    return CheckpointStorage(rule, found_in, claims=tuple(claims))

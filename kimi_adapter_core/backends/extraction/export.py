@@ -136,6 +136,8 @@ def wrapper_for(kind: str, backbone: Backbone, options: ExtractionOptions, num_l
         assert merged is not None and merged.image_token_id is not None, "bind_merged_prefill first"
         classes[kind] = runtime.MultimodalPrefillWrapper
         extra["image_token_id"] = merged.image_token_id
+    if kind == "decode" and options.paged is not None:
+        extra["paged"] = True
     return (
         classes[kind]
         .from_language_model(
@@ -182,6 +184,7 @@ def example_inputs(
         num_layers=num_layers,
         dtype=dtype,
         device=backbone.device,
+        paged=None if options.paged is None else (options.paged.block_size, options.paged.num_blocks),
     )
 
 
@@ -190,15 +193,19 @@ def dynamic_dims(kind: str, options: ExtractionOptions, num_inputs: int) -> dict
 
     Prefill: ``input_ids``/``position_ids`` ``[batch, prefill_len]``, the mask ``[batch, 1,
     prefill_len, prefill_len]``. Decode: batch only (one token, a cache of fixed capacity), on every
-    input but ``cache_position`` (one slot for the whole batch). Multimodal prefill: the prefill's,
-    but the image features ``[image tokens, hidden]`` stay fixed (one image ABI for the whole batch).
+    input (``cache_position`` and a paged ``block_table`` have one row per batch row) but the block
+    pools of a paged cache (shared by all rows). Multimodal prefill: the prefill's, but the image
+    features ``[image tokens, hidden]`` stay fixed (one image ABI for the whole batch).
     """
     batch = "batch" in options.dynamic
     length = "prefill_len" in options.dynamic and kind != "decode"
     mask = 2 if kind == MERGED else 1
+    fixed = len(graph_names(kind, options).fixed_inputs)
     dims: dict[int, dict[int, str]] = {}
     for position in range(num_inputs):
-        if (kind, position) in (("decode", 3), (MERGED, 1)):  # cache_position [1]; image features
+        if kind == MERGED and position == 1:  # image features
+            continue
+        if kind == "decode" and options.paged is not None and position >= fixed:  # block pools
             continue
         these = {0: "batch"} if batch else {}
         if length:
@@ -211,7 +218,8 @@ def dynamic_dims(kind: str, options: ExtractionOptions, num_inputs: int) -> dict
 def _torch_dynamic_shapes(
     kind: str, dims: dict[int, dict[int, str]], num_inputs: int
 ) -> tuple[Any, ...] | None:
-    """``dims`` as ``torch.export``'s ``dynamic_shapes`` (decode's ``*past`` is one nested tuple)."""
+    """``dims`` as ``torch.export``'s ``dynamic_shapes`` (decode's ``*tensors`` after ``cache_position``,
+    a paged block table included, is one nested tuple)."""
     if not dims:
         return None
     symbols = {name: torch.export.Dim(name, min=1) for d in dims.values() for name in d.values()}

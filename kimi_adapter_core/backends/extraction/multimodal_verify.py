@@ -24,7 +24,7 @@ from ...errors import KadaptError
 from ...spec.model import Spec
 from . import runtime
 from .options import MERGED, ExtractionOptions
-from .symbolic import bind_ir, ranges_from
+from .symbolic import Placeholders, bind_ir, ranges_from
 from .vision_verify import Report, random_pixels
 
 Prefill = Callable[[torch.Tensor], tuple[torch.Tensor, list[torch.Tensor]]]
@@ -44,11 +44,20 @@ def image_prompt(
     return prompt
 
 
+Place = Callable[[list[torch.Tensor], torch.Tensor], list[torch.Tensor]]
+
+
 class MergedReplay:
     """Runs the saved multimodal prefill as the KV mapping describes it; its KV goes into a decode cache."""
 
-    def __init__(self, options: ExtractionOptions, weights: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self, options: ExtractionOptions, weights: dict[str, torch.Tensor], place: Place | None = None
+    ) -> None:
+        """``place`` turns the prefill's KV (and each row's length) into the decode graph's cache; None:
+        per-row contiguous caches."""
         import torch_ir
+
+        self.place = place
 
         mapping = json.loads(options.path("kv_mapping").read_text())
         if "merged_prefill" not in mapping:
@@ -56,7 +65,8 @@ class MergedReplay:
         merged: dict[str, Any] = mapping["merged_prefill"]
         self.ir = torch_ir.load_ir(options.output_dir / merged["graph"])
         self.weights = weights
-        self.placeholder = int(merged["placeholder_token_id"])
+        self.placeholders = Placeholders.from_document(merged)  # checked by bind_ir on every run
+        self.placeholder = self.placeholders.token_id
         self.feature_rows = int(merged["image_features"]["shape"][0])
         self.ranges = ranges_from(merged.get("dynamic") or {})
         self.dtype = getattr(torch, options.dtype)
@@ -70,16 +80,14 @@ class MergedReplay:
         """
         import torch_ir
 
-        try:
-            runtime.check_image_placeholders(prompt, self.placeholder, features.shape[0])
-        except ValueError as exc:
-            raise KadaptError(f"{MERGED}: {exc}") from exc
         _, mask, positions = runtime.prefill_inputs(
             batch=prompt.shape[0], prefill_len=prompt.shape[1], dtype=self.dtype, device="cpu"
         )
         inputs = (prompt, features, mask, positions)
-        ir = bind_ir(self.ir, [tuple(t.shape) for t in inputs], self.ranges, graph=MERGED)
+        ir = bind_ir(self.ir, inputs, self.ranges, graph=MERGED, placeholders=self.placeholders)
         logits, *present = torch_ir.IRExecutor(ir, self.weights).execute(inputs)
+        if self.place is not None:  # the decode cache the text replay keeps (a paged pool)
+            return logits, self.place(present, torch.full((prompt.shape[0],), prompt.shape[1]))
         return logits, runtime.place_prefill_kv(present, self.max_cache_len)
 
 
@@ -107,7 +115,8 @@ def vision_ir_features(
     """The saved vision IR's image features for ``pixels`` (executed by torch_ir)."""
     import torch_ir
 
-    (features,) = torch_ir.IRExecutor(torch_ir.load_ir(options.path("vision")), weights).execute((pixels,))
+    ir = bind_ir(torch_ir.load_ir(options.path("vision")), (pixels,), {}, graph="vision")
+    (features,) = torch_ir.IRExecutor(ir, weights).execute((pixels,))
     return features
 
 
@@ -119,10 +128,11 @@ def merged_case(
     *,
     text_len: int,
     vocab_size: int,
+    place: Place | None = None,
 ) -> MergedCase:
     """Pixels, their features through the saved vision IR, and an image prompt of ``text_len`` text tokens."""
     assert options.vision is not None
-    replay = MergedReplay(options, weights)
+    replay = MergedReplay(options, weights, place)
     pixels = random_pixels(spec, model, options, getattr(torch, options.dtype))
     features = vision_ir_features(options, weights, pixels)
     prompt = image_prompt(

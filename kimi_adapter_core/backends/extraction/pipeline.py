@@ -118,6 +118,11 @@ def metadata(spec: Spec, backbone: Backbone, options: ExtractionOptions, graph: 
             "kv_layout": options.kv_layout,
             **({} if options.mla_attention == "reexpand" else {"mla_attention": options.mla_attention}),
             **({"dynamic": dynamic_sizes(options, graph.kind)} if options.dynamic else {}),
+            **(
+                {"kv_cache": {"kind": "paged", **paged_kv(options)._asdict()}}  # type: ignore[union-attr]
+                if options.paged is not None and graph.kind == "decode"
+                else {}
+            ),
         },
         **({"multimodal": multimodal_metadata(options)} if merged else {}),
         "structure": options.structure.to_dict() if options.structure is not None else None,
@@ -154,6 +159,12 @@ def multimodal_metadata(options: ExtractionOptions) -> dict[str, Any]:
     }
 
 
+def paged_kv(options: ExtractionOptions) -> runtime.PagedKV | None:
+    """The runtime's description of a paged cache (``abi.kv_cache: paged``), None when contiguous."""
+    paged = options.paged
+    return None if paged is None else runtime.PagedKV(paged.block_size, paged.num_blocks, paged.block_table)
+
+
 def kv_mapping_document(options: ExtractionOptions, backbone: Backbone) -> dict[str, Any]:
     prefill, decode = options.prefill_names, options.decode_names
     mapping = runtime.build_kv_mapping(
@@ -167,6 +178,7 @@ def kv_mapping_document(options: ExtractionOptions, backbone: Backbone) -> dict[
         names=kv_names(prefill, decode),
         mla_attention=options.mla_attention,
         dynamic=dynamic_sizes(options),
+        paged=paged_kv(options),
     )
     graphs = {"prefill_graph": options.path("prefill").name, "decode_graph": options.path("decode").name}
     assert options.structure is not None
@@ -318,14 +330,22 @@ def run(
     with clock.step("write"):
         ties = tied_names(model, {path for g in graphs.values() for path in g.weights})
         files: dict[Path, Iterable[str]] = {}
+        # one weight map for every graph; each IR's per-weight quantization is read from it
+        weight_map = weight_map_document(
+            spec,
+            model,
+            {
+                path: tensor
+                for graph in [*graphs.values(), *([vision_graph] if vision_graph is not None else [])]
+                for path, tensor in graph.weights.items()
+            },
+            model_name=options.model_name,
+            renames=options.weight_renames,
+        )
+        for note in weight_map["notes"]:
+            clock.echo(f"  note: {note}")
         for kind, graph in graphs.items():
-            weights = weight_entries(
-                graph,
-                renames=options.weight_renames,
-                ties=ties,
-                schemes=spec.quantization,
-                compute_dtype=options.dtype,
-            )
+            weights = weight_entries(graph, renames=options.weight_renames, ties=ties, weight_map=weight_map)
             files[options.path(kind)] = ir_chunks(
                 graph,
                 model_name=f"{options.model_name}_{kind}",
@@ -335,25 +355,10 @@ def run(
                 renames=options.weight_renames,
             )
         files[options.path("kv_mapping")] = [json.dumps(kv_mapping_document(options, backbone), indent=1)]
-        files[options.path("weight_map")] = [
-            json.dumps(
-                weight_map_document(
-                    spec,
-                    model,
-                    {
-                        path: tensor
-                        for graph in [*graphs.values(), *([vision_graph] if vision_graph is not None else [])]
-                        for path, tensor in graph.weights.items()
-                    },
-                    model_name=options.model_name,
-                    renames=options.weight_renames,
-                ),
-                indent=1,
-            )
-        ]
+        files[options.path("weight_map")] = [json.dumps(weight_map, indent=1)]
         if vision_modules is not None and vision_graph is not None:
             files[options.path("vision")] = vision.vision_chunks(
-                spec, vision_modules, vision_graph, options, EXEC_DEVICE
+                spec, vision_modules, vision_graph, options, EXEC_DEVICE, weight_map
             )
         sizes = write_all(files)
     summary = ExtractionSummary(

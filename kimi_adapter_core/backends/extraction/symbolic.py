@@ -13,6 +13,16 @@ where ``<text>`` is a Python integer expression over the symbols: integers, name
 parentheses, ``max(a, b)``, ``min(a, b)``. A runtime binds each symbol from the shape of the graph
 input that carries it (``input_ids`` dim 1 is ``prefill_len``), checks it against its range and
 substitutes: that is all ``bind`` does. Torch-free: this module is the reference a runtime can copy.
+
+``bind_ir`` is also the guard every execution of a saved graph goes through, static or dynamic: before
+the executor sees anything it checks each input against the IR's own declaration (``graph_inputs``:
+name, shape with integers or symbols, dtype), so a prompt longer than a static ``prefill_len``, a wrong
+batch, rank or dtype, or a cache tensor of the wrong shape is one ``KadaptError`` naming the input, the
+expected and the received shape. The one rule no declaration states is the multimodal prefill's: its
+``input_ids`` must hold exactly one placeholder token per image feature row (the graph gathers row k to
+the k-th placeholder and cannot count them). The loaded IR carries no metadata, so a runtime passes
+``Placeholders.from_document`` of the KV mapping's ``merged_prefill`` section (or of the IR metadata's
+``multimodal`` block), and the ranges of its ``dynamic`` block (``ranges_from``).
 """
 
 from __future__ import annotations
@@ -97,6 +107,41 @@ def is_symbolic(value: Any) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class Placeholders:
+    """The multimodal prefill's placeholder rule: the token ids (the graph's first input, the ABI's
+    ``input_ids`` role) hold exactly as many ``token_id`` tokens, over the whole ``[batch, prefill_len]``,
+    as the ``features_input`` tensor has rows."""
+
+    token_id: int
+    features_input: str
+
+    @classmethod
+    def from_document(cls, section: Mapping[str, Any]) -> Placeholders:
+        """From the KV mapping's ``merged_prefill`` section (``image_features.input``) or the multimodal
+        IR's ``metadata.multimodal`` block (``feature_input``); both state ``placeholder_token_id``."""
+        features = (
+            section["image_features"]["input"] if "image_features" in section else section["feature_input"]
+        )
+        return cls(int(section["placeholder_token_id"]), str(features))
+
+
+def _dims(shape: Sequence[int | str]) -> str:
+    return "[" + ", ".join(str(dim) for dim in shape) + "]"
+
+
+def _dtype_name(dtype: Any) -> str:
+    """``torch.int64`` / numpy's ``int64`` -> ``"int64"``, the IR's spelling (no torch import needed)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _refused(
+    graph: str, name: str, declared: Sequence[int | str], shape: Sequence[int], why: str
+) -> KadaptError:
+    """The one error for an input of the wrong shape: graph, input, expected and received shape, why."""
+    return KadaptError(f"{graph} input {name}: expected shape {_dims(declared)}, got {_dims(shape)}: {why}")
+
+
 def bind_sizes(
     inputs: Sequence[tuple[str, Sequence[int | str]]],
     shapes: Sequence[Sequence[int]],
@@ -107,50 +152,106 @@ def bind_sizes(
     """Each symbol's size, read from the graph inputs' real ``shapes`` and checked before execution.
 
     ``inputs`` are ``(name, declared shape)`` pairs; a declared dimension is an integer (must match)
-    or a symbol (bound on first sight, must agree afterwards and lie in its range).
+    or a symbol (bound on first sight, must agree afterwards and lie in its range). Every refusal names
+    the input, its expected and its received shape.
     """
     if len(shapes) != len(inputs):
-        raise KadaptError(f"{graph} graph takes {len(inputs)} inputs, got {len(shapes)}")
+        names = ", ".join(name for name, _ in inputs)
+        raise KadaptError(f"{graph} graph takes {len(inputs)} inputs ({names}), got {len(shapes)}")
     sizes: dict[str, int] = {}
     for (name, declared), shape in zip(inputs, shapes, strict=True):
         if len(declared) != len(shape):
-            raise KadaptError(
-                f"{graph} input {name} must have {len(declared)} dims {list(declared)}, got {list(shape)}"
-            )
+            raise _refused(graph, name, declared, shape, f"must have {len(declared)} dims, got {len(shape)}")
         for dim, (want, got) in enumerate(zip(declared, shape, strict=True)):
             if isinstance(want, int):
                 if want != got:
-                    raise KadaptError(
-                        f"{graph} input {name} dim {dim} must be {want} (static), got {got}: "
-                        f"shape {list(shape)}, expected {list(declared)}"
+                    raise _refused(
+                        graph, name, declared, shape, f"dim {dim} must be {want} (static), got {got}"
                     )
                 continue
             if want not in sizes:
                 if want not in ranges:
-                    raise KadaptError(f"{graph} input {name} dim {dim} is {want!r}, which has no range")
+                    raise _refused(graph, name, declared, shape, f"dim {dim} is {want!r}, which has no range")
                 allowed = ranges[want]
                 if not allowed.min <= got <= allowed.max:
-                    raise KadaptError(
-                        f"{graph} input {name} dim {dim} ({want}) is {got}, outside the graph's range "
-                        f"{allowed.min}..{allowed.max}"
+                    why = (
+                        f"dim {dim} ({want}) is {got}, outside the graph's range {allowed.min}..{allowed.max}"
                     )
+                    raise _refused(graph, name, declared, shape, why)
                 sizes[want] = got
             elif sizes[want] != got:
-                raise KadaptError(
-                    f"{graph} input {name} dim {dim} ({want}) is {got}, but another input has "
-                    f"{want} = {sizes[want]}"
-                )
+                why = f"dim {dim} ({want}) is {got}, but another input has {want} = {sizes[want]}"
+                raise _refused(graph, name, declared, shape, why)
     return sizes
 
 
-def bind_ir(ir: Any, shapes: Sequence[Sequence[int]], ranges: Mapping[str, DimRange], *, graph: str) -> Any:
-    """A copy of the loaded ``torch_ir`` IR with every symbol replaced by its size for these input
-    ``shapes`` (an out-of-range or inconsistent input is a ``KadaptError`` here, before execution).
+def check_inputs(
+    ir: Any,
+    inputs: Sequence[Any],
+    ranges: Mapping[str, DimRange],
+    *,
+    graph: str,
+    placeholders: Placeholders | None = None,
+) -> dict[str, int]:
+    """Refuse ``inputs`` (tensors: ``.shape``, ``.dtype``) the loaded ``torch_ir`` IR ``ir`` was not made
+    for, before execution; return each symbol's size.
 
-    Only nodes with symbolic attributes are copied; a static IR comes back unchanged.
+    Checked: the input count, each input's rank and static dimensions, each symbol's range and
+    agreement across inputs (``bind_sizes``), each dtype against the declaration, and with
+    ``placeholders`` the multimodal prefill's placeholder count against the feature rows.
     """
-    declared = [(meta.name, tuple(meta.shape)) for meta in ir.graph_inputs]
-    sizes = bind_sizes(declared, shapes, ranges, graph=graph)
+    sizes = bind_sizes(
+        [(meta.name, tuple(meta.shape)) for meta in ir.graph_inputs],
+        [tuple(tensor.shape) for tensor in inputs],
+        ranges,
+        graph=graph,
+    )
+    for meta, tensor in zip(ir.graph_inputs, inputs, strict=True):
+        got = _dtype_name(tensor.dtype)
+        if meta.dtype and got != meta.dtype:
+            raise KadaptError(
+                f"{graph} input {meta.name}: expected {meta.dtype} {_dims(meta.shape)}, got {got} "
+                f"{_dims(tensor.shape)}: dtype must be {meta.dtype}"
+            )
+    if placeholders is not None:
+        _check_placeholders(ir, inputs, placeholders, graph=graph)
+    return sizes
+
+
+def _check_placeholders(ir: Any, inputs: Sequence[Any], placeholders: Placeholders, *, graph: str) -> None:
+    """The placeholder count of the token ids (first input) must equal the feature input's rows."""
+    names = [meta.name for meta in ir.graph_inputs]
+    if placeholders.features_input not in names:
+        raise KadaptError(
+            f"{graph} graph has no input {placeholders.features_input!r} for the image features "
+            f"(inputs: {', '.join(names)})"
+        )
+    ids, features = inputs[0], inputs[names.index(placeholders.features_input)]
+    count, rows = int((ids == placeholders.token_id).sum()), int(features.shape[0])
+    if count != rows:
+        raise KadaptError(
+            f"{graph} input {names[0]} {_dims(ids.shape)} has {count} image placeholder tokens "
+            f"(id {placeholders.token_id}) but {placeholders.features_input} {_dims(features.shape)} has "
+            f"{rows} rows; they must be equal (row k replaces the k-th placeholder)"
+        )
+
+
+def bind_ir(
+    ir: Any,
+    inputs: Sequence[Any],
+    ranges: Mapping[str, DimRange],
+    *,
+    graph: str,
+    placeholders: Placeholders | None = None,
+) -> Any:
+    """The loaded ``torch_ir`` IR, ready to execute on ``inputs``: checked first (``check_inputs``: a
+    ``KadaptError`` here, before execution, for any input the graph was not made for), then a copy with
+    every symbol replaced by its size.
+
+    Only nodes with symbolic attributes are copied; a static IR comes back unchanged. Call it on every
+    execution, not once per shape: dtypes and placeholder counts differ between calls of one shape.
+    """
+    sizes = check_inputs(ir, inputs, ranges, graph=graph, placeholders=placeholders)
     if not sizes:
         return ir
     bound = copy.copy(ir)

@@ -17,7 +17,7 @@ cannot be replicated the whole encoder is exported. Only MoonViT (transformers'
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -350,15 +350,20 @@ def metadata(spec: Spec, modules: VisionModules, options: ExtractionOptions, dev
 
 
 def vision_chunks(
-    spec: Spec, modules: VisionModules, graph: Graph, options: ExtractionOptions, device: str
+    spec: Spec,
+    modules: VisionModules,
+    graph: Graph,
+    options: ExtractionOptions,
+    device: str,
+    weight_map: Mapping[str, Any],
 ) -> Any:
-    """The vision IR document as text chunks (same layout as the text graphs)."""
+    """The vision IR document as text chunks (same layout as the text graphs); ``weight_map`` is the
+    extraction's one weight map, which the IR's per-weight quantization is read from."""
     weights = weight_entries(
         graph,
         renames=options.weight_renames,
         ties=tied_names(modules.model, graph.weights),
-        schemes=spec.quantization,
-        compute_dtype=options.dtype,
+        weight_map=weight_map,
     )
     return ir_chunks(
         graph,

@@ -4,7 +4,7 @@ Part of ``--verify``: after ``pipeline.run`` wrote the tiny model's files, rando
 spec's fixed grid go through the saved ``…_vision_ir.json`` (loaded with ``torch_ir.load_ir``, run by
 its executor with the CPU model's weights) and through transformers' own
 ``model.get_image_features`` (encoder + projector, patches unmodified), and the features must agree
-within the dtype's tolerance.
+within the dtype's tolerance (``tolerance.compare``, each image token's row against its largest |feature|).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from torch import nn
 
 from ...spec.model import Spec
 from .options import ExtractionOptions
+from .symbolic import bind_ir
+from .tolerance import Tolerance, compare
 
 
 class Report(Protocol):
@@ -50,7 +52,7 @@ def check_vision(
     options: ExtractionOptions,
     weights: dict[str, torch.Tensor],
     *,
-    tolerance: float,
+    tolerance: Tolerance,
     suffix: str = "",
 ) -> dict[str, Any]:
     """Execute the saved vision IR and compare it with transformers; adds two checks to ``report``."""
@@ -66,14 +68,12 @@ def check_vision(
     dtype = getattr(torch, options.dtype)
     pixels = random_pixels(spec, model, options, dtype)
     expected = reference_features(model, pixels, options)
-    (features,) = torch_ir.IRExecutor(ir, weights).execute((pixels,))
-    same_shape = features.shape == expected.shape
-    diff = (features.float() - expected.float()).abs().max().item() if same_shape else float("inf")
+    (features,) = torch_ir.IRExecutor(bind_ir(ir, (pixels,), {}, graph="vision"), weights).execute((pixels,))
+    result = compare([(features, expected)], tolerance)
     grids = ", ".join(f"{t}x{h}x{w}" for t, h, w in options.vision.grid_thws)
     report.add(
         f"vision features{suffix}",
-        same_shape and diff <= tolerance,
-        f"max |diff| {diff:.2e} over {tuple(features.shape)} (expected {tuple(expected.shape)}; "
-        f"grid {grids}) vs get_image_features",
+        result.passed,
+        f"over {tuple(features.shape)} (grid {grids}) vs get_image_features: {result.detail()}",
     )
-    return {"max_diff": diff, "shape": list(features.shape)}
+    return {"max_diff": result.max_diff, "shape": list(features.shape)}

@@ -3,6 +3,8 @@
 Written next to the IR as ``<prefix>_weight_map.json``; a runtime reads it to load real checkpoint
 weights into the graphs (``weight_loader.load_weights`` is the reference reader). Every graph of an
 extraction reads weights by the same names, so one map serves prefill, decode and the vision graph.
+Storage follows the config of the checkpoint given (``checkpoint_storage``); the IR's per-weight
+``quantization`` is this map's entry in short (``ir_quantization``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from torch import nn
 from ...errors import KadaptError
 from ...spec.model import Spec
 from .checkpoint_layout import CheckpointSource, checkpoint_sources
-from .checkpoint_storage import StorageRule, quantization_config_of, storage_rule
+from .checkpoint_storage import CheckpointStorage, checkpoint_storage, quantization_config_of
 from .graph import TensorType
 from .naming import rename_weight
 
@@ -43,11 +45,11 @@ RULES = {
 }
 
 
-def _source_entry(source: CheckpointSource, dtype: str, rule: StorageRule) -> list[dict[str, Any]]:
+def _source_entry(source: CheckpointSource, dtype: str, stored: CheckpointStorage) -> list[dict[str, Any]]:
     """The weight map's ``sources`` of one graph weight; every source has the weight's logical dtype."""
     groups = []
     for group in source.groups:
-        storages = [rule(name, group.shape, source.linear) for name in group.tensors]
+        storages = [stored.storage(name, group.shape, source.linear) for name in group.tensors]
         if any(storage != storages[0] for storage in storages[1:]):
             raise KadaptError(f"weight map: the tensors of {group.pattern} are stored in different formats")
         entry: dict[str, Any] = {"tensors": list(group.tensors), "shape": list(group.shape), "dtype": dtype}
@@ -74,7 +76,9 @@ def weight_map_document(
     qc, found_in = quantization_config_of(text, config)
     head_path = next((p for p in weights if p.endswith("lm_head.weight")), "lm_head.weight")
     head = rename_weight(head_path, renames).removesuffix(".weight")
-    rule = storage_rule(qc, spec.quantization, head=head, where=found_in)
+    stored = checkpoint_storage(
+        qc, found_in, spec.quantization, head=head, locate=lambda i: spec.locate(f"quantization[{i}]")
+    )
     entries: dict[str, Any] = {}
     for path in sorted(weights):
         tensor = weights[path]
@@ -82,16 +86,36 @@ def weight_map_document(
         entries[rename_weight(path, renames)] = {
             "shape": list(tensor.shape),
             "dtype": tensor.dtype,
-            "sources": _source_entry(source, tensor.dtype, rule),
+            "sources": _source_entry(source, tensor.dtype, stored),
             "ops": list(source.ops),
         }
     return {
         "format": FORMAT,
         "version": VERSION,
         "model": model_name,
-        "quantization": found_in if (qc or spec.quantization) else None,
+        "quantization": stored.found_in,
+        "notes": list(stored.notes),
         "rules": RULES,
         # distinct tensors: one fused checkpoint tensor may build several weights (q, k, v from wqkv)
         "checkpoint_tensors": len({t for e in entries.values() for g in e["sources"] for t in g["tensors"]}),
         "weights": entries,
     }
+
+
+def ir_quantization(name: str, entry: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The IR's ``quantization`` of graph weight ``name``: its weight map ``entry`` (the map's key is
+    ``name``) in short - every source group's first tensor, count, shape and storage block, and the
+    ops - or None when every source is stored as is. Read from the map, never computed beside it, so
+    the IR cannot describe a storage the map does not (a stacked packed tensor no checkpoint holds)."""
+    if not any("storage" in group for group in entry["sources"]):
+        return None
+    sources = []
+    for group in entry["sources"]:
+        source: dict[str, Any] = {"first": group["tensors"][0], "count": len(group["tensors"])}
+        if "pattern" in group:
+            source["pattern"] = group["pattern"]
+        source["shape"] = group["shape"]
+        if "storage" in group:
+            source["storage"] = group["storage"]
+        sources.append(source)
+    return {"weight_map": name, "sources": sources, "ops": entry["ops"]}

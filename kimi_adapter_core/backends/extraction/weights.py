@@ -2,24 +2,23 @@
 
 The graph reads each weight under the model's parameter path; the IR lists it under the checkpoint's
 name (``weight_renames``), with the dtype the checkpoint stores, a ``tied`` list when one tensor has
-several names, and a ``quantization`` block when the spec says the checkpoint packs it (the graph
-still computes in the ABI dtype: a runtime dequantizes while loading).
+several names, and a ``quantization`` block - its weight map entry in short - when the checkpoint stores
+it quantized (the graph still computes in the ABI dtype: a runtime dequantizes while loading).
 """
 
 from __future__ import annotations
 
-import fnmatch
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from ...errors import KadaptError
-from ...spec.model import QuantScheme
 from ...upstream import loader_keeps_fp32
 from .graph import WEIGHT, Graph, TensorType, dtype_name
 from .naming import rename_weight
+from .weight_map import ir_quantization
 
 
 def cast_to_abi_dtype(model: nn.Module, roots: Iterable[nn.Module], dtype: torch.dtype) -> int:
@@ -69,43 +68,20 @@ def tied_names(model: nn.Module, paths: Iterable[str]) -> dict[str, list[str]]:
     return {path: [n for n in groups[path] if n != path] for path in paths if path in groups}
 
 
-def quantization_block(
-    name: str, weight: TensorType, schemes: tuple[QuantScheme, ...], compute_dtype: str
-) -> dict[str, Any] | None:
-    """How the checkpoint stores ``name`` if a scheme covers it: packed words plus group scales."""
-    for scheme in schemes:
-        if not fnmatch.fnmatchcase(name, scheme.modules) or len(weight.shape) < 2:
-            continue
-        word_bits = torch.iinfo(getattr(torch, scheme.packed_dtype)).bits
-        *outer, inner = weight.shape
-        if inner % scheme.group_size or (inner * scheme.bits) % word_bits:
-            raise KadaptError(
-                f"quantization {scheme.id}: {name} {list(weight.shape)} does not split into groups of "
-                f"{scheme.group_size} / {scheme.packed_dtype} words of {scheme.bits}-bit values"
-            )
-        return {
-            "scheme": scheme.id,
-            "bits": scheme.bits,
-            "group_size": scheme.group_size,
-            "pack_dim": len(weight.shape) - 1,
-            "packed": {"shape": [*outer, inner * scheme.bits // word_bits], "dtype": scheme.packed_dtype},
-            "scale": {"shape": [*outer, inner // scheme.group_size], "dtype": scheme.scale_dtype},
-            "compute_dtype": compute_dtype,
-        }
-    return None
-
-
 def weight_entries(
     graph: Graph,
     *,
     renames: tuple[tuple[str, str], ...],
     ties: dict[str, list[str]],
-    schemes: tuple[QuantScheme, ...],
-    compute_dtype: str,
+    weight_map: Mapping[str, Any],
 ) -> list[dict[str, Any]]:
-    """The IR's ``weights`` list: one entry per checkpoint tensor the graph reads, in order of first use."""
+    """The IR's ``weights`` list: one entry per checkpoint tensor the graph reads, in order of first use.
+
+    ``weight_map`` is the weight map document written beside the IR; a weight whose checkpoint sources
+    are stored quantized carries that map entry in short as ``quantization`` (``ir_quantization``)."""
     entries = []
     seen: dict[str, str] = {}
+    mapped = weight_map["weights"]
     first_use = {ref.key: None for node in graph.nodes for ref in node.inputs if ref.kind == WEIGHT}
     for path in first_use:
         weight = graph.weights[path]
@@ -113,10 +89,16 @@ def weight_entries(
         if name in seen:
             raise KadaptError(f"weight_renames map both {seen[name]} and {path} to {name}")
         seen[name] = path
+        source = mapped.get(name)
+        if source is None or source["shape"] != list(weight.shape):
+            found = "no entry" if source is None else f"shape {source['shape']}"
+            raise KadaptError(
+                f"the {graph.kind} graph reads {name} {list(weight.shape)}, the weight map has {found}"
+            )
         entry: dict[str, Any] = {"name": name, "shape": list(weight.shape), "dtype": weight.dtype}
         if path in ties:
             entry["tied"] = [rename_weight(other, renames) for other in ties[path]]
-        quant = quantization_block(name, weight, schemes, compute_dtype)
+        quant = ir_quantization(name, source)
         if quant is not None:
             entry["quantization"] = quant
         entries.append(entry)
