@@ -1,4 +1,5 @@
-"""How fast ``kadapt simulate --sweep`` prices configurations, against calling ``simulate`` per configuration.
+"""How fast ``kadapt simulate --sweep`` prices configurations, against calling ``simulate`` per configuration;
+and what the request-level search picks, against AIConfigurator's ``cli default``.
 
 Run: ``python benchmarks/bench_sweep.py`` (Kimi-K2.5 decode on 16 x H200 by default; ``--help`` for
 the grid). Both paths run in the same process after the model is loaded (spec, inputs of every weight
@@ -14,22 +15,38 @@ mode, one warm-up ``simulate`` so imports and first-call caches are paid for):
 
 Each sampled configuration's step time is also compared between the two paths (they must agree to
 rounding: the sweep reproduces ``simulate``'s kernels, see tests/test_sweep.py).
+
+``--requests`` runs the request-level search instead (``kadapt simulate --sweep --isl --osl --ttft
+--tpot``; DeepSeek-V3 on 8 and 16 x H200, ISL 4000, OSL 1000, TTFT 2000 ms, TPOT 30 ms by default,
+AIConfigurator's defaults) and prints kadapt's aggregated and disaggregated picks and wall time per
+device count. When AIConfigurator's CLI is available (``--aiconfigurator PATH``, else
+``aiconfigurator`` on PATH; the ``aiconfigurator`` distribution, not ``aiconfigurator-core``) it runs
+``aiconfigurator cli default`` on the same model (the spec's shipped config directory), system, SLA,
+ISL/OSL and backend and prints its picks beside kadapt's; otherwise the output says it was not run.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import random
+import shutil
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 from kimi_adapter_core.backends.simulation.deployment import Deployment
 from kimi_adapter_core.backends.simulation.device import get_device
 from kimi_adapter_core.backends.simulation.parallel import Parallel
 from kimi_adapter_core.backends.simulation.rank_model import RankModel
+from kimi_adapter_core.backends.simulation.serving import ServingSearch, Workload
 from kimi_adapter_core.backends.simulation.simulator import simulate, trace_kernels
 from kimi_adapter_core.backends.simulation.sweep import Sweep, quant_modes, sweep_inputs
-from kimi_adapter_core.spec import load_spec
+from kimi_adapter_core.spec import Spec, load_spec
 from kimi_adapter_core.spec.loader import resolve_spec_path
+
+AIC_SYSTEMS = {"h200": "h200_sxm", "h100": "h100_sxm", "a100": "a100_sxm"}
 
 
 def main() -> None:
@@ -43,7 +60,18 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=0, help="Prefill this many tokens per query instead.")
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--samples", type=int, default=12, help="Configurations the naive path prices.")
+    parser.add_argument("--requests", action="store_true", help="Benchmark the request-level search.")
+    parser.add_argument("--device-counts", default="8,16", help="--requests: devices to search.")
+    parser.add_argument("--isl", type=int, default=4000)
+    parser.add_argument("--osl", type=int, default=1000)
+    parser.add_argument("--ttft", type=float, default=2000.0, help="ms")
+    parser.add_argument("--tpot", type=float, default=30.0, help="ms")
+    parser.add_argument("--framework", default="trtllm")
+    parser.add_argument("--aiconfigurator", default=None, help="Path of the aiconfigurator executable.")
     args = parser.parse_args()
+    if args.requests:
+        requests(args)
+        return
 
     spec = load_spec(resolve_spec_path(args.spec))
     device = get_device(args.device)
@@ -105,6 +133,92 @@ def main() -> None:
         f"on a model built once ({fresh / reused:.1f}x)"
     )
     print(f"largest step-time difference on the sample: {worst:.1e} (relative)")
+
+
+def requests(args: argparse.Namespace) -> None:
+    """kadapt's request-level picks (and wall time) per device count, beside AIConfigurator's."""
+    spec = load_spec(resolve_spec_path("deepseek_v3" if args.spec == "kimi_k25" else args.spec))
+    device = get_device(args.device)
+    workload = Workload(args.isl, args.osl, args.ttft / 1e3, args.tpot / 1e3)
+    aic = args.aiconfigurator or shutil.which("aiconfigurator")
+    system = AIC_SYSTEMS.get(device.name.split()[0].lower())
+    print(
+        f"{spec.name} on {args.device}, ISL {args.isl}, OSL {args.osl}, TTFT <= {args.ttft:g} ms, "
+        f"TPOT <= {args.tpot:g} ms, {args.framework}"
+    )
+    for devices in (int(n) for n in args.device_counts.split(",")):
+        start = time.perf_counter()
+        inputs = sweep_inputs(spec, quant_modes(spec))
+        base = Deployment(Parallel(), 1, 1, 0, True)
+        result = ServingSearch(spec, inputs, device, base, devices, workload, args.framework).run()
+        wall = time.perf_counter() - start
+        print(
+            f"\n{devices} devices: kadapt {wall:.1f} s wall ({result.traces} per-rank traces, "
+            f"{result.trace_seconds:.1f} s), {result.steps_priced} steps priced, "
+            f"{len(result.candidates)} deployments, {len(result.feasible)} meet the SLA"
+        )
+        for mode in result.modes:
+            best = result.best(mode)
+            if best is None:
+                print(f"  kadapt {mode:<6} none")
+                continue
+            print(
+                f"  kadapt {mode:<6} {best.layout} {best.quant or 'checkpoint'}: "
+                f"{best.tokens_per_s_per_device:.1f} tok/s/GPU, {best.tokens_per_s_per_user:.1f} tok/s/user, "
+                f"TTFT {best.ttft * 1e3:.0f} ms, TPOT {best.tpot * 1e3:.1f} ms"
+            )
+        if aic is None or system is None:
+            why = "no aiconfigurator executable (pip install aiconfigurator)" if aic is None else "no system"
+            print(f"  AIConfigurator cli default: not run ({why})")
+            continue
+        for mode, row in aiconfigurator_picks(aic, spec, system, devices, args).items():
+            print(f"  AIC    {mode:<6} {row}")
+
+
+def aiconfigurator_picks(
+    aic: str, spec: Spec, system: str, devices: int, args: argparse.Namespace
+) -> dict[str, str]:
+    """Run ``aiconfigurator cli default`` on the spec's config directory; its top pick per mode."""
+    if spec.source.config is None:
+        return {"agg": "not run (the spec ships no config)", "disagg": ""}
+    model = spec.source.config.parent  # AIConfigurator reads config.json from a local directory
+    with tempfile.TemporaryDirectory() as out:
+        command = [aic, "cli", "default", "--model-path", str(model), "--total-gpus", str(devices)]
+        command += ["--system", system, "--backend", args.framework, "--isl", str(args.isl)]
+        command += [
+            "--osl",
+            str(args.osl),
+            "--ttft",
+            str(args.ttft),
+            "--tpot",
+            str(args.tpot),
+            "--save-dir",
+            out,
+        ]
+        start = time.perf_counter()
+        run = subprocess.run(command, capture_output=True, text=True, check=False)
+        wall = time.perf_counter() - start
+        picks = {"wall": f"{wall:.1f} s (exit {run.returncode})"}
+        for mode in ("agg", "disagg"):
+            found = sorted(Path(out).rglob(f"{mode}/best_config_topn.csv"))
+            rows = list(csv.DictReader(found[0].open())) if found else []
+            picks[mode] = _aic_row(mode, rows[0]) if rows else "none"
+    return picks
+
+
+def _aic_row(mode: str, row: dict[str, str]) -> str:
+    if mode == "agg":
+        layout = f"{row['parallel']} bs{row['bs']} (x{row['dp']} DP = {row['global_bs']})"
+    else:
+        layout = (
+            f"{row['(p)workers']}P({row['(p)parallel']} bs{row['(p)bs']}) + "
+            f"{row['(d)workers']}D({row['(d)parallel']} bs{row['(d)bs']})"
+        )
+    return (
+        f"{layout}: {float(row['tokens/s/gpu']):.1f} tok/s/GPU, "
+        f"{float(row['tokens/s/user']):.1f} tok/s/user, "
+        f"TTFT {float(row['ttft']):.0f} ms, TPOT {float(row['tpot']):.1f} ms"
+    )
 
 
 if __name__ == "__main__":

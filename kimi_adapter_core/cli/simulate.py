@@ -24,7 +24,7 @@ from ..spec import load_spec
 from .deployment_options import deployment_options, image_options, requested_images
 from .output import format_option, reporter, verbosity_options
 from .spec_argument import spec_argument
-from .sweep_options import run_sweep, sweep_options
+from .sweep_options import run_serving, run_sweep, serving_options, sweep_options
 
 
 @click.command(name="simulate")
@@ -83,7 +83,8 @@ from .sweep_options import run_sweep, sweep_options
     type=click.Choice(["trtllm", "sglang", "vllm"]),
     default="trtllm",
     show_default=True,
-    help="Serving framework whose measured tables --cost-model measured reads.",
+    help="Serving framework: picks the device's kernel-efficiency tables (its newest measured kernels) "
+    "and, with --cost-model measured, AIConfigurator's tables.",
 )
 @click.option(
     "--top", type=int, default=25, show_default=True, help="Rows of the op table in text output (0: all)."
@@ -98,6 +99,7 @@ from .sweep_options import run_sweep, sweep_options
 )
 @verbosity_options
 @sweep_options
+@serving_options
 def command(
     spec_path: Path,
     device: str | None,
@@ -125,6 +127,11 @@ def command(
     devices: int | None,
     batches: tuple[int, ...] | None,
     plot: Path | None,
+    isl: int | None,
+    osl: int | None,
+    ttft: float | None,
+    tpot: float | None,
+    serving: str,
 ) -> None:
     """Price one step of SPEC's model on a device and report time, tokens/s and memory.
 
@@ -141,6 +148,7 @@ def command(
       kadapt simulate kimi_k25 --device h200 --tp 8 --decode --context-len 4096 --format json
       kadapt simulate deepseek_v3 --device h200 --tp 8 --ep 8 --cost-model measured
       kadapt simulate qwen3_moe --device h200 --decode --sweep --devices 8 --plot front.html
+      kadapt simulate deepseek_v3 --device h200 --sweep --devices 16 --isl 4000 --osl 1000 --tpot 30
     """
     from ..backends.simulation.deployment import Deployment
     from ..backends.simulation.report import (
@@ -177,6 +185,41 @@ def command(
         kv_dtype,
         routing.replace("-", "_"),
     )
+    requests = isl is not None or osl is not None
+    if not requests and (ttft is not None or tpot is not None or serving != "both"):
+        raise click.UsageError("--ttft, --tpot and --serving apply to a request sweep (--sweep --isl --osl)")
+    if requests and not sweep:
+        raise click.UsageError("--isl and --osl apply to --sweep")
+    if sweep and requests:
+        if isl is None or osl is None:
+            raise click.UsageError("a request sweep needs both --isl and --osl")
+        if decode or query_len is not None or context_len:
+            raise click.UsageError(
+                "--isl/--osl price whole requests (prefill and decode); "
+                "drop --decode, --query-len and --context-len"
+            )
+        if cost_model != "roofline":
+            raise click.UsageError("--sweep prices with the roofline cost model")
+        from ..backends.simulation.serving import Workload
+
+        workload = Workload(isl, osl, ttft / 1e3 if ttft else None, tpot / 1e3 if tpot else None)
+        with out.stage("request sweep"):
+            report = run_serving(
+                spec,
+                inputs,
+                profile,
+                dep,
+                workload,
+                devices=devices or tp * dp,
+                framework=framework,
+                modes=("agg", "disagg") if serving == "both" else (serving,),
+                batches=batches,
+                quant=quant,
+                plot=plot,
+                fmt="json" if out.json else "text",
+            )
+        out.result(report)
+        return
     if sweep:
         if cost_model != "roofline":
             raise click.UsageError("--sweep prices with the roofline cost model")

@@ -530,7 +530,10 @@ class Sweep:
 
     ``inputs`` maps each swept weight mode (None: the checkpoint) to its ``model_inputs``; ``base``
     carries the step shape (query/context length, decode, MTP, KV dtype, routing): its layout and
-    batch are replaced per configuration."""
+    batch are replaced per configuration. ``kv_tokens`` sizes each sequence's KV cache when it must
+    hold more than the step's context (a request-level search prices decode at a request's mean
+    context but must fit its last token); ``models`` shares built per-rank models between sweeps of
+    one model and spec (keyed by TP size and whether MTP drafts are traced)."""
 
     def __init__(
         self,
@@ -542,6 +545,8 @@ class Sweep:
         *,
         pricer: Pricer | None = None,
         batches: Sequence[int] = DEFAULT_BATCHES,
+        kv_tokens: int | None = None,
+        models: dict[tuple[int, bool], RankModel] | None = None,
     ) -> None:
         if not inputs:
             raise UsageError("a sweep needs at least one weight mode")
@@ -565,7 +570,10 @@ class Sweep:
         self._direct: dict[Config, list[Op]] = {}
         self._lines: dict[str | None, tuple[Any, ...]] = {}
         self._kv: dict[int, int] = {}
-        self._models: dict[int, RankModel] = {}  # per TP size: built once, traced at every shape
+        # per (TP size, MTP): built once, traced at every shape; a request-level search hands every
+        # sweep of one model the same dict, so a prefill and a decode sweep share the built models
+        self._models = {} if models is None else models
+        self.kv_tokens = kv_tokens  # tokens a sequence's KV cache holds (None: context + new tokens)
         self._raw: dict[tuple[int, int], _Raw] = {}
         replace(base, parallel=Parallel(), batch=1).check(self.s)  # the step shape itself is valid
 
@@ -576,7 +584,7 @@ class Sweep:
     @property
     def rank_models(self) -> tuple[int, ...]:
         """TP sizes whose per-rank model has been built (once each)."""
-        return tuple(self._models)
+        return tuple(dict.fromkeys(tp for tp, _ in self._models))
 
     def record(self, inputs: ModelInputs, dep: Deployment) -> list[Op]:
         """The ops (before fusion) one step of ``dep`` records with the weights in ``inputs``' formats,
@@ -584,9 +592,10 @@ class Sweep:
         self.traces += 1
         start = time.perf_counter()
         try:
-            model = self._models.get(dep.parallel.tp)
+            key = (dep.parallel.tp, bool(dep.mtp))
+            model = self._models.get(key)
             if model is None:
-                model = self._models[dep.parallel.tp] = RankModel(self.spec, inputs, dep)
+                model = self._models[key] = RankModel(self.spec, inputs, dep)
             return model.trace(inputs, dep).ops
         finally:
             self.trace_seconds += time.perf_counter() - start
@@ -742,7 +751,8 @@ class Sweep:
         sequence = self._kv.get(par.tp)
         if sequence is None:
             kv = kv_sizing(s, par.tp, dep.kv_dtype)
-            sequence = self._kv[par.tp] = kv.sequence_bytes(dep.context_len + dep.tokens_per_query)
+            tokens = self.kv_tokens or dep.context_len + dep.tokens_per_query
+            sequence = self._kv[par.tp] = kv.sequence_bytes(tokens)
         logits_tokens = dep.tokens_per_rank if dep.decode else dep.batch_per_rank
         return Memory(
             weights=sum(params_per_device(x.group, x.params, s, par) * x.bytes_per_param for x in lines),
@@ -772,29 +782,34 @@ class Sweep:
         )
 
     # --- the whole grid --------------------------------------------------------------------------
-    def run(self) -> SweepResult:
-        """Every layout x weight mode x batch; invalid deployments skipped, misfits kept (``fits``)."""
-        with applied(self.spec, backend=BACKEND):  # one patch session for every trace of the sweep
-            return self._run()
-
-    def _run(self) -> SweepResult:
+    def grid(self) -> list[Config]:
+        """Every layout x weight mode x batch of the sweep, in report order."""
         pars = layouts(self.s, self.devices)
-        result = SweepResult(self.devices, tuple(pars), self.quants, self.batches)
-        for par in pars:
-            for quant in self.quants:
-                for batch in self.batches:
-                    config = Config(par, batch, quant)
-                    try:
-                        self.deployment(par, batch).check(self.s)  # what ``simulate`` would refuse
-                    except UsageError as exc:
-                        reason = "batch not divisible by DP" if batch % par.dp else str(exc)
-                        result.skipped[reason] = result.skipped.get(reason, 0) + 1
-                        continue
-                    try:
-                        result.points.append(self.evaluate(config))
-                    except KadaptError as exc:  # e.g. no interconnect level spans the group
-                        reason = f"{config.layout}: {exc}"
-                        result.skipped[reason] = result.skipped.get(reason, 0) + 1
+        return [Config(par, batch, quant) for par in pars for quant in self.quants for batch in self.batches]
+
+    def run(self, configs: Sequence[Config] | None = None) -> SweepResult:
+        """Price ``configs`` (default: the whole ``grid``); invalid deployments skipped, misfits kept
+        (``fits``). A request-level search passes its own list: the layouts a serving framework can
+        run, and prefill batches of whole requests per DP group."""
+        with applied(self.spec, backend=BACKEND):  # one patch session for every trace of the sweep
+            return self._run(self.grid() if configs is None else list(configs))
+
+    def _run(self, configs: list[Config]) -> SweepResult:
+        pars = tuple(dict.fromkeys(c.parallel for c in configs))
+        result = SweepResult(self.devices, pars, self.quants, self.batches)
+        for config in configs:
+            par, batch = config.parallel, config.batch
+            try:
+                self.deployment(par, batch).check(self.s)  # what ``simulate`` would refuse
+            except UsageError as exc:
+                reason = "batch not divisible by DP" if batch % par.dp else str(exc)
+                result.skipped[reason] = result.skipped.get(reason, 0) + 1
+                continue
+            try:
+                result.points.append(self.evaluate(config))
+            except KadaptError as exc:  # e.g. no interconnect level spans the group
+                reason = f"{config.layout}: {exc}"
+                result.skipped[reason] = result.skipped.get(reason, 0) + 1
         result.traces, result.trace_seconds, result.same_as = (
             self.traces,
             self.trace_seconds,

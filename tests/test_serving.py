@@ -1,0 +1,250 @@
+"""``kadapt simulate --sweep --isl --osl``: the request-level search (``backends/simulation/serving.py``).
+
+What must hold: a framework never gets a layout it cannot launch (TensorRT-LLM's attention DP is
+all-or-nothing, vLLM's expert parallelism too); the SLA excludes what misses it, from the picks and
+the front; disaggregated pools are the best (x, y) within the devices and meet both targets; the
+steps a request is priced from are ``simulate``'s; the plot shows the SLA, the front's layouts and
+ticks fitted to the data.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from fixtures.spec_files import REPO
+
+from kimi_adapter_core.backends.simulation.deployment import Deployment
+from kimi_adapter_core.backends.simulation.device import get_device
+from kimi_adapter_core.backends.simulation.inputs import model_inputs
+from kimi_adapter_core.backends.simulation.parallel import Parallel
+from kimi_adapter_core.backends.simulation.pareto_plot import PlotPoint, SlaLine, _LogAxis, write_plot
+from kimi_adapter_core.backends.simulation.planner import kv_sizing
+from kimi_adapter_core.backends.simulation.serving import (
+    ServingResult,
+    ServingSearch,
+    Workload,
+    framework,
+    frameworks,
+)
+from kimi_adapter_core.backends.simulation.simulator import simulate
+from kimi_adapter_core.backends.simulation.sweep import layouts, quant_modes, sweep_inputs
+from kimi_adapter_core.cli import cli
+from kimi_adapter_core.cli.simulate import command as simulate_command
+from kimi_adapter_core.errors import UsageError
+from kimi_adapter_core.spec import load_spec
+
+H200 = get_device("h200")
+BASE = Deployment(Parallel(), 1, 1, 0, True)
+LLAMA = load_spec(REPO / "specs" / "llama.yaml")
+WORKLOAD = Workload(512, 64)
+
+
+def search(workload: Workload, framework_name: str = "trtllm", devices: int = 4) -> ServingResult:
+    """Llama-3.1-8B on ``devices`` H200: every TP x DP layout fits, so the framework alone prunes."""
+    inputs = sweep_inputs(LLAMA, quant_modes(LLAMA, "bf16"))
+    return ServingSearch(
+        LLAMA, inputs, H200, BASE, devices, workload, framework_name, batches=(1, 2, 4, 8, 16, 64)
+    ).run()
+
+
+@pytest.fixture(scope="module")
+def free() -> ServingResult:
+    """The search without SLA targets: every deployment that fits is feasible."""
+    return search(WORKLOAD)
+
+
+# --- framework feasibility ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("name", "tp", "dp", "ep", "refused"),
+    [
+        ("trtllm", 4, 2, 8, "attention-dp-all-or-nothing"),  # attention TP and DP mixed
+        ("trtllm", 2, 4, 1, "attention-dp-all-or-nothing"),
+        ("trtllm", 8, 1, 8, None),
+        ("trtllm", 1, 8, 8, None),
+        ("trtllm", 1, 8, 4, None),
+        ("vllm", 1, 8, 4, "expert-parallel-all-or-nothing"),  # experts split over part of the devices
+        ("vllm", 4, 2, 8, None),
+        ("vllm", 8, 1, 1, None),
+        ("sglang", 4, 2, 4, None),
+    ],
+)
+def test_framework_rules(name: str, tp: int, dp: int, ep: int, refused: str | None) -> None:
+    rule = framework(name).refusal(Parallel(tp, dp, ep))
+    assert (rule.id if rule else None) == refused
+
+
+def test_every_framework_simulate_offers_has_rules_with_sources() -> None:
+    choices = next(p for p in simulate_command.params if p.name == "framework").type.choices
+    assert set(frameworks()) == set(choices)
+    for name in frameworks():
+        for rule in framework(name).rules:
+            assert rule.source and rule.why and rule.when
+    with pytest.raises(UsageError, match="unknown serving framework"):
+        framework("tgi")
+
+
+def test_trtllm_never_gets_partial_attention_dp(free: ServingResult) -> None:
+    priced = {c.decode.config.parallel for c in free.candidates} | {
+        c.prefill.config.parallel for c in free.candidates
+    }
+    assert priced and all(p.tp == 1 or p.dp == 1 for p in priced)
+    assert free.refused == {"attention-dp-all-or-nothing": 1}  # TP2 DP2 on a 4-device worker
+    s = model_inputs(LLAMA, None).arch.structure
+    assert any(p.tp > 1 and p.dp > 1 for p in layouts(s, 4))  # the model itself would take it
+    sglang = search(WORKLOAD, "sglang")
+    assert any(c.decode.config.parallel == Parallel(2, 2, 1) for c in sglang.candidates)
+
+
+# --- the SLA -----------------------------------------------------------------------------------------
+def test_ttft_and_tpot_targets_exclude_what_misses_them(free: ServingResult) -> None:
+    agg = [c for c in free.candidates if c.mode == "agg"]
+    ttfts = sorted(c.ttft for c in agg)
+    tpots = sorted(c.tpot for c in agg)
+    ttft, tpot = ttfts[len(ttfts) // 2], tpots[len(tpots) // 2]  # half of them miss each
+    bound = search(Workload(WORKLOAD.isl, WORKLOAD.osl, ttft, tpot))
+    for c in bound.candidates:
+        assert c.meets_sla == (c.ttft <= ttft and c.tpot <= tpot)
+    missed = [c for c in bound.candidates if c.mode == "agg" and c.ttft > ttft]
+    assert missed and not any(c in bound.feasible for c in missed)
+    assert all(c.ttft <= ttft and c.tpot <= tpot for c in bound.front)
+    best = bound.best("agg")
+    assert best is not None and best.ttft <= ttft and best.tpot <= tpot
+    unconstrained = free.best("agg")
+    assert unconstrained is not None and unconstrained.tokens_per_s_per_device >= best.tokens_per_s_per_device
+    if unconstrained.tpot > tpot or unconstrained.ttft > ttft:
+        assert best.layout != unconstrained.layout
+
+
+def test_disaggregated_pools_are_the_best_split_and_meet_both_targets(free: ServingResult) -> None:
+    disagg = [c for c in free.candidates if c.mode == "disagg"]
+    ttft = sorted(c.prefill.step_time for c in disagg)[len(disagg) // 2]
+    tpot = sorted(c.tpot for c in disagg)[len(disagg) // 2]
+    bound = search(Workload(WORKLOAD.isl, WORKLOAD.osl, ttft, tpot))
+    pools = [c for c in bound.feasible if c.mode == "disagg"]
+    assert pools
+    for c in pools:
+        assert c.ttft <= ttft and c.tpot <= tpot and c.prefill_workers >= 1 and c.decode_workers >= 1
+        assert c.devices <= bound.devices
+        nd, np_ = c.decode.config.parallel.devices, c.prefill.config.parallel.devices
+        decode_rate = c.decode.config.batch / ((WORKLOAD.osl - 1) * c.decode.step_time)
+        prefill_rate = c.prefill.config.batch / c.prefill.step_time
+        splits = [
+            min(x * prefill_rate, y * decode_rate) * WORKLOAD.osl / (x * np_ + y * nd)
+            for x in range(1, bound.devices + 1)
+            for y in range(1, bound.devices + 1)
+            if x * np_ + y * nd <= bound.devices
+        ]
+        assert c.tokens_per_s_per_device == pytest.approx(max(splits), rel=1e-12)
+    # every prefill option slower than the TTFT target was left out, however fast it starts requests
+    assert all(c.prefill.step_time <= ttft for c in bound.candidates if c.mode == "disagg")
+
+
+def test_no_disaggregation_without_room_for_two_workers() -> None:
+    result = search(WORKLOAD, devices=1)
+    assert [c.mode for c in result.candidates] and {c.mode for c in result.candidates} == {"agg"}
+    assert result.best("disagg") is None
+
+
+# --- the steps are simulate's --------------------------------------------------------------------------
+def test_request_steps_are_simulates_steps(free: ServingResult) -> None:
+    c = next(c for c in free.candidates if c.mode == "agg" and c.decode.config.batch == 16)
+    par, b = c.decode.config.parallel, c.decode.config.batch
+    inputs = model_inputs(LLAMA, "bf16")
+    decode = Deployment(par, b, 1, WORKLOAD.isl + WORKLOAD.osl // 2, True)
+    prefill = Deployment(par, par.dp, WORKLOAD.isl, 0, False)
+    assert c.decode.step_time == pytest.approx(simulate(inputs, LLAMA, decode, H200).step_time, rel=1e-12)
+    assert c.prefill.step_time == pytest.approx(simulate(inputs, LLAMA, prefill, H200).step_time, rel=1e-12)
+    # the KV cache holds a whole request; decode is priced at its mean context
+    kv = kv_sizing(model_inputs(LLAMA, None).arch.structure, par.tp, "bf16")
+    per_group = b // par.dp
+    assert c.memory.kv_cache == per_group * kv.sequence_bytes(WORKLOAD.isl + WORKLOAD.osl)
+    # aggregated: other requests' prefills stall a request's decode
+    assert c.tpot > c.decode.step_time and c.ttft > c.prefill.step_time
+
+
+def test_workload_checks() -> None:
+    s = model_inputs(LLAMA, None).arch.structure
+    for bad, message in (
+        (Workload(0, 10), "--isl"),
+        (Workload(10, 1), "--osl"),
+        (Workload(10, 10, tpot=0), "--tpot"),
+        (Workload(s.max_positions, 10), "max_position_embeddings"),
+    ):
+        with pytest.raises(UsageError, match=message):
+            bad.check(s.max_positions)
+
+
+# --- plot ----------------------------------------------------------------------------------------
+def test_axis_fits_the_data_with_readable_ticks() -> None:
+    axis = _LogAxis([30.0, 120.0], 0.0, 100.0)
+    ticks = axis.ticks()
+    assert len(ticks) >= 4 and 50.0 in ticks and 100.0 in ticks  # not decades only
+    assert axis(30.0) >= 0.0 and axis(30.0) < 10.0 and axis(120.0) > 90.0  # the data spans the axis
+    assert all(axis(t) >= 0 and axis(t) <= 100 for t in ticks)
+    wide = _LogAxis([3.0, 4000.0], 0.0, 100.0).ticks()
+    assert {10.0, 20.0, 50.0, 1000.0} <= set(wide)
+
+
+def test_plot_has_sla_line_front_labels_and_hollow_misses(tmp_path: Path) -> None:
+    points = [
+        PlotPoint(40.0, 200.0, "agg checkpoint", "a", True, "dp8ep8 b32"),
+        PlotPoint(80.0, 90.0, "agg checkpoint", "b", True, "tp8ep8 b4"),
+        PlotPoint(20.0, 300.0, "disagg checkpoint", "c", False, "", meets_sla=False),
+    ]
+    path = tmp_path / "front.html"
+    write_plot(path, points, "t", SlaLine(33.3, "TPOT 30 ms"))
+    text = path.read_text()
+    root = ET.fromstring(text[text.index("<svg") : text.index("</svg>") + 6])
+    ns = "{http://www.w3.org/2000/svg}"
+    texts = [t.text for t in root.iter(f"{ns}text")]
+    assert "dp8ep8 b32" in texts and "tp8ep8 b4" in texts  # visible, not hover-only
+    assert "TPOT 30 ms" in texts
+    dashed = [ln for ln in root.iter(f"{ns}line") if ln.get("stroke-dasharray")]
+    assert len(dashed) == 1
+    hollow = [
+        c for c in root.iter(f"{ns}circle") if c.get("fill") == "none" and c.find(f"{ns}title") is not None
+    ]
+    assert [c.find(f"{ns}title").text for c in hollow] == ["c"]
+    x_ticks = [t for t in texts if t and re.fullmatch(r"[\d.]+", t)]
+    assert any(not math.log10(float(t)).is_integer() for t in x_ticks)
+
+
+# --- command line ----------------------------------------------------------------------------------
+def test_kadapt_simulate_request_sweep(tmp_path: Path) -> None:
+    plot = tmp_path / "front.html"
+    args = ["simulate", "llama", "--device", "h200", "--sweep", "--devices", "4", "--quant", "bf16"]
+    args += ["--isl", "512", "--osl", "64", "--tpot", "12", "--batches", "1,4,16,64"]
+    result = CliRunner().invoke(cli, [*args, "--plot", str(plot), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["workload"] == {"isl": 512, "osl": 64, "ttft_s": None, "tpot_s": 0.012}
+    assert doc["framework"]["name"] == "trtllm" and doc["refused"] == {"attention-dp-all-or-nothing": 1}
+    assert doc["front"] and all(p["tpot_s"] <= 0.012 for p in doc["front"])
+    assert set(doc["picks"]) == {"agg", "disagg"}
+    assert all(p["decode"]["tp"] == 1 or p["decode"]["dp"] == 1 for p in doc["front"])
+    assert "TPOT 12 ms" in plot.read_text()
+    text = CliRunner().invoke(cli, [*args, "--serving", "agg"])
+    assert text.exit_code == 0, text.output
+    assert "picks" in text.output and "disagg" not in text.output
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--sweep", "--isl", "512"], "both --isl and --osl"),
+        (["--sweep", "--devices", "2", "--tpot", "20"], "request sweep"),
+        (["--isl", "512", "--osl", "64"], "apply to --sweep"),
+        (["--sweep", "--isl", "512", "--osl", "64", "--decode"], "drop --decode"),
+        (["--sweep", "--isl", "512", "--osl", "1"], "--osl"),
+    ],
+)
+def test_request_sweep_usage_errors(extra: list[str], message: str) -> None:
+    result = CliRunner().invoke(cli, ["simulate", "llama", "--device", "h200", *extra])
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert "Traceback" not in result.output
