@@ -186,7 +186,7 @@ def test_cli_prefill_text(spec_path: Path) -> None:
 @pytest.mark.parametrize(
     "args, code, message",
     [
-        (["--device", "tpu9"], 2, "known devices: a100, atlas_800_a3, h100, h200, h800"),
+        (["--device", "tpu9"], 2, "known devices: a100, atlas_800_a3, b200, gb200, h100, h200, h800"),
         (["--device", "h200", "--quant", "NF4"], 2, "BF16, W8A8, W4A8, W4A16"),
         (["--device", "h200", "--tp", "8", "--ep", "7"], 2, "does not divide"),
         (["--device", "h200", "--decode", "--query-len", "4"], 2, "--query-len"),

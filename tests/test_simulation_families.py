@@ -385,10 +385,19 @@ def test_deepseek_fp8_checkpoint_dispatches_8bit_activations() -> None:
     # attention DP 8 with EP 8: tokens travel by all-to-all
     fp8 = run(spec, tp=1, dp=8, ep=8, batch=64, context_len=4096)
     bf16 = run(spec, tp=1, dp=8, ep=8, batch=64, context_len=4096, quant="BF16")
-    assert row(fp8, "ep_dispatch(all_to_all)").time < row(fp8, "ep_combine(all_to_all)").time
-    assert row(bf16, "ep_dispatch(all_to_all)").time == pytest.approx(
-        row(bf16, "ep_combine(all_to_all)").time
-    )
+    # (at 8 tokens per rank both are near DeepEP's per-call floor, dispatch's the higher one)
+    assert row(fp8, "ep_dispatch(all_to_all)").time < row(bf16, "ep_dispatch(all_to_all)").time
+
+    def row_bytes(sim: Simulation) -> dict[str, float]:
+        return {
+            k.op.name: k.op.comm["token_bytes"]
+            for k in sim.kernels
+            if k.op.comm and k.op.name.startswith("ep_")
+        }
+
+    # 1 B per element dispatched with 8-bit activations, 2 B otherwise; combine is bf16 either way
+    assert row_bytes(fp8) == {"ep_dispatch(all_to_all)": 7168, "ep_combine(all_to_all)": 2 * 7168}
+    assert row_bytes(bf16) == {"ep_dispatch(all_to_all)": 2 * 7168, "ep_combine(all_to_all)": 2 * 7168}
     assert fp8.memory.weights < 0.55 * bf16.memory.weights
     assert fp8.step_time < bf16.step_time
     assert row(fp8, "grouped_gemm(routed_experts)").count == 58 and row(fp8, "mm", "dense").count > 0

@@ -18,7 +18,7 @@ Git LFS, and every copy reachable here (the msmodeling tree at 84fec85, all 205 
 history, a fork) holds 129-byte LFS pointers instead of rows. Its FusedInferAttentionScore rows would
 not give an attention curve anyway: they record the KV pool's shape, not the sequence lengths
 (msmodeling's own report ``FIA_KV_DIMENSION_ANALYSIS``). So the GEMM, grouped-GEMM, attention and
-all-reduce curves stay the Hopper-measured ones (``base: hopper``), as the table says.
+all-reduce curves stay the Hopper-measured ones (``base: h200_sxm_trtllm``), as the table says.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def calibrate(device_name: str = "atlas_800_a3") -> dict[str, Any]:
     ep = LOW_LATENCY_32[0]
     return {
         "name": "atlas_a3_measured",
-        "base": "hopper",
+        "base": "h200_sxm_trtllm",
         "source": (
             "derived by kimi_adapter_core/backends/simulation/ascend_calibrate.py from published Atlas A3 "
             "measurements of the EP dispatch/combine kernels (all_to_all.source), as fractions of the "

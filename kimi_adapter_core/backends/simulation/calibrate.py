@@ -1,16 +1,29 @@
-"""Derive a kernel-efficiency table (``kernels/*.yaml``) from AIConfigurator's measured kernel tables.
+"""Derive kernel-efficiency tables (``kernels/*.yaml``) from AIConfigurator's measured kernel tables.
 
-Run: ``python -m kimi_adapter_core.backends.simulation.calibrate [--system h200_sxm] [--out PATH]``
-(needs the ``measured`` extra: ``aiconfigurator-core``, Apache-2.0, whose parquet tables hold NVIDIA's
-measured kernel latencies). The simulator never imports this module: it reads the YAML it writes.
+Run: ``python -m kimi_adapter_core.backends.simulation.calibrate`` (every shipped table) or
+``... --system h200_sxm --framework sglang [--out PATH]`` (one). Needs the ``measured`` extra
+(``aiconfigurator-core``, Apache-2.0, whose parquet tables hold NVIDIA's measured kernel latencies).
+The simulator never imports this module: it reads the YAML it writes.
+
+One table per AIConfigurator system and serving framework (``<system>_<framework>.yaml``). Each curve
+comes from the NEWEST version of that framework that measured the kernel - not the version with the
+most rows: an old SGLang's int4 Marlin MoE kernel is ~4.7x slower than the current one, and a curve
+fitted to it priced Kimi-K2.5's experts 4x too slow. Within that version the kernel with the most
+rows at the selected shapes is taken (ties: the later name, which picks the CUDA-graph all-reduce
+lane over the eager one). Where the framework measured no such kernel on the system (TensorRT-LLM
+has no int4 MoE, vLLM no standalone MLA kernels) the other frameworks are tried in ``FRAMEWORKS``
+order. Every curve records what it came from in its ``source`` (system/op/framework/version/file and
+the kernel), so the choice is visible in the table.
 
 Every efficiency is the fraction of kadapt's *own* roofline bound a measured kernel reached:
 ``eff = ideal / (measured - op_overhead)`` with ``ideal = max(flops / peak, bytes / hbm_bw)`` computed
 exactly as ``cost.py`` computes it for the same op (same FLOP and byte formulas, bf16 activations,
-the weight's packed bytes), so pricing ``ideal / eff + op_overhead`` reproduces the measurement.
-Each grid point is the median over the table's shapes at that point (model-sized N, K only: 256 to
-16384), which keeps one odd kernel from setting the curve. Rows faster than 3 op overheads are
-dropped (their time is launch cost, not work).
+the weight's packed bytes), on the kadapt profile of the measuring device (``SYSTEMS``), so pricing
+``ideal / eff + op_overhead`` reproduces the measurement on that device. Each grid point is the
+median over the table's shapes at that point (model-sized N, K only: 256 to 16384), which keeps one
+odd kernel from setting the curve. Rows faster than 3 op overheads are dropped (their time is launch
+cost, not work). ``row_filter`` lets a caller fit on part of the data (the held-out experiment in
+``benchmarks/bench_simulation.py``).
 """
 
 from __future__ import annotations
@@ -18,26 +31,86 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+from packaging.version import InvalidVersion, Version
 
 from ...atomic import atomic_write_text
+from ...errors import KadaptError
 from .device import get_device
 from .kernels import KERNELS_DIR
 
-OVERHEAD_MS = 0.002  # the device profile's op_overhead (2 us on Hopper)
+OVERHEAD_MS = 0.002  # the device profiles' op_overhead (2 us on Hopper and Blackwell)
 M_GRID = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 SEQ_GRID = [128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 BYTES_GRID = [2**p for p in range(16, 34, 2)]  # 64 KiB .. 8 GiB read per decode-attention call
 MOE_GRID = [0.25, 1, 4, 16, 64, 256, 1024]  # token-expert pairs per local expert
+FRAMEWORKS = ("trtllm", "sglang", "vllm")  # the order a missing kernel is borrowed in
+# AIConfigurator system -> the kadapt device profile measured there (its peaks set the bound)
+SYSTEMS = {"h100_sxm": "h100", "h200_sxm": "h200", "b200_sxm": "b200", "gb200": "gb200"}
+# kadapt grouped-GEMM kernel -> (AIConfigurator moe_dtype, weight bytes per parameter, peak key)
+MOE_DTYPES = {
+    "fp8_block": ("fp8_block", 1.0 + 4 / 16384, "fp8"),
+    "fp8": ("fp8", 1.0, "fp8"),
+    "bf16": ("bfloat16", 2.0, "bf16"),
+    "w4a16": ("int4_wo", 0.5 + 2 / 32, "bf16"),
+}
+RowFilter = Callable[[str, Any], Any]  # (op, rows) -> the rows to fit on
 
 
 def _tables(system: str) -> Path:
     import aiconfigurator_core
 
     return Path(aiconfigurator_core.__file__).parent / "systems" / "data" / system
+
+
+def _version(text: str) -> Version:
+    try:
+        return Version(text)
+    except InvalidVersion:
+        return Version("0")
+
+
+@dataclass(frozen=True)
+class Measured:
+    """The rows one curve is fitted on and where they came from."""
+
+    rows: Any  # pandas DataFrame
+    source: str  # <system>/<op>/<framework>/<version>/<file> (<kernel>)
+
+
+def _all_rows(_op: str, rows: Any) -> Any:
+    return rows
+
+
+def measured(
+    root: Path,
+    pattern: tuple[str, str],
+    framework: str,
+    select: Callable[[Any], Any],
+    row_filter: RowFilter = _all_rows,
+) -> Measured:
+    """The rows ``select`` keeps from the newest version of ``framework`` (then of the others, in
+    ``FRAMEWORKS`` order) that has any, narrowed to the kernel with the most of them."""
+    import pandas as pd
+
+    op, file = pattern
+    for candidate in (framework, *(f for f in FRAMEWORKS if f != framework)):
+        paths = sorted(root.glob(f"{op}/{candidate}/*/{file}"), key=lambda p: _version(p.parent.name))
+        for path in reversed(paths):
+            rows = row_filter(op, select(pd.read_parquet(path)))
+            if len(rows) == 0:
+                continue
+            counts = rows.kernel_source.value_counts()
+            kernel = max(counts.index, key=lambda name: (int(counts[name]), str(name)))
+            return Measured(
+                rows[rows.kernel_source == kernel].copy(),
+                f"{path.relative_to(root.parent)} ({kernel})",
+            )
+    raise KadaptError(f"AIConfigurator's {root.name} tables hold no {op}/{file} rows for {framework}")
 
 
 def _median_curve(frame: Any, key: str, grid: list[float], value: str = "eff") -> list[float]:
@@ -50,29 +123,30 @@ def _median_curve(frame: Any, key: str, grid: list[float], value: str = "eff") -
     medians = frame.groupby("_bin")[value].median()
     out = [float(medians.get(i, float("nan"))) for i in range(len(grid))]
     known = [(i, v) for i, v in enumerate(out) if not math.isnan(v)]
-    # a grid point with no rows takes its nearest measured neighbour's value
+    if not known:
+        raise KadaptError(f"no usable rows to fit a curve by {key}")
+    # a grid point with no rows takes its nearest measured neighbour's value; three decimals, but
+    # never 0 (a table's efficiencies are positive: a kernel under 0.05% of its bound is 0.001)
     return [
-        round(v if not math.isnan(v) else min(known, key=lambda kv: abs(kv[0] - i))[1], 3)
+        max(0.001, round(v if not math.isnan(v) else min(known, key=lambda kv: abs(kv[0] - i))[1], 3))
         for i, v in enumerate(out)
     ]
 
 
-def _eff(frame: Any, ideal_ms: Callable[[Any], Any], min_ideal_ms: float = 0.0) -> Any:
-    """Rows with their efficiency; launch-bound rows (faster than 3 overheads, or whose ideal time is
-    under ``min_ideal_ms``) say nothing about the kernel's throughput and are dropped."""
+def _eff(frame: Any, ideal_ms: Callable[[Any], Any]) -> Any:
+    """Rows with their efficiency; launch-bound rows (faster than 3 overheads) say nothing about the
+    kernel's throughput and are dropped."""
     frame = frame.assign(ideal=ideal_ms(frame))
-    frame = frame[(frame.latency > 3 * OVERHEAD_MS) & (frame.ideal >= min_ideal_ms)].copy()
+    frame = frame[frame.latency > 3 * OVERHEAD_MS].copy()
     frame["eff"] = (frame.ideal / (frame.latency - OVERHEAD_MS)).clip(upper=1.0)
     return frame
 
 
-def gemm_curves(root: Path, peak: dict[str, float], bw: float) -> tuple[dict[str, Any], dict[str, Any]]:
+def gemm_curves(
+    root: Path, framework: str, peak: dict[str, float], bw: float, row_filter: RowFilter
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Dense GEMMs, two curves per dtype: the compute efficiency by M over compute-bound rows and the
     memory efficiency by bytes moved over memory-bound rows (small weights stream badly)."""
-    import pandas as pd
-
-    table = pd.read_parquet(next(root.glob("gemm/trtllm/*/gemm_perf.parquet")))
-    table = table[table.n.between(256, 16384) & table.k.between(256, 16384)]
     compute: dict[str, Any] = {}
     memory: dict[str, Any] = {}
     for dtype, key, wbytes in (
@@ -80,7 +154,12 @@ def gemm_curves(root: Path, peak: dict[str, float], bw: float) -> tuple[dict[str
         ("fp8", "fp8", 1.0),
         ("fp8_block", "fp8_block", 1.0),
     ):
-        rows = table[table.gemm_dtype == dtype]
+
+        def select(t: Any, dtype: str = dtype) -> Any:
+            return t[(t.gemm_dtype == dtype) & t.n.between(256, 16384) & t.k.between(256, 16384)]
+
+        found = measured(root, ("gemm", "gemm_perf.parquet"), framework, select, row_filter)
+        rows = found.rows
         unit = peak["bf16" if key == "bf16" else "fp8"]
         rows = rows.assign(
             flops_ms=2.0 * rows.m * rows.n * rows.k / unit * 1e3,
@@ -90,34 +169,32 @@ def gemm_curves(root: Path, peak: dict[str, float], bw: float) -> tuple[dict[str
         bound = rows.flops_ms >= rows.bytes_ms
         heavy = _eff(rows[bound], lambda f: f.flops_ms)
         light = _eff(rows[~bound], lambda f: f.bytes_ms)
-        compute[key] = {"m": M_GRID, "efficiency": _median_curve(heavy, "m", M_GRID)}
-        memory[key] = {"bytes": BYTES_GRID, "efficiency": _median_curve(light, "nbytes", BYTES_GRID)}
+        compute[key] = {"m": M_GRID, "efficiency": _median_curve(heavy, "m", M_GRID), "source": found.source}
+        memory[key] = {
+            "bytes": BYTES_GRID,
+            "efficiency": _median_curve(light, "nbytes", BYTES_GRID),
+            "source": found.source,
+        }
     return compute, memory
 
 
-def moe_curves(root: Path, peak: dict[str, float], bw: float) -> tuple[dict[str, Any], dict[str, Any]]:
+def moe_curves(
+    root: Path, framework: str, peak: dict[str, float], bw: float, row_filter: RowFilter
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Grouped expert GEMMs by token-expert pairs per local expert; balanced routing sets the curve,
-    the power-law/balanced latency ratio at the same shape sets the imbalance factor."""
-    import pandas as pd
-
-    sources = [
-        ("trtllm", "moe_torch_flow_cutlass", "fp8_block", "fp8_block", 1.0 + 4 / 16384, "fp8"),
-        ("trtllm", "moe_torch_flow_cutlass", "fp8", "fp8", 1.0, "fp8"),
-        ("trtllm", "moe_torch_flow_cutlass", "bfloat16", "bf16", 2.0, "bf16"),
-        ("sglang", "sglang_marlin_moe", "int4_wo", "w4a16", 0.5 + 2 / 32, "bf16"),
-    ]
+    the power-law/balanced latency ratio at the same shape sets the imbalance factor. Gated experts
+    only (kadapt's experts are gate/up/down) and fine-grained MoE of large models (hidden >= 4096,
+    >= 64 experts: DeepSeek-V3, Kimi-K2.5, Qwen3-235B)."""
     curves: dict[str, Any] = {}
     factors: dict[str, Any] = {}
-    for framework, kernel, dtype, key, wbytes, unit_key in sources:
-        found = []  # the framework version that measured this kernel most widely
-        for candidate in root.glob(f"moe/{framework}/*/moe_perf.parquet"):
-            rows = pd.read_parquet(candidate)
-            rows = rows[(rows.kernel_source == kernel) & (rows.moe_dtype == dtype) & (rows.moe_tp_size == 1)]
-            # fine-grained MoE of large models (DeepSeek-V3, Kimi-K2.5, Qwen3-235B)
-            rows = rows[(rows.hidden_size >= 4096) & (rows.num_experts >= 64)]
-            found.append((len(rows), str(candidate), rows))
-        _, path_text, table = max(found, key=lambda item: item[:2])
-        path = Path(path_text)
+    for key, (dtype, wbytes, unit_key) in MOE_DTYPES.items():
+
+        def select(t: Any, dtype: str = dtype) -> Any:
+            keep = (t.moe_dtype == dtype) & (t.moe_tp_size == 1) & ~t.kernel_source.str.contains("nongated")
+            return t[keep & (t.hidden_size >= 4096) & (t.num_experts >= 64)]
+
+        found = measured(root, ("moe", "moe_perf.parquet"), framework, select, row_filter)
+        table = found.rows
         local = table.num_experts / table.moe_ep_size
         pairs = table.num_tokens * table.topk / table.moe_ep_size
         table = table.assign(pairs_per_expert=pairs / local, pairs=pairs, local=local)
@@ -133,98 +210,114 @@ def moe_curves(root: Path, peak: dict[str, float], bw: float) -> tuple[dict[str,
         # the fixed cost of the routed-expert pipeline (permute, two GEMMs, activation, unpermute):
         # single-token latency minus its ideal time, median over shapes
         single = balanced[balanced.num_tokens == 1]
-        floor_ms = float((single.latency - ideal(single)).median())
+        floor_ms = max(0.0, float((single.latency - ideal(single)).median()))
         usable = balanced.assign(latency=balanced.latency - floor_ms + OVERHEAD_MS)
         curves[key] = {
             "pairs_per_expert": MOE_GRID,
             "efficiency": _median_curve(_eff(usable, ideal), "pairs_per_expert", MOE_GRID),
             "overhead_us": round(floor_ms * 1e3, 1),
-            "source": f"{path.relative_to(root.parent.parent)} ({kernel}, {dtype}, balanced)",
+            "source": f"{found.source}, balanced",
         }
         shape = ["num_tokens", "hidden_size", "inter_size", "topk", "num_experts", "moe_ep_size"]
         skewed = table[table.distribution == "power_law_1.01"][[*shape, "latency"]]
         joined = balanced.merge(skewed, on=shape, suffixes=("", "_skewed"))
-        joined = joined.assign(ratio=joined.latency_skewed / joined.latency)
-        factors[key] = {
-            "pairs_per_expert": MOE_GRID,
-            "factor": _median_curve(joined, "pairs_per_expert", MOE_GRID, "ratio"),
-        }
+        if len(joined):  # a table without power-law rows leaves routing unskewed
+            joined = joined.assign(ratio=joined.latency_skewed / joined.latency)
+            factors[key] = {
+                "pairs_per_expert": MOE_GRID,
+                "factor": _median_curve(joined, "pairs_per_expert", MOE_GRID, "ratio"),
+                "source": f"{found.source}, power_law_1.01 / balanced",
+            }
     return curves, factors
 
 
-def attention_curves(root: Path, peak: dict[str, float], bw: float) -> dict[str, Any]:
-    import pandas as pd
-
+def attention_curves(
+    root: Path, framework: str, peak: dict[str, float], bw: float, row_filter: RowFilter
+) -> dict[str, Any]:
+    """Prefill attention by new tokens per sequence, decode attention by KV bytes one call reads, for
+    GQA (head_dim 128, no window) and DeepSeek-style MLA."""
     bf16 = peak["bf16"]
-    ctx = pd.read_parquet(next(root.glob("attention/trtllm/*/context_attention_perf.parquet")))
-    ctx = ctx[(ctx.attn_dtype == "bfloat16") & (ctx.kv_cache_dtype == "bfloat16") & (ctx.head_dim == 128)]
-    ctx = ctx[ctx.window_size == 0]
+
+    def gqa_ctx(t: Any) -> Any:
+        keep = (t.attn_dtype == "bfloat16") & (t.kv_cache_dtype == "bfloat16") & (t.head_dim == 128)
+        return t[keep & (t.window_size == 0)]
 
     def gqa_prefill(f: Any) -> Any:
         pairs = f.batch_size * f.num_heads * f.isl * (f.isl + 1) / 2
         nbytes = 2 * f.batch_size * f.isl * (f.num_heads + f.num_key_value_heads) * 256 * 2
         return (4.0 * pairs * 128 / bf16).combine(nbytes / bw, max) * 1e3
 
-    gen = pd.read_parquet(next(root.glob("attention/trtllm/*/generation_attention_perf.parquet")))
-    gen = gen[(gen.attn_dtype == "bfloat16") & (gen.head_dim == 128) & (gen.window_size == 0)]
-    gen = gen.assign(kvb=gen.kv_cache_dtype.map({"bfloat16": 2, "fp8": 1}), ctx=gen.isl + gen.step)
-    gen = gen.assign(read=gen.batch_size * gen.ctx * gen.num_key_value_heads * 256 * gen.kvb)
+    def gqa_gen(t: Any) -> Any:
+        t = t[(t.attn_dtype == "bfloat16") & (t.head_dim == 128) & (t.window_size == 0)]
+        t = t.assign(kvb=t.kv_cache_dtype.map({"bfloat16": 2, "fp8": 1}), ctx=t.isl + t.step)
+        return t.assign(read=t.batch_size * t.ctx * t.num_key_value_heads * 256 * t.kvb)
 
     def gqa_decode(f: Any) -> Any:
         pairs = f.batch_size * f.num_heads * f.ctx
         nbytes = f.read + 2 * f.batch_size * f.num_heads * 256 * 2
         return (4.0 * pairs * 128 / bf16).combine(nbytes / bw, max) * 1e3
 
-    mla_ctx = pd.read_parquet(next(root.glob("mla/trtllm/*/context_mla_perf.parquet")))
-    mla_ctx = mla_ctx[(mla_ctx.mla_dtype == "bfloat16") & (mla_ctx.kv_cache_dtype == "bfloat16")]
+    def mla_ctx(t: Any) -> Any:
+        return t[(t.mla_dtype == "bfloat16") & (t.kv_cache_dtype == "bfloat16")]
 
     def mla_prefill(f: Any) -> Any:
         pairs = f.batch_size * f.num_heads * f.isl * (f.isl + 1) / 2
         nbytes = 2 * f.batch_size * f.isl * f.num_heads * (192 + 192 + 128 + 128)
         return (2.0 * pairs * (192 + 128) / bf16).combine(nbytes / bw, max) * 1e3
 
-    mla_gen = pd.read_parquet(next(root.glob("mla/trtllm/*/generation_mla_perf.parquet")))
-    mla_gen = mla_gen[mla_gen.mla_dtype == "bfloat16"]
-    mla_gen = mla_gen.assign(
-        kvb=mla_gen.kv_cache_dtype.map({"bfloat16": 2, "fp8": 1}), ctx=mla_gen.isl + mla_gen.step
-    )
-    mla_gen = mla_gen.assign(read=mla_gen.batch_size * mla_gen.ctx * 576 * mla_gen.kvb)
+    def mla_gen(t: Any) -> Any:
+        t = t[t.mla_dtype == "bfloat16"]
+        t = t.assign(kvb=t.kv_cache_dtype.map({"bfloat16": 2, "fp8": 1}), ctx=t.isl + t.step)
+        return t.assign(read=t.batch_size * t.ctx * 576 * t.kvb)
 
     def mla_decode(f: Any) -> Any:
         pairs = f.batch_size * f.num_heads * f.ctx
         nbytes = f.read + f.batch_size * f.num_heads * (576 + 512) * 2
         return (2.0 * pairs * (576 + 512) / bf16).combine(nbytes / bw, max) * 1e3
 
+    def curve(
+        pattern: tuple[str, str],
+        select: Callable[[Any], Any],
+        ideal: Callable[[Any], Any],
+        key: str,
+        axis: str,
+    ) -> dict[str, Any]:
+        found = measured(root, pattern, framework, select, row_filter)
+        grid = SEQ_GRID if axis == "seq" else BYTES_GRID
+        return {
+            axis: grid,
+            "efficiency": _median_curve(_eff(found.rows, ideal), key, grid),
+            "source": found.source,
+        }
+
     return {
         "prefill": {
-            "gqa": {"seq": SEQ_GRID, "efficiency": _median_curve(_eff(ctx, gqa_prefill), "isl", SEQ_GRID)},
-            "mla": {
-                "seq": SEQ_GRID,
-                "efficiency": _median_curve(_eff(mla_ctx, mla_prefill), "isl", SEQ_GRID),
-            },
+            "gqa": curve(("attention", "context_attention_perf.parquet"), gqa_ctx, gqa_prefill, "isl", "seq"),
+            "mla": curve(("mla", "context_mla_perf.parquet"), mla_ctx, mla_prefill, "isl", "seq"),
         },
         "decode": {
-            "gqa": {
-                "kv_bytes": BYTES_GRID,
-                "efficiency": _median_curve(_eff(gen, gqa_decode), "read", BYTES_GRID),
-            },
-            "mla": {
-                "kv_bytes": BYTES_GRID,
-                "efficiency": _median_curve(_eff(mla_gen, mla_decode), "read", BYTES_GRID),
-            },
+            "gqa": curve(
+                ("attention", "generation_attention_perf.parquet"), gqa_gen, gqa_decode, "read", "kv_bytes"
+            ),
+            "mla": curve(("mla", "generation_mla_perf.parquet"), mla_gen, mla_decode, "read", "kv_bytes"),
         },
     }
 
 
-def all_reduce_curve(root: Path, link_bw: float) -> dict[str, Any]:
-    """Ring bus efficiency of TensorRT-LLM's custom all-reduce on 8 GPUs, by message bytes."""
-    import pandas as pd
+def all_reduce_curve(root: Path, framework: str, link_bw: Callable[[int], float]) -> dict[str, Any]:
+    """Ring bus efficiency of the framework's custom all-reduce on the most GPUs it was measured on
+    (8 in an HGX node; 4 on GB200, whose tables stop at one compute tray), by message bytes."""
 
-    table = pd.read_parquet(next(root.glob("comm/trtllm/*/custom_allreduce_perf.parquet")))
-    table = table[table.num_gpus == 8].sort_values("message_size")
+    def select(t: Any) -> Any:
+        t = t[t.allreduce_dtype == "bfloat16"]
+        return t[t.num_gpus == t.num_gpus.max()]
+
+    found = measured(root, ("comm", "custom_allreduce_perf.parquet"), framework, select)
+    table = found.rows.sort_values("message_size")
+    gpus = int(table.num_gpus.max())
     latency = float(table.latency.min())
     nbytes = table.message_size * 2  # message_size counts bf16 elements
-    eff = 2 * 7 / 8 * nbytes / ((table.latency - latency).clip(lower=1e-4) * 1e-3) / link_bw
+    eff = 2 * (gpus - 1) / gpus * nbytes / ((table.latency - latency).clip(lower=1e-4) * 1e-3) / link_bw(gpus)
     frame = table.assign(nbytes=nbytes, eff=eff.clip(upper=1.0))
     frame = frame[frame.nbytes >= 2**16]
     grid = [2**p for p in range(16, 31, 2)]
@@ -232,50 +325,72 @@ def all_reduce_curve(root: Path, link_bw: float) -> dict[str, Any]:
         "latency_us": round(latency * 1e3, 2),
         "bytes": grid,
         "efficiency": _median_curve(frame, "nbytes", grid),
+        "source": f"{found.source}, {gpus} GPUs",
     }
 
 
-def calibrate(system: str, device_name: str) -> dict[str, Any]:
-    device = get_device(device_name)
-    peak = {k: v for k, v in device.peak_flops.items()}
-    bw = device.hbm_bandwidth
-    root = _tables(system)
-    grouped, imbalance = moe_curves(root, peak, bw)
-    gemm = gemm_curves(root, peak, bw)
+def calibrate(system: str, framework: str, row_filter: RowFilter = _all_rows) -> dict[str, Any]:
+    """The kernel table of ``framework`` on AIConfigurator's ``system``, fitted on the rows
+    ``row_filter`` keeps (all of them for a shipped table)."""
     from importlib.metadata import version
 
+    device = get_device(SYSTEMS[system])
+    peak = dict(device.peak_flops)
+    bw = device.hbm_bandwidth
+    root = _tables(system)
+    grouped, imbalance = moe_curves(root, framework, peak, bw, row_filter)
+    gemm = gemm_curves(root, framework, peak, bw, row_filter)
     return {
-        "name": f"{system}_measured",
+        "name": f"{system}_{framework}",
+        "device": device.name,
         "source": (
             f"derived by kimi_adapter_core/backends/simulation/calibrate.py from NVIDIA AIConfigurator "
             f"(aiconfigurator-core {version('aiconfigurator-core')}, Apache-2.0) measured tables "
-            f"systems/data/{system}: gemm/trtllm, moe/trtllm (cutlass) and moe/sglang (marlin int4), "
-            "attention/trtllm, mla/trtllm, comm/trtllm custom_allreduce; each value is the median, over the "
-            "table's shapes at that grid point, of kadapt's roofline bound / (measured latency - 2 us)"
+            f"systems/data/{system}: each curve from the newest {framework} version that measured the "
+            f"kernel (another framework's where {framework} measured none), named in the curve's source; "
+            f"each value is the median, over the table's shapes at that grid point, of kadapt's roofline "
+            f"bound on the {device.name} profile / (measured latency - 2 us)"
         ),
         "gemm": gemm[0],
         "gemm_memory": gemm[1],
         "grouped_gemm": grouped,
         "routing": {"power_law": imbalance},
-        "attention": attention_curves(root, peak, bw),
-        "all_reduce": all_reduce_curve(root, device.link_for(8).bandwidth),
+        "attention": attention_curves(root, framework, peak, bw, row_filter),
+        "all_reduce": all_reduce_curve(root, framework, lambda n: device.link_for(n).bandwidth),
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--system", default="h200_sxm", help="AIConfigurator system folder")
-    parser.add_argument("--device", default="h200", help="kadapt device profile whose peaks set the bound")
-    parser.add_argument("--out", type=Path, default=KERNELS_DIR / "hopper.yaml")
-    options = parser.parse_args()
-    table = calibrate(options.system, options.device)
+def shipped() -> list[tuple[str, str]]:
+    """Every (system, framework) whose table ships in ``kernels/``."""
+    return [(system, framework) for system in SYSTEMS for framework in FRAMEWORKS]
+
+
+def render(table: dict[str, Any]) -> str:
+    """The YAML text of a generated table, as shipped."""
     header = (
         "# Generated by `python -m kimi_adapter_core.backends.simulation.calibrate`; do not edit by hand.\n"
     )
     dumper = type("NoAliases", (yaml.SafeDumper,), {"ignore_aliases": lambda *_: True})
-    body = yaml.dump(table, Dumper=dumper, sort_keys=False, width=120, default_flow_style=None)
-    atomic_write_text(options.out, header + body)
-    print(f"wrote {options.out}")
+    return header + yaml.dump(table, Dumper=dumper, sort_keys=False, width=120, default_flow_style=None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--system", choices=sorted(SYSTEMS), help="one AIConfigurator system (default: all)")
+    parser.add_argument("--framework", choices=FRAMEWORKS, help="one serving framework (default: all)")
+    parser.add_argument("--out", type=Path, help="where to write a single table (default: kernels/NAME.yaml)")
+    options = parser.parse_args()
+    todo = [
+        (system, framework)
+        for system, framework in shipped()
+        if options.system in (None, system) and options.framework in (None, framework)
+    ]
+    if options.out and len(todo) != 1:
+        parser.error("--out needs one --system and one --framework")
+    for system, framework in todo:
+        out = options.out or KERNELS_DIR / f"{system}_{framework}.yaml"
+        atomic_write_text(out, render(calibrate(system, framework)))
+        print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -2,10 +2,13 @@
 
 Kernel:     ideal = max(flops / peak[dtype], bytes / hbm_bw)
             time  = ideal / efficiency(op kind, dtype, shape) [x routing imbalance] + op_overhead
-The efficiency comes from the device's kernel table (``kernels.py``: measured fractions of this very
-bound, by GEMM dtype and M, grouped-GEMM dtype and pairs per expert, attention kind and phase); a
-device without a table, and vector ops, use the profile's flat ``compute`` / ``memory`` efficiencies
-on their respective terms, as before.
+The efficiency comes from the device's kernel table for the serving framework (``kernels.py``:
+measured fractions of this very bound, by GEMM dtype and M, grouped-GEMM dtype and pairs per expert,
+attention kind and phase); a device without a table, and vector ops, use the profile's flat
+``compute`` / ``memory`` efficiencies on their respective terms, as before. A table measured on
+another device (H800 has none of its own) prices with its efficiencies against this device's peaks
+and bandwidth - a latency-bound kernel would not speed up with bandwidth - so such an op's source
+says the curve is borrowed.
 All-reduce: time = latency + 2 * (n-1)/n * bytes / (link_bw * link_eff)     (ring; inside a node the
             kernel table's measured latency and efficiency by message size replace the profile's)
 All-gather: time = latency + (n-1)/n * bytes / (link_bw * link_eff)
@@ -16,6 +19,13 @@ All-to-all: DeepEP-style: a token goes once to every rank holding one of its exp
             A kernel table that measured the device's dispatch / combine kernels (``all_to_all``: the
             Atlas A3's) replaces this inside the EP sizes it measured: measured latency by group size
             + one row per token and expert at the measured fraction of the link bandwidth.
+            Decode steps (``comm["low_latency"]``) on a device with an ``ep_low_latency`` section run
+            DeepEP's low-latency kernels, as SGLang and TensorRT-LLM wide-EP do: no deduplication, one
+            row per token and expert; the rows to the other ranks of the node cross NVLink, the rest
+            RDMA, concurrently: time = floor(EP size) + max(NVLink rows / (bw x eff), RDMA rows /
+            (bw x eff)). The floor (the kernel's signalling round trips) is what the roofline misses:
+            12-26 us per call against the link's 8 us, and the achievable fractions are measured.
+            Prefill keeps the deduplicating model above (DeepEP's normal kernels).
 The link is the narrowest interconnect level spanning the group. One overlap is modelled: in decode the
 shared experts run beside the routed path (``overlap_shared_experts``); otherwise a step is the sum of its
 kernels (see docs/cost_model.md for what that misses).
@@ -23,10 +33,12 @@ kernels (see docs/cost_model.md for what that misses).
 
 from __future__ import annotations
 
+import bisect
+import math
 from dataclasses import dataclass, replace
 
-from .device import Device
-from .kernels import KernelTable, load_kernels
+from .device import Device, LowLatencyEP
+from .kernels import KernelTable, table_for
 from .tracer import Op
 
 
@@ -42,8 +54,17 @@ class Priced:
         return self.time * self.op.repeat
 
 
-def kernel_table(device: Device) -> KernelTable | None:
-    return load_kernels(device.kernels) if device.kernels else None
+def kernel_table(device: Device, framework: str = "trtllm") -> KernelTable | None:
+    """The kernel table ``device`` prices with when serving with ``framework`` (None: flat efficiencies)."""
+    return table_for(device.kernels, framework) if device.kernels else None
+
+
+def table_source(table: KernelTable, section: str, device: Device) -> str:
+    """An op's price source for a curve of ``section``: the table that measured it, and whether that
+    was another device (its efficiencies rescaled by this device's peaks and bandwidth)."""
+    source = f"table:{table.origin(section)}"
+    measured_on = table.measured_on(section)
+    return source if measured_on in (None, device.name) else f"{source} (borrowed: {measured_on} curves)"
 
 
 def _distinct(ranks: float, group: int, top_k: float) -> float:
@@ -77,6 +98,31 @@ def _all_to_all(device: Device, comm: dict[str, float]) -> tuple[float, float]:
     return max(transfers), outer.latency
 
 
+def low_latency_all_to_all(
+    device: Device, ll: LowLatencyEP, comm: dict[str, float], phase: str
+) -> tuple[float, float]:
+    """(transfer, latency) of a DeepEP low-latency dispatch or combine (see the module docstring).
+
+    DeepEP's LL kernels send a token once per selected expert (its receive buffers are laid out per
+    local expert), and the FP8 dispatch carries one fp32 scale per 128 channels; the ranks of the
+    sender's node are reached over NVLink (the sender's own rows are a local copy, not charged),
+    the others over RDMA, both at once."""
+    group = int(comm["group"])
+    outer = device.link_for(group)
+    inner = next((k for k in device.links if k.max_devices < group), None)
+    near = inner.max_devices if inner else group  # ranks per node
+    row = comm["token_bytes"]
+    if phase == "dispatch" and row < 2 * comm["hidden"]:  # 8-bit rows carry their block scales
+        row += comm["hidden"] / 128 * 4
+    rows = comm["tokens"] * comm["top_k"] * row
+    share = ll.efficiency[phase]
+    narrow = inner or outer
+    transfers = [rows * (near - 1) / group / (narrow.bandwidth * share[narrow.name])]
+    if inner:
+        transfers.append(rows * (group - near) / group / (outer.bandwidth * share[outer.name]))
+    return max(transfers), ll.latency[phase](group)
+
+
 def comm_time(
     device: Device, comm: dict[str, float], table: KernelTable | None = None, phase: str = "dispatch"
 ) -> tuple[float, str, bool]:
@@ -92,6 +138,8 @@ def comm_time(
             latency, rows = a2a.latency[phase](group), comm["top_k"] * comm["token_bytes"]
             transfer = a2a.transfer(phase, comm["tokens"], rows, device.link_for(group).bandwidth)
             measured = True
+        elif comm.get("low_latency") and device.ep_low_latency is not None and "tokens" in comm:
+            transfer, latency = low_latency_all_to_all(device, device.ep_low_latency, comm, phase)
         else:
             transfer, latency = _all_to_all(device, comm)
     else:
@@ -127,6 +175,50 @@ def _table_time(op: Op, table: KernelTable, compute: float, memory: float) -> tu
     return None
 
 
+def _decode_attention_time(
+    op: Op, device: Device, table: KernelTable, found: tuple[float, float]
+) -> tuple[float, float]:
+    """The table's decode-attention time made non-decreasing in the KV bytes a call reads.
+
+    The decode curves are efficiencies keyed by KV bytes, interpolated linearly in log(bytes), while
+    the op's ideal time also holds terms that do not grow with the context (queries, outputs, the
+    new tokens' cache write). Near an empty cache the measured kernel is latency-bound and its
+    efficiency grows about as fast as the bytes (0.002 at 64 KiB, 0.009 at 256 KiB): dividing the
+    fixed terms by it, and interpolating between such points, priced MLA decode at a near-empty
+    cache above the same batch at 512 tokens. A kernel reading less cache is never slower, so: the
+    op is priced at every grid point of its curve (FLOPs and KV read scaled with the context, the
+    rest kept), each point takes the least time of itself and every longer point, and the time is
+    interpolated between the two points around the op's KV bytes, linearly in log(time) against
+    log(bytes), exact for a bandwidth-bound kernel (below the first point: the plain price capped by
+    the first point; past the last: the plain price)."""
+    kv = float(op.attrs["kv_bytes"])
+    curve = table.decode.get(str(op.attrs["kernel"]))
+    if curve is None or kv <= 0 or kv >= curve.xs[-1]:
+        return found
+
+    def at(kv_bytes: float) -> float:
+        scale = kv_bytes / kv
+        longer = replace(
+            op,
+            flops=op.flops * scale,
+            bytes=op.bytes + kv * (scale - 1),
+            attrs={**op.attrs, "kv_bytes": kv_bytes},
+        )
+        priced = _table_time(
+            longer, table, longer.flops / device.peak(op.compute), longer.bytes / device.hbm_bandwidth
+        )
+        return sum(priced) if priced is not None else math.inf
+
+    times = [at(x) for x in curve.xs]
+    for i in range(len(times) - 2, -1, -1):
+        times[i] = min(times[i], times[i + 1])
+    if kv <= curve.xs[0]:
+        return min(found[0], times[0] - found[1]), found[1]
+    i = bisect.bisect_right(curve.xs, kv) - 1
+    t = math.log(kv / curve.xs[i]) / math.log(curve.xs[i + 1] / curve.xs[i])
+    return times[i] * (times[i + 1] / times[i]) ** t - found[1], found[1]
+
+
 def _section(op: Op) -> str:
     """The kernel-table section whose curves price ``op``."""
     if op.kind == "attention":
@@ -142,13 +234,21 @@ def price(op: Op, device: Device, table: KernelTable | None = None) -> Priced:
         phase = "combine" if op.name.startswith("ep_combine") else "dispatch"
         time, bound, measured = comm_time(device, op.comm, table, phase)
         section = "all_to_all" if op.comm["collective"] == "all_to_all" else "all_reduce"
-        return Priced(op, time, bound, f"table:{table.origin(section)}" if measured and table else "roofline")
+        if measured and table:
+            source = f"table:{table.origin(section)}"
+        elif section == "all_to_all" and op.comm.get("low_latency") and device.ep_low_latency:
+            source = f"deepep_ll:{device.name}"
+        else:
+            source = "roofline"
+        return Priced(op, time, bound, source)
     compute = op.flops / device.peak(op.compute)
     memory = op.bytes / device.hbm_bandwidth
     found = _table_time(op, table, compute, memory) if table else None
+    if found is not None and table is not None and op.kind == "attention" and op.attrs.get("decode"):
+        found = _decode_attention_time(op, device, table, found)
     bound = "compute" if compute >= memory else "memory"
     if found is not None and table is not None:
-        (body, fixed), source = found, f"table:{table.origin(_section(op))}"
+        (body, fixed), source = found, table_source(table, _section(op), device)
     else:
         compute, memory = compute / device.compute_efficiency, memory / device.memory_efficiency
         body, fixed, source = max(compute, memory), 0.0, "roofline"

@@ -5,7 +5,9 @@ with ``--device-file``, or any ``*.yaml`` in ``~/.config/kadapt/devices`` or in 
 in ``$KADAPT_DEVICE_PATH`` (user files shadow shipped ones of the same name). Every section carries a
 ``source`` string so a reader can check where each number came from. ``kernels: NAME`` names a
 kernel-efficiency table (``kernels/NAME.yaml``, see ``kernels.py``) that replaces the flat efficiencies
-by measured ones per op kind, dtype and shape.
+by measured ones per op kind, dtype and shape. An optional ``ep_low_latency`` section prices the EP
+dispatch / combine of decode steps as DeepEP's low-latency kernels run them (``cost.py``): a latency
+floor per call by EP size plus the rows' bytes at a measured fraction of each interconnect level.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import jsonschema
 import yaml
 
 from ...errors import KadaptError, UsageError
+from .kernels import Curve
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "devices"
 USER_DIR = Path("~/.config/kadapt/devices").expanduser()
@@ -26,6 +29,17 @@ USER_DIR = Path("~/.config/kadapt/devices").expanduser()
 _SOURCE = {"type": "string", "minLength": 1}
 _POSITIVE = {"type": "number", "exclusiveMinimum": 0}
 _FRACTION = {"type": "number", "exclusiveMinimum": 0, "maximum": 1}
+_PHASES = ("dispatch", "combine")
+
+
+def _per_phase(value: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": list(_PHASES),
+        "properties": dict.fromkeys(_PHASES, value),
+    }
+
 
 DEVICE_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -69,6 +83,17 @@ DEVICE_SCHEMA: dict[str, Any] = {
             "required": ["value", "source"],
             "properties": {"value": {"type": "number", "minimum": 0}, "source": _SOURCE},
         },
+        "ep_low_latency": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["devices", "latency_us", "efficiency", "source"],
+            "properties": {
+                "devices": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 2}},
+                "latency_us": _per_phase({"type": "array", "minItems": 1, "items": _POSITIVE}),
+                "efficiency": _per_phase({"type": "object", "additionalProperties": _FRACTION}),
+                "source": _SOURCE,
+            },
+        },
         "interconnect": {
             "type": "array",
             "minItems": 1,
@@ -100,6 +125,17 @@ class Link:
 
 
 @dataclass(frozen=True)
+class LowLatencyEP:
+    """DeepEP's low-latency dispatch / combine on this device: a fixed cost per call by EP size (the
+    kernel's signalling round trips, measured at a near-empty payload) and the fraction of each
+    interconnect level's bandwidth its rows reach, per phase (combine reduces as it receives)."""
+
+    latency: dict[str, Curve]  # phase -> seconds by EP group size (log-linear, flat past the ends)
+    efficiency: dict[str, dict[str, float]]  # phase -> interconnect name -> fraction of its bandwidth
+    source: str
+
+
+@dataclass(frozen=True)
 class Device:
     name: str
     description: str
@@ -112,6 +148,7 @@ class Device:
     links: tuple[Link, ...]  # narrowest group first
     path: Path
     kernels: str | None = None  # kernel-efficiency table (kernels/<name>.yaml); None: flat efficiencies
+    ep_low_latency: LowLatencyEP | None = None  # decode all-to-all as DeepEP LL; None: the roofline
 
     def peak(self, dtype: str) -> float:
         """Peak for ``dtype``; a dtype the device lacks runs at the next wider one (int4 → int8 → bf16)."""
@@ -168,6 +205,30 @@ def parse_device(data: Any, path: Path) -> Device:
         links=tuple(links),
         path=path,
         kernels=data.get("kernels"),
+        ep_low_latency=_low_latency(data["ep_low_latency"], links, path)
+        if data.get("ep_low_latency")
+        else None,
+    )
+
+
+def _low_latency(body: dict[str, Any], links: list[Link], path: Path) -> LowLatencyEP:
+    """The ``ep_low_latency`` section; its efficiencies must name every interconnect level (a level
+    without one could not be priced) and nothing else."""
+    names, sizes = {link.name for link in links}, [float(d) for d in body["devices"]]
+    if sizes != sorted(sizes) or any(len(body["latency_us"][p]) != len(sizes) for p in _PHASES):
+        raise KadaptError(
+            f"device profile {path}: ep_low_latency needs increasing devices and one latency per size"
+        )
+    for phase in _PHASES:
+        if set(body["efficiency"][phase]) != names:
+            raise KadaptError(
+                f"device profile {path}: ep_low_latency.efficiency.{phase} must name each interconnect "
+                f"level ({', '.join(sorted(names))}), got {', '.join(sorted(body['efficiency'][phase]))}"
+            )
+    return LowLatencyEP(
+        latency={p: Curve(tuple(sizes), tuple(v * 1e-6 for v in body["latency_us"][p])) for p in _PHASES},
+        efficiency={p: dict(body["efficiency"][p]) for p in _PHASES},
+        source=body["source"],
     )
 
 

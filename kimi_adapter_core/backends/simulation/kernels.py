@@ -2,11 +2,18 @@
 
 One flat compute efficiency cannot price a decode GEMM (a few tokens: bandwidth-bound, ~50-80% of
 HBM), a 4,096-token fp8-block GEMM (~40% of the FP8 peak) and a power-law-routed fp8 grouped expert
-GEMM (~16%) at once. A device profile names a table (``kernels: hopper``) kept as data in
-``kernels/*.yaml``, generated from measured kernel tables by ``calibrate.py`` (each file cites its
-source). A curve maps one shape variable (tokens M, pairs per local expert, sequence length, KV bytes
-read, message bytes) to an efficiency, interpolated linearly in log(shape) and held flat past its
-ends. A device without a table keeps the flat ``compute.efficiency`` / ``memory.efficiency``.
+GEMM (~16%) at once. A device profile names its tables (``kernels: h200_sxm``) kept as data in
+``kernels/*.yaml``, generated from measured kernel tables by ``calibrate.py`` (each file and each
+curve cites its source). Kernels differ by serving framework (SGLang's Triton MoE is not TensorRT-LLM's
+CUTLASS one), so a name has one table per framework, ``<name>_<framework>.yaml``, and the framework a
+simulation serves with picks it (``table_for``); a name without per-framework tables (``atlas_a3``)
+is one table for every framework. A table records the device profile it was measured on
+(``device``): pricing another device with it rescales measured efficiencies by that device's peaks
+and bandwidth, which ``cost.price`` says in the op's source.
+
+A curve maps one shape variable (tokens M, pairs per local expert, sequence length, KV bytes read,
+message bytes) to an efficiency, interpolated linearly in log(shape) and held flat past its ends.
+A device without a table keeps the flat ``compute.efficiency`` / ``memory.efficiency``.
 
 Curves and the op kinds they price:
 - ``gemm.<dtype>`` by M (tokens): the compute efficiency of dense matmuls; ``gemm_memory.<dtype>`` by
@@ -72,6 +79,7 @@ KERNELS_SCHEMA: dict[str, Any] = {
     "properties": {
         "name": {"type": "string"},
         "source": {"type": "string", "minLength": 1},
+        "device": {"type": "string", "minLength": 1},
         "gemm": _CURVES,
         "gemm_memory": _CURVES,
         "grouped_gemm": _CURVES,
@@ -97,6 +105,7 @@ KERNELS_SCHEMA: dict[str, Any] = {
                 "latency_us": {"type": "number", "minimum": 0},
                 "bytes": _CURVE["additionalProperties"],
                 "efficiency": _CURVE["properties"]["efficiency"],
+                "source": {"type": "string"},
             },
             "additionalProperties": False,
         },
@@ -176,10 +185,16 @@ class KernelTable:
     all_reduce: tuple[float, Curve] | None  # (latency s, efficiency by bytes)
     all_to_all: AllToAll | None = None
     origins: dict[str, str] = field(default_factory=dict)  # section -> the table that measured it
+    device: str | None = None  # the device profile this table's own curves were measured on
+    devices: dict[str, str | None] = field(default_factory=dict)  # section -> the base's device
 
     def origin(self, section: str) -> str:
         """Name of the table whose measurements a section's curves are (a base's when borrowed)."""
         return self.origins.get(section, self.name)
+
+    def measured_on(self, section: str) -> str | None:
+        """The device profile a section's curves were measured on (None: not recorded)."""
+        return self.devices[section] if section in self.devices else self.device
 
     @staticmethod
     def _pick(curves: dict[str, Curve], dtype: str) -> Curve | None:
@@ -223,16 +238,21 @@ def parse_kernels(data: Any, path: Path) -> KernelTable:
     ar = data.get("all_reduce")
 
     origins: dict[str, str] = {}
+    devices: dict[str, str | None] = {}
+
+    def borrow(name: str) -> None:
+        assert base is not None
+        origins[name], devices[name] = base.origin(name), base.measured_on(name)
 
     def inherit(own: dict[str, Curve], name: str) -> dict[str, Curve]:
         if base is not None and not own:
-            origins[name] = base.origin(name)
+            borrow(name)
         return {**(getattr(base, name) if base else {}), **own}
 
     if base is not None:
-        origins.update(
-            {name: base.origin(name) for name in ("all_reduce", "all_to_all") if not data.get(name)}
-        )
+        for name in ("all_reduce", "all_to_all"):
+            if not data.get(name):
+                borrow(name)
     return KernelTable(
         name=data["name"],
         source=data["source"] + (f"; other curves from kernel table {base.name}" if base else ""),
@@ -248,6 +268,8 @@ def parse_kernels(data: Any, path: Path) -> KernelTable:
         all_reduce=(ar["latency_us"] * 1e-6, _curve(ar, "all_reduce")) if ar else (base and base.all_reduce),
         all_to_all=_all_to_all(data["all_to_all"]) if data.get("all_to_all") else (base and base.all_to_all),
         origins=origins,
+        device=data.get("device"),
+        devices=devices,
     )
 
 
@@ -293,3 +315,10 @@ def load_kernels(name: str, folder: Path = KERNELS_DIR) -> KernelTable:
     path = folder / f"{name}.yaml"
     data = _read(name, folder)
     return parse_kernels(data, path)
+
+
+def table_for(name: str, framework: str, folder: Path = KERNELS_DIR) -> KernelTable:
+    """The table a device naming ``name`` serves with under ``framework``: ``<name>_<framework>``
+    where that exists, else ``name`` itself (one table for every framework)."""
+    specific = f"{name}_{framework}"
+    return load_kernels(specific if (folder / f"{specific}.yaml").is_file() else name, folder)

@@ -441,6 +441,9 @@ class RoutedExperts(nn.Module):
             "top_k": moe.top_k,
             "hidden": hidden,
             "experts": moe.num_experts,
+            # decode runs DeepEP's low-latency kernels (SGLang / TensorRT-LLM wide EP), prefill its
+            # normal ones: they move different bytes at different fixed costs (cost.py)
+            "low_latency": self.dep.decode,
         }
         if all_to_all:
             self.rec.analytic(

@@ -16,7 +16,7 @@ from typing import Any
 
 from ...errors import KadaptError
 from ...spec.model import Spec
-from .cost import Priced, overlap_shared_experts, price
+from .cost import Priced, kernel_table, overlap_shared_experts, price
 from .deployment import Deployment
 from .device import Device
 from .inputs import ModelInputs
@@ -110,7 +110,8 @@ def simulate(
 ) -> Simulation:
     """Price one prefill or decode step of ``dep`` on ``device``; the per-rank model is built from
     ``spec`` (its bridges and patches for backend ``simulation``), sized by ``inputs``.
-    ``cost_model="measured"`` looks ops up in AIConfigurator's ``framework`` tables for ``device``."""
+    ``framework`` picks the device's kernel tables (both cost models: serving frameworks run different
+    kernels); ``cost_model="measured"`` looks ops up in AIConfigurator's ``framework`` tables."""
     s = inputs.arch.structure
     dep.check(s)
     if cost_model not in COST_MODELS:
@@ -122,13 +123,14 @@ def simulate(
         require()
         measured = MeasuredPricer(system_for(device.name), framework)
     ops, trace_notes = trace_kernels(spec, inputs, dep)
+    table = kernel_table(device, framework)
     priced = []
     for op in ops:
         seconds = measured.time(op, decode=dep.decode) if measured else None
         priced.append(
             Priced(op, seconds, "measured", measured.source)
             if measured and seconds is not None
-            else price(op, device)
+            else price(op, device, table)
         )
     kernels = tuple(finish_step(priced, dep))
     kv = kv_sizing(s, dep.parallel.tp, dep.kv_dtype)

@@ -46,7 +46,7 @@ from ..extraction.options import vision_options
 from ..extraction.vision import VisionWrapper, vision_modules
 from ..extraction.weights import cast_to_abi_dtype
 from .arch import read_config
-from .cost import Priced, price
+from .cost import Priced, kernel_table, price
 from .deployment import Deployment
 from .device import Device
 from .inputs import ModelInputs
@@ -291,7 +291,8 @@ def simulate_images(
         raise KadaptError("images are encoded in a prefill step; a decode step has none")
     merged = replace(dep, query_len=dep.query_len + images.tokens_per_query)
     merged.check(inputs.arch.structure)
-    vision = [price(op, device) for op in trace_vision(spec, inputs, dep, images)]
+    table = kernel_table(device, framework)
+    vision = [price(op, device, table) for op in trace_vision(spec, inputs, dep, images)]
     text = simulate(inputs, spec, merged, device, cost_model=cost_model, framework=framework)
     group_images = images.images(dep.batch_per_rank)
     memory = replace(text.memory, vision_cache=float(group_images * images.feature_bytes_per_image))
