@@ -255,3 +255,31 @@ def test_modules_to_not_convert_match_as_transformers_matches_them(module: str) 
         ["lm_head"],
     ):
         assert not_converted(module, tuple(patterns)) == (not should_convert_module(module, patterns))
+
+
+def test_module_matcher_is_compressed_tensors_rule_entry_by_entry() -> None:
+    """The one-pass matcher equals the rule read entry by entry: ``re:`` from the start, else the name
+    or a dotted suffix (never a partial component)."""
+    import re
+
+    from kimi_adapter_core.backends.extraction.checkpoint_storage import module_matcher
+
+    entries = ["lm_head", "re:.*self_attn.*", "mlp.gate", "re:vision_tower.*", "experts.0.down_proj"]
+
+    def by_entry(module: str) -> bool:
+        return any(
+            re.match(e[3:], module) is not None
+            if e.startswith("re:")
+            else module == e or module.endswith("." + e)
+            for e in entries
+        )
+
+    modules = [
+        "lm_head", "language_model.lm_head", "model.lm_head_x", "model.layers.3.self_attn.q_proj",
+        "model.layers.3.mlp.gate", "model.layers.3.mlp.gate_proj", "model.layers.3.xmlp.gate",
+        "vision_tower.blocks.0.wo", "model.vision_tower.x", "model.layers.1.mlp.experts.0.down_proj",
+        "model.layers.1.mlp.experts.10.down_proj", "",
+    ]  # fmt: skip
+    matches = module_matcher(entries)
+    assert [matches(m) for m in modules] == [by_entry(m) for m in modules]
+    assert sum(by_entry(m) for m in modules) == 6  # both outcomes are exercised
