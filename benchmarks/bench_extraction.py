@@ -15,6 +15,13 @@ waits for: imports, building the full-size model on meta, both graphs, writing J
   pytorch-ir's ``IR.save`` cannot write dtype/device attributes (its defect 1), so its JSON size is
   measured on ``json.dumps(ir.to_dict(), indent=2, default=str)``, the text ``save`` would write.
 
+- ``floor`` / ``cli`` / ``verify``: whole processes measured from the outside (wall time and the
+  process's own peak RSS from ``wait4``): the import floor (``import torch, transformers`` and the
+  family's modeling module, nothing of kadapt's), the main job exactly as a user runs it
+  (``kadapt -q apply specs/<spec>.yaml``) and the same with ``--verify``. The report prints the main
+  job against the floor measured in the same run (difference and ratio) and ``--verify`` against
+  ``apply``: issue 23's targets are the floor + 2 s, 120% of the floor's memory, and verify <= 2x apply.
+
 Usage: ``python benchmarks/bench_extraction.py [--specs llama,kimi_k25] [--modes kadapt,torch_ir,vision]``.
 Figures from pytorch-ir's own Kimi-K2.5 example (shared reference): 254 s, 1.8 GB, 41.5 MB per graph;
 they are printed against the ``kimi_k25`` row only.
@@ -36,7 +43,8 @@ from typing import Any
 START = time.perf_counter()
 REPO = Path(__file__).resolve().parents[1]
 SPECS = sorted(p.stem for p in (REPO / "specs").glob("*.yaml") if p.stem != "kimi_k25_remote")
-MODES = ("kadapt", "kadapt-full", "torch_ir", "vision", "vision-full")
+MODES = ("kadapt", "kadapt-full", "torch_ir", "vision", "vision-full", "floor", "cli", "verify")
+PROCESS_MODES = ("floor", "cli", "verify")  # measured as whole processes, as a user runs them
 VISION_MODES = ("vision", "vision-full")
 REFERENCE = {"seconds": 254.0, "peak_rss_mb": 1800.0, "json_mb_per_graph": 41.5}
 
@@ -180,6 +188,47 @@ def has_vision(spec_name: str) -> bool:
     return abi is not None and abi.vision is not None
 
 
+def floor_module(spec_name: str) -> str:
+    """The family's transformers modeling module, which the import floor imports."""
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    from kimi_adapter_core.spec import load_spec  # no torch: the parent stays light
+
+    name = model_type_to_module_name(load_spec(REPO / "specs" / f"{spec_name}.yaml").gate.model_type)
+    return f"transformers.models.{name}.modeling_{name}"
+
+
+def run_process(spec_name: str, mode: str, output_dir: Path) -> dict[str, Any]:
+    """Wall time and peak RSS of one whole process: the import floor, the main job or its --verify."""
+    import os
+
+    if mode == "floor":
+        command = [sys.executable, "-c", f"import torch, transformers, {floor_module(spec_name)}"]
+    else:
+        spec = str(REPO / "specs" / f"{spec_name}.yaml")
+        command = [
+            sys.executable,
+            "-m",
+            "kimi_adapter_core",
+            "-q",
+            "apply",
+            spec,
+            "--output-dir",
+            str(output_dir),
+        ]
+        command += ["--verify"] if mode == "verify" else []
+    print(f"[bench] {spec_name}: running {mode} ...", flush=True)
+    start = time.perf_counter()
+    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(child.pid, 0)
+    seconds = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(
+            f"{spec_name} {mode} failed: {child.stderr.read().decode()[-2000:] if child.stderr else ''}"
+        )
+    return {"seconds": seconds, "peak_rss_mb": usage.ru_maxrss / 1024}
+
+
 def run_child(spec_name: str, mode: str, output_dir: Path) -> dict[str, Any]:
     command = [
         sys.executable,
@@ -248,7 +297,31 @@ def vision_report(results: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     return lines
 
 
+def floor_report(results: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """The main job and --verify against the import floor measured in the same run."""
+    lines = [
+        "",
+        f"{'main job vs import floor':<18} {'floor s':>7} {'apply s':>7} {'diff s':>6} {'ratio':>5} "
+        f"{'floor MB':>8} {'apply MB':>8} {'mem':>5} {'verify s':>8} {'v/apply':>7}",
+    ]
+    for spec_name, modes in results.items():
+        floor, cli, check = modes.get("floor"), modes.get("cli"), modes.get("verify")
+        if floor is None or cli is None:
+            continue
+        verify = f"{check['seconds']:>8.1f} {check['seconds'] / cli['seconds']:>6.1f}x" if check else ""
+        lines.append(
+            f"{spec_name:<18} {floor['seconds']:>7.1f} {cli['seconds']:>7.1f} "
+            f"{cli['seconds'] - floor['seconds']:>+6.1f} {cli['seconds'] / floor['seconds']:>4.1f}x "
+            f"{floor['peak_rss_mb']:>8.0f} {cli['peak_rss_mb']:>8.0f} "
+            f"{cli['peak_rss_mb'] / floor['peak_rss_mb']:>5.0%} {verify}"
+        )
+    lines.append("targets (issue 23): diff <= +2.0 s, mem <= 120%, v/apply <= 2x")
+    return lines
+
+
 def report(results: dict[str, dict[str, dict[str, Any]]]) -> str:
+    if all(mode in PROCESS_MODES for modes in results.values() for mode in modes):
+        return "\n".join(floor_report(results))
     lines = [
         f"{'spec / contender':<24} {'wall s':>7} {'peak RSS MB':>11} {'prefill nodes':>13} "
         f"{'decode nodes':>12} {'prefill MB':>10} {'decode MB':>9}"
@@ -260,7 +333,7 @@ def report(results: dict[str, dict[str, dict[str, Any]]]) -> str:
                 _row("kimi_k25 / pytorch-ir*", REFERENCE["seconds"], REFERENCE["peak_rss_mb"], nodes, mb)
             )
         for mode, r in modes.items():
-            if mode in VISION_MODES:
+            if mode in VISION_MODES or mode in PROCESS_MODES:
                 continue
             mb = {k: v / 1e6 for k, v in r["json_bytes"].items()}
             lines.append(_row(f"{spec_name} / {mode}", r["seconds"], r["peak_rss_mb"], r["nodes"], mb))
@@ -297,6 +370,8 @@ def report(results: dict[str, dict[str, dict[str, Any]]]) -> str:
                 lines.append(f"  torch_ir.save_ir failed: {next(iter(theirs['save_errors'].values()))}")
     if any(mode in VISION_MODES for modes in results.values() for mode in modes):
         lines += vision_report(results)
+    if any("floor" in modes for modes in results.values()):
+        lines += floor_report(results)
     return "\n".join(lines)
 
 
@@ -335,7 +410,10 @@ def main() -> None:
         for spec_name in args.specs.split(","):
             runnable = [m for m in modes if m not in VISION_MODES or has_vision(spec_name)]
             results[spec_name] = {
-                mode: run_child(spec_name, mode, out / spec_name / mode) for mode in runnable
+                mode: (run_process if mode in PROCESS_MODES else run_child)(
+                    spec_name, mode, out / spec_name / mode
+                )
+                for mode in runnable
             }
     print(report(results))
     if args.json:
