@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch_ir
+from click.testing import CliRunner
 from fixtures.checkpoints import (
     PREFILL,
     eager_logits,
@@ -30,12 +30,14 @@ from fixtures.checkpoints import (
     prefill_logits,
     published_vision,
 )
+from fixtures.spec_files import kimi_spec_with
 from safetensors.torch import load_file, save_file
 
 from kimi_adapter_core.backends.extraction.checkpoint_storage import FP8_BLOCK, MXFP4, PACK_QUANTIZED
 from kimi_adapter_core.backends.extraction.naming import rename_weight
 from kimi_adapter_core.backends.extraction.weight_loader import load_weights
-from kimi_adapter_core.errors import KadaptError
+from kimi_adapter_core.cli import cli
+from kimi_adapter_core.errors import KadaptError, Refusal
 from kimi_adapter_core.spec import load_spec
 from kimi_adapter_core.spec.loader import check_spec
 
@@ -150,15 +152,13 @@ def test_kimi_config_without_quantization_config_is_a_dense_checkpoint(tmp_path:
     quantization_config. transformers loads it dense; so does the weight map, saying Q1 was not applied."""
     from transformers import AutoModelForImageTextToText
 
-    echoed: list[str] = []
     spec, options, config, model = extract(
-        "kimi_k25", tmp_path / "ir", echo=echoed.append, **{"text_config.quantization_config": None}
+        "kimi_k25", tmp_path / "ir", **{"text_config.quantization_config": None}
     )
     assert spec.quantization, "the spec's int4 scheme is what this test is about"
     doc = json.loads(options.path("weight_map").read_text())
     assert doc["quantization"] is None and _formats(doc) == set()
     assert [n for n in doc["notes"] if n.startswith("quantization[0] (Q1, int4") and "not applied" in n]
-    assert any("note: quantization[0] (Q1" in line for line in echoed)
     for kind in ("prefill", "decode", "vision"):
         ir = json.loads(options.path(kind).read_text())
         assert not [w["name"] for w in ir["weights"] if "quantization" in w], kind
@@ -202,19 +202,31 @@ def test_kimi_config_without_quantization_config_is_a_dense_checkpoint(tmp_path:
 def test_a_scheme_the_config_contradicts_is_an_error_at_apply(change, expected: str, tmp_path: Path) -> None:
     qc = json.loads(json.dumps(INT4))
     change(qc)
-    with pytest.raises(KadaptError, match=expected):
+    with pytest.raises(KadaptError, match=expected) as raised:
         extract("kimi_k25", tmp_path / "ir", **{"text_config.quantization_config": qc})
-    assert not list((tmp_path / "ir").glob("*.json"))  # refused before anything is written
+    assert not list((tmp_path / "ir").glob("*.json"))  # stopped before anything is written
+    # the spec's error, at the scheme: not a refusal (those are for models kadapt cannot describe)
+    assert not isinstance(raised.value, Refusal)
+    spec = load_spec(REPO / "specs" / "kimi_k25.yaml")
+    assert raised.value.location == spec.locate("quantization[0]")
 
 
-def _kimi_spec_with(tmp_path: Path, change) -> Path:
-    """A copy of the shipped Kimi-K2.5 spec whose config's text quantization_config is ``change``d."""
-    shutil.copy(REPO / "specs" / "kimi_k25.yaml", tmp_path / "kimi_k25.yaml")
-    config = json.loads(json.dumps(KIMI_CONFIG))
-    change(config["text_config"])
-    (tmp_path / "kimi_k25").mkdir()
-    (tmp_path / "kimi_k25" / "config.json").write_text(json.dumps(config))
-    return tmp_path / "kimi_k25.yaml"
+def test_apply_locates_a_scheme_the_config_contradicts(tmp_path: Path) -> None:
+    """``kadapt apply`` as a user runs it, on a config that leaves layer 1's experts dense while Q1's
+    glob covers them (plain ``validate`` compares parameters, so the weight map is what finds it): exit
+    1 with the spec's file:line:col of ``quantization[0]``, no refusal, no traceback, nothing written."""
+    ignore = r"re:.*layers\.1\.mlp\.experts\..*"
+    spec = kimi_spec_with(tmp_path, lambda text: text["quantization_config"]["ignore"].append(ignore))
+    line = next(i for i, text in enumerate(spec.read_text().splitlines(), 1) if text.startswith("  - id: Q1"))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["apply", str(spec), "--output-dir", str(out)])
+    assert result.exit_code == 1, result.output
+    tensor = "language_model.model.layers.1.mlp.experts.0.down_proj.weight"
+    assert f"error: {spec}:{line}:5: quantization[0] (Q1): " in result.output
+    assert f"covers checkpoint tensor {tensor}" in result.output
+    assert "refused" not in result.output and "Traceback" not in result.output
+    assert isinstance(result.exception, SystemExit)
+    assert not out.exists() or not list(out.iterdir())
 
 
 @pytest.mark.parametrize(
@@ -250,7 +262,7 @@ def test_plain_validate_checks_the_schemes_against_the_config(
 ) -> None:
     """Torch-free: the shipped config's quantization_config against the spec's schemes, located at the
     scheme."""
-    result = check_spec(_kimi_spec_with(tmp_path, change))
+    result = check_spec(kimi_spec_with(tmp_path, change))
     found = [d for d in result.errors + result.warnings if d.code == "quantization"]
     if expected is None:
         assert found == []
@@ -295,3 +307,16 @@ def test_ir_quantization_is_the_weight_map_entry(name: str, tmp_path: Path) -> N
             ] == [
                 (g["tensors"][0], len(g["tensors"]), g["shape"], g.get("storage")) for g in entry["sources"]
             ]
+
+
+@pytest.mark.slow
+def test_apply_says_which_spec_scheme_a_dense_checkpoint_does_not_use(tmp_path: Path) -> None:
+    """The full-size main job on a dense Kimi-K2.5 config: exit 0, a dense map, and the Q1 note on the
+    notes channel (stderr) and in the JSON document, not only inside the weight map file."""
+    spec = kimi_spec_with(tmp_path, lambda text: text.pop("quantization_config"))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["apply", str(spec), "--output-dir", str(out), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    assert re.search(r"note: quantization\[0\] \(Q1, int4.*not applied", result.stderr)
+    notes = json.loads(result.stdout)["extraction"]["notes"]
+    assert [n for n in notes if n.startswith("quantization[0] (Q1") and "not applied" in n]

@@ -179,6 +179,29 @@ def _merged_inputs(placeholders: int) -> tuple[torch.Tensor, ...]:
     return ids, torch.randn(ROWS, HIDDEN), mask, positions
 
 
+def test_decode_positions_past_the_cache_are_refused_by_value(saved: tuple) -> None:
+    """A position >= max_cache_len has no slot: the per-row write would drop the token without an
+    error, so the binder refuses it with the KV mapping's bounds, naming the input."""
+    import json
+
+    from kimi_adapter_core.backends.extraction.symbolic import decode_value_ranges
+
+    options, irs = saved
+    decode = irs["decode"]
+    values = decode_value_ranges(decode, json.loads(options.path("kv_mapping").read_text()))
+    assert values == {"position_ids": (0, CACHE - 1), "cache_position": (0, CACHE - 1)}
+    cache = [torch.zeros(meta.shape, dtype=torch.float32) for meta in decode.graph_inputs[4:]]
+
+    def call(position: int) -> tuple[torch.Tensor, ...]:
+        positions = torch.full((1, 1), position, dtype=torch.long)
+        mask = runtime.additive_causal_mask(positions, CACHE, torch.float32)
+        return (torch.zeros(1, 1, dtype=torch.long), mask, positions, positions.view(-1), *cache)
+
+    assert bind_ir(decode, call(CACHE - 1), {}, graph="decode", values=values) is decode
+    with pytest.raises(KadaptError, match=rf"^decode input position_ids: values must lie in 0..{CACHE - 1}"):
+        bind_ir(decode, call(CACHE), {}, graph="decode", values=values)
+
+
 def test_placeholders_are_read_from_the_mapping_or_the_ir_metadata() -> None:
     from_mapping = Placeholders.from_document(_mapping_section())
     from_metadata = Placeholders.from_document(

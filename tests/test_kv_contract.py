@@ -1,4 +1,4 @@
-"""KV mapping v2: a runtime written from the mapping's contract and the IR files alone.
+"""KV mapping (contract version 3): a runtime written from the mapping's contract and the IR files alone.
 
 The driver below reads nothing of kadapt's at run time but the reference binder (``symbolic.bind_ir``,
 torch-free, which a runtime copies): tensor names, shapes, dtypes, the mask rule, the slot rule, the
@@ -71,7 +71,7 @@ def _drive(
     ``pixels`` the multimodal prefill."""
     mapping = json.loads((out / f"{prefix}_kv_mapping.json").read_text())
     contract = mapping["contract"]
-    assert contract["version"] == 2 and contract["padding"]["supported"] == "right"
+    assert contract["version"] == 3 and contract["padding"]["supported"] == "right"
     decode = _executor(out, mapping["decode_graph"], weights, mapping)
     n = prompt.shape[1]
     if pixels is None:

@@ -280,6 +280,6 @@ def test_module_matcher_is_compressed_tensors_rule_entry_by_entry() -> None:
         "vision_tower.blocks.0.wo", "model.vision_tower.x", "model.layers.1.mlp.experts.0.down_proj",
         "model.layers.1.mlp.experts.10.down_proj", "",
     ]  # fmt: skip
-    matches = module_matcher(entries)
-    assert [matches(m) for m in modules] == [by_entry(m) for m in modules]
+    for matches in (module_matcher(entries), module_matcher(e for e in entries)):  # any iterable
+        assert [matches(m) for m in modules] == [by_entry(m) for m in modules]
     assert sum(by_entry(m) for m in modules) == 6  # both outcomes are exercised

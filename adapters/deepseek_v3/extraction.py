@@ -739,7 +739,7 @@ class PagedKV(NamedTuple):
     num_blocks: int
     block_table: str  # the decode graph's block-table input
 
-    def contract(self, max_cache_len: int) -> dict[str, Any]:
+    def contract(self, max_cache_len: int, batch: int | str) -> dict[str, Any]:
         blocks = max_cache_len // self.block_size
         return {
             "block_size": self.block_size,
@@ -749,7 +749,7 @@ class PagedKV(NamedTuple):
             "shared by every row (the cache's heads and dim above); the outputs replace the inputs",
             "block_table": {
                 "input": self.block_table,
-                "shape": ["batch", blocks],
+                "shape": [batch, blocks],
                 "dtype": "int64",
                 "rule": "block_table[b, j] is the pool block holding row b's positions "
                 f"j*{self.block_size}..(j+1)*{self.block_size}-1; blocks may be in any order, each owned by "
@@ -757,6 +757,7 @@ class PagedKV(NamedTuple):
                 "them), but a row's written blocks must be its own. A row with no request still writes its "
                 "token: give it a scratch block",
             },
+            "pool_dims": {"block": 0, "offset": 1, "heads": 2, "dim": 3},
             "slot_rule": f"position p of row b is offset p % {self.block_size} of block "
             f"block_table[b, p // {self.block_size}]; the mask is the contiguous layout's, over logical "
             f"positions 0..{max_cache_len - 1}",
@@ -773,10 +774,14 @@ def kv_contract(
     max_cache_len: int,
     dynamic: dict[str, tuple[int, int]] | None = None,
     paged: PagedKV | None = None,
+    batch: int = 1,
 ) -> dict[str, Any]:
     """Everything a runtime needs besides the graphs: cache semantics, masks, positions, capacity,
     with ``dynamic`` sizes (``{"prefill_len": (1, 64)}``) how to bind them, and with ``paged`` the
-    block pool and block table."""
+    block pool and block table (``batch`` rows, or the dynamic ``batch``).
+
+    Version 3: ``cache_position`` is ``[batch]`` (one position per row) and the optional paged cache;
+    version 2 graphs took one ``[1]`` position for the whole batch."""
     key, value = KV_CONTENTS[kv_layout]
     (key_heads, key_dim), (value_heads, value_dim) = kv_dims
     dynamic = dynamic or {}
@@ -795,7 +800,7 @@ def kv_contract(
             "Prompts of different lengths in one batch are right padded to the longest: " + padding
         )
     contract: dict[str, Any] = {
-        "version": 2,
+        "version": 3,
         "cache": {
             "key": {"holds": key, "heads": key_heads, "dim": key_dim},
             "value": {"holds": value, "heads": value_heads, "dim": value_dim},
@@ -832,7 +837,11 @@ def kv_contract(
             "rule": DYNAMIC_RULE,
         }
     if paged is not None:
-        contract["paged"] = paged.contract(max_cache_len)
+        contract["paged"] = paged.contract(max_cache_len, "batch" if "batch" in dynamic else batch)
+        contract["cache"]["slot_rule"] += (
+            " in the prefill outputs and in each row's logical cache; the decode pools are addressed by "
+            "contract.paged.slot_rule"
+        )
     return contract
 
 
@@ -889,7 +898,12 @@ def build_kv_mapping(
         "kv_layout": kv_layout,
         **attention,
         "contract": kv_contract(
-            kv_dims, kv_layout=kv_layout, max_cache_len=max_cache_len, dynamic=dynamic, paged=paged
+            kv_dims,
+            kv_layout=kv_layout,
+            max_cache_len=max_cache_len,
+            dynamic=dynamic,
+            paged=paged,
+            batch=batch,
         ),
         "kv_cache": "contiguous" if paged is None else "paged",
         "batch": batch,
@@ -898,7 +912,7 @@ def build_kv_mapping(
         "max_cache_len": max_cache_len,
         "num_layers": num_layers,
         "dtype": dtype,
-        "sequence_dim": 2,
+        "sequence_dim": 2,  # of the prefill outputs and the contiguous decode caches (pools: pool_dims)
         "prefill_to_decode": (
             {
                 "op": "index_copy",

@@ -131,9 +131,11 @@ def graph_tables(spec: Spec, d: Dims) -> tuple[GraphNames, GraphNames, list[dict
             rows.append({"role": "input", "name": paged.block_table, "shape": table, "dtype": INDEX_DTYPE})
         return rows
 
-    def kv(direction: str, key: str, value: str, length: int) -> list[dict[str, Any]]:
+    def kv(
+        direction: str, key: str, value: str, length: int, *, decode: bool = False
+    ) -> list[dict[str, Any]]:
         key_shape, value_shape = d.kv(b, length)
-        if length == cap and paged is not None:  # decode: block pools
+        if decode and paged is not None:  # block pools
             key_shape, value_shape = runtime.paged_shapes(d.kv_dims, paged.block_size, paged.num_blocks)
         return [
             {"role": direction, "name": key, "shape": _shape(*key_shape), "dtype": abi.dtype},
@@ -158,9 +160,9 @@ def graph_tables(spec: Spec, d: Dims) -> tuple[GraphNames, GraphNames, list[dict
             "graph": "decode",
             "tensors": [
                 *fixed(decode, 1, cap),
-                *kv("input", decode.past_key or "", decode.past_value or "", cap),
+                *kv("input", decode.past_key or "", decode.past_value or "", cap, decode=True),
                 logits(decode, 1),
-                *kv("output", decode.present_key, decode.present_value, cap),
+                *kv("output", decode.present_key, decode.present_value, cap, decode=True),
             ],
         },
     ]

@@ -148,6 +148,13 @@ def render_extraction(spec: Spec) -> list[Rendered]:
     assert abi is not None
     if spec.environment:
         raise _fail(spec, "environment[0]", "environment shims have no generated form yet")
+    if abi.kv_cache.kind == "paged":  # the module's wrappers and example inputs are the contiguous ABI's
+        raise _fail(
+            spec,
+            "abi.kv_cache",
+            "a paged decode cache has no generated form yet (the module would build the contiguous "
+            "ABI); export it with kadapt apply",
+        )
     for key in ("language_model", "lm_head"):
         if key not in spec.module_paths:
             raise _fail(spec, "module_paths", f"module_paths has no {key!r}, which the wrappers need")

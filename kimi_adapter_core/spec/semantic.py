@@ -209,6 +209,7 @@ class _Checks:
             self.error(
                 "abi.prefill_len", f"prefill_len {prefill} exceeds max_cache_len {cache}", "abi-lengths"
             )
+        self.check_paged(abi.get("kv_cache"), abi.get("batch"), cache)
         vision = abi.get("vision") if isinstance(abi.get("vision"), dict) else {}
         merged = vision.get("merged_prefill")
         graphs = {"prefill": abi.get("prefill"), "decode": abi.get("decode")}
@@ -226,6 +227,44 @@ class _Checks:
                             f"{name!r} is a per-layer (dotted) name: it must contain {{layer}}",
                             "abi-layer-name",
                         )
+
+    def check_paged(self, kv_cache: Any, batch: Any, cache: Any) -> None:
+        """A paged cache's blocks tile max_cache_len, its pool holds one row at full length, and its
+        block-table name is not one of the decode graph's other inputs (what apply checks, said here)."""
+        kv_cache = {"kind": "paged"} if kv_cache == "paged" else kv_cache
+        if (
+            not isinstance(kv_cache, dict)
+            or kv_cache.get("kind") != "paged"
+            or not self.clean("abi.kv_cache")
+        ):
+            return
+
+        def at(key: str) -> str:
+            return f"abi.kv_cache.{key}" if key in kv_cache else "abi.kv_cache"
+
+        size, blocks = kv_cache.get("block_size", 16), kv_cache.get("num_blocks")
+        if isinstance(cache, int) and isinstance(size, int) and cache % size:
+            self.error(
+                at("block_size"),
+                f"block_size {size} does not divide max_cache_len {cache}: each row's cache is whole blocks",
+                "abi-lengths",
+            )
+        elif isinstance(cache, int) and isinstance(blocks, int) and blocks < cache // size:
+            self.error(
+                at("num_blocks"),
+                f"num_blocks {blocks} cannot hold one row at max_cache_len {cache} ({cache // size} blocks "
+                f"of {size})",
+                "abi-lengths",
+            )
+        decode = self.section("abi").get("decode")
+        inputs = decode.get("inputs") if isinstance(decode, dict) else None
+        name = kv_cache.get("block_table", "block_table")
+        if isinstance(inputs, list) and name in inputs:
+            self.error(
+                at("block_table"),
+                f"block-table input {name!r} is already an abi.decode input",
+                "abi-layer-name",
+            )
 
     def check_merged_prefill(
         self, merged: dict[str, Any], vision: dict[str, Any], prefill: Any, cache: Any

@@ -69,6 +69,7 @@ def module_matcher(entries: Iterable[str]) -> Callable[[str], bool]:
 
     One call costs a dict lookup per name level instead of a loop over the entries: a Kimi-K2.5 weight
     map asks it for ~70,000 checkpoint tensors."""
+    entries = tuple(entries)  # read twice below: a generator would leave the patterns empty
     names = {entry for entry in entries if not entry.startswith("re:")}
     patterns = [re.compile(entry[3:]) for entry in entries if entry.startswith("re:")]
 

@@ -443,7 +443,9 @@ def options_from_spec(
         cache_abi,
         batch=sizes["batch"],
         max_cache_len=sizes["max_cache_len"],
-        where=spec.locate("abi.kv_cache") if "abi.kv_cache" in spec.positions and kv_cache is None else None,
+        where=spec.locate("abi.kv_cache")
+        if "abi.kv_cache" in spec.positions and kv_cache is None and block_size is None
+        else None,  # a size from the command line is not the spec's
     )
     prefill_names, decode_names = abi_graph_names(spec)
     if paged is not None:

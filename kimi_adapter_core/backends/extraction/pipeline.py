@@ -252,7 +252,11 @@ def check_checkpoint_layout(
     spec: Spec, model: nn.Module, backbone: Backbone, chosen: Plan, options: ExtractionOptions
 ) -> None:
     """The weight map of what will be traced (the template layers, embeddings, norm, head), before any
-    export: a loading converter or a storage the map cannot describe refuses the run up front."""
+    export: a loading converter or a storage the map cannot describe refuses the run up front.
+
+    An error that points at a spec node (a ``quantization`` scheme the config contradicts) is the
+    spec's to fix, not a model kadapt cannot describe, so it passes through with its location rather
+    than becoming a ``checkpoint-layout`` refusal."""
     layers = {id(layer) for layer in backbone.layers[chosen.prefix :]}
     skipped = {
         path for path, module in model.named_modules() if id(module) in layers
@@ -270,9 +274,9 @@ def check_checkpoint_layout(
         weight_map_document(
             spec, model, weights, model_name=options.model_name, renames=options.weight_renames
         )
-    except Refusal:
-        raise
     except KadaptError as exc:
+        if isinstance(exc, Refusal) or exc.location is not None:
+            raise
         raise Refusal("checkpoint-layout", exc.message) from exc
 
 
@@ -342,8 +346,6 @@ def run(
             model_name=options.model_name,
             renames=options.weight_renames,
         )
-        for note in weight_map["notes"]:
-            clock.echo(f"  note: {note}")
         for kind, graph in graphs.items():
             weights = weight_entries(graph, renames=options.weight_renames, ties=ties, weight_map=weight_map)
             files[options.path(kind)] = ir_chunks(
@@ -373,7 +375,7 @@ def run(
         },
         steps=clock.steps,
         top_ops=options.top_ops,
-        notes=list(options.notes),
+        notes=[*options.notes, *weight_map["notes"]],  # the CLI says them on its notes channel too
     )
     for kind, graph in graphs.items():
         summary.graphs[kind] = graph_stats(graph, options, sizes[options.path(kind)], len(backbone.layers))

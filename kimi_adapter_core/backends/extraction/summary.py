@@ -92,7 +92,6 @@ class ExtractionSummary:
             lines.append(f"  kv map   {_size(self.kv_mapping_bytes)}  -> {self.kv_mapping}")
         if self.weight_map is not None:
             lines.append(f"  weights  {_size(self.weight_map_bytes)}  -> {self.weight_map}")
-        lines += [f"  note: {note}" for note in self.notes]
         lines.append("  time: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.steps))
         return "\n".join(lines)
 

@@ -192,13 +192,15 @@ def check_inputs(
     *,
     graph: str,
     placeholders: Placeholders | None = None,
+    values: Mapping[str, tuple[int, int]] | None = None,
 ) -> dict[str, int]:
     """Refuse ``inputs`` (tensors: ``.shape``, ``.dtype``) the loaded ``torch_ir`` IR ``ir`` was not made
     for, before execution; return each symbol's size.
 
     Checked: the input count, each input's rank and static dimensions, each symbol's range and
-    agreement across inputs (``bind_sizes``), each dtype against the declaration, and with
-    ``placeholders`` the multimodal prefill's placeholder count against the feature rows.
+    agreement across inputs (``bind_sizes``), each dtype against the declaration, with
+    ``placeholders`` the multimodal prefill's placeholder count against the feature rows, and with
+    ``values`` (``{input name: (low, high)}``, see ``decode_value_ranges``) the values of index inputs.
     """
     sizes = bind_sizes(
         [(meta.name, tuple(meta.shape)) for meta in ir.graph_inputs],
@@ -215,7 +217,29 @@ def check_inputs(
             )
     if placeholders is not None:
         _check_placeholders(ir, inputs, placeholders, graph=graph)
+    for meta, tensor in zip(ir.graph_inputs, inputs, strict=True):
+        if values and meta.name in values and tensor.numel():
+            low, high = values[meta.name]
+            least, most = int(tensor.min()), int(tensor.max())
+            if least < low or most > high:
+                raise KadaptError(
+                    f"{graph} input {meta.name}: values must lie in {low}..{high}, got {least}..{most}"
+                )
     return sizes
+
+
+def decode_value_ranges(ir: Any, mapping: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
+    """What the decode graph's index inputs may hold, by the KV mapping: ``position_ids`` and
+    ``cache_position`` (inputs 2 and 3 by ABI role) a position ``0..max_cache_len-1``, a paged block
+    table (input 4) a block ``0..num_blocks-1``. Outside, the graph would not fail: the per-row write
+    finds no slot and drops the token, a block index reads past the pool."""
+    names = [meta.name for meta in ir.graph_inputs]
+    last = int(mapping["max_cache_len"]) - 1
+    ranges = {names[2]: (0, last), names[3]: (0, last)}
+    paged = mapping["contract"].get("paged")
+    if paged is not None:
+        ranges[paged["block_table"]["input"]] = (0, int(paged["num_blocks"]) - 1)
+    return ranges
 
 
 def _check_placeholders(ir: Any, inputs: Sequence[Any], placeholders: Placeholders, *, graph: str) -> None:
@@ -243,6 +267,7 @@ def bind_ir(
     *,
     graph: str,
     placeholders: Placeholders | None = None,
+    values: Mapping[str, tuple[int, int]] | None = None,
 ) -> Any:
     """The loaded ``torch_ir`` IR, ready to execute on ``inputs``: checked first (``check_inputs``: a
     ``KadaptError`` here, before execution, for any input the graph was not made for), then a copy with
@@ -251,7 +276,7 @@ def bind_ir(
     Only nodes with symbolic attributes are copied; a static IR comes back unchanged. Call it on every
     execution, not once per shape: dtypes and placeholder counts differ between calls of one shape.
     """
-    sizes = check_inputs(ir, inputs, ranges, graph=graph, placeholders=placeholders)
+    sizes = check_inputs(ir, inputs, ranges, graph=graph, placeholders=placeholders, values=values)
     if not sizes:
         return ir
     bound = copy.copy(ir)

@@ -7,9 +7,10 @@ that row, because the rounding error of a row comes from the arithmetic that mad
 
 - float32 (and float64): ``relative x max(1, largest |reference|)`` (``verify.tolerance``, default 1e-4):
   the graphs run upstream's math in another order, so the error is a small fraction of the magnitude.
-- bfloat16 / float16: ``ulps x ulp(largest |reference|)`` in the run's dtype. A relative bound cannot be
-  right for every magnitude there: one bf16 step is 2**-8..2**-7 of the value, 0.0625 between 8 and 16,
-  so a fixed 5e-2 refused a one-step difference. Counting steps holds at every magnitude.
+- bfloat16 / float16: ``ulps x ulp(max(1, largest |reference|))`` in the run's dtype. A relative bound
+  cannot be right for every magnitude there: one bf16 step is 2**-8..2**-7 of the value, 0.0625
+  between 8 and 16, so a fixed 5e-2 refused a one-step difference. Counting steps holds at every
+  magnitude.
 
 Why per row and not per element: measured on tiny DeepSeek-V3 in bf16 (115 greedy steps with identical
 tokens), a logit near zero differed by 29,894 of its own ulps, while no row differed by more than 3 ulps
@@ -55,13 +56,15 @@ class Tolerance:
 
     def bound(self, row_magnitude: torch.Tensor) -> torch.Tensor:
         """The largest accepted |difference| of each row, given its largest |reference| (float64)."""
-        if self.in_ulps:
-            return self.limit * ulp(row_magnitude, getattr(torch, self.dtype))
+        if self.in_ulps:  # at least 1, as for float32: a row of near-zero values is a cancellation
+            return self.limit * ulp(
+                row_magnitude.to(torch.float64).clamp(min=1.0), getattr(torch, self.dtype)
+            )
         return self.limit * row_magnitude.to(torch.float64).clamp(min=1.0)
 
     def describe(self) -> str:
         if self.in_ulps:
-            return f"{self.limit:g} ulps of {self.dtype} at each row's largest |reference|"
+            return f"{self.limit:g} ulps of {self.dtype} at each row's largest |reference| (at least 1)"
         return f"{self.limit:g} x each row's largest |reference| (at least 1)"
 
 
@@ -103,7 +106,8 @@ def compare(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], tolerance: Toler
         max_diff = _worse(max_diff, diff.max().item())
         worst = _worse(worst, (diff / tolerance.bound(rows)).max().item())
         if worst_ulps is not None:
-            worst_ulps = _worse(worst_ulps, (diff / ulp(rows, getattr(torch, tolerance.dtype))).max().item())
+            step = ulp(rows.clamp(min=1.0), getattr(torch, tolerance.dtype))  # the bound's own unit
+            worst_ulps = _worse(worst_ulps, (diff / step).max().item())
     return Comparison(tolerance, max_diff, worst, worst_ulps)
 
 
