@@ -7,10 +7,12 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 from click.testing import CliRunner
-from fixtures.spec_files import KIMI_SPEC
+from fixtures.spec_files import KIMI_SPEC, kimi_spec_with
 
 from kimi_adapter_core.backends.simulation.arch import spec_architecture
 from kimi_adapter_core.backends.simulation.device import get_device, load_device_file
@@ -20,7 +22,7 @@ from kimi_adapter_core.backends.simulation.planner import make_plan
 from kimi_adapter_core.backends.simulation.vision_images import image_batch
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import KadaptError
-from kimi_adapter_core.spec import Spec
+from kimi_adapter_core.spec import Spec, load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "specs" / "kimi_k25.yaml"
@@ -121,8 +123,11 @@ def test_checkpoint_names_follow_the_spec(spec: Spec) -> None:
     )
 
 
-def test_weight_bytes_follow_the_spec_quantization(spec: Spec) -> None:
+def test_weight_bytes_follow_the_config_quantization(spec: Spec) -> None:
+    """The shipped config's quantization_config (compressed-tensors int4, group 32) sizes the experts;
+    the spec's Q1 claims the same and holds, so nothing is noted."""
     p = plan(spec)
+    assert not [w for w in p.warnings if "quantization" in w]
     routed = next(w for w in p.weights if w.group.name == "routed_experts")
     assert routed.format == "int4/g32" and routed.params == routed.group.count  # Q1 matches every expert
     per_param = 4 / 8 + 2 / 32  # int4 payload + one bf16 scale per 32 weights
@@ -168,6 +173,89 @@ def test_quant_mode_reformats_linear_weights(spec: Spec) -> None:
     assert w8.weight_bytes < bf16.weight_bytes / 1.9
     with pytest.raises(KadaptError, match="BF16, W8A8, W4A8, W4A16"):
         plan(spec, "FP4")
+
+
+def _dense(text: dict[str, Any]) -> None:
+    text.pop("quantization_config")
+
+
+def test_a_dense_config_sizes_bf16_experts_and_says_why(spec: Spec, tmp_path: Path) -> None:
+    """Kimi-K2.5's spec claims int4 experts (Q1) but a config without quantization_config is a dense
+    checkpoint, as extraction reads it: plan sizes the experts bf16 and notes that Q1 was not applied.
+    Every other weight is sized as for the shipped checkpoint."""
+    shipped, dense = plan(spec), plan(load_spec(kimi_spec_with(tmp_path, _dense)))
+    routed = next(w for w in dense.weights if w.group.name == "routed_experts")
+    assert routed.format == "bf16" and routed.total_bytes == 2 * routed.params == 2 * routed.group.count
+    others = [
+        (w.group.name, w.format, w.total_bytes) for w in dense.weights if w.group.name != "routed_experts"
+    ]
+    assert others == [
+        (w.group.name, w.format, w.total_bytes) for w in shipped.weights if w.group.name != "routed_experts"
+    ]
+    [note] = [w for w in dense.warnings if "quantization" in w]
+    assert note.startswith("quantization[0] (Q1, int4") and "the config has no quantization_config" in note
+
+
+def test_a_weight_mode_ignores_the_checkpoint_storage(spec: Spec, tmp_path: Path) -> None:
+    """--quant re-formats every text linear weight whatever the checkpoint stores: the same figures for
+    the dense and the int4 checkpoint, W4 modes in the group size of the spec's Q1, and no note about
+    a checkpoint the mode replaces."""
+    dense = load_spec(kimi_spec_with(tmp_path, _dense))
+    for mode in ("W4A16", "BF16"):
+        from_dense, from_int4 = plan(dense, mode), plan(spec, mode)
+        assert [(w.format, w.total_bytes) for w in from_dense.weights] == [
+            (w.format, w.total_bytes) for w in from_int4.weights
+        ]
+        assert not [w for w in from_dense.warnings if "quantization" in w]
+    routed = next(w for w in plan(dense, "W4A16").weights if w.group.name == "routed_experts")
+    assert routed.format == "int4/g32 (W4A16)"
+
+
+def test_cli_plan_of_a_dense_config(tmp_path: Path) -> None:
+    out = CliRunner().invoke(cli, ["plan", str(kimi_spec_with(tmp_path, _dense)), "--format", "json"])
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    routed = next(g for g in data["weights"]["groups"] if g["group"] == "routed_experts")
+    assert routed["format"] == "bf16" and set(data["weights"]["bytes_by_format"]) == {"bf16", "fp32"}
+    assert [w for w in data["warnings"] if w.startswith("quantization[0] (Q1, int4") and "not applied" in w]
+
+
+def test_a_scheme_covering_a_tensor_the_config_stores_dense_is_located(tmp_path: Path) -> None:
+    """The config leaves layer 1's experts dense; Q1's glob covers them: plan fails with the located
+    error ``apply`` gives, at Q1's line (plain ``validate`` compares parameters only, not tensors)."""
+    ignore = r"re:.*layers\.1\.mlp\.experts\..*"
+    path = kimi_spec_with(tmp_path, lambda text: text["quantization_config"]["ignore"].append(ignore))
+    line = next(i for i, text in enumerate(path.read_text().splitlines(), 1) if text.startswith("  - id: Q1"))
+    with pytest.raises(KadaptError) as raised:
+        plan(load_spec(path))
+    assert raised.value.location == f"{path}:{line}:5"
+    tensor = "language_model.model.layers.1.mlp.experts.0.gate_proj.weight"
+    assert f"covers checkpoint tensor {tensor}" in raised.value.message
+    assert raised.value.message.endswith(
+        "stores it dense (stored as is); the config decides what is read: fix the scheme (or the config)"
+    )
+    result = CliRunner().invoke(cli, ["plan", str(path)])
+    assert result.exit_code == 1 and f"error: {path}:{line}:5: quantization[0] (Q1)" in result.output
+    assert isinstance(result.exception, SystemExit) and "Traceback" not in result.output
+
+
+def test_experts_stored_in_two_formats_are_an_error(tmp_path: Path) -> None:
+    """One stacked experts tensor has one size per weight: a config that leaves one expert of a layer
+    dense and quantizes the rest cannot be sized (the weight map refuses it too). Without Q1, whose
+    claim would fail first."""
+    path = kimi_spec_with(
+        tmp_path,
+        lambda text: text["quantization_config"]["ignore"].append(r"re:.*layers\.1\.mlp\.experts\.0\."),
+    )
+    raw = yaml.safe_load(path.read_text())
+    del raw["quantization"]
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    with pytest.raises(
+        KadaptError,
+        match="stores the experts of language_model.model.layers.1.mlp.experts."
+        r"gate_up_proj in different formats \(bf16, int4/g32\)",
+    ):
+        plan(load_spec(path))
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import torch
 import yaml
 from click.testing import CliRunner
 from fixtures.loader import loaded_dtypes
-from fixtures.spec_files import KIMI_SPEC, REPO
+from fixtures.spec_files import KIMI_SPEC, REPO, kimi_spec_with
 
 from kimi_adapter_core.backends.simulation.deployment import Deployment
 from kimi_adapter_core.backends.simulation.device import get_device
@@ -102,6 +102,22 @@ def test_quant_modes_change_prices(spec: Spec) -> None:
     w4a8, bf16 = run(spec, quant="W4A8", dp=2, ep=16, tp=8), run(spec, quant="BF16", dp=2, ep=16, tp=8)
     assert w4a8.memory.weights < bf16.memory.weights
     assert w4a8.step_time < bf16.step_time  # decode reads weights: 4-bit is faster
+
+
+def test_a_dense_config_traces_bf16_experts(decode: Simulation, tmp_path: Path) -> None:
+    """A Kimi-K2.5 config without quantization_config is a dense checkpoint (extraction reads it so):
+    the routed experts run the bf16 grouped GEMM and read 16 bits a weight instead of the shipped
+    int4's 4 + 16/32, and a note says the spec's Q1 was not applied."""
+    dense = run(load_spec(kimi_spec_with(tmp_path, lambda text: text.pop("quantization_config"))))
+
+    def experts(sim: Simulation) -> Any:
+        return next(k.op for k in sim.kernels if k.op.name == "grouped_gemm(routed_experts)")
+
+    assert (experts(decode).attrs["kernel"], experts(dense).attrs["kernel"]) == ("w4a16", "bf16")
+    assert experts(dense).bytes > 3 * experts(decode).bytes  # weight reads dominate a decode step
+    assert dense.memory.weights > 3 * decode.memory.weights and dense.step_time > decode.step_time
+    assert [w for w in dense.warnings if w.startswith("quantization[0] (Q1, int4") and "not applied" in w]
+    assert not [w for w in decode.warnings if "quantization" in w]
 
 
 def test_mtp_verifies_more_tokens(spec: Spec, decode: Simulation) -> None:

@@ -247,8 +247,26 @@ def test_quantization_glob_matching_nothing_is_located(tmp_path: Path) -> None:
     assert result.exit_code == 1 and "matches no parameter" in result.output
 
 
-def test_quantization_glob_on_some_layers_splits_the_group(tmp_path: Path) -> None:
-    partial = variant("llama", tmp_path, _quant("model.layers.1?.mlp.*"))
+def _int4_config(ignore: list[str]) -> Callable[[dict], None]:
+    """A compressed-tensors quantization_config storing every Linear but those ``ignore`` lists int4,
+    group 128."""
+
+    def edit(config: dict) -> None:
+        weights = {"type": "int", "num_bits": 4, "group_size": 128, "strategy": "group", "symmetric": True}
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors",
+            "format": "pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+            "ignore": ignore,
+        }
+
+    return edit
+
+
+def test_a_config_quantizing_some_layers_splits_the_group(tmp_path: Path) -> None:
+    """The config stores only layers 10-19's MLP int4 (Q1 claims just that): one line per format."""
+    others = ["lm_head", "re:.*self_attn.*", r"re:model\.layers\.([0-9]|[23][0-9])\.mlp\."]
+    partial = variant("llama", tmp_path, _quant("model.layers.1?.mlp.*"), _int4_config(others))
     lines = [w for w in plan(partial).weights if w.group.name == "dense_mlp"]
     per_layer = 3 * 4096 * 14336
     assert {(w.format, w.params) for w in lines} == {("int4/g128", 10 * per_layer), ("bf16", 22 * per_layer)}

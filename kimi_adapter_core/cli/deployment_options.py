@@ -50,8 +50,8 @@ _OPTIONS = (
     click.option(
         "--quant",
         default=None,
-        help="Weight mode from backends.simulation.quant_modes [default: checkpoint, i.e. the spec's "
-        "quantization schemes and the config's FP8 quantization_config].",
+        help="Weight mode from backends.simulation.quant_modes [default: checkpoint, i.e. what the "
+        "config's quantization_config stores; dense without one].",
     ),
     click.option(
         "--kv-dtype",

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ...spec.model import Spec
 from .arch import Architecture, architecture, read_config
 from .params import Naming, ParamGroup, naming, param_groups
-from .quant import Policy, check_schemes, config_quantization, resolve_policy
+from .quant import Policy, check_schemes, checkpoint_storage_of, resolve_policy
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,8 @@ def model_inputs(spec: Spec, quant: str | None) -> ModelInputs:
     names = naming(spec)
     groups = tuple(param_groups(arch, names))
     check_schemes(spec, groups)
-    config_quant, notes = config_quantization(raw)
+    stored = checkpoint_storage_of(spec, raw, names)
     declared = list(spec.backend_options("simulation").get("quant_modes") or [])
-    policy = resolve_policy(quant, declared, spec.quantization, config_quant)
-    return ModelInputs(arch, names, groups, policy, quant.upper() if quant else "checkpoint", tuple(notes))
+    policy = resolve_policy(quant, declared, spec.quantization, stored)
+    notes = () if quant else stored.notes  # why a scheme does not size the checkpoint a --quant mode replaces
+    return ModelInputs(arch, names, groups, policy, quant.upper() if quant else "checkpoint", notes)

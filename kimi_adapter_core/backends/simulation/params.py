@@ -5,7 +5,8 @@ torch-free and instant, and works for every family the structure describes: MHA/
 attention, dense and MoE MLPs (shared experts, a router bias for sigmoid routing), tied embeddings.
 
 Each group carries what sizing needs: how it is sharded, its native dtype, whether it is a linear
-weight a quantization mode may touch, and the checkpoint names of its tensors - the model's own
+weight a quantization mode may touch, the shape of each tensor (the checkpoint's storage rule reads it:
+``quant.checkpoint_policy``), and the checkpoint names of its tensors - the model's own
 parameter names (``module_paths`` + transformers' conventional names inside a decoder layer:
 ``self_attn.q_proj``, ``mlp.experts.gate_up_proj``, ...) after the spec's
 ``backends.extraction.weight_renames``, i.e. what the extraction backend writes and what the spec's
@@ -16,6 +17,7 @@ gpt-oss-120b; an MTP block the model class does not build) are not counted; see 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -37,10 +39,15 @@ class ParamGroup:
 
     name: str  # short label for tables
     checkpoint_names: tuple[tuple[str, ...], ...]  # per instance, the checkpoint name of each tensor
-    tensor_params: tuple[int, ...]  # parameters of each of those tensors in one instance
+    tensor_shapes: tuple[tuple[int, ...], ...]  # shape of each of those tensors in one instance
     shard: Shard
     dtype: str  # native dtype: bf16 | fp32
     linear: bool  # a linear weight that a --quant mode re-formats
+
+    @property
+    def tensor_params(self) -> tuple[int, ...]:
+        """Parameters of each tensor in one instance."""
+        return tuple(math.prod(shape) for shape in self.tensor_shapes)
 
     @property
     def per_instance(self) -> int:
@@ -63,6 +70,13 @@ class ParamGroup:
         """``(checkpoint name, parameters)`` of every tensor of every instance."""
         for names in self.checkpoint_names:
             yield from zip(names, self.tensor_params, strict=True)
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        """The shape of the tensor called ``name`` (a checkpoint name of this group)."""
+        for names in self.checkpoint_names:
+            if name in names:
+                return self.tensor_shapes[names.index(name)]
+        raise KeyError(name)
 
 
 @dataclass(frozen=True)
@@ -92,18 +106,18 @@ def naming(spec: Spec) -> Naming:
     )
 
 
-Tensors = Sequence[tuple[str, int]]  # (name inside one layer, parameters)
+Tensors = Sequence[tuple[str, tuple[int, ...]]]  # (name inside one layer, shape)
 
 
 def _layers(
     n: Naming, name: str, layers: Sequence[int], tensors: Tensors, shard: Shard, dtype: str, linear: bool
 ) -> ParamGroup:
     names = tuple(tuple(n.checkpoint(f"{n.layers}.{i}.{suffix}") for suffix, _ in tensors) for i in layers)
-    return ParamGroup(name, names, tuple(count for _, count in tensors), shard, dtype, linear)
+    return ParamGroup(name, names, tuple(shape for _, shape in tensors), shard, dtype, linear)
 
 
-def _model(n: Naming, name: str, path: str, params: int, shard: Shard) -> ParamGroup:
-    return ParamGroup(name, ((n.checkpoint(path),),), (params,), shard, "bf16", False)
+def _model(n: Naming, name: str, path: str, shape: tuple[int, ...], shard: Shard) -> ParamGroup:
+    return ParamGroup(name, ((n.checkpoint(path),),), (shape,), shard, "bf16", False)
 
 
 def _attention(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
@@ -117,29 +131,44 @@ def _attention(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
         assert a.kv_lora_rank is not None and a.qk_nope_head_dim is not None
         if a.q_lora_rank:
             rows += [
-                ("q_a_proj", [("self_attn.q_a_proj.weight", h * a.q_lora_rank)], "replicated", True),
-                ("q_a_layernorm", [("self_attn.q_a_layernorm.weight", a.q_lora_rank)], "replicated", False),
-                ("q_b_proj", [("self_attn.q_b_proj.weight", a.q_lora_rank * heads * a.head_dim)], "tp", True),
+                ("q_a_proj", [("self_attn.q_a_proj.weight", (a.q_lora_rank, h))], "replicated", True),
+                (
+                    "q_a_layernorm",
+                    [("self_attn.q_a_layernorm.weight", (a.q_lora_rank,))],
+                    "replicated",
+                    False,
+                ),
+                (
+                    "q_b_proj",
+                    [("self_attn.q_b_proj.weight", (heads * a.head_dim, a.q_lora_rank))],
+                    "tp",
+                    True,
+                ),
             ]
         else:
-            rows.append(("q_proj", [("self_attn.q_proj.weight", h * heads * a.head_dim)], "tp", True))
+            rows.append(("q_proj", [("self_attn.q_proj.weight", (heads * a.head_dim, h))], "tp", True))
         latent = a.kv_elements("latent")
-        kv_b = a.kv_lora_rank * heads * (a.qk_nope_head_dim + a.v_head_dim)
+        kv_b = (heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank)
         rows += [
-            ("kv_a_proj_with_mqa", [("self_attn.kv_a_proj_with_mqa.weight", h * latent)], "replicated", True),
-            ("kv_a_layernorm", [("self_attn.kv_a_layernorm.weight", a.kv_lora_rank)], "replicated", False),
+            (
+                "kv_a_proj_with_mqa",
+                [("self_attn.kv_a_proj_with_mqa.weight", (latent, h))],
+                "replicated",
+                True,
+            ),
+            ("kv_a_layernorm", [("self_attn.kv_a_layernorm.weight", (a.kv_lora_rank,))], "replicated", False),
             ("kv_b_proj", [("self_attn.kv_b_proj.weight", kv_b)], "tp", True),
         ]
     else:
         kv = a.num_kv_heads
         rows += [
-            ("q_proj", [("self_attn.q_proj.weight", h * heads * a.head_dim)], "tp", True),
-            ("k_proj", [("self_attn.k_proj.weight", h * kv * a.head_dim)], "kv", True),
-            ("v_proj", [("self_attn.v_proj.weight", h * kv * a.v_head_dim)], "kv", True),
+            ("q_proj", [("self_attn.q_proj.weight", (heads * a.head_dim, h))], "tp", True),
+            ("k_proj", [("self_attn.k_proj.weight", (kv * a.head_dim, h))], "kv", True),
+            ("v_proj", [("self_attn.v_proj.weight", (kv * a.v_head_dim, h))], "kv", True),
         ]
-    norms = [("input_layernorm.weight", h), ("post_attention_layernorm.weight", h)]
+    norms: Tensors = [("input_layernorm.weight", (h,)), ("post_attention_layernorm.weight", (h,))]
     rows += [
-        ("o_proj", [("self_attn.o_proj.weight", heads * a.v_head_dim * h)], "tp", True),
+        ("o_proj", [("self_attn.o_proj.weight", (h, heads * a.v_head_dim))], "tp", True),
         ("layer_norms", norms, "replicated", False),
     ]
     return rows
@@ -147,20 +176,20 @@ def _attention(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
 
 def _gated_mlp(prefix: str, hidden: int, width: int) -> Tensors:
     return [
-        (f"{prefix}.gate_proj.weight", hidden * width),
-        (f"{prefix}.up_proj.weight", hidden * width),
-        (f"{prefix}.down_proj.weight", width * hidden),
+        (f"{prefix}.gate_proj.weight", (width, hidden)),
+        (f"{prefix}.up_proj.weight", (width, hidden)),
+        (f"{prefix}.down_proj.weight", (hidden, width)),
     ]
 
 
 def text_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
     h, vocab = s.hidden_size, s.vocab_size
     groups = [
-        _model(n, "embed_tokens", f"{n.language_model}.embed_tokens.weight", vocab * h, "vocab"),
-        _model(n, "final_norm", f"{n.language_model}.norm.weight", h, "replicated"),
+        _model(n, "embed_tokens", f"{n.language_model}.embed_tokens.weight", (vocab, h), "vocab"),
+        _model(n, "final_norm", f"{n.language_model}.norm.weight", (h,), "replicated"),
     ]
     if not s.tie_word_embeddings:
-        groups.append(_model(n, "lm_head", f"{n.lm_head}.weight", vocab * h, "vocab"))
+        groups.append(_model(n, "lm_head", f"{n.lm_head}.weight", (vocab, h), "vocab"))
     every = range(s.num_layers)
     for name, tensors, shard, linear in _attention(s):
         groups.append(_layers(n, f"attn.{name}", every, tensors, shard, "bf16", linear))
@@ -173,21 +202,21 @@ def text_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
         # Qwen2-MoE style (one shared expert of its own width, and a sigmoid gate on it) vs
         # DeepSeek style (n shared experts of the routed width): the config key says which
         qwen_style = "shared_expert_intermediate_size" in s.keys
-        router: list[tuple[str, int]] = [(f"mlp.{n.router}.weight", experts * h)]
+        router: list[tuple[str, tuple[int, ...]]] = [(f"mlp.{n.router}.weight", (experts, h))]
         if qwen_style and moe.shared_intermediate_size:
-            router.append(("mlp.shared_expert_gate.weight", h))
+            router.append(("mlp.shared_expert_gate.weight", (1, h)))
         groups.append(_layers(n, "router", ids, router, "replicated", "bf16", False))
         if moe.scoring == "sigmoid":  # DeepSeek's noaux_tc correction bias, kept in fp32
-            bias = [(f"mlp.{n.router}.e_score_correction_bias", experts)]
+            bias: Tensors = [(f"mlp.{n.router}.e_score_correction_bias", (experts,))]
             groups.append(_layers(n, "router_bias", ids, bias, "replicated", "fp32", False))
         if moe.shared_intermediate_size:
             prefix = "mlp.shared_expert" if qwen_style else "mlp.shared_experts"
             shared = _gated_mlp(prefix, h, moe.shared_intermediate_size)
             groups.append(_layers(n, "shared_experts", ids, shared, "tp", "bf16", True))
         width = moe.expert_intermediate_size
-        routed = [
-            ("mlp.experts.gate_up_proj", experts * 2 * width * h),
-            ("mlp.experts.down_proj", experts * h * width),
+        routed: Tensors = [  # stacked [experts, out, in], as most transformers MoE classes hold them
+            ("mlp.experts.gate_up_proj", (experts, 2 * width, h)),
+            ("mlp.experts.down_proj", (experts, h, width)),
         ]
         groups.append(_layers(n, "routed_experts", ids, routed, "ep", "bf16", True))
     return groups
@@ -195,9 +224,11 @@ def text_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
 
 def _vision(name: str, checkpoint: str, params: int, instances: int = 1) -> ParamGroup:
     """A vision group, named after its hub-layout tensor (the vision tower is not renamed);
-    ``{i}`` in ``checkpoint`` is the block index."""
+    ``{i}`` in ``checkpoint`` is the block index. Its tensors are counted as one lump of ``params``,
+    shape ``(params,)``: no storage rule quantizes a 1-D tensor, and no shipped checkpoint quantizes
+    its vision tower."""
     names = tuple((checkpoint.format(i=i),) for i in range(instances))
-    return ParamGroup(name, names, (params,), "replicated", "bf16", False)
+    return ParamGroup(name, names, ((params,),), "replicated", "bf16", False)
 
 
 def vision_groups(v: VisionArch) -> list[ParamGroup]:

@@ -1,12 +1,14 @@
 """Weight formats and the two policies that assign them: the checkpoint as shipped, or a --quant mode.
 
-- ``checkpoint`` (the default): the spec's ``quantization`` schemes as declared, matched against
-  each tensor's checkpoint name (Kimi-K2.5: routed experts int4, group 32, bf16 scales, computed in
-  bf16); then the config's own ``quantization_config`` when it is a block-scaled FP8 checkpoint
-  (DeepSeek-V3: every linear weight of the text model FP8 e4m3 with one fp32 scale per 128x128
-  block, computed at the FP8 peak), or MXFP4 (gpt-oss: routed experts 4-bit e2m1 with one e8m0
-  scale per 32 weights, computed in bf16); every other tensor in its native dtype. A scheme whose glob
-  matches no tensor of the model is an error located at the scheme.
+- ``checkpoint`` (the default): the storage of the checkpoint the config describes, by the
+  extraction's own rule (``checkpoint_storage``), so plan/simulate size what extraction reads: the
+  config's ``quantization_config`` decides - compressed-tensors pack-quantized (Kimi-K2.5: routed
+  experts int4, group 32, bf16 scales, computed in bf16), block-scaled FP8 (DeepSeek-V3: every linear
+  weight of the text model FP8 e4m3 with one fp32 scale per 128x128 block, computed at the FP8 peak),
+  MXFP4 (gpt-oss: routed experts 4-bit e2m1 with one e8m0 scale per 32 weights, computed in bf16) -
+  and without one every tensor is in its native dtype. The spec's ``quantization`` schemes are claims:
+  one the config contradicts is a located error, one beside a dense config a note. A scheme whose
+  glob matches no tensor of the model is an error located at the scheme.
 - a ``--quant`` mode (TensorCast's quantize-linear-action): every *linear* weight of the text model
   (attention projections, dense MLP, shared and routed experts) takes the mode's format; router,
   norms, embeddings, lm_head and the vision tower keep their native dtype. W4 modes reuse the group
@@ -24,8 +26,18 @@ from typing import Any
 
 from ...errors import KadaptError, UsageError
 from ...spec.model import QuantScheme, Spec
-from ..extraction.checkpoint_storage import not_converted
-from .params import ParamGroup
+from ...structure.derive import raw_text_section
+from ..extraction.checkpoint_storage import (
+    FP8_BLOCK,
+    MXFP4,
+    MXFP4_BLOCK,
+    PACK_QUANTIZED,
+    CheckpointStorage,
+    Storage,
+    checkpoint_storage,
+    quantization_config_of,
+)
+from .params import Naming, ParamGroup
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1, "int8": 1}
 
@@ -76,58 +88,43 @@ def is_text_linear(group: ParamGroup) -> bool:
     return group.linear and not group.name.startswith(("vision", "projector"))
 
 
+def _scale_bytes(dtype: str) -> int:
+    """Bytes of one scale of torch dtype name ``dtype`` (``bfloat16``, ``float32``)."""
+    return DTYPE_BYTES.get(dtype.replace("bfloat16", "bf16").replace("float32", "fp32"), 2)
+
+
 def scheme_format(scheme: QuantScheme) -> WeightFormat:
     return WeightFormat(
         f"int{scheme.bits}/g{scheme.group_size}",
         scheme.bits,
         scheme.group_size,
-        DTYPE_BYTES.get(scheme.scale_dtype.replace("bfloat16", "bf16").replace("float32", "fp32"), 2),
+        _scale_bytes(scheme.scale_dtype),
         "bf16",
     )
 
 
-@dataclass(frozen=True)
-class ConfigQuant:
-    """The checkpoint format a config's ``quantization_config`` declares for the text linear weights."""
-
-    format: WeightFormat
-    skip: tuple[str, ...]  # modules_to_not_convert, matched as transformers matches them
-    groups: tuple[str, ...] | None = None  # the only parameter groups it covers (None: every text linear)
-
-    def applies(self, group: ParamGroup, name: str) -> bool:
-        if self.groups is not None and group.name not in self.groups:
-            return False
-        module = name.rpartition(".")[0]  # the checkpoint name of the module holding the tensor
-        return is_text_linear(group) and not not_converted(module, self.skip)
-
-
 # MXFP4 (OCP microscaling, gpt-oss): 4-bit e2m1 values, one e8m0 (1-byte) scale per 32; transformers
 # quantizes only the routed experts (Mxfp4GptOssExperts). Hopper has no FP4 unit: computed in bf16.
-MXFP4 = WeightFormat("mxfp4", 4, 32, 1, "bf16")
+MXFP4_FORMAT = WeightFormat("mxfp4", 4, MXFP4_BLOCK, 1, "bf16")
 
 
-def config_quantization(raw: Mapping[str, Any]) -> tuple[ConfigQuant | None, list[str]]:
-    """The root config's ``quantization_config``: FP8 (optionally block-scaled) is priced; any other
-    method is reported in the returned notes and the weights are sized without it."""
-    qc = raw.get("quantization_config")
-    if not isinstance(qc, Mapping):
-        return None, []
-    method = str(qc.get("quant_method", ""))
-    skip = tuple(str(m) for m in qc.get("modules_to_not_convert") or ())
-    if method == "mxfp4":
-        return ConfigQuant(MXFP4, skip, groups=("routed_experts",)), []
-    if method != "fp8":
-        return None, [
-            f"config quantization_config.quant_method {method!r} is not priced; weights are sized from "
-            "the spec's quantization schemes (or native dtypes) instead"
-        ]
-    block = qc.get("weight_block_size")
-    if block:
-        scale_group, label = math.prod(int(b) for b in block), "fp8/b" + "x".join(str(int(b)) for b in block)
-    else:
-        scale_group, label = 0, "fp8"  # one scale per tensor: negligible
-    fmt = WeightFormat(label, 8, scale_group, 4 if scale_group else 0, "fp8")  # fp32 scale_inv per block
-    return ConfigQuant(fmt, skip), []
+def storage_format(storage: Storage | None, shape: tuple[int, ...], native: WeightFormat) -> WeightFormat:
+    """The format sizing prices for a tensor of ``shape`` stored as ``storage``, the extraction's storage
+    block of it (None: stored as is, in its ``native`` dtype). Formats come from the storage block so
+    that plan/simulate price exactly what the weight map says the checkpoint holds."""
+    if storage is None:
+        return native
+    if storage["format"] == PACK_QUANTIZED:  # computed in bf16 (Marlin-like w4a16)
+        bits, group = storage["bits"], storage["group_size"]
+        scale = _scale_bytes(storage["tensors"]["scale"]["dtype"])
+        return WeightFormat(f"int{bits}/g{group}", bits, group, scale, "bf16")
+    if storage["format"] == FP8_BLOCK:  # fp32 scale_inv per block, computed at the FP8 peak
+        block = tuple(storage["block"])
+        if block == shape:  # one scale for the whole tensor: negligible
+            return WeightFormat("fp8", 8, 0, 0, "fp8")
+        return WeightFormat("fp8/b" + "x".join(map(str, block)), 8, math.prod(block), 4, "fp8")
+    assert storage["format"] == MXFP4, storage["format"]  # the third format checkpoint_storage describes
+    return MXFP4_FORMAT
 
 
 def mode_format(mode: str, schemes: Sequence[QuantScheme]) -> WeightFormat:
@@ -142,17 +139,68 @@ def mode_format(mode: str, schemes: Sequence[QuantScheme]) -> WeightFormat:
     return WeightFormat(f"int4/g{group} ({mode})", 4, group, scale, compute)
 
 
-def checkpoint_policy(schemes: Sequence[QuantScheme], config_quant: ConfigQuant | None = None) -> Policy:
-    """Formats as shipped: a tensor whose checkpoint name matches a scheme's glob takes that scheme,
-    else the config's FP8 format when it covers the tensor, else its native dtype."""
+# The per-expert projections transformers stacks into each routed-experts tensor on load (its
+# conversion mapping's MergeModulelist + Concatenate): one nn.Linear weight per expert, as
+# compressed-tensors and FP8 checkpoints store them (MXFP4 stores the stacked tensor itself).
+PER_EXPERT = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def expert_sources(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    """``(checkpoint name, shape)`` of each per-expert tensor stacked into ``name`` (``[experts, out,
+    in]``), ``out`` split evenly between the projections concatenated into it."""
+    prefix, _, stacked = name.rpartition(".")
+    parts = PER_EXPERT[stacked]
+    experts, rows, cols = shape
+    return [
+        (f"{prefix}.{e}.{part}.weight", (rows // len(parts), cols)) for e in range(experts) for part in parts
+    ]
+
+
+def checkpoint_storage_of(spec: Spec, raw: Mapping[str, Any], names: Naming) -> CheckpointStorage:
+    """The storage of the checkpoint whose config is ``raw`` (the shipped config), by the extraction's
+    own rule (``checkpoint_storage``), so that plan/simulate size the checkpoint extraction reads: the
+    config's ``quantization_config`` decides, none means dense (as transformers loads it), and the
+    spec's ``quantization`` schemes are claims - contradicting the config, a located error; beside a
+    dense config, a note. Torch-free, like ``kadapt plan``."""
+    _, text = raw_text_section(spec, raw)
+    qc, found_in = quantization_config_of(text or {}, raw)
+    head = names.checkpoint(f"{names.lm_head}.weight").removesuffix(".weight")
+    return checkpoint_storage(
+        qc, found_in, spec.quantization, head=head, locate=lambda i: spec.locate(f"quantization[{i}]")
+    )
+
+
+def _stored_format(stored: CheckpointStorage, group: ParamGroup, name: str) -> WeightFormat:
+    shape, native = group.shape_of(name), NATIVE[group.dtype]
+    if group.name != "routed_experts":
+        linear = group.linear or group.name == "lm_head"  # the head: an nn.Linear --quant modes leave alone
+        return storage_format(stored.storage(name, shape, linear), shape, native)
+    whole = stored.storage(name, shape, False)  # the stacked tensor, an nn.Parameter (MXFP4 reads it)
+    if whole is not None:
+        return storage_format(whole, shape, native)
+    formats = {
+        storage_format(stored.storage(source, part, True), part, native)
+        for source, part in expert_sources(name, shape)
+    }
+    if len(formats) > 1:  # the weight map refuses such a checkpoint too: one storage per stacked tensor
+        labels = ", ".join(sorted(f.label for f in formats))
+        raise KadaptError(
+            f"the {stored.found_in} stores the experts of {name} in different formats ({labels})"
+        )
+    return formats.pop()
+
+
+def checkpoint_policy(stored: CheckpointStorage) -> Policy:
+    """Formats as the checkpoint stores them: each tensor's storage by ``stored`` (which also checks
+    every spec scheme covering it), a routed-experts tensor by the storage of the stacked tensor
+    (MXFP4) or else of its per-expert ``nn.Linear`` weights. Memoized by name: sweeps and traces ask
+    again for every deployment, and a stacked tensor is one rule call per expert."""
+    known: dict[str, WeightFormat] = {}
 
     def policy(group: ParamGroup, name: str) -> WeightFormat:
-        for scheme in schemes:
-            if fnmatch.fnmatchcase(name, scheme.modules):
-                return scheme_format(scheme)
-        if config_quant is not None and config_quant.applies(group, name):
-            return config_quant.format
-        return NATIVE[group.dtype]
+        if name not in known:
+            known[name] = _stored_format(stored, group, name)
+        return known[name]
 
     return policy
 
@@ -170,11 +218,12 @@ def resolve_policy(
     quant: str | None,
     declared: Sequence[str],
     schemes: Sequence[QuantScheme],
-    config_quant: ConfigQuant | None = None,
+    stored: CheckpointStorage,
 ) -> Policy:
-    """``quant`` None → the checkpoint; otherwise it must be one the spec's simulation backend declares."""
+    """``quant`` None → the checkpoint ``stored`` describes; otherwise it must be one the spec's
+    simulation backend declares."""
     if quant is None:
-        return checkpoint_policy(schemes, config_quant)
+        return checkpoint_policy(stored)
     mode = quant.upper()
     known = [m.upper() for m in declared]
     if mode not in known:  # a bad option value, like an unknown --device or --tp 3 on 64 heads
