@@ -29,8 +29,16 @@ from .tracer import Op
 EXTRA = "measured"
 PACKAGE = "aiconfigurator-core"
 # kadapt device profile -> AIConfigurator system (only systems it ships measured tables for)
-SYSTEMS = {"h200": "h200_sxm", "h100": "h100_sxm", "a100": "a100_sxm"}
-GPUS_PER_NODE = 8  # every system above: 8-GPU NVLink nodes (the all-to-all tables key node counts)
+# kadapt's B200 and GB200 profiles are AIConfigurator's b200_sxm and gb200 (8 and 4 GPUs per node in
+# its system files); all five carry trtllm 1.3.0rc20, sglang 0.5.14 and vllm 0.24.0 tables (a100_sxm:
+# trtllm 1.0.0, sglang 0.5.10, vllm 0.14.0)
+SYSTEMS = {
+    "h200": "h200_sxm",
+    "h100": "h100_sxm",
+    "a100": "a100_sxm",
+    "b200": "b200_sxm",
+    "gb200": "gb200",
+}
 FRAMEWORKS = ("trtllm", "sglang", "vllm")
 # kadapt weight kernel -> AIConfigurator quant mode (GEMM, MoE)
 _GEMM_QUANT = {"bf16": "bfloat16", "fp8": "fp8", "fp8_block": "fp8_block", "int8": "fp8", "fp32": "bfloat16"}
@@ -75,7 +83,8 @@ COMPONENTS = ("attention", "experts", "communication", "other")
 
 def aic_component(name: str) -> str:
     """Component of one AIConfigurator op, by its name."""
-    if any(key in name for key in ("dispatch", "_ar", "allreduce", "all_reduce", "p2p", "all_gather", "a2a")):
+    comm = ("dispatch", "combine", "_ar", "allreduce", "all_reduce", "p2p", "all_gather", "a2a")
+    if any(key in name for key in comm):
         return "communication"
     if name.endswith("_moe") and "shared" not in name:
         return "experts"
@@ -128,21 +137,22 @@ def reference_step(
     decode: bool,
     batch: int,
     seq: int,
+    comm_backends: dict[str, str] | None = None,
     **quant: str,
 ) -> Reference:
     """AIConfigurator's step time for ``model`` (its model name, e.g. ``deepseek-ai/DeepSeek-V3``):
-    decode: ``batch`` queries at context ``seq``; prefill: ``batch`` x ``seq`` new tokens. The total
-    is AIConfigurator's ``predict_*_latency``; components sum its ops (an op that falls back to its
-    parts is split into them)."""
+    decode: ``batch`` queries per attention-DP rank at context ``seq``; prefill: ``batch`` x ``seq``
+    new tokens per attention-DP rank. ``comm_backends`` (``{"context": "deepep_ht", "generation":
+    "deepep_ll"}``) builds its large-EP graph - the MoE all-to-all, DeepEP-path expert tables and,
+    for SGLang, the wide-EP MLA module - which its own layout search picks for a cross-node EP; else
+    its TP/EP graph. The total is AIConfigurator's ``predict_*_latency``; components sum its ops (an
+    op that falls back to its parts is split into them)."""
     engine = require()
+    import aiconfigurator_core
     from aiconfigurator_core.sdk.config_builders import build_model_config
     from aiconfigurator_core.sdk.models import get_model
 
-    kwargs = {"tp_size": tp, "attention_dp_size": dp, "moe_tp_size": 1, "moe_ep_size": ep, **quant}
-    handle = engine.EngineHandle.compile(model, system, framework, **kwargs)
-    total = (
-        handle.predict_decode_latency(batch, seq, 2) if decode else handle.predict_prefill_latency(batch, seq)
-    )
+    database = _database(system, framework)
     config = build_model_config(
         tp_size=tp,
         pp_size=1,
@@ -157,7 +167,26 @@ def reference_step(
         forward_model=None,
         attention_backend=None,
     )
+    if comm_backends:  # what AIConfigurator's layout search sets for a large-EP candidate
+        config.moe_comm_backend = dict(comm_backends)
+        config.num_gpus_per_node = _gpus_per_node(system, framework)
+        config.system = system
     built = get_model(model, config, framework)
+    spec = engine.build_engine_spec_json(
+        built,
+        model_path=model,
+        system=system,
+        backend=framework,
+        backend_version=database.version,
+        kv_block_size=None,
+        systems_path=None,
+        nextn=0,
+        database=database,
+    )
+    handle = engine.EngineHandle(bytes(aiconfigurator_core.engine_spec_bincode_from_json(spec)))
+    total = (
+        handle.predict_decode_latency(batch, seq, 2) if decode else handle.predict_prefill_latency(batch, seq)
+    )
     ops = json.loads(engine.build_ops_json(built.generation_ops if decode else built.context_ops))
     components = dict.fromkeys(COMPONENTS, 0.0)
     rows = []
@@ -167,7 +196,8 @@ def reference_step(
             ((name, ms, _energy, tier),) = handle.evaluate_ops_json(json.dumps([leaf]), **shape)
             components[aic_component(name)] += ms
             rows.append((name, ms, tier))
-    label = f"AIConfigurator {framework} {system}, {model}"
+    layout = f"TP{tp} DP{dp} EP{ep}" + (" large-EP" if comm_backends else "")
+    label = f"AIConfigurator {framework} {system} {layout}, {model}"
     return Reference(total, components, tuple(rows), label)
 
 
@@ -188,6 +218,11 @@ class MeasuredPricer:
         if self._handle is None:
             self._handle = _database_handle(self.system, self.framework)
         return self._handle
+
+    def gpus_per_node(self) -> int:
+        """GPUs per node in AIConfigurator's system file: its all-to-all tables key node counts
+        (GB200 NVL72 is 4 per node there, the others 8)."""
+        return _gpus_per_node(self.system, self.framework)
 
     def _evaluate(
         self,
@@ -221,7 +256,7 @@ class MeasuredPricer:
         if op.kind == "attention" and "kernel" in attrs:
             return self._attention(attrs)
         if op.kind == "experts" and "tokens" in attrs:
-            return self._experts(attrs)
+            return self._experts(attrs, decode)
         if op.kind == "comm" and op.comm is not None:
             if op.comm["collective"] == "all_to_all":
                 return self._all_to_all(op, decode)
@@ -229,10 +264,26 @@ class MeasuredPricer:
         return None
 
     def _gemm(self, op: Op, attrs: dict[str, Any]) -> float | None:
-        quant = _GEMM_QUANT.get(str(attrs.get("kernel")))
-        if quant is None or "m" not in attrs:
+        if "m" not in attrs:
             return None
-        tag, batch, m = attrs.get("tag", ""), int(attrs.get("batch", 1)), int(attrs["m"])
+        return self._gemm_shape(
+            op.name,
+            str(attrs.get("kernel")),
+            str(attrs.get("tag", "")),
+            int(attrs.get("batch", 1)),
+            int(attrs["m"]),
+            int(attrs["n"]),
+            int(attrs["k"]),
+        )
+
+    def _gemm_shape(
+        self, name: str, kernel: str, tag: str, batch: int, m: int, n: int, k: int
+    ) -> float | None:
+        """A dense GEMM (``Gemm``) or, tagged ``mla_bmm_*`` with ``batch`` heads, MLA's absorbed
+        per-head bmm (``MlaBmm``), at M = ``m`` rows."""
+        quant = _GEMM_QUANT.get(kernel)
+        if quant is None:
+            return None
         if tag.startswith("mla_bmm") and batch > 1:  # MLA's absorbed per-head bmm (decode)
             spec = {
                 "MlaBmm": {
@@ -248,10 +299,10 @@ class MeasuredPricer:
             return None
         spec = {
             "Gemm": {
-                "name": op.name,
+                "name": name,
                 "scale_factor": 1.0,
-                "n": int(attrs["n"]),
-                "k": int(attrs["k"]),
+                "n": n,
+                "k": k,
                 "quant_mode": quant,
                 "scale_num_tokens": 1,
                 "low_precision_input": False,
@@ -262,6 +313,61 @@ class MeasuredPricer:
         return self._evaluate(spec, context=True, batch=1, s=m, x=m)
 
     def _attention(self, attrs: dict[str, Any]) -> float | None:
+        if attrs["kernel"] == "mla" and int(attrs.get("attention_dp", 1)) > 1:
+            module = self._wide_ep_mla(attrs)
+            if module is not None:
+                return module
+        return self._attention_kernel(attrs)
+
+    def _wide_ep_mla(self, attrs: dict[str, Any]) -> float | None:
+        """Attention-DP MLA as AIConfigurator's SGLang large-EP graph prices it: SGLang's whole MLA
+        module (``wide_ep_module_row``). kadapt traces the module's GEMMs as kernels of their own and
+        prices them from AIConfigurator's GEMM tables, so the attention kernel takes the row less
+        them, and the module sums to the measured row. None (the standalone tables price it) where
+        the module was not measured or the GEMMs alone exceed the row."""
+        module = self.wide_ep_module_row(attrs)
+        if module is None:
+            return None
+        batch, seq, past = int(attrs["batch"]), int(attrs["seq"]), int(attrs["past"])
+        rows = {"new": batch * seq, "context": batch * (past + seq)}
+        gemms = 0.0
+        for tag, n, k, kernel, heads, m in attrs["module_gemms"]:
+            seconds = self._gemm_shape("module_gemm", kernel, tag, heads, rows[m], n, k)
+            if seconds is None:
+                return None
+            gemms += seconds
+        return module - gemms if module > gemms else None
+
+    def wide_ep_module_row(self, attrs: dict[str, Any]) -> float | None:
+        """Seconds of SGLang's MLA module under DP attention for an MLA kernel's ``attrs``
+        (``WideEpGenerationMla`` / ``WideEpContextMla``: q_b, the attention, the absorbed bmm or the
+        kv_b expansion, o_proj, measured as one); None off SGLang or where it was not measured (its
+        rows hold an FP8 KV cache and FP8-block projections only)."""
+        if self.framework != "sglang" or "module_gemms" not in attrs:
+            return None
+        decode, batch, seq, past = (
+            bool(attrs["decode"]),
+            int(attrs["batch"]),
+            int(attrs["seq"]),
+            int(attrs["past"]),
+        )
+        body: dict[str, Any] = {
+            "name": "attention",
+            "scale_factor": 1.0,
+            "num_heads": int(attrs["heads"]),
+            "kv_cache_dtype": _KV.get(str(attrs["kv_dtype"]), "bfloat16"),
+            "attn_backend": "flashinfer",  # AIConfigurator's default for the SGLang module
+        }
+        if decode:
+            body["fmha_quant_mode"] = "fp8"
+            spec = {"WideEpGenerationMla": body}
+            return self._evaluate(spec, context=False, batch=batch, s=past + seq, measured_only=True)
+        body |= {"fmha_quant_mode": "fp8_block", "cp_size": 1}
+        spec = {"WideEpContextMla": body}
+        return self._evaluate(spec, context=True, batch=batch, s=seq, prefix=past, measured_only=True)
+
+    def _attention_kernel(self, attrs: dict[str, Any]) -> float | None:
+        """One attention kernel in AIConfigurator's standalone MLA / attention tables."""
         decode, batch, seq, past = (
             bool(attrs["decode"]),
             int(attrs["batch"]),
@@ -308,33 +414,51 @@ class MeasuredPricer:
         body["fmha_quant_mode"] = "bfloat16"
         return self._evaluate({"ContextAttention": body}, context=True, batch=batch, s=seq, prefix=past)
 
-    def _experts(self, attrs: dict[str, Any]) -> float | None:
+    def _experts(self, attrs: dict[str, Any], decode: bool) -> float | None:
+        """The routed experts' grouped GEMMs. Where tokens reach the experts by all-to-all under
+        attention DP (wide EP: ``ep > tp`` and DP > 1) they are looked up as AIConfigurator's own
+        large-EP graph does: ``MoeExpertCompute`` (its DeepEP-path expert tables) at the tokens of
+        one attention-DP rank and the attention-DP size; its regular ``Moe`` table (SGLang's fused
+        MoE, measured inside one TP group) priced SGLang's DP64 EP64 decode experts 9.6x higher.
+        Otherwise (or where that table lacks the shape) ``Moe`` at the same tokens, as its TP/EP
+        graphs query it."""
         quant = _MOE_QUANT.get(str(attrs["kernel"]))
         if quant is None:
             return None
-        spec = {
-            "Moe": {
-                "name": "moe",
-                "scale_factor": 1.0,
-                "hidden_size": int(attrs["hidden"]),
-                "inter_size": int(attrs["width"]),
-                "topk": int(attrs["top_k"]),
-                "num_experts": int(attrs["experts"]),
-                "moe_tp_size": 1,
-                "moe_ep_size": int(attrs["ep"]),
-                "attention_dp_size": 1,
-                "quant_mode": quant,
-                "workload_distribution": "power_law_1.01"
-                if attrs.get("routing") == "power_law"
-                else "balanced",
-                "is_gated": True,
-                "moe_backend": None,
-                "enable_eplb": False,
-                "is_context": True,
-            }
+        distribution = "power_law_1.01" if attrs.get("routing") == "power_law" else "balanced"
+        shape = {
+            "name": "moe",
+            "scale_factor": 1.0,
+            "hidden_size": int(attrs["hidden"]),
+            "inter_size": int(attrs["width"]),
+            "topk": int(attrs["top_k"]),
+            "num_experts": int(attrs["experts"]),
+            "moe_ep_size": int(attrs["ep"]),
+            "quant_mode": quant,
+            "workload_distribution": distribution,
+            "is_gated": True,
+            "enable_eplb": False,
         }
-        tokens = max(1, round(float(attrs["tokens"])))
-        return self._evaluate(spec, context=True, batch=1, s=tokens, x=tokens)
+        dp = int(attrs.get("attention_dp", 1))
+        if dp > 1 and attrs.get("all_to_all") and "rank_tokens" in attrs:
+            tokens = max(1, round(float(attrs["rank_tokens"])))
+            wide = shape | {
+                "attention_dp_size": dp,
+                "inference_phase": "generation" if decode else "context",
+                "num_slots": int(attrs["experts"]),
+                "kernel_source": None,
+            }
+            spec = {"MoeExpertCompute": wide}
+            phase = {"context": not decode, "batch": 1, "s": tokens, "x": tokens}
+            seconds = self._evaluate(spec, **phase, measured_only=True)
+            if seconds is not None:
+                return seconds
+            moe = shape | {"attention_dp_size": dp}
+        else:
+            tokens = max(1, round(float(attrs["tokens"])))
+            moe = shape | {"attention_dp_size": 1}
+        moe |= {"moe_tp_size": 1, "moe_backend": None, "is_context": True}
+        return self._evaluate({"Moe": moe}, context=True, batch=1, s=tokens, x=tokens)
 
     def _all_to_all(self, op: Op, decode: bool) -> float | None:
         """EP dispatch or combine in AIConfigurator's large-EP tables: DeepEP low-latency kernels in
@@ -363,7 +487,7 @@ class MeasuredPricer:
                 "topk": int(comm["top_k"]),
                 "num_experts": int(comm["experts"]),
                 "moe_ep_size": group,
-                "node_num": -(-group // GPUS_PER_NODE),
+                "node_num": -(-group // self.gpus_per_node()),
                 "sms": 20 if backend == "deepep_ht" else 0,  # AIConfigurator's default SM budget
                 "attention_tp_size": 1,  # ``tokens`` is already what one rank sends
             }
@@ -406,13 +530,23 @@ class MeasuredPricer:
 
 
 @cache
-def _database_handle(system: str, framework: str) -> Any:
-    """An AIConfigurator engine bound to one system's tables (no model: ad-hoc op lists only)."""
-    engine = require()
+def _database(system: str, framework: str) -> Any:
+    """AIConfigurator's newest tables for one system and framework."""
+    require()
     from aiconfigurator_core.sdk import perf_database
 
     version = perf_database.get_latest_database_version(system, framework)
     database = perf_database.get_database(system, framework, version) if version else None
     if database is None:
         raise KadaptError(f"AIConfigurator has no {framework} tables for {system}")
-    return engine.EngineHandle.for_database(database)
+    return database
+
+
+@cache
+def _database_handle(system: str, framework: str) -> Any:
+    """An AIConfigurator engine bound to one system's tables (no model: ad-hoc op lists only)."""
+    return require().EngineHandle.for_database(_database(system, framework))
+
+
+def _gpus_per_node(system: str, framework: str) -> int:
+    return int(_database(system, framework).system_spec["node"]["num_gpus_per_node"])

@@ -212,6 +212,7 @@ def _attention_attrs(
         "heads": heads,
         "kv_bytes": kv_read,
         "kv_dtype": dep.kv_dtype,
+        "attention_dp": dep.parallel.dp,  # AIConfigurator prices attention-DP MLA as a whole module
     }
 
 
@@ -330,6 +331,7 @@ class RankMLA(nn.Module):
     ) -> tuple[torch.Tensor, None]:
         b, s, _h = hidden_states.shape
         heads, nope, rope, rank = self.heads, self.nope, self.rope, self.rank
+        first = len(self.rec.ops)
         if self.q_lora_rank is None:
             q = self.q_proj(hidden_states)
         else:
@@ -347,7 +349,36 @@ class RankMLA(nn.Module):
             out = self._absorbed(q_nope, q_rot, b, s, context, cache_write)
         else:
             out = self._prefill(kv_nope, b, s, context, cache_write)
-        return self.o_proj(out), None
+        out = self.o_proj(out)
+        self._note_module_gemms(first, b * s)
+        return out, None
+
+    def _note_module_gemms(self, first: int, tokens: int) -> None:
+        """Give the attention kernel the GEMMs of this call that SGLang's attention-DP MLA module runs
+        around it (q_b / kv_b / o projections and the absorbed bmm, not the shared q_a + kv_a
+        downscale): AIConfigurator measures that module whole, and the measured cost model prices
+        the kernel as the module's row less these GEMMs, which it prices on their own. Each is
+        ``(tag, n, k, kernel, batch, rows)``, ``rows`` saying whether its M is the new tokens or the
+        whole context, so the description does not change with the batch (a sweep scales traces)."""
+        ops = self.rec.ops[first:]
+        inside = (".q_proj", ".q_b_proj", ".kv_b_proj", ".o_proj")
+        gemms = tuple(
+            (
+                str(op.attrs.get("tag", "proj")),
+                int(op.attrs["n"]),
+                int(op.attrs["k"]),
+                str(op.attrs["kernel"]),
+                int(op.attrs.get("batch", 1)),
+                "new" if int(op.attrs["m"]) == tokens else "context",
+            )
+            for op in ops
+            if op.kind == "matmul"
+            and "m" in op.attrs
+            and (op.module.endswith(inside) or str(op.attrs.get("tag", "")).startswith("mla_bmm"))
+        )
+        for op in ops:
+            if op.kind == "attention":
+                op.attrs["module_gemms"] = gemms
 
     def _absorbed(
         self, q_nope: torch.Tensor, q_rot: torch.Tensor, b: int, s: int, context: int, cache_write: int
@@ -468,6 +499,12 @@ class RoutedExperts(nn.Module):
                 "pairs_per_expert": pairs / local,
                 "routing": self.dep.routing,
                 "tokens": pairs * par.ep / moe.top_k,  # AIConfigurator's num_tokens for this rank's share
+                # the layout as AIConfigurator's attention-DP graphs key it: tokens per attention-DP
+                # rank (what one DP group runs attention on), the attention-DP size, and whether the
+                # tokens reach the experts by all-to-all (its large-EP graph) or not
+                "rank_tokens": tokens,
+                "attention_dp": par.dp,
+                "all_to_all": all_to_all,
                 "hidden": hidden,
                 "width": width,
                 "top_k": moe.top_k,

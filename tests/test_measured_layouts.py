@@ -1,0 +1,166 @@
+"""The measured cost model in attention-DP / wide-EP layouts, and the B200 / GB200 DeepEP
+low-latency profiles.
+
+- ``--cost-model measured`` must query AIConfigurator as its own large-EP graph does (per-rank tokens,
+  attention-DP size, its wide-EP MLA module and DeepEP expert tables): the LMSYS-EP decode and prefill
+  shapes are compared with AIConfigurator's own estimate of the same layout, computed here.
+- ``devices/b200.yaml`` / ``gb200.yaml``'s ``ep_low_latency`` sections are read back against the
+  AIConfigurator SGLang DeepEP low-latency tables they were derived from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kimi_adapter_core.backends.simulation import aiconfigurator
+from kimi_adapter_core.backends.simulation.cost import comm_time
+from kimi_adapter_core.backends.simulation.deployment import Deployment
+from kimi_adapter_core.backends.simulation.device import get_device
+from kimi_adapter_core.backends.simulation.inputs import model_inputs
+from kimi_adapter_core.backends.simulation.parallel import Parallel
+from kimi_adapter_core.backends.simulation.simulator import Simulation, simulate
+from kimi_adapter_core.spec import load_spec
+
+REPO = Path(__file__).resolve().parents[1]
+needs_aic = pytest.mark.skipif(not aiconfigurator.available(), reason="needs aiconfigurator-core")
+
+# the kadapt profile, AIConfigurator's system, and what its table measured (hidden, experts, top-k)
+LL_TABLES = {"b200": "b200_sxm", "gb200": "gb200"}
+SHAPE = {"hidden_size": 7168, "num_experts": 256, "num_topk": 8, "node_num": 1}
+LL_TOLERANCE = 0.20  # every measured point, 1-1024 tokens per rank (as for DeepEP's H800 table)
+
+
+def measured_ll(system: str) -> Any:
+    """AIConfigurator's SGLang DeepEP low-latency rows for ``system`` at DeepSeek-V3's shape."""
+    import pandas as pd
+    from aiconfigurator_core.sdk import perf_database
+
+    root = Path(perf_database.__file__).resolve().parents[1] / "systems" / "data" / system / "comm" / "sglang"
+    (table,) = sorted(root.glob("*/wideep_deepep_ll_perf.parquet"))
+    rows = pd.read_parquet(table)
+    for column, value in SHAPE.items():
+        rows = rows[rows[column] == value]
+    return rows.sort_values("num_token")
+
+
+def ll_comm(phase: str, tokens: float) -> dict[str, Any]:
+    """The comm description ``RoutedExperts`` records for an EP8 decode step, FP8 dispatch rows."""
+    hidden = SHAPE["hidden_size"]
+    return {
+        "collective": "all_to_all",
+        "group": 8,
+        "tokens": tokens,
+        "top_k": SHAPE["num_topk"],
+        "hidden": hidden,
+        "experts": SHAPE["num_experts"],
+        "token_bytes": hidden * (1 if phase == "dispatch" else 2),
+        "bytes": 0.0,
+        "low_latency": True,
+    }
+
+
+@pytest.mark.parametrize("device_name", sorted(LL_TABLES))
+def test_blackwell_profiles_have_a_low_latency_section(device_name: str) -> None:
+    device = get_device(device_name)
+    ll = device.ep_low_latency
+    assert ll is not None, f"{device_name} decode all-to-alls would fall back to the roofline"
+    assert "AIConfigurator" in ll.source and "H200" in ll.source  # says what is measured, what carried over
+    for phase in ("dispatch", "combine"):
+        assert set(ll.efficiency[phase]) == {link.name for link in device.links}
+        assert ll.latency[phase](8) > device.links[0].latency  # the kernel's floor, not the link's
+        seconds, _, measured = comm_time(device, ll_comm(phase, 1), None, phase)
+        assert not measured and seconds == pytest.approx(ll.latency[phase](8), rel=0.05)
+
+
+@needs_aic
+@pytest.mark.parametrize("device_name", sorted(LL_TABLES))
+@pytest.mark.parametrize("phase", ["dispatch", "combine"])
+def test_blackwell_low_latency_model_matches_aiconfigurator_table(device_name: str, phase: str) -> None:
+    device = get_device(device_name)
+    rows = measured_ll(LL_TABLES[device_name])
+    assert len(rows) >= 8
+    for tokens, latency_us in zip(rows["num_token"], rows[f"{phase}_avg_t_us"], strict=True):
+        seconds, _, _ = comm_time(device, ll_comm(phase, float(tokens)), None, phase)
+        assert seconds * 1e6 == pytest.approx(latency_us, rel=LL_TOLERANCE), f"{phase} at {tokens} tokens"
+
+
+@needs_aic
+@pytest.mark.parametrize("device_name", sorted(LL_TABLES))
+def test_measured_cost_model_accepts_blackwell(device_name: str) -> None:
+    system = aiconfigurator.system_for(device_name)
+    assert system == LL_TABLES[device_name]
+    pricer = aiconfigurator.MeasuredPricer(system, "sglang")
+    assert pricer.gpus_per_node() == (4 if device_name == "gb200" else 8)  # AIConfigurator's node width
+
+
+# LMSYS-EP's layouts (benchmarks/bench_simulation.py): H100, SGLang, DeepEP, FP8 block, FP8 KV
+LMSYS = [
+    (Deployment(Parallel(1, 64, 64), 64 * 256, 1, 2000, True, kv_dtype="fp8"), 256, 2000),
+    (Deployment(Parallel(1, 32, 32), 32 * 8, 2000, 0, False, kv_dtype="fp8"), 8, 2000),
+]
+DEEPEP = {"context": "deepep_ht", "generation": "deepep_ll"}
+
+
+def measured_step(dep: Deployment) -> Simulation:
+    """DeepSeek-V3 as shipped (FP8 block) on H100 under ``--cost-model measured --framework sglang``."""
+    spec = load_spec(REPO / "specs" / "deepseek_v3.yaml")
+    return simulate(
+        model_inputs(spec, None), spec, dep, get_device("h100"), cost_model="measured", framework="sglang"
+    )
+
+
+LAYOUT_TOLERANCE = 0.10
+
+
+@needs_aic
+@pytest.mark.parametrize("case", range(len(LMSYS)), ids=["decode DP64 EP64", "prefill DP32 EP32"])
+def test_measured_wide_ep_layout_follows_aiconfigurators_own_graph(case: int) -> None:
+    """Before: the global token count at attention-DP 1 on the plain tables, 3.8x / 3.1x AIConfigurator's
+    own estimate. Per component too, so a right total from wrong parts fails."""
+    dep, per_rank, seq = LMSYS[case]
+    par = dep.parallel
+    ref = aiconfigurator.reference_step(
+        "deepseek-ai/DeepSeek-V3",
+        "h100_sxm",
+        "sglang",
+        tp=par.tp,
+        ep=par.ep,
+        dp=par.dp,
+        decode=dep.decode,
+        batch=per_rank,
+        seq=seq,
+        comm_backends=DEEPEP,
+        fmha_quant_mode="fp8_block",
+        kvcache_quant_mode="fp8",
+    )
+    sim = measured_step(dep)
+    assert sim.step_time * 1e3 == pytest.approx(ref.total_ms, rel=LAYOUT_TOLERANCE)
+    parts = dict.fromkeys(aiconfigurator.COMPONENTS, 0.0)
+    for k in sim.kernels:
+        parts[aiconfigurator.kadapt_component(k.op)] += k.total * 1e3
+    for name in ("attention", "experts", "communication"):
+        assert parts[name] == pytest.approx(ref.components[name], rel=LAYOUT_TOLERANCE), name
+    experts = [k for k in sim.kernels if k.op.kind == "experts"]
+    assert experts and all(k.source.startswith("aiconfigurator:") for k in experts)
+
+
+@needs_aic
+@pytest.mark.parametrize("case", range(len(LMSYS)), ids=["decode DP64 EP64", "prefill DP32 EP32"])
+def test_attention_dp_mla_module_sums_to_its_measured_row(case: int) -> None:
+    """The MLA kernel takes the module row less the module's GEMMs, so the module costs the row."""
+    sim = measured_step(LMSYS[case][0])
+    attention = max((k for k in sim.kernels if k.op.kind == "attention"), key=lambda k: k.op.repeat)
+    module = [
+        k
+        for k in sim.kernels
+        if k.op.repeat == attention.op.repeat
+        and k.op.kind in ("matmul", "attention")
+        and k.op.module.startswith(attention.op.module)
+        and "q_a_proj" not in k.op.name
+    ]
+    pricer = aiconfigurator.MeasuredPricer("h100_sxm", "sglang")
+    row = pricer.wide_ep_module_row(attention.op.attrs)
+    assert row is not None
+    assert sum(k.total for k in module) / attention.op.repeat == pytest.approx(row, rel=1e-6)
