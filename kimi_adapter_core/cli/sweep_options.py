@@ -76,11 +76,16 @@ _OPTIONS = (
 )
 
 
-def sweep_options(command: F) -> F:
-    """Add ``--sweep --devices --batches --plot`` to ``command``."""
-    for option in reversed(_OPTIONS):
+def _with_options(options: tuple[Callable[[F], F], ...], command: F) -> F:
+    """``command`` with ``options`` added, listed in ``--help`` in their order."""
+    for option in reversed(options):
         command = option(command)
     return command
+
+
+def sweep_options(command: F) -> F:
+    """Add ``--sweep --devices --batches --plot`` to ``command``."""
+    return _with_options(_OPTIONS, command)
 
 
 def run_sweep(
@@ -259,9 +264,7 @@ _SERVING_OPTIONS = (
 
 def serving_options(command: F) -> F:
     """Add ``--isl --osl --ttft --tpot --serving`` (the request-level search) to ``command``."""
-    for option in reversed(_SERVING_OPTIONS):
-        command = option(command)
-    return command
+    return _with_options(_SERVING_OPTIONS, command)
 
 
 def run_serving(
