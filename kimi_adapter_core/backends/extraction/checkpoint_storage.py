@@ -72,12 +72,13 @@ def module_matcher(entries: Iterable[str]) -> Callable[[str], bool]:
     entries = tuple(entries)  # read twice below: a generator would leave the patterns empty
     names = {entry for entry in entries if not entry.startswith("re:")}
     patterns = [re.compile(entry[3:]) for entry in entries if entry.startswith("re:")]
+    lengths = sorted({name.count(".") + 1 for name in names})  # the suffixes worth looking up
 
     def matches(module: str) -> bool:
         if any(pattern.match(module) for pattern in patterns):
             return True
         parts = module.split(".")
-        return any(".".join(parts[i:]) in names for i in range(len(parts)))
+        return any(".".join(parts[-n:]) in names for n in lengths if n <= len(parts))
 
     return matches
 
