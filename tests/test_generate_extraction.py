@@ -531,3 +531,90 @@ def test_save_ir_refuses_the_wrong_graph_and_writes_atomically(
         module.save_ir(ir, path, "prefill")
     assert path.read_text(encoding="utf-8") == "previous"
     assert list(tmp_path.iterdir()) == [path]  # no temp file left behind
+
+
+@QUIET_META_CONSTANTS
+def test_a_paged_spec_generates_the_paged_decode_abi(tmp_path: Path) -> None:
+    """``abi.kv_cache: paged`` reaches the generated module: the block table follows cache_position in
+    DECODE_INPUTS, the decode wrapper and example inputs are the pooled ones, the module's KV mapping is
+    kadapt's, and torch_ir extracts a decode graph that replays the wrapper on a ragged batch whose
+    blocks are out of order."""
+    import shutil
+
+    from kimi_adapter_core.backends.extraction.options import PagedOptions
+    from kimi_adapter_core.generate.extraction import render_extraction
+
+    shutil.copytree(REPO / "specs" / "llama", tmp_path / "llama")
+    text = (REPO / "specs" / "llama.yaml").read_text(encoding="utf-8")
+    assert "\n  max_cache_len: 2048\n" in text
+    paged_spec = tmp_path / "llama.yaml"
+    paged_spec.write_text(
+        text.replace(
+            "\n  max_cache_len: 2048\n", "\n  max_cache_len: 2048\n  kv_cache: {kind: paged, block_size: 4}\n"
+        ),
+        encoding="utf-8",
+    )
+    spec = load_spec(paged_spec)
+    (rendered,) = [r for r in render_extraction(spec) if r.path.name == "extraction.py"]
+    path = tmp_path / "paged_extraction.py"
+    path.write_text(rendered.text, encoding="utf-8")
+    module = import_path(path, "generated_paged_llama_extraction")
+    assert module.DECODE_INPUTS[:5] == [
+        "input_ids",
+        "attention_mask",
+        "position_ids",
+        "cache_position",
+        "block_table",
+    ]
+    assert (module.PAGED.block_size, module.PAGED.num_blocks) == (4, 2048 // 4)
+
+    options = options_from_spec(spec, output_dir=tmp_path / "out", prefill_len=PREFILL, max_cache_len=CACHE)
+    tiny = tiny_overrides(spec, options)
+    text_config = module.text_config(module.load_config(overrides=tiny))
+    structure = derive_structure(
+        kadapt_text_config(spec, load_config(spec, backend="extraction", overrides=tiny)), spec
+    )
+    bound = dataclasses.replace(
+        bind_structure(options, structure),
+        dtype=module.DTYPE,
+        paged=PagedOptions(4, module.PAGED.num_blocks, "block_table"),
+    )
+    mapping = module.kv_mapping(text_config, prefill_len=PREFILL, max_cache_len=CACHE)
+    kadapt = kv_mapping_document(bound, types.SimpleNamespace(layers=[None] * structure.num_layers))  # type: ignore[arg-type]
+    for key in ("format_version", "model_name", "prefill_graph", "decode_graph"):
+        kadapt.pop(key)
+    assert mapping == kadapt and mapping["contract"]["paged"]["block_size"] == 4
+
+    model = module.build_model(device="meta", overrides=tiny)
+    config = module.text_config(model.config)
+    layers = config.num_hidden_layers
+    with torch.no_grad(), module.patches_applied():
+        decode = torch_ir.extract_ir(
+            module.decode_wrapper(model), module.decode_example_inputs(config, batch=2, max_cache_len=CACHE)
+        )
+    names_in, _ = module.graph_names("decode", layers)
+    assert len(decode.graph_inputs) == len(names_in) and names_in[4] == "block_table"
+    assert (
+        tuple(decode.graph_inputs[5].shape)
+        == runtime.paged_shapes(bound.kv_dims, 4, module.PAGED.num_blocks)[0]
+    )
+
+    torch.manual_seed(0)
+    cpu = module.build_model(device="cpu", overrides=tiny)
+    generator = torch.Generator().manual_seed(3)
+    dtype = getattr(torch, module.DTYPE)  # the module builds the model in the ABI dtype
+    pools = [
+        torch.randn(tuple(meta.shape), generator=generator).to(dtype) for meta in decode.graph_inputs[5:]
+    ]
+    table = torch.randperm(module.PAGED.num_blocks, generator=generator)[: 2 * CACHE // 4].view(2, CACHE // 4)
+    positions = torch.tensor([[5], [9]])
+    mask = runtime.additive_causal_mask(positions, CACHE, dtype)
+    inputs = (torch.tensor([[7], [11]]), mask, positions, positions.view(-1), table, *pools)
+    with torch.no_grad(), module.patches_applied():
+        wrapper = module.decode_wrapper(cpu)
+        eager = wrapper(*inputs)
+        replayed = torch_ir.IRExecutor(decode, module.graph_weights(wrapper)).execute(inputs)
+    for a, b in zip(eager, replayed, strict=True):
+        assert torch.equal(a, b)
+    slot = table[1, 9 // 4] * 4 + 9 % 4  # row 1 at position 9: its token is in its own block
+    assert not torch.equal(eager[1].flatten(0, 1)[slot], pools[0].flatten(0, 1)[slot])

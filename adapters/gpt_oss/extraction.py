@@ -1945,6 +1945,7 @@ DECODE_INPUTS = [
     "past.{layer}.key",
     "past.{layer}.value",
 ]
+PAGED = None  # abi.kv_cache: contiguous per-row caches
 DECODE_OUTPUTS = ["logits", "present.{layer}.key", "present.{layer}.value"]
 KV_NAMES = {
     "decode_key_in": "past.{layer}.key",
@@ -2548,11 +2549,13 @@ def prefill_wrapper(model: torch.nn.Module, num_layers: int | None = None) -> Pr
 
 
 def decode_wrapper(model: torch.nn.Module, num_layers: int | None = None) -> DecodeWrapper:
-    """The decode graph: ``DECODE_INPUTS`` -> ``DECODE_OUTPUTS`` over a static cache."""
+    """The decode graph: ``DECODE_INPUTS`` -> ``DECODE_OUTPUTS`` over a static cache (block pools when
+    ``PAGED``)."""
     language_model = model.get_submodule(LANGUAGE_MODEL_PATH)
     return DecodeWrapper.from_language_model(
         language_model,
         model.get_submodule(LM_HEAD_PATH),
+        paged=PAGED is not None,
         kv_layout=KV_LAYOUT,
         cache_keyword=decoder_protocol(language_model).cache_keyword,
         num_layers=num_layers,
@@ -2610,6 +2613,7 @@ def decode_example_inputs(
         num_layers=int(_fact(config, "num_layers")) if num_layers is None else num_layers,
         dtype=_torch_dtype(dtype),
         device=device,
+        paged=None if PAGED is None else (PAGED.block_size, PAGED.num_blocks),
     )
 
 
@@ -2651,6 +2655,7 @@ def kv_mapping(
         num_layers=int(_fact(config, "num_layers")),
         dtype=str(_torch_dtype(dtype)).removeprefix("torch."),
         names=KV_NAMES,
+        paged=PAGED,
     )
     sliding = list(layer_windows) if any(w is not None for w in layer_windows) else None
     return {"attention": ATTENTION, "sliding_windows": sliding, **mapping}

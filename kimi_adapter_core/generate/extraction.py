@@ -15,12 +15,13 @@ tiny model of the same family) the way kadapt's ``derive_structure`` would.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .. import __version__, upstream
 from ..backends.extraction import encoding, runtime, weights
-from ..backends.extraction.options import abi_graph_names, kv_names
+from ..backends.extraction.options import abi_graph_names, kv_names, paged_options
 from ..config.source import resolve_source
 from ..errors import KadaptError
 from ..patching import portable
@@ -148,17 +149,15 @@ def render_extraction(spec: Spec) -> list[Rendered]:
     assert abi is not None
     if spec.environment:
         raise _fail(spec, "environment[0]", "environment shims have no generated form yet")
-    if abi.kv_cache.kind == "paged":  # the module's wrappers and example inputs are the contiguous ABI's
-        raise _fail(
-            spec,
-            "abi.kv_cache",
-            "a paged decode cache has no generated form yet (the module would build the contiguous "
-            "ABI); export it with kadapt apply",
-        )
     for key in ("language_model", "lm_head"):
         if key not in spec.module_paths:
             raise _fail(spec, "module_paths", f"module_paths has no {key!r}, which the wrappers need")
     prefill, decode = abi_graph_names(spec)
+    paged = paged_options(
+        abi.kv_cache, batch=abi.batch, max_cache_len=abi.max_cache_len, where=spec.locate("abi.kv_cache")
+    )
+    if paged is not None:  # the block table follows cache_position, as kadapt apply exports it
+        decode = dataclasses.replace(decode, fixed_inputs=(*decode.fixed_inputs, paged.block_table))
     dims = abi_tables.dims(spec)
     structure = structure_context(spec, dims)
     runtime_module = split_module(Path(runtime.__file__))
@@ -197,7 +196,8 @@ def render_extraction(spec: Spec) -> list[Rendered]:
             "dtype": abi.dtype,
             "prefill_inputs": list(abi.prefill.inputs),
             "prefill_outputs": list(abi.prefill.outputs),
-            "decode_inputs": list(abi.decode.inputs),
+            "decode_inputs": list(decode.inputs(0)) + [n for n in abi.decode.inputs if "{layer}" in n],
+            "paged": None if paged is None else dataclasses.asdict(paged),
             "decode_outputs": list(abi.decode.outputs),
             "kv_names": kv_names(prefill, decode),
         },
