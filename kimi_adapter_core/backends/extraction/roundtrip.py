@@ -340,11 +340,8 @@ class _Replay:
         return list(torch_ir.IRExecutor(ir, self.weights).execute(inputs))
 
     def run_prefill(self, prompt: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        _, mask, positions = runtime.prefill_inputs(
-            batch=prompt.shape[0], prefill_len=prompt.shape[1], dtype=self.dtype, device="cpu"
-        )
-        logits, *present = self.execute("prefill", (prompt, mask, positions))
-        return logits, self.place(present, torch.full((prompt.shape[0],), prompt.shape[1]))
+        """Prefill a prompt whose every row is real tokens (no padding)."""
+        return self.run_ragged_prefill(prompt, torch.full((prompt.shape[0],), prompt.shape[1]))
 
     def run_ragged_prefill(
         self, padded: torch.Tensor, lengths: torch.Tensor
