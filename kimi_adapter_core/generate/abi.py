@@ -20,7 +20,7 @@ from ..backends.extraction.options import (
     PREFILL_FIXED,
     GraphNames,
     abi_graph_names,
-    paged_options,
+    spec_paged,
 )
 from ..backends.extraction.options import resolve_kv_layout as options_resolve_kv_layout
 from ..config.bridges import apply_bridges
@@ -112,7 +112,7 @@ def graph_tables(spec: Spec, d: Dims) -> tuple[GraphNames, GraphNames, list[dict
     assert abi is not None
     prefill, decode = abi_graph_names(spec)
     b, s, cap = abi.batch, abi.prefill_len, abi.max_cache_len
-    paged = paged_options(abi.kv_cache, batch=b, max_cache_len=cap, where=spec.locate("abi"))
+    paged = spec_paged(spec)
 
     def fixed(names: GraphNames, q: int, keys: int) -> list[dict[str, Any]]:
         shapes = {

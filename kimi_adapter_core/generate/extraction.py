@@ -21,7 +21,7 @@ from typing import Any
 
 from .. import __version__, upstream
 from ..backends.extraction import encoding, runtime, weights
-from ..backends.extraction.options import abi_graph_names, kv_names, paged_options
+from ..backends.extraction.options import abi_graph_names, kv_names, spec_paged
 from ..config.source import resolve_source
 from ..errors import KadaptError
 from ..patching import portable
@@ -153,9 +153,7 @@ def render_extraction(spec: Spec) -> list[Rendered]:
         if key not in spec.module_paths:
             raise _fail(spec, "module_paths", f"module_paths has no {key!r}, which the wrappers need")
     prefill, decode = abi_graph_names(spec)
-    paged = paged_options(
-        abi.kv_cache, batch=abi.batch, max_cache_len=abi.max_cache_len, where=spec.locate("abi.kv_cache")
-    )
+    paged = spec_paged(spec)
     if paged is not None:  # the block table follows cache_position, as kadapt apply exports it
         decode = dataclasses.replace(decode, fixed_inputs=(*decode.fixed_inputs, paged.block_table))
     dims = abi_tables.dims(spec)

@@ -149,6 +149,32 @@ class KvCacheAbi:
         )
 
 
+def paged_size_problems(block_size: int, num_blocks: int | None, max_cache_len: int) -> list[tuple[str, str]]:
+    """What is wrong with a paged cache of these sizes, as ``(field of abi.kv_cache, message)``: the one
+    rule ``validate`` reports located at each field and ``apply`` raises."""
+    per_row = max_cache_len // block_size
+    if max_cache_len % block_size:
+        message = (
+            f"block_size {block_size} does not divide max_cache_len {max_cache_len}: each row's cache is "
+            "whole blocks"
+        )
+        return [("block_size", message)]
+    if num_blocks is not None and num_blocks < per_row:
+        message = (
+            f"num_blocks {num_blocks} cannot hold one row at max_cache_len {max_cache_len} "
+            f"({per_row} blocks of {block_size})"
+        )
+        return [("num_blocks", message)]
+    return []
+
+
+def paged_name_problems(block_table: str, decode_inputs: Iterable[str]) -> list[tuple[str, str]]:
+    """The block-table input must not take the name of another decode input (same form as above)."""
+    if block_table in decode_inputs:
+        return [("block_table", f"block-table input {block_table!r} is already an abi.decode input")]
+    return []
+
+
 @dataclass(frozen=True)
 class Abi:
     config: str | None  # sub-config holding the text backbone, None for a flat config

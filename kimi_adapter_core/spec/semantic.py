@@ -21,6 +21,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 from ..builtins import registry
 from .diagnostics import Diagnostic, Locator, Severity, join_breadcrumb
+from .model import paged_name_problems, paged_size_problems
 from .yaml_loader import FileRefused, read_regular_file
 
 _SECTIONS_WITH_IDS = ("environment", "config_bridges", "patches", "quantization")
@@ -243,28 +244,23 @@ class _Checks:
             return f"abi.kv_cache.{key}" if key in kv_cache else "abi.kv_cache"
 
         size, blocks = kv_cache.get("block_size", 16), kv_cache.get("num_blocks")
-        if isinstance(cache, int) and isinstance(size, int) and cache % size:
-            self.error(
-                at("block_size"),
-                f"block_size {size} does not divide max_cache_len {cache}: each row's cache is whole blocks",
-                "abi-lengths",
-            )
-        elif isinstance(cache, int) and isinstance(blocks, int) and blocks < cache // size:
-            self.error(
-                at("num_blocks"),
-                f"num_blocks {blocks} cannot hold one row at max_cache_len {cache} ({cache // size} blocks "
-                f"of {size})",
-                "abi-lengths",
-            )
+        problems = []
+        if isinstance(cache, int) and isinstance(size, int):
+            problems += [
+                (field, message, "abi-lengths")
+                for field, message in paged_size_problems(
+                    size, blocks if isinstance(blocks, int) else None, cache
+                )
+            ]
         decode = self.section("abi").get("decode")
         inputs = decode.get("inputs") if isinstance(decode, dict) else None
-        name = kv_cache.get("block_table", "block_table")
-        if isinstance(inputs, list) and name in inputs:
-            self.error(
-                at("block_table"),
-                f"block-table input {name!r} is already an abi.decode input",
-                "abi-layer-name",
-            )
+        if isinstance(inputs, list):
+            name = kv_cache.get("block_table", "block_table")
+            problems += [
+                (field, message, "abi-layer-name") for field, message in paged_name_problems(name, inputs)
+            ]
+        for field, message, code in problems:
+            self.error(at(field), message, code)
 
     def check_merged_prefill(
         self, merged: dict[str, Any], vision: dict[str, Any], prefill: Any, cache: Any

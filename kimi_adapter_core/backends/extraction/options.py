@@ -9,13 +9,21 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ...errors import KadaptError
-from ...spec.model import GraphAbi, KvCacheAbi, MergedPrefillAbi, Spec, VisionAbi
+from ...spec.model import (
+    GraphAbi,
+    KvCacheAbi,
+    MergedPrefillAbi,
+    Spec,
+    VisionAbi,
+    paged_name_problems,
+    paged_size_problems,
+)
 from ...structure.model import ALL_KV_LAYOUTS, Attention, ModelStructure
 from .symbolic import SYMBOLS as DYNAMIC_SIZES
 from .symbolic import DimRange
@@ -161,31 +169,43 @@ class PagedOptions:
 
 
 def paged_options(
-    kv_cache: KvCacheAbi, *, batch: int, max_cache_len: int, where: str | None
+    kv_cache: KvCacheAbi,
+    *,
+    batch: int,
+    max_cache_len: int,
+    decode_inputs: Iterable[str],
+    where: Callable[[str], str | None],
 ) -> PagedOptions | None:
-    """The paged cache ``kv_cache`` describes, checked against the ABI sizes (None: contiguous)."""
+    """The paged cache ``kv_cache`` describes, checked against the ABI sizes and the decode graph's
+    other inputs (None: contiguous); ``where(field)`` locates a problem with that field."""
     if kv_cache.kind not in KV_CACHES:
         raise KadaptError(
-            f"unknown kv_cache {kv_cache.kind!r}; valid: {', '.join(KV_CACHES)}", location=where
+            f"unknown kv_cache {kv_cache.kind!r}; valid: {', '.join(KV_CACHES)}", location=where("kind")
         )
     if kv_cache.kind == "contiguous":
         return None
     size = kv_cache.block_size
-    if max_cache_len % size:
-        raise KadaptError(
-            f"kv_cache block_size {size} does not divide max_cache_len {max_cache_len}: each row's logical "
-            "cache is a whole number of blocks",
-            location=where,
-        )
-    per_row = max_cache_len // size
-    num_blocks = kv_cache.num_blocks if kv_cache.num_blocks is not None else batch * per_row
-    if num_blocks < per_row:
-        raise KadaptError(
-            f"kv_cache num_blocks {num_blocks} cannot hold one row at max_cache_len {max_cache_len} "
-            f"({per_row} blocks of {size})",
-            location=where,
-        )
+    problems = [
+        *paged_size_problems(size, kv_cache.num_blocks, max_cache_len),
+        *paged_name_problems(kv_cache.block_table, decode_inputs),
+    ]
+    if problems:
+        field, message = problems[0]
+        raise KadaptError(f"kv_cache {message}", location=where(field))
+    num_blocks = kv_cache.num_blocks if kv_cache.num_blocks is not None else batch * (max_cache_len // size)
     return PagedOptions(size, num_blocks, kv_cache.block_table)
+
+
+def spec_paged(spec: Spec) -> PagedOptions | None:
+    """The paged cache ``spec.abi`` declares, at the spec's own sizes (what ``generate`` renders)."""
+    assert spec.abi is not None
+    return paged_options(
+        spec.abi.kv_cache,
+        batch=spec.abi.batch,
+        max_cache_len=spec.abi.max_cache_len,
+        decode_inputs=abi_graph_names(spec)[1].inputs(1),
+        where=lambda field: spec.locate("abi.kv_cache"),
+    )
 
 
 @dataclass(frozen=True)
@@ -439,21 +459,19 @@ def options_from_spec(
         cache_abi = dataclasses.replace(
             cache_abi, kind=kind, block_size=block_size if block_size is not None else cache_abi.block_size
         )
+    prefill_names, decode_names = abi_graph_names(spec)
+    located = spec.locate("abi.kv_cache") if "abi.kv_cache" in spec.positions else None
+    from_cli = (
+        kv_cache is not None or block_size is not None
+    )  # a size from the command line is not the spec's
     paged = paged_options(
         cache_abi,
         batch=sizes["batch"],
         max_cache_len=sizes["max_cache_len"],
-        where=spec.locate("abi.kv_cache")
-        if "abi.kv_cache" in spec.positions and kv_cache is None and block_size is None
-        else None,  # a size from the command line is not the spec's
+        decode_inputs=decode_names.inputs(1),
+        where=lambda field: located if field == "block_table" or not from_cli else None,
     )
-    prefill_names, decode_names = abi_graph_names(spec)
     if paged is not None:
-        if paged.block_table in decode_names.inputs(1):
-            raise KadaptError(
-                f"kv_cache block_table name {paged.block_table!r} is already an abi.decode input",
-                location=spec.locate("abi.kv_cache") if "abi.kv_cache" in spec.positions else None,
-            )
         decode_names = dataclasses.replace(
             decode_names, fixed_inputs=(*decode_names.fixed_inputs, paged.block_table)
         )
