@@ -5,6 +5,9 @@ unwritable output directory fails in a second, not after building a 1T-parameter
 no run could use (size 0, extraction options with another backend) is a usage error (exit 2).
 torch and transformers are imported inside the command only. Everything apply prints is progress,
 so ``-q`` prints nothing unless it fails; ``-v`` adds the resolved spec path and stage timings.
+The extraction goes through the extraction cache (``backends/extraction/cache.py``): a run whose
+every input was extracted before writes the stored artifacts instead of tracing (``--no-cache``
+extracts regardless).
 """
 
 from __future__ import annotations
@@ -85,6 +88,12 @@ SIZE = click.IntRange(1, 1 << 24)  # tokens or sequences: 0 or a typo's 1e12 is 
     "--verify", is_flag=True, help="extraction: check the saved IR on a tiny model against transformers."
 )
 @click.option(
+    "--no-cache",
+    is_flag=True,
+    help="extraction: neither restore nor store the artifacts in the extraction cache "
+    "($KADAPT_CACHE_DIR, default ~/.cache/kadapt/extraction).",
+)
+@click.option(
     "--without",
     "without",
     multiple=True,
@@ -111,6 +120,7 @@ def command(
     kv_cache: str | None,
     block_size: int | None,
     verify: bool,
+    no_cache: bool,
     without: tuple[str, ...],
 ) -> None:
     """Apply SPEC behind its gate, build the model and run the chosen backend.
@@ -168,6 +178,7 @@ def command(
         )
     elif (
         verify
+        or no_cache
         or dynamic
         or static
         or any(
@@ -186,7 +197,7 @@ def command(
     ):
         raise UsageError(
             "--output-dir/--batch/--prefill-len/--max-cache-len/--kv-layout/--mla-attention/--dynamic/"
-            "--static/--kv-cache/--block-size/--verify need --backend extraction"
+            "--static/--kv-cache/--block-size/--verify/--no-cache need --backend extraction"
         )
     if opts is not None:
         with out.stage("check transformers"):  # its internals, before a 1T-parameter model is built
@@ -222,8 +233,10 @@ def command(
         )
         if extraction is not None:
             with out.stage("extraction"):
-                extracted = extraction.run(spec, model, opts, echo=out.info)
-            missed = ledger.record_reach({k: r.count for k, r in session.reach.items()}, run="the export")
+                extracted, reach = extraction.run_cached(
+                    spec, model, opts, session=session, device=device, use_cache=not no_cache, echo=out.info
+                )
+            missed = ledger.record_reach(reach, run="the export")
             result.update(ledger=ledger.to_dict(), extraction=extracted.to_dict())
             out.info(ledger.render_table())
             out.info(extracted.render())

@@ -7,6 +7,7 @@ directory first, and ``run``/``verify`` import the heavy modules when called.
   ``kadapt generate`` embeds in standalone modules.
 - ``export`` -> ``convert`` -> ``stitch`` -> ``irjson``/``write``: trace, convert to kadapt's graph,
   replicate layers, serialise; ``pipeline.run`` drives them; ``roundtrip.verify`` checks the saved files.
+- ``cache_key`` -> ``cache``: ``kadapt apply`` restores a run whose every input was extracted before.
 """
 
 from __future__ import annotations
@@ -19,11 +20,20 @@ from .options import ExtractionOptions, bind_structure, options_from_spec
 if TYPE_CHECKING:
     from torch import nn
 
+    from ...patching.session import Session
     from ...spec.model import Spec
     from .roundtrip import VerifyReport
     from .summary import ExtractionSummary
 
-__all__ = ["ExtractionOptions", "bind_structure", "check_upstream", "options_from_spec", "run", "verify"]
+__all__ = [
+    "ExtractionOptions",
+    "bind_structure",
+    "check_upstream",
+    "options_from_spec",
+    "run",
+    "run_cached",
+    "verify",
+]
 
 
 def check_upstream(options: ExtractionOptions) -> None:
@@ -42,6 +52,24 @@ def run(
     from .pipeline import run as run_pipeline
 
     return run_pipeline(spec, model, options, echo=echo)
+
+
+def run_cached(
+    spec: Spec,
+    model: nn.Module,
+    options: ExtractionOptions,
+    *,
+    session: Session,
+    device: str,
+    use_cache: bool,
+    echo: Callable[[str], Any],
+) -> tuple[ExtractionSummary, dict[str, int]]:
+    """``run`` through the extraction cache (``cache.py``), as ``kadapt apply`` runs it: the summary and
+    each patch's reach count (restored with the files when the same inputs were extracted before)."""
+    from .cache import ExtractionCache, default_root, extract_or_restore
+
+    cache = ExtractionCache(default_root()) if use_cache else None
+    return extract_or_restore(spec, model, options, session=session, device=device, cache=cache, echo=echo)
 
 
 def verify(spec: Spec, options: ExtractionOptions, *, echo: Callable[[str], Any]) -> VerifyReport:

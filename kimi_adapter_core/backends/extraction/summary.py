@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,28 @@ class GraphStats:
         }
 
 
+@dataclass(frozen=True)
+class CacheUse:
+    """The extraction cache's part in a run: restored from it, stored in it, or why neither."""
+
+    key: str | None  # None when the run's inputs cannot be keyed
+    hit: bool = False
+    stored: bool = False
+    reason: str | None = None  # why it was not stored (or not even looked up)
+    first_seconds: float | None = None  # on a hit: how long the run that stored it took to extract
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    def render(self) -> str:
+        key = f"key {self.key[:12]}" if self.key else ""
+        if self.hit:
+            return f"restored ({key}; extracting took {self.first_seconds or 0:.1f} s)"
+        if self.stored:
+            return f"stored ({key})"
+        return f"not stored: {self.reason}"
+
+
 @dataclass
 class ExtractionSummary:
     model_name: str
@@ -53,6 +75,7 @@ class ExtractionSummary:
     notes: list[str] = field(default_factory=list)  # what the run left out and why
     steps: list[tuple[str, float]] = field(default_factory=list)
     top_ops: int = 12
+    cache: CacheUse | None = None  # what the extraction cache did for this run (CLI runs only)
 
     @property
     def seconds(self) -> float:
@@ -71,7 +94,59 @@ class ExtractionSummary:
             **({"notes": self.notes} if self.notes else {}),
             "steps": [{"step": name, "seconds": round(seconds, 3)} for name, seconds in self.steps],
             "seconds": round(self.seconds, 3),
+            **({"cache": self.cache.to_dict()} if self.cache is not None else {}),
         }
+
+    @property
+    def artifacts(self) -> list[Path]:
+        """Every file the run wrote, graphs first."""
+        files = [stats.path for stats in self.graphs.values()]
+        return files + [p for p in (self.kv_mapping, self.weight_map) if p is not None]
+
+    def to_record(self) -> dict[str, Any]:
+        """Everything but the cache's part, losslessly as JSON data, with file names instead of
+        paths: ``from_record`` rebuilds it for files restored into another directory."""
+        return {
+            "model_name": self.model_name,
+            "kv_layout": self.kv_layout,
+            "sizes": self.sizes,
+            "mla_attention": self.mla_attention,
+            "attention_label": self.attention_label,
+            "graphs": {
+                kind: {**asdict(stats), "path": stats.path.name, "ops": dict(stats.ops)}
+                for kind, stats in self.graphs.items()
+            },
+            "kv_mapping": [self.kv_mapping.name, self.kv_mapping_bytes] if self.kv_mapping else None,
+            "weight_map": [self.weight_map.name, self.weight_map_bytes] if self.weight_map else None,
+            "vision": self.vision,
+            "notes": self.notes,
+            "steps": self.steps,
+            "top_ops": self.top_ops,
+        }
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any], directory: Path) -> ExtractionSummary:
+        """The summary ``to_record`` stored, its files in ``directory``."""
+        kv_mapping, weight_map = record["kv_mapping"], record["weight_map"]
+        return cls(
+            model_name=record["model_name"],
+            kv_layout=record["kv_layout"],
+            sizes=dict(record["sizes"]),
+            mla_attention=record["mla_attention"],
+            attention_label=record["attention_label"],
+            graphs={
+                kind: GraphStats(**{**stats, "path": directory / stats["path"], "ops": Counter(stats["ops"])})
+                for kind, stats in record["graphs"].items()
+            },
+            kv_mapping=directory / kv_mapping[0] if kv_mapping else None,
+            kv_mapping_bytes=kv_mapping[1] if kv_mapping else 0,
+            weight_map=directory / weight_map[0] if weight_map else None,
+            weight_map_bytes=weight_map[1] if weight_map else 0,
+            vision=record["vision"],
+            notes=list(record["notes"]),
+            steps=[(name, seconds) for name, seconds in record["steps"]],
+            top_ops=record["top_ops"],
+        )
 
     def render(self) -> str:
         sizes = ", ".join(f"{k} {v}" for k, v in self.sizes.items())
@@ -92,6 +167,8 @@ class ExtractionSummary:
             lines.append(f"  kv map   {_size(self.kv_mapping_bytes)}  -> {self.kv_mapping}")
         if self.weight_map is not None:
             lines.append(f"  weights  {_size(self.weight_map_bytes)}  -> {self.weight_map}")
+        if self.cache is not None:
+            lines.append(f"  cache    {self.cache.render()}")
         lines.append("  time: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.steps))
         return "\n".join(lines)
 
