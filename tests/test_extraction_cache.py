@@ -190,6 +190,18 @@ def test_library_digest_follows_installed_files(tmp_path, monkeypatch):
     assert library_digest("torch") == library_digest("torch")
 
 
+def test_key_follows_the_environment(tmp_path, monkeypatch):
+    before = key_of()
+    monkeypatch.setenv("KADAPT_UNRELATED", "1")
+    assert key_of() == before
+    monkeypatch.setenv("TORCH_SOMETHING", "1")  # torch and transformers read their own variables
+    changed = key_of()
+    assert changed != before
+    monkeypatch.syspath_prepend(str(tmp_path))  # an optional package appears (e.g. a kernels hub)
+    (tmp_path / "kernels-0.1.dist-info").mkdir()
+    assert key_of() != changed
+
+
 def test_canonical_refuses_what_it_cannot_hash():
     assert canonical({"a": (1, Path("x/y"))}) == [["a", [1, {"__path__": "x/y"}]]]
     with pytest.raises(Uncacheable, match="object"):

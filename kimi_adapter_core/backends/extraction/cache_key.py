@@ -10,6 +10,9 @@ same, so the key hashes all of them and a run whose inputs cannot all be hashed 
   and by the sha256 of their installed file list (``RECORD`` holds each file's hash, so a rebuilt
   wheel under the same version is a new key); an editable install has no such list, so its
   source files' sizes and modification times are hashed instead;
+- the rest of the environment: every installed distribution by name and version (an optional
+  package can change what transformers runs, e.g. a kernels package replacing a layer's forward)
+  and the ``TORCH*``/``PYTORCH*``/``TRANSFORMERS*`` environment variables;
 - the spec as applied: its validated mapping, the entries left after ``--without`` and the source
   file of every ``impl`` that is not a kadapt builtin;
 - the model's config as read (before bridges: the bridges are in the spec) and, when remote code
@@ -24,12 +27,14 @@ always extracts.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import os
 import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -43,6 +48,7 @@ from .options import ExtractionOptions
 KEY_FORMAT = 1  # bump when what the key covers changes
 _PACKAGE = Path(__file__).resolve().parents[2]  # kimi_adapter_core/
 _LIBRARIES = ("torch", "transformers")
+_ENVIRONMENT_PREFIXES = ("TORCH", "PYTORCH", "TRANSFORMERS")
 
 
 class Uncacheable(Exception):
@@ -79,6 +85,7 @@ def run_key(
         "kadapt": _digest(__version__.encode(), *_files(_PACKAGE)),
         "python": _digest(sys.version.encode(), sys.platform.encode()),
         **{name: library_digest(name) for name in _LIBRARIES},
+        "environment": environment_digest(),
         "spec": _digest(
             _canonical_json({"raw": spec.raw, "entries": spec.entry_ids}),
             *(impl_source(ref) for ref in sorted(_impl_refs(spec.raw))),
@@ -136,6 +143,17 @@ def library_digest(name: str) -> str:
     root = Path(spec.origin).parent
     stats = (f"{p.relative_to(root)} {p.stat().st_size} {p.stat().st_mtime_ns}" for p in _sources(root))
     return _digest(dist.version.encode(), "\n".join(stats).encode())
+
+
+def environment_digest() -> str:
+    """Every distribution on ``sys.path`` (its ``name-version.dist-info`` folder names) and the
+    environment variables torch and transformers read."""
+    installed = set()
+    for entry in sys.path:
+        with contextlib.suppress(OSError):
+            installed.update(n for n in os.listdir(entry or ".") if n.endswith((".dist-info", ".egg-info")))
+    variables = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith(_ENVIRONMENT_PREFIXES))
+    return _digest("\n".join(sorted(installed)).encode(), "\n".join(variables).encode())
 
 
 def remote_code_digest(location: Path | str | None, revision: str | None) -> str:
