@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from click.testing import CliRunner
 from kimi_adapter_core import atomic
 from kimi_adapter_core.atomic import atomic_open, atomic_write_text
 from kimi_adapter_core.backends.extraction.write import write_all
-from kimi_adapter_core.cli import cli
+from kimi_adapter_core.cli import _redeliver_swallowed_interrupt, cli
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -117,6 +118,26 @@ def test_sigint_near_the_write_leaves_only_complete_files(tmp_path):
 
 
 # -- in process ----------------------------------------------------------------------------------
+
+
+def test_an_interrupt_a_destructor_swallowed_is_delivered_again(monkeypatch):
+    """Ctrl-C inside a ``__del__`` (torch frees storages there) would be printed as an ignored exception
+    with a traceback and the run would go on; ``kadapt``'s entry point delivers it again."""
+
+    class FreedMidInterrupt:
+        def __del__(self) -> None:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys, "unraisablehook", _redeliver_swallowed_interrupt)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            FreedMidInterrupt()  # freed at once: its __del__ raises where nothing can catch it
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:  # the run goes on: the interrupt must come back
+                pass
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_keyboard_interrupt_in_a_command_is_exit_130_not_aborted(monkeypatch, tmp_path):

@@ -15,8 +15,10 @@ flight has removed its temp file (both run on the way out, in ``finally`` blocks
 
 from __future__ import annotations
 
+import _thread
 import importlib
 import sys
+import threading
 from typing import Any
 
 import click
@@ -108,6 +110,7 @@ def cli() -> None:
 
 
 INTERRUPTED = 130  # 128 + SIGINT
+_REDELIVER_SECONDS = 0.05
 # Not core dependencies (`kadapt validate` and `plan` run without them): the `model` extra brings them.
 MODEL_PACKAGES = ("torch", "transformers")
 
@@ -118,7 +121,21 @@ def _interrupted() -> None:
     click.echo(f"{newline}interrupted", err=True)
 
 
+def _redeliver_swallowed_interrupt(unraisable: Any) -> None:
+    """A Ctrl-C that lands inside a destructor (torch frees storages in ``__del__``) cannot propagate:
+    Python would print it as an ignored exception with a traceback and the run would go on. Deliver
+    it again, shortly, from another thread: raised here it would be swallowed the same way, a moment
+    later the main thread has left the destructor (if it is in another one, this repeats)."""
+    if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+        timer = threading.Timer(_REDELIVER_SECONDS, _thread.interrupt_main)
+        timer.daemon = True
+        timer.start()
+        return
+    sys.__unraisablehook__(unraisable)
+
+
 def main() -> None:
+    sys.unraisablehook = _redeliver_swallowed_interrupt
     try:
         cli(prog_name="kadapt")
     except KeyboardInterrupt:  # outside the group's ``invoke``: click's own parsing or teardown
