@@ -103,6 +103,64 @@ def test_kimi_int4_experts_price_at_the_current_marlin_kernel() -> None:
     assert table.grouped_eff("w4a16", 64)[0] > 3 * 0.05
 
 
+# --- a shape the tables measured prices with its own rows ---------------------------------------------
+# Kimi-K2.5's routed experts at EP8 in a TP8 layout (no attention DP: the layout the rows measured)
+KIMI_EXPERTS = {"hidden": 7168, "width": 2048, "experts": 384, "top_k": 8, "ep": 8, "attention_dp": 1}
+
+
+def test_a_measured_shape_takes_its_own_curve_and_others_the_median() -> None:
+    """The curve at a shape the table measured is that shape's (its match names it); a shape no row
+    has, a layout the rows were not measured in, or an op without the attributes, prices with the
+    median over every shape."""
+    table = load_kernels("h200_sxm_sglang")
+    median = table.grouped["w4a16"]
+    own = median.at(KIMI_EXPERTS)
+    assert own is not median and own.xs != median.xs
+    assert median.at(KIMI_EXPERTS | {"ep": 3}) is median and median.at(None) is median
+    assert median.at(KIMI_EXPERTS | {"attention_dp": 8}) is median  # wide EP runs other kernels
+    assert table.grouped_eff("w4a16", 128 * 8 / 384, KIMI_EXPERTS) == (own(128 * 8 / 384), own.overhead)
+    mla = table.decode["mla"]
+    kimi = {"heads": 8, "kv_dtype": "bf16", "attention_dp": 1}
+    assert mla.at(kimi) is not mla.at(kimi | {"kv_dtype": "fp8"}) and mla.at(kimi) is not mla
+    assert mla.at({"heads": 8, "attention_dp": 1}) is mla  # decode curves are per cache dtype too
+
+
+@needs_aic
+def test_kimi_int4_experts_reproduce_the_measured_marlin_row() -> None:
+    """Kimi-K2.5's routed experts at EP8, 128 decode tokens, are a measured Marlin shape: priced with
+    its own curve they reproduce the row (the median curve over other EP sizes priced them 1.4x)."""
+    import pandas as pd
+
+    from kimi_adapter_core.backends.simulation import calibrate
+
+    rows = pd.read_parquet(calibrate._tables("h200_sxm") / "moe/sglang/0.5.14/moe_perf.parquet")
+    at = (
+        rows[
+            (rows.moe_dtype == "int4_wo")
+            & (rows.num_experts == 384)
+            & (rows.moe_ep_size == 8)
+            & (rows.moe_tp_size == 1)
+            & (rows.num_tokens == 128)
+        ]
+        .set_index("distribution")
+        .latency
+    )
+    spec = load_spec(REPO / "specs" / "kimi_k25.yaml")
+    dep = Deployment(Parallel(8, 1, 8), 128, 1, 4096, True, kv_dtype="bf16")
+    sim = simulate(model_inputs(spec, None), spec, dep, get_device("h200"), framework="sglang")
+    experts = next(k for k in sim.kernels if k.op.kind == "experts")
+    assert experts.time * 1e3 == pytest.approx(float(at["power_law_1.01"]), rel=0.02)
+
+
+def test_mla_decode_at_8_heads_per_rank_reads_at_its_own_efficiency() -> None:
+    """Kimi-K2.5 at TP8 runs MLA decode with 8 heads per rank, which streams a 604 MB latent cache at
+    ~0.8 of HBM bandwidth; the median over 1-128 heads (0.58 there) priced it 1.4x too slow."""
+    table = load_kernels("h200_sxm_sglang")
+    read = 128 * 4097 * 576 * 2
+    own = table.attention_eff(True, "mla", read, {"heads": 8, "kv_dtype": "bf16", "attention_dp": 1})
+    assert own > 0.75 and own > 1.2 * table.attention_eff(True, "mla", read)
+
+
 # --- devices price with their own measurements ----------------------------------------------------------
 def test_blackwell_profiles_are_cited_and_have_their_own_tables() -> None:
     for name, tables, bandwidth in (("b200", "b200_sxm", 7.7e12), ("gb200", "gb200", 8e12)):

@@ -59,6 +59,30 @@ MOE_DTYPES = {
     "w4a16": ("int4_wo", 0.5 + 2 / 32, "bf16"),
 }
 RowFilter = Callable[[str, Any], Any]  # (op, rows) -> the rows to fit on
+# op attribute -> the measured table's column: the shape a per-shape curve is fitted at and matched by
+EXPERT_SHAPE = {
+    "hidden": "hidden_size",
+    "width": "inter_size",
+    "experts": "num_experts",
+    "top_k": "topk",
+    "ep": "moe_ep_size",
+}
+# the expert table times the kernel as AIConfigurator's TP/EP graph runs it (every rank holds all
+# tokens; its attention-DP graphs price DeepEP-path tables instead): a shape's own curve prices that
+# layout only (at EP64, 4 experts per rank, the power-law rows run 3.6x balanced - the hottest rank
+# of a TP-path broadcast - which would triple a wide-EP decode's experts)
+EXPERT_LAYOUT = {"attention_dp": 1}
+# likewise the standalone attention rows: AIConfigurator's attention-DP graphs price MLA as modules
+# measured under DP attention, so a head count's own curve prices layouts without attention DP
+ATTENTION_LAYOUT = {"attention_dp": 1}
+MLA_SHAPE = {"heads": "num_heads"}  # query heads per rank
+GQA_SHAPE = {"heads": "num_heads", "kv_heads": "num_key_value_heads"}
+DECODE_SHAPE = {"kv_dtype": "kv_cache_dtype"}  # decode reads either cache dtype; prefill rows are bf16
+KV_DTYPES = {"bfloat16": "bf16", "fp8": "fp8"}  # AIConfigurator's cache dtype -> kadapt's kv_dtype
+BY_SHAPE = (
+    "the curve is the median over every shape measured; each of shapes is the same fit on the rows of "
+    "one shape only (match: the op attributes it is measured at), which prices an op of that shape"
+)
 
 
 def _tables(system: str) -> Path:
@@ -131,6 +155,46 @@ def _median_curve(frame: Any, key: str, grid: list[float], value: str = "eff") -
         max(0.001, round(v if not math.isnan(v) else min(known, key=lambda kv: abs(kv[0] - i))[1], 3))
         for i, v in enumerate(out)
     ]
+
+
+def _exact_curve(
+    frame: Any, key: str, value: str = "eff", names: tuple[str, str] | None = None
+) -> dict[str, Any]:
+    """``{axis: points, values: medians}`` (``names``, default ``key`` and ``efficiency``; empty without
+    rows): the median of ``value`` at every distinct ``key`` measured, for the rows of one shape,
+    whose measured points are the curve's own grid. None is binned to a shared grid: MLA decode at
+    8 heads per rank reads 604 MB at 0.80 of its bound at every batch, but the 4x-wide bin around it
+    mixes in reads twice and half as large (0.70 median)."""
+    axis, name = names or (key, "efficiency")
+    frame = frame.assign(_x=frame[key].astype(float).map(lambda x: float(f"{x:.4g}")))
+    medians = frame.groupby("_x")[value].median().sort_index()
+    if medians.empty:
+        return {}
+    return {axis: [float(x) for x in medians.index], name: [max(0.001, round(float(v), 3)) for v in medians]}
+
+
+def _by_shape(frame: Any, columns: dict[str, str]) -> list[tuple[dict[str, int | str], Any]]:
+    """The rows of ``frame`` per distinct shape, each with its ``match`` (op attribute -> the value of
+    the table column it is measured as, in kadapt's terms), in the table's order."""
+
+    def value(v: Any) -> int | str:
+        return KV_DTYPES.get(v, v) if isinstance(v, str) else int(v)
+
+    groups = frame.groupby(list(columns.values()), sort=True)
+    return [(dict(zip(columns, map(value, values), strict=True)), rows) for values, rows in groups]
+
+
+def _shape_curves(
+    frame: Any,
+    columns: dict[str, str],
+    fit: Callable[[Any], dict[str, Any]],
+    layout: dict[str, int] | None = None,
+) -> list[Any]:
+    """``fit`` on the rows of each measured shape, with its ``match`` (plus ``layout``: what every row
+    was measured under); a shape whose rows are all launch-bound (dropped by ``_eff``) gets no curve
+    and prices with the median one."""
+    fitted = [(match, fit(rows)) for match, rows in _by_shape(frame, columns)]
+    return [{"match": match | (layout or {}), **curve} for match, curve in fitted if curve]
 
 
 def _eff(frame: Any, ideal_ms: Callable[[Any], Any]) -> Any:
@@ -207,16 +271,18 @@ def moe_curves(
             return (2.0 * f.pairs * per_expert / unit).combine(nbytes / bw, max) * 1e3
 
         balanced = table[table.distribution == "balanced"]
-        # the fixed cost of the routed-expert pipeline (permute, two GEMMs, activation, unpermute):
-        # single-token latency minus its ideal time, median over shapes
-        single = balanced[balanced.num_tokens == 1]
-        floor_ms = max(0.0, float((single.latency - ideal(single)).median()))
-        usable = balanced.assign(latency=balanced.latency - floor_ms + OVERHEAD_MS)
+        floor_ms = _pipeline_floor(balanced, ideal)
         curves[key] = {
-            "pairs_per_expert": MOE_GRID,
-            "efficiency": _median_curve(_eff(usable, ideal), "pairs_per_expert", MOE_GRID),
-            "overhead_us": round(floor_ms * 1e3, 1),
-            "source": f"{found.source}, balanced",
+            **_expert_curve(balanced, ideal, floor_ms, MOE_GRID),
+            "source": f"{found.source}, balanced; {BY_SHAPE}",
+            "shapes": _shape_curves(
+                balanced,
+                EXPERT_SHAPE,
+                lambda rows, ideal=ideal, floor=floor_ms: _expert_curve(
+                    rows, ideal, _pipeline_floor(rows, ideal, floor)
+                ),
+                EXPERT_LAYOUT,
+            ),
         }
         shape = ["num_tokens", "hidden_size", "inter_size", "topk", "num_experts", "moe_ep_size"]
         skewed = table[table.distribution == "power_law_1.01"][[*shape, "latency"]]
@@ -226,9 +292,53 @@ def moe_curves(
             factors[key] = {
                 "pairs_per_expert": MOE_GRID,
                 "factor": _median_curve(joined, "pairs_per_expert", MOE_GRID, "ratio"),
-                "source": f"{found.source}, power_law_1.01 / balanced",
+                "source": f"{found.source}, power_law_1.01 / balanced; {BY_SHAPE}",
+                "shapes": _shape_curves(
+                    joined,
+                    EXPERT_SHAPE,
+                    lambda rows, ideal=ideal, floor=floor_ms: _factor_curve(
+                        rows, _pipeline_floor(rows, ideal, floor)
+                    ),
+                    EXPERT_LAYOUT,
+                ),
             }
     return curves, factors
+
+
+def _factor_curve(joined: Any, floor_ms: float) -> dict[str, Any]:
+    """The power-law / balanced ratio of one shape at each of its measured points, net of the
+    shape's pipeline floor ``floor_ms`` on both sides: pricing multiplies only the time above the
+    floor by it, so ``floor + (balanced - floor) x factor`` is the measured power-law latency (the
+    plain latency ratio left a prefill-sized Qwen3 expert GEMM 5% under its measured row)."""
+    net = (joined.latency_skewed - floor_ms) / (joined.latency - floor_ms).clip(lower=OVERHEAD_MS)
+    return _exact_curve(
+        joined.assign(net=net.clip(lower=0.001)), "pairs_per_expert", "net", ("pairs_per_expert", "factor")
+    )
+
+
+def _pipeline_floor(balanced: Any, ideal: Callable[[Any], Any], default: float = 0.0) -> float:
+    """The fixed cost of the routed-expert pipeline (permute, two GEMMs, activation, unpermute):
+    single-token latency minus its ideal time, median over the rows' shapes (``default`` where no
+    single-token row was measured)."""
+    single = balanced[balanced.num_tokens == 1]
+    if len(single) == 0:
+        return default
+    return max(0.0, float((single.latency - ideal(single)).median()))
+
+
+def _expert_curve(
+    balanced: Any, ideal: Callable[[Any], Any], floor_ms: float, grid: list[float] | None = None
+) -> dict[str, Any]:
+    """The efficiency curve of balanced rows net of the pipeline's fixed cost ``floor_ms``: the median
+    at each point of ``grid``, or at each measured point (``None``: the rows of one shape; empty when
+    every row is launch-bound)."""
+    rows = _eff(balanced.assign(latency=balanced.latency - floor_ms + OVERHEAD_MS), ideal)
+    curve = (
+        {"pairs_per_expert": grid, "efficiency": _median_curve(rows, "pairs_per_expert", grid)}
+        if grid
+        else _exact_curve(rows, "pairs_per_expert")
+    )
+    return {**curve, "overhead_us": round(floor_ms * 1e3, 1)} if curve else {}
 
 
 def attention_curves(
@@ -281,25 +391,42 @@ def attention_curves(
         ideal: Callable[[Any], Any],
         key: str,
         axis: str,
+        columns: dict[str, str],
     ) -> dict[str, Any]:
         found = measured(root, pattern, framework, select, row_filter)
         grid = SEQ_GRID if axis == "seq" else BYTES_GRID
+        rows = _eff(found.rows, ideal)
         return {
             axis: grid,
-            "efficiency": _median_curve(_eff(found.rows, ideal), key, grid),
-            "source": found.source,
+            "efficiency": _median_curve(rows, key, grid),
+            "source": f"{found.source}; {BY_SHAPE}",
+            "shapes": _shape_curves(
+                rows,
+                columns,
+                lambda own: _exact_curve(own, key, names=(axis, "efficiency")),
+                ATTENTION_LAYOUT,
+            ),
         }
 
+    context, generation = (
+        ("attention", "context_attention_perf.parquet"),
+        ("attention", "generation_attention_perf.parquet"),
+    )
     return {
         "prefill": {
-            "gqa": curve(("attention", "context_attention_perf.parquet"), gqa_ctx, gqa_prefill, "isl", "seq"),
-            "mla": curve(("mla", "context_mla_perf.parquet"), mla_ctx, mla_prefill, "isl", "seq"),
+            "gqa": curve(context, gqa_ctx, gqa_prefill, "isl", "seq", GQA_SHAPE),
+            "mla": curve(("mla", "context_mla_perf.parquet"), mla_ctx, mla_prefill, "isl", "seq", MLA_SHAPE),
         },
         "decode": {
-            "gqa": curve(
-                ("attention", "generation_attention_perf.parquet"), gqa_gen, gqa_decode, "read", "kv_bytes"
+            "gqa": curve(generation, gqa_gen, gqa_decode, "read", "kv_bytes", GQA_SHAPE | DECODE_SHAPE),
+            "mla": curve(
+                ("mla", "generation_mla_perf.parquet"),
+                mla_gen,
+                mla_decode,
+                "read",
+                "kv_bytes",
+                MLA_SHAPE | DECODE_SHAPE,
             ),
-            "mla": curve(("mla", "generation_mla_perf.parquet"), mla_gen, mla_decode, "read", "kv_bytes"),
         },
     }
 

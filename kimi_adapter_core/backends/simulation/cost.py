@@ -162,15 +162,16 @@ def _table_time(op: Op, table: KernelTable, compute: float, memory: float) -> tu
         return (max(compute / effs[0], memory / effs[1]), 0.0) if effs else None
     if op.kind == "experts":
         kernel, per_expert = str(attrs.get("kernel", op.compute)), float(attrs.get("pairs_per_expert", 1.0))
-        found = table.grouped_eff(kernel, per_expert)
+        found = table.grouped_eff(kernel, per_expert, attrs)
         if found is None:
             return None
-        factor = table.imbalance_factor(kernel, per_expert) if attrs.get("routing") == "power_law" else 1.0
+        skewed = attrs.get("routing") == "power_law"
+        factor = table.imbalance_factor(kernel, per_expert, attrs) if skewed else 1.0
         return max(compute, memory) / found[0] * factor, found[1]
     if op.kind == "attention" and "kernel" in attrs:
         decode = bool(attrs["decode"])
         key = float(attrs["kv_bytes"]) if decode else float(attrs["seq"])
-        efficiency = table.attention_eff(decode, str(attrs["kernel"]), key)
+        efficiency = table.attention_eff(decode, str(attrs["kernel"]), key, attrs)
         return (max(compute, memory) / efficiency, 0.0) if efficiency else None
     return None
 
@@ -192,7 +193,7 @@ def _decode_attention_time(
     log(bytes), exact for a bandwidth-bound kernel (below the first point: the plain price capped by
     the first point; past the last: the plain price)."""
     kv = float(op.attrs["kv_bytes"])
-    curve = table.decode.get(str(op.attrs["kernel"]))
+    curve = table.attention_curve(True, str(op.attrs["kernel"]), op.attrs)
     if curve is None or kv <= 0 or kv >= curve.xs[-1]:
         return found
 

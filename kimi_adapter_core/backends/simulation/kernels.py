@@ -13,6 +13,10 @@ and bandwidth, which ``cost.price`` says in the op's source.
 
 A curve maps one shape variable (tokens M, pairs per local expert, sequence length, KV bytes read,
 message bytes) to an efficiency, interpolated linearly in log(shape) and held flat past its ends.
+It is the median over every shape measured; its ``shapes`` are the same fit on the rows of one shape
+only, each named by a ``match`` of op attributes (experts: ``hidden``, ``width``, ``experts``,
+``top_k``, ``ep``; attention: ``heads``, ``kv_heads``, ``kv_dtype``; and the layout measured,
+``attention_dp``), and an op of a measured shape prices with its own (``Curve.at``).
 A device without a table keeps the flat ``compute.efficiency`` / ``memory.efficiency``.
 
 Curves and the op kinds they price:
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -49,17 +54,35 @@ import yaml
 from ...errors import KadaptError
 
 KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
+# the generated tables hold a curve per measured shape (thousands of lines): libyaml's safe loader
+# reads one ~10x faster than the pure-Python one, which it falls back to where libyaml is missing
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
+_CURVE_PROPERTIES: dict[str, Any] = {
+    "efficiency": {"type": "array", "items": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}},
+    "factor": {"type": "array", "items": {"type": "number", "exclusiveMinimum": 0}},
+    "source": {"type": "string"},
+    "overhead_us": {"type": "number", "minimum": 0},
+}
+_AXIS = {"type": "array", "items": {"type": "number", "exclusiveMinimum": 0}}
+_SHAPE_CURVE = {  # a curve fitted on the rows of one shape only: ``match`` names it by op attributes
+    "type": "object",
+    "required": ["match"],
+    "properties": {
+        **_CURVE_PROPERTIES,
+        "match": {
+            "type": "object",
+            "minProperties": 1,
+            "additionalProperties": {"type": ["number", "string"]},
+        },
+    },
+    "additionalProperties": _AXIS,
+}
 _CURVE = {
     "type": "object",
     "minProperties": 2,
-    "properties": {
-        "efficiency": {"type": "array", "items": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}},
-        "factor": {"type": "array", "items": {"type": "number", "exclusiveMinimum": 0}},
-        "source": {"type": "string"},
-        "overhead_us": {"type": "number", "minimum": 0},
-    },
-    "additionalProperties": {"type": "array", "items": {"type": "number", "exclusiveMinimum": 0}},
+    "properties": {**_CURVE_PROPERTIES, "shapes": {"type": "array", "items": _SHAPE_CURVE}},
+    "additionalProperties": _AXIS,
 }
 _CURVES = {"type": "object", "additionalProperties": _CURVE}
 _PHASES = {  # one list per all-to-all phase
@@ -92,9 +115,9 @@ KERNELS_SCHEMA: dict[str, Any] = {
             "additionalProperties": False,
             "properties": {
                 "source": {"type": "string", "minLength": 1},
-                "devices": _CURVE["additionalProperties"],
+                "devices": _AXIS,
                 "latency_us": _PHASES,
-                "tokens": _CURVE["additionalProperties"],
+                "tokens": _AXIS,
                 "efficiency": _PHASES,
             },
         },
@@ -103,8 +126,8 @@ KERNELS_SCHEMA: dict[str, Any] = {
             "required": ["latency_us", "bytes", "efficiency"],
             "properties": {
                 "latency_us": {"type": "number", "minimum": 0},
-                "bytes": _CURVE["additionalProperties"],
-                "efficiency": _CURVE["properties"]["efficiency"],
+                "bytes": _AXIS,
+                "efficiency": _CURVE_PROPERTIES["efficiency"],
                 "source": {"type": "string"},
             },
             "additionalProperties": False,
@@ -112,6 +135,7 @@ KERNELS_SCHEMA: dict[str, Any] = {
     },
 }
 
+_VALIDATOR = jsonschema.Draft202012Validator(KERNELS_SCHEMA)
 # a dtype the table did not measure is priced with the nearest one it did
 _FALLBACK = {
     "int8": "fp8",
@@ -123,11 +147,26 @@ _FALLBACK = {
 }
 
 
+Shape = Mapping[str, Any]  # an op's attributes (``heads``, ``hidden``, ``experts``, ...)
+
+
 @dataclass(frozen=True)
 class Curve:
     xs: tuple[float, ...]
     ys: tuple[float, ...]
     overhead: float = 0.0  # seconds of fixed cost per call (grouped GEMMs); 0: the device's op overhead
+    # curves fitted on the rows of one shape only, each with the op attributes it stands for
+    shapes: tuple[tuple[tuple[tuple[str, float | str], ...], Curve], ...] = ()
+
+    def at(self, shape: Shape | None) -> Curve:
+        """The curve measured at ``shape`` (every ``match`` attribute equal) where the table has one,
+        else this curve (the median over every shape measured): a kernel's efficiency at one width or
+        head count can sit far from the median over others (MLA decode at 8 heads per rank reads the
+        cache at ~0.8 of HBM bandwidth, the median over 1-128 heads ~0.5)."""
+        for match, curve in self.shapes if shape else ():
+            if all(_matched(shape.get(key)) == value for key, value in match):
+                return curve
+        return self
 
     def __call__(self, x: float) -> float:
         """Linear in log(x) between grid points, flat past the ends."""
@@ -141,8 +180,17 @@ class Curve:
         return y0 + t * (y1 - y0)
 
 
+def _matched(value: Any) -> float | str | None:
+    """An op attribute or ``match`` value as compared: numbers as floats (``8`` is ``8.0``), names
+    as they are (None: absent or neither)."""
+    if isinstance(value, str):
+        return value
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
 def _curve(body: dict[str, Any], where: str, value: str = "efficiency") -> Curve:
-    axes = [k for k, v in body.items() if k not in ("efficiency", "factor") and isinstance(v, list)]
+    skip = ("efficiency", "factor", "shapes")
+    axes = [k for k, v in body.items() if k not in skip and isinstance(v, list)]
     if len(axes) != 1 or value not in body or len(body[axes[0]]) != len(body[value]) or not body[value]:
         raise KadaptError(
             f"kernel table curve {where} needs one shape axis and a {value} list of equal length"
@@ -150,7 +198,15 @@ def _curve(body: dict[str, Any], where: str, value: str = "efficiency") -> Curve
     xs = [float(x) for x in body[axes[0]]]
     if xs != sorted(xs):
         raise KadaptError(f"kernel table curve {where}: the {axes[0]} axis must increase")
-    return Curve(tuple(xs), tuple(float(y) for y in body[value]), float(body.get("overhead_us", 0.0)) * 1e-6)
+    shapes = tuple(
+        (
+            tuple(sorted((key, _matched(v)) for key, v in shaped["match"].items())),
+            _curve({k: v for k, v in shaped.items() if k != "match"}, f"{where} at {shaped['match']}", value),
+        )
+        for shaped in body.get("shapes", ())
+    )
+    overhead = float(body.get("overhead_us", 0.0)) * 1e-6
+    return Curve(tuple(xs), tuple(float(y) for y in body[value]), overhead, shapes)
 
 
 @dataclass(frozen=True)
@@ -209,23 +265,35 @@ class KernelTable:
         compute, memory = self._pick(self.gemm, dtype), self._pick(self.gemm_memory, dtype)
         return (compute(m), memory(nbytes)) if compute and memory else None
 
-    def grouped_eff(self, dtype: str, pairs_per_expert: float) -> tuple[float, float] | None:
-        """(efficiency, fixed cost in seconds)."""
+    def grouped_eff(
+        self, dtype: str, pairs_per_expert: float, shape: Shape | None = None
+    ) -> tuple[float, float] | None:
+        """(efficiency, fixed cost in seconds), from the curve measured at ``shape`` (the experts'
+        ``hidden``, ``width``, ``experts``, ``top_k``, ``ep``) where there is one."""
         curve = self._pick(self.grouped, dtype)
-        return (curve(pairs_per_expert), curve.overhead) if curve else None
+        if curve is None:
+            return None
+        curve = curve.at(shape)
+        return curve(pairs_per_expert), curve.overhead
 
-    def imbalance_factor(self, dtype: str, pairs_per_expert: float) -> float:
+    def imbalance_factor(self, dtype: str, pairs_per_expert: float, shape: Shape | None = None) -> float:
         curve = self._pick(self.imbalance, dtype)
-        return curve(pairs_per_expert) if curve else 1.0
+        return curve.at(shape)(pairs_per_expert) if curve else 1.0
 
-    def attention_eff(self, decode: bool, kind: str, x: float) -> float | None:
+    def attention_curve(self, decode: bool, kind: str, shape: Shape | None = None) -> Curve | None:
+        """The attention curve of ``kind`` in that phase, measured at ``shape`` (``heads`` per rank,
+        and ``kv_heads`` for GQA) where there is one."""
         curve = (self.decode if decode else self.prefill).get(kind)
+        return curve.at(shape) if curve else None
+
+    def attention_eff(self, decode: bool, kind: str, x: float, shape: Shape | None = None) -> float | None:
+        curve = self.attention_curve(decode, kind, shape)
         return curve(x) if curve else None
 
 
 def parse_kernels(data: Any, path: Path) -> KernelTable:
     try:
-        jsonschema.validate(data, KERNELS_SCHEMA)
+        _VALIDATOR.validate(data)
     except jsonschema.ValidationError as exc:
         where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
         raise KadaptError(f"kernel table {path} is invalid at {where}: {exc.message}") from exc
@@ -303,7 +371,7 @@ def _read(name: str, folder: Path) -> Any:
         known = ", ".join(sorted(p.stem for p in folder.glob("*.yaml"))) or "none"
         raise KadaptError(f"unknown kernel table {name!r} (known: {known})")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_LOADER)
     except yaml.YAMLError as exc:
         raise KadaptError(f"kernel table {path} is not valid YAML: {exc}") from exc
     return data if isinstance(data, dict) else {}
