@@ -217,5 +217,7 @@ def test_prune_keeps_the_most_recently_used(tmp_path):
         os.utime(tmp_path / name / "entry.json", (stamp, stamp))
     (tmp_path / ".dead.tmp").mkdir()
     os.utime(tmp_path / ".dead.tmp", (0, 0))
+    (tmp_path / ".live.tmp").mkdir()  # another process is storing right now
+    (tmp_path / "stray").mkdir()  # no entry file: not an entry, removed first
     cache.prune()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["mid", "new"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".live.tmp", "mid", "new"]

@@ -15,7 +15,9 @@ beyond ``MAX_ENTRIES``, least recently used first, are removed. A cache that can
 (read-only home, full disk) never fails a run: the summary says why nothing was stored.
 
 The root is ``$KADAPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/kadapt/extraction``, else
-``~/.cache/kadapt/extraction``; ``kadapt apply --no-cache`` neither reads nor writes it.
+``~/.cache/kadapt/extraction``; ``kadapt apply --no-cache`` neither reads nor writes it. The recorded
+hashes catch damage, not tampering: whoever can write the cache can write what a run restores, so it
+is trusted like the output directory (keep ``$KADAPT_CACHE_DIR`` out of reach of other users).
 """
 
 from __future__ import annotations
@@ -141,12 +143,11 @@ class ExtractionCache:
         now = time.time()
         entries = []
         for child in children:
-            with contextlib.suppress(OSError):
-                if child.name.startswith("."):
-                    if now - child.stat().st_mtime > _STALE_TEMP_SECONDS:
-                        shutil.rmtree(child, ignore_errors=True)
-                else:
-                    entries.append(((child / _ENTRY).stat().st_mtime, child))
+            if child.name.startswith("."):
+                if now - _mtime(child) > _STALE_TEMP_SECONDS:
+                    shutil.rmtree(child, ignore_errors=True)
+            else:  # a directory without its entry file is no entry: it goes first
+                entries.append((_mtime(child / _ENTRY), child))
         for _, child in sorted(entries, reverse=True)[self.max_entries :]:
             shutil.rmtree(child, ignore_errors=True)
 
@@ -154,6 +155,14 @@ class ExtractionCache:
         """Remove a damaged entry (the run then extracts) and remember why, for the run's notes."""
         shutil.rmtree(entry_dir, ignore_errors=True)
         self.dropped.append(f"extraction cache entry {entry_dir.name[:12]} removed: {why}")
+
+
+def _mtime(path: Path) -> float:
+    """When ``path`` was last modified (0 if it cannot be read: oldest)."""
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def extract_or_restore(
