@@ -152,6 +152,31 @@ def test_kimi_int4_experts_reproduce_the_measured_marlin_row() -> None:
     assert experts.time * 1e3 == pytest.approx(float(at["power_law_1.01"]), rel=0.02)
 
 
+@needs_aic
+def test_a_power_law_row_below_the_pipeline_floor_is_reproduced() -> None:
+    """At one token the measured rank may be routed few of the token's experts and skip most of the
+    routed pipeline: B200 SGLang's DeepSeek-V3 experts at EP4 take 0.040 ms under power-law routing
+    where balanced routing takes 0.073 and the shape's pipeline floor is 0.061. A factor on the time
+    above the floor cannot go below the floor (priced 0.061: the TP4 decode b1 step 1.19x
+    AIConfigurator); the recorded scale of the floor reaches the row."""
+    import pandas as pd
+
+    from kimi_adapter_core.backends.simulation import calibrate
+
+    rows = pd.read_parquet(calibrate._tables("b200_sxm") / "moe/sglang/0.5.14/moe_perf.parquet")
+    keep = (rows.moe_dtype == "fp8_block") & (rows.hidden_size == 7168) & (rows.num_experts == 256)
+    keep &= (rows.moe_ep_size == 4) & (rows.moe_tp_size == 1) & (rows.num_tokens == 1)
+    (row,) = rows[keep & (rows.distribution == "power_law_1.01")].latency
+    spec = load_spec(REPO / "specs" / "deepseek_v3.yaml")
+    dep = Deployment(Parallel(4, 1, 4), 1, 1, 4096, True, kv_dtype="fp8")
+    sim = simulate(model_inputs(spec, None), spec, dep, get_device("b200"), framework="sglang")
+    experts = next(k for k in sim.kernels if k.op.kind == "experts")
+    assert experts.time * 1e3 == pytest.approx(float(row), rel=0.03)
+    assert (
+        load_kernels("b200_sxm_sglang").imbalance_floor("fp8_block", 1 * 8 / 4 / 64, experts.op.attrs) < 0.7
+    )
+
+
 def test_mla_decode_at_8_heads_per_rank_reads_at_its_own_efficiency() -> None:
     """Kimi-K2.5 at TP8 runs MLA decode with 8 heads per rank, which streams a 604 MB latent cache at
     ~0.8 of HBM bandwidth; the median over 1-128 heads (0.58 there) priced it 1.4x too slow."""
@@ -159,6 +184,91 @@ def test_mla_decode_at_8_heads_per_rank_reads_at_its_own_efficiency() -> None:
     read = 128 * 4097 * 576 * 2
     own = table.attention_eff(True, "mla", read, {"heads": 8, "kv_dtype": "bf16", "attention_dp": 1})
     assert own > 0.75 and own > 1.2 * table.attention_eff(True, "mla", read)
+
+
+# --- vLLM's MLA, measured only as a module -------------------------------------------------------------
+def _module_row(phase: str, heads: int, kv: str, gemm: str, batch: int, at: int) -> float:
+    """ms of vLLM 0.24's MLA module on H200 (DeepSeek-V3's rows) at ``at`` keys (decode) or new tokens."""
+    import pandas as pd
+
+    from kimi_adapter_core.backends.simulation import calibrate
+
+    rows = pd.read_parquet(calibrate._tables("h200_sxm") / f"mla/vllm/0.24.0/mla_{phase}_module_perf.parquet")
+    keep = (rows.num_heads == heads) & (rows.kv_cache_dtype == kv) & (rows.gemm_type == gemm)
+    keep &= (rows.batch_size == batch) & (rows.mla_dtype == "bfloat16")
+    keep &= (rows.step == at) if phase == "generation" else (rows.isl == at) & (rows.step == 0)
+    (latency,) = rows[keep].latency
+    return float(latency)
+
+
+def _module_ms(sim: Simulation) -> tuple[float, list]:
+    """ms of the MoE layer's MLA module as kadapt prices it (every kernel of its self_attn), and them."""
+    core = next(k for k in sim.kernels if k.op.kind == "attention" and "moe" in k.op.scope)
+    inside = [k for k in sim.kernels if k.op.scope == core.op.scope and ".self_attn" in k.op.module + "."]
+    return sum(k.time for k in inside) * 1e3, inside
+
+
+@needs_aic
+@pytest.mark.parametrize(
+    ("spec", "kv", "gemm", "tp"),
+    [
+        ("deepseek_v3", "fp8", "fp8_block", 8),
+        ("kimi_k25", "bfloat16", "bfloat16", 8),
+        ("kimi_k25", "bfloat16", "bfloat16", 4),
+    ],
+)
+def test_vllm_mla_decode_is_the_measured_module(spec: str, kv: str, gemm: str, tp: int) -> None:
+    """vLLM measured no standalone MLA kernel, only its whole attention module: at a measured shape
+    (b128, 4k keys) kadapt's MLA decode - the attention curve taken out of the module plus the
+    module's floor, every other kernel inside it folded in - is the module row; TensorRT-LLM's
+    borrowed curve with vLLM's standalone GEMM rows priced DeepSeek-V3's 2.2x and Kimi-K2.5's 0.6x."""
+    loaded = load_spec(REPO / "specs" / f"{spec}.yaml")
+    dep = Deployment(Parallel(tp, 1, tp), 128, 1, 4096, True, kv_dtype="bf16" if kv == "bfloat16" else kv)
+    sim = simulate(model_inputs(loaded, None), loaded, dep, get_device("h200"), framework="vllm")
+    heads = {"deepseek_v3": 128, "kimi_k25": 64}[spec] // tp
+    ms, inside = _module_ms(sim)
+    assert ms == pytest.approx(_module_row("generation", heads, kv, gemm, 128, 4096), rel=0.03)
+    assert {k.bound for k in inside if k.op.kind != "attention"} == {"in_module"}
+    core = next(k for k in inside if k.op.kind == "attention")
+    assert core.bound == "module" and core.source == "table:h200_sxm_vllm (module)"
+
+
+@needs_aic
+def test_vllm_mla_prefill_is_the_module_less_its_gemms() -> None:
+    """In prefill the module's GEMMs are compute-bound and priced on their own; the attention curve
+    is the module row less them, so the module's kernels sum back to the row (Kimi-K2.5, 8 heads per
+    rank, 1 x 4,096 tokens: 0.52 ms, of which TensorRT-LLM's borrowed attention curve gave 0.09)."""
+    loaded = load_spec(REPO / "specs" / "kimi_k25.yaml")
+    dep = Deployment(Parallel(8, 1, 8), 1, 4096, 0, False, kv_dtype="bf16")
+    sim = simulate(model_inputs(loaded, None), loaded, dep, get_device("h200"), framework="vllm")
+    ms, inside = _module_ms(sim)
+    assert ms == pytest.approx(_module_row("context", 8, "bfloat16", "bfloat16", 1, 4096), rel=0.05)
+    assert "in_module" not in {k.bound for k in inside}
+
+
+def test_a_module_floor_prices_only_the_shape_it_measured() -> None:
+    """The floor is matched on the module's shape - heads, cache dtype, the projections' kernel family
+    (read off the kernels inside it) and the model width vLLM measured (DeepSeek-V3's 7168): another
+    width, or a framework that measured a standalone MLA kernel, keeps every kernel as priced."""
+    from kimi_adapter_core.backends.simulation.cost import fold_modules, price
+    from kimi_adapter_core.backends.simulation.simulator import trace_kernels
+
+    loaded = load_spec(REPO / "specs" / "kimi_k25.yaml")
+    dep = Deployment(Parallel(8, 1, 8), 32, 1, 4096, True, kv_dtype="bf16")
+    ops, _ = trace_kernels(loaded, model_inputs(loaded, None), dep)
+    h200 = get_device("h200")
+    vllm = kernel_table(h200, "vllm")
+    floor = vllm.floor_at(
+        "mla", {"heads": 8, "kv_dtype": "bf16", "projections": "bf16", "hidden": 7168, "attention_dp": 1}
+    )
+    assert floor is not None and 80e-6 < floor(32) < 120e-6  # seconds: ~0.1 ms at 32 tokens
+    priced = [price(op, h200, vllm) for op in ops]
+    assert any(k.bound == "module" for k in fold_modules(priced))
+    for op in ops:
+        if op.kind == "attention":
+            op.attrs["hidden"] = 2048
+    assert fold_modules(priced) == priced
+    assert not kernel_table(h200, "trtllm").module_floor and not kernel_table(h200, "sglang").module_floor
 
 
 # --- devices price with their own measurements ----------------------------------------------------------

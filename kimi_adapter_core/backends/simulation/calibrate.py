@@ -11,9 +11,10 @@ most rows: an old SGLang's int4 Marlin MoE kernel is ~4.7x slower than the curre
 fitted to it priced Kimi-K2.5's experts 4x too slow. Within that version the kernel with the most
 rows at the selected shapes is taken (ties: the later name, which picks the CUDA-graph all-reduce
 lane over the eager one). Where the framework measured no such kernel on the system (TensorRT-LLM
-has no int4 MoE, vLLM no standalone MLA kernels) the other frameworks are tried in ``FRAMEWORKS``
-order. Every curve records what it came from in its ``source`` (system/op/framework/version/file and
-the kernel), so the choice is visible in the table.
+has no int4 MoE) the other frameworks are tried in ``FRAMEWORKS`` order; vLLM measured its MLA only
+as a whole module, and its MLA curves come from those rows (``mla_module_curves``). Every curve
+records what it came from in its ``source`` (system/op/framework/version/file and the kernel), so
+the choice is visible in the table.
 
 Every efficiency is the fraction of kadapt's *own* roofline bound a measured kernel reached:
 ``eff = ideal / (measured - op_overhead)`` with ``ideal = max(flops / peak, bytes / hbm_bw)`` computed
@@ -41,7 +42,7 @@ from packaging.version import InvalidVersion, Version
 from ...atomic import atomic_write_text
 from ...errors import KadaptError
 from .device import get_device
-from .kernels import KERNELS_DIR
+from .kernels import KERNELS_DIR, Curve
 
 OVERHEAD_MS = 0.002  # the device profiles' op_overhead (2 us on Hopper and Blackwell)
 M_GRID = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
@@ -83,6 +84,16 @@ BY_SHAPE = (
     "the curve is the median over every shape measured; each of shapes is the same fit on the rows of "
     "one shape only (match: the op attributes it is measured at), which prices an op of that shape"
 )
+# The MLA attention module (vLLM's ``DeepseekV2MLAAttention`` forward: q_a + kv_a, norms, q_b, rope,
+# the attention with its absorbed bmms, o_proj) measured whole, for a framework that measured no
+# standalone MLA kernel: AIConfigurator measured it on DeepSeek-V3 only, whose MLA sizes these are
+MLA_MODULE_MODEL = "deepseek-ai/DeepSeek-V3"
+MLA_MODULE = {"hidden": 7168, "q_lora": 1536, "kv_lora": 512, "rope": 64, "nope": 128, "v": 128}
+# the module's projection dtype (gemm_type) -> (kadapt kernel, weight bytes per parameter, peak key)
+MODULE_GEMMS = {"bfloat16": ("bf16", 2.0, "bf16"), "fp8_block": ("fp8_block", 1.0, "fp8")}
+MODULE_ATTENTION_SHAPE = MLA_SHAPE | DECODE_SHAPE
+FLOOR_READ_MS = 0.001  # a decode module row whose cache read is this short measures the module's floor
+MODULE_SHAPE = MODULE_ATTENTION_SHAPE | {"projections": "gemm_type"}
 
 
 def _tables(system: str) -> Path:
@@ -309,11 +320,21 @@ def _factor_curve(joined: Any, floor_ms: float) -> dict[str, Any]:
     """The power-law / balanced ratio of one shape at each of its measured points, net of the
     shape's pipeline floor ``floor_ms`` on both sides: pricing multiplies only the time above the
     floor by it, so ``floor + (balanced - floor) x factor`` is the measured power-law latency (the
-    plain latency ratio left a prefill-sized Qwen3 expert GEMM 5% under its measured row)."""
+    plain latency ratio left a prefill-sized Qwen3 expert GEMM 5% under its measured row).
+
+    Where a power-law row is faster than the floor itself - at one to a few tokens the measured rank
+    may be routed none or few of the tokens' experts, and skips most of the pipeline (B200 SGLang,
+    DeepSeek-V3's experts at EP4, one token: 0.040 ms power-law, 0.073 balanced, floor 0.061) - no
+    factor on the time above the floor reaches it; there the curve also carries ``floor_factor``, the
+    row over the floor, which scales the floor (1 at every point above it)."""
     net = (joined.latency_skewed - floor_ms) / (joined.latency - floor_ms).clip(lower=OVERHEAD_MS)
-    return _exact_curve(
-        joined.assign(net=net.clip(lower=0.001)), "pairs_per_expert", "net", ("pairs_per_expert", "factor")
-    )
+    joined = joined.assign(net=net.clip(lower=0.001))
+    curve = _exact_curve(joined, "pairs_per_expert", "net", ("pairs_per_expert", "factor"))
+    if floor_ms <= 0 or not (joined.latency_skewed < floor_ms).any():
+        return curve
+    below = joined.assign(scale=(joined.latency_skewed / floor_ms).clip(upper=1.0))
+    scale = _exact_curve(below, "pairs_per_expert", "scale", ("pairs_per_expert", "floor_factor"))
+    return curve | {"floor_factor": scale["floor_factor"]}
 
 
 def _pipeline_floor(balanced: Any, ideal: Callable[[Any], Any], default: float = 0.0) -> float:
@@ -370,20 +391,15 @@ def attention_curves(
     def mla_ctx(t: Any) -> Any:
         return t[(t.mla_dtype == "bfloat16") & (t.kv_cache_dtype == "bfloat16")]
 
-    def mla_prefill(f: Any) -> Any:
-        pairs = f.batch_size * f.num_heads * f.isl * (f.isl + 1) / 2
-        nbytes = 2 * f.batch_size * f.isl * f.num_heads * (192 + 192 + 128 + 128)
-        return (2.0 * pairs * (192 + 128) / bf16).combine(nbytes / bw, max) * 1e3
-
     def mla_gen(t: Any) -> Any:
         t = t[t.mla_dtype == "bfloat16"]
-        t = t.assign(kvb=t.kv_cache_dtype.map({"bfloat16": 2, "fp8": 1}), ctx=t.isl + t.step)
-        return t.assign(read=t.batch_size * t.ctx * 576 * t.kvb)
+        return _kv_read(t.assign(ctx=t.isl + t.step))
+
+    def mla_prefill(f: Any) -> Any:
+        return _mla_prefill_ms(f, peak, bw)
 
     def mla_decode(f: Any) -> Any:
-        pairs = f.batch_size * f.num_heads * f.ctx
-        nbytes = f.read + f.batch_size * f.num_heads * (576 + 512) * 2
-        return (2.0 * pairs * (576 + 512) / bf16).combine(nbytes / bw, max) * 1e3
+        return _mla_decode_ms(f, peak, bw)
 
     def curve(
         pattern: tuple[str, str],
@@ -431,6 +447,167 @@ def attention_curves(
     }
 
 
+def _kv_read(rows: Any) -> Any:
+    """MLA decode rows with the latent cache bytes one call reads (``ctx`` keys of 576 per sequence)."""
+    rows = rows.assign(kvb=rows.kv_cache_dtype.map({"bfloat16": 2, "fp8": 1}))
+    return rows.assign(read=rows.batch_size * rows.ctx * 576 * rows.kvb)
+
+
+def _mla_prefill_ms(f: Any, peak: dict[str, float], bw: float) -> Any:
+    """kadapt's bound of MLA prefill attention (expanded heads, causal pairs) for each row, in ms."""
+    pairs = f.batch_size * f.num_heads * f.isl * (f.isl + 1) / 2
+    nbytes = 2 * f.batch_size * f.isl * f.num_heads * (192 + 192 + 128 + 128)
+    return (2.0 * pairs * (192 + 128) / peak["bf16"]).combine(nbytes / bw, max) * 1e3
+
+
+def _mla_decode_ms(f: Any, peak: dict[str, float], bw: float) -> Any:
+    """kadapt's bound of absorbed MLA decode attention (576-wide latent cache) for each row, in ms."""
+    pairs = f.batch_size * f.num_heads * f.ctx
+    nbytes = f.read + f.batch_size * f.num_heads * (576 + 512) * 2
+    return (2.0 * pairs * (576 + 512) / peak["bf16"]).combine(nbytes / bw, max) * 1e3
+
+
+def module_rows(root: Path, framework: str, file: str, row_filter: RowFilter) -> Measured | None:
+    """The rows of ``framework``'s own MLA module table (its newest version that has any): DeepSeek-V3's
+    module, bf16 attention compute, projections in a dtype kadapt prices (``MODULE_GEMMS``); None
+    where the framework measured no module. Never borrowed: a module prices only its own framework."""
+    import pandas as pd
+
+    paths = sorted(root.glob(f"mla/{framework}/*/{file}"), key=lambda p: _version(p.parent.name))
+    for path in reversed(paths):
+        t = pd.read_parquet(path)
+        keep = (t.model == MLA_MODULE_MODEL) & (t.mla_dtype == "bfloat16") & (t.tp_size == 1)
+        rows = row_filter("mla", t[keep & t.gemm_type.isin(list(MODULE_GEMMS))])
+        if len(rows):
+            kernels = ", ".join(sorted(rows.kernel_source.unique()))
+            return Measured(rows.copy(), f"{path.relative_to(root.parent)} ({kernels})")
+    return None
+
+
+def mla_module_curves(
+    root: Path,
+    framework: str,
+    peak: dict[str, float],
+    bw: float,
+    row_filter: RowFilter,
+    gemm: tuple[dict[str, Any], dict[str, Any]],
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]] | None:
+    """(prefill attention, decode attention, decode module floor) of a framework that measured its MLA
+    only as a module (vLLM: no standalone MLA kernel, so its tables used to borrow TensorRT-LLM's);
+    None where it measured a standalone kernel or no module. See ``module_decode`` and
+    ``module_prefill`` for how the attention is taken out of the module."""
+    if any(root.glob(f"mla/{framework}/*/generation_mla_perf.parquet")):
+        return None
+    generation = module_rows(root, framework, "mla_generation_module_perf.parquet", row_filter)
+    context = module_rows(root, framework, "mla_context_module_perf.parquet", row_filter)
+    if generation is None or context is None:
+        return None
+    decode, floor = module_decode(generation, peak, bw)
+    return module_prefill(context, peak, bw, gemm), decode, floor
+
+
+def module_decode(
+    found: Measured, peak: dict[str, float], bw: float
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Decode MLA from the module rows: (attention curve, module floor).
+
+    At one batch the module's time is flat over short contexts (vLLM 0.24, H200, 16 heads, FP8 cache
+    and projections: 0.14 ms from 2 to 256 keys at b128) and then grows with the cache read (0.24 ms
+    at 4k): the flat part is the module's projections, norms, rope and launches, the rest the
+    attention. So the floor of each (shape, batch) is the median of its rows whose cache read takes
+    under ``FLOOR_READ_MS`` at full bandwidth (one row alone is +-5 us of noise), and the attention
+    curve is fitted on the rows less their floor. The floor is not the module's GEMMs as
+    the standalone GEMM table prices them: vLLM's fp8-block GEMM rows take ~85 us each at M = 128
+    whatever N (five of them exceed the whole module), its bf16 ones ~40 us for all five (a third of
+    the floor); so an op of a measured module shape prices as the module (``cost.fold_modules``)."""
+    keys = ["num_heads", "kv_cache_dtype", "gemm_type", "batch_size"]
+    rows = _kv_read(found.rows.assign(ctx=found.rows.step))  # step: keys attended, its own included
+    short = rows[rows.read / bw * 1e3 < FLOOR_READ_MS]
+    floor = short.groupby(keys, as_index=False).latency.median()
+    rows = rows.merge(floor, on=keys, suffixes=("", "_floor"))
+    net = _eff(rows.assign(latency=rows.latency - rows.latency_floor), lambda f: _mla_decode_ms(f, peak, bw))
+    attention = {
+        "kv_bytes": BYTES_GRID,
+        "efficiency": _median_curve(net, "read", BYTES_GRID),
+        "source": f"{found.source}, less the module at its shortest context (module_floor); {BY_SHAPE}",
+        "shapes": _shape_curves(
+            net,
+            MODULE_ATTENTION_SHAPE,
+            lambda own: _exact_curve(own, "read", names=("kv_bytes", "efficiency")),
+            ATTENTION_LAYOUT,
+        ),
+    }
+    floor = floor.assign(latency_us=floor.latency * 1e3)
+    return attention, {
+        "source": (
+            f"{found.source}: the module's time where its cache read is under {FLOOR_READ_MS * 1e3:g} us "
+            "(median over those contexts), by batch: its projections, norms, rope and launches, per "
+            "shape (match), in us"
+        ),
+        "shapes": _shape_curves(
+            floor,
+            MODULE_SHAPE,
+            lambda own: _exact_curve(own, "batch_size", "latency_us", ("tokens", "latency_us")),
+            ATTENTION_LAYOUT | {"hidden": MLA_MODULE["hidden"]},
+        ),
+    }
+
+
+def module_prefill(
+    found: Measured, peak: dict[str, float], bw: float, gemm: tuple[dict[str, Any], dict[str, Any]]
+) -> dict[str, Any]:
+    """Prefill MLA attention from the module rows (no cached prefix) less the module's GEMMs as this
+    table's own GEMM curves price them (q_a + kv_a, q_b, kv_b, o_proj at M = the new tokens: kadapt
+    prices those ops on their own in prefill, where they are compute-bound and the standalone rows
+    hold); the module's norms and rope are left in (a few us of a 0.5 ms module at 4k tokens)."""
+    rows = found.rows[found.rows.step == 0]
+    tokens = rows.batch_size * rows.isl
+    gemms = sum(
+        rows.assign(m=tokens, n=n, k=k).apply(lambda r: _gemm_ms(r, peak, bw, gemm), axis=1)
+        for n, k in _module_gemm_shapes(rows.num_heads)
+    )
+    net = _eff(rows.assign(latency=rows.latency - gemms), lambda f: _mla_prefill_ms(f, peak, bw))
+    return {
+        "seq": SEQ_GRID,
+        "efficiency": _median_curve(net, "isl", SEQ_GRID),
+        "source": (
+            f"{found.source}, less the module's q_a + kv_a, q_b, kv_b and o_proj GEMMs priced by this "
+            f"table's gemm curves; {BY_SHAPE}"
+        ),
+        "shapes": _shape_curves(
+            net,
+            MODULE_ATTENTION_SHAPE,
+            lambda own: _exact_curve(own, "isl", names=("seq", "efficiency")),
+            ATTENTION_LAYOUT,
+        ),
+    }
+
+
+def _module_gemm_shapes(heads: Any) -> list[tuple[Any, Any]]:
+    """(N, K) of the MLA module's projections at ``heads`` per rank (DeepSeek-V3's MLA sizes): the
+    fused q_a + kv_a downscale, q_b, kv_b (the prefill's latent expansion), o_proj."""
+    d = MLA_MODULE
+    return [
+        (d["q_lora"] + d["kv_lora"] + d["rope"], d["hidden"]),
+        (heads * (d["nope"] + d["rope"]), d["q_lora"]),
+        (heads * (d["nope"] + d["v"]), d["kv_lora"]),
+        (d["hidden"], heads * d["v"]),
+    ]
+
+
+def _gemm_ms(
+    row: Any, peak: dict[str, float], bw: float, gemm: tuple[dict[str, Any], dict[str, Any]]
+) -> float:
+    """One dense GEMM (``row``: m, n, k, gemm_type) in ms as ``cost.price`` prices it with the
+    table's curves: ``max(flops / peak / eff(M), bytes / bw / eff(bytes)) + op overhead``."""
+    kernel, wbytes, unit = MODULE_GEMMS[row.gemm_type]
+    compute = Curve(*map(tuple, (gemm[0][kernel]["m"], gemm[0][kernel]["efficiency"])))
+    memory = Curve(*map(tuple, (gemm[1][kernel]["bytes"], gemm[1][kernel]["efficiency"])))
+    nbytes = 2.0 * row.m * row.k + wbytes * row.n * row.k + 2.0 * row.m * row.n
+    flops_ms = 2.0 * row.m * row.n * row.k / peak[unit] * 1e3
+    return max(flops_ms / compute(row.m), nbytes / bw * 1e3 / memory(nbytes)) + OVERHEAD_MS
+
+
 def all_reduce_curve(root: Path, framework: str, link_bw: Callable[[int], float]) -> dict[str, Any]:
     """Ring bus efficiency of the framework's custom all-reduce on the most GPUs it was measured on
     (8 in an HGX node; 4 on GB200, whose tables stop at one compute tray), by message bytes."""
@@ -467,7 +644,11 @@ def calibrate(system: str, framework: str, row_filter: RowFilter = _all_rows) ->
     root = _tables(system)
     grouped, imbalance = moe_curves(root, framework, peak, bw, row_filter)
     gemm = gemm_curves(root, framework, peak, bw, row_filter)
-    return {
+    attention = attention_curves(root, framework, peak, bw, row_filter)
+    module = mla_module_curves(root, framework, peak, bw, row_filter, gemm)
+    if module is not None:  # the framework's own MLA, measured as a module, replaces a borrowed kernel
+        attention["prefill"]["mla"], attention["decode"]["mla"], floor = module
+    table = {
         "name": f"{system}_{framework}",
         "device": device.name,
         "source": (
@@ -482,9 +663,10 @@ def calibrate(system: str, framework: str, row_filter: RowFilter = _all_rows) ->
         "gemm_memory": gemm[1],
         "grouped_gemm": grouped,
         "routing": {"power_law": imbalance},
-        "attention": attention_curves(root, framework, peak, bw, row_filter),
+        "attention": attention,
         "all_reduce": all_reduce_curve(root, framework, lambda n: device.link_for(n).bandwidth),
     }
+    return table | ({"module_floor": {"mla": floor}} if module is not None else {})
 
 
 def shipped() -> list[tuple[str, str]]:

@@ -26,10 +26,15 @@ Curves and the op kinds they price:
   back: int8 -> fp8, w4a16 -> bf16, w4a8 -> fp8).
 - ``grouped_gemm.<dtype>`` by token-expert pairs per local expert: the routed experts, with the
   fixed cost of the whole routed-expert pipeline (``overhead_us``: permute, two GEMMs, unpermute).
-- ``routing.power_law.<dtype>`` by the same: the slowdown of power-law over balanced routing.
+- ``routing.power_law.<dtype>`` by the same: the slowdown of power-law over balanced routing (on the
+  time above the pipeline floor; a shape's ``floor_factor`` scales the floor where its power-law rows
+  are faster than the floor itself).
 - ``attention.prefill.{gqa,mla}`` by new tokens per sequence; ``attention.decode.{gqa,mla}`` by the
   KV bytes one call reads.
 - ``all_reduce`` by message bytes, with its own latency: the TP all-reduces inside one node.
+- ``module_floor.<kind>`` per measured shape only, by tokens: the time a module measured whole spends
+  besides its core kernel (vLLM's MLA decode module: projections, norms, rope, launches), which
+  ``cost.fold_modules`` adds to the core kernel while the module's other kernels are priced 0.
 - ``all_to_all``: EP dispatch and combine as the measured kernels move tokens (one row per token and
   expert it is routed to): a fixed latency by EP group size plus the rows' bytes at a measured
   fraction of the link bandwidth by tokens per rank, for groups up to the largest measured.
@@ -61,6 +66,8 @@ _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _CURVE_PROPERTIES: dict[str, Any] = {
     "efficiency": {"type": "array", "items": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}},
     "factor": {"type": "array", "items": {"type": "number", "exclusiveMinimum": 0}},
+    "latency_us": {"type": "array", "items": {"type": "number", "exclusiveMinimum": 0}},
+    "floor_factor": {"type": "array", "items": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}},
     "source": {"type": "string"},
     "overhead_us": {"type": "number", "minimum": 0},
 }
@@ -85,6 +92,15 @@ _CURVE = {
     "additionalProperties": _AXIS,
 }
 _CURVES = {"type": "object", "additionalProperties": _CURVE}
+_FLOORS = {  # per module kind: its floor at each measured shape only (no median: a module is its shape)
+    "type": "object",
+    "additionalProperties": {
+        "type": "object",
+        "required": ["source", "shapes"],
+        "additionalProperties": False,
+        "properties": {"source": {"type": "string"}, "shapes": {"type": "array", "items": _SHAPE_CURVE}},
+    },
+}
 _PHASES = {  # one list per all-to-all phase
     "type": "object",
     "required": ["dispatch", "combine"],
@@ -108,6 +124,7 @@ KERNELS_SCHEMA: dict[str, Any] = {
         "grouped_gemm": _CURVES,
         "routing": {"type": "object", "additionalProperties": _CURVES},
         "attention": {"type": "object", "additionalProperties": _CURVES},
+        "module_floor": _FLOORS,
         "base": {"type": "string", "pattern": "^[A-Za-z0-9_.-]+$"},
         "all_to_all": {
             "type": "object",
@@ -148,6 +165,15 @@ _FALLBACK = {
 
 
 Shape = Mapping[str, Any]  # an op's attributes (``heads``, ``hidden``, ``experts``, ...)
+Match = tuple[tuple[str, float | str], ...]  # the op attributes a shape's curve is measured at
+
+
+def measured_at(shapes: tuple[tuple[Match, Curve], ...], shape: Shape | None) -> Curve | None:
+    """The curve of ``shapes`` whose every ``match`` attribute ``shape`` has, else None."""
+    for match, curve in shapes if shape else ():
+        if all(_matched(shape.get(key)) == value for key, value in match):
+            return curve
+    return None
 
 
 @dataclass(frozen=True)
@@ -155,29 +181,37 @@ class Curve:
     xs: tuple[float, ...]
     ys: tuple[float, ...]
     overhead: float = 0.0  # seconds of fixed cost per call (grouped GEMMs); 0: the device's op overhead
+    # a routing factor's scale of the pipeline floor at each point of ``xs`` (empty: 1 everywhere)
+    floor: tuple[float, ...] = ()
     # curves fitted on the rows of one shape only, each with the op attributes it stands for
-    shapes: tuple[tuple[tuple[tuple[str, float | str], ...], Curve], ...] = ()
+    shapes: tuple[tuple[Match, Curve], ...] = ()
 
     def at(self, shape: Shape | None) -> Curve:
         """The curve measured at ``shape`` (every ``match`` attribute equal) where the table has one,
         else this curve (the median over every shape measured): a kernel's efficiency at one width or
         head count can sit far from the median over others (MLA decode at 8 heads per rank reads the
         cache at ~0.8 of HBM bandwidth, the median over 1-128 heads ~0.5)."""
-        for match, curve in self.shapes if shape else ():
-            if all(_matched(shape.get(key)) == value for key, value in match):
-                return curve
-        return self
+        return measured_at(self.shapes, shape) or self
 
     def __call__(self, x: float) -> float:
         """Linear in log(x) between grid points, flat past the ends."""
-        if x <= self.xs[0]:
-            return self.ys[0]
-        if x >= self.xs[-1]:
-            return self.ys[-1]
-        i = bisect.bisect_right(self.xs, x)
-        x0, x1, y0, y1 = self.xs[i - 1], self.xs[i], self.ys[i - 1], self.ys[i]
-        t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
-        return y0 + t * (y1 - y0)
+        return _interpolate(self.xs, self.ys, x)
+
+    def floor_factor(self, x: float) -> float:
+        """The scale of the pipeline floor at ``x`` (a routing factor's; 1 where none is recorded)."""
+        return _interpolate(self.xs, self.floor, x) if self.floor else 1.0
+
+
+def _interpolate(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> float:
+    """``ys`` at ``x``: linear in log(x) between points of ``xs``, flat past the ends."""
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    i = bisect.bisect_right(xs, x)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+    return y0 + t * (y1 - y0)
 
 
 def _matched(value: Any) -> float | str | None:
@@ -189,7 +223,7 @@ def _matched(value: Any) -> float | str | None:
 
 
 def _curve(body: dict[str, Any], where: str, value: str = "efficiency") -> Curve:
-    skip = ("efficiency", "factor", "shapes")
+    skip = ("efficiency", "factor", "latency_us", "floor_factor", "shapes")
     axes = [k for k, v in body.items() if k not in skip and isinstance(v, list)]
     if len(axes) != 1 or value not in body or len(body[axes[0]]) != len(body[value]) or not body[value]:
         raise KadaptError(
@@ -198,15 +232,12 @@ def _curve(body: dict[str, Any], where: str, value: str = "efficiency") -> Curve
     xs = [float(x) for x in body[axes[0]]]
     if xs != sorted(xs):
         raise KadaptError(f"kernel table curve {where}: the {axes[0]} axis must increase")
-    shapes = tuple(
-        (
-            tuple(sorted((key, _matched(v)) for key, v in shaped["match"].items())),
-            _curve({k: v for k, v in shaped.items() if k != "match"}, f"{where} at {shaped['match']}", value),
-        )
-        for shaped in body.get("shapes", ())
-    )
+    floor = tuple(float(y) for y in body.get("floor_factor", ()))
+    if floor and len(floor) != len(xs):
+        raise KadaptError(f"kernel table curve {where}: floor_factor needs one value per {axes[0]} point")
+    shapes = tuple(_shaped(shaped, where, value) for shaped in body.get("shapes", ()))
     overhead = float(body.get("overhead_us", 0.0)) * 1e-6
-    return Curve(tuple(xs), tuple(float(y) for y in body[value]), overhead, shapes)
+    return Curve(tuple(xs), tuple(float(y) for y in body[value]), overhead, floor, shapes)
 
 
 @dataclass(frozen=True)
@@ -240,6 +271,9 @@ class KernelTable:
     decode: dict[str, Curve]
     all_reduce: tuple[float, Curve] | None  # (latency s, efficiency by bytes)
     all_to_all: AllToAll | None = None
+    # module kind -> its measured floor (seconds by tokens) per shape: the time of a module measured
+    # whole that its attention kernel does not account for (``cost.fold_modules``)
+    module_floor: dict[str, tuple[tuple[Match, Curve], ...]] = field(default_factory=dict)
     origins: dict[str, str] = field(default_factory=dict)  # section -> the table that measured it
     device: str | None = None  # the device profile this table's own curves were measured on
     devices: dict[str, str | None] = field(default_factory=dict)  # section -> the base's device
@@ -277,8 +311,15 @@ class KernelTable:
         return curve(pairs_per_expert), curve.overhead
 
     def imbalance_factor(self, dtype: str, pairs_per_expert: float, shape: Shape | None = None) -> float:
+        """Power-law routing's factor on the grouped GEMMs' time above the pipeline floor."""
         curve = self._pick(self.imbalance, dtype)
         return curve.at(shape)(pairs_per_expert) if curve else 1.0
+
+    def imbalance_floor(self, dtype: str, pairs_per_expert: float, shape: Shape | None = None) -> float:
+        """Power-law routing's scale of the pipeline floor (below 1 where its measured rows are faster
+        than the floor: the measured rank was routed few of the tokens' experts)."""
+        curve = self._pick(self.imbalance, dtype)
+        return curve.at(shape).floor_factor(pairs_per_expert) if curve else 1.0
 
     def attention_curve(self, decode: bool, kind: str, shape: Shape | None = None) -> Curve | None:
         """The attention curve of ``kind`` in that phase, measured at ``shape`` (``heads`` per rank,
@@ -289,6 +330,10 @@ class KernelTable:
     def attention_eff(self, decode: bool, kind: str, x: float, shape: Shape | None = None) -> float | None:
         curve = self.attention_curve(decode, kind, shape)
         return curve(x) if curve else None
+
+    def floor_at(self, kind: str, shape: Shape) -> Curve | None:
+        """The measured floor (seconds by tokens) of a ``kind`` module of ``shape`` (None: unmeasured)."""
+        return measured_at(self.module_floor.get(kind, ()), shape)
 
 
 def parse_kernels(data: Any, path: Path) -> KernelTable:
@@ -335,10 +380,31 @@ def parse_kernels(data: Any, path: Path) -> KernelTable:
         decode=inherit(curves(attention.get("decode"), "attention.decode"), "decode"),
         all_reduce=(ar["latency_us"] * 1e-6, _curve(ar, "all_reduce")) if ar else (base and base.all_reduce),
         all_to_all=_all_to_all(data["all_to_all"]) if data.get("all_to_all") else (base and base.all_to_all),
+        module_floor={
+            kind: _floors(body, f"module_floor.{kind}")
+            for kind, body in (data.get("module_floor") or {}).items()
+        }
+        or (base.module_floor if base else {}),
         origins=origins,
         device=data.get("device"),
         devices=devices,
     )
+
+
+def _shaped(shaped: dict[str, Any], where: str, value: str) -> tuple[Match, Curve]:
+    """One ``shapes`` entry: its ``match`` (sorted, values as compared) and its curve."""
+    match = tuple(sorted((key, _matched(v)) for key, v in shaped["match"].items()))
+    return match, _curve(
+        {k: v for k, v in shaped.items() if k != "match"}, f"{where} at {shaped['match']}", value
+    )
+
+
+def _floors(body: dict[str, Any], where: str) -> tuple[tuple[Match, Curve], ...]:
+    """A module's floors per measured shape, in seconds by tokens (the table holds microseconds)."""
+    seconds = [
+        {**shaped, "latency_us": [v * 1e-6 for v in shaped["latency_us"]]} for shaped in body["shapes"]
+    ]
+    return tuple(_shaped(shaped, where, "latency_us") for shaped in seconds)
 
 
 def _all_to_all(body: dict[str, Any]) -> AllToAll:

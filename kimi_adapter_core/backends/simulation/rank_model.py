@@ -329,7 +329,7 @@ class RankMLA(nn.Module):
         attention_mask: torch.Tensor | None = None,
         **_: Any,
     ) -> tuple[torch.Tensor, None]:
-        b, s, _h = hidden_states.shape
+        b, s, hidden = hidden_states.shape
         heads, nope, rope, rank = self.heads, self.nope, self.rope, self.rank
         first = len(self.rec.ops)
         if self.q_lora_rank is None:
@@ -350,16 +350,17 @@ class RankMLA(nn.Module):
         else:
             out = self._prefill(kv_nope, b, s, context, cache_write)
         out = self.o_proj(out)
-        self._note_module_gemms(first, b * s)
+        self._note_module_gemms(first, b * s, hidden)
         return out, None
 
-    def _note_module_gemms(self, first: int, tokens: int) -> None:
+    def _note_module_gemms(self, first: int, tokens: int, hidden: int) -> None:
         """Give the attention kernel the GEMMs of this call that SGLang's attention-DP MLA module runs
         around it (q_b / kv_b / o projections and the absorbed bmm, not the shared q_a + kv_a
         downscale): AIConfigurator measures that module whole, and the measured cost model prices
         the kernel as the module's row less these GEMMs, which it prices on their own. Each is
         ``(tag, n, k, kernel, batch, rows)``, ``rows`` saying whether its M is the new tokens or the
-        whole context, so the description does not change with the batch (a sweep scales traces)."""
+        whole context, so the description does not change with the batch (a sweep scales traces).
+        Also the module's ``hidden`` size: a module measured whole (vLLM's) was measured at one."""
         ops = self.rec.ops[first:]
         inside = (".q_proj", ".q_b_proj", ".kv_b_proj", ".o_proj")
         gemms = tuple(
@@ -379,6 +380,7 @@ class RankMLA(nn.Module):
         for op in ops:
             if op.kind == "attention":
                 op.attrs["module_gemms"] = gemms
+                op.attrs["hidden"] = hidden
 
     def _absorbed(
         self, q_nope: torch.Tensor, q_rot: torch.Tensor, b: int, s: int, context: int, cache_write: int

@@ -16,7 +16,7 @@ from typing import Any
 
 from ...errors import KadaptError
 from ...spec.model import Spec
-from .cost import Priced, kernel_table, overlap_shared_experts, price
+from .cost import Priced, fold_modules, kernel_table, overlap_shared_experts, price
 from .deployment import Deployment
 from .device import Device
 from .inputs import ModelInputs
@@ -94,7 +94,9 @@ def trace_kernels(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[lis
 
 
 def finish_step(kernels: list[Priced], dep: Deployment) -> list[Priced]:
-    """A step's priced kernels as the step runs them (decode: the shared experts overlap the routed path)."""
+    """A step's priced kernels as the step runs them: a module measured whole priced as measured
+    (``fold_modules``); decode: the shared experts overlap the routed path."""
+    kernels = fold_modules(kernels)
     return overlap_shared_experts(kernels) if dep.decode else kernels
 
 
