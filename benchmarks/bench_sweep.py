@@ -23,6 +23,10 @@ device count. When AIConfigurator's CLI is available (``--aiconfigurator PATH``,
 ``aiconfigurator`` on PATH; the ``aiconfigurator`` distribution, not ``aiconfigurator-core``) it runs
 ``aiconfigurator cli default`` on the same model (the spec's shipped config directory), system, SLA,
 ISL/OSL and backend and prints its picks beside kadapt's; otherwise the output says it was not run.
+The two aggregated models differ beyond the step prices, and the output says how: kadapt chunks
+prompts into the steps (its chunk: prompt tokens per step per DP group) and models no queueing;
+AIConfigurator's ``cli default`` puts whole prompts in a step (its ctx: prompt tokens per step),
+multiplies TTFT by a 2-4x queueing heuristic and leaves 3 mixed steps out of TPOT.
 """
 
 from __future__ import annotations
@@ -146,6 +150,11 @@ def requests(args: argparse.Namespace) -> None:
         f"{spec.name} on {args.device}, ISL {args.isl}, OSL {args.osl}, TTFT <= {args.ttft:g} ms, "
         f"TPOT <= {args.tpot:g} ms, {args.framework}"
     )
+    print(
+        "agg: kadapt chunks prompts into decode steps (chunk = prompt tokens per step per DP group), "
+        "no queueing factor; AIC puts whole prompts in a step (ctx), TTFT x its 2-4x queueing "
+        "heuristic, TPOT without 3 of the mixed steps"
+    )
     for devices in (int(n) for n in args.device_counts.split(",")):
         start = time.perf_counter()
         inputs = sweep_inputs(spec, quant_modes(spec))
@@ -208,7 +217,9 @@ def aiconfigurator_picks(
 
 def _aic_row(mode: str, row: dict[str, str]) -> str:
     if mode == "agg":
-        layout = f"{row['parallel']} bs{row['bs']} (x{row['dp']} DP = {row['global_bs']})"
+        layout = (
+            f"{row['parallel']} bs{row['bs']} (x{row['dp']} DP = {row['global_bs']}) ctx {row['ctx_tokens']}"
+        )
     else:
         layout = (
             f"{row['(p)workers']}P({row['(p)parallel']} bs{row['(p)bs']}) + "

@@ -3,8 +3,10 @@
 What must hold: a framework never gets a layout it cannot launch (TensorRT-LLM's attention DP is
 all-or-nothing, vLLM's expert parallelism too); the SLA excludes what misses it, from the picks and
 the front; disaggregated pools are the best (x, y) within the devices and meet both targets; the
-steps a request is priced from are ``simulate``'s; the plot shows the SLA, the front's layouts and
-ticks fitted to the data.
+steps a request is priced from are ``simulate``'s; an aggregated worker's mixed steps (chunked
+prefill) behave as the frameworks' do (a larger chunk: a slower TPOT, a faster TTFT; a prompt longer
+than the chunk takes ceil(ISL / chunk) steps; never faster than decoding alone); the plot shows the
+SLA, the front's layouts and ticks fitted to the data.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import math
 import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -24,16 +27,27 @@ from kimi_adapter_core.backends.simulation.device import get_device
 from kimi_adapter_core.backends.simulation.inputs import model_inputs
 from kimi_adapter_core.backends.simulation.parallel import Parallel
 from kimi_adapter_core.backends.simulation.pareto_plot import PlotPoint, SlaLine, _LogAxis, write_plot
-from kimi_adapter_core.backends.simulation.planner import kv_sizing
+from kimi_adapter_core.backends.simulation.planner import Memory, kv_sizing
 from kimi_adapter_core.backends.simulation.serving import (
     ServingResult,
     ServingSearch,
+    StepTokens,
     Workload,
+    aggregated,
     framework,
     frameworks,
+    prompt_attention,
+    rows_and_requests,
 )
 from kimi_adapter_core.backends.simulation.simulator import simulate
-from kimi_adapter_core.backends.simulation.sweep import layouts, quant_modes, sweep_inputs
+from kimi_adapter_core.backends.simulation.sweep import (
+    Config,
+    Point,
+    Sweep,
+    layouts,
+    quant_modes,
+    sweep_inputs,
+)
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.cli.simulate import command as simulate_command
 from kimi_adapter_core.errors import UsageError
@@ -164,8 +178,109 @@ def test_request_steps_are_simulates_steps(free: ServingResult) -> None:
     kv = kv_sizing(model_inputs(LLAMA, None).arch.structure, par.tp, "bf16")
     per_group = b // par.dp
     assert c.memory.kv_cache == per_group * kv.sequence_bytes(WORKLOAD.isl + WORKLOAD.osl)
-    # aggregated: other requests' prefills stall a request's decode
-    assert c.tpot > c.decode.step_time and c.ttft > c.prefill.step_time
+    # aggregated: other requests' prompt chunks slow a request's decode steps
+    assert c.tpot > c.decode.step_time
+
+
+# --- aggregated: chunked prefill ------------------------------------------------------------------
+def test_step_budgets_leave_room_for_the_decode_rows_when_they_count() -> None:
+    counted, apart = StepTokens(2048, True, "s"), StepTokens(2048, False, "s")
+    assert counted.chunks(16, 10**6) == [496, 1008, 2032]  # budgets 512, 1024, 2048 less 16 decode rows
+    assert apart.chunks(16, 10**6) == [512, 1024, 2048]
+    assert counted.chunks(600, 10**6) == [424, 1448]  # 600 rows fill the 512 budget: no prompt fits
+    assert counted.chunks(16, 700) == [496, 700]  # never more prompt tokens than a cycle brings
+    assert all(framework(name).step_tokens.max >= 512 for name in frameworks())
+
+
+def _agg_by_worker(result: ServingResult) -> dict[tuple[Any, ...], list[Any]]:
+    """Aggregated candidates grouped by layout, batch and weight mode, by chunk."""
+    groups: dict[tuple[Any, ...], list[Any]] = {}
+    for c in result.candidates:
+        if c.mode == "agg":
+            groups.setdefault((c.decode.config, c.decode_workers), []).append(c)
+    return {k: sorted(v, key=lambda c: c.chunk) for k, v in groups.items()}
+
+
+def test_a_larger_chunk_slows_the_mixed_step_and_speeds_ttft(free: ServingResult) -> None:
+    """A larger chunk makes every mixed step longer (the decode batch waits longer between two tokens)
+    and a prompt's first token sooner. The mean TPOT need not grow: larger chunks price their prompt
+    tokens in larger, more efficient GEMMs, so it lies between the decode and the mixed step only."""
+    groups = [g for g in _agg_by_worker(free).values() if len(g) > 1]
+    assert groups
+    for group in groups:
+        mixed = [c.mixed_step_time for c in group]
+        assert mixed == sorted(mixed) and len(set(mixed)) == len(mixed), [
+            (c.chunk, c.mixed_step_time) for c in group
+        ]
+        whole = [c for c in group if c.chunk <= WORKLOAD.isl]  # a prompt's own steps
+        ttfts = [c.ttft for c in whole]
+        assert ttfts == sorted(ttfts, reverse=True), [(c.chunk, c.ttft) for c in whole]
+        assert all(c.decode.step_time <= c.tpot <= c.mixed_step_time for c in group)
+
+
+def test_aggregated_throughput_never_beats_decoding_alone(free: ServingResult) -> None:
+    agg = [c for c in free.candidates if c.mode == "agg"]
+    assert agg
+    for c in agg:
+        steps = WORKLOAD.osl - 1  # no MTP
+        bound = c.decode_workers * c.decode.config.batch / (steps * c.decode.step_time)
+        assert c.requests_per_s < bound
+        alone = c.decode.config.batch == c.decode.config.parallel.dp  # no other request's chunks
+        assert c.tpot == c.decode.step_time if alone else c.tpot > c.decode.step_time
+
+
+def _point(par: Parallel, batch: int, step: float) -> Point:
+    return Point(Config(par, batch, None), step, 0.0, 0.0, Memory(1.0, 0.0, 0.0, None))
+
+
+def test_a_prompt_longer_than_the_chunk_takes_ceil_isl_over_chunk_steps() -> None:
+    par, w = Parallel(1, 2, 1), Workload(1000, 101)
+    decode, prefill = _point(par, 8, 0.01), _point(par, 2, 0.05)
+    mem = decode.memory
+    for chunk, steps in ((300, 4), (500, 2), (1000, 1)):
+        c = aggregated(decode, prefill, 0.03, chunk, mem, w, 1.0, 4)
+        m = 4 * 1000 / chunk  # mixed steps per cycle: 4 requests per DP group
+        cycle = m * 0.03 + (100 - m) * 0.01
+        assert c.ttft == pytest.approx(steps * 0.03 + cycle / 100 / 2, rel=1e-12)
+        seen = m - 1000 / chunk  # the other 3 requests' chunks
+        assert c.tpot == pytest.approx((seen * 0.03 + (100 - seen) * 0.01) / 100, rel=1e-12)
+        assert c.requests_per_s == pytest.approx(2 * 8 / cycle, rel=1e-12)  # 2 replicas of 2 devices
+    # prefill-bound: more mixed steps than decode steps, every step mixed
+    c = aggregated(decode, prefill, 0.03, 10, mem, w, 1.0, 2)
+    assert c.tpot == pytest.approx(0.03) and c.requests_per_s == pytest.approx(8 / (400 * 0.03))
+
+
+def test_a_mixed_steps_rows_are_the_prefill_steps() -> None:
+    """The rows sweep (one-token prefill-path queries) prices a whole prompt's rows as the prefill
+    step does: a mixed step's rows are what a prefill of as many tokens runs."""
+    inputs = sweep_inputs(LLAMA, quant_modes(LLAMA, "bf16"))
+    par, isl = Parallel(2, 1, 1), WORKLOAD.isl
+    prefill_base = Deployment(Parallel(), 1, isl, 0, False)
+    rows_base = Deployment(Parallel(), 1, 1, 0, False)
+    prefill = Sweep(LLAMA, inputs, H200, prefill_base, 2, batches=(1,))
+    rows = Sweep(LLAMA, inputs, H200, rows_base, 2, batches=(isl,))
+    p, r = Config(par, 1, "BF16"), Config(par, isl, "BF16")
+    prefill.run([p])
+    rows.run([r])
+    whole = prefill.kernels(p)
+    assert rows_and_requests(rows.kernels(r))[0] == pytest.approx(rows_and_requests(whole)[0], rel=1e-3)
+    assert 0 < prompt_attention(whole) < sum(k.total for k in whole)
+
+
+def test_a_folded_modules_floor_is_row_work() -> None:
+    """vLLM's MLA decode kernel carries its whole measured module, projections included
+    (``cost.fold_modules``). A mixed step takes its rows (projections too) from the rows step, so the
+    decode step's per-request part must keep only the attention: the floor goes to the rows."""
+    loaded = load_spec(REPO / "specs" / "deepseek_v3.yaml")
+    dep = Deployment(Parallel(8, 1, 8), 128, 1, 4096, True, kv_dtype="bf16")
+    kernels = simulate(model_inputs(loaded, None), loaded, dep, get_device("h200"), framework="vllm").kernels
+    folded = [k for k in kernels if k.bound == "module"]
+    floor = sum(k.module_time * k.op.repeat for k in folded)
+    assert folded and floor > 0
+    rows, requests = rows_and_requests(kernels)
+    assert rows + requests == pytest.approx(sum(k.total for k in kernels))
+    whole_module = sum(k.total for k in kernels if k.op.kind == "attention" or k.op.module == "lm_head")
+    assert requests < whole_module - 0.9 * floor  # the module's floor is not per-request work
 
 
 def test_workload_checks() -> None:

@@ -154,6 +154,8 @@ def sampled(result_points: list[Any], n: int, seed: int) -> list[Config]:
         ("qwen3_moe", 4, PREFILL, (1, 4, 12)),
         ("llama", 8, DECODE, (8, 24, 256)),  # dense GQA
         ("deepseek_v3", 16, Deployment(Parallel(), 1, 1, 2048, True, mtp=1), (16, 32, 128)),  # MLA, fp8, MTP
+        # an aggregated worker's mixed-step rows: thousands of one-token prefill-path queries per rank
+        ("deepseek_v3", 8, Deployment(Parallel(), 1, 1, 0, False), (8, 4096, 8 * 4100)),
     ],
 )
 def test_sweep_prices_equal_simulate(

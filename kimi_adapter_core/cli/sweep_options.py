@@ -396,7 +396,7 @@ def serving_text(result: ServingResult, spec: Spec, device: Device, plot: Path |
         if result.refused.get(rule.id):
             lines.append(f"  {fw.title} cannot launch {result.refused[rule.id]} layouts ({rule.id})")
     lines.append(
-        f"priced {result.steps_priced} prefill and decode steps ({result.traces} per-rank traces, "
+        f"priced {result.steps_priced} prefill, decode and mixed steps ({result.traces} per-rank traces, "
         f"{result.trace_seconds:.1f} s) into {len(result.candidates)} deployments; "
         f"{len(result.feasible)} fit and meet the SLA"
     )

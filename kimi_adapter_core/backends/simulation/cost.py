@@ -52,6 +52,7 @@ class Priced:
     source: str = "roofline"  # roofline | table:<kernel table> | aiconfigurator:<system>/<framework>
     # the measured floors of the module this kernel is the core of, per shape (``fold_modules``)
     floors: tuple[tuple[Match, Curve], ...] = ()
+    module_time: float = 0.0  # of ``time``: the module's floor folded in (its projections, norms, ...)
 
     @property
     def total(self) -> float:
@@ -296,8 +297,9 @@ def fold_modules(kernels: list[Priced]) -> list[Priced]:
         if floor is None:
             continue
         tokens = float(core.op.attrs["batch"]) * float(core.op.attrs["seq"])
+        added = floor(tokens)
         out[i] = replace(
-            core, time=core.time + floor(tokens), bound="module", source=f"{core.source} (module)"
+            core, time=core.time + added, bound="module", source=f"{core.source} (module)", module_time=added
         )
         for j in inside:
             out[j] = replace(out[j], time=0.0, bound="in_module")
