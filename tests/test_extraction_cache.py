@@ -75,6 +75,18 @@ def test_second_run_restores_the_same_bytes_and_report(tmp_path, _private_extrac
     assert [e["id"] for e in reached] == ["K1"]
 
 
+def test_doctor_reports_the_cache(tmp_path, _private_extraction_cache):
+    def reported() -> dict[str, Any]:
+        result = CliRunner().invoke(cli, ["doctor", "--format", "json"], catch_exceptions=False)
+        return json.loads(result.stdout)["environment"]["extraction_cache"]
+
+    assert reported() == {"path": str(_private_extraction_cache), "entries": 0, "bytes": 0}
+    apply(tmp_path / "a")
+    (entry,) = entries(_private_extraction_cache)
+    assert reported()["entries"] == 1
+    assert reported()["bytes"] == sum(f.stat().st_size for f in entry.iterdir())
+
+
 def test_damaged_entry_is_removed_and_the_run_extracts(tmp_path, _private_extraction_cache):
     apply(tmp_path / "a")
     (entry,) = entries(_private_extraction_cache)

@@ -59,6 +59,8 @@ def environment() -> dict[str, Any]:
         version = _version(name)
         packages[name] = {"version": version, "tested": _tested(name, version), "used_for": used_for}
     tensorcast = {var: os.environ.get(var) for var in TENSORCAST}
+    from ..backends.extraction.cache import default_root, usage
+
     return {
         "python": platform.python_version(),
         "platform": f"{platform.system()} {platform.machine()}",
@@ -66,6 +68,7 @@ def environment() -> dict[str, Any]:
         "packages": packages,
         "tested": {"torch": list(upstream.TESTED_TORCH), "transformers": list(upstream.TESTED_TRANSFORMERS)},
         "tensorcast": {"configured": all(tensorcast.values()), **tensorcast},
+        "extraction_cache": usage(default_root()),
     }
 
 
@@ -114,6 +117,11 @@ def _render(env: dict[str, Any], points: list[upstream.Finding], pin_rows: list[
         f"  {'TensorCast':<20} {'configured' if tensorcast['configured'] else 'not configured':<14} "
         f"{'':<21} set {' and '.join(TENSORCAST)} for the real-TensorCast tests"
     )
+    cache = env["extraction_cache"]
+    lines.append(
+        f"  {'extraction cache':<20} {cache['entries']} entries, {cache['bytes'] / 1e6:.1f} MB in "
+        f"{cache['path']} (kadapt apply restores a run extracted before; --no-cache skips it)"
+    )
     lines.append(
         f"tested with transformers {', '.join(env['tested']['transformers'])} and torch "
         f"{', '.join(env['tested']['torch'])}"
@@ -137,8 +145,8 @@ def command(fmt: str) -> None:
 
     Exits 1 when a contact point or a pin moved. JSON (--format json): {"ok", "environment":
     {"python", "platform", "kadapt", "packages": {NAME: {"version", "tested", "used_for"}}, "tested",
-    "tensorcast"}, "contact_points": [{"name", "symbol", "status", "found", "expected", "why",
-    "used_by"}], "pins":
+    "tensorcast", "extraction_cache": {"path", "entries", "bytes"}}, "contact_points": [{"name",
+    "symbol", "status", "found", "expected", "why", "used_by"}], "pins":
     [{"spec", "id", "target", "status", "found"}]}.
 
     \b

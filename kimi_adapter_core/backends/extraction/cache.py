@@ -60,6 +60,13 @@ def default_root() -> Path:
     return Path(base) / "kadapt" / "extraction"
 
 
+def usage(root: Path) -> dict[str, Any]:
+    """Where the cache is, how many entries it holds and their bytes (``kadapt doctor`` says it)."""
+    entries = [p for p in root.iterdir() if not p.name.startswith(".")] if root.is_dir() else []
+    size = sum(f.stat().st_size for entry in entries for f in entry.iterdir() if f.is_file())
+    return {"path": str(root), "entries": len(entries), "bytes": size}
+
+
 @dataclass(frozen=True)
 class Restored:
     summary: ExtractionSummary
