@@ -63,7 +63,10 @@ def default_root() -> Path:
 def usage(root: Path) -> dict[str, Any]:
     """Where the cache is, how many entries it holds and their bytes (``kadapt doctor`` says it)."""
     entries = [p for p in root.iterdir() if not p.name.startswith(".")] if root.is_dir() else []
-    size = sum(f.stat().st_size for entry in entries for f in entry.iterdir() if f.is_file())
+    size = 0
+    for entry in entries:
+        with contextlib.suppress(OSError):  # pruned by another run meanwhile
+            size += sum(f.stat().st_size for f in entry.iterdir() if f.is_file())
     return {"path": str(root), "entries": len(entries), "bytes": size}
 
 
