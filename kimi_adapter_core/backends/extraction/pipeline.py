@@ -8,6 +8,7 @@ and stitched like the text prefill, so its KV continues into the same decode gra
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import time
@@ -23,9 +24,10 @@ from torch import nn
 from ... import __version__, upstream
 from ...errors import KadaptError, Refusal
 from ...patching.gate import uncounted
+from ...patching.session import active_session
 from ...spec.model import Spec
 from ...structure.derive import derive_structure
-from . import check_upstream, runtime, vision
+from . import check_upstream, forked, runtime, vision
 from .encoding import enum_tables
 from .export import Backbone, check_exportable, check_stack, export_wrapper, graph_names, to_graph
 from .graph import Graph
@@ -280,13 +282,25 @@ def check_checkpoint_layout(
         raise Refusal("checkpoint-layout", exc.message) from exc
 
 
+def export_vision(modules: vision.VisionModules, options: ExtractionOptions, clock: Clock) -> Graph:
+    with clock.step("export vision"):
+        return vision.build_vision_graph(modules, options, EXEC_DEVICE, echo=clock.echo)
+
+
 def run(
-    spec: Spec, model: nn.Module, options: ExtractionOptions, *, echo: Echo, check_whole: bool = True
+    spec: Spec,
+    model: nn.Module,
+    options: ExtractionOptions,
+    *,
+    echo: Echo,
+    check_whole: bool = True,
+    processes: int = 1,
 ) -> ExtractionSummary:
     """Extract prefill and decode IR of ``model`` (built by ``load_model`` under ``applied``).
 
     The text backbone's parameters are brought to the ABI dtype in place (free on meta), keeping
     transformers' fp32 modules in fp32, so the IR states the dtypes the checkpoint loads with.
+    With ``processes`` 2 the graphs are traced half in a forked child (``forked``; same bytes).
     """
     clock = Clock(echo)
     backbone = backbone_of(spec, model)
@@ -325,12 +339,18 @@ def run(
     if check_whole:  # verify, which replays the saved files against transformers, does more
         with clock.step("whole model"), uncounted():
             check_whole_model(spec, options)
-    graphs = {kind: build_graph(kind, backbone, options, chosen, clock) for kind in GRAPHS}
-    if options.merged_prefill is not None:
-        graphs[MERGED] = build_graph(MERGED, backbone, options, chosen, clock)
+    kinds = [*GRAPHS, *([MERGED] if options.merged_prefill is not None else [])]
+    tasks: list[forked.Task] = [
+        (kind, functools.partial(build_graph, kind, backbone, options, chosen, clock)) for kind in kinds
+    ]
     if vision_modules is not None:
-        with clock.step("export vision"):
-            vision_graph = vision.build_vision_graph(vision_modules, options, EXEC_DEVICE, echo=clock.echo)
+        modules = vision_modules
+        tasks.append(("vision", lambda: export_vision(modules, options, clock)))
+    session = active_session(spec)
+    graphs = forked.build_all(
+        tasks, processes=processes, clock=clock, reach=session.reach if session is not None else {}
+    )
+    vision_graph = graphs.pop("vision", None)
     with clock.step("write"):
         ties = tied_names(model, {path for g in graphs.values() for path in g.weights})
         files: dict[Path, Iterable[str]] = {}

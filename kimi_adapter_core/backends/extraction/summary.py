@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+SECOND_PROCESS = " (second process)"  # ``forked`` marks the steps its child ran with this
+
 
 @dataclass(frozen=True)
 class GraphStats:
@@ -79,7 +81,8 @@ class ExtractionSummary:
 
     @property
     def seconds(self) -> float:
-        return sum(seconds for _, seconds in self.steps)
+        """The run's own time: steps a second process ran beside it (``forked``) do not add to it."""
+        return sum(seconds for name, seconds in self.steps if not name.endswith(SECOND_PROCESS))
 
     def to_dict(self) -> dict[str, Any]:
         return {
