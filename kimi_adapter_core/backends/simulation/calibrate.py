@@ -84,6 +84,15 @@ BY_SHAPE = (
     "the curve is the median over every shape measured; each of shapes is the same fit on the rows of "
     "one shape only (match: the op attributes it is measured at), which prices an op of that shape"
 )
+# a prefill call's sequences: the table measured each shape at several, and one sequence of 1,024
+# tokens at 8 query / 1 KV head per rank (GB200, TensorRT-LLM) takes 29 us where the median over
+# batches at that length gives 7 us, so a prefill shape's rows are fitted per batch as well
+PREFILL_BATCH = {"batch": "batch_size"}
+BY_BATCH = (
+    "prefill shapes come first per batch (match: batch, the sequences of one call), each fitted on "
+    "that batch's rows only, then per shape over every batch (the median at each length) for a batch "
+    "not measured"
+)
 # The MLA attention module (vLLM's ``DeepseekV2MLAAttention`` forward: q_a + kv_a, norms, q_b, rope,
 # the attention with its absorbed bmms, o_proj) measured whole, for a framework that measured no
 # standalone MLA kernel: AIConfigurator measured it on DeepSeek-V3 only, whose MLA sizes these are
@@ -206,6 +215,16 @@ def _shape_curves(
     and prices with the median one."""
     fitted = [(match, fit(rows)) for match, rows in _by_shape(frame, columns)]
     return [{"match": match | (layout or {}), **curve} for match, curve in fitted if curve]
+
+
+def _prefill_shapes(rows: Any, columns: dict[str, str], fit: Callable[[Any], dict[str, Any]]) -> list[Any]:
+    """A prefill attention curve's ``shapes``: each shape at each measured batch first (``measured_at``
+    takes the first match, so a measured batch x length prices from its own rows: at one sequence the
+    kernel is launch- and occupancy-bound, 0.2x the efficiency of the batches that set the median),
+    then each shape over every batch, which prices the batches not measured."""
+    return _shape_curves(rows, columns | PREFILL_BATCH, fit, ATTENTION_LAYOUT) + _shape_curves(
+        rows, columns, fit, ATTENTION_LAYOUT
+    )
 
 
 def _eff(frame: Any, ideal_ms: Callable[[Any], Any]) -> Any:
@@ -374,18 +393,16 @@ def attention_curves(
         return t[keep & (t.window_size == 0)]
 
     def gqa_prefill(f: Any) -> Any:
-        pairs = f.batch_size * f.num_heads * f.isl * (f.isl + 1) / 2
-        nbytes = 2 * f.batch_size * f.isl * (f.num_heads + f.num_key_value_heads) * 256 * 2
-        return (4.0 * pairs * 128 / bf16).combine(nbytes / bw, max) * 1e3
+        return _gqa_prefill_ms(f, bf16, bw)
 
     def gqa_gen(t: Any) -> Any:
         t = t[(t.attn_dtype == "bfloat16") & (t.head_dim == 128) & (t.window_size == 0)]
         t = t.assign(kvb=t.kv_cache_dtype.map({"bfloat16": 2, "fp8": 1}), ctx=t.isl + t.step)
         return t.assign(read=t.batch_size * t.ctx * t.num_key_value_heads * 256 * t.kvb)
 
-    def gqa_decode(f: Any) -> Any:
+    def gqa_decode(f: Any) -> Any:  # the cache read, queries and outputs, the new token's K/V written
         pairs = f.batch_size * f.num_heads * f.ctx
-        nbytes = f.read + 2 * f.batch_size * f.num_heads * 256 * 2
+        nbytes = f.read + f.batch_size * (2 * f.num_heads + f.num_key_value_heads * f.kvb) * 256
         return (4.0 * pairs * 128 / bf16).combine(nbytes / bw, max) * 1e3
 
     def mla_ctx(t: Any) -> Any:
@@ -410,18 +427,23 @@ def attention_curves(
         columns: dict[str, str],
     ) -> dict[str, Any]:
         found = measured(root, pattern, framework, select, row_filter)
-        grid = SEQ_GRID if axis == "seq" else BYTES_GRID
         rows = _eff(found.rows, ideal)
+
+        def fit(own: Any) -> dict[str, Any]:
+            return _exact_curve(own, key, names=(axis, "efficiency"))
+
+        if axis == "seq":
+            return {
+                axis: SEQ_GRID,
+                "efficiency": _median_curve(rows, key, SEQ_GRID),
+                "source": f"{found.source}; {BY_SHAPE}; {BY_BATCH}",
+                "shapes": _prefill_shapes(rows, columns, fit),
+            }
         return {
-            axis: grid,
-            "efficiency": _median_curve(rows, key, grid),
+            axis: BYTES_GRID,
+            "efficiency": _median_curve(rows, key, BYTES_GRID),
             "source": f"{found.source}; {BY_SHAPE}",
-            "shapes": _shape_curves(
-                rows,
-                columns,
-                lambda own: _exact_curve(own, key, names=(axis, "efficiency")),
-                ATTENTION_LAYOUT,
-            ),
+            "shapes": _shape_curves(rows, columns, fit, ATTENTION_LAYOUT),
         }
 
     context, generation = (
@@ -445,6 +467,17 @@ def attention_curves(
             ),
         },
     }
+
+
+def _gqa_prefill_ms(f: Any, bf16: float, bw: float) -> Any:
+    """kadapt's bound of GQA prefill attention (no cached prefix, bf16 cache) for each row, in ms, as
+    ``rank_model.AttentionKernel`` records the op: causal pairs at head dim 128; queries and outputs
+    per query head, the new tokens' K/V written and read once per KV head. (This bound once counted
+    4 x 256 bytes per token for every query and KV head, 1.8x the op's at 8 / 1 heads per rank, and
+    a one-sequence prefill, bandwidth-bound at 1k tokens on B200, priced 20% under its own row.)"""
+    pairs = f.batch_size * f.num_heads * f.isl * (f.isl + 1) / 2
+    nbytes = 2 * f.batch_size * f.isl * (f.num_heads + 2 * f.num_key_value_heads) * 256
+    return (4.0 * pairs * 128 / bf16).combine(nbytes / bw, max) * 1e3
 
 
 def _kv_read(rows: Any) -> Any:
@@ -559,7 +592,13 @@ def module_prefill(
     """Prefill MLA attention from the module rows (no cached prefix) less the module's GEMMs as this
     table's own GEMM curves price them (q_a + kv_a, q_b, kv_b, o_proj at M = the new tokens: kadapt
     prices those ops on their own in prefill, where they are compute-bound and the standalone rows
-    hold); the module's norms and rope are left in (a few us of a 0.5 ms module at 4k tokens)."""
+    hold); the module's norms and rope are left in (a few us of a 0.5 ms module at 4k tokens).
+
+    Not fitted per batch (``_prefill_shapes``): a shape's rows at one batch are its two projection
+    dtypes, whose nets differ by the error of the standalone GEMM rows they are less (vLLM's
+    fp8-block rows carry ~85 us of floor each), and the median of two is their mean; per batch,
+    Kimi-K2.5's TP8 module at one 4,096-token sequence summed to 0.44 ms against its 0.52 ms row,
+    over every batch to 0.51."""
     rows = found.rows[found.rows.step == 0]
     tokens = rows.batch_size * rows.isl
     gemms = sum(
@@ -610,7 +649,10 @@ def _gemm_ms(
 
 def all_reduce_curve(root: Path, framework: str, link_bw: Callable[[int], float]) -> dict[str, Any]:
     """Ring bus efficiency of the framework's custom all-reduce on the most GPUs it was measured on
-    (8 in an HGX node; 4 on GB200, whose tables stop at one compute tray), by message bytes."""
+    (8 in an HGX node; 4 on GB200, whose tables stop at one compute tray), at each message size
+    measured (from 64 KiB). Not binned to a 4x grid: the kernel changes algorithm between 16 and
+    32 MiB (B200, SGLang: 57 us at 16 MiB, 170 us at 32 MiB), and a bin holding both priced the
+    32 MiB all-reduce of a 4,096-token prefill at 135 us."""
 
     def select(t: Any) -> Any:
         t = t[t.allreduce_dtype == "bfloat16"]
@@ -623,13 +665,12 @@ def all_reduce_curve(root: Path, framework: str, link_bw: Callable[[int], float]
     nbytes = table.message_size * 2  # message_size counts bf16 elements
     eff = 2 * (gpus - 1) / gpus * nbytes / ((table.latency - latency).clip(lower=1e-4) * 1e-3) / link_bw(gpus)
     frame = table.assign(nbytes=nbytes, eff=eff.clip(upper=1.0))
-    frame = frame[frame.nbytes >= 2**16]
-    grid = [2**p for p in range(16, 31, 2)]
+    medians = frame[frame.nbytes >= 2**16].groupby("nbytes").eff.median()
     return {
         "latency_us": round(latency * 1e3, 2),
-        "bytes": grid,
-        "efficiency": _median_curve(frame, "nbytes", grid),
-        "source": f"{found.source}, {gpus} GPUs",
+        "bytes": [int(x) for x in medians.index],
+        "efficiency": [max(0.001, round(float(v), 3)) for v in medians],
+        "source": f"{found.source}, {gpus} GPUs, at each message size measured",
     }
 
 

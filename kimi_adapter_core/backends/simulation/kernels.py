@@ -16,7 +16,9 @@ message bytes) to an efficiency, interpolated linearly in log(shape) and held fl
 It is the median over every shape measured; its ``shapes`` are the same fit on the rows of one shape
 only, each named by a ``match`` of op attributes (experts: ``hidden``, ``width``, ``experts``,
 ``top_k``, ``ep``; attention: ``heads``, ``kv_heads``, ``kv_dtype``; and the layout measured,
-``attention_dp``), and an op of a measured shape prices with its own (``Curve.at``).
+``attention_dp``), and an op of a measured shape prices with its own (``Curve.at``: the first that
+matches, so a prefill kernel's curves per shape and ``batch`` come before its curves per shape over
+every batch, which price a batch not measured).
 A device without a table keeps the flat ``compute.efficiency`` / ``memory.efficiency``.
 
 Curves and the op kinds they price:
