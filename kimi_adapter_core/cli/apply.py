@@ -250,7 +250,9 @@ def command(
     report = None
     if extraction is not None and verify:
         with out.stage("verify"):
-            report = extraction.verify(spec, opts, echo=out.info)
+            from ..backends.extraction.forked import export_processes
+
+            report = extraction.verify(spec, opts, echo=out.info, processes=export_processes())
         result["verify"] = report.to_dict()
         if not out.json:  # failing checks are the finding: shown even with -q
             (out.info if report.passed else out.result)(report.render())

@@ -72,8 +72,11 @@ def run_cached(
     return extract_or_restore(spec, model, options, session=session, device=device, cache=cache, echo=echo)
 
 
-def verify(spec: Spec, options: ExtractionOptions, *, echo: Callable[[str], Any]) -> VerifyReport:
-    """Extract a tiny random model of the spec's architecture and check the saved IR against transformers."""
+def verify(
+    spec: Spec, options: ExtractionOptions, *, echo: Callable[[str], Any], processes: int = 1
+) -> VerifyReport:
+    """Extract a tiny random model of the spec's architecture and check the saved IR against transformers
+    (``processes`` 2: the tiny model's graphs traced half in a forked child, as ``kadapt apply`` does)."""
     from .roundtrip import verify as run_verify
 
-    return run_verify(spec, options, echo=echo)
+    return run_verify(spec, options, echo=echo, processes=processes)

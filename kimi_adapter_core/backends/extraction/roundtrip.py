@@ -667,6 +667,7 @@ def _verify_in(
     dtype: str,
     report: VerifyReport,
     echo: Callable[[str], Any],
+    processes: int,
 ) -> None:
     """One round trip with the tiny model, graphs and reference all in ``dtype``."""
     from ...loading import applied, load_model
@@ -686,7 +687,14 @@ def _verify_in(
                 f"{small.attention_label}, {dtype}, prefill {small.prefill_len}{merged}, "
                 f"cache {small.max_cache_len}"
             )
-            run(spec, meta, small, echo=lambda line: echo(f"  {line.strip()}"), check_whole=False)
+            run(
+                spec,
+                meta,
+                small,
+                echo=lambda line: echo(f"  {line.strip()}"),
+                check_whole=False,
+                processes=processes,
+            )
         weights = _saved_and_loaded(model, small, Path(tmp))
         if not bf16:
             _check_weights(report, small, weights)
@@ -735,9 +743,11 @@ def _verify_in(
                 )
 
 
-def verify(spec: Spec, options: ExtractionOptions, *, echo: Callable[[str], Any]) -> VerifyReport:
+def verify(
+    spec: Spec, options: ExtractionOptions, *, echo: Callable[[str], Any], processes: int = 1
+) -> VerifyReport:
     """Extract, save, reload and replay a tiny model of ``spec`` in each verify dtype; compare with
-    transformers in the same dtype."""
+    transformers in the same dtype (``processes`` 2: its graphs traced half in a forked child)."""
     from ...loading import load_config
 
     start = time.perf_counter()
@@ -755,6 +765,6 @@ def verify(spec: Spec, options: ExtractionOptions, *, echo: Callable[[str], Any]
             report.notes.append(ABSORBED_LOW_PRECISION)
             continue
         with one_thread():  # tiny models: one intra-op thread, no spin-waiting pool
-            _verify_in(spec, options, config, text_config, structure, dtype, report, echo)
+            _verify_in(spec, options, config, text_config, structure, dtype, report, echo, processes)
     report.seconds = time.perf_counter() - start
     return report
