@@ -200,6 +200,9 @@ def command(
             "--static/--kv-cache/--block-size/--verify/--no-cache need --backend extraction"
         )
     if opts is not None:
+        from ..backends.extraction.forked import export_processes
+
+        processes = export_processes()  # a bad KADAPT_EXPORT_PROCESSES fails here, before any work
         with out.stage("check transformers"):  # its internals, before a 1T-parameter model is built
             extraction.check_upstream(opts)
         from ..upstream import untested_release
@@ -234,7 +237,14 @@ def command(
         if extraction is not None:
             with out.stage("extraction"):
                 extracted, reach = extraction.run_cached(
-                    spec, model, opts, session=session, device=device, use_cache=not no_cache, echo=out.info
+                    spec,
+                    model,
+                    opts,
+                    session=session,
+                    device=device,
+                    use_cache=not no_cache,
+                    processes=processes,
+                    echo=out.info,
                 )
             missed = ledger.record_reach(reach, run="the export")
             result.update(ledger=ledger.to_dict(), extraction=extracted.to_dict())
@@ -250,9 +260,7 @@ def command(
     report = None
     if extraction is not None and verify:
         with out.stage("verify"):
-            from ..backends.extraction.forked import export_processes
-
-            report = extraction.verify(spec, opts, echo=out.info, processes=export_processes())
+            report = extraction.verify(spec, opts, echo=out.info, processes=processes)
         result["verify"] = report.to_dict()
         if not out.json:  # failing checks are the finding: shown even with -q
             (out.info if report.passed else out.result)(report.render())

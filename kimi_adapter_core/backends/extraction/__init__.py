@@ -62,6 +62,7 @@ def run_cached(
     session: Session,
     device: str,
     use_cache: bool,
+    processes: int,
     echo: Callable[[str], Any],
 ) -> tuple[ExtractionSummary, dict[str, int]]:
     """``run`` through the extraction cache (``cache.py``), as ``kadapt apply`` runs it: the summary and
@@ -69,7 +70,9 @@ def run_cached(
     from .cache import ExtractionCache, default_root, extract_or_restore
 
     cache = ExtractionCache(default_root()) if use_cache else None
-    return extract_or_restore(spec, model, options, session=session, device=device, cache=cache, echo=echo)
+    return extract_or_restore(
+        spec, model, options, session=session, device=device, cache=cache, processes=processes, echo=echo
+    )
 
 
 def verify(

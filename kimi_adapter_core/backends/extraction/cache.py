@@ -183,16 +183,17 @@ def extract_or_restore(
     session: Session,
     device: str,
     cache: ExtractionCache | None,
+    processes: int,
     echo: Callable[[str], Any],
 ) -> tuple[ExtractionSummary, dict[str, int]]:
     """The run's summary and patch reach counts: restored from ``cache`` if its key is stored, else
-    extracted (``pipeline.run``) and stored. ``cache`` None (``--no-cache``) extracts only."""
+    extracted (``pipeline.run`` in ``processes``) and stored. ``cache`` None (``--no-cache``)
+    extracts only."""
     from ...patching.remote import uses_remote_code
-    from .forked import export_processes
     from .pipeline import run
 
     def extract() -> tuple[ExtractionSummary, dict[str, int]]:
-        summary = run(spec, model, options, echo=echo, processes=export_processes())
+        summary = run(spec, model, options, echo=echo, processes=processes)
         return summary, {patch: reach.count for patch, reach in session.reach.items()}
 
     if cache is None:

@@ -40,6 +40,8 @@ class Steps(Protocol):
     steps: list[tuple[str, float]]
     echo: Callable[[str], None]
 
+    def record(self, name: str, seconds: float) -> None: ...
+
 
 class Counter(Protocol):
     count: int
@@ -81,9 +83,7 @@ def build_all(
             payload = pipe.read()
         _, status = os.waitpid(pid, 0)
         reaped = True
-        waited = time.perf_counter() - start
-        clock.steps.append(("join second process", waited))
-        clock.echo(f"  {'join second process':<20} {waited:6.2f} s")
+        clock.record("join second process", time.perf_counter() - start)
         built.update(_received(payload, status, [name for name, _ in theirs], clock, reach))
     finally:
         if read_end != -1:
@@ -149,8 +149,7 @@ def _received(
         error.__dict__.update(state)
         raise error
     for name, seconds in result["steps"]:
-        clock.steps.append((f"{name}{SECOND_PROCESS}", seconds))
-        clock.echo(f"  {name:<20} {seconds:6.2f} s {SECOND_PROCESS}")
+        clock.record(f"{name}{SECOND_PROCESS}", seconds)
     for patch, calls in result["reach"].items():
         reach[patch].count += calls
     return result["graphs"]

@@ -57,7 +57,10 @@ class Clock:
     def step(self, name: str) -> Iterator[None]:
         start = time.perf_counter()
         yield
-        seconds = time.perf_counter() - start
+        self.record(name, time.perf_counter() - start)
+
+    def record(self, name: str, seconds: float) -> None:
+        """A step timed elsewhere (``forked``: the second process's, the wait for it)."""
         self.steps.append((name, seconds))
         self.echo(f"  {name:<20} {seconds:6.2f} s")
 
@@ -344,8 +347,7 @@ def run(
         (kind, functools.partial(build_graph, kind, backbone, options, chosen, clock)) for kind in kinds
     ]
     if vision_modules is not None:
-        modules = vision_modules
-        tasks.append(("vision", lambda: export_vision(modules, options, clock)))
+        tasks.append(("vision", functools.partial(export_vision, vision_modules, options, clock)))
     session = active_session(spec)
     graphs = forked.build_all(
         tasks, processes=processes, clock=clock, reach=session.reach if session is not None else {}
