@@ -9,10 +9,9 @@ import json
 import re
 
 import pytest
-import yaml
 from fixtures.spec_files import REPO
 
-from kimi_adapter_core.backends.simulation import aiconfigurator
+from kimi_adapter_core.backends.simulation import aiconfigurator, kernels
 from kimi_adapter_core.backends.simulation.cost import kernel_table
 from kimi_adapter_core.backends.simulation.deployment import Deployment
 from kimi_adapter_core.backends.simulation.device import get_device
@@ -44,10 +43,9 @@ def decode(spec: str, device: str, framework: str = "trtllm", tp: int = 8, ep: i
 
 
 def read_table(name: str) -> dict:
-    """A shipped table as data, read with libyaml where it is there (as ``kernels`` reads them: the
-    tables run to thousands of lines, ~10x slower through the pure-Python loader)."""
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    return yaml.load((KERNELS_DIR / f"{name}.yaml").read_text(encoding="utf-8"), Loader=loader)  # noqa: S506
+    """A shipped table as data, read as ``kernels`` reads it (libyaml where it is there: the tables run
+    to thousands of lines, ~10x slower through the pure-Python loader)."""
+    return kernels._read(name, KERNELS_DIR)
 
 
 # --- the shipped tables -------------------------------------------------------------------------------
@@ -193,12 +191,6 @@ def test_mla_decode_at_8_heads_per_rank_reads_at_its_own_efficiency() -> None:
     assert own > 0.75 and own > 1.2 * table.attention_eff(True, "mla", read)
 
 
-def _shipped(name: str) -> dict:
-    """The document of the shipped kernel table ``name``."""
-    text = (KERNELS_DIR / f"{name}.yaml").read_text(encoding="utf-8")
-    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-
-
 def _source_rows(source: str) -> object:
     """The measured rows a curve's ``source`` names (``<system>/<op>/<framework>/<version>/<file>
     (<kernel>)``), of that kernel only."""
@@ -240,7 +232,7 @@ def test_gqa_prefill_at_a_measured_batch_and_length_reproduces_its_row(
     op = _qwen3_prefill_attention(tokens)
     hardware = get_device(device)
     table = kernel_table(hardware, framework)
-    rows = _source_rows(_shipped(table.name)["attention"]["prefill"]["gqa"]["source"])
+    rows = _source_rows(read_table(table.name)["attention"]["prefill"]["gqa"]["source"])
     keep = (rows.num_heads == 8) & (rows.num_key_value_heads == 1) & (rows.head_dim == 128)
     keep &= (rows.attn_dtype == "bfloat16") & (rows.kv_cache_dtype == "bfloat16") & (rows.window_size == 0)
     (row,) = rows[keep & (rows.batch_size == 1) & (rows.isl == tokens)].latency
@@ -271,7 +263,7 @@ def test_the_tp_all_reduce_reproduces_each_measured_message_size(device: str, fr
 
     hardware = get_device(device)
     table = kernel_table(hardware, framework)
-    rows = _source_rows(_shipped(table.name)["all_reduce"]["source"])
+    rows = _source_rows(read_table(table.name)["all_reduce"]["source"])
     rows = rows[(rows.allreduce_dtype == "bfloat16") & (rows.num_gpus == 8)]
     for elements in (2**21, 2**22, 2**23, 2**24, 2**25):  # bf16 elements: 4-64 MiB
         row = float(rows[rows.message_size == elements].latency.median())
