@@ -409,3 +409,109 @@ def test_cli_framework_reaches_the_roofline() -> None:
         out[framework] = json.loads(result.output)
     assert set(out["vllm"]["cost_model"]["sources"]) >= {"table:h200_sxm_vllm"}
     assert "table:h200_sxm_vllm" not in out["trtllm"]["cost_model"]["sources"]
+
+
+# --- the held-out experiment (benchmarks/bench_simulation.py [HELD-OUT]) --------------------------------
+@pytest.fixture(scope="module")
+def bench():
+    """The benchmark module, whose row filters and sources define the held-out tables."""
+    import importlib.util
+    import sys
+
+    path = REPO / "benchmarks" / "bench_simulation.py"
+    loaded = importlib.util.spec_from_file_location("bench_simulation", path)
+    assert loaded is not None and loaded.loader is not None
+    module = importlib.util.module_from_spec(loaded)
+    sys.modules.setdefault("bench_simulation", module)
+    loaded.loader.exec_module(module)
+    return module
+
+
+def _family(bench, spec: str):
+    return next(f for f in bench.FAMILIES if f.spec == spec)
+
+
+def _shape_matches(table: dict) -> list[dict]:
+    """Every ``match`` of every per-shape curve and module floor of a table document."""
+    found = [s["match"] for c in curves(table) for s in c.get("shapes", [])]
+    return found + [s["match"] for s in table.get("module_floor", {}).get("mla", {}).get("shapes", [])]
+
+
+@needs_aic
+def test_held_out_filters_drop_what_they_claim_and_keep_the_rest(bench) -> None:
+    import pandas as pd
+
+    from kimi_adapter_core.backends.simulation import calibrate
+
+    root = calibrate._tables("h200_sxm")
+    deepseek = _family(bench, "deepseek_v3")
+    moe = pd.read_parquet(root / "moe/sglang/0.5.14/moe_perf.parquet")
+    gemm = pd.read_parquet(root / "gemm/sglang/0.5.14/gemm_perf.parquet")
+    mla = pd.read_parquet(root / "mla/sglang/0.5.14/generation_mla_perf.parquet")
+    module = pd.read_parquet(root / "mla/vllm/0.24.0/mla_generation_module_perf.parquet")
+    shapes = bench.without_shapes(deepseek)
+    kept = shapes("moe", moe), shapes("gemm", gemm), shapes("mla", mla), shapes("mla", module)
+    assert not (kept[0].hidden_size == 7168).any() and (moe.hidden_size == 7168).any()
+    assert not ((kept[1].n == 7168) | (kept[1].k == 7168)).any() and (gemm.n == 7168).any()
+    for rows in kept[2:]:  # 128 heads at TP8 and TP4: 16 and 32 per rank
+        assert not rows.num_heads.isin([16, 32]).any()
+    assert all(len(rows) for rows in kept)  # the rest of every table is still fitted on
+    assert len(kept[2]) == (~mla.num_heads.isin([16, 32])).sum()
+    layout = bench.without_layout(deepseek, 8, 8)
+    kept = layout("moe", moe), layout("gemm", gemm), layout("mla", mla), layout("attention", module)
+    assert not (kept[0].moe_ep_size == 8).any() and (kept[0].hidden_size == 7168).any()  # other EPs stay
+    assert len(kept[1]) == len(gemm)
+    assert not (kept[2].num_heads == 16).any() and (kept[2].num_heads == 32).any()
+    assert not (kept[3].num_heads == 16).any()
+
+
+@needs_aic
+@pytest.mark.parametrize(("kind", "framework"), [("shapes", "sglang"), ("layout", "vllm")])
+def test_a_held_out_table_never_saw_the_scored_rows(bench, kind: str, framework: str) -> None:
+    """The full refit (per-shape curves too) has no curve of the scored family's shapes or layout, so
+    the median-only fit the benchmark uses prices the scored steps exactly as it would, and not as
+    the shipped table (which measured them)."""
+    from kimi_adapter_core.backends.simulation import calibrate
+    from kimi_adapter_core.backends.simulation.cost import price
+    from kimi_adapter_core.backends.simulation.simulator import finish_step, trace_kernels
+
+    deepseek = _family(bench, "deepseek_v3")
+    keep = bench.without_shapes(deepseek) if kind == "shapes" else bench.without_layout(deepseek, 8, 8)
+    full = calibrate.calibrate("h200_sxm", framework, keep)
+    for match in _shape_matches(full):
+        assert match.get("hidden") != 7168 if kind == "shapes" else match.get("ep") != 8, match
+        assert match.get("heads") not in ((16, 32) if kind == "shapes" else (16,)), match
+    fast = calibrate.calibrate("h200_sxm", framework, keep, shapes=False)
+    assert not _shape_matches(fast) and "module_floor" not in fast
+    spec = load_spec(REPO / "specs" / "deepseek_v3.yaml")
+    device = get_device("h200")
+    steps = []
+    for decode_step in (True, False):
+        dep = Deployment(
+            Parallel(8, 1, 8), 32 if decode_step else 1, 1 if decode_step else 4096, 4096, decode_step
+        )
+        ops = trace_kernels(spec, model_inputs(spec, None), dep)[0]
+        for table in (full, fast):
+            parsed = bench._table(table, kind)
+            steps.append(sum(k.total for k in finish_step([price(op, device, parsed) for op in ops], dep)))
+        shipped = kernel_table(device, framework)
+        assert steps[-1] != sum(k.total for k in finish_step([price(op, device, shipped) for op in ops], dep))
+    assert steps[0] == pytest.approx(steps[1], rel=1e-12) and steps[2] == pytest.approx(steps[3], rel=1e-12)
+
+
+def test_a_device_held_out_table_was_measured_on_another_device(bench) -> None:
+    from kimi_adapter_core.backends.simulation import calibrate
+
+    assert set(bench.TARGETS) == set(calibrate.shipped())
+    for sources in (bench.SAME_GENERATION, bench.OTHER_GENERATION):
+        for system, source in sources.items():
+            assert source != system
+            for framework in FRAMEWORKS:
+                table = bench.source_table(source, framework)
+                assert table.name == f"{source}_{framework}"
+                assert table.device == calibrate.SYSTEMS[source] != calibrate.SYSTEMS[system]
+    hopper, blackwell = {"h100_sxm", "h200_sxm"}, {"b200_sxm", "gb200"}
+    for system, source in bench.SAME_GENERATION.items():
+        assert {system, source} <= hopper or {system, source} <= blackwell
+    for system, source in bench.OTHER_GENERATION.items():
+        assert (system in hopper) != (source in hopper)

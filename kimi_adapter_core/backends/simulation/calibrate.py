@@ -227,6 +227,12 @@ def _prefill_shapes(rows: Any, columns: dict[str, str], fit: Callable[[Any], dic
     )
 
 
+def _per_shape(shapes: bool, fit: Callable[[], list[Any]]) -> dict[str, Any]:
+    """A curve's ``shapes`` entry, ``fit`` only when the table keeps per-shape curves (``calibrate``'s
+    ``shapes``; the median curves never depend on them)."""
+    return {"shapes": fit()} if shapes else {}
+
+
 def _eff(frame: Any, ideal_ms: Callable[[Any], Any]) -> Any:
     """Rows with their efficiency; launch-bound rows (faster than 3 overheads) say nothing about the
     kernel's throughput and are dropped."""
@@ -273,7 +279,7 @@ def gemm_curves(
 
 
 def moe_curves(
-    root: Path, framework: str, peak: dict[str, float], bw: float, row_filter: RowFilter
+    root: Path, framework: str, peak: dict[str, float], bw: float, row_filter: RowFilter, shapes: bool = True
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Grouped expert GEMMs by token-expert pairs per local expert; balanced routing sets the curve,
     the power-law/balanced latency ratio at the same shape sets the imbalance factor. Gated experts
@@ -287,7 +293,12 @@ def moe_curves(
             keep = (t.moe_dtype == dtype) & (t.moe_tp_size == 1) & ~t.kernel_source.str.contains("nongated")
             return t[keep & (t.hidden_size >= 4096) & (t.num_experts >= 64)]
 
-        found = measured(root, ("moe", "moe_perf.parquet"), framework, select, row_filter)
+        try:
+            found = measured(root, ("moe", "moe_perf.parquet"), framework, select, row_filter)
+        except KadaptError:
+            if row_filter is _all_rows:
+                raise
+            continue  # a part fit without any row of this dtype: its ops price as a dtype not measured
         table = found.rows
         local = table.num_experts / table.moe_ep_size
         pairs = table.num_tokens * table.topk / table.moe_ep_size
@@ -305,13 +316,14 @@ def moe_curves(
         curves[key] = {
             **_expert_curve(balanced, ideal, floor_ms, MOE_GRID),
             "source": f"{found.source}, balanced; {BY_SHAPE}",
-            "shapes": _shape_curves(
-                balanced,
-                EXPERT_SHAPE,
-                lambda rows, ideal=ideal, floor=floor_ms: _expert_curve(
-                    rows, ideal, _pipeline_floor(rows, ideal, floor)
+            **_per_shape(
+                shapes,
+                lambda balanced=balanced, ideal=ideal, floor=floor_ms: _shape_curves(
+                    balanced,
+                    EXPERT_SHAPE,
+                    lambda rows: _expert_curve(rows, ideal, _pipeline_floor(rows, ideal, floor)),
+                    EXPERT_LAYOUT,
                 ),
-                EXPERT_LAYOUT,
             ),
         }
         shape = ["num_tokens", "hidden_size", "inter_size", "topk", "num_experts", "moe_ep_size"]
@@ -323,13 +335,14 @@ def moe_curves(
                 "pairs_per_expert": MOE_GRID,
                 "factor": _median_curve(joined, "pairs_per_expert", MOE_GRID, "ratio"),
                 "source": f"{found.source}, power_law_1.01 / balanced; {BY_SHAPE}",
-                "shapes": _shape_curves(
-                    joined,
-                    EXPERT_SHAPE,
-                    lambda rows, ideal=ideal, floor=floor_ms: _factor_curve(
-                        rows, _pipeline_floor(rows, ideal, floor)
+                **_per_shape(
+                    shapes,
+                    lambda joined=joined, ideal=ideal, floor=floor_ms: _shape_curves(
+                        joined,
+                        EXPERT_SHAPE,
+                        lambda rows: _factor_curve(rows, _pipeline_floor(rows, ideal, floor)),
+                        EXPERT_LAYOUT,
                     ),
-                    EXPERT_LAYOUT,
                 ),
             }
     return curves, factors
@@ -382,7 +395,7 @@ def _expert_curve(
 
 
 def attention_curves(
-    root: Path, framework: str, peak: dict[str, float], bw: float, row_filter: RowFilter
+    root: Path, framework: str, peak: dict[str, float], bw: float, row_filter: RowFilter, shapes: bool = True
 ) -> dict[str, Any]:
     """Prefill attention by new tokens per sequence, decode attention by KV bytes one call reads, for
     GQA (head_dim 128, no window) and DeepSeek-style MLA."""
@@ -437,13 +450,13 @@ def attention_curves(
                 axis: SEQ_GRID,
                 "efficiency": _median_curve(rows, key, SEQ_GRID),
                 "source": f"{found.source}; {BY_SHAPE}; {BY_BATCH}",
-                "shapes": _prefill_shapes(rows, columns, fit),
+                **_per_shape(shapes, lambda: _prefill_shapes(rows, columns, fit)),
             }
         return {
             axis: BYTES_GRID,
             "efficiency": _median_curve(rows, key, BYTES_GRID),
             "source": f"{found.source}; {BY_SHAPE}",
-            "shapes": _shape_curves(rows, columns, fit, ATTENTION_LAYOUT),
+            **_per_shape(shapes, lambda: _shape_curves(rows, columns, fit, ATTENTION_LAYOUT)),
         }
 
     context, generation = (
@@ -524,6 +537,7 @@ def mla_module_curves(
     bw: float,
     row_filter: RowFilter,
     gemm: tuple[dict[str, Any], dict[str, Any]],
+    shapes: bool = True,
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]] | None:
     """(prefill attention, decode attention, decode module floor) of a framework that measured its MLA
     only as a module (vLLM: no standalone MLA kernel, so its tables used to borrow TensorRT-LLM's);
@@ -535,12 +549,12 @@ def mla_module_curves(
     context = module_rows(root, framework, "mla_context_module_perf.parquet", row_filter)
     if generation is None or context is None:
         return None
-    decode, floor = module_decode(generation, peak, bw)
-    return module_prefill(context, peak, bw, gemm), decode, floor
+    decode, floor = module_decode(generation, peak, bw, shapes)
+    return module_prefill(context, peak, bw, gemm, shapes), decode, floor
 
 
 def module_decode(
-    found: Measured, peak: dict[str, float], bw: float
+    found: Measured, peak: dict[str, float], bw: float, shapes: bool = True
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Decode MLA from the module rows: (attention curve, module floor).
 
@@ -563,11 +577,14 @@ def module_decode(
         "kv_bytes": BYTES_GRID,
         "efficiency": _median_curve(net, "read", BYTES_GRID),
         "source": f"{found.source}, less the module at its shortest context (module_floor); {BY_SHAPE}",
-        "shapes": _shape_curves(
-            net,
-            MODULE_ATTENTION_SHAPE,
-            lambda own: _exact_curve(own, "read", names=("kv_bytes", "efficiency")),
-            ATTENTION_LAYOUT,
+        **_per_shape(
+            shapes,
+            lambda: _shape_curves(
+                net,
+                MODULE_ATTENTION_SHAPE,
+                lambda own: _exact_curve(own, "read", names=("kv_bytes", "efficiency")),
+                ATTENTION_LAYOUT,
+            ),
         ),
     }
     floor = floor.assign(latency_us=floor.latency * 1e3)
@@ -577,17 +594,24 @@ def module_decode(
             "(median over those contexts), by batch: its projections, norms, rope and launches, per "
             "shape (match), in us"
         ),
-        "shapes": _shape_curves(
-            floor,
-            MODULE_SHAPE,
-            lambda own: _exact_curve(own, "batch_size", "latency_us", ("tokens", "latency_us")),
-            ATTENTION_LAYOUT | {"hidden": MLA_MODULE["hidden"]},
+        **_per_shape(
+            shapes,
+            lambda: _shape_curves(
+                floor,
+                MODULE_SHAPE,
+                lambda own: _exact_curve(own, "batch_size", "latency_us", ("tokens", "latency_us")),
+                ATTENTION_LAYOUT | {"hidden": MLA_MODULE["hidden"]},
+            ),
         ),
     }
 
 
 def module_prefill(
-    found: Measured, peak: dict[str, float], bw: float, gemm: tuple[dict[str, Any], dict[str, Any]]
+    found: Measured,
+    peak: dict[str, float],
+    bw: float,
+    gemm: tuple[dict[str, Any], dict[str, Any]],
+    shapes: bool = True,
 ) -> dict[str, Any]:
     """Prefill MLA attention from the module rows (no cached prefix) less the module's GEMMs as this
     table's own GEMM curves price them (q_a + kv_a, q_b, kv_b, o_proj at M = the new tokens: kadapt
@@ -613,11 +637,14 @@ def module_prefill(
             f"{found.source}, less the module's q_a + kv_a, q_b, kv_b and o_proj GEMMs priced by this "
             f"table's gemm curves; {BY_SHAPE}"
         ),
-        "shapes": _shape_curves(
-            net,
-            MODULE_ATTENTION_SHAPE,
-            lambda own: _exact_curve(own, "isl", names=("seq", "efficiency")),
-            ATTENTION_LAYOUT,
+        **_per_shape(
+            shapes,
+            lambda: _shape_curves(
+                net,
+                MODULE_ATTENTION_SHAPE,
+                lambda own: _exact_curve(own, "isl", names=("seq", "efficiency")),
+                ATTENTION_LAYOUT,
+            ),
         ),
     }
 
@@ -674,19 +701,24 @@ def all_reduce_curve(root: Path, framework: str, link_bw: Callable[[int], float]
     }
 
 
-def calibrate(system: str, framework: str, row_filter: RowFilter = _all_rows) -> dict[str, Any]:
+def calibrate(
+    system: str, framework: str, row_filter: RowFilter = _all_rows, shapes: bool = True
+) -> dict[str, Any]:
     """The kernel table of ``framework`` on AIConfigurator's ``system``, fitted on the rows
-    ``row_filter`` keeps (all of them for a shipped table)."""
+    ``row_filter`` keeps (all of them for a shipped table). ``shapes=False`` fits the median curves
+    only, 2-4x faster: no per-shape curve and no module floor (both price only the shapes they were
+    measured at). A held-out fit whose ``row_filter`` dropped every row of the shapes it is scored
+    on prices them the same either way: no per-shape curve of the full refit could match them."""
     from importlib.metadata import version
 
     device = get_device(SYSTEMS[system])
     peak = dict(device.peak_flops)
     bw = device.hbm_bandwidth
     root = _tables(system)
-    grouped, imbalance = moe_curves(root, framework, peak, bw, row_filter)
+    grouped, imbalance = moe_curves(root, framework, peak, bw, row_filter, shapes)
     gemm = gemm_curves(root, framework, peak, bw, row_filter)
-    attention = attention_curves(root, framework, peak, bw, row_filter)
-    module = mla_module_curves(root, framework, peak, bw, row_filter, gemm)
+    attention = attention_curves(root, framework, peak, bw, row_filter, shapes)
+    module = mla_module_curves(root, framework, peak, bw, row_filter, gemm, shapes)
     if module is not None:  # the framework's own MLA, measured as a module, replaces a borrowed kernel
         attention["prefill"]["mla"], attention["decode"]["mla"], floor = module
     table = {
@@ -707,7 +739,7 @@ def calibrate(system: str, framework: str, row_filter: RowFilter = _all_rows) ->
         "attention": attention,
         "all_reduce": all_reduce_curve(root, framework, lambda n: device.link_for(n).bandwidth),
     }
-    return table | ({"module_floor": {"mla": floor}} if module is not None else {})
+    return table | ({"module_floor": {"mla": floor}} if module is not None and shapes else {})
 
 
 def shipped() -> list[tuple[str, str]]:
