@@ -44,6 +44,7 @@ GRAPHS = ("prefill", "decode")
 EXEC_DEVICE = "cpu"  # factory ops traced on meta get this device (the executors run on CPU)
 
 Echo = Callable[[str], None]
+STEP_WIDTH = 38  # "replicate prefill_mm (second process)" and a space: the seconds line up
 
 
 class Clock:
@@ -62,7 +63,7 @@ class Clock:
     def record(self, name: str, seconds: float) -> None:
         """A step timed elsewhere (``forked``: the second process's, the wait for it)."""
         self.steps.append((name, seconds))
-        self.echo(f"  {name:<20} {seconds:6.2f} s")
+        self.echo(f"  {name:<{STEP_WIDTH}} {seconds:6.2f} s")
 
 
 def backbone_of(spec: Spec, model: nn.Module) -> Backbone:
