@@ -20,6 +20,7 @@ import click
 
 from ..errors import KadaptError, UsageError
 from ..patching.selection import CHOICES
+from .collector import collector_tuned, freeze
 from .output import format_option, reporter, verbosity_options
 from .source_options import source_options
 from .spec_argument import spec_argument
@@ -101,6 +102,7 @@ SIZE = click.IntRange(1, 1 << 24)  # tokens or sequences: 0 or a typo's 1e12 is 
     help="Apply the spec without this shim, bridge or patch (repeatable): shows what an entry is for.",
 )
 @verbosity_options
+@collector_tuned
 def command(
     spec_path: Path,
     backend: str,
@@ -227,6 +229,7 @@ def command(
         out.info(f"building {spec.name} on {device} ...")
         with out.stage("build model"):
             model = load_model(spec, device=device)
+            freeze()  # the imports and the model live until the end: no collection rescans them
         summary = model_summary(spec, model, structure)
         result.update(ledger=ledger.to_dict(), model=summary)
         experts = f", {summary['experts']} experts" if summary["experts"] else ""
