@@ -283,3 +283,28 @@ def test_module_matcher_is_compressed_tensors_rule_entry_by_entry() -> None:
     for matches in (module_matcher(entries), module_matcher(e for e in entries)):  # any iterable
         assert [matches(m) for m in modules] == [by_entry(m) for m in modules]
     assert sum(by_entry(m) for m in modules) == 6  # both outcomes are exercised
+
+
+def test_weight_renames_substitute_as_re_sub_does() -> None:
+    """Rules with group references are expanded per match (``naming._compiled``): the names must be
+    exactly ``re.sub``'s, rule after rule, for every template form a spec may write."""
+    rules = (
+        (r"^model\.language_model\.", "language_model.model."),
+        (r"^language_model\.model\.layers\.(\d+)\.attn\.", r"blocks.\1.attention."),
+        (r"experts\.(?P<e>\d+)\.", r"e\g<e>.\g<0>"),
+        (r"\.weight$", r"\\w"),  # an escaped backslash stays one backslash
+    )
+    paths = [
+        "model.language_model.layers.12.attn.q.weight",
+        "model.language_model.layers.3.mlp.experts.17.down_proj.weight",
+        "lm_head.weight",
+        "model.visual.blocks.0.bias",
+    ]
+
+    def by_re_sub(path: str) -> str:
+        for pattern, replacement in rules:
+            path = re.sub(pattern, replacement, path)
+        return path
+
+    assert [rename_weight(p, rules) for p in paths] == [by_re_sub(p) for p in paths]
+    assert len({by_re_sub(p) for p in paths} - set(paths)) == 3  # three of the four are renamed
