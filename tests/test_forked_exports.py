@@ -12,7 +12,9 @@ import pytest
 from click.testing import CliRunner
 
 from kimi_adapter_core.backends.extraction import pipeline
+from kimi_adapter_core.backends.extraction.graph import TensorType
 from kimi_adapter_core.backends.extraction.summary import SECOND_PROCESS
+from kimi_adapter_core.backends.extraction.weight_map import same_document
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import Refusal
 
@@ -75,3 +77,31 @@ def test_a_second_process_that_dies_is_named(tmp_path, monkeypatch):
     result = apply("llama", tmp_path / "out", 2, monkeypatch)
     assert result.exit_code == 1
     assert "the export process building decode ended without a result (exit status 3)" in result.output
+
+
+def test_the_childs_weight_map_is_used_only_when_it_is_the_runs(tmp_path, monkeypatch):
+    """The child maps its own graphs' weights while this process traces; the run uses that map only
+    when it describes every graph's weights, else maps them itself: the same bytes either way."""
+    calls: list[int] = []  # this process's maps (a child's calls land in its own copy of the list)
+    real = pipeline.weight_map_document
+    monkeypatch.setattr(pipeline, "weight_map_document", lambda *a, **k: calls.append(1) or real(*a, **k))
+    used = apply("llama", tmp_path / "used", 2, monkeypatch)
+    mapped_here = len(calls)
+    monkeypatch.setattr(pipeline, "same_document", lambda mine, theirs: False)
+    calls.clear()
+    recomputed = apply("llama", tmp_path / "recomputed", 2, monkeypatch)
+    assert used.exit_code == recomputed.exit_code == 0, recomputed.output
+    assert (mapped_here, len(calls)) == (1, 2)  # the layout check maps the templates in both runs
+    assert files(tmp_path / "used") == files(tmp_path / "recomputed")
+    steps = [s["step"] for s in json.loads(used.stdout)["extraction"]["steps"]]
+    assert f"weight map{SECOND_PROCESS}" in steps
+
+
+def test_a_weight_map_is_the_same_document_only_for_the_same_weights_and_head():
+    fp32, bf16 = TensorType((4, 4), "float32"), TensorType((4, 4), "bfloat16")
+    run = {"model.embed.weight": bf16, "lm_head.weight": bf16}
+    assert same_document(run, dict(reversed(run.items())))  # order aside, the same map
+    assert not same_document(run, {**run, "model.norm.weight": fp32})  # a weight only one reads
+    assert not same_document(run, {**run, "lm_head.weight": fp32})  # another type
+    heads = {"a.lm_head.weight": bf16, "b.lm_head.weight": bf16}
+    assert not same_document(heads, dict(reversed(heads.items())))  # another head: another storage

@@ -6,6 +6,8 @@ graphs. With two CPUs the child takes the second half (Kimi-K2.5: prefill_mm and
 on meta and every import done, which a new interpreter would spend the import floor redoing. Only
 its graphs come back (pickled: ~1.5 MB for Kimi-K2.5), with the clock steps it took and how many
 calls reached each patch (the ledger reports a run's reach, so the child's counts are added here).
+A caller may also have the child ``summarize`` its graphs while this process finishes its own half
+(the pipeline: the weight map of the child's graphs, which the run uses when it is the whole run's).
 
 Safety:
 - the child sets torch's intra-op threads to 1 before any op: the OpenMP pool this process used
@@ -60,19 +62,26 @@ def export_processes() -> int:
 
 
 def build_all(
-    tasks: Sequence[Task], *, processes: int, clock: Steps, reach: Mapping[str, Counter]
-) -> dict[str, Any]:
+    tasks: Sequence[Task],
+    *,
+    processes: int,
+    clock: Steps,
+    reach: Mapping[str, Counter],
+    summarize: Callable[[Mapping[str, Any]], Any] | None = None,
+) -> tuple[dict[str, Any], Any]:
     """Each task's result by name, in task order: the first half built here, the rest in a child
-    when ``processes`` > 1 (the module docstring says how it stays safe)."""
+    when ``processes`` > 1 (the module docstring says how it stays safe); and ``summarize`` of the
+    child's results, computed in the child while this process finishes its half (None with one
+    process: a caller computes what it needs from all the results)."""
     if processes < 2 or len(tasks) < 2 or not hasattr(os, "fork"):
-        return {name: build() for name, build in tasks}
+        return {name: build() for name, build in tasks}, None
     split = (len(tasks) + 1) // 2
     mine, theirs = tasks[:split], tasks[split:]
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(read_end)
-        _child(theirs, write_end, clock, reach)
+        _child(theirs, summarize, write_end, clock, reach)
     os.close(write_end)
     reaped = False
     try:
@@ -84,7 +93,8 @@ def build_all(
         _, status = os.waitpid(pid, 0)
         reaped = True
         clock.record("join second process", time.perf_counter() - start)
-        built.update(_received(payload, status, [name for name, _ in theirs], clock, reach))
+        graphs, summary = _received(payload, status, [name for name, _ in theirs], clock, reach)
+        built.update(graphs)
     finally:
         if read_end != -1:
             os.close(read_end)
@@ -92,11 +102,18 @@ def build_all(
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-    return {name: built[name] for name, _ in tasks}
+    return {name: built[name] for name, _ in tasks}, summary
 
 
-def _child(tasks: Sequence[Task], write_end: int, clock: Steps, reach: Mapping[str, Counter]) -> NoReturn:
-    """Build ``tasks`` and send the result (or the error) through ``write_end``; never returns."""
+def _child(
+    tasks: Sequence[Task],
+    summarize: Callable[[Mapping[str, Any]], Any] | None,
+    write_end: int,
+    clock: Steps,
+    reach: Mapping[str, Counter],
+) -> NoReturn:
+    """Build ``tasks`` (and ``summarize`` them) and send the result (or the error) through
+    ``write_end``; never returns."""
     try:
         with contextlib.suppress(ValueError):  # forked from another thread: that thread's handlers
             signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -109,6 +126,7 @@ def _child(tasks: Sequence[Task], write_end: int, clock: Steps, reach: Mapping[s
         graphs = {name: build() for name, build in tasks}
         result: dict[str, Any] = {
             "graphs": graphs,
+            "summary": summarize(graphs) if summarize is not None else None,
             "steps": clock.steps[done:],
             "reach": {patch: counter.count - before[patch] for patch, counter in reach.items()},
         }
@@ -135,8 +153,9 @@ def _silent(_: str) -> None:
 
 def _received(
     payload: bytes, status: int, names: list[str], clock: Steps, reach: Mapping[str, Counter]
-) -> dict[str, Any]:
-    """The child's graphs; its steps echoed and added to ``clock``, its reach added to ``reach``."""
+) -> tuple[dict[str, Any], Any]:
+    """The child's graphs and summary; its steps echoed and added to ``clock``, its reach added to
+    ``reach``."""
     if not payload:
         raise KadaptError(
             f"the export process building {', '.join(names)} ended without a result ({_ended(status)})"
@@ -152,7 +171,7 @@ def _received(
         clock.record(f"{name}{SECOND_PROCESS}", seconds)
     for patch, calls in result["reach"].items():
         reach[patch].count += calls
-    return result["graphs"]
+    return result["graphs"], result["summary"]
 
 
 def _ended(status: int) -> str:

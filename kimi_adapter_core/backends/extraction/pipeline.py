@@ -13,7 +13,7 @@ import json
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +30,12 @@ from ...structure.derive import derive_structure
 from . import check_upstream, forked, runtime, vision
 from .encoding import enum_tables
 from .export import Backbone, check_exportable, check_stack, export_wrapper, graph_names, to_graph
-from .graph import Graph
+from .graph import Graph, TensorType
 from .irjson import FORMAT_VERSION, ir_chunks
 from .options import MERGED, ExtractionOptions, bind_merged_prefill, bind_structure, kv_names
 from .stitch import NotStitchable, Plan, plan, stitch
 from .summary import ExtractionSummary, GraphStats
-from .weight_map import weight_map_document
+from .weight_map import same_document, weight_map_document
 from .weights import cast_to_abi_dtype, model_tensor_types, tied_names, weight_entries
 from .whole_model import check_whole_model
 from .write import write_all
@@ -286,6 +286,11 @@ def check_checkpoint_layout(
         raise Refusal("checkpoint-layout", exc.message) from exc
 
 
+def graph_weights(graphs: Iterable[Graph]) -> dict[str, TensorType]:
+    """The weights ``graphs`` read, by model path, in graph order (what the weight map describes)."""
+    return {path: tensor for graph in graphs for path, tensor in graph.weights.items()}
+
+
 def export_vision(modules: vision.VisionModules, options: ExtractionOptions, clock: Clock) -> Graph:
     with clock.step("export vision"):
         return vision.build_vision_graph(modules, options, EXEC_DEVICE, echo=clock.echo)
@@ -350,25 +355,39 @@ def run(
     if vision_modules is not None:
         tasks.append(("vision", functools.partial(export_vision, vision_modules, options, clock)))
     session = active_session(spec)
-    graphs = forked.build_all(
-        tasks, processes=processes, clock=clock, reach=session.reach if session is not None else {}
+
+    def weight_map_of(weights: dict[str, TensorType]) -> dict[str, Any]:
+        return weight_map_document(
+            spec, model, weights, model_name=options.model_name, renames=options.weight_renames
+        )
+
+    def child_weight_map(built: Mapping[str, Any]) -> tuple[dict[str, TensorType], dict[str, Any]] | None:
+        """The weight map of the child's graphs, made there while this process traces its own: every
+        graph of a run usually reads the same text weights, so it is often the whole run's map."""
+        weights = graph_weights(built.values())
+        with clock.step("weight map"):
+            try:
+                return weights, weight_map_of(weights)
+            except KadaptError:  # this process computes (and reports) the map of all the graphs
+                return None
+
+    graphs, speculative = forked.build_all(
+        tasks,
+        processes=processes,
+        clock=clock,
+        reach=session.reach if session is not None else {},
+        summarize=child_weight_map,
     )
     vision_graph = graphs.pop("vision", None)
     with clock.step("write"):
         ties = tied_names(model, {path for g in graphs.values() for path in g.weights})
         files: dict[Path, Iterable[str]] = {}
         # one weight map for every graph; each IR's per-weight quantization is read from it
-        weight_map = weight_map_document(
-            spec,
-            model,
-            {
-                path: tensor
-                for graph in [*graphs.values(), *([vision_graph] if vision_graph is not None else [])]
-                for path, tensor in graph.weights.items()
-            },
-            model_name=options.model_name,
-            renames=options.weight_renames,
-        )
+        weights = graph_weights([*graphs.values(), *([vision_graph] if vision_graph is not None else [])])
+        if speculative is not None and same_document(speculative[0], weights):
+            weight_map = speculative[1]
+        else:
+            weight_map = weight_map_of(weights)
         for kind, graph in graphs.items():
             weights = weight_entries(graph, renames=options.weight_renames, ties=ties, weight_map=weight_map)
             files[options.path(kind)] = ir_chunks(

@@ -74,8 +74,7 @@ def weight_map_document(
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     qc, found_in = quantization_config_of(text, config)
-    head_path = next((p for p in weights if p.endswith("lm_head.weight")), "lm_head.weight")
-    head = rename_weight(head_path, renames).removesuffix(".weight")
+    head = rename_weight(_head_path(weights), renames).removesuffix(".weight")
     stored = checkpoint_storage(
         qc, found_in, spec.quantization, head=head, locate=lambda i: spec.locate(f"quantization[{i}]")
     )
@@ -100,6 +99,17 @@ def weight_map_document(
         "checkpoint_tensors": len({t for e in entries.values() for g in e["sources"] for t in g["tensors"]}),
         "weights": entries,
     }
+
+
+def _head_path(weights: Mapping[str, TensorType]) -> str:
+    """The output head among ``weights`` (the first, in their order), which no storage quantizes."""
+    return next((p for p in weights if p.endswith("lm_head.weight")), "lm_head.weight")
+
+
+def same_document(weights: Mapping[str, TensorType], other: Mapping[str, TensorType]) -> bool:
+    """Whether ``weight_map_document`` of ``weights`` and of ``other`` are the same document (same
+    spec, model and renames): the same weights by path and type, and the same head among them."""
+    return dict(weights) == dict(other) and _head_path(weights) == _head_path(other)
 
 
 def ir_quantization(name: str, entry: Mapping[str, Any]) -> dict[str, Any] | None:
