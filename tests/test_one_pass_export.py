@@ -1,0 +1,49 @@
+"""One trace instead of two (``export.one_pass_export``): the artifacts are the bytes that
+``torch.export.export(...).run_decompositions({})`` gives, for every shipped family and the options
+that change what is traced (dynamic sizes, a paged cache, the MLA variants, the vision graph)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kimi_adapter_core import upstream
+from kimi_adapter_core.backends.extraction import export
+from kimi_adapter_core.cli import cli
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = sorted(p.stem for p in (REPO / "specs").glob("*.yaml") if p.stem != "kimi_k25_remote")
+OPTIONS = [
+    ("llama", ("--dynamic", "prefill_len", "--dynamic", "batch", "--batch", "4")),
+    ("llama", ("--batch", "2", "--kv-cache", "paged", "--block-size", "16")),
+    ("deepseek_v3", ("--kv-layout", "latent", "--mla-attention", "absorbed")),
+    ("kimi_k25", ("--dynamic", "prefill_len")),
+]
+
+
+def artifacts(spec: str, options: tuple[str, ...], out: Path) -> dict[str, bytes]:
+    args = ["apply", str(REPO / "specs" / f"{spec}.yaml"), "--no-cache", "--output-dir", str(out), "-q"]
+    result = CliRunner().invoke(cli, [*args, *options], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+
+
+@pytest.mark.parametrize(("spec", "options"), [*((s, ()) for s in SHIPPED), *OPTIONS])
+def test_one_trace_writes_the_bytes_of_export_then_run_decompositions(
+    spec: str, options: tuple[str, ...], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert export.one_pass_export() is not None  # the tested torch takes the one-trace path
+    one = artifacts(spec, options, tmp_path / "one")
+    monkeypatch.setattr(export, "one_pass_export", lambda: None)  # the two public calls
+    two = artifacts(spec, options, tmp_path / "two")
+    assert one.keys() == two.keys() and len(one) >= 4
+    assert [name for name in one if one[name] != two[name]] == []
+
+
+def test_an_untested_torch_takes_the_two_public_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert torch.__version__.split("+")[0] in upstream.TESTED_TORCH
+    monkeypatch.setattr(torch, "__version__", "2.14.0")
+    assert export.one_pass_export() is None
