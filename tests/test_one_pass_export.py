@@ -43,7 +43,12 @@ def test_one_trace_writes_the_bytes_of_export_then_run_decompositions(
     assert [name for name in one if one[name] != two[name]] == []
 
 
-def test_an_untested_torch_takes_the_two_public_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_untested_torch_takes_the_two_public_calls_and_doctor_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     assert torch.__version__.split("+")[0] in upstream.TESTED_TORCH
+    assert "export               one trace per graph" in CliRunner().invoke(cli, ["doctor"]).output
     monkeypatch.setattr(torch, "__version__", "2.14.0")
     assert export.one_pass_export() is None
+    doctor = CliRunner().invoke(cli, ["doctor"]).output
+    assert "export               two traces per graph: torch is not a tested release" in doctor

@@ -53,6 +53,16 @@ def _tested(distribution: str, version: str | None) -> bool | None:
     return version.split("+")[0] in tested
 
 
+def _export_traces() -> int | None:
+    """Traces per exported graph: 1 on a tested torch (``export.one_pass_export``), else 2; None
+    without torch."""
+    try:
+        from ..backends.extraction.export import one_pass_export
+    except ImportError:
+        return None
+    return 1 if one_pass_export() is not None else 2
+
+
 def environment() -> dict[str, Any]:
     packages = {}
     for name, used_for in PACKAGES.items():
@@ -62,6 +72,7 @@ def environment() -> dict[str, Any]:
     from ..backends.extraction.cache import default_root, usage
 
     return {
+        "export_traces": _export_traces(),
         "python": platform.python_version(),
         "platform": f"{platform.system()} {platform.machine()}",
         "kadapt": __version__,
@@ -122,6 +133,9 @@ def _render(env: dict[str, Any], points: list[upstream.Finding], pin_rows: list[
         f"  {'extraction cache':<20} {cache['entries']} entries, {cache['bytes'] / 1e6:.1f} MB in "
         f"{cache['path']} (kadapt apply restores a run extracted before; --no-cache skips it)"
     )
+    if env["export_traces"] is not None:
+        traces = {1: "one trace per graph", 2: "two traces per graph: torch is not a tested release"}
+        lines.append(f"  {'export':<20} {traces[env['export_traces']]}")
     lines.append(
         f"tested with transformers {', '.join(env['tested']['transformers'])} and torch "
         f"{', '.join(env['tested']['torch'])}"
