@@ -84,6 +84,7 @@ BY_SHAPE = (
     "the curve is the median over every shape measured; each of shapes is the same fit on the rows of "
     "one shape only (match: the op attributes it is measured at), which prices an op of that shape"
 )
+BY_CACHE = "; after them one curve per cache dtype (match: kv_dtype alone) for a shape not measured"
 # a prefill call's sequences: the table measured each shape at several, and one sequence of 1,024
 # tokens at 8 query / 1 KV head per rank (GB200, TensorRT-LLM) takes 29 us where the median over
 # batches at that length gives 7 us, so a prefill shape's rows are fitted per batch as well
@@ -101,6 +102,7 @@ MLA_MODULE = {"hidden": 7168, "q_lora": 1536, "kv_lora": 512, "rope": 64, "nope"
 # the module's projection dtype (gemm_type) -> (kadapt kernel, weight bytes per parameter, peak key)
 MODULE_GEMMS = {"bfloat16": ("bf16", 2.0, "bf16"), "fp8_block": ("fp8_block", 1.0, "fp8")}
 MODULE_ATTENTION_SHAPE = MLA_SHAPE | DECODE_SHAPE
+FLOOR_WORK_MS = 0.002  # a GEMM row whose ideal time is this short measures the call's fixed cost
 FLOOR_READ_MS = 0.001  # a decode module row whose cache read is this short measures the module's floor
 MODULE_SHAPE = MODULE_ATTENTION_SHAPE | {"projections": "gemm_type"}
 
@@ -136,9 +138,14 @@ def measured(
     framework: str,
     select: Callable[[Any], Any],
     row_filter: RowFilter = _all_rows,
+    served: tuple[str, ...] = (),
 ) -> Measured:
     """The rows ``select`` keeps from the newest version of ``framework`` (then of the others, in
-    ``FRAMEWORKS`` order) that has any, narrowed to the kernel with the most of them."""
+    ``FRAMEWORKS`` order) that has any, narrowed to the kernel with the most of them - unless no
+    ``served`` shape (those columns) was measured by two kernels: then the kernels are the
+    framework's dispatch, one per shape, and every row is kept (vLLM 0.24's fp8-block GEMMs on
+    Hopper: FlashInfer at M <= 17, 58 us per call at M = 1 on H200, DeepGEMM from M = 32, 85 us; the
+    DeepGEMM rows alone priced every decode GEMM at their 85 us)."""
     import pandas as pd
 
     op, file = pattern
@@ -149,10 +156,13 @@ def measured(
             if len(rows) == 0:
                 continue
             counts = rows.kernel_source.value_counts()
+            where = path.relative_to(root.parent)
+            if served and len(counts) > 1 and rows.groupby(list(served)).kernel_source.nunique().max() == 1:
+                return Measured(rows.copy(), f"{where} ({', '.join(sorted(counts.index))}: one per shape)")
             kernel = max(counts.index, key=lambda name: (int(counts[name]), str(name)))
             return Measured(
                 rows[rows.kernel_source == kernel].copy(),
-                f"{path.relative_to(root.parent)} ({kernel})",
+                f"{where} ({kernel})",
             )
     raise KadaptError(f"AIConfigurator's {root.name} tables hold no {op}/{file} rows for {framework}")
 
@@ -233,6 +243,25 @@ def _per_shape(shapes: bool, fit: Callable[[], list[Any]]) -> dict[str, Any]:
     return {"shapes": fit()} if shapes else {}
 
 
+def _by_cache_dtype(rows: Any, key: str, axis: str) -> list[Any]:
+    """A decode curve's fallbacks, after its exact shapes: one curve per cache dtype (match:
+    ``kv_dtype`` alone, the median over every shape of that dtype), for a shape not measured; none
+    where one dtype was measured. A cache dtype can set the kernel: SGLang's MLA decode with an FP8
+    cache takes 1.04 ms at 128 x 4k on H200 against 0.156 ms with a bf16 one, flat in heads, and the
+    median over both priced an unmeasured head count's FP8 cache at 0.73-0.75 of AIConfigurator."""
+    groups = _by_shape(rows, DECODE_SHAPE)
+    if len(groups) < 2:
+        return []
+    return [
+        {
+            "match": match | ATTENTION_LAYOUT,
+            axis: BYTES_GRID,
+            "efficiency": _median_curve(own, key, BYTES_GRID),
+        }
+        for match, own in groups
+    ]
+
+
 def _eff(frame: Any, ideal_ms: Callable[[Any], Any]) -> Any:
     """Rows with their efficiency; launch-bound rows (faster than 3 overheads) say nothing about the
     kernel's throughput and are dropped."""
@@ -244,11 +273,13 @@ def _eff(frame: Any, ideal_ms: Callable[[Any], Any]) -> Any:
 
 def gemm_curves(
     root: Path, framework: str, peak: dict[str, float], bw: float, row_filter: RowFilter
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Dense GEMMs, two curves per dtype: the compute efficiency by M over compute-bound rows and the
-    memory efficiency by bytes moved over memory-bound rows (small weights stream badly)."""
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Dense GEMMs, three curves per dtype: the fixed cost of one call by M (``_gemm_floor``), and, net
+    of it, the compute efficiency by M over compute-bound rows and the memory efficiency by bytes
+    moved over memory-bound rows (small weights stream badly)."""
     compute: dict[str, Any] = {}
     memory: dict[str, Any] = {}
+    floors: dict[str, Any] = {}
     for dtype, key, wbytes in (
         ("bfloat16", "bf16", 2.0),
         ("fp8", "fp8", 1.0),
@@ -258,7 +289,7 @@ def gemm_curves(
         def select(t: Any, dtype: str = dtype) -> Any:
             return t[(t.gemm_dtype == dtype) & t.n.between(256, 16384) & t.k.between(256, 16384)]
 
-        found = measured(root, ("gemm", "gemm_perf.parquet"), framework, select, row_filter)
+        found = measured(root, ("gemm", "gemm_perf.parquet"), framework, select, row_filter, ("m", "n", "k"))
         rows = found.rows
         unit = peak["bf16" if key == "bf16" else "fp8"]
         rows = rows.assign(
@@ -266,16 +297,53 @@ def gemm_curves(
             nbytes=2.0 * rows.m * rows.k + wbytes * rows.n * rows.k + 2.0 * rows.m * rows.n,
         )
         rows = rows.assign(bytes_ms=rows.nbytes / bw * 1e3)
+        floor = _gemm_floor(rows)
+        fixed = Curve(tuple(floor["m"]), tuple(us * 1e-3 for us in floor["latency_us"]))
+        rows = rows.assign(net=rows.latency - rows.m.map(fixed))
         bound = rows.flops_ms >= rows.bytes_ms
-        heavy = _eff(rows[bound], lambda f: f.flops_ms)
-        light = _eff(rows[~bound], lambda f: f.bytes_ms)
+        heavy = _net_eff(rows[bound], rows.flops_ms[bound])
+        light = _net_eff(rows[~bound], rows.bytes_ms[~bound])
+        floors[key] = {
+            **floor,
+            "source": (
+                f"{found.source}: the median latency of the calls whose work takes under "
+                f"{FLOOR_WORK_MS * 1e3:g} us at the peaks, at each M measured (the curves of gemm and "
+                "gemm_memory are fitted net of it)"
+            ),
+        }
         compute[key] = {"m": M_GRID, "efficiency": _median_curve(heavy, "m", M_GRID), "source": found.source}
         memory[key] = {
             "bytes": BYTES_GRID,
             "efficiency": _median_curve(light, "nbytes", BYTES_GRID),
             "source": found.source,
         }
-    return compute, memory
+    return compute, memory, floors
+
+
+def _net_eff(rows: Any, ideal_ms: Any) -> Any:
+    """GEMM rows with their efficiency net of the call's fixed cost (``net``: latency less the
+    floor at its M): every row is kept, one within its floor having done its work in no measurable
+    time (1). Dropping the rows near the floor, as the launch-bound rows of the other kernels are
+    (``_eff``), kept only the noisy slow ones at small sizes: the median memory efficiency of
+    TensorRT-LLM's small bf16 GEMMs on H200 fell so low that DeepSeek-V3's router GEMM took 10 us
+    against its 5 us rows."""
+    return rows.assign(eff=(ideal_ms / rows.net.clip(lower=1e-6)).clip(upper=1.0))
+
+
+def _gemm_floor(rows: Any) -> dict[str, list[float]]:
+    """The fixed cost in us of one GEMM call at each M measured (``{m, latency_us}``): the median
+    latency of the rows whose ideal time is under ``FLOOR_WORK_MS`` (their time is the call, not the
+    work), at least the op overhead. Most kernels' is 3-14 us; vLLM 0.24's fp8-block rows (DeepGEMM)
+    take 0.085 ms on H200, 0.18 ms on B200 and 0.30 ms on GB200 at any shape (0.27 / 0.53 ms at M = 1
+    on Blackwell, and ~60 us more at an M not a multiple of 4, so not binned to a grid), which no
+    efficiency of the bound prices: the median efficiency at M = 1,024, set by the floor-bound small
+    shapes, priced a 1,024-token 512 x 7,168 GEMM on GB200 at 0.38 ms against its 0.27 ms row, and a
+    1-token one at 0.24 ms against 0.50."""
+    tiny = rows[rows[["flops_ms", "bytes_ms"]].max(axis=1) <= FLOOR_WORK_MS]
+    if len(tiny) == 0:
+        return {"m": [1.0], "latency_us": [OVERHEAD_MS * 1e3]}
+    curve = _exact_curve(tiny.assign(us=tiny.latency * 1e3), "m", "us", ("m", "latency_us"))
+    return curve | {"latency_us": [max(OVERHEAD_MS * 1e3, us) for us in curve["latency_us"]]}
 
 
 def moe_curves(
@@ -452,11 +520,13 @@ def attention_curves(
                 "source": f"{found.source}; {BY_SHAPE}; {BY_BATCH}",
                 **_per_shape(shapes, lambda: _prefill_shapes(rows, columns, fit)),
             }
+        exact = _shape_curves(rows, columns, fit, ATTENTION_LAYOUT) if shapes else []
+        fallback = _by_cache_dtype(rows, key, axis)
         return {
             axis: BYTES_GRID,
             "efficiency": _median_curve(rows, key, BYTES_GRID),
-            "source": f"{found.source}; {BY_SHAPE}",
-            **_per_shape(shapes, lambda: _shape_curves(rows, columns, fit, ATTENTION_LAYOUT)),
+            "source": f"{found.source}; {BY_SHAPE}{BY_CACHE if fallback else ''}",
+            **({"shapes": exact + fallback} if exact or fallback else {}),
         }
 
     context, generation = (
@@ -536,13 +606,13 @@ def mla_module_curves(
     peak: dict[str, float],
     bw: float,
     row_filter: RowFilter,
-    gemm: tuple[dict[str, Any], dict[str, Any]],
+    gemm: tuple[dict[str, Any], dict[str, Any], dict[str, Any]],
     shapes: bool = True,
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]] | None:
-    """(prefill attention, decode attention, decode module floor) of a framework that measured its MLA
-    only as a module (vLLM: no standalone MLA kernel, so its tables used to borrow TensorRT-LLM's);
-    None where it measured a standalone kernel or no module. See ``module_decode`` and
-    ``module_prefill`` for how the attention is taken out of the module."""
+    """(prefill attention, decode attention, module floors: ``mla`` decode, ``mla_prefill`` prefill) of
+    a framework that measured its MLA only as a module (vLLM: no standalone MLA kernel, so its tables
+    used to borrow TensorRT-LLM's); None where it measured a standalone kernel or no module. See
+    ``module_decode`` and ``module_prefill`` for how the attention is taken out of the module."""
     if any(root.glob(f"mla/{framework}/*/generation_mla_perf.parquet")):
         return None
     generation = module_rows(root, framework, "mla_generation_module_perf.parquet", row_filter)
@@ -550,7 +620,8 @@ def mla_module_curves(
     if generation is None or context is None:
         return None
     decode, floor = module_decode(generation, peak, bw, shapes)
-    return module_prefill(context, peak, bw, gemm, shapes), decode, floor
+    prefill, prefill_floor = module_prefill(context, peak, bw, gemm, shapes)
+    return prefill, decode, {"mla": floor, "mla_prefill": prefill_floor}
 
 
 def module_decode(
@@ -573,35 +644,39 @@ def module_decode(
     floor = short.groupby(keys, as_index=False).latency.median()
     rows = rows.merge(floor, on=keys, suffixes=("", "_floor"))
     net = _eff(rows.assign(latency=rows.latency - rows.latency_floor), lambda f: _mla_decode_ms(f, peak, bw))
+    exact = (
+        _shape_curves(
+            net,
+            MODULE_ATTENTION_SHAPE,
+            lambda own: _exact_curve(own, "read", names=("kv_bytes", "efficiency")),
+            ATTENTION_LAYOUT,
+        )
+        if shapes
+        else []
+    )
+    fallback = _by_cache_dtype(net, "read", "kv_bytes")
     attention = {
         "kv_bytes": BYTES_GRID,
         "efficiency": _median_curve(net, "read", BYTES_GRID),
-        "source": f"{found.source}, less the module at its shortest context (module_floor); {BY_SHAPE}",
-        **_per_shape(
-            shapes,
-            lambda: _shape_curves(
-                net,
-                MODULE_ATTENTION_SHAPE,
-                lambda own: _exact_curve(own, "read", names=("kv_bytes", "efficiency")),
-                ATTENTION_LAYOUT,
-            ),
+        "source": (
+            f"{found.source}, less the module at its shortest context (module_floor); {BY_SHAPE}"
+            f"{BY_CACHE if fallback else ''}"
         ),
+        **({"shapes": exact + fallback} if exact or fallback else {}),
     }
     floor = floor.assign(latency_us=floor.latency * 1e3)
     return attention, {
         "source": (
             f"{found.source}: the module's time where its cache read is under {FLOOR_READ_MS * 1e3:g} us "
             "(median over those contexts), by batch: its projections, norms, rope and launches, per "
-            "shape (match), in us"
+            "shape (match), in us; a head count not measured takes it from those around it "
+            "(cost.module_floor)"
         ),
-        **_per_shape(
-            shapes,
-            lambda: _shape_curves(
-                floor,
-                MODULE_SHAPE,
-                lambda own: _exact_curve(own, "batch_size", "latency_us", ("tokens", "latency_us")),
-                ATTENTION_LAYOUT | {"hidden": MLA_MODULE["hidden"]},
-            ),
+        "shapes": _shape_curves(
+            floor,
+            MODULE_SHAPE,
+            lambda own: _exact_curve(own, "batch_size", "latency_us", ("tokens", "latency_us")),
+            ATTENTION_LAYOUT | {"hidden": MLA_MODULE["hidden"]},
         ),
     }
 
@@ -610,41 +685,72 @@ def module_prefill(
     found: Measured,
     peak: dict[str, float],
     bw: float,
-    gemm: tuple[dict[str, Any], dict[str, Any]],
+    gemm: tuple[dict[str, Any], dict[str, Any], dict[str, Any]],
     shapes: bool = True,
-) -> dict[str, Any]:
-    """Prefill MLA attention from the module rows (no cached prefix) less the module's GEMMs as this
-    table's own GEMM curves price them (q_a + kv_a, q_b, kv_b, o_proj at M = the new tokens: kadapt
-    prices those ops on their own in prefill, where they are compute-bound and the standalone rows
-    hold); the module's norms and rope are left in (a few us of a 0.5 ms module at 4k tokens).
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Prefill MLA from the module rows (no cached prefix): (attention curve, module floor by tokens).
 
-    Not fitted per batch (``_prefill_shapes``): a shape's rows at one batch are its two projection
-    dtypes, whose nets differ by the error of the standalone GEMM rows they are less (vLLM's
-    fp8-block rows carry ~85 us of floor each), and the median of two is their mean; per batch,
-    Kimi-K2.5's TP8 module at one 4,096-token sequence summed to 0.44 ms against its 0.52 ms row,
-    over every batch to 0.51."""
+    The attention is fitted on the rows with bf16 projections (every row where none has them) less
+    the module's GEMMs as this table's GEMM curves price them inside a module (q_a + kv_a, q_b, kv_b,
+    o_proj at M = the new tokens, at their efficiencies plus one op overhead: without the standalone
+    call's fixed cost, ``gemm_floor``, which a GEMM inside the module does not pay - vLLM 0.24's whole
+    module takes 0.18 ms at one 1,024-token sequence on GB200, DeepSeek-V3 at 16 heads, where one
+    standalone fp8-block GEMM row takes 0.27-0.32 ms); the norms and rope are left in. The attention
+    kernel is the same whatever the projections (bf16 compute), and bf16 GEMMs carry a 3-5 us floor,
+    so those rows' nets are the attention's. The floor of each shape (projections too) is then the
+    module's time less that attention, by new tokens (median over the batches at the same tokens),
+    which ``cost.fold_modules`` adds to the attention kernel, the module's other kernels priced 0, as
+    in decode: at 16 heads on B200 the fp8-block module is the bf16 one's time (0.278 / 0.279 ms at
+    one 4,096-token sequence), where the fp8-block GEMMs at their fitted efficiencies net of the
+    standalone floor (1.0: the rows are the floor) priced it at 0.18.
+
+    Fitted per batch as well (``_prefill_shapes``): with one projection dtype a shape's batch has one
+    row per length, and one sequence runs below the median over batches (Kimi-K2.5's TP8 module at
+    one 4,096-token sequence: 0.475 ms over every batch against its 0.515 ms row)."""
     rows = found.rows[found.rows.step == 0]
-    tokens = rows.batch_size * rows.isl
+    rows = rows.assign(tokens=rows.batch_size * rows.isl)
+    own = rows[rows.gemm_type == "bfloat16"] if (rows.gemm_type == "bfloat16").any() else rows
     gemms = sum(
-        rows.assign(m=tokens, n=n, k=k).apply(lambda r: _gemm_ms(r, peak, bw, gemm), axis=1)
-        for n, k in _module_gemm_shapes(rows.num_heads)
+        own.assign(m=own.tokens, n=n, k=k).apply(lambda r: _gemm_ms(r, peak, bw, gemm), axis=1)
+        for n, k in _module_gemm_shapes(own.num_heads)
     )
-    net = _eff(rows.assign(latency=rows.latency - gemms), lambda f: _mla_prefill_ms(f, peak, bw))
-    return {
+    own = own.assign(latency=own.latency - gemms)
+    net = _eff(own, lambda f: _mla_prefill_ms(f, peak, bw))
+    keys = ["num_heads", "kv_cache_dtype", "batch_size", "isl"]
+    ideal = _mla_prefill_ms(own, peak, bw) + OVERHEAD_MS  # the attention as priced: never above 1
+    attention_ms = own.assign(attention=own.latency.combine(ideal, max))[[*keys, "attention"]]
+    rest = rows.merge(attention_ms.groupby(keys, as_index=False).attention.median(), on=keys)
+    rest = rest.assign(latency_us=(rest.latency - rest.attention) * 1e3)
+    rest = rest.groupby(
+        ["num_heads", "kv_cache_dtype", "gemm_type", "tokens"], as_index=False
+    ).latency_us.median()
+    attention = {
         "seq": SEQ_GRID,
         "efficiency": _median_curve(net, "isl", SEQ_GRID),
         "source": (
             f"{found.source}, less the module's q_a + kv_a, q_b, kv_b and o_proj GEMMs priced by this "
-            f"table's gemm curves; {BY_SHAPE}"
+            f"table's gemm curves inside a module, on the rows with bf16 projections; {BY_SHAPE}; "
+            f"{BY_BATCH}"
         ),
         **_per_shape(
             shapes,
-            lambda: _shape_curves(
-                net,
-                MODULE_ATTENTION_SHAPE,
-                lambda own: _exact_curve(own, "isl", names=("seq", "efficiency")),
-                ATTENTION_LAYOUT,
+            lambda: _prefill_shapes(
+                net, MODULE_ATTENTION_SHAPE, lambda own: _exact_curve(own, "isl", names=("seq", "efficiency"))
             ),
+        ),
+    }
+    return attention, {
+        "source": (
+            f"{found.source}: the module's time at one call of new tokens (no cached prefix) less its "
+            "attention as the prefill curve prices it (the bf16-projection rows less their GEMMs), by "
+            "new tokens (median over batches): its projections, norms, rope and launches, per shape "
+            "(match), in us; a head count not measured takes it from those around it (cost.module_floor)"
+        ),
+        "shapes": _shape_curves(
+            rest,
+            MODULE_SHAPE,
+            lambda own: _exact_curve(own, "tokens", "latency_us", ("tokens", "latency_us")),
+            ATTENTION_LAYOUT | {"hidden": MLA_MODULE["hidden"]},
         ),
     }
 
@@ -661,9 +767,7 @@ def _module_gemm_shapes(heads: Any) -> list[tuple[Any, Any]]:
     ]
 
 
-def _gemm_ms(
-    row: Any, peak: dict[str, float], bw: float, gemm: tuple[dict[str, Any], dict[str, Any]]
-) -> float:
+def _gemm_ms(row: Any, peak: dict[str, float], bw: float, gemm: tuple[dict[str, Any], ...]) -> float:
     """One dense GEMM (``row``: m, n, k, gemm_type) in ms as ``cost.price`` prices it with the
     table's curves: ``max(flops / peak / eff(M), bytes / bw / eff(bytes)) + op overhead``."""
     kernel, wbytes, unit = MODULE_GEMMS[row.gemm_type]
@@ -679,14 +783,41 @@ def all_reduce_curve(root: Path, framework: str, link_bw: Callable[[int], float]
     (8 in an HGX node; 4 on GB200, whose tables stop at one compute tray), at each message size
     measured (from 64 KiB). Not binned to a 4x grid: the kernel changes algorithm between 16 and
     32 MiB (B200, SGLang: 57 us at 16 MiB, 170 us at 32 MiB), and a bin holding both priced the
-    32 MiB all-reduce of a 4,096-token prefill at 135 us."""
+    32 MiB all-reduce of a 4,096-token prefill at 135 us. Each smaller group measured (2 and 4 GPUs)
+    has its own curve and latency under ``shapes`` (match: ``group``): the ring formula on the
+    8-GPU curve does not carry to two GPUs (vLLM on B200, TP2: 17.7 us per 256 KiB all-reduce
+    against its row's 7.7, 25.6 us per 8 MiB against 50.6)."""
 
     def select(t: Any) -> Any:
         t = t[t.allreduce_dtype == "bfloat16"]
         return t[t.num_gpus == t.num_gpus.max()]
 
     found = measured(root, ("comm", "custom_allreduce_perf.parquet"), framework, select)
-    table = found.rows.sort_values("message_size")
+    kernel = found.rows.kernel_source.iloc[0]
+
+    def smaller(t: Any) -> Any:
+        t = t[(t.allreduce_dtype == "bfloat16") & (t.kernel_source == kernel)]
+        return t[t.num_gpus < t.num_gpus.max()]
+
+    groups = measured(root, ("comm", "custom_allreduce_perf.parquet"), framework, smaller).rows
+    top = _ring_curve(found.rows, link_bw)
+    shapes = [
+        {"match": {"group": int(gpus)}, **_ring_curve(rows, link_bw)}
+        for gpus, rows in sorted(groups.groupby("num_gpus"), key=lambda kv: kv[0])
+    ]
+    return {
+        "latency_us": top.pop("overhead_us"),
+        **top,
+        "source": f"{found.source}, {int(found.rows.num_gpus.max())} GPUs, at each message size measured; "
+        "shapes: each smaller group measured (match: group), its latency as overhead_us",
+        "shapes": shapes,
+    }
+
+
+def _ring_curve(table: Any, link_bw: Callable[[int], float]) -> dict[str, Any]:
+    """``{overhead_us, bytes, efficiency}`` of one group size's all-reduce rows: its least latency and
+    the ring bus efficiency of the time above it at each message size measured (from 64 KiB)."""
+    table = table.sort_values("message_size")
     gpus = int(table.num_gpus.max())
     latency = float(table.latency.min())
     nbytes = table.message_size * 2  # message_size counts bf16 elements
@@ -694,10 +825,9 @@ def all_reduce_curve(root: Path, framework: str, link_bw: Callable[[int], float]
     frame = table.assign(nbytes=nbytes, eff=eff.clip(upper=1.0))
     medians = frame[frame.nbytes >= 2**16].groupby("nbytes").eff.median()
     return {
-        "latency_us": round(latency * 1e3, 2),
+        "overhead_us": round(latency * 1e3, 2),
         "bytes": [int(x) for x in medians.index],
         "efficiency": [max(0.001, round(float(v), 3)) for v in medians],
-        "source": f"{found.source}, {gpus} GPUs, at each message size measured",
     }
 
 
@@ -706,8 +836,10 @@ def calibrate(
 ) -> dict[str, Any]:
     """The kernel table of ``framework`` on AIConfigurator's ``system``, fitted on the rows
     ``row_filter`` keeps (all of them for a shipped table). ``shapes=False`` fits the median curves
-    only, 2-4x faster: no per-shape curve and no module floor (both price only the shapes they were
-    measured at). A held-out fit whose ``row_filter`` dropped every row of the shapes it is scored
+    only, 2-4x faster: no curve per exact shape (it prices only the shape it was measured at); what
+    prices shapes not measured stays - the decode curves per cache dtype and the module floors,
+    which price a head count not measured from the ones around it (``cost.module_floor``). A
+    held-out fit whose ``row_filter`` dropped every row of the shapes it is scored
     on prices them the same either way: no per-shape curve of the full refit could match them."""
     from importlib.metadata import version
 
@@ -734,12 +866,13 @@ def calibrate(
         ),
         "gemm": gemm[0],
         "gemm_memory": gemm[1],
+        "gemm_floor": gemm[2],
         "grouped_gemm": grouped,
         "routing": {"power_law": imbalance},
         "attention": attention,
         "all_reduce": all_reduce_curve(root, framework, lambda n: device.link_for(n).bandwidth),
     }
-    return table | ({"module_floor": {"mla": floor}} if module is not None and shapes else {})
+    return table | ({"module_floor": floor} if module is not None else {})
 
 
 def shipped() -> list[tuple[str, str]]:

@@ -10,7 +10,8 @@ another device (H800 has none of its own) prices with its efficiencies against t
 and bandwidth - a latency-bound kernel would not speed up with bandwidth - so such an op's source
 says the curve is borrowed.
 All-reduce: time = latency + 2 * (n-1)/n * bytes / (link_bw * link_eff)     (ring; inside a node the
-            kernel table's measured latency and efficiency by message size replace the profile's)
+            kernel table's measured latency and efficiency by message size replace the profile's,
+            the group size's own where the table measured it)
 All-gather: time = latency + (n-1)/n * bytes / (link_bw * link_eff)
 All-to-all: DeepEP-style: a token goes once to every rank holding one of its experts (per-rank
             deduplication) and once to every other node holding one (per-node deduplication over the
@@ -29,8 +30,8 @@ All-to-all: DeepEP-style: a token goes once to every rank holding one of its exp
 The link is the narrowest interconnect level spanning the group. One overlap is modelled: in decode the
 shared experts run beside the routed path (``overlap_shared_experts``); otherwise a step is the sum of its
 kernels (see docs/cost_model.md for what that misses). A module the table measured only whole (vLLM's
-MLA decode module) is priced as measured: its core kernel takes the module's floor and the kernels
-inside it are folded in (``fold_modules``).
+MLA module, decode and prefill) is priced as measured: its core kernel takes the module's floor and
+the kernels inside it are folded in (``fold_modules``).
 """
 
 from __future__ import annotations
@@ -153,7 +154,9 @@ def comm_time(
         efficiency, latency = link.efficiency, link.latency
         if collective == "all_reduce" and table is not None and table.all_reduce and link is device.links[0]:
             latency, curve = table.all_reduce
-            efficiency, measured = curve(nbytes), True
+            own = curve.at({"group": group})  # the group size's own rows where it was measured
+            latency = own.overhead if own is not curve else latency
+            efficiency, measured = own(nbytes), True
         transfer = factor * nbytes / (link.bandwidth * efficiency)
     return latency + transfer, "network" if transfer >= latency else "latency", measured
 
@@ -163,8 +166,9 @@ def _table_time(op: Op, table: KernelTable, compute: float, memory: float) -> tu
     from its ideal ``compute`` and ``memory`` times; None when the table does not cover it."""
     attrs = op.attrs
     if op.kind == "matmul":
-        effs = table.gemm_eff(str(attrs.get("kernel", op.compute)), float(attrs.get("m", 1)), op.bytes)
-        return (max(compute / effs[0], memory / effs[1]), 0.0) if effs else None
+        kernel, m = str(attrs.get("kernel", op.compute)), float(attrs.get("m", 1))
+        effs = table.gemm_eff(kernel, m, op.bytes)
+        return (max(compute / effs[0], memory / effs[1]), table.gemm_fixed(kernel, m)) if effs else None
     if op.kind == "experts":
         kernel, per_expert = str(attrs.get("kernel", op.compute)), float(attrs.get("pairs_per_expert", 1.0))
         found = table.grouped_eff(kernel, per_expert, attrs)
@@ -263,12 +267,14 @@ def price(op: Op, device: Device, table: KernelTable | None = None) -> Priced:
     overhead = fixed or device.op_overhead
     if overhead > body:
         bound = "overhead"
-    floors = table.module_floor.get("mla", ()) if table and _mla_decode(op) and source != "roofline" else ()
+    floors: tuple[tuple[Match, Curve], ...] = ()
+    if table and _mla(op) and source != "roofline":
+        floors = table.module_floor.get("mla" if op.attrs.get("decode") else "mla_prefill", ())
     return Priced(op, body + overhead, bound, source, floors)
 
 
-def _mla_decode(op: Op) -> bool:
-    return op.kind == "attention" and op.attrs.get("kernel") == "mla" and bool(op.attrs.get("decode"))
+def _mla(op: Op) -> bool:
+    return op.kind == "attention" and op.attrs.get("kernel") == "mla"
 
 
 def _inside(op: Op, core: Op) -> bool:
@@ -277,15 +283,48 @@ def _inside(op: Op, core: Op) -> bool:
     return op is not core and op.scope == core.scope and (op.module + ".").startswith(core.module + ".")
 
 
+def module_floor(floors: tuple[tuple[Match, Curve], ...], shape: dict) -> Curve | None:
+    """The measured floor of a module of ``shape``: its own where that head count was measured, else
+    from the measured head counts around it with every other attribute equal (cache dtype,
+    projections, hidden, layout), linear in log(heads) between the two nearest, the nearest one's
+    past the ends (None: no floor of that kind at any head count). The floor is the projections,
+    norms, rope and launches, and grows with the heads (q_b and o_proj are per head: vLLM 0.24's
+    module on B200, FP8 cache and projections, one token: 46, 50, 54, 70, 90 us at 8, 16, 32, 64, 128
+    heads); held out, 16 and 32 heads from 8 and 64 take 54 and 62 us."""
+    own = measured_at(floors, shape)
+    if own is not None or "heads" not in shape:
+        return own
+    heads = float(shape["heads"])
+    near = sorted(
+        (float(dict(match)["heads"]), curve)
+        for match, curve in floors
+        if "heads" in dict(match)
+        and measured_at(((tuple(kv for kv in match if kv[0] != "heads"), curve),), shape) is not None
+    )
+    if not near:
+        return None
+    below = [(h, c) for h, c in near if h < heads]
+    above = [(h, c) for h, c in near if h > heads]
+    if not below or not above:
+        return (below or above)[-1 if below else 0][1]
+    (h0, c0), (h1, c1) = below[-1], above[0]
+    t = math.log(heads / h0) / math.log(h1 / h0)
+    xs = tuple(sorted(set(c0.xs) | set(c1.xs)))
+    return Curve(xs, tuple(c0(x) + t * (c1(x) - c0(x)) for x in xs))
+
+
 def fold_modules(kernels: list[Priced]) -> list[Priced]:
-    """Price each module its table measured whole as that measurement: the core kernel (MLA decode
+    """Price each module its table measured whole as that measurement: the core kernel (MLA
     attention, priced by the attention curve taken out of the module) takes the module's measured
-    floor at its tokens, and every other kernel inside the module (projections, norms, rope, the
-    absorbed bmms) is priced 0 (bound ``in_module``). vLLM's MLA decode module is ~0.11-0.14 ms at
-    its shortest context where its five GEMMs from the standalone rows alone come to 0.04 (bf16) or
-    0.4 ms (fp8-block). The floor is matched on the module's shape, its projections' kernel family
-    read off the kernels inside it (as priced: a sweep re-formats weights); an unmeasured shape keeps
-    its kernels as priced."""
+    floor at its new tokens (``module_floor``: its head count's, else from the measured head counts
+    around it), and every other kernel inside the module (projections, norms, rope, the absorbed
+    bmms) is priced 0 (bound ``in_module``), in decode and in prefill. vLLM's MLA decode module is
+    ~0.11-0.14 ms at its shortest context where its five GEMMs from the standalone rows alone come
+    to 0.04 (bf16) or 0.4 ms (fp8-block); its prefill module takes 0.18 ms at one 1,024-token
+    sequence on GB200 (DeepSeek-V3, 16 heads), where one standalone fp8-block GEMM row takes
+    0.27-0.32 ms. The floor is matched on the module's shape, its projections' kernel family read off
+    the kernels inside it (as priced: a sweep re-formats weights); a shape with no floor of its kind
+    keeps its kernels as priced."""
     out = list(kernels)
     for i, core in enumerate(kernels):
         if not core.floors:
@@ -293,7 +332,7 @@ def fold_modules(kernels: list[Priced]) -> list[Priced]:
         inside = [j for j, k in enumerate(kernels) if _inside(k.op, core.op)]
         families = {str(kernels[j].op.attrs.get("kernel")) for j in inside if kernels[j].op.kind == "matmul"}
         shape = {**core.op.attrs, "projections": families.pop() if len(families) == 1 else "mixed"}
-        floor = measured_at(core.floors, shape)
+        floor = module_floor(core.floors, shape)
         if floor is None:
             continue
         tokens = float(core.op.attrs["batch"]) * float(core.op.attrs["seq"])

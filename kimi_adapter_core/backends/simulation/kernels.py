@@ -26,6 +26,11 @@ Curves and the op kinds they price:
   bytes moved: their memory efficiency (a small weight streams at a fraction of HBM bandwidth).
   dtypes bf16, fp8 (per-tensor), fp8_block, and whatever else a table measures (a missing dtype falls
   back: int8 -> fp8, w4a16 -> bf16, w4a8 -> fp8).
+- ``gemm_floor.<dtype>`` by M: the fixed cost of one standalone GEMM call (``latency_us``: the
+  median latency of the measured calls whose work takes under 2 us at the peaks), which replaces the
+  device's op overhead; the ``gemm`` / ``gemm_memory`` efficiencies are fitted net of it. vLLM's
+  fp8-block GEMM rows take 0.085 / 0.18 / 0.30 ms per call on H200 / B200 / GB200 whatever the shape
+  (0.27 / 0.53 ms at M = 1 on Blackwell); no efficiency of the bound prices a flat cost.
 - ``grouped_gemm.<dtype>`` by token-expert pairs per local expert: the routed experts, with the
   fixed cost of the whole routed-expert pipeline (``overhead_us``: permute, two GEMMs, unpermute).
 - ``routing.power_law.<dtype>`` by the same: the slowdown of power-law over balanced routing (on the
@@ -33,10 +38,13 @@ Curves and the op kinds they price:
   are faster than the floor itself).
 - ``attention.prefill.{gqa,mla}`` by new tokens per sequence; ``attention.decode.{gqa,mla}`` by the
   KV bytes one call reads.
-- ``all_reduce`` by message bytes, with its own latency: the TP all-reduces inside one node.
+- ``all_reduce`` by message bytes, with its own latency: the TP all-reduces inside one node; its
+  ``shapes`` (match: ``group``, the GPUs) are the smaller groups measured, each with its latency as
+  ``overhead_us``.
 - ``module_floor.<kind>`` per measured shape only, by tokens: the time a module measured whole spends
-  besides its core kernel (vLLM's MLA decode module: projections, norms, rope, launches), which
-  ``cost.fold_modules`` adds to the core kernel while the module's other kernels are priced 0.
+  besides its core kernel (vLLM's MLA module, ``mla`` in decode and ``mla_prefill`` in prefill:
+  projections, norms, rope, launches), which ``cost.fold_modules`` adds to the core kernel while the
+  module's other kernels are priced 0 (a head count not measured: from those around it).
 - ``all_to_all``: EP dispatch and combine as the measured kernels move tokens (one row per token and
   expert it is routed to): a fixed latency by EP group size plus the rows' bytes at a measured
   fraction of the link bandwidth by tokens per rank, for groups up to the largest measured.
@@ -123,6 +131,7 @@ KERNELS_SCHEMA: dict[str, Any] = {
         "device": {"type": "string", "minLength": 1},
         "gemm": _CURVES,
         "gemm_memory": _CURVES,
+        "gemm_floor": _CURVES,
         "grouped_gemm": _CURVES,
         "routing": {"type": "object", "additionalProperties": _CURVES},
         "attention": {"type": "object", "additionalProperties": _CURVES},
@@ -148,6 +157,7 @@ KERNELS_SCHEMA: dict[str, Any] = {
                 "bytes": _AXIS,
                 "efficiency": _CURVE_PROPERTIES["efficiency"],
                 "source": {"type": "string"},
+                "shapes": {"type": "array", "items": _SHAPE_CURVE},
             },
             "additionalProperties": False,
         },
@@ -273,6 +283,7 @@ class KernelTable:
     decode: dict[str, Curve]
     all_reduce: tuple[float, Curve] | None  # (latency s, efficiency by bytes)
     all_to_all: AllToAll | None = None
+    gemm_floor: dict[str, Curve] = field(default_factory=dict)  # seconds per standalone call by M
     # module kind -> its measured floor (seconds by tokens) per shape: the time of a module measured
     # whole that its attention kernel does not account for (``cost.fold_modules``)
     module_floor: dict[str, tuple[tuple[Match, Curve], ...]] = field(default_factory=dict)
@@ -300,6 +311,11 @@ class KernelTable:
         """(compute efficiency at M, memory efficiency at ``nbytes`` moved)."""
         compute, memory = self._pick(self.gemm, dtype), self._pick(self.gemm_memory, dtype)
         return (compute(m), memory(nbytes)) if compute and memory else None
+
+    def gemm_fixed(self, dtype: str, m: float) -> float:
+        """The fixed cost in seconds of one standalone GEMM call at M (0: the device's op overhead)."""
+        curve = self._pick(self.gemm_floor, dtype) if self.gemm_floor else None
+        return curve(m) if curve else 0.0
 
     def grouped_eff(
         self, dtype: str, pairs_per_expert: float, shape: Shape | None = None
@@ -374,6 +390,7 @@ def parse_kernels(data: Any, path: Path) -> KernelTable:
         path=path,
         gemm=inherit(curves(data.get("gemm"), "gemm"), "gemm"),
         gemm_memory=inherit(curves(data.get("gemm_memory"), "gemm_memory"), "gemm_memory"),
+        gemm_floor=inherit(_seconds(data.get("gemm_floor"), "gemm_floor"), "gemm_floor"),
         grouped=inherit(curves(data.get("grouped_gemm"), "grouped_gemm"), "grouped"),
         imbalance=inherit(
             curves((data.get("routing") or {}).get("power_law"), "routing.power_law", "factor"), "imbalance"
@@ -399,6 +416,14 @@ def _shaped(shaped: dict[str, Any], where: str, value: str) -> tuple[Match, Curv
     return match, _curve(
         {k: v for k, v in shaped.items() if k != "match"}, f"{where} at {shaped['match']}", value
     )
+
+
+def _seconds(section: dict[str, Any] | None, where: str) -> dict[str, Curve]:
+    """Curves of ``latency_us`` by their axis, in seconds."""
+    return {
+        k: _curve({**v, "latency_us": [x * 1e-6 for x in v["latency_us"]]}, f"{where}.{k}", "latency_us")
+        for k, v in (section or {}).items()
+    }
 
 
 def _floors(body: dict[str, Any], where: str) -> tuple[tuple[Match, Curve], ...]:
