@@ -39,6 +39,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from kimi_adapter_core.backends.simulation.deployment import Deployment
 from kimi_adapter_core.backends.simulation.device import get_device
@@ -51,6 +52,14 @@ from kimi_adapter_core.spec import Spec, load_spec
 from kimi_adapter_core.spec.loader import resolve_spec_path
 
 AIC_SYSTEMS = {"h200": "h200_sxm", "h100": "h100_sxm", "a100": "a100_sxm"}
+
+
+def _pick(best: Any) -> str:
+    return (
+        f"{best.layout} {best.quant or 'checkpoint'}: {best.tokens_per_s_per_device:.1f} tok/s/GPU, "
+        f"{best.tokens_per_s_per_user:.1f} tok/s/user, TTFT {best.ttft * 1e3:.0f} ms, "
+        f"TPOT {best.tpot * 1e3:.1f} ms"
+    )
 
 
 def main() -> None:
@@ -171,11 +180,12 @@ def requests(args: argparse.Namespace) -> None:
             if best is None:
                 print(f"  kadapt {mode:<6} none")
                 continue
-            print(
-                f"  kadapt {mode:<6} {best.layout} {best.quant or 'checkpoint'}: "
-                f"{best.tokens_per_s_per_device:.1f} tok/s/GPU, {best.tokens_per_s_per_user:.1f} tok/s/user, "
-                f"TTFT {best.ttft * 1e3:.0f} ms, TPOT {best.tpot * 1e3:.1f} ms"
-            )
+            print(f"  kadapt {mode:<6} {_pick(best)}")
+            if best.quant is not None:  # AIConfigurator prices the checkpoint's own weights only
+                as_shipped = [c for c in result.feasible if c.mode == mode and c.quant is None]
+                if as_shipped:
+                    own = max(as_shipped, key=lambda c: (c.tokens_per_s_per_device, c.tokens_per_s_per_user))
+                    print(f"  kadapt {mode:<6} {_pick(own)} (the checkpoint's weights, as AIC prices)")
         if aic is None or system is None:
             why = "no aiconfigurator executable (pip install aiconfigurator)" if aic is None else "no system"
             print(f"  AIConfigurator cli default: not run ({why})")
