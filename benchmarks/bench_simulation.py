@@ -47,8 +47,9 @@ Sources
   width or per-rank head counts, ``without_shapes``), "layout" (refitted without the scored
   layout's rows: every model's expert rows at its EP size, the attention and MLA rows at its
   per-rank head count, ``without_layout``), "device" (the framework's table measured on the same
-  GPU generation: H100 <-> H200, B200 <-> GB200, priced through the scored device's peaks and
-  bandwidth) and "other gen" (the same from the other generation: Hopper <- B200, Blackwell <-
+  GPU generation: H100 <-> H200, B200 <-> GB200, priced on the scored device as a borrowed table
+  is, ``cost._priced_time``: on one set of peaks the time above the bound carried over as a time)
+  and "other gen" (the same from the other generation: Hopper <- B200, Blackwell <-
   H200; printed, not in the pass score). Families DeepSeek-V3 (fp8 block), Qwen3-235B-A22B and
   Llama-3.1-8B (bf16), Kimi-K2.5 as shipped (int4 experts: AIConfigurator has no TensorRT-LLM int4
   MoE, so it is scored on SGLang and vLLM only), each at two layouts; decode batch 1/32/128 at

@@ -13,14 +13,14 @@ from click.testing import CliRunner
 from fixtures.spec_files import REPO
 
 from kimi_adapter_core.backends.simulation import aiconfigurator
-from kimi_adapter_core.backends.simulation.cost import _all_to_all, comm_time, kernel_table
+from kimi_adapter_core.backends.simulation.cost import _all_to_all, comm_time, kernel_table, price
 from kimi_adapter_core.backends.simulation.deployment import Deployment
-from kimi_adapter_core.backends.simulation.device import get_device
+from kimi_adapter_core.backends.simulation.device import Device, get_device
 from kimi_adapter_core.backends.simulation.inputs import model_inputs
 from kimi_adapter_core.backends.simulation.kernels import KERNELS_DIR, Curve, load_kernels, parse_kernels
 from kimi_adapter_core.backends.simulation.parallel import Parallel
 from kimi_adapter_core.backends.simulation.simulator import Simulation, simulate
-from kimi_adapter_core.backends.simulation.tracer import fuse, merge_projections
+from kimi_adapter_core.backends.simulation.tracer import Op, fuse, merge_projections
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.spec import load_spec
@@ -100,6 +100,42 @@ def test_table_prices_each_op_kind(prefill: Simulation) -> None:
     device = get_device("h200")
     flat = experts.flops / (device.peak("fp8") * device.compute_efficiency)
     assert experts.time > 2 * flat
+
+
+def test_a_borrowed_curve_carries_its_time_over_the_bound_as_a_time() -> None:
+    """A table measured on the same die with other HBM (H200's on H100 / H800: same peaks, 4.8 against
+    3.35 TB/s) prices an op as the measuring device ran it, with the op's ideal there replaced by its
+    ideal here: the time the bound does not account for (launches, latency, dequantization) is not
+    rescaled by the bandwidth. Carried over as an efficiency, a kernel at a fraction of its memory
+    bound took the whole bandwidth ratio (1.43x), where H100 and H200's measured grouped GEMMs take
+    1.02-1.10x as long on H100 below 0.2 of the bound. Another die (the A3) keeps the efficiency."""
+    table = load_kernels("h200_sxm_trtllm")
+    h200, h100, a3 = get_device("h200"), get_device("h100"), get_device("atlas_800_a3")
+
+    def ideal(op: Op, device: Device) -> float:
+        return max(op.flops / device.peak(op.compute), op.bytes / device.hbm_bandwidth)
+
+    decode = run(DEEPSEEK, decode=True, batch=32)
+    ops = [k.op for k in decode.kernels if k.source.startswith("table:") and k.op.kind != "comm"]
+    assert {op.kind for op in ops} >= {"experts", "matmul", "attention"}
+    slower = 0
+    for op in ops:
+        own, moved = price(op, h200, table), price(op, h100, table)
+        assert moved.source == "table:h200_sxm_trtllm (borrowed: h200 curves)"
+        # (decode attention: within the interpolation between its curve's points, linear in log time)
+        gained = ideal(op, h100) - ideal(op, h200)
+        assert moved.time - own.time == pytest.approx(gained, rel=1e-3, abs=1e-5 * own.time)
+        slower += moved.time > own.time
+        # the bound's share of the time scales with the bandwidth, the rest does not
+        assert moved.time <= own.time * h200.hbm_bandwidth / h100.hbm_bandwidth * (1 + 1e-9)
+    assert slower > len(ops) / 2
+    # another die: the measured efficiency against this device's bound, as before
+    gemm = next(op for op in ops if op.kind == "matmul" and op.attrs.get("kernel") == "fp8_block")
+    fixed = table.gemm_fixed("fp8_block", float(gemm.attrs["m"]))
+    own, there = price(gemm, h200, table), price(gemm, a3, table)
+    assert there.time - fixed == pytest.approx(
+        (own.time - fixed) * ideal(gemm, a3) / ideal(gemm, h200), rel=1e-6
+    )
 
 
 def test_power_law_routing_costs_more_than_uniform(prefill: Simulation) -> None:

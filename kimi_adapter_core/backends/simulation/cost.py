@@ -6,9 +6,11 @@ The efficiency comes from the device's kernel table for the serving framework (`
 measured fractions of this very bound, by GEMM dtype and M, grouped-GEMM dtype and pairs per expert,
 attention kind and phase); a device without a table, and vector ops, use the profile's flat
 ``compute`` / ``memory`` efficiencies on their respective terms, as before. A table measured on
-another device (H800 has none of its own) prices with its efficiencies against this device's peaks
-and bandwidth - a latency-bound kernel would not speed up with bandwidth - so such an op's source
-says the curve is borrowed.
+another device (H800 has none of its own) says so in the op's source (borrowed). On the same die
+(the same peaks: H100, H200, H800) it prices the op as the measuring device ran it and carries the
+time above that device's bound over as a time: ideal here + (measured time - ideal there), since a
+latency-bound kernel does not speed up with bandwidth (``_priced_time``); on another die its
+efficiencies are taken against this device's peaks and bandwidth.
 All-reduce: time = latency + 2 * (n-1)/n * bytes / (link_bw * link_eff)     (ring; inside a node the
             kernel table's measured latency and efficiency by message size replace the profile's,
             the group size's own where the table measured it)
@@ -39,8 +41,10 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, replace
+from functools import cache
 
-from .device import Device, LowLatencyEP
+from ...errors import KadaptError
+from .device import Device, LowLatencyEP, get_device
 from .kernels import Curve, KernelTable, Match, measured_at, table_for
 from .tracer import Op
 
@@ -186,6 +190,50 @@ def _table_time(op: Op, table: KernelTable, compute: float, memory: float) -> tu
     return None
 
 
+def _measuring_device(table: KernelTable, section: str, device: Device) -> Device:
+    """The device profile ``table``'s ``section`` curves were measured on (``device`` itself where it
+    is this one, not recorded, or not a known profile)."""
+    name = table.measured_on(section)
+    if name in (None, device.name):
+        return device
+    return _profile(name) or device
+
+
+@cache
+def _profile(name: str) -> Device | None:
+    """The shipped or user device profile ``name`` (None: none), read once."""
+    try:
+        return get_device(name)
+    except KadaptError:
+        return None
+
+
+def _priced_time(op: Op, device: Device, table: KernelTable) -> tuple[float, float] | None:
+    """(time without fixed cost, fixed cost) the table gives ``op`` on ``device``.
+
+    A curve measured on another device with the same compute peaks (the same die with other HBM:
+    H100, H200, H800) prices the op as the measuring device ran it - its efficiency against that
+    device's own bound - and carries the time the bound does not account for over as a time: the
+    op's ideal there is replaced by its ideal here, the rest (``ideal / eff - ideal``: launches,
+    latency, dequantization, occupancy: the same SMs) kept as it was. A measured efficiency is not
+    all bandwidth: between H100 and H200 (3.35 against 4.8 TB/s) the measured grouped-GEMM rows take
+    1.02-1.10x as long on H100 where they reach under 0.2 of H200's memory bound and 1.38-1.44x (the
+    bandwidth ratio, 1.43) where they reach over 0.8, as the time above the bound kept as a time
+    gives; the efficiency carried over scaled all of a latency-bound kernel's time by the bandwidth
+    (Kimi-K2.5's int4 experts at a 1,024-token prefill, H200 priced with H100's table: 0.68x
+    AIConfigurator's). A curve measured on another die (other SMs) keeps its efficiency against
+    this device's bound: its time over the bound is not this die's."""
+    source = _measuring_device(table, _section(op), device)
+    if source.peak_flops != device.peak_flops:
+        source = device
+    compute, memory = op.flops / source.peak(op.compute), op.bytes / source.hbm_bandwidth
+    found = _table_time(op, table, compute, memory)
+    if found is None or source is device:
+        return found
+    here = max(op.flops / device.peak(op.compute), op.bytes / device.hbm_bandwidth)
+    return max(0.0, found[0] - max(compute, memory)) + here, found[1]
+
+
 def _decode_attention_time(
     op: Op, device: Device, table: KernelTable, found: tuple[float, float]
 ) -> tuple[float, float]:
@@ -215,9 +263,7 @@ def _decode_attention_time(
             bytes=op.bytes + kv * (scale - 1),
             attrs={**op.attrs, "kv_bytes": kv_bytes},
         )
-        priced = _table_time(
-            longer, table, longer.flops / device.peak(op.compute), longer.bytes / device.hbm_bandwidth
-        )
+        priced = _priced_time(longer, device, table)
         return sum(priced) if priced is not None else math.inf
 
     times = [at(x) for x in curve.xs]
@@ -254,7 +300,7 @@ def price(op: Op, device: Device, table: KernelTable | None = None) -> Priced:
         return Priced(op, time, bound, source)
     compute = op.flops / device.peak(op.compute)
     memory = op.bytes / device.hbm_bandwidth
-    found = _table_time(op, table, compute, memory) if table else None
+    found = _priced_time(op, device, table) if table else None
     if found is not None and table is not None and op.kind == "attention" and op.attrs.get("decode"):
         found = _decode_attention_time(op, device, table, found)
     bound = "compute" if compute >= memory else "memory"

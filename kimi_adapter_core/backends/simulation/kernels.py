@@ -8,8 +8,9 @@ curve cites its source). Kernels differ by serving framework (SGLang's Triton Mo
 CUTLASS one), so a name has one table per framework, ``<name>_<framework>.yaml``, and the framework a
 simulation serves with picks it (``table_for``); a name without per-framework tables (``atlas_a3``)
 is one table for every framework. A table records the device profile it was measured on
-(``device``): pricing another device with it rescales measured efficiencies by that device's peaks
-and bandwidth, which ``cost.price`` says in the op's source.
+(``device``): pricing another device with it carries the measured time above the bound over as a
+time on the same die (same peaks), else rescales measured efficiencies by that device's peaks and
+bandwidth (``cost._priced_time``), which ``cost.price`` says in the op's source.
 
 A curve maps one shape variable (tokens M, pairs per local expert, sequence length, KV bytes read,
 message bytes) to an efficiency, interpolated linearly in log(shape) and held flat past its ends.
