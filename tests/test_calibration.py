@@ -498,8 +498,8 @@ def test_a_held_out_table_never_saw_the_scored_rows(bench, kind: str, framework:
     """The full refit (per-shape curves too) has no curve of the scored family's shapes or layout, so
     the median-only fit the benchmark uses prices the scored steps exactly as it would, and not as
     the shipped table (which measured them). The median-only fit keeps only what prices a shape not
-    measured: the decode curves per cache dtype, vLLM's module floors (of other head counts) and the
-    all-reduce per group size."""
+    measured: the decode curves per cache dtype, vLLM's module floors (of other head counts), the
+    expert curves per shape (of other EP sizes) and the all-reduce per group size."""
     from kimi_adapter_core.backends.simulation import calibrate
     from kimi_adapter_core.backends.simulation.cost import price
     from kimi_adapter_core.backends.simulation.simulator import finish_step, trace_kernels
@@ -520,8 +520,12 @@ def test_a_held_out_table_never_saw_the_scored_rows(bench, kind: str, framework:
         for c in curves({k: v for k, v in fast.items() if k != "module_floor"})
         for s in c.get("shapes", [])
     ]
-    # the decode curves per cache dtype and the all-reduce per group size (never held out)
-    assert fallbacks and all(set(match) in ({"kv_dtype", "attention_dp"}, {"group"}) for match in fallbacks)
+    # the decode curves per cache dtype and the all-reduce per group size (never held out), and the
+    # expert curves per shape (other EP sizes: they price the held-out one from those around it)
+    expert = {*calibrate.EXPERT_SHAPE, *calibrate.EXPERT_LAYOUT}
+    allowed = ({"kv_dtype", "attention_dp"}, {"group"}, expert)
+    assert fallbacks and all(set(match) in allowed for match in fallbacks)
+    assert any(set(match) == expert for match in fallbacks)
     spec = load_spec(REPO / "specs" / "deepseek_v3.yaml")
     device = get_device("h200")
     steps = []

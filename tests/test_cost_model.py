@@ -150,6 +150,56 @@ def test_power_law_routing_costs_more_than_uniform(prefill: Simulation) -> None:
     assert row(prefill, "tp_all_reduce").time == row(uniform, "tp_all_reduce").time
 
 
+def test_an_unmeasured_ep_prices_experts_from_the_ep_sizes_around_it() -> None:
+    """At the same pairs per expert the grouped GEMMs' efficiency falls steeply with EP (vLLM on
+    H100, Qwen3's shape, bf16); an EP size the table did not measure takes its model shape's curves
+    at the two measured EP sizes around it, linear in log(EP) (efficiency, fixed cost and power-law
+    factor alike), the nearest one's past the measured range, and the median over every shape only
+    where no EP of that model shape was measured."""
+    from dataclasses import replace
+
+    table = load_kernels("h100_sxm_vllm")
+    qwen3 = {"hidden": 4096, "width": 1536, "experts": 128, "top_k": 8, "attention_dp": 1}
+    own = {ep: table.grouped_eff("bf16", 256, qwen3 | {"ep": ep}) for ep in (1, 2, 4, 8, 16)}
+    factor = {ep: table.imbalance_factor("bf16", 256, qwen3 | {"ep": ep}) for ep in (2, 8)}
+    assert own[1][0] > own[2][0] > own[4][0] > own[8][0] > own[16][0]  # falls with EP
+
+    def held_out(curve: Curve) -> Curve:  # the table without Qwen3's rows at EP 4
+        return replace(curve, shapes=tuple((m, c) for m, c in curve.shapes if dict(m) != qwen3 | {"ep": 4}))
+
+    held = replace(
+        table,
+        grouped={k: held_out(c) for k, c in table.grouped.items()},
+        imbalance={k: held_out(c) for k, c in table.imbalance.items()},
+    )
+    assert held.grouped_eff("bf16", 256, qwen3 | {"ep": 2}) == own[2]  # a measured EP: its own curve
+    for pairs in (1, 16, 256, 300):
+        two, eight = (table.grouped_eff("bf16", pairs, qwen3 | {"ep": ep}) for ep in (2, 8))
+        got = held.grouped_eff("bf16", pairs, qwen3 | {"ep": 4})  # log2: halfway from 2 to 8
+        assert got[0] == pytest.approx((two[0] + eight[0]) / 2, rel=1e-9)
+        assert got[1] == pytest.approx((two[1] + eight[1]) / 2, rel=1e-9)
+    got = held.grouped_eff("bf16", 256, qwen3 | {"ep": 4})
+    assert own[8][0] < got[0] < own[2][0]
+    assert abs(got[0] / own[4][0] - 1) < 0.15  # near the held-out measurement; the median is not
+    assert abs(table.grouped["bf16"](256) / own[4][0] - 1) > 0.3
+    assert held.imbalance_factor("bf16", 256, qwen3 | {"ep": 4}) == pytest.approx(
+        (factor[2] + factor[8]) / 2, rel=1e-9
+    )
+    # past the measured EP sizes the nearest one's; no EP of that model shape: the median
+    eps = sorted(
+        dict(m)["ep"] for m, _ in table.grouped["bf16"].shapes if dict(m) | {"ep": 0} == qwen3 | {"ep": 0}
+    )
+    for ep, nearest in ((eps[-1] * 4, eps[-1]), (eps[0] / 2, eps[0])):
+        assert table.grouped_eff("bf16", 256, qwen3 | {"ep": ep}) == table.grouped_eff(
+            "bf16", 256, qwen3 | {"ep": nearest}
+        )
+    other = qwen3 | {"ep": 4, "hidden": 4000}
+    assert table.grouped_eff("bf16", 256, other) == (
+        table.grouped["bf16"](256),
+        table.grouped["bf16"].overhead,
+    )
+
+
 def test_tp_layout_has_no_all_to_all_and_dp_layout_has(prefill: Simulation) -> None:
     assert not any(r.name.startswith("ep_") for r in prefill.rows())
     dp = run(DEEPSEEK, tp=1, dp=8, ep=8, batch=8, decode=True)

@@ -347,12 +347,14 @@ def _gemm_floor(rows: Any) -> dict[str, list[float]]:
 
 
 def moe_curves(
-    root: Path, framework: str, peak: dict[str, float], bw: float, row_filter: RowFilter, shapes: bool = True
+    root: Path, framework: str, peak: dict[str, float], bw: float, row_filter: RowFilter
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Grouped expert GEMMs by token-expert pairs per local expert; balanced routing sets the curve,
     the power-law/balanced latency ratio at the same shape sets the imbalance factor. Gated experts
     only (kadapt's experts are gate/up/down) and fine-grained MoE of large models (hidden >= 4096,
-    >= 64 experts: DeepSeek-V3, Kimi-K2.5, Qwen3-235B)."""
+    >= 64 experts: DeepSeek-V3, Kimi-K2.5, Qwen3-235B). Each keeps its per-shape curves in every fit
+    (``calibrate``'s ``shapes=False`` too): they price an EP size not measured from the model
+    shape's EP sizes around it (``kernels.measured_across``)."""
     curves: dict[str, Any] = {}
     factors: dict[str, Any] = {}
     for key, (dtype, wbytes, unit_key) in MOE_DTYPES.items():
@@ -384,14 +386,13 @@ def moe_curves(
         curves[key] = {
             **_expert_curve(balanced, ideal, floor_ms, MOE_GRID),
             "source": f"{found.source}, balanced; {BY_SHAPE}",
-            **_per_shape(
-                shapes,
-                lambda balanced=balanced, ideal=ideal, floor=floor_ms: _shape_curves(
-                    balanced,
-                    EXPERT_SHAPE,
-                    lambda rows: _expert_curve(rows, ideal, _pipeline_floor(rows, ideal, floor)),
-                    EXPERT_LAYOUT,
+            "shapes": _shape_curves(
+                balanced,
+                EXPERT_SHAPE,
+                lambda rows, ideal=ideal, floor=floor_ms: _expert_curve(
+                    rows, ideal, _pipeline_floor(rows, ideal, floor)
                 ),
+                EXPERT_LAYOUT,
             ),
         }
         shape = ["num_tokens", "hidden_size", "inter_size", "topk", "num_experts", "moe_ep_size"]
@@ -403,14 +404,13 @@ def moe_curves(
                 "pairs_per_expert": MOE_GRID,
                 "factor": _median_curve(joined, "pairs_per_expert", MOE_GRID, "ratio"),
                 "source": f"{found.source}, power_law_1.01 / balanced; {BY_SHAPE}",
-                **_per_shape(
-                    shapes,
-                    lambda joined=joined, ideal=ideal, floor=floor_ms: _shape_curves(
-                        joined,
-                        EXPERT_SHAPE,
-                        lambda rows: _factor_curve(rows, _pipeline_floor(rows, ideal, floor)),
-                        EXPERT_LAYOUT,
+                "shapes": _shape_curves(
+                    joined,
+                    EXPERT_SHAPE,
+                    lambda rows, ideal=ideal, floor=floor_ms: _factor_curve(
+                        rows, _pipeline_floor(rows, ideal, floor)
                     ),
+                    EXPERT_LAYOUT,
                 ),
             }
     return curves, factors
@@ -837,17 +837,18 @@ def calibrate(
     """The kernel table of ``framework`` on AIConfigurator's ``system``, fitted on the rows
     ``row_filter`` keeps (all of them for a shipped table). ``shapes=False`` fits the median curves
     only, 2-4x faster: no curve per exact shape (it prices only the shape it was measured at); what
-    prices shapes not measured stays - the decode curves per cache dtype and the module floors,
-    which price a head count not measured from the ones around it (``cost.module_floor``). A
+    prices shapes not measured stays - the decode curves per cache dtype, the module floors, which
+    price a head count not measured from the ones around it (``cost.module_floor``), and the expert
+    curves per shape, which price an EP size not measured likewise (``kernels.measured_across``). A
     held-out fit whose ``row_filter`` dropped every row of the shapes it is scored
-    on prices them the same either way: no per-shape curve of the full refit could match them."""
+    on prices them the same either way: no per-shape curve it drops could match them."""
     from importlib.metadata import version
 
     device = get_device(SYSTEMS[system])
     peak = dict(device.peak_flops)
     bw = device.hbm_bandwidth
     root = _tables(system)
-    grouped, imbalance = moe_curves(root, framework, peak, bw, row_filter, shapes)
+    grouped, imbalance = moe_curves(root, framework, peak, bw, row_filter)
     gemm = gemm_curves(root, framework, peak, bw, row_filter)
     attention = attention_curves(root, framework, peak, bw, row_filter, shapes)
     module = mla_module_curves(root, framework, peak, bw, row_filter, gemm, shapes)

@@ -45,7 +45,7 @@ from functools import cache
 
 from ...errors import KadaptError
 from .device import Device, LowLatencyEP, get_device
-from .kernels import Curve, KernelTable, Match, measured_at, table_for
+from .kernels import Curve, KernelTable, Match, measured_across, table_for
 from .tracer import Op
 
 
@@ -337,26 +337,7 @@ def module_floor(floors: tuple[tuple[Match, Curve], ...], shape: dict) -> Curve 
     norms, rope and launches, and grows with the heads (q_b and o_proj are per head: vLLM 0.24's
     module on B200, FP8 cache and projections, one token: 46, 50, 54, 70, 90 us at 8, 16, 32, 64, 128
     heads); held out, 16 and 32 heads from 8 and 64 take 54 and 62 us."""
-    own = measured_at(floors, shape)
-    if own is not None or "heads" not in shape:
-        return own
-    heads = float(shape["heads"])
-    near = sorted(
-        (float(dict(match)["heads"]), curve)
-        for match, curve in floors
-        if "heads" in dict(match)
-        and measured_at(((tuple(kv for kv in match if kv[0] != "heads"), curve),), shape) is not None
-    )
-    if not near:
-        return None
-    below = [(h, c) for h, c in near if h < heads]
-    above = [(h, c) for h, c in near if h > heads]
-    if not below or not above:
-        return (below or above)[-1 if below else 0][1]
-    (h0, c0), (h1, c1) = below[-1], above[0]
-    t = math.log(heads / h0) / math.log(h1 / h0)
-    xs = tuple(sorted(set(c0.xs) | set(c1.xs)))
-    return Curve(xs, tuple(c0(x) + t * (c1(x) - c0(x)) for x in xs))
+    return measured_across(floors, shape, "heads")
 
 
 def fold_modules(kernels: list[Priced]) -> list[Priced]:

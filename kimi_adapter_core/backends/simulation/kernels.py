@@ -19,7 +19,8 @@ only, each named by a ``match`` of op attributes (experts: ``hidden``, ``width``
 ``top_k``, ``ep``; attention: ``heads``, ``kv_heads``, ``kv_dtype``; and the layout measured,
 ``attention_dp``), and an op of a measured shape prices with its own (``Curve.at``: the first that
 matches, so a prefill kernel's curves per shape and ``batch`` come before its curves per shape over
-every batch, which price a batch not measured).
+every batch, which price a batch not measured); an expert op at an EP size not measured takes its
+model shape's curves at the EP sizes around it (``measured_across``).
 A device without a table keeps the flat ``compute.efficiency`` / ``memory.efficiency``.
 
 Curves and the op kinds they price:
@@ -189,6 +190,43 @@ def measured_at(shapes: tuple[tuple[Match, Curve], ...], shape: Shape | None) ->
     return None
 
 
+def measured_across(shapes: tuple[tuple[Match, Curve], ...], shape: Shape | None, key: str) -> Curve | None:
+    """The curve of ``shapes`` measured at ``shape``, else one from the curves measured at other
+    values of ``key`` with every other ``match`` attribute equal: linear in log(``key``) between the
+    two nearest (the values, the fixed cost and the floor factor alike), the nearest one's past the
+    measured range (None: none at any value of ``key``, or ``shape`` has no numeric ``key``). An MLA
+    module's floor across head counts (``cost.module_floor``), a routed-expert curve across EP sizes
+    (``KernelTable.grouped_eff``)."""
+    own = measured_at(shapes, shape)
+    value = _matched(shape.get(key)) if shape else None
+    if own is not None or not isinstance(value, float) or value <= 0:
+        return own
+    near = sorted(
+        (
+            (at, curve)
+            for match, curve in shapes
+            if isinstance(at := dict(match).get(key), float)
+            and at > 0
+            and measured_at(((tuple(kv for kv in match if kv[0] != key), curve),), shape) is not None
+        ),
+        key=lambda found: found[0],
+    )
+    below = [(at, curve) for at, curve in near if at < value]
+    above = [(at, curve) for at, curve in near if at > value]
+    if not below or not above:
+        return below[-1][1] if below else above[0][1] if above else None
+    (v0, c0), (v1, c1) = below[-1], above[0]
+    t = math.log(value / v0) / math.log(v1 / v0)
+    xs = tuple(sorted(set(c0.xs) | set(c1.xs)))
+    floor = tuple(c0.floor_factor(x) + t * (c1.floor_factor(x) - c0.floor_factor(x)) for x in xs)
+    return Curve(
+        xs,
+        tuple(c0(x) + t * (c1(x) - c0(x)) for x in xs),
+        c0.overhead + t * (c1.overhead - c0.overhead),
+        floor if c0.floor or c1.floor else (),
+    )
+
+
 @dataclass(frozen=True)
 class Curve:
     xs: tuple[float, ...]
@@ -199,12 +237,15 @@ class Curve:
     # curves fitted on the rows of one shape only, each with the op attributes it stands for
     shapes: tuple[tuple[Match, Curve], ...] = ()
 
-    def at(self, shape: Shape | None) -> Curve:
+    def at(self, shape: Shape | None, across: str | None = None) -> Curve:
         """The curve measured at ``shape`` (every ``match`` attribute equal) where the table has one,
-        else this curve (the median over every shape measured): a kernel's efficiency at one width or
-        head count can sit far from the median over others (MLA decode at 8 heads per rank reads the
-        cache at ~0.8 of HBM bandwidth, the median over 1-128 heads ~0.5)."""
-        return measured_at(self.shapes, shape) or self
+        else, with ``across``, one from the curves measured at other values of that attribute
+        (``measured_across``), else this curve (the median over every shape measured): a kernel's
+        efficiency at one width or head count can sit far from the median over others (MLA decode
+        at 8 heads per rank reads the cache at ~0.8 of HBM bandwidth, the median over 1-128 heads
+        ~0.5)."""
+        found = measured_across(self.shapes, shape, across) if across else measured_at(self.shapes, shape)
+        return found or self
 
     def __call__(self, x: float) -> float:
         """Linear in log(x) between grid points, flat past the ends."""
@@ -322,23 +363,28 @@ class KernelTable:
         self, dtype: str, pairs_per_expert: float, shape: Shape | None = None
     ) -> tuple[float, float] | None:
         """(efficiency, fixed cost in seconds), from the curve measured at ``shape`` (the experts'
-        ``hidden``, ``width``, ``experts``, ``top_k``, ``ep``) where there is one."""
+        ``hidden``, ``width``, ``experts``, ``top_k``, ``ep``) where there is one, else from the
+        model shape's curves at the EP sizes around it (``measured_across``): at the same pairs per
+        expert the efficiency falls steeply with EP (vLLM on H100, Qwen3's shape, bf16, 256 pairs
+        per expert: 0.62, 0.42, 0.18, 0.05 at EP 1, 4, 16, 64), which the median over every shape
+        does not follow."""
         curve = self._pick(self.grouped, dtype)
         if curve is None:
             return None
-        curve = curve.at(shape)
+        curve = curve.at(shape, "ep")
         return curve(pairs_per_expert), curve.overhead
 
     def imbalance_factor(self, dtype: str, pairs_per_expert: float, shape: Shape | None = None) -> float:
-        """Power-law routing's factor on the grouped GEMMs' time above the pipeline floor."""
+        """Power-law routing's factor on the grouped GEMMs' time above the pipeline floor (across EP
+        sizes as ``grouped_eff``)."""
         curve = self._pick(self.imbalance, dtype)
-        return curve.at(shape)(pairs_per_expert) if curve else 1.0
+        return curve.at(shape, "ep")(pairs_per_expert) if curve else 1.0
 
     def imbalance_floor(self, dtype: str, pairs_per_expert: float, shape: Shape | None = None) -> float:
         """Power-law routing's scale of the pipeline floor (below 1 where its measured rows are faster
         than the floor: the measured rank was routed few of the tokens' experts)."""
         curve = self._pick(self.imbalance, dtype)
-        return curve.at(shape).floor_factor(pairs_per_expert) if curve else 1.0
+        return curve.at(shape, "ep").floor_factor(pairs_per_expert) if curve else 1.0
 
     def attention_curve(self, decode: bool, kind: str, shape: Shape | None = None) -> Curve | None:
         """The attention curve of ``kind`` in that phase, measured at ``shape`` (``heads`` per rank,
