@@ -383,11 +383,11 @@ def run(
         ties = tied_names(model, {path for g in graphs.values() for path in g.weights})
         files: dict[Path, Iterable[str]] = {}
         # one weight map for every graph; each IR's per-weight quantization is read from it
-        weights = graph_weights([*graphs.values(), *([vision_graph] if vision_graph is not None else [])])
-        if speculative is not None and same_document(speculative[0], weights):
+        read = graph_weights([*graphs.values(), *([vision_graph] if vision_graph is not None else [])])
+        if speculative is not None and same_document(speculative[0], read):
             weight_map = speculative[1]
         else:
-            weight_map = weight_map_of(weights)
+            weight_map = weight_map_of(read)
         for kind, graph in graphs.items():
             weights = weight_entries(graph, renames=options.weight_renames, ties=ties, weight_map=weight_map)
             files[options.path(kind)] = ir_chunks(
