@@ -465,20 +465,19 @@ def _shaped(shaped: dict[str, Any], where: str, value: str) -> tuple[Match, Curv
     )
 
 
+def _in_seconds(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` with its ``latency_us`` values in seconds (the tables hold microseconds)."""
+    return {**body, "latency_us": [us * 1e-6 for us in body["latency_us"]]}
+
+
 def _seconds(section: dict[str, Any] | None, where: str) -> dict[str, Curve]:
     """Curves of ``latency_us`` by their axis, in seconds."""
-    return {
-        k: _curve({**v, "latency_us": [x * 1e-6 for x in v["latency_us"]]}, f"{where}.{k}", "latency_us")
-        for k, v in (section or {}).items()
-    }
+    return {k: _curve(_in_seconds(v), f"{where}.{k}", "latency_us") for k, v in (section or {}).items()}
 
 
 def _floors(body: dict[str, Any], where: str) -> tuple[tuple[Match, Curve], ...]:
-    """A module's floors per measured shape, in seconds by tokens (the table holds microseconds)."""
-    seconds = [
-        {**shaped, "latency_us": [v * 1e-6 for v in shaped["latency_us"]]} for shaped in body["shapes"]
-    ]
-    return tuple(_shaped(shaped, where, "latency_us") for shaped in seconds)
+    """A module's floors per measured shape, in seconds by tokens."""
+    return tuple(_shaped(_in_seconds(shaped), where, "latency_us") for shaped in body["shapes"])
 
 
 def _all_to_all(body: dict[str, Any]) -> AllToAll:
