@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -77,6 +77,27 @@ def _fdopen(fd: int, mode: str, encoding: str | None) -> IO:
     except BaseException:
         os.close(fd)
         raise
+
+
+def write_new(path: Path, chunks: Iterable[str], *, target: Path) -> int:
+    """Write ``chunks`` as UTF-8 to ``path``, a name that must not exist yet (someone else's file is
+    never overwritten), flushed and fsynced; returns its size. For a temp name chosen beforehand
+    (``backends/extraction/write.Staging``): removing it on failure is the chooser's job, which knows
+    the name even when the writer was a process that died. Errors opening and syncing it name
+    ``target``, the file ``path`` is renamed over; the chunks' own errors pass through unchanged
+    (as in ``atomic_open``)."""
+    try:
+        handle = _fdopen(os.open(path, _CREATE, 0o666), "w", "utf-8")
+    except OSError as exc:
+        raise KadaptError(f"cannot write {target}: {exc.strerror or exc}") from exc
+    with handle:
+        handle.writelines(chunks)
+        try:
+            handle.flush()
+            os.fsync(handle.fileno())
+            return os.fstat(handle.fileno()).st_size
+        except OSError as exc:
+            raise KadaptError(f"cannot write {target}: {exc.strerror or exc}") from exc
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:

@@ -1,5 +1,6 @@
-"""Exports in two processes (``backends/extraction/forked.py``): the same bytes and the same report as
-one process, the child's errors raised here, a child that dies named, never a hang."""
+"""Exports in forked processes (``backends/extraction/forked.py``): the same bytes and the same report
+as one process, this process tracing nothing, a child's errors raised here, a child that dies named
+and its half-written files removed, never a hang."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from kimi_adapter_core.backends.extraction import pipeline
+from kimi_adapter_core.backends.extraction import forked, pipeline, write
 from kimi_adapter_core.backends.extraction.graph import TensorType
-from kimi_adapter_core.backends.extraction.summary import SECOND_PROCESS
+from kimi_adapter_core.backends.extraction.summary import process_mark
 from kimi_adapter_core.backends.extraction.weight_map import same_document
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import Refusal
@@ -42,10 +43,12 @@ def test_two_processes_write_the_same_bytes_and_report(spec, tmp_path, monkeypat
     assert first["ledger"] == second["ledger"]  # each patch's reach: the child's calls counted too
     assert any(e.get("reached") for e in second["ledger"]["entries"])
     steps = [s["step"] for s in second["extraction"]["steps"]]
-    assert not any(SECOND_PROCESS in s for s in (s["step"] for s in first["extraction"]["steps"]))
-    assert f"export prefill_mm{SECOND_PROCESS}" in steps and f"export vision{SECOND_PROCESS}" in steps
-    own = sum(s["seconds"] for s in second["extraction"]["steps"] if SECOND_PROCESS not in s["step"])
-    assert second["extraction"]["seconds"] == pytest.approx(own, abs=0.01)  # the child ran beside it
+    assert not any("(process" in s for s in (s["step"] for s in first["extraction"]["steps"]))
+    assert f"export prefill{process_mark(1)}" in steps and f"export decode{process_mark(1)}" in steps
+    assert f"export prefill_mm{process_mark(2)}" in steps and f"export vision{process_mark(2)}" in steps
+    own = sum(s["seconds"] for s in second["extraction"]["steps"] if "(process" not in s["step"])
+    assert second["extraction"]["seconds"] == pytest.approx(own, abs=0.01)  # the children ran beside it
+    assert "wait for exports" in steps and "wait for writes" in steps
     for kind, graph in first["extraction"]["graphs"].items():
         assert {**graph, "path": None} == {**second["extraction"]["graphs"][kind], "path": None}
 
@@ -61,6 +64,57 @@ def failing_decode(how: str):
         return build(kind, *args, **kwargs)
 
     return build_graph
+
+
+def test_this_process_traces_nothing_when_two_children_do(tmp_path, monkeypatch):
+    """The point of two children: torch's export machinery and the graphs never load here, so the
+    run's peak memory is one child's, not this process's plus a child's."""
+    built = tmp_path / "built"
+    build = pipeline.build_graph
+
+    def build_graph(kind, *args, **kwargs):
+        with built.open("a") as record:  # a child's memory is its own: the file is shared
+            record.write(f"{os.getpid()} {kind}\n")
+        return build(kind, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "build_graph", build_graph)
+    assert apply("llama", tmp_path / "out", 2, monkeypatch).exit_code == 0
+    pids = dict(reversed(line.split()) for line in built.read_text().splitlines())
+    assert sorted(pids) == ["decode", "prefill"]
+    assert os.getpid() not in {int(pid) for pid in pids.values()}
+    assert len(set(pids.values())) == 2  # one child each
+
+
+@pytest.mark.parametrize(
+    ("tasks", "processes", "sizes"),
+    [(4, 2, [2, 2]), (3, 2, [2, 1]), (2, 2, [1, 1]), (2, 4, [1, 1]), (5, 3, [2, 2, 1]), (3, 1, [3])],
+)
+def test_tasks_are_split_into_contiguous_groups(tasks, processes, sizes):
+    names = [(str(i), lambda: None) for i in range(tasks)]
+    groups = forked.groups_of(names, processes)
+    assert [len(g) for g in groups] == sizes
+    assert [name for group in groups for name, _ in group] == [name for name, _ in names]
+
+
+def test_a_child_that_dies_while_writing_leaves_no_temp_file(tmp_path, monkeypatch):
+    """The parent named every temp file before forking, so it removes what a dead child left."""
+    real = write.write_new
+
+    def write_new(path, chunks, *, target):
+        if target.name.endswith("decode_ir.json"):
+            path.write_text('{"half": ')  # a partial file under the name the parent chose
+            os._exit(5)
+        return real(path, chunks, target=target)
+
+    monkeypatch.setattr(write, "write_new", write_new)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "llama_decode_ir.json").write_text('{"previous": true}')
+    result = apply("llama", out, 2, monkeypatch)
+    assert result.exit_code == 1
+    assert "the export process building decode ended without a result (exit status 5)" in result.output
+    assert sorted(p.name for p in out.iterdir()) == ["llama_decode_ir.json"]  # no temp file, no new file
+    assert (out / "llama_decode_ir.json").read_text() == '{"previous": true}'
 
 
 def test_an_error_in_the_second_process_is_reported_here(tmp_path, monkeypatch):
@@ -94,7 +148,7 @@ def test_the_childs_weight_map_is_used_only_when_it_is_the_runs(tmp_path, monkey
     assert (mapped_here, len(calls)) == (1, 2)  # the layout check maps the templates in both runs
     assert files(tmp_path / "used") == files(tmp_path / "recomputed")
     steps = [s["step"] for s in json.loads(used.stdout)["extraction"]["steps"]]
-    assert f"weight map{SECOND_PROCESS}" in steps
+    assert f"weight map{process_mark(2)}" in steps
 
 
 def test_a_weight_map_is_the_same_document_only_for_the_same_weights_and_head():

@@ -79,7 +79,7 @@ def verify(
     spec: Spec, options: ExtractionOptions, *, echo: Callable[[str], Any], processes: int = 1
 ) -> VerifyReport:
     """Extract a tiny random model of the spec's architecture and check the saved IR against transformers
-    (``processes`` 2: the tiny model's graphs traced half in a forked child, as ``kadapt apply`` does)."""
+    (``processes`` 2: the tiny model's graphs traced in two forked children, as ``kadapt apply`` does)."""
     from .roundtrip import verify as run_verify
 
     return run_verify(spec, options, echo=echo, processes=processes)

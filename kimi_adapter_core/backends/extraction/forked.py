@@ -1,23 +1,36 @@
-"""Exports in two processes: the graphs of one run traced half here, half in a forked child.
+"""Exports in forked processes: the graphs of one run traced in two children, each writing its own.
 
 Tracing is CPU-bound Python (``torch.export``), one graph at a time, and a run builds two to four
-graphs. With two CPUs the child takes the second half (Kimi-K2.5: prefill_mm and vision; measured,
-4.1 s of tracing became 2.6 s). Fork, not spawn: the child starts with the spec applied, the model
-on meta and every import done, which a new interpreter would spend the import floor redoing. Only
-its graphs come back (pickled: ~1.5 MB for Kimi-K2.5), with the clock steps it took and how many
-calls reached each patch (the ledger reports a run's reach, so the child's counts are added here).
-A caller may also have the child ``summarize`` its graphs while this process finishes its own half
-(the pipeline: the weight map of the child's graphs, which the run uses when it is the whole run's).
+graphs. With two CPUs each of two children takes half of them (Kimi-K2.5: prefill + decode, and
+prefill_mm + vision). Fork, not spawn: a child starts with the spec applied, the model on meta and
+every import done, which a new interpreter would spend the import floor redoing.
+
+This process traces nothing: torch's export machinery (~30 MB the first time it runs) and the graphs
+live only in the children, so the run's peak memory is a child's, not the sum of everything. A run
+is three steps, the same with or without children (``in_processes``):
+
+1. **build** each group's graphs, then ``report`` on them (the pipeline: the weights they read, and
+   the last group maps its own weights ahead, since every graph of a run usually reads the same
+   text weights);
+2. ``decide`` here, from every group's report, what each group needs to finish (the pipeline: the
+   run's one weight map, the last group's when it is the run's, else mapped here);
+3. ``finish`` each group with its decision (the pipeline: write its graphs' IR to temp files this
+   process named; this process renames every file once all succeeded).
+
+The children send their reports and results (and the clock steps they took and how many calls
+reached each patch: the ledger reports a run's reach) pickled through a pipe, length-prefixed; never
+their graphs.
 
 Safety:
-- the child sets torch's intra-op threads to 1 before any op: the OpenMP pool this process used
+- a child sets torch's intra-op threads to 1 before any op: the OpenMP pool this process used
   before the fork (the whole-model check runs the model on CPU) hangs a forked child that enters a
   parallel region (measured: a matmul in such a child never returns); one thread never enters it;
-- the child ends with ``os._exit``: none of this process's cleanup (taking patches back, removing
-  temp files) runs twice, and it writes nothing but its result;
-- an error in the child is raised here (a ``KadaptError`` with its message if it cannot be sent);
-  a child that ends without a result is an error naming how it ended; an error or Ctrl-C here kills
-  and reaps the child. Ctrl-C in the child's terminal ends it at once (default SIGINT).
+- a child ends with ``os._exit``: none of this process's cleanup (taking patches back, removing
+  temp files) runs twice, and it writes nothing but its result and the files it was given names for;
+- an error in a child is raised here (a ``KadaptError`` with its message if it cannot be sent); a
+  child that ends without a result is an error naming how it ended; an error or Ctrl-C here kills
+  and reaps every child. Ctrl-C in the children's terminal ends them at once (default SIGINT);
+- a child whose parent is gone finds its decision pipe closed and ends.
 One process where ``os.fork`` is missing, one CPU is available, one graph is built, or
 ``KADAPT_EXPORT_PROCESSES=1``. The artifacts are the same bytes either way (tested).
 """
@@ -28,14 +41,21 @@ import contextlib
 import os
 import pickle
 import signal
+import struct
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NoReturn, Protocol
+from dataclasses import dataclass
+from typing import IO, Any, NoReturn, Protocol
 
 from ...errors import KadaptError
-from .summary import SECOND_PROCESS
+from .summary import process_mark
 
 Task = tuple[str, Callable[[], Any]]  # a graph's name and what builds it
+Report = Callable[[Mapping[str, Any], int, int], tuple[Any, Any]]  # (built, group, groups) -> (sent, kept)
+Decide = Callable[[list[Any]], list[Any]]  # every group's report -> each group's decision
+Finish = Callable[[Mapping[str, Any], Any, Any], Any]  # (built, kept, decision) -> the group's result
+
+_LENGTH = struct.Struct("<Q")
 
 
 class Steps(Protocol):
@@ -61,59 +81,150 @@ def export_processes() -> int:
     return 2 if cpus > 1 and hasattr(os, "fork") else 1
 
 
-def build_all(
+def groups_of(tasks: Sequence[Task], processes: int) -> list[Sequence[Task]]:
+    """``tasks`` in at most ``processes`` contiguous groups, the first ones taking one more when
+    they do not divide evenly (one group when this platform cannot fork)."""
+    count = max(1, min(processes, len(tasks))) if hasattr(os, "fork") else 1
+    size, extra = divmod(len(tasks), count)
+    groups, start = [], 0
+    for index in range(count):
+        end = start + size + (index < extra)
+        groups.append(tasks[start:end])
+        start = end
+    return groups
+
+
+def in_processes(
     tasks: Sequence[Task],
     *,
     processes: int,
     clock: Steps,
     reach: Mapping[str, Counter],
-    summarize: Callable[[Mapping[str, Any]], Any] | None = None,
-) -> tuple[dict[str, Any], Any]:
-    """Each task's result by name, in task order: the first half built here, the rest in a child
-    when ``processes`` > 1 (the module docstring says how it stays safe); and ``summarize`` of the
-    child's results, computed in the child while this process finishes its half (None with one
-    process: a caller computes what it needs from all the results)."""
-    if processes < 2 or len(tasks) < 2 or not hasattr(os, "fork"):
-        return {name: build() for name, build in tasks}, None
-    split = (len(tasks) + 1) // 2
-    mine, theirs = tasks[:split], tasks[split:]
-    read_end, write_end = os.pipe()
+    report: Report,
+    decide: Decide,
+    finish: Finish,
+) -> list[Any]:
+    """Each group's ``finish`` result, in group order: the tasks built, reported on, decided on and
+    finished in one child per group, or here when there is one group (the module docstring says
+    what each step is for and how the children stay safe)."""
+    groups = groups_of(tasks, processes)
+    if len(groups) == 1:
+        built = {name: build() for name, build in tasks}
+        sent, kept = report(built, 0, 1)
+        (decision,) = decide([sent])
+        return [finish(built, kept, decision)]
+    children: list[_Child] = []
+    try:
+        for index, group in enumerate(groups):
+            children.append(_fork(index, len(groups), group, children, clock, reach, report, finish))
+        start = time.perf_counter()
+        reports = [child.expect(clock, reach) for child in children]
+        clock.record("wait for exports", time.perf_counter() - start)
+        for child, decision in zip(children, decide(reports), strict=True):
+            try:
+                _send(child.decisions, decision)
+            except BrokenPipeError:  # it ended after its report: its error, or how it ended
+                child.expect(clock, reach)
+                raise KadaptError(f"the export process building {', '.join(child.names)} stopped") from None
+        start = time.perf_counter()
+        results = [child.expect(clock, reach) for child in children]
+        for child in children:
+            child.reap()
+        clock.record("wait for writes", time.perf_counter() - start)
+        return results
+    finally:
+        for child in children:
+            child.close()
+
+
+@dataclass
+class _Child:
+    """A forked child, from this process's side: its pid, its messages and its decisions pipe."""
+
+    pid: int
+    number: int  # 1-based, as its steps are marked
+    names: list[str]
+    messages: IO[bytes]
+    decisions: IO[bytes]
+    reaped: bool = False
+
+    def expect(self, clock: Steps, reach: Mapping[str, Counter]) -> Any:
+        """The child's next message (its steps recorded, its reach added); its error raised, or an
+        error naming how it ended if it sent nothing."""
+        message = _receive(self.messages)
+        if message is None:
+            _, status = os.waitpid(self.pid, 0)
+            self.reaped = True
+            names, how = ", ".join(self.names), _ended(status)
+            raise KadaptError(f"the export process building {names} ended without a result ({how})")
+        if "error" in message:
+            kind, args, state = message["error"]
+            error = kind.__new__(kind, *args)
+            error.args = args
+            error.__dict__.update(state)
+            raise error
+        for name, seconds in message["steps"]:
+            clock.record(f"{name}{process_mark(self.number)}", seconds)
+        for patch, calls in message["reach"].items():
+            reach[patch].count += calls
+        return message["value"]
+
+    def reap(self) -> None:
+        os.waitpid(self.pid, 0)
+        self.reaped = True
+
+    def close(self) -> None:
+        """Kill and reap the child if it still runs; close this side of its pipes."""
+        if not self.reaped:
+            with contextlib.suppress(OSError):
+                os.kill(self.pid, signal.SIGKILL)
+                os.waitpid(self.pid, 0)
+            self.reaped = True
+        for pipe in (self.messages, self.decisions):
+            with contextlib.suppress(OSError):
+                pipe.close()
+
+
+def _fork(
+    index: int,
+    groups: int,
+    tasks: Sequence[Task],
+    siblings: Sequence[_Child],
+    clock: Steps,
+    reach: Mapping[str, Counter],
+    report: Report,
+    finish: Finish,
+) -> _Child:
+    messages_read, messages_write = os.pipe()
+    decisions_read, decisions_write = os.pipe()
     pid = os.fork()
     if pid == 0:
-        os.close(read_end)
-        _child(theirs, summarize, write_end, clock, reach)
-    os.close(write_end)
-    reaped = False
-    try:
-        built = {name: build() for name, build in mine}
-        start = time.perf_counter()
-        with os.fdopen(read_end, "rb") as pipe:
-            read_end = -1
-            payload = pipe.read()
-        _, status = os.waitpid(pid, 0)
-        reaped = True
-        clock.record("join second process", time.perf_counter() - start)
-        graphs, summary = _received(payload, status, [name for name, _ in theirs], clock, reach)
-        built.update(graphs)
-    finally:
-        if read_end != -1:
-            os.close(read_end)
-        if not reaped:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-    return {name: built[name] for name, _ in tasks}, summary
+        for fd in (messages_read, decisions_write):
+            os.close(fd)
+        for sibling in siblings:  # else a sibling's pipes stay open here: no end-of-file for it
+            for pipe in (sibling.messages, sibling.decisions):
+                os.close(pipe.fileno())
+        _child(index, groups, tasks, messages_write, decisions_read, clock, reach, report, finish)
+    os.close(messages_write)
+    os.close(decisions_read)
+    names = [name for name, _ in tasks]
+    return _Child(pid, index + 1, names, os.fdopen(messages_read, "rb"), os.fdopen(decisions_write, "wb"))
 
 
 def _child(
+    index: int,
+    groups: int,
     tasks: Sequence[Task],
-    summarize: Callable[[Mapping[str, Any]], Any] | None,
-    write_end: int,
+    messages: int,
+    decisions: int,
     clock: Steps,
     reach: Mapping[str, Counter],
+    report: Report,
+    finish: Finish,
 ) -> NoReturn:
-    """Build ``tasks`` (and ``summarize`` them) and send the result (or the error) through
-    ``write_end``; never returns."""
+    """Build ``tasks``, send the report, wait for the decision, finish and send the result (or the
+    error, at any point) through ``messages``; never returns."""
+    out = os.fdopen(messages, "wb")
     try:
         with contextlib.suppress(ValueError):  # forked from another thread: that thread's handlers
             signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -123,55 +234,58 @@ def _child(
         clock.echo = _silent  # the parent says the child's steps when it has them (stdout stays its)
         before = {patch: counter.count for patch, counter in reach.items()}
         done = len(clock.steps)
-        graphs = {name: build() for name, build in tasks}
-        result: dict[str, Any] = {
-            "graphs": graphs,
-            "summary": summarize(graphs) if summarize is not None else None,
-            "steps": clock.steps[done:],
-            "reach": {patch: counter.count - before[patch] for patch, counter in reach.items()},
-        }
+
+        def message(value: Any) -> dict[str, Any]:
+            nonlocal done
+            steps, done = clock.steps[done:], len(clock.steps)
+            counts = {patch: counter.count - before[patch] for patch, counter in reach.items()}
+            before.update({patch: counter.count for patch, counter in reach.items()})
+            return {"value": value, "steps": steps, "reach": counts}
+
+        built = {name: build() for name, build in tasks}
+        sent, kept = report(built, index, groups)
+        _send(out, message(sent))
+        with os.fdopen(decisions, "rb") as pipe:
+            decision = _receive(pipe)
+        if decision is None:  # the parent is gone, or gave up on this run
+            os._exit(1)
+        _send(out, message(finish(built, kept, decision)))
     except BaseException as exc:  # noqa: BLE001 - every failure is the parent's to report
         # class, args and attributes: an exception whose __init__ takes other arguments than its
         # args (kadapt's Refusal) does not unpickle whole
-        result = {"error": (type(exc), exc.args, vars(exc))}
-    try:
-        payload = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:  # noqa: BLE001 - an error or graph pickle cannot carry
-        error = result.get("error")
-        message = str(error[1]) if error is not None else f"its graphs could not be sent ({exc})"
-        payload = pickle.dumps({"error": (KadaptError, (f"export process: {message}",), {})})
-    try:
-        with os.fdopen(write_end, "wb") as pipe:
-            pipe.write(payload)
+        with contextlib.suppress(BaseException):
+            _send(out, {"error": (type(exc), exc.args, vars(exc))})
     finally:
         os._exit(0)
 
 
+def _send(pipe: IO[bytes], value: Any) -> None:
+    """``value`` pickled, after its length; an error a pickle cannot carry is sent as its message."""
+    try:
+        payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # noqa: BLE001 - an error or a value pickle cannot carry
+        error = value.get("error") if isinstance(value, dict) else None
+        message = str(error[1]) if error is not None else f"its result could not be sent ({exc})"
+        payload = pickle.dumps({"error": (KadaptError, (f"export process: {message}",), {})})
+    pipe.write(_LENGTH.pack(len(payload)))
+    pipe.write(payload)
+    pipe.flush()
+
+
+def _receive(pipe: IO[bytes]) -> Any:
+    """The next value ``_send`` sent through ``pipe``; None at end of file (the sender is gone)."""
+    header = pipe.read(_LENGTH.size)
+    if len(header) < _LENGTH.size:
+        return None
+    (length,) = _LENGTH.unpack(header)
+    payload = pipe.read(length)
+    if len(payload) < length:
+        return None
+    return pickle.loads(payload)  # noqa: S301 - our own processes, through our own pipe
+
+
 def _silent(_: str) -> None:
-    """The child's echo: nothing (see ``_child``)."""
-
-
-def _received(
-    payload: bytes, status: int, names: list[str], clock: Steps, reach: Mapping[str, Counter]
-) -> tuple[dict[str, Any], Any]:
-    """The child's graphs and summary; its steps echoed and added to ``clock``, its reach added to
-    ``reach``."""
-    if not payload:
-        raise KadaptError(
-            f"the export process building {', '.join(names)} ended without a result ({_ended(status)})"
-        )
-    result = pickle.loads(payload)  # noqa: S301 - our own child, through our own pipe
-    if "error" in result:
-        kind, args, state = result["error"]
-        error = kind.__new__(kind, *args)
-        error.args = args
-        error.__dict__.update(state)
-        raise error
-    for name, seconds in result["steps"]:
-        clock.record(f"{name}{SECOND_PROCESS}", seconds)
-    for patch, calls in result["reach"].items():
-        reach[patch].count += calls
-    return result["graphs"], result["summary"]
+    """A child's echo: nothing (see ``_child``)."""
 
 
 def _ended(status: int) -> str:

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import json
 import math
+import pickle
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -29,7 +30,15 @@ from ...spec.model import Spec
 from ...structure.derive import derive_structure
 from . import check_upstream, forked, runtime, vision
 from .encoding import enum_tables
-from .export import Backbone, check_exportable, check_stack, export_wrapper, graph_names, to_graph
+from .export import (
+    Backbone,
+    check_exportable,
+    check_stack,
+    export_wrapper,
+    graph_names,
+    load_export_machinery,
+    to_graph,
+)
 from .graph import Graph, TensorType
 from .irjson import FORMAT_VERSION, ir_chunks
 from .options import MERGED, ExtractionOptions, bind_merged_prefill, bind_structure, kv_names
@@ -38,13 +47,13 @@ from .summary import ExtractionSummary, GraphStats
 from .weight_map import same_document, weight_map_document
 from .weights import cast_to_abi_dtype, model_tensor_types, tied_names, weight_entries
 from .whole_model import check_whole_model
-from .write import write_all
+from .write import Staging
 
 GRAPHS = ("prefill", "decode")
 EXEC_DEVICE = "cpu"  # factory ops traced on meta get this device (the executors run on CPU)
 
 Echo = Callable[[str], None]
-STEP_WIDTH = 38  # "replicate prefill_mm (second process)" and a space: the seconds line up
+STEP_WIDTH = 38  # "replicate prefill_mm (process 2)" with room to spare: the seconds line up
 
 
 class Clock:
@@ -61,7 +70,7 @@ class Clock:
         self.record(name, time.perf_counter() - start)
 
     def record(self, name: str, seconds: float) -> None:
-        """A step timed elsewhere (``forked``: the second process's, the wait for it)."""
+        """A step timed elsewhere (``forked``: an export process's, the wait for them)."""
         self.steps.append((name, seconds))
         self.echo(f"  {name:<{STEP_WIDTH}} {seconds:6.2f} s")
 
@@ -309,7 +318,8 @@ def run(
 
     The text backbone's parameters are brought to the ABI dtype in place (free on meta), keeping
     transformers' fp32 modules in fp32, so the IR states the dtypes the checkpoint loads with.
-    With ``processes`` 2 the graphs are traced half in a forked child (``forked``; same bytes).
+    With ``processes`` 2 the graphs are traced and written half each in two forked children
+    (``forked``; same bytes), and this process renames the files once both succeeded.
     """
     clock = Clock(echo)
     backbone = backbone_of(spec, model)
@@ -325,11 +335,12 @@ def run(
     )
     for note in options.notes:
         echo(f"  note: {note}")
-    vision_modules, vision_graph = None, None
+    vision_modules = None
     with clock.step("prepare"):
         check_upstream(options)
         check_stack(backbone)
         check_exportable(backbone)
+        load_export_machinery()
         dtype = getattr(torch, options.dtype)
         cast_to_abi_dtype(model, [backbone.language_model, backbone.lm_head], dtype)
         with uncounted():  # the layers themselves, before any export (a check, not an artifact)
@@ -355,56 +366,104 @@ def run(
     if vision_modules is not None:
         tasks.append(("vision", functools.partial(export_vision, vision_modules, options, clock)))
     session = active_session(spec)
+    layers = {kind: len(backbone.layers) for kind in kinds}
+    if vision_modules is not None:
+        layers["vision"] = len(vision_modules.encoder.layers)
+    weight_map_path = options.path("weight_map")
+    staging = Staging([*(options.path(kind) for kind in layers), options.path("kv_mapping"), weight_map_path])
+    mapped_here: list[dict[str, Any]] = []  # the run's weight map, when this process made it
 
     def weight_map_of(weights: dict[str, TensorType]) -> dict[str, Any]:
         return weight_map_document(
             spec, model, weights, model_name=options.model_name, renames=options.weight_renames
         )
 
-    def child_weight_map(built: Mapping[str, Any]) -> tuple[dict[str, TensorType], dict[str, Any]] | None:
-        """The weight map of the child's graphs, made there while this process traces its own: every
-        graph of a run usually reads the same text weights, so it is often the whole run's map."""
-        weights = graph_weights(built.values())
+    def report(built: Mapping[str, Graph], group: int, groups: int) -> tuple[dict[str, Any], Any]:
+        """The weights a group's graphs read; the last group also maps them ahead (while the others
+        may still trace): every graph of a run usually reads the same text weights, so it is often
+        the run's map. Sent pickled, so that this process passes it on without building it."""
+        reads = graph_weights(built.values())
+        if group < groups - 1:
+            return {"reads": reads, "mapped": False, "map": None}, None
         with clock.step("weight map"):
             try:
-                return weights, weight_map_of(weights)
-            except KadaptError:  # this process computes (and reports) the map of all the graphs
-                return None
+                own = weight_map_of(reads)
+            except KadaptError:  # this process maps (and reports) the weights of all the graphs
+                return {"reads": reads, "mapped": False, "map": None}, None
+        shared = pickle.dumps(own, protocol=pickle.HIGHEST_PROTOCOL) if groups > 1 else None
+        return {"reads": reads, "mapped": True, "map": shared}, own
 
-    graphs, speculative = forked.build_all(
-        tasks,
-        processes=processes,
-        clock=clock,
-        reach=session.reach if session is not None else {},
-        summarize=child_weight_map,
-    )
-    vision_graph = graphs.pop("vision", None)
-    with clock.step("write"):
-        ties = tied_names(model, {path for g in graphs.values() for path in g.weights})
-        files: dict[Path, Iterable[str]] = {}
-        # one weight map for every graph; each IR's per-weight quantization is read from it
-        read = graph_weights([*graphs.values(), *([vision_graph] if vision_graph is not None else [])])
-        if speculative is not None and same_document(speculative[0], read):
-            weight_map = speculative[1]
-        else:
-            weight_map = weight_map_of(read)
-        for kind, graph in graphs.items():
-            weights = weight_entries(graph, renames=options.weight_renames, ties=ties, weight_map=weight_map)
-            files[options.path(kind)] = ir_chunks(
-                graph,
-                model_name=f"{options.model_name}_{kind}",
-                pytorch_version=torch.__version__,
-                metadata=metadata(spec, backbone, options, graph),
-                weights=weights,
-                renames=options.weight_renames,
-            )
-        files[options.path("kv_mapping")] = [json.dumps(kv_mapping_document(options, backbone), indent=1)]
-        files[options.path("weight_map")] = [json.dumps(weight_map, indent=1)]
-        if vision_modules is not None and vision_graph is not None:
-            files[options.path("vision")] = vision.vision_chunks(
-                spec, vision_modules, vision_graph, options, EXEC_DEVICE, weight_map
-            )
-        sizes = write_all(files)
+    def decide(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The run's one weight map for every group (each IR's per-weight quantization is read from
+        it), and which group writes it: the last group's own map when it is the run's."""
+        read = {path: tensor for sent in reports for path, tensor in sent["reads"].items()}
+        last = reports[-1]
+        if last["mapped"] and same_document(last["reads"], read):
+            others = [{"map": last["map"], "writes_map": False} for _ in reports[:-1]]
+            return [*others, {"map": None, "writes_map": True}]
+        with clock.step("weight map"):
+            mapped_here.append(weight_map_of(read))
+        shared = pickle.dumps(mapped_here[0], protocol=pickle.HIGHEST_PROTOCOL)
+        return [{"map": shared, "writes_map": False} for _ in reports]
+
+    def finish(built: Mapping[str, Graph], own: Any, decision: dict[str, Any]) -> dict[str, Any]:
+        """Write the group's graphs (and the weight map, when it is the group's to write) to their
+        temp files; their stats, and the map's size and notes when written."""
+        weight_map = own if decision["map"] is None else pickle.loads(decision["map"])  # noqa: S301
+        with clock.step("write graphs"):
+            text = {kind: graph for kind, graph in built.items() if kind != "vision"}
+            ties = tied_names(model, {path for graph in text.values() for path in graph.weights})
+            files: dict[Path, Iterable[str]] = {}
+            for kind, graph in text.items():
+                weights = weight_entries(
+                    graph, renames=options.weight_renames, ties=ties, weight_map=weight_map
+                )
+                files[options.path(kind)] = ir_chunks(
+                    graph,
+                    model_name=f"{options.model_name}_{kind}",
+                    pytorch_version=torch.__version__,
+                    metadata=metadata(spec, backbone, options, graph),
+                    weights=weights,
+                    renames=options.weight_renames,
+                )
+            if vision_modules is not None and "vision" in built:
+                files[options.path("vision")] = vision.vision_chunks(
+                    spec, vision_modules, built["vision"], options, EXEC_DEVICE, weight_map
+                )
+            if decision["writes_map"]:
+                files[weight_map_path] = [json.dumps(weight_map, indent=1)]
+            sizes = staging.write(files)
+        return {
+            "stats": {
+                kind: graph_stats(graph, options, sizes[options.path(kind)], layers[kind])
+                for kind, graph in built.items()
+            },
+            "weight_map": (sizes[weight_map_path], weight_map["notes"]) if decision["writes_map"] else None,
+        }
+
+    try:
+        results = forked.in_processes(
+            tasks,
+            processes=processes,
+            clock=clock,
+            reach=session.reach if session is not None else {},
+            report=report,
+            decide=decide,
+            finish=finish,
+        )
+        with clock.step("write"):
+            kv_mapping = kv_mapping_document(options, backbone)
+            files = {options.path("kv_mapping"): [json.dumps(kv_mapping, indent=1)]}
+            if mapped_here:
+                files[weight_map_path] = [json.dumps(mapped_here[0], indent=1)]
+            sizes = staging.write(files)
+            staging.commit()
+    finally:
+        staging.discard()
+    if mapped_here:
+        map_bytes, map_notes = sizes[weight_map_path], mapped_here[0]["notes"]
+    else:
+        ((map_bytes, map_notes),) = (r["weight_map"] for r in results if r["weight_map"] is not None)
     summary = ExtractionSummary(
         model_name=options.model_name,
         kv_layout=options.kv_layout,
@@ -417,16 +476,14 @@ def run(
         },
         steps=clock.steps,
         top_ops=options.top_ops,
-        notes=[*options.notes, *weight_map["notes"]],  # the CLI says them on its notes channel too
+        notes=[*options.notes, *map_notes],  # the CLI says them on its notes channel too
     )
-    for kind, graph in graphs.items():
-        summary.graphs[kind] = graph_stats(graph, options, sizes[options.path(kind)], len(backbone.layers))
-    if vision_modules is not None and vision_graph is not None:
-        layers = len(vision_modules.encoder.layers)
-        summary.graphs["vision"] = graph_stats(vision_graph, options, sizes[options.path("vision")], layers)
+    for result in results:
+        summary.graphs.update(result["stats"])
+    if vision_modules is not None:
         summary.vision = vision.describe(vision_modules)
     summary.kv_mapping = options.path("kv_mapping")
     summary.kv_mapping_bytes = sizes[summary.kv_mapping]
-    summary.weight_map = options.path("weight_map")
-    summary.weight_map_bytes = sizes[summary.weight_map]
+    summary.weight_map = weight_map_path
+    summary.weight_map_bytes = map_bytes
     return summary

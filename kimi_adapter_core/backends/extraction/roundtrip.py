@@ -747,7 +747,7 @@ def verify(
     spec: Spec, options: ExtractionOptions, *, echo: Callable[[str], Any], processes: int = 1
 ) -> VerifyReport:
     """Extract, save, reload and replay a tiny model of ``spec`` in each verify dtype; compare with
-    transformers in the same dtype (``processes`` 2: its graphs traced half in a forked child)."""
+    transformers in the same dtype (``processes`` 2: its graphs traced in two forked children)."""
     from ...loading import load_config
 
     start = time.perf_counter()

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-SECOND_PROCESS = " (second process)"  # ``forked`` marks the steps its child ran with this
+_MARK = re.compile(r" \(process \d+\)$")
+
+
+def process_mark(number: int) -> str:
+    """What ``forked`` appends to the steps its ``number``-th child ran: ``" (process 2)"``."""
+    return f" (process {number})"
 
 
 @dataclass(frozen=True)
@@ -81,8 +87,9 @@ class ExtractionSummary:
 
     @property
     def seconds(self) -> float:
-        """The run's own time: steps a second process ran beside it (``forked``) do not add to it."""
-        return sum(seconds for name, seconds in self.steps if not name.endswith(SECOND_PROCESS))
+        """The run's own time: steps its export processes ran (``forked``; this process waited for
+        them, and that wait is a step of its own) do not add to it."""
+        return sum(seconds for name, seconds in self.steps if not _MARK.search(name))
 
     def to_dict(self) -> dict[str, Any]:
         return {
