@@ -237,12 +237,6 @@ def _prefill_shapes(rows: Any, columns: dict[str, str], fit: Callable[[Any], dic
     )
 
 
-def _per_shape(shapes: bool, fit: Callable[[], list[Any]]) -> dict[str, Any]:
-    """A curve's ``shapes`` entry, ``fit`` only when the table keeps per-shape curves (``calibrate``'s
-    ``shapes``; the median curves never depend on them)."""
-    return {"shapes": fit()} if shapes else {}
-
-
 def _by_cache_dtype(rows: Any, key: str, axis: str) -> list[Any]:
     """A decode curve's fallbacks, after its exact shapes: one curve per cache dtype (match:
     ``kv_dtype`` alone, the median over every shape of that dtype), for a shape not measured; none
@@ -352,9 +346,8 @@ def moe_curves(
     """Grouped expert GEMMs by token-expert pairs per local expert; balanced routing sets the curve,
     the power-law/balanced latency ratio at the same shape sets the imbalance factor. Gated experts
     only (kadapt's experts are gate/up/down) and fine-grained MoE of large models (hidden >= 4096,
-    >= 64 experts: DeepSeek-V3, Kimi-K2.5, Qwen3-235B). Each keeps its per-shape curves in every fit
-    (``calibrate``'s ``shapes=False`` too): they price an EP size not measured from the model
-    shape's EP sizes around it (``kernels.measured_across``)."""
+    >= 64 experts: DeepSeek-V3, Kimi-K2.5, Qwen3-235B). The per-shape curves also price an EP size
+    not measured from the model shape's EP sizes around it (``kernels.measured_across``)."""
     curves: dict[str, Any] = {}
     factors: dict[str, Any] = {}
     for key, (dtype, wbytes, unit_key) in MOE_DTYPES.items():
@@ -463,10 +456,11 @@ def _expert_curve(
 
 
 def attention_curves(
-    root: Path, framework: str, peak: dict[str, float], bw: float, row_filter: RowFilter, shapes: bool = True
+    root: Path, framework: str, peak: dict[str, float], bw: float, row_filter: RowFilter
 ) -> dict[str, Any]:
     """Prefill attention by new tokens per sequence, decode attention by KV bytes one call reads, for
-    GQA (head_dim 128, no window) and DeepSeek-style MLA."""
+    GQA (head_dim 128, no window) and DeepSeek-style MLA. The per-shape curves also price a head
+    count not measured from the head counts around it (``kernels.measured_across``)."""
     bf16 = peak["bf16"]
 
     def gqa_ctx(t: Any) -> Any:
@@ -518,15 +512,15 @@ def attention_curves(
                 axis: SEQ_GRID,
                 "efficiency": _median_curve(rows, key, SEQ_GRID),
                 "source": f"{found.source}; {BY_SHAPE}; {BY_BATCH}",
-                **_per_shape(shapes, lambda: _prefill_shapes(rows, columns, fit)),
+                "shapes": _prefill_shapes(rows, columns, fit),
             }
-        exact = _shape_curves(rows, columns, fit, ATTENTION_LAYOUT) if shapes else []
         fallback = _by_cache_dtype(rows, key, axis)
+        shaped = _shape_curves(rows, columns, fit, ATTENTION_LAYOUT) + fallback
         return {
             axis: BYTES_GRID,
             "efficiency": _median_curve(rows, key, BYTES_GRID),
             "source": f"{found.source}; {BY_SHAPE}{BY_CACHE if fallback else ''}",
-            **({"shapes": exact + fallback} if exact or fallback else {}),
+            **({"shapes": shaped} if shaped else {}),
         }
 
     context, generation = (
@@ -607,7 +601,6 @@ def mla_module_curves(
     bw: float,
     row_filter: RowFilter,
     gemm: tuple[dict[str, Any], dict[str, Any], dict[str, Any]],
-    shapes: bool = True,
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]] | None:
     """(prefill attention, decode attention, module floors: ``mla`` decode, ``mla_prefill`` prefill) of
     a framework that measured its MLA only as a module (vLLM: no standalone MLA kernel, so its tables
@@ -619,13 +612,13 @@ def mla_module_curves(
     context = module_rows(root, framework, "mla_context_module_perf.parquet", row_filter)
     if generation is None or context is None:
         return None
-    decode, floor = module_decode(generation, peak, bw, shapes)
-    prefill, prefill_floor = module_prefill(context, peak, bw, gemm, shapes)
+    decode, floor = module_decode(generation, peak, bw)
+    prefill, prefill_floor = module_prefill(context, peak, bw, gemm)
     return prefill, decode, {"mla": floor, "mla_prefill": prefill_floor}
 
 
 def module_decode(
-    found: Measured, peak: dict[str, float], bw: float, shapes: bool = True
+    found: Measured, peak: dict[str, float], bw: float
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Decode MLA from the module rows: (attention curve, module floor).
 
@@ -644,15 +637,11 @@ def module_decode(
     floor = short.groupby(keys, as_index=False).latency.median()
     rows = rows.merge(floor, on=keys, suffixes=("", "_floor"))
     net = _eff(rows.assign(latency=rows.latency - rows.latency_floor), lambda f: _mla_decode_ms(f, peak, bw))
-    exact = (
-        _shape_curves(
-            net,
-            MODULE_ATTENTION_SHAPE,
-            lambda own: _exact_curve(own, "read", names=("kv_bytes", "efficiency")),
-            ATTENTION_LAYOUT,
-        )
-        if shapes
-        else []
+    exact = _shape_curves(
+        net,
+        MODULE_ATTENTION_SHAPE,
+        lambda own: _exact_curve(own, "read", names=("kv_bytes", "efficiency")),
+        ATTENTION_LAYOUT,
     )
     fallback = _by_cache_dtype(net, "read", "kv_bytes")
     attention = {
@@ -686,7 +675,6 @@ def module_prefill(
     peak: dict[str, float],
     bw: float,
     gemm: tuple[dict[str, Any], dict[str, Any], dict[str, Any]],
-    shapes: bool = True,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Prefill MLA from the module rows (no cached prefix): (attention curve, module floor by tokens).
 
@@ -732,11 +720,8 @@ def module_prefill(
             f"table's gemm curves inside a module, on the rows with bf16 projections; {BY_SHAPE}; "
             f"{BY_BATCH}"
         ),
-        **_per_shape(
-            shapes,
-            lambda: _prefill_shapes(
-                net, MODULE_ATTENTION_SHAPE, lambda own: _exact_curve(own, "isl", names=("seq", "efficiency"))
-            ),
+        "shapes": _prefill_shapes(
+            net, MODULE_ATTENTION_SHAPE, lambda own: _exact_curve(own, "isl", names=("seq", "efficiency"))
         ),
     }
     return attention, {
@@ -831,17 +816,13 @@ def _ring_curve(table: Any, link_bw: Callable[[int], float]) -> dict[str, Any]:
     }
 
 
-def calibrate(
-    system: str, framework: str, row_filter: RowFilter = _all_rows, shapes: bool = True
-) -> dict[str, Any]:
+def calibrate(system: str, framework: str, row_filter: RowFilter = _all_rows) -> dict[str, Any]:
     """The kernel table of ``framework`` on AIConfigurator's ``system``, fitted on the rows
-    ``row_filter`` keeps (all of them for a shipped table). ``shapes=False`` fits the median curves
-    only, 2-4x faster: no curve per exact shape (it prices only the shape it was measured at); what
-    prices shapes not measured stays - the decode curves per cache dtype, the module floors, which
-    price a head count not measured from the ones around it (``cost.module_floor``), and the expert
-    curves per shape, which price an EP size not measured likewise (``kernels.measured_across``). A
-    held-out fit whose ``row_filter`` dropped every row of the shapes it is scored
-    on prices them the same either way: no per-shape curve it drops could match them."""
+    ``row_filter`` keeps (all of them for a shipped table). Every fit keeps its curves per measured
+    shape: besides pricing the shape they were measured at, they price the shapes around them - an
+    EP size not measured from the expert curves at the EP sizes around it, a head count not measured
+    from the attention curves and module floors at the head counts around it
+    (``kernels.measured_across``) - so a held-out fit (the benchmark's) needs them too."""
     from importlib.metadata import version
 
     device = get_device(SYSTEMS[system])
@@ -850,8 +831,8 @@ def calibrate(
     root = _tables(system)
     grouped, imbalance = moe_curves(root, framework, peak, bw, row_filter)
     gemm = gemm_curves(root, framework, peak, bw, row_filter)
-    attention = attention_curves(root, framework, peak, bw, row_filter, shapes)
-    module = mla_module_curves(root, framework, peak, bw, row_filter, gemm, shapes)
+    attention = attention_curves(root, framework, peak, bw, row_filter)
+    module = mla_module_curves(root, framework, peak, bw, row_filter, gemm)
     if module is not None:  # the framework's own MLA, measured as a module, replaces a borrowed kernel
         attention["prefill"]["mla"], attention["decode"]["mla"], floor = module
     table = {
