@@ -608,7 +608,7 @@ def without_layout(family: Family, tp: int, ep: int) -> calibrate.RowFilter:
 def held_out_fit(system: str, framework: str, row_filter: calibrate.RowFilter, label: str) -> KernelTable:
     """``framework``'s table on ``system`` refitted on the rows ``row_filter`` keeps: the filters drop
     every row of the shapes scored, so no curve of those shapes is left; the curves of the other
-    shapes price them from the EP sizes and head counts around them, as in a shipped table
+    shapes price them from the EP sizes, model widths and head counts around them, as in a shipped table
     (``tests/test_calibration.py`` checks that no curve of a scored shape is left)."""
     return _table(calibrate.calibrate(system, framework, row_filter), label)
 

@@ -4,6 +4,7 @@ and the optional measured cost model checked against NVIDIA AIConfigurator itsel
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -193,10 +194,71 @@ def test_an_unmeasured_ep_prices_experts_from_the_ep_sizes_around_it() -> None:
         assert table.grouped_eff("bf16", 256, qwen3 | {"ep": ep}) == table.grouped_eff(
             "bf16", 256, qwen3 | {"ep": nearest}
         )
-    other = qwen3 | {"ep": 4, "hidden": 4000}
+    other = qwen3 | {"ep": 3, "hidden": 4000}  # nor any model width at that EP size
     assert table.grouped_eff("bf16", 256, other) == (
         table.grouped["bf16"](256),
         table.grouped["bf16"].overhead,
+    )
+
+
+def test_a_model_width_not_measured_prices_experts_from_the_widths_around_it() -> None:
+    """Held out by width (no curve of the model's hidden size at any EP, as the benchmark's shapes
+    refit), an expert op takes the curves of the model widths measured at its EP size, linear in
+    log(one expert's weights, 3 x hidden x width) between the two around it (efficiency, fixed cost,
+    power-law factor and floor alike), the nearest one's past the measured range, and the median only
+    where no width was measured at that EP size. At a fixed EP size and pairs per expert the
+    efficiency moves smoothly with the width: Qwen3-235B's shape at EP8 on H100 / vLLM, one pair per
+    expert, prices its time above the floor (efficiency / power-law factor) within 6% of its own
+    curve from the nearest width (6144 x 2048), where the median over every shape is 12% off."""
+    from dataclasses import replace
+
+    from kimi_adapter_core.backends.simulation.kernels import EXPERT_ACROSS, KernelTable
+
+    def without(table: KernelTable, hidden: int) -> KernelTable:
+        def drop(curve: Curve) -> Curve:
+            return replace(
+                curve, shapes=tuple((m, c) for m, c in curve.shapes if dict(m)["hidden"] != hidden)
+            )
+
+        grouped = {k: drop(c) for k, c in table.grouped.items()}
+        return replace(table, grouped=grouped, imbalance={k: drop(c) for k, c in table.imbalance.items()})
+
+    assert EXPERT_ACROSS[0] == "ep"  # a model shape measured at other EP sizes prices from those first
+    table = load_kernels("h100_sxm_vllm")
+    layout = {"ep": 8, "attention_dp": 1}
+    deepseek = {"hidden": 7168, "width": 2048, "experts": 256, "top_k": 8} | layout
+    lo = {"hidden": 6144, "width": 2048, "experts": 256, "top_k": 8} | layout  # 37.7 M weights
+    hi = {"hidden": 6144, "width": 2560, "experts": 160, "top_k": 8} | layout  # 47.2 M weights
+    held = without(table, 7168)
+    t = math.log(7168 / 6144) / math.log(2560 / 2048)  # DeepSeek-V3's 44.0 M weights between them
+    for pairs in (0.0625, 1, 16, 256):
+        a, b = (table.grouped_eff("fp8_block", pairs, s) for s in (lo, hi))
+        got = held.grouped_eff("fp8_block", pairs, deepseek)
+        assert got is not None and a is not None and b is not None
+        assert got[0] == pytest.approx(a[0] + t * (b[0] - a[0]), rel=1e-9)
+        assert got[1] == pytest.approx(a[1] + t * (b[1] - a[1]), rel=1e-9)
+        fa, fb = (table.imbalance_factor("fp8_block", pairs, s) for s in (lo, hi))
+        expected = fa + t * (fb - fa)
+        assert held.imbalance_factor("fp8_block", pairs, deepseek) == pytest.approx(expected, rel=1e-9)
+    # below every width left (hidden 4096 held out): the nearest one's, 6144 x 2048
+    qwen3 = {"hidden": 4096, "width": 1536, "experts": 128, "top_k": 8} | layout
+    held = without(table, 4096)
+    for pairs in (0.0625, 1, 16, 256):
+        assert held.grouped_eff("bf16", pairs, qwen3) == table.grouped_eff("bf16", pairs, lo)
+        assert held.imbalance_factor("bf16", pairs, qwen3) == table.imbalance_factor("bf16", pairs, lo)
+
+    def above_floor(eff: tuple[float, float] | None, factor: float) -> float:
+        assert eff is not None
+        return eff[0] / factor
+
+    own = above_floor(table.grouped_eff("bf16", 1, qwen3), table.imbalance_factor("bf16", 1, qwen3))
+    got = above_floor(held.grouped_eff("bf16", 1, qwen3), held.imbalance_factor("bf16", 1, qwen3))
+    median = table.grouped["bf16"](1) / table.imbalance["bf16"](1)
+    assert abs(got / own - 1) < 0.06 < 0.1 < abs(median / own - 1)
+    # an EP size no width was measured at: the median
+    assert held.grouped_eff("bf16", 1, qwen3 | {"ep": 3}) == (
+        held.grouped["bf16"](1),
+        held.grouped["bf16"].overhead,
     )
 
 

@@ -347,7 +347,8 @@ def moe_curves(
     the power-law/balanced latency ratio at the same shape sets the imbalance factor. Gated experts
     only (kadapt's experts are gate/up/down) and fine-grained MoE of large models (hidden >= 4096,
     >= 64 experts: DeepSeek-V3, Kimi-K2.5, Qwen3-235B). The per-shape curves also price an EP size
-    not measured from the model shape's EP sizes around it (``kernels.measured_across``)."""
+    not measured from the model shape's EP sizes around it, and a model shape measured at no EP size
+    from the model widths around it at its EP size (``kernels.measured_across``)."""
     curves: dict[str, Any] = {}
     factors: dict[str, Any] = {}
     for key, (dtype, wbytes, unit_key) in MOE_DTYPES.items():

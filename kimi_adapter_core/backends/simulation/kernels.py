@@ -20,8 +20,9 @@ only, each named by a ``match`` of op attributes (experts: ``hidden``, ``width``
 ``attention_dp``), and an op of a measured shape prices with its own (``Curve.at``: the first that
 matches, so a prefill kernel's curves per shape and ``batch`` come before its curves per shape over
 every batch, which price a batch not measured); an expert op at an EP size not measured takes its
-model shape's curves at the EP sizes around it, an attention op at a head count not measured the
-curves at the head counts around it (``measured_across``).
+model shape's curves at the EP sizes around it (a model shape measured at no EP size: the curves of
+the model widths around it at its EP size), an attention op at a head count not measured the curves
+at the head counts around it (``measured_across``).
 A device without a table keeps the flat ``compute.efficiency`` / ``memory.efficiency``.
 
 Curves and the op kinds they price:
@@ -60,7 +61,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -191,6 +192,29 @@ def measured_at(shapes: tuple[tuple[Match, Curve], ...], shape: Shape | None) ->
     return None
 
 
+# A routed-expert curve's model width, a coordinate derived from its shape: one expert's weight
+# elements (gate, up and down: 3 x hidden x width), to which its GEMMs' bytes and FLOPs per
+# token-expert pair are proportional; the model's other attributes (experts, top-k) vary with it
+EXPERT_WIDTH = "expert_weights"
+_DERIVED: dict[str, tuple[tuple[str, ...], Callable[[Shape], Any]]] = {
+    EXPERT_WIDTH: (
+        ("hidden", "width", "experts", "top_k"),
+        lambda shape: _product(3.0, shape.get("hidden"), shape.get("width")),
+    ),
+}
+
+
+# a routed-expert op not measured prices from its model shape's curves at the EP sizes around it,
+# else from the curves of the other model widths measured at its EP size
+EXPERT_ACROSS = ("ep", EXPERT_WIDTH)
+
+
+def _product(*values: Any) -> float | None:
+    """The product of numeric attributes (None: one is absent or not a number)."""
+    numbers = [n for n in map(_matched, values) if isinstance(n, float)]
+    return math.prod(numbers) if len(numbers) == len(values) else None
+
+
 def measured_across(shapes: tuple[tuple[Match, Curve], ...], shape: Shape | None, key: str) -> Curve | None:
     """The curve of ``shapes`` measured at ``shape``, else one from the curves measured at other
     values of ``key`` with every other ``match`` attribute equal: linear in log(``key``) between the
@@ -201,17 +225,20 @@ def measured_across(shapes: tuple[tuple[Match, Curve], ...], shape: Shape | None
     median over every head count of that dtype) come after the measured neighbours: they price a
     shape only where no value of ``key`` around it was measured (None: nothing matches, or ``shape``
     has no numeric ``key``). An MLA module's floor across head counts (``cost.module_floor``), a
-    routed-expert curve across EP sizes (``KernelTable.grouped_eff``), an attention curve across
-    head counts (``KernelTable.attention_curve``)."""
-    keyed = tuple((match, curve) for match, curve in shapes if key in dict(match))
+    routed-expert curve across EP sizes and, at an EP size, across model widths (``EXPERT_WIDTH``:
+    ``key`` may name a coordinate derived from several attributes, every one of which is then free;
+    ``KernelTable.grouped_eff``), an attention curve across head counts
+    (``KernelTable.attention_curve``)."""
+    free, coordinate = _DERIVED.get(key, ((key,), lambda s: _matched(s.get(key))))
+    keyed = tuple((match, curve) for match, curve in shapes if set(free) <= dict(match).keys())
     own = measured_at(keyed, shape)
-    value = _matched(shape.get(key)) if shape else None
+    value = coordinate(shape) if shape else None
     if own is not None or not isinstance(value, float) or value <= 0:
         return own or measured_at(shapes, shape)
     near: dict[float, Curve] = {}
     for match, curve in keyed:
-        at = dict(match)[key]
-        others = tuple(kv for kv in match if kv[0] != key)
+        at = coordinate(dict(match))
+        others = tuple(kv for kv in match if kv[0] not in free)
         if isinstance(at, float) and at > 0 and at not in near and measured_at(((others, curve),), shape):
             near[at] = curve
     below = sorted(at for at in near if at < value)
@@ -241,14 +268,17 @@ class Curve:
     # curves fitted on the rows of one shape only, each with the op attributes it stands for
     shapes: tuple[tuple[Match, Curve], ...] = ()
 
-    def at(self, shape: Shape | None, across: str | None = None) -> Curve:
+    def at(self, shape: Shape | None, *across: str) -> Curve:
         """The curve measured at ``shape`` (every ``match`` attribute equal) where the table has one,
-        else, with ``across``, one from the curves measured at other values of that attribute
-        (``measured_across``), else this curve (the median over every shape measured): a kernel's
-        efficiency at one width or head count can sit far from the median over others (MLA decode
-        at 8 heads per rank reads the cache at ~0.8 of HBM bandwidth, the median over 1-128 heads
-        ~0.5)."""
-        found = measured_across(self.shapes, shape, across) if across else measured_at(self.shapes, shape)
+        else, with ``across``, one from the curves measured at other values of the first of those
+        attributes that has any around it (``measured_across``), else this curve (the median over
+        every shape measured): a kernel's efficiency at one width or head count can sit far from the
+        median over others (MLA decode at 8 heads per rank reads the cache at ~0.8 of HBM bandwidth,
+        the median over 1-128 heads ~0.5)."""
+        found = next(
+            (curve for key in across if (curve := measured_across(self.shapes, shape, key))),
+            None if across else measured_at(self.shapes, shape),
+        )
         return found or self
 
     def __call__(self, x: float) -> float:
@@ -371,24 +401,28 @@ class KernelTable:
         model shape's curves at the EP sizes around it (``measured_across``): at the same pairs per
         expert the efficiency falls steeply with EP (vLLM on H100, Qwen3's shape, bf16, 256 pairs
         per expert: 0.62, 0.42, 0.18, 0.05 at EP 1, 4, 16, 64), which the median over every shape
-        does not follow."""
+        does not follow; a model shape measured at no EP size, from the other model widths measured
+        at its EP size (``EXPERT_WIDTH``, log-linear in one expert's weights: at a fixed EP size and
+        pairs per expert the efficiency moves smoothly with the width, H200 / SGLang, fp8 block,
+        EP8, 16 pairs per expert: 0.62, 0.63, 0.70, 0.74, 0.76 at 12.6, 18.9, 25.2, 37.7, 66.1 M
+        weights per expert)."""
         curve = self._pick(self.grouped, dtype)
         if curve is None:
             return None
-        curve = curve.at(shape, "ep")
+        curve = curve.at(shape, *EXPERT_ACROSS)
         return curve(pairs_per_expert), curve.overhead
 
     def imbalance_factor(self, dtype: str, pairs_per_expert: float, shape: Shape | None = None) -> float:
         """Power-law routing's factor on the grouped GEMMs' time above the pipeline floor (across EP
         sizes as ``grouped_eff``)."""
         curve = self._pick(self.imbalance, dtype)
-        return curve.at(shape, "ep")(pairs_per_expert) if curve else 1.0
+        return curve.at(shape, *EXPERT_ACROSS)(pairs_per_expert) if curve else 1.0
 
     def imbalance_floor(self, dtype: str, pairs_per_expert: float, shape: Shape | None = None) -> float:
         """Power-law routing's scale of the pipeline floor (below 1 where its measured rows are faster
         than the floor: the measured rank was routed few of the tokens' experts)."""
         curve = self._pick(self.imbalance, dtype)
-        return curve.at(shape, "ep").floor_factor(pairs_per_expert) if curve else 1.0
+        return curve.at(shape, *EXPERT_ACROSS).floor_factor(pairs_per_expert) if curve else 1.0
 
     def attention_curve(self, decode: bool, kind: str, shape: Shape | None = None) -> Curve | None:
         """The attention curve of ``kind`` in that phase, measured at ``shape`` (``heads`` per rank,
