@@ -1,5 +1,6 @@
 """Every test gets its own empty extraction cache; full garbage collections are rarer; each xdist
-worker runs torch on its share of the CPUs.
+worker runs torch on its share of the CPUs; ``shipped_apply`` is one ``kadapt apply --verify`` per
+shipped spec for the whole run (``fixtures/shared_apply.py``).
 
 ``kadapt apply`` restores a run whose inputs it extracted before (``backends/extraction/cache.py``).
 A test that monkey-patches kadapt or transformers in memory changes nothing the cache key sees, so a
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fixtures.shared_apply import SharedApplies
 
 from kimi_adapter_core.cli.collector import FULL_COLLECTION_EVERY
 
@@ -56,3 +58,13 @@ def _private_extraction_cache(
     root = tmp_path_factory.mktemp("extraction-cache")
     monkeypatch.setenv("KADAPT_CACHE_DIR", str(root))
     return root
+
+
+@pytest.fixture(scope="session")
+def shipped_apply(tmp_path_factory: pytest.TempPathFactory) -> SharedApplies:
+    """``shipped_apply("llama")``: ``kadapt apply specs/llama.yaml --verify --format json``, run once for
+    all xdist workers (their session's common temporary root) and only read by the tests."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-apply"
+    root.mkdir(exist_ok=True)
+    return SharedApplies(root)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from fixtures.remote_kimi import write_remote_model
+from fixtures.shared_apply import SharedApplies
 
 from kimi_adapter_core.cli import cli
 
@@ -19,10 +20,11 @@ def run(*args: str):
     return CliRunner().invoke(cli, list(args), catch_exceptions=False)
 
 
-def test_main_job_extracts_full_kimi(tmp_path):
-    """The README's main job: the full Kimi-K2.5 on meta, offline, extraction backend (the default)."""
-    out = tmp_path / "out"
-    result = run("apply", str(REPO / "specs" / "kimi_k25.yaml"), "--output-dir", str(out), "--format", "json")
+def test_main_job_extracts_full_kimi(shipped_apply: SharedApplies):
+    """The README's main job: the full Kimi-K2.5 on meta, offline, extraction backend (the default);
+    the run every test shares (``apply specs/kimi_k25.yaml --output-dir OUT --verify --format json``)."""
+    result = shipped_apply("kimi_k25")
+    out = result.out
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert data["model"]["layers"] == 61 and data["model"]["experts"] == 384

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from fixtures.shared_apply import SharedApplies
 
 from kimi_adapter_core.backends.extraction import options_from_spec, runtime, verify
 from kimi_adapter_core.cli import cli
@@ -42,11 +43,12 @@ def test_every_family_kind_is_shipped() -> None:
 @pytest.mark.slow
 @pytest.mark.compat
 @pytest.mark.parametrize("spec_path", SHIPPED, ids=lambda p: p.stem)
-def test_full_size_apply_and_verify(spec_path: Path, tmp_path: Path) -> None:
+def test_full_size_apply_and_verify(spec_path: Path, shipped_apply: SharedApplies) -> None:
     spec = load_spec(spec_path)
     structure = structure_of_raw(spec, json.loads(spec.source.config.read_text()))
-    out = tmp_path / "out"
-    result = run("apply", str(spec_path), "--output-dir", str(out), "--verify", "--format", "json")
+    # apply SPEC --output-dir OUT --verify --format json, run once for every test that reads it
+    result = shipped_apply(spec_path.stem)
+    out = result.out
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert data["verify"]["passed"], data["verify"]
