@@ -36,8 +36,12 @@ def _threads_per_worker() -> int | None:
 # copies of test_kv_contract.py[kimi_k25]: 142 s each with 2 threads, 9 s each with 1. Set before
 # torch is imported (the OpenMP runtime reads it once) and inherited by the tests' subprocesses; a
 # value the caller set wins.
+# The same goes for kadapt's export processes (``backends/extraction/forked.py``): under xdist the
+# CPUs are already divided among the workers, so forking two children from a 1-2 GB worker buys no
+# parallelism, only the fork (measured over the suite: ~40 CPU-s). The shared runs of the shipped
+# specs (``shipped_apply``) and ``test_forked_exports.py`` still take the forked path a user gets.
 if (_THREADS := _threads_per_worker()) is not None:
-    for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "KADAPT_EXPORT_PROCESSES"):
         os.environ.setdefault(_name, str(_THREADS))
 
 
