@@ -28,19 +28,44 @@ def temp_path(target: Path) -> Path:
 
 
 @contextlib.contextmanager
+def cannot_write(target: Path) -> Iterator[None]:
+    """An ``OSError`` inside the block becomes the user error ``cannot write <target>: <why>``."""
+    try:
+        yield
+    except OSError as exc:
+        raise KadaptError(f"cannot write {target}: {exc.strerror or exc}") from exc
+
+
+def make_parent(target: Path) -> None:
+    """Create ``target``'s folder (and its parents) if missing."""
+    with cannot_write(target):
+        target.parent.mkdir(parents=True, exist_ok=True)
+
+
+def rename_over(temp: Path, target: Path) -> None:
+    """Rename the finished ``temp`` over ``target`` (atomic on one file system)."""
+    with cannot_write(target):
+        os.replace(temp, target)
+
+
+def _sync(handle: IO, target: Path) -> None:
+    """Flush ``handle`` and fsync its file: the data is on disk before any rename."""
+    with cannot_write(target):
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+@contextlib.contextmanager
 def atomic_open(
     path: str | os.PathLike[str], mode: str = "w", encoding: str | None = "utf-8"
 ) -> Iterator[IO]:
     """Open a temp file beside ``path``; rename it over ``path`` only if the block succeeds."""
     target = Path(path)
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise KadaptError(f"cannot write {target}: {exc.strerror or exc}") from exc
+    make_parent(target)
     binary = "b" in mode
     tmp: Path | None = None  # set *before* the file exists: an interrupt can never orphan it
     try:
-        try:
+        with cannot_write(target):
             for _ in range(_ATTEMPTS):
                 tmp = temp_path(target)
                 try:
@@ -51,19 +76,10 @@ def atomic_open(
             else:
                 raise FileExistsError(f"no free temporary name beside it after {_ATTEMPTS} tries")
             handle = _fdopen(fd, mode, None if binary else encoding)
-        except OSError as exc:
-            raise KadaptError(f"cannot write {target}: {exc.strerror or exc}") from exc
         with handle:
             yield handle  # the caller's errors pass through unchanged (and the temp file goes)
-            try:
-                handle.flush()
-                os.fsync(handle.fileno())
-            except OSError as exc:
-                raise KadaptError(f"cannot write {target}: {exc.strerror or exc}") from exc
-        try:
-            os.replace(tmp, target)
-        except OSError as exc:
-            raise KadaptError(f"cannot write {target}: {exc.strerror or exc}") from exc
+            _sync(handle, target)
+        rename_over(tmp, target)
         tmp = None
     finally:
         if tmp is not None:
@@ -80,24 +96,19 @@ def _fdopen(fd: int, mode: str, encoding: str | None) -> IO:
 
 
 def write_new(path: Path, chunks: Iterable[str], *, target: Path) -> int:
-    """Write ``chunks`` as UTF-8 to ``path``, a name that must not exist yet (someone else's file is
-    never overwritten), flushed and fsynced; returns its size. For a temp name chosen beforehand
-    (``backends/extraction/write.Staging``): removing it on failure is the chooser's job, which knows
-    the name even when the writer was a process that died. Errors opening and syncing it name
-    ``target``, the file ``path`` is renamed over; the chunks' own errors pass through unchanged
-    (as in ``atomic_open``)."""
-    try:
+    """Write ``chunks`` as UTF-8 to ``path`` beside ``target`` (its folder created if missing), a name
+    that must not exist yet (someone else's file is never overwritten), flushed and fsynced; returns
+    its size. For a temp name chosen beforehand (``backends/extraction/write.Staging``): removing it
+    on failure is the chooser's job, which knows the name even when the writer was a process that
+    died. Errors creating and syncing it name ``target``, the file ``path`` is renamed over; the
+    chunks' own errors pass through unchanged (as in ``atomic_open``)."""
+    make_parent(target)
+    with cannot_write(target):
         handle = _fdopen(os.open(path, _CREATE, 0o666), "w", "utf-8")
-    except OSError as exc:
-        raise KadaptError(f"cannot write {target}: {exc.strerror or exc}") from exc
     with handle:
         handle.writelines(chunks)
-        try:
-            handle.flush()
-            os.fsync(handle.fileno())
-            return os.fstat(handle.fileno()).st_size
-        except OSError as exc:
-            raise KadaptError(f"cannot write {target}: {exc.strerror or exc}") from exc
+        _sync(handle, target)
+        return os.fstat(handle.fileno()).st_size
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:

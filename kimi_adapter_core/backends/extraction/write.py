@@ -14,8 +14,7 @@ import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from ...atomic import temp_path, write_new
-from ...errors import KadaptError
+from ...atomic import rename_over, temp_path, write_new
 
 
 class Staging:
@@ -27,22 +26,14 @@ class Staging:
 
     def write(self, files: Mapping[Path, Iterable[str]]) -> dict[Path, int]:
         """Write each target's text chunks to its temp file; the byte size of each."""
-        sizes = {}
-        for target, chunks in files.items():
-            try:
-                target.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise KadaptError(f"cannot write {target}: {exc.strerror or exc}") from exc
-            sizes[target] = write_new(self.temps[target], chunks, target=target)
-        return sizes
+        return {
+            target: write_new(self.temps[target], chunks, target=target) for target, chunks in files.items()
+        }
 
     def commit(self) -> None:
         """Rename every temp file over its target (each must have been written)."""
         for target, temp in self.temps.items():
-            try:
-                os.replace(temp, target)
-            except OSError as exc:
-                raise KadaptError(f"cannot write {target}: {exc.strerror or exc}") from exc
+            rename_over(temp, target)
 
     def discard(self) -> None:
         """Remove every temp file that exists (after a failure; after ``commit`` there are none)."""
