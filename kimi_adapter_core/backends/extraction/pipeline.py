@@ -382,16 +382,14 @@ def run(
         """The weights a group's graphs read; the last group also maps them ahead (while the others
         may still trace): every graph of a run usually reads the same text weights, so it is often
         the run's map. Sent pickled, so that this process passes it on without building it."""
-        reads = graph_weights(built.values())
-        if group < groups - 1:
-            return {"reads": reads, "mapped": False, "map": None}, None
-        with clock.step("weight map"):
-            try:
-                own = weight_map_of(reads)
-            except KadaptError:  # this process maps (and reports) the weights of all the graphs
-                return {"reads": reads, "mapped": False, "map": None}, None
-        shared = pickle.dumps(own, protocol=pickle.HIGHEST_PROTOCOL) if groups > 1 else None
-        return {"reads": reads, "mapped": True, "map": shared}, own
+        reads, own = graph_weights(built.values()), None
+        if group == groups - 1:
+            with contextlib.suppress(KadaptError), clock.step("weight map"):
+                own = weight_map_of(reads)  # on an error this process maps (and reports) them all
+        shared = (
+            pickle.dumps(own, protocol=pickle.HIGHEST_PROTOCOL) if own is not None and groups > 1 else None
+        )
+        return {"reads": reads, "mapped": own is not None, "map": shared}, own
 
     def decide(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The run's one weight map for every group (each IR's per-weight quantization is read from
