@@ -34,7 +34,10 @@ def render(rows: Iterable[Row], excluded: Iterable[ModelType], transformers_vers
         "`tests/test_family_matrix.py` fails when a row's outcome or code changes. Each decoder-only "
         "model type of transformers' causal-LM auto mapping gets the spec `docs/writing-a-spec.md` "
         "describes, on its own default config made small, and goes through `kadapt validate --resolve`, "
-        "`kadapt apply` and `--verify` (float32; bfloat16 is proven on the shipped families):",
+        "`kadapt apply` and `--verify` (float32; bfloat16 is proven on the shipped families). The model "
+        "is already small, so apply and verify share one extraction: apply's checks run on it (every "
+        "refusal where apply raises it), then verify's tiny random model is applied and its files are "
+        "the ones replayed:",
         "",
         "- **adapted**: the files were exported and `--verify` replayed them against transformers' "
         "`generate()` on a tiny random model (every weight random, a whole period of the layer pattern, "

@@ -2,6 +2,12 @@
 ``validate --resolve``, ``apply`` (the extraction backend: every check before export, the export
 itself) and ``--verify`` (float32: the saved files replayed against transformers' ``generate``).
 
+The config is already small, so apply and verify share one extraction. Apply's checks run on the
+spec's own model first (``extraction.check``: every refusal where apply raises it, nothing exported);
+then verify's tiny random model is applied into the row's output folder (``verify(..., keep_in=)``,
+the same checks again, then the export) and those files are what verify replays. Apply then verify
+would export the same architecture twice: half of the matrix's time.
+
 The spec is the guide's: gate and source, eager attention and ``batched_mm`` experts for export, and
 ``module_paths`` where the built model holds its decoder stack (the module with ``layers`` and an
 ``embed_tokens``, else the causal LM's base model) and its LM head. The config is the model type's
@@ -197,12 +203,10 @@ def run_trial(model_type: str) -> Row:
             if findings and not resolved:
                 return Row(model_type, FAILED, "resolve", _one_line(findings[0].message))
             options = extraction.options_from_spec(spec, output_dir=out)
-            with applied(spec, backend="extraction"):
-                model = load_model(spec, device="meta")
-                extraction.run(spec, model, options, echo=lambda line: None)
-            report = extraction.verify(
-                spec, dataclasses.replace(options, verify_dtypes=("float32",)), echo=lambda line: None
-            )
+            with applied(spec, backend="extraction"):  # apply's checks, in its order, on the spec's model
+                extraction.check(spec, load_model(spec, device="meta"), options, echo=lambda line: None)
+            options = dataclasses.replace(options, verify_dtypes=("float32",))
+            report = extraction.verify(spec, options, echo=lambda line: None, keep_in=out)
         except BaseException as exc:  # noqa: BLE001 - every outcome is a row
             if isinstance(exc, KeyboardInterrupt):
                 raise

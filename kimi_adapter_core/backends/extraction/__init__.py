@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 from .options import ExtractionOptions, bind_structure, options_from_spec
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from torch import nn
 
     from ...patching.session import Session
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ExtractionOptions",
     "bind_structure",
+    "check",
     "check_upstream",
     "options_from_spec",
     "run",
@@ -54,6 +57,14 @@ def run(
     return run_pipeline(spec, model, options, echo=echo)
 
 
+def check(spec: Spec, model: nn.Module, options: ExtractionOptions, *, echo: Callable[[str], Any]) -> None:
+    """Every check ``run`` makes before exporting, with nothing exported or written: a refusal is
+    raised exactly where ``run`` would raise it."""
+    from .pipeline import Clock, prepare
+
+    prepare(spec, model, options, Clock(echo), check_whole=True)
+
+
 def run_cached(
     spec: Spec,
     model: nn.Module,
@@ -76,10 +87,16 @@ def run_cached(
 
 
 def verify(
-    spec: Spec, options: ExtractionOptions, *, echo: Callable[[str], Any], processes: int = 1
+    spec: Spec,
+    options: ExtractionOptions,
+    *,
+    echo: Callable[[str], Any],
+    processes: int = 1,
+    keep_in: Path | None = None,
 ) -> VerifyReport:
     """Extract a tiny random model of the spec's architecture and check the saved IR against transformers
-    (``processes`` 2: the tiny model's graphs traced in two forked children, as ``kadapt apply`` does)."""
+    (``processes`` 2: the tiny model's graphs traced in two forked children, as ``kadapt apply`` does;
+    ``keep_in``: that extraction is an apply of the tiny model into this folder, see ``roundtrip``)."""
     from .roundtrip import verify as run_verify
 
-    return run_verify(spec, options, echo=echo, processes=processes)
+    return run_verify(spec, options, echo=echo, processes=processes, keep_in=keep_in)

@@ -16,7 +16,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import transformers
@@ -305,23 +305,21 @@ def export_vision(modules: vision.VisionModules, options: ExtractionOptions, clo
         return vision.build_vision_graph(modules, options, EXEC_DEVICE, echo=clock.echo)
 
 
-def run(
-    spec: Spec,
-    model: nn.Module,
-    options: ExtractionOptions,
-    *,
-    echo: Echo,
-    check_whole: bool = True,
-    processes: int = 1,
-) -> ExtractionSummary:
-    """Extract prefill and decode IR of ``model`` (built by ``load_model`` under ``applied``).
+class Prepared(NamedTuple):
+    """What the exports need, once every check before them has passed."""
 
-    The text backbone's parameters are brought to the ABI dtype in place (free on meta), keeping
-    transformers' fp32 modules in fp32, so the IR states the dtypes the checkpoint loads with.
-    With ``processes`` 2 the graphs are traced and written half each in two forked children
-    (``forked``; same bytes), and this process renames the files once both succeeded.
-    """
-    clock = Clock(echo)
+    backbone: Backbone
+    options: ExtractionOptions  # bound to the model's structure (and the merged prefill's image tokens)
+    chosen: Plan
+    vision_modules: vision.VisionModules | None
+
+
+def prepare(
+    spec: Spec, model: nn.Module, options: ExtractionOptions, clock: Clock, *, check_whole: bool
+) -> Prepared:
+    """Every check ``run`` makes before it exports (a refusal here has written nothing), in its order:
+    the stack, the exporter, the KV dims, the checkpoint layout, then the whole model (``check_whole``)."""
+    echo = clock.echo
     backbone = backbone_of(spec, model)
     options = bound_to(spec, backbone, options)
     ranges = options.dynamic_ranges
@@ -359,6 +357,27 @@ def run(
     if check_whole:  # verify, which replays the saved files against transformers, does more
         with clock.step("whole model"), uncounted():
             check_whole_model(spec, options)
+    return Prepared(backbone, options, chosen, vision_modules)
+
+
+def run(
+    spec: Spec,
+    model: nn.Module,
+    options: ExtractionOptions,
+    *,
+    echo: Echo,
+    check_whole: bool = True,
+    processes: int = 1,
+) -> ExtractionSummary:
+    """Extract prefill and decode IR of ``model`` (built by ``load_model`` under ``applied``).
+
+    The text backbone's parameters are brought to the ABI dtype in place (free on meta), keeping
+    transformers' fp32 modules in fp32, so the IR states the dtypes the checkpoint loads with.
+    With ``processes`` 2 the graphs are traced and written half each in two forked children
+    (``forked``; same bytes), and this process renames the files once both succeeded.
+    """
+    clock = Clock(echo)
+    backbone, options, chosen, vision_modules = prepare(spec, model, options, clock, check_whole=check_whole)
     kinds = [*GRAPHS, *([MERGED] if options.merged_prefill is not None else [])]
     tasks: list[forked.Task] = [
         (kind, functools.partial(build_graph, kind, backbone, options, chosen, clock)) for kind in kinds

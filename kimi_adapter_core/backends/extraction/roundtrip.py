@@ -668,8 +668,10 @@ def _verify_in(
     report: VerifyReport,
     echo: Callable[[str], Any],
     processes: int,
+    keep_in: Path | None,
 ) -> None:
-    """One round trip with the tiny model, graphs and reference all in ``dtype``."""
+    """One round trip with the tiny model, graphs and reference all in ``dtype``; the graphs go to
+    ``keep_in`` (with apply's whole-model check first) when it is given, else to a temp folder."""
     from ...loading import applied, load_model
 
     bf16 = dtype != "float32"
@@ -680,7 +682,7 @@ def _verify_in(
             model = load_model(spec, device="cpu", config=config, dtype=torch_dtype).eval()
             randomize_constants(model)
             meta = load_model(spec, device="meta", config=config, dtype=torch_dtype).eval()
-            small = _small_options(spec, options, structure, Path(tmp), dtype, meta)
+            small = _small_options(spec, options, structure, keep_in or Path(tmp), dtype, meta)
             merged = f", image prompt {small.merged_prefill.prefill_len}" if small.merged_prefill else ""
             echo(
                 f"verify: tiny {type(model).__name__}, {text_config.num_hidden_layers} layers, "
@@ -692,7 +694,7 @@ def _verify_in(
                 meta,
                 small,
                 echo=lambda line: echo(f"  {line.strip()}"),
-                check_whole=False,
+                check_whole=keep_in is not None,
                 processes=processes,
             )
         weights = _saved_and_loaded(model, small, Path(tmp))
@@ -744,10 +746,20 @@ def _verify_in(
 
 
 def verify(
-    spec: Spec, options: ExtractionOptions, *, echo: Callable[[str], Any], processes: int = 1
+    spec: Spec,
+    options: ExtractionOptions,
+    *,
+    echo: Callable[[str], Any],
+    processes: int = 1,
+    keep_in: Path | None = None,
 ) -> VerifyReport:
     """Extract, save, reload and replay a tiny model of ``spec`` in each verify dtype; compare with
-    transformers in the same dtype (``processes`` 2: its graphs traced in two forked children)."""
+    transformers in the same dtype (``processes`` 2: its graphs traced in two forked children).
+
+    ``keep_in``: the first dtype's extraction is an ``apply`` of the tiny model into that folder, with
+    every check apply makes before exporting (the whole-model check too), and its files stay there.
+    For a caller whose model is already tiny (the family trial) that is one extraction where apply
+    then verify would make two of the same architecture."""
     from ...loading import load_config
 
     start = time.perf_counter()
@@ -765,6 +777,7 @@ def verify(
             report.notes.append(ABSORBED_LOW_PRECISION)
             continue
         with one_thread():  # tiny models: one intra-op thread, no spin-waiting pool
-            _verify_in(spec, options, config, text_config, structure, dtype, report, echo, processes)
+            kept = keep_in if dtype == options.verify_dtypes[0] else None
+            _verify_in(spec, options, config, text_config, structure, dtype, report, echo, processes, kept)
     report.seconds = time.perf_counter() - start
     return report
