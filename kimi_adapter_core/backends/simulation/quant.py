@@ -178,10 +178,15 @@ def _stored_format(stored: CheckpointStorage, group: ParamGroup, name: str) -> W
     whole = stored.storage(name, shape, False)  # the stacked tensor, an nn.Parameter (MXFP4 reads it)
     if whole is not None:
         return storage_format(whole, shape, native)
-    formats = {
-        storage_format(stored.storage(source, part, True), part, native)
-        for source, part in expert_sources(name, shape)
-    }
+    # Every expert's storage is asked for (a config may leave one expert dense; a scheme's claim is
+    # checked on each), but priced once per distinct storage: the experts of a tensor nearly always
+    # share one, and pricing each of its hundreds of weights again was a fifth of a Kimi plan's time.
+    distinct: list[tuple[Storage | None, tuple[int, ...]]] = []
+    for source, part in expert_sources(name, shape):
+        key = (stored.storage(source, part, True), part)
+        if key not in distinct:
+            distinct.append(key)
+    formats = {storage_format(storage, part, native) for storage, part in distinct}
     if len(formats) > 1:  # the weight map refuses such a checkpoint too: one storage per stacked tensor
         labels = ", ".join(sorted(f.label for f in formats))
         raise KadaptError(
