@@ -6,7 +6,7 @@ and quantized the way the published checkpoints are, loads through the weight ma
 gives into the executed IR and equals what transformers loads. A config without ``quantization_config``
 is a dense checkpoint even when the spec's ``quantization`` schemes describe an int4 one (Kimi-K2.5);
 a scheme that contradicts the config is a located error, at ``validate`` and at ``apply``. The IR's
-per-weight ``quantization`` is the weight map's entry, for every shipped spec.
+per-weight ``quantization`` is the weight map's entry, for every shipped spec at full size.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from fixtures.checkpoints import (
     prefill_logits,
     published_vision,
 )
+from fixtures.shared_apply import SharedApplies
 from fixtures.spec_files import kimi_spec_with
 from safetensors.torch import load_file, save_file
 
@@ -278,22 +279,27 @@ def test_plain_validate_checks_the_schemes_against_the_config(
 
 
 @pytest.mark.parametrize("name", EXTRACTABLE)
-def test_ir_quantization_is_the_weight_map_entry(name: str, tmp_path: Path) -> None:
-    """For every shipped spec: each IR weight (text, and vision when exported) is a weight map entry of
-    the same shape and dtype, and carries a quantization block exactly when that entry's sources are
-    stored quantized - naming the same tensors, storage and ops. The storage is the shipped config's."""
-    spec, options, _, _ = extract(name, tmp_path / "ir")
-    doc = json.loads(options.path("weight_map").read_text())
-    raw = json.loads(spec.source.config.read_text())
+def test_ir_quantization_is_the_weight_map_entry(name: str, shipped_apply: SharedApplies) -> None:
+    """For every shipped spec, in the files ``kadapt apply`` writes at full size (the shared run,
+    ``shipped_apply``): each IR weight (text, and vision and the multimodal prefill when exported) is a
+    weight map entry of the same shape and dtype, and carries a quantization block exactly when that
+    entry's sources are stored quantized - naming the same tensors, storage and ops. The storage is the
+    shipped config's."""
+    result = shipped_apply(name)
+    assert result.exit_code == 0, result.output
+    [weight_map] = result.out.glob("*_weight_map.json")
+    doc = json.loads(weight_map.read_text())
+    raw = json.loads(load_spec(name).source.config.read_text())
     method = (
         raw.get("text_config", {}).get("quantization_config") or raw.get("quantization_config") or {}
     ).get("quant_method")
     assert _formats(doc) == FORMAT_OF[method]
-    files = list(tmp_path.joinpath("ir").glob("*_ir.json"))
+    files = list(result.out.glob("*_ir.json"))
     assert len(files) >= 2
     for path in files:
-        torch_ir.load_ir(str(path))  # pytorch-ir's loader reads the IR as written
-        for weight in json.loads(path.read_text())["weights"]:
+        ir = json.loads(path.read_text())  # a full-size graph: parsed once, for both checks
+        torch_ir.IR.from_dict(ir)  # pytorch-ir's loader (load_ir: json.loads, then this) reads it
+        for weight in ir["weights"]:
             entry = doc["weights"][weight["name"]]
             assert (weight["shape"], weight["dtype"]) == (entry["shape"], entry["dtype"])
             stored = [g for g in entry["sources"] if "storage" in g]

@@ -5,24 +5,22 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
+from fixtures.shared_apply import SharedApplies
 from fixtures.spec_files import KIMI_SPEC as SPEC
 
-from kimi_adapter_core.backends.extraction import options_from_spec, verify
+from kimi_adapter_core.backends.extraction import ExtractionOptions, options_from_spec, verify
 from kimi_adapter_core.backends.extraction.roundtrip import Check, VerifyReport, tiny_overrides
 from kimi_adapter_core.spec import load_spec
 
 
-@pytest.mark.parametrize(
-    ("kv_layout", "mla_attention"), [("latent", "reexpand"), ("expanded", "reexpand"), ("latent", "absorbed")]
-)
-def test_verify_matches_transformers_generate(tmp_path: Path, kv_layout: str, mla_attention: str) -> None:
-    options = options_from_spec(SPEC, output_dir=tmp_path, kv_layout=kv_layout, mla_attention=mla_attention)
-    assert options.verify_decode_steps >= 20
-    lines: list[str] = []
-    report = verify(SPEC, options, echo=lines.append)
-    assert report.passed, report.render()
+def _assert_generates_what_transformers_generates(
+    report: dict[str, Any], options: ExtractionOptions, kv_layout: str, mla_attention: str
+) -> None:
+    """What ``VerifyReport.to_dict()`` (``kadapt apply --verify --format json``'s "verify") must say."""
+    assert report["passed"], [check for check in report["checks"] if not check["passed"]]
     fp32 = ["weights bind to checkpoint names", "prefill logits", "greedy generation", "decode logits"]
     bf16 = [f"{name} (bfloat16)" for name in fp32[1:]]
     vision = ["vision weights bind", "vision features"]  # the spec's abi.vision graph, in each dtype
@@ -35,14 +33,39 @@ def test_verify_matches_transformers_generate(tmp_path: Path, kv_layout: str, ml
     ]
     fp32, bf16 = fp32 + vision + multimodal, bf16 + [f"{n} (bfloat16)" for n in vision + multimodal]
     # absorbed MLA rounds in another order than transformers' attention: bf16 is noted, not compared
-    assert [c.name for c in report.checks] == (fp32 if mla_attention == "absorbed" else fp32 + bf16)
-    assert bool(report.notes) == (mla_attention == "absorbed")
+    assert [c["name"] for c in report["checks"]] == (fp32 if mla_attention == "absorbed" else fp32 + bf16)
+    assert bool(report["notes"]) == (mla_attention == "absorbed")
     # 1 token from prefill + 24 decode steps through the one decode graph, positions 8..31
-    assert len(report.tokens_ir[0]) == 25 and report.tokens_ir == report.tokens_reference
-    assert len(set(report.tokens_ir[0])) > 5  # a real sequence, not one repeated token
-    assert report.max_logit_diff <= options.verify_tolerance
-    assert report.to_dict()["kv_layout"] == kv_layout and "PASSED" in report.render()
-    assert report.to_dict()["mla_attention"] == mla_attention and f"{mla_attention} MLA" in report.render()
+    assert len(report["tokens_ir"][0]) == 25 and report["tokens_ir"] == report["tokens_reference"]
+    assert len(set(report["tokens_ir"][0])) > 5  # a real sequence, not one repeated token
+    assert report["max_logit_diff"] <= options.verify_tolerance
+    assert report["kv_layout"] == kv_layout and report["mla_attention"] == mla_attention
+
+
+def test_apply_verify_at_the_spec_defaults_matches_transformers_generate(
+    shipped_apply: SharedApplies,
+) -> None:
+    """The spec's defaults (latent KV, re-expanding MLA) are what ``kadapt apply specs/kimi_k25.yaml
+    --verify`` checks: its report, read from the shared run (``shipped_apply``)."""
+    options = options_from_spec(SPEC)
+    assert (options.kv_layout, options.mla_attention) == ("latent", "reexpand")
+    assert options.verify_decode_steps >= 20
+    result = shipped_apply("kimi_k25")
+    assert result.exit_code == 0, result.output
+    _assert_generates_what_transformers_generates(result.data()["verify"], options, "latent", "reexpand")
+
+
+@pytest.mark.parametrize(("kv_layout", "mla_attention"), [("expanded", "reexpand"), ("latent", "absorbed")])
+def test_verify_matches_transformers_generate(tmp_path: Path, kv_layout: str, mla_attention: str) -> None:
+    """The other layout and the other attention (the spec's defaults: the test above), and what only a
+    run in this process sees: the rendered report, the echoed lines, an untouched output folder."""
+    options = options_from_spec(SPEC, output_dir=tmp_path, kv_layout=kv_layout, mla_attention=mla_attention)
+    assert options.verify_decode_steps >= 20
+    lines: list[str] = []
+    report = verify(SPEC, options, echo=lines.append)
+    assert report.passed, report.render()
+    _assert_generates_what_transformers_generates(report.to_dict(), options, kv_layout, mla_attention)
+    assert "PASSED" in report.render() and f"{kv_layout} KV, {mla_attention} MLA" in report.render()
     assert any("replicate decode" in line for line in lines)  # the stitched path was exercised
     assert list(tmp_path.iterdir()) == []  # the check writes to a temp dir, not the output dir
 
