@@ -16,9 +16,9 @@ import pytest
 import sympy
 from click.testing import CliRunner
 
-from kimi_adapter_core.backends.extraction import options_from_spec
+from kimi_adapter_core.backends.extraction import ExtractionOptions, options_from_spec
 from kimi_adapter_core.backends.extraction.convert import Symbols
-from kimi_adapter_core.backends.extraction.roundtrip import verify
+from kimi_adapter_core.backends.extraction.roundtrip import Check, VerifyReport, verify
 from kimi_adapter_core.backends.extraction.symbolic import DimRange, bind_sizes, evaluate, substitute
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import KadaptError
@@ -120,13 +120,9 @@ def _dynamic(name: str, tmp_path: Path, *, batch: int):
     return spec, dataclasses.replace(options, verify_dtypes=("float32",), verify_decode_steps=6)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["kimi_k25", "mistral"])
-def test_one_graph_serves_every_batch_and_prompt_in_range(name: str, tmp_path: Path) -> None:
-    """MLA + MoE (stitched layers) and GQA with sliding windows: the saved symbolic graphs equal
-    transformers at the traced sizes and at batch 1 with a shorter prompt, and refuse one too long."""
-    spec, options = _dynamic(name, tmp_path, batch=2)
-    report = verify(spec, options, echo=lambda line: None)
+def _assert_serves_the_range(report: VerifyReport, options: ExtractionOptions) -> dict[str, Check]:
+    """The saved symbolic graphs equal transformers at the traced sizes and at batch 1 with a shorter
+    prompt, and refuse a batch and a prompt past the range before execution; returns the checks."""
     checks = {check.name: check for check in report.checks}
     assert report.passed, report.render()
     assert "greedy generation (batch 1, prompt 3)" in checks
@@ -134,6 +130,40 @@ def test_one_graph_serves_every_batch_and_prompt_in_range(name: str, tmp_path: P
     for size, too_big in (("batch", 3), ("prefill_len", options.verify_prefill_len + 1)):
         refused = checks[f"{size} {too_big} refused before execution"]
         assert f"({size}) is {too_big}, outside the graph's range" in refused.detail
+    return checks
+
+
+@pytest.mark.slow
+def test_one_graph_serves_every_batch_and_prompt_in_range(tmp_path: Path) -> None:
+    """GQA with sliding windows (Mistral; MLA + MoE and an image prompt: the next test)."""
+    spec, options = _dynamic("mistral", tmp_path, batch=2)
+    _assert_serves_the_range(verify(spec, options, echo=lambda line: None), options)
+
+
+MULTIMODAL = [
+    "multimodal prefill logits",
+    "multimodal greedy generation",
+    "multimodal decode logits",
+    "multimodal placeholder count checked before execution",
+]
+
+
+@pytest.mark.slow
+def test_one_set_of_graphs_serves_text_and_image_prompts_in_range(tmp_path: Path) -> None:
+    """MLA + MoE (stitched layers) with ``abi.vision.merged_prefill`` (Kimi-K2.5): the text graphs as
+    above, and the saved vision -> multimodal prefill -> decode graphs against transformers given the
+    pixels, at batch 2 (the image in row 0), then at batch 1 with a shorter prompt through the same
+    files."""
+    spec, options = _dynamic("kimi_k25", tmp_path, batch=2)
+    lines: list[str] = []
+    checks = _assert_serves_the_range(verify(spec, options, echo=lines.append), options)
+    for name in MULTIMODAL:
+        assert name in checks
+    assert "(2, 264, 128)" in checks["multimodal prefill logits"].detail  # 8 text + 256 placeholders
+    assert "positions 264..271" in checks["multimodal greedy generation"].detail
+    assert "multimodal greedy generation (batch 1, prompt 258)" in checks
+    assert "255 image placeholder tokens" in checks[MULTIMODAL[3]].detail
+    assert any("image prompt 264, cache 272" in line for line in lines)
 
 
 @pytest.mark.slow
