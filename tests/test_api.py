@@ -60,6 +60,14 @@ def test_a_directory_named_like_a_spec_does_not_hide_it(
     assert refused.exit_code == 2 and "is not a spec file" in refused.output
 
 
+def outer_pip_installs_elsewhere() -> bool:
+    """pip 22.3 added ``--python``: this interpreter's pip installs into another environment, running
+    itself with that environment's interpreter (so the scripts it writes name that interpreter)."""
+    from importlib.metadata import version
+
+    return tuple(int(part) for part in version("pip").split(".")[:2]) >= (22, 3)
+
+
 @pytest.mark.slow
 def test_installed_wheel_outside_the_checkout(tmp_path: Path) -> None:
     """A wheel in a fresh venv (reusing this interpreter's torch/transformers) finds its shipped specs."""
@@ -70,14 +78,24 @@ def test_installed_wheel_outside_the_checkout(tmp_path: Path) -> None:
         capture_output=True,
     )
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     python = venv / "bin" / "python"
     wheel = next(wheels.glob("kadapt-*.whl"))
-    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True)
+    if outer_pip_installs_elsewhere():  # the venv needs no pip of its own (ensurepip: ~2.5 CPU-s)
+        subprocess.run(
+            [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True
+        )
+        pip = [sys.executable, "-m", "pip", "--python", str(python)]
+    else:
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+        pip = [str(python), "-m", "pip"]
+    subprocess.run([*pip, "install", "-q", "--no-deps", str(wheel)], check=True)
     work = tmp_path / "elsewhere"
     work.mkdir()
     env = {**os.environ, "PYTHONPATH": ""}
     kadapt = venv / "bin" / "kadapt"
+    # the command runs the venv's interpreter ("#!PYTHON", or "#!/bin/sh" then "'''exec' PYTHON" if long)
+    head = kadapt.read_text().splitlines()[:2]
+    assert str(python) in "\n".join(head), head
     located = subprocess.run(
         [python, "-c", "import kimi_adapter_core as k; print(k.__file__)"],
         cwd=work,
