@@ -31,7 +31,7 @@ def render(rows: Iterable[Row], excluded: Iterable[ModelType], transformers_vers
         "# Every decoder model of transformers: adapted and proven, or refused",
         "",
         f"Written by `python -m kimi_adapter_core.families` against transformers {transformers_version}; "
-        "`tests/test_family_matrix.py` fails when a row's outcome or code changes. Each decoder-only "
+        "`tests/test_family_matrix_*.py` fail when a row's outcome or code changes. Each decoder-only "
         "model type of transformers' causal-LM auto mapping gets the spec `docs/writing-a-spec.md` "
         "describes, on its own default config made small, and goes through `kadapt validate --resolve`, "
         "`kadapt apply` and `--verify` (float32; bfloat16 is proven on the shipped families). The model "
