@@ -14,6 +14,7 @@ from fixtures.shared_apply import Applied, SharedApplies
 from kimi_adapter_core import upstream
 from kimi_adapter_core.backends.extraction import export
 from kimi_adapter_core.cli import cli
+from kimi_adapter_core.errors import KadaptError
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = sorted(p.stem for p in (REPO / "specs").glob("*.yaml") if p.stem != "kimi_k25_remote")
@@ -65,3 +66,35 @@ def test_an_untested_torch_takes_the_two_public_calls_and_doctor_says_so(
     assert export.one_pass_export() is None
     doctor = CliRunner().invoke(cli, ["doctor"]).output
     assert "export               two traces per graph: torch is not a tested release" in doctor
+
+
+class _Raises(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom")
+
+
+def test_graphs_are_traced_without_node_stack_traces_and_the_setting_is_restored() -> None:
+    import torch.fx.config
+
+    before = torch.fx.config.do_not_emit_stack_traces
+    program = export.export_program(torch.nn.Linear(4, 3), (torch.zeros(2, 4),), "prefill")
+    assert [n.name for n in program.graph.nodes if n.op == "call_function"]  # something was traced
+    assert [n.name for n in program.graph.nodes if n.meta.get("stack_trace")] == []
+    assert torch.fx.config.do_not_emit_stack_traces is before
+    with pytest.raises(KadaptError, match="torch.export failed on the decode wrapper"):
+        export.export_program(_Raises(), (torch.zeros(2, 4),), "decode")
+    assert torch.fx.config.do_not_emit_stack_traces is before
+
+
+def test_the_kept_ops_table_is_rebuilt_when_an_op_is_registered() -> None:
+    from torch.export.exported_program import _split_decomp_table_to_cia_and_python_decomp as split
+
+    first = export._preserved_ops(split)
+    assert export._preserved_ops(split) is first  # built once per set of registered ops
+    assert set(first) == set(split({})[0])
+    library = torch.library.Library("kadapt_test", "FRAGMENT")
+    library.define("twice(Tensor x) -> Tensor")
+    library.impl("twice", lambda x: x * 2, "CompositeImplicitAutograd")
+    again = export._preserved_ops(split)
+    assert torch.ops.kadapt_test.twice.default in again and again is not first
+    assert set(again) == set(split({})[0])
