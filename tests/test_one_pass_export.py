@@ -5,6 +5,7 @@ that change what is traced (dynamic sizes, a paged cache, the MLA variants, the 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -98,3 +99,35 @@ def test_the_kept_ops_table_is_rebuilt_when_an_op_is_registered() -> None:
     again = export._preserved_ops(split)
     assert torch.ops.kadapt_test.twice.default in again and again is not first
     assert set(again) == set(split({})[0])
+
+
+def test_exports_together_install_the_preserved_ops_once_and_remove_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch.export.exported_program as exported_program
+
+    real, installs = exported_program._override_composite_implicit_decomp, []
+
+    def counted(preserved: Any) -> Any:
+        installs.append(preserved)
+        return real(preserved)
+
+    monkeypatch.setattr(exported_program, "_override_composite_implicit_decomp", counted)
+    linear = torch.ops.aten.linear.default
+    kernels_before = dict(linear.py_kernels)
+    model, inputs = torch.nn.Linear(4, 3), (torch.zeros(2, 4),)
+    alone = [export.export_program(model, inputs, "prefill") for _ in range(2)]
+    assert len(installs) == 2
+    with export.exports_together():
+        together = [export.export_program(model, inputs, "prefill") for _ in range(2)]
+        assert len(installs) == 3 and dict(linear.py_kernels) != kernels_before  # installed, held
+        library = torch.library.Library("kadapt_test_together", "FRAGMENT")
+        library.define("twice(Tensor x) -> Tensor")
+        library.impl("twice", lambda x: x * 2, "CompositeImplicitAutograd")
+        export.export_program(model, inputs, "prefill")
+        assert len(installs) == 4 and torch.ops.kadapt_test_together.twice.default in installs[-1]
+    assert dict(linear.py_kernels) == kernels_before  # removed on the way out
+    assert [str(p.graph) for p in together] == [str(p.graph) for p in alone]
+    with pytest.raises(KadaptError), export.exports_together():
+        export.export_program(_Raises(), inputs, "decode")
+    assert dict(linear.py_kernels) == kernels_before  # also after an error

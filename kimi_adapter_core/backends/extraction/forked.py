@@ -44,6 +44,7 @@ import signal
 import struct
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import IO, Any, NoReturn, Protocol
 
@@ -54,6 +55,7 @@ Task = tuple[str, Callable[[], Any]]  # a graph's name and what builds it
 Report = Callable[[Mapping[str, Any], int, int], tuple[Any, Any]]  # (built, group, groups) -> (sent, kept)
 Decide = Callable[[list[Any]], list[Any]]  # every group's report -> each group's decision
 Finish = Callable[[Mapping[str, Any], Any, Any], Any]  # (built, kept, decision) -> the group's result
+Around = Callable[[], AbstractContextManager[Any]]  # what a group's builds run inside, together
 
 _LENGTH = struct.Struct("<Q")
 
@@ -103,20 +105,22 @@ def in_processes(
     report: Report,
     decide: Decide,
     finish: Finish,
+    around: Around = nullcontext,
 ) -> list[Any]:
     """Each group's ``finish`` result, in group order: the tasks built, reported on, decided on and
     finished in one child per group, or here when there is one group (the module docstring says
     what each step is for and how the children stay safe)."""
     groups = groups_of(tasks, processes)
     if len(groups) == 1:
-        built = {name: build() for name, build in tasks}
+        with around():
+            built = {name: build() for name, build in tasks}
         sent, kept = report(built, 0, 1)
         (decision,) = decide([sent])
         return [finish(built, kept, decision)]
     children: list[_Child] = []
     try:
         for index, group in enumerate(groups):
-            children.append(_fork(index, len(groups), group, children, clock, reach, report, finish))
+            children.append(_fork(index, len(groups), group, children, clock, reach, report, finish, around))
         start = time.perf_counter()
         reports = [child.expect(clock, reach) for child in children]
         clock.record("wait for exports", time.perf_counter() - start)
@@ -194,6 +198,7 @@ def _fork(
     reach: Mapping[str, Counter],
     report: Report,
     finish: Finish,
+    around: Around,
 ) -> _Child:
     messages_read, messages_write = os.pipe()
     decisions_read, decisions_write = os.pipe()
@@ -204,7 +209,7 @@ def _fork(
         for sibling in siblings:  # else a sibling's pipes stay open here: no end-of-file for it
             for pipe in (sibling.messages, sibling.decisions):
                 os.close(pipe.fileno())
-        _child(index, groups, tasks, messages_write, decisions_read, clock, reach, report, finish)
+        _child(index, groups, tasks, messages_write, decisions_read, clock, reach, report, finish, around)
     os.close(messages_write)
     os.close(decisions_read)
     names = [name for name, _ in tasks]
@@ -221,6 +226,7 @@ def _child(
     reach: Mapping[str, Counter],
     report: Report,
     finish: Finish,
+    around: Around,
 ) -> NoReturn:
     """Build ``tasks``, send the report, wait for the decision, finish and send the result (or the
     error, at any point) through ``messages``; never returns."""
@@ -242,7 +248,8 @@ def _child(
             before.update({patch: counter.count for patch, counter in reach.items()})
             return {"value": value, "steps": steps, "reach": counts}
 
-        built = {name: build() for name, build in tasks}
+        with around():
+            built = {name: build() for name, build in tasks}
         sent, kept = report(built, index, groups)
         _send(out, message(sent))
         with os.fdopen(decisions, "rb") as pipe:

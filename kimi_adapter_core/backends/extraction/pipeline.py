@@ -35,6 +35,7 @@ from .export import (
     check_exportable,
     check_stack,
     export_wrapper,
+    exports_together,
     graph_names,
     load_export_machinery,
     to_graph,
@@ -467,6 +468,7 @@ def run(
             report=report,
             decide=decide,
             finish=finish,
+            around=exports_together,
         )
         with clock.step("write"):
             kv_mapping = kv_mapping_document(options, backbone)
