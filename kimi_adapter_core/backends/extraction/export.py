@@ -14,7 +14,6 @@ import importlib
 import inspect
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -259,7 +258,7 @@ def export_program(
 OnePass = Callable[[nn.Module, tuple[Any, ...], Any], ExportedProgram]
 
 
-@contextmanager
+@contextlib.contextmanager
 def _without_node_stack_traces() -> Iterator[None]:
     """Trace without a Python stack trace on every graph node (``torch.fx.config``).
 
@@ -330,7 +329,7 @@ class _Held(contextlib.ExitStack):
 _TOGETHER: list[_Held] = []  # the innermost ``exports_together`` last
 
 
-@contextmanager
+@contextlib.contextmanager
 def exports_together() -> Iterator[None]:
     """The one-pass exports inside install their preserved-ops override once, not around each.
 
@@ -348,7 +347,7 @@ def exports_together() -> Iterator[None]:
         held.close()
 
 
-@contextmanager
+@contextlib.contextmanager
 def _installed(override: Callable[[Any], Any], preserved: Any) -> Iterator[None]:
     """``override(preserved)`` around one export; inside ``exports_together`` the group's install,
     made at its first export and made again when the table changed (a newly registered op)."""
