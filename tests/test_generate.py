@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import importlib.util
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -26,7 +25,6 @@ import pytest
 import yaml
 from click.testing import CliRunner
 from fixtures.modules import import_path, outside_runtime
-from ruff.__main__ import find_ruff_bin
 
 from kimi_adapter_core import upstream
 from kimi_adapter_core.backends.extraction import encoding, runtime
@@ -35,7 +33,7 @@ from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.generate import check_all, render_spec, write_all
 from kimi_adapter_core.generate import environment as jinja_environment
 from kimi_adapter_core.generate.embed import split_module
-from kimi_adapter_core.generate.pyformat import format_python
+from kimi_adapter_core.generate.pyformat import _ruff_command, format_python
 from kimi_adapter_core.generate.simulation import PROFILE_FIELDS
 from kimi_adapter_core.spec import load_spec
 
@@ -155,10 +153,10 @@ def test_python_outputs_compile_and_are_ruff_clean(spec_path: Path, tmp_path: Pa
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text)
     # The repository's own ruff settings. The only tolerated findings are over-long lines inside the
-    # verbatim runtime block (formatting is off there; runtime.py itself must fix them). The binary
-    # itself, as format_python runs it: no Python start-up.
+    # verbatim runtime block (formatting is off there; runtime.py itself must fix them). Ruff
+    # run the way format_python runs it (pyformat's lookup of the binary).
     lint = subprocess.run(
-        [os.fsdecode(find_ruff_bin()), "check", "--config", str(REPO / "pyproject.toml")]
+        [*_ruff_command(), "check", "--config", str(REPO / "pyproject.toml")]
         + ["--output-format", "json", str(tmp_path)],
         capture_output=True,
         text=True,
