@@ -5,6 +5,9 @@ with the same code ``apply`` runs later, so a spec that cannot work fails at lin
 
 - what kadapt refuses to model (hybrid layers, per-layer configs, other attention kinds, math
   outside the layers it does not reproduce) - ``structure.derive.refuse_unmodelled`` on the raw JSON;
+- config values that no model can have (a size of 0, -4, 4096.5, ``"abc"`` or ``NaN``, a count beyond
+  every published model's, top-k above the experts): every one, each naming the config file and key -
+  ``structure.derive.config_value_violations``, the check ``derive_structure`` runs first;
 - a ``quantization_config`` whose storage the weight map cannot describe (``quant_method``, format),
   or that a spec ``quantization`` scheme contradicts (a scheme beside no ``quantization_config``: a
   warning, since extraction then reads the checkpoint dense);
@@ -38,7 +41,10 @@ def config_diagnostics(
     except KadaptError:
         return []  # unreadable config: the semantic checks reported it
     found = _refusals(spec, config, locator)
-    found += _quantization(spec, config, locator)
+    if not found:  # a refused model's other values do not matter
+        found += _values(spec, config, locator)
+    unreadable = _quantization_configs(spec, config, locator)
+    found += unreadable or _quantization(spec, config, locator)
     if not found and spec.abi is not None:
         found += _kv_layout(spec, config, locator)
     return found
@@ -59,6 +65,32 @@ def _refusals(spec: Any, config: dict[str, Any], locator: Locator) -> list[Diagn
     except KadaptError as exc:
         return [locator.at("source.config", exc.message, "refused")]
     return []
+
+
+def _values(spec: Any, config: dict[str, Any], locator: Locator) -> list[Diagnostic]:
+    """One finding per config value that breaks its rule, located at ``source.config``."""
+    from ..structure.bounds import render
+    from ..structure.derive import config_value_violations
+
+    origin, violations = config_value_violations(spec, config)
+    return [locator.at("source.config", render(origin, v), "config-value") for v in violations]
+
+
+def _quantization_configs(spec: Any, config: dict[str, Any], locator: Locator) -> list[Diagnostic]:
+    """A ``quantization_config`` (in the text section or the root) is a mapping, or nothing reads it."""
+    from ..structure.bounds import MAPPING, shown_path
+    from ..structure.derive import raw_text_section
+
+    key, text = raw_text_section(spec, config)
+    holders = {f"{key}.": text, "": config} if key else {"": config}
+    found = []
+    for prefix, holder in holders.items():
+        qc = holder.get("quantization_config") if isinstance(holder, dict) else None
+        problem = MAPPING.problem(qc) if qc else None
+        if problem:
+            message = f"{shown_path(spec.source.config)}: {prefix}quantization_config: {problem}"
+            found.append(locator.at("source.config", message, "config-value"))
+    return found
 
 
 def _quantization(spec: Any, config: dict[str, Any], locator: Locator) -> list[Diagnostic]:

@@ -22,6 +22,7 @@ import yaml
 from ..errors import KadaptError, Refusal
 from ..resources import package_file
 from ..spec.model import Spec
+from . import bounds
 from .model import ATTENTION_KINDS, SCORING_FUNCS, Attention, Layer, ModelStructure, Moe, OutsideOp, Rope
 
 _MISSING = object()
@@ -45,12 +46,19 @@ def fact_keys() -> dict[str, list[str]]:
 
 
 class _Reader:
-    """Looks facts up in one config (dict or object), remembering which key answered."""
+    """Looks facts up in one config (dict or object), remembering which key answered.
 
-    def __init__(self, config: Any, spec: Spec | None, where: str) -> None:
+    ``origin`` names the config file in value findings, ``prefix`` the section holding the text
+    backbone (``text_config.``), so a finding reads ``specs/x/config.json: text_config.vocab_size: ...``."""
+
+    def __init__(
+        self, config: Any, spec: Spec | None, where: str, origin: str | None = None, prefix: str = ""
+    ) -> None:
         self.config = config
         self.spec = spec
         self.where = where
+        self.origin = origin or where
+        self.prefix = prefix
         self.keys: dict[str, str] = {}
         self.candidates = fact_keys()
         for fact, key in _spec_fields(spec).items():
@@ -83,6 +91,18 @@ class _Reader:
                 self.keys[fact] = key
                 return value
         return default
+
+    def peek(self, fact: str) -> tuple[str, Any] | None:
+        """``(key, value)`` of the first present, non-null key of ``fact``, refusing nothing: the value
+        check leaves a per-layer list or config to the reads that refuse it, in derive's order."""
+        for key in self.candidates.get(fact, [fact]):
+            try:
+                value = self.raw(key)
+            except Refusal:
+                return None
+            if value is not _MISSING and value is not None:
+                return key, value
+        return None
 
     def require(self, fact: str) -> Any:
         value = self.get(fact)
@@ -134,8 +154,6 @@ def _attention(read: _Reader, spec: Spec | None, hidden: int) -> Attention:
         )
     else:
         kv_heads = int(read.get("num_kv_heads", heads))
-        if kv_heads <= 0 or heads % kv_heads:
-            raise KadaptError(f"{read.where}: {heads} attention heads do not split into {kv_heads} KV heads")
         head_dim = int(read.get("head_dim") or hidden // heads)
         kind = "mha" if kv_heads == heads else "mqa" if kv_heads == 1 else "gqa"
         attention = Attention(kind, heads, kv_heads, head_dim, head_dim)
@@ -267,7 +285,7 @@ def _check_layer_types(read: _Reader, types: list[Any]) -> None:
     """Every entry of ``layer_types`` must be an attention kind kadapt models (full, sliding)."""
     known = _tables()["layer_types"]
     for i, kind in enumerate(types):
-        if kind in known:
+        if not isinstance(kind, str) or kind in known:  # not a string: the value check reports it
             continue
         hybrid = kind in _tables()["hybrid_layer_types"]
         raise Refusal(
@@ -330,10 +348,45 @@ def _outside(read: _Reader) -> tuple[OutsideOp, ...]:
         value = read.raw(key)
         if value is _MISSING or value in rule["neutral"]:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise KadaptError(f"{read.where}: {key} = {value!r} is not a number")
         ops.append(OutsideOp(rule["site"], rule["op"], float(value), key))
     return tuple(ops)
+
+
+def _value_violations(read: _Reader) -> list[bounds.Violation]:
+    """Every present fact's value against its rule (``bounds.FACT_RULES``), the RoPE parameters and the
+    math outside the layers against theirs, then the rules between the facts that kept their own."""
+    found: list[bounds.Violation] = []
+    valid: dict[str, tuple[str, Any]] = {}
+    present = set()
+    for fact, rule in bounds.FACT_RULES.items():
+        answer = read.peek(fact)
+        if answer is None:
+            continue
+        key, value = answer
+        present.add(fact)
+        if isinstance(value, (list, tuple)) and rule.kind not in bounds.LIST_ENTRIES:
+            continue  # one value per layer: derive refuses it as a per-layer config
+        problem = rule.problem(value)
+        if problem is None:
+            valid[fact] = answer
+        else:
+            found.append(bounds.Violation(read.prefix + key, problem))
+    if "rope_parameters" in valid:
+        key, params = valid["rope_parameters"]
+        found += bounds.rope_violations(read.prefix + key, params)
+    for key, rule in outside_modelled().items():  # a scale or a soft-cap: applied as a positive factor
+        answer = read.peek(key)
+        if answer is not None and answer[1] not in rule["neutral"]:
+            problem = bounds.POSITIVE_NUMBER.problem(answer[1])
+            found += [bounds.Violation(read.prefix + key, problem)] if problem else []
+    return found + bounds.cross_field(bounds.Facts(valid, frozenset(present)), read.prefix)
+
+
+def _check_values(read: _Reader) -> None:
+    """Raise every value finding of the config at once, before anything is computed from a value."""
+    found = _value_violations(read)
+    if found:
+        raise bounds.ConfigValueError(read.origin, found)
 
 
 def refuse_unmodelled(config: Any, spec: Spec | None = None, *, where: str = "text config") -> None:
@@ -349,10 +402,22 @@ def refuse_unmodelled(config: Any, spec: Spec | None = None, *, where: str = "te
     _refuse_outside_layer_features(read, spec)
 
 
-def derive_structure(config: Any, spec: Spec | None = None, *, where: str = "text config") -> ModelStructure:
-    """The structure of the text backbone whose config (object or dict) is ``config``."""
-    read = _Reader(config, spec, where)
+def derive_structure(
+    config: Any,
+    spec: Spec | None = None,
+    *,
+    where: str = "text config",
+    origin: str | None = None,
+    prefix: str = "",
+) -> ModelStructure:
+    """The structure of the text backbone whose config (object or dict) is ``config``.
+
+    Every value is typed and bounded first (``bounds``), so nothing below divides by a zero head count
+    or builds a list per layer of a billion layers; ``origin`` (the config file) and ``prefix`` (its
+    text section, ``text_config.``) locate those findings."""
+    read = _Reader(config, spec, where, origin, prefix)
     _refuse_unmodelled_layers(read, spec)
+    _check_values(read)
     num_layers = int(read.require("num_layers"))
     hidden = int(read.require("hidden_size"))
     attention = _attention(read, spec, hidden)
@@ -367,7 +432,7 @@ def derive_structure(config: Any, spec: Spec | None = None, *, where: str = "tex
         num_layers=num_layers,
         hidden_size=hidden,
         vocab_size=int(read.require("vocab_size")),
-        max_positions=int(read.get("max_positions", 0) or 0),
+        max_positions=max(int(read.get("max_positions", 0) or 0), 0),  # -1 (no limit): not stated
         attention=attention,
         intermediate_size=dense_width,
         moe=moe,
@@ -438,12 +503,33 @@ def _missing(key: str | None) -> KadaptError:
     return KadaptError(f"config has no '{key}' sub-config holding the text backbone")
 
 
+def _prefix(key: str | None) -> str:
+    """How value findings name the keys of the text section: ``text_config.vocab_size``."""
+    return f"{key}." if key else ""
+
+
+def _shipped(spec: Spec) -> str:
+    """The shipped config file, as value findings name it."""
+    return bounds.shown_path(spec.source.config) if spec.source.config is not None else "config"
+
+
 def structure_of_raw(spec: Spec, raw: Mapping[str, Any]) -> ModelStructure:
-    """Structure from a raw root config dict (torch-free: ``kadapt plan`` uses this)."""
+    """Structure from a raw root config dict, the spec's shipped config (torch-free: ``kadapt plan``
+    uses this)."""
     key, text = raw_text_section(spec, raw)
     if text is None:
         raise _missing(key)
-    return derive_structure(text, spec, where=_where(key))
+    return derive_structure(text, spec, where=_where(key), origin=_shipped(spec), prefix=_prefix(key))
+
+
+def config_value_violations(spec: Spec, raw: Mapping[str, Any]) -> tuple[str, list[bounds.Violation]]:
+    """The config file's name and the value findings of its text section (the same check as
+    ``derive_structure``), for plain ``validate`` to report beside its other findings."""
+    key, text = raw_text_section(spec, raw)
+    if text is None:
+        return _shipped(spec), []
+    read = _Reader(text, spec, _where(key), _shipped(spec), _prefix(key))
+    return read.origin, _value_violations(read)
 
 
 def refuse_unmodelled_in_raw(spec: Spec, raw: Mapping[str, Any]) -> None:
@@ -460,4 +546,5 @@ def structure_of_config(spec: Spec, config: Any) -> ModelStructure:
     text = getattr(config, key, None) if key else config
     if text is None:
         raise _missing(key)
-    return derive_structure(text, spec, where=_where(key))
+    # the object may come from the hub or a model directory, not the shipped file: named as "config"
+    return derive_structure(text, spec, where=_where(key), origin="config", prefix=_prefix(key))

@@ -17,6 +17,7 @@ from typing import Any
 from ...config.source import resolve_source
 from ...errors import KadaptError
 from ...spec.model import Spec
+from ...structure.bounds import FACT_RULES, WIDTH, Findings, Rule, Violation, shown, shown_path
 from ...structure.derive import structure_of_raw
 from ...structure.model import ModelStructure
 
@@ -48,31 +49,63 @@ class Architecture:
     vision: VisionArch | None
 
 
-def _req(cfg: dict[str, Any], *keys: str, where: str) -> Any:
+# VisionArch field -> the keys it goes by (hub ``vt_*`` / transformers' names) and its rule
+_VISION: dict[str, tuple[tuple[str, ...], Rule]] = {
+    "hidden": (("vt_hidden_size", "hidden_size"), WIDTH),
+    "intermediate": (("vt_intermediate_size", "intermediate_size"), WIDTH),
+    "num_heads": (("vt_num_attention_heads", "num_attention_heads"), FACT_RULES["num_heads"]),
+    "num_layers": (("vt_num_hidden_layers", "num_hidden_layers"), FACT_RULES["num_layers"]),
+    "patch_size": (("patch_size",), WIDTH),
+    "pos_emb_height": (("init_pos_emb_height", "pos_emb_height"), WIDTH),
+    "pos_emb_width": (("init_pos_emb_width", "pos_emb_width"), WIDTH),
+}
+
+
+def _req(cfg: dict[str, Any], *keys: str, where: str) -> tuple[str, Any]:
     for key in keys:
         if key in cfg and cfg[key] is not None:
-            return cfg[key]
+            return key, cfg[key]
     raise KadaptError(f"config {where} has none of {', '.join(keys)}")
 
 
-def vision_arch(cfg: dict[str, Any], text_hidden: int) -> VisionArch:
-    """Normalize a MoonViT vision config dict, accepting hub (``vt_*``) or transformers names."""
-    w = "vision_config"
-    merge = cfg.get("merge_kernel_size") or [cfg.get("spatial_merge_size", 2)] * 2
-    return VisionArch(
-        hidden=int(_req(cfg, "vt_hidden_size", "hidden_size", where=w)),
-        intermediate=int(_req(cfg, "vt_intermediate_size", "intermediate_size", where=w)),
-        num_heads=int(_req(cfg, "vt_num_attention_heads", "num_attention_heads", where=w)),
-        num_layers=int(_req(cfg, "vt_num_hidden_layers", "num_hidden_layers", where=w)),
-        patch_size=int(_req(cfg, "patch_size", where=w)),
-        in_channels=int(cfg.get("in_channels", 3)),
-        pos_emb_height=int(_req(cfg, "init_pos_emb_height", "pos_emb_height", where=w)),
-        pos_emb_width=int(_req(cfg, "init_pos_emb_width", "pos_emb_width", where=w)),
-        merge_h=int(merge[0]),
-        merge_w=int(merge[1]),
-        mm_hidden=int(cfg.get("mm_hidden_size") or _req(cfg, "vt_hidden_size", "hidden_size", where=w)),
-        text_hidden=int(cfg.get("text_hidden_size") or text_hidden),
+def _merge(cfg: dict[str, Any], found: Findings) -> tuple[int, int]:
+    """The merger's ``merge_kernel_size`` (else a square ``spatial_merge_size``, default 2)."""
+    merge = cfg.get("merge_kernel_size")
+    if not merge:
+        side = found.take("vision_config.spatial_merge_size", cfg.get("spatial_merge_size", 2), WIDTH)
+        return side or 1, side or 1
+    if not isinstance(merge, list) or len(merge) != 2 or any(WIDTH.problem(side) for side in merge):
+        problem = f"expected two positive integers, found {shown(merge)}"
+        found.violations.append(Violation("vision_config.merge_kernel_size", problem))
+        return 1, 1
+    return merge[0], merge[1]
+
+
+def vision_arch(cfg: dict[str, Any], text_hidden: int, *, origin: str = "config") -> VisionArch:
+    """Normalize a MoonViT vision config dict, accepting hub (``vt_*``) or transformers names; every
+    size typed and bounded (``structure.bounds``), all broken ones reported at once."""
+    found = Findings()
+
+    def size(keys: tuple[str, ...], rule: Rule) -> int:
+        key, value = _req(cfg, *keys, where="vision_config")
+        return found.take(f"vision_config.{key}", value, rule) or 1
+
+    def optional(key: str, default: int) -> int:
+        value = cfg.get(key)
+        return default if value is None else found.take(f"vision_config.{key}", value, WIDTH) or 1
+
+    sizes = {field: size(keys, rule) for field, (keys, rule) in _VISION.items()}
+    merge_h, merge_w = _merge(cfg, found)
+    arch = VisionArch(
+        **sizes,
+        in_channels=optional("in_channels", 3),
+        merge_h=merge_h,
+        merge_w=merge_w,
+        mm_hidden=optional("mm_hidden_size", sizes["hidden"]),
+        text_hidden=optional("text_hidden_size", text_hidden),
     )
+    found.raise_any(origin)
+    return arch
 
 
 def read_config(spec: Spec) -> dict[str, Any]:
@@ -90,7 +123,10 @@ def architecture(spec: Spec, raw: dict[str, Any]) -> Architecture:
     """The structure of ``raw`` (the root config dict) as ``spec`` reads it, plus its vision tower."""
     structure = structure_of_raw(spec, raw)
     vision_cfg = raw.get("vision_config")
-    vision = vision_arch(vision_cfg, structure.hidden_size) if isinstance(vision_cfg, dict) else None
+    vision = None
+    if isinstance(vision_cfg, dict):
+        origin = shown_path(spec.source.config) if spec.source.config is not None else "config"
+        vision = vision_arch(vision_cfg, structure.hidden_size, origin=origin)
     return Architecture(str(raw.get("model_type", "")), structure, vision)
 
 

@@ -17,6 +17,7 @@ gpt-oss-120b; an MTP block the model class does not build) are not counted; see 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -73,10 +74,15 @@ class ParamGroup:
 
     def shape_of(self, name: str) -> tuple[int, ...]:
         """The shape of the tensor called ``name`` (a checkpoint name of this group)."""
-        for names in self.checkpoint_names:
-            if name in names:
-                return self.tensor_shapes[names.index(name)]
-        raise KeyError(name)
+        return self._shapes[name]
+
+    @functools.cached_property
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        """Checkpoint name -> shape, built once: a search per name was quadratic in the layers (a
+        10,000-layer config took minutes to plan)."""
+        shapes = self.tensor_shapes
+        pairs = (zip(names, shapes, strict=True) for names in self.checkpoint_names)
+        return {name: shape for pair in pairs for name, shape in pair}
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from typing import Any
 
 from ...errors import KadaptError, UsageError
 from ...spec.model import QuantScheme, Spec
+from ...structure.bounds import MAX_EXPERT_WEIGHTS
 from ...structure.derive import raw_text_section
 from ..extraction.checkpoint_storage import (
     FP8_BLOCK,
@@ -156,6 +157,19 @@ def expert_sources(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[i
     ]
 
 
+def _check_expert_count(stored: CheckpointStorage, group: ParamGroup, shape: tuple[int, ...]) -> None:
+    """The per-expert weights a quantized checkpoint stores are each checked (below): bounded, so that
+    a config of a million experts is refused at once instead of planned for an hour."""
+    experts = shape[0]
+    weights = group.instances * experts * sum(len(parts) for parts in PER_EXPERT.values())
+    if weights > MAX_EXPERT_WEIGHTS:
+        raise KadaptError(
+            f"the {stored.found_in} stores the routed experts as one weight per expert: "
+            f"{group.instances} MoE layers x {experts} experts x 3 projections = {weights:,} weights, more "
+            f"than kadapt checks (at most {MAX_EXPERT_WEIGHTS:,})"
+        )
+
+
 def checkpoint_storage_of(spec: Spec, raw: Mapping[str, Any], names: Naming) -> CheckpointStorage:
     """The storage of the checkpoint whose config is ``raw`` (the shipped config), by the extraction's
     own rule (``checkpoint_storage``), so that plan/simulate size the checkpoint extraction reads: the
@@ -178,6 +192,9 @@ def _stored_format(stored: CheckpointStorage, group: ParamGroup, name: str) -> W
     whole = stored.storage(name, shape, False)  # the stacked tensor, an nn.Parameter (MXFP4 reads it)
     if whole is not None:
         return storage_format(whole, shape, native)
+    if stored.found_in is None and not stored.claims:  # a dense checkpoint: every expert as is
+        return native
+    _check_expert_count(stored, group, shape)
     # Every expert's storage is asked for (a config may leave one expert dense; a scheme's claim is
     # checked on each), but priced once per distinct storage: the experts of a tensor nearly always
     # share one, and pricing each of its hundreds of weights again was a fifth of a Kimi plan's time.

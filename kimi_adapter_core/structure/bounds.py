@@ -1,0 +1,306 @@
+"""The typed, bounded reading of config values: what a structural fact's value may be.
+
+A config comes from the internet next to its checkpoint, and plain ``kadapt validate`` reads it on
+untrusted specs. ``derive`` reads every fact through this table before it computes anything, so that a
+size of ``0``, ``-4``, ``4096.5``, ``"abc"``, ``NaN`` or ``1e9`` is one located finding (config file and
+key) instead of a ``ZeroDivisionError``, an 8 GB list of layers or a plan of a model that cannot exist.
+
+Integers are what transformers' strict config classes take: ``int`` and nothing else (``4096.0`` and
+``true`` are refused there too). Counts have upper bounds far above every published model (each is
+justified beside it) so that ``validate`` and ``plan``, which do work per layer, stay fast and small.
+Cross-field rules are the ones every family obeys (checked against the default config of every
+decoder model type of the installed transformers and the shipped specs): a sliding window longer than
+the positions, a hidden size that heads do not divide (when ``head_dim`` is set, or the family
+rounds down), ``max_window_layers`` beyond the stack all occur in real configs and are not refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import KadaptError
+
+# Upper bounds. Each is far above the largest published model (and every transformers default config),
+# and low enough that work per layer / per expert stays well under a second.
+# Llama-3.1-405B: 126 layers, PaLM: 118; default configs: at most 128. Plan prices every tensor of every
+# layer by its checkpoint name (a quantization_config may single out layers): 1,024 layers of Kimi-K2.5
+# cost it about 0.3 s, 10,000 layers 3 s.
+MAX_LAYERS = 1024
+# widths (hidden, MLP, head, latent ranks): PaLM 18,432 hidden, Llama-3.1-405B 53,248 FFN
+MAX_WIDTH = 1 << 20
+MAX_HEADS = 1 << 16  # 128 query heads (DeepSeek-V3, Llama-3.1-405B)
+MAX_EXPERTS = 1 << 16  # Doge's default config: 16,384; Qwen3.5: 512; Kimi-K2: 384; DeepSeek-V3: 256
+# per-expert weights of a quantized checkpoint (MoE layers x experts x 3 projections), each of which plan
+# checks by name: Qwen3.5-397B-A17B-FP8 stores 92,160, Kimi-K2.5 69,120 (about 1 s of plan)
+MAX_EXPERT_WEIGHTS = 1 << 17
+MAX_VOCAB = 1 << 24  # Gemma-3: 262,144; transformers' default configs: at most 290,943
+MAX_POSITIONS = 1 << 32  # Llama-4-Scout: 10,485,760 (10M tokens); default configs: at most 1,048,576
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What one value must be: ``kind`` int | number | bool | mapping | ints | strings, within
+    ``[low, high]`` for numbers; ``what`` is how a finding names it (``a positive integer``)."""
+
+    kind: str
+    what: str
+    low: float | None = None
+    high: float | None = None
+    exclusive_low: bool = False
+    also: tuple[int, ...] = ()  # values outside the range that mean something (-1: no limit)
+
+    def problem(self, value: Any) -> str | None:
+        """Why ``value`` breaks the rule (``expected ..., found ...``), or None when it keeps it."""
+        if _has_kind(self.kind, value) and value in self.also:
+            return None
+        if not _has_kind(self.kind, value):
+            return f"expected {self.what}, found {shown(value)}"
+        if self.kind in ("int", "number"):
+            if not self._above_low(value) or (self.kind == "number" and not _finite(value)):
+                return f"expected {self.what}, found {shown(value)}"
+            if self.high is not None and value > self.high:
+                return f"expected {self.what} of at most {self.high:,}, found {shown(value)}"
+        if self.kind in LIST_ENTRIES:
+            bad = next((v for v in value if not LIST_ENTRIES[self.kind](v)), _KEPT)
+            if bad is not _KEPT:
+                return f"expected {self.what}, found an entry {shown(bad)}"
+        return None
+
+    def _above_low(self, value: float) -> bool:
+        if self.low is None:
+            return True
+        return value > self.low if self.exclusive_low else value >= self.low
+
+
+def _finite(value: float) -> bool:
+    """A float that is not NaN or infinite, or an int that a float can hold (``float(10**400)`` fails)."""
+    return math.isfinite(value) if isinstance(value, float) else abs(value) <= sys.float_info.max
+
+
+_KEPT = object()
+# list kinds -> what each entry must be
+LIST_ENTRIES: dict[str, Callable[[Any], bool]] = {
+    "ints": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+    "strings": lambda v: isinstance(v, str),
+}
+
+
+def _has_kind(kind: str, value: Any) -> bool:
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)  # bool is an int to Python only
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "mapping":
+        return isinstance(value, Mapping)
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes))  # ints, strings
+
+
+def _count(what: str, low: int, high: int) -> Rule:
+    return Rule("int", what, low, high)
+
+
+def _positive(high: int) -> Rule:
+    return _count("a positive integer", 1, high)
+
+
+def _non_negative(high: int) -> Rule:
+    return _count("a non-negative integer", 0, high)
+
+
+WIDTH = _positive(MAX_WIDTH)
+POSITIVE_NUMBER = Rule("number", "a positive finite number", 0, None, exclusive_low=True)
+FINITE_NUMBER = Rule("number", "a finite number")
+FLAG = Rule("bool", "true or false")
+STRINGS = Rule("strings", "a list of strings")
+MAPPING = Rule("mapping", "a mapping")
+
+# fact (``config_keys.yaml``) -> its rule. 0 means "none" where derive reads it so (no routed experts,
+# no sliding window, no shared experts), so those facts are non-negative; every other size is positive.
+FACT_RULES: dict[str, Rule] = {
+    "num_layers": _positive(MAX_LAYERS),
+    "hidden_size": WIDTH,
+    "vocab_size": _positive(MAX_VOCAB),
+    # -1: no limit (transformers' XLNet config says so); derive reads it as not stated, like a missing key
+    "max_positions": Rule("int", "a positive integer (or -1: no limit)", 1, MAX_POSITIONS, also=(-1,)),
+    "num_heads": _positive(MAX_HEADS),
+    "num_kv_heads": _positive(MAX_HEADS),
+    "head_dim": _positive(MAX_WIDTH),
+    "intermediate_size": _positive(MAX_WIDTH),
+    "q_lora_rank": _positive(MAX_WIDTH),
+    "kv_lora_rank": _positive(MAX_WIDTH),
+    "qk_nope_head_dim": _positive(MAX_WIDTH),
+    "qk_rope_head_dim": _positive(MAX_WIDTH),
+    "v_head_dim": _positive(MAX_WIDTH),
+    "num_experts": _non_negative(MAX_EXPERTS),
+    "top_k": _positive(MAX_EXPERTS),
+    "expert_intermediate_size": _positive(MAX_WIDTH),
+    "num_shared_experts": _non_negative(MAX_EXPERTS),
+    "shared_expert_intermediate_size": _non_negative(MAX_WIDTH),
+    "first_dense_layers": _non_negative(MAX_LAYERS),
+    "dense_layer_list": Rule("ints", "a list of layer indices"),
+    "moe_layer_step": _positive(MAX_LAYERS),
+    "norm_topk_prob": FLAG,
+    "routed_scaling_factor": FINITE_NUMBER,
+    "expert_groups": _positive(MAX_EXPERTS),
+    "top_k_groups": _positive(MAX_EXPERTS),
+    "layer_types": STRINGS,
+    "sliding_window": _non_negative(MAX_POSITIONS),
+    "use_sliding_window": FLAG,
+    "max_window_layers": _non_negative(MAX_LAYERS),
+    "sliding_window_pattern": _non_negative(MAX_LAYERS),
+    "tie_word_embeddings": FLAG,
+    "rope_parameters": Rule("mapping", "a mapping of RoPE parameters"),
+    "rope_theta": POSITIVE_NUMBER,
+    "num_mtp_layers": _non_negative(MAX_LAYERS),
+}
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One config value that breaks its rule: ``key`` is its path in the config file."""
+
+    key: str
+    problem: str
+
+
+class ConfigValueError(KadaptError):
+    """Every violation of one config, one ``file: key: problem`` line each."""
+
+    def __init__(self, origin: str, violations: Sequence[Violation]) -> None:
+        self.origin = origin
+        self.violations = tuple(violations)
+        super().__init__("\n".join(render(origin, v) for v in self.violations))
+
+
+def render(origin: str, violation: Violation) -> str:
+    return f"{origin}: {violation.key}: {violation.problem}"
+
+
+class Findings:
+    """Values read against their rules one by one, every violation kept (a reader that computes from
+    several values, like the vision tower's, reports them all at once with ``raise_any``)."""
+
+    def __init__(self) -> None:
+        self.violations: list[Violation] = []
+
+    def take(self, key: str, value: Any, rule: Rule) -> Any:
+        """``value`` when it keeps ``rule``, else None (and the violation, at ``key``, is kept)."""
+        problem = rule.problem(value)
+        if problem is None:
+            return value
+        self.violations.append(Violation(key, problem))
+        return None
+
+    def raise_any(self, origin: str) -> None:
+        if self.violations:
+            raise ConfigValueError(origin, self.violations)
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """``value`` as the config file spells it (JSON: ``NaN``, ``true``, ``"abc"``), cut to ``limit``."""
+    try:
+        text = json.dumps(value, default=repr)
+    except (TypeError, ValueError, RecursionError):  # ints beyond str()'s digit limit, deep nesting
+        text = type(value).__name__
+        if isinstance(value, int):
+            text = f"{'a negative' if value < 0 else 'an'} integer of {value.bit_length()} bits"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def shown_path(path: str | os.PathLike[str]) -> str:
+    """A config file as findings name it: relative to the working directory when inside it."""
+    absolute = Path(path).resolve()
+    try:
+        return str(absolute.relative_to(Path.cwd()))
+    except ValueError:
+        return str(absolute)
+
+
+def rope_violations(key: str, params: Mapping[str, Any], *, nested: bool = True) -> list[Violation]:
+    """Numbers of a ``rope_parameters`` mapping (and of its per-layer-type mappings, one level down)
+    must be finite, ``rope_theta`` positive; ``key`` is the mapping's path in the config file."""
+    found = []
+    for name, value in params.items():
+        path = f"{key}.{name}"
+        if isinstance(value, Mapping) and nested:
+            found += rope_violations(path, value, nested=False)
+        elif name == "rope_theta" and value is not None:  # derive reads it as a float
+            found += _violation(path, value, POSITIVE_NUMBER)
+        elif _has_kind("number", value):  # the rest may be strings (rope_type) or flags
+            found += _violation(path, value, FINITE_NUMBER)
+    return found
+
+
+def _violation(key: str, value: Any, rule: Rule) -> list[Violation]:
+    problem = rule.problem(value)
+    return [] if problem is None else [Violation(key, problem)]
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What cross-field rules read: ``valid`` maps each fact that kept its own rule to ``(key, value)``;
+    ``present`` names every fact the config sets, broken or not (an MLA config with a broken
+    ``kv_lora_rank`` is still MLA)."""
+
+    valid: Mapping[str, tuple[str, Any]]
+    present: frozenset[str]
+
+    def value(self, fact: str) -> Any:
+        return self.valid[fact][1] if fact in self.valid else None
+
+    def key(self, fact: str) -> str:
+        return self.valid[fact][0]
+
+
+CrossRule = Callable[[Facts], "tuple[str, str] | None"]  # -> (key of the finding, problem) or None
+
+
+def cross_field(facts: Facts, prefix: str) -> list[Violation]:
+    """Rules between facts that all kept their own (a broken fact's rules are left to its finding)."""
+    rules: tuple[CrossRule, ...] = (_kv_heads_split, _width_per_head, _top_k_within, _top_k_groups_within)
+    found = [rule(facts) for rule in rules]
+    return [Violation(prefix + key, problem) for key, problem in filter(None, found)]
+
+
+def _kv_heads_split(facts: Facts) -> tuple[str, str] | None:
+    """GQA/MQA: the query heads split evenly over the KV heads (MLA keeps them equal: not read)."""
+    heads, kv = facts.value("num_heads"), facts.value("num_kv_heads")
+    if heads is None or kv is None or "kv_lora_rank" in facts.present or heads % kv == 0:
+        return None
+    problem = f"the {heads} attention heads ({facts.key('num_heads')}) do not split into {kv} KV heads"
+    return facts.key("num_kv_heads"), problem
+
+
+def _width_per_head(facts: Facts) -> tuple[str, str] | None:
+    """Without ``head_dim`` a head is ``hidden // heads`` wide: more heads than hidden leaves it 0."""
+    heads, hidden = facts.value("num_heads"), facts.value("hidden_size")
+    mla_or_stated = {"head_dim", "kv_lora_rank"} & facts.present
+    if heads is None or hidden is None or mla_or_stated or heads <= hidden:
+        return None
+    problem = f"{heads} heads leave no width per head of the {hidden} hidden ({facts.key('hidden_size')})"
+    return facts.key("num_heads"), problem + " and no head_dim is set"
+
+
+def _at_most(facts: Facts, fact: str, whole: str, what: str) -> tuple[str, str] | None:
+    """``fact`` picks from ``whole``: at most all of them."""
+    part, total = facts.value(fact), facts.value(whole)
+    if not total or part is None or part <= total:
+        return None
+    return facts.key(fact), f"expected at most the {total} {what} ({facts.key(whole)}), found {part}"
+
+
+def _top_k_within(facts: Facts) -> tuple[str, str] | None:
+    return _at_most(facts, "top_k", "num_experts", "routed experts")
+
+
+def _top_k_groups_within(facts: Facts) -> tuple[str, str] | None:
+    return _at_most(facts, "top_k_groups", "expert_groups", "expert groups")
