@@ -1,14 +1,18 @@
 """Reference reader of a weight map: real checkpoint files in, the graphs' weights out.
 
-Needs torch and safetensors only, so a runtime can copy it. ``load_weights(map, checkpoint)`` reads
-every source tensor the map names from a checkpoint directory (``model.safetensors.index.json`` or
-the ``*.safetensors`` files themselves), dequantizes per the storage block, rebuilds each graph
-weight with the map's ops and casts it to the graph's dtype.
+Needs torch and safetensors only, so a runtime can copy it (with ``checkpoint_guard``).
+``load_weights(map, checkpoint)`` reads every source tensor the map names from a checkpoint directory
+(``model.safetensors.index.json`` or the ``*.safetensors`` files themselves), dequantizes per the
+storage block, rebuilds each graph weight with the map's ops and casts it to the graph's dtype.
+
+Both inputs may come from anywhere: ``checkpoint_guard`` checks the map's structure and storage
+geometry before any file is opened, confines every shard to the checkpoint folder, and compares each
+stored tensor's dtype and shape with the map before its data is read. Anything wrong is one
+``KadaptError`` naming the file and the tensor or key.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -16,35 +20,65 @@ from typing import Any
 import torch
 
 from ...errors import KadaptError
+from .checkpoint_guard import (
+    DTYPES,
+    FP8_BLOCK,
+    MXFP4,
+    PACK_QUANTIZED,
+    Folder,
+    MapReader,
+    add_names,
+    check_stored,
+    read_json,
+    regular_file,
+)
 
 
 class Checkpoint:
-    """Lazily opened safetensors shards of one checkpoint directory, by tensor name."""
+    """Lazily opened safetensors shards of one checkpoint directory, by tensor name.
 
-    def __init__(self, directory: Path) -> None:
-        from safetensors import safe_open
+    Shards come from the folder's index, else from its ``*.safetensors`` files (a name in two of them
+    is ambiguous, so an error); either way each resolves inside the folder to a regular file."""
 
-        self._open = safe_open
-        index = directory / "model.safetensors.index.json"
-        if index.is_file():
-            names = json.loads(index.read_text())["weight_map"]
-            self.files = {name: directory / file for name, file in names.items()}
+    def __init__(self, directory: Path | str) -> None:
+        folder = Folder(directory)
+        self.root = folder.root
+        self._handles: dict[Path, Any] = {}
+        indexed = folder.indexed()
+        if indexed is not None:
+            self.files = indexed
         else:
             self.files = {}
-            for shard in sorted(directory.glob("*.safetensors")):
-                with safe_open(str(shard), "pt") as handle:
-                    self.files.update(dict.fromkeys(handle.keys(), shard))
+            for shard in folder.shards():
+                add_names(self.files, self._handle(shard).keys(), shard)
         if not self.files:
             raise KadaptError(f"{directory}: no safetensors checkpoint (no index, no *.safetensors)")
-        self._handles: dict[Path, Any] = {}
 
-    def get(self, name: str) -> torch.Tensor:
+    def _handle(self, file: Path) -> Any:
+        """The open safetensors ``file``; a file that is not one is an error naming it."""
+        if file not in self._handles:
+            from safetensors import SafetensorError, safe_open
+
+            try:
+                self._handles[file] = safe_open(str(file), "pt")
+            except (SafetensorError, OSError) as exc:
+                raise KadaptError(f"{file}: not a readable safetensors file ({exc})") from exc
+        return self._handles[file]
+
+    def get(self, name: str, dtype: str, shape: list[int]) -> torch.Tensor:
+        """Tensor ``name``, checked from the file's header to be stored ``dtype`` of ``shape`` first."""
+        from safetensors import SafetensorError
+
         file = self.files.get(name)
         if file is None:
-            raise KadaptError(f"checkpoint has no tensor {name}")
-        if file not in self._handles:
-            self._handles[file] = self._open(str(file), "pt")
-        return self._handles[file].get_tensor(name)
+            raise KadaptError(f"{self.root}: checkpoint has no tensor {name}")
+        handle = self._handle(file)
+        try:
+            stored = handle.get_slice(name)
+        except SafetensorError as exc:
+            raise KadaptError(f"{file}: has no tensor {name}, though the index says it does ({exc})") from exc
+        check_stored(stored.get_dtype(), stored.get_shape(), file, name, dtype, shape)
+        return handle.get_tensor(name)
 
 
 # OCP e2m1 (FP4) values by their 4-bit code: sign bit 3, then exponent and mantissa
@@ -70,26 +104,32 @@ def _mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def _read(checkpoint: Checkpoint, name: str, group: Mapping[str, Any]) -> torch.Tensor:
+    """Source tensor ``name`` of ``group`` (checked by ``MapReader``), dequantized per its storage."""
     storage = group.get("storage")
     if storage is None:
-        return checkpoint.get(name)
-    parts = {role: checkpoint.get(name + t["suffix"]) for role, t in storage["tensors"].items()}
-    if storage["format"] == "mxfp4":
+        return checkpoint.get(name, group["dtype"], group["shape"])
+    parts = {
+        role: checkpoint.get(name + t["suffix"], t["dtype"], t["shape"])
+        for role, t in storage["tensors"].items()
+    }
+    if storage["format"] == MXFP4:
         return _mxfp4(parts["blocks"], parts["scales"])
     rows, cols = group["shape"]
-    if storage["format"] == "compressed-tensors/pack-quantized":
-        shape = tuple(int(v) for v in parts["shape"].tolist())
-        if shape != (rows, cols):
-            raise KadaptError(f"{name}_shape is {list(shape)}, the weight map says {[rows, cols]}")
+    if storage["format"] == PACK_QUANTIZED:
+        shape = [int(v) for v in parts["shape"].tolist()]
+        if shape != [rows, cols]:
+            held = name + storage["tensors"]["shape"]["suffix"]
+            raise KadaptError(
+                f"{checkpoint.files[held]}: tensor {held} holds {shape}, the weight map says {[rows, cols]}"
+            )
         q = unpack_int(parts["packed"], storage["bits"], cols).to(torch.float32)
         scale = parts["scale"].to(torch.float32).repeat_interleave(storage["group_size"], dim=-1)[:, :cols]
         return q * scale
-    if storage["format"] == "fp8-block":
-        br, bc = storage["block"]
-        scale = parts["scale"].to(torch.float32)
-        scale = scale.repeat_interleave(br, dim=0)[:rows].repeat_interleave(bc, dim=1)[:, :cols]
-        return parts["weight"].to(torch.float32) * scale
-    raise KadaptError(f"{name}: storage format {storage['format']!r} is unknown")
+    assert storage["format"] == FP8_BLOCK  # the only other format MapReader lets through
+    br, bc = storage["block"]
+    scale = parts["scale"].to(torch.float32)
+    scale = scale.repeat_interleave(br, dim=0)[:rows].repeat_interleave(bc, dim=1)[:, :cols]
+    return parts["weight"].to(torch.float32) * scale
 
 
 def permute_for_rope(tensor: torch.Tensor, heads: int, *, inverse: bool = False) -> torch.Tensor:
@@ -101,40 +141,102 @@ def permute_for_rope(tensor: torch.Tensor, heads: int, *, inverse: bool = False)
     return tensor.reshape(heads, *head_shape, *tensor.shape[1:]).transpose(1, 2).reshape(tensor.shape)
 
 
-def combine(groups: list[list[torch.Tensor]], ops: list[Mapping[str, Any]]) -> torch.Tensor:
-    """Apply the weight map's ops to the source groups (see weight_map.RULES)."""
-    state: list[Any] = [g if len(g) > 1 else g[0] for g in groups]
-    for op in ops:
-        if op["op"] == "stack":
-            state = [torch.stack(g if isinstance(g, list) else [g], dim=op["dim"]) for g in state]
-        elif op["op"] == "concat":
-            state = [torch.cat(state, dim=op["dim"])]
-        elif op["op"] == "transpose":
-            state = [state[0].transpose(*op["dims"])]
-        elif op["op"] == "chunk":
-            state = [torch.chunk(state[0], op["chunks"], dim=op["dim"])[op["index"]]]
-        elif op["op"] == "permute_for_rope":
-            state = [permute_for_rope(state[0], op["heads"], inverse=op["inverse"])]
-        else:
-            raise KadaptError(f"weight map op {op['op']!r} is unknown")
+def _single(state: list[Any], op: Mapping[str, Any]) -> torch.Tensor:
+    """The one tensor ``op`` (transpose, chunk, permute_for_rope) works on."""
     if len(state) != 1 or isinstance(state[0], list):
-        raise KadaptError("weight map ops leave more than one tensor")
+        raise ValueError(f"{op['op']} needs one tensor, the ops so far leave {len(state)} groups")
     return state[0]
+
+
+def _dim(dim: int, rank: int) -> int:
+    """``dim`` checked to index a rank-``rank`` result, as torch counts (negative from the end)."""
+    if not -rank <= dim < rank:
+        raise ValueError(f"dim {dim} is out of range for {rank} dims")
+    return dim
+
+
+def _chunk(tensor: torch.Tensor, op: Mapping[str, Any]) -> torch.Tensor:
+    size = tensor.shape[_dim(op["dim"], tensor.dim())]
+    if size % op["chunks"]:
+        raise ValueError(f"{size} does not split into {op['chunks']} equal parts on dim {op['dim']}")
+    return torch.chunk(tensor, op["chunks"], dim=op["dim"])[op["index"]]
+
+
+def _rope(tensor: torch.Tensor, op: Mapping[str, Any]) -> torch.Tensor:
+    rows = tensor.shape[0] if tensor.dim() else 0
+    if not rows or rows % (2 * op["heads"]):
+        raise ValueError(f"{rows} rows do not split into {op['heads']} heads of rope pairs")
+    return permute_for_rope(tensor, op["heads"], inverse=op["inverse"])
+
+
+def _applied(state: list[Any], op: Mapping[str, Any]) -> list[Any]:
+    """``state`` (one tensor, or a list of tensors, per source group) after ``op`` (checked by
+    ``MapReader``); dims and sizes that do not fit the tensors are a ``ValueError``, as are torch's
+    own shape errors a ``RuntimeError``."""
+    kind = op["op"]
+    if kind == "stack":
+        groups = [g if isinstance(g, list) else [g] for g in state]
+        return [torch.stack(g, dim=_dim(op["dim"], g[0].dim() + 1)) for g in groups]
+    if kind == "concat":
+        if any(isinstance(g, list) for g in state):
+            raise ValueError("concat needs one tensor per source group (stack a group's tensors first)")
+        return [torch.cat(state, dim=_dim(op["dim"], state[0].dim()))]
+    tensor = _single(state, op)
+    if kind == "transpose":
+        return [tensor.transpose(*(_dim(d, tensor.dim()) for d in op["dims"]))]
+    if kind == "chunk":
+        return [_chunk(tensor, op)]
+    return [_rope(tensor, op)]
+
+
+def _shapes(state: list[Any]) -> str:
+    return ", ".join(
+        str([list(t.shape) for t in g]) if isinstance(g, list) else str(list(g.shape)) for g in state
+    )
+
+
+def combine(
+    groups: list[list[torch.Tensor]], ops: list[Mapping[str, Any]], where: str = "weight map"
+) -> torch.Tensor:
+    """Apply the weight map's ops to the source groups (see weight_map.RULES); ``where`` names the
+    weight for errors. An op whose dims or sizes do not fit the tensors it meets is a ``KadaptError``."""
+    state: list[Any] = [g if len(g) > 1 else g[0] for g in groups]
+    for i, op in enumerate(ops):
+        try:
+            state = _applied(state, op)
+        except (ValueError, RuntimeError) as exc:
+            reason = str(exc).splitlines()[0]  # torch appends C++ frames to some messages
+            raise KadaptError(
+                f"{where}.ops[{i}] ({op['op']}) cannot apply to {_shapes(state)}: {reason}"
+            ) from exc
+    if len(state) != 1 or isinstance(state[0], list):
+        raise KadaptError(f"{where}: the ops leave {len(state)} tensors, not one")
+    return state[0]
+
+
+def _document(weight_map: Mapping[str, Any] | Path | str) -> tuple[Any, str]:
+    """The weight map document and how messages name it (its file, when given one)."""
+    if isinstance(weight_map, (str, Path)):
+        path = regular_file(weight_map, "weight map")
+        return read_json(path, "weight map"), str(weight_map)
+    return weight_map, "weight map"
 
 
 def load_weights(
     weight_map: Mapping[str, Any] | Path | str, checkpoint: Path | str
 ) -> dict[str, torch.Tensor]:
     """Every graph weight of ``weight_map``, built from the checkpoint directory ``checkpoint``."""
-    doc = json.loads(Path(weight_map).read_text()) if isinstance(weight_map, (str, Path)) else weight_map
+    doc, source = _document(weight_map)
+    weights = MapReader(source).weights(doc)  # the whole map checked before any checkpoint file opens
     store = Checkpoint(Path(checkpoint))
     out = {}
-    for name, entry in doc["weights"].items():
+    for name, entry in weights.items():
+        where = f"{source}: weights[{name!r}]"
         groups = [[_read(store, t, group) for t in group["tensors"]] for group in entry["sources"]]
-        tensor = combine(groups, entry["ops"])
+        tensor = combine(groups, entry["ops"], where)
         if list(tensor.shape) != entry["shape"]:
             raise KadaptError(
-                f"{name}: checkpoint tensors build {list(tensor.shape)}, the graph reads {entry['shape']}"
+                f"{where}: checkpoint tensors build {list(tensor.shape)}, the graph reads {entry['shape']}"
             )
-        out[name] = tensor.to(getattr(torch, entry["dtype"]))
+        out[name] = tensor.to(DTYPES[entry["dtype"]])
     return out
