@@ -7,11 +7,13 @@ torch and transformers are imported inside the command only. Everything apply pr
 so ``-q`` prints nothing unless it fails; ``-v`` adds the resolved spec path and stage timings.
 The extraction goes through the extraction cache (``backends/extraction/cache.py``): a run whose
 every input was extracted before writes the stored artifacts instead of tracing (``--no-cache``
-extracts regardless).
+extracts regardless). With ``--verify`` the run's files reach the output folder only once verify
+passed (``pipeline.Held``): files that failed it are never left there looking verified.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,29 @@ def model_summary(spec: Any, model: Any, structure: Any) -> dict[str, Any]:
         "experts": structure.moe.num_experts if structure.moe else 0,
         "structure": structure.describe(),
     }
+
+
+def report_extraction(out: Any, ledger: Any, extracted: Any, reach: dict[str, int]) -> None:
+    """The ledger with what the export reached, the extraction summary and its notes."""
+    missed = ledger.record_reach(reach, run="the export")
+    out.info(ledger.render_table())
+    out.info(extracted.render())
+    for note in extracted.notes:  # storage the spec claims but the checkpoint lacks, graphs left out
+        out.note(f"note: {note}")
+    for entry in missed:
+        out.note(
+            f"note: patch {entry.id} ({entry.kind} {entry.target}) had no effect: no call during the "
+            "export reached it for a module of this model"
+        )
+
+
+def verify_failure(report: Any, output_dir: Path) -> str:
+    """The error of a failed ``--verify``: where the replay first departs, and that nothing was written."""
+    where = f"; first departure: {report.first_departure}" if report.first_departure else ""
+    return (
+        f"verification failed: the saved IR does not match transformers{where}. Nothing was written to "
+        f"{output_dir}: the unverified files were removed and the folder's previous contents are untouched"
+    )
 
 
 SIZE = click.IntRange(1, 1 << 24)  # tokens or sequences: 0 or a typo's 1e12 is a usage error
@@ -129,7 +154,9 @@ def command(
 
     JSON (--format json): {"ledger": {"spec", "backend", "counts", "entries"}, "model": {"class",
     "parameters", "layers", "experts", "structure"}, "extraction": {...} (extraction backend),
-    "verify": {"passed", ...} (with --verify; a failed check exits 1 after the document)}.
+    "verify": {"passed", ...} (with --verify; a failed check exits 1 after the document, and nothing is
+    written: "extraction" then says "written": false)}. With --verify the files are held in a hidden
+    folder until verify passes; a failed verify leaves the output folder as it was.
 
     \b
     Examples:
@@ -213,61 +240,65 @@ def command(
             out.note(f"note: {untested}")
     result: dict[str, Any] = {}
     source = {"trust_remote_code": trust_remote_code, "source_dir": source_dir, "from_hub": from_hub}
-    with ExitStack() as session_scope:
-        with out.stage("apply patches"):
-            ledger = session_scope.enter_context(applied(spec, backend=backend, **source))
-        if extraction is None:  # with a run, the ledger is printed after it, with what was reached
-            out.info(ledger.render_table())
-        # the structure is checked against the spec before the (possibly 1T-parameter) model is built
-        with out.stage("structure"):
-            session = active_session(spec)
-            assert session is not None
-            structure = structure_of_config(spec, session.config)
-            if opts is not None:
-                opts = extraction.bind_structure(opts, structure)
-        out.info(f"structure: {structure.describe()}")
-        out.info(f"building {spec.name} on {device} ...")
-        with out.stage("build model"):
-            model = load_model(spec, device=device)
-            freeze()  # the imports and the model live until the end: no collection rescans them
-        summary = model_summary(spec, model, structure)
-        result.update(ledger=ledger.to_dict(), model=summary)
-        experts = f", {summary['experts']} experts" if summary["experts"] else ""
-        out.info(
-            f"model {summary['class']}: {summary['parameters']:,} parameters on {device}, "
-            f"{summary['layers']} layers{experts}"
-        )
-        if extraction is not None:
-            with out.stage("extraction"):
-                extracted, reach = extraction.run_cached(
-                    spec,
-                    model,
-                    opts,
-                    session=session,
-                    device=device,
-                    use_cache=not no_cache,
-                    processes=processes,
-                    echo=out.info,
-                )
-            missed = ledger.record_reach(reach, run="the export")
-            result.update(ledger=ledger.to_dict(), extraction=extracted.to_dict())
-            out.info(ledger.render_table())
-            out.info(extracted.render())
-            for note in extracted.notes:  # storage the spec claims but the checkpoint lacks, graphs left out
-                out.note(f"note: {note}")
-            for entry in missed:
-                out.note(
-                    f"note: patch {entry.id} ({entry.kind} {entry.target}) had no effect: no call during the "
-                    "export reached it for a module of this model"
-                )
-    report = None
-    if extraction is not None and verify:
-        with out.stage("verify"):
-            report = extraction.verify(spec, opts, echo=out.info, processes=processes)
-        result["verify"] = report.to_dict()
-        if not out.json:  # failing checks are the finding: shown even with -q
-            (out.info if report.passed else out.result)(report.render())
-    if out.json:
-        out.document(result)
+    report = held = None
+    # apply --verify: the run's files are held out of the output folder until verify passes (pipeline.Held)
+    with ExitStack() as withheld:
+        with ExitStack() as session_scope:
+            with out.stage("apply patches"):
+                ledger = session_scope.enter_context(applied(spec, backend=backend, **source))
+            if extraction is None:  # with a run, the ledger is printed after it, with what was reached
+                out.info(ledger.render_table())
+            # the structure is checked against the spec before the (possibly 1T-parameter) model is built
+            with out.stage("structure"):
+                session = active_session(spec)
+                assert session is not None
+                structure = structure_of_config(spec, session.config)
+                if opts is not None:
+                    opts = extraction.bind_structure(opts, structure)
+            out.info(f"structure: {structure.describe()}")
+            out.info(f"building {spec.name} on {device} ...")
+            with out.stage("build model"):
+                model = load_model(spec, device=device)
+                freeze()  # the imports and the model live until the end: no collection rescans them
+            summary = model_summary(spec, model, structure)
+            result.update(ledger=ledger.to_dict(), model=summary)
+            experts = f", {summary['experts']} experts" if summary["experts"] else ""
+            out.info(
+                f"model {summary['class']}: {summary['parameters']:,} parameters on {device}, "
+                f"{summary['layers']} layers{experts}"
+            )
+            if extraction is not None:
+                if verify:  # the extraction imports the pipeline anyway
+                    from ..backends.extraction.pipeline import held_until_verified
+
+                    held = withheld.enter_context(held_until_verified(opts.output_dir))
+                with out.stage("extraction"):
+                    extracted, reach = extraction.run_cached(
+                        spec,
+                        model,
+                        opts if held is None else dataclasses.replace(opts, output_dir=held.folder),
+                        session=session,
+                        device=device,
+                        use_cache=not no_cache,
+                        processes=processes,
+                        echo=out.info,
+                    )
+                if held is not None:  # said with the paths the files get once verified
+                    extracted = extracted.moved_to(opts.output_dir)
+                report_extraction(out, ledger, extracted, reach)
+                result.update(ledger=ledger.to_dict(), extraction=extracted.to_dict())
+        if extraction is not None and verify:
+            with out.stage("verify"):
+                report = extraction.verify(spec, opts, echo=out.info, processes=processes)
+            result["verify"] = report.to_dict()
+            if not out.json:  # failing checks are the finding: shown even with -q
+                (out.info if report.passed else out.result)(report.render())
+            assert held is not None
+            if report.passed:
+                held.commit(path.name for path in extracted.artifacts)
+            else:
+                result["extraction"]["written"] = False
+        if out.json:
+            out.document(result)
     if report is not None and not report.passed:
-        raise KadaptError("verification failed: the saved IR does not match transformers")
+        raise KadaptError(verify_failure(report, opts.output_dir))

@@ -7,6 +7,8 @@ through ``structure/``, as ``kadapt apply`` derives it): the document cannot dri
 
 from __future__ import annotations
 
+import re
+import string
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -17,18 +19,100 @@ from . import abi as abi_tables
 from .bridges import bridge_context
 from .common import Rendered, gate_context, spec_identity
 from .environment import render
+from .literals import py_literal
 
 TARGET = "docs"
+
+# Spec and config text reaches the page only through the functions below (the template calls them):
+# it is untrusted (a spec is downloaded like a checkpoint), so it must render as the text it is, never
+# as HTML, a link or image, or a new Markdown block. Each leaves the shipped specs' text as it was.
+EMPTY = "\u2014"  # an em dash: the cell has no value
+# Characters that are markup anywhere in a line: HTML, code spans, table cells, headings, images,
+# strikethrough, backslash escapes themselves. Emphasis (* _) and brackets stay: they cannot inject
+# anything once links are broken, and the shipped text uses them.
+_TEXT_ESCAPES = {
+    "\\": "\\\\",
+    "`": "\\`",
+    "|": "\\|",
+    "<": "&lt;",
+    ">": "&gt;",
+    "&": "&amp;",
+    "#": "\\#",
+    "!": "\\!",
+    "~": "\\~",
+}
+_LINK = re.compile(r"\](?=[(\[:])")  # "](" "][" "]:": an inline link or image, a reference, a definition
+_BLOCK_START = re.compile(r"^(?:[-+*=_]|\d{1,9}(?=[.)]))")  # a list, thematic break or ordered list
+# text a backtick code span shows as it is, in a table cell too (backslashes are literal in code spans)
+_CODE_SAFE = re.compile(r"[^`|]*")
+_REFERENCED = frozenset(string.punctuation)  # shown as character references inside a <code> element
+_MERMAID_ESCAPES = {'"': "#quot;", "<": "#lt;", ">": "#gt;", "`": "#96;"}
+
+
+def _one_line(value: Any) -> str:
+    """``value`` as text on one line: line breaks and other control characters become spaces."""
+    return "".join(ch if ch.isprintable() else " " for ch in str(value))
+
+
+def md_text(value: Any) -> str:
+    """Inline Markdown that renders as ``value``'s text: HTML characters as entities, markup escaped,
+    ``](``/``][``/``]:`` broken so no link, image or link definition forms, on one line."""
+    escaped = "".join(_TEXT_ESCAPES.get(ch, ch) for ch in _one_line(value))
+    return _LINK.sub("]\\\\", escaped)
+
+
+def md_paragraph(value: Any) -> str:
+    """``md_text`` that starts a line: nothing at its start opens a list, a rule or a code block."""
+    text = md_text(value).strip()
+    return _BLOCK_START.sub(lambda m: m.group() + "\\" if m.group().isdigit() else "\\" + m.group(), text)
+
+
+def md_cell(value: Any) -> str:
+    """One table cell of spec text (``md_text``); a list joined with commas, nothing an em dash."""
+    if isinstance(value, (list, tuple)):
+        return ", ".join(md_cell(v) for v in value) if value else EMPTY
+    if value is None or value == "":
+        return EMPTY
+    return md_text(value)
+
+
+def md_code(value: Any) -> str:
+    """A value as inline code (not a str: its Python literal; a list joined with commas, None an em
+    dash). Text a code span cannot show as it is (a backtick, a pipe in a table cell, a line break)
+    becomes a ``<code>`` element of character references: literal in every Markdown parser."""
+    if value is None:
+        return EMPTY
+    if isinstance(value, (list, tuple)):
+        return ", ".join(md_code(v) for v in value) if value else EMPTY
+    text = value if isinstance(value, str) else py_literal(value)
+    if text and _CODE_SAFE.fullmatch(text) and text.isprintable():
+        return f"`{text}`"
+    shown = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+    return "<code>" + "".join(f"&#{ord(ch)};" if ch in _REFERENCED else ch for ch in shown) + "</code>"
+
+
+def comment_text(value: Any) -> str:
+    """Text inside an HTML comment: on one line, and no ``--`` that could end the comment."""
+    return _one_line(value).replace("--", "- -")
+
+
+def mermaid_label(value: Any) -> str:
+    """Text inside a quoted Mermaid node label: no quote ends it, no HTML or Markdown in it."""
+    return "".join(_MERMAID_ESCAPES.get(ch, ch) for ch in _one_line(value))
+
+
+# The escapes the template calls by name (the spec's own identity arrives escaped: ``render_docs``).
+ESCAPES = {"text": md_text, "cell": md_cell, "code": md_code}
 
 
 def _bridge_rows(spec: Spec) -> list[dict[str, Any]]:
     rows = bridge_context(spec, backend=None, target=TARGET)["bridges"]
     for row in rows:
         if row["dest"] is not None:
-            fallback = f" (fallback `{row['fallback']!r}`)" if row["has_fallback"] else ""
-            row["target_text"] = f"`{row['dest']}`{fallback}"
+            fallback = f" (fallback {md_code(repr(row['fallback']))})" if row["has_fallback"] else ""
+            row["target_text"] = f"{md_code(row['dest'])}{fallback}"
         else:
-            row["target_text"] = f"`{row['value']!r}`"
+            row["target_text"] = md_code(repr(row["value"]))
         when = row["when"]
         tests = []
         if "equals" in when:
@@ -45,11 +129,12 @@ def _patch_rows(spec: Spec) -> list[dict[str, Any]]:
     rows = []
     for patch in spec.patches:
         if patch.kind == "set_attribute":
-            impl_text = f"`{patch.value!r}`"
+            impl_text = md_code(repr(patch.value))
         else:
-            impl_text = f"`{patch.impl}`" if patch.impl else "—"
+            impl_text = md_code(patch.impl) if patch.impl else EMPTY
         if patch.options:
-            impl_text += " " + ", ".join(f"{k}=`{v!r}`" for k, v in sorted(patch.options.items()))
+            options = sorted(patch.options.items())
+            impl_text += " " + ", ".join(f"{md_text(k)}={md_code(repr(v))}" for k, v in options)
         rows.append(
             {
                 "id": patch.id,
@@ -63,37 +148,35 @@ def _patch_rows(spec: Spec) -> list[dict[str, Any]]:
     return rows
 
 
+def _node(node_id: str, *lines: str) -> dict[str, str]:
+    """A flowchart node whose label shows ``lines`` (each escaped, one under the other)."""
+    return {"id": node_id, "label": "<br/>".join(mermaid_label(line) for line in lines)}
+
+
 def _flow(spec: Spec, files: dict[str, str], d: abi_tables.Dims) -> dict[str, Any]:
     """Mermaid flowchart of the extraction path: source, bridges, patches, model, wrappers, files."""
     assert spec.abi is not None
+    abi = spec.abi
     source = spec.raw.get("source") or {}
     hub = source.get("hub")
     origin = source.get("config") or (f"{hub['repo']}@{hub['revision']}" if hub else "config.json")
     bridges = [b.id for b in spec.config_bridges if "extraction" in b.backends]
     patches = [p for p in spec.patches if "extraction" in p.backends]
-    where = f" (sub-config {spec.abi.config})" if spec.abi.config else ""
-    masks = "<br/>sliding-window masks in-graph" if d.structure.has_sliding_layers else ""
+    where = f" (sub-config {abi.config})" if abi.config else ""
+    masks = ["sliding-window masks in-graph"] if d.structure.has_sliding_layers else []
     nodes = [
-        {"id": "SRC", "label": f"Config {origin}<br/>gate: model_type {spec.gate.model_type}"},
-        {"id": "BR", "label": "Config bridges<br/>" + (", ".join(bridges) or "none")},
-    ]
-    nodes += [
-        {"id": f"P{i}", "label": f"Patch {p.id}: {p.kind}<br/>{p.target.rpartition(':')[2]}"}
-        for i, p in enumerate(patches)
-    ]
-    nodes += [
-        {"id": "M", "label": f"Build model on meta, {spec.abi.dtype}<br/>text backbone{where}"},
-        {
-            "id": "PW",
-            "label": f"Prefill wrapper<br/>batch {spec.abi.batch}, {spec.abi.prefill_len} tokens{masks}",
-        },
-        {
-            "id": "DW",
-            "label": f"Decode wrapper<br/>static {d.kv_layout} KV cache of {spec.abi.max_cache_len}{masks}",
-        },
-        {"id": "PI", "label": f"Prefill IR<br/>{files['prefill']}"},
-        {"id": "DI", "label": f"Decode IR<br/>{files['decode']}"},
-        {"id": "KV", "label": f"KV mapping<br/>{files['kv_mapping']}"},
+        _node("SRC", f"Config {origin}", f"gate: model_type {spec.gate.model_type}"),
+        _node("BR", "Config bridges", ", ".join(bridges) or "none"),
+        *(
+            _node(f"P{i}", f"Patch {p.id}: {p.kind}", p.target.rpartition(":")[2])
+            for i, p in enumerate(patches)
+        ),
+        _node("M", f"Build model on meta, {abi.dtype}", f"text backbone{where}"),
+        _node("PW", "Prefill wrapper", f"batch {abi.batch}, {abi.prefill_len} tokens", *masks),
+        _node("DW", "Decode wrapper", f"static {d.kv_layout} KV cache of {abi.max_cache_len}", *masks),
+        _node("PI", "Prefill IR", files["prefill"]),
+        _node("DI", "Decode IR", files["decode"]),
+        _node("KV", "KV mapping", files["kv_mapping"]),
     ]
     chain = ["SRC", "BR", *(f"P{i}" for i in range(len(patches))), "M"]
     edges = [" --> ".join(chain), "M --> PW --> PI", "M --> DW --> DI", "PI --> KV", "DI --> KV"]
@@ -149,7 +232,7 @@ def _structure_context(
         )
     return {
         "summary": found.describe(),
-        "config_label": f"`{text_key}`" if text_key else "root config",
+        "config_label": md_code(text_key) if text_key else "root config",
         "facts": facts,
         "layers": [
             {
@@ -180,7 +263,7 @@ def _abi_context(spec: Spec, d: abi_tables.Dims | None) -> dict[str, Any] | None
         graph["file"] = files[graph["graph"]]
     per_token, formula = abi_tables.kv_bytes_per_token(spec, d)
     return {
-        "config_label": f"`{abi.config}`" if abi.config else "root config",
+        "config_label": md_code(abi.config) if abi.config else "root config",
         "num_layers": d.num_layers,
         "batch": abi.batch,
         "prefill_len": abi.prefill_len,
@@ -217,8 +300,14 @@ def render_docs(spec: Spec) -> list[Rendered]:
         layout, mla_attention = abi_tables.resolve_kv_layout(spec, found)
         d = abi_tables.Dims(found, layout, mla_attention)
     abi = _abi_context(spec, d)
+    identity = spec_identity(spec)
     context = {
-        "spec": spec_identity(spec),
+        "spec": {
+            **identity,
+            "file": comment_text(identity["file"]),
+            "model": md_text(identity["model"]),
+            "description": md_paragraph(identity["description"]),
+        },
         "gate": gate_context(spec),
         "source": {
             "config": source.get("config"),
@@ -243,7 +332,7 @@ def render_docs(spec: Spec) -> list[Rendered]:
         "flow": _flow(spec, abi["files"], d) if abi and d else None,
         "backends": _backend_rows(spec),
     }
-    text = render("docs/spec.md.j2", context, spec_name=spec.name, target=TARGET)
+    text = render("docs/spec.md.j2", {**context, **ESCAPES}, spec_name=spec.name, target=TARGET)
     return [Rendered(PurePosixPath("docs", "specs", f"{spec.name}.md"), text)]
 
 

@@ -34,7 +34,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
+from ... import upstream
 from ...errors import KadaptError
 from ...spec.model import Spec
 from ...structure.derive import (
@@ -198,6 +200,9 @@ class VerifyReport:
     max_logit_diff: float = 0.0
     seconds: float = 0.0
     tolerance_ulps: float | None = None  # bfloat16/float16: ulps at each row's largest |logit| (if run)
+    # where the replay first departs from transformers (graph, layer, output), found once a text
+    # prompt's logits or tokens check failed; None on a pass
+    first_departure: str | None = None
 
     @property
     def passed(self) -> bool:
@@ -214,6 +219,8 @@ class VerifyReport:
             f"{verdict} in {self.seconds:.1f} s"
         ]
         lines += [f"  [{'ok' if c.passed else 'FAIL'}] {c.name}: {c.detail}" for c in self.checks]
+        if self.first_departure is not None:
+            lines.append(f"  first departure: {self.first_departure}")
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -230,6 +237,7 @@ class VerifyReport:
             "checks": [dataclasses.asdict(c) for c in self.checks],
             "notes": self.notes,
             "seconds": round(self.seconds, 3),
+            **({"first_departure": self.first_departure} if self.first_departure is not None else {}),
         }
 
 
@@ -331,6 +339,7 @@ class _Replay:
         self.max_cache_len = options.max_cache_len
         self.paged = options.paged
         self.kv_dims = options.kv_dims
+        self.kv_layout = options.kv_layout or "heads"
         self.block_table: torch.Tensor | None = None  # paged: the rows' blocks, out of order in the pool
 
     def execute(self, kind: str, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
@@ -348,13 +357,31 @@ class _Replay:
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Prefill rows of ``lengths`` real tokens, right padded to ``padded``'s width: each row's mask
         hides its own pad slots (the KV mapping's padding rule)."""
+        logits, present = self.prefill_outputs(padded, lengths)
+        return logits, self.place(present, lengths)
+
+    def prefill_outputs(
+        self, padded: torch.Tensor, lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The prefill graph's logits and per-layer present KV as it returns them (not yet placed)."""
         _, causal, positions = runtime.prefill_inputs(
             batch=padded.shape[0], prefill_len=padded.shape[1], dtype=self.dtype, device="cpu"
         )
         pad = torch.arange(padded.shape[1]).view(1, 1, 1, -1) >= lengths.view(-1, 1, 1, 1)
         mask = causal.masked_fill(pad, torch.finfo(self.dtype).min)
         logits, *present = self.execute("prefill", (padded, mask, positions))
-        return logits, self.place(present, lengths)
+        return logits, present
+
+    def written_at(self, present: list[torch.Tensor], position: int) -> list[torch.Tensor]:
+        """What a decode step wrote at ``position`` in each present cache, ``[B, heads, 1, dim]`` (a paged
+        pool read through the rows' block table)."""
+        if self.block_table is not None:
+            present = [runtime.paged_view(pool, self.block_table) for pool in present]
+        return [tensor[:, :, position : position + 1] for tensor in present]
+
+    def output_name(self, kind: str, index: int) -> str:
+        """The name of output ``index`` of the ``kind`` graph (0 is the logits, then key/value by layer)."""
+        return str(self.irs[kind].graph_outputs[index].name)
 
     def place(self, present: list[torch.Tensor], lengths: torch.Tensor) -> list[torch.Tensor]:
         """Prefill KV (rows of ``lengths`` real tokens) as the decode graph takes it: per-row caches,
@@ -381,6 +408,144 @@ class _Replay:
             "decode", (token, mask, positions, positions.view(-1), *table, *cache)
         )
         return logits, present
+
+
+class _RecordingCache(DynamicCache):
+    """transformers' own cache for the reference run, keeping also what each layer handed
+    ``Cache.update`` in the latest forward: what the saved graphs' presents hold in the ``heads`` and
+    ``latent`` layouts (``runtime``'s KV layouts), whatever the layer then keeps (a sliding window)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config=config)
+        self.written: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.written[layer_idx] = (key_states.detach().clone(), value_states.detach().clone())
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def _expected_kv(
+    model: nn.Module, written: dict[int, tuple[torch.Tensor, torch.Tensor]], layout: str
+) -> list[torch.Tensor]:
+    """What the graph's presents must hold, layer by layer (key, value, key, ...): what transformers'
+    layers wrote, per head through the layer's own ``expand_kv`` for the ``expanded`` MLA layout."""
+    attentions = {
+        m.layer_idx: m for m in model.modules() if hasattr(m, "expand_kv") and hasattr(m, "layer_idx")
+    }
+    flat = []
+    for layer in sorted(written):
+        key, value = written[layer]
+        if layout == "expanded":
+            with torch.no_grad():
+                key, value = attentions[layer].expand_kv(key, value)
+        flat += [key, value]
+    return flat
+
+
+def _first_position(logits: torch.Tensor, reference: torch.Tensor, tolerance: Tolerance) -> int | None:
+    """The first position (dim -2) whose logits are outside ``tolerance``, None if none is."""
+    if logits.shape != reference.shape:
+        return 0
+    for position in range(logits.shape[-2]):
+        if not compare([(logits[..., position, :], reference[..., position, :])], tolerance).passed:
+            return position
+    return None
+
+
+def _layer_hint(layer: int, parts: list[str], kind: str) -> str:
+    """What a departing cache suggests: one of key/value off points at that path of the layer, both at
+    the layer's input (the previous layer's output, or the embeddings), a projection both come from
+    (MLA's kv_a_proj), or in a decode step the cache slot the step wrote."""
+    if len(parts) == 1:
+        other, path = ("value", "(projection, norm, rope)") if parts[0] == "key" else ("key", "(projection)")
+        return f"its {other} is within the bound: layer {layer}'s {parts[0]} path {path}"
+    source = "the embeddings" if layer == 0 else f"layer {layer - 1}'s attention or MLP"
+    slot = ", or the cache slot the step wrote" if kind == "decode" else ""
+    return f"key and value both: layer {layer}'s input ({source}), a projection both come from{slot}"
+
+
+def _departure(
+    replay: _Replay,
+    kind: str,
+    ours: list[torch.Tensor],
+    expected: list[torch.Tensor],
+    logits: tuple[torch.Tensor, torch.Tensor, int],
+    tolerance: Tolerance,
+) -> str | None:
+    """The first layer (in order) whose cached key or value departs from transformers', and where the
+    logits do, said together; None when every cache and every logit is within ``tolerance``."""
+    actual, reference, offset = logits
+    at = _first_position(actual, reference, tolerance)
+    logit_text = "logits within the bound" if at is None else f"logits differ from position {offset + at}"
+    if len(ours) != len(expected):
+        return f"the graph returns {len(ours)} cache tensors, transformers' layers wrote {len(expected)}"
+    for layer in range(len(ours) // 2):
+        pair = [compare([(ours[i], expected[i])], tolerance) for i in (2 * layer, 2 * layer + 1)]
+        parts = [part for part, close in zip(("key", "value"), pair, strict=True) if not close.passed]
+        if not parts:
+            continue
+        first = pair[0] if parts[0] == "key" else pair[1]
+        output = replay.output_name(kind, 1 + 2 * layer + (parts[0] == "value"))
+        return (
+            f"layer {layer} {parts[0]} cache departs first (output {output!r}: {first.detail()}; "
+            f"{_layer_hint(layer, parts, kind)}); {logit_text}"
+        )
+    if at is None:
+        return None
+    return (
+        f"every layer's KV cache is within the bound, {logit_text}: the departure is after the last cache "
+        "write (the last layer's attention output or MLP, the final norm, the LM head or the logits' "
+        "outside ops)"
+    )
+
+
+def _localise(
+    model: nn.Module, replay: _Replay, prompt: torch.Tensor, steps: int, tolerance: Tolerance
+) -> str:
+    """Where the replay first departs from transformers: the prefill's presents layer by layer, then
+    each decode step's written row, both models fed the replay's own greedy tokens so they stay on one
+    path. Only run after a logits or token check failed: the passing path never pays for it.
+
+    A diagnosis, not a check: if it cannot be made (a model whose forward takes no cache object, a
+    layer without ``expand_kv``), the report says why and the failed checks stand as they are."""
+    try:
+        return _first_departure(model, replay, prompt, steps, tolerance)
+    except Exception as exc:  # noqa: BLE001 - any failure of the diagnosis must not hide the verdict
+        return f"not localised: comparing layer by layer failed ({type(exc).__name__}: {exc})"
+
+
+def _first_departure(
+    model: nn.Module, replay: _Replay, prompt: torch.Tensor, steps: int, tolerance: Tolerance
+) -> str:
+    """``_localise``'s comparison, layer by layer in order, prefill then each decode step."""
+    layout = replay.kv_layout
+    cache = _RecordingCache(model.config)
+    keyword = upstream.cache_keyword(model)  # 5.24: ``cache``, before: ``past_key_values``
+    lengths = torch.full((prompt.shape[0],), prompt.shape[1])
+    with torch.no_grad():
+        reference = model(input_ids=prompt, **{keyword: cache}, use_cache=True).logits
+    logits, present = replay.prefill_outputs(prompt, lengths)
+    expected = _expected_kv(model, cache.written, layout)
+    found = _departure(replay, "prefill", present, expected, (logits, reference, 0), tolerance)
+    if found is not None:
+        return f"prefill: {found}"
+    kv = replay.place(present, lengths)
+    for step in range(steps):
+        token, position = logits[:, -1:].argmax(-1), prompt.shape[1] + step
+        with torch.no_grad():
+            reference = model(input_ids=token, **{keyword: cache}, use_cache=True).logits
+        logits, kv = replay.run_decode(token, position, kv)
+        expected = _expected_kv(model, cache.written, layout)
+        ours = replay.written_at(kv, position)
+        found = _departure(replay, "decode", ours, expected, (logits, reference, position), tolerance)
+        if found is not None:
+            return f"decode step {step + 1}: {found}"
+    return (
+        f"not localised: fed the same tokens, every layer's KV cache and the logits stay within the bound "
+        f"for the prefill and {steps} decode steps (a near tie decided a greedy token differently)"
+    )
 
 
 def _compare(
@@ -415,12 +580,15 @@ def _compare(
         tokens.append(token)
     ir_tokens = torch.cat(tokens, dim=1)
     decoded = compare(steps_logits, tolerance)
+    equal = torch.equal(ir_tokens, ref_tokens)
+    if prefill is None and report.first_departure is None and not (first.passed and equal and decoded.passed):
+        where = _localise(model, replay, prompt, steps, tolerance)
+        report.first_departure = f"{where} ({tolerance.dtype}, prompt {tuple(prompt.shape)})"
     if not suffix and not label:  # the fp32 text run is the one the report's tokens and max diff describe
         report.tokens_ir = ir_tokens.tolist()
         report.tokens_reference = ref_tokens.tolist()
         report.max_logit_diff = max(first.max_diff, decoded.max_diff)
     last = prompt.shape[1] + steps - 1
-    equal = torch.equal(ir_tokens, ref_tokens)
     report.add(
         f"{label}greedy generation{suffix}",
         equal,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +112,16 @@ class ExtractionSummary:
         """Every file the run wrote, graphs first."""
         files = [stats.path for stats in self.graphs.values()]
         return files + [p for p in (self.kv_mapping, self.weight_map) if p is not None]
+
+    def moved_to(self, directory: Path) -> ExtractionSummary:
+        """The same run with its files in ``directory`` (``pipeline.Held``: written in a hidden folder,
+        renamed into the output folder once verified)."""
+        return replace(
+            self,
+            graphs={kind: replace(g, path=directory / g.path.name) for kind, g in self.graphs.items()},
+            kv_mapping=directory / self.kv_mapping.name if self.kv_mapping is not None else None,
+            weight_map=directory / self.weight_map.name if self.weight_map is not None else None,
+        )
 
     def to_record(self) -> dict[str, Any]:
         """Everything but the cache's part, losslessly as JSON data, with file names instead of
