@@ -2297,6 +2297,87 @@ def apply_config_bridges(raw: dict[str, Any]) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 
+class ConfigError(ValueError):
+    """A config this module cannot build a model from; the message names the file (``SOURCE_CONFIG``
+    when none was given) and the key, and says what was expected and what was found."""
+
+
+MAX_CONFIG_BYTES = 64 * 2**20  # a config file larger than this is refused unread
+MAX_CONFIG_LAYERS = 10_000  # layer counts are bounded: transformers builds per-layer lists from them
+MAX_CONFIG_SIZE = 2**31 - 1  # any other size or head count
+# Text-config keys that hold sizes -> the least value each may take: every structural fact of FACT_KEYS
+# but the two that are no size, and the standard keys; counts and widths are positive, a window setting
+# may be 0 (none); a key set to None is not set. Layer counts are at most MAX_CONFIG_LAYERS, every other
+# size at most MAX_CONFIG_SIZE.
+_NOT_SIZES = ("layer_types", "use_sliding_window")
+_WINDOW_SIZES = ("sliding_window", "max_window_layers", "sliding_window_pattern")
+_SIZE_KEYS: dict[str, int] = {
+    "hidden_size": 1,
+    "num_attention_heads": 1,
+    "num_hidden_layers": 1,
+    "num_key_value_heads": 1,
+    **{
+        key: 0 if fact in _WINDOW_SIZES else 1
+        for fact, keys in FACT_KEYS.items()
+        if fact not in _NOT_SIZES
+        for key in keys
+    },
+}
+_LAYER_KEYS = frozenset(("num_hidden_layers", *FACT_KEYS.get("num_layers", ())))
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    """The JSON object in the file ``path``: unreadable, oversized, non-UTF-8, malformed or too deeply
+    nested text is one ``ConfigError`` naming the file."""
+    try:
+        if not path.exists():
+            raise ConfigError(f"config {path}: no such file")
+        if not path.is_file():
+            raise ConfigError(f"config {path}: not a regular file")
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config {path}: larger than {MAX_CONFIG_BYTES} bytes")
+        raw = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config {path}: not UTF-8 text (byte {exc.start})") from exc
+    except json.JSONDecodeError as exc:
+        where = f"line {exc.lineno}, column {exc.colno}"
+        raise ConfigError(f"config {path}: not JSON: {exc.msg} ({where})") from exc
+    except RecursionError as exc:
+        raise ConfigError(f"config {path}: nested too deeply to read") from exc
+    except OSError as exc:
+        raise ConfigError(f"config {path}: cannot be read ({exc.strerror or exc})") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config {path}: holds a JSON {type(raw).__name__}, not an object")
+    return raw
+
+
+def _check_sizes(raw: dict[str, Any], source: str) -> None:
+    """Refuse text-config sizes no model has (zero or negative head counts, non-integers, absurd layer
+    counts) and KV heads that do not divide the heads, before any config class divides by them."""
+    text = raw if ABI_CONFIG is None else raw.get(ABI_CONFIG)
+    where = "" if ABI_CONFIG is None else f"{ABI_CONFIG}."
+    if text is None:
+        return
+    if not isinstance(text, Mapping):
+        raise ConfigError(f"config {source}: {ABI_CONFIG} must be a JSON object, got {type(text).__name__}")
+    for key, least in _SIZE_KEYS.items():
+        value = text.get(key)
+        most = MAX_CONFIG_LAYERS if key in _LAYER_KEYS else MAX_CONFIG_SIZE
+        if value is not None and (type(value) is not int or not least <= value <= most):
+            raise ConfigError(
+                f"config {source}: {where}{key} must be an integer in {least}..{most}, got {value!r:.80}"
+            )
+    heads, kv_heads = text.get("num_attention_heads"), text.get("num_key_value_heads")
+    if heads is not None and kv_heads is not None and heads % kv_heads:
+        raise ConfigError(
+            f"config {source}: {where}num_key_value_heads ({kv_heads}) must divide "
+            f"{where}num_attention_heads ({heads})"
+        )
+    types = text.get("layer_types")
+    if types is not None and not isinstance(types, list):
+        raise ConfigError(f"config {source}: {where}layer_types must be a list, got {types!r:.80}")
+
+
 def check_gate(config: Any, *, sub_configs: bool = True) -> None:
     """Refuse a config of another model: root model_type, then each gated sub-config's type."""
     found = _lookup(config, "model_type")
@@ -2314,16 +2395,27 @@ def load_config(config_path: str | Path | None = None, overrides: Mapping[str, A
 
     Config classes drop private fields such as ``_attn_implementation`` from their kwargs, so every
     path a bridge wrote is set again on the built object when it does not already hold the value.
+    A config that cannot be one (unreadable, not UTF-8 or JSON, nested too deeply, sizes no model has,
+    values transformers' config class refuses) is a ``ConfigError`` (a ``ValueError``) naming the file.
     """
-    if config_path is None:
-        raw = copy.deepcopy(SOURCE_CONFIG)
-    else:
-        raw = json.loads(Path(config_path).read_text(encoding="utf-8"))
+    raw = copy.deepcopy(SOURCE_CONFIG) if config_path is None else _read_config(Path(config_path))
+    source = "SOURCE_CONFIG" if config_path is None else str(config_path)
     for path, value in (overrides or {}).items():
         _assign(raw, path, copy.deepcopy(value))
     check_gate(raw, sub_configs=False)  # before any config class runs; sub-configs after building
-    written = apply_config_bridges(raw)
-    config = transformers.CONFIG_MAPPING[raw["model_type"]].from_dict(raw)
+    try:
+        written = apply_config_bridges(raw)
+    except (KeyError, TypeError) as exc:  # a bridge's source missing, or where a mapping should be
+        raise ConfigError(f"config {source}: a config bridge cannot run ({exc})") from exc
+    _check_sizes(raw, source)
+    try:
+        config = transformers.CONFIG_MAPPING[raw["model_type"]].from_dict(raw)
+    except Exception as exc:  # the config class's own checks raise many kinds (huggingface_hub's strict
+        # dataclass errors derive from Exception only): each is about the file's values
+        raise ConfigError(
+            f"config {source}: transformers cannot build a {MODEL_TYPE} config from it "
+            f"({type(exc).__name__}: {str(exc):.200})"
+        ) from exc
     for path in written:
         value = _lookup(raw, path)
         if value is not _MISSING and _lookup(config, path) != value:
@@ -2598,7 +2690,7 @@ def build_model(
         _BUILDING.reset(token)
     if dtype is not None:
         backbone = [model.get_submodule(LANGUAGE_MODEL_PATH), model.get_submodule(LM_HEAD_PATH)]
-        cast_to_abi_dtype(model, backbone, getattr(torch, dtype))
+        cast_to_abi_dtype(model, backbone, _torch_dtype(dtype))
     for module in model.modules():
         _CLAIMED.add(module)
     return model.eval()
@@ -2651,8 +2743,14 @@ def graph_weights(wrapper: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _torch_dtype(dtype: str | None) -> torch.dtype:
-    """``build_model``'s spelling of a dtype (a torch attribute name, None for float32) as a torch dtype."""
-    return torch.float32 if dtype is None else getattr(torch, dtype)
+    """``build_model``'s spelling of a dtype (a torch attribute name, None for float32) as a torch dtype;
+    a name that is no torch dtype is refused, never resolved to another attribute of torch."""
+    found = (
+        torch.float32 if dtype is None else getattr(torch, dtype, None) if isinstance(dtype, str) else None
+    )
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"dtype {dtype!r:.80} is not a torch dtype")
+    return found
 
 
 def prefill_example_inputs(

@@ -23,6 +23,12 @@ expected and the received shape. The one rule no declaration states is the multi
 the k-th placeholder and cannot count them). The loaded IR carries no metadata, so a runtime passes
 ``Placeholders.from_document`` of the KV mapping's ``merged_prefill`` section (or of the IR metadata's
 ``multimodal`` block), and the ranges of its ``dynamic`` block (``ranges_from``).
+
+Everything here reads files a user may have edited or downloaded, so each reader is bounded and fails as
+one ``KadaptError`` before execution: an expression is at most ``MAX_EXPRESSION_CHARS`` characters,
+nested at most ``MAX_EXPRESSION_DEPTH`` deep, uses only the grammar above, never divides by zero and
+never holds a value beyond ``MAX_VALUE`` (torch sizes are int64); a range is two integers with
+``1 <= min <= max <= MAX_DIM``, for a symbol of ``SYMBOLS``.
 """
 
 from __future__ import annotations
@@ -49,6 +55,12 @@ _BINARY = {
     ast.Mod: operator.mod,
 }
 _CALLS = {"max": max, "min": min}
+_DIVISIONS = (ast.FloorDiv, ast.Mod)
+
+MAX_EXPRESSION_CHARS = 4096  # the writer's longest expressions are a few dozen characters
+MAX_EXPRESSION_DEPTH = 64  # nesting of operators, calls and attribute lists
+MAX_VALUE = 2**63 - 1  # |value| of any constant or intermediate result: torch sizes are int64
+MAX_DIM = 2**31 - 1  # largest size a dynamic dimension's range may allow
 
 
 @dataclass(frozen=True)
@@ -59,20 +71,36 @@ class DimRange:
     max: int
 
 
-def evaluate(text: str, sizes: Mapping[str, int]) -> int:
-    """The integer value of expression ``text`` with ``sizes`` bound (no ``eval``: a tiny AST walk)."""
+def evaluate(text: str, sizes: Mapping[str, int], *, where: str = "") -> int:
+    """The integer value of expression ``text`` with ``sizes`` bound (no ``eval``: a tiny AST walk).
 
-    def walk(node: ast.AST) -> int:
+    Any text that is not the grammar of the module docstring within its bounds is a ``KadaptError``
+    naming ``where`` (the graph, node and attribute holding it) and the expression."""
+
+    def refuse(why: str) -> KadaptError:
+        return KadaptError(f"{_located(where)}symbolic size {_shown(text)} {why}")
+
+    def bounded(value: int) -> int:
+        if abs(value) > MAX_VALUE:
+            raise refuse(f"reaches a value beyond the int64 bound (magnitude at most {MAX_VALUE})")
+        return value
+
+    def walk(node: ast.AST, depth: int) -> int:
+        if depth > MAX_EXPRESSION_DEPTH:
+            raise refuse(f"is nested deeper than {MAX_EXPRESSION_DEPTH} levels")
         if isinstance(node, ast.Constant) and type(node.value) is int:
-            return node.value
+            return bounded(node.value)
         if isinstance(node, ast.Name):
             if node.id not in sizes:
-                raise KadaptError(f"symbolic size {text!r} uses {node.id!r}, which is not bound")
-            return sizes[node.id]
+                raise refuse(f"uses {node.id!r}, which is not bound")
+            return bounded(sizes[node.id])
         if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-            return _BINARY[type(node.op)](walk(node.left), walk(node.right))
+            left, right = walk(node.left, depth + 1), walk(node.right, depth + 1)
+            if isinstance(node.op, _DIVISIONS) and right == 0:
+                raise refuse(f"divides by zero ({_fragment(node)})")
+            return bounded(_BINARY[type(node.op)](left, right))
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return -walk(node.operand)
+            return -walk(node.operand, depth + 1)
         if (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Name)
@@ -80,31 +108,69 @@ def evaluate(text: str, sizes: Mapping[str, int]) -> int:
             and node.args
             and not node.keywords
         ):
-            return _CALLS[node.func.id](walk(arg) for arg in node.args)
-        raise KadaptError(f"symbolic size {text!r}: {ast.dump(node)} is not integer arithmetic")
+            return _CALLS[node.func.id](walk(arg, depth + 1) for arg in node.args)
+        raise refuse(f"is not integer arithmetic: {_fragment(node)} is not allowed")
 
+    if not isinstance(text, str):
+        raise refuse(f"must be a string, got {type(text).__name__}")
+    if len(text) > MAX_EXPRESSION_CHARS:
+        raise refuse(f"is {len(text)} characters long, more than {MAX_EXPRESSION_CHARS}")
     try:
         tree = ast.parse(text, mode="eval")
     except SyntaxError as exc:
-        raise KadaptError(f"symbolic size {text!r} is not an expression: {exc.msg}") from exc
-    return walk(tree.body)
+        raise refuse(f"is not an expression: {exc.msg}") from exc
+    except (ValueError, RecursionError, MemoryError) as exc:  # NUL bytes, nesting the parser gives up on
+        raise refuse(f"cannot be parsed ({type(exc).__name__})") from exc
+    return walk(tree.body, 0)
 
 
-def substitute(value: Any, sizes: Mapping[str, int]) -> Any:
+def _fragment(node: ast.AST) -> str:
+    """The source text of ``node`` for a message (its kind when it is too deep to print)."""
+    try:
+        return _shown(ast.unparse(node))
+    except RecursionError:
+        return f"<{type(node).__name__}>"
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters: an error message must stay readable (a value too
+    deep or too large to print is shown by its type)."""
+    try:
+        text = repr(value)
+    except (RecursionError, ValueError):  # nested past the recursion limit; an int past 4300 digits
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def substitute(value: Any, sizes: Mapping[str, int], *, where: str = "", depth: int = 0) -> Any:
     """``value`` (an attribute, possibly a list) with every ``{"expr": ...}`` replaced by its integer."""
+    _check_depth(depth, where)
     if isinstance(value, dict) and set(value) == {EXPR}:
-        return evaluate(value[EXPR], sizes)
+        return evaluate(value[EXPR], sizes, where=where)
     if isinstance(value, list):
-        return [substitute(item, sizes) for item in value]
+        return [substitute(item, sizes, where=where, depth=depth + 1) for item in value]
     return value
 
 
-def is_symbolic(value: Any) -> bool:
+def is_symbolic(value: Any, *, where: str = "", depth: int = 0) -> bool:
+    """Whether ``value`` holds an ``{"expr": ...}`` (lists nested deeper than the bound are refused)."""
+    _check_depth(depth, where)
     if isinstance(value, dict):
         return set(value) == {EXPR}
     if isinstance(value, list):
-        return any(is_symbolic(item) for item in value)
+        return any(is_symbolic(item, where=where, depth=depth + 1) for item in value)
     return False
+
+
+def _check_depth(depth: int, where: str) -> None:
+    """Attribute lists nest a level or two; a deeper one is a tampered file, refused before recursing."""
+    if depth > MAX_EXPRESSION_DEPTH:
+        raise KadaptError(f"{_located(where)}attribute nested deeper than {MAX_EXPRESSION_DEPTH}")
+
+
+def _located(where: str) -> str:
+    """The prefix of a message about something at ``where`` (nothing when unknown)."""
+    return f"{where}: " if where else ""
 
 
 @dataclass(frozen=True)
@@ -120,10 +186,27 @@ class Placeholders:
     def from_document(cls, section: Mapping[str, Any]) -> Placeholders:
         """From the KV mapping's ``merged_prefill`` section (``image_features.input``) or the multimodal
         IR's ``metadata.multimodal`` block (``feature_input``); both state ``placeholder_token_id``."""
-        features = (
-            section["image_features"]["input"] if "image_features" in section else section["feature_input"]
-        )
-        return cls(int(section["placeholder_token_id"]), str(features))
+        where = "multimodal placeholder rule"
+        features = "image_features.input" if _is_mapping_with(section, "image_features") else "feature_input"
+        return cls(_field(section, "placeholder_token_id", int, where), _field(section, features, str, where))
+
+
+def _is_mapping_with(document: Any, key: str) -> bool:
+    return isinstance(document, Mapping) and key in document
+
+
+def _field(document: Any, path: str, kind: type[int] | type[str], where: str) -> Any:
+    """``document``'s value at dotted ``path``, which must be a ``kind`` (an int that is no bool): a
+    file kadapt wrote and someone edited is refused naming the key, never a ``KeyError``."""
+    value = document
+    for key in path.split("."):
+        if not _is_mapping_with(value, key):
+            raise KadaptError(f"{where}: {path} is missing")
+        value = value[key]
+    if not isinstance(value, kind) or isinstance(value, bool):
+        wanted = "an integer" if kind is int else "a string"
+        raise KadaptError(f"{where}: {path} must be {wanted}, got {_shown(value)}")
+    return value
 
 
 def _dims(shape: Sequence[int | str]) -> str:
@@ -163,6 +246,8 @@ def bind_sizes(
         if len(declared) != len(shape):
             raise _refused(graph, name, declared, shape, f"must have {len(declared)} dims, got {len(shape)}")
         for dim, (want, got) in enumerate(zip(declared, shape, strict=True)):
+            if not isinstance(want, (int, str)):
+                raise _refused(graph, name, declared, shape, f"dim {dim} is declared as {_shown(want)}")
             if isinstance(want, int):
                 if want != got:
                     raise _refused(
@@ -234,11 +319,16 @@ def decode_value_ranges(ir: Any, mapping: Mapping[str, Any]) -> dict[str, tuple[
     table (input 4) a block ``0..num_blocks-1``. Outside, the graph would not fail: the per-row write
     finds no slot and drops the token, a block index reads past the pool."""
     names = [meta.name for meta in ir.graph_inputs]
-    last = int(mapping["max_cache_len"]) - 1
+    if len(names) < 4:
+        raise KadaptError(f"decode graph has {len(names)} inputs; its ABI has at least 4")
+    where = "KV mapping"
+    last = _field(mapping, "max_cache_len", int, where) - 1
     ranges = {names[2]: (0, last), names[3]: (0, last)}
-    paged = mapping["contract"].get("paged")
-    if paged is not None:
-        ranges[paged["block_table"]["input"]] = (0, int(paged["num_blocks"]) - 1)
+    if not _is_mapping_with(mapping, "contract") or not isinstance(mapping["contract"], Mapping):
+        raise KadaptError(f"{where}: contract must be a mapping")
+    if mapping["contract"].get("paged") is not None:
+        table = _field(mapping, "contract.paged.block_table.input", str, where)
+        ranges[table] = (0, _field(mapping, "contract.paged.num_blocks", int, where) - 1)
     return ranges
 
 
@@ -280,13 +370,20 @@ def bind_ir(
     if not sizes:
         return ir
     bound = copy.copy(ir)
-    bound.nodes = [
-        node
-        if not any(is_symbolic(v) for v in node.attrs.values())
-        else _with_attrs(node, {key: substitute(value, sizes) for key, value in node.attrs.items()})
-        for node in ir.nodes
-    ]
+    bound.nodes = [_bound_node(node, sizes, graph) for node in ir.nodes]
     return bound
+
+
+def _bound_node(node: Any, sizes: Mapping[str, int], graph: str) -> Any:
+    """``node`` itself when no attribute is symbolic, else a copy with every expression evaluated; a
+    failure names the graph, the node and the attribute."""
+    if not isinstance(node.attrs, Mapping):
+        raise KadaptError(f"{graph} node {_shown(node.name)}: attrs must be a mapping")
+    where = {key: f"{graph} node {_shown(node.name)} attribute {_shown(key)}" for key in node.attrs}
+    if not any(is_symbolic(value, where=where[key]) for key, value in node.attrs.items()):
+        return node
+    attrs = {key: substitute(value, sizes, where=where[key]) for key, value in node.attrs.items()}
+    return _with_attrs(node, attrs)
 
 
 def _with_attrs(node: Any, attrs: dict[str, Any]) -> Any:
@@ -295,6 +392,28 @@ def _with_attrs(node: Any, attrs: dict[str, Any]) -> Any:
     return fresh
 
 
-def ranges_from(document: Mapping[str, Any]) -> dict[str, DimRange]:
-    """The ``dynamic`` block of a KV mapping or IR metadata (``{"prefill_len": [1, 64]}``) as ranges."""
-    return {name: DimRange(int(low), int(high)) for name, (low, high) in (document or {}).items()}
+def ranges_from(document: Mapping[str, Any] | None) -> dict[str, DimRange]:
+    """The ``dynamic`` block of a KV mapping or IR metadata (``{"prefill_len": [1, 64]}``) as ranges:
+    each a symbol of ``SYMBOLS`` with two integers ``1 <= min <= max <= MAX_DIM``."""
+    if document is None:
+        return {}
+    if not isinstance(document, Mapping):
+        raise KadaptError(f"dynamic: must map each size to [min, max], got {_shown(document)}")
+    return {name: _range(name, bounds) for name, bounds in document.items()}
+
+
+def _range(name: Any, bounds: Any) -> DimRange:
+    """One entry of a ``dynamic`` block, checked (see ``ranges_from``)."""
+    if name not in SYMBOLS:
+        raise KadaptError(f"dynamic: {_shown(name)} is not a dynamic size; valid: {', '.join(SYMBOLS)}")
+    if (
+        not isinstance(bounds, (list, tuple))
+        or len(bounds) != 2
+        or not all(type(end) is int for end in bounds)
+        or not 1 <= bounds[0] <= bounds[1] <= MAX_DIM
+    ):
+        raise KadaptError(
+            f"dynamic.{name}: expected [min, max], integers with 1 <= min <= max <= {MAX_DIM}, "
+            f"got {_shown(bounds)}"
+        )
+    return DimRange(bounds[0], bounds[1])
