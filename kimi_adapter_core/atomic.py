@@ -5,6 +5,11 @@ and only then renamed over the target with ``os.replace``. If anything stops the
 ``KeyboardInterrupt`` (Ctrl-C) or ``SystemExit``, the temp file is removed and the target is left
 as it was. The temp file's name is chosen before it is created, so an interrupt at any point,
 even inside the call that creates it, still finds and removes it.
+
+Every ``OSError`` of kadapt's own file operations (creating, writing, flushing, syncing, closing,
+renaming; a full disk is ``ENOSPC``, a file-size limit ``EFBIG``) is the user error
+``cannot write <target>: <why>`` (``cannot_write``), after the temp file is removed. Errors of the
+caller's own code (the block of ``atomic_open``, the chunks of ``write_new``) pass through unchanged.
 """
 
 from __future__ import annotations
@@ -27,13 +32,18 @@ def temp_path(target: Path) -> Path:
     return target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
 
 
+def write_error(target: Path | str, exc: OSError) -> KadaptError:
+    """The user error for ``exc`` raised while writing ``target``: ``cannot write <target>: <why>``."""
+    return KadaptError(f"cannot write {target}: {exc.strerror or exc}")
+
+
 @contextlib.contextmanager
 def cannot_write(target: Path) -> Iterator[None]:
     """An ``OSError`` inside the block becomes the user error ``cannot write <target>: <why>``."""
     try:
         yield
     except OSError as exc:
-        raise KadaptError(f"cannot write {target}: {exc.strerror or exc}") from exc
+        raise write_error(target, exc) from exc
 
 
 def make_parent(target: Path) -> None:
@@ -76,7 +86,7 @@ def atomic_open(
             else:
                 raise FileExistsError(f"no free temporary name beside it after {_ATTEMPTS} tries")
             handle = _fdopen(fd, mode, None if binary else encoding)
-        with handle:
+        with _closed(handle, target):
             yield handle  # the caller's errors pass through unchanged (and the temp file goes)
             _sync(handle, target)
         rename_over(tmp, target)
@@ -85,6 +95,31 @@ def atomic_open(
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def _closed(handle: IO, target: Path) -> Iterator[None]:
+    """Close ``handle`` after the block. After a failure the close's own error (the buffer it flushes
+    may hit the same full disk) is dropped, so the block's error is the one reported; after success
+    it is ``cannot write <target>``."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError):
+            handle.close()
+        raise
+    with cannot_write(target):
+        handle.close()
+
+
+def _write_chunks(handle: IO, chunks: Iterable[str], target: Path) -> None:
+    """Write each chunk: the chunks' own errors pass through, the writes' become ``cannot write``."""
+    write = handle.write
+    for chunk in chunks:
+        try:
+            write(chunk)
+        except OSError as exc:
+            raise write_error(target, exc) from exc
 
 
 def _fdopen(fd: int, mode: str, encoding: str | None) -> IO:
@@ -101,21 +136,23 @@ def write_new(path: Path, chunks: Iterable[str], *, target: Path) -> int:
     its size. For a temp name chosen beforehand (``backends/extraction/write.Staging``): removing it
     on failure is the chooser's job, which knows the name even when the writer was a process that
     died. Errors creating and syncing it name ``target``, the file ``path`` is renamed over; the
-    chunks' own errors pass through unchanged (as in ``atomic_open``)."""
+    chunks' own errors pass through unchanged (as in ``atomic_open``); every other ``OSError``, a
+    full disk included, is ``cannot write <target>``."""
     make_parent(target)
     with cannot_write(target):
         handle = _fdopen(os.open(path, _CREATE, 0o666), "w", "utf-8")
-    with handle:
-        handle.writelines(chunks)
+    with _closed(handle, target):
+        _write_chunks(handle, chunks, target)
         _sync(handle, target)
-        return os.fstat(handle.fileno()).st_size
+        with cannot_write(target):
+            return os.fstat(handle.fileno()).st_size
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    with atomic_open(path, "w") as handle:
+    with atomic_open(path, "w") as handle, cannot_write(Path(path)):
         handle.write(text)
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    with atomic_open(path, "wb", encoding=None) as handle:
+    with atomic_open(path, "wb", encoding=None) as handle, cannot_write(Path(path)):
         handle.write(data)

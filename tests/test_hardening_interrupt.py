@@ -1,4 +1,6 @@
-"""Ctrl-C: exit 130 with one ``interrupted`` line, no traceback, and no partial or temp files."""
+"""Ctrl-C: exit 130 with one ``interrupted`` line, no traceback, and no partial or temp files, wherever
+it lands (SIGTERM: 143, ``terminated``), including inside a lazy import whose half-initialised module
+fails later with another exception."""
 
 from __future__ import annotations
 
@@ -31,6 +33,12 @@ KADAPT = [
     "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
     "sys.argv[0] = 'kadapt'; from kimi_adapter_core.cli import main; main()",
 ]
+
+
+# The same, saying ``ready`` on stdout when ``main`` starts: the delays below count from there (before
+# it the interpreter starts and imports the CLI module, under Python's default handling).
+READY = "ready"
+KADAPT_READY = [*KADAPT[:2], KADAPT[2].replace("main()", f"print({READY!r}, flush=True); main()")]
 
 
 def _leftovers(folder: Path) -> list[str]:
@@ -115,6 +123,116 @@ def test_sigint_near_the_write_leaves_only_complete_files(tmp_path):
     if code == 130:
         assert stderr.strip() == "interrupted", stderr
     assert _leftovers(out) == []
+
+
+def _signal_apply_after(delay: float, signum: int, out: Path) -> tuple[int, str]:
+    """Run ``kadapt apply specs/llama.yaml --no-cache``, send it ``signum`` ``delay`` s after ``main``
+    started; its exit status and stderr."""
+    proc = subprocess.Popen(
+        [*KADAPT_READY, "apply", "specs/llama.yaml", "--no-cache", "--output-dir", str(out)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == READY
+        time.sleep(delay)
+        proc.send_signal(signum)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, stderr
+
+
+# From main's start: command-line parsing, importing torch and transformers, the lazy imports of the
+# contact-point check (numpy, scipy: ~1 s in on an idle machine), the model build, the export.
+DELAYS = (0.0, 0.02, 0.3, 0.7, 1.0, 1.3, 2.0, 3.5)
+
+
+@pytest.mark.parametrize(
+    ("signum", "code", "word"), [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")]
+)
+def test_a_signal_at_any_moment_of_apply_ends_it_cleanly(tmp_path, signum, code, word):
+    """Whatever the run is doing when the signal lands: exit 128 + the signal, one line on stderr, no
+    traceback and nothing half-written. SIGTERM is checked at fewer moments (the same path)."""
+    delays = DELAYS if signum == signal.SIGINT else DELAYS[::3]
+    for delay in delays:
+        out = tmp_path / f"out-{delay}"
+        status, stderr = _signal_apply_after(delay, signum, out)
+        assert (delay, status) == (delay, code), stderr[-3000:]
+        assert stderr.strip() == word, (delay, stderr[-3000:])
+        assert _leftovers(out) == [], delay
+
+
+def _run_main(script: str, *args: str, ignore_sigint: bool = False) -> subprocess.CompletedProcess[str]:
+    """``kadapt ARGS`` after ``script`` (run first, in the same process), from a fresh interpreter."""
+    handler = "signal.SIG_IGN" if ignore_sigint else "signal.default_int_handler"
+    code = (
+        f"import os, signal, sys, time\nsignal.signal(signal.SIGINT, {handler})\n{script}\n"
+        "sys.argv = ['kadapt', *sys.argv[1:]]\nfrom kimi_adapter_core.cli import main\nmain()\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+
+
+# ``validate``'s check, replaced: the signal arrives, its KeyboardInterrupt is swallowed (as a module
+# import that it interrupted is left half-initialised), and what follows fails with another exception
+SWALLOWED = """
+import kimi_adapter_core.cli.validate as validate
+from kimi_adapter_core.errors import KadaptError
+def check_spec(path):
+    try:
+        os.kill(os.getpid(), signal.{signal})
+        time.sleep(2)
+    except KeyboardInterrupt:
+        pass
+    raise {error}
+validate.check_spec = check_spec
+"""
+
+
+@pytest.mark.parametrize(
+    ("signum", "error", "code", "word"),
+    [
+        ("SIGINT", "RecursionError('maximum recursion depth exceeded')", 130, "interrupted"),
+        ("SIGINT", "ImportError('cannot import name dtypes from numpy')", 130, "interrupted"),
+        ("SIGINT", "KadaptError('a check failed')", 130, "interrupted"),
+        ("SIGTERM", "AttributeError('numpy has no attribute dtype')", 143, "terminated"),
+    ],
+)
+def test_whatever_follows_a_received_signal_is_reported_as_the_signal(signum, error, code, word):
+    ran = _run_main(SWALLOWED.format(signal=signum, error=error), "validate", "specs/llama.yaml")
+    assert ran.returncode == code, ran.stderr
+    assert ran.stderr.strip() == word, ran.stderr
+
+
+def test_a_signal_on_the_way_out_is_still_reported():
+    """The command has finished; SIGINT lands in an ``atexit`` handler: recorded, then reported."""
+    script = "import atexit\natexit.register(lambda: os.kill(os.getpid(), signal.SIGINT))"
+    ran = _run_main(script, "validate", "specs/llama.yaml")
+    assert ran.returncode == 130, ran.stderr
+    assert ran.stderr.strip() == "interrupted" and "Traceback" not in ran.stderr
+    assert "1 spec checked" in ran.stdout  # the command itself ran to its end
+
+
+def test_an_ignored_sigint_stays_ignored():
+    """A background job starts with SIGINT ignored: kadapt keeps it so (and ends normally)."""
+    script = """
+import kimi_adapter_core.cli.validate as validate
+real = validate.check_spec
+def check_spec(path):
+    os.kill(os.getpid(), signal.SIGINT)
+    return real(path)
+validate.check_spec = check_spec
+"""
+    ran = _run_main(script, "validate", "specs/llama.yaml", ignore_sigint=True)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stderr == "" and "1 spec checked, 0 invalid" in ran.stdout
 
 
 # -- in process ----------------------------------------------------------------------------------

@@ -13,6 +13,18 @@ shell convention for SIGINT, after ``applied`` has taken its patches back and ev
 flight has removed its temp file (both run on the way out, in ``finally`` blocks).
 The process then ends without the interpreter's teardown (``_leave``): the ``atexit`` handlers run
 and the streams are flushed, the ~1 s of freeing a torch-sized heap is skipped.
+
+Signals (``main`` only; the Python API and ``CliRunner`` keep the interpreter's own handling):
+SIGINT and SIGTERM go to one handler that records the signal. Inside a command (and while the
+command line is parsed) it raises ``KeyboardInterrupt``, so the same ``finally`` blocks clean up;
+elsewhere (click's own plumbing, the way out) it only records, and ``_leave`` reports it. Once a
+signal was received the run ends as stopped whatever follows it: a ``KeyboardInterrupt`` inside a
+lazy import leaves a half-initialised module (numpy) whose next use raises ``ImportError``,
+``AttributeError`` or ``RecursionError``, and that is reported as ``interrupted``, not as a bug.
+SIGINT prints ``interrupted`` and exits 130, SIGTERM prints ``terminated`` and exits 143 (128 + the
+signal number, as a shell reports a process the signal ended). A signal ignored when ``kadapt``
+starts (a background job's SIGINT) stays ignored. Only the first ~0.1 s, the interpreter starting
+and this module importing, keeps Python's default (a SIGINT there is a ``KeyboardInterrupt`` traceback).
 """
 
 from __future__ import annotations
@@ -22,8 +34,11 @@ import atexit
 import contextlib
 import importlib
 import os
+import signal
 import sys
 import threading
+from collections.abc import Iterator
+from types import FrameType
 from typing import Any, NoReturn
 
 import click
@@ -64,34 +79,25 @@ class LazyGroup(click.Group):
 
     def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
         try:
-            return super().make_context(*args, **kwargs)
-        except KeyboardInterrupt:  # while parsing the command line: still not click's "Aborted!"
-            _interrupted()
-            raise click.exceptions.Exit(INTERRUPTED) from None
+            with _signals_raise():
+                return super().make_context(*args, **kwargs)
+        except BaseException as exc:  # while parsing the command line: still not click's "Aborted!"
+            if not _stopped_by(exc):
+                raise
+            raise click.exceptions.Exit(_report_stop()) from None
 
     def invoke(self, ctx: click.Context):  # noqa: ANN201 - click's signature
         try:
-            return super().invoke(ctx)
-        except KadaptError as exc:
-            report_error(ctx, exc)
-            ctx.exit(exc.exit_code)
-        except ContactPointMoved as exc:  # before any export: what moved, and the tested versions
-            moved = KadaptError(str(exc))
-            report_error(ctx, moved)
-            ctx.exit(moved.exit_code)
-        except ModuleNotFoundError as exc:
-            package = (exc.name or "").split(".")[0]
-            if package not in MODEL_PACKAGES:
+            with _signals_raise():
+                return super().invoke(ctx)
+        except BaseException as exc:
+            if _stopped_by(exc):
+                ctx.exit(_report_stop())
+            error = _user_error(ctx, exc)
+            if error is None:
                 raise
-            missing = KadaptError(
-                f"kadapt {ctx.invoked_subcommand} needs {package}, which is not installed; "
-                "install the model extra: pip install torch==2.13.0 'kadapt[model]'"
-            )
-            report_error(ctx, missing)
-            ctx.exit(missing.exit_code)
-        except KeyboardInterrupt:
-            _interrupted()
-            ctx.exit(INTERRUPTED)
+            report_error(ctx, error)
+            ctx.exit(error.exit_code)
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -104,7 +110,7 @@ def cli() -> None:
     module paths and the prefill/decode ABI; `kadapt apply SPEC` applies it behind its model_type
     gate and runs the extraction backend. -q/-v work before or after the command; every command
     that reports takes --format json (keys: docs/cli.md). Exit status: 0 ok, 1 failed check or
-    user error, 2 usage error, 130 interrupted.
+    user error, 2 usage error, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM).
 
     \b
     Examples:
@@ -114,16 +120,91 @@ def cli() -> None:
     """
 
 
-INTERRUPTED = 130  # 128 + SIGINT
+INTERRUPTED = 130  # 128 + SIGINT (SIGTERM: 143)
 _REDELIVER_SECONDS = 0.05
 # Not core dependencies (`kadapt validate` and `plan` run without them): the `model` extra brings them.
 MODEL_PACKAGES = ("torch", "transformers")
+_STOPPING = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
 
 
-def _interrupted() -> None:
-    # on a terminal, start a fresh line after the echoed ``^C``
-    newline = "\n" if sys.stderr.isatty() else ""
-    click.echo(f"{newline}interrupted", err=True)
+class _Signals:
+    """What ``main``'s handler has seen (the module docstring says why). Reset by each ``main``."""
+
+    def __init__(self, *, active: bool = False) -> None:
+        self.active = active  # ``main`` runs: its handlers are installed, it reports once
+        self.received: int | None = None  # the first SIGINT/SIGTERM, once one arrived
+        self.raising = False  # inside a command: the handler raises KeyboardInterrupt
+        self.reported = False  # ``interrupted``/``terminated`` is printed
+
+    def code(self) -> int:
+        """The exit status of a stopped run: 128 + the signal (130 for a bare KeyboardInterrupt)."""
+        return 128 + self.received if self.received is not None else INTERRUPTED
+
+
+_SIGNALS = _Signals()
+
+
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    """``main``'s SIGINT/SIGTERM handler: record it; inside a command, stop it there."""
+    if _SIGNALS.received is None:
+        _SIGNALS.received = signum
+    if _SIGNALS.raising:
+        raise KeyboardInterrupt
+
+
+def _install_signal_handlers() -> None:
+    """Route SIGINT and SIGTERM to ``_on_signal``, unless they were ignored (or taken) before."""
+    global _SIGNALS
+    _SIGNALS = _Signals(active=True)
+    for signum, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
+        with contextlib.suppress(ValueError):  # not the main thread: nothing to route
+            if signal.getsignal(signum) == default:
+                signal.signal(signum, _on_signal)
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """Inside the block a signal raises ``KeyboardInterrupt``; one that arrived before raises at once."""
+    _SIGNALS.raising = True
+    try:
+        if _SIGNALS.received is not None:
+            raise KeyboardInterrupt
+        yield
+    finally:
+        _SIGNALS.raising = False
+
+
+def _stopped_by(exc: BaseException) -> bool:
+    """``exc`` ends a stopped run: a KeyboardInterrupt, or whatever follows a received signal."""
+    return isinstance(exc, KeyboardInterrupt) or _SIGNALS.received is not None
+
+
+def _report_stop() -> int:
+    """Print ``interrupted`` (``terminated`` for SIGTERM), once per ``main`` (in process, with
+    ``CliRunner``, once per command); the exit status to end with."""
+    if not _SIGNALS.reported:
+        _SIGNALS.reported = _SIGNALS.active
+        # on a terminal, start a fresh line after the echoed ``^C``
+        newline = "\n" if sys.stderr.isatty() else ""
+        word = _STOPPING.get(_SIGNALS.received or signal.SIGINT, "interrupted")
+        with contextlib.suppress(OSError, ValueError):  # a closed stderr: the status still says it
+            click.echo(f"{newline}{word}", err=True)
+    return _SIGNALS.code()
+
+
+def _user_error(ctx: click.Context, exc: BaseException) -> KadaptError | None:
+    """The user error ``exc`` stands for (printed as ``error: ...``), None for any other exception."""
+    if isinstance(exc, KadaptError):
+        return exc
+    if isinstance(exc, ContactPointMoved):  # before any export: what moved, and the tested versions
+        return KadaptError(str(exc))
+    package = (exc.name or "").split(".")[0] if isinstance(exc, ModuleNotFoundError) else None
+    if package in MODEL_PACKAGES:
+        return KadaptError(
+            f"kadapt {ctx.invoked_subcommand} needs {package}, which is not installed; "
+            "install the model extra: pip install torch==2.13.0 'kadapt[model]'"
+        )
+    return None
 
 
 def _redeliver_swallowed_interrupt(unraisable: Any) -> None:
@@ -132,7 +213,8 @@ def _redeliver_swallowed_interrupt(unraisable: Any) -> None:
     it again, shortly, from another thread: raised here it would be swallowed the same way, a moment
     later the main thread has left the destructor (if it is in another one, this repeats)."""
     if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
-        timer = threading.Timer(_REDELIVER_SECONDS, _thread.interrupt_main)
+        signum = _SIGNALS.received or signal.SIGINT
+        timer = threading.Timer(_REDELIVER_SECONDS, _thread.interrupt_main, args=(signum,))
         timer.daemon = True
         timer.start()
         return
@@ -140,14 +222,16 @@ def _redeliver_swallowed_interrupt(unraisable: Any) -> None:
 
 
 def main() -> None:
-    sys.unraisablehook = _redeliver_swallowed_interrupt
-    try:
+    try:  # from the first instruction: a SIGINT before the handlers are in place is still "interrupted"
+        _install_signal_handlers()
+        sys.unraisablehook = _redeliver_swallowed_interrupt
         cli(prog_name="kadapt")
-    except KeyboardInterrupt:  # outside the group's ``invoke``: click's own parsing or teardown
-        _interrupted()
-        _leave(INTERRUPTED)
     except SystemExit as done:  # click ends every command this way
         _leave(done.code)
+    except BaseException as exc:  # outside the group's ``invoke``: click's own parsing or teardown
+        if not _stopped_by(exc):
+            raise
+        _leave(_report_stop())
 
 
 def _leave(code: int | str | None) -> NoReturn:
@@ -165,6 +249,8 @@ def _leave(code: int | str | None) -> NoReturn:
     try:
         atexit._run_exitfuncs()
     finally:
+        if _SIGNALS.received is not None:  # a signal on the way out, or one click's plumbing ended with
+            code = _report_stop()
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):  # a closed pipe or stream: nothing to flush
                 stream.flush()

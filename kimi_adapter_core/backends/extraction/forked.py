@@ -27,9 +27,13 @@ Safety:
   parallel region (measured: a matmul in such a child never returns); one thread never enters it;
 - a child ends with ``os._exit``: none of this process's cleanup (taking patches back, removing
   temp files) runs twice, and it writes nothing but its result and the files it was given names for;
-- an error in a child is raised here (a ``KadaptError`` with its message if it cannot be sent); a
-  child that ends without a result is an error naming how it ended; an error or Ctrl-C here kills
-  and reaps every child. Ctrl-C in the children's terminal ends them at once (default SIGINT);
+- an error in a child comes back as a ``Failure`` (its message, whether it is a user error, the
+  ``OSError`` fields, the child's traceback), never as a pickled exception object, and is raised here
+  as one error: a user error as a ``KadaptError`` with the same message and exit status, an
+  ``OSError`` (a full disk) as ``cannot write PATH: why``, a bug as ``ExportProcessFailed`` carrying
+  the child's traceback; a child that ends without a result is an error naming how it ended; an
+  error or Ctrl-C here kills and reaps every child. Ctrl-C in the children's terminal ends them at
+  once, as SIGTERM does (both back to the default action in a child);
 - a child whose parent is gone finds its decision pipe closed and ends.
 One process where ``os.fork`` is missing, one CPU is available, one graph is built, or
 ``KADAPT_EXPORT_PROCESSES=1``. The artifacts are the same bytes either way (tested).
@@ -43,12 +47,15 @@ import pickle
 import signal
 import struct
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import IO, Any, NoReturn, Protocol
 
+from ...atomic import write_error
 from ...errors import KadaptError
+from ...upstream import ContactPointMoved
 from .summary import process_mark
 
 Task = tuple[str, Callable[[], Any]]  # a graph's name and what builds it
@@ -69,6 +76,54 @@ class Steps(Protocol):
 
 class Counter(Protocol):
     count: int
+
+
+class ExportProcessFailed(RuntimeError):
+    """A bug in an export process (neither a user error nor an ``OSError``): its type, message and
+    the child's own traceback, which this process's traceback cannot show."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A child's error as plain data (an exception object may not pickle, or not unpickle whole:
+    kadapt's ``Refusal`` takes other ``__init__`` arguments than its ``args``)."""
+
+    kind: str  # the exception's class name
+    message: str  # str(exc): a user error's whole located message
+    user: bool  # a KadaptError (or a moved contact point): the message is for the user as is
+    exit_code: int = 1
+    errno: int | None = None  # set for an OSError
+    filename: str | None = None
+    trace: str = ""
+
+    @classmethod
+    def of(cls, exc: BaseException) -> Failure:
+        user = isinstance(exc, (KadaptError, ContactPointMoved))
+        return cls(
+            kind=type(exc).__name__,
+            message=str(exc),
+            user=user,
+            exit_code=getattr(exc, "exit_code", 1) if user else 1,
+            errno=exc.errno if isinstance(exc, OSError) else None,
+            filename=os.fsdecode(exc.filename) if isinstance(exc, OSError) and exc.filename else None,
+            trace="".join(traceback.format_exception(exc)),
+        )
+
+    def error(self, names: str) -> BaseException:
+        """The error to raise here for the export process building ``names``."""
+        if self.user:
+            error = KadaptError(self.message)
+            error.exit_code = self.exit_code
+            return error
+        if self.kind == "KeyboardInterrupt":  # the child was interrupted before it dropped Python's handler
+            return KeyboardInterrupt()
+        if self.errno is not None:
+            target = self.filename or f"the output of the export process building {names}"
+            return write_error(target, OSError(self.errno, os.strerror(self.errno)))
+        return ExportProcessFailed(
+            f"the export process building {names} failed: {self.kind}: {self.message}\n"
+            f"its traceback:\n{self.trace}"
+        )
 
 
 def export_processes() -> int:
@@ -162,11 +217,7 @@ class _Child:
             names, how = ", ".join(self.names), _ended(status)
             raise KadaptError(f"the export process building {names} ended without a result ({how})")
         if "error" in message:
-            kind, args, state = message["error"]
-            error = kind.__new__(kind, *args)
-            error.args = args
-            error.__dict__.update(state)
-            raise error
+            raise message["error"].error(", ".join(self.names))
         for name, seconds in message["steps"]:
             clock.record(f"{name}{process_mark(self.number)}", seconds)
         for patch, calls in message["reach"].items():
@@ -233,7 +284,8 @@ def _child(
     out = os.fdopen(messages, "wb")
     try:
         with contextlib.suppress(ValueError):  # forked from another thread: that thread's handlers
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            for number in (signal.SIGINT, signal.SIGTERM):  # not the CLI's: a child just ends
+                signal.signal(number, signal.SIG_DFL)
         import torch
 
         torch.set_num_threads(1)
@@ -258,22 +310,19 @@ def _child(
             os._exit(1)
         _send(out, message(finish(built, kept, decision)))
     except BaseException as exc:  # noqa: BLE001 - every failure is the parent's to report
-        # class, args and attributes: an exception whose __init__ takes other arguments than its
-        # args (kadapt's Refusal) does not unpickle whole
         with contextlib.suppress(BaseException):
-            _send(out, {"error": (type(exc), exc.args, vars(exc))})
+            _send(out, {"error": Failure.of(exc)})
     finally:
         os._exit(0)
 
 
 def _send(pipe: IO[bytes], value: Any) -> None:
-    """``value`` pickled, after its length; an error a pickle cannot carry is sent as its message."""
+    """``value`` pickled, after its length; a value pickle cannot carry is sent as an error."""
     try:
         payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:  # noqa: BLE001 - an error or a value pickle cannot carry
-        error = value.get("error") if isinstance(value, dict) else None
-        message = str(error[1]) if error is not None else f"its result could not be sent ({exc})"
-        payload = pickle.dumps({"error": (KadaptError, (f"export process: {message}",), {})})
+    except Exception as exc:  # noqa: BLE001 - a value pickle cannot carry
+        failure = Failure.of(ExportProcessFailed(f"its result could not be sent ({exc})"))
+        payload = pickle.dumps({"error": failure}, protocol=pickle.HIGHEST_PROTOCOL)
     pipe.write(_LENGTH.pack(len(payload)))
     pipe.write(payload)
     pipe.flush()

@@ -25,7 +25,8 @@ class Staging:
         self.temps = {target: temp_path(target) for target in targets}
 
     def write(self, files: Mapping[Path, Iterable[str]]) -> dict[Path, int]:
-        """Write each target's text chunks to its temp file; the byte size of each."""
+        """Write each target's text chunks to its temp file; the byte size of each. The disk refusing
+        (full, a size limit) is the user error ``cannot write TARGET: why`` (``atomic.write_new``)."""
         return {
             target: write_new(self.temps[target], chunks, target=target) for target, chunks in files.items()
         }
