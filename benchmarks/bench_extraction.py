@@ -94,8 +94,9 @@ def child_vision(spec_name: str, stitch: bool) -> dict[str, Any]:
 
     import torch
 
-    from kimi_adapter_core.backends.extraction import options_from_spec, vision
-    from kimi_adapter_core.backends.extraction.weight_map import weight_map_document
+    from kimi_adapter_core.backends.extraction import options_from_spec
+    from kimi_adapter_core.backends.extraction.ir import vision
+    from kimi_adapter_core.checkpoint.weight_map import weight_map_document
     from kimi_adapter_core.loading import applied, load_model
     from kimi_adapter_core.spec import load_spec
 
@@ -135,8 +136,9 @@ def child_torch_ir(spec_name: str) -> dict[str, Any]:
     import torch_ir
 
     from kimi_adapter_core import upstream
-    from kimi_adapter_core.backends.extraction import bind_structure, options_from_spec, runtime
-    from kimi_adapter_core.backends.extraction.weights import cast_to_abi_dtype
+    from kimi_adapter_core.backends.extraction import bind_structure, options_from_spec
+    from kimi_adapter_core.backends.extraction.runtime import abi as runtime
+    from kimi_adapter_core.checkpoint.dtypes import cast_to_abi_dtype
     from kimi_adapter_core.loading import applied, load_model, submodule
     from kimi_adapter_core.spec import load_spec
     from kimi_adapter_core.structure.derive import derive_structure

@@ -75,15 +75,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kimi_adapter_core.backends.simulation import aiconfigurator, calibrate
-from kimi_adapter_core.backends.simulation.cost import kernel_table, price
-from kimi_adapter_core.backends.simulation.deployment import Deployment
-from kimi_adapter_core.backends.simulation.device import Device, get_device
-from kimi_adapter_core.backends.simulation.inputs import model_inputs
-from kimi_adapter_core.backends.simulation.kernels import KernelTable, parse_kernels
-from kimi_adapter_core.backends.simulation.parallel import Parallel
-from kimi_adapter_core.backends.simulation.simulator import finish_step, simulate, trace_kernels
-from kimi_adapter_core.backends.simulation.tracer import Op
+from kimi_adapter_core.backends.simulation.estimate import aiconfigurator, reference
+from kimi_adapter_core.backends.simulation.estimate.cost import kernel_table, price
+from kimi_adapter_core.backends.simulation.estimate.simulator import finish_step, simulate, trace_kernels
+from kimi_adapter_core.backends.simulation.model.deployment import Deployment
+from kimi_adapter_core.backends.simulation.model.inputs import model_inputs
+from kimi_adapter_core.backends.simulation.model.parallel import Parallel
+from kimi_adapter_core.backends.simulation.model.tracer import Op
+from kimi_adapter_core.backends.simulation.tables import calibrate, calibrate_rows
+from kimi_adapter_core.backends.simulation.tables.device import Device, get_device
+from kimi_adapter_core.backends.simulation.tables.kernels import KernelTable, parse_kernels
 from kimi_adapter_core.spec import load_spec
 
 # The shipped DeepSeek-V3 spec. Its checkpoint is FP8 block-scaled (config.json quantization_config),
@@ -204,9 +205,9 @@ def kadapt_ms(case: A3Case) -> tuple[float, dict[str, float]]:
         mtp=case.mtp,
     )
     sim = simulate(model_inputs(spec, "W4A8"), spec, deployment, get_device(A3))
-    parts = dict.fromkeys(aiconfigurator.COMPONENTS, 0.0)
+    parts = dict.fromkeys(reference.COMPONENTS, 0.0)
     for k in sim.kernels:
-        parts[aiconfigurator.kadapt_component(k.op)] += k.total * 1e3
+        parts[reference.kadapt_component(k.op)] += k.total * 1e3
     return sim.step_time * 1e3, parts
 
 
@@ -233,7 +234,7 @@ def kimi_a3_table(checkout: str | None, python: str | None) -> None:
                 if isinstance(theirs, float)
                 else f"{theirs:>19}"
             )
-            split = " / ".join(f"{parts[name]:.1f}" for name in aiconfigurator.COMPONENTS)
+            split = " / ".join(f"{parts[name]:.1f}" for name in reference.COMPONENTS)
             print(
                 f"{case.name:24} {case.published_ms:10.2f} {tc} {ours:9.2f} {ours / case.published_ms:10.2f}"
                 f"   {split}"
@@ -297,7 +298,7 @@ def aic_reference(case: AicModel, batch: int, decode: bool, live: bool) -> tuple
     if not live:
         total, *parts = RECORDED[(case.spec, _label(batch, decode))]
         return total, dict(zip(COMPONENTS, parts, strict=True))
-    ref = aiconfigurator.reference_step(
+    ref = reference.reference_step(
         case.model,
         "h200_sxm",
         "trtllm",
@@ -330,7 +331,7 @@ def kadapt_aic_case(
     sim = simulate(model_inputs(spec, None), spec, dep, get_device("h200"), cost_model=cost_model)
     parts = dict.fromkeys(COMPONENTS, 0.0)
     for k in sim.kernels:
-        name = aiconfigurator.kadapt_component(k.op)
+        name = reference.kadapt_component(k.op)
         if name in parts:
             parts[name] += k.total * 1e3
     return sim.step_time * 1e3, parts
@@ -377,10 +378,10 @@ def all_to_all_table() -> None:
     tables, or kadapt's own pricing where it has none) when the package is installed."""
     import yaml
 
-    from kimi_adapter_core.backends.simulation.cost import comm_time
+    from kimi_adapter_core.backends.simulation.estimate.cost import comm_time
 
     published = yaml.safe_load(
-        (REPO / "kimi_adapter_core/backends/simulation/published/deepep_h800.yaml").read_text(
+        (REPO / "kimi_adapter_core/backends/simulation/tables/published/deepep_h800.yaml").read_text(
             encoding="utf-8"
         )
     )
@@ -471,7 +472,7 @@ def wide_ep_table() -> None:
     for case in CASES[:2]:
         dep = replace(case.deployment, kv_dtype="fp8")
         par = dep.parallel
-        ref = aiconfigurator.reference_step(
+        ref = reference.reference_step(
             "deepseek-ai/DeepSeek-V3",
             system,
             framework,
@@ -489,13 +490,13 @@ def wide_ep_table() -> None:
             sim = simulate(
                 inputs, spec, dep, get_device(case.device), cost_model=cost_model, framework=framework
             )
-            parts = dict.fromkeys(aiconfigurator.COMPONENTS, 0.0)
+            parts = dict.fromkeys(reference.COMPONENTS, 0.0)
             for k in sim.kernels:
-                parts[aiconfigurator.kadapt_component(k.op)] += k.total * 1e3
+                parts[reference.kadapt_component(k.op)] += k.total * 1e3
             ours[cost_model] = (sim.step_time * 1e3, parts)
         (meas, meas_parts), (roof, _) = ours["measured"], ours["roofline"]
         split = "  ".join(
-            f"{name} {meas_parts[name]:.1f}/{ref.components[name]:.1f}" for name in aiconfigurator.COMPONENTS
+            f"{name} {meas_parts[name]:.1f}/{ref.components[name]:.1f}" for name in reference.COMPONENTS
         )
         label = f"{'decode' if dep.decode else 'prefill'} DP{par.dp} EP{par.ep}, {dep.batch_per_rank} q/rank"
         print(
@@ -546,7 +547,7 @@ POINTS = [
 ]
 # every (AIConfigurator system, framework) scored: each is priced with its framework's own table, as
 # ``kadapt simulate --framework`` prices, fitted without that cell's own measurements
-TARGETS = [(system, framework) for system in calibrate.SYSTEMS for framework in calibrate.FRAMEWORKS]
+TARGETS = [(system, framework) for system in calibrate.SYSTEMS for framework in calibrate_rows.FRAMEWORKS]
 # the device a "device" held-out table was measured on: the same GPU generation (H100 and H200 are
 # one Hopper die with different HBM; B200 and GB200 one Blackwell die, GB200 on a Grace board) ...
 SAME_GENERATION = {"h100_sxm": "h200_sxm", "h200_sxm": "h100_sxm", "b200_sxm": "gb200", "gb200": "b200_sxm"}
@@ -573,7 +574,7 @@ def _table(data: dict[str, Any], label: str) -> KernelTable:
     return parse_kernels(json.loads(json.dumps(data)), Path(f"<{label}>"))
 
 
-def without_shapes(family: Family) -> calibrate.RowFilter:
+def without_shapes(family: Family) -> calibrate_rows.RowFilter:
     """A row filter dropping every measured row of the family's own shapes: its width (GEMM N or K,
     MoE hidden size) and its per-rank head count at any of its layouts (attention, MLA kernels and
     modules), so every kernel shape of the family is out of sample."""
@@ -589,7 +590,7 @@ def without_shapes(family: Family) -> calibrate.RowFilter:
     return keep
 
 
-def without_layout(family: Family, tp: int, ep: int) -> calibrate.RowFilter:
+def without_layout(family: Family, tp: int, ep: int) -> calibrate_rows.RowFilter:
     """A row filter dropping every measured row of the scored layout's split, whatever the model: the
     expert rows at its EP size and the attention rows (MLA kernels and modules too) at its per-rank
     head count. GEMM rows stay (their curves are medians by M over every shape, with no layout)."""
@@ -605,7 +606,9 @@ def without_layout(family: Family, tp: int, ep: int) -> calibrate.RowFilter:
     return keep
 
 
-def held_out_fit(system: str, framework: str, row_filter: calibrate.RowFilter, label: str) -> KernelTable:
+def held_out_fit(
+    system: str, framework: str, row_filter: calibrate_rows.RowFilter, label: str
+) -> KernelTable:
     """``framework``'s table on ``system`` refitted on the rows ``row_filter`` keeps: the filters drop
     every row of the shapes scored, so no curve of those shapes is left; the curves of the other
     shapes price them from the EP sizes, model widths and head counts around them, as in a shipped table

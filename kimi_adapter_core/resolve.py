@@ -63,7 +63,8 @@ def _check_targets(findings: _Findings) -> None:
 def _short_model_overrides(spec: Spec) -> dict[str, Any]:
     """Keep enough layers to hold one of each kind (dense and MoE), so class names can be found."""
     from .config.source import resolve_source
-    from .structure.derive import raw_text_section, shorten_layers, structure_of_raw
+    from .structure.derive import shorten_layers
+    from .structure.of_spec import raw_text_section, structure_of_raw
 
     raw = resolve_source(spec).raw
     structure = structure_of_raw(spec, raw)
@@ -95,7 +96,7 @@ def _check_classes(findings: _Findings, model: Any) -> None:
 def _check_model(findings: _Findings) -> None:
     from .backends.extraction.options import bind_structure, options_from_spec
     from .loading import applied, load_config, load_model, submodule
-    from .structure.derive import structure_of_config
+    from .structure.of_spec import structure_of_config
 
     spec = findings.spec
     overrides = findings.attempt("source", lambda: _short_model_overrides(spec))

@@ -20,6 +20,10 @@ Self-contained on purpose (the standard library at import; torch and transformer
 ``kadapt generate`` embeds this module verbatim in standalone extraction modules, which run the same
 checks at import and when they build their wrappers. Keep it free of kadapt imports, and of
 dataclasses (they need their module in ``sys.modules``, which an ``exec``'d generated module is not).
+
+Why one module: it is embedded as one body into generated extraction modules (above), and its one
+concern is the list of transformers internals kadapt touches; a reader looks for a contact point
+here, and ``kadapt doctor`` and docs/compatibility.md list them in this order.
 """
 
 from __future__ import annotations

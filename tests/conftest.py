@@ -2,7 +2,7 @@
 worker runs torch on its share of the CPUs; ``shipped_apply`` is one ``kadapt apply --verify`` per
 shipped spec for the whole run (``fixtures/shared_apply.py``).
 
-``kadapt apply`` restores a run whose inputs it extracted before (``backends/extraction/cache.py``).
+``kadapt apply`` restores a run whose inputs it extracted before (``backends/extraction/job/cache.py``).
 A test that monkey-patches kadapt or transformers in memory changes nothing the cache key sees, so a
 cache shared between tests could hand it another test's artifacts: each test starts cold instead,
 and subprocesses inherit the variable.
@@ -36,7 +36,7 @@ def _threads_per_worker() -> int | None:
 # copies of test_kv_contract.py[kimi_k25]: 142 s each with 2 threads, 9 s each with 1. Set before
 # torch is imported (the OpenMP runtime reads it once) and inherited by the tests' subprocesses; a
 # value the caller set wins.
-# The same goes for kadapt's export processes (``backends/extraction/forked.py``): under xdist the
+# The same goes for kadapt's export processes (``backends/extraction/job/forked.py``): under xdist the
 # CPUs are already divided among the workers, so forking two children from a 1-2 GB worker buys no
 # parallelism, only the fork (measured over the suite: ~40 CPU-s). The shared runs of the shipped
 # specs (``shipped_apply``) and ``test_forked_exports.py`` still take the forked path a user gets.

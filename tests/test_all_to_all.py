@@ -12,17 +12,19 @@ from typing import Any
 import pytest
 import yaml
 
-from kimi_adapter_core.backends.simulation.cost import comm_time, price
-from kimi_adapter_core.backends.simulation.deployment import Deployment
-from kimi_adapter_core.backends.simulation.device import Device, get_device, load_device_file
-from kimi_adapter_core.backends.simulation.inputs import model_inputs
-from kimi_adapter_core.backends.simulation.parallel import Parallel
-from kimi_adapter_core.backends.simulation.simulator import simulate
+from kimi_adapter_core.backends.simulation.estimate.cost import comm_time, price
+from kimi_adapter_core.backends.simulation.estimate.simulator import simulate
+from kimi_adapter_core.backends.simulation.model.deployment import Deployment
+from kimi_adapter_core.backends.simulation.model.inputs import model_inputs
+from kimi_adapter_core.backends.simulation.model.parallel import Parallel
+from kimi_adapter_core.backends.simulation.tables.device import Device, get_device, load_device_file
 from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
-PUBLISHED = REPO / "kimi_adapter_core" / "backends" / "simulation" / "published" / "deepep_h800.yaml"
+PUBLISHED = (
+    REPO / "kimi_adapter_core" / "backends" / "simulation" / "tables" / "published" / "deepep_h800.yaml"
+)
 MLA_SPECS = ("deepseek_v3", "kimi_k25")
 
 
@@ -109,7 +111,9 @@ def test_decode_uses_low_latency_kernels_and_prefill_the_normal_ones(
 
 
 def test_low_latency_efficiency_must_name_every_interconnect_level(tmp_path: Path) -> None:
-    data = yaml.safe_load((REPO / "kimi_adapter_core/backends/simulation/devices/h200.yaml").read_text())
+    data = yaml.safe_load(
+        (REPO / "kimi_adapter_core/backends/simulation/tables/devices/h200.yaml").read_text()
+    )
     data["ep_low_latency"]["efficiency"]["combine"] = {"nvlink4": 0.5}
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(data))

@@ -134,7 +134,7 @@ def test_bad_command_line_values_are_usage_errors(args, message):
 
 
 def test_simulate_help_names_devices_that_exist():
-    from kimi_adapter_core.backends.simulation.device import known_devices
+    from kimi_adapter_core.backends.simulation.tables.device import known_devices
 
     text = CliRunner().invoke(cli, ["simulate", "--help"]).output
     listed = text.split("Device profile name:")[1].split("(see")[0]
@@ -154,7 +154,7 @@ def test_the_ledger_says_which_patches_the_export_never_reached(tmp_path):
 patches:
   - id: W1
     why: Tried as a workaround for a cache that rejects new arguments.
-    target: kimi_adapter_core.backends.extraction.runtime:StaticKVCache.update
+    target: kimi_adapter_core.backends.extraction.runtime.abi:StaticKVCache.update
     kind: wrap
     backends: [extraction]
   - id: W2
@@ -172,7 +172,7 @@ patches:
     assert (entries["W1"]["status"], entries["W1"]["reached"]) == ("not reached", 0)
     assert "no call during the export reached it" in entries["W1"]["reason"]
     assert entries["W2"]["status"] == "applied" and entries["W2"]["reached"] > 0
-    target = "kimi_adapter_core.backends.extraction.runtime:StaticKVCache.update"
+    target = "kimi_adapter_core.backends.extraction.runtime.abi:StaticKVCache.update"
     assert f"note: patch W1 (wrap {target}) had no effect" in result.stderr
     text = CliRunner().invoke(cli, ["apply", str(spec), "--output-dir", str(tmp_path / "out")])
     row = next(line for line in text.stdout.splitlines() if line.startswith("W1 "))

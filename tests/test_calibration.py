@@ -12,14 +12,22 @@ import re
 import pytest
 from fixtures.spec_files import REPO
 
-from kimi_adapter_core.backends.simulation import aiconfigurator, kernels
-from kimi_adapter_core.backends.simulation.cost import kernel_table
-from kimi_adapter_core.backends.simulation.deployment import Deployment
-from kimi_adapter_core.backends.simulation.device import get_device
-from kimi_adapter_core.backends.simulation.inputs import model_inputs
-from kimi_adapter_core.backends.simulation.kernels import KERNELS_DIR, load_kernels
-from kimi_adapter_core.backends.simulation.parallel import Parallel
-from kimi_adapter_core.backends.simulation.simulator import Simulation, simulate
+from kimi_adapter_core.backends.simulation.estimate import aiconfigurator
+from kimi_adapter_core.backends.simulation.estimate.cost import kernel_table
+from kimi_adapter_core.backends.simulation.estimate.simulator import Simulation, simulate
+from kimi_adapter_core.backends.simulation.model.deployment import Deployment
+from kimi_adapter_core.backends.simulation.model.inputs import model_inputs
+from kimi_adapter_core.backends.simulation.model.parallel import Parallel
+from kimi_adapter_core.backends.simulation.tables import kernels
+from kimi_adapter_core.backends.simulation.tables.curves import (
+    Curve,
+    Match,
+    _matched,
+    measured_across,
+    measured_at,
+)
+from kimi_adapter_core.backends.simulation.tables.device import get_device
+from kimi_adapter_core.backends.simulation.tables.kernels import KERNELS_DIR, load_kernels
 from kimi_adapter_core.spec import load_spec
 
 needs_aic = pytest.mark.skipif(not aiconfigurator.available(), reason="aiconfigurator-core not installed")
@@ -52,7 +60,7 @@ def read_table(name: str) -> dict:
 # --- the shipped tables -------------------------------------------------------------------------------
 @needs_aic
 def test_every_shipped_table_is_a_regeneration() -> None:
-    from kimi_adapter_core.backends.simulation import calibrate
+    from kimi_adapter_core.backends.simulation.tables import calibrate
 
     assert {f"{s}_{f}" for s, f in calibrate.shipped()} == {
         f"{s}_{f}" for s in SYSTEM_TABLES for f in FRAMEWORKS
@@ -87,10 +95,10 @@ def test_curves_come_from_the_newest_version_that_measured_the_kernel() -> None:
     import pandas as pd
     from packaging.version import Version
 
-    from kimi_adapter_core.backends.simulation import calibrate
+    from kimi_adapter_core.backends.simulation.tables import calibrate_rows
 
     for system in SYSTEM_TABLES:
-        root = calibrate._tables(system)
+        root = calibrate_rows._tables(system)
         data = read_table(f"{system}_trtllm")
         source = data["grouped_gemm"]["w4a16"]["source"]
         framework, version = source.split("/")[2:4]
@@ -137,9 +145,9 @@ def test_kimi_int4_experts_reproduce_the_measured_marlin_row() -> None:
     its own curve they reproduce the row (the median curve over other EP sizes priced them 1.4x)."""
     import pandas as pd
 
-    from kimi_adapter_core.backends.simulation import calibrate
+    from kimi_adapter_core.backends.simulation.tables import calibrate_rows
 
-    rows = pd.read_parquet(calibrate._tables("h200_sxm") / "moe/sglang/0.5.14/moe_perf.parquet")
+    rows = pd.read_parquet(calibrate_rows._tables("h200_sxm") / "moe/sglang/0.5.14/moe_perf.parquet")
     at = (
         rows[
             (rows.moe_dtype == "int4_wo")
@@ -167,9 +175,9 @@ def test_a_power_law_row_below_the_pipeline_floor_is_reproduced() -> None:
     AIConfigurator); the recorded scale of the floor reaches the row."""
     import pandas as pd
 
-    from kimi_adapter_core.backends.simulation import calibrate
+    from kimi_adapter_core.backends.simulation.tables import calibrate_rows
 
-    rows = pd.read_parquet(calibrate._tables("b200_sxm") / "moe/sglang/0.5.14/moe_perf.parquet")
+    rows = pd.read_parquet(calibrate_rows._tables("b200_sxm") / "moe/sglang/0.5.14/moe_perf.parquet")
     keep = (rows.moe_dtype == "fp8_block") & (rows.hidden_size == 7168) & (rows.num_experts == 256)
     keep &= (rows.moe_ep_size == 4) & (rows.moe_tp_size == 1) & (rows.num_tokens == 1)
     (row,) = rows[keep & (rows.distribution == "power_law_1.01")].latency
@@ -197,18 +205,18 @@ def _source_rows(source: str) -> object:
     (<kernel>)``), of that kernel only."""
     import pandas as pd
 
-    from kimi_adapter_core.backends.simulation import calibrate
+    from kimi_adapter_core.backends.simulation.tables import calibrate_rows
 
     path, kernel = re.match(r"^(\S+\.parquet) \(([^)]+)\)", source).groups()
     system, rest = path.split("/", 1)
-    rows = pd.read_parquet(calibrate._tables(system) / rest)
+    rows = pd.read_parquet(calibrate_rows._tables(system) / rest)
     return rows[rows.kernel_source == kernel]
 
 
 def _qwen3_prefill_attention(tokens: int) -> object:
     """Qwen3-235B's attention op in a TP8 prefill of one ``tokens``-token sequence (8 query heads,
     1 KV head per rank)."""
-    from kimi_adapter_core.backends.simulation.simulator import trace_kernels
+    from kimi_adapter_core.backends.simulation.estimate.simulator import trace_kernels
 
     loaded = load_spec(REPO / "specs" / "qwen3_moe.yaml")
     dep = Deployment(Parallel(8, 1, 8), 1, tokens, 0, False, kv_dtype="bf16")
@@ -228,7 +236,7 @@ def test_gqa_prefill_at_a_measured_batch_and_length_reproduces_its_row(
     the shape's curve over every batch (the median at each length, set by batches 2-256) priced it
     7 us. The shape's own batch prices it from its own rows, and the bound the efficiency is taken
     against is the op's own (once 1.8x its bytes: 20% under the row where it is bandwidth-bound)."""
-    from kimi_adapter_core.backends.simulation.cost import price
+    from kimi_adapter_core.backends.simulation.estimate.cost import price
 
     op = _qwen3_prefill_attention(tokens)
     hardware = get_device(device)
@@ -260,7 +268,7 @@ def test_the_tp_all_reduce_reproduces_each_measured_message_size(device: str, fr
     """The custom all-reduce changes algorithm between 16 and 32 MiB (B200, SGLang: 57 us, then 170
     us): binned to a 4x grid, the 32 MiB all-reduce of a 4,096-token prefill at hidden 4,096 priced
     135 us. The curve is kept at every measured size, so each row is reproduced."""
-    from kimi_adapter_core.backends.simulation.cost import comm_time
+    from kimi_adapter_core.backends.simulation.estimate.cost import comm_time
 
     hardware = get_device(device)
     table = kernel_table(hardware, framework)
@@ -280,10 +288,12 @@ def _module_row(
     tokens."""
     import pandas as pd
 
-    from kimi_adapter_core.backends.simulation import calibrate
+    from kimi_adapter_core.backends.simulation.tables import calibrate_mla_module, calibrate_rows
 
-    rows = pd.read_parquet(calibrate._tables(system) / f"mla/vllm/0.24.0/mla_{phase}_module_perf.parquet")
-    rows = rows[(rows.model == calibrate.MLA_MODULE_MODEL) & (rows.tp_size == 1)]
+    rows = pd.read_parquet(
+        calibrate_rows._tables(system) / f"mla/vllm/0.24.0/mla_{phase}_module_perf.parquet"
+    )
+    rows = rows[(rows.model == calibrate_mla_module.MLA_MODULE_MODEL) & (rows.tp_size == 1)]
     keep = (rows.num_heads == heads) & (rows.kv_cache_dtype == kv) & (rows.gemm_type == gemm)
     keep &= (rows.batch_size == batch) & (rows.mla_dtype == "bfloat16")
     keep &= (rows.step == at) if phase == "generation" else (rows.isl == at) & (rows.step == 0)
@@ -354,7 +364,7 @@ def test_vllm_mla_prefill_is_the_measured_module(
 
 
 def calibrate_systems() -> dict[str, str]:
-    from kimi_adapter_core.backends.simulation import calibrate
+    from kimi_adapter_core.backends.simulation.tables import calibrate
 
     return calibrate.SYSTEMS
 
@@ -363,8 +373,8 @@ def test_a_module_floor_prices_only_the_shape_it_measured() -> None:
     """The floor is matched on the module's shape - heads, cache dtype, the projections' kernel family
     (read off the kernels inside it) and the model width vLLM measured (DeepSeek-V3's 7168): another
     width, or a framework that measured a standalone MLA kernel, keeps every kernel as priced."""
-    from kimi_adapter_core.backends.simulation.cost import fold_modules, price
-    from kimi_adapter_core.backends.simulation.simulator import trace_kernels
+    from kimi_adapter_core.backends.simulation.estimate.cost import fold_modules, price
+    from kimi_adapter_core.backends.simulation.estimate.simulator import trace_kernels
 
     loaded = load_spec(REPO / "specs" / "kimi_k25.yaml")
     dep = Deployment(Parallel(8, 1, 8), 32, 1, 4096, True, kv_dtype="bf16")
@@ -469,9 +479,9 @@ def _shape_matches(table: dict) -> list[dict]:
 def test_held_out_filters_drop_what_they_claim_and_keep_the_rest(bench) -> None:
     import pandas as pd
 
-    from kimi_adapter_core.backends.simulation import calibrate
+    from kimi_adapter_core.backends.simulation.tables import calibrate_rows
 
-    root = calibrate._tables("h200_sxm")
+    root = calibrate_rows._tables("h200_sxm")
     deepseek = _family(bench, "deepseek_v3")
     moe = pd.read_parquet(root / "moe/sglang/0.5.14/moe_perf.parquet")
     gemm = pd.read_parquet(root / "gemm/sglang/0.5.14/gemm_perf.parquet")
@@ -500,9 +510,9 @@ def test_a_held_out_table_never_saw_the_scored_rows(bench, kind: str, framework:
     module floor it keeps is at another width, EP size or head count (they price the scored ones
     from those around them), so it prices the scored steps otherwise than the shipped table, which
     measured them."""
-    from kimi_adapter_core.backends.simulation import calibrate
-    from kimi_adapter_core.backends.simulation.cost import price
-    from kimi_adapter_core.backends.simulation.simulator import finish_step, trace_kernels
+    from kimi_adapter_core.backends.simulation.estimate.cost import price
+    from kimi_adapter_core.backends.simulation.estimate.simulator import finish_step, trace_kernels
+    from kimi_adapter_core.backends.simulation.tables import calibrate
 
     deepseek = _family(bench, "deepseek_v3")
     keep = bench.without_shapes(deepseek) if kind == "shapes" else bench.without_layout(deepseek, 8, 8)
@@ -530,7 +540,7 @@ def test_a_held_out_table_never_saw_the_scored_rows(bench, kind: str, framework:
 
 
 def test_a_device_held_out_table_was_measured_on_another_device(bench) -> None:
-    from kimi_adapter_core.backends.simulation import calibrate
+    from kimi_adapter_core.backends.simulation.tables import calibrate
 
     assert set(bench.TARGETS) == set(calibrate.shipped())
     for sources in (bench.SAME_GENERATION, bench.OTHER_GENERATION):
@@ -551,9 +561,9 @@ def _gemm_row(system: str, m: int, n: int, k: int) -> float:
     """ms of vLLM 0.24's fp8-block GEMM row at (m, n, k) on ``system`` (whichever kernel served it)."""
     import pandas as pd
 
-    from kimi_adapter_core.backends.simulation import calibrate
+    from kimi_adapter_core.backends.simulation.tables import calibrate_rows
 
-    rows = pd.read_parquet(calibrate._tables(system) / "gemm/vllm/0.24.0/gemm_perf.parquet")
+    rows = pd.read_parquet(calibrate_rows._tables(system) / "gemm/vllm/0.24.0/gemm_perf.parquet")
     (latency,) = rows[
         (rows.gemm_dtype == "fp8_block") & (rows.m == m) & (rows.n == n) & (rows.k == k)
     ].latency
@@ -572,9 +582,9 @@ def test_a_gemm_prices_its_measured_call_floor(system: str, m: int) -> None:
     20% (GB200's rows scatter 0.27-0.32 ms by shape at one M; the floor is their median), where the
     efficiency alone priced a 1-token call on GB200 at 0.24 ms (row 0.50, now 0.54) and a 1,024-token
     one at 0.38 (row 0.27, now 0.31)."""
-    from kimi_adapter_core.backends.simulation import calibrate
-    from kimi_adapter_core.backends.simulation.cost import price
-    from kimi_adapter_core.backends.simulation.tracer import Op
+    from kimi_adapter_core.backends.simulation.estimate.cost import price
+    from kimi_adapter_core.backends.simulation.model.tracer import Op
+    from kimi_adapter_core.backends.simulation.tables import calibrate
 
     n, k = 512, 7168
     op = Op(
@@ -598,7 +608,11 @@ def test_an_unmeasured_decode_shape_prices_with_its_cache_dtype_curves() -> None
     around it, not the median over both."""
     import pandas as pd
 
-    from kimi_adapter_core.backends.simulation import calibrate
+    from kimi_adapter_core.backends.simulation.tables import (
+        calibrate_attention,
+        calibrate_fit,
+        calibrate_rows,
+    )
 
     table = kernel_table(get_device("h200"), "sglang")
     shapes = load_kernels("h200_sxm_sglang").decode["mla"].shapes
@@ -608,17 +622,21 @@ def test_an_unmeasured_decode_shape_prices_with_its_cache_dtype_curves() -> None
     assert sorted(m["kv_dtype"] for m, _ in fallbacks) == ["bf16", "fp8"]
     # after every exact shape: an exact shape still prices with its own curve
     assert all(len(dict(match)) > 2 for match, _ in shapes[: len(shapes) - len(fallbacks)])
-    rows = pd.read_parquet(calibrate._tables("h200_sxm") / "mla/sglang/0.5.14/generation_mla_perf.parquet")
-    rows = calibrate._kv_read(rows[rows.mla_dtype == "bfloat16"].assign(ctx=lambda t: t.isl + t.step))
+    rows = pd.read_parquet(
+        calibrate_rows._tables("h200_sxm") / "mla/sglang/0.5.14/generation_mla_perf.parquet"
+    )
+    rows = calibrate_attention._kv_read(
+        rows[rows.mla_dtype == "bfloat16"].assign(ctx=lambda t: t.isl + t.step)
+    )
     peak, bw = dict(get_device("h200").peak_flops), get_device("h200").hbm_bandwidth
     for match, curve in fallbacks:
         dtype = {"bf16": "bfloat16", "fp8": "fp8"}[match["kv_dtype"]]
         kernel = rows.kernel_source.value_counts().index[0]
-        own = calibrate._eff(
+        own = calibrate_fit._eff(
             rows[(rows.kv_cache_dtype == dtype) & (rows.kernel_source == kernel)],
-            lambda f: calibrate._mla_decode_ms(f, peak, bw),
+            lambda f: calibrate_attention._mla_decode_ms(f, peak, bw),
         )
-        assert list(curve.ys) == calibrate._median_curve(own, "read", calibrate.BYTES_GRID)
+        assert list(curve.ys) == calibrate_fit._median_curve(own, "read", calibrate_fit.BYTES_GRID)
     unmeasured = {"heads": 12, "attention_dp": 1}  # no head count of 12 was measured: 8 and 16 were
     fp8 = table.attention_eff(True, "mla", 2**28, unmeasured | {"kv_dtype": "fp8"})
     bf16 = table.attention_eff(True, "mla", 2**28, unmeasured | {"kv_dtype": "bf16"})
@@ -636,7 +654,7 @@ def test_an_unmeasured_head_count_takes_the_module_floor_around_it() -> None:
     """vLLM's MLA module floor grows with the heads (q_b and o_proj are per head); a head count not
     measured takes the two measured around it, linear in log(heads), every other attribute equal;
     past the measured range the nearest one's; a shape no floor matches otherwise keeps none."""
-    from kimi_adapter_core.backends.simulation.cost import module_floor
+    from kimi_adapter_core.backends.simulation.estimate.cost import module_floor
 
     floors = load_kernels("b200_sxm_vllm").module_floor["mla"]
     shape = {"kv_dtype": "fp8", "projections": "fp8_block", "attention_dp": 1, "hidden": 7168}
@@ -662,11 +680,11 @@ def test_measured_across_takes_the_first_curve_per_value_and_the_keyless_curves_
     match does not name the key (a decode curve per cache dtype) prices only where no value around
     the op's was measured."""
 
-    def flat(y: float) -> kernels.Curve:
-        return kernels.Curve((1.0, 100.0), (y, y))
+    def flat(y: float) -> Curve:
+        return Curve((1.0, 100.0), (y, y))
 
-    def match(**attrs) -> kernels.Match:
-        return tuple(sorted((k, kernels._matched(v)) for k, v in attrs.items()))
+    def match(**attrs) -> Match:
+        return tuple(sorted((k, _matched(v)) for k, v in attrs.items()))
 
     prefill = (
         (match(heads=4, batch=1), flat(0.1)),
@@ -674,9 +692,9 @@ def test_measured_across_takes_the_first_curve_per_value_and_the_keyless_curves_
         (match(heads=4), flat(0.5)),
         (match(heads=16), flat(0.7)),
     )
-    got = kernels.measured_across(prefill, {"heads": 8, "batch": 1}, "heads")
+    got = measured_across(prefill, {"heads": 8, "batch": 1}, "heads")
     assert got is not None and got(10) == pytest.approx(0.2)  # halfway in log2 between 4 and 16, batch 1
-    got = kernels.measured_across(prefill, {"heads": 8, "batch": 2}, "heads")
+    got = measured_across(prefill, {"heads": 8, "batch": 2}, "heads")
     assert got is not None and got(10) == pytest.approx(0.6)  # a batch not measured: over every batch
     decode = (
         (match(heads=4, kv_dtype="fp8"), flat(0.1)),
@@ -684,14 +702,14 @@ def test_measured_across_takes_the_first_curve_per_value_and_the_keyless_curves_
         (match(kv_dtype="fp8"), flat(0.9)),
         (match(kv_dtype="bf16"), flat(0.8)),
     )
-    got = kernels.measured_across(decode, {"heads": 8, "kv_dtype": "fp8"}, "heads")
+    got = measured_across(decode, {"heads": 8, "kv_dtype": "fp8"}, "heads")
     assert got is not None and got(10) == pytest.approx(0.2)  # the neighbours, not the dtype's median
-    got = kernels.measured_across(decode, {"heads": 8, "kv_dtype": "bf16"}, "heads")
+    got = measured_across(decode, {"heads": 8, "kv_dtype": "bf16"}, "heads")
     assert got is not None and got(10) == pytest.approx(0.8)  # no neighbour of that dtype: its median
-    assert kernels.measured_across(decode, {"heads": 8}, "heads") is None
+    assert measured_across(decode, {"heads": 8}, "heads") is None
 
 
-def _without_heads(curve: kernels.Curve, heads: int) -> kernels.Curve:
+def _without_heads(curve: Curve, heads: int) -> Curve:
     """``curve`` as a table fitted without any row at ``heads`` per rank would hold it."""
     from dataclasses import replace
 
@@ -730,7 +748,7 @@ def test_an_attention_head_count_not_measured_prices_from_the_head_counts_around
     assert got == pytest.approx(lo + t * (hi - lo), rel=1e-9)
     assert got == pytest.approx(own, rel=0.1)
     # before: the shapes' first match (the decode curve of the cache dtype), else the median
-    before = (kernels.measured_at(held_curves[kind].shapes, shape) or curves[kind])(key)
+    before = (measured_at(held_curves[kind].shapes, shape) or curves[kind])(key)
     assert abs(got / own - 1) < abs(before / own - 1)
 
 
@@ -740,9 +758,9 @@ def test_qwen3_prefill_attention_held_out_by_layout_prices_near_its_own_rows(ben
     TP8's GQA prefill at one 1,024-token sequence on B200 / SGLang then prices from 6 and 12 heads:
     within 10% of the shipped table (its own rows). From the median curve it was 0.23x (0.50 against
     2.14 ms per step)."""
-    from kimi_adapter_core.backends.simulation import calibrate
-    from kimi_adapter_core.backends.simulation.cost import price
-    from kimi_adapter_core.backends.simulation.simulator import trace_kernels
+    from kimi_adapter_core.backends.simulation.estimate.cost import price
+    from kimi_adapter_core.backends.simulation.estimate.simulator import trace_kernels
+    from kimi_adapter_core.backends.simulation.tables import calibrate
 
     qwen = _family(bench, "qwen3_moe")
     table = bench._table(calibrate.calibrate("b200_sxm", "sglang", bench.without_layout(qwen, 8, 8)), "TP8")
@@ -762,9 +780,9 @@ def test_a_held_out_head_count_prices_vllm_mla_decode_from_the_floors_around_it(
     """Held out (no row at 16 heads per rank), DeepSeek-V3 TP8 decode on vLLM still prices its MLA as
     the module: the attention from the median curve, the floor from 8 and 32 heads (it was priced as
     vLLM's standalone fp8-block GEMM rows, 85 us each on H200: decode 1.2-2.8x AIConfigurator)."""
-    from kimi_adapter_core.backends.simulation import calibrate
-    from kimi_adapter_core.backends.simulation.cost import fold_modules, price
-    from kimi_adapter_core.backends.simulation.simulator import trace_kernels
+    from kimi_adapter_core.backends.simulation.estimate.cost import fold_modules, price
+    from kimi_adapter_core.backends.simulation.estimate.simulator import trace_kernels
+    from kimi_adapter_core.backends.simulation.tables import calibrate
 
     deepseek = _family(bench, "deepseek_v3")
     fit = calibrate.calibrate("h200_sxm", "vllm", bench.without_layout(deepseek, 8, 8))
@@ -792,12 +810,12 @@ def test_an_all_reduce_prices_with_its_group_sizes_rows(system: str, gpus: int) 
     3%."""
     import pandas as pd
 
-    from kimi_adapter_core.backends.simulation import calibrate
-    from kimi_adapter_core.backends.simulation.cost import comm_time
+    from kimi_adapter_core.backends.simulation.estimate.cost import comm_time
+    from kimi_adapter_core.backends.simulation.tables import calibrate, calibrate_rows
 
     device = get_device(calibrate.SYSTEMS[system])
     table = kernel_table(device, "vllm")
-    rows = pd.read_parquet(calibrate._tables(system) / "comm/vllm/0.24.0/custom_allreduce_perf.parquet")
+    rows = pd.read_parquet(calibrate_rows._tables(system) / "comm/vllm/0.24.0/custom_allreduce_perf.parquet")
     rows = rows[
         (rows.allreduce_dtype == "bfloat16")
         & (rows.num_gpus == gpus)

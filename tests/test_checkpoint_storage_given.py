@@ -34,9 +34,9 @@ from fixtures.shared_apply import SharedApplies
 from fixtures.spec_files import kimi_spec_with
 from safetensors.torch import load_file, save_file
 
-from kimi_adapter_core.backends.extraction.checkpoint_storage import FP8_BLOCK, MXFP4, PACK_QUANTIZED
-from kimi_adapter_core.backends.extraction.naming import rename_weight
-from kimi_adapter_core.backends.extraction.weight_loader import load_weights
+from kimi_adapter_core.checkpoint.loader import load_weights
+from kimi_adapter_core.checkpoint.naming import rename_weight
+from kimi_adapter_core.checkpoint.storage import FP8_BLOCK, MXFP4, PACK_QUANTIZED
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import KadaptError, Refusal
 from kimi_adapter_core.spec import load_spec

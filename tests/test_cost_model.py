@@ -14,15 +14,16 @@ import yaml
 from click.testing import CliRunner
 from fixtures.spec_files import REPO
 
-from kimi_adapter_core.backends.simulation import aiconfigurator
-from kimi_adapter_core.backends.simulation.cost import _all_to_all, comm_time, kernel_table, price
-from kimi_adapter_core.backends.simulation.deployment import Deployment
-from kimi_adapter_core.backends.simulation.device import Device, get_device
-from kimi_adapter_core.backends.simulation.inputs import ModelInputs, model_inputs
-from kimi_adapter_core.backends.simulation.kernels import KERNELS_DIR, Curve, load_kernels, parse_kernels
-from kimi_adapter_core.backends.simulation.parallel import Parallel
-from kimi_adapter_core.backends.simulation.simulator import Simulation, simulate
-from kimi_adapter_core.backends.simulation.tracer import Op, fuse, merge_projections
+from kimi_adapter_core.backends.simulation.estimate import aiconfigurator, reference
+from kimi_adapter_core.backends.simulation.estimate.cost import _all_to_all, comm_time, kernel_table, price
+from kimi_adapter_core.backends.simulation.estimate.simulator import Simulation, simulate
+from kimi_adapter_core.backends.simulation.model.deployment import Deployment
+from kimi_adapter_core.backends.simulation.model.inputs import ModelInputs, model_inputs
+from kimi_adapter_core.backends.simulation.model.parallel import Parallel
+from kimi_adapter_core.backends.simulation.model.tracer import Op, fuse, merge_projections
+from kimi_adapter_core.backends.simulation.tables.curves import Curve
+from kimi_adapter_core.backends.simulation.tables.device import Device, get_device
+from kimi_adapter_core.backends.simulation.tables.kernels import KERNELS_DIR, load_kernels, parse_kernels
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.spec import Spec, load_spec
@@ -221,7 +222,7 @@ def test_a_model_width_not_measured_prices_experts_from_the_widths_around_it() -
     curve from the nearest width (6144 x 2048), where the median over every shape is 12% off."""
     from dataclasses import replace
 
-    from kimi_adapter_core.backends.simulation.kernels import EXPERT_ACROSS, KernelTable
+    from kimi_adapter_core.backends.simulation.tables.kernels import EXPERT_ACROSS, KernelTable
 
     def without(table: KernelTable, hidden: int) -> KernelTable:
         def drop(curve: Curve) -> Curve:
@@ -316,7 +317,7 @@ def test_router_and_norms_read_bf16_and_projections_merge() -> None:
 
 
 def test_merging_keeps_work_and_reads_the_activation_once() -> None:
-    from kimi_adapter_core.backends.simulation.rank_model import trace_rank
+    from kimi_adapter_core.backends.simulation.model.rank_model import trace_rank
 
     spec = load_spec(REPO / "specs" / "llama.yaml")
     dep = Deployment(Parallel(1, 1, 1), 4, 1, 128, True)
@@ -390,14 +391,14 @@ AIC_DEEPSEEK = ("deepseek-ai/DeepSeek-V3", "h200_sxm", "trtllm")
 @pytest.mark.parametrize(("batch", "decode"), [(1, True), (32, True), (128, True), (1, False)])
 def test_deepseek_v3_against_aiconfigurator(batch: int, decode: bool) -> None:
     """Within 20% of AIConfigurator in total and 30% per component (roofline), 10% in total (measured)."""
-    ref = aiconfigurator.reference_step(
+    ref = reference.reference_step(
         *AIC_DEEPSEEK, tp=8, ep=8, decode=decode, batch=batch, seq=4096, fmha_quant_mode="bfloat16"
     )
     roofline = run(DEEPSEEK, batch=batch, decode=decode)
     assert roofline.step_time * 1e3 == pytest.approx(ref.total_ms, rel=0.20)
-    parts = dict.fromkeys(aiconfigurator.COMPONENTS, 0.0)
+    parts = dict.fromkeys(reference.COMPONENTS, 0.0)
     for k in roofline.kernels:
-        parts[aiconfigurator.kadapt_component(k.op)] += k.total * 1e3
+        parts[reference.kadapt_component(k.op)] += k.total * 1e3
     for name in ("attention", "experts", "communication"):
         assert parts[name] == pytest.approx(ref.components[name], rel=0.30), name
     measured = run(DEEPSEEK, batch=batch, decode=decode, cost_model="measured")
@@ -482,7 +483,7 @@ def test_atlas_a3_table_reproduces_the_published_kernel_times() -> None:
 
 
 def test_atlas_a3_table_is_generated_and_borrows_only_what_it_says() -> None:
-    from kimi_adapter_core.backends.simulation import ascend_calibrate
+    from kimi_adapter_core.backends.simulation.tables import ascend_calibrate
 
     shipped = yaml.safe_load((KERNELS_DIR / "atlas_a3.yaml").read_text(encoding="utf-8"))
     assert shipped == json.loads(json.dumps(ascend_calibrate.calibrate()))  # regenerating changes nothing

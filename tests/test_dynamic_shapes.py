@@ -17,9 +17,15 @@ import sympy
 from click.testing import CliRunner
 
 from kimi_adapter_core.backends.extraction import ExtractionOptions, options_from_spec
-from kimi_adapter_core.backends.extraction.convert import Symbols
-from kimi_adapter_core.backends.extraction.roundtrip import Check, VerifyReport, verify
-from kimi_adapter_core.backends.extraction.symbolic import DimRange, bind_sizes, evaluate, substitute
+from kimi_adapter_core.backends.extraction.equivalence.roundtrip import verify
+from kimi_adapter_core.backends.extraction.equivalence.verdict import Check, VerifyReport
+from kimi_adapter_core.backends.extraction.ir.convert import Symbols
+from kimi_adapter_core.backends.extraction.runtime.symbolic import (
+    DimRange,
+    bind_sizes,
+    evaluate,
+    substitute,
+)
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.spec import load_spec
@@ -171,7 +177,7 @@ def test_symbolic_ir_and_kv_mapping_name_the_sizes(tmp_path: Path) -> None:
     """The files say which dimension is which size and its range; nothing static is left symbolic."""
     spec, options = _dynamic("llama", tmp_path, batch=3)
     from kimi_adapter_core.backends.extraction import run
-    from kimi_adapter_core.backends.extraction.roundtrip import tiny_overrides
+    from kimi_adapter_core.backends.extraction.tiny_model import tiny_overrides
     from kimi_adapter_core.loading import applied, load_config, load_model
 
     config = load_config(spec, backend="extraction", overrides=tiny_overrides(spec, options))

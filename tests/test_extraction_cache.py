@@ -1,4 +1,4 @@
-"""The extraction cache (``backends/extraction/cache.py``): a second ``kadapt apply`` with the same
+"""The extraction cache (``backends/extraction/job/cache.py``): a second ``kadapt apply`` with the same
 inputs writes the same bytes without tracing, any changed input extracts again, and a damaged or
 unwritable cache never changes what a run produces."""
 
@@ -15,9 +15,15 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from kimi_adapter_core.backends.extraction import cache_key, options_from_spec
-from kimi_adapter_core.backends.extraction.cache import ExtractionCache
-from kimi_adapter_core.backends.extraction.cache_key import Uncacheable, canonical, library_digest, run_key
+from kimi_adapter_core.backends.extraction import options_from_spec
+from kimi_adapter_core.backends.extraction.job import cache_key
+from kimi_adapter_core.backends.extraction.job.cache import ExtractionCache
+from kimi_adapter_core.backends.extraction.job.cache_key import (
+    Uncacheable,
+    canonical,
+    library_digest,
+    run_key,
+)
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.spec import load_spec
 
@@ -152,10 +158,12 @@ def test_key_follows_kadapts_own_files(tmp_path, monkeypatch):
     package = tmp_path / "kimi_adapter_core"
     shutil.copytree(cache_key._PACKAGE, package, ignore=shutil.ignore_patterns("__pycache__"))
     monkeypatch.setattr(cache_key, "_PACKAGE", package)
-    before = key_of()
-    table = package / "backends" / "extraction" / "encoding.py"
-    table.write_text(table.read_text() + "\n# any edit\n")
-    assert key_of() != before
+    keys = [key_of()]
+    # an edit anywhere in the package is a new key: inside the backend and far from it
+    for edited in (package / "backends" / "extraction" / "ir" / "encoding.py", package / "spec" / "model.py"):
+        edited.write_text(edited.read_text() + "\n# any edit\n")
+        keys.append(key_of())
+    assert len(set(keys)) == 3
 
 
 def test_key_follows_user_impl_source(tmp_path, monkeypatch):

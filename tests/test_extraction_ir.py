@@ -16,9 +16,9 @@ from fixtures.loader import loaded_dtypes
 from fixtures.spec_files import KIMI_SPEC
 
 from kimi_adapter_core.backends.extraction import options_from_spec, run
-from kimi_adapter_core.backends.extraction import pipeline as pipeline_module
-from kimi_adapter_core.backends.extraction.encoding import dtype_codes
-from kimi_adapter_core.backends.extraction.roundtrip import tiny_overrides
+from kimi_adapter_core.backends.extraction.ir.encoding import dtype_codes
+from kimi_adapter_core.backends.extraction.job import pipeline as pipeline_module
+from kimi_adapter_core.backends.extraction.tiny_model import tiny_overrides
 from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.loading import applied, load_config, load_model
 

@@ -15,8 +15,9 @@ from fixtures.spec_files import KIMI_SPEC as SPEC
 from fixtures.spec_files import REPO
 
 from kimi_adapter_core import upstream
-from kimi_adapter_core.backends.extraction import options_from_spec, runtime
-from kimi_adapter_core.backends.extraction.roundtrip import tiny_overrides
+from kimi_adapter_core.backends.extraction import options_from_spec
+from kimi_adapter_core.backends.extraction.runtime import abi as runtime
+from kimi_adapter_core.backends.extraction.tiny_model import tiny_overrides
 from kimi_adapter_core.loading import applied, load_config, load_model, submodule
 from kimi_adapter_core.structure.derive import derive_structure
 
@@ -243,9 +244,9 @@ def test_absorbed_decode_graph_never_expands_the_cache() -> None:
     """kv_b_proj's weight is only reshaped (never a linear over the cache) and the attention FLOPs drop."""
     import dataclasses
 
-    from kimi_adapter_core.backends.extraction.graph import WEIGHT
-    from kimi_adapter_core.backends.extraction.pipeline import Clock, backbone_of, bound_to, build_graph
-    from kimi_adapter_core.backends.extraction.stitch import Plan
+    from kimi_adapter_core.backends.extraction.ir.graph import WEIGHT
+    from kimi_adapter_core.backends.extraction.ir.stitch import Plan
+    from kimi_adapter_core.backends.extraction.job.pipeline import Clock, backbone_of, bound_to, build_graph
 
     cache_len, graphs = 48, {}
     options = options_from_spec(SPEC, output_dir="/tmp", prefill_len=4, max_cache_len=cache_len)

@@ -12,9 +12,8 @@ import torch_ir
 from fixtures.spec_files import KIMI_SPEC as SPEC
 from torch import nn
 
-from kimi_adapter_core.backends.extraction import options_from_spec, runtime
-from kimi_adapter_core.backends.extraction import pipeline as pipeline_module
-from kimi_adapter_core.backends.extraction.graph import (
+from kimi_adapter_core.backends.extraction import options_from_spec
+from kimi_adapter_core.backends.extraction.ir.graph import (
     CONSTANT,
     INPUT,
     NODE,
@@ -23,12 +22,14 @@ from kimi_adapter_core.backends.extraction.graph import (
     GraphOutput,
     Node,
     Ref,
-    TensorType,
 )
-from kimi_adapter_core.backends.extraction.irjson import ir_chunks
-from kimi_adapter_core.backends.extraction.pipeline import Clock, backbone_of, bound_to, build_graph
-from kimi_adapter_core.backends.extraction.roundtrip import tiny_overrides
-from kimi_adapter_core.backends.extraction.stitch import NotStitchable, Plan, plan, stitch
+from kimi_adapter_core.backends.extraction.ir.irjson import ir_chunks
+from kimi_adapter_core.backends.extraction.ir.stitch import NotStitchable, Plan, plan, stitch
+from kimi_adapter_core.backends.extraction.job import pipeline as pipeline_module
+from kimi_adapter_core.backends.extraction.job.pipeline import Clock, backbone_of, bound_to, build_graph
+from kimi_adapter_core.backends.extraction.runtime import abi as runtime
+from kimi_adapter_core.backends.extraction.tiny_model import tiny_overrides
+from kimi_adapter_core.checkpoint.tensors import TensorType
 from kimi_adapter_core.loading import applied, load_config, load_model
 from kimi_adapter_core.structure.derive import derive_structure
 
@@ -103,7 +104,7 @@ def test_stitched_equals_full_trace(kv_layout: str, kind: str) -> None:
 
 
 def _assert_same_execution(ours: dict, theirs: dict, backbone: Any, options: Any) -> None:
-    from kimi_adapter_core.backends.extraction.naming import rename_weight
+    from kimi_adapter_core.checkpoint.naming import rename_weight
 
     torch.manual_seed(0)
     weights = {

@@ -12,7 +12,8 @@ from fixtures.shared_apply import SharedApplies
 from fixtures.spec_files import KIMI_SPEC as SPEC
 
 from kimi_adapter_core.backends.extraction import ExtractionOptions, options_from_spec, verify
-from kimi_adapter_core.backends.extraction.roundtrip import Check, VerifyReport, tiny_overrides
+from kimi_adapter_core.backends.extraction.equivalence.verdict import Check, VerifyReport
+from kimi_adapter_core.backends.extraction.tiny_model import tiny_overrides
 from kimi_adapter_core.spec import load_spec
 
 

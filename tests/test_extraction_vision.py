@@ -17,17 +17,18 @@ import yaml
 from fixtures.spec_files import KIMI_SPEC, REPO
 
 from kimi_adapter_core.backends.extraction import options_from_spec, run
-from kimi_adapter_core.backends.extraction import vision as vision_module
-from kimi_adapter_core.backends.extraction.naming import rename_weight
-from kimi_adapter_core.backends.extraction.options import VisionOptions
-from kimi_adapter_core.backends.extraction.roundtrip import VerifyReport, tiny_overrides
-from kimi_adapter_core.backends.extraction.tolerance import Tolerance
-from kimi_adapter_core.backends.extraction.vision_verify import check_vision
-from kimi_adapter_core.backends.extraction.weight_map import weight_map_document
-from kimi_adapter_core.backends.extraction.write import write_all
+from kimi_adapter_core.backends.extraction.equivalence.tolerance import Tolerance
+from kimi_adapter_core.backends.extraction.equivalence.verdict import VerifyReport
+from kimi_adapter_core.backends.extraction.equivalence.vision import check_vision
+from kimi_adapter_core.backends.extraction.ir import vision as vision_module
+from kimi_adapter_core.backends.extraction.job.write import write_all
+from kimi_adapter_core.backends.extraction.tiny_model import tiny_overrides
+from kimi_adapter_core.checkpoint.naming import rename_weight
+from kimi_adapter_core.checkpoint.weight_map import weight_map_document
 from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.loading import applied, load_config, load_model
 from kimi_adapter_core.spec import load_spec
+from kimi_adapter_core.vision.options import VisionOptions
 
 SPEC = KIMI_SPEC
 # two images packed into one call: the encoder attends within each image only

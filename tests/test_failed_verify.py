@@ -1,7 +1,7 @@
 """A failed ``--verify`` leaves nothing that looks verified, and says where the replay first departs.
 
 ``kadapt apply --verify`` writes (or restores) the run's files into a hidden folder inside the output
-folder and renames them into place only once verify passed (``pipeline.Held``): a failed verify, or an
+folder and renames them into place only once verify passed (``job.held.Held``): a failed verify, or an
 error during it, leaves the folder exactly as it was, whether the files were extracted or restored
 from the extraction cache. The verify report names the first layer and output (key or value cache) of
 the saved graphs that departs from transformers', found only after a logits or token check failed.
@@ -26,9 +26,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from kimi_adapter_core.backends.extraction import options_from_spec, roundtrip, verify
-from kimi_adapter_core.backends.extraction.pipeline import HELD_PREFIX, held_until_verified
-from kimi_adapter_core.backends.extraction.roundtrip import VerifyReport
+from kimi_adapter_core.backends.extraction import options_from_spec, verify
+from kimi_adapter_core.backends.extraction.equivalence import comparisons, departure, roundtrip
+from kimi_adapter_core.backends.extraction.equivalence.verdict import VerifyReport
+from kimi_adapter_core.backends.extraction.job.held import HELD_PREFIX, held_until_verified
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.spec import load_spec
@@ -61,7 +62,7 @@ class Caught(NamedTuple):
         return replay
 
     def localise(self, replay: Any) -> str:
-        return roundtrip._localise(self.model, replay, self.prompt, DECODE_STEPS, self.tolerance)
+        return departure.localise(self.model, replay, self.prompt, DECODE_STEPS, self.tolerance)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,7 @@ def caught(tmp_path_factory: pytest.TempPathFactory) -> Caught:
     options = options_from_spec(spec, output_dir=tmp_path_factory.mktemp("verify") / "out")
     options = dataclasses.replace(options, verify_dtypes=("float32",), verify_decode_steps=DECODE_STEPS)
     seen: dict[str, Any] = {}
-    real_load, real_compare = roundtrip._saved_and_loaded, roundtrip._compare
+    real_load, real_compare = roundtrip.saved_and_loaded, roundtrip.compare_prompt
 
     def load(model: Any, small: Any, tmp: Path) -> dict[str, torch.Tensor]:
         seen["clean"] = real_load(model, small, tmp)
@@ -81,8 +82,8 @@ def caught(tmp_path_factory: pytest.TempPathFactory) -> Caught:
         real_compare(report, model, replay, prompt, steps, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(roundtrip, "_saved_and_loaded", load)
-        patch.setattr(roundtrip, "_compare", compare)
+        patch.setattr(roundtrip, "saved_and_loaded", load)
+        patch.setattr(roundtrip, "compare_prompt", compare)
         report = verify(spec, options, echo=lambda line: None)
     return Caught(report, *seen["run"], seen["clean"])
 
@@ -105,10 +106,12 @@ def test_a_passing_comparison_never_localises(caught: Caught, monkeypatch: pytes
     def refuse(*args: Any) -> str:
         raise AssertionError("localised on the passing path")
 
-    monkeypatch.setattr(roundtrip, "_localise", refuse)
+    monkeypatch.setattr(comparisons, "localise", refuse)
     report = VerifyReport("heads", caught.tolerance.limit)
     replay = caught.replay_with(caught.clean)
-    roundtrip._compare(report, caught.model, replay, caught.prompt, DECODE_STEPS, tolerance=caught.tolerance)
+    comparisons.compare_prompt(
+        report, caught.model, replay, caught.prompt, DECODE_STEPS, tolerance=caught.tolerance
+    )
     assert report.passed, report.render()
     assert report.first_departure is None and "first_departure" not in report.to_dict()
 

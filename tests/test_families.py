@@ -15,10 +15,11 @@ import pytest
 from click.testing import CliRunner
 from fixtures.shared_apply import SharedApplies
 
-from kimi_adapter_core.backends.extraction import options_from_spec, runtime, verify
+from kimi_adapter_core.backends.extraction import options_from_spec, verify
+from kimi_adapter_core.backends.extraction.runtime import abi as runtime
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.spec import load_spec
-from kimi_adapter_core.structure.derive import structure_of_raw
+from kimi_adapter_core.structure.of_spec import structure_of_raw
 
 REPO = Path(__file__).resolve().parents[1]
 # The remote-code spec needs --trust-remote-code and a model dir: tests/test_remote_code.py covers it.

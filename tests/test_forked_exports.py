@@ -1,4 +1,4 @@
-"""Exports in forked processes (``backends/extraction/forked.py``): the same bytes and the same report
+"""Exports in forked processes (``backends/extraction/job/forked.py``): the same bytes and the same report
 as one process, this process tracing nothing, a child's errors raised here, a child that dies named
 and its half-written files removed, never a hang."""
 
@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from kimi_adapter_core.backends.extraction import forked, pipeline, write
-from kimi_adapter_core.backends.extraction.graph import TensorType
-from kimi_adapter_core.backends.extraction.summary import process_mark
-from kimi_adapter_core.backends.extraction.weight_map import same_document
+from kimi_adapter_core.backends.extraction.job import forked, pipeline, write
+from kimi_adapter_core.backends.extraction.job.summary import process_mark
+from kimi_adapter_core.checkpoint.tensors import TensorType
+from kimi_adapter_core.checkpoint.weight_map import same_document
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import Refusal
 

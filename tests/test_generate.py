@@ -27,7 +27,8 @@ from click.testing import CliRunner
 from fixtures.modules import import_path, outside_runtime
 
 from kimi_adapter_core import upstream
-from kimi_adapter_core.backends.extraction import encoding, runtime
+from kimi_adapter_core.backends.extraction.ir import encoding
+from kimi_adapter_core.backends.extraction.runtime import abi as runtime
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.generate import check_all, render_spec, write_all
@@ -175,9 +176,10 @@ def test_extraction_module_embeds_runtime_and_builtin_source(kimi_files: dict[st
     assert "def mla_expand_kv_functional(" in text and "torch.cat((k_nope, k_rot), dim=-1)" in text
     assert split_module(Path(encoding.__file__)).body in text
     assert split_module(Path(upstream.__file__)).body in text
-    provenance = [f"kimi_adapter_core/backends/extraction/{name}.py" for name in ("runtime", "encoding")]
-    provenance.append("kimi_adapter_core/upstream.py")
+    provenance = [split_module(Path(m.__file__)).source for m in (runtime, encoding, upstream)]
+    assert provenance[2] == "kimi_adapter_core/upstream.py"
     for name in provenance:
+        assert f"verbatim from {name}" in text
         text = text.replace(name, "")
     assert "kimi_adapter_core" not in text
     # one plain statement per extraction bridge, under its id and why

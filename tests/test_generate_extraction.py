@@ -44,15 +44,18 @@ import torch_ir
 from fixtures.modules import import_path, outside_runtime
 
 from kimi_adapter_core import upstream
-from kimi_adapter_core.backends.extraction import encoding, options_from_spec, runtime
+from kimi_adapter_core.backends.extraction import options_from_spec
+from kimi_adapter_core.backends.extraction.ir import encoding
+from kimi_adapter_core.backends.extraction.job.documents import kv_mapping_document
 from kimi_adapter_core.backends.extraction.options import ExtractionOptions, bind_structure
-from kimi_adapter_core.backends.extraction.pipeline import kv_mapping_document
-from kimi_adapter_core.backends.extraction.roundtrip import tiny_overrides
+from kimi_adapter_core.backends.extraction.runtime import abi as runtime
+from kimi_adapter_core.backends.extraction.tiny_model import tiny_overrides
 from kimi_adapter_core.generate.embed import split_module
 from kimi_adapter_core.loading import applied, load_config, load_model, submodule
 from kimi_adapter_core.spec import Spec, load_spec
-from kimi_adapter_core.structure.derive import derive_structure, structure_of_config
+from kimi_adapter_core.structure.derive import derive_structure
 from kimi_adapter_core.structure.model import ModelStructure
+from kimi_adapter_core.structure.of_spec import structure_of_config
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC_PATHS = sorted((REPO / "specs").glob("*.yaml"))

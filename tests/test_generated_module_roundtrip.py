@@ -45,7 +45,7 @@ import pytest
 from fixtures.modules import without_kadapt_env
 
 from kimi_adapter_core.backends.extraction import options_from_spec
-from kimi_adapter_core.backends.extraction.roundtrip import tiny_overrides
+from kimi_adapter_core.backends.extraction.tiny_model import tiny_overrides
 from kimi_adapter_core.spec import load_spec
 
 pytestmark = pytest.mark.compat  # run by .ci/compat against other transformers releases

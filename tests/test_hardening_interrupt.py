@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from kimi_adapter_core import atomic
 from kimi_adapter_core.atomic import atomic_open, atomic_write_text
-from kimi_adapter_core.backends.extraction.write import write_all
+from kimi_adapter_core.backends.extraction.job.write import write_all
 from kimi_adapter_core.cli import _redeliver_swallowed_interrupt, cli
 
 REPO = Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kimi_adapter_core.backends.extraction.symbolic import (
+from kimi_adapter_core.backends.extraction.runtime.symbolic import (
     MAX_VALUE,
     DimRange,
     Placeholders,

@@ -31,9 +31,9 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from kimi_adapter_core.backends.extraction import cache as cache_module
-from kimi_adapter_core.backends.extraction.cache import ExtractionCache
-from kimi_adapter_core.backends.extraction.summary import ExtractionSummary
+from kimi_adapter_core.backends.extraction.job import cache as cache_module
+from kimi_adapter_core.backends.extraction.job.cache import ExtractionCache
+from kimi_adapter_core.backends.extraction.job.summary import ExtractionSummary
 from kimi_adapter_core.cli import cli
 
 REPO = Path(__file__).resolve().parents[1]

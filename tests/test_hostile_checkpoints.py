@@ -27,9 +27,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from kimi_adapter_core.backends.extraction.checkpoint_guard import DTYPES
-from kimi_adapter_core.backends.extraction.checkpoint_storage import fp8_block, mxfp4, pack_quantized
-from kimi_adapter_core.backends.extraction.weight_loader import load_weights
+from kimi_adapter_core.checkpoint.guard import DTYPES
+from kimi_adapter_core.checkpoint.loader import load_weights
+from kimi_adapter_core.checkpoint.storage import fp8_block, mxfp4, pack_quantized
 from kimi_adapter_core.errors import KadaptError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -299,7 +299,7 @@ def test_a_checkpoint_folder_must_be_a_folder(base: Base, tmp_path: Path) -> Non
 # then fail, not hang the suite.
 _FIFO_CHILD = """
 import json, sys
-from kimi_adapter_core.backends.extraction.weight_loader import load_weights
+from kimi_adapter_core.checkpoint.loader import load_weights
 from kimi_adapter_core.errors import KadaptError
 for weight_map, folder in json.loads(sys.argv[1]):
     try:

@@ -31,10 +31,10 @@ from hypothesis import strategies as st
 
 from kimi_adapter_core import atomic
 from kimi_adapter_core.atomic import atomic_write_bytes, atomic_write_text
-from kimi_adapter_core.backends.extraction import forked
-from kimi_adapter_core.backends.extraction.cache import ExtractionCache
-from kimi_adapter_core.backends.extraction.summary import ExtractionSummary
-from kimi_adapter_core.backends.extraction.write import write_all
+from kimi_adapter_core.backends.extraction.job import forked
+from kimi_adapter_core.backends.extraction.job.cache import ExtractionCache
+from kimi_adapter_core.backends.extraction.job.summary import ExtractionSummary
+from kimi_adapter_core.backends.extraction.job.write import write_all
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import KadaptError, Refusal, UsageError
 

@@ -19,9 +19,10 @@ import pytest
 import torch
 import torch_ir
 
-from kimi_adapter_core.backends.extraction import options_from_spec, run, runtime
-from kimi_adapter_core.backends.extraction.roundtrip import tiny_overrides
-from kimi_adapter_core.backends.extraction.symbolic import Placeholders, bind_ir, check_inputs
+from kimi_adapter_core.backends.extraction import options_from_spec, run
+from kimi_adapter_core.backends.extraction.runtime import abi as runtime
+from kimi_adapter_core.backends.extraction.runtime.symbolic import Placeholders, bind_ir, check_inputs
+from kimi_adapter_core.backends.extraction.tiny_model import tiny_overrides
 from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.loading import applied, load_config, load_model
 from kimi_adapter_core.spec import load_spec
@@ -184,7 +185,7 @@ def test_decode_positions_past_the_cache_are_refused_by_value(saved: tuple) -> N
     error, so the binder refuses it with the KV mapping's bounds, naming the input."""
     import json
 
-    from kimi_adapter_core.backends.extraction.symbolic import decode_value_ranges
+    from kimi_adapter_core.backends.extraction.runtime.symbolic import decode_value_ranges
 
     options, irs = saved
     decode = irs["decode"]
@@ -238,7 +239,7 @@ def test_the_placeholder_count_over_the_whole_batch_passes_and_is_only_checked_w
 def test_the_binder_stays_torch_free() -> None:
     """A runtime can copy the reference binder without torch: importing it must not import torch."""
     code = (
-        "import sys, kimi_adapter_core.backends.extraction.symbolic as s; "
+        "import sys, kimi_adapter_core.backends.extraction.runtime.symbolic as s; "
         "assert 'torch' not in sys.modules, 'symbolic imports torch'; print(s.Placeholders.__name__)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)

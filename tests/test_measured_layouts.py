@@ -14,13 +14,14 @@ from typing import Any
 
 import pytest
 
-from kimi_adapter_core.backends.simulation import aiconfigurator
-from kimi_adapter_core.backends.simulation.cost import comm_time
-from kimi_adapter_core.backends.simulation.deployment import Deployment
-from kimi_adapter_core.backends.simulation.device import get_device
-from kimi_adapter_core.backends.simulation.inputs import model_inputs
-from kimi_adapter_core.backends.simulation.parallel import Parallel
-from kimi_adapter_core.backends.simulation.simulator import Simulation, simulate
+from kimi_adapter_core.backends.simulation.estimate import aiconfigurator, reference
+from kimi_adapter_core.backends.simulation.estimate.cost import comm_time
+from kimi_adapter_core.backends.simulation.estimate.measured import MeasuredPricer
+from kimi_adapter_core.backends.simulation.estimate.simulator import Simulation, simulate
+from kimi_adapter_core.backends.simulation.model.deployment import Deployment
+from kimi_adapter_core.backends.simulation.model.inputs import model_inputs
+from kimi_adapter_core.backends.simulation.model.parallel import Parallel
+from kimi_adapter_core.backends.simulation.tables.device import get_device
 from kimi_adapter_core.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,7 +92,7 @@ def test_blackwell_low_latency_model_matches_aiconfigurator_table(device_name: s
 def test_measured_cost_model_accepts_blackwell(device_name: str) -> None:
     system = aiconfigurator.system_for(device_name)
     assert system == LL_TABLES[device_name]
-    pricer = aiconfigurator.MeasuredPricer(system, "sglang")
+    pricer = MeasuredPricer(system, "sglang")
     assert pricer.gpus_per_node() == (4 if device_name == "gb200" else 8)  # AIConfigurator's node width
 
 
@@ -121,7 +122,7 @@ def test_measured_wide_ep_layout_follows_aiconfigurators_own_graph(case: int) ->
     own estimate. Per component too, so a right total from wrong parts fails."""
     dep, per_rank, seq = LMSYS[case]
     par = dep.parallel
-    ref = aiconfigurator.reference_step(
+    ref = reference.reference_step(
         "deepseek-ai/DeepSeek-V3",
         "h100_sxm",
         "sglang",
@@ -137,9 +138,9 @@ def test_measured_wide_ep_layout_follows_aiconfigurators_own_graph(case: int) ->
     )
     sim = measured_step(dep)
     assert sim.step_time * 1e3 == pytest.approx(ref.total_ms, rel=LAYOUT_TOLERANCE)
-    parts = dict.fromkeys(aiconfigurator.COMPONENTS, 0.0)
+    parts = dict.fromkeys(reference.COMPONENTS, 0.0)
     for k in sim.kernels:
-        parts[aiconfigurator.kadapt_component(k.op)] += k.total * 1e3
+        parts[reference.kadapt_component(k.op)] += k.total * 1e3
     for name in ("attention", "experts", "communication"):
         assert parts[name] == pytest.approx(ref.components[name], rel=LAYOUT_TOLERANCE), name
     experts = [k for k in sim.kernels if k.op.kind == "experts"]
@@ -160,7 +161,7 @@ def test_attention_dp_mla_module_sums_to_its_measured_row(case: int) -> None:
         and k.op.module.startswith(attention.op.module)
         and "q_a_proj" not in k.op.name
     ]
-    pricer = aiconfigurator.MeasuredPricer("h100_sxm", "sglang")
+    pricer = MeasuredPricer("h100_sxm", "sglang")
     row = pricer.wide_ep_module_row(attention.op.attrs)
     assert row is not None
     assert sum(k.total for k in module) / attention.op.repeat == pytest.approx(row, rel=1e-6)

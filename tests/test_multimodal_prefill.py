@@ -22,9 +22,10 @@ import yaml
 from fixtures.spec_files import KIMI_SPEC as SPEC
 from fixtures.spec_files import REPO
 
-from kimi_adapter_core.backends.extraction import options_from_spec, run, runtime, verify
+from kimi_adapter_core.backends.extraction import options_from_spec, run, verify
 from kimi_adapter_core.backends.extraction.options import MERGED, bind_merged_prefill
-from kimi_adapter_core.backends.extraction.roundtrip import tiny_overrides
+from kimi_adapter_core.backends.extraction.runtime import abi as runtime
+from kimi_adapter_core.backends.extraction.tiny_model import tiny_overrides
 from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.loading import applied, load_config, load_model
 from kimi_adapter_core.spec import load_spec

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from fixtures.shared_apply import Applied, SharedApplies
 
 from kimi_adapter_core import upstream
-from kimi_adapter_core.backends.extraction import export
+from kimi_adapter_core.backends.extraction.ir import export
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import KadaptError
 

@@ -15,15 +15,15 @@ import yaml
 from click.testing import CliRunner
 from fixtures.spec_files import KIMI_SPEC, kimi_spec_with
 
-from kimi_adapter_core.backends.simulation.arch import spec_architecture
-from kimi_adapter_core.backends.simulation.device import get_device, load_device_file
-from kimi_adapter_core.backends.simulation.inputs import ModelInputs, model_inputs
-from kimi_adapter_core.backends.simulation.parallel import Parallel
-from kimi_adapter_core.backends.simulation.planner import make_plan
-from kimi_adapter_core.backends.simulation.vision_images import image_batch
+from kimi_adapter_core.backends.simulation.estimate.planner import make_plan
+from kimi_adapter_core.backends.simulation.model.arch import spec_architecture
+from kimi_adapter_core.backends.simulation.model.inputs import ModelInputs, model_inputs
+from kimi_adapter_core.backends.simulation.model.parallel import Parallel
+from kimi_adapter_core.backends.simulation.tables.device import get_device, load_device_file
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.spec import Spec, load_spec
+from kimi_adapter_core.vision.images import image_batch
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "specs" / "kimi_k25.yaml"
@@ -161,7 +161,7 @@ def test_vision_cache_entry(spec: Spec) -> None:
 
 def test_vision_cache_for_a_batch_of_images(spec: Spec) -> None:
     """--batch sequences x --images images: the features each device's DP group keeps."""
-    images = image_batch(spec, spec_architecture(spec), 2, (896, 448))  # 64x32 patches -> 512 tokens
+    images = image_batch(spec, spec_architecture(spec).vision, 2, (896, 448))  # 64x32 patches -> 512 tokens
     assert (images.grid, images.tokens_per_image) == ((64, 32), 512)
     assert images.feature_bytes_per_image == 512 * 7168 * 2
     p = plan(spec, tp=4, dp=2, batch=6, images=images)
@@ -171,7 +171,7 @@ def test_vision_cache_for_a_batch_of_images(spec: Spec) -> None:
     )
     assert plan(spec, tp=4, dp=2, batch=6).memory.vision_cache == 0
     assert not p.warnings
-    large = plan(spec, images=image_batch(spec, spec_architecture(spec), 1, (1792, 1792)))
+    large = plan(spec, images=image_batch(spec, spec_architecture(spec).vision, 1, (1792, 1792)))
     assert any("fills 4096 tokens, more than the 1024" in w for w in large.warnings)
 
 

@@ -1,4 +1,5 @@
-"""``kadapt simulate --sweep --isl --osl``: the request-level search (``backends/simulation/serving.py``).
+"""``kadapt simulate --sweep --isl --osl``: the request-level search
+(``backends/simulation/search/serving.py``).
 
 What must hold: a framework never gets a layout it cannot launch (TensorRT-LLM's attention DP is
 all-or-nothing, vLLM's expert parallelism too); the SLA excludes what misses it, from the picks and
@@ -22,32 +23,29 @@ import pytest
 from click.testing import CliRunner
 from fixtures.spec_files import REPO
 
-from kimi_adapter_core.backends.simulation.deployment import Deployment
-from kimi_adapter_core.backends.simulation.device import get_device
-from kimi_adapter_core.backends.simulation.inputs import model_inputs
-from kimi_adapter_core.backends.simulation.parallel import Parallel
-from kimi_adapter_core.backends.simulation.pareto_plot import PlotPoint, SlaLine, _LogAxis, write_plot
-from kimi_adapter_core.backends.simulation.planner import Memory, kv_sizing
-from kimi_adapter_core.backends.simulation.serving import (
-    ServingResult,
-    ServingSearch,
-    StepTokens,
-    Workload,
-    aggregated,
-    framework,
-    frameworks,
-    prompt_attention,
-    rows_and_requests,
-)
-from kimi_adapter_core.backends.simulation.simulator import simulate
-from kimi_adapter_core.backends.simulation.sweep import (
+from kimi_adapter_core.backends.simulation.estimate.planner import Memory, kv_sizing
+from kimi_adapter_core.backends.simulation.estimate.simulator import simulate
+from kimi_adapter_core.backends.simulation.model.deployment import Deployment
+from kimi_adapter_core.backends.simulation.model.inputs import model_inputs
+from kimi_adapter_core.backends.simulation.model.parallel import Parallel
+from kimi_adapter_core.backends.simulation.search.grid import (
     Config,
     Point,
-    Sweep,
     layouts,
     quant_modes,
     sweep_inputs,
 )
+from kimi_adapter_core.backends.simulation.search.launch_rules import StepTokens, framework, frameworks
+from kimi_adapter_core.backends.simulation.search.pareto_plot import PlotPoint, SlaLine, _LogAxis, write_plot
+from kimi_adapter_core.backends.simulation.search.request_pricing import (
+    Workload,
+    aggregated,
+    prompt_attention,
+    rows_and_requests,
+)
+from kimi_adapter_core.backends.simulation.search.serving import ServingResult, ServingSearch
+from kimi_adapter_core.backends.simulation.search.sweep import Sweep
+from kimi_adapter_core.backends.simulation.tables.device import get_device
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.cli.simulate import command as simulate_command
 from kimi_adapter_core.errors import UsageError

@@ -23,8 +23,8 @@ import torch_ir
 from transformers import GenerationConfig
 
 from kimi_adapter_core.backends.extraction import options_from_spec, run
-from kimi_adapter_core.backends.extraction.naming import rename_weight
-from kimi_adapter_core.backends.extraction.roundtrip import tiny_overrides
+from kimi_adapter_core.backends.extraction.tiny_model import tiny_overrides
+from kimi_adapter_core.checkpoint.naming import rename_weight
 from kimi_adapter_core.loading import applied, load_config, load_model
 from kimi_adapter_core.spec import load_spec
 

@@ -13,13 +13,14 @@ from click.testing import CliRunner
 from fixtures.loader import loaded_dtypes
 from fixtures.spec_files import KIMI_SPEC, REPO, kimi_spec_with
 
-from kimi_adapter_core.backends.simulation.deployment import Deployment
-from kimi_adapter_core.backends.simulation.device import get_device
-from kimi_adapter_core.backends.simulation.inputs import model_inputs
-from kimi_adapter_core.backends.simulation.parallel import Parallel
-from kimi_adapter_core.backends.simulation.rank_model import RankMLA, RoutedExperts, build_rank
-from kimi_adapter_core.backends.simulation.simulator import Simulation, simulate
-from kimi_adapter_core.backends.simulation.tracer import Recorder
+from kimi_adapter_core.backends.simulation.estimate.simulator import Simulation, simulate
+from kimi_adapter_core.backends.simulation.model.deployment import Deployment
+from kimi_adapter_core.backends.simulation.model.inputs import model_inputs
+from kimi_adapter_core.backends.simulation.model.parallel import Parallel
+from kimi_adapter_core.backends.simulation.model.rank_model import build_rank
+from kimi_adapter_core.backends.simulation.model.serving_kernels import RankMLA, RoutedExperts
+from kimi_adapter_core.backends.simulation.model.tracer import Recorder
+from kimi_adapter_core.backends.simulation.tables.device import get_device
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.loading import applied

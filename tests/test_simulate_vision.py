@@ -17,20 +17,24 @@ from click.testing import CliRunner, Result
 from fixtures.spec_files import KIMI_SPEC, TINY_KIMI, tiny_kimi_config
 from transformers.models.kimi_k25.processing_kimi_k25 import Kimi_K25Processor
 
-from kimi_adapter_core.backends.simulation.arch import vision_arch
-from kimi_adapter_core.backends.simulation.cost import price
-from kimi_adapter_core.backends.simulation.deployment import Deployment
-from kimi_adapter_core.backends.simulation.device import get_device
-from kimi_adapter_core.backends.simulation.inputs import model_inputs
-from kimi_adapter_core.backends.simulation.parallel import Parallel
-from kimi_adapter_core.backends.simulation.report import image_prefill_text
-from kimi_adapter_core.backends.simulation.simulator import simulate
-from kimi_adapter_core.backends.simulation.tracer import Op
-from kimi_adapter_core.backends.simulation.vision import images_per_rank, simulate_images, trace_vision
-from kimi_adapter_core.backends.simulation.vision_images import ImageBatch, image_batch
+from kimi_adapter_core.backends.simulation.estimate.cost import price
+from kimi_adapter_core.backends.simulation.estimate.simulator import simulate
+from kimi_adapter_core.backends.simulation.estimate.vision import (
+    images_per_rank,
+    simulate_images,
+    trace_vision,
+)
+from kimi_adapter_core.backends.simulation.model.deployment import Deployment
+from kimi_adapter_core.backends.simulation.model.inputs import model_inputs
+from kimi_adapter_core.backends.simulation.model.parallel import Parallel
+from kimi_adapter_core.backends.simulation.model.tracer import Op
+from kimi_adapter_core.backends.simulation.report.simulation import image_prefill_text
+from kimi_adapter_core.backends.simulation.tables.device import get_device
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import UsageError
 from kimi_adapter_core.loading import load_config, load_model
+from kimi_adapter_core.vision.images import ImageBatch, image_batch
+from kimi_adapter_core.vision.tower import vision_arch
 
 pytestmark = pytest.mark.compat  # run by .ci/compat: --images on every supported transformers release
 INPUTS = model_inputs(KIMI_SPEC, None)
@@ -89,7 +93,7 @@ def processor_tokens(processor: Any, height: int, width: int) -> tuple[int, int]
 @pytest.mark.parametrize("size", [(448, 448), (28, 28), (896, 1344), (1092, 1932), (1792, 1792), (56, 7168)])
 def test_image_tokens_match_the_kimi_processor(size: tuple[int, int]) -> None:
     processor, navit_resize = kimi_image_processor()
-    images = image_batch(KIMI_SPEC, INPUTS.arch, 1, size)
+    images = image_batch(KIMI_SPEC, INPUTS.arch.vision, 1, size)
     tokens, patches = processor_tokens(processor, *size)
     assert (images.tokens_per_image, images.patches_per_image) == (tokens, patches)
     _, (pad_h, pad_w) = navit_resize(*size, 14, 2, processor.max_patches, processor.size["max_height"])
@@ -105,8 +109,8 @@ def test_unaligned_size_names_the_processors_padded_size(size: tuple[int, int]) 
     )
     assert (height, width) == size  # within the processor's budget: padded, not resized
     with pytest.raises(UsageError, match=f"pads this image to {pad_h}x{pad_w}, pass that"):
-        image_batch(KIMI_SPEC, INPUTS.arch, 1, size)
-    padded = image_batch(KIMI_SPEC, INPUTS.arch, 1, (pad_h, pad_w))
+        image_batch(KIMI_SPEC, INPUTS.arch.vision, 1, size)
+    padded = image_batch(KIMI_SPEC, INPUTS.arch.vision, 1, (pad_h, pad_w))
     assert padded.tokens_per_image == processor_tokens(processor, *size)[0]
 
 
@@ -136,7 +140,7 @@ def test_placeholders_equal_the_rows_get_image_features_returns() -> None:
 
 def traced(images: int, size: tuple[int, int], *, tp: int = 1, batch: int = 1) -> list[Op]:
     dep = Deployment(Parallel(tp, 1, 1), batch, 64, 0, False)
-    return trace_vision(KIMI_SPEC, INPUTS, dep, image_batch(KIMI_SPEC, INPUTS.arch, images, size))
+    return trace_vision(KIMI_SPEC, INPUTS, dep, image_batch(KIMI_SPEC, INPUTS.arch.vision, images, size))
 
 
 def flops(ops: list[Op], kind: str, scope: str | None = None) -> float:
@@ -180,7 +184,7 @@ def test_encoder_gemms_scale_with_patches(traces: dict[str, list[Op]]) -> None:
 
 
 def test_images_of_a_dp_group_spread_over_its_tp_ranks() -> None:
-    images = image_batch(KIMI_SPEC, INPUTS.arch, 4, (448, 448))
+    images = image_batch(KIMI_SPEC, INPUTS.arch.vision, 4, (448, 448))
     dep = Deployment(Parallel(8, 2, 1), 8, 64, 0, False)  # 4 queries per DP group x 4 images = 16
     assert images_per_rank(images, dep) == 2
     ops = traced(4, (448, 448), tp=8, batch=4)  # 16 images over 8 ranks
@@ -228,7 +232,7 @@ def test_merged_prefill_is_the_text_prefill_with_placeholders(document: dict[str
 
 def test_text_report_shows_encoder_projector_merged_prefill_and_total() -> None:
     h200 = get_device("h200", None)
-    images = image_batch(KIMI_SPEC, INPUTS.arch, 1, (896, 896))
+    images = image_batch(KIMI_SPEC, INPUTS.arch.vision, 1, (896, 896))
     prefill = simulate_images(INPUTS, KIMI_SPEC, Deployment(Parallel(1, 1, 1), 1, 32, 0, False), h200, images)
     assert prefill.images_per_rank == 1 and prefill.simulation.deployment.query_len == 32 + 1024
     text = image_prefill_text(prefill, top=5)

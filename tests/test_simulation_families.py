@@ -16,24 +16,21 @@ import torch
 import yaml
 from click.testing import CliRunner
 
-from kimi_adapter_core.backends.simulation.deployment import Deployment
-from kimi_adapter_core.backends.simulation.device import get_device
-from kimi_adapter_core.backends.simulation.inputs import ModelInputs, model_inputs
-from kimi_adapter_core.backends.simulation.parallel import Parallel
-from kimi_adapter_core.backends.simulation.planner import Plan, make_plan
-from kimi_adapter_core.backends.simulation.rank_model import (
-    attended_pairs,
-    build_rank,
-    built_layers,
-    rank_overrides,
-)
-from kimi_adapter_core.backends.simulation.simulator import Simulation, simulate
-from kimi_adapter_core.backends.simulation.tracer import Recorder
+from kimi_adapter_core.backends.simulation.estimate.planner import Plan, make_plan
+from kimi_adapter_core.backends.simulation.estimate.simulator import Simulation, simulate
+from kimi_adapter_core.backends.simulation.model.deployment import Deployment
+from kimi_adapter_core.backends.simulation.model.inputs import ModelInputs, model_inputs
+from kimi_adapter_core.backends.simulation.model.parallel import Parallel
+from kimi_adapter_core.backends.simulation.model.rank_config import built_layers, rank_overrides
+from kimi_adapter_core.backends.simulation.model.rank_model import build_rank
+from kimi_adapter_core.backends.simulation.model.serving_kernels import attended_pairs
+from kimi_adapter_core.backends.simulation.model.tracer import Recorder
+from kimi_adapter_core.backends.simulation.tables.device import get_device
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.loading import applied, load_config, load_model
 from kimi_adapter_core.spec import Spec, load_spec
-from kimi_adapter_core.structure.derive import text_config_key
+from kimi_adapter_core.structure.of_spec import text_config_key
 
 REPO = Path(__file__).resolve().parents[1]
 # discovered, so a new shipped spec is planned and simulated here without editing this file

@@ -14,7 +14,8 @@ from transformers import AutoConfig
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.spec import load_spec
-from kimi_adapter_core.structure.derive import derive_structure, structure_of_config, structure_of_raw
+from kimi_adapter_core.structure.derive import derive_structure
+from kimi_adapter_core.structure.of_spec import structure_of_config, structure_of_raw
 
 REPO = Path(__file__).resolve().parents[1]
 

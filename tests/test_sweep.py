@@ -21,21 +21,16 @@ from fixtures.spec_files import REPO
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kimi_adapter_core.backends.simulation.cost import price
-from kimi_adapter_core.backends.simulation.deployment import Deployment
-from kimi_adapter_core.backends.simulation.device import get_device
-from kimi_adapter_core.backends.simulation.inputs import model_inputs
-from kimi_adapter_core.backends.simulation.parallel import Parallel
-from kimi_adapter_core.backends.simulation.pareto import dominates, pareto_front
-from kimi_adapter_core.backends.simulation.pareto_plot import PlotPoint, write_plot
-from kimi_adapter_core.backends.simulation.simulator import finish_step, simulate, trace_kernels
-from kimi_adapter_core.backends.simulation.sweep import (
-    Config,
-    Sweep,
-    layouts,
-    quant_modes,
-    sweep_inputs,
-)
+from kimi_adapter_core.backends.simulation.estimate.cost import price
+from kimi_adapter_core.backends.simulation.estimate.simulator import finish_step, simulate, trace_kernels
+from kimi_adapter_core.backends.simulation.model.deployment import Deployment
+from kimi_adapter_core.backends.simulation.model.inputs import model_inputs
+from kimi_adapter_core.backends.simulation.model.parallel import Parallel
+from kimi_adapter_core.backends.simulation.search.grid import Config, layouts, quant_modes, sweep_inputs
+from kimi_adapter_core.backends.simulation.search.pareto import dominates, pareto_front
+from kimi_adapter_core.backends.simulation.search.pareto_plot import PlotPoint, write_plot
+from kimi_adapter_core.backends.simulation.search.sweep import Sweep
+from kimi_adapter_core.backends.simulation.tables.device import get_device
 from kimi_adapter_core.cli.sweep_options import run_sweep, sweep_options
 from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.spec import Spec, load_spec

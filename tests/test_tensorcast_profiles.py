@@ -39,7 +39,7 @@ from kimi_adapter_core.generate.simulation import (
 )
 from kimi_adapter_core.resolve import _short_model_overrides
 from kimi_adapter_core.spec import load_spec
-from kimi_adapter_core.structure.derive import structure_of_raw
+from kimi_adapter_core.structure.of_spec import structure_of_raw
 
 REPO = Path(__file__).resolve().parents[1]
 # every shipped spec but those declaring experts TensorCast's per-expert adapter cannot read (no profile)

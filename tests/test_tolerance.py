@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kimi_adapter_core.backends.extraction.equivalence.tolerance import Tolerance, compare, ulp
 from kimi_adapter_core.backends.extraction.options import ExtractionOptions
-from kimi_adapter_core.backends.extraction.tolerance import Tolerance, compare, ulp
 
 ULPS = ExtractionOptions.verify_tolerance_ulps  # the documented default
 RELATIVE = ExtractionOptions.verify_tolerance
@@ -110,7 +110,7 @@ def test_float32_stays_relative_to_the_magnitude_at_least_one() -> None:
 def test_a_near_zero_row_is_bounded_at_magnitude_one_in_low_precision_too() -> None:
     """A row of near-zero logits (cancellation in the head) gets the ulps of magnitude 1, as float32 gets
     its relative bound at 1: 1e-30 against 0 is far below one bf16 step at 1, 0.1 is far above."""
-    from kimi_adapter_core.backends.extraction.tolerance import Tolerance, compare
+    from kimi_adapter_core.backends.extraction.equivalence.tolerance import Tolerance, compare
 
     bf16 = Tolerance.of("bfloat16", relative=1e-4, ulps=8)
     zeros = torch.zeros(1, 4)

@@ -29,8 +29,8 @@ from fixtures.modules import REPO, import_path, without_kadapt_env
 
 from kimi_adapter_core import upstream
 from kimi_adapter_core.backends.extraction import options_from_spec
-from kimi_adapter_core.backends.extraction.roundtrip import tiny_overrides
-from kimi_adapter_core.backends.extraction.weights import cast_to_abi_dtype
+from kimi_adapter_core.backends.extraction.tiny_model import tiny_overrides
+from kimi_adapter_core.checkpoint.dtypes import cast_to_abi_dtype
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.spec import load_spec
 

@@ -23,7 +23,8 @@ from fixtures.spec_files import SMALL_FAMILY, write_family_spec, write_qwen3_thr
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen3 import modeling_qwen3
 
-from kimi_adapter_core.backends.extraction import options_from_spec, roundtrip, verify
+from kimi_adapter_core.backends.extraction import options_from_spec, tiny_model, verify
+from kimi_adapter_core.backends.extraction.equivalence import roundtrip
 from kimi_adapter_core.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -136,12 +137,12 @@ def test_a_window_on_a_full_layer_fails_verify(tmp_path: Path) -> None:
 
 
 def test_the_tiny_stack_holds_a_whole_layer_pattern(tmp_path: Path) -> None:
-    from kimi_adapter_core.structure.derive import structure_of_raw
+    from kimi_adapter_core.structure.of_spec import structure_of_raw
 
     spec = qwen3_three_to_one(tmp_path)
     structure = structure_of_raw(spec, json.loads(spec.source.config.read_text()))
-    assert roundtrip.tiny_layer_count(structure) == 4
-    overrides = roundtrip.tiny_overrides(spec, options_from_spec(spec, output_dir=tmp_path / "out"))
+    assert tiny_model.tiny_layer_count(structure) == 4
+    overrides = tiny_model.tiny_overrides(spec, options_from_spec(spec, output_dir=tmp_path / "out"))
     assert overrides["num_hidden_layers"] == 4 and overrides["layer_types"][-1] == "full_attention"
 
 
@@ -152,7 +153,7 @@ def test_constants_are_randomised_but_computed_buffers_are_not() -> None:
                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
                                          attention_bias=True))  # fmt: skip
     inv_freq = model.model.rotary_emb.inv_freq.clone()
-    changed = set(roundtrip.randomize_constants(model))
+    changed = set(tiny_model.randomize_constants(model))
     assert {
         "model.norm.weight",
         "model.layers.0.input_layernorm.weight",
@@ -188,7 +189,7 @@ def batched_verify(spec: Any, tmp_path: Path, **cache: Any) -> Any:
 def test_one_position_for_the_whole_batch_fails_the_ragged_check(tmp_path: Path) -> None:
     """The decode graph before ragged batches wrote every row's token at row 0's position: a batch of
     equal-length prompts cannot see it, the ragged check must."""
-    from kimi_adapter_core.backends.extraction import runtime
+    from kimi_adapter_core.backends.extraction.runtime import abi as runtime
 
     spec = load_spec(REPO / "specs" / "mistral.yaml")  # sliding windows too
     clean = batched_verify(spec, tmp_path)
@@ -212,7 +213,7 @@ def test_one_position_for_the_whole_batch_fails_the_ragged_check(tmp_path: Path)
 def test_blocks_read_in_pool_order_fail_the_paged_check(tmp_path: Path) -> None:
     """A paged graph that reads the pool's blocks in physical order instead of the block table's passes
     nothing once the rows' blocks are out of order."""
-    from kimi_adapter_core.backends.extraction import runtime
+    from kimi_adapter_core.backends.extraction.runtime import abi as runtime
 
     spec = load_spec(REPO / "specs" / "deepseek_v3.yaml")  # MLA latent blocks
     clean = batched_verify(spec, tmp_path, kv_cache="paged", block_size=4)

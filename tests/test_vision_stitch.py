@@ -16,11 +16,11 @@ from fixtures.spec_files import KIMI_SPEC as SPEC
 from torch import nn
 
 from kimi_adapter_core.backends.extraction import options_from_spec
-from kimi_adapter_core.backends.extraction import vision as vision_module
-from kimi_adapter_core.backends.extraction.graph import Graph
-from kimi_adapter_core.backends.extraction.irjson import ir_chunks
-from kimi_adapter_core.backends.extraction.roundtrip import tiny_overrides
-from kimi_adapter_core.backends.extraction.stitch import Plan, plan
+from kimi_adapter_core.backends.extraction.ir import vision as vision_module
+from kimi_adapter_core.backends.extraction.ir.graph import Graph
+from kimi_adapter_core.backends.extraction.ir.irjson import ir_chunks
+from kimi_adapter_core.backends.extraction.ir.stitch import Plan, plan
+from kimi_adapter_core.backends.extraction.tiny_model import tiny_overrides
 from kimi_adapter_core.loading import applied, load_config, load_model
 
 LAYERS = 4

@@ -29,11 +29,12 @@ from fixtures.checkpoints import (
 from safetensors.torch import save_file
 
 from kimi_adapter_core.backends.extraction import options_from_spec
-from kimi_adapter_core.backends.extraction.naming import rename_weight
-from kimi_adapter_core.backends.extraction.roundtrip import VerifyReport, tiny_overrides
-from kimi_adapter_core.backends.extraction.tolerance import Tolerance
-from kimi_adapter_core.backends.extraction.vision_verify import check_vision
-from kimi_adapter_core.backends.extraction.weight_loader import load_weights, permute_for_rope, unpack_int
+from kimi_adapter_core.backends.extraction.equivalence.tolerance import Tolerance
+from kimi_adapter_core.backends.extraction.equivalence.verdict import VerifyReport
+from kimi_adapter_core.backends.extraction.equivalence.vision import check_vision
+from kimi_adapter_core.backends.extraction.tiny_model import tiny_overrides
+from kimi_adapter_core.checkpoint.loader import load_weights, permute_for_rope, unpack_int
+from kimi_adapter_core.checkpoint.naming import rename_weight
 from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.loading import applied, load_config, load_model
 from kimi_adapter_core.spec import load_spec
@@ -171,8 +172,8 @@ def test_fp8_block_storage_dequantizes_per_block(tmp_path: Path) -> None:
 
 
 def test_a_weight_rename_transformers_would_not_load_is_an_error(tmp_path: Path) -> None:
-    from kimi_adapter_core.backends.extraction.checkpoint_layout import checkpoint_sources
-    from kimi_adapter_core.backends.extraction.graph import TensorType
+    from kimi_adapter_core.checkpoint.layout import checkpoint_sources
+    from kimi_adapter_core.checkpoint.tensors import TensorType
 
     spec = load_spec("kimi_k25")
     options = options_from_spec(spec, output_dir=tmp_path)
@@ -246,7 +247,7 @@ def test_modules_to_not_convert_match_as_transformers_matches_them(module: str) 
     simulation's weight sizes): transformers' own should_convert_module, negated."""
     from transformers.quantizers.quantizers_utils import should_convert_module
 
-    from kimi_adapter_core.backends.extraction.checkpoint_storage import not_converted
+    from kimi_adapter_core.checkpoint.storage import not_converted
 
     gpt_oss = json.loads((REPO / "specs" / "gpt_oss" / "config.json").read_text())
     for patterns in (
@@ -262,7 +263,7 @@ def test_module_matcher_is_compressed_tensors_rule_entry_by_entry() -> None:
     or a dotted suffix (never a partial component)."""
     import re
 
-    from kimi_adapter_core.backends.extraction.checkpoint_storage import module_matcher
+    from kimi_adapter_core.checkpoint.storage import module_matcher
 
     entries = ["lm_head", "re:.*self_attn.*", "mlp.gate", "re:vision_tower.*", "experts.0.down_proj"]
 

@@ -75,7 +75,7 @@ import transformers
 from torch import nn
 
 # ---------------------------------------------------------------------------------------------
-# Extraction runtime, verbatim from kimi_adapter_core/backends/extraction/runtime.py
+# Extraction runtime, verbatim from kimi_adapter_core/backends/extraction/runtime/abi.py
 # (kept byte for byte: formatting is switched off for it)
 # ---------------------------------------------------------------------------------------------
 
@@ -2637,7 +2637,7 @@ def write_kv_mapping(
 # Saving an extracted IR: ABI names, attributes the ops accept back, atomic files
 # ---------------------------------------------------------------------------------------------
 
-# Attribute encoding, verbatim from kimi_adapter_core/backends/extraction/encoding.py: dtypes, layouts and
+# Attribute encoding, verbatim from kimi_adapter_core/backends/extraction/ir/encoding.py: dtypes, layouts and
 # memory formats as the integer codes ATen accepts back, the same as kadapt's own writer.
 # fmt: off
 LAYOUT_CODES = {torch.strided: 0, torch.sparse_coo: 1}

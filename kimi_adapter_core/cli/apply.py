@@ -5,10 +5,10 @@ unwritable output directory fails in a second, not after building a 1T-parameter
 no run could use (size 0, extraction options with another backend) is a usage error (exit 2).
 torch and transformers are imported inside the command only. Everything apply prints is progress,
 so ``-q`` prints nothing unless it fails; ``-v`` adds the resolved spec path and stage timings.
-The extraction goes through the extraction cache (``backends/extraction/cache.py``): a run whose
+The extraction goes through the extraction cache (``backends/extraction/job/cache.py``): a run whose
 every input was extracted before writes the stored artifacts instead of tracing (``--no-cache``
 extracts regardless). With ``--verify`` the run's files reach the output folder only once verify
-passed (``pipeline.Held``): files that failed it are never left there looking verified.
+passed (``job.held.Held``): files that failed it are never left there looking verified.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def command(
         from ..loading import applied, load_model
         from ..patching.session import active_session
         from ..spec import load_spec
-        from ..structure.derive import structure_of_config
+        from ..structure.of_spec import structure_of_config
 
     try:
         torch.device(device)
@@ -229,7 +229,7 @@ def command(
             "--static/--kv-cache/--block-size/--verify/--no-cache need --backend extraction"
         )
     if opts is not None:
-        from ..backends.extraction.forked import export_processes
+        from ..backends.extraction.job.forked import export_processes
 
         processes = export_processes()  # a bad KADAPT_EXPORT_PROCESSES fails here, before any work
         with out.stage("check transformers"):  # its internals, before a 1T-parameter model is built
@@ -241,7 +241,7 @@ def command(
     result: dict[str, Any] = {}
     source = {"trust_remote_code": trust_remote_code, "source_dir": source_dir, "from_hub": from_hub}
     report = held = None
-    # apply --verify: the run's files are held out of the output folder until verify passes (pipeline.Held)
+    # apply --verify: the run's files are held out of the output folder until verify passes (job.held.Held)
     with ExitStack() as withheld:
         with ExitStack() as session_scope:
             with out.stage("apply patches"):
@@ -269,7 +269,7 @@ def command(
             )
             if extraction is not None:
                 if verify:  # the extraction imports the pipeline anyway
-                    from ..backends.extraction.pipeline import held_until_verified
+                    from ..backends.extraction.job.held import held_until_verified
 
                     held = withheld.enter_context(held_until_verified(opts.output_dir))
                 with out.stage("extraction"):

@@ -1,6 +1,6 @@
 """Command-line options shared by ``plan`` and ``simulate``: the deployment being sized.
 
-Both commands size the same model the same way (``backends/simulation/inputs.py``), so they take
+Both commands size the same model the same way (``backends/simulation/model/inputs.py``), so they take
 the parallel layout, weight mode, KV-cache dtype and device with one spelling and one default, and
 the images each prompt carries (``--images``, ``--image-size``) alike.
 """
@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 if TYPE_CHECKING:
-    from ..backends.simulation.arch import Architecture
-    from ..backends.simulation.vision_images import ImageBatch
+    from ..backends.simulation.model.arch import Architecture
     from ..spec.model import Spec
+    from ..vision.images import ImageBatch
 
 F = TypeVar("F", bound=Callable[..., Any])
 PARALLEL = click.IntRange(1, 1 << 16)  # devices per dimension: 0 or a typo's 1e12 is a usage error
@@ -73,7 +73,7 @@ class ImageSize(click.ParamType):
     ) -> tuple[int, int]:
         if isinstance(value, tuple):
             return value
-        from ..backends.simulation.vision_images import parse_image_size
+        from ..vision.images import parse_image_size
 
         try:
             return parse_image_size(str(value))
@@ -111,13 +111,13 @@ def requested_images(
     spec: Spec, arch: Architecture, images: int | None, size: tuple[int, int] | None
 ) -> ImageBatch | None:
     """The images ``--images`` / ``--image-size`` ask for, checked against the model (usage errors)."""
-    from ..backends.simulation.vision_images import image_batch
+    from ..vision.images import image_batch
 
     if images is None:
         if size is not None:
             raise click.UsageError("--image-size applies to --images N")
         return None
-    return image_batch(spec, arch, images, size)
+    return image_batch(spec, arch.vision, images, size)
 
 
 def deployment_options(command: F) -> F:

@@ -57,7 +57,7 @@ def _export_traces() -> int | None:
     """Traces per exported graph: 1 on a tested torch (``export.one_pass_export``), else 2; None
     without torch."""
     try:
-        from ..backends.extraction.export import one_pass_export
+        from ..backends.extraction.ir.export import one_pass_export
     except ImportError:
         return None
     return 1 if one_pass_export() is not None else 2
@@ -69,7 +69,7 @@ def environment() -> dict[str, Any]:
         version = _version(name)
         packages[name] = {"version": version, "tested": _tested(name, version), "used_for": used_for}
     tensorcast = {var: os.environ.get(var) for var in TENSORCAST}
-    from ..backends.extraction.cache import default_root, usage
+    from ..backends.extraction.job.cache import default_root, usage
 
     return {
         "export_traces": _export_traces(),

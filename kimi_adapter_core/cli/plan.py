@@ -15,11 +15,11 @@ from pathlib import Path
 
 import click
 
-from ..backends.simulation.device import get_device
-from ..backends.simulation.inputs import model_inputs
-from ..backends.simulation.parallel import Parallel
-from ..backends.simulation.planner import make_plan
-from ..backends.simulation.report import plan_json, plan_text
+from ..backends.simulation.estimate.planner import make_plan
+from ..backends.simulation.model.inputs import model_inputs
+from ..backends.simulation.model.parallel import Parallel
+from ..backends.simulation.report.plan import plan_json, plan_text
+from ..backends.simulation.tables.device import get_device
 from ..spec import load_spec
 from .deployment_options import deployment_options, image_options, requested_images
 from .output import format_option, reporter, verbosity_options

@@ -17,9 +17,9 @@ from pathlib import Path
 import click
 
 from ..atomic import atomic_write_text
-from ..backends.simulation.device import get_device
-from ..backends.simulation.inputs import model_inputs
-from ..backends.simulation.parallel import Parallel
+from ..backends.simulation.model.inputs import model_inputs
+from ..backends.simulation.model.parallel import Parallel
+from ..backends.simulation.tables.device import get_device
 from ..spec import load_spec
 from .deployment_options import deployment_options, image_options, requested_images
 from .output import format_option, reporter, verbosity_options
@@ -150,15 +150,15 @@ def command(
       kadapt simulate qwen3_moe --device h200 --decode --sweep --devices 8 --plot front.html
       kadapt simulate deepseek_v3 --device h200 --sweep --devices 16 --isl 4000 --osl 1000 --tpot 30
     """
-    from ..backends.simulation.deployment import Deployment
-    from ..backends.simulation.report import (
-        chrome_trace,
+    from ..backends.simulation.estimate.simulator import simulate
+    from ..backends.simulation.model.deployment import Deployment
+    from ..backends.simulation.report.simulation import (
         image_prefill_json,
         image_prefill_text,
         sim_json,
         sim_text,
     )
-    from ..backends.simulation.simulator import simulate  # imports torch: only once the inputs are known good
+    from ..backends.simulation.report.trace import chrome_trace
 
     out = reporter(fmt)
     out.detail(f"spec: {spec_path.resolve()}")
@@ -200,7 +200,7 @@ def command(
             )
         if cost_model != "roofline":
             raise click.UsageError("--sweep prices with the roofline cost model")
-        from ..backends.simulation.serving import Workload
+        from ..backends.simulation.search.request_pricing import Workload
 
         workload = Workload(isl, osl, ttft / 1e3 if ttft else None, tpot / 1e3 if tpot else None)
         with out.stage("request sweep"):
@@ -241,7 +241,7 @@ def command(
         raise click.UsageError("--devices, --batches and --plot apply to --sweep")
     dep.check(inputs.arch.structure)
     if cost_model == "measured":  # fail before the trace: a missing extra or an unmeasured device
-        from ..backends.simulation.aiconfigurator import require, system_for
+        from ..backends.simulation.estimate.aiconfigurator import require, system_for
 
         require()
         system_for(profile.name)
@@ -250,7 +250,7 @@ def command(
         if requested is None:
             sim = simulate(inputs, spec, dep, profile, cost_model=cost_model, framework=framework)
         else:
-            from ..backends.simulation.vision import simulate_images
+            from ..backends.simulation.estimate.vision import simulate_images
 
             prefill = simulate_images(
                 inputs, spec, dep, profile, requested, cost_model=cost_model, framework=framework

@@ -1,10 +1,10 @@
 """``kadapt simulate --sweep``: the options and the report of a layout / batch / weight-mode search.
 
 ``sweep_options`` adds ``--sweep --devices --batches --plot`` to a command; ``run_sweep`` prices the
-grid of one step (``backends/simulation/sweep.py``), keeps what fits in memory and reports the Pareto
+grid of one step (``backends/simulation/search/sweep.py``), keeps what fits in memory and reports the Pareto
 front of tokens/s per device against tokens/s per user, as text or JSON, writing the plot when asked.
 ``serving_options`` adds ``--isl --osl --ttft --tpot --serving``; with them ``run_serving`` prices
-whole requests, aggregated and disaggregated, under the SLA (``backends/simulation/serving.py``) and
+whole requests, aggregated and disaggregated, under the SLA (``backends/simulation/search/serving.py``) and
 reports the picks and the front. Only click is imported here: the sweep itself (torch) is imported
 when it runs.
 """
@@ -19,11 +19,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 if TYPE_CHECKING:
-    from ..backends.simulation.deployment import Deployment
-    from ..backends.simulation.device import Device
-    from ..backends.simulation.inputs import ModelInputs
-    from ..backends.simulation.serving import Candidate, ServingResult, Workload
-    from ..backends.simulation.sweep import Point, Pricer, SweepResult
+    from ..backends.simulation.model.deployment import Deployment
+    from ..backends.simulation.model.inputs import ModelInputs
+    from ..backends.simulation.search.grid import Point, SweepResult
+    from ..backends.simulation.search.request_pricing import Candidate, Workload
+    from ..backends.simulation.search.serving import ServingResult
+    from ..backends.simulation.search.sweep import Pricer
+    from ..backends.simulation.tables.device import Device
     from ..spec.model import Spec
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -106,8 +108,9 @@ def run_sweep(
     ``inputs`` is ``model_inputs(spec, quant)`` (reused); ``quant`` restricts the sweep to that mode,
     else every mode the spec declares is swept along with the checkpoint. ``pricer`` replaces the
     default per-kernel pricing (a measured cost model)."""
-    from ..backends.simulation.pareto_plot import SUFFIXES, PlotPoint, write_plot
-    from ..backends.simulation.sweep import Sweep, quant_modes, sweep_inputs
+    from ..backends.simulation.search.grid import quant_modes, sweep_inputs
+    from ..backends.simulation.search.pareto_plot import SUFFIXES, PlotPoint, write_plot
+    from ..backends.simulation.search.sweep import Sweep
 
     if plot is not None and plot.suffix.lower() not in SUFFIXES:
         raise click.UsageError(f"--plot {plot}: the suffix must be one of {', '.join(SUFFIXES)}")
@@ -285,9 +288,9 @@ def run_serving(
     """Search aggregated and disaggregated deployments of ``workload`` on ``devices`` devices; return
     the report in ``fmt`` (and write the plot when asked). ``base`` carries MTP, the KV dtype and the
     routing; ``quant`` restricts the weight modes as in ``run_sweep``."""
-    from ..backends.simulation.pareto_plot import SUFFIXES, SlaLine, write_plot
-    from ..backends.simulation.serving import ServingSearch, plot_points
-    from ..backends.simulation.sweep import quant_modes, sweep_inputs
+    from ..backends.simulation.search.grid import quant_modes, sweep_inputs
+    from ..backends.simulation.search.pareto_plot import SUFFIXES, SlaLine, write_plot
+    from ..backends.simulation.search.serving import ServingSearch, plot_points
 
     if plot is not None and plot.suffix.lower() not in SUFFIXES:
         raise click.UsageError(f"--plot {plot}: the suffix must be one of {', '.join(SUFFIXES)}")
@@ -360,7 +363,7 @@ def candidate_json(c: Candidate) -> dict[str, Any]:
 
 
 def serving_json(result: ServingResult, spec: Spec, device: Device, plot: Path | None) -> dict[str, Any]:
-    from ..backends.simulation.serving import describe_rules
+    from ..backends.simulation.search.launch_rules import describe_rules
 
     w, fw = result.workload, result.framework
     return {

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from ..patching.ledger import Ledger
 from ..patching.remote import check_allowed, uses_remote_code
 from ..spec.model import Spec
-from ..structure.derive import refuse_unmodelled_in_raw
+from ..structure.of_spec import refuse_unmodelled_in_raw
 from . import paths
 from .bridges import apply_bridges
 from .build import build_config, check_gate, check_root_gate, config_class

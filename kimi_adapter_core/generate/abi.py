@@ -14,7 +14,6 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from ..backends.extraction import runtime
 from ..backends.extraction.options import (
     DECODE_FIXED,
     PREFILL_FIXED,
@@ -22,13 +21,14 @@ from ..backends.extraction.options import (
     abi_graph_names,
     spec_paged,
 )
-from ..backends.extraction.options import resolve_kv_layout as options_resolve_kv_layout
+from ..backends.extraction.runtime import abi as runtime
 from ..config.bridges import apply_bridges
 from ..config.source import resolve_source
 from ..patching.ledger import Ledger
 from ..spec.model import Spec
-from ..structure.derive import structure_of_raw
+from ..structure.kv_layout import resolve_kv_layout as options_resolve_kv_layout
 from ..structure.model import ModelStructure
+from ..structure.of_spec import structure_of_raw
 
 INDEX_DTYPE = "int64"
 KVDims = tuple[tuple[int, int], tuple[int, int]]

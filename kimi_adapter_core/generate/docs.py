@@ -13,8 +13,8 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from ..spec.model import Spec
-from ..structure.derive import structure_of_raw, text_config_key
 from ..structure.model import ModelStructure
+from ..structure.of_spec import structure_of_raw, text_config_key
 from . import abi as abi_tables
 from .bridges import bridge_context
 from .common import Rendered, gate_context, spec_identity
@@ -190,7 +190,7 @@ def _size(n: int) -> str:
     return f"{n:,} B"
 
 
-# What each KV layout caches, per layer and token (see backends/extraction/runtime.py).
+# What each KV layout caches, per layer and token (see backends/extraction/runtime/abi.py).
 KV_LAYOUT_TEXT = {
     "heads": "key and value per KV head after rope, as the attention passes them to `Cache.update`",
     "latent": "the compressed cache: the normalised latent (key) and the rope'd key shared by all heads "

@@ -32,6 +32,7 @@ class EmbeddedModule:
     summary: str
     names: frozenset[str]  # top-level names the body binds (imports included)
     definitions: frozenset[str]  # top-level functions, classes and assignments (imports left out)
+    source: str  # where it comes from, e.g. "kimi_adapter_core/upstream.py" (the generated comment)
 
 
 def split_module(path: Path) -> EmbeddedModule:
@@ -64,7 +65,13 @@ def split_module(path: Path) -> EmbeddedModule:
         _defined_names([n for n in statements if isinstance(n, (ast.Import, ast.ImportFrom))])
     )
     body = "".join(lines[body_start:]).strip("\n") + "\n"
-    return EmbeddedModule(tuple(imports), body, summary, names, names - imported)
+    return EmbeddedModule(tuple(imports), body, summary, names, names - imported, _package_path(path))
+
+
+def _package_path(path: Path) -> str:
+    """``path`` from kadapt's package folder on (``kimi_adapter_core/upstream.py``), for provenance."""
+    parts = path.resolve().parts
+    return "/".join(parts[len(parts) - 1 - parts[::-1].index(_OWN_PACKAGE) :])
 
 
 def _first_line(node: ast.stmt) -> int:

@@ -14,7 +14,7 @@ import jinja2
 
 from ..errors import KadaptError
 from ..resources import shipped_dir
-from .literals import md_cell, md_code, py_comment, py_docstring_text, py_literal
+from .literals import py_comment, py_docstring_text, py_literal
 
 
 @lru_cache(maxsize=1)
@@ -32,8 +32,6 @@ def environment() -> jinja2.Environment:
     env.filters["py"] = py_literal
     env.filters["comment"] = py_comment
     env.filters["doc"] = py_docstring_text
-    env.filters["md"] = md_cell
-    env.filters["code"] = md_code
     return env
 
 

@@ -1,7 +1,7 @@
 """The ``extraction`` target: a standalone module that builds the adapted model and its ABI wrappers.
 
 ``adapters/<name>/extraction.py`` imports without kadapt: the extraction runtime
-(``backends/extraction/runtime.py``) is embedded verbatim, the shipped config becomes a dict
+(``backends/extraction/runtime/abi.py``) is embedded verbatim, the shipped config becomes a dict
 literal, each config bridge a plain statement and each patch implementation its own source. What
 cannot be carried that way (remote-code targets, patch kinds without a generated form) is refused
 with the spec entry named, rather than generated half-working.
@@ -20,8 +20,10 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .. import __version__, upstream
-from ..backends.extraction import encoding, runtime, weights
+from ..backends.extraction.ir import encoding
 from ..backends.extraction.options import abi_graph_names, kv_names, spec_paged
+from ..backends.extraction.runtime import abi as runtime
+from ..checkpoint import dtypes
 from ..config.source import resolve_source
 from ..errors import KadaptError
 from ..patching import portable
@@ -164,7 +166,7 @@ def render_extraction(spec: Spec) -> list[Rendered]:
     embedded = EmbeddedCallables(provided={upstream.__name__: upstream_module.names})
     patches = _patches(spec, embedded)
     # The backend's own dtype step, so a generated model holds the dtypes kadapt exports.
-    cast = embedded.add(weights.cast_to_abi_dtype, what="extraction dtype cast")
+    cast = embedded.add(dtypes.cast_to_abi_dtype, what="extraction dtype cast")
     # kadapt's own pin check, so a generated module refuses drifted upstream code as apply does
     check_pin = embedded.add(portable.check_pin, what="patch pins")
     runtime_defs, encoding_defs, upstream_defs = (
@@ -213,11 +215,17 @@ def render_extraction(spec: Spec) -> list[Rendered]:
             ),
             "body": runtime_module.body,
             "summary": runtime_module.summary,
+            "source": runtime_module.source,
         },
-        "encoding": {"body": encoding_module.body, "summary": encoding_module.summary},
+        "encoding": {
+            "body": encoding_module.body,
+            "summary": encoding_module.summary,
+            "source": encoding_module.source,
+        },
         "upstream": {
             "body": upstream_module.body,
             "summary": upstream_module.summary,
+            "source": upstream_module.source,
             "points": _generated_points(spec, dims.structure),
             "transformers": upstream.TESTED_TRANSFORMERS,
             "torch": upstream.TESTED_TORCH,

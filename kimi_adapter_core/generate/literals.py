@@ -32,26 +32,6 @@ def py_literal(value: Any) -> str:
     raise TypeError(f"not plain data, cannot be rendered as a Python literal: {type(value).__name__}")
 
 
-def md_cell(value: Any) -> str:
-    """One Markdown table cell: code-quoted scalars, pipes escaped, never a line break."""
-    if isinstance(value, (list, tuple)):
-        return ", ".join(md_cell(v) for v in value) if value else "—"
-    if value is None or value == "":
-        return "—"
-    text = str(value).replace("|", "\\|").replace("\n", " ")
-    return text
-
-
-def md_code(value: Any) -> str:
-    """Inline code for identifiers and values in tables (``None`` becomes an em dash)."""
-    if value is None:
-        return "—"
-    if isinstance(value, (list, tuple)):
-        return ", ".join(md_code(v) for v in value) if value else "—"
-    text = value if isinstance(value, str) else py_literal(value)
-    return "`" + text.replace("|", "\\|").replace("`", "'") + "`"
-
-
 def py_docstring_text(text: object) -> str:
     """Spec text made inert inside a generated module's triple-quoted docstring.
 

@@ -51,7 +51,7 @@ def config_diagnostics(
 
 
 def _refusals(spec: Any, config: dict[str, Any], locator: Locator) -> list[Diagnostic]:
-    from ..structure.derive import raw_text_section, refuse_unmodelled_in_raw
+    from ..structure.of_spec import raw_text_section, refuse_unmodelled_in_raw
 
     key, text = raw_text_section(spec, config)
     if text is None:
@@ -70,7 +70,7 @@ def _refusals(spec: Any, config: dict[str, Any], locator: Locator) -> list[Diagn
 def _values(spec: Any, config: dict[str, Any], locator: Locator) -> list[Diagnostic]:
     """One finding per config value that breaks its rule, located at ``source.config``."""
     from ..structure.bounds import render
-    from ..structure.derive import config_value_violations
+    from ..structure.of_spec import config_value_violations
 
     origin, violations = config_value_violations(spec, config)
     return [locator.at("source.config", render(origin, v), "config-value") for v in violations]
@@ -79,7 +79,7 @@ def _values(spec: Any, config: dict[str, Any], locator: Locator) -> list[Diagnos
 def _quantization_configs(spec: Any, config: dict[str, Any], locator: Locator) -> list[Diagnostic]:
     """A ``quantization_config`` (in the text section or the root) is a mapping, or nothing reads it."""
     from ..structure.bounds import MAPPING, shown_path
-    from ..structure.derive import raw_text_section
+    from ..structure.of_spec import raw_text_section
 
     key, text = raw_text_section(spec, config)
     holders = {f"{key}.": text, "": config} if key else {"": config}
@@ -97,12 +97,8 @@ def _quantization(spec: Any, config: dict[str, Any], locator: Locator) -> list[D
     """The shipped config's ``quantization_config`` must be one the weight map describes, and the spec's
     ``quantization`` schemes must agree with it (the config decides storage; a scheme is a claim). A
     scheme beside a config without one describes another checkpoint than the one shipped: a warning."""
-    from ..backends.extraction.checkpoint_storage import (
-        quantization_config_of,
-        scheme_contradiction,
-        storage_rule,
-    )
-    from ..structure.derive import raw_text_section
+    from ..checkpoint.storage import quantization_config_of, scheme_contradiction, storage_rule
+    from ..structure.of_spec import raw_text_section
 
     _, text = raw_text_section(spec, config)
     qc, where = quantization_config_of(text or {}, config)
@@ -131,9 +127,9 @@ def _quantization(spec: Any, config: dict[str, Any], locator: Locator) -> list[D
 
 
 def _kv_layout(spec: Any, config: dict[str, Any], locator: Locator) -> list[Diagnostic]:
-    from ..backends.extraction.options import resolve_kv_layout
     from ..errors import Refusal
-    from ..structure.derive import structure_of_raw
+    from ..structure.kv_layout import resolve_kv_layout
+    from ..structure.of_spec import structure_of_raw
 
     try:
         structure = structure_of_raw(spec, config)

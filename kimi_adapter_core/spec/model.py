@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 BACKENDS = ("extraction", "simulation")
+LAYER = "{layer}"  # the per-layer placeholder in ABI tensor names (``present.{layer}.key``)
 
 Location = tuple[int, int]  # 1-based (line, column)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from .job.contact_points import check_upstream
 from .options import ExtractionOptions, bind_structure, options_from_spec
 
 if TYPE_CHECKING:
@@ -24,8 +25,8 @@ if TYPE_CHECKING:
 
     from ...patching.session import Session
     from ...spec.model import Spec
-    from .roundtrip import VerifyReport
-    from .summary import ExtractionSummary
+    from .equivalence.verdict import VerifyReport
+    from .job.summary import ExtractionSummary
 
 __all__ = [
     "ExtractionOptions",
@@ -39,20 +40,11 @@ __all__ = [
 ]
 
 
-def check_upstream(options: ExtractionOptions) -> None:
-    """Probe every transformers contact point this extraction relies on (``upstream.ContactPointMoved``
-    names what moved); ``run`` probes the model's own decoder layers after it is built."""
-    from ... import upstream
-
-    points = (*upstream.EXPORT_POINTS, "loading_converters")
-    upstream.check((*points, "vision_grid_helpers") if options.vision is not None else points)
-
-
 def run(
     spec: Spec, model: nn.Module, options: ExtractionOptions, *, echo: Callable[[str], Any]
 ) -> ExtractionSummary:
     """Extract ``model`` (the full applied model from ``load_model``) into ``options.output_dir``."""
-    from .pipeline import run as run_pipeline
+    from .job.pipeline import run as run_pipeline
 
     return run_pipeline(spec, model, options, echo=echo)
 
@@ -60,7 +52,7 @@ def run(
 def check(spec: Spec, model: nn.Module, options: ExtractionOptions, *, echo: Callable[[str], Any]) -> None:
     """Every check ``run`` makes before exporting, with nothing exported or written: a refusal is
     raised exactly where ``run`` would raise it."""
-    from .pipeline import Clock, prepare
+    from .job.pipeline import Clock, prepare
 
     prepare(spec, model, options, Clock(echo), check_whole=True)
 
@@ -78,7 +70,7 @@ def run_cached(
 ) -> tuple[ExtractionSummary, dict[str, int]]:
     """``run`` through the extraction cache (``cache.py``), as ``kadapt apply`` runs it: the summary and
     each patch's reach count (restored with the files when the same inputs were extracted before)."""
-    from .cache import ExtractionCache, default_root, extract_or_restore
+    from .job.cache import ExtractionCache, default_root, extract_or_restore
 
     cache = ExtractionCache(default_root()) if use_cache else None
     return extract_or_restore(
@@ -97,6 +89,6 @@ def verify(
     """Extract a tiny random model of the spec's architecture and check the saved IR against transformers
     (``processes`` 2: the tiny model's graphs traced in two forked children, as ``kadapt apply`` does;
     ``keep_in``: that extraction is an apply of the tiny model into this folder, see ``roundtrip``)."""
-    from .roundtrip import verify as run_verify
+    from .equivalence.roundtrip import verify as run_verify
 
     return run_verify(spec, options, echo=echo, processes=processes, keep_in=keep_in)

@@ -16,21 +16,22 @@ from typing import Any
 
 from ...errors import KadaptError
 from ...spec.model import (
+    LAYER,
     GraphAbi,
     KvCacheAbi,
     MergedPrefillAbi,
     Spec,
-    VisionAbi,
     paged_name_problems,
     paged_size_problems,
 )
-from ...structure.model import ALL_KV_LAYOUTS, Attention, ModelStructure
-from .symbolic import SYMBOLS as DYNAMIC_SIZES
-from .symbolic import DimRange
+from ...structure.kv_layout import resolve_kv_layout
+from ...structure.model import ALL_KV_LAYOUTS, ModelStructure
+from ...vision.options import VisionOptions, vision_options
+from .runtime.symbolic import SYMBOLS as DYNAMIC_SIZES
+from .runtime.symbolic import DimRange
 
 MLA_ATTENTIONS = ("reexpand", "absorbed")
 DTYPES = ("bfloat16", "float16", "float32", "float64")
-LAYER = "{layer}"
 PREFILL_FIXED = ("input_ids", "attention_mask", "position_ids")
 DECODE_FIXED = (*PREFILL_FIXED, "cache_position")
 MERGED_FIXED = ("input_ids", "image_features", "attention_mask", "position_ids")
@@ -74,50 +75,6 @@ def kv_names(prefill: GraphNames, decode: GraphNames) -> dict[str, str]:
         "decode_key_out": decode.present_key,
         "decode_value_out": decode.present_value,
     }
-
-
-@dataclass(frozen=True)
-class VisionOptions:
-    """The vision graph's fixed image ABI (``abi.vision``): which images one call packs, and names."""
-
-    projector: str  # module path of the projector
-    grid_thws: tuple[tuple[int, int, int], ...]
-    merge_kernel: tuple[int, int] | None  # the spec's claim, checked against the config at export
-    input_name: str
-    output_name: str
-    where: str | None = None  # spec location of abi.vision
-
-    @property
-    def num_patches(self) -> int:
-        return sum(t * h * w for t, h, w in self.grid_thws)
-
-
-def vision_options(spec: Spec, vision: VisionAbi) -> VisionOptions:
-    """``abi.vision`` read and checked (one input, one output, plain names) without torch."""
-    where = spec.locate("abi.vision")
-    for side, names in (("inputs", vision.inputs), ("outputs", vision.outputs)):
-        if len(names) != 1 or LAYER in names[0]:
-            raise KadaptError(
-                f"abi.vision.{side} must name exactly one tensor (no {{layer}}), got {list(names)}",
-                location=spec.locate(f"abi.vision.{side}"),
-            )
-    if vision.merge_kernel is not None:
-        rows, cols = vision.merge_kernel
-        for index, (_, h, w) in enumerate(vision.grid_thws):
-            if h % rows or w % cols:
-                raise KadaptError(
-                    f"abi.vision.grid_thws[{index}] = [{h}, {w}] patches is not divisible by the "
-                    f"merge kernel {rows}x{cols}",
-                    location=spec.locate(f"abi.vision.grid_thws[{index}]"),
-                )
-    return VisionOptions(
-        projector=vision.projector,
-        grid_thws=vision.grid_thws,
-        merge_kernel=vision.merge_kernel,
-        input_name=vision.inputs[0],
-        output_name=vision.outputs[0],
-        where=where,
-    )
 
 
 @dataclass(frozen=True)
@@ -507,39 +464,6 @@ def options_from_spec(
         paged=paged,
         **sizes,
     )
-
-
-def resolve_kv_layout(
-    attention: Attention,
-    kv_layout: str | None,
-    mla_attention: str,
-    *,
-    layout_where: str | None = None,
-    attention_where: str | None = None,
-) -> str:
-    """The KV layout for a model with ``attention``: ``kv_layout`` or the attention kind's default.
-
-    A layout the attention cannot have (``latent`` on a GQA model), a non-default ``mla_attention`` on a
-    model without MLA, or ``absorbed`` off the latent layout is a ``KadaptError`` located at the spec
-    entry that asked for it. Torch-free: ``kadapt generate`` resolves layouts with it too.
-    """
-    layout = kv_layout or attention.default_kv_layout
-    if layout not in attention.kv_layouts:
-        raise KadaptError(
-            f"kv_layout {layout!r} does not fit this model's {attention.kind.upper()} attention "
-            f"({attention.describe()}); valid: {', '.join(attention.kv_layouts)}",
-            location=layout_where,
-        )
-    if mla_attention != "reexpand" and not attention.is_mla:
-        raise KadaptError(
-            f"mla_attention {mla_attention!r} needs MLA attention; this model has {attention.describe()}",
-            location=attention_where,
-        )
-    if mla_attention == "absorbed" and layout != "latent":
-        raise KadaptError(
-            f"mla_attention 'absorbed' needs kv_layout 'latent', got {layout!r}", location=attention_where
-        )
-    return layout
 
 
 def bind_merged_prefill(

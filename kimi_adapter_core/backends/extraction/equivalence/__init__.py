@@ -1,0 +1,1 @@
+"""Proving the saved graphs equal transformers."""

@@ -1,0 +1,197 @@
+"""The comparisons a verify runs: text prompts, dynamic sizes, ragged rows and the image prompt."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from ....errors import KadaptError
+from ....spec.model import Spec
+from ..options import ExtractionOptions
+from . import multimodal as multimodal_verify
+from .departure import localise
+from .reference import reference_run
+from .replay import Replay
+from .tolerance import Tolerance, compare
+from .verdict import VerifyReport
+
+# Greedy steps after the multimodal prefill: the decode graph itself is checked over the full
+# decode_steps by the text prompt; these show the image prompt's KV continues into it.
+MERGED_DECODE_STEPS = 8
+
+
+def compare_prompt(
+    report: VerifyReport,
+    model: nn.Module,
+    replay: Replay,
+    prompt: torch.Tensor,
+    steps: int,
+    *,
+    tolerance: Tolerance,
+    suffix: str = "",
+    prefill: multimodal_verify.Prefill | None = None,
+    reference_inputs: dict[str, torch.Tensor] | None = None,
+    label: str = "",
+) -> None:
+    """Prefill ``prompt`` (with ``prefill``, default the saved text prefill), decode ``steps`` greedy
+    tokens with the saved decode graph, and compare each with transformers given ``reference_inputs``;
+    check names start with ``label``."""
+    ref_prefill, ref_tokens, ref_logits = reference_run(model, prompt, steps, **(reference_inputs or {}))
+    logits, cache = (prefill or replay.run_prefill)(prompt)
+    first = compare([(logits, ref_prefill)], tolerance)
+    report.add(
+        f"{label}prefill logits{suffix}", first.passed, f"over {tuple(logits.shape)}: {first.detail()}"
+    )
+    token = logits[:, -1].argmax(-1, keepdim=True)
+    tokens = [token]
+    steps_logits = [(logits[:, -1], ref_logits[0])]
+    for step in range(steps):
+        logits, cache = replay.run_decode(token, prompt.shape[1] + step, cache)
+        steps_logits.append((logits[:, -1], ref_logits[step + 1]))
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        tokens.append(token)
+    ir_tokens = torch.cat(tokens, dim=1)
+    decoded = compare(steps_logits, tolerance)
+    equal = torch.equal(ir_tokens, ref_tokens)
+    if prefill is None and report.first_departure is None and not (first.passed and equal and decoded.passed):
+        where = localise(model, replay, prompt, steps, tolerance)
+        report.first_departure = f"{where} ({tolerance.dtype}, prompt {tuple(prompt.shape)})"
+    if not suffix and not label:  # the fp32 text run is the one the report's tokens and max diff describe
+        report.tokens_ir = ir_tokens.tolist()
+        report.tokens_reference = ref_tokens.tolist()
+        report.max_logit_diff = max(first.max_diff, decoded.max_diff)
+    last = prompt.shape[1] + steps - 1
+    report.add(
+        f"{label}greedy generation{suffix}",
+        equal,
+        f"{ir_tokens.shape[1]} tokens (1 prefill + {steps} decode steps, "
+        f"positions {prompt.shape[1]}..{last}) {'equal' if equal else 'DIFFER'} to model.generate",
+    )
+    report.add(
+        f"{label}decode logits{suffix}", decoded.passed, f"over {steps + 1} tokens: {decoded.detail()}"
+    )
+
+
+def compare_dynamic(
+    report: VerifyReport,
+    model: nn.Module,
+    replay: Replay,
+    prompt: torch.Tensor,
+    options: ExtractionOptions,
+    *,
+    tolerance: Tolerance,
+    suffix: str,
+) -> None:
+    """The same graphs at smaller sizes inside their ranges, and a refusal just outside them."""
+    rows = 1 if "batch" in options.dynamic else prompt.shape[0]
+    length = max(1, prompt.shape[1] // 2 - 1) if "prefill_len" in options.dynamic else prompt.shape[1]
+    smaller = prompt[:rows, :length]
+    where = f" (batch {rows}, prompt {length}{', ' + suffix.strip(' ()') if suffix else ''})"
+    compare_prompt(report, model, replay, smaller, 4, tolerance=tolerance, suffix=where)
+    for name, allowed in options.dynamic_ranges.items():
+        shape = {"batch": prompt.shape[0], "prefill_len": prompt.shape[1], name: allowed.max + 1}
+        check = f"{name} {allowed.max + 1} refused before execution{suffix}"
+        try:
+            replay.run_prefill(torch.zeros(shape["batch"], shape["prefill_len"], dtype=torch.long))
+        except KadaptError as exc:
+            report.add(check, f"({name})" in str(exc), str(exc))
+        else:
+            report.add(check, False, f"a {shape['batch']}x{shape['prefill_len']} prompt ran")
+
+
+def compare_ragged(
+    report: VerifyReport,
+    model: nn.Module,
+    replay: Replay,
+    prompt: torch.Tensor,
+    *,
+    steps: int,
+    tolerance: Tolerance,
+    suffix: str,
+) -> None:
+    """Rows of different lengths in one batch, each decoding from its own position in every step (and,
+    paged, through blocks out of order): every row's tokens equal ``generate`` on that row alone and its
+    logits are within ``tolerance`` of generate's at every step."""
+    rows, width = prompt.shape
+    lengths = torch.tensor([max(1, width - 2 * row) for row in range(rows)])
+    padded = torch.stack(
+        [prompt[row].masked_fill(torch.arange(width) >= lengths[row], 0) for row in range(rows)]
+    )
+    logits, cache = replay.run_ragged_prefill(padded, lengths)
+    step_logits = [logits[torch.arange(rows), lengths - 1]]  # [rows, vocab] per step
+    token = step_logits[0].argmax(-1, keepdim=True)
+    tokens = [token]
+    for step in range(steps):
+        logits, cache = replay.run_decode(token, lengths + step, cache)
+        step_logits.append(logits[:, -1])
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        tokens.append(token)
+    ours = torch.cat(tokens, dim=1)
+    differ, pairs = [], []
+    for row in range(rows):
+        _, expected, expected_logits = reference_run(model, prompt[row : row + 1, : int(lengths[row])], steps)
+        if not torch.equal(ours[row : row + 1], expected):
+            differ.append(row)
+        pairs += [
+            (ours_step[row : row + 1], ref)
+            for ours_step, ref in zip(step_logits, expected_logits, strict=True)
+        ]
+    close = compare(pairs, tolerance)
+    paged = "" if replay.block_table is None else ", paged, blocks out of order"
+    report.add(
+        f"ragged batch{suffix}",
+        not differ and close.passed,
+        f"{rows} rows of lengths {lengths.tolist()}{paged}: {steps + 1} tokens each "
+        + (f"DIFFER from model.generate on rows {differ}" if differ else "equal to model.generate row by row")
+        + f"; logits {close.detail()}",
+    )
+
+
+def compare_merged(
+    report: VerifyReport,
+    spec: Spec,
+    model: nn.Module,
+    replay: Replay,
+    options: ExtractionOptions,
+    weights: dict[str, torch.Tensor],
+    *,
+    vocab_size: int,
+    tolerance: Tolerance,
+    suffix: str,
+) -> None:
+    """An image prompt through the saved vision, multimodal prefill and decode graphs vs transformers."""
+    case = multimodal_verify.merged_case(
+        spec,
+        model,
+        options,
+        weights,
+        text_len=options.verify_prefill_len,
+        vocab_size=vocab_size,
+        place=replay.place,
+    )
+    compare = functools.partial(
+        compare_prompt,
+        report,
+        model,
+        replay,
+        tolerance=tolerance,
+        prefill=case.prefill,
+        reference_inputs=case.reference_inputs,
+        label="multimodal ",
+    )
+    compare(case.prompt, MERGED_DECODE_STEPS, suffix=suffix)
+    if options.dynamic:  # a shorter image prompt (and batch 1) through the same files
+        rows = 1 if "batch" in options.dynamic else case.prompt.shape[0]
+        text = 2 if "prefill_len" in options.dynamic else options.verify_prefill_len
+        prompt = multimodal_verify.image_prompt(
+            batch=rows,
+            text_len=text,
+            image_tokens=case.replay.feature_rows,
+            placeholder=case.replay.placeholder,
+            vocab_size=vocab_size,
+        )
+        where = f" (batch {rows}, prompt {prompt.shape[1]}{', ' + suffix.strip(' ()') if suffix else ''})"
+        compare(prompt, 4, suffix=where)
+    multimodal_verify.check_placeholder_refusal(report, case, suffix=suffix)

@@ -1,0 +1,153 @@
+"""Where a failed replay first departs from transformers: which graph, step, layer and output.
+
+Run only when a logits or token check failed, so a passing verify pays nothing: each layer's cached
+key and value are compared with what transformers' own layers wrote, in layer order, the prefill
+first and then each decode step fed the same tokens."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from .... import upstream
+from .replay import Replay
+from .tolerance import Tolerance, compare
+
+
+class _RecordingCache(DynamicCache):
+    """transformers' own cache for the reference run, keeping also what each layer handed
+    ``Cache.update`` in the latest forward: what the saved graphs' presents hold in the ``heads`` and
+    ``latent`` layouts (``runtime``'s KV layouts), whatever the layer then keeps (a sliding window)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config=config)
+        self.written: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.written[layer_idx] = (key_states.detach().clone(), value_states.detach().clone())
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def _expected_kv(
+    model: nn.Module, written: dict[int, tuple[torch.Tensor, torch.Tensor]], layout: str
+) -> list[torch.Tensor]:
+    """What the graph's presents must hold, layer by layer (key, value, key, ...): what transformers'
+    layers wrote, per head through the layer's own ``expand_kv`` for the ``expanded`` MLA layout."""
+    attentions = {
+        m.layer_idx: m for m in model.modules() if hasattr(m, "expand_kv") and hasattr(m, "layer_idx")
+    }
+    flat = []
+    for layer in sorted(written):
+        key, value = written[layer]
+        if layout == "expanded":
+            with torch.no_grad():
+                key, value = attentions[layer].expand_kv(key, value)
+        flat += [key, value]
+    return flat
+
+
+def _first_position(logits: torch.Tensor, reference: torch.Tensor, tolerance: Tolerance) -> int | None:
+    """The first position (dim -2) whose logits are outside ``tolerance``, None if none is."""
+    if logits.shape != reference.shape:
+        return 0
+    for position in range(logits.shape[-2]):
+        if not compare([(logits[..., position, :], reference[..., position, :])], tolerance).passed:
+            return position
+    return None
+
+
+def _layer_hint(layer: int, parts: list[str], kind: str) -> str:
+    """What a departing cache suggests: one of key/value off points at that path of the layer, both at
+    the layer's input (the previous layer's output, or the embeddings), a projection both come from
+    (MLA's kv_a_proj), or in a decode step the cache slot the step wrote."""
+    if len(parts) == 1:
+        other, path = ("value", "(projection, norm, rope)") if parts[0] == "key" else ("key", "(projection)")
+        return f"its {other} is within the bound: layer {layer}'s {parts[0]} path {path}"
+    source = "the embeddings" if layer == 0 else f"layer {layer - 1}'s attention or MLP"
+    slot = ", or the cache slot the step wrote" if kind == "decode" else ""
+    return f"key and value both: layer {layer}'s input ({source}), a projection both come from{slot}"
+
+
+def _departure(
+    replay: Replay,
+    kind: str,
+    ours: list[torch.Tensor],
+    expected: list[torch.Tensor],
+    logits: tuple[torch.Tensor, torch.Tensor, int],
+    tolerance: Tolerance,
+) -> str | None:
+    """The first layer (in order) whose cached key or value departs from transformers', and where the
+    logits do, said together; None when every cache and every logit is within ``tolerance``."""
+    actual, reference, offset = logits
+    at = _first_position(actual, reference, tolerance)
+    logit_text = "logits within the bound" if at is None else f"logits differ from position {offset + at}"
+    if len(ours) != len(expected):
+        return f"the graph returns {len(ours)} cache tensors, transformers' layers wrote {len(expected)}"
+    for layer in range(len(ours) // 2):
+        pair = [compare([(ours[i], expected[i])], tolerance) for i in (2 * layer, 2 * layer + 1)]
+        parts = [part for part, close in zip(("key", "value"), pair, strict=True) if not close.passed]
+        if not parts:
+            continue
+        first = pair[0] if parts[0] == "key" else pair[1]
+        output = replay.output_name(kind, 1 + 2 * layer + (parts[0] == "value"))
+        return (
+            f"layer {layer} {parts[0]} cache departs first (output {output!r}: {first.detail()}; "
+            f"{_layer_hint(layer, parts, kind)}); {logit_text}"
+        )
+    if at is None:
+        return None
+    return (
+        f"every layer's KV cache is within the bound, {logit_text}: the departure is after the last cache "
+        "write (the last layer's attention output or MLP, the final norm, the LM head or the logits' "
+        "outside ops)"
+    )
+
+
+def localise(model: nn.Module, replay: Replay, prompt: torch.Tensor, steps: int, tolerance: Tolerance) -> str:
+    """Where the replay first departs from transformers: the prefill's presents layer by layer, then
+    each decode step's written row, both models fed the replay's own greedy tokens so they stay on one
+    path. Only run after a logits or token check failed: the passing path never pays for it.
+
+    A diagnosis, not a check: if it cannot be made (a model whose forward takes no cache object, a
+    layer without ``expand_kv``), the report says why and the failed checks stand as they are."""
+    try:
+        return _first_departure(model, replay, prompt, steps, tolerance)
+    except Exception as exc:  # noqa: BLE001 - any failure of the diagnosis must not hide the verdict
+        return f"not localised: comparing layer by layer failed ({type(exc).__name__}: {exc})"
+
+
+def _first_departure(
+    model: nn.Module, replay: Replay, prompt: torch.Tensor, steps: int, tolerance: Tolerance
+) -> str:
+    """``localise``'s comparison, layer by layer in order, prefill then each decode step."""
+    layout = replay.kv_layout
+    cache = _RecordingCache(model.config)
+    keyword = upstream.cache_keyword(model)  # 5.24: ``cache``, before: ``past_key_values``
+    lengths = torch.full((prompt.shape[0],), prompt.shape[1])
+    with torch.no_grad():
+        reference = model(input_ids=prompt, **{keyword: cache}, use_cache=True).logits
+    logits, present = replay.prefill_outputs(prompt, lengths)
+    expected = _expected_kv(model, cache.written, layout)
+    found = _departure(replay, "prefill", present, expected, (logits, reference, 0), tolerance)
+    if found is not None:
+        return f"prefill: {found}"
+    kv = replay.place(present, lengths)
+    for step in range(steps):
+        token, position = logits[:, -1:].argmax(-1), prompt.shape[1] + step
+        with torch.no_grad():
+            reference = model(input_ids=token, **{keyword: cache}, use_cache=True).logits
+        logits, kv = replay.run_decode(token, position, kv)
+        expected = _expected_kv(model, cache.written, layout)
+        ours = replay.written_at(kv, position)
+        found = _departure(replay, "decode", ours, expected, (logits, reference, position), tolerance)
+        if found is not None:
+            return f"decode step {step + 1}: {found}"
+    return (
+        f"not localised: fed the same tokens, every layer's KV cache and the logits stay within the bound "
+        f"for the prefill and {steps} decode steps (a near tie decided a greedy token differently)"
+    )

@@ -1,0 +1,102 @@
+"""Executing the saved IR JSON files with torch_ir, fed as a runtime feeds them."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from ..options import ExtractionOptions
+from ..runtime import abi as runtime
+from ..runtime.symbolic import bind_ir, decode_value_ranges
+
+
+class Replay:
+    """Runs the saved IR files with torch_ir's executor, the way another tool would.
+
+    Every call goes through ``symbolic.bind_ir`` first: inputs the graph was not made for (a prompt
+    outside a dynamic range or longer than a static one, a wrong batch, dtype or cache shape) are refused
+    there, before execution, and dynamic sizes are bound to this call's shapes.
+    """
+
+    def __init__(self, options: ExtractionOptions, weights: dict[str, torch.Tensor]) -> None:
+        import torch_ir
+
+        self.irs = {kind: torch_ir.load_ir(options.path(kind)) for kind in ("prefill", "decode")}
+        mapping = json.loads(options.path("kv_mapping").read_text())
+        self.values = {"decode": decode_value_ranges(self.irs["decode"], mapping)}
+        self.weights = weights
+        self.ranges = options.dynamic_ranges
+        self.dtype = getattr(torch, options.dtype)
+        self.max_cache_len = options.max_cache_len
+        self.paged = options.paged
+        self.kv_dims = options.kv_dims
+        self.kv_layout = options.kv_layout or "heads"
+        self.block_table: torch.Tensor | None = None  # paged: the rows' blocks, out of order in the pool
+
+    def execute(self, kind: str, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        import torch_ir
+
+        ir = bind_ir(self.irs[kind], inputs, self.ranges, graph=kind, values=self.values.get(kind))
+        return list(torch_ir.IRExecutor(ir, self.weights).execute(inputs))
+
+    def run_prefill(self, prompt: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Prefill a prompt whose every row is real tokens (no padding)."""
+        return self.run_ragged_prefill(prompt, torch.full((prompt.shape[0],), prompt.shape[1]))
+
+    def run_ragged_prefill(
+        self, padded: torch.Tensor, lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Prefill rows of ``lengths`` real tokens, right padded to ``padded``'s width: each row's mask
+        hides its own pad slots (the KV mapping's padding rule)."""
+        logits, present = self.prefill_outputs(padded, lengths)
+        return logits, self.place(present, lengths)
+
+    def prefill_outputs(
+        self, padded: torch.Tensor, lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The prefill graph's logits and per-layer present KV as it returns them (not yet placed)."""
+        _, causal, positions = runtime.prefill_inputs(
+            batch=padded.shape[0], prefill_len=padded.shape[1], dtype=self.dtype, device="cpu"
+        )
+        pad = torch.arange(padded.shape[1]).view(1, 1, 1, -1) >= lengths.view(-1, 1, 1, 1)
+        mask = causal.masked_fill(pad, torch.finfo(self.dtype).min)
+        logits, *present = self.execute("prefill", (padded, mask, positions))
+        return logits, present
+
+    def written_at(self, present: list[torch.Tensor], position: int) -> list[torch.Tensor]:
+        """What a decode step wrote at ``position`` in each present cache, ``[B, heads, 1, dim]`` (a paged
+        pool read through the rows' block table)."""
+        if self.block_table is not None:
+            present = [runtime.paged_view(pool, self.block_table) for pool in present]
+        return [tensor[:, :, position : position + 1] for tensor in present]
+
+    def output_name(self, kind: str, index: int) -> str:
+        """The name of output ``index`` of the ``kind`` graph (0 is the logits, then key/value by layer)."""
+        return str(self.irs[kind].graph_outputs[index].name)
+
+    def place(self, present: list[torch.Tensor], lengths: torch.Tensor) -> list[torch.Tensor]:
+        """Prefill KV (rows of ``lengths`` real tokens) as the decode graph takes it: per-row caches,
+        or with a paged cache the rows' blocks scattered out of order through the pool."""
+        if self.paged is None:
+            return runtime.place_prefill_kv(present, self.max_cache_len)
+        per_row = self.max_cache_len // self.paged.block_size
+        order = torch.randperm(self.paged.num_blocks, generator=torch.Generator().manual_seed(7))
+        self.block_table = order[: len(lengths) * per_row].view(len(lengths), per_row)
+        shapes = runtime.paged_shapes(self.kv_dims, self.paged.block_size, self.paged.num_blocks)
+        return runtime.place_prefill_kv_paged(
+            present, self.block_table, lengths, shapes * (len(present) // 2)
+        )
+
+    def run_decode(
+        self, token: torch.Tensor, position: int | torch.Tensor, cache: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, list]:
+        """One decode step; ``position`` one for every row or ``[B]``, each row's own (ragged)."""
+        rows = torch.full((token.shape[0],), position) if isinstance(position, int) else position
+        positions = rows.view(-1, 1).to(torch.long)
+        mask = runtime.additive_causal_mask(positions, self.max_cache_len, self.dtype)
+        table = () if self.block_table is None else (self.block_table,)
+        logits, *present = self.execute(
+            "decode", (token, mask, positions, positions.view(-1), *table, *cache)
+        )
+        return logits, present

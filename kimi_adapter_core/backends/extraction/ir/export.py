@@ -1,0 +1,464 @@
+"""Trace one ABI wrapper with ``torch.export`` and turn it into a functional kadapt ``Graph``.
+
+``run_decompositions({})`` is what makes the program functional (in-place ``scatter_``/``div_`` of
+the router become out-of-place ops, mutations of fresh tensors disappear) without decomposing
+``linear``/``softmax`` into more, smaller nodes; on a tested torch the same program is traced in one
+pass (``one_pass_export``). Export runs under ``no_grad`` so the rotary
+embedding's ``@torch.no_grad`` adds no ``set_grad_enabled`` higher-order op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.export import ExportedProgram
+
+from .... import upstream
+from ....errors import KadaptError, Refusal
+from ..options import MERGED, ExtractionOptions, GraphNames
+from ..runtime import abi as runtime
+from .convert import Symbols, convert, symbol_names
+from .graph import Graph
+
+
+@dataclass(frozen=True)
+class Backbone:
+    """The text backbone inside the full model, as the spec's module_paths name it."""
+
+    model: nn.Module
+    language_model: nn.Module
+    lm_head: nn.Module
+
+    @property
+    def config(self) -> Any:
+        return self.language_model.config
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        return list(self.language_model.layers)[: self.config.num_hidden_layers]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.language_model.parameters()).device
+
+
+STACK = ("embed_tokens", "layers", "norm", "rotary_emb")  # what the wrappers call on the decoder stack
+# what a decoder layer's forward may take: the wrappers pass the first five (and the cache under its
+# keyword); any other named input is something the model's forward computes and the wrappers do not
+LAYER_INPUTS = frozenset(
+    {"self", "hidden_states", "attention_mask", "position_ids", "position_embeddings", "use_cache",
+     "cache", "past_key_values", "past_key_value", "cache_position", "output_attentions", "kwargs"}
+)  # fmt: skip
+# child module class names of a decoder layer that mixes tokens without attention
+NON_ATTENTION = ("Mamba", "Mixer", "Linear", "Conv", "Recurrent", "DeltaNet", "Rwkv", "Lstm")
+
+
+def check_stack(backbone: Backbone) -> None:
+    """Refuse a decoder stack the wrappers cannot drive: no ``embed_tokens``/``layers``/``norm``/
+    ``rotary_emb`` (GPT-NeoX, GPT-2, Falcon, Phi layouts: ``stack-layout``), or layers without a
+    ``self_attn`` that knows its ``layer_idx`` (``hybrid`` when they mix tokens another way)."""
+    stack = backbone.language_model
+    name = type(stack).__name__
+    missing = [attr for attr in STACK if not hasattr(stack, attr)]
+    if missing:
+        has = ", ".join(n for n, _ in stack.named_children())
+        raise Refusal(
+            "stack-layout",
+            f"{name} has no {', '.join(missing)} (its children: {has}); the prefill/decode wrappers call a "
+            f"decoder stack's {', '.join(STACK)}",
+        )
+    for index, layer in enumerate(backbone.layers):
+        params = inspect.signature(inspect.unwrap(type(layer).forward)).parameters
+        extra = [
+            n
+            for n, p in params.items()
+            if n not in LAYER_INPUTS and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+        ]
+        if extra:
+            raise Refusal(
+                "stack-layout",
+                f"{type(layer).__name__}.forward (layer {index}) takes {', '.join(extra)}, which "
+                f"{type(stack).__name__}'s forward computes and the prefill/decode wrappers do not",
+            )
+        attention = getattr(layer, "self_attn", None)
+        if attention is not None and getattr(attention, "layer_idx", None) == index:
+            continue
+        others = [type(m).__name__ for _, m in layer.named_children()]
+        hybrid = [n for n in others if any(word in n for word in NON_ATTENTION)]
+        if hybrid:
+            raise Refusal(
+                "hybrid",
+                f"{type(layer).__name__} (layer {index}) mixes tokens with {', '.join(hybrid)}, not "
+                "attention: its state is not a KV cache",
+            )
+        found = (
+            "no self_attn"
+            if attention is None
+            else f"self_attn.layer_idx {getattr(attention, 'layer_idx', None)}"
+        )
+        raise Refusal(
+            "stack-layout",
+            f"{type(layer).__name__} (layer {index}) has {found} (children: {', '.join(others)}); the KV "
+            "cache is addressed by each self_attn's layer_idx",
+        )
+
+
+def check_exportable(backbone: Backbone) -> None:
+    """Refuse MoE layers whose experts implementation cannot be exported (data-dependent loops)."""
+    has_experts = any(upstream.is_experts_module(m) for m in backbone.language_model.modules())
+    implementation = getattr(backbone.config, "_experts_implementation", None)
+    if has_experts and implementation in (None, "eager"):
+        raise KadaptError(
+            f"the MoE experts use the {implementation or 'default eager'} implementation, which loops over "
+            "nonzero() expert hits and cannot be exported with static shapes; set "
+            "text_config._experts_implementation to batched_mm in the spec's config_bridges"
+        )
+
+
+def graph_names(kind: str, options: ExtractionOptions) -> GraphNames:
+    """ABI names of the ``kind`` graph: ``prefill``, ``decode`` or ``prefill_mm``."""
+    if kind == MERGED:
+        assert options.merged_prefill is not None
+        return options.merged_prefill.names
+    return options.prefill_names if kind == "prefill" else options.decode_names
+
+
+def wrapper_for(kind: str, backbone: Backbone, options: ExtractionOptions, num_layers: int) -> nn.Module:
+    classes = {"prefill": runtime.PrefillWrapper, "decode": runtime.DecodeWrapper}
+    extra: dict[str, Any] = {}
+    if kind == MERGED:
+        merged = options.merged_prefill
+        assert merged is not None and merged.image_token_id is not None, "bind_merged_prefill first"
+        classes[kind] = runtime.MultimodalPrefillWrapper
+        extra["image_token_id"] = merged.image_token_id
+    if kind == "decode" and options.paged is not None:
+        extra["paged"] = True
+    return (
+        classes[kind]
+        .from_language_model(
+            backbone.language_model,
+            backbone.lm_head,
+            kv_layout=options.kv_layout,
+            cache_keyword=upstream.decoder_protocol(backbone.language_model).cache_keyword,
+            num_layers=num_layers,
+            mla_attention=options.mla_attention,
+            windows=options.windows,
+            embedding_ops=options.structure.outside_ops("embeddings") if options.structure else (),
+            logit_ops=options.structure.outside_ops("logits") if options.structure else (),
+            rope_layer_types=upstream.rope_layer_types(backbone.language_model),
+            **extra,
+        )
+        .eval()
+    )
+
+
+def example_inputs(
+    kind: str, backbone: Backbone, options: ExtractionOptions, num_layers: int
+) -> tuple[Any, ...]:
+    dtype = getattr(torch, options.dtype)
+    if kind == "prefill":
+        return runtime.prefill_inputs(
+            batch=options.batch, prefill_len=options.prefill_len, dtype=dtype, device=backbone.device
+        )
+    if kind == MERGED:
+        merged = options.merged_prefill
+        assert merged is not None and merged.feature_rows is not None, "bind_merged_prefill first"
+        return runtime.multimodal_prefill_inputs(
+            batch=options.batch,
+            prefill_len=merged.prefill_len,
+            feature_rows=merged.feature_rows,
+            hidden_size=backbone.language_model.get_input_embeddings().embedding_dim,
+            dtype=dtype,
+            device=backbone.device,
+        )
+    return runtime.decode_inputs(
+        options.kv_dims,
+        batch=options.batch,
+        position=options.prefill_len,
+        max_cache_len=options.max_cache_len,
+        num_layers=num_layers,
+        dtype=dtype,
+        device=backbone.device,
+        paged=None if options.paged is None else (options.paged.block_size, options.paged.num_blocks),
+    )
+
+
+def dynamic_dims(kind: str, options: ExtractionOptions, num_inputs: int) -> dict[int, dict[int, str]]:
+    """``{input position: {dim: ABI symbol}}`` of the wrapper's inputs for ``options.dynamic``.
+
+    Prefill: ``input_ids``/``position_ids`` ``[batch, prefill_len]``, the mask ``[batch, 1,
+    prefill_len, prefill_len]``. Decode: batch only (one token, a cache of fixed capacity), on every
+    input (``cache_position`` and a paged ``block_table`` have one row per batch row) but the block
+    pools of a paged cache (shared by all rows). Multimodal prefill: the prefill's, but the image
+    features ``[image tokens, hidden]`` stay fixed (one image ABI for the whole batch).
+    """
+    batch = "batch" in options.dynamic
+    length = "prefill_len" in options.dynamic and kind != "decode"
+    mask = 2 if kind == MERGED else 1
+    fixed = len(graph_names(kind, options).fixed_inputs)
+    dims: dict[int, dict[int, str]] = {}
+    for position in range(num_inputs):
+        if kind == MERGED and position == 1:  # image features
+            continue
+        if kind == "decode" and options.paged is not None and position >= fixed:  # block pools
+            continue
+        these = {0: "batch"} if batch else {}
+        if length:
+            these.update({1: "prefill_len"} if position != mask else {2: "prefill_len", 3: "prefill_len"})
+        if these:
+            dims[position] = these
+    return dims
+
+
+def _torch_dynamic_shapes(
+    kind: str, dims: dict[int, dict[int, str]], num_inputs: int
+) -> tuple[Any, ...] | None:
+    """``dims`` as ``torch.export``'s ``dynamic_shapes`` (decode's ``*tensors`` after ``cache_position``,
+    a paged block table included, is one nested tuple)."""
+    if not dims:
+        return None
+    symbols = {name: torch.export.Dim(name, min=1) for d in dims.values() for name in d.values()}
+    per_input = [
+        {dim: symbols[name] for dim, name in dims[position].items()} if position in dims else None
+        for position in range(num_inputs)
+    ]
+    if kind == "decode":
+        return (*per_input[:4], tuple(per_input[4:]))
+    return tuple(per_input)
+
+
+def export_program(
+    wrapper: nn.Module, inputs: tuple[Any, ...], kind: str, dynamic_shapes: tuple[Any, ...] | None = None
+) -> ExportedProgram:
+    """The functional ATen program of ``wrapper``: ``export(...).run_decompositions({})``, traced once
+    where torch allows (``one_pass_export``)."""
+    # torch 2.13's own pytree code trips its LeafSpec deprecation inside export; it is not ours to fix
+    # and would only bury the progress lines.
+    with torch.no_grad(), warnings.catch_warnings(), _without_node_stack_traces():
+        warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
+        one_pass = one_pass_export()
+        try:
+            if one_pass is not None:
+                return one_pass(wrapper, inputs, dynamic_shapes)
+            program = torch.export.export(wrapper, inputs, dynamic_shapes=dynamic_shapes, strict=False)
+        except Exception as exc:  # torch.export raises many types; the user needs the cause, not the type
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise KadaptError(f"torch.export failed on the {kind} wrapper: {first_line}") from exc
+        return program.run_decompositions({})
+
+
+OnePass = Callable[[nn.Module, tuple[Any, ...], Any], ExportedProgram]
+
+
+@contextlib.contextmanager
+def _without_node_stack_traces() -> Iterator[None]:
+    """Trace without a Python stack trace on every graph node (``torch.fx.config``).
+
+    torch's tracer records one per node for its own error messages and debugging; kadapt's IR never
+    reads them (a node's scope comes from ``nn_module_stack``), so the artifacts are the same bytes,
+    and an export is 8-14% faster (full-size Kimi-K2.5 with a dynamic prompt length: 9.7 -> 8.4 s).
+    kadapt reports only the first line of an export error, which does not come from them. Restored
+    after the trace, so a caller tracing in the same process keeps torch's default."""
+    try:
+        config = importlib.import_module("torch.fx.config")
+    except ImportError:
+        config = None
+    if config is None or not hasattr(config, "do_not_emit_stack_traces"):
+        yield
+        return
+    before = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = before
+
+
+def load_export_machinery() -> None:
+    """Import what ``torch.export`` imports the first time it runs (~17 MB and ~0.2 s; its autograd
+    tracer pulls in all of networkx). Called before the export processes fork (``forked``), so they
+    share one copy instead of each importing its own."""
+    import torch._functorch.aot_autograd  # noqa: F401
+    import torch.export._trace  # noqa: F401
+
+
+def one_pass_export() -> OnePass | None:
+    """``export(...).run_decompositions({})`` in one trace, or None where torch is not a tested release.
+
+    ``torch.export.export`` traces the pre-dispatch (training) program, and ``run_decompositions``
+    traces that program again to make it functional. torch's own post-dispatch export makes the
+    functional program in one trace, and with the CompositeImplicitAutograd ops preserved the way
+    ``run_decompositions({})`` preserves them (``linear`` stays ``linear``) it is the same program:
+    every shipped family's artifacts are byte-identical either way (tested), and Kimi-K2.5's four
+    exports take 1.8 s instead of 3.2 s. These are torch internals, so only on the torch minor
+    releases kadapt is tested with (``upstream.TESTED_TORCH``); elsewhere the two public calls."""
+    tested = {version.rsplit(".", 1)[0] for version in upstream.TESTED_TORCH}
+    if torch.__version__.split("+")[0].rsplit(".", 1)[0] not in tested:
+        return None
+    try:
+        from torch.export._trace import _export
+        from torch.export.exported_program import (
+            _override_composite_implicit_decomp,
+            _split_decomp_table_to_cia_and_python_decomp,
+        )
+    except ImportError:
+        return None
+
+    def export(wrapper: nn.Module, inputs: tuple[Any, ...], dynamic_shapes: Any) -> ExportedProgram:
+        preserved = _preserved_ops(_split_decomp_table_to_cia_and_python_decomp)
+        with _installed(_override_composite_implicit_decomp, preserved):
+            return _export(wrapper, inputs, dynamic_shapes=dynamic_shapes, strict=False, pre_dispatch=False)
+
+    return export
+
+
+class _Held(contextlib.ExitStack):
+    """The preserved-ops override installed for a group of exports, and the table it installed."""
+
+    table: Any = None
+
+
+_TOGETHER: list[_Held] = []  # the innermost ``exports_together`` last
+
+
+@contextlib.contextmanager
+def exports_together() -> Iterator[None]:
+    """The one-pass exports inside install their preserved-ops override once, not around each.
+
+    Installing it patches every one of the ~525 preserved ops (~40 ms: a quarter of a small graph's
+    trace), and a run traces two to four graphs in a row. Only exports and their conversion run
+    inside (``forked.in_processes``' builds): the override changes what the Python dispatcher (on
+    only while tracing) and FakeTensorMode do with those ops, not eager ones. Removed on the way out,
+    also after an error; a newly registered op re-installs it with the new table."""
+    held = _Held()
+    _TOGETHER.append(held)
+    try:
+        yield
+    finally:
+        _TOGETHER.pop()
+        held.close()
+
+
+@contextlib.contextmanager
+def _installed(override: Callable[[Any], Any], preserved: Any) -> Iterator[None]:
+    """``override(preserved)`` around one export; inside ``exports_together`` the group's install,
+    made at its first export and made again when the table changed (a newly registered op)."""
+    if not _TOGETHER:
+        with override(preserved):
+            yield
+        return
+    held = _TOGETHER[-1]
+    if held.table is not preserved:
+        held.close()
+        held.enter_context(override(preserved))
+        held.table = preserved
+    yield
+
+
+# the namespaces and CompositeImplicitAutograd registrations -> run_decompositions({})'s kept-ops table
+_PRESERVED: dict[tuple[tuple[str, ...], tuple[str, ...]], Any] = {}
+
+
+def _preserved_ops(split: Callable[[dict[Any, Any]], tuple[Any, ...]]) -> Any:
+    """``run_decompositions({})``'s table of CompositeImplicitAutograd ops to keep, built once per set
+    of registered ops. torch rebuilds it on every call (~25 ms: it walks every op namespace) because
+    a custom op may be registered between two exports; the namespaces and the ops registered for that
+    key are this cache's key, so a newly registered op makes a new table."""
+    key = (
+        tuple(torch.ops._dir),
+        tuple(torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd")),
+    )
+    if key not in _PRESERVED:
+        _PRESERVED[key] = split({})[0]
+    return _PRESERVED[key]
+
+
+def _param_path(wrapper: nn.Module, model: nn.Module) -> Callable[[str], str]:
+    """Wrapper tensor name -> the model's first name for the same tensor (tied weights: the source)."""
+    paths: dict[int, str] = {}
+    for path, tensor in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
+        paths.setdefault(id(tensor), path)
+
+    def path_of(name: str) -> str:
+        owner, _, leaf = name.rpartition(".")
+        module = wrapper.get_submodule(owner)
+        return paths[id(module._parameters.get(leaf, module._buffers.get(leaf)))]
+
+    return path_of
+
+
+def _constant_value(
+    wrapper: nn.Module, program: ExportedProgram, model: nn.Module
+) -> Callable[[str], torch.Tensor]:
+    """Real value of a non-persistent buffer: the traced one, or on meta the value transformers' own
+    ``_init_weights`` gives it (``upstream.rebuild_buffer``), else ``type(owner)(owner.config)``."""
+    modules = {id(module): path for path, module in model.named_modules()}
+
+    def value(name: str) -> torch.Tensor:
+        tensor = program.constants.get(name)
+        if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+            return tensor.detach().cpu()
+        owner_path, _, leaf = name.rpartition(".")
+        owner = wrapper.get_submodule(owner_path)
+        if id(owner) in modules:
+            path = f"{modules[id(owner)]}.{leaf}".lstrip(".")
+            rebuilt = upstream.rebuild_buffer(model, path)
+            if rebuilt is not None:
+                return rebuilt.detach()
+        try:
+            with torch.device("cpu"):
+                fresh = type(owner)(owner.config)
+            return fresh.get_buffer(leaf).detach()
+        except Exception as exc:
+            raise KadaptError(
+                f"buffer {name} has no value on the meta device: neither transformers' _init_weights nor "
+                f"{type(owner).__name__}(config) computes it"
+            ) from exc
+
+    return value
+
+
+def export_wrapper(
+    kind: str, backbone: Backbone, options: ExtractionOptions, num_layers: int
+) -> tuple[nn.Module, ExportedProgram]:
+    """Export the ``kind`` wrapper over the first ``num_layers`` decoder layers."""
+    wrapper = wrapper_for(kind, backbone, options, num_layers)
+    inputs = example_inputs(kind, backbone, options, num_layers)
+    dims = dynamic_dims(kind, options, len(inputs))
+    return wrapper, export_program(wrapper, inputs, kind, _torch_dynamic_shapes(kind, dims, len(inputs)))
+
+
+def to_graph(
+    kind: str,
+    wrapper: nn.Module,
+    program: ExportedProgram,
+    backbone: Backbone,
+    options: ExtractionOptions,
+    num_layers: int,
+    *,
+    device: str,
+) -> Graph:
+    """Convert an exported wrapper, naming weights by the full model's parameter paths."""
+    num_inputs = len(program.graph_signature.user_inputs)
+    symbols = Symbols(symbol_names(program, dynamic_dims(kind, options, num_inputs)))
+    return convert(
+        program,
+        kind=kind,
+        names=graph_names(kind, options),
+        num_layers=num_layers,
+        param_path=_param_path(wrapper, backbone.model),
+        constant_value=_constant_value(wrapper, program, backbone.model),
+        device=device,
+        symbols=symbols,
+    )

@@ -1,0 +1,1 @@
+"""Running one extraction."""

@@ -1,0 +1,140 @@
+"""What a run writes besides the graphs: each IR's metadata and the KV mapping.
+
+The metadata says what a graph is (spec, model, structure, sizes, dynamic ranges, the multimodal
+prompt) and the KV mapping says how its caches are fed and read, so that a runtime can be written
+from the files alone."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import transformers
+
+from .... import __version__
+from ....spec.model import Spec
+from ..ir.encoding import enum_tables
+from ..ir.export import Backbone
+from ..ir.graph import Graph
+from ..ir.irjson import FORMAT_VERSION
+from ..options import MERGED, ExtractionOptions, kv_names
+from ..runtime import abi as runtime
+
+EXEC_DEVICE = "cpu"  # factory ops traced on meta get this device (the executors run on CPU)
+
+
+def metadata(spec: Spec, backbone: Backbone, options: ExtractionOptions, graph: Graph) -> dict[str, Any]:
+    config = backbone.config
+    merged = graph.kind == MERGED
+    return {
+        "graph": graph.kind,
+        "model_name": options.model_name,
+        "model": (spec.raw.get("metadata") or {}).get("model"),
+        "spec": spec.name,
+        "model_class": type(backbone.model).__name__,
+        "abi": {
+            "batch": options.batch,
+            "prefill_len": options.merged_prefill.prefill_len
+            if merged and options.merged_prefill is not None
+            else options.prefill_len,
+            "max_cache_len": options.max_cache_len,
+            "dtype": options.dtype,
+            "kv_layout": options.kv_layout,
+            **({} if options.mla_attention == "reexpand" else {"mla_attention": options.mla_attention}),
+            **({"dynamic": dynamic_sizes(options, graph.kind)} if options.dynamic else {}),
+            **(
+                {"kv_cache": {"kind": "paged", **paged_kv(options)._asdict()}}  # type: ignore[union-attr]
+                if options.paged is not None and graph.kind == "decode"
+                else {}
+            ),
+        },
+        **({"multimodal": multimodal_metadata(options)} if merged else {}),
+        "structure": options.structure.to_dict() if options.structure is not None else None,
+        "num_layers": len(backbone.layers),
+        "stitching": graph.notes or None,
+        "attn_implementation": getattr(config, "_attn_implementation", None),
+        "experts_implementation": getattr(config, "_experts_implementation", None),
+        "device": EXEC_DEVICE,
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "kadapt": __version__,
+        },
+        "enums": enum_tables(),
+    }
+
+
+def dynamic_sizes(options: ExtractionOptions, kind: str = "prefill") -> dict[str, tuple[int, int]]:
+    """``{"prefill_len": (1, 64)}``: each dynamic size's range in the ``kind`` graph, as the IR metadata
+    and KV mapping state it."""
+    return {name: (r.min, r.max) for name, r in options.graph_ranges(kind).items()}
+
+
+def multimodal_metadata(options: ExtractionOptions) -> dict[str, Any]:
+    """The multimodal prefill IR's own metadata: which input takes the features, and the placeholder."""
+    merged, vision_abi = options.merged_prefill, options.vision
+    assert merged is not None and vision_abi is not None
+    return {
+        "feature_input": merged.feature_input,
+        "feature_rows": merged.feature_rows,
+        "placeholder_token_id": merged.image_token_id,
+        "features_from": {"graph": options.path("vision").name, "output": vision_abi.output_name},
+        "rule": runtime.MERGED_PREFILL_RULE,
+    }
+
+
+def paged_kv(options: ExtractionOptions) -> runtime.PagedKV | None:
+    """The runtime's description of a paged cache (``abi.kv_cache: paged``), None when contiguous."""
+    paged = options.paged
+    return None if paged is None else runtime.PagedKV(paged.block_size, paged.num_blocks, paged.block_table)
+
+
+def kv_mapping_document(options: ExtractionOptions, backbone: Backbone) -> dict[str, Any]:
+    prefill, decode = options.prefill_names, options.decode_names
+    mapping = runtime.build_kv_mapping(
+        options.kv_dims,
+        kv_layout=options.kv_layout,
+        batch=options.batch,
+        prefill_len=options.prefill_len,
+        max_cache_len=options.max_cache_len,
+        num_layers=len(backbone.layers),
+        dtype=options.dtype,
+        names=kv_names(prefill, decode),
+        mla_attention=options.mla_attention,
+        dynamic=dynamic_sizes(options),
+        paged=paged_kv(options),
+    )
+    graphs = {"prefill_graph": options.path("prefill").name, "decode_graph": options.path("decode").name}
+    assert options.structure is not None
+    attention = {
+        "attention": options.structure.attention.kind,
+        "sliding_windows": list(options.windows) if options.structure.has_sliding_layers else None,
+    }
+    merged = options.merged_prefill
+    extra: dict[str, Any] = {}
+    if merged is not None and merged.image_token_id is not None and merged.feature_rows is not None:
+        assert options.vision is not None
+        hidden = backbone.language_model.get_input_embeddings().embedding_dim
+        extra["merged_prefill"] = runtime.build_merged_prefill_mapping(
+            options.kv_dims,
+            graph=options.path(MERGED).name,
+            inputs=merged.names.fixed_inputs,
+            batch=options.batch,
+            prefill_len=merged.prefill_len,
+            num_layers=len(backbone.layers),
+            dtype=options.dtype,
+            names=kv_names(merged.names, decode),
+            feature_input=merged.feature_input,
+            feature_shape=(merged.feature_rows, hidden),
+            placeholder_token_id=merged.image_token_id,
+            features_from={"graph": options.path("vision").name, "output": options.vision.output_name},
+            dynamic=dynamic_sizes(options, MERGED),
+        )
+    return {
+        "format_version": FORMAT_VERSION,
+        "model_name": options.model_name,
+        **graphs,
+        **attention,
+        **mapping,
+        **extra,
+    }

@@ -1,0 +1,1 @@
+"""The runtime generated modules embed."""

@@ -1,0 +1,996 @@
+"""Prefill/decode ABI of a transformers decoder stack (any family: MHA/GQA/MQA/MLA, dense or MoE).
+
+This module is self-contained on purpose (stdlib + torch only): ``kadapt generate`` embeds its source
+verbatim in a standalone module that other tools import and hand to ``torch.export`` or
+``torch_ir.extract_ir``. Both wrappers take positional tensors and return a flat tuple.
+
+Why one module: it is embedded as one body into every generated extraction module, which imports
+without kadapt; split, the generated modules would have to stitch several bodies back together in
+the right order and keep their names from clashing, for no reader's gain. Its concern is one: the
+ABI a runtime calls (wrappers, caches, masks, inputs and the KV mapping that describes them).
+
+- ``PrefillWrapper(input_ids, attention_mask, position_ids)``
+  -> ``(logits, present.0.key, present.0.value, ...)``
+- ``DecodeWrapper(input_ids, attention_mask, position_ids, cache_position, past.0.key, past.0.value, ...)``
+  -> ``(logits, present.0.key, present.0.value, ...)``, each present = past with row ``b``'s new
+  token written at slot ``cache_position[b]`` (``write_rows``, functional, so one decode graph serves
+  every position < max_cache_len and rows at different positions: rope comes from ``position_ids``,
+  the mask is an input). With ``paged=True`` a ``block_table`` follows ``cache_position`` and each
+  past/present is a block pool shared by the rows (``paged_write``/``paged_view``).
+- ``MultimodalPrefillWrapper(input_ids, image_features, attention_mask, position_ids)``
+  -> the prefill's outputs, for a prompt whose image placeholder tokens take the image features
+  (``merge_image_features``: row k replaces the k-th placeholder, as transformers' ``masked_scatter``).
+
+Math some families do outside their decoder layers is reproduced as data: ``embedding_ops`` on what
+enters the first layer (Granite's ``embedding_multiplier``), ``logit_ops`` after the LM head (Cohere's
+``logit_scale``, Granite's ``logits_scaling``, Gemma-2's final soft-capping), each ``(op, value)`` with
+op ``mul``, ``div`` or ``softcap`` (``tanh(x / value) * value``), see ``apply_ops``.
+
+The attention mask is the caller's additive float mask ``[B, 1, Q, K]`` (0 = attend, dtype-min =
+masked), see ``additive_causal_mask``; cache slot ``k`` holds the token at position ``k``. Layers
+with a sliding window additionally mask keys at or beyond ``window`` positions behind the query
+(``k <= position - window``), inside the graph, so one mask input serves every layer. The wrappers
+call the decoder layers themselves instead of the model's ``forward``: that skips transformers' mask
+construction (which would rebuild a mask from a cache object), its DynamicCache and output-capturing
+hooks, and lets an exporter trace any prefix of the layer stack (kadapt exports one layer per kind
+and replicates it).
+
+KV layouts (``kv_dims`` gives ``((key_heads, key_dim), (value_heads, value_dim))`` per token):
+- ``heads`` (MHA/GQA/MQA): what the attention passes to ``Cache.update``, key and value
+  ``[B, kv_heads, S, head_dim]`` after rope, per layer.
+- ``latent`` (MLA): the compressed cache as transformers keeps it, key ``[B, 1, S, kv_lora_rank]`` and
+  value ``[B, 1, S, qk_rope_head_dim]`` (the rope'd shared key); attention re-expands it each step.
+- ``expanded`` (MLA): per-head key ``[B, H, S, qk_nope + qk_rope]`` and value ``[B, H, S, v_head_dim]``,
+  i.e. the output of ``expand_kv`` (kv_b_proj + rope'd key broadcast per head) is what is cached.
+
+MLA attention (``latent`` layout only):
+- ``reexpand`` (default): the upstream attention, ``kv_b_proj`` re-expands the whole cache every step.
+- ``absorbed``: ``kv_b_proj`` is absorbed into the query and the output (DeepSeek/FlashMLA style):
+  scores ``(q_nope W_uk) kv_nope^T + q_rot k_rot^T``, output ``(probs kv_nope) W_uv^T``, so the cache
+  is never expanded. Same math, same cache and presents; see ``absorbed_mla_forward``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+KV_LAYOUTS = ("heads", "latent", "expanded")
+KVDims = tuple[tuple[int, int], tuple[int, int]]  # ((key_heads, key_dim), (value_heads, value_dim))
+MLA_ATTENTIONS = ("reexpand", "absorbed")
+
+
+def check_mla_attention(kv_layout: str, mla_attention: str) -> None:
+    """``absorbed`` attends over the latent cache, so it needs ``kv_layout`` ``latent``."""
+    if mla_attention not in MLA_ATTENTIONS:
+        raise ValueError(f"unknown mla_attention {mla_attention!r}; valid: {', '.join(MLA_ATTENTIONS)}")
+    if mla_attention == "absorbed" and kv_layout != "latent":
+        raise ValueError(
+            f"mla_attention 'absorbed' attends over the latent cache and needs kv_layout 'latent', "
+            f"got kv_layout {kv_layout!r}"
+        )
+
+
+def _rope_helper(attn: nn.Module) -> Any:
+    """The rope function the attention's own module uses (honouring ``config.rope_interleave``)."""
+    module = sys.modules.get(type(attn).__module__)
+    name = "apply_rotary_pos_emb_interleave" if attn.config.rope_interleave else "apply_rotary_pos_emb"
+    helper = getattr(module, name, None)
+    if helper is None:
+        raise RuntimeError(f"absorbed MLA: {type(attn).__module__} has no {name}")
+    return helper
+
+
+def absorbed_mla_forward(
+    attn: nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None,
+    *,
+    cache_keyword: str,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``DeepseekV3Attention.forward`` with ``kv_b_proj`` absorbed (eager math, no dropout).
+
+    The layer hands the cache over under ``cache_keyword`` (what ``upstream.probe_decoder_layers``
+    found the layers take: ``past_key_values`` up to transformers 5.23, ``cache`` since 5.24).
+    Projections, the latent split, ``kv_a_layernorm``, rope and the cache write are upstream's; then,
+    with ``W = kv_b_proj.weight.view(H, qk_nope + v, r)`` split into ``W_uk`` ``[H, qk_nope, r]`` and
+    ``W_uv`` ``[H, v, r]``: ``q_lat = q_nope W_uk`` ``[B, H, Q, r]``, scores ``(q_lat kv_nope^T +
+    q_rot k_rot^T) * scaling + mask``, softmax in fp32 cast back, ``out = (probs kv_nope) W_uv^T``.
+    The cache (``[B, 1, S, r]``, ``[B, 1, S, rope]``) is read as is: no per-head keys or values.
+    """
+    batch_size, seq_length = hidden_states.shape[:-1]
+    heads, nope, rope, v_dim = attn.num_heads, attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim
+    rank = attn.kv_lora_rank
+
+    if attn.q_lora_rank is None:
+        q_states = attn.q_proj(hidden_states)
+    else:
+        q_states = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(hidden_states)))
+    q_states = q_states.view(batch_size, seq_length, -1, attn.qk_head_dim).transpose(1, 2)
+    q_nope, q_rot = torch.split(q_states, [nope, rope], dim=-1)
+
+    compressed_kv = attn.kv_a_proj_with_mqa(hidden_states)
+    kv_nope, k_rot = torch.split(compressed_kv, [rank, rope], dim=-1)
+    kv_nope = attn.kv_a_layernorm(kv_nope)
+    kv_nope = kv_nope.view(batch_size, 1, seq_length, rank)
+    k_rot = k_rot.view(batch_size, 1, seq_length, rope)
+
+    cos, sin = position_embeddings
+    q_rot, k_rot = _rope_helper(attn)(q_rot, k_rot, cos, sin)
+
+    cache = kwargs.get(cache_keyword)
+    if cache is not None:
+        kv_nope, k_rot = cache.update(kv_nope, k_rot, attn.layer_idx)
+
+    weight = attn.kv_b_proj.weight.view(heads, nope + v_dim, rank)
+    w_uk, w_uv = torch.split(weight, [nope, v_dim], dim=1)  # [H, nope, r], [H, v, r]
+    q_lat = torch.matmul(q_nope, w_uk)  # [B, H, Q, r]
+    scores = torch.matmul(q_lat, kv_nope.transpose(2, 3)) + torch.matmul(q_rot, k_rot.transpose(2, 3))
+    scores = scores * attn.scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(q_states.dtype)
+    out_lat = torch.matmul(probs, kv_nope)  # [B, H, Q, r]
+    attn_output = torch.matmul(out_lat, w_uv.transpose(1, 2))  # [B, H, Q, v]
+    attn_output = attn_output.transpose(1, 2).reshape(batch_size, seq_length, heads * v_dim).contiguous()
+    return attn.o_proj(attn_output), None
+
+
+@contextlib.contextmanager
+def absorbing_mla(layers: Sequence[nn.Module], mla_attention: str, cache_keyword: str) -> Iterator[None]:
+    """For ``absorbed``, shadow each layer's ``self_attn.forward`` with ``absorbed_mla_forward``.
+
+    Like ``StaticKVCache.routing_expand_kv``: an instance attribute, only inside this block.
+    """
+    if mla_attention != "absorbed":
+        yield
+        return
+    attentions = [layer.self_attn for layer in layers]
+    for attn in attentions:
+        attn.__dict__["forward"] = functools.partial(absorbed_mla_forward, attn, cache_keyword=cache_keyword)
+    try:
+        yield
+    finally:
+        for attn in attentions:
+            attn.__dict__.pop("forward", None)
+
+
+OpList = Sequence[tuple[str, float]]
+
+
+def apply_ops(tensor: torch.Tensor, ops: OpList) -> torch.Tensor:
+    """``tensor`` through ``ops`` in order, as the model's own forward applies them."""
+    for op, value in ops:
+        if op == "mul":
+            tensor = tensor * value
+        elif op == "div":
+            tensor = tensor / value
+        elif op == "softcap":
+            tensor = torch.tanh(tensor / value) * value
+        else:
+            raise ValueError(f"unknown op {op!r}; valid: mul, div, softcap")
+    return tensor
+
+
+def kv_shapes(
+    kv_dims: KVDims, batch: int | str, length: int | str
+) -> tuple[tuple[int | str, ...], tuple[int | str, ...]]:
+    """Shapes of one layer's cached key and value for ``length`` positions (a str: a dynamic size)."""
+    (key_heads, key_dim), (value_heads, value_dim) = kv_dims
+    return (batch, key_heads, length, key_dim), (batch, value_heads, length, value_dim)
+
+
+def additive_causal_mask(query_positions: torch.Tensor, key_length: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, 1, Q, K]`` mask for ``query_positions`` ``[B, Q]``: key ``k`` visible iff ``k <= position``."""
+    keys = torch.arange(key_length, device=query_positions.device)
+    allowed = keys.view(1, 1, 1, key_length) <= query_positions.unsqueeze(1).unsqueeze(-1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=query_positions.device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def sliding_window_mask(
+    attention_mask: torch.Tensor, position_ids: torch.Tensor, window: int
+) -> torch.Tensor:
+    """``attention_mask`` with keys ``window`` or more positions behind each query masked too.
+
+    transformers' sliding-window overlay: key ``k`` visible to the query at ``p`` iff ``p - k < window``.
+    """
+    keys = torch.arange(attention_mask.shape[-1], device=attention_mask.device)
+    too_old = keys.view(1, 1, 1, -1) <= (position_ids - window).unsqueeze(1).unsqueeze(-1)
+    return attention_mask.masked_fill(too_old, torch.finfo(attention_mask.dtype).min)
+
+
+def write_rows(cache: torch.Tensor, new: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+    """``cache`` ``[B, heads, S, dim]`` with row ``b``'s new token ``new[b]`` ``[heads, 1, dim]`` at slot
+    ``cache_position[b]``: rows at different positions in one step (continuous batching).
+
+    Written as ``where(slot == position)`` rather than a scatter: plain elementwise ATen ops that any
+    executor runs, for a static or a dynamic batch.
+    """
+    slots = torch.arange(cache.shape[2], device=cache.device).view(1, 1, -1, 1)
+    return torch.where(slots == cache_position.view(-1, 1, 1, 1), new, cache)
+
+
+def paged_slots(cache_position: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Physical slot of each row's token (the paged slot rule):
+    ``block_table[b, p // block_size] * block_size + p % block_size``."""
+    blocks = block_table.gather(1, torch.div(cache_position, block_size, rounding_mode="floor").view(-1, 1))
+    return blocks.view(-1) * block_size + torch.remainder(cache_position, block_size)
+
+
+def paged_write(
+    pool: torch.Tensor, new: torch.Tensor, cache_position: torch.Tensor, block_table: torch.Tensor
+) -> torch.Tensor:
+    """``pool`` ``[num_blocks, block_size, heads, dim]`` with row ``b``'s new token (``new`` ``[B, heads,
+    1, dim]``) written at its physical slot (``paged_slots``); functional ``index_copy`` on the pool
+    viewed as ``[num_blocks * block_size, heads, dim]``."""
+    num_blocks, block_size, heads, dim = pool.shape
+    slots = paged_slots(cache_position, block_table, block_size)
+    flat = pool.reshape(num_blocks * block_size, heads, dim).index_copy(0, slots, new.squeeze(2))
+    return flat.view(num_blocks, block_size, heads, dim)
+
+
+def paged_view(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """The logical cache ``[B, heads, blocks * block_size, dim]`` of each row: its blocks from ``pool``
+    in ``block_table`` order, so logical slot ``k`` is position ``k`` and the mask rule is unchanged."""
+    _, block_size, heads, dim = pool.shape
+    batch, blocks = block_table.shape
+    rows = pool.index_select(0, block_table.reshape(-1))  # [B * blocks, block_size, heads, dim]
+    return rows.view(batch, blocks * block_size, heads, dim).transpose(1, 2)
+
+
+class StaticKVCache:
+    """Duck-typed stand-in for transformers' ``Cache`` that keeps every write a graph value.
+
+    Prefill (``past is None``) records the new KV as ``present``. Decode writes the new token into
+    the caller's ``past`` tensors with out-of-place ``index_copy`` at ``cache_position``; the tensors
+    stay graph inputs/outputs, so nothing is lifted to a constant or mutated behind the graph.
+    ``update`` mirrors ``transformers.cache_utils.Cache.update`` (upstream's ``cache_update`` contact
+    point) and is the cache's only protocol: anything else the attention reads does not exist here.
+    """
+
+    def __init__(
+        self,
+        kv_layout: str,
+        layer_ids: Sequence[int],
+        past: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        cache_position: torch.Tensor | None = None,
+        block_table: torch.Tensor | None = None,
+    ) -> None:
+        if kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"unknown kv_layout {kv_layout!r}; valid: {', '.join(KV_LAYOUTS)}")
+        self.kv_layout = kv_layout
+        self._slot = {layer_id: slot for slot, layer_id in enumerate(layer_ids)}
+        self._past = past
+        self._cache_position = cache_position
+        self._block_table = block_table
+        self.present: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self._slot)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Called by the attention with the new key/value states (MLA: the latents kv_nope, k_rot).
+
+        Extra arguments (5.23: none; 5.24: ``kwargs=`` the attention's own kwargs) carry nothing the
+        static cache needs: positions come from ``cache_position``, given at construction."""
+        if self.kv_layout == "expanded":  # the latents pass through; expand_kv caches per-head K/V
+            return key_states, value_states
+        return self._write(self._slot[layer_idx], key_states, value_states)
+
+    def expand_kv(
+        self, attn: nn.Module, kv_nope: torch.Tensor, k_rot: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """``expanded`` layout: expand only the new tokens, write them, attend over the whole cache."""
+        key_states, value_states = type(attn).expand_kv(attn, kv_nope, k_rot)
+        return self._write(self._slot[attn.layer_idx], key_states, value_states)
+
+    def _write(self, slot: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill: the new KV is the present. Decode: write each row's token at its own position.
+
+        Contiguous: row ``b``'s token goes to slot ``cache_position[b]`` of row ``b``; the present is
+        the whole updated cache. Paged: it goes to offset ``p % block_size`` of physical block
+        ``block_table[b, p // block_size]`` of the shared pool; the present is the updated pool and
+        the attention reads the row's blocks gathered in logical order (``paged_write``/``paged_view``).
+        """
+        if self._past is None:
+            self.present[slot] = (key, value)
+            return key, value
+        assert self._cache_position is not None
+        past_key, past_value = self._past[slot]
+        if self._block_table is None:
+            key = write_rows(past_key, key, self._cache_position)
+            value = write_rows(past_value, value, self._cache_position)
+            self.present[slot] = (key, value)
+            return key, value
+        pool_key = paged_write(past_key, key, self._cache_position, self._block_table)
+        pool_value = paged_write(past_value, value, self._cache_position, self._block_table)
+        self.present[slot] = (pool_key, pool_value)
+        return paged_view(pool_key, self._block_table), paged_view(pool_value, self._block_table)
+
+    @contextlib.contextmanager
+    def routing_expand_kv(self, layers: Sequence[nn.Module]) -> Iterator[None]:
+        """For ``expanded``, point each layer's ``self_attn.expand_kv`` at this cache while tracing.
+
+        The upstream attention calls ``update`` (latents) and then ``self.expand_kv`` on what it got
+        back; caching the expanded K/V means the expansion itself must write the cache. The instance
+        attribute shadows the (possibly patched) class method only inside this block.
+        """
+        if self.kv_layout != "expanded":
+            yield
+            return
+        attentions = [layer.self_attn for layer in layers]
+        for attn in attentions:
+            attn.__dict__["expand_kv"] = functools.partial(self.expand_kv, attn)
+        try:
+            yield
+        finally:
+            for attn in attentions:
+                attn.__dict__.pop("expand_kv", None)
+
+    def flat_present(self) -> list[torch.Tensor]:
+        flat: list[torch.Tensor] = []
+        for slot, entry in enumerate(self.present):
+            if entry is None:
+                raise RuntimeError(f"decoder layer in slot {slot} never wrote its KV cache")
+            flat += entry
+        return flat
+
+
+class _TextStack(nn.Module):
+    """Embedding, a run of decoder layers, final norm and LM head, called layer by layer."""
+
+    def __init__(
+        self,
+        embed_tokens: nn.Module,
+        layers: Sequence[nn.Module],
+        norm: nn.Module,
+        rotary_emb: nn.Module,
+        lm_head: nn.Module,
+        *,
+        kv_layout: str,
+        cache_keyword: str,
+        mla_attention: str = "reexpand",
+        windows: Sequence[int | None] | None = None,
+        embedding_ops: OpList = (),
+        logit_ops: OpList = (),
+        rope_layer_types: Sequence[str] | None = None,
+    ) -> None:
+        super().__init__()
+        if kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"unknown kv_layout {kv_layout!r}; valid: {', '.join(KV_LAYOUTS)}")
+        check_mla_attention(kv_layout, mla_attention)
+        self.embed_tokens = embed_tokens
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.rotary_emb = rotary_emb
+        self.lm_head = lm_head
+        self.kv_layout = kv_layout
+        self.cache_keyword = cache_keyword
+        self.mla_attention = mla_attention
+        self.embedding_ops = tuple(embedding_ops)
+        self.logit_ops = tuple(logit_ops)
+        self.layer_ids = [layer.self_attn.layer_idx for layer in self.layers]
+        # sliding window of each traced layer (None: full attention), by the layer's own index
+        windows = list(windows) if windows is not None else []
+        self.windows = [windows[i] if i < len(windows) else None for i in self.layer_ids]
+        # per traced layer, the layer type a per-type rotary embedding (Gemma-3) takes; None: one for all
+        self.rope_layer_types = (
+            [rope_layer_types[i] for i in self.layer_ids] if rope_layer_types is not None else None
+        )
+
+    @classmethod
+    def from_language_model(
+        cls,
+        language_model: nn.Module,
+        lm_head: nn.Module,
+        *,
+        kv_layout: str,
+        cache_keyword: str,
+        num_layers: int | None = None,
+        mla_attention: str = "reexpand",
+        windows: Sequence[int | None] | None = None,
+        embedding_ops: OpList = (),
+        logit_ops: OpList = (),
+        rope_layer_types: Sequence[str] | None = None,
+        **extra: Any,
+    ) -> _TextStack:
+        """Wrap a transformers decoder model (``embed_tokens``/``layers``/``norm``/``rotary_emb``).
+
+        ``cache_keyword`` is the keyword the decoder layers take the cache under (``past_key_values`` or
+        ``cache``: ``upstream.probe_decoder_layers`` finds it); ``num_layers`` keeps only the first
+        layers (a representative prefix for replication);
+        ``windows`` gives each layer's sliding window (None: full attention), indexed by layer;
+        ``embedding_ops``/``logit_ops`` are the family's math outside the layers (``apply_ops``);
+        ``rope_layer_types`` each layer's type for a rotary embedding that takes one (``rotary_emb(x,
+        position_ids, layer_type)``: Gemma-3, OLMo-3), indexed by layer;
+        ``extra`` goes to the wrapper's constructor (``image_token_id`` of ``MultimodalPrefillWrapper``).
+        """
+        layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
+        if num_layers is not None:
+            layers = layers[:num_layers]
+        return cls(
+            language_model.embed_tokens,
+            layers,
+            language_model.norm,
+            language_model.rotary_emb,
+            lm_head,
+            kv_layout=kv_layout,
+            cache_keyword=cache_keyword,
+            mla_attention=mla_attention,
+            windows=windows,
+            embedding_ops=embedding_ops,
+            logit_ops=logit_ops,
+            rope_layer_types=rope_layer_types,
+            **extra,
+        )
+
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: StaticKVCache,
+    ) -> tuple[torch.Tensor, ...]:
+        return self._stack(self.embed_tokens(input_ids), attention_mask, position_ids, cache)
+
+    def _stack(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: StaticKVCache,
+    ) -> tuple[torch.Tensor, ...]:
+        """The layers, final norm and LM head over input embeddings ``hidden_states`` ``[B, Q, hidden]``."""
+        hidden_states = apply_ops(hidden_states, self.embedding_ops)
+        if self.rope_layer_types is None:
+            position_embeddings = [self.rotary_emb(hidden_states, position_ids)] * len(self.layers)
+        else:
+            by_type = {
+                t: self.rotary_emb(hidden_states, position_ids, t)
+                for t in dict.fromkeys(self.rope_layer_types)
+            }
+            position_embeddings = [by_type[t] for t in self.rope_layer_types]
+        masks = {
+            window: attention_mask
+            if window is None
+            else sliding_window_mask(attention_mask, position_ids, window)
+            for window in dict.fromkeys(self.windows)  # first-use order: deterministic graphs
+        }
+        with (
+            cache.routing_expand_kv(self.layers),
+            absorbing_mla(self.layers, self.mla_attention, self.cache_keyword),
+        ):
+            for layer, window, embeddings in zip(self.layers, self.windows, position_embeddings, strict=True):
+                hidden_states = layer(
+                    hidden_states,
+                    attention_mask=masks[window],
+                    position_ids=position_ids,
+                    use_cache=True,
+                    position_embeddings=embeddings,
+                    **{self.cache_keyword: cache},
+                )
+        logits = apply_ops(self.lm_head(self.norm(hidden_states)), self.logit_ops)
+        return (logits, *cache.flat_present())
+
+
+class PrefillWrapper(_TextStack):
+    """Prompt pass: ``(input_ids, attention_mask, position_ids)`` -> ``(logits, key0, value0, ...)``."""
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        cache = StaticKVCache(self.kv_layout, self.layer_ids)
+        return self._run(input_ids, attention_mask, position_ids, cache)
+
+
+def merge_image_features(
+    embed_tokens: nn.Module, input_ids: torch.Tensor, image_features: torch.Tensor, image_token_id: int
+) -> torch.Tensor:
+    """Input embeddings ``[B, Q, hidden]`` with image feature row ``k`` at the ``k``-th placeholder token.
+
+    transformers' ``Kimi_K25Model.forward`` semantics: placeholder ids are embedded as token 0, the
+    features are cast to the embedding dtype, and ``masked_scatter`` puts them at the placeholders in
+    row-major order over ``[B, Q]`` (all rows of the batch share one feature tensor). Written as a
+    gather instead (``order`` counts the placeholders before each token), so the graph is static and
+    executable by plain ATen executors. The caller must pass exactly as many placeholders as feature
+    rows (``check_image_placeholders``): fewer leave rows unused, more index past the features.
+    """
+    placeholders = input_ids == image_token_id
+    embeds = embed_tokens(input_ids.masked_fill(placeholders, 0))
+    order = placeholders.flatten().to(torch.long).cumsum(0) - 1  # placeholder k has order k
+    rows = image_features.to(embeds.dtype).index_select(0, order.clamp(min=0))
+    return torch.where(placeholders.unsqueeze(-1), rows.view(embeds.shape), embeds)
+
+
+def check_image_placeholders(input_ids: torch.Tensor, image_token_id: int, feature_rows: int) -> None:
+    """Refuse a prompt whose placeholder count differs from the feature rows (the graph cannot check)."""
+    count = int((input_ids == image_token_id).sum())
+    if count != feature_rows:
+        raise ValueError(
+            f"the prompt has {count} image placeholder tokens (id {image_token_id}) but the image features "
+            f"have {feature_rows} rows; they must be equal"
+        )
+
+
+class MultimodalPrefillWrapper(_TextStack):
+    """Prompt pass with images: ``(input_ids, image_features, attention_mask, position_ids)`` ->
+    ``(logits, key0, value0, ...)``; the embeddings come from ``merge_image_features``, the rest is
+    the prefill's, so its KV continues into the decode graph exactly like the text prefill's."""
+
+    def __init__(self, *args: Any, image_token_id: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.image_token_id = image_token_id
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        image_features: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        cache = StaticKVCache(self.kv_layout, self.layer_ids)
+        hidden_states = merge_image_features(
+            self.embed_tokens, input_ids, image_features, self.image_token_id
+        )
+        return self._stack(hidden_states, attention_mask, position_ids, cache)
+
+
+class DecodeWrapper(_TextStack):
+    """One token per row over a static cache: inputs end with ``past key0, value0, ...``, outputs the
+    updated ones. ``cache_position`` ``[B]`` is each row's own position (rows may be at different
+    positions: continuous batching).
+
+    ``paged=True``: after ``cache_position`` comes ``block_table`` ``[B, max_cache_len / block_size]``
+    (int64, physical block of each row's logical block) and each past tensor is a shared block pool
+    ``[num_blocks, block_size, heads, dim]`` (vLLM's layout); the outputs are the updated pools.
+    """
+
+    def __init__(self, *args: Any, paged: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.paged = paged
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache_position: torch.Tensor,
+        *tensors: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        block_table, past_key_values = (tensors[0], tensors[1:]) if self.paged else (None, tensors)
+        if len(past_key_values) != 2 * len(self.layers):
+            raise ValueError(
+                f"expected {2 * len(self.layers)} past key/value tensors, got {len(past_key_values)}"
+            )
+        past = [(past_key_values[2 * i], past_key_values[2 * i + 1]) for i in range(len(self.layers))]
+        cache = StaticKVCache(self.kv_layout, self.layer_ids, past, cache_position, block_table)
+        return self._run(input_ids, attention_mask, position_ids, cache)
+
+
+def prefill_inputs(
+    *, batch: int, prefill_len: int, dtype: torch.dtype, device: str | torch.device = "meta"
+) -> tuple[torch.Tensor, ...]:
+    """Example prefill inputs (token ids 0; real positions and causal mask)."""
+    positions = torch.arange(prefill_len, device=device).unsqueeze(0).repeat(batch, 1)
+    input_ids = torch.zeros(batch, prefill_len, dtype=torch.long, device=device)
+    return input_ids, additive_causal_mask(positions, prefill_len, dtype), positions
+
+
+def multimodal_prefill_inputs(
+    *,
+    batch: int,
+    prefill_len: int,
+    feature_rows: int,
+    hidden_size: int,
+    dtype: torch.dtype,
+    device: str | torch.device = "meta",
+) -> tuple[torch.Tensor, ...]:
+    """Example multimodal prefill inputs: the prefill's, with zero image features after the token ids."""
+    input_ids, mask, positions = prefill_inputs(
+        batch=batch, prefill_len=prefill_len, dtype=dtype, device=device
+    )
+    features = torch.zeros(feature_rows, hidden_size, dtype=dtype, device=device)
+    return input_ids, features, mask, positions
+
+
+def decode_inputs(
+    kv_dims: KVDims,
+    *,
+    batch: int,
+    position: int,
+    max_cache_len: int,
+    num_layers: int,
+    dtype: torch.dtype,
+    device: str | torch.device = "meta",
+    paged: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Example decode inputs for the token at ``position`` in every row, with zeroed caches.
+
+    ``paged`` ``(block_size, num_blocks)``: a block table giving row ``b`` blocks ``b * blocks ...``
+    and zeroed pools ``[num_blocks, block_size, heads, dim]`` instead of per-row caches.
+    """
+    positions = torch.full((batch, 1), position, dtype=torch.long, device=device)
+    if paged is None:
+        key_shape, value_shape = kv_shapes(kv_dims, batch, max_cache_len)
+        table: tuple[torch.Tensor, ...] = ()
+    else:
+        block_size, num_blocks = paged
+        key_shape, value_shape = paged_shapes(kv_dims, block_size, num_blocks)
+        blocks = max_cache_len // block_size
+        table = (torch.arange(batch * blocks, device=device).remainder(num_blocks).view(batch, blocks),)
+    past: list[torch.Tensor] = []
+    for _ in range(num_layers):
+        past += [
+            torch.zeros(key_shape, dtype=dtype, device=device),
+            torch.zeros(value_shape, dtype=dtype, device=device),
+        ]
+    return (
+        torch.zeros(batch, 1, dtype=torch.long, device=device),
+        additive_causal_mask(positions, max_cache_len, dtype),
+        positions,
+        torch.full((batch,), position, dtype=torch.long, device=device),
+        *table,
+        *past,
+    )
+
+
+def paged_shapes(
+    kv_dims: KVDims, block_size: int, num_blocks: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of one layer's key and value block pools: ``[num_blocks, block_size, heads, dim]``."""
+    (key_heads, key_dim), (value_heads, value_dim) = kv_dims
+    return (num_blocks, block_size, key_heads, key_dim), (num_blocks, block_size, value_heads, value_dim)
+
+
+def place_prefill_kv(present: Sequence[torch.Tensor], max_cache_len: int) -> list[torch.Tensor]:
+    """Decode cache from prefill outputs: ``zeros.index_copy(2, arange(prefill_len), present)``."""
+    placed = []
+    for tensor in present:
+        shape = (*tensor.shape[:2], max_cache_len, *tensor.shape[3:])
+        positions = torch.arange(tensor.shape[2], device=tensor.device)
+        placed.append(
+            torch.zeros(shape, dtype=tensor.dtype, device=tensor.device).index_copy(2, positions, tensor)
+        )
+    return placed
+
+
+def place_prefill_kv_paged(
+    present: Sequence[torch.Tensor],
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    pool_shapes: Sequence[Sequence[int]],
+) -> list[torch.Tensor]:
+    """Decode block pools from prefill outputs (``kv_cache: paged``): row ``b``'s positions
+    ``0..lengths[b]-1`` written to their slots by the slot rule, the rest of each pool zeros.
+
+    Pad positions are not written: their slots may be in blocks another row owns."""
+    pools = []
+    for tensor, shape in zip(present, pool_shapes, strict=True):
+        num_blocks, block_size, heads, dim = shape
+        flat = torch.zeros(num_blocks * block_size, heads, dim, dtype=tensor.dtype, device=tensor.device)
+        for row in range(tensor.shape[0]):
+            positions = torch.arange(int(lengths[row]), device=tensor.device)
+            slots = paged_slots(positions, block_table[row : row + 1].expand(len(positions), -1), block_size)
+            flat = flat.index_copy(0, slots, tensor[row, :, : len(positions)].transpose(0, 1))
+        pools.append(flat.view(num_blocks, block_size, heads, dim))
+    return pools
+
+
+# What each layout's cached tensors hold (the KV mapping's contract says it, so a runtime needs no code).
+KV_CONTENTS = {
+    "heads": (
+        "keys after rope, per KV head: [batch, kv_heads, slot, head_dim] (what the attention passes "
+        "to Cache.update; query heads share them in groups of heads / kv_heads)",
+        "values per KV head: [batch, kv_heads, slot, head_dim]",
+    ),
+    "latent": (
+        "MLA's normalised compressed KV (kv_a_layernorm of the kv_lora_rank part of kv_a_proj_with_mqa): "
+        "[batch, 1, slot, kv_lora_rank]; attention re-expands it with kv_b_proj",
+        "MLA's shared rope'd key (the qk_rope_head_dim part of kv_a_proj_with_mqa, after rope): "
+        "[batch, 1, slot, qk_rope_head_dim]",
+    ),
+    "expanded": (
+        "MLA keys per head, [k_nope from kv_b_proj | rope'd shared key]: [batch, heads, slot, qk_head_dim]",
+        "MLA values per head from kv_b_proj: [batch, heads, slot, v_head_dim]",
+    ),
+}
+
+
+DYNAMIC_RULE = (
+    "a dimension written as a name instead of a number is that dynamic size: bind each name from the "
+    "graph input that carries it (input_ids dim 0 is batch, dim 1 is prefill_len), refuse a size outside "
+    'its range before executing, and replace every operator attribute {"expr": text} by the value of '
+    "text, a Python integer expression (integers, names, + - * // %, parentheses, max(), min())"
+)
+
+
+class PagedKV(NamedTuple):
+    """``abi.kv_cache: paged``: the decode cache is a pool of fixed-size blocks shared by all rows."""
+
+    block_size: int
+    num_blocks: int
+    block_table: str  # the decode graph's block-table input
+
+    def contract(self, max_cache_len: int, batch: int | str) -> dict[str, Any]:
+        blocks = max_cache_len // self.block_size
+        return {
+            "block_size": self.block_size,
+            "num_blocks": self.num_blocks,
+            "blocks_per_row": blocks,
+            "pool": "each decode KV input/output of a layer is a pool [num_blocks, block_size, heads, dim] "
+            "shared by every row (the cache's heads and dim above); the outputs replace the inputs",
+            "block_table": {
+                "input": self.block_table,
+                "shape": [batch, blocks],
+                "dtype": "int64",
+                "rule": "block_table[b, j] is the pool block holding row b's positions "
+                f"j*{self.block_size}..(j+1)*{self.block_size}-1; blocks may be in any order, each owned by "
+                "one row; entries for blocks a row has not reached yet may name any block (the mask hides "
+                "them), but a row's written blocks must be its own. A row with no request still writes its "
+                "token: give it a scratch block",
+            },
+            "pool_dims": {"block": 0, "offset": 1, "heads": 2, "dim": 3},
+            "slot_rule": f"position p of row b is offset p % {self.block_size} of block "
+            f"block_table[b, p // {self.block_size}]; the mask is the contiguous layout's, over logical "
+            f"positions 0..{max_cache_len - 1}",
+            "prefill_to_decode": "the prefill graph's KV outputs stay [batch, heads, prefill_len, dim]: "
+            "write row b's positions 0..n_b-1 (its real tokens only) to their slots by the slot rule",
+            "initial": "a pool starts as zeros (any finite values: masked slots are multiplied by 0)",
+        }
+
+
+def kv_contract(
+    kv_dims: KVDims,
+    *,
+    kv_layout: str,
+    max_cache_len: int,
+    dynamic: dict[str, tuple[int, int]] | None = None,
+    paged: PagedKV | None = None,
+    batch: int = 1,
+) -> dict[str, Any]:
+    """Everything a runtime needs besides the graphs: cache semantics, masks, positions, capacity,
+    with ``dynamic`` sizes (``{"prefill_len": (1, 64)}``) how to bind them, and with ``paged`` the
+    block pool and block table (``batch`` rows, or the dynamic ``batch``).
+
+    Version 3: ``cache_position`` is ``[batch]`` (one position per row) and the optional paged cache;
+    version 2 graphs took one ``[1]`` position for the whole batch."""
+    key, value = KV_CONTENTS[kv_layout]
+    (key_heads, key_dim), (value_heads, value_dim) = kv_dims
+    dynamic = dynamic or {}
+    padding = (
+        "a shorter prompt of n < prefill_len tokens is padded after its end with any token id; "
+        "its mask hides the pad slots (columns n..prefill_len-1); the first decode token is at "
+        "position n and overwrites slot n. Each row of a batch is padded on its own: rows of "
+        "lengths n_0, n_1, ... each hide their own pad slots and decode from their own length "
+        "(ragged batches; a row may also join later, its cache rows placed from its own prefill). "
+        "Left padding is not supported: positions would no longer equal slots."
+    )
+    if "prefill_len" in dynamic:
+        low, high = dynamic["prefill_len"]
+        padding = (
+            f"none needed: the prefill graph takes any prompt length n in {low}..{high} (prefill_len = n). "
+            "Prompts of different lengths in one batch are right padded to the longest: " + padding
+        )
+    contract: dict[str, Any] = {
+        "version": 3,
+        "cache": {
+            "key": {"holds": key, "heads": key_heads, "dim": key_dim},
+            "value": {"holds": value, "heads": value_heads, "dim": value_dim},
+            "slot_rule": "cache slot k (dim 2) holds the token at position k",
+        },
+        "positions": {
+            "position_ids": "int64 [batch, query_len]: the positions of the query tokens (rope)",
+            "cache_position": "int64 [batch] (decode only): each row's position, the slot its new token "
+            "is written to; rows are independent and may be at different positions in one step",
+            "rule": "position_ids must equal the slots the tokens occupy: prefill 0..prefill_len-1, "
+            "row b's decode token at position p_b uses position_ids[b] = [p_b] and cache_position[b] = p_b",
+        },
+        "mask": {
+            "input": "attention_mask",
+            "shape": "[batch, 1, query_len, key_len] (prefill: key_len = prefill_len; decode: max_cache_len)",
+            "dtype": "the ABI dtype",
+            "visible": 0.0,
+            "hidden": "finfo(dtype).min",
+            "rule": "key slot k is visible to the query at position p iff k <= p "
+            "and slot k holds a real token",
+            "sliding_windows": "layers with a window also hide k <= p - window; the graph adds that itself "
+            "from position_ids, the caller passes one causal mask for every layer",
+        },
+        "padding": {"supported": "right", "rule": padding},
+        "capacity": {
+            "max_position": max_cache_len - 1,
+            "rule": f"positions 0..{max_cache_len - 1}; a token at position >= max_cache_len has no slot "
+            "and must not be decoded",
+        },
+    }
+    if dynamic:
+        contract["dynamic"] = {
+            "sizes": {name: list(bounds) for name, bounds in dynamic.items()},
+            "rule": DYNAMIC_RULE,
+        }
+    if paged is not None:
+        contract["paged"] = paged.contract(max_cache_len, "batch" if "batch" in dynamic else batch)
+        contract["cache"]["slot_rule"] += (
+            " in the prefill outputs and in each row's logical cache; the decode pools are addressed by "
+            "contract.paged.slot_rule"
+        )
+    return contract
+
+
+def build_kv_mapping(
+    kv_dims: KVDims,
+    *,
+    kv_layout: str,
+    batch: int,
+    prefill_len: int,
+    max_cache_len: int,
+    num_layers: int,
+    dtype: str,
+    names: dict[str, str],
+    mla_attention: str = "reexpand",
+    dynamic: dict[str, tuple[int, int]] | None = None,
+    paged: PagedKV | None = None,
+) -> dict[str, Any]:
+    """How prefill KV outputs become decode KV inputs, layer by layer.
+
+    ``names`` maps ``prefill_key``/``prefill_value``/``decode_key_in``/``decode_value_in``/
+    ``decode_key_out``/``decode_value_out`` to name templates containing ``{layer}``.
+    ``mla_attention`` is recorded only when it is not the default ``reexpand`` (the cache is the same).
+    ``dynamic`` sizes (``{"batch": (1, 8)}``) appear in shapes by name, with their ranges.
+    ``paged``: the decode KV tensors are block pools (``kv_cache: paged``), the contract says how.
+    """
+    dynamic = dynamic or {}
+    batch_dim: int | str = "batch" if "batch" in dynamic else batch
+    length_dim: int | str = "prefill_len" if "prefill_len" in dynamic else prefill_len
+    prefill_shapes = kv_shapes(kv_dims, batch_dim, length_dim)
+    decode_shapes: tuple[tuple[int | str, ...], tuple[int | str, ...]] = (
+        kv_shapes(kv_dims, batch_dim, max_cache_len)
+        if paged is None
+        else paged_shapes(kv_dims, paged.block_size, paged.num_blocks)
+    )
+
+    def tensor(role: str, layer: int, shape: tuple[int, ...]) -> dict[str, Any]:
+        return {"name": names[role].format(layer=layer), "shape": list(shape), "dtype": dtype}
+
+    layers = []
+    for layer in range(num_layers):
+        layers.append(
+            {
+                "layer": layer,
+                "prefill_key_output": tensor("prefill_key", layer, prefill_shapes[0]),
+                "prefill_value_output": tensor("prefill_value", layer, prefill_shapes[1]),
+                "decode_key_input": tensor("decode_key_in", layer, decode_shapes[0]),
+                "decode_value_input": tensor("decode_value_in", layer, decode_shapes[1]),
+                "decode_key_output": tensor("decode_key_out", layer, decode_shapes[0]),
+                "decode_value_output": tensor("decode_value_out", layer, decode_shapes[1]),
+            }
+        )
+    attention = {} if mla_attention == "reexpand" else {"mla_attention": mla_attention}
+    return {
+        "kv_layout": kv_layout,
+        **attention,
+        "contract": kv_contract(
+            kv_dims,
+            kv_layout=kv_layout,
+            max_cache_len=max_cache_len,
+            dynamic=dynamic,
+            paged=paged,
+            batch=batch,
+        ),
+        "kv_cache": "contiguous" if paged is None else "paged",
+        "batch": batch,
+        "prefill_len": prefill_len,
+        **({"dynamic": {name: list(bounds) for name, bounds in dynamic.items()}} if dynamic else {}),
+        "max_cache_len": max_cache_len,
+        "num_layers": num_layers,
+        "dtype": dtype,
+        "sequence_dim": 2,  # of the prefill outputs and the contiguous decode caches (pools: pool_dims)
+        "prefill_to_decode": (
+            {
+                "op": "index_copy",
+                "dim": 2,
+                "positions": [0, length_dim],
+                "into": "zeros of the decode input shape",
+            }
+            if paged is None
+            else {"op": "paged_write", "rule": "see contract.paged.prefill_to_decode"}
+        ),
+        "decode_update": (
+            {
+                "op": "write_rows",
+                "dim": 2,
+                "index": "cache_position",
+                "rule": "row b's new token at slot cache_position[b] of row b",
+                "outputs_replace_inputs": True,
+            }
+            if paged is None
+            else {
+                "op": "paged_write",
+                "index": "cache_position",
+                "rule": "see contract.paged.slot_rule",
+                "outputs_replace_inputs": True,
+            }
+        ),
+        "layers": layers,
+    }
+
+
+MERGED_PREFILL_RULE = (
+    "the multimodal prefill replaces the text prefill for a prompt with images: its input_ids hold one "
+    "placeholder token (placeholder_token_id) per image feature row, and the placeholder count must equal "
+    "the feature rows (the graph cannot check it: fewer leave rows unused, more index past them); row k "
+    "of the features replaces the k-th placeholder in row-major order over [batch, prefill_len]. "
+    "Placeholders take ordinary consecutive position_ids; mask, positions and right padding (with any "
+    "token id but the placeholder) are the text prefill's. The KV outputs continue into the decode graph "
+    "exactly like the text prefill's (prefill_to_decode)."
+)
+
+
+def build_merged_prefill_mapping(
+    kv_dims: KVDims,
+    *,
+    graph: str,
+    inputs: Sequence[str],
+    batch: int,
+    prefill_len: int,
+    num_layers: int,
+    dtype: str,
+    names: dict[str, str],
+    feature_input: str,
+    feature_shape: Sequence[int],
+    placeholder_token_id: int,
+    features_from: dict[str, Any] | None = None,
+    dynamic: dict[str, tuple[int, int]] | None = None,
+) -> dict[str, Any]:
+    """The KV mapping's ``merged_prefill`` section: the multimodal prefill graph and how its KV feeds decode.
+
+    ``names`` maps ``prefill_key``/``prefill_value`` (this graph's outputs) and ``decode_key_in``/
+    ``decode_value_in`` to ``{layer}`` templates; ``dynamic`` sizes appear in shapes by name.
+    """
+    dynamic = dynamic or {}
+    batch_dim: int | str = "batch" if "batch" in dynamic else batch
+    length_dim: int | str = "prefill_len" if "prefill_len" in dynamic else prefill_len
+    key_shape, value_shape = kv_shapes(kv_dims, batch_dim, length_dim)
+
+    def tensor(role: str, layer: int, shape: tuple[int | str, ...]) -> dict[str, Any]:
+        return {"name": names[role].format(layer=layer), "shape": list(shape), "dtype": dtype}
+
+    return {
+        "graph": graph,
+        "inputs": list(inputs),
+        "batch": batch,
+        "prefill_len": prefill_len,
+        **({"dynamic": {name: list(bounds) for name, bounds in dynamic.items()}} if dynamic else {}),
+        "image_features": {
+            "input": feature_input,
+            "shape": list(feature_shape),
+            "dtype": dtype,
+            **({"from": features_from} if features_from else {}),
+        },
+        "placeholder_token_id": placeholder_token_id,
+        "rule": MERGED_PREFILL_RULE,
+        "prefill_to_decode": {
+            "op": "index_copy",
+            "dim": 2,
+            "positions": [0, length_dim],
+            "into": "zeros of the decode input shape",
+        },
+        "layers": [
+            {
+                "layer": layer,
+                "prefill_key_output": tensor("prefill_key", layer, key_shape),
+                "prefill_value_output": tensor("prefill_value", layer, value_shape),
+                "decode_key_input": names["decode_key_in"].format(layer=layer),
+                "decode_value_input": names["decode_value_in"].format(layer=layer),
+            }
+            for layer in range(num_layers)
+        ],
+    }

@@ -1,0 +1,178 @@
+"""A tiny random-weight copy of the spec's model: what both checks of equivalence build.
+
+The pre-export whole-model check (``job/whole_model.py``) and ``--verify`` (``equivalence/roundtrip.py``)
+compare the wrappers with transformers on the same small model: every size shrunk through the config
+key the model's structure read it from (so any family shrinks the same way), and every tensor that
+transformers initialises to one constant (biases, norm scales) made random, so that a graph dropping
+one of them cannot still equal the reference."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...spec.model import Spec
+from ...structure.derive import pattern_period, shorten_layers
+from ...structure.model import ModelStructure
+from ...structure.of_spec import structure_of_raw, text_config_key
+from .options import ExtractionOptions
+
+# Sizes of the tiny text backbone, by structural fact: each is written to whichever config key the
+# model's structure read that fact from (``ModelStructure.keys``), so any family shrinks the same way.
+TINY_FACTS = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "expert_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "num_layers": 3,
+    "first_dense_layers": 1,
+    "num_experts": 8,
+    "top_k": 2,
+    "expert_groups": 1,
+    "top_k_groups": 1,
+    "num_shared_experts": 1,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "vocab_size": 128,
+    "num_heads": 4,
+    "head_dim": 16,
+    # shorter than the verify prompt, so sliding-window masks decide the result
+    "sliding_window": 4,
+}
+
+
+# With group-limited routing (DeepSeek's n_group/topk_group), the tiny router keeps groups: 4 groups of
+# 2 experts, the top 2 groups chosen, so the group mask decides which experts can win.
+TINY_EXPERT_GROUPS = {"expert_groups": 4, "top_k_groups": 2}
+
+
+# The tiny stack holds at least one whole period of the layer pattern (sliding/full), up to this many.
+TINY_MAX_LAYERS = 8
+
+
+# KV heads of the tiny model keep the attention kind: 4 of 4 (MHA, MLA), 2 of 4 (GQA), 1 (MQA).
+TINY_KV_HEADS = {"mha": 4, "mla": 4, "gqa": 2, "mqa": 1}
+
+
+# Random weights at the default 0.02 give near-uniform logits whose argmax float noise could flip;
+# wider weights make greedy tokens a meaningful comparison.
+TINY_INITIALIZER_RANGE = 0.2
+
+
+# Other sub-models (a vision tower) are built but not extracted: only make them small.
+TINY_OTHER = {
+    "hidden_size": 32,
+    "vt_hidden_size": 32,
+    "mm_hidden_size": 32,
+    "num_hidden_layers": 1,
+    "vt_num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "vt_num_attention_heads": 2,
+    "intermediate_size": 64,
+    "vt_intermediate_size": 64,
+    "text_hidden_size": TINY_FACTS["hidden_size"],
+}
+
+
+# Root-config sizes of a vision-language model's projector, set when the spec exports the vision graph:
+# the projector's input width lives on the root config (Kimi_K25Config.projection_hidden_size, absent
+# from the shipped config, default 1152) and must match the tiny encoder's.
+TINY_PROJECTOR = {"projection_hidden_size": TINY_OTHER["vt_hidden_size"]}
+
+
+TINY_VISION_LAYERS = 3
+
+
+VISION_LAYER_KEYS = (".num_hidden_layers", ".vt_num_hidden_layers")
+
+
+TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "media_placeholder_token_id": 3}
+
+
+def tiny_layer_count(structure: ModelStructure) -> int:
+    """Layers of the tiny stack: ``TINY_FACTS["num_layers"]``, or one whole period of the model's
+    sliding/full pattern when that is longer (a 5:1 pattern needs 6 layers to have a full one), or,
+    for a pattern with no short period, enough layers to hold every kind once (at most
+    ``TINY_MAX_LAYERS``); never more than the model has."""
+    period = pattern_period([(layer.attention, layer.window) for layer in structure.layers], TINY_MAX_LAYERS)
+    return min(max(TINY_FACTS["num_layers"], min(period, TINY_MAX_LAYERS)), structure.num_layers)
+
+
+def _tiny_text(structure: ModelStructure, section: dict[str, Any]) -> dict[str, Any]:
+    """Overrides of the text config that keep ``structure``'s kinds at tiny sizes: the attention kind,
+    a whole period of the sliding/full pattern, dense and MoE layers, the router's expert groups."""
+    tiny = {structure.keys[fact]: value for fact, value in TINY_FACTS.items() if fact in structure.keys}
+    if "num_kv_heads" in structure.keys:
+        tiny[structure.keys["num_kv_heads"]] = TINY_KV_HEADS[structure.attention.kind]
+    layers = tiny_layer_count(structure)
+    tiny[structure.keys["num_layers"]] = layers
+    tiny.update(shorten_layers(section, structure.num_layers, layers))
+    if "max_window_layers" in structure.keys and structure.has_sliding_layers:
+        tiny[structure.keys["max_window_layers"]] = 1  # layers from 1 on slide: full and sliding both present
+    if structure.moe is not None and structure.moe.expert_groups > 1:
+        tiny.update({structure.keys[f]: v for f, v in TINY_EXPERT_GROUPS.items() if f in structure.keys})
+    tiny["initializer_range"] = TINY_INITIALIZER_RANGE
+    return tiny
+
+
+def tiny_overrides(spec: Spec, options: ExtractionOptions) -> dict[str, Any]:
+    """Dotted config overrides that shrink the spec's model; the spec's own ``config_overrides`` win."""
+    from ...config.source import resolve_source
+
+    raw = resolve_source(spec).raw
+    text_key = text_config_key(spec, isinstance(raw.get("text_config"), dict))
+    structure = structure_of_raw(spec, raw)
+    overrides: dict[str, Any] = {}
+    for key, section in [(None, raw), *((k, v) for k, v in raw.items() if isinstance(v, dict))]:
+        prefix = f"{key}." if key else ""
+        if key == text_key:
+            sizes = _tiny_text(structure, section)
+        else:
+            sizes = {name: value for name, value in TINY_OTHER.items() if key and name in section}
+        sizes.update({name: value for name, value in TOKEN_IDS.items() if name in section})
+        overrides.update({prefix + name: value for name, value in sizes.items()})
+    if options.vision is not None:
+        overrides.update(TINY_PROJECTOR)
+        # an exported vision encoder gets 3 layers, so the check runs a stitched one (2 traced, 1 copied)
+        for name in list(overrides):
+            section = name.partition(".")[0]
+            if name.endswith(VISION_LAYER_KEYS) and "." in name and section != text_key:
+                overrides[name] = TINY_VISION_LAYERS
+    overrides.update(options.verify_overrides)
+    return overrides
+
+
+# Relative spread given to every tensor transformers initialises to one constant value.
+CONSTANT_SPREAD = 0.1
+
+
+def randomize_constants(model: nn.Module) -> list[str]:
+    """Give every parameter and persistent buffer that holds one constant value (biases and the MoE
+    router's correction bias at 0, norm weights at 1) random values around it; return their names.
+
+    transformers' init leaves them constant, so a graph that dropped a bias or a norm scale would still
+    equal the reference: with them random, ``--verify`` is a proof for every weight, not only the
+    matrices. Non-persistent buffers (rotary frequencies) are computed, not loaded, and stay as built.
+    """
+    generator = torch.Generator().manual_seed(1)
+    changed = []
+    with torch.no_grad():
+        for module_name, module in model.named_modules():
+            tensors = list(module.named_parameters(recurse=False)) + [
+                (n, b)
+                for n, b in module.named_buffers(recurse=False)
+                if n not in module._non_persistent_buffers_set
+            ]
+            for name, tensor in tensors:
+                if not tensor.is_floating_point() or tensor.numel() < 2 or tensor.min() != tensor.max():
+                    continue
+                value = float(tensor.flatten()[0])
+                noise = torch.randn(tensor.shape, generator=generator).to(tensor.dtype) * CONSTANT_SPREAD
+                tensor.copy_(noise if value == 0 else value * (1 + noise))
+                changed.append(f"{module_name}.{name}" if module_name else name)
+    return changed

@@ -1,0 +1,1 @@
+"""What one step costs."""

@@ -1,0 +1,352 @@
+"""The ``--cost-model measured`` back end: kadapt's ops looked up in AIConfigurator's measured tables.
+
+``MeasuredPricer`` turns each kadapt GEMM (and MLA's absorbed bmm), attention kernel (or, under
+attention DP on SGLang, its whole measured MLA module), routed-expert op and collective (TP
+all-reduce / all-gather, EP dispatch / combine) into AIConfigurator's op description and prices it
+through ``evaluate_ops_json`` on the system's tables, the way AIConfigurator's own graph for the
+layout queries them; ``None`` where it has no such op or table, and the roofline prices that op.
+Separate from ``aiconfigurator`` (the package, its systems and tables) and ``reference``
+(AIConfigurator's own step estimate) because this is kadapt's op vocabulary translated into
+AIConfigurator's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..model.tracer import Op
+from .aiconfigurator import _database_handle, _gpus_per_node
+
+# kadapt weight kernel -> AIConfigurator quant mode (GEMM, MoE)
+_GEMM_QUANT = {"bf16": "bfloat16", "fp8": "fp8", "fp8_block": "fp8_block", "int8": "fp8", "fp32": "bfloat16"}
+_MOE_QUANT = {"bf16": "bfloat16", "fp8": "fp8", "fp8_block": "fp8_block", "w4a16": "int4_wo", "int8": "fp8"}
+_KV = {"bf16": "bfloat16", "fp8": "fp8"}
+
+
+@dataclass
+class MeasuredPricer:
+    """Looks kadapt ops up in AIConfigurator's tables for ``system`` and ``framework``."""
+
+    system: str
+    framework: str = "trtllm"
+    _handle: Any = field(default=None, repr=False)
+
+    @property
+    def source(self) -> str:
+        return f"aiconfigurator:{self.system}/{self.framework}"
+
+    def _engine(self) -> Any:
+        if self._handle is None:
+            self._handle = _database_handle(self.system, self.framework)
+        return self._handle
+
+    def gpus_per_node(self) -> int:
+        """GPUs per node in AIConfigurator's system file: its all-to-all tables key node counts
+        (GB200 NVL72 is 4 per node there, the others 8)."""
+        return _gpus_per_node(self.system, self.framework)
+
+    def _evaluate(
+        self,
+        spec: dict[str, Any],
+        *,
+        context: bool,
+        batch: int,
+        s: int,
+        prefix: int = 0,
+        x: int | None = None,
+        measured_only: bool = False,
+    ) -> float | None:
+        """Seconds AIConfigurator gives ``spec``; None when it cannot price it, or (``measured_only``)
+        when its answer is not read from a table measured at that shape (tier other than ``silicon``:
+        e.g. an all-to-all at an EP size it never ran, which it prices as the nearest one it did)."""
+        try:
+            ((_, ms, _energy, tier),) = self._engine().evaluate_ops_json(
+                json.dumps([spec]), is_context=context, batch_size=batch, s=s, prefix=prefix, x=x
+            )
+        except Exception:  # noqa: BLE001 - a shape or dtype the tables lack: the roofline prices it
+            return None
+        if measured_only and tier != "silicon":
+            return None
+        return ms * 1e-3 if ms > 0 else None
+
+    def time(self, op: Op, *, decode: bool) -> float | None:
+        """Seconds for one occurrence of ``op``, or None when AIConfigurator cannot price it."""
+        attrs = op.attrs
+        if op.kind == "matmul":
+            return self._gemm(op, attrs)
+        if op.kind == "attention" and "kernel" in attrs:
+            return self._attention(attrs)
+        if op.kind == "experts" and "tokens" in attrs:
+            return self._experts(attrs, decode)
+        if op.kind == "comm" and op.comm is not None:
+            if op.comm["collective"] == "all_to_all":
+                return self._all_to_all(op, decode)
+            return self._comm(op.comm)
+        return None
+
+    def _gemm(self, op: Op, attrs: dict[str, Any]) -> float | None:
+        if "m" not in attrs:
+            return None
+        return self._gemm_shape(
+            op.name,
+            str(attrs.get("kernel")),
+            str(attrs.get("tag", "")),
+            int(attrs.get("batch", 1)),
+            int(attrs["m"]),
+            int(attrs["n"]),
+            int(attrs["k"]),
+        )
+
+    def _gemm_shape(
+        self, name: str, kernel: str, tag: str, batch: int, m: int, n: int, k: int
+    ) -> float | None:
+        """A dense GEMM (``Gemm``) or, tagged ``mla_bmm_*`` with ``batch`` heads, MLA's absorbed
+        per-head bmm (``MlaBmm``), at M = ``m`` rows."""
+        quant = _GEMM_QUANT.get(kernel)
+        if quant is None:
+            return None
+        if tag.startswith("mla_bmm") and batch > 1:  # MLA's absorbed per-head bmm (decode)
+            spec = {
+                "MlaBmm": {
+                    "name": tag,
+                    "scale_factor": 1.0,
+                    "num_heads": batch,
+                    "quant_mode": "fp8" if quant.startswith("fp8") else quant,
+                    "is_pre": tag.endswith("pre"),
+                }
+            }
+            return self._evaluate(spec, context=False, batch=m, s=1)
+        if batch > 1:
+            return None
+        spec = {
+            "Gemm": {
+                "name": name,
+                "scale_factor": 1.0,
+                "n": n,
+                "k": k,
+                "quant_mode": quant,
+                "scale_num_tokens": 1,
+                "low_precision_input": False,
+                "seq_split": 1,
+                "below_grid_sol": False,
+            }
+        }
+        return self._evaluate(spec, context=True, batch=1, s=m, x=m)
+
+    def _attention(self, attrs: dict[str, Any]) -> float | None:
+        if attrs["kernel"] == "mla" and int(attrs.get("attention_dp", 1)) > 1:
+            module = self._wide_ep_mla(attrs)
+            if module is not None:
+                return module
+        return self._attention_kernel(attrs)
+
+    def _wide_ep_mla(self, attrs: dict[str, Any]) -> float | None:
+        """Attention-DP MLA as AIConfigurator's SGLang large-EP graph prices it: SGLang's whole MLA
+        module (``wide_ep_module_row``). kadapt traces the module's GEMMs as kernels of their own and
+        prices them from AIConfigurator's GEMM tables, so the attention kernel takes the row less
+        them, and the module sums to the measured row. None (the standalone tables price it) where
+        the module was not measured or the GEMMs alone exceed the row."""
+        module = self.wide_ep_module_row(attrs)
+        if module is None:
+            return None
+        batch, seq, past = int(attrs["batch"]), int(attrs["seq"]), int(attrs["past"])
+        rows = {"new": batch * seq, "context": batch * (past + seq)}
+        gemms = 0.0
+        for tag, n, k, kernel, heads, m in attrs["module_gemms"]:
+            seconds = self._gemm_shape("module_gemm", kernel, tag, heads, rows[m], n, k)
+            if seconds is None:
+                return None
+            gemms += seconds
+        return module - gemms if module > gemms else None
+
+    def wide_ep_module_row(self, attrs: dict[str, Any]) -> float | None:
+        """Seconds of SGLang's MLA module under DP attention for an MLA kernel's ``attrs``
+        (``WideEpGenerationMla`` / ``WideEpContextMla``: q_b, the attention, the absorbed bmm or the
+        kv_b expansion, o_proj, measured as one); None off SGLang or where it was not measured (its
+        rows hold an FP8 KV cache and FP8-block projections only)."""
+        if self.framework != "sglang" or "module_gemms" not in attrs:
+            return None
+        decode, batch, seq, past = (
+            bool(attrs["decode"]),
+            int(attrs["batch"]),
+            int(attrs["seq"]),
+            int(attrs["past"]),
+        )
+        body: dict[str, Any] = {
+            "name": "attention",
+            "scale_factor": 1.0,
+            "num_heads": int(attrs["heads"]),
+            "kv_cache_dtype": _KV.get(str(attrs["kv_dtype"]), "bfloat16"),
+            "attn_backend": "flashinfer",  # AIConfigurator's default for the SGLang module
+        }
+        if decode:
+            body["fmha_quant_mode"] = "fp8"
+            spec = {"WideEpGenerationMla": body}
+            return self._evaluate(spec, context=False, batch=batch, s=past + seq, measured_only=True)
+        body |= {"fmha_quant_mode": "fp8_block", "cp_size": 1}
+        spec = {"WideEpContextMla": body}
+        return self._evaluate(spec, context=True, batch=batch, s=seq, prefix=past, measured_only=True)
+
+    def _attention_kernel(self, attrs: dict[str, Any]) -> float | None:
+        """One attention kernel in AIConfigurator's standalone MLA / attention tables."""
+        decode, batch, seq, past = (
+            bool(attrs["decode"]),
+            int(attrs["batch"]),
+            int(attrs["seq"]),
+            int(attrs["past"]),
+        )
+        kv = _KV.get(str(attrs["kv_dtype"]), "bfloat16")
+        if attrs["kernel"] == "mla":
+            if decode:
+                spec = {
+                    "GenerationMla": {
+                        "name": "attention",
+                        "scale_factor": 1.0,
+                        "num_heads": int(attrs["heads"]),
+                        "kv_cache_dtype": kv,
+                    }
+                }
+                return self._evaluate(spec, context=False, batch=batch * seq, s=past + seq)
+            spec = {
+                "ContextMla": {
+                    "name": "attention",
+                    "scale_factor": 1.0,
+                    "num_heads": int(attrs["heads"]),
+                    "kv_cache_dtype": kv,
+                    "fmha_quant_mode": "bfloat16",
+                    "cp_size": 1,
+                }
+            }
+            return self._evaluate(spec, context=True, batch=batch, s=seq, prefix=past)
+        body = {
+            "name": "attention",
+            "scale_factor": 1.0,
+            "n": int(attrs["heads"]),
+            "n_kv": int(attrs["kv_heads"]),
+            "head_size": int(attrs["head_dim"]),
+            "window_size": int(attrs.get("window", 0)),
+            "kv_cache_dtype": kv,
+            "lane_order": ["default"],
+        }
+        if decode:
+            return self._evaluate(
+                {"GenerationAttention": body}, context=False, batch=batch * seq, s=past + seq
+            )
+        body["fmha_quant_mode"] = "bfloat16"
+        return self._evaluate({"ContextAttention": body}, context=True, batch=batch, s=seq, prefix=past)
+
+    def _experts(self, attrs: dict[str, Any], decode: bool) -> float | None:
+        """The routed experts' grouped GEMMs. Where tokens reach the experts by all-to-all under
+        attention DP (wide EP: ``ep > tp`` and DP > 1) they are looked up as AIConfigurator's own
+        large-EP graph does: ``MoeExpertCompute`` (its DeepEP-path expert tables) at the tokens of
+        one attention-DP rank and the attention-DP size; its regular ``Moe`` table (SGLang's fused
+        MoE, measured inside one TP group) priced SGLang's DP64 EP64 decode experts 9.6x higher.
+        Otherwise (or where that table lacks the shape) ``Moe`` at the same tokens, as its TP/EP
+        graphs query it."""
+        quant = _MOE_QUANT.get(str(attrs["kernel"]))
+        if quant is None:
+            return None
+        distribution = "power_law_1.01" if attrs.get("routing") == "power_law" else "balanced"
+        shape = {
+            "name": "moe",
+            "scale_factor": 1.0,
+            "hidden_size": int(attrs["hidden"]),
+            "inter_size": int(attrs["width"]),
+            "topk": int(attrs["top_k"]),
+            "num_experts": int(attrs["experts"]),
+            "moe_ep_size": int(attrs["ep"]),
+            "quant_mode": quant,
+            "workload_distribution": distribution,
+            "is_gated": True,
+            "enable_eplb": False,
+        }
+        dp = int(attrs.get("attention_dp", 1))
+        if dp > 1 and attrs.get("all_to_all") and "rank_tokens" in attrs:
+            tokens = max(1, round(float(attrs["rank_tokens"])))
+            wide = shape | {
+                "attention_dp_size": dp,
+                "inference_phase": "generation" if decode else "context",
+                "num_slots": int(attrs["experts"]),
+                "kernel_source": None,
+            }
+            spec = {"MoeExpertCompute": wide}
+            phase = {"context": not decode, "batch": 1, "s": tokens, "x": tokens}
+            seconds = self._evaluate(spec, **phase, measured_only=True)
+            if seconds is not None:
+                return seconds
+            moe = shape | {"attention_dp_size": dp}
+        else:
+            tokens = max(1, round(float(attrs["tokens"])))
+            moe = shape | {"attention_dp_size": 1}
+        moe |= {"moe_tp_size": 1, "moe_backend": None, "is_context": True}
+        return self._evaluate({"Moe": moe}, context=True, batch=1, s=tokens, x=tokens)
+
+    def _all_to_all(self, op: Op, decode: bool) -> float | None:
+        """EP dispatch or combine in AIConfigurator's large-EP tables: DeepEP low-latency kernels in
+        decode, high-throughput ones in prefill (TensorRT-LLM's own DeepEP builds for ``trtllm``), at
+        the tokens one rank sends. DeepEP moves what the model's activations are (8-bit or bf16);
+        TensorRT-LLM's high-throughput path sends bf16 either way (AIConfigurator's serving rule)."""
+        comm = op.comm
+        assert comm is not None
+        if "hidden" not in comm or int(comm["group"]) <= 1:
+            return None
+        hidden, group = int(comm["hidden"]), int(comm["group"])
+        eight_bit = comm["token_bytes"] < 2 * hidden and op.name.startswith("ep_dispatch")
+        if self.framework == "trtllm":
+            backend = "trtllm_deepep_ll" if decode else "trtllm_deepep_ht"
+            dtype = "fp8" if eight_bit and decode else "bfloat16"
+        else:
+            backend, dtype = ("deepep_ll" if decode else "deepep_ht"), "default"
+        spec = {
+            "MoeAllToAll": {
+                "name": op.name,
+                "scale_factor": 1.0,
+                "phase": "dispatch" if op.name.startswith("ep_dispatch") else "combine",
+                "comm_backend": backend,
+                "comm_dtype": dtype,
+                "hidden_size": hidden,
+                "topk": int(comm["top_k"]),
+                "num_experts": int(comm["experts"]),
+                "moe_ep_size": group,
+                "node_num": -(-group // self.gpus_per_node()),
+                "sms": 20 if backend == "deepep_ht" else 0,  # AIConfigurator's default SM budget
+                "attention_tp_size": 1,  # ``tokens`` is already what one rank sends
+            }
+        }
+        tokens = max(1, round(float(comm["tokens"])))
+        return self._evaluate(spec, context=not decode, batch=1, s=tokens, x=tokens, measured_only=True)
+
+    def _comm(self, comm: dict[str, Any]) -> float | None:
+        group, nbytes = int(comm["group"]), float(comm["bytes"])
+        if group <= 1:
+            return 0.0
+        if comm["collective"] == "all_reduce":
+            elements = max(1, round(nbytes / 2))  # bf16 message: AIConfigurator counts elements per token row
+            spec = {
+                "CustomAllReduce": {
+                    "name": "all_reduce",
+                    "scale_factor": 1.0,
+                    "hidden_size": elements,
+                    "tp_size": group,
+                    "quant": "half",
+                    "seq_split": 1,
+                }
+            }
+            return self._evaluate(spec, context=True, batch=1, s=1, x=1)
+        if comm["collective"] == "all_gather":
+            elements = max(1, round(nbytes / 2))
+            spec = {
+                "Nccl": {
+                    "name": "all_gather",
+                    "scale_factor": 1.0,
+                    "hidden_size": float(elements),
+                    "num_gpus": group,
+                    "dtype": "half",
+                    "operation": "all_gather",
+                    "seq_split": 1,
+                }
+            }
+            return self._evaluate(spec, context=True, batch=1, s=1, x=1)
+        return None

@@ -1,0 +1,331 @@
+"""Sizing a runtime does before it loads anything: KV cache, max length, weights, activations, vision cache.
+
+Everything is arithmetic on the model's ``ModelStructure`` (``arch``) and the analytic parameter
+inventory (``params``); no torch. The formulas follow what MAX's Kimi-K2.5 pipeline exposes
+(``construct_kv_params``, ``calculate_max_seq_len``, ``estimate_weights_size``,
+``estimate_activation_memory``, ``estimate_vision_cache_entry_bytes``), generalised to every
+attention kind, and are spelled out in ``docs/cost_model.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from ....errors import UsageError
+from ....structure.model import Attention, ModelStructure
+from ....vision.images import ImageBatch
+from ....vision.images import vision_cache_entry_bytes as entry_bytes
+from ..model.arch import Architecture
+from ..model.inputs import ModelInputs
+from ..model.parallel import Parallel, heads_per_rank, kv_elements_per_rank, kv_heads_per_rank
+from ..model.params import ParamGroup
+from ..model.quant import DTYPE_BYTES, Policy
+from ..tables.device import Device
+
+
+def activation_formula(s: ModelStructure) -> str:
+    """The activation estimate of ``activation_bytes``, with the terms this model has."""
+    attention = "H/tp*qk_head + KV/tp*(qk_head+v_head)" + (" + kv_lora+rope" if s.attention.is_mla else "")
+    terms = [attention]
+    if s.dense_layer_ids:
+        terms.append("2*I/tp")
+    if s.moe is not None and s.moe_layer_ids:
+        terms.append("dp*top_k/ep*(hidden+3*I_moe)")
+    return (
+        f"T*2*(2*hidden + max({', '.join(terms)})) + T_logits*ceil(vocab/tp)*4   [T = tokens per rank per "
+        "forward, KV/tp = KV heads per rank (>= 1), bf16 activations, fp32 logits]"
+    )
+
+
+@dataclass(frozen=True)
+class KvSizing:
+    """The KV cache of one token: per layer, whole model and per TP rank, with sliding-window caps."""
+
+    dtype: str
+    layout: str  # heads | latent | expanded (the attention kind's default: what serving runtimes cache)
+    attention: Attention
+    windows: tuple[int | None, ...]  # per layer: sliding window or None (full attention)
+    tp: int
+
+    @property
+    def bytes_per_elem(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def layers(self) -> int:
+        return len(self.windows)
+
+    @property
+    def elems_per_token_layer(self) -> int:
+        """Whole model, one layer: ``attention.kv_elements(layout)``."""
+        return self.attention.kv_elements(self.layout)
+
+    @property
+    def bytes_per_token_layer(self) -> int:
+        return self.elems_per_token_layer * self.bytes_per_elem
+
+    @property
+    def bytes_per_token(self) -> int:
+        """One token in every layer, whole model (a sliding layer caps only a long sequence)."""
+        return self.bytes_per_token_layer * self.layers
+
+    @property
+    def rank_bytes_per_token_layer(self) -> int:
+        """One TP rank's share: heads split over TP, replicated past the KV heads (MLA latent: all)."""
+        return kv_elements_per_rank(self.attention, self.layout, self.tp) * self.bytes_per_elem
+
+    def layouts(self) -> dict[str, int]:
+        """Bytes per token per layer of every layout the attention kind can cache in."""
+        return {
+            name: self.attention.kv_elements(name) * self.bytes_per_elem for name in self.attention.kv_layouts
+        }
+
+    def cached_token_layers(self, tokens: int) -> int:
+        """Token-layers a sequence of ``tokens`` holds: a sliding layer keeps its last ``window`` only."""
+        return sum(tokens if window is None else min(tokens, window) for window in self.windows)
+
+    def sequence_bytes(self, tokens: int, *, per_rank: bool = True) -> int:
+        per = self.rank_bytes_per_token_layer if per_rank else self.bytes_per_token_layer
+        return self.cached_token_layers(tokens) * per
+
+
+@dataclass(frozen=True)
+class WeightLine:
+    """The part of a parameter group stored in one format (a group whose tensors all share one
+    format - the usual case - is one line)."""
+
+    group: ParamGroup
+    format: str
+    bytes_per_param: float
+    params: int
+    params_per_device: int
+
+    @property
+    def name(self) -> str:
+        return self.group.name if self.params == self.group.count else f"{self.group.name} [{self.format}]"
+
+    @property
+    def total_bytes(self) -> float:
+        return self.params * self.bytes_per_param
+
+    @property
+    def bytes_per_device(self) -> float:
+        return self.params_per_device * self.bytes_per_param
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Per-device memory: what a deployment needs and what is left of the device."""
+
+    weights: float
+    kv_cache: float
+    activations: float
+    capacity: float | None
+    vision_cache: float = 0.0  # image features of the DP group's images (``--images``)
+
+    @property
+    def used(self) -> float:
+        return self.weights + self.kv_cache + self.activations + self.vision_cache
+
+    @property
+    def free(self) -> float | None:
+        return None if self.capacity is None else self.capacity - self.used
+
+    def warnings(self, device: Device | None) -> list[str]:
+        if device is None or self.free is None or self.free >= 0:
+            return []
+        return [
+            f"memory does not fit: needs {self.used / 1e9:.1f} GB per device, "
+            f"{device.name} has {self.capacity / 1e9:.1f} GB ({-self.free / 1e9:.1f} GB short)"
+        ]
+
+
+@dataclass(frozen=True)
+class Plan:
+    arch: Architecture
+    parallel: Parallel
+    batch: int
+    seq_len: int
+    max_seq_len: int
+    prefill_chunk: int
+    kv: KvSizing
+    weights: tuple[WeightLine, ...]
+    memory: Memory
+    vision_cache_entry_bytes: int | None
+    quant: str
+    device: Device | None
+    warnings: tuple[str, ...] = field(default=())
+    images: ImageBatch | None = None  # images per sequence (``--images``), for the batch's vision cache
+
+    @property
+    def total_params(self) -> int:
+        return sum(line.params for line in self.weights)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token runs through: all but the routed experts it is not sent to."""
+        return active_params(self.arch.structure, self.weights)
+
+    @property
+    def weight_bytes(self) -> float:
+        return sum(line.total_bytes for line in self.weights)
+
+    def weight_bytes_by_format(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for line in self.weights:
+            out[line.format] = out.get(line.format, 0.0) + line.total_bytes
+        return out
+
+
+def active_params(s: ModelStructure, weights: tuple[WeightLine, ...]) -> int:
+    routed = sum(line.params for line in weights if line.group.shard == "ep")
+    total = sum(line.params for line in weights)
+    if s.moe is None or not routed:
+        return total
+    return total - routed + routed * s.moe.top_k // s.moe.num_experts
+
+
+def kv_sizing(s: ModelStructure, tp: int, kv_dtype: str = "bf16") -> KvSizing:
+    if kv_dtype not in DTYPE_BYTES:
+        raise UsageError(f"unknown KV cache dtype {kv_dtype!r} (known: {', '.join(DTYPE_BYTES)})")
+    return KvSizing(kv_dtype, s.attention.default_kv_layout, s.attention, s.windows, tp)
+
+
+def max_seq_len(s: ModelStructure, requested: int | None) -> int:
+    """Like MAX's ``upper_bounded_default``: the request, bounded by max_position_embeddings."""
+    if requested is None:
+        return s.max_positions
+    if requested < 1:
+        raise UsageError(f"--seq-len must be >= 1 (got {requested})")
+    if requested > s.max_positions:
+        raise UsageError(
+            f"--seq-len {requested} exceeds the model's max_position_embeddings {s.max_positions}"
+        )
+    return requested
+
+
+def params_per_device(group: ParamGroup, params: int, s: ModelStructure, par: Parallel) -> int:
+    """The share of ``params`` (whole tensors of ``group``) one device holds."""
+    if group.shard == "tp":
+        return params // par.tp
+    if group.shard == "kv":
+        kv = s.attention.num_kv_heads
+        return params // kv * kv_heads_per_rank(s.attention, par.tp)
+    if group.shard == "ep":
+        return params // par.ep
+    if group.shard == "vocab":  # vocab-parallel: each TP rank holds ceil(vocab / tp) rows
+        return math.ceil(s.vocab_size / par.tp) * (params // s.vocab_size)
+    return params
+
+
+def weight_lines(inputs: ModelInputs, par: Parallel) -> tuple[WeightLine, ...]:
+    """One line per group and format: the policy decides each tensor's format by its checkpoint name."""
+    return _lines(inputs.groups, inputs.arch.structure, par, inputs.policy)
+
+
+def _lines(
+    groups: tuple[ParamGroup, ...], s: ModelStructure, par: Parallel, policy: Policy
+) -> tuple[WeightLine, ...]:
+    lines = []
+    for group in groups:
+        by_format: dict[str, list] = {}
+        for name, params in group.tensors():
+            fmt = policy(group, name)
+            entry = by_format.setdefault(fmt.label, [fmt, 0])
+            entry[1] += params
+        for fmt, params in by_format.values():
+            lines.append(
+                WeightLine(
+                    group, fmt.label, fmt.bytes_per_param, params, params_per_device(group, params, s, par)
+                )
+            )
+    return tuple(lines)
+
+
+def activation_bytes(s: ModelStructure, par: Parallel, tokens: int, logits_tokens: int) -> float:
+    """Peak transient activations of one forward on one rank (formula: ``activation_formula``)."""
+    a = s.attention
+    latent = a.kv_elements("latent") if a.is_mla else 0
+    attention = (
+        heads_per_rank(a, par.tp) * a.head_dim
+        + kv_heads_per_rank(a, par.tp) * (a.head_dim + a.v_head_dim)
+        + latent
+    )
+    dense = 2 * s.intermediate_size // par.tp
+    moe = 0.0
+    if s.moe is not None and s.moe_layer_ids:
+        moe = par.dp * s.moe.top_k / par.ep * (s.hidden_size + 3 * s.moe.expert_intermediate_size)
+    return (
+        tokens * 2 * (2 * s.hidden_size + max(attention, dense, moe))
+        + logits_tokens * math.ceil(s.vocab_size / par.tp) * 4
+    )
+
+
+def vision_cache_entry_bytes(arch: Architecture) -> int | None:
+    """MAX's estimate: max tokens per image (pos grid / merge area) x text hidden x 2 bytes (bf16)."""
+    return None if arch.vision is None else entry_bytes(arch.vision)
+
+
+def memory(
+    weights: tuple[WeightLine, ...],
+    kv: KvSizing,
+    sequences: int,
+    tokens: int,
+    activations: float,
+    device: Device | None,
+) -> Memory:
+    """Per device: weights, the KV cache of ``sequences`` sequences of ``tokens`` tokens, activations."""
+    return Memory(
+        weights=sum(line.bytes_per_device for line in weights),
+        kv_cache=float(sequences * kv.sequence_bytes(tokens)),
+        activations=activations,
+        capacity=device.memory_bytes if device else None,
+    )
+
+
+def make_plan(
+    inputs: ModelInputs,
+    par: Parallel,
+    *,
+    batch: int = 1,
+    seq_len: int | None = None,
+    prefill_chunk: int = 8192,
+    kv_dtype: str = "bf16",
+    device: Device | None = None,
+    images: ImageBatch | None = None,
+) -> Plan:
+    """Size ``batch`` sequences of ``seq_len`` tokens (default: the max) on ``par``; with ``images``,
+    each sequence also carries that many images, whose features the vision cache holds per device."""
+    arch = inputs.arch
+    s = arch.structure
+    par.check(s)
+    per_dp = par.split_batch(batch)
+    length = max_seq_len(s, seq_len)
+    if prefill_chunk < 1:
+        raise UsageError(f"--prefill-chunk must be >= 1 (got {prefill_chunk})")
+    kv = kv_sizing(s, par.tp, kv_dtype)
+    weights = weight_lines(inputs, par)
+    tokens = min(prefill_chunk, per_dp * length)  # the largest forward: one prefill chunk
+    acts = activation_bytes(s, par, tokens, logits_tokens=per_dp)
+    mem = memory(weights, kv, per_dp, length, acts, device)
+    notes: list[str] = []
+    if images is not None:
+        mem = replace(mem, vision_cache=float(images.images(per_dp) * images.feature_bytes_per_image))
+        notes = images.notes()
+    return Plan(
+        arch,
+        par,
+        batch,
+        length,
+        s.max_positions,
+        prefill_chunk,
+        kv,
+        weights,
+        mem,
+        vision_cache_entry_bytes(arch),
+        inputs.quant_label,
+        device,
+        (*inputs.notes, *notes, *mem.warnings(device)),
+        images,
+    )

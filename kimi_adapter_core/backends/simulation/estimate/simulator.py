@@ -1,0 +1,156 @@
+"""``kadapt simulate``: trace the per-rank model, price every kernel, size the memory, report.
+
+This module joins the pieces: spec → structure, parameter inventory and weight-format policy → per-rank trace
+(``rank_model``) → fused kernels (``tracer.fuse``) → prices → a ``Simulation`` holding the per-op
+table, the step time, tokens/s per device and the per-device memory breakdown. Two cost models:
+``roofline`` (``cost.price``: the roofline scaled by the device's kernel-efficiency table) and
+``measured`` (each GEMM, attention, routed-expert and collective looked up in AIConfigurator's
+measured tables for the device, ``measured.MeasuredPricer``; the roofline prices what they
+lack, and every op says where its price came from).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ....errors import KadaptError
+from ....spec.model import Spec
+from ..model.deployment import Deployment
+from ..model.inputs import ModelInputs
+from ..model.rank_model import trace_rank
+from ..model.tracer import Op, fuse
+from ..tables.device import Device
+from .cost import Priced, fold_modules, kernel_table, overlap_shared_experts, price
+from .planner import Memory, activation_bytes, kv_sizing, memory, weight_lines
+
+COST_MODELS = ("roofline", "measured")
+
+
+@dataclass(frozen=True)
+class OpRow:
+    """One line of the per-op table: identical kernels aggregated over layers."""
+
+    scope: str
+    module: str
+    name: str
+    count: int
+    time: float  # seconds, all occurrences
+    bound: str
+    flops: float  # all occurrences
+    bytes: float
+    source: str = "roofline"  # where the price came from (see ``cost.Priced.source``)
+
+
+@dataclass(frozen=True)
+class Simulation:
+    deployment: Deployment
+    device: Device
+    quant: str
+    kernels: tuple[Priced, ...]  # in execution order, one entry per traced kernel (repeat = layer count)
+    memory: Memory
+    warnings: tuple[str, ...]
+    model: str = ""  # the structure's one-line description
+    cost_model: str = "roofline"  # roofline | measured
+
+    @property
+    def step_time(self) -> float:
+        return sum(k.total for k in self.kernels)
+
+    @property
+    def tokens_per_s_per_device(self) -> float:
+        return self.deployment.output_tokens / self.step_time / self.deployment.parallel.devices
+
+    def rows(self) -> list[OpRow]:
+        table: dict[tuple[str, str, str], list[Any]] = {}
+        for k in self.kernels:
+            key = (k.op.scope, k.op.module, k.op.name)
+            row = table.setdefault(key, [0, 0.0, {}, 0.0, 0.0, {}])
+            row[0] += k.op.repeat
+            row[1] += k.total
+            row[2][k.bound] = row[2].get(k.bound, 0.0) + k.total
+            row[3] += k.op.flops * k.op.repeat
+            row[4] += k.op.bytes * k.op.repeat
+            row[5][k.source] = row[5].get(k.source, 0.0) + k.total + 1e-30
+        rows = [
+            OpRow(s, m, n, c, t, max(b, key=b.get), f, y, max(src, key=src.get))
+            for (s, m, n), (c, t, b, f, y, src) in table.items()
+        ]
+        return sorted(rows, key=lambda r: r.time, reverse=True)
+
+    def sources(self) -> dict[str, tuple[int, float]]:
+        """Per price source: (kernels, seconds of the step)."""
+        out: dict[str, tuple[int, float]] = {}
+        for k in self.kernels:
+            count, time = out.get(k.source, (0, 0.0))
+            out[k.source] = (count + 1, time + k.total)
+        return out
+
+
+def trace_kernels(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[list[Op], tuple[str, ...]]:
+    """The fused kernels of one step of ``dep`` on one rank, and the trace's notes."""
+    rec, notes = trace_rank(spec, inputs, dep)
+    return fuse(rec.ops), tuple(notes)
+
+
+def finish_step(kernels: list[Priced], dep: Deployment) -> list[Priced]:
+    """A step's priced kernels as the step runs them: a module measured whole priced as measured
+    (``fold_modules``); decode: the shared experts overlap the routed path."""
+    kernels = fold_modules(kernels)
+    return overlap_shared_experts(kernels) if dep.decode else kernels
+
+
+def simulate(
+    inputs: ModelInputs,
+    spec: Spec,
+    dep: Deployment,
+    device: Device,
+    *,
+    warnings: tuple[str, ...] = (),
+    cost_model: str = "roofline",
+    framework: str = "trtllm",
+) -> Simulation:
+    """Price one prefill or decode step of ``dep`` on ``device``; the per-rank model is built from
+    ``spec`` (its bridges and patches for backend ``simulation``), sized by ``inputs``.
+    ``framework`` picks the device's kernel tables (both cost models: serving frameworks run different
+    kernels); ``cost_model="measured"`` looks ops up in AIConfigurator's ``framework`` tables."""
+    s = inputs.arch.structure
+    dep.check(s)
+    if cost_model not in COST_MODELS:
+        raise KadaptError(f"unknown cost model {cost_model!r} (known: {', '.join(COST_MODELS)})")
+    measured = None
+    if cost_model == "measured":
+        from .aiconfigurator import require, system_for
+        from .measured import MeasuredPricer
+
+        require()
+        measured = MeasuredPricer(system_for(device.name), framework)
+    ops, trace_notes = trace_kernels(spec, inputs, dep)
+    table = kernel_table(device, framework)
+    priced = []
+    for op in ops:
+        seconds = measured.time(op, decode=dep.decode) if measured else None
+        priced.append(
+            Priced(op, seconds, "measured", measured.source)
+            if measured and seconds is not None
+            else price(op, device, table)
+        )
+    kernels = tuple(finish_step(priced, dep))
+    kv = kv_sizing(s, dep.parallel.tp, dep.kv_dtype)
+    logits_tokens = dep.tokens_per_rank if dep.decode else dep.batch_per_rank
+    mem = memory(
+        weight_lines(inputs, dep.parallel),
+        kv,
+        dep.batch_per_rank,
+        dep.context_len + dep.tokens_per_query,
+        activation_bytes(s, dep.parallel, dep.tokens_per_rank, logits_tokens),
+        device,
+    )
+    notes = [*warnings, *inputs.notes, *trace_notes]
+    if dep.mtp and not s.num_mtp_layers:
+        notes.append(
+            f"the model declares no MTP layers; the {dep.mtp} draft passes are priced as DeepSeek-style "
+            "MTP blocks (eh_proj + one decoder layer of the model's last kind + lm_head)"
+        )
+    notes += mem.warnings(device)
+    return Simulation(dep, device, inputs.quant_label, kernels, mem, tuple(notes), s.describe(), cost_model)

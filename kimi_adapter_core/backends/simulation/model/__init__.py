@@ -1,0 +1,1 @@
+"""The per-rank model."""

@@ -1,0 +1,271 @@
+"""Analytic parameter inventory: every weight tensor family of the model, counted from its structure.
+
+Counting from the ``ModelStructure`` (instead of instantiating the model) keeps ``kadapt plan``
+torch-free and instant, and works for every family the structure describes: MHA/GQA/MQA or MLA
+attention, dense and MoE MLPs (shared experts, a router bias for sigmoid routing), tied embeddings.
+
+Each group carries what sizing needs: how it is sharded, its native dtype, whether it is a linear
+weight a quantization mode may touch, the shape of each tensor (the checkpoint's storage rule reads it:
+``quant.checkpoint_policy``), and the checkpoint names of its tensors - the model's own
+parameter names (``module_paths`` + transformers' conventional names inside a decoder layer:
+``self_attn.q_proj``, ``mlp.experts.gate_up_proj``, ...) after the spec's
+``backends.extraction.weight_renames``, i.e. what the extraction backend writes and what the spec's
+``quantization[].modules`` globs match. Sizes that the structure does not carry and that do not
+matter for sizing (q/k norms, attention and expert biases, gpt-oss's attention sinks: 0.03% of
+gpt-oss-120b; an MTP block the model class does not build) are not counted; see ``docs/cost_model.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from ....checkpoint.naming import rename_weight
+from ....spec.model import Spec
+from ....structure.model import ModelStructure
+from ....vision.tower import VisionArch
+from .arch import Architecture
+
+# tp: split over tensor-parallel ranks (by heads or width); kv: split by KV heads, which are
+# replicated once TP exceeds them; ep: routed experts over expert-parallel ranks; vocab:
+# vocab-parallel rows (ceil(vocab/tp) per rank); replicated: every device holds all of it.
+Shard = Literal["tp", "kv", "ep", "vocab", "replicated"]
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """One tensor family: the same tensors in each of ``instances`` layers (or once for the model)."""
+
+    name: str  # short label for tables
+    checkpoint_names: tuple[tuple[str, ...], ...]  # per instance, the checkpoint name of each tensor
+    tensor_shapes: tuple[tuple[int, ...], ...]  # shape of each of those tensors in one instance
+    shard: Shard
+    dtype: str  # native dtype: bf16 | fp32
+    linear: bool  # a linear weight that a --quant mode re-formats
+
+    @property
+    def tensor_params(self) -> tuple[int, ...]:
+        """Parameters of each tensor in one instance."""
+        return tuple(math.prod(shape) for shape in self.tensor_shapes)
+
+    @property
+    def per_instance(self) -> int:
+        return sum(self.tensor_params)
+
+    @property
+    def instances(self) -> int:
+        return len(self.checkpoint_names)
+
+    @property
+    def count(self) -> int:
+        return self.per_instance * self.instances
+
+    @property
+    def checkpoint_name(self) -> str:
+        """A representative name: the first tensor of the first instance."""
+        return self.checkpoint_names[0][0]
+
+    def tensors(self) -> Iterator[tuple[str, int]]:
+        """``(checkpoint name, parameters)`` of every tensor of every instance."""
+        for names in self.checkpoint_names:
+            yield from zip(names, self.tensor_params, strict=True)
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        """The shape of the tensor called ``name`` (a checkpoint name of this group)."""
+        return self._shapes[name]
+
+    @functools.cached_property
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        """Checkpoint name -> shape, built once: a search per name was quadratic in the layers (a
+        10,000-layer config took minutes to plan)."""
+        shapes = self.tensor_shapes
+        pairs = (zip(names, shapes, strict=True) for names in self.checkpoint_names)
+        return {name: shape for pair in pairs for name, shape in pair}
+
+
+@dataclass(frozen=True)
+class Naming:
+    """Where the text model's tensors live in the built model, and how the checkpoint renames them."""
+
+    language_model: str
+    layers: str
+    lm_head: str
+    renames: tuple[tuple[str, str], ...]
+    router: str = "gate"  # the MoE block's router attribute (gpt-oss: ``router``; moe.field_renames.gate)
+
+    def checkpoint(self, path: str) -> str:
+        """The checkpoint's name of model tensor ``path`` (the extraction backend's rule)."""
+        return rename_weight(path, self.renames)
+
+
+def naming(spec: Spec) -> Naming:
+    renames = spec.backend_options("extraction").get("weight_renames") or ()
+    paths = spec.module_paths
+    return Naming(
+        paths["language_model"],
+        paths["language_layers"],
+        paths["lm_head"],
+        tuple((r["from"], r["to"]) for r in renames),
+        ((spec.moe or {}).get("field_renames") or {}).get("gate", "gate"),
+    )
+
+
+Tensors = Sequence[tuple[str, tuple[int, ...]]]  # (name inside one layer, shape)
+
+
+def _layers(
+    n: Naming, name: str, layers: Sequence[int], tensors: Tensors, shard: Shard, dtype: str, linear: bool
+) -> ParamGroup:
+    names = tuple(tuple(n.checkpoint(f"{n.layers}.{i}.{suffix}") for suffix, _ in tensors) for i in layers)
+    return ParamGroup(name, names, tuple(shape for _, shape in tensors), shard, dtype, linear)
+
+
+def _model(n: Naming, name: str, path: str, shape: tuple[int, ...], shard: Shard) -> ParamGroup:
+    return ParamGroup(name, ((n.checkpoint(path),),), (shape,), shard, "bf16", False)
+
+
+def _attention(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
+    """Per-layer attention tensors. MLA: q_a/kv_a project to shared latents and are replicated under
+    TP (as vLLM/SGLang do); q_b/kv_b are column-parallel and o_proj row-parallel (split by heads).
+    MHA/GQA/MQA: q and o split by heads; k and v by KV heads (replicated once TP exceeds them)."""
+    a, h = s.attention, s.hidden_size
+    heads = a.num_heads
+    rows: list[tuple[str, Tensors, Shard, bool]] = []
+    if a.is_mla:
+        assert a.kv_lora_rank is not None and a.qk_nope_head_dim is not None
+        if a.q_lora_rank:
+            rows += [
+                ("q_a_proj", [("self_attn.q_a_proj.weight", (a.q_lora_rank, h))], "replicated", True),
+                (
+                    "q_a_layernorm",
+                    [("self_attn.q_a_layernorm.weight", (a.q_lora_rank,))],
+                    "replicated",
+                    False,
+                ),
+                (
+                    "q_b_proj",
+                    [("self_attn.q_b_proj.weight", (heads * a.head_dim, a.q_lora_rank))],
+                    "tp",
+                    True,
+                ),
+            ]
+        else:
+            rows.append(("q_proj", [("self_attn.q_proj.weight", (heads * a.head_dim, h))], "tp", True))
+        latent = a.kv_elements("latent")
+        kv_b = (heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank)
+        rows += [
+            (
+                "kv_a_proj_with_mqa",
+                [("self_attn.kv_a_proj_with_mqa.weight", (latent, h))],
+                "replicated",
+                True,
+            ),
+            ("kv_a_layernorm", [("self_attn.kv_a_layernorm.weight", (a.kv_lora_rank,))], "replicated", False),
+            ("kv_b_proj", [("self_attn.kv_b_proj.weight", kv_b)], "tp", True),
+        ]
+    else:
+        kv = a.num_kv_heads
+        rows += [
+            ("q_proj", [("self_attn.q_proj.weight", (heads * a.head_dim, h))], "tp", True),
+            ("k_proj", [("self_attn.k_proj.weight", (kv * a.head_dim, h))], "kv", True),
+            ("v_proj", [("self_attn.v_proj.weight", (kv * a.v_head_dim, h))], "kv", True),
+        ]
+    norms: Tensors = [("input_layernorm.weight", (h,)), ("post_attention_layernorm.weight", (h,))]
+    rows += [
+        ("o_proj", [("self_attn.o_proj.weight", (h, heads * a.v_head_dim))], "tp", True),
+        ("layer_norms", norms, "replicated", False),
+    ]
+    return rows
+
+
+def _gated_mlp(prefix: str, hidden: int, width: int) -> Tensors:
+    return [
+        (f"{prefix}.gate_proj.weight", (width, hidden)),
+        (f"{prefix}.up_proj.weight", (width, hidden)),
+        (f"{prefix}.down_proj.weight", (hidden, width)),
+    ]
+
+
+def text_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
+    h, vocab = s.hidden_size, s.vocab_size
+    groups = [
+        _model(n, "embed_tokens", f"{n.language_model}.embed_tokens.weight", (vocab, h), "vocab"),
+        _model(n, "final_norm", f"{n.language_model}.norm.weight", (h,), "replicated"),
+    ]
+    if not s.tie_word_embeddings:
+        groups.append(_model(n, "lm_head", f"{n.lm_head}.weight", (vocab, h), "vocab"))
+    every = range(s.num_layers)
+    for name, tensors, shard, linear in _attention(s):
+        groups.append(_layers(n, f"attn.{name}", every, tensors, shard, "bf16", linear))
+    if s.dense_layer_ids:
+        mlp = _gated_mlp("mlp", h, s.intermediate_size)
+        groups.append(_layers(n, "dense_mlp", s.dense_layer_ids, mlp, "tp", "bf16", True))
+    moe, ids = s.moe, s.moe_layer_ids
+    if moe is not None and ids:
+        experts = moe.num_experts
+        # Qwen2-MoE style (one shared expert of its own width, and a sigmoid gate on it) vs
+        # DeepSeek style (n shared experts of the routed width): the config key says which
+        qwen_style = "shared_expert_intermediate_size" in s.keys
+        router: list[tuple[str, tuple[int, ...]]] = [(f"mlp.{n.router}.weight", (experts, h))]
+        if qwen_style and moe.shared_intermediate_size:
+            router.append(("mlp.shared_expert_gate.weight", (1, h)))
+        groups.append(_layers(n, "router", ids, router, "replicated", "bf16", False))
+        if moe.scoring == "sigmoid":  # DeepSeek's noaux_tc correction bias, kept in fp32
+            bias: Tensors = [(f"mlp.{n.router}.e_score_correction_bias", (experts,))]
+            groups.append(_layers(n, "router_bias", ids, bias, "replicated", "fp32", False))
+        if moe.shared_intermediate_size:
+            prefix = "mlp.shared_expert" if qwen_style else "mlp.shared_experts"
+            shared = _gated_mlp(prefix, h, moe.shared_intermediate_size)
+            groups.append(_layers(n, "shared_experts", ids, shared, "tp", "bf16", True))
+        width = moe.expert_intermediate_size
+        routed: Tensors = [  # stacked [experts, out, in], as most transformers MoE classes hold them
+            ("mlp.experts.gate_up_proj", (experts, 2 * width, h)),
+            ("mlp.experts.down_proj", (experts, h, width)),
+        ]
+        groups.append(_layers(n, "routed_experts", ids, routed, "ep", "bf16", True))
+    return groups
+
+
+def _vision(name: str, checkpoint: str, params: int, instances: int = 1) -> ParamGroup:
+    """A vision group, named after its hub-layout tensor (the vision tower is not renamed);
+    ``{i}`` in ``checkpoint`` is the block index. Its tensors are counted as one lump of ``params``,
+    shape ``(params,)``: no storage rule quantizes a 1-D tensor, and no shipped checkpoint quantizes
+    its vision tower."""
+    names = tuple((checkpoint.format(i=i),) for i in range(instances))
+    return ParamGroup(name, names, ((params,),), "replicated", "bf16", False)
+
+
+def vision_groups(v: VisionArch) -> list[ParamGroup]:
+    """MoonViT + patch-merger projector, replicated on every device (small next to the text model)."""
+    h, i = v.hidden, v.intermediate
+    per_layer = 4 * (h * h + h) + (h * i + i) + (i * h + h) + 2 * 2 * h  # qkv+proj, fc1, fc2, 2 LayerNorms
+    merged = v.mm_hidden * v.merge_h * v.merge_w
+    return [
+        _vision(
+            "vision.patch_embed",
+            "vision_tower.patch_embed.proj.weight",
+            v.in_channels * v.patch_size * v.patch_size * h + h,
+        ),
+        _vision(
+            "vision.pos_emb",
+            "vision_tower.patch_embed.pos_emb.weight",
+            v.pos_emb_height * v.pos_emb_width * h,
+        ),
+        _vision("vision.layers", "vision_tower.encoder.blocks.{i}.wqkv.weight", per_layer, v.num_layers),
+        _vision("vision.final_norm", "vision_tower.encoder.final_layernorm.weight", 2 * h),
+        _vision(
+            "projector",
+            "mm_projector.proj.0.weight",
+            2 * v.mm_hidden + (merged * merged + merged) + (merged * v.text_hidden + v.text_hidden),
+        ),
+    ]
+
+
+def param_groups(arch: Architecture, n: Naming) -> list[ParamGroup]:
+    groups = text_groups(arch.structure, n)
+    if arch.vision is not None:
+        groups += vision_groups(arch.vision)
+    return groups

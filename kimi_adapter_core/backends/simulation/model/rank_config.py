@@ -1,0 +1,152 @@
+"""The per-rank config of the text model: which decoder layers are built, and the sizes of one rank.
+
+Tracing every layer of a huge model for every ``simulate`` call is slow and pointless: the layers of
+one kind are identical. So the per-rank model keeps the layers up to the first of each MLP kind
+(``layer_kinds``, ``built_layers``), each traced layer standing for its kind, and its text
+sub-config is resized to ONE rank (``rank_overrides``: query and KV heads, dense and shared-expert
+widths, vocab over TP). The per-rank sizes are written under the config keys the structure read
+each fact from (``structure.keys``), so no family's key names are assumed; ``check_sizes`` refuses
+a config bridge that undoes one and notes one that changes a traced size.
+
+Separate from ``rank_model`` because it is config arithmetic (torch-free) that the vision trace
+(``estimate/vision``) applies to its own build too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ....errors import KadaptError
+from ....spec.model import Spec
+from ....structure.model import ModelStructure
+from .deployment import Deployment
+from .parallel import heads_per_rank, kv_heads_per_rank
+
+BACKEND = "simulation"
+
+# Structural facts the traced modules take from the built (bridged) config while the routed-expert
+# kernel, the memory figures and ``kadapt plan`` take them from the raw config (the structure).
+_TRACED_FACTS = (
+    "hidden_size",
+    "head_dim",
+    "v_head_dim",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "intermediate_size",
+    "expert_intermediate_size",
+    "num_experts",
+    "top_k",
+    "first_dense_layers",
+    "dense_layer_list",
+    "moe_layer_step",
+    "sliding_window",
+)
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """The decoder layers of one MLP kind, traced once (at the first of them)."""
+
+    kind: str  # dense | moe
+    layers: tuple[int, ...]  # indices in the full model
+    windows: tuple[int | None, ...]  # each one's sliding window (None: full attention)
+
+    @property
+    def index(self) -> int:
+        return self.layers[0]
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}_layer"
+
+
+def layer_kinds(s: ModelStructure) -> list[LayerKind]:
+    """One entry per MLP kind present, in the order their first layers appear."""
+    kinds: dict[str, list[int]] = {}
+    for layer in s.layers:
+        kinds.setdefault(layer.mlp, []).append(layer.index)
+    return [
+        LayerKind(kind, tuple(ids), tuple(s.layers[i].window for i in ids))
+        for kind, ids in sorted(kinds.items(), key=lambda item: item[1][0])
+    ]
+
+
+def built_layers(s: ModelStructure) -> int:
+    """Layers the per-rank model keeps: up to the first layer of the last kind to appear."""
+    return max(kind.index for kind in layer_kinds(s)) + 1
+
+
+def rank_overrides(
+    key: str | None, s: ModelStructure, dep: Deployment, text: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Dotted overrides (applied before the spec's bridges) that resize the text sub-config to one rank,
+    written under the keys the structure read each fact from: per-rank query and KV heads (an explicit
+    head width, which would otherwise follow hidden / heads), dense and shared-expert widths / TP,
+    vocab / TP, and the layers up to the first of each kind. Routed experts stay whole (the router is
+    replicated; the experts themselves are priced analytically). Token ids are cleared: they lie
+    outside the per-rank vocab."""
+    tp, a, k = dep.parallel.tp, s.attention, s.keys
+    layers = built_layers(s)
+    sizes: dict[str, Any] = {
+        k["num_heads"]: heads_per_rank(a, tp),
+        k["num_layers"]: layers,
+        k["vocab_size"]: math.ceil(s.vocab_size / tp),
+    }
+    if "num_kv_heads" in k:
+        sizes[k["num_kv_heads"]] = kv_heads_per_rank(a, tp)
+    if not a.is_mla:
+        sizes[k.get("head_dim", "head_dim")] = a.head_dim
+    if s.dense_layer_ids and "intermediate_size" in k:
+        sizes[k["intermediate_size"]] = s.intermediate_size // tp
+    moe = s.moe
+    if moe is not None and moe.shared_intermediate_size:
+        if "shared_expert_intermediate_size" in k:  # one shared expert of its own width
+            sizes[k["shared_expert_intermediate_size"]] = moe.shared_intermediate_size // tp
+        else:  # n shared experts of the routed width: one of the per-rank total width
+            sizes[k.get("num_shared_experts", "n_shared_experts")] = 1
+            width_key = k.get("expert_intermediate_size") or k["intermediate_size"]
+            sizes[width_key] = max(1, moe.shared_intermediate_size // tp)
+    if "layer_types" in k and isinstance(text.get(k["layer_types"]), list):
+        sizes[k["layer_types"]] = list(text[k["layer_types"]][:layers])
+    sizes.update({name: None for name in _TOKEN_IDS if name in text})
+    prefix = f"{key}." if key else ""
+    return {prefix + name: value for name, value in sizes.items()}
+
+
+def check_sizes(
+    spec: Spec,
+    key: str | None,
+    text: Any,
+    raw_text: Mapping[str, Any],
+    overrides: dict[str, Any],
+    s: ModelStructure,
+) -> list[str]:
+    """A bridge may not undo a per-rank size; one that changes a traced size is reported."""
+    for path, wanted in overrides.items():
+        got = getattr(text, path.rpartition(".")[2], wanted)
+        if wanted is not None and got != wanted:
+            raise KadaptError(
+                f"a config bridge for backend {BACKEND} sets {path} = {got!r} over the per-rank value "
+                f"{wanted!r} simulate derives from the deployment",
+                location=spec.locate("config_bridges"),
+            )
+    notes = []
+    prefix = f"{key}." if key else ""
+    resized = {path.rpartition(".")[2] for path in overrides}
+    for fact in _TRACED_FACTS:
+        name = s.keys.get(fact)
+        if name is None or name in resized or name not in raw_text:
+            continue
+        raw, got = raw_text[name], getattr(text, name, raw_text[name])
+        if got != raw:
+            notes.append(
+                f"config bridges change {prefix}{name} from {raw} to {got}: the traced modules use {got}; "
+                f"the routed-expert kernel, the memory figures and `kadapt plan` use the raw config's {raw}"
+            )
+    return notes

@@ -1,0 +1,368 @@
+"""Build the per-rank text model through the spec on the meta device and trace one step of it.
+
+Tracing every layer of a huge model for every ``simulate`` call is slow and pointless: the layers
+of one kind are identical. So this builds the spec's own model - ``applied(spec)`` for backend
+``simulation`` (shims, bridges, gated patches), ``load_config`` with the text sub-config resized to
+ONE rank, then ``load_model`` on meta - and takes from it what one step runs: the embedding, the
+rotary embedding, the first decoder layer of each MLP kind in the model (dense and/or MoE, from the
+``ModelStructure``; ``module_paths.language_layers``), the final norm and the lm_head. They run at
+the deployment's shapes under a ``Recorder`` that tags each layer's ops with the number of layers
+of its kind. The per-rank sizes and the layers kept are ``rank_config``'s.
+
+The kernels a serving runtime runs replace the eager Hugging Face code (``serving_kernels``): the
+attention core (``AttentionKernel`` behind transformers' attention interface for MHA/GQA/MQA, the
+spec's ``mla.attention_class`` swapped for ``RankMLA``) and the routed experts (the
+``moe.experts_class`` module, else the one holding the stacked expert weights, swapped for
+``RoutedExperts``). The collectives around them are recorded here: 2 TP all-reduces per layer,
+vocab-parallel embedding all-reduce and logits all-gather (EP dispatch + combine are the routed
+experts' own).
+
+``RankModel`` keeps the built model: what a step changes (recorder, deployment, weight formats) is
+bound per trace, so a sweep builds it once per TP size and traces it at every shape and weight mode.
+
+The whole model is built, a vision tower included (at its shipped size: ~0.1 s on meta), because
+that is what ``load_model`` builds for the spec: the model class, remote code rules, the gate claim
+and ``module_paths`` then all work exactly as for ``kadapt apply``, with no second code path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .... import upstream
+from ....checkpoint.dtypes import cast_to_abi_dtype
+from ....errors import KadaptError
+from ....loading import applied, load_config, load_model, submodule
+from ....spec.model import Spec
+from ....structure.model import ModelStructure
+from ....structure.of_spec import text_config_key
+from .arch import read_config
+from .deployment import Deployment
+from .inputs import ModelInputs
+from .parallel import Parallel
+from .quant import NATIVE
+from .rank_config import BACKEND, LayerKind, check_sizes, layer_kinds, rank_overrides
+from .serving_kernels import AttentionKernel, RankMLA, RoutedExperts
+from .tracer import Recorder
+
+ATTENTION_IMPLEMENTATION = "kadapt_simulation"  # registered with transformers while a trace runs
+
+
+def _find(
+    spec: Spec, root: nn.Module, where: str, section: str, key: str, name: str
+) -> list[tuple[str, nn.Module]]:
+    """Every module under ``root`` whose class is named ``name`` (non-empty, or a located error)."""
+    found = [(path, m) for path, m in root.named_modules() if path and type(m).__name__ == name]
+    if not found:
+        seen = ", ".join(sorted({type(m).__name__ for m in root.modules()}))
+        raise KadaptError(
+            f"{section}.{key} = {name!r} matches no module in {where} of the model built for spec "
+            f"{spec.name}; the classes there are: {seen}",
+            location=spec.locate(f"{section}.{key}"),
+        )
+    return found
+
+
+def _stacked_experts(root: nn.Module, experts: int) -> list[tuple[str, nn.Module]]:
+    """Modules holding stacked expert weights (``[num_experts, out, in]`` parameters of their own)."""
+    return [
+        (path, m)
+        for path, m in root.named_modules()
+        if path and any(p.dim() == 3 and p.shape[0] == experts for p in m.parameters(recurse=False))
+    ]
+
+
+def _swap(root: nn.Module, path: str, new: nn.Module) -> None:
+    parent, _, child = path.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, new)
+
+
+@dataclass
+class TracedLayer:
+    kind: LayerKind
+    module: nn.Module
+    rope_type: str | None = None  # its layer type, for a rotary embedding that takes one (Gemma-3)
+
+
+@dataclass
+class RankParts:
+    """What one step of the per-rank model runs, taken from the model built for the spec."""
+
+    embed_tokens: nn.Module
+    rotary: nn.Module
+    layers: list[TracedLayer]  # the first layer of each kind, in model order
+    norm: nn.Module
+    lm_head: nn.Module
+    eh_proj: nn.Module | None
+    attention: list[RankMLA] = field(default_factory=list)  # the swapped MLA modules
+    experts: list[RoutedExperts] = field(default_factory=list)  # the swapped routed experts
+    configs: list[Any] = field(default_factory=list)  # configs of the traced layers' attention
+    names: dict[int, str] = field(default_factory=dict)  # id(parameter) -> its name in the built model
+
+    def layer(self, kind: str) -> nn.Module | None:
+        return next((t.module for t in self.layers if t.kind.kind == kind), None)
+
+    def named(self) -> Iterator[tuple[str, nn.Module]]:
+        """The parts under the names the op table uses (``moe_layer.self_attn.q_a_proj``, ...)."""
+        yield "embed_tokens", self.embed_tokens
+        yield "rotary", self.rotary
+        for traced in self.layers:
+            yield traced.kind.name, traced.module
+        yield "norm", self.norm
+        yield "lm_head", self.lm_head
+        if self.eh_proj is not None:
+            yield "eh_proj", self.eh_proj
+
+    def bind(self, rec: Recorder, dep: Deployment, inputs: ModelInputs) -> None:
+        """Point the swapped serving kernels at ``rec`` and ``dep`` and tag every weight with the format
+        ``inputs`` gives its checkpoint name (the weight mode): the next forward records one step of
+        ``dep`` in that mode. Nothing of the built model changes, so it can be bound again."""
+        if self.experts:
+            routed = next(g for g in inputs.groups if g.name == "routed_experts")
+            fmt = inputs.policy(routed, routed.checkpoint_name)
+            for experts in self.experts:
+                experts.bind(rec, dep, fmt)
+        for mla in self.attention:
+            mla.bind(rec, dep)
+        group_of = inputs.group_of()
+        for _, part in self.named():
+            for param in part.parameters():
+                checkpoint = inputs.naming.checkpoint(self.names.get(id(param), ""))
+                group = group_of.get(checkpoint)
+                rec.mark_weight(param, inputs.policy(group, checkpoint) if group else NATIVE["bf16"])
+
+
+def _child(spec: Spec, lm: nn.Module, name: str) -> nn.Module:
+    module = getattr(lm, name, None)
+    if not isinstance(module, nn.Module):
+        raise KadaptError(
+            f"module_paths.language_model ({spec.module_paths['language_model']}) of spec {spec.name} has "
+            f"no {name!r} submodule; simulate calls the text model's embed_tokens, rotary_emb and norm",
+            location=spec.locate("module_paths.language_model"),
+        )
+    return module
+
+
+def _experts_of(spec: Spec, layer: nn.Module, where: str, s: ModelStructure) -> list[tuple[nn.Module, str]]:
+    """(parent, path) of every routed-experts module in an MoE layer: inside the spec's
+    ``moe.moe_class`` blocks, of class ``moe.experts_class`` when the spec names one, else the
+    modules holding the stacked ``[num_experts, ...]`` expert weights."""
+    assert s.moe is not None
+    moe = spec.moe or {}
+    roots = (
+        _find(spec, layer, where, "moe", "moe_class", moe["moe_class"])
+        if moe.get("moe_class")
+        else [("", layer)]
+    )
+    found: list[tuple[nn.Module, str]] = []
+    for _, root in roots:
+        if moe.get("experts_class"):
+            matches = _find(spec, root, where, "moe", "experts_class", moe["experts_class"])
+        else:
+            matches = _stacked_experts(root, s.moe.num_experts)
+            if not matches:
+                lists = [
+                    type(m).__name__
+                    for m in root.modules()
+                    if isinstance(m, nn.ModuleList) and len(m) == s.moe.num_experts
+                ]
+                detail = " (its experts are a per-expert module list)" if lists else ""
+                raise KadaptError(
+                    f"no module in {where} of the model built for spec {spec.name} holds the "
+                    f"{s.moe.num_experts} routed experts as stacked weights{detail}; simulate prices an "
+                    "experts module called as transformers' (hidden_states, top_k_index, top_k_weights): "
+                    "name its class under moe.experts_class",
+                    location=spec.locate("moe" if spec.moe else "metadata"),
+                )
+        found += [(root, path) for path, _ in matches]
+    return found
+
+
+def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts, list[str]]:
+    """Build the per-rank model for ``spec`` at ``dep``'s TP size (with an MTP block if it drafts) on
+    meta and swap in the serving kernels (bound to nothing yet: ``RankParts.bind``). Must run inside
+    ``applied(spec, backend="simulation")``."""
+    s = inputs.arch.structure
+    raw = read_config(spec)
+    key = text_config_key(spec, isinstance(raw.get("text_config"), dict))
+    raw_text = raw[key] if key else raw
+    overrides = rank_overrides(key, s, dep, raw_text)
+    config = load_config(spec, backend=BACKEND, overrides=overrides)
+    notes = check_sizes(spec, key, getattr(config, key) if key else config, raw_text, overrides, s)
+    model = load_model(spec, device="meta", config=config)
+    lm = submodule(model, spec, "language_model")
+    layers = submodule(model, spec, "language_layers")
+    lm_head = submodule(model, spec, "lm_head")
+    layers_path = spec.module_paths["language_layers"]
+    kinds = layer_kinds(s)
+    rope_types = upstream.rope_layer_types(lm)
+    parts = RankParts(
+        lm.get_input_embeddings(),
+        _child(spec, lm, "rotary_emb"),
+        [TracedLayer(kind, layers[kind.index], rope_types and rope_types[kind.index]) for kind in kinds],
+        _child(spec, lm, "norm"),
+        lm_head,
+        nn.Linear(2 * s.hidden_size, s.hidden_size, bias=False) if dep.mtp else None,
+    )
+    # bf16 as a checkpoint loads: fp32 where transformers keeps it (the router's correction bias);
+    # computed buffers (rotary inv_freq) keep their dtype
+    cast_to_abi_dtype(model, [part for _, part in parts.named()], torch.bfloat16)
+    parts.names = {id(t): n for n, t in model.named_parameters()}  # before any swap: the model's own names
+
+    unbound = Recorder()  # every swapped kernel is bound to the trace's recorder before it runs
+    for traced in parts.layers:
+        where = f"{layers_path}.{traced.kind.index}"
+        if traced.kind.kind == "moe":
+            experts = RoutedExperts(s, unbound, _UNBOUND, NATIVE["bf16"])
+            for root, path in _experts_of(spec, traced.module, where, s):
+                _swap(root, path, experts)
+            parts.experts.append(experts)
+        if s.attention.is_mla:
+            attention_class = (spec.mla or {}).get("attention_class")
+            if not attention_class:
+                raise KadaptError(
+                    f"spec {spec.name} has no mla.attention_class: simulate swaps the MLA attention module "
+                    "for its serving kernel and finds it by the class name the spec declares",
+                    location=spec.locate("mla" if spec.mla else "metadata"),
+                )
+            for path, inner in _find(spec, traced.module, where, "mla", "attention_class", attention_class):
+                mla = RankMLA(inner, unbound, _UNBOUND, traced.kind)
+                _swap(traced.module, path, mla)
+                parts.attention.append(mla)
+        else:
+            configs = {id(m.config): m.config for m in traced.module.modules() if hasattr(m, "config")}
+            parts.configs += [c for c in configs.values() if hasattr(c, "_attn_implementation")]
+    return parts, notes
+
+
+_UNBOUND = Deployment(Parallel(), 1, 1, 0, True)  # placeholder shapes until a trace binds its own
+
+
+def build_rank(
+    spec: Spec, inputs: ModelInputs, dep: Deployment, rec: Recorder
+) -> tuple[RankParts, list[str]]:
+    """Build the per-rank model for ``spec`` on meta, swap in the serving kernels and bind them to
+    ``rec`` and ``dep``. Must run inside ``applied(spec, backend="simulation")``."""
+    parts, notes = _build(spec, inputs, dep)
+    parts.bind(rec, dep, inputs)
+    return parts, notes
+
+
+class RankModel:
+    """The per-rank model of ``spec`` at one TP size, built once and traced at any batch, context,
+    phase and weight mode (a sweep traces it dozens of times; building is about half of a trace).
+
+    What a step changes is bound per trace (``RankParts.bind``: the recorder, the deployment, the
+    weight formats) and the hooks a trace registers are removed after it, so a trace on a reused
+    model records exactly what a trace on a fresh one does (``tests/test_sweep.py``)."""
+
+    def __init__(self, spec: Spec, inputs: ModelInputs, dep: Deployment) -> None:
+        self.spec, self.tp, self.mtp = spec, dep.parallel.tp, bool(dep.mtp)
+        self.s = inputs.arch.structure
+        with applied(spec, backend=BACKEND), torch.device("meta"):
+            self.parts, self.notes = _build(spec, inputs, dep)
+
+    def serves(self, dep: Deployment) -> bool:
+        return dep.parallel.tp == self.tp and bool(dep.mtp) == self.mtp
+
+    def trace(self, inputs: ModelInputs, dep: Deployment) -> Recorder:
+        """Run one step of ``dep`` with the weights in ``inputs``' formats; the recorder holds every op."""
+        if not self.serves(dep):
+            raise KadaptError(f"the per-rank model for TP {self.tp} cannot trace TP {dep.parallel.tp}")
+        s, model, rec, par = self.s, self.parts, Recorder(), dep.parallel
+        with applied(self.spec, backend=BACKEND), torch.device("meta"):
+            model.bind(rec, dep, inputs)
+            b, q = dep.batch_per_rank, dep.tokens_per_query
+            input_ids = torch.zeros(b, q, dtype=torch.long)
+            positions = torch.arange(dep.context_len, dep.context_len + q).unsqueeze(0).expand(b, q)
+            hidden_bytes = b * q * s.hidden_size * 2
+            _all_reduce = {"collective": "all_reduce", "bytes": hidden_bytes, "group": par.tp}
+
+            def tp_all_reduces(_module: nn.Module, _args: Any, _out: Any) -> None:
+                for _ in range(2):  # after the attention's o_proj and after the MLP's down projection
+                    rec.analytic("tp_all_reduce", "comm", comm=_all_reduce)
+
+            handles = []
+            if par.tp > 1:  # registered before the recorder's hooks: recorded under the layer's name
+                handles += [t.module.register_forward_hook(tp_all_reduces) for t in model.layers]
+            for name, part in model.named():
+                handles += rec.hook(part, name)
+            kinds = {id(m): t.kind for t in model.layers for m in t.module.modules()}
+            kernel = AttentionKernel(rec, dep, s, kinds)
+            try:
+                with (
+                    upstream.attention_kernel(ATTENTION_IMPLEMENTATION, kernel, model.configs),
+                    rec,
+                    torch.no_grad(),
+                ):
+                    _step(model, rec, dep, s, input_ids, positions, _all_reduce)
+            finally:
+                for handle in handles:
+                    handle.remove()
+        if not s.attention.is_mla:
+            missed = [t.kind.name for t in model.layers if t.kind.name not in kernel.called]
+            if missed:
+                raise KadaptError(
+                    f"the attention of {', '.join(missed)} never called transformers' attention interface "
+                    f"(config._attn_implementation); simulate prices {s.attention.kind.upper()} attention "
+                    "through it and cannot price this model's attention"
+                )
+        return rec
+
+
+def _step(
+    model: RankParts,
+    rec: Recorder,
+    dep: Deployment,
+    s: ModelStructure,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    all_reduce: dict[str, Any],
+) -> None:
+    """One step: embedding, the traced layers (each standing for its kind), the last norm and logits,
+    and the MTP drafts."""
+    par, vocab = dep.parallel, s.vocab_size
+    hidden = model.embed_tokens(input_ids)
+    if par.tp > 1:
+        rec.analytic("tp_all_reduce(vocab_parallel_embedding)", "comm", comm=all_reduce)
+    # one (cos, sin) per rotary kind the traced layers use (Gemma-3: local and global frequencies)
+    rope = {
+        t: model.rotary(hidden, positions, *([t] if t else []))
+        for t in dict.fromkeys(traced.rope_type for traced in model.layers)
+    }
+    for traced in model.layers:
+        with rec.scope(traced.kind.kind, len(traced.kind.layers)):
+            hidden = traced.module(hidden, position_embeddings=rope[traced.rope_type])
+    last = model.norm(hidden if dep.decode else hidden[:, -1:, :])  # prefill: last token's logits
+    _logits(model, rec, last, par.tp, vocab)
+    if dep.mtp and model.eh_proj is not None:
+        block = model.layers[-1].module  # the kind of the model's last layer
+        with rec.scope("mtp", dep.mtp):  # one DeepSeek-style MTP block per drafted token
+            draft_in = hidden[:, -1:, :]
+            draft = model.eh_proj(torch.cat([draft_in, model.embed_tokens(input_ids[:, -1:])], dim=-1))
+            cos, sin = rope[model.layers[-1].rope_type]
+            draft = block(draft, position_embeddings=(cos[:, -1:], sin[:, -1:]))
+            _logits(model, rec, model.norm(draft), par.tp, vocab)
+
+
+def trace_rank(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[Recorder, list[str]]:
+    """Build the per-rank model and run one step of it on meta; the recorder holds every op."""
+    with applied(spec, backend=BACKEND):  # one session for the build and the trace
+        model = RankModel(spec, inputs, dep)
+        return model.trace(inputs, dep), list(model.notes)
+
+
+def _logits(model: RankParts, rec: Recorder, hidden: torch.Tensor, tp: int, vocab: int) -> None:
+    model.lm_head(hidden)
+    if tp > 1:
+        tokens = hidden.shape[0] * hidden.shape[1]
+        rec.analytic(
+            "tp_all_gather(logits)",
+            "comm",
+            comm={"collective": "all_gather", "bytes": tokens * vocab * 2, "group": tp},
+        )

@@ -1,0 +1,279 @@
+"""Whole requests priced from step kernels: the workload, and one deployment's TTFT, TPOT and rate.
+
+A request is an ISL-token prompt (prefill) and OSL output tokens (decode). Each candidate deployment
+is priced from the step sweep's kernels in one of two serving modes:
+
+- **aggregated** (chunked prefill, as TensorRT-LLM, SGLang and vLLM schedule by default): one pool
+  of workers (each a TP x DP layout of ``w`` devices, replicated ``devices // w`` times) serves both
+  phases. Each step of a DP group carries its ``r = batch / dp`` decoding requests and, in a *mixed*
+  step, a chunk of ``c`` prompt tokens; ``c`` is the framework's per-step token budget less the decode
+  rows when they count against it (``frameworks.yaml`` ``step_tokens``; budgets of 512 tokens up to
+  the framework's default cap are tried, a smaller budget trading TTFT for TPOT). A mixed step is
+  priced as one forward pass, the weights read once for decode and prompt rows: the row kernels
+  (projections, experts and their all-to-all, norms) of a prefill-path step over ``r x (1 + mtp) + c``
+  one-token rows, plus the decode step's per-request kernels (attention over each context, logits,
+  MTP drafts), plus ``c / ISL`` of one whole prompt's attention. In steady state ``r`` requests
+  finish per cycle of ``n = (OSL - 1) / (1 + mtp x acceptance)`` decode steps per request, ``m = r x
+  ISL / c`` of the steps mixed (all of them when ``m > n``): ``cycle = m x t_mix + max(n - m, 0) x
+  t_decode``; a request's decode steps hold the other ``r - 1`` requests' chunks, so ``TPOT = (k x
+  t_mix + (n - k) x t_decode) / (OSL - 1)`` with ``k = min(m - ISL / c, n)`` mixed steps among them;
+  ``TTFT = ceil(ISL / c) x t_mix + half a mean step`` (waiting for the step in flight). The prompts
+  being prefilled (about ``c / ISL + 1`` per group) come on top of the ``r`` decoding requests and
+  their KV cache is not counted.
+- **disaggregated** (xPyD): ``x`` prefill workers and ``y`` decode workers, each pool with its own
+  layout. A prefill worker runs ``k`` requests per DP group per step (``TTFT = t_prefill(k)``; the
+  fastest option meeting the TTFT target per worker size), a decode worker ``batch`` requests
+  (``TPOT = t_decode / (1 + mtp x acceptance)``); ``x`` and ``y`` are sized so that ``x`` prefill
+  and ``y`` decode workers fit in the devices and the slower pool sets the request rate as high as it
+  goes: ``min(x x prefill rate, y x decode rate)``. The KV-cache transfer between pools is not priced.
+
+Queueing is not modelled in either mode: TTFT is that of a lightly loaded server. AIConfigurator
+0.12 multiplies its aggregated TTFT by ``min(2 + (steps to prefill the batch - 3) / 20, 4)``
+(TensorRT-LLM and SGLang; vLLM: ``1 + log2(b) / 8``, calibrated), which its source calls a legacy
+heuristic; it also leaves 3 mixed steps out of TensorRT-LLM's and SGLang's TPOT (an empirical
+"pipeline drain" correction) and prefills whole prompts per step unless asked to chunk. None of
+these is applied here.
+
+tokens/s per device = request rate x OSL / devices used; tokens/s per user = 1 / TPOT.
+
+Separate from ``serving``, which enumerates the workers and layouts to try and keeps the result:
+this module is the serving-mode arithmetic for one decode (and prefill) worker.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ....errors import UsageError
+from ..estimate.cost import Priced
+from ..estimate.planner import Memory
+from ..model.tracer import Op
+from .grid import Config, Point
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Requests of ``isl`` prompt and ``osl`` output tokens; SLA targets in seconds (None: no target)."""
+
+    isl: int
+    osl: int
+    ttft: float | None = None
+    tpot: float | None = None
+
+    def check(self, max_positions: int) -> None:
+        if self.isl < 1:
+            raise UsageError(f"--isl must be >= 1 (got {self.isl})")
+        if self.osl < 2:
+            raise UsageError(f"--osl must be >= 2 (got {self.osl}): a request's TPOT needs a second token")
+        for name, value in (("--ttft", self.ttft), ("--tpot", self.tpot)):
+            if value is not None and value <= 0:
+                raise UsageError(f"{name} must be > 0 ms (got {value * 1e3:g})")
+        if self.isl + self.osl > max_positions:
+            raise UsageError(
+                f"--isl {self.isl} + --osl {self.osl} exceeds the model's max_position_embeddings "
+                f"{max_positions}"
+            )
+
+    def meets(self, ttft: float, tpot: float) -> bool:
+        return (self.ttft is None or ttft <= self.ttft) and (self.tpot is None or tpot <= self.tpot)
+
+
+# --- one priced deployment ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Candidate:
+    """One way to serve the workload on the devices: a pool (aggregated) or two (disaggregated)."""
+
+    mode: str  # agg | disagg
+    decode: Point  # the decode step of a decode (agg: the only) worker
+    prefill: Point  # the prefill step of a prefill (agg: the same) worker
+    decode_workers: int  # agg: replicas of the one worker
+    prefill_workers: int  # 0 for agg: the decode workers prefill
+    ttft: float  # seconds
+    tpot: float  # seconds
+    requests_per_s: float
+    osl: int
+    memory: Memory  # per device of the decode (agg: the only) worker
+    meets_sla: bool
+    chunk: int = 0  # agg: prompt tokens per DP group a mixed step carries beside the decode batch
+    mixed_step_time: float = 0.0  # agg: seconds of a mixed step (the longest gap between two tokens)
+
+    @property
+    def quant(self) -> str | None:
+        return self.decode.config.quant
+
+    @property
+    def devices(self) -> int:
+        """Devices the pools use."""
+        return (
+            self.decode_workers * self.decode.config.parallel.devices
+            + self.prefill_workers * self.prefill.config.parallel.devices
+        )
+
+    @property
+    def fits(self) -> bool:
+        fits = self.memory.free is None or self.memory.free >= 0
+        return fits and (self.mode == "agg" or self.prefill.fits)  # agg: the chunk's rows are in memory
+
+    @property
+    def feasible(self) -> bool:
+        return self.fits and self.meets_sla
+
+    @property
+    def tokens_per_s_per_device(self) -> float:
+        return self.requests_per_s * self.osl / self.devices
+
+    @property
+    def tokens_per_s_per_user(self) -> float:
+        return 1 / self.tpot
+
+    @property
+    def layout(self) -> str:
+        d = self.decode.config
+        if self.mode == "agg":
+            replicas = f" x{self.decode_workers}" if self.decode_workers > 1 else ""
+            return f"{d.layout}{replicas} b{d.batch} chunk {self.chunk}"
+        p = self.prefill.config
+        return (
+            f"{self.prefill_workers}P({p.layout} b{p.batch}) + {self.decode_workers}D({d.layout} b{d.batch})"
+        )
+
+    @property
+    def tag(self) -> str:
+        """The layout, short enough to print beside a plotted point (sizes of 1 left out)."""
+        d = _short(self.decode.config)
+        if self.mode == "agg":
+            d = f"{d} c{self.chunk}"
+            return d if self.decode_workers == 1 else f"{d} x{self.decode_workers}"
+        return f"{self.prefill_workers}P {_short(self.prefill.config)} + {self.decode_workers}D {d}"
+
+
+def _short(config: Config) -> str:
+    p = config.parallel
+    sizes = [f"{name}{n}" for name, n in (("tp", p.tp), ("dp", p.dp), ("ep", p.ep)) if n > 1]
+    return " ".join([*sizes, f"b{config.batch}"])
+
+
+def follows_requests(op: Op) -> bool:
+    """Whether a kernel's work follows the step's requests rather than its rows: attention (over each
+    request's own context), the logits (a row per decoding request, one per finished prompt) and the
+    MTP drafts (decoding requests only). Every other kernel (projections, experts, their
+    communication, norms) runs once over all the rows the step feeds, whichever request they are.
+    The markers are the names ``rank_model`` records for every model (``lm_head``, ``...(logits)``,
+    the ``mtp`` scope)."""
+    return (
+        op.kind == "attention" or op.module == "lm_head" or op.name.endswith("(logits)") or op.scope == "mtp"
+    )
+
+
+def rows_and_requests(kernels: Iterable[Priced]) -> tuple[float, float]:
+    """A step's time split into its row kernels and its per-request kernels (``follows_requests``).
+
+    A kernel that carries a whole measured module (``cost.fold_modules``: vLLM's MLA decode) splits
+    too: the module's floor (its projections, norms, launches) is row work, the rest per request; so a
+    mixed step does not count the decode rows' projections twice (once in the module, once in the
+    rows step, which prices them on their own)."""
+    rows = requests = 0.0
+    for k in kernels:
+        if follows_requests(k.op):
+            module = k.module_time * k.op.repeat
+            requests += k.total - module
+            rows += module
+        else:
+            rows += k.total
+    return rows, requests
+
+
+def prompt_attention(kernels: Iterable[Priced]) -> float:
+    """The attention time of a prefill step (its ``attention`` kernels)."""
+    return sum(k.total for k in kernels if k.op.kind == "attention")
+
+
+def mixed_step(
+    rows_step: Iterable[Priced], decode_step: Iterable[Priced], attention: float, share: float
+) -> float:
+    """One forward pass carrying a DP group's decode batch and a chunk of prompt tokens, priced as one
+    pass (the weights read once for both): the row kernels of ``rows_step``, a prefill-path step over
+    all the pass's rows (decode tokens plus the chunk: frameworks run a pass holding prompt tokens on
+    their prefill path, e.g. its all-to-all mode), the decode batch's per-request kernels
+    (``decode_step``), and the chunk's ``share`` (chunk / ISL) of one whole prompt's ``attention``
+    (causal attention over a prompt does the same work in chunks as in one step)."""
+    return rows_and_requests(rows_step)[0] + rows_and_requests(decode_step)[1] + attention * share
+
+
+def aggregated(
+    decode: Point,
+    prefill: Point,
+    t_mix: float,
+    chunk: int,
+    memory: Memory,
+    workload: Workload,
+    mtp_tokens: float,
+    devices: int,
+) -> Candidate:
+    """One worker serving both phases with chunked prefill (see the module docstring), replicated
+    over the devices. Per DP group, ``r`` requests finish per cycle: ``n`` decode steps each, their
+    ``r x ISL`` prompt tokens carried by ``m = r x ISL / chunk`` of the steps (mixed, ``t_mix``); a
+    request's decode steps hold the other ``r - 1`` requests' chunks, never its own."""
+    par, batch = decode.config.parallel, decode.config.batch
+    n = (workload.osl - 1) / mtp_tokens  # decode steps per request
+    per_prompt = workload.isl / chunk  # mixed steps one prompt's tokens take
+    m = batch / par.dp * per_prompt  # mixed steps per cycle
+    t_dec = decode.step_time
+    cycle = m * t_mix + max(n - m, 0) * t_dec
+    seen = min(max(m - per_prompt, 0), n)  # mixed steps among a request's n decode steps
+    tpot = (seen * t_mix + (n - seen) * t_dec) / n / mtp_tokens
+    ttft = math.ceil(per_prompt) * t_mix + cycle / max(n, m) / 2
+    replicas = devices // par.devices
+    return Candidate(
+        "agg",
+        decode,
+        prefill,
+        replicas,
+        0,
+        ttft,
+        tpot,
+        replicas * batch / cycle,
+        workload.osl,
+        memory,
+        workload.meets(ttft, tpot),
+        chunk,
+        t_mix,
+    )
+
+
+def disaggregated(
+    decode: Point, prefill: Point, workload: Workload, mtp_tokens: float, devices: int
+) -> Candidate | None:
+    """The best xPyD pools of these two workers within ``devices``: the (x, y) with the highest
+    tokens/s per device (ties: fewer devices), or None when one of each does not fit."""
+    nd, np_ = decode.config.parallel.devices, prefill.config.parallel.devices
+    steps = (workload.osl - 1) / mtp_tokens
+    decode_rate = decode.config.batch / (steps * decode.step_time)  # requests/s one decode worker ends
+    prefill_rate = prefill.config.batch / prefill.step_time  # requests/s one prefill worker starts
+    best: tuple[float, int, int, int] | None = None
+    for x in range(1, (devices - nd) // np_ + 1):
+        for y in range(1, (devices - x * np_) // nd + 1):
+            used = x * np_ + y * nd
+            rate = min(x * prefill_rate, y * decode_rate)
+            key = (rate / used, -used, x, y)
+            if best is None or key[:2] > best[:2]:
+                best = key
+    if best is None:
+        return None
+    _, _, x, y = best
+    ttft, tpot = prefill.step_time, decode.step_time / mtp_tokens
+    return Candidate(
+        "disagg",
+        decode,
+        prefill,
+        y,
+        x,
+        ttft,
+        tpot,
+        min(x * prefill_rate, y * decode_rate),
+        workload.osl,
+        decode.memory,
+        workload.meets(ttft, tpot),
+    )

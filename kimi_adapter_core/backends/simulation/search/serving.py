@@ -1,0 +1,300 @@
+"""Request-level search: ``kadapt simulate --sweep --isl N --osl M [--ttft MS --tpot MS]``.
+
+A step-level sweep prices one decode (or prefill) step per layout. A deployment is chosen for
+requests: an ISL-token prompt (prefill) and OSL output tokens (decode), against a time-to-first-token
+(TTFT) and a time-per-output-token (TPOT) target. This module searches whole requests priced from
+the step sweep's kernels in two serving modes (``request_pricing`` has the arithmetic of each):
+**aggregated** (chunked prefill: one pool of workers serves both phases) and **disaggregated**
+(xPyD: a prefill and a decode pool, each with its own layout).
+
+A layout is searched only when the serving framework can launch it (``launch_rules``, from
+``frameworks.yaml``: each rule with its documented source), and only in weight modes whose weights
+fit. Decode is priced at the mean context ``ISL + OSL / 2`` (attention is linear in the context, so
+the mean step is the mean over a request), with the KV cache sized for the last token
+(``ISL + OSL``); an aggregated worker must also hold a mixed step's activations.
+
+Every step is priced by ``sweep.Sweep`` (a few traces per TP size and phase, the per-rank models
+shared between phases and worker sizes; a mixed step's rows are a third sweep's), so thousands of
+request configurations cost a few dozen traces.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from ....errors import UsageError
+from ....spec.model import Spec
+from ..estimate.planner import activation_bytes
+from ..model.deployment import Deployment
+from ..model.inputs import ModelInputs
+from ..model.parallel import Parallel
+from ..model.rank_model import RankModel
+from ..tables.device import Device
+from .grid import Config, Point, divisors, layouts
+from .launch_rules import Framework, framework
+from .pareto import pareto_front
+from .pareto_plot import PlotPoint
+from .request_pricing import Candidate, Workload, aggregated, disaggregated, mixed_step, prompt_attention
+from .sweep import Pricer, Sweep
+
+MODES = ("agg", "disagg")
+DEFAULT_PREFILL_BATCHES = (1, 2, 4, 8)  # requests per DP group in one disaggregated prefill step
+MAX_PREFILL_TOKENS = 16384  # per DP group and step: larger prefill batches are not tried (but k = 1)
+# concurrent requests per worker: a 1-1.5-2 grid (powers of two alone skip most batches that just
+# meet a TPOT target)
+REQUEST_BATCHES = tuple(sorted({2**e for e in range(11)} | {3 * 2**e for e in range(10)}))  # 1, 2, 3, 4, 6 ..
+
+
+@dataclass
+class ServingResult:
+    devices: int
+    workload: Workload
+    framework: Framework
+    modes: tuple[str, ...]
+    quants: tuple[str | None, ...] = ()
+    worker_sizes: dict[int, str] = field(default_factory=dict)  # devices per worker -> searched / why not
+    refused: dict[str, int] = field(default_factory=dict)  # rule id -> layouts it refused
+    candidates: list[Candidate] = field(default_factory=list)
+    steps_priced: int = 0  # prefill, decode and mixed (chunked-prefill) steps priced
+    traces: int = 0
+    trace_seconds: float = 0.0
+    fallbacks: dict[str, str] = field(default_factory=dict)  # family -> why traced per configuration
+
+    @property
+    def feasible(self) -> list[Candidate]:
+        """Candidates that fit in memory and meet the SLA."""
+        return [c for c in self.candidates if c.feasible]
+
+    @property
+    def front(self) -> list[Candidate]:
+        """Feasible candidates no other feasible one beats on tokens/s per user and per device."""
+        return pareto_front(self.feasible, lambda c: (c.tokens_per_s_per_user, c.tokens_per_s_per_device))
+
+    def best(self, mode: str | None = None) -> Candidate | None:
+        """The feasible candidate (of ``mode``) with the most tokens/s per device: the pick."""
+        pool = [c for c in self.feasible if mode is None or c.mode == mode]
+        return max(pool, key=lambda c: (c.tokens_per_s_per_device, c.tokens_per_s_per_user), default=None)
+
+
+class ServingSearch:
+    """Prices the workload on ``devices`` devices for one model, device profile and framework.
+
+    ``inputs`` maps each weight mode to its ``model_inputs``; ``base`` carries MTP, its acceptance,
+    the KV dtype and the routing (its shapes and layout are replaced per phase and configuration)."""
+
+    def __init__(
+        self,
+        spec: Spec,
+        inputs: Mapping[str | None, ModelInputs],
+        device: Device,
+        base: Deployment,
+        devices: int,
+        workload: Workload,
+        framework_name: str,
+        *,
+        modes: Sequence[str] = MODES,
+        batches: Sequence[int] | None = None,
+        prefill_batches: Sequence[int] = DEFAULT_PREFILL_BATCHES,
+        pricer: Pricer | None = None,
+    ) -> None:
+        if devices < 1:
+            raise UsageError(f"--devices must be >= 1 (got {devices})")
+        self.spec, self.inputs, self.device, self.devices = spec, dict(inputs), device, devices
+        self.s = next(iter(self.inputs.values())).arch.structure
+        workload.check(self.s.max_positions)
+        unknown = set(modes) - set(MODES)
+        if unknown or not modes:
+            raise UsageError(f"serving modes must be among {', '.join(MODES)} (got {', '.join(modes)})")
+        self.workload, self.framework, self.modes = workload, framework(framework_name), tuple(modes)
+        self.batches = tuple(sorted(set(batches))) if batches else REQUEST_BATCHES
+        self.prefill_batches = tuple(sorted(set(prefill_batches)))
+        self.pricer = pricer
+        self.decode_base = replace(
+            base, query_len=1, context_len=workload.isl + workload.osl // 2, decode=True, batch=1
+        )
+        self.prefill_base = replace(base, query_len=workload.isl, context_len=0, decode=False, mtp=0, batch=1)
+        # an aggregated worker's mixed steps: their row kernels, one-token queries on the prefill path
+        self.rows_base = replace(self.prefill_base, query_len=1)
+        self.mtp_tokens = 1 + base.mtp * base.mtp_acceptance  # output tokens per request per decode step
+        self.models: dict[tuple[int, bool], RankModel] = {}  # shared by every sweep of the search
+
+    def _sweep(self, base: Deployment, workers: int, batches: Iterable[int], kv_tokens: int | None) -> Sweep:
+        return Sweep(
+            self.spec,
+            self.inputs,
+            self.device,
+            base,
+            workers,
+            pricer=self.pricer,
+            batches=tuple(sorted(set(batches))),
+            kv_tokens=kv_tokens,
+            models=self.models,
+        )
+
+    def _weights_fit(self, sweep: Sweep, par: Parallel, quant: str | None) -> bool:
+        return sweep.memory(Config(par, par.dp, quant)).weights <= (self.device.memory_bytes or math.inf)
+
+    def run(self) -> ServingResult:
+        w = self.workload
+        result = ServingResult(self.devices, w, self.framework, self.modes)
+        decode_points: list[Point] = []
+        prefill_points: list[Point] = []
+        for workers in divisors(self.devices):
+            try:
+                candidates = layouts(self.s, workers)
+            except UsageError:
+                result.worker_sizes[workers] = "no layout divides the model's heads and widths"
+                continue
+            pars = []
+            for par in candidates:
+                rule = self.framework.refusal(par)
+                if rule is None:
+                    pars.append(par)
+                else:
+                    result.refused[rule.id] = result.refused.get(rule.id, 0) + 1
+            if not pars:
+                result.worker_sizes[workers] = f"{self.framework.title} can launch none of its layouts"
+                continue
+            decode = self._sweep(self.decode_base, workers, self.batches, w.isl + w.osl)
+            result.quants = decode.quants
+            fitting = [(par, q) for par in pars for q in decode.quants if self._weights_fit(decode, par, q)]
+            if not fitting:
+                result.worker_sizes[workers] = "the weights do not fit on this many devices"
+                continue
+            ks = [k for k in self.prefill_batches if k == 1 or k * w.isl <= MAX_PREFILL_TOKENS]
+            if "disagg" not in self.modes:
+                ks = [1]  # an aggregated worker's prompt attention: one whole prompt per DP group
+            prefill_configs = [Config(par, k * par.dp, q) for par, q in fitting for k in ks]
+            decode_configs = [
+                Config(par, b, q) for par, q in fitting for b in self.batches if b % par.dp == 0
+            ]
+            prefill = self._sweep(self.prefill_base, workers, [c.batch for c in prefill_configs], None)
+            points: dict[str, list[Point]] = {}
+            for phase, sweep, configs in (
+                ("prefill", prefill, prefill_configs),
+                ("decode", decode, decode_configs),
+            ):
+                priced = sweep.run(configs)
+                points[phase] = priced.points
+                result.steps_priced += len(priced.points)
+                for family, why in priced.fallbacks.items():
+                    result.fallbacks[f"{phase} on {workers} devices, {family}"] = why
+            sweeps = [prefill, decode]
+            if "agg" in self.modes:
+                chunks = self._chunks(pars)
+                rows_configs = [
+                    self._rows_config(c, chunk)
+                    for c in decode_configs
+                    for chunk in chunks[(c.parallel, c.batch)]
+                ]
+                rows = self._sweep(self.rows_base, workers, [c.batch for c in rows_configs], None)
+                rows.run(rows_configs)  # traced and priced here; ``_aggregated`` reads the kernels
+                sweeps.append(rows)
+                found = self._aggregated(decode, prefill, rows, points["decode"], points["prefill"], chunks)
+                result.candidates += found
+                result.steps_priced += len(found)  # one mixed step each
+            for sweep in sweeps:
+                result.traces += sweep.traces
+                result.trace_seconds += sweep.trace_seconds
+            prefill_points += points["prefill"]
+            decode_points += points["decode"]
+            result.worker_sizes[workers] = f"{len(fitting)} layouts x weight modes searched"
+        if "disagg" in self.modes:
+            result.candidates += self._disaggregated(decode_points, prefill_points)
+        return result
+
+    def _chunks(self, pars: Sequence[Parallel]) -> dict[tuple[Parallel, int], list[int]]:
+        """Per layout and decode batch, the prompt chunks its mixed steps are tried with: the
+        framework's step budgets, less the decode rows when they count, at most a cycle's prompt
+        tokens."""
+        tpq, w = self.decode_base.tokens_per_query, self.workload
+        return {
+            (par, b): self.framework.step_tokens.chunks(b // par.dp * tpq, b // par.dp * w.isl)
+            for par in pars
+            for b in self.batches
+            if b % par.dp == 0
+        }
+
+    def _rows_config(self, decode: Config, chunk: int) -> Config:
+        """The prefill-path step whose rows are a mixed step's: per DP group, the decode batch's tokens
+        plus the chunk, as one-token queries."""
+        par = decode.parallel
+        return replace(
+            decode, batch=(decode.batch // par.dp * self.decode_base.tokens_per_query + chunk) * par.dp
+        )
+
+    def _aggregated(
+        self,
+        decode: Sweep,
+        prefill: Sweep,
+        rows: Sweep,
+        decode_points: list[Point],
+        prefill_points: list[Point],
+        chunks: Mapping[tuple[Parallel, int], list[int]],
+    ) -> list[Candidate]:
+        """Every decode point of one worker size with every chunk it is tried with, its mixed step
+        priced from the three sweeps' kernels (``mixed_step``), each already priced by its ``run``."""
+        w, tpq = self.workload, self.decode_base.tokens_per_query
+        one_prompt = {
+            (p.config.parallel, p.config.quant): p
+            for p in prefill_points
+            if p.config.batch == p.config.parallel.dp
+        }
+        found = []
+        for d in decode_points:
+            par, quant = d.config.parallel, d.config.quant
+            p = one_prompt.get((par, quant))
+            if p is None:
+                continue
+            decode_step = decode.kernels(d.config)
+            attention = prompt_attention(prefill.kernels(p.config))
+            decode_rows = d.config.batch // par.dp * tpq
+            for chunk in chunks[(par, d.config.batch)]:
+                rows_step = rows.kernels(self._rows_config(d.config, chunk))
+                t_mix = mixed_step(rows_step, decode_step, attention, chunk / w.isl)
+                peak = activation_bytes(self.s, par, decode_rows + chunk, decode_rows)
+                memory = replace(d.memory, activations=max(d.memory.activations, peak))
+                found.append(aggregated(d, p, t_mix, chunk, memory, w, self.mtp_tokens, self.devices))
+        return found
+
+    def _disaggregated(self, decode_points: list[Point], prefill_points: list[Point]) -> list[Candidate]:
+        """Per weight mode and prefill worker size, the prefill option starting the most requests per
+        second that fits and meets the TTFT target; then every decode point with the best pools."""
+        ttft = self.workload.ttft
+        best: dict[tuple[str | None, int], Point] = {}
+        for p in prefill_points:
+            if not p.fits or (ttft is not None and p.step_time > ttft):
+                continue
+            key = (p.config.quant, p.config.parallel.devices)
+            rate = p.config.batch / p.step_time
+            if key not in best or rate > best[key].config.batch / best[key].step_time:
+                best[key] = p
+        found = []
+        for d in decode_points:
+            for (quant, _), p in best.items():
+                if quant != d.config.quant:
+                    continue
+                candidate = disaggregated(d, p, self.workload, self.mtp_tokens, self.devices)
+                if candidate is not None:
+                    found.append(candidate)
+        return found
+
+
+def plot_points(result: ServingResult, label: Callable[[Candidate], str]) -> list[PlotPoint]:
+    """Every fitting candidate as a plot point: front points tagged with their layout, SLA misses hollow."""
+    front = {id(c) for c in result.front}
+    return [
+        PlotPoint(
+            c.tokens_per_s_per_user,
+            c.tokens_per_s_per_device,
+            f"{c.mode} {c.quant or 'checkpoint'}",
+            label(c),
+            id(c) in front,
+            c.tag if id(c) in front else "",
+            c.meets_sla,
+        )
+        for c in result.candidates
+        if c.fits
+    ]

@@ -1,0 +1,166 @@
+"""Routed-expert curves from AIConfigurator's MoE tables: grouped GEMM efficiency and power-law routing.
+
+Per expert dtype (``MOE_DTYPES``): the grouped GEMMs' efficiency by token-expert pairs per local
+expert on balanced routing, net of the routed-expert pipeline's fixed cost (``_pipeline_floor``), and
+the power-law / balanced slowdown on the time above that floor (``_factor_curve``), each with its
+curves per model shape and EP size (``EXPERT_SHAPE``). Separate from the other op kinds' fits because
+the experts are priced by their own axis, floor and routing factor.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ....errors import KadaptError
+from .calibrate_fit import (
+    BY_SHAPE,
+    MOE_GRID,
+    OVERHEAD_MS,
+    _binned_curve,
+    _efficiency,
+    _median_curve,
+    _point_curve,
+    _shape_curves,
+)
+from .calibrate_rows import RowFilter, _all_rows, measured
+
+# kadapt grouped-GEMM kernel -> (AIConfigurator moe_dtype, weight bytes per parameter, peak key)
+MOE_DTYPES = {
+    "fp8_block": ("fp8_block", 1.0 + 4 / 16384, "fp8"),
+    "fp8": ("fp8", 1.0, "fp8"),
+    "bf16": ("bfloat16", 2.0, "bf16"),
+    "w4a16": ("int4_wo", 0.5 + 2 / 32, "bf16"),
+}
+# op attribute -> the measured table's column: the shape a per-shape curve is fitted at and matched by
+EXPERT_SHAPE = {
+    "hidden": "hidden_size",
+    "width": "inter_size",
+    "experts": "num_experts",
+    "top_k": "topk",
+    "ep": "moe_ep_size",
+}
+# the expert table times the kernel as AIConfigurator's TP/EP graph runs it (every rank holds all
+# tokens; its attention-DP graphs price DeepEP-path tables instead): a shape's own curve prices that
+# layout only (at EP64, 4 experts per rank, the power-law rows run 3.6x balanced - the hottest rank
+# of a TP-path broadcast - which would triple a wide-EP decode's experts)
+EXPERT_LAYOUT = {"attention_dp": 1}
+
+
+def moe_curves(
+    root: Path, framework: str, peak: dict[str, float], bw: float, row_filter: RowFilter
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Grouped expert GEMMs by token-expert pairs per local expert; balanced routing sets the curve,
+    the power-law/balanced latency ratio at the same shape sets the imbalance factor. Gated experts
+    only (kadapt's experts are gate/up/down) and fine-grained MoE of large models (hidden >= 4096,
+    >= 64 experts: DeepSeek-V3, Kimi-K2.5, Qwen3-235B). The per-shape curves also price an EP size
+    not measured from the model shape's EP sizes around it, and a model shape measured at no EP size
+    from the model widths around it at its EP size (``curves.measured_across``)."""
+    curves: dict[str, Any] = {}
+    factors: dict[str, Any] = {}
+    for key, (dtype, wbytes, unit_key) in MOE_DTYPES.items():
+
+        def select(t: Any, dtype: str = dtype) -> Any:
+            keep = (t.moe_dtype == dtype) & (t.moe_tp_size == 1) & ~t.kernel_source.str.contains("nongated")
+            return t[keep & (t.hidden_size >= 4096) & (t.num_experts >= 64)]
+
+        try:
+            found = measured(root, ("moe", "moe_perf.parquet"), framework, select, row_filter)
+        except KadaptError:
+            if row_filter is _all_rows:
+                raise
+            continue  # a part fit without any row of this dtype: its ops price as a dtype not measured
+        table = found.rows
+        local = table.num_experts / table.moe_ep_size
+        pairs = table.num_tokens * table.topk / table.moe_ep_size
+        table = table.assign(pairs_per_expert=pairs / local, pairs=pairs, local=local)
+        unit = peak[unit_key]
+
+        def ideal(f: Any, unit: float = unit, wbytes: float = wbytes) -> Any:
+            per_expert = 3.0 * f.hidden_size * f.inter_size
+            touched = f.local * (1 - (1 - 1 / f.local) ** f.pairs)
+            nbytes = touched * per_expert * wbytes + f.pairs * (2 * f.hidden_size + 3 * f.inter_size) * 2
+            return (2.0 * f.pairs * per_expert / unit).combine(nbytes / bw, max) * 1e3
+
+        # each row's bound once, for every fit below to read (pricing the rows again for each of
+        # hundreds of shapes took a fifth of a table's time)
+        table = table.assign(ideal=ideal(table))
+        balanced = table[table.distribution == "balanced"]
+        floor_ms = _pipeline_floor(balanced)
+        curves[key] = {
+            **_expert_curve(balanced, floor_ms, MOE_GRID),
+            "source": f"{found.source}, balanced; {BY_SHAPE}",
+            "shapes": _shape_curves(
+                balanced,
+                EXPERT_SHAPE,
+                lambda rows, floor=floor_ms: _expert_curve(rows, _pipeline_floor(rows, floor)),
+                EXPERT_LAYOUT,
+            ),
+        }
+        shape = ["num_tokens", "hidden_size", "inter_size", "topk", "num_experts", "moe_ep_size"]
+        skewed = table[table.distribution == "power_law_1.01"][[*shape, "latency"]]
+        joined = balanced.merge(skewed, on=shape, suffixes=("", "_skewed"))
+        if len(joined):  # a table without power-law rows leaves routing unskewed
+            joined = joined.assign(ratio=joined.latency_skewed / joined.latency)
+            factors[key] = {
+                "pairs_per_expert": MOE_GRID,
+                "factor": _median_curve(joined, "pairs_per_expert", MOE_GRID, "ratio"),
+                "source": f"{found.source}, power_law_1.01 / balanced; {BY_SHAPE}",
+                "shapes": _shape_curves(
+                    joined,
+                    EXPERT_SHAPE,
+                    lambda rows, floor=floor_ms: _factor_curve(rows, _pipeline_floor(rows, floor)),
+                    EXPERT_LAYOUT,
+                ),
+            }
+    return curves, factors
+
+
+def _factor_curve(joined: Any, floor_ms: float) -> dict[str, Any]:
+    """The power-law / balanced ratio of one shape at each of its measured points, net of the
+    shape's pipeline floor ``floor_ms`` on both sides: pricing multiplies only the time above the
+    floor by it, so ``floor + (balanced - floor) x factor`` is the measured power-law latency (the
+    plain latency ratio left a prefill-sized Qwen3 expert GEMM 5% under its measured row).
+
+    Where a power-law row is faster than the floor itself - at one to a few tokens the measured rank
+    may be routed none or few of the tokens' experts, and skips most of the pipeline (B200 SGLang,
+    DeepSeek-V3's experts at EP4, one token: 0.040 ms power-law, 0.073 balanced, floor 0.061) - no
+    factor on the time above the floor reaches it; there the curve also carries ``floor_factor``, the
+    row over the floor, which scales the floor (1 at every point above it)."""
+    import numpy as np
+
+    pairs = joined.pairs_per_expert.to_numpy(float)
+    skewed, balanced = joined.latency_skewed.to_numpy(), joined.latency.to_numpy()
+    net = np.maximum((skewed - floor_ms) / np.maximum(balanced - floor_ms, OVERHEAD_MS), 0.001)
+    curve = _point_curve(pairs, net, ("pairs_per_expert", "factor"))
+    if floor_ms <= 0 or not (skewed < floor_ms).any():
+        return curve
+    scale = _point_curve(pairs, np.minimum(skewed / floor_ms, 1.0), ("pairs_per_expert", "floor_factor"))
+    return curve | {"floor_factor": scale["floor_factor"]}
+
+
+def _pipeline_floor(balanced: Any, default: float = 0.0) -> float:
+    """The fixed cost of the routed-expert pipeline (permute, two GEMMs, activation, unpermute):
+    single-token latency minus its ideal time (the rows' ``ideal``), median over the rows' shapes
+    (``default`` where no single-token row was measured)."""
+    import numpy as np
+
+    single = balanced.num_tokens.to_numpy() == 1
+    if not single.any():
+        return default
+    net = balanced.latency.to_numpy()[single] - balanced.ideal.to_numpy()[single]
+    return max(0.0, float(np.median(net)))
+
+
+def _expert_curve(balanced: Any, floor_ms: float, grid: list[float] | None = None) -> dict[str, Any]:
+    """The efficiency curve of balanced rows (with their ``ideal``) net of the pipeline's fixed cost
+    ``floor_ms``: the median at each point of ``grid``, or at each measured point (``None``: the rows
+    of one shape; empty when every row is launch-bound)."""
+    keep, eff = _efficiency(balanced.latency.to_numpy() - floor_ms + OVERHEAD_MS, balanced.ideal.to_numpy())
+    pairs = balanced.pairs_per_expert.to_numpy(float)[keep]
+    curve = (
+        {"pairs_per_expert": grid, "efficiency": _binned_curve(pairs, eff, grid, "pairs_per_expert")}
+        if grid
+        else _point_curve(pairs, eff, ("pairs_per_expert", "efficiency"))
+    )
+    return {**curve, "overhead_us": round(floor_ms * 1e3, 1)} if curve else {}

@@ -1,0 +1,1 @@
+"""What a checkpoint holds and how a graph weight is built from it."""

@@ -1,0 +1,1 @@
+"""A vision-language model's image interface."""
