@@ -621,3 +621,25 @@ def test_a_paged_spec_generates_the_paged_decode_abi(tmp_path: Path) -> None:
         assert torch.equal(a, b)
     slot = table[1, 9 // 4] * 4 + 9 % 4  # row 1 at position 9: its token is in its own block
     assert not torch.equal(eager[1].flatten(0, 1)[slot], pools[0].flatten(0, 1)[slot])
+
+
+def test_config_strings_reach_the_module_docstring_escaped(tmp_path: Path) -> None:
+    """A config string the structure line quotes (the rope type) cannot close the module docstring."""
+    from kimi_adapter_core.generate.extraction import render_extraction
+
+    config = json.loads((REPO / "specs" / "llama" / "config.json").read_text())
+    config["rope_scaling"]["rope_type"] = 'llama3"""\nimport os  # \\'
+    (tmp_path / "h").mkdir()
+    (tmp_path / "h" / "config.json").write_text(json.dumps(config))
+    spec_text = (
+        (REPO / "specs" / "llama.yaml")
+        .read_text()
+        .replace("config: llama/config.json", "config: h/config.json")
+    )
+    (tmp_path / "llama.yaml").write_text(spec_text)
+    [module] = [
+        r for r in render_extraction(load_spec(tmp_path / "llama.yaml")) if r.path.name == "extraction.py"
+    ]
+    docstring = ast.get_docstring(ast.parse(module.text))  # it parses: the quotes did not close it
+    words = " ".join(docstring.split())
+    assert "rope " + " ".join(config["rope_scaling"]["rope_type"].split()) + "." in words
