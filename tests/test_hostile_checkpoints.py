@@ -356,8 +356,7 @@ def _int4_scale_grouped_16() -> torch.Tensor:
     [
         ("dense.weight", lambda t: t.to(torch.int32), "int32 [4, 6]", "float32 [4, 6]"),
         ("dense.weight", lambda t: t > 0, "bool [4, 6]", "float32 [4, 6]"),
-        ("dense.weight", lambda t: t.half(), "float16 [4, 6]", "float32 [4, 6]"),
-        ("dense.weight", lambda t: t.bfloat16(), "bfloat16 [4, 6]", "float32 [4, 6]"),
+        ("dense.weight", lambda t: t.double(), "float64 [4, 6]", "float32 [4, 6]"),
         ("dense.weight", lambda t: t.T, "float32 [6, 4]", "float32 [4, 6]"),
         ("experts.1.w", lambda t: t[:3], "float32 [3, 6]", "float32 [4, 6]"),
         ("int4.weight_scale", lambda t: _int4_scale_grouped_16(), "bfloat16 [4, 4]", "bfloat16 [4, 2]"),
@@ -368,7 +367,7 @@ def _int4_scale_grouped_16() -> torch.Tensor:
         ("mx.gate_up_proj_scales", lambda t: t[:, :2], "uint8 [2, 2, 1]", "uint8 [2, 4, 1]"),
     ],
     ids=[
-        "int32-for-float32", "bool-for-float32", "f16-for-float32", "bf16-for-float32", "transposed",
+        "int32-for-float32", "bool-for-float32", "f64-for-float32", "transposed",
         "short-expert", "int4-grouped-16-read-as-32", "int4-packed-int64", "fp8-weight-bf16",
         "fp8-scale-grid", "mxfp4-blocks-int8", "mxfp4-scales-shape",
     ],
@@ -381,6 +380,19 @@ def test_a_stored_tensor_unlike_the_map_is_refused_not_cast(
     _refused(
         base.doc, folder, f"{folder / file}: tensor {name} is stored {found}, the weight map says {wanted}"
     )
+
+
+@pytest.mark.parametrize("narrow", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_a_tensor_stored_narrower_widens_exactly_as_transformers_loads_it(
+    narrow: torch.dtype, base: Base, tmp_path: Path
+) -> None:
+    """A float stored in a narrower float than the map says is read as its exact value (transformers'
+    loader does the same for a parameter its dtype plan keeps float32); nothing else is cast."""
+    file = next(f for f, tensors in base.shards.items() if "dense.weight" in tensors)
+    stored = base.shards[file]["dense.weight"].to(narrow)
+    folder = _write(tmp_path / "ckpt", _replaced(base.shards, "dense.weight", stored))
+    loaded = load_weights(base.doc, folder)["dense.weight"]
+    assert loaded.dtype == torch.float32 and torch.equal(loaded, stored.float())
 
 
 def test_int4_shape_values_unlike_the_map_are_refused(base: Base, tmp_path: Path) -> None:

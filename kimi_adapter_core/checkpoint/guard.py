@@ -202,13 +202,28 @@ def add_names(files: dict[str, Path], names: Iterable[str], shard: Path) -> None
             )
 
 
+# Stored -> map dtypes whose cast is exact (every stored value is a value of the map's type): what
+# transformers' own loader does when a checkpoint stores a tensor narrower than the parameter its dtype
+# plan keeps (a bf16-saved router bias loaded into the float32 parameter; transformers 5.23 saves
+# DeepSeek-V3's e_score_correction_bias that way). Anything else - narrowing, integer, bool, another
+# float8 - is refused.
+EXACT_WIDENING = {
+    ("bfloat16", "float32"),
+    ("float16", "float32"),
+    ("bfloat16", "float64"),
+    ("float16", "float64"),
+    ("float32", "float64"),
+}
+
+
 def check_stored(
     found_dtype: str, found_shape: list[int], file: Path, name: str, dtype: str, shape: Any
 ) -> None:
     """The header's dtype (a safetensors code) and shape of tensor ``name`` in ``file`` are what the
-    weight map says: nothing is cast or reshaped into a weight it is not."""
+    weight map says, or a dtype that widens to it exactly: nothing is rounded, reinterpreted or
+    reshaped into a weight it is not."""
     found = STORED_DTYPES.get(found_dtype, found_dtype)
-    if found != dtype or list(found_shape) != list(shape):
+    if (found != dtype and (found, dtype) not in EXACT_WIDENING) or list(found_shape) != list(shape):
         raise KadaptError(
             f"{file}: tensor {name} is stored {found} {list(found_shape)}, "
             f"the weight map says {dtype} {list(shape)}"
