@@ -60,8 +60,9 @@ REFUSALS = {
     "that the wrappers do not reproduce",
     "stack-differs": "the decoder layers, called by the wrappers with the ABI's masks, positions and cache, "
     "give other hidden states than the model's own forward gives them",
-    "hybrid": "layers that are not attention (SSM, linear attention, recurrence, convolution): their state "
-    "is not a KV cache",
+    "hybrid": "layers that are not attention (SSM, recurrence, convolution, linear attention other than "
+    "gated DeltaNet): their state is neither a KV cache nor a conv window and recurrent state kadapt can "
+    "size",
     "layer-types": "attention kinds other than full and sliding-window (chunked, indexed/sparse, compressed)",
     "per-layer-config": "attention sizes that differ per layer (a per_layer_config)",
     "stack-layout": "a decoder stack without the embed_tokens / layers / norm / rotary_emb the wrappers "

@@ -194,6 +194,30 @@ def _probe_cache_update() -> str:
     return _describe(update, "Cache.update")
 
 
+# Cache's linear-attention API (transformers 5.23+): name -> its leading parameters after ``self``
+LINEAR_CACHE_METHODS = {
+    "get_conv_state": ("layer_idx", "state_idx"),
+    "update_conv_state": ("conv_states", "layer_idx", "state_idx"),
+    "get_recurrent_state": ("layer_idx", "state_idx"),
+    "update_recurrent_state": ("recurrent_states", "layer_idx", "state_idx"),
+    "is_recording_past": ("layer_idx",),
+}
+
+
+def _probe_linear_attention_cache() -> str:
+    expected = ", ".join(
+        f"Cache.{name}({', '.join(params)}, ...)" for name, params in LINEAR_CACHE_METHODS.items()
+    )
+    cache = _attr("transformers.cache_utils", "Cache", expected)
+    for name, params in LINEAR_CACHE_METHODS.items():
+        method = getattr(cache, name, None)
+        if method is None:
+            raise _Moved(expected, f"Cache has no {name}")
+        if not _leading_parameters(method, params)[0]:
+            raise _Moved(expected, _describe(method, f"Cache.{name}"))
+    return "Cache." + ", ".join(LINEAR_CACHE_METHODS)
+
+
 def _probe_dtype_plan() -> str:
     expected = "PreTrainedModel._get_dtype_plan(dtype) and core_model_loading.build_glob_alternation(globs)"
     model = _attr("transformers.modeling_utils", "PreTrainedModel", expected)
@@ -440,6 +464,18 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
         "key/value states (MLA: the latents) and attends over what it returns",
         ("extraction", "generated modules"),
         _probe_cache_update,
+    ),
+    ContactPoint(
+        "linear_attention_cache",
+        "transformers.cache_utils.Cache.get_conv_state/update_conv_state/get_recurrent_state/"
+        "update_recurrent_state/is_recording_past",
+        "the linear-attention cache API: get_*_state(layer_idx) is None before the first update, "
+        "update_conv_state returns the window plus the new inputs, is_recording_past selects the "
+        "out-of-place decode path",
+        "kadapt's static cache stands in for Cache in linear-attention / SSM layers: they read their conv "
+        "and recurrent states from it and hand it the new ones",
+        ("extraction (hybrid stacks)", "generated modules"),
+        _probe_linear_attention_cache,
     ),
     ContactPoint(
         "loader_dtype_plan",
@@ -700,11 +736,14 @@ CACHE_KEYWORDS = ("cache", "past_key_values")  # newest first: 5.24 renamed past
 
 class LayerProtocol(NamedTuple):
     """How a model's decoder layers take kadapt's cache (what the ABI wrappers call them with), and
-    what they cache per token: ``((key_heads, key_dim), (value_heads, value_dim))`` of what the
-    attention hands to ``update`` (per-head K/V; MLA: its latents)."""
+    what they cache: attention layers per token ``((key_heads, key_dim), (value_heads, value_dim))`` of
+    what the attention hands to ``update`` (per-head K/V; MLA: its latents; None: no attention layer);
+    linear-attention / SSM layers per request ``linear_states``: the conv window's and the recurrent
+    state's shape (without the batch) and dtype, as the layer handed them over."""
 
     cache_keyword: str
-    kv_dims: tuple[tuple[int, int], tuple[int, int]]
+    kv_dims: tuple[tuple[int, int], tuple[int, int]] | None
+    linear_states: tuple[tuple[tuple[int, ...], str], tuple[tuple[int, ...], str]] | None = None
 
 
 class _UpdateCall:
@@ -727,21 +766,58 @@ class _UpdateCall:
 
 
 class _RecordingCache:
-    """The ABI cache's protocol (``update`` only), recording each call and each other attribute asked for."""
+    """The ABI cache's protocol for one layer kind, recording each call and each other attribute asked for.
 
-    def __init__(self) -> None:
+    ``attention``: ``update`` only. ``linear``: the linear-attention API a prefill uses (no previous
+    state: ``get_*_state`` return None), each state update recorded with the layer index it names."""
+
+    def __init__(self, kind: str = "attention") -> None:
+        self.kind = kind
         self.calls: list[_UpdateCall] = []
         self.missing: list[str] = []
+        self.linear: dict[str, tuple[Any, Any]] = {}  # method -> (layer_idx, tensor or kernel)
 
     def update(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        if self.kind != "attention":
+            return self.__getattr__("update")
         call = _UpdateCall(args, kwargs)
         self.calls.append(call)
         key, value, _ = call.states()
         return key, value
 
+    def _linear_call(self, name: str, layer_idx: Any, value: Any) -> None:
+        if self.kind != "linear":
+            self.__getattr__(name)
+        self.linear[name] = (layer_idx, value)
+
+    def get_conv_state(self, layer_idx: Any, state_idx: int = 0) -> None:
+        self._linear_call("get_conv_state", layer_idx, None)
+
+    def get_recurrent_state(self, layer_idx: Any, state_idx: int = 0) -> None:
+        self._linear_call("get_recurrent_state", layer_idx, None)
+
+    def is_recording_past(self, layer_idx: Any) -> bool:
+        self._linear_call("is_recording_past", layer_idx, None)
+        return True
+
+    def update_conv_state(self, conv_states: Any, layer_idx: Any, state_idx: int = 0, **kwargs: Any) -> Any:
+        import torch
+
+        kernel = kwargs.get("conv_kernel_size")
+        self._linear_call("update_conv_state", layer_idx, (conv_states, kernel))
+        if isinstance(kernel, int) and conv_states.shape[-1] < kernel:
+            conv_states = torch.nn.functional.pad(conv_states, (kernel - conv_states.shape[-1], 0))
+        return conv_states
+
+    def update_recurrent_state(
+        self, recurrent_states: Any, layer_idx: Any, state_idx: int = 0, **kw: Any
+    ) -> Any:
+        self._linear_call("update_recurrent_state", layer_idx, recurrent_states)
+        return recurrent_states
+
     def __getattr__(self, name: str) -> Any:
         self.missing.append(name)
-        raise AttributeError(f"kadapt's static KV cache has no {name!r}")
+        raise AttributeError(f"kadapt's static cache has no {name!r} for {self.kind} layers")
 
 
 def cache_keyword(layer: Any) -> str:
@@ -754,10 +830,12 @@ def cache_keyword(layer: Any) -> str:
 
 
 def _layer_key(layer: Any) -> tuple[Any, ...]:
-    """A layer's structure: its module classes and parameter shapes (layers of one class can differ in
-    size: MiMo-V2-Flash's sliding layers have other KV heads)."""
+    """A layer's structure: its module classes and parameter shapes and dtypes (layers of one class can
+    differ in size: MiMo-V2-Flash's sliding layers have other KV heads; a linear layer's conv state
+    has the dtype the layer runs in)."""
     return tuple(
-        (type(m), tuple(tuple(p.shape) for p in m.parameters(recurse=False))) for m in layer.modules()
+        (type(m), tuple((tuple(p.shape), p.dtype) for p in m.parameters(recurse=False)))
+        for m in layer.modules()
     )
 
 
@@ -765,34 +843,44 @@ _protocols: dict[tuple[Any, ...], LayerProtocol] = {}
 
 
 def probe_decoder_layers(
-    layers: Sequence[Any], rotary_emb: Any, layer_types: Sequence[str] | None = None
+    layers: Sequence[Any],
+    rotary_emb: Any,
+    layer_types: Sequence[str] | None = None,
+    kinds: Sequence[str] | None = None,
 ) -> LayerProtocol:
     """Call one layer of each structure in ``layers`` with a recording cache; their shared protocol.
 
-    Checked: the layer accepts the cache under ``cache_keyword``, its attention calls
-    ``update(key_states, value_states, layer_idx, ...)`` exactly once with its own ``layer_idx`` and
-    uses nothing else of the cache, the layer returns the hidden states tensor, and the rotary
-    embedding returns ``(cos, sin)`` (given the layer's type from ``layer_types`` when it takes one).
-    Runs on the layers' own device: free on meta, tiny elsewhere.
+    ``kinds`` gives each layer's kind (``attention``, or ``linear`` for a linear-attention / SSM mixer;
+    None: every layer is attention). Checked: the layer accepts the cache under ``cache_keyword``; an
+    attention layer calls ``update(key_states, value_states, layer_idx, ...)`` exactly once with its own
+    ``layer_idx``, a linear layer reads and updates its conv and recurrent states once each under its
+    own ``layer_idx``, and neither uses anything else of the cache; the layer returns the hidden states
+    tensor; the rotary embedding returns ``(cos, sin)`` (given the layer's type from ``layer_types``
+    when it takes one). Runs on the layers' own device: free on meta, tiny elsewhere.
     """
     import torch
 
     protocols = []
     for index, layer in enumerate(layers):
-        key = _layer_key(layer)
+        kind = kinds[index] if kinds is not None else "attention"
+        key = (kind, *_layer_key(layer))
         if key not in _protocols:
             layer_type = layer_types[index] if layer_types is not None else None
             with torch.no_grad():
-                _protocols[key] = _probe_layer(layer, rotary_emb, layer_type)
+                _protocols[key] = _probe_layer(layer, rotary_emb, layer_type, kind, index)
         protocols.append(_protocols[key])
-    kv_dims = {p.kv_dims for p in protocols}
-    if len(kv_dims) > 1:
-        _unsupported(
-            "per-layer-config",
-            "the decoder layers",
-            "one KV shape per token for every layer (the ABI's cache has one)",
-            f"the layers cache {sorted(kv_dims)} ((heads, dim) of key and value)",
-        )
+    for field, what in (
+        ("kv_dims", "one KV shape per token for every attention layer (the ABI's cache has one)"),
+        ("linear_states", "one conv and recurrent state shape for every linear layer"),
+    ):
+        seen = {getattr(p, field) for p in protocols} - {None}
+        if len(seen) > 1:
+            _unsupported(
+                "per-layer-config",
+                "the decoder layers",
+                what,
+                f"the layers cache {sorted(seen)}",
+            )
     keywords = {p.cache_keyword for p in protocols}
     if len(keywords) != 1:
         _unsupported(
@@ -801,7 +889,11 @@ def probe_decoder_layers(
             "one cache keyword for every decoder layer",
             f"decoder layers take the cache as {sorted(keywords) or 'nothing (no layers)'}",
         )
-    return protocols[0]
+
+    def first(field: str) -> Any:
+        return next((getattr(p, field) for p in protocols if getattr(p, field) is not None), None)
+
+    return LayerProtocol(protocols[0].cache_keyword, first("kv_dims"), first("linear_states"))
 
 
 def rope_layer_types(language_model: Any) -> tuple[str, ...] | None:
@@ -820,10 +912,11 @@ def rope_layer_types(language_model: Any) -> tuple[str, ...] | None:
     return tuple(types[: language_model.config.num_hidden_layers])
 
 
-def decoder_protocol(language_model: Any) -> LayerProtocol:
-    """``probe_decoder_layers`` over a transformers decoder model (``layers``, ``rotary_emb``)."""
+def decoder_protocol(language_model: Any, kinds: Sequence[str] | None = None) -> LayerProtocol:
+    """``probe_decoder_layers`` over a transformers decoder model (``layers``, ``rotary_emb``), its
+    layers of ``kinds`` (by layer; None: every layer is attention)."""
     layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
-    return probe_decoder_layers(layers, language_model.rotary_emb, rope_layer_types(language_model))
+    return probe_decoder_layers(layers, language_model.rotary_emb, rope_layer_types(language_model), kinds)
 
 
 def forget() -> None:
@@ -834,17 +927,22 @@ def forget() -> None:
     _protocols.clear()
 
 
-def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None) -> LayerProtocol:
+def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str, index: int) -> LayerProtocol:
     import torch
 
-    expected = BY_NAME["cache_update"].expected
+    expected = BY_NAME["cache_update" if kind == "attention" else "linear_attention_cache"].expected
     layer_name = type(layer).__name__
     attention = getattr(layer, "self_attn", None)
     layer_idx = getattr(attention, "layer_idx", None)
     parameter = next(layer.parameters())
     hidden = torch.zeros(1, 2, _hidden_size(layer), dtype=parameter.dtype, device=parameter.device)
     positions = torch.arange(2, device=parameter.device).unsqueeze(0)
-    mask = torch.zeros(1, 1, 2, 2, dtype=parameter.dtype, device=parameter.device)
+    # a linear layer's state takes every token it is given: the wrappers hand it no mask
+    mask = (
+        torch.zeros(1, 1, 2, 2, dtype=parameter.dtype, device=parameter.device)
+        if kind == "attention"
+        else None
+    )
     try:
         embeddings = (
             rotary_emb(hidden, positions) if layer_type is None else rotary_emb(hidden, positions, layer_type)
@@ -864,7 +962,7 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None) -> LayerPr
             f"{type(rotary_emb).__name__} returns {type(embeddings).__name__}",
         )
     keyword = cache_keyword(layer)
-    cache = _RecordingCache()
+    cache = _RecordingCache(kind)
     failure: Exception | None = None
     try:
         out = layer(
@@ -905,6 +1003,8 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None) -> LayerPr
             f"{layer_name} runs on the {parameter.device.type} device with the ABI's inputs",
             f"{type(failure).__name__}: {' '.join(str(failure).split())[:300]}",
         )
+    if kind == "linear":
+        return _linear_protocol(layer_name, keyword, cache, index, out, hidden)
     if len(cache.calls) != 1:
         _unsupported(
             "cache-protocol",
@@ -923,11 +1023,67 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None) -> LayerPr
     return LayerProtocol(keyword, ((key.shape[1], key.shape[-1]), (value.shape[1], value.shape[-1])))
 
 
-def _unsupported(code: str, layer: str, expected: str, found: str) -> None:
-    point = BY_NAME["cache_update"]
+def _linear_protocol(
+    layer_name: str, keyword: str, cache: _RecordingCache, index: int, out: Any, hidden: Any
+) -> LayerProtocol:
+    """A linear layer's states from its recorded prefill: it updated its conv window (giving the kernel)
+    and its recurrent state under its own index and returned the hidden states."""
+    import torch
+
+    for name in ("update_conv_state", "update_recurrent_state"):
+        layer_idx, _ = cache.linear.get(name, (None, None))
+        if layer_idx != index:
+            found = "never calls it" if name not in cache.linear else f"calls it with layer_idx={layer_idx!r}"
+            _unsupported(
+                "cache-protocol",
+                layer_name,
+                f"{layer_name}(..., {keyword}=cache) calls cache.{name}(..., layer_idx={index}) once",
+                f"{layer_name} {found}",
+                point="linear_attention_cache",
+            )
+    conv, kernel = cache.linear["update_conv_state"][1]
+    recurrent = cache.linear["update_recurrent_state"][1]
+    if not (isinstance(conv, torch.Tensor) and conv.dim() == 3 and isinstance(kernel, int) and kernel > 0):
+        _unsupported(
+            "cache-protocol",
+            layer_name,
+            "update_conv_state(inputs [batch, channels, tokens], layer_idx, conv_kernel_size=int)",
+            f"{layer_name} hands over {type(conv).__name__} with conv_kernel_size={kernel!r}",
+            point="linear_attention_cache",
+        )
+    if not isinstance(recurrent, torch.Tensor) or not (
+        isinstance(out, torch.Tensor) and out.shape == hidden.shape
+    ):
+        _unsupported(
+            "cache-protocol",
+            layer_name,
+            "a recurrent state tensor, and the hidden states tensor returned",
+            f"state {type(recurrent).__name__}, returns {type(out).__name__}",
+            point="linear_attention_cache",
+        )
+    states = (
+        ((int(conv.shape[1]), kernel), str(conv.dtype).removeprefix("torch.")),
+        (tuple(int(d) for d in recurrent.shape[1:]), str(recurrent.dtype).removeprefix("torch.")),
+    )
+    return LayerProtocol(keyword, None, states)
+
+
+def _unsupported(code: str, layer: str, expected: str, found: str, *, point: str = "cache_update") -> None:
+    point = BY_NAME[point]
     raise LayersUnsupported(code, layer, Finding(point.name, point.symbol, False, found, expected))
 
 
 def _hidden_size(layer: Any) -> int:
+    """The width a layer takes: its (attention's) config's, else the first module that states one (a
+    linear-attention mixer keeps ``hidden_size`` but no config)."""
     config = getattr(getattr(layer, "self_attn", None), "config", None) or getattr(layer, "config", None)
-    return int(config.hidden_size)
+    if config is not None:
+        return int(config.hidden_size)
+    for module in layer.modules():
+        size = getattr(module, "hidden_size", None)
+        if isinstance(size, int):
+            return size
+    _unsupported(
+        "cache-protocol", type(layer).__name__, "a layer whose config or mixer states hidden_size", "none"
+    )
+    raise AssertionError("unreachable")

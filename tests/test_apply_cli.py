@@ -154,7 +154,7 @@ def test_the_ledger_says_which_patches_the_export_never_reached(tmp_path):
 patches:
   - id: W1
     why: Tried as a workaround for a cache that rejects new arguments.
-    target: kimi_adapter_core.backends.extraction.runtime.abi:StaticKVCache.update
+    target: kimi_adapter_core.backends.extraction.runtime.abi:StaticStateCache.update
     kind: wrap
     backends: [extraction]
   - id: W2
@@ -172,7 +172,7 @@ patches:
     assert (entries["W1"]["status"], entries["W1"]["reached"]) == ("not reached", 0)
     assert "no call during the export reached it" in entries["W1"]["reason"]
     assert entries["W2"]["status"] == "applied" and entries["W2"]["reached"] > 0
-    target = "kimi_adapter_core.backends.extraction.runtime.abi:StaticKVCache.update"
+    target = "kimi_adapter_core.backends.extraction.runtime.abi:StaticStateCache.update"
     assert f"note: patch W1 (wrap {target}) had no effect" in result.stderr
     text = CliRunner().invoke(cli, ["apply", str(spec), "--output-dir", str(tmp_path / "out")])
     row = next(line for line in text.stdout.splitlines() if line.startswith("W1 "))

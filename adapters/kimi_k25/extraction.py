@@ -169,12 +169,12 @@ def absorbed_mla_forward(
 def absorbing_mla(layers: Sequence[nn.Module], mla_attention: str, cache_keyword: str) -> Iterator[None]:
     """For ``absorbed``, shadow each layer's ``self_attn.forward`` with ``absorbed_mla_forward``.
 
-    Like ``StaticKVCache.routing_expand_kv``: an instance attribute, only inside this block.
+    Like ``StaticStateCache.routing_expand_kv``: an instance attribute, only inside this block.
     """
     if mla_attention != "absorbed":
         yield
         return
-    attentions = [layer.self_attn for layer in layers]
+    attentions = [layer.self_attn for layer in layers if getattr(layer, "self_attn", None) is not None]
     for attn in attentions:
         attn.__dict__["forward"] = functools.partial(absorbed_mla_forward, attn, cache_keyword=cache_keyword)
     try:
@@ -268,32 +268,63 @@ def paged_view(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     return rows.view(batch, blocks * block_size, heads, dim).transpose(1, 2)
 
 
-class StaticKVCache:
-    """Duck-typed stand-in for transformers' ``Cache`` that keeps every write a graph value.
+# The state tensors each layer kind carries, in ABI order (``past.{layer}.{name}`` / ``present...``).
+#  attention: the KV cache (``kv_layout`` says what key and value hold);
+#  linear:    a linear-attention / SSM mixer's short-convolution window and recurrent state, the two
+#             states transformers' ``LinearAttentionLayer`` keeps (``conv_states``/``recurrent_states``).
+LAYER_STATES = {"attention": ("key", "value"), "linear": ("conv", "recurrent")}
+# Where a decoder layer keeps its token mixer, by layer kind (the mixer carries ``layer_idx``).
+MIXER_ATTRIBUTES = {"attention": ("self_attn",), "linear": ("linear_attn",)}
 
-    Prefill (``past is None``) records the new KV as ``present``. Decode writes the new token into
-    the caller's ``past`` tensors with out-of-place ``index_copy`` at ``cache_position``; the tensors
-    stay graph inputs/outputs, so nothing is lifted to a constant or mutated behind the graph.
-    ``update`` mirrors ``transformers.cache_utils.Cache.update`` (upstream's ``cache_update`` contact
-    point) and is the cache's only protocol: anything else the attention reads does not exist here.
+
+def mixer_of(layer: nn.Module, kind: str) -> nn.Module:
+    """The layer's token mixer of ``kind`` (its ``layer_idx`` addresses the cache)."""
+    for name in MIXER_ATTRIBUTES[kind]:
+        mixer = getattr(layer, name, None)
+        if mixer is not None:
+            return mixer
+    raise ValueError(
+        f"{type(layer).__name__} has no {kind} mixer (looked for {', '.join(MIXER_ATTRIBUTES[kind])})"
+    )
+
+
+class StaticStateCache:
+    """Duck-typed stand-in for transformers' ``Cache`` that keeps every state a graph value.
+
+    Prefill (``past is None``) records what each layer writes as its ``present``. Decode reads the
+    caller's ``past`` tensors and writes out of place, so every state stays a graph input/output and
+    nothing is lifted to a constant or mutated behind the graph. Two protocols, by layer kind:
+
+    - attention layers call ``update`` (``transformers.cache_utils.Cache.update``, upstream's
+      ``cache_update`` contact point) with the new key/value states;
+    - linear-attention / SSM layers call ``get_conv_state``/``update_conv_state`` and
+      ``get_recurrent_state``/``update_recurrent_state`` (``Cache``'s linear-attention API, upstream's
+      ``linear_attention_cache`` contact point). ``is_recording_past`` answers True, which sends a
+      single-token decode down the layer's out-of-place path (``update_conv_state`` returns the window
+      plus the new token and the layer convolves it) instead of ``causal_conv1d_update``, which would
+      write the conv state in place.
+
+    Anything else the layers read does not exist here, so a layer that needs more fails at trace time.
     """
 
     def __init__(
         self,
         kv_layout: str,
         layer_ids: Sequence[int],
-        past: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        past: Sequence[tuple[torch.Tensor, ...]] | None = None,
         cache_position: torch.Tensor | None = None,
         block_table: torch.Tensor | None = None,
+        kinds: Sequence[str] | None = None,
     ) -> None:
         if kv_layout not in KV_LAYOUTS:
             raise ValueError(f"unknown kv_layout {kv_layout!r}; valid: {', '.join(KV_LAYOUTS)}")
         self.kv_layout = kv_layout
         self._slot = {layer_id: slot for slot, layer_id in enumerate(layer_ids)}
+        self.kinds = list(kinds) if kinds is not None else ["attention"] * len(self._slot)
         self._past = past
         self._cache_position = cache_position
         self._block_table = block_table
-        self.present: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self._slot)
+        self.present: list[dict[str, torch.Tensor]] = [{} for _ in self._slot]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
@@ -322,19 +353,62 @@ class StaticKVCache:
         the attention reads the row's blocks gathered in logical order (``paged_write``/``paged_view``).
         """
         if self._past is None:
-            self.present[slot] = (key, value)
+            self.present[slot].update(key=key, value=value)
             return key, value
         assert self._cache_position is not None
         past_key, past_value = self._past[slot]
         if self._block_table is None:
             key = write_rows(past_key, key, self._cache_position)
             value = write_rows(past_value, value, self._cache_position)
-            self.present[slot] = (key, value)
+            self.present[slot].update(key=key, value=value)
             return key, value
         pool_key = paged_write(past_key, key, self._cache_position, self._block_table)
         pool_value = paged_write(past_value, value, self._cache_position, self._block_table)
-        self.present[slot] = (pool_key, pool_value)
+        self.present[slot].update(key=pool_key, value=pool_value)
         return paged_view(pool_key, self._block_table), paged_view(pool_value, self._block_table)
+
+    def _past_state(self, layer_idx: int, name: str) -> torch.Tensor | None:
+        if self._past is None:
+            return None
+        slot = self._slot[layer_idx]
+        return self._past[slot][LAYER_STATES[self.kinds[slot]].index(name)]
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """The layer's convolution window ``[B, channels, kernel]`` (None in prefill: no previous state)."""
+        return self._past_state(layer_idx, "conv")
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """The layer's recurrent state (None in prefill: the layer starts from zeros)."""
+        return self._past_state(layer_idx, "recurrent")
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        """True: keeps a single-token decode on the layer's out-of-place convolution path."""
+        return True
+
+    def update_conv_state(
+        self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
+    ) -> torch.Tensor:
+        """``LinearAttentionLayer.update_conv_state`` without mutation: the new inputs ``[B, C, Q]``
+        behind the previous window (prefill: behind zeros, when Q is shorter than the kernel); the
+        present window is the last ``kernel`` columns; the layer convolves what is returned."""
+        slot = self._slot[layer_idx]
+        past = self._past_state(layer_idx, "conv")
+        if past is None:
+            kernel = kwargs.get("conv_kernel_size") or conv_states.shape[-1]
+            missing = kernel - conv_states.shape[-1]
+            full = nn.functional.pad(conv_states, (missing, 0)) if missing > 0 else conv_states
+        else:
+            kernel = past.shape[-1]
+            full = torch.cat([past, conv_states.to(past.dtype)], dim=-1)
+        self.present[slot]["conv"] = full[..., -kernel:]
+        return full
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
+    ) -> torch.Tensor:
+        """The layer's state after the new tokens becomes the present."""
+        self.present[self._slot[layer_idx]]["recurrent"] = recurrent_states
+        return recurrent_states
 
     @contextlib.contextmanager
     def routing_expand_kv(self, layers: Sequence[nn.Module]) -> Iterator[None]:
@@ -347,7 +421,7 @@ class StaticKVCache:
         if self.kv_layout != "expanded":
             yield
             return
-        attentions = [layer.self_attn for layer in layers]
+        attentions = [layer.self_attn for layer in layers if getattr(layer, "self_attn", None) is not None]
         for attn in attentions:
             attn.__dict__["expand_kv"] = functools.partial(self.expand_kv, attn)
         try:
@@ -357,11 +431,16 @@ class StaticKVCache:
                 attn.__dict__.pop("expand_kv", None)
 
     def flat_present(self) -> list[torch.Tensor]:
+        """Every layer's states in ABI order (``LAYER_STATES`` of its kind)."""
         flat: list[torch.Tensor] = []
-        for slot, entry in enumerate(self.present):
-            if entry is None:
-                raise RuntimeError(f"decoder layer in slot {slot} never wrote its KV cache")
-            flat += entry
+        for slot, (kind, written) in enumerate(zip(self.kinds, self.present, strict=True)):
+            names = LAYER_STATES[kind]
+            missing = [name for name in names if name not in written]
+            if missing:
+                raise RuntimeError(
+                    f"decoder layer in slot {slot} never wrote its {' and '.join(missing)} state"
+                )
+            flat += [written[name] for name in names]
         return flat
 
 
@@ -383,6 +462,7 @@ class _TextStack(nn.Module):
         embedding_ops: OpList = (),
         logit_ops: OpList = (),
         rope_layer_types: Sequence[str] | None = None,
+        layer_kinds: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
         if kv_layout not in KV_LAYOUTS:
@@ -398,7 +478,16 @@ class _TextStack(nn.Module):
         self.mla_attention = mla_attention
         self.embedding_ops = tuple(embedding_ops)
         self.logit_ops = tuple(logit_ops)
-        self.layer_ids = [layer.self_attn.layer_idx for layer in self.layers]
+        # each traced layer's kind (LAYER_STATES), by its position in the stack; None: all attention
+        self.kinds = [
+            layer_kinds[i] if layer_kinds is not None else "attention" for i in range(len(self.layers))
+        ]
+        unknown = sorted(set(self.kinds) - set(LAYER_STATES))
+        if unknown:
+            raise ValueError(f"unknown layer kind {unknown[0]!r}; valid: {', '.join(LAYER_STATES)}")
+        self.layer_ids = [
+            mixer_of(layer, kind).layer_idx for layer, kind in zip(self.layers, self.kinds, strict=True)
+        ]
         # sliding window of each traced layer (None: full attention), by the layer's own index
         windows = list(windows) if windows is not None else []
         self.windows = [windows[i] if i < len(windows) else None for i in self.layer_ids]
@@ -421,6 +510,7 @@ class _TextStack(nn.Module):
         embedding_ops: OpList = (),
         logit_ops: OpList = (),
         rope_layer_types: Sequence[str] | None = None,
+        layer_kinds: Sequence[str] | None = None,
         **extra: Any,
     ) -> _TextStack:
         """Wrap a transformers decoder model (``embed_tokens``/``layers``/``norm``/``rotary_emb``).
@@ -432,6 +522,7 @@ class _TextStack(nn.Module):
         ``embedding_ops``/``logit_ops`` are the family's math outside the layers (``apply_ops``);
         ``rope_layer_types`` each layer's type for a rotary embedding that takes one (``rotary_emb(x,
         position_ids, layer_type)``: Gemma-3, OLMo-3), indexed by layer;
+        ``layer_kinds`` each layer's kind (``LAYER_STATES``: ``attention`` or ``linear``), indexed by layer;
         ``extra`` goes to the wrapper's constructor (``image_token_id`` of ``MultimodalPrefillWrapper``).
         """
         layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
@@ -450,6 +541,7 @@ class _TextStack(nn.Module):
             embedding_ops=embedding_ops,
             logit_ops=logit_ops,
             rope_layer_types=rope_layer_types,
+            layer_kinds=layer_kinds,
             **extra,
         )
 
@@ -458,7 +550,7 @@ class _TextStack(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
-        cache: StaticKVCache,
+        cache: StaticStateCache,
     ) -> tuple[torch.Tensor, ...]:
         return self._stack(self.embed_tokens(input_ids), attention_mask, position_ids, cache)
 
@@ -467,7 +559,7 @@ class _TextStack(nn.Module):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
-        cache: StaticKVCache,
+        cache: StaticStateCache,
     ) -> tuple[torch.Tensor, ...]:
         """The layers, final norm and LM head over input embeddings ``hidden_states`` ``[B, Q, hidden]``."""
         hidden_states = apply_ops(hidden_states, self.embedding_ops)
@@ -479,20 +571,28 @@ class _TextStack(nn.Module):
                 for t in dict.fromkeys(self.rope_layer_types)
             }
             position_embeddings = [by_type[t] for t in self.rope_layer_types]
-        masks = {
+        masks: dict[int | None, torch.Tensor | None] = {
             window: attention_mask
             if window is None
             else sliding_window_mask(attention_mask, position_ids, window)
-            for window in dict.fromkeys(self.windows)  # first-use order: deterministic graphs
+            for window, kind in zip(
+                self.windows, self.kinds, strict=True
+            )  # first-use order: deterministic graphs
+            if kind == "attention"
         }
+        # a linear layer's state takes every token it is given: no mask (the contract refuses padding)
+        layer_masks = [
+            masks[window] if kind == "attention" else None
+            for window, kind in zip(self.windows, self.kinds, strict=True)
+        ]
         with (
             cache.routing_expand_kv(self.layers),
             absorbing_mla(self.layers, self.mla_attention, self.cache_keyword),
         ):
-            for layer, window, embeddings in zip(self.layers, self.windows, position_embeddings, strict=True):
+            for layer, mask, embeddings in zip(self.layers, layer_masks, position_embeddings, strict=True):
                 hidden_states = layer(
                     hidden_states,
-                    attention_mask=masks[window],
+                    attention_mask=mask,
                     position_ids=position_ids,
                     use_cache=True,
                     position_embeddings=embeddings,
@@ -508,7 +608,7 @@ class PrefillWrapper(_TextStack):
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        cache = StaticKVCache(self.kv_layout, self.layer_ids)
+        cache = StaticStateCache(self.kv_layout, self.layer_ids, kinds=self.kinds)
         return self._run(input_ids, attention_mask, position_ids, cache)
 
 
@@ -557,7 +657,7 @@ class MultimodalPrefillWrapper(_TextStack):
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        cache = StaticKVCache(self.kv_layout, self.layer_ids)
+        cache = StaticStateCache(self.kv_layout, self.layer_ids, kinds=self.kinds)
         hidden_states = merge_image_features(
             self.embed_tokens, input_ids, image_features, self.image_token_id
         )
@@ -586,13 +686,15 @@ class DecodeWrapper(_TextStack):
         cache_position: torch.Tensor,
         *tensors: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        block_table, past_key_values = (tensors[0], tensors[1:]) if self.paged else (None, tensors)
-        if len(past_key_values) != 2 * len(self.layers):
-            raise ValueError(
-                f"expected {2 * len(self.layers)} past key/value tensors, got {len(past_key_values)}"
-            )
-        past = [(past_key_values[2 * i], past_key_values[2 * i + 1]) for i in range(len(self.layers))]
-        cache = StaticKVCache(self.kv_layout, self.layer_ids, past, cache_position, block_table)
+        block_table, past_states = (tensors[0], tensors[1:]) if self.paged else (None, tensors)
+        counts = [len(LAYER_STATES[kind]) for kind in self.kinds]
+        if len(past_states) != sum(counts):
+            raise ValueError(f"expected {sum(counts)} past state tensors, got {len(past_states)}")
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        past = [tuple(past_states[start : start + n]) for start, n in zip(starts, counts, strict=True)]
+        cache = StaticStateCache(
+            self.kv_layout, self.layer_ids, past, cache_position, block_table, kinds=self.kinds
+        )
         return self._run(input_ids, attention_mask, position_ids, cache)
 
 
@@ -622,6 +724,21 @@ def multimodal_prefill_inputs(
     return input_ids, features, mask, positions
 
 
+# Per request, the shape (without the batch) and dtype name of a linear layer's conv and recurrent
+# state, as ``upstream.LayerProtocol.linear_states`` observed them.
+LinearStates = tuple[tuple[tuple[int, ...], str], tuple[tuple[int, ...], str]]
+
+
+def linear_state_zeros(
+    linear_states: LinearStates, batch: int, device: str | torch.device
+) -> list[torch.Tensor]:
+    """A linear layer's conv and recurrent states for ``batch`` rows before any token: zeros."""
+    return [
+        torch.zeros((batch, *shape), dtype=getattr(torch, dtype), device=device)
+        for shape, dtype in linear_states
+    ]
+
+
 def decode_inputs(
     kv_dims: KVDims,
     *,
@@ -632,11 +749,15 @@ def decode_inputs(
     dtype: torch.dtype,
     device: str | torch.device = "meta",
     paged: tuple[int, int] | None = None,
+    kinds: Sequence[str] | None = None,
+    linear_states: LinearStates | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Example decode inputs for the token at ``position`` in every row, with zeroed caches.
 
     ``paged`` ``(block_size, num_blocks)``: a block table giving row ``b`` blocks ``b * blocks ...``
-    and zeroed pools ``[num_blocks, block_size, heads, dim]`` instead of per-row caches.
+    and zeroed pools ``[num_blocks, block_size, heads, dim]`` instead of per-row caches. ``kinds``
+    gives each layer's kind (None: all attention); a ``linear`` layer takes its zeroed
+    ``linear_states`` per row instead (never paged).
     """
     positions = torch.full((batch, 1), position, dtype=torch.long, device=device)
     if paged is None:
@@ -648,7 +769,11 @@ def decode_inputs(
         blocks = max_cache_len // block_size
         table = (torch.arange(batch * blocks, device=device).remainder(num_blocks).view(batch, blocks),)
     past: list[torch.Tensor] = []
-    for _ in range(num_layers):
+    for kind in kinds if kinds is not None else ["attention"] * num_layers:
+        if kind == "linear":
+            assert linear_states is not None, "a linear layer needs its linear_states"
+            past += linear_state_zeros(linear_states, batch, device)
+            continue
         past += [
             torch.zeros(key_shape, dtype=dtype, device=device),
             torch.zeros(value_shape, dtype=dtype, device=device),
@@ -671,10 +796,16 @@ def paged_shapes(
     return (num_blocks, block_size, key_heads, key_dim), (num_blocks, block_size, value_heads, value_dim)
 
 
-def place_prefill_kv(present: Sequence[torch.Tensor], max_cache_len: int) -> list[torch.Tensor]:
-    """Decode cache from prefill outputs: ``zeros.index_copy(2, arange(prefill_len), present)``."""
+def place_prefill_kv(
+    present: Sequence[torch.Tensor], max_cache_len: int, kinds: Sequence[str] | None = None
+) -> list[torch.Tensor]:
+    """Decode cache from prefill outputs: ``zeros.index_copy(2, arange(prefill_len), present)``; a
+    linear layer's states (``kinds``, None: all attention) are the decode inputs as they are."""
     placed = []
-    for tensor in present:
+    for tensor, kind in zip(present, flat_state_kinds(kinds, len(present)), strict=True):
+        if kind == "linear":
+            placed.append(tensor)
+            continue
         shape = (*tensor.shape[:2], max_cache_len, *tensor.shape[3:])
         positions = torch.arange(tensor.shape[2], device=tensor.device)
         placed.append(
@@ -683,18 +814,32 @@ def place_prefill_kv(present: Sequence[torch.Tensor], max_cache_len: int) -> lis
     return placed
 
 
+def flat_state_kinds(kinds: Sequence[str] | None, count: int) -> list[str]:
+    """The kind of each flat state tensor, from each layer's kind (None: all attention)."""
+    if kinds is None:
+        return ["attention"] * count
+    return [kind for kind in kinds for _ in LAYER_STATES[kind]]
+
+
 def place_prefill_kv_paged(
     present: Sequence[torch.Tensor],
     block_table: torch.Tensor,
     lengths: torch.Tensor,
     pool_shapes: Sequence[Sequence[int]],
+    kinds: Sequence[str] | None = None,
 ) -> list[torch.Tensor]:
     """Decode block pools from prefill outputs (``kv_cache: paged``): row ``b``'s positions
     ``0..lengths[b]-1`` written to their slots by the slot rule, the rest of each pool zeros.
+    ``pool_shapes`` gives each attention state's pool; a linear layer's states (``kinds``) stay per row.
 
     Pad positions are not written: their slots may be in blocks another row owns."""
     pools = []
-    for tensor, shape in zip(present, pool_shapes, strict=True):
+    attention_shapes = iter(pool_shapes)
+    for tensor, kind in zip(present, flat_state_kinds(kinds, len(present)), strict=True):
+        if kind == "linear":
+            pools.append(tensor)
+            continue
+        shape = next(attention_shapes)
         num_blocks, block_size, heads, dim = shape
         flat = torch.zeros(num_blocks * block_size, heads, dim, dtype=tensor.dtype, device=tensor.device)
         for row in range(tensor.shape[0]):
@@ -722,6 +867,32 @@ KV_CONTENTS = {
         "MLA keys per head, [k_nope from kv_b_proj | rope'd shared key]: [batch, heads, slot, qk_head_dim]",
         "MLA values per head from kv_b_proj: [batch, heads, slot, v_head_dim]",
     ),
+}
+
+
+# What a runtime does with a linear-attention / SSM layer's fixed-size states (the state mapping's
+# contract says it, so a runtime needs no code). vLLM keeps one such slot per request beside its paged
+# attention blocks; here a row of the batch is that slot.
+LINEAR_STATE_CONTENTS = {
+    "conv": "the layer's causal depthwise convolution window: the inputs of the last kernel tokens, "
+    "[batch, channels, kernel], the newest in the last column (zeros before the prompt's first token)",
+    "recurrent": "the layer's linear-attention / SSM recurrent state after the last token, [batch, ...], "
+    "in its own dtype (the reference kernels keep it in float32 whatever the ABI dtype)",
+}
+LINEAR_STATE_RULES = {
+    "initial": "no input: a request's prefill starts from zero state and returns the state after its prompt",
+    "prefill_to_decode": "the prefill output is the decode input as it is (same shape, no placement, no "
+    "sequence dimension)",
+    "decode_update": "each decode step returns every row's state after its token; the outputs replace the "
+    "inputs",
+    "ragged": "rows are independent and no position enters these states, so rows may decode at different "
+    "positions in one step. A prefill row's state takes every token it is given, pads included: prompts "
+    "of different lengths are prefilled in separate calls (batch 1, or one call per length), never padded",
+    "paged": "never paged: with kv_cache paged the attention layers use the block pools and these states "
+    "stay one row per request ([batch, ...]), the request's slot",
+    "finished_request": "its row is free: nothing to clear, the next request's prefill output replaces it",
+    "joining_request": "a new request takes a free row: write its prefill outputs into that row; the other "
+    "rows are untouched",
 }
 
 
@@ -776,10 +947,12 @@ def kv_contract(
     dynamic: dict[str, tuple[int, int]] | None = None,
     paged: PagedKV | None = None,
     batch: int = 1,
+    linear: bool = False,
 ) -> dict[str, Any]:
     """Everything a runtime needs besides the graphs: cache semantics, masks, positions, capacity,
-    with ``dynamic`` sizes (``{"prefill_len": (1, 64)}``) how to bind them, and with ``paged`` the
-    block pool and block table (``batch`` rows, or the dynamic ``batch``).
+    with ``dynamic`` sizes (``{"prefill_len": (1, 64)}``) how to bind them, with ``paged`` the
+    block pool and block table (``batch`` rows, or the dynamic ``batch``), and with ``linear`` (the
+    stack has linear-attention / SSM layers) what their fixed-size states hold and the rules for them.
 
     Version 3: ``cache_position`` is ``[batch]`` (one position per row) and the optional paged cache;
     version 2 graphs took one ``[1]`` position for the whole batch."""
@@ -825,7 +998,16 @@ def kv_contract(
             "sliding_windows": "layers with a window also hide k <= p - window; the graph adds that itself "
             "from position_ids, the caller passes one causal mask for every layer",
         },
-        "padding": {"supported": "right", "rule": padding},
+        "padding": (
+            {"supported": "right", "rule": padding}
+            if not linear
+            else {
+                "supported": "none",
+                "rule": "the linear layers' states take every token of a prefill row, so a prompt is never "
+                "padded: prefill prompts of different lengths in separate calls (see linear_states.ragged); "
+                "rows then decode together, each at its own position",
+            }
+        ),
         "capacity": {
             "max_position": max_cache_len - 1,
             "rule": f"positions 0..{max_cache_len - 1}; a token at position >= max_cache_len has no slot "
@@ -836,6 +1018,12 @@ def kv_contract(
         contract["dynamic"] = {
             "sizes": {name: list(bounds) for name, bounds in dynamic.items()},
             "rule": DYNAMIC_RULE,
+        }
+    if linear:
+        contract["linear_states"] = {
+            "conv": {"holds": LINEAR_STATE_CONTENTS["conv"]},
+            "recurrent": {"holds": LINEAR_STATE_CONTENTS["recurrent"]},
+            **LINEAR_STATE_RULES,
         }
     if paged is not None:
         contract["paged"] = paged.contract(max_cache_len, "batch" if "batch" in dynamic else batch)
@@ -859,6 +1047,8 @@ def build_kv_mapping(
     mla_attention: str = "reexpand",
     dynamic: dict[str, tuple[int, int]] | None = None,
     paged: PagedKV | None = None,
+    kinds: Sequence[str] | None = None,
+    linear_states: LinearStates | None = None,
 ) -> dict[str, Any]:
     """How prefill KV outputs become decode KV inputs, layer by layer.
 
@@ -867,6 +1057,9 @@ def build_kv_mapping(
     ``mla_attention`` is recorded only when it is not the default ``reexpand`` (the cache is the same).
     ``dynamic`` sizes (``{"batch": (1, 8)}``) appear in shapes by name, with their ranges.
     ``paged``: the decode KV tensors are block pools (``kv_cache: paged``), the contract says how.
+    ``kinds`` gives each layer's kind (None: all attention); a ``linear`` layer's entry names its conv
+    and recurrent states (``names`` ``prefill_conv``/``decode_conv_in``/... templates) with the shapes
+    and dtypes of ``linear_states``, and the contract says how a runtime carries them.
     """
     dynamic = dynamic or {}
     batch_dim: int | str = "batch" if "batch" in dynamic else batch
@@ -878,14 +1071,30 @@ def build_kv_mapping(
         else paged_shapes(kv_dims, paged.block_size, paged.num_blocks)
     )
 
-    def tensor(role: str, layer: int, shape: tuple[int, ...]) -> dict[str, Any]:
-        return {"name": names[role].format(layer=layer), "shape": list(shape), "dtype": dtype}
+    def tensor(role: str, layer: int, shape: tuple[int | str, ...], kind: str = dtype) -> dict[str, Any]:
+        return {"name": names[role].format(layer=layer), "shape": list(shape), "dtype": kind}
 
-    layers = []
-    for layer in range(num_layers):
+    kinds = list(kinds) if kinds is not None else ["attention"] * num_layers
+    hybrid = "linear" in kinds
+    layers: list[dict[str, Any]] = []
+    for layer, kind in enumerate(kinds):
+        if kind == "linear":
+            assert linear_states is not None, "a linear layer needs its linear_states"
+            entry: dict[str, Any] = {"layer": layer, "kind": "linear"}
+            for state, (shape, state_dtype) in zip(LAYER_STATES["linear"], linear_states, strict=True):
+                full = (batch_dim, *shape)
+                for role, key in (
+                    ("prefill_{}", "prefill_{}_output"),
+                    ("decode_{}_in", "decode_{}_input"),
+                    ("decode_{}_out", "decode_{}_output"),
+                ):
+                    entry[key.format(state)] = tensor(role.format(state), layer, full, state_dtype)
+            layers.append(entry)
+            continue
         layers.append(
             {
                 "layer": layer,
+                **({"kind": "attention"} if hybrid else {}),
                 "prefill_key_output": tensor("prefill_key", layer, prefill_shapes[0]),
                 "prefill_value_output": tensor("prefill_value", layer, prefill_shapes[1]),
                 "decode_key_input": tensor("decode_key_in", layer, decode_shapes[0]),
@@ -905,6 +1114,7 @@ def build_kv_mapping(
             dynamic=dynamic,
             paged=paged,
             batch=batch,
+            linear=hybrid,
         ),
         "kv_cache": "contiguous" if paged is None else "paged",
         "batch": batch,
@@ -1181,6 +1391,30 @@ def _probe_cache_update() -> str:
     return _describe(update, "Cache.update")
 
 
+# Cache's linear-attention API (transformers 5.23+): name -> its leading parameters after ``self``
+LINEAR_CACHE_METHODS = {
+    "get_conv_state": ("layer_idx", "state_idx"),
+    "update_conv_state": ("conv_states", "layer_idx", "state_idx"),
+    "get_recurrent_state": ("layer_idx", "state_idx"),
+    "update_recurrent_state": ("recurrent_states", "layer_idx", "state_idx"),
+    "is_recording_past": ("layer_idx",),
+}
+
+
+def _probe_linear_attention_cache() -> str:
+    expected = ", ".join(
+        f"Cache.{name}({', '.join(params)}, ...)" for name, params in LINEAR_CACHE_METHODS.items()
+    )
+    cache = _attr("transformers.cache_utils", "Cache", expected)
+    for name, params in LINEAR_CACHE_METHODS.items():
+        method = getattr(cache, name, None)
+        if method is None:
+            raise _Moved(expected, f"Cache has no {name}")
+        if not _leading_parameters(method, params)[0]:
+            raise _Moved(expected, _describe(method, f"Cache.{name}"))
+    return "Cache." + ", ".join(LINEAR_CACHE_METHODS)
+
+
 def _probe_dtype_plan() -> str:
     expected = "PreTrainedModel._get_dtype_plan(dtype) and core_model_loading.build_glob_alternation(globs)"
     model = _attr("transformers.modeling_utils", "PreTrainedModel", expected)
@@ -1427,6 +1661,18 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
         "key/value states (MLA: the latents) and attends over what it returns",
         ("extraction", "generated modules"),
         _probe_cache_update,
+    ),
+    ContactPoint(
+        "linear_attention_cache",
+        "transformers.cache_utils.Cache.get_conv_state/update_conv_state/get_recurrent_state/"
+        "update_recurrent_state/is_recording_past",
+        "the linear-attention cache API: get_*_state(layer_idx) is None before the first update, "
+        "update_conv_state returns the window plus the new inputs, is_recording_past selects the "
+        "out-of-place decode path",
+        "kadapt's static cache stands in for Cache in linear-attention / SSM layers: they read their conv "
+        "and recurrent states from it and hand it the new ones",
+        ("extraction (hybrid stacks)", "generated modules"),
+        _probe_linear_attention_cache,
     ),
     ContactPoint(
         "loader_dtype_plan",
@@ -1687,11 +1933,14 @@ CACHE_KEYWORDS = ("cache", "past_key_values")  # newest first: 5.24 renamed past
 
 class LayerProtocol(NamedTuple):
     """How a model's decoder layers take kadapt's cache (what the ABI wrappers call them with), and
-    what they cache per token: ``((key_heads, key_dim), (value_heads, value_dim))`` of what the
-    attention hands to ``update`` (per-head K/V; MLA: its latents)."""
+    what they cache: attention layers per token ``((key_heads, key_dim), (value_heads, value_dim))`` of
+    what the attention hands to ``update`` (per-head K/V; MLA: its latents; None: no attention layer);
+    linear-attention / SSM layers per request ``linear_states``: the conv window's and the recurrent
+    state's shape (without the batch) and dtype, as the layer handed them over."""
 
     cache_keyword: str
-    kv_dims: tuple[tuple[int, int], tuple[int, int]]
+    kv_dims: tuple[tuple[int, int], tuple[int, int]] | None
+    linear_states: tuple[tuple[tuple[int, ...], str], tuple[tuple[int, ...], str]] | None = None
 
 
 class _UpdateCall:
@@ -1714,21 +1963,58 @@ class _UpdateCall:
 
 
 class _RecordingCache:
-    """The ABI cache's protocol (``update`` only), recording each call and each other attribute asked for."""
+    """The ABI cache's protocol for one layer kind, recording each call and each other attribute asked for.
 
-    def __init__(self) -> None:
+    ``attention``: ``update`` only. ``linear``: the linear-attention API a prefill uses (no previous
+    state: ``get_*_state`` return None), each state update recorded with the layer index it names."""
+
+    def __init__(self, kind: str = "attention") -> None:
+        self.kind = kind
         self.calls: list[_UpdateCall] = []
         self.missing: list[str] = []
+        self.linear: dict[str, tuple[Any, Any]] = {}  # method -> (layer_idx, tensor or kernel)
 
     def update(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        if self.kind != "attention":
+            return self.__getattr__("update")
         call = _UpdateCall(args, kwargs)
         self.calls.append(call)
         key, value, _ = call.states()
         return key, value
 
+    def _linear_call(self, name: str, layer_idx: Any, value: Any) -> None:
+        if self.kind != "linear":
+            self.__getattr__(name)
+        self.linear[name] = (layer_idx, value)
+
+    def get_conv_state(self, layer_idx: Any, state_idx: int = 0) -> None:
+        self._linear_call("get_conv_state", layer_idx, None)
+
+    def get_recurrent_state(self, layer_idx: Any, state_idx: int = 0) -> None:
+        self._linear_call("get_recurrent_state", layer_idx, None)
+
+    def is_recording_past(self, layer_idx: Any) -> bool:
+        self._linear_call("is_recording_past", layer_idx, None)
+        return True
+
+    def update_conv_state(self, conv_states: Any, layer_idx: Any, state_idx: int = 0, **kwargs: Any) -> Any:
+        import torch
+
+        kernel = kwargs.get("conv_kernel_size")
+        self._linear_call("update_conv_state", layer_idx, (conv_states, kernel))
+        if isinstance(kernel, int) and conv_states.shape[-1] < kernel:
+            conv_states = torch.nn.functional.pad(conv_states, (kernel - conv_states.shape[-1], 0))
+        return conv_states
+
+    def update_recurrent_state(
+        self, recurrent_states: Any, layer_idx: Any, state_idx: int = 0, **kw: Any
+    ) -> Any:
+        self._linear_call("update_recurrent_state", layer_idx, recurrent_states)
+        return recurrent_states
+
     def __getattr__(self, name: str) -> Any:
         self.missing.append(name)
-        raise AttributeError(f"kadapt's static KV cache has no {name!r}")
+        raise AttributeError(f"kadapt's static cache has no {name!r} for {self.kind} layers")
 
 
 def cache_keyword(layer: Any) -> str:
@@ -1741,10 +2027,12 @@ def cache_keyword(layer: Any) -> str:
 
 
 def _layer_key(layer: Any) -> tuple[Any, ...]:
-    """A layer's structure: its module classes and parameter shapes (layers of one class can differ in
-    size: MiMo-V2-Flash's sliding layers have other KV heads)."""
+    """A layer's structure: its module classes and parameter shapes and dtypes (layers of one class can
+    differ in size: MiMo-V2-Flash's sliding layers have other KV heads; a linear layer's conv state
+    has the dtype the layer runs in)."""
     return tuple(
-        (type(m), tuple(tuple(p.shape) for p in m.parameters(recurse=False))) for m in layer.modules()
+        (type(m), tuple((tuple(p.shape), p.dtype) for p in m.parameters(recurse=False)))
+        for m in layer.modules()
     )
 
 
@@ -1752,34 +2040,44 @@ _protocols: dict[tuple[Any, ...], LayerProtocol] = {}
 
 
 def probe_decoder_layers(
-    layers: Sequence[Any], rotary_emb: Any, layer_types: Sequence[str] | None = None
+    layers: Sequence[Any],
+    rotary_emb: Any,
+    layer_types: Sequence[str] | None = None,
+    kinds: Sequence[str] | None = None,
 ) -> LayerProtocol:
     """Call one layer of each structure in ``layers`` with a recording cache; their shared protocol.
 
-    Checked: the layer accepts the cache under ``cache_keyword``, its attention calls
-    ``update(key_states, value_states, layer_idx, ...)`` exactly once with its own ``layer_idx`` and
-    uses nothing else of the cache, the layer returns the hidden states tensor, and the rotary
-    embedding returns ``(cos, sin)`` (given the layer's type from ``layer_types`` when it takes one).
-    Runs on the layers' own device: free on meta, tiny elsewhere.
+    ``kinds`` gives each layer's kind (``attention``, or ``linear`` for a linear-attention / SSM mixer;
+    None: every layer is attention). Checked: the layer accepts the cache under ``cache_keyword``; an
+    attention layer calls ``update(key_states, value_states, layer_idx, ...)`` exactly once with its own
+    ``layer_idx``, a linear layer reads and updates its conv and recurrent states once each under its
+    own ``layer_idx``, and neither uses anything else of the cache; the layer returns the hidden states
+    tensor; the rotary embedding returns ``(cos, sin)`` (given the layer's type from ``layer_types``
+    when it takes one). Runs on the layers' own device: free on meta, tiny elsewhere.
     """
     import torch
 
     protocols = []
     for index, layer in enumerate(layers):
-        key = _layer_key(layer)
+        kind = kinds[index] if kinds is not None else "attention"
+        key = (kind, *_layer_key(layer))
         if key not in _protocols:
             layer_type = layer_types[index] if layer_types is not None else None
             with torch.no_grad():
-                _protocols[key] = _probe_layer(layer, rotary_emb, layer_type)
+                _protocols[key] = _probe_layer(layer, rotary_emb, layer_type, kind, index)
         protocols.append(_protocols[key])
-    kv_dims = {p.kv_dims for p in protocols}
-    if len(kv_dims) > 1:
-        _unsupported(
-            "per-layer-config",
-            "the decoder layers",
-            "one KV shape per token for every layer (the ABI's cache has one)",
-            f"the layers cache {sorted(kv_dims)} ((heads, dim) of key and value)",
-        )
+    for field, what in (
+        ("kv_dims", "one KV shape per token for every attention layer (the ABI's cache has one)"),
+        ("linear_states", "one conv and recurrent state shape for every linear layer"),
+    ):
+        seen = {getattr(p, field) for p in protocols} - {None}
+        if len(seen) > 1:
+            _unsupported(
+                "per-layer-config",
+                "the decoder layers",
+                what,
+                f"the layers cache {sorted(seen)}",
+            )
     keywords = {p.cache_keyword for p in protocols}
     if len(keywords) != 1:
         _unsupported(
@@ -1788,7 +2086,11 @@ def probe_decoder_layers(
             "one cache keyword for every decoder layer",
             f"decoder layers take the cache as {sorted(keywords) or 'nothing (no layers)'}",
         )
-    return protocols[0]
+
+    def first(field: str) -> Any:
+        return next((getattr(p, field) for p in protocols if getattr(p, field) is not None), None)
+
+    return LayerProtocol(protocols[0].cache_keyword, first("kv_dims"), first("linear_states"))
 
 
 def rope_layer_types(language_model: Any) -> tuple[str, ...] | None:
@@ -1807,10 +2109,11 @@ def rope_layer_types(language_model: Any) -> tuple[str, ...] | None:
     return tuple(types[: language_model.config.num_hidden_layers])
 
 
-def decoder_protocol(language_model: Any) -> LayerProtocol:
-    """``probe_decoder_layers`` over a transformers decoder model (``layers``, ``rotary_emb``)."""
+def decoder_protocol(language_model: Any, kinds: Sequence[str] | None = None) -> LayerProtocol:
+    """``probe_decoder_layers`` over a transformers decoder model (``layers``, ``rotary_emb``), its
+    layers of ``kinds`` (by layer; None: every layer is attention)."""
     layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
-    return probe_decoder_layers(layers, language_model.rotary_emb, rope_layer_types(language_model))
+    return probe_decoder_layers(layers, language_model.rotary_emb, rope_layer_types(language_model), kinds)
 
 
 def forget() -> None:
@@ -1821,17 +2124,22 @@ def forget() -> None:
     _protocols.clear()
 
 
-def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None) -> LayerProtocol:
+def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str, index: int) -> LayerProtocol:
     import torch
 
-    expected = BY_NAME["cache_update"].expected
+    expected = BY_NAME["cache_update" if kind == "attention" else "linear_attention_cache"].expected
     layer_name = type(layer).__name__
     attention = getattr(layer, "self_attn", None)
     layer_idx = getattr(attention, "layer_idx", None)
     parameter = next(layer.parameters())
     hidden = torch.zeros(1, 2, _hidden_size(layer), dtype=parameter.dtype, device=parameter.device)
     positions = torch.arange(2, device=parameter.device).unsqueeze(0)
-    mask = torch.zeros(1, 1, 2, 2, dtype=parameter.dtype, device=parameter.device)
+    # a linear layer's state takes every token it is given: the wrappers hand it no mask
+    mask = (
+        torch.zeros(1, 1, 2, 2, dtype=parameter.dtype, device=parameter.device)
+        if kind == "attention"
+        else None
+    )
     try:
         embeddings = (
             rotary_emb(hidden, positions) if layer_type is None else rotary_emb(hidden, positions, layer_type)
@@ -1851,7 +2159,7 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None) -> LayerPr
             f"{type(rotary_emb).__name__} returns {type(embeddings).__name__}",
         )
     keyword = cache_keyword(layer)
-    cache = _RecordingCache()
+    cache = _RecordingCache(kind)
     failure: Exception | None = None
     try:
         out = layer(
@@ -1892,6 +2200,8 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None) -> LayerPr
             f"{layer_name} runs on the {parameter.device.type} device with the ABI's inputs",
             f"{type(failure).__name__}: {' '.join(str(failure).split())[:300]}",
         )
+    if kind == "linear":
+        return _linear_protocol(layer_name, keyword, cache, index, out, hidden)
     if len(cache.calls) != 1:
         _unsupported(
             "cache-protocol",
@@ -1910,14 +2220,70 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None) -> LayerPr
     return LayerProtocol(keyword, ((key.shape[1], key.shape[-1]), (value.shape[1], value.shape[-1])))
 
 
-def _unsupported(code: str, layer: str, expected: str, found: str) -> None:
-    point = BY_NAME["cache_update"]
+def _linear_protocol(
+    layer_name: str, keyword: str, cache: _RecordingCache, index: int, out: Any, hidden: Any
+) -> LayerProtocol:
+    """A linear layer's states from its recorded prefill: it updated its conv window (giving the kernel)
+    and its recurrent state under its own index and returned the hidden states."""
+    import torch
+
+    for name in ("update_conv_state", "update_recurrent_state"):
+        layer_idx, _ = cache.linear.get(name, (None, None))
+        if layer_idx != index:
+            found = "never calls it" if name not in cache.linear else f"calls it with layer_idx={layer_idx!r}"
+            _unsupported(
+                "cache-protocol",
+                layer_name,
+                f"{layer_name}(..., {keyword}=cache) calls cache.{name}(..., layer_idx={index}) once",
+                f"{layer_name} {found}",
+                point="linear_attention_cache",
+            )
+    conv, kernel = cache.linear["update_conv_state"][1]
+    recurrent = cache.linear["update_recurrent_state"][1]
+    if not (isinstance(conv, torch.Tensor) and conv.dim() == 3 and isinstance(kernel, int) and kernel > 0):
+        _unsupported(
+            "cache-protocol",
+            layer_name,
+            "update_conv_state(inputs [batch, channels, tokens], layer_idx, conv_kernel_size=int)",
+            f"{layer_name} hands over {type(conv).__name__} with conv_kernel_size={kernel!r}",
+            point="linear_attention_cache",
+        )
+    if not isinstance(recurrent, torch.Tensor) or not (
+        isinstance(out, torch.Tensor) and out.shape == hidden.shape
+    ):
+        _unsupported(
+            "cache-protocol",
+            layer_name,
+            "a recurrent state tensor, and the hidden states tensor returned",
+            f"state {type(recurrent).__name__}, returns {type(out).__name__}",
+            point="linear_attention_cache",
+        )
+    states = (
+        ((int(conv.shape[1]), kernel), str(conv.dtype).removeprefix("torch.")),
+        (tuple(int(d) for d in recurrent.shape[1:]), str(recurrent.dtype).removeprefix("torch.")),
+    )
+    return LayerProtocol(keyword, None, states)
+
+
+def _unsupported(code: str, layer: str, expected: str, found: str, *, point: str = "cache_update") -> None:
+    point = BY_NAME[point]
     raise LayersUnsupported(code, layer, Finding(point.name, point.symbol, False, found, expected))
 
 
 def _hidden_size(layer: Any) -> int:
+    """The width a layer takes: its (attention's) config's, else the first module that states one (a
+    linear-attention mixer keeps ``hidden_size`` but no config)."""
     config = getattr(getattr(layer, "self_attn", None), "config", None) or getattr(layer, "config", None)
-    return int(config.hidden_size)
+    if config is not None:
+        return int(config.hidden_size)
+    for module in layer.modules():
+        size = getattr(module, "hidden_size", None)
+        if isinstance(size, int):
+            return size
+    _unsupported(
+        "cache-protocol", type(layer).__name__, "a layer whose config or mixer states hidden_size", "none"
+    )
+    raise AssertionError("unreachable")
 
 # fmt: on
 

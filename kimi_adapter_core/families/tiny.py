@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..structure.derive import pattern_period, shorten_layers
+from ..structure.layer_pattern import pattern_period, shorten_layers
 
 MAX_LAYERS = 8
 # config key -> tiny value, set where the default config has the key with a value

@@ -83,6 +83,10 @@ def write_spec(folder: Path, model_type: str, config: dict[str, Any], paths: dic
     (folder / model_type).mkdir(parents=True, exist_ok=True)
     (folder / model_type / "config.json").write_text(json.dumps(config, default=str))
     abi_config = "  config: text_config\n" if isinstance(config.get("text_config"), dict) else ""
+    text = config["text_config"] if isinstance(config.get("text_config"), dict) else config
+    # a stack with linear-attention layers names their conv and recurrent states too, as a user writes
+    linear = "linear_attention" in (text.get("layer_types") or [])
+    states, past = (', "c.{layer}", "r.{layer}"', ', "pc.{layer}", "pr.{layer}"') if linear else ("", "")
     spec = folder / f"{model_type.replace('-', '_')}.yaml"
     spec.write_text(
         textwrap.dedent(
@@ -111,13 +115,13 @@ def write_spec(folder: Path, model_type: str, config: dict[str, Any], paths: dic
                 dtype: float32
                 prefill:
                   inputs: [input_ids, attention_mask, position_ids]
-                  outputs: [logits, "k.{layer}", "v.{layer}"]
+                  outputs: [logits, "k.{layer}", "v.{layer}"STATES]
                 decode:
                   inputs: [input_ids, attention_mask, position_ids, cache_position,
-                           "pk.{layer}", "pv.{layer}"]
-                  outputs: [logits, "k.{layer}", "v.{layer}"]
+                           "pk.{layer}", "pv.{layer}"PAST]
+                  outputs: [logits, "k.{layer}", "v.{layer}"STATES]
                 """
-            ),
+            ).replace("STATES", states).replace("PAST", past),
             "  ",
         )
     )

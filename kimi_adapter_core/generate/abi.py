@@ -14,16 +14,12 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from ..backends.extraction.options import (
-    DECODE_FIXED,
-    PREFILL_FIXED,
-    GraphNames,
-    abi_graph_names,
-    spec_paged,
-)
+from ..backends.extraction.names import DECODE_FIXED, PREFILL_FIXED, GraphNames
+from ..backends.extraction.options import abi_graph_names, spec_paged
 from ..backends.extraction.runtime import abi as runtime
 from ..config.bridges import apply_bridges
 from ..config.source import resolve_source
+from ..errors import Refusal
 from ..patching.ledger import Ledger
 from ..spec.model import Spec
 from ..structure.kv_layout import resolve_kv_layout as options_resolve_kv_layout
@@ -75,8 +71,18 @@ def bridged_config(spec: Spec) -> dict[str, Any]:
 
 
 def structure(spec: Spec) -> ModelStructure:
-    """The text backbone's structure, as the extraction backend sees it (extraction bridges applied)."""
-    return structure_of_raw(spec, bridged_config(spec))
+    """The text backbone's structure, as the extraction backend sees it (extraction bridges applied).
+    A hybrid stack is refused: the generated module does not carry linear-attention states yet."""
+    found = structure_of_raw(spec, bridged_config(spec))
+    if found.linear is not None:
+        raise Refusal(
+            "hybrid",
+            f"{len(found.linear_layer_ids)} of the {found.num_layers} layers are linear attention: the "
+            "generated extraction module does not carry their conv and recurrent states yet (kadapt apply "
+            "does)",
+            location=spec.locate("gate"),
+        )
+    return found
 
 
 def resolve_kv_layout(spec: Spec, found: ModelStructure) -> tuple[str, str | None]:

@@ -21,7 +21,8 @@ from typing import Any
 
 from .. import __version__, upstream
 from ..backends.extraction.ir import encoding
-from ..backends.extraction.options import abi_graph_names, kv_names, spec_paged
+from ..backends.extraction.names import kv_names
+from ..backends.extraction.options import abi_graph_names, spec_paged
 from ..backends.extraction.runtime import abi as runtime
 from ..checkpoint import dtypes
 from ..config.source import resolve_source

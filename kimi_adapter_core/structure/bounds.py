@@ -40,6 +40,8 @@ MAX_EXPERTS = 1 << 16  # Doge's default config: 16,384; Qwen3.5: 512; Kimi-K2: 3
 # per-expert weights of a quantized checkpoint (MoE layers x experts x 3 projections), each of which plan
 # checks by name: Qwen3.5-397B-A17B-FP8 stores 92,160, Kimi-K2.5 69,120 (about 1 s of plan)
 MAX_EXPERT_WEIGHTS = 1 << 17
+# a linear-attention layer's short convolution: Qwen3-Next, Qwen3.5 and LFM2 use 3-4 taps
+MAX_CONV_KERNEL = 1 << 10
 MAX_VOCAB = 1 << 24  # Gemma-3: 262,144; transformers' default configs: at most 290,943
 MAX_POSITIONS = 1 << 32  # Llama-4-Scout: 10,485,760 (10M tokens); default configs: at most 1,048,576
 
@@ -157,10 +159,16 @@ FACT_RULES: dict[str, Rule] = {
     "use_sliding_window": FLAG,
     "max_window_layers": _non_negative(MAX_LAYERS),
     "sliding_window_pattern": _non_negative(MAX_LAYERS),
+    "full_attention_interval": _positive(MAX_LAYERS),
     "tie_word_embeddings": FLAG,
     "rope_parameters": Rule("mapping", "a mapping of RoPE parameters"),
     "rope_theta": POSITIVE_NUMBER,
     "num_mtp_layers": _non_negative(MAX_LAYERS),
+    "linear_num_key_heads": _positive(MAX_HEADS),
+    "linear_num_value_heads": _positive(MAX_HEADS),
+    "linear_key_head_dim": _positive(MAX_WIDTH),
+    "linear_value_head_dim": _positive(MAX_WIDTH),
+    "linear_conv_kernel_dim": _positive(MAX_CONV_KERNEL),
 }
 
 
@@ -266,7 +274,13 @@ CrossRule = Callable[[Facts], "tuple[str, str] | None"]  # -> (key of the findin
 
 def cross_field(facts: Facts, prefix: str) -> list[Violation]:
     """Rules between facts that all kept their own (a broken fact's rules are left to its finding)."""
-    rules: tuple[CrossRule, ...] = (_kv_heads_split, _width_per_head, _top_k_within, _top_k_groups_within)
+    rules: tuple[CrossRule, ...] = (
+        _kv_heads_split,
+        _width_per_head,
+        _top_k_within,
+        _top_k_groups_within,
+        _linear_heads_split,
+    )
     found = [rule(facts) for rule in rules]
     return [Violation(prefix + key, problem) for key, problem in filter(None, found)]
 
@@ -278,6 +292,16 @@ def _kv_heads_split(facts: Facts) -> tuple[str, str] | None:
         return None
     problem = f"the {heads} attention heads ({facts.key('num_heads')}) do not split into {kv} KV heads"
     return facts.key("num_kv_heads"), problem
+
+
+def _linear_heads_split(facts: Facts) -> tuple[str, str] | None:
+    """Gated DeltaNet: the value heads split evenly over the key heads (the mixer groups them)."""
+    keys, values = facts.value("linear_num_key_heads"), facts.value("linear_num_value_heads")
+    if keys is None or values is None or values % keys == 0:
+        return None
+    key_heads = facts.key("linear_num_key_heads")
+    problem = f"the {values} linear value heads do not split into {keys} key heads ({key_heads})"
+    return facts.key("linear_num_value_heads"), problem
 
 
 def _width_per_head(facts: Facts) -> tuple[str, str] | None:

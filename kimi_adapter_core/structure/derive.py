@@ -14,7 +14,7 @@ located at the spec entry, raised before any model is built.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import yaml
@@ -23,7 +23,17 @@ from ..errors import KadaptError, Refusal
 from ..resources import package_file
 from ..spec.model import Spec
 from . import bounds
-from .model import ATTENTION_KINDS, SCORING_FUNCS, Attention, Layer, ModelStructure, Moe, OutsideOp, Rope
+from .linear_of import linear_of
+from .model import (
+    ATTENTION_KINDS,
+    SCORING_FUNCS,
+    Attention,
+    Layer,
+    ModelStructure,
+    Moe,
+    OutsideOp,
+)
+from .rope_of import rope_of
 
 _MISSING = object()
 # facts whose value is a list; every other fact is one number (or string) for the whole stack
@@ -45,7 +55,7 @@ def fact_keys() -> dict[str, list[str]]:
     return {fact: list(keys) for fact, keys in _tables()["facts"].items()}
 
 
-class _Reader:
+class Reader:
     """Looks facts up in one config (dict or object), remembering which key answered.
 
     ``origin`` names the config file in value findings, ``prefix`` the section holding the text
@@ -134,7 +144,7 @@ def _locate(spec: Spec | None, where: str) -> str | None:
     return spec.locate(where if where in spec.positions else where.rsplit(".", 1)[0])
 
 
-def _attention(read: _Reader, spec: Spec | None, hidden: int) -> Attention:
+def _attention(read: Reader, spec: Spec | None, hidden: int) -> Attention:
     heads = int(read.require("num_heads"))
     kv_lora = read.get("kv_lora_rank")
     if kv_lora is not None:
@@ -161,7 +171,7 @@ def _attention(read: _Reader, spec: Spec | None, hidden: int) -> Attention:
     return attention
 
 
-def _check_attention_claims(attention: Attention, read: _Reader, spec: Spec | None) -> None:
+def _check_attention_claims(attention: Attention, read: Reader, spec: Spec | None) -> None:
     """What the spec says about attention must be what the config has."""
     if spec is None:
         return
@@ -180,7 +190,7 @@ def _check_attention_claims(attention: Attention, read: _Reader, spec: Spec | No
         )
 
 
-def _moe(read: _Reader, spec: Spec | None) -> Moe | None:
+def _moe(read: Reader, spec: Spec | None) -> Moe | None:
     experts = int(read.get("num_experts", 0) or 0)
     if experts <= 0:
         if spec is not None and spec.moe:
@@ -226,7 +236,7 @@ def _moe(read: _Reader, spec: Spec | None) -> Moe | None:
     )
 
 
-def _mlp_kinds(read: _Reader, spec: Spec | None, num_layers: int, moe: Moe | None) -> list[str]:
+def _mlp_kinds(read: Reader, spec: Spec | None, num_layers: int, moe: Moe | None) -> list[str]:
     if moe is None:
         return ["dense"] * num_layers
     stated = (spec.architecture or {}).get("dense_layers") if spec else None
@@ -246,7 +256,7 @@ def _mlp_kinds(read: _Reader, spec: Spec | None, num_layers: int, moe: Moe | Non
     return ["dense" if i in dense else "moe" for i in range(num_layers)]
 
 
-def _spans(read: _Reader, num_layers: int) -> list[tuple[str, int | None]]:
+def _spans(read: Reader, num_layers: int) -> list[tuple[str, int | None]]:
     """Per layer ``(full|sliding, window)``: ``layer_types`` when the config lists them, else one rule."""
     window = read.get("sliding_window")
     if read.get("use_sliding_window", True) is False:
@@ -259,13 +269,26 @@ def _spans(read: _Reader, num_layers: int) -> list[tuple[str, int | None]]:
             )
         known = _tables()["layer_types"]
         _check_layer_types(read, types[:num_layers])
-        spans = []
+        spans: list[tuple[str, int | None]] = []
         for i, kind in enumerate(types[:num_layers]):
             sliding = known[kind] == "sliding"
             if sliding and not window:
                 raise KadaptError(f"{read.where}: layer {i} is {kind} but the config sets no sliding_window")
-            spans.append(("sliding", int(window)) if sliding else ("full", None))
+            spans.append(("sliding", int(window)) if sliding else (known[kind], None))
         return spans
+    interval = read.get("full_attention_interval")
+    # Qwen3-Next's and Qwen3.5's rule (their config classes build layer_types from it): layer i is full
+    # attention iff (i + 1) % N == 0, the others linear attention
+    if interval:
+        return [
+            ("full", None) if (i + 1) % int(interval) == 0 else ("linear", None) for i in range(num_layers)
+        ]
+    if read.get("linear_conv_kernel_dim") is not None:
+        raise KadaptError(
+            f"{read.where}: the config sizes linear-attention layers (linear_conv_kernel_dim) but says "
+            "neither which layers they are (layer_types) nor how often a full-attention layer comes "
+            "(full_attention_interval); transformers would fill in a default kadapt does not guess"
+        )
     if not window:
         return [("full", None)] * num_layers
     pattern = read.get("sliding_window_pattern")
@@ -281,30 +304,24 @@ def _spans(read: _Reader, num_layers: int) -> list[tuple[str, int | None]]:
     return [("sliding", int(window))] * num_layers
 
 
-def _check_layer_types(read: _Reader, types: list[Any]) -> None:
-    """Every entry of ``layer_types`` must be an attention kind kadapt models (full, sliding)."""
+def _check_layer_types(read: Reader, types: list[Any]) -> None:
+    """Every entry of ``layer_types`` must be a layer kind kadapt models (full, sliding, linear)."""
     known = _tables()["layer_types"]
     for i, kind in enumerate(types):
         if not isinstance(kind, str) or kind in known:  # not a string: the value check reports it
             continue
         hybrid = kind in _tables()["hybrid_layer_types"]
+        *others, last = [repr(k) for k in known]
         raise Refusal(
             "hybrid" if hybrid else "layer-types",
             f"{read.where}: layer {i} is {kind!r}"
-            + (" (not attention: its state is not a KV cache)" if hybrid else "")
-            + f"; kadapt models {' and '.join(repr(k) for k in known)} layers",
+            + (" (its state is neither a KV cache nor a linear-attention state)" if hybrid else "")
+            + f"; kadapt models {', '.join(others)} and {last} layers",
             location=_locate(read.spec, "gate"),
         )
 
 
-def _rope(read: _Reader) -> Rope:
-    params = read.get("rope_parameters") or {}
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    theta = params.get("rope_theta") or read.get("rope_theta")
-    return Rope(type=str(rope_type), theta=float(theta) if theta is not None else None)
-
-
-def _refuse_unmodelled_layers(read: _Reader, spec: Spec | None) -> None:
+def _refuse_unmodelled_layers(read: Reader, spec: Spec | None) -> None:
     """Hybrid stacks (SSM, linear attention, recurrence, convolution) and per-layer attention configs,
     told apart by keys only they have, on the config object and the raw JSON alike."""
     for key in _tables()["hybrid_keys"]:
@@ -313,11 +330,11 @@ def _refuse_unmodelled_layers(read: _Reader, spec: Spec | None) -> None:
             raise Refusal(
                 "hybrid",
                 f"{read.where} sets {key}, which only models with non-attention layers (SSM, linear "
-                "attention, recurrence, convolution) have; their state is not a KV cache, and kadapt "
-                "models attention-only stacks",
+                "attention, recurrence, convolution) have; kadapt carries KV caches and gated-DeltaNet "
+                "linear-attention states (conv window, recurrent state), and this layer keeps another state",
                 location=_locate(spec, "gate"),
             )
-    # a config object with one refuses global reads of its per-layer keys (``_Reader.raw``); JSON keeps it
+    # a config object with one refuses global reads of its per-layer keys (``Reader.raw``); JSON keeps it
     if isinstance(read.config, Mapping) and read.config.get("per_layer_config"):
         raise Refusal(
             "per-layer-config",
@@ -327,7 +344,7 @@ def _refuse_unmodelled_layers(read: _Reader, spec: Spec | None) -> None:
         )
 
 
-def _refuse_outside_layer_features(read: _Reader, spec: Spec | None) -> None:
+def _refuse_outside_layer_features(read: Reader, spec: Spec | None) -> None:
     """Features that live outside the decoder layers would be dropped silently by the ABI wrappers."""
     for key, rule in _tables()["outside_layers"].items():
         value = read.raw(key)
@@ -341,7 +358,7 @@ def _refuse_outside_layer_features(read: _Reader, spec: Spec | None) -> None:
             )
 
 
-def _outside(read: _Reader) -> tuple[OutsideOp, ...]:
+def _outside(read: Reader) -> tuple[OutsideOp, ...]:
     """The modelled math outside the layers that this config switches on (``outside_modelled``)."""
     ops = []
     for key, rule in outside_modelled().items():
@@ -352,7 +369,7 @@ def _outside(read: _Reader) -> tuple[OutsideOp, ...]:
     return tuple(ops)
 
 
-def _value_violations(read: _Reader) -> list[bounds.Violation]:
+def _value_violations(read: Reader) -> list[bounds.Violation]:
     """Every present fact's value against its rule (``bounds.FACT_RULES``), the RoPE parameters and the
     math outside the layers against theirs, then the rules between the facts that kept their own."""
     found: list[bounds.Violation] = []
@@ -382,7 +399,7 @@ def _value_violations(read: _Reader) -> list[bounds.Violation]:
     return found + bounds.cross_field(bounds.Facts(valid, frozenset(present)), read.prefix)
 
 
-def _check_values(read: _Reader) -> None:
+def _check_values(read: Reader) -> None:
     """Raise every value finding of the config at once, before anything is computed from a value."""
     found = _value_violations(read)
     if found:
@@ -394,7 +411,7 @@ def value_violations(
 ) -> tuple[str, list[bounds.Violation]]:
     """``(origin, findings)``: every value of ``config`` that breaks its rule (``structure.bounds``),
     checked exactly as ``derive_structure`` checks them, without deriving anything."""
-    read = _Reader(config, spec, where, origin, prefix)
+    read = Reader(config, spec, where, origin, prefix)
     return read.origin, _value_violations(read)
 
 
@@ -402,7 +419,7 @@ def refuse_unmodelled(config: Any, spec: Spec | None = None, *, where: str = "te
     """The refusals alone (hybrid layers, per-layer configs, unknown layer types, unmodelled math outside
     the layers), without the facts a bare config.json may leave to its class's defaults: what runs on
     the raw JSON before any config class sees it, and in plain ``validate``."""
-    read = _Reader(config, spec, where)
+    read = Reader(config, spec, where)
     _refuse_unmodelled_layers(read, spec)
     types = read.raw("layer_types")
     if isinstance(types, list):
@@ -424,7 +441,7 @@ def derive_structure(
     Every value is typed and bounded first (``bounds``), so nothing below divides by a zero head count
     or builds a list per layer of a billion layers; ``origin`` (the config file) and ``prefix`` (its
     text section, ``text_config.``) locate those findings."""
-    read = _Reader(config, spec, where, origin, prefix)
+    read = Reader(config, spec, where, origin, prefix)
     _refuse_unmodelled_layers(read, spec)
     _check_values(read)
     num_layers = int(read.require("num_layers"))
@@ -449,34 +466,10 @@ def derive_structure(
             Layer(index=i, attention=span, window=window, mlp=kind)
             for i, ((span, window), kind) in enumerate(zip(spans, kinds, strict=True))
         ),
-        rope=_rope(read),
+        rope=rope_of(read),
         tie_word_embeddings=bool(read.get("tie_word_embeddings", False)),
         num_mtp_layers=int(read.get("num_mtp_layers", 0) or 0),
         outside=_outside(read),
+        linear=linear_of(read, spans),
         keys=dict(read.keys),
     )
-
-
-def pattern_period(sequence: Sequence[Any], limit: int) -> int:
-    """Layers that hold one whole period of a per-layer pattern: the shortest ``p`` with ``sequence[i] ==
-    sequence[i % p]`` (6 for Gemma-3's 5 sliding : 1 full), or, when that is longer than ``limit``, the
-    shortest prefix holding every distinct value once. Values are compared by ``repr`` (lists allowed)."""
-    values = [repr(v) for v in sequence]
-    period = next(
-        p for p in range(1, len(values) + 1) if all(v == values[i % p] for i, v in enumerate(values))
-    )
-    if period > limit:
-        kinds = set(values)
-        period = next(i + 1 for i in range(len(values)) if set(values[: i + 1]) == kinds)
-    return period
-
-
-def shorten_layers(section: Mapping[str, Any], total: int, keep: int) -> dict[str, Any]:
-    """Overrides that cut every per-layer list of a text config section (``layer_types``,
-    ``mlp_layer_types``, ``activation_sparsity_pattern``, ...: any list with one entry per layer) to
-    its first ``keep`` layers, as config classes require once the stack is shortened."""
-    return {
-        key: list(value[:keep])
-        for key, value in section.items()
-        if isinstance(value, list) and len(value) == total and key != "architectures"
-    }

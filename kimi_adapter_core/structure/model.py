@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .states import ConvState, RecurrentState
+
 ATTENTION_KINDS = ("mha", "gqa", "mqa", "mla")
 # KV-cache layouts each attention kind can be exported with; the first is the default.
 KV_LAYOUTS_BY_KIND = {
@@ -111,18 +113,109 @@ class Moe:
 
 @dataclass(frozen=True)
 class Layer:
-    """One decoder layer: its attention span and its MLP kind."""
+    """One decoder layer: its token mixer (attention span, or linear attention) and its MLP kind."""
 
     index: int
-    attention: str  # full | sliding
+    attention: str  # full | sliding | linear (a linear-attention mixer: ModelStructure.linear)
     window: int | None  # keys a query sees (sliding layers only)
     mlp: str  # dense | moe
 
 
+LINEAR_KINDS = ("gated_delta_net",)
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """The linear-attention mixer of a hybrid stack's ``linear`` layers (gated DeltaNet: Qwen3-Next,
+    Qwen3.5): query/key heads of ``key_head_dim``, value heads of ``value_head_dim``, a causal
+    depthwise convolution of ``conv_kernel`` over the projected q, k and v. What it keeps per request
+    is fixed-size: the conv window and the recurrent state (``states.py``)."""
+
+    kind: str  # gated_delta_net
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_state(self) -> ConvState:
+        """The conv window: its channels are the projected q, k (key heads) and v (value heads)."""
+        channels = 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+        return ConvState(channels, self.conv_kernel)
+
+    @property
+    def recurrent_state(self) -> RecurrentState:
+        return RecurrentState((self.num_value_heads, self.key_head_dim, self.value_head_dim))
+
+    def state_bytes_per_request(self, abi_dtype_bytes: int) -> int:
+        """Bytes one linear layer keeps per request, whatever the context length."""
+        return self.conv_state.bytes_per_request(abi_dtype_bytes) + self.recurrent_state.bytes_per_request(
+            abi_dtype_bytes
+        )
+
+    def describe(self) -> str:
+        return (
+            f"gated DeltaNet {self.num_key_heads}x{self.key_head_dim} key / {self.num_value_heads}x"
+            f"{self.value_head_dim} value heads, conv {self.conv_kernel}"
+        )
+
+
+PER_LAYER_TYPE = "per_layer_type"  # Rope.type when the config keeps one rope per layer type
+
+
 @dataclass(frozen=True)
 class Rope:
-    type: str  # default | yarn | llama3 | ... (transformers' rope_type)
+    """The rotary embedding: one for every layer, or one per layer type (Gemma-3, OLMo-3, ...).
+
+    transformers 5 keeps ``rope_parameters`` per layer type for families whose sliding and full layers
+    rotate differently; then ``type`` is ``PER_LAYER_TYPE``, ``theta`` None and ``by_layer_type`` holds
+    each layer type's own rope (with its scaling ``factor``), sorted by layer type so a config object
+    and its raw JSON describe it alike. A layer type whose entry is null has no rope (``none``).
+    """
+
+    type: str  # default | yarn | llama3 | ... (transformers' rope_type), or PER_LAYER_TYPE
     theta: float | None
+    factor: float | None = None  # scaling factor; stated per layer type only
+    by_layer_type: tuple[tuple[str, Rope], ...] = ()
+
+    def describe(self) -> str:
+        """``rope yarn`` for one rope; per layer type each one's type, factor and theta:
+        ``rope linear x8 theta 1e6 (full_attention), default theta 1e4 (sliding_attention)``."""
+        if not self.by_layer_type:
+            return f"rope {self.type}"
+        return "rope " + ", ".join(f"{rope._kind_text()} ({name})" for name, rope in self.by_layer_type)
+
+    def _kind_text(self) -> str:
+        factor = f" x{_number(self.factor)}" if self.factor is not None else ""
+        theta = f" theta {_number(self.theta)}" if self.theta is not None else ""
+        return f"{self.type}{factor}{theta}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"type", "theta"}``, plus ``by_layer_type`` (layer type -> its type, theta and factor)
+        when the rope is per layer type; a layer type's ``factor`` only when the config sets one."""
+        if not self.by_layer_type:
+            return {"type": self.type, "theta": self.theta}
+        return {
+            "type": self.type,
+            "theta": self.theta,
+            "by_layer_type": {
+                name: {
+                    "type": rope.type,
+                    "theta": rope.theta,
+                    **({} if rope.factor is None else {"factor": rope.factor}),
+                }
+                for name, rope in self.by_layer_type
+            },
+        }
+
+
+def _number(value: float) -> str:
+    """A rope number as people write it: ``8``, ``0.5``, ``1e4``, ``1.5e5`` (``:g`` says ``1e+06``)."""
+    if abs(value) < 1e4:
+        return f"{value:g}"
+    mantissa, exponent = f"{value:e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
 
 
 OUTSIDE_SITES = ("embeddings", "logits")
@@ -168,6 +261,7 @@ class ModelStructure:
     tie_word_embeddings: bool
     num_mtp_layers: int = 0
     outside: tuple[OutsideOp, ...] = ()  # math outside the decoder layers, in the order it is applied
+    linear: LinearAttention | None = None  # the mixer of the ``linear`` layers (None: attention only)
     # fact -> the config key it was read from (so tiny verify models shrink the right keys)
     keys: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -196,6 +290,20 @@ class ModelStructure:
     def has_sliding_layers(self) -> bool:
         return any(window is not None for window in self.windows)
 
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Each layer's kind as the ABI carries its state: ``linear`` (conv window and recurrent state)
+        or ``attention`` (a KV cache)."""
+        return tuple("linear" if layer.attention == "linear" else "attention" for layer in self.layers)
+
+    @property
+    def linear_layer_ids(self) -> tuple[int, ...]:
+        return tuple(layer.index for layer in self.layers if layer.attention == "linear")
+
+    @property
+    def attention_layer_ids(self) -> tuple[int, ...]:
+        return tuple(layer.index for layer in self.layers if layer.attention != "linear")
+
     def outside_ops(self, site: str) -> tuple[tuple[str, float], ...]:
         """``(op, value)`` of the math outside the layers at ``site`` (embeddings | logits), in order."""
         return tuple((o.op, o.value) for o in self.outside if o.site == site)
@@ -209,9 +317,13 @@ class ModelStructure:
             sliding = sum(1 for w in self.windows if w is not None)
             spans = f", {sliding}/{self.num_layers} sliding-window layers"
         outside = "".join(f", {o.describe()}" for o in self.outside)
+        mixer = self.attention.describe()
+        if self.linear is not None:
+            linear = len(self.linear_layer_ids)
+            mixer = f"{linear}/{self.num_layers} linear-attention layers ({self.linear.describe()}), {mixer}"
         return (
-            f"{self.num_layers} layers, hidden {self.hidden_size}, {self.attention.describe()}, "
-            f"{mlp}{spans}, rope {self.rope.type}{outside}"
+            f"{self.num_layers} layers, hidden {self.hidden_size}, {mixer}, "
+            f"{mlp}{spans}, {self.rope.describe()}{outside}"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -219,7 +331,10 @@ class ModelStructure:
         data.pop("keys")
         if not self.outside:  # most families: the key stays out of the IR metadata
             data.pop("outside")
+        if self.linear is None:  # attention-only stacks: their metadata is what it always was
+            data.pop("linear")
         data["layers"] = _compress_layers(self.layers)
+        data["rope"] = self.rope.to_dict()
         return data
 
 

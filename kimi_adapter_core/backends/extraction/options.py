@@ -16,8 +16,6 @@ from typing import Any
 
 from ...errors import KadaptError
 from ...spec.model import (
-    LAYER,
-    GraphAbi,
     KvCacheAbi,
     MergedPrefillAbi,
     Spec,
@@ -27,54 +25,14 @@ from ...spec.model import (
 from ...structure.kv_layout import resolve_kv_layout
 from ...structure.model import ALL_KV_LAYOUTS, ModelStructure
 from ...vision.options import VisionOptions, vision_options
+from .names import DECODE_FIXED, LAYER_STATES, MERGED_FIXED, PREFILL_FIXED, GraphNames, read_graph_names
 from .runtime.symbolic import SYMBOLS as DYNAMIC_SIZES
 from .runtime.symbolic import DimRange
 
 MLA_ATTENTIONS = ("reexpand", "absorbed")
 DTYPES = ("bfloat16", "float16", "float32", "float64")
-PREFILL_FIXED = ("input_ids", "attention_mask", "position_ids")
-DECODE_FIXED = (*PREFILL_FIXED, "cache_position")
-MERGED_FIXED = ("input_ids", "image_features", "attention_mask", "position_ids")
 MERGED = "prefill_mm"  # graph kind (and file name part) of the multimodal prefill
 KV_CACHES = ("contiguous", "paged")
-
-
-@dataclass(frozen=True)
-class GraphNames:
-    """ABI names of one graph: fixed inputs in wrapper order, per-layer KV name templates, logits."""
-
-    fixed_inputs: tuple[str, ...]
-    past_key: str | None  # template with "{layer}"; None for prefill
-    past_value: str | None
-    logits: str
-    present_key: str
-    present_value: str
-
-    def inputs(self, num_layers: int) -> list[str]:
-        names = list(self.fixed_inputs)
-        if self.past_key is not None and self.past_value is not None:
-            for layer in range(num_layers):
-                names += [self.past_key.format(layer=layer), self.past_value.format(layer=layer)]
-        return names
-
-    def outputs(self, num_layers: int) -> list[str]:
-        names = [self.logits]
-        for layer in range(num_layers):
-            names += [self.present_key.format(layer=layer), self.present_value.format(layer=layer)]
-        return names
-
-
-def kv_names(prefill: GraphNames, decode: GraphNames) -> dict[str, str]:
-    """The per-layer KV name templates of both graphs, keyed as the KV mapping names them."""
-    assert decode.past_key is not None and decode.past_value is not None
-    return {
-        "prefill_key": prefill.present_key,
-        "prefill_value": prefill.present_value,
-        "decode_key_in": decode.past_key,
-        "decode_value_in": decode.past_value,
-        "decode_key_out": decode.present_key,
-        "decode_value_out": decode.present_value,
-    }
 
 
 @dataclass(frozen=True)
@@ -105,7 +63,7 @@ def merged_prefill_options(
     says so. The image tokens are checked again at export, from the encoder's own merge kernel.
     """
     where = "abi.vision.merged_prefill"
-    names = _graph_names(merged, MERGED_FIXED, decode=False, where=where, spec=spec)
+    names = read_graph_names(merged, MERGED_FIXED, decode=False, where=where, spec=spec)
     assert spec.abi is not None
     length = merged.prefill_len if merged.prefill_len is not None else spec.abi.prefill_len
     if length > max_cache_len:
@@ -185,6 +143,14 @@ class ExtractionOptions:
     verify_max_cache_len: int = 40
     verify_decode_steps: int = 24
     verify_tolerance: float = 1e-4  # float32: fraction of each row's largest |logit| (at least 1)
+    # float32 bound of a stack with linear-attention layers, unless the spec states verify.tolerance.
+    # transformers' chunked gated-delta scan loses precision in float32 by itself: on the tiny Qwen3-Next
+    # verify model (8 layers, 70-token prompt) its own float32 logits are 5.2e-4 x |largest logit| from a
+    # float64 run of the same weights (each linear layer adds ~2e-5), and eager vs batched_mm experts
+    # alone move them 7e-5. 1e-4 is below that resolution; 1e-3 is above it and far below a defect's
+    # effect (a state carried wrong by one step moves logits by > 1e-1: test_hybrid_states).
+    verify_tolerance_linear: float = 1e-3
+    verify_tolerance_stated: bool = False  # the spec set verify.tolerance: it holds for every stack
     verify_dtypes: tuple[str, ...] = ("float32", "bfloat16")
     # bfloat16/float16 round trip: same greedy tokens as transformers in that dtype, each logit within
     # this many ulps of the dtype at its row's largest |logit| (``tolerance.py``). Measured over 200
@@ -197,11 +163,16 @@ class ExtractionOptions:
     top_ops: int = 12
     structure: ModelStructure | None = None  # set by ``bind_structure`` once the config is built
     kv_layout_where: str | None = None  # spec location of abi.kv_layout, when the spec chose it
+    dynamic_where: str | None = None  # spec location of abi.dynamic, when the spec chose it
+    names_where: str | None = None  # spec location of abi.prefill, where the state names are given
     vision: VisionOptions | None = None  # abi.vision: also export the vision encoder + projector
     merged_prefill: MergedPrefillOptions | None = None  # abi.vision.merged_prefill: multimodal prefill
     notes: tuple[str, ...] = ()  # what the run leaves out and why, said before it starts
     dynamic: tuple[str, ...] = ()  # abi.dynamic: sizes that become symbols ranging 1..their value
     paged: PagedOptions | None = None  # abi.kv_cache: paged (None: contiguous per-row caches)
+    # per request, shape and dtype of a linear layer's (conv, recurrent) states, as the layers hand
+    # them over (``upstream.LayerProtocol.linear_states``; bound before export; None: no linear layer)
+    linear_states: tuple[tuple[tuple[int, ...], str], tuple[tuple[int, ...], str]] | None = None
 
     @property
     def dynamic_ranges(self) -> dict[str, DimRange]:
@@ -235,6 +206,16 @@ class ExtractionOptions:
         assert self.structure is not None, "bind_structure first"
         return self.structure.windows
 
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Each layer's kind (``LAYER_STATES``): ``linear`` for a linear-attention / SSM mixer."""
+        assert self.structure is not None, "bind_structure first"
+        return self.structure.layer_kinds
+
+    def state_kinds(self, num_layers: int) -> list[str]:
+        """The layer kind of each per-layer state tensor of the first ``num_layers`` layers, in ABI order."""
+        return [kind for kind in self.layer_kinds[:num_layers] for _ in LAYER_STATES[kind]]
+
     def path(self, graph: str) -> Path:
         """Output file of ``graph``: ``prefill``, ``decode``, ``prefill_mm`` (the multimodal prefill),
         ``vision``, ``kv_mapping``, ``weight_map``."""
@@ -262,42 +243,8 @@ def abi_graph_names(spec: Spec) -> tuple[GraphNames, GraphNames]:
     """Prefill and decode names from ``spec.abi`` (KadaptError at the entry when roles do not fit)."""
     assert spec.abi is not None
     return (
-        _graph_names(spec.abi.prefill, PREFILL_FIXED, decode=False, where="abi.prefill", spec=spec),
-        _graph_names(spec.abi.decode, DECODE_FIXED, decode=True, where="abi.decode", spec=spec),
-    )
-
-
-def _graph_names(
-    abi: GraphAbi | MergedPrefillAbi, fixed: tuple[str, ...], *, decode: bool, where: str, spec: Spec
-) -> GraphNames:
-    """Read the positional ABI of one graph: fixed names first, then two ``{layer}`` templates."""
-    location = spec.locate(where)
-    inputs, outputs = list(abi.inputs), list(abi.outputs)
-    n_fixed = len(fixed)
-    want_in = n_fixed + (2 if decode else 0)
-    templated_in = inputs[n_fixed:]
-    if (
-        len(inputs) != want_in
-        or any(LAYER in name for name in inputs[:n_fixed])
-        or not all(LAYER in name for name in templated_in)
-    ):
-        shape = ", ".join(fixed) + (', "<past key {layer}>", "<past value {layer}>"' if decode else "")
-        raise KadaptError(
-            f"{where}.inputs must be [{shape}] (positional roles), got {inputs}", location=location
-        )
-    if len(outputs) != 3 or LAYER in outputs[0] or not all(LAYER in name for name in outputs[1:]):
-        raise KadaptError(
-            f'{where}.outputs must be [<logits>, "<present key {{layer}}>", "<present value {{layer}}>"], '
-            f"got {outputs}",
-            location=location,
-        )
-    return GraphNames(
-        fixed_inputs=tuple(inputs[:n_fixed]),
-        past_key=templated_in[0] if decode else None,
-        past_value=templated_in[1] if decode else None,
-        logits=outputs[0],
-        present_key=outputs[1],
-        present_value=outputs[2],
+        read_graph_names(spec.abi.prefill, PREFILL_FIXED, decode=False, where="abi.prefill", spec=spec),
+        read_graph_names(spec.abi.decode, DECODE_FIXED, decode=True, where="abi.decode", spec=spec),
     )
 
 
@@ -444,12 +391,15 @@ def options_from_spec(
         dtype=abi.dtype,
         kv_layout=layout,
         kv_layout_where=spec.locate("abi.kv_layout") if kv_layout is None and abi.kv_layout else None,
+        dynamic_where=spec.locate("abi.dynamic") if dynamic is None and abi.dynamic else None,
+        names_where=spec.locate("abi.prefill.outputs"),
         mla_attention=attention,
         prefill_names=prefill_names,
         decode_names=decode_names,
         weight_renames=tuple((r["from"], r["to"]) for r in backend.get("weight_renames") or ()),
         verify_overrides=dict(verify.get("config_overrides") or {}),
         verify_tolerance=float(verify.get("tolerance", 1e-4)),
+        verify_tolerance_stated="tolerance" in verify,
         verify_prefill_len=verify_prefill,
         verify_max_cache_len=verify_cache,
         verify_decode_steps=verify_steps,
@@ -496,4 +446,25 @@ def bind_structure(options: ExtractionOptions, structure: ModelStructure) -> Ext
     layout = resolve_kv_layout(
         structure.attention, options.kv_layout, options.mla_attention, layout_where=options.kv_layout_where
     )
+    if structure.linear is not None and "prefill_len" in options.dynamic:
+        raise KadaptError(
+            "dynamic prefill_len cannot be exported for a stack with linear-attention layers: their prefill "
+            "scan runs one step per 64-token chunk, so the graph's operations depend on the prompt length; "
+            "export a static prefill_len (one prefill graph per length you serve)",
+            location=options.dynamic_where,
+        )
+    if structure.linear is not None and not options.prefill_names.has_linear_states:
+        raise KadaptError(
+            f"the model has {len(structure.linear_layer_ids)} linear-attention layers, whose conv and "
+            'recurrent states the graphs return: add "<present conv {layer}>", "<present recurrent '
+            '{layer}>" to abi.prefill.outputs and abi.decode.outputs, and "<past conv {layer}>", '
+            '"<past recurrent {layer}>" to abi.decode.inputs',
+            location=options.names_where,
+        )
+    if structure.linear is None and options.prefill_names.has_linear_states:
+        raise KadaptError(
+            "the ABI names conv and recurrent states, but the model has no linear-attention layer: keep "
+            "only the key and value templates",
+            location=options.names_where,
+        )
     return dataclasses.replace(options, kv_layout=layout, structure=structure)

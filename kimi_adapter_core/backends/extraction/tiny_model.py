@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ...spec.model import Spec
-from ...structure.derive import pattern_period, shorten_layers
+from ...structure.layer_pattern import pattern_period, shorten_layers
 from ...structure.model import ModelStructure
 from ...structure.of_spec import structure_of_raw, text_config_key
 from .options import ExtractionOptions
@@ -43,6 +43,12 @@ TINY_FACTS = {
     "head_dim": 16,
     # shorter than the verify prompt, so sliding-window masks decide the result
     "sliding_window": 4,
+    # gated DeltaNet: value heads grouped 2 per key head, as the published configs do
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4,
 }
 
 
@@ -98,8 +104,11 @@ def tiny_layer_count(structure: ModelStructure) -> int:
     """Layers of the tiny stack: ``TINY_FACTS["num_layers"]``, or one whole period of the model's
     sliding/full pattern when that is longer (a 5:1 pattern needs 6 layers to have a full one), or,
     for a pattern with no short period, enough layers to hold every kind once (at most
-    ``TINY_MAX_LAYERS``); never more than the model has."""
+    ``TINY_MAX_LAYERS``); never more than the model has. A hybrid stack gets two periods (3 linear : 1
+    full makes 8 layers), so its second period is replicated from the first and the check covers it."""
     period = pattern_period([(layer.attention, layer.window) for layer in structure.layers], TINY_MAX_LAYERS)
+    if structure.linear is not None:
+        period *= 2
     return min(max(TINY_FACTS["num_layers"], min(period, TINY_MAX_LAYERS)), structure.num_layers)
 
 

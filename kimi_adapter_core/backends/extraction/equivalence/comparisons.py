@@ -11,7 +11,7 @@ from ....errors import KadaptError
 from ....spec.model import Spec
 from ..options import ExtractionOptions
 from . import multimodal as multimodal_verify
-from .departure import localise
+from .departure import localise, walk
 from .reference import reference_run
 from .replay import Replay
 from .tolerance import Tolerance, compare
@@ -144,6 +144,111 @@ def compare_ragged(
         f"ragged batch{suffix}",
         not differ and close.passed,
         f"{rows} rows of lengths {lengths.tolist()}{paged}: {steps + 1} tokens each "
+        + (f"DIFFER from model.generate on rows {differ}" if differ else "equal to model.generate row by row")
+        + f"; logits {close.detail()}",
+    )
+
+
+def compare_states(
+    report: VerifyReport,
+    model: nn.Module,
+    replay: Replay,
+    prompt: torch.Tensor,
+    steps: int,
+    *,
+    tolerance: Tolerance,
+    suffix: str,
+) -> None:
+    """Every state the graphs return against transformers' own cache, the prefill and each decode step
+    fed the same tokens: the attention rows each step wrote, each linear layer's conv window and
+    recurrent state whole. Run for stacks with linear layers, whose states the logits alone cannot
+    vouch for (a state carries into every later step)."""
+    pairs: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    graph_steps = 0
+    for step in walk(model, replay, prompt, steps):
+        graph_steps += 1
+        roles = [role for layer_roles in replay.layer_roles for role in layer_roles]
+        if len(step.ours) != len(step.expected):
+            report.add(
+                f"returned states{suffix}",
+                False,
+                f"{step.graph} returns {len(step.ours)} state tensors, transformers' layers hold "
+                f"{len(step.expected)}",
+            )
+            return
+        for role, ours, expected in zip(roles, step.ours, step.expected, strict=True):
+            pairs.setdefault(role, []).append((ours, expected))
+    results = {role: compare(role_pairs, tolerance) for role, role_pairs in pairs.items()}
+    passed = all(result.passed for result in results.values())
+    where = None if passed else localise(model, replay, prompt, steps, tolerance)
+    if where is not None and report.first_departure is None:
+        report.first_departure = f"{where} ({tolerance.dtype}, prompt {tuple(prompt.shape)})"
+    counts = {kind: replay.kinds.count(kind) for kind in dict.fromkeys(replay.kinds)}
+    report.add(
+        f"returned states{suffix}",
+        passed,
+        ", ".join(f"{n} {kind} layers" for kind, n in counts.items())
+        + f", prefill + {graph_steps - 1} decode steps against transformers' cache: "
+        + "; ".join(f"{role} {result.size()}" for role, result in results.items())
+        + f"; bound {tolerance.describe()}",
+    )
+
+
+def compare_joining(
+    report: VerifyReport,
+    model: nn.Module,
+    replay: Replay,
+    prompt: torch.Tensor,
+    *,
+    steps: int,
+    tolerance: Tolerance,
+    suffix: str,
+) -> None:
+    """Rows that join a running batch (the ragged case of a stack with linear layers, whose prompts are
+    never padded): row ``r``'s request starts ``2 r`` steps after row 0's, its prefill outputs written
+    into its row of the running states (``Replay.join``) while the others keep decoding, so every step
+    has rows at different positions. Before it joins, a row decodes filler tokens into its own row.
+    Every row's tokens equal ``generate`` on its prompt alone and its logits are within ``tolerance``."""
+    rows, width = prompt.shape
+    logits, present = replay.prefill_outputs(prompt, torch.full((rows,), width))
+    states = replay.place(present, torch.full((rows,), width))
+    joins = [2 * row for row in range(rows)]
+    tokens: list[list[torch.Tensor]] = [[] for _ in range(rows)]
+    row_logits: list[list[torch.Tensor]] = [[] for _ in range(rows)]
+    token = torch.zeros(rows, 1, dtype=torch.long)
+    for step in range(joins[-1] + steps + 1):
+        for row in range(rows):
+            if joins[row] == step:
+                if step:
+                    states = replay.join(states, row, present, width)
+                row_logits[row].append(logits[row, -1])
+                token[row, 0] = logits[row, -1].argmax()
+                tokens[row].append(token[row].clone())
+        if step == joins[-1] + steps:
+            break
+        positions = torch.tensor([width + max(0, step - joins[row]) for row in range(rows)])
+        out, states = replay.run_decode(token, positions, states)
+        for row in range(rows):
+            if joins[row] <= step and len(tokens[row]) <= steps:
+                row_logits[row].append(out[row, -1])
+                token[row, 0] = out[row, -1].argmax()
+                tokens[row].append(token[row].clone())
+    differ, pairs = [], []
+    for row in range(rows):
+        _, expected, expected_logits = reference_run(model, prompt[row : row + 1], steps)
+        ours = torch.stack(tokens[row][: steps + 1], dim=1)
+        if not torch.equal(ours, expected):
+            differ.append(row)
+        pairs += [
+            (ours_step.unsqueeze(0), ref)
+            for ours_step, ref in zip(row_logits[row][: steps + 1], expected_logits, strict=True)
+        ]
+    close = compare(pairs, tolerance)
+    paged = "" if replay.block_table is None else ", paged, blocks out of order"
+    report.add(
+        f"joining rows{suffix}",
+        not differ and close.passed,
+        f"{rows} rows joining at steps {joins}{paged}: {steps + 1} tokens each "
         + (f"DIFFER from model.generate on rows {differ}" if differ else "equal to model.generate row by row")
         + f"; logits {close.detail()}",
     )

@@ -1,12 +1,16 @@
 """Where a failed replay first departs from transformers: which graph, step, layer and output.
 
 Run only when a logits or token check failed, so a passing verify pays nothing: each layer's cached
-key and value are compared with what transformers' own layers wrote, in layer order, the prefill
-first and then each decode step fed the same tokens."""
+key and value (a linear layer's conv and recurrent state) are compared with what transformers' own
+layers wrote, in layer order, the prefill first and then each decode step fed the same tokens. The
+same walk is ``compare_states``, the check a stack with linear layers always runs: their states
+are the graph outputs no logit comparison can vouch for by itself (a state carries into every later
+step), so verify compares each of them with transformers' own cache."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -33,17 +37,21 @@ class _RecordingCache(DynamicCache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
-def _expected_kv(
-    model: nn.Module, written: dict[int, tuple[torch.Tensor, torch.Tensor]], layout: str
+def _expected_states(
+    model: nn.Module, cache: _RecordingCache, layout: str, kinds: Sequence[str]
 ) -> list[torch.Tensor]:
-    """What the graph's presents must hold, layer by layer (key, value, key, ...): what transformers'
-    layers wrote, per head through the layer's own ``expand_kv`` for the ``expanded`` MLA layout."""
+    """What the graph's presents must hold, layer by layer in ABI order: what transformers' attention
+    layers wrote (key, value; per head through the layer's own ``expand_kv`` for the ``expanded`` MLA
+    layout), and a linear layer's conv and recurrent state as transformers' cache holds them."""
     attentions = {
         m.layer_idx: m for m in model.modules() if hasattr(m, "expand_kv") and hasattr(m, "layer_idx")
     }
-    flat = []
-    for layer in sorted(written):
-        key, value = written[layer]
+    flat: list[torch.Tensor] = []
+    for layer, kind in enumerate(kinds):
+        if kind == "linear":  # copies: transformers updates these tensors in place at the next step
+            flat += [cache.get_conv_state(layer).clone(), cache.get_recurrent_state(layer).clone()]
+            continue
+        key, value = cache.written[layer]
         if layout == "expanded":
             with torch.no_grad():
                 key, value = attentions[layer].expand_kv(key, value)
@@ -64,7 +72,13 @@ def _first_position(logits: torch.Tensor, reference: torch.Tensor, tolerance: To
 def _layer_hint(layer: int, parts: list[str], kind: str) -> str:
     """What a departing cache suggests: one of key/value off points at that path of the layer, both at
     the layer's input (the previous layer's output, or the embeddings), a projection both come from
-    (MLA's kv_a_proj), or in a decode step the cache slot the step wrote."""
+    (MLA's kv_a_proj), or in a decode step the cache slot the step wrote. A linear layer's conv window
+    holds its projected inputs; its recurrent state is the scan over them."""
+    if parts[0] in ("conv", "recurrent"):
+        if parts == ["recurrent"]:
+            return f"its conv window is within the bound: layer {layer}'s scan (gates, decay, state update)"
+        source = "the embeddings" if layer == 0 else f"layer {layer - 1}'s output"
+        return f"its conv window: layer {layer}'s input projection or its input ({source})"
     if len(parts) == 1:
         other, path = ("value", "(projection, norm, rope)") if parts[0] == "key" else ("key", "(projection)")
         return f"its {other} is within the bound: layer {layer}'s {parts[0]} path {path}"
@@ -88,15 +102,17 @@ def _departure(
     logit_text = "logits within the bound" if at is None else f"logits differ from position {offset + at}"
     if len(ours) != len(expected):
         return f"the graph returns {len(ours)} cache tensors, transformers' layers wrote {len(expected)}"
-    for layer in range(len(ours) // 2):
-        pair = [compare([(ours[i], expected[i])], tolerance) for i in (2 * layer, 2 * layer + 1)]
-        parts = [part for part, close in zip(("key", "value"), pair, strict=True) if not close.passed]
+    for layer, roles in enumerate(replay.layer_roles):
+        start = 2 * layer  # every layer kind carries two states
+        pair = [compare([(ours[i], expected[i])], tolerance) for i in (start, start + 1)]
+        parts = [part for part, close in zip(roles, pair, strict=True) if not close.passed]
         if not parts:
             continue
-        first = pair[0] if parts[0] == "key" else pair[1]
-        output = replay.output_name(kind, 1 + 2 * layer + (parts[0] == "value"))
+        first = pair[roles.index(parts[0])]
+        output = replay.output_name(kind, 1 + start + roles.index(parts[0]))
+        what = "cache" if parts[0] in ("key", "value") else "state"
         return (
-            f"layer {layer} {parts[0]} cache departs first (output {output!r}: {first.detail()}; "
+            f"layer {layer} {parts[0]} {what} departs first (output {output!r}: {first.detail()}; "
             f"{_layer_hint(layer, parts, kind)}); {logit_text}"
         )
     if at is None:
@@ -121,10 +137,19 @@ def localise(model: nn.Module, replay: Replay, prompt: torch.Tensor, steps: int,
         return f"not localised: comparing layer by layer failed ({type(exc).__name__}: {exc})"
 
 
-def _first_departure(
-    model: nn.Module, replay: Replay, prompt: torch.Tensor, steps: int, tolerance: Tolerance
-) -> str:
-    """``localise``'s comparison, layer by layer in order, prefill then each decode step."""
+class Step(NamedTuple):
+    """One graph call of the walk and what transformers' own layers did for the same tokens."""
+
+    graph: str  # prefill | decode
+    number: int  # decode step (0: the prefill)
+    ours: list[torch.Tensor]  # the graph's states (decode: attention rows written at the position)
+    expected: list[torch.Tensor]
+    logits: tuple[torch.Tensor, torch.Tensor, int]  # ours, transformers', first position
+
+
+def walk(model: nn.Module, replay: Replay, prompt: torch.Tensor, steps: int) -> Iterator[Step]:
+    """The prefill and ``steps`` greedy decode steps of the replay and of transformers with its own
+    ``DynamicCache``, both fed the replay's tokens so they stay on one path."""
     layout = replay.kv_layout
     cache = _RecordingCache(model.config)
     keyword = upstream.cache_keyword(model)  # 5.24: ``cache``, before: ``past_key_values``
@@ -132,21 +157,28 @@ def _first_departure(
     with torch.no_grad():
         reference = model(input_ids=prompt, **{keyword: cache}, use_cache=True).logits
     logits, present = replay.prefill_outputs(prompt, lengths)
-    expected = _expected_kv(model, cache.written, layout)
-    found = _departure(replay, "prefill", present, expected, (logits, reference, 0), tolerance)
-    if found is not None:
-        return f"prefill: {found}"
-    kv = replay.place(present, lengths)
+    expected = _expected_states(model, cache, layout, replay.kinds)
+    yield Step("prefill", 0, present, expected, (logits, reference, 0))
+    states = replay.place(present, lengths)
     for step in range(steps):
         token, position = logits[:, -1:].argmax(-1), prompt.shape[1] + step
         with torch.no_grad():
             reference = model(input_ids=token, **{keyword: cache}, use_cache=True).logits
-        logits, kv = replay.run_decode(token, position, kv)
-        expected = _expected_kv(model, cache.written, layout)
-        ours = replay.written_at(kv, position)
-        found = _departure(replay, "decode", ours, expected, (logits, reference, position), tolerance)
+        logits, states = replay.run_decode(token, position, states)
+        expected = _expected_states(model, cache, layout, replay.kinds)
+        yield Step(
+            "decode", step + 1, replay.written_at(states, position), expected, (logits, reference, position)
+        )
+
+
+def _first_departure(
+    model: nn.Module, replay: Replay, prompt: torch.Tensor, steps: int, tolerance: Tolerance
+) -> str:
+    """``localise``'s comparison, layer by layer in order, prefill then each decode step."""
+    for step in walk(model, replay, prompt, steps):
+        found = _departure(replay, step.graph, step.ours, step.expected, step.logits, tolerance)
         if found is not None:
-            return f"decode step {step + 1}: {found}"
+            return "prefill: " + found if step.graph == "prefill" else f"decode step {step.number}: {found}"
     return (
         f"not localised: fed the same tokens, every layer's KV cache and the logits stay within the bound "
         f"for the prefill and {steps} decode steps (a near tie decided a greedy token differently)"

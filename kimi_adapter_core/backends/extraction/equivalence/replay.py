@@ -32,6 +32,8 @@ class Replay:
         self.paged = options.paged
         self.kv_dims = options.kv_dims
         self.kv_layout = options.kv_layout or "heads"
+        self.kinds = list(options.layer_kinds)  # each layer's kind: the states it takes and returns
+        self.layer_roles = [runtime.LAYER_STATES[kind] for kind in self.kinds]
         self.block_table: torch.Tensor | None = None  # paged: the rows' blocks, out of order in the pool
 
     def execute(self, kind: str, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
@@ -66,10 +68,16 @@ class Replay:
 
     def written_at(self, present: list[torch.Tensor], position: int) -> list[torch.Tensor]:
         """What a decode step wrote at ``position`` in each present cache, ``[B, heads, 1, dim]`` (a paged
-        pool read through the rows' block table)."""
-        if self.block_table is not None:
-            present = [runtime.paged_view(pool, self.block_table) for pool in present]
-        return [tensor[:, :, position : position + 1] for tensor in present]
+        pool read through the rows' block table); a linear layer's states whole (the step rewrote them)."""
+        written = []
+        for tensor, kind in zip(present, runtime.flat_state_kinds(self.kinds, len(present)), strict=True):
+            if kind == "linear":
+                written.append(tensor)
+                continue
+            if self.block_table is not None:
+                tensor = runtime.paged_view(tensor, self.block_table)
+            written.append(tensor[:, :, position : position + 1])
+        return written
 
     def output_name(self, kind: str, index: int) -> str:
         """The name of output ``index`` of the ``kind`` graph (0 is the logits, then key/value by layer)."""
@@ -79,14 +87,42 @@ class Replay:
         """Prefill KV (rows of ``lengths`` real tokens) as the decode graph takes it: per-row caches,
         or with a paged cache the rows' blocks scattered out of order through the pool."""
         if self.paged is None:
-            return runtime.place_prefill_kv(present, self.max_cache_len)
+            return runtime.place_prefill_kv(present, self.max_cache_len, self.kinds)
         per_row = self.max_cache_len // self.paged.block_size
         order = torch.randperm(self.paged.num_blocks, generator=torch.Generator().manual_seed(7))
         self.block_table = order[: len(lengths) * per_row].view(len(lengths), per_row)
         shapes = runtime.paged_shapes(self.kv_dims, self.paged.block_size, self.paged.num_blocks)
         return runtime.place_prefill_kv_paged(
-            present, self.block_table, lengths, shapes * (len(present) // 2)
+            present, self.block_table, lengths, shapes * self.kinds.count("attention"), self.kinds
         )
+
+    def join(
+        self, states: list[torch.Tensor], row: int, present: list[torch.Tensor], length: int
+    ) -> list[torch.Tensor]:
+        """``states`` with row ``row`` replaced by its request's prefill outputs ``present`` (``length``
+        tokens), the joining-request rule: a linear layer's states taken as they are, an attention
+        layer's rows placed into that row's cache (paged: into that row's own blocks)."""
+        joined = []
+        for tensor, new, kind in zip(
+            states, present, runtime.flat_state_kinds(self.kinds, len(states)), strict=True
+        ):
+            if kind == "linear":
+                tensor = tensor.clone()
+                tensor[row] = new[row]
+            elif self.block_table is None:
+                tensor = tensor.clone()
+                tensor[row] = runtime.place_prefill_kv([new[row : row + 1]], self.max_cache_len)[0][0]
+            else:
+                _, block_size, heads, dim = tensor.shape
+                slots = runtime.paged_slots(
+                    torch.arange(length), self.block_table[row : row + 1].expand(length, -1), block_size
+                )
+                flat = tensor.reshape(-1, heads, dim).index_copy(
+                    0, slots, new[row, :, :length].transpose(0, 1)
+                )
+                tensor = flat.view(tensor.shape)
+            joined.append(tensor)
+        return joined
 
     def run_decode(
         self, token: torch.Tensor, position: int | torch.Tensor, cache: list[torch.Tensor]

@@ -43,12 +43,32 @@ from ..options import ExtractionOptions, bind_structure
 from ..tiny_model import randomize_constants, tiny_overrides
 from . import multimodal as multimodal_verify
 from .checkpoint_binding import check_weights, saved_and_loaded
-from .comparisons import MERGED_DECODE_STEPS, compare_dynamic, compare_merged, compare_prompt, compare_ragged
+from .comparisons import (
+    MERGED_DECODE_STEPS,
+    compare_dynamic,
+    compare_joining,
+    compare_merged,
+    compare_prompt,
+    compare_ragged,
+    compare_states,
+)
 from .reference import ABSORBED_LOW_PRECISION, reference_experts
 from .replay import Replay
 from .tolerance import Tolerance
 from .verdict import VerifyReport
 from .vision import check_vision
+
+# transformers' chunked gated-delta scan (``torch_chunk_gated_delta_rule``) works in 64-token chunks: a
+# linear stack's verify prompt is longer, so the prefill's state crosses a chunk boundary.
+LINEAR_VERIFY_PROMPT = 64 + 6
+
+
+def relative_tolerance(options: ExtractionOptions, structure: ModelStructure) -> float:
+    """The float32 bound: the spec's ``verify.tolerance``, else ``verify_tolerance_linear`` for a stack
+    with linear-attention layers (their scan's own float32 resolution) and ``verify_tolerance`` otherwise."""
+    if structure.linear is not None and not options.verify_tolerance_stated:
+        return options.verify_tolerance_linear
+    return options.verify_tolerance
 
 
 def _small_options(
@@ -61,11 +81,15 @@ def _small_options(
 ) -> ExtractionOptions:
     """The verify sizes: a short text prompt and, with a multimodal prefill, an image prompt of the
     vision graph's placeholder tokens plus ``verify_prefill_len`` text tokens, which the cache holds."""
+    prefill_len, max_cache_len = options.verify_prefill_len, options.verify_max_cache_len
+    if structure.linear is not None:
+        prefill_len = max(prefill_len, LINEAR_VERIFY_PROMPT)
+        max_cache_len = max(max_cache_len, prefill_len + 2 * options.batch + options.verify_decode_steps)
     small = dataclasses.replace(
         options,
         output_dir=output_dir,
-        prefill_len=options.verify_prefill_len,
-        max_cache_len=options.verify_max_cache_len,
+        prefill_len=prefill_len,
+        max_cache_len=max_cache_len,
         dtype=dtype,
         structure=None,
     )
@@ -137,7 +161,7 @@ def _verify_in(
             generator=torch.Generator().manual_seed(2),
         )
         ulps = options.verify_tolerance_ulps
-        tolerance = Tolerance.of(dtype, relative=options.verify_tolerance, ulps=ulps)
+        tolerance = Tolerance.of(dtype, relative=relative_tolerance(options, structure), ulps=ulps)
         if tolerance.in_ulps:
             report.tolerance_ulps = tolerance.limit
         suffix = f" ({dtype})" if bf16 else ""
@@ -147,8 +171,12 @@ def _verify_in(
             )
             if small.dynamic:
                 compare_dynamic(report, model, replay, prompt, small, tolerance=tolerance, suffix=suffix)
+            hybrid = "linear" in small.layer_kinds
+            if hybrid:
+                steps = options.verify_decode_steps
+                compare_states(report, model, replay, prompt, steps, tolerance=tolerance, suffix=suffix)
             if small.batch > 1:
-                compare_ragged(
+                (compare_joining if hybrid else compare_ragged)(
                     report,
                     model,
                     replay,
@@ -199,7 +227,10 @@ def verify(
     structure = derive_structure(text_config, spec)
     bound = bind_structure(dataclasses.replace(options, structure=None), structure)
     report = VerifyReport(
-        bound.kv_layout or "", options.verify_tolerance, bound.mla_attention, bound.attention_label
+        bound.kv_layout or "",
+        relative_tolerance(options, structure),
+        bound.mla_attention,
+        bound.attention_label,
     )
     for dtype in options.verify_dtypes:
         if dtype != "float32" and bound.mla_attention == "absorbed":

@@ -82,14 +82,18 @@ class Comparison:
     def passed(self) -> bool:
         return self.shape_error is None and self.worst <= 1.0  # NaN compares False: never passes
 
-    def detail(self) -> str:
+    def size(self) -> str:
+        """The difference alone: ``max |diff| 3.4e-05 (0.099 of the bound)`` / ``... = 2 ulps``."""
         if self.shape_error is not None:
             return self.shape_error
         if self.worst_ulps is not None:
-            size = f"max |diff| {self.max_diff:.3g} = {self.worst_ulps:g} ulps"
-        else:
-            size = f"max |diff| {self.max_diff:.2e} ({self.worst:.2g} of the bound)"
-        return f"{size}; bound {self.tolerance.describe()}"
+            return f"max |diff| {self.max_diff:.3g} = {self.worst_ulps:g} ulps"
+        return f"max |diff| {self.max_diff:.2e} ({self.worst:.2g} of the bound)"
+
+    def detail(self) -> str:
+        if self.shape_error is not None:
+            return self.shape_error
+        return f"{self.size()}; bound {self.tolerance.describe()}"
 
 
 def compare(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], tolerance: Tolerance) -> Comparison:

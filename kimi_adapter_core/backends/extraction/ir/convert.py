@@ -29,7 +29,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from ....checkpoint.tensors import TensorType, dtype_name
 from ....errors import KadaptError
-from ..options import GraphNames
+from ..names import GraphNames, Kinds, state_roles
 from ..runtime.symbolic import EXPR
 from .encoding import MEMORY_FORMAT_CODES, encode
 from .graph import CONSTANT, INPUT, NODE, WEIGHT, Graph, GraphInput, GraphOutput, Node, Ref
@@ -246,7 +246,7 @@ def convert(
     *,
     kind: str,
     names: GraphNames,
-    num_layers: int,
+    kinds: Kinds,
     param_path: Callable[[str], str],
     constant_value: Callable[[str], torch.Tensor],
     device: str,
@@ -256,12 +256,14 @@ def convert(
 
     ``param_path`` maps the wrapper's parameter names to the model's; ``constant_value`` gives the
     real value of a non-persistent buffer (meta programs carry none); ``symbols`` names the dynamic
-    dimensions (``symbol_names``), if any.
+    dimensions (``symbol_names``), if any; ``kinds`` the traced layers' kinds (a count: all attention),
+    which say each state input's and output's layer and role.
     """
     signature = program.graph_signature
     placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
     env: dict[str, Ref] = {}
-    input_names = names.inputs(num_layers)
+    input_names = names.inputs(kinds)
+    roles = state_roles(kinds)
     n_fixed = len(names.fixed_inputs)
     inputs: list[GraphInput] = []
     weights: dict[str, TensorType] = {}
@@ -274,10 +276,8 @@ def convert(
                 raise KadaptError(f"{kind} graph has more inputs than its ABI names ({len(input_names)})")
             (tensor_type,) = symbols.types(placeholders[name].meta["val"])
             extra = position - n_fixed
-            role = "fixed" if extra < 0 else ("key", "value")[extra % 2]
-            inputs.append(
-                GraphInput(input_names[position], tensor_type, role, None if extra < 0 else extra // 2)
-            )
+            layer, role = (None, "fixed") if extra < 0 else roles[extra]
+            inputs.append(GraphInput(input_names[position], tensor_type, role, layer))
             env[name] = Ref(INPUT, position)
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER) and spec.persistent is not False:
             path = param_path(spec.target)
@@ -330,7 +330,7 @@ def convert(
         nodes.append(node)
         env[fx_node.name] = Ref(NODE, node.id)
 
-    output_names = names.outputs(num_layers)
+    output_names = names.outputs(kinds)
     outputs: list[GraphOutput] = []
     output_node = next(n for n in program.graph.nodes if n.op == "output")
     for spec, value in zip(signature.output_specs, output_node.args[0], strict=True):
@@ -339,8 +339,7 @@ def convert(
                 f"{kind} graph writes {spec.target} ({spec.kind.name}); the forward must not mutate state"
             )
         position = len(outputs)
-        role = "logits" if position == 0 else ("key", "value")[(position - 1) % 2]
-        layer = None if position == 0 else (position - 1) // 2
+        layer, role = (None, "logits") if position == 0 else roles[position - 1]
         outputs.append(GraphOutput(output_names[position], env[value.name], role, layer))
     graph = Graph(kind, inputs, outputs, nodes, weights, constants)
     prune(graph)

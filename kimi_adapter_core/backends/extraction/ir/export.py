@@ -13,7 +13,7 @@ import contextlib
 import importlib
 import inspect
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,8 @@ from torch.export import ExportedProgram
 
 from .... import upstream
 from ....errors import KadaptError, Refusal
-from ..options import MERGED, ExtractionOptions, GraphNames
+from ..names import GraphNames
+from ..options import MERGED, ExtractionOptions
 from ..runtime import abi as runtime
 from .convert import Symbols, convert, symbol_names
 from .graph import Graph
@@ -61,10 +62,12 @@ LAYER_INPUTS = frozenset(
 NON_ATTENTION = ("Mamba", "Mixer", "Linear", "Conv", "Recurrent", "DeltaNet", "Rwkv", "Lstm")
 
 
-def check_stack(backbone: Backbone) -> None:
+def check_stack(backbone: Backbone, kinds: Sequence[str] | None = None) -> None:
     """Refuse a decoder stack the wrappers cannot drive: no ``embed_tokens``/``layers``/``norm``/
     ``rotary_emb`` (GPT-NeoX, GPT-2, Falcon, Phi layouts: ``stack-layout``), or layers without a
-    ``self_attn`` that knows its ``layer_idx`` (``hybrid`` when they mix tokens another way)."""
+    ``self_attn`` that knows its ``layer_idx`` (``hybrid`` when they mix tokens another way), where
+    ``kinds`` (each layer's kind; None: all attention) says a layer is attention; a ``linear`` layer
+    needs a ``linear_attn`` that knows its ``layer_idx``."""
     stack = backbone.language_model
     name = type(stack).__name__
     missing = [attr for attr in STACK if not hasattr(stack, attr)]
@@ -88,6 +91,15 @@ def check_stack(backbone: Backbone) -> None:
                 f"{type(layer).__name__}.forward (layer {index}) takes {', '.join(extra)}, which "
                 f"{type(stack).__name__}'s forward computes and the prefill/decode wrappers do not",
             )
+        if kinds is not None and kinds[index] == "linear":
+            mixer = getattr(layer, "linear_attn", None)
+            if mixer is not None and getattr(mixer, "layer_idx", None) == index:
+                continue
+            raise Refusal(
+                "hybrid",
+                f"{type(layer).__name__} (layer {index}) is a linear-attention layer by the config, but has "
+                f"no linear_attn whose layer_idx is {index}: kadapt addresses its states by that index",
+            )
         attention = getattr(layer, "self_attn", None)
         if attention is not None and getattr(attention, "layer_idx", None) == index:
             continue
@@ -96,8 +108,9 @@ def check_stack(backbone: Backbone) -> None:
         if hybrid:
             raise Refusal(
                 "hybrid",
-                f"{type(layer).__name__} (layer {index}) mixes tokens with {', '.join(hybrid)}, not "
-                "attention: its state is not a KV cache",
+                f"{type(layer).__name__} (layer {index}) mixes tokens with {', '.join(hybrid)}, which the "
+                "config does not describe as a linear-attention layer kadapt can size: its state is not a "
+                "KV cache",
             )
         found = (
             "no self_attn"
@@ -147,8 +160,11 @@ def wrapper_for(kind: str, backbone: Backbone, options: ExtractionOptions, num_l
             backbone.language_model,
             backbone.lm_head,
             kv_layout=options.kv_layout,
-            cache_keyword=upstream.decoder_protocol(backbone.language_model).cache_keyword,
+            cache_keyword=upstream.decoder_protocol(
+                backbone.language_model, options.layer_kinds
+            ).cache_keyword,
             num_layers=num_layers,
+            layer_kinds=options.layer_kinds,
             mla_attention=options.mla_attention,
             windows=options.windows,
             embedding_ops=options.structure.outside_ops("embeddings") if options.structure else (),
@@ -188,6 +204,8 @@ def example_inputs(
         dtype=dtype,
         device=backbone.device,
         paged=None if options.paged is None else (options.paged.block_size, options.paged.num_blocks),
+        kinds=options.layer_kinds[:num_layers],
+        linear_states=options.linear_states,
     )
 
 
@@ -205,10 +223,12 @@ def dynamic_dims(kind: str, options: ExtractionOptions, num_inputs: int) -> dict
     mask = 2 if kind == MERGED else 1
     fixed = len(graph_names(kind, options).fixed_inputs)
     dims: dict[int, dict[int, str]] = {}
+    state_kinds = options.state_kinds(len(options.layer_kinds)) if options.structure is not None else []
     for position in range(num_inputs):
         if kind == MERGED and position == 1:  # image features
             continue
-        if kind == "decode" and options.paged is not None and position >= fixed:  # block pools
+        paged_pool = position >= fixed and state_kinds[position - fixed] == "attention"
+        if kind == "decode" and options.paged is not None and paged_pool:  # block pools (per-row states stay)
             continue
         these = {0: "batch"} if batch else {}
         if length:
@@ -456,7 +476,7 @@ def to_graph(
         program,
         kind=kind,
         names=graph_names(kind, options),
-        num_layers=num_layers,
+        kinds=list(options.layer_kinds[:num_layers]),
         param_path=_param_path(wrapper, backbone.model),
         constant_value=_constant_value(wrapper, program, backbone.model),
         device=device,

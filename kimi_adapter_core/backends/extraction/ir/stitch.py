@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from torch import nn
 
 from ....checkpoint.tensors import TensorType
-from ..options import GraphNames
+from ..names import GraphNames
 from .graph import CONSTANT, INPUT, NODE, WEIGHT, Graph, GraphInput, GraphOutput, Node, Ref
 
 
@@ -179,7 +179,8 @@ class _Clone:
     def add_kv_inputs(self, names: GraphNames) -> None:
         for graph_input in self.template.inputs:
             if graph_input.layer == self.source:
-                template = names.past_key if graph_input.role == "key" else names.past_value
+                template = names.template("past", graph_input.role)
+                assert template is not None, f"no past {graph_input.role} name"
                 self.kv_inputs[graph_input.role] = len(self.stitched.inputs)
                 self.stitched.inputs.append(
                     GraphInput(
@@ -266,7 +267,8 @@ def stitch(
         carry.append((clone.ids[layout.carry[source][0]], layout.carry[source][1]))
         for output in graph.outputs:
             if output.layer == source:
-                template = names.present_key if output.role == "key" else names.present_value
+                template = names.template("present", output.role)
+                assert template is not None, f"no present {output.role} name"
                 stitched.outputs.append(
                     GraphOutput(template.format(layer=target), clone.ref(output.ref), output.role, target)
                 )

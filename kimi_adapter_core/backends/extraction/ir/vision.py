@@ -30,7 +30,8 @@ from ....errors import KadaptError
 from ....spec.model import Spec
 from ....vision.options import VisionOptions
 from ....vision.wrapper import VisionModules, VisionWrapper, vision_modules
-from ..options import ExtractionOptions, GraphNames
+from ..names import GraphNames
+from ..options import ExtractionOptions
 from .convert import convert
 from .encoding import enum_tables
 from .export import _param_path, export_program
@@ -45,8 +46,8 @@ ABI_PREFIX = "vision_abi"  # IR name prefix of the grid constants the wrapper ow
 LAYER_SCOPE = "encoder.layers"
 
 
-def _graph_names(abi: VisionOptions) -> GraphNames:
-    # one fixed input, one output: GraphNames with no per-layer KV (converted with num_layers=0)
+def read_graph_names(abi: VisionOptions) -> GraphNames:
+    # one fixed input, one output: GraphNames with no per-layer KV (converted with kinds=0)
     return GraphNames((abi.input_name,), None, None, abi.output_name, "", "")
 
 
@@ -105,8 +106,8 @@ def _traced_graph(modules: VisionModules, options: ExtractionOptions, device: st
     return convert(
         program,
         kind=KIND,
-        names=_graph_names(modules.abi),
-        num_layers=0,
+        names=read_graph_names(modules.abi),
+        kinds=0,
         param_path=path_of,
         constant_value=_constant_value(wrapper, program),
         device=device,
@@ -138,7 +139,7 @@ def build_vision_graph(
             chosen,
             layer_paths=[module_paths[id(layer)] for layer in layers],
             tensor_types=model_tensor_types(modules.model),
-            names=_graph_names(modules.abi),
+            names=read_graph_names(modules.abi),
             layer_scope=LAYER_SCOPE,
         )
     except NotStitchable as exc:

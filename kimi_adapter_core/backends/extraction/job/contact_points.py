@@ -11,4 +11,8 @@ def check_upstream(options: ExtractionOptions) -> None:
     from .... import upstream
 
     points = (*upstream.EXPORT_POINTS, "loading_converters")
-    upstream.check((*points, "vision_grid_helpers") if options.vision is not None else points)
+    if options.vision is not None:
+        points = (*points, "vision_grid_helpers")
+    if options.structure is not None and options.structure.linear is not None:
+        points = (*points, "linear_attention_cache")
+    upstream.check(points)

@@ -17,7 +17,8 @@ from ..ir.encoding import enum_tables
 from ..ir.export import Backbone
 from ..ir.graph import Graph
 from ..ir.irjson import FORMAT_VERSION
-from ..options import MERGED, ExtractionOptions, kv_names
+from ..names import kv_names
+from ..options import MERGED, ExtractionOptions
 from ..runtime import abi as runtime
 
 EXEC_DEVICE = "cpu"  # factory ops traced on meta get this device (the executors run on CPU)
@@ -103,6 +104,8 @@ def kv_mapping_document(options: ExtractionOptions, backbone: Backbone) -> dict[
         mla_attention=options.mla_attention,
         dynamic=dynamic_sizes(options),
         paged=paged_kv(options),
+        kinds=options.layer_kinds,
+        linear_states=options.linear_states,
     )
     graphs = {"prefill_graph": options.path("prefill").name, "decode_graph": options.path("decode").name}
     assert options.structure is not None

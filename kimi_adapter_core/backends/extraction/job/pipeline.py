@@ -8,6 +8,7 @@ and stitched like the text prefill, so its KV continues into the same decode gra
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -135,8 +136,11 @@ def graph_stats(graph: Graph, options: ExtractionOptions, size: int, layers: int
 
 def check_kv_dims(options: ExtractionOptions, protocol: upstream.LayerProtocol) -> None:
     """What the layers hand the cache must be what kadapt read from the config (the KV mapping and the
-    ABI's input shapes say it)."""
+    ABI's input shapes say it): the attention layers' KV per token, the linear layers' states."""
     if options.structure is None:
+        return
+    check_linear_states(options, protocol)
+    if protocol.kv_dims is None:  # no attention layer
         return
     attention = options.structure.attention
     read = attention.kv_dims(attention.default_kv_layout)
@@ -146,6 +150,23 @@ def check_kv_dims(options: ExtractionOptions, protocol: upstream.LayerProtocol) 
             "stack-differs",
             f"the config describes {attention.describe()}, {read} ((heads, dim) of key and value per token, "
             f"from {keys}), but the decoder layers cache {protocol.kv_dims}",
+        )
+
+
+def check_linear_states(options: ExtractionOptions, protocol: upstream.LayerProtocol) -> None:
+    """The linear layers' conv and recurrent state shapes the config implies (``structure.linear``)
+    must be the ones the layers hand over (then the mapping states what the graphs carry)."""
+    assert options.structure is not None
+    linear = options.structure.linear
+    if linear is None or protocol.linear_states is None:
+        return
+    read = (linear.conv_state.shape(), linear.recurrent_state.shape())
+    found = tuple(shape for shape, _ in protocol.linear_states)
+    if read != found:
+        raise Refusal(
+            "stack-differs",
+            f"the config describes {linear.describe()}, conv and recurrent states {read} per request, but "
+            f"the linear-attention layers hand over {found}",
         )
 
 
@@ -222,16 +243,18 @@ def prepare(
     vision_modules = None
     with clock.step("prepare"):
         check_upstream(options)
-        check_stack(backbone)
+        check_stack(backbone, options.layer_kinds)
         check_exportable(backbone)
         load_export_machinery()
         dtype = getattr(torch, options.dtype)
         cast_to_abi_dtype(model, [backbone.language_model, backbone.lm_head], dtype)
         with uncounted():  # the layers themselves, before any export (a check, not an artifact)
-            protocol = upstream.decoder_protocol(backbone.language_model)
+            protocol = upstream.decoder_protocol(backbone.language_model, options.layer_kinds)
         check_kv_dims(options, protocol)
+        options = dataclasses.replace(options, linear_states=protocol.linear_states)
         if options.structure is not None and options.structure.attention.is_mla:
-            upstream.require_mla_attention(backbone.layers[0].self_attn)
+            first = options.layer_kinds.index("attention")
+            upstream.require_mla_attention(backbone.layers[first].self_attn)
         chosen = plan(backbone.layers) if options.stitch else Plan(len(backbone.layers))
         if options.vision is not None:
             vision_modules = vision.prepare(spec, model, options)

@@ -148,12 +148,12 @@ def absorbed_mla_forward(
 def absorbing_mla(layers: Sequence[nn.Module], mla_attention: str, cache_keyword: str) -> Iterator[None]:
     """For ``absorbed``, shadow each layer's ``self_attn.forward`` with ``absorbed_mla_forward``.
 
-    Like ``StaticKVCache.routing_expand_kv``: an instance attribute, only inside this block.
+    Like ``StaticStateCache.routing_expand_kv``: an instance attribute, only inside this block.
     """
     if mla_attention != "absorbed":
         yield
         return
-    attentions = [layer.self_attn for layer in layers]
+    attentions = [layer.self_attn for layer in layers if getattr(layer, "self_attn", None) is not None]
     for attn in attentions:
         attn.__dict__["forward"] = functools.partial(absorbed_mla_forward, attn, cache_keyword=cache_keyword)
     try:
@@ -247,32 +247,63 @@ def paged_view(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     return rows.view(batch, blocks * block_size, heads, dim).transpose(1, 2)
 
 
-class StaticKVCache:
-    """Duck-typed stand-in for transformers' ``Cache`` that keeps every write a graph value.
+# The state tensors each layer kind carries, in ABI order (``past.{layer}.{name}`` / ``present...``).
+#  attention: the KV cache (``kv_layout`` says what key and value hold);
+#  linear:    a linear-attention / SSM mixer's short-convolution window and recurrent state, the two
+#             states transformers' ``LinearAttentionLayer`` keeps (``conv_states``/``recurrent_states``).
+LAYER_STATES = {"attention": ("key", "value"), "linear": ("conv", "recurrent")}
+# Where a decoder layer keeps its token mixer, by layer kind (the mixer carries ``layer_idx``).
+MIXER_ATTRIBUTES = {"attention": ("self_attn",), "linear": ("linear_attn",)}
 
-    Prefill (``past is None``) records the new KV as ``present``. Decode writes the new token into
-    the caller's ``past`` tensors with out-of-place ``index_copy`` at ``cache_position``; the tensors
-    stay graph inputs/outputs, so nothing is lifted to a constant or mutated behind the graph.
-    ``update`` mirrors ``transformers.cache_utils.Cache.update`` (upstream's ``cache_update`` contact
-    point) and is the cache's only protocol: anything else the attention reads does not exist here.
+
+def mixer_of(layer: nn.Module, kind: str) -> nn.Module:
+    """The layer's token mixer of ``kind`` (its ``layer_idx`` addresses the cache)."""
+    for name in MIXER_ATTRIBUTES[kind]:
+        mixer = getattr(layer, name, None)
+        if mixer is not None:
+            return mixer
+    raise ValueError(
+        f"{type(layer).__name__} has no {kind} mixer (looked for {', '.join(MIXER_ATTRIBUTES[kind])})"
+    )
+
+
+class StaticStateCache:
+    """Duck-typed stand-in for transformers' ``Cache`` that keeps every state a graph value.
+
+    Prefill (``past is None``) records what each layer writes as its ``present``. Decode reads the
+    caller's ``past`` tensors and writes out of place, so every state stays a graph input/output and
+    nothing is lifted to a constant or mutated behind the graph. Two protocols, by layer kind:
+
+    - attention layers call ``update`` (``transformers.cache_utils.Cache.update``, upstream's
+      ``cache_update`` contact point) with the new key/value states;
+    - linear-attention / SSM layers call ``get_conv_state``/``update_conv_state`` and
+      ``get_recurrent_state``/``update_recurrent_state`` (``Cache``'s linear-attention API, upstream's
+      ``linear_attention_cache`` contact point). ``is_recording_past`` answers True, which sends a
+      single-token decode down the layer's out-of-place path (``update_conv_state`` returns the window
+      plus the new token and the layer convolves it) instead of ``causal_conv1d_update``, which would
+      write the conv state in place.
+
+    Anything else the layers read does not exist here, so a layer that needs more fails at trace time.
     """
 
     def __init__(
         self,
         kv_layout: str,
         layer_ids: Sequence[int],
-        past: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        past: Sequence[tuple[torch.Tensor, ...]] | None = None,
         cache_position: torch.Tensor | None = None,
         block_table: torch.Tensor | None = None,
+        kinds: Sequence[str] | None = None,
     ) -> None:
         if kv_layout not in KV_LAYOUTS:
             raise ValueError(f"unknown kv_layout {kv_layout!r}; valid: {', '.join(KV_LAYOUTS)}")
         self.kv_layout = kv_layout
         self._slot = {layer_id: slot for slot, layer_id in enumerate(layer_ids)}
+        self.kinds = list(kinds) if kinds is not None else ["attention"] * len(self._slot)
         self._past = past
         self._cache_position = cache_position
         self._block_table = block_table
-        self.present: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self._slot)
+        self.present: list[dict[str, torch.Tensor]] = [{} for _ in self._slot]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
@@ -301,19 +332,62 @@ class StaticKVCache:
         the attention reads the row's blocks gathered in logical order (``paged_write``/``paged_view``).
         """
         if self._past is None:
-            self.present[slot] = (key, value)
+            self.present[slot].update(key=key, value=value)
             return key, value
         assert self._cache_position is not None
         past_key, past_value = self._past[slot]
         if self._block_table is None:
             key = write_rows(past_key, key, self._cache_position)
             value = write_rows(past_value, value, self._cache_position)
-            self.present[slot] = (key, value)
+            self.present[slot].update(key=key, value=value)
             return key, value
         pool_key = paged_write(past_key, key, self._cache_position, self._block_table)
         pool_value = paged_write(past_value, value, self._cache_position, self._block_table)
-        self.present[slot] = (pool_key, pool_value)
+        self.present[slot].update(key=pool_key, value=pool_value)
         return paged_view(pool_key, self._block_table), paged_view(pool_value, self._block_table)
+
+    def _past_state(self, layer_idx: int, name: str) -> torch.Tensor | None:
+        if self._past is None:
+            return None
+        slot = self._slot[layer_idx]
+        return self._past[slot][LAYER_STATES[self.kinds[slot]].index(name)]
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """The layer's convolution window ``[B, channels, kernel]`` (None in prefill: no previous state)."""
+        return self._past_state(layer_idx, "conv")
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """The layer's recurrent state (None in prefill: the layer starts from zeros)."""
+        return self._past_state(layer_idx, "recurrent")
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        """True: keeps a single-token decode on the layer's out-of-place convolution path."""
+        return True
+
+    def update_conv_state(
+        self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
+    ) -> torch.Tensor:
+        """``LinearAttentionLayer.update_conv_state`` without mutation: the new inputs ``[B, C, Q]``
+        behind the previous window (prefill: behind zeros, when Q is shorter than the kernel); the
+        present window is the last ``kernel`` columns; the layer convolves what is returned."""
+        slot = self._slot[layer_idx]
+        past = self._past_state(layer_idx, "conv")
+        if past is None:
+            kernel = kwargs.get("conv_kernel_size") or conv_states.shape[-1]
+            missing = kernel - conv_states.shape[-1]
+            full = nn.functional.pad(conv_states, (missing, 0)) if missing > 0 else conv_states
+        else:
+            kernel = past.shape[-1]
+            full = torch.cat([past, conv_states.to(past.dtype)], dim=-1)
+        self.present[slot]["conv"] = full[..., -kernel:]
+        return full
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
+    ) -> torch.Tensor:
+        """The layer's state after the new tokens becomes the present."""
+        self.present[self._slot[layer_idx]]["recurrent"] = recurrent_states
+        return recurrent_states
 
     @contextlib.contextmanager
     def routing_expand_kv(self, layers: Sequence[nn.Module]) -> Iterator[None]:
@@ -326,7 +400,7 @@ class StaticKVCache:
         if self.kv_layout != "expanded":
             yield
             return
-        attentions = [layer.self_attn for layer in layers]
+        attentions = [layer.self_attn for layer in layers if getattr(layer, "self_attn", None) is not None]
         for attn in attentions:
             attn.__dict__["expand_kv"] = functools.partial(self.expand_kv, attn)
         try:
@@ -336,11 +410,16 @@ class StaticKVCache:
                 attn.__dict__.pop("expand_kv", None)
 
     def flat_present(self) -> list[torch.Tensor]:
+        """Every layer's states in ABI order (``LAYER_STATES`` of its kind)."""
         flat: list[torch.Tensor] = []
-        for slot, entry in enumerate(self.present):
-            if entry is None:
-                raise RuntimeError(f"decoder layer in slot {slot} never wrote its KV cache")
-            flat += entry
+        for slot, (kind, written) in enumerate(zip(self.kinds, self.present, strict=True)):
+            names = LAYER_STATES[kind]
+            missing = [name for name in names if name not in written]
+            if missing:
+                raise RuntimeError(
+                    f"decoder layer in slot {slot} never wrote its {' and '.join(missing)} state"
+                )
+            flat += [written[name] for name in names]
         return flat
 
 
@@ -362,6 +441,7 @@ class _TextStack(nn.Module):
         embedding_ops: OpList = (),
         logit_ops: OpList = (),
         rope_layer_types: Sequence[str] | None = None,
+        layer_kinds: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
         if kv_layout not in KV_LAYOUTS:
@@ -377,7 +457,16 @@ class _TextStack(nn.Module):
         self.mla_attention = mla_attention
         self.embedding_ops = tuple(embedding_ops)
         self.logit_ops = tuple(logit_ops)
-        self.layer_ids = [layer.self_attn.layer_idx for layer in self.layers]
+        # each traced layer's kind (LAYER_STATES), by its position in the stack; None: all attention
+        self.kinds = [
+            layer_kinds[i] if layer_kinds is not None else "attention" for i in range(len(self.layers))
+        ]
+        unknown = sorted(set(self.kinds) - set(LAYER_STATES))
+        if unknown:
+            raise ValueError(f"unknown layer kind {unknown[0]!r}; valid: {', '.join(LAYER_STATES)}")
+        self.layer_ids = [
+            mixer_of(layer, kind).layer_idx for layer, kind in zip(self.layers, self.kinds, strict=True)
+        ]
         # sliding window of each traced layer (None: full attention), by the layer's own index
         windows = list(windows) if windows is not None else []
         self.windows = [windows[i] if i < len(windows) else None for i in self.layer_ids]
@@ -400,6 +489,7 @@ class _TextStack(nn.Module):
         embedding_ops: OpList = (),
         logit_ops: OpList = (),
         rope_layer_types: Sequence[str] | None = None,
+        layer_kinds: Sequence[str] | None = None,
         **extra: Any,
     ) -> _TextStack:
         """Wrap a transformers decoder model (``embed_tokens``/``layers``/``norm``/``rotary_emb``).
@@ -411,6 +501,7 @@ class _TextStack(nn.Module):
         ``embedding_ops``/``logit_ops`` are the family's math outside the layers (``apply_ops``);
         ``rope_layer_types`` each layer's type for a rotary embedding that takes one (``rotary_emb(x,
         position_ids, layer_type)``: Gemma-3, OLMo-3), indexed by layer;
+        ``layer_kinds`` each layer's kind (``LAYER_STATES``: ``attention`` or ``linear``), indexed by layer;
         ``extra`` goes to the wrapper's constructor (``image_token_id`` of ``MultimodalPrefillWrapper``).
         """
         layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
@@ -429,6 +520,7 @@ class _TextStack(nn.Module):
             embedding_ops=embedding_ops,
             logit_ops=logit_ops,
             rope_layer_types=rope_layer_types,
+            layer_kinds=layer_kinds,
             **extra,
         )
 
@@ -437,7 +529,7 @@ class _TextStack(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
-        cache: StaticKVCache,
+        cache: StaticStateCache,
     ) -> tuple[torch.Tensor, ...]:
         return self._stack(self.embed_tokens(input_ids), attention_mask, position_ids, cache)
 
@@ -446,7 +538,7 @@ class _TextStack(nn.Module):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
-        cache: StaticKVCache,
+        cache: StaticStateCache,
     ) -> tuple[torch.Tensor, ...]:
         """The layers, final norm and LM head over input embeddings ``hidden_states`` ``[B, Q, hidden]``."""
         hidden_states = apply_ops(hidden_states, self.embedding_ops)
@@ -458,20 +550,28 @@ class _TextStack(nn.Module):
                 for t in dict.fromkeys(self.rope_layer_types)
             }
             position_embeddings = [by_type[t] for t in self.rope_layer_types]
-        masks = {
+        masks: dict[int | None, torch.Tensor | None] = {
             window: attention_mask
             if window is None
             else sliding_window_mask(attention_mask, position_ids, window)
-            for window in dict.fromkeys(self.windows)  # first-use order: deterministic graphs
+            for window, kind in zip(
+                self.windows, self.kinds, strict=True
+            )  # first-use order: deterministic graphs
+            if kind == "attention"
         }
+        # a linear layer's state takes every token it is given: no mask (the contract refuses padding)
+        layer_masks = [
+            masks[window] if kind == "attention" else None
+            for window, kind in zip(self.windows, self.kinds, strict=True)
+        ]
         with (
             cache.routing_expand_kv(self.layers),
             absorbing_mla(self.layers, self.mla_attention, self.cache_keyword),
         ):
-            for layer, window, embeddings in zip(self.layers, self.windows, position_embeddings, strict=True):
+            for layer, mask, embeddings in zip(self.layers, layer_masks, position_embeddings, strict=True):
                 hidden_states = layer(
                     hidden_states,
-                    attention_mask=masks[window],
+                    attention_mask=mask,
                     position_ids=position_ids,
                     use_cache=True,
                     position_embeddings=embeddings,
@@ -487,7 +587,7 @@ class PrefillWrapper(_TextStack):
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        cache = StaticKVCache(self.kv_layout, self.layer_ids)
+        cache = StaticStateCache(self.kv_layout, self.layer_ids, kinds=self.kinds)
         return self._run(input_ids, attention_mask, position_ids, cache)
 
 
@@ -536,7 +636,7 @@ class MultimodalPrefillWrapper(_TextStack):
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        cache = StaticKVCache(self.kv_layout, self.layer_ids)
+        cache = StaticStateCache(self.kv_layout, self.layer_ids, kinds=self.kinds)
         hidden_states = merge_image_features(
             self.embed_tokens, input_ids, image_features, self.image_token_id
         )
@@ -565,13 +665,15 @@ class DecodeWrapper(_TextStack):
         cache_position: torch.Tensor,
         *tensors: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        block_table, past_key_values = (tensors[0], tensors[1:]) if self.paged else (None, tensors)
-        if len(past_key_values) != 2 * len(self.layers):
-            raise ValueError(
-                f"expected {2 * len(self.layers)} past key/value tensors, got {len(past_key_values)}"
-            )
-        past = [(past_key_values[2 * i], past_key_values[2 * i + 1]) for i in range(len(self.layers))]
-        cache = StaticKVCache(self.kv_layout, self.layer_ids, past, cache_position, block_table)
+        block_table, past_states = (tensors[0], tensors[1:]) if self.paged else (None, tensors)
+        counts = [len(LAYER_STATES[kind]) for kind in self.kinds]
+        if len(past_states) != sum(counts):
+            raise ValueError(f"expected {sum(counts)} past state tensors, got {len(past_states)}")
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        past = [tuple(past_states[start : start + n]) for start, n in zip(starts, counts, strict=True)]
+        cache = StaticStateCache(
+            self.kv_layout, self.layer_ids, past, cache_position, block_table, kinds=self.kinds
+        )
         return self._run(input_ids, attention_mask, position_ids, cache)
 
 
@@ -601,6 +703,21 @@ def multimodal_prefill_inputs(
     return input_ids, features, mask, positions
 
 
+# Per request, the shape (without the batch) and dtype name of a linear layer's conv and recurrent
+# state, as ``upstream.LayerProtocol.linear_states`` observed them.
+LinearStates = tuple[tuple[tuple[int, ...], str], tuple[tuple[int, ...], str]]
+
+
+def linear_state_zeros(
+    linear_states: LinearStates, batch: int, device: str | torch.device
+) -> list[torch.Tensor]:
+    """A linear layer's conv and recurrent states for ``batch`` rows before any token: zeros."""
+    return [
+        torch.zeros((batch, *shape), dtype=getattr(torch, dtype), device=device)
+        for shape, dtype in linear_states
+    ]
+
+
 def decode_inputs(
     kv_dims: KVDims,
     *,
@@ -611,11 +728,15 @@ def decode_inputs(
     dtype: torch.dtype,
     device: str | torch.device = "meta",
     paged: tuple[int, int] | None = None,
+    kinds: Sequence[str] | None = None,
+    linear_states: LinearStates | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Example decode inputs for the token at ``position`` in every row, with zeroed caches.
 
     ``paged`` ``(block_size, num_blocks)``: a block table giving row ``b`` blocks ``b * blocks ...``
-    and zeroed pools ``[num_blocks, block_size, heads, dim]`` instead of per-row caches.
+    and zeroed pools ``[num_blocks, block_size, heads, dim]`` instead of per-row caches. ``kinds``
+    gives each layer's kind (None: all attention); a ``linear`` layer takes its zeroed
+    ``linear_states`` per row instead (never paged).
     """
     positions = torch.full((batch, 1), position, dtype=torch.long, device=device)
     if paged is None:
@@ -627,7 +748,11 @@ def decode_inputs(
         blocks = max_cache_len // block_size
         table = (torch.arange(batch * blocks, device=device).remainder(num_blocks).view(batch, blocks),)
     past: list[torch.Tensor] = []
-    for _ in range(num_layers):
+    for kind in kinds if kinds is not None else ["attention"] * num_layers:
+        if kind == "linear":
+            assert linear_states is not None, "a linear layer needs its linear_states"
+            past += linear_state_zeros(linear_states, batch, device)
+            continue
         past += [
             torch.zeros(key_shape, dtype=dtype, device=device),
             torch.zeros(value_shape, dtype=dtype, device=device),
@@ -650,10 +775,16 @@ def paged_shapes(
     return (num_blocks, block_size, key_heads, key_dim), (num_blocks, block_size, value_heads, value_dim)
 
 
-def place_prefill_kv(present: Sequence[torch.Tensor], max_cache_len: int) -> list[torch.Tensor]:
-    """Decode cache from prefill outputs: ``zeros.index_copy(2, arange(prefill_len), present)``."""
+def place_prefill_kv(
+    present: Sequence[torch.Tensor], max_cache_len: int, kinds: Sequence[str] | None = None
+) -> list[torch.Tensor]:
+    """Decode cache from prefill outputs: ``zeros.index_copy(2, arange(prefill_len), present)``; a
+    linear layer's states (``kinds``, None: all attention) are the decode inputs as they are."""
     placed = []
-    for tensor in present:
+    for tensor, kind in zip(present, flat_state_kinds(kinds, len(present)), strict=True):
+        if kind == "linear":
+            placed.append(tensor)
+            continue
         shape = (*tensor.shape[:2], max_cache_len, *tensor.shape[3:])
         positions = torch.arange(tensor.shape[2], device=tensor.device)
         placed.append(
@@ -662,18 +793,32 @@ def place_prefill_kv(present: Sequence[torch.Tensor], max_cache_len: int) -> lis
     return placed
 
 
+def flat_state_kinds(kinds: Sequence[str] | None, count: int) -> list[str]:
+    """The kind of each flat state tensor, from each layer's kind (None: all attention)."""
+    if kinds is None:
+        return ["attention"] * count
+    return [kind for kind in kinds for _ in LAYER_STATES[kind]]
+
+
 def place_prefill_kv_paged(
     present: Sequence[torch.Tensor],
     block_table: torch.Tensor,
     lengths: torch.Tensor,
     pool_shapes: Sequence[Sequence[int]],
+    kinds: Sequence[str] | None = None,
 ) -> list[torch.Tensor]:
     """Decode block pools from prefill outputs (``kv_cache: paged``): row ``b``'s positions
     ``0..lengths[b]-1`` written to their slots by the slot rule, the rest of each pool zeros.
+    ``pool_shapes`` gives each attention state's pool; a linear layer's states (``kinds``) stay per row.
 
     Pad positions are not written: their slots may be in blocks another row owns."""
     pools = []
-    for tensor, shape in zip(present, pool_shapes, strict=True):
+    attention_shapes = iter(pool_shapes)
+    for tensor, kind in zip(present, flat_state_kinds(kinds, len(present)), strict=True):
+        if kind == "linear":
+            pools.append(tensor)
+            continue
+        shape = next(attention_shapes)
         num_blocks, block_size, heads, dim = shape
         flat = torch.zeros(num_blocks * block_size, heads, dim, dtype=tensor.dtype, device=tensor.device)
         for row in range(tensor.shape[0]):
@@ -701,6 +846,32 @@ KV_CONTENTS = {
         "MLA keys per head, [k_nope from kv_b_proj | rope'd shared key]: [batch, heads, slot, qk_head_dim]",
         "MLA values per head from kv_b_proj: [batch, heads, slot, v_head_dim]",
     ),
+}
+
+
+# What a runtime does with a linear-attention / SSM layer's fixed-size states (the state mapping's
+# contract says it, so a runtime needs no code). vLLM keeps one such slot per request beside its paged
+# attention blocks; here a row of the batch is that slot.
+LINEAR_STATE_CONTENTS = {
+    "conv": "the layer's causal depthwise convolution window: the inputs of the last kernel tokens, "
+    "[batch, channels, kernel], the newest in the last column (zeros before the prompt's first token)",
+    "recurrent": "the layer's linear-attention / SSM recurrent state after the last token, [batch, ...], "
+    "in its own dtype (the reference kernels keep it in float32 whatever the ABI dtype)",
+}
+LINEAR_STATE_RULES = {
+    "initial": "no input: a request's prefill starts from zero state and returns the state after its prompt",
+    "prefill_to_decode": "the prefill output is the decode input as it is (same shape, no placement, no "
+    "sequence dimension)",
+    "decode_update": "each decode step returns every row's state after its token; the outputs replace the "
+    "inputs",
+    "ragged": "rows are independent and no position enters these states, so rows may decode at different "
+    "positions in one step. A prefill row's state takes every token it is given, pads included: prompts "
+    "of different lengths are prefilled in separate calls (batch 1, or one call per length), never padded",
+    "paged": "never paged: with kv_cache paged the attention layers use the block pools and these states "
+    "stay one row per request ([batch, ...]), the request's slot",
+    "finished_request": "its row is free: nothing to clear, the next request's prefill output replaces it",
+    "joining_request": "a new request takes a free row: write its prefill outputs into that row; the other "
+    "rows are untouched",
 }
 
 
@@ -755,10 +926,12 @@ def kv_contract(
     dynamic: dict[str, tuple[int, int]] | None = None,
     paged: PagedKV | None = None,
     batch: int = 1,
+    linear: bool = False,
 ) -> dict[str, Any]:
     """Everything a runtime needs besides the graphs: cache semantics, masks, positions, capacity,
-    with ``dynamic`` sizes (``{"prefill_len": (1, 64)}``) how to bind them, and with ``paged`` the
-    block pool and block table (``batch`` rows, or the dynamic ``batch``).
+    with ``dynamic`` sizes (``{"prefill_len": (1, 64)}``) how to bind them, with ``paged`` the
+    block pool and block table (``batch`` rows, or the dynamic ``batch``), and with ``linear`` (the
+    stack has linear-attention / SSM layers) what their fixed-size states hold and the rules for them.
 
     Version 3: ``cache_position`` is ``[batch]`` (one position per row) and the optional paged cache;
     version 2 graphs took one ``[1]`` position for the whole batch."""
@@ -804,7 +977,16 @@ def kv_contract(
             "sliding_windows": "layers with a window also hide k <= p - window; the graph adds that itself "
             "from position_ids, the caller passes one causal mask for every layer",
         },
-        "padding": {"supported": "right", "rule": padding},
+        "padding": (
+            {"supported": "right", "rule": padding}
+            if not linear
+            else {
+                "supported": "none",
+                "rule": "the linear layers' states take every token of a prefill row, so a prompt is never "
+                "padded: prefill prompts of different lengths in separate calls (see linear_states.ragged); "
+                "rows then decode together, each at its own position",
+            }
+        ),
         "capacity": {
             "max_position": max_cache_len - 1,
             "rule": f"positions 0..{max_cache_len - 1}; a token at position >= max_cache_len has no slot "
@@ -815,6 +997,12 @@ def kv_contract(
         contract["dynamic"] = {
             "sizes": {name: list(bounds) for name, bounds in dynamic.items()},
             "rule": DYNAMIC_RULE,
+        }
+    if linear:
+        contract["linear_states"] = {
+            "conv": {"holds": LINEAR_STATE_CONTENTS["conv"]},
+            "recurrent": {"holds": LINEAR_STATE_CONTENTS["recurrent"]},
+            **LINEAR_STATE_RULES,
         }
     if paged is not None:
         contract["paged"] = paged.contract(max_cache_len, "batch" if "batch" in dynamic else batch)
@@ -838,6 +1026,8 @@ def build_kv_mapping(
     mla_attention: str = "reexpand",
     dynamic: dict[str, tuple[int, int]] | None = None,
     paged: PagedKV | None = None,
+    kinds: Sequence[str] | None = None,
+    linear_states: LinearStates | None = None,
 ) -> dict[str, Any]:
     """How prefill KV outputs become decode KV inputs, layer by layer.
 
@@ -846,6 +1036,9 @@ def build_kv_mapping(
     ``mla_attention`` is recorded only when it is not the default ``reexpand`` (the cache is the same).
     ``dynamic`` sizes (``{"batch": (1, 8)}``) appear in shapes by name, with their ranges.
     ``paged``: the decode KV tensors are block pools (``kv_cache: paged``), the contract says how.
+    ``kinds`` gives each layer's kind (None: all attention); a ``linear`` layer's entry names its conv
+    and recurrent states (``names`` ``prefill_conv``/``decode_conv_in``/... templates) with the shapes
+    and dtypes of ``linear_states``, and the contract says how a runtime carries them.
     """
     dynamic = dynamic or {}
     batch_dim: int | str = "batch" if "batch" in dynamic else batch
@@ -857,14 +1050,30 @@ def build_kv_mapping(
         else paged_shapes(kv_dims, paged.block_size, paged.num_blocks)
     )
 
-    def tensor(role: str, layer: int, shape: tuple[int, ...]) -> dict[str, Any]:
-        return {"name": names[role].format(layer=layer), "shape": list(shape), "dtype": dtype}
+    def tensor(role: str, layer: int, shape: tuple[int | str, ...], kind: str = dtype) -> dict[str, Any]:
+        return {"name": names[role].format(layer=layer), "shape": list(shape), "dtype": kind}
 
-    layers = []
-    for layer in range(num_layers):
+    kinds = list(kinds) if kinds is not None else ["attention"] * num_layers
+    hybrid = "linear" in kinds
+    layers: list[dict[str, Any]] = []
+    for layer, kind in enumerate(kinds):
+        if kind == "linear":
+            assert linear_states is not None, "a linear layer needs its linear_states"
+            entry: dict[str, Any] = {"layer": layer, "kind": "linear"}
+            for state, (shape, state_dtype) in zip(LAYER_STATES["linear"], linear_states, strict=True):
+                full = (batch_dim, *shape)
+                for role, key in (
+                    ("prefill_{}", "prefill_{}_output"),
+                    ("decode_{}_in", "decode_{}_input"),
+                    ("decode_{}_out", "decode_{}_output"),
+                ):
+                    entry[key.format(state)] = tensor(role.format(state), layer, full, state_dtype)
+            layers.append(entry)
+            continue
         layers.append(
             {
                 "layer": layer,
+                **({"kind": "attention"} if hybrid else {}),
                 "prefill_key_output": tensor("prefill_key", layer, prefill_shapes[0]),
                 "prefill_value_output": tensor("prefill_value", layer, prefill_shapes[1]),
                 "decode_key_input": tensor("decode_key_in", layer, decode_shapes[0]),
@@ -884,6 +1093,7 @@ def build_kv_mapping(
             dynamic=dynamic,
             paged=paged,
             batch=batch,
+            linear=hybrid,
         ),
         "kv_cache": "contiguous" if paged is None else "paged",
         "batch": batch,

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ....config.source import resolve_source
-from ....errors import KadaptError
+from ....errors import KadaptError, Refusal
 from ....spec.model import Spec
 from ....structure.bounds import shown_path
 from ....structure.model import ModelStructure
@@ -46,6 +46,14 @@ def read_config(spec: Spec) -> dict[str, Any]:
 def architecture(spec: Spec, raw: dict[str, Any]) -> Architecture:
     """The structure of ``raw`` (the root config dict) as ``spec`` reads it, plus its vision tower."""
     structure = structure_of_raw(spec, raw)
+    if structure.linear is not None:
+        raise Refusal(
+            "hybrid",
+            f"{len(structure.linear_layer_ids)} of the {structure.num_layers} layers are linear attention "
+            f"({structure.linear.describe()}): plan and simulate do not size or price their states and "
+            "scans yet, and refuse rather than count them as attention (apply and --verify carry them)",
+            location=spec.locate("gate"),
+        )
     vision_cfg = raw.get("vision_config")
     vision = None
     if isinstance(vision_cfg, dict):

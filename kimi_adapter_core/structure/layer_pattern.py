@@ -1,0 +1,35 @@
+"""Per-layer patterns of a config (``layer_types``, per-layer lists): their period, and a shorter stack.
+
+The tiny verify models and ``validate --resolve`` keep a whole period of a model's layer pattern
+(Gemma-3's 5 sliding : 1 full, Qwen3-Next's 3 linear : 1 full) while shrinking the stack.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+def pattern_period(sequence: Sequence[Any], limit: int) -> int:
+    """Layers that hold one whole period of a per-layer pattern: the shortest ``p`` with ``sequence[i] ==
+    sequence[i % p]`` (6 for Gemma-3's 5 sliding : 1 full), or, when that is longer than ``limit``, the
+    shortest prefix holding every distinct value once. Values are compared by ``repr`` (lists allowed)."""
+    values = [repr(v) for v in sequence]
+    period = next(
+        p for p in range(1, len(values) + 1) if all(v == values[i % p] for i, v in enumerate(values))
+    )
+    if period > limit:
+        kinds = set(values)
+        period = next(i + 1 for i in range(len(values)) if set(values[: i + 1]) == kinds)
+    return period
+
+
+def shorten_layers(section: Mapping[str, Any], total: int, keep: int) -> dict[str, Any]:
+    """Overrides that cut every per-layer list of a text config section (``layer_types``,
+    ``mlp_layer_types``, ``activation_sparsity_pattern``, ...: any list with one entry per layer) to
+    its first ``keep`` layers, as config classes require once the stack is shortened."""
+    return {
+        key: list(value[:keep])
+        for key, value in section.items()
+        if isinstance(value, list) and len(value) == total and key != "architectures"
+    }
