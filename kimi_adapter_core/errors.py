@@ -63,7 +63,7 @@ REFUSALS = {
     "hybrid": "layers that are not attention (SSM, recurrence, convolution, linear attention other than "
     "gated DeltaNet): their state is neither a KV cache nor a conv window and recurrent state kadapt can "
     "size",
-    "layer-types": "attention kinds other than full and sliding-window (chunked, indexed/sparse, compressed)",
+    "layer-types": "attention kinds other than full, sliding-window and DSA-indexed (chunked, compressed)",
     "per-layer-config": "attention sizes that differ per layer (a per_layer_config)",
     "stack-layout": "a decoder stack without the embed_tokens / layers / norm / rotary_emb the wrappers "
     "call, or layers without a self_attn that knows its layer_idx",

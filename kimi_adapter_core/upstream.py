@@ -218,6 +218,17 @@ def _probe_linear_attention_cache() -> str:
     return "Cache." + ", ".join(LINEAR_CACHE_METHODS)
 
 
+def _probe_indexer_cache() -> str:
+    expected = "Cache.update_indexer(indexer_key_states, layer_idx) returning every cached indexer key"
+    cache = _attr("transformers.cache_utils", "Cache", expected)
+    method = getattr(cache, "update_indexer", None)
+    if method is None:
+        raise _Moved(expected, "Cache has no update_indexer")
+    if not _leading_parameters(method, ("indexer_key_states", "layer_idx"))[0]:
+        raise _Moved(expected, _describe(method, "Cache.update_indexer"))
+    return _describe(method, "Cache.update_indexer")
+
+
 def _probe_dtype_plan() -> str:
     expected = "PreTrainedModel._get_dtype_plan(dtype) and core_model_loading.build_glob_alternation(globs)"
     model = _attr("transformers.modeling_utils", "PreTrainedModel", expected)
@@ -476,6 +487,15 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
         "and recurrent states from it and hand it the new ones",
         ("extraction (hybrid stacks)", "generated modules"),
         _probe_linear_attention_cache,
+    ),
+    ContactPoint(
+        "indexer_cache",
+        "transformers.cache_utils.Cache.update_indexer",
+        "update_indexer(indexer_key_states [B, S, dim], layer_idx) returning every cached indexer key",
+        "kadapt's static cache stands in for Cache in DeepSeek sparse attention: the indexer hands it its "
+        "new keys and scores every cached one",
+        ("extraction (DSA stacks)", "generated modules"),
+        _probe_indexer_cache,
     ),
     ContactPoint(
         "loader_dtype_plan",
@@ -744,6 +764,7 @@ class LayerProtocol(NamedTuple):
     cache_keyword: str
     kv_dims: tuple[tuple[int, int], tuple[int, int]] | None
     linear_states: tuple[tuple[tuple[int, ...], str], tuple[tuple[int, ...], str]] | None = None
+    index_dim: int | None = None  # a DSA indexer's key width (None: no indexed layer)
 
 
 class _UpdateCall:
@@ -768,8 +789,9 @@ class _UpdateCall:
 class _RecordingCache:
     """The ABI cache's protocol for one layer kind, recording each call and each other attribute asked for.
 
-    ``attention``: ``update`` only. ``linear``: the linear-attention API a prefill uses (no previous
-    state: ``get_*_state`` return None), each state update recorded with the layer index it names."""
+    ``attention``: ``update`` only. ``indexed``: ``update`` and the DSA indexer's ``update_indexer``.
+    ``linear``: the linear-attention API a prefill uses (no previous state: ``get_*_state`` return
+    None), each state update recorded with the layer index it names."""
 
     def __init__(self, kind: str = "attention") -> None:
         self.kind = kind
@@ -778,12 +800,18 @@ class _RecordingCache:
         self.linear: dict[str, tuple[Any, Any]] = {}  # method -> (layer_idx, tensor or kernel)
 
     def update(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        if self.kind != "attention":
+        if self.kind == "linear":
             return self.__getattr__("update")
         call = _UpdateCall(args, kwargs)
         self.calls.append(call)
         key, value, _ = call.states()
         return key, value
+
+    def update_indexer(self, indexer_key_states: Any, layer_idx: Any) -> Any:
+        if self.kind != "indexed":
+            return self.__getattr__("update_indexer")
+        self.linear["update_indexer"] = (layer_idx, indexer_key_states)
+        return indexer_key_states
 
     def _linear_call(self, name: str, layer_idx: Any, value: Any) -> None:
         if self.kind != "linear":
@@ -872,6 +900,7 @@ def probe_decoder_layers(
     for field, what in (
         ("kv_dims", "one KV shape per token for every attention layer (the ABI's cache has one)"),
         ("linear_states", "one conv and recurrent state shape for every linear layer"),
+        ("index_dim", "one indexer key width for every DSA layer"),
     ):
         seen = {getattr(p, field) for p in protocols} - {None}
         if len(seen) > 1:
@@ -893,7 +922,9 @@ def probe_decoder_layers(
     def first(field: str) -> Any:
         return next((getattr(p, field) for p in protocols if getattr(p, field) is not None), None)
 
-    return LayerProtocol(protocols[0].cache_keyword, first("kv_dims"), first("linear_states"))
+    return LayerProtocol(
+        protocols[0].cache_keyword, first("kv_dims"), first("linear_states"), first("index_dim")
+    )
 
 
 def rope_layer_types(language_model: Any) -> tuple[str, ...] | None:
@@ -930,7 +961,7 @@ def forget() -> None:
 def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str, index: int) -> LayerProtocol:
     import torch
 
-    expected = BY_NAME["cache_update" if kind == "attention" else "linear_attention_cache"].expected
+    expected = BY_NAME["linear_attention_cache" if kind == "linear" else "cache_update"].expected
     layer_name = type(layer).__name__
     attention = getattr(layer, "self_attn", None)
     layer_idx = getattr(attention, "layer_idx", None)
@@ -939,9 +970,7 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
     positions = torch.arange(2, device=parameter.device).unsqueeze(0)
     # a linear layer's state takes every token it is given: the wrappers hand it no mask
     mask = (
-        torch.zeros(1, 1, 2, 2, dtype=parameter.dtype, device=parameter.device)
-        if kind == "attention"
-        else None
+        torch.zeros(1, 1, 2, 2, dtype=parameter.dtype, device=parameter.device) if kind != "linear" else None
     )
     try:
         embeddings = (
@@ -1019,8 +1048,22 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
             f"{layer_name} returns the hidden states tensor",
             f"it returns {type(out).__name__}",
         )
-    key, value, _ = cache.calls[0].states()
-    return LayerProtocol(keyword, ((key.shape[1], key.shape[-1]), (value.shape[1], value.shape[-1])))
+    key, value, layer_idx = cache.calls[0].states()
+    kv_dims = ((key.shape[1], key.shape[-1]), (value.shape[1], value.shape[-1]))
+    if kind != "indexed":
+        return LayerProtocol(keyword, kv_dims)
+    indexed_idx, index_keys = cache.linear.get("update_indexer", (None, None))
+    if indexed_idx != layer_idx or not (isinstance(index_keys, torch.Tensor) and index_keys.dim() == 3):
+        found = "never calls it" if index_keys is None else f"calls it with layer_idx={indexed_idx!r}"
+        _unsupported(
+            "cache-protocol",
+            layer_name,
+            f"{layer_name}'s DSA indexer calls cache.update_indexer(keys [batch, tokens, dim], "
+            f"layer_idx={layer_idx}) once",
+            f"{layer_name} {found}",
+            point="indexer_cache",
+        )
+    return LayerProtocol(keyword, kv_dims, index_dim=int(index_keys.shape[-1]))
 
 
 def _linear_protocol(

@@ -334,3 +334,13 @@ def test_a_recurrent_state_carried_wrong_fails_verify_and_is_located(
     failed = {check.name for check in report.checks if not check.passed}
     assert "returned states" in failed
     assert report.first_departure.startswith("prefill: layer 0 recurrent state departs first")
+
+
+def test_the_torch_free_names_and_the_runtime_agree_on_every_layer_kinds_states() -> None:
+    """``names`` (torch-free: options, validate) and the standalone runtime each say which states a
+    layer kind carries and which of them are one row per request; they must say the same."""
+    from kimi_adapter_core.backends.extraction import names
+
+    assert names.LAYER_STATES == abi.LAYER_STATES
+    assert names.FIXED_ROLES == abi.FIXED_ROLES
+    assert set(abi.MIXER_ATTRIBUTES) == set(abi.LAYER_STATES)

@@ -84,9 +84,13 @@ def write_spec(folder: Path, model_type: str, config: dict[str, Any], paths: dic
     (folder / model_type / "config.json").write_text(json.dumps(config, default=str))
     abi_config = "  config: text_config\n" if isinstance(config.get("text_config"), dict) else ""
     text = config["text_config"] if isinstance(config.get("text_config"), dict) else config
-    # a stack with linear-attention layers names their conv and recurrent states too, as a user writes
-    linear = "linear_attention" in (text.get("layer_types") or [])
-    states, past = (', "c.{layer}", "r.{layer}"', ', "pc.{layer}", "pr.{layer}"') if linear else ("", "")
+    # the states besides key and value a stack's layers return, named as a user names them
+    types = text.get("layer_types") or []
+    states, past = ("", "")
+    if "linear_attention" in types:  # a linear layer's conv and recurrent state, as a user writes them
+        states, past = ', "c.{layer}", "r.{layer}"', ', "pc.{layer}", "pr.{layer}"'
+    elif "indexed_attention" in types:  # a DSA layer's indexer keys
+        states, past = ', "i.{layer}"', ', "pi.{layer}"'
     spec = folder / f"{model_type.replace('-', '_')}.yaml"
     spec.write_text(
         textwrap.dedent(

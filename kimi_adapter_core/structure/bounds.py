@@ -169,6 +169,9 @@ FACT_RULES: dict[str, Rule] = {
     "linear_key_head_dim": _positive(MAX_WIDTH),
     "linear_value_head_dim": _positive(MAX_WIDTH),
     "linear_conv_kernel_dim": _positive(MAX_CONV_KERNEL),
+    "index_n_heads": _positive(MAX_HEADS),
+    "index_head_dim": _positive(MAX_WIDTH),
+    "index_topk": _positive(MAX_POSITIONS),
 }
 
 

@@ -23,6 +23,7 @@ from ..errors import KadaptError, Refusal
 from ..resources import package_file
 from ..spec.model import Spec
 from . import bounds
+from .indexer_of import indexer_of
 from .linear_of import linear_of
 from .model import (
     ATTENTION_KINDS,
@@ -283,6 +284,10 @@ def _spans(read: Reader, num_layers: int) -> list[tuple[str, int | None]]:
         return [
             ("full", None) if (i + 1) % int(interval) == 0 else ("linear", None) for i in range(num_layers)
         ]
+    # DeepSeek-V3.2's and GLM-5's rule (their config classes' default layer_types): with an indexer's
+    # sizes and no list, every layer is DSA attention
+    if read.get("index_topk") is not None:
+        return [("indexed", None)] * num_layers
     if read.get("linear_conv_kernel_dim") is not None:
         raise KadaptError(
             f"{read.where}: the config sizes linear-attention layers (linear_conv_kernel_dim) but says "
@@ -471,5 +476,6 @@ def derive_structure(
         num_mtp_layers=int(read.get("num_mtp_layers", 0) or 0),
         outside=_outside(read),
         linear=linear_of(read, spans),
+        indexer=indexer_of(read, spans),
         keys=dict(read.keys),
     )

@@ -116,12 +116,30 @@ class Layer:
     """One decoder layer: its token mixer (attention span, or linear attention) and its MLP kind."""
 
     index: int
-    attention: str  # full | sliding | linear (a linear-attention mixer: ModelStructure.linear)
+    attention: str  # full | sliding | linear (ModelStructure.linear) | indexed (full + DSA: .indexer)
     window: int | None  # keys a query sees (sliding layers only)
     mlp: str  # dense | moe
 
 
 LINEAR_KINDS = ("gated_delta_net",)
+
+
+@dataclass(frozen=True)
+class Indexer:
+    """DeepSeek sparse attention's indexer (DSA: DeepSeek-V3.2): ``n_heads`` query heads of ``head_dim``
+    score every cached key of its own (one ``head_dim`` key per token, beside the layer's KV cache) and
+    the attention then sees only each query's ``topk`` best keys."""
+
+    n_heads: int
+    head_dim: int
+    topk: int
+
+    def bytes_per_token(self, dtype_bytes: int) -> int:
+        """The indexer keys one ``indexed`` layer caches per token (grows with the context, like KV)."""
+        return self.head_dim * dtype_bytes
+
+    def describe(self) -> str:
+        return f"DSA indexer {self.n_heads}x{self.head_dim} top-{self.topk}"
 
 
 @dataclass(frozen=True)
@@ -262,6 +280,7 @@ class ModelStructure:
     num_mtp_layers: int = 0
     outside: tuple[OutsideOp, ...] = ()  # math outside the decoder layers, in the order it is applied
     linear: LinearAttention | None = None  # the mixer of the ``linear`` layers (None: attention only)
+    indexer: Indexer | None = None  # the DSA indexer of the ``indexed`` layers (None: no such layer)
     # fact -> the config key it was read from (so tiny verify models shrink the right keys)
     keys: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -292,9 +311,10 @@ class ModelStructure:
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:
-        """Each layer's kind as the ABI carries its state: ``linear`` (conv window and recurrent state)
-        or ``attention`` (a KV cache)."""
-        return tuple("linear" if layer.attention == "linear" else "attention" for layer in self.layers)
+        """Each layer's kind as the ABI carries its state: ``linear`` (conv window and recurrent state),
+        ``indexed`` (a KV cache and the DSA indexer's keys) or ``attention`` (a KV cache)."""
+        special = {"linear": "linear", "indexed": "indexed"}
+        return tuple(special.get(layer.attention, "attention") for layer in self.layers)
 
     @property
     def linear_layer_ids(self) -> tuple[int, ...]:
@@ -321,6 +341,8 @@ class ModelStructure:
         if self.linear is not None:
             linear = len(self.linear_layer_ids)
             mixer = f"{linear}/{self.num_layers} linear-attention layers ({self.linear.describe()}), {mixer}"
+        if self.indexer is not None:
+            mixer = f"{mixer} with a {self.indexer.describe()}"
         return (
             f"{self.num_layers} layers, hidden {self.hidden_size}, {mixer}, "
             f"{mlp}{spans}, {self.rope.describe()}{outside}"
@@ -331,8 +353,9 @@ class ModelStructure:
         data.pop("keys")
         if not self.outside:  # most families: the key stays out of the IR metadata
             data.pop("outside")
-        if self.linear is None:  # attention-only stacks: their metadata is what it always was
-            data.pop("linear")
+        for kind in ("linear", "indexer"):  # stacks without them: their metadata is what it always was
+            if getattr(self, kind) is None:
+                data.pop(kind)
         data["layers"] = _compress_layers(self.layers)
         data["rope"] = self.rope.to_dict()
         return data

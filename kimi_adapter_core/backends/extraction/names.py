@@ -2,8 +2,9 @@
 
 A spec names each graph's inputs and outputs positionally (``abi.prefill``, ``abi.decode``,
 ``abi.vision.merged_prefill``): the fixed inputs first, then ``{layer}`` templates of the attention
-key and value, optionally followed by a linear-attention layer's conv and recurrent state. Each layer
-uses the templates of its kind (``LAYER_STATES``). Torch-free, like ``options``.
+key and value, optionally followed by a linear-attention layer's conv and recurrent state, or by a DSA
+layer's indexer keys. Each layer uses the templates of its kind (``LAYER_STATES``). Torch-free, like
+``options``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,16 @@ MERGED_FIXED = ("input_ids", "image_features", "attention_mask", "position_ids")
 
 
 # The states each layer kind carries, in ABI order (the runtime's ``LAYER_STATES``, torch-free here).
-LAYER_STATES = {"attention": ("key", "value"), "linear": ("conv", "recurrent")}
+LAYER_STATES = {
+    "attention": ("key", "value"),
+    "linear": ("conv", "recurrent"),
+    "indexed": ("key", "value", "index_key"),
+}
+# States of one fixed size per request (no sequence dimension): never placed by position, never paged.
+FIXED_ROLES = ("conv", "recurrent")
+# The optional templates after key and value, by how many there are: none, a DSA layer's indexer keys,
+# or a linear layer's conv and recurrent state.
+EXTRA_ROLES = {0: (), 1: ("index_key",), 2: ("conv", "recurrent")}
 Kinds = int | Sequence[str]  # a layer count (every layer attention) or each layer's kind
 
 
@@ -37,8 +47,9 @@ def state_roles(kinds: Kinds) -> list[tuple[int, str]]:
 class GraphNames:
     """ABI names of one graph: fixed inputs in wrapper order, per-layer state name templates, logits.
 
-    Attention layers use the key/value templates; linear-attention / SSM layers the conv/recurrent
-    ones (None when the spec names none: a stack without such layers)."""
+    Attention layers use the key/value templates; linear-attention layers the conv/recurrent ones, DSA
+    layers the index_key ones besides key/value (None when the spec names none: a stack without such
+    layers)."""
 
     fixed_inputs: tuple[str, ...]
     past_key: str | None  # template with "{layer}"; None for prefill
@@ -50,6 +61,8 @@ class GraphNames:
     past_recurrent: str | None = None
     present_conv: str | None = None
     present_recurrent: str | None = None
+    past_index_key: str | None = None
+    present_index_key: str | None = None
 
     def template(self, direction: str, role: str) -> str | None:
         """The ``{layer}`` template of state ``role`` (key, value, conv, recurrent) in ``direction``
@@ -79,13 +92,17 @@ class GraphNames:
     def has_linear_states(self) -> bool:
         return self.present_conv is not None
 
+    @property
+    def has_index_keys(self) -> bool:
+        return self.present_index_key is not None
+
 
 def kv_names(prefill: GraphNames, decode: GraphNames) -> dict[str, str]:
     """The per-layer state name templates of both graphs, keyed as the KV mapping names them
     (``prefill_key``, ``decode_key_in``, ``decode_key_out``, ... and, when the ABI names them, the
     linear layers' ``conv`` and ``recurrent`` states alike)."""
     names: dict[str, str] = {}
-    for roles in (("key", "value"), ("conv", "recurrent")):
+    for roles in (("key", "value"), ("conv", "recurrent"), ("index_key",)):
         for key, graph, direction in (
             ("prefill_{}", prefill, "present"),
             ("decode_{}_in", decode, "past"),
@@ -102,40 +119,43 @@ def read_graph_names(
     abi: GraphAbi | MergedPrefillAbi, fixed: tuple[str, ...], *, decode: bool, where: str, spec: Spec
 ) -> GraphNames:
     """Read the positional ABI of one graph: fixed names first, then the ``{layer}`` templates of the
-    attention key and value, optionally followed by a linear layer's conv and recurrent state."""
+    attention key and value, optionally followed by a linear layer's conv and recurrent state or a DSA
+    layer's indexer keys (``EXTRA_ROLES``)."""
     location = spec.locate(where)
     inputs, outputs = list(abi.inputs), list(abi.outputs)
     n_fixed = len(fixed)
     templated_in = inputs[n_fixed:]
-    linear = len(outputs) == 5
-    want_in = n_fixed + ((4 if linear else 2) if decode else 0)
+    extra = EXTRA_ROLES.get(len(outputs) - 3, ())
+    want_in = n_fixed + (2 + len(extra) if decode else 0)
     if (
         len(inputs) != want_in
         or any(LAYER in name for name in inputs[:n_fixed])
         or not all(LAYER in name for name in templated_in)
     ):
-        shape = ", ".join(fixed) + (', "<past key {layer}>", "<past value {layer}>"' if decode else "")
-        if decode and linear:
-            shape += ', "<past conv {layer}>", "<past recurrent {layer}>"'
+        roles = ("key", "value", *extra) if decode else ()
+        shape = ", ".join([*fixed, *(f'"<past {role} {{layer}}>"' for role in roles)])
         raise KadaptError(
             f"{where}.inputs must be [{shape}] (positional roles), got {inputs}", location=location
         )
-    if len(outputs) not in (3, 5) or LAYER in outputs[0] or not all(LAYER in name for name in outputs[1:]):
+    if len(outputs) - 3 not in EXTRA_ROLES or LAYER in outputs[0] or not all(LAYER in n for n in outputs[1:]):
         raise KadaptError(
             f'{where}.outputs must be [<logits>, "<present key {{layer}}>", "<present value {{layer}}>"], '
             'followed by "<present conv {layer}>", "<present recurrent {layer}>" for a stack with '
-            f"linear-attention / SSM layers, got {outputs}",
+            'linear-attention layers, or by "<present index_key {layer}>" for DSA layers, got '
+            f"{outputs}",
             location=location,
+        )
+    templates = {
+        f"present_{role}": name for role, name in zip(("key", "value", *extra), outputs[1:], strict=True)
+    }
+    if decode:
+        templates.update(
+            {f"past_{role}": name for role, name in zip(("key", "value", *extra), templated_in, strict=True)}
         )
     return GraphNames(
         fixed_inputs=tuple(inputs[:n_fixed]),
-        past_key=templated_in[0] if decode else None,
-        past_value=templated_in[1] if decode else None,
+        past_key=templates.get("past_key"),
+        past_value=templates.get("past_value"),
         logits=outputs[0],
-        present_key=outputs[1],
-        present_value=outputs[2],
-        past_conv=templated_in[2] if decode and linear else None,
-        past_recurrent=templated_in[3] if decode and linear else None,
-        present_conv=outputs[3] if linear else None,
-        present_recurrent=outputs[4] if linear else None,
+        **{name: template for name, template in templates.items() if name not in ("past_key", "past_value")},
     )

@@ -25,7 +25,7 @@ from ...spec.model import (
 from ...structure.kv_layout import resolve_kv_layout
 from ...structure.model import ALL_KV_LAYOUTS, ModelStructure
 from ...vision.options import VisionOptions, vision_options
-from .names import DECODE_FIXED, LAYER_STATES, MERGED_FIXED, PREFILL_FIXED, GraphNames, read_graph_names
+from .names import DECODE_FIXED, MERGED_FIXED, PREFILL_FIXED, GraphNames, read_graph_names, state_roles
 from .runtime.symbolic import SYMBOLS as DYNAMIC_SIZES
 from .runtime.symbolic import DimRange
 
@@ -208,13 +208,20 @@ class ExtractionOptions:
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:
-        """Each layer's kind (``LAYER_STATES``): ``linear`` for a linear-attention / SSM mixer."""
+        """Each layer's kind (``names.LAYER_STATES``): ``linear`` for a linear-attention mixer, ``indexed``
+        for attention with a DSA indexer, else ``attention``."""
         assert self.structure is not None, "bind_structure first"
         return self.structure.layer_kinds
 
-    def state_kinds(self, num_layers: int) -> list[str]:
-        """The layer kind of each per-layer state tensor of the first ``num_layers`` layers, in ABI order."""
-        return [kind for kind in self.layer_kinds[:num_layers] for _ in LAYER_STATES[kind]]
+    @property
+    def index_dim(self) -> int | None:
+        """The DSA indexer keys' width (None: no indexed layer)."""
+        assert self.structure is not None, "bind_structure first"
+        return self.structure.indexer.head_dim if self.structure.indexer is not None else None
+
+    def state_roles(self, num_layers: int) -> list[str]:
+        """The role of each per-layer state tensor of the first ``num_layers`` layers, in ABI order."""
+        return [role for _, role in state_roles(self.layer_kinds[:num_layers])]
 
     def path(self, graph: str) -> Path:
         """Output file of ``graph``: ``prefill``, ``decode``, ``prefill_mm`` (the multimodal prefill),
@@ -465,6 +472,22 @@ def bind_structure(options: ExtractionOptions, structure: ModelStructure) -> Ext
         raise KadaptError(
             "the ABI names conv and recurrent states, but the model has no linear-attention layer: keep "
             "only the key and value templates",
+            location=options.names_where,
+        )
+    indexed = structure.indexer is not None
+    if indexed != options.prefill_names.has_index_keys:
+        raise KadaptError(
+            'the model\'s DSA layers return their indexer keys: add "<present index_key {layer}>" to '
+            'abi.prefill.outputs and abi.decode.outputs and "<past index_key {layer}>" to abi.decode.inputs'
+            if indexed
+            else "the ABI names indexer keys, but the model has no DSA (indexed_attention) layer: keep only "
+            "the key and value templates",
+            location=options.names_where,
+        )
+    if indexed and options.mla_attention == "absorbed":
+        raise KadaptError(
+            "mla_attention 'absorbed' replaces the attention's forward, which would drop the DSA indexer "
+            "(its top-k selection): use reexpand for a model with indexed_attention layers",
             location=options.names_where,
         )
     return dataclasses.replace(options, kv_layout=layout, structure=structure)

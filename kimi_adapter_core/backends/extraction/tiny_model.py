@@ -49,6 +49,10 @@ TINY_FACTS = {
     "linear_key_head_dim": 8,
     "linear_value_head_dim": 8,
     "linear_conv_kernel_dim": 4,
+    # DSA: fewer keys than a verify context holds, so the indexer's top-k selection decides the result
+    "index_n_heads": 8,
+    "index_head_dim": 16,
+    "index_topk": 4,
 }
 
 
@@ -184,4 +188,11 @@ def randomize_constants(model: nn.Module) -> list[str]:
                 noise = torch.randn(tensor.shape, generator=generator).to(tensor.dtype) * CONSTANT_SPREAD
                 tensor.copy_(noise if value == 0 else value * (1 + noise))
                 changed.append(f"{module_name}.{name}" if module_name else name)
+            padding = getattr(module, "padding_idx", None)
+            if isinstance(module, nn.Embedding) and padding is not None:
+                # the padding token's row starts at zero: a tiny model that generates that token would
+                # feed zeros on, and a DSA indexer would score every key 0 (a tie topk breaks any way)
+                row = module.weight[padding]
+                row.copy_(torch.randn(row.shape, generator=generator).to(row.dtype) * module.weight.std())
+                changed.append(f"{module_name}.weight[{padding}]")
     return changed

@@ -160,9 +160,10 @@ def compare_states(
     suffix: str,
 ) -> None:
     """Every state the graphs return against transformers' own cache, the prefill and each decode step
-    fed the same tokens: the attention rows each step wrote, each linear layer's conv window and
-    recurrent state whole. Run for stacks with linear layers, whose states the logits alone cannot
-    vouch for (a state carries into every later step)."""
+    fed the same tokens: the attention rows each step wrote (keys, values, a DSA layer's indexer keys),
+    each linear layer's conv window and recurrent state whole. Run for stacks with states beyond a KV
+    cache, which the logits alone cannot vouch for (a state carries into every later step; an indexer
+    key only matters once it is among a query's top-k)."""
     pairs: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     graph_steps = 0
     for step in walk(model, replay, prompt, steps):

@@ -29,12 +29,17 @@ class _RecordingCache(DynamicCache):
     def __init__(self, config: Any) -> None:
         super().__init__(config=config)
         self.written: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.indexed: dict[int, torch.Tensor] = {}  # a DSA layer's new indexer keys, [B, 1, Q, dim]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self.written[layer_idx] = (key_states.detach().clone(), value_states.detach().clone())
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        self.indexed[layer_idx] = indexer_key_states.detach().clone().unsqueeze(1)
+        return super().update_indexer(indexer_key_states, layer_idx)
 
 
 def _expected_states(
@@ -56,6 +61,8 @@ def _expected_states(
             with torch.no_grad():
                 key, value = attentions[layer].expand_kv(key, value)
         flat += [key, value]
+        if kind == "indexed":  # the indexer's keys, cached as a one-head key
+            flat.append(cache.indexed[layer])
     return flat
 
 
@@ -79,6 +86,9 @@ def _layer_hint(layer: int, parts: list[str], kind: str) -> str:
             return f"its conv window is within the bound: layer {layer}'s scan (gates, decay, state update)"
         source = "the embeddings" if layer == 0 else f"layer {layer - 1}'s output"
         return f"its conv window: layer {layer}'s input projection or its input ({source})"
+    if parts == ["index_key"]:
+        return f"its key and value are within the bound: layer {layer}'s indexer key path (wk, k_norm, rope)"
+    parts = [part for part in parts if part != "index_key"]
     if len(parts) == 1:
         other, path = ("value", "(projection, norm, rope)") if parts[0] == "key" else ("key", "(projection)")
         return f"its {other} is within the bound: layer {layer}'s {parts[0]} path {path}"
@@ -102,9 +112,11 @@ def _departure(
     logit_text = "logits within the bound" if at is None else f"logits differ from position {offset + at}"
     if len(ours) != len(expected):
         return f"the graph returns {len(ours)} cache tensors, transformers' layers wrote {len(expected)}"
-    for layer, roles in enumerate(replay.layer_roles):
-        start = 2 * layer  # every layer kind carries two states
-        pair = [compare([(ours[i], expected[i])], tolerance) for i in (start, start + 1)]
+    starts = [
+        sum(len(roles) for roles in replay.layer_roles[:layer]) for layer in range(len(replay.layer_roles))
+    ]
+    for layer, (roles, start) in enumerate(zip(replay.layer_roles, starts, strict=True)):
+        pair = [compare([(ours[i], expected[i])], tolerance) for i in range(start, start + len(roles))]
         parts = [part for part, close in zip(roles, pair, strict=True) if not close.passed]
         if not parts:
             continue

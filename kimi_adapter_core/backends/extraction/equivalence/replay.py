@@ -70,8 +70,8 @@ class Replay:
         """What a decode step wrote at ``position`` in each present cache, ``[B, heads, 1, dim]`` (a paged
         pool read through the rows' block table); a linear layer's states whole (the step rewrote them)."""
         written = []
-        for tensor, kind in zip(present, runtime.flat_state_kinds(self.kinds, len(present)), strict=True):
-            if kind == "linear":
+        for tensor, role in zip(present, self.roles(len(present)), strict=True):
+            if role in runtime.FIXED_ROLES:
                 written.append(tensor)
                 continue
             if self.block_table is not None:
@@ -91,10 +91,16 @@ class Replay:
         per_row = self.max_cache_len // self.paged.block_size
         order = torch.randperm(self.paged.num_blocks, generator=torch.Generator().manual_seed(7))
         self.block_table = order[: len(lengths) * per_row].view(len(lengths), per_row)
-        shapes = runtime.paged_shapes(self.kv_dims, self.paged.block_size, self.paged.num_blocks)
-        return runtime.place_prefill_kv_paged(
-            present, self.block_table, lengths, shapes * self.kinds.count("attention"), self.kinds
-        )
+        pools = [  # a pool per growing state: its heads and dim (keys, values, indexer keys)
+            (self.paged.num_blocks, self.paged.block_size, tensor.shape[1], tensor.shape[3])
+            for tensor, role in zip(present, self.roles(len(present)), strict=True)
+            if role not in runtime.FIXED_ROLES
+        ]
+        return runtime.place_prefill_kv_paged(present, self.block_table, lengths, pools, self.kinds)
+
+    def roles(self, count: int) -> list[str]:
+        """The role of each of ``count`` flat state tensors (``key``, ``conv``, ``index_key``, ...)."""
+        return runtime.flat_state_roles(self.kinds, count)
 
     def join(
         self, states: list[torch.Tensor], row: int, present: list[torch.Tensor], length: int
@@ -103,10 +109,8 @@ class Replay:
         tokens), the joining-request rule: a linear layer's states taken as they are, an attention
         layer's rows placed into that row's cache (paged: into that row's own blocks)."""
         joined = []
-        for tensor, new, kind in zip(
-            states, present, runtime.flat_state_kinds(self.kinds, len(states)), strict=True
-        ):
-            if kind == "linear":
+        for tensor, new, role in zip(states, present, self.roles(len(states)), strict=True):
+            if role in runtime.FIXED_ROLES:
                 tensor = tensor.clone()
                 tensor[row] = new[row]
             elif self.block_table is None:

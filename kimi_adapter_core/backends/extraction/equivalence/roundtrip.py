@@ -171,12 +171,11 @@ def _verify_in(
             )
             if small.dynamic:
                 compare_dynamic(report, model, replay, prompt, small, tolerance=tolerance, suffix=suffix)
-            hybrid = "linear" in small.layer_kinds
-            if hybrid:
+            if any(kind != "attention" for kind in small.layer_kinds):  # states beyond a KV cache
                 steps = options.verify_decode_steps
                 compare_states(report, model, replay, prompt, steps, tolerance=tolerance, suffix=suffix)
-            if small.batch > 1:
-                (compare_joining if hybrid else compare_ragged)(
+            if small.batch > 1:  # linear states take every prompt token: rows join instead of padding
+                (compare_joining if "linear" in small.layer_kinds else compare_ragged)(
                     report,
                     model,
                     replay,

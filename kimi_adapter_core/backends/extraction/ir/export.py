@@ -23,7 +23,7 @@ from torch.export import ExportedProgram
 
 from .... import upstream
 from ....errors import KadaptError, Refusal
-from ..names import GraphNames
+from ..names import FIXED_ROLES, GraphNames
 from ..options import MERGED, ExtractionOptions
 from ..runtime import abi as runtime
 from .convert import Symbols, convert, symbol_names
@@ -206,6 +206,7 @@ def example_inputs(
         paged=None if options.paged is None else (options.paged.block_size, options.paged.num_blocks),
         kinds=options.layer_kinds[:num_layers],
         linear_states=options.linear_states,
+        index_dim=options.index_dim,
     )
 
 
@@ -223,11 +224,11 @@ def dynamic_dims(kind: str, options: ExtractionOptions, num_inputs: int) -> dict
     mask = 2 if kind == MERGED else 1
     fixed = len(graph_names(kind, options).fixed_inputs)
     dims: dict[int, dict[int, str]] = {}
-    state_kinds = options.state_kinds(len(options.layer_kinds)) if options.structure is not None else []
+    roles = options.state_roles(len(options.layer_kinds)) if options.structure is not None else []
     for position in range(num_inputs):
         if kind == MERGED and position == 1:  # image features
             continue
-        paged_pool = position >= fixed and state_kinds[position - fixed] == "attention"
+        paged_pool = position >= fixed and roles[position - fixed] not in FIXED_ROLES
         if kind == "decode" and options.paged is not None and paged_pool:  # block pools (per-row states stay)
             continue
         these = {0: "batch"} if batch else {}

@@ -15,4 +15,6 @@ def check_upstream(options: ExtractionOptions) -> None:
         points = (*points, "vision_grid_helpers")
     if options.structure is not None and options.structure.linear is not None:
         points = (*points, "linear_attention_cache")
+    if options.structure is not None and options.structure.indexer is not None:
+        points = (*points, "indexer_cache")
     upstream.check(points)

@@ -106,6 +106,7 @@ def kv_mapping_document(options: ExtractionOptions, backbone: Backbone) -> dict[
         paged=paged_kv(options),
         kinds=options.layer_kinds,
         linear_states=options.linear_states,
+        index_dim=options.index_dim,
     )
     graphs = {"prefill_graph": options.path("prefill").name, "decode_graph": options.path("decode").name}
     assert options.structure is not None

@@ -140,6 +140,13 @@ def check_kv_dims(options: ExtractionOptions, protocol: upstream.LayerProtocol) 
     if options.structure is None:
         return
     check_linear_states(options, protocol)
+    indexer = options.structure.indexer
+    if indexer is not None and protocol.index_dim != indexer.head_dim:
+        raise Refusal(
+            "stack-differs",
+            f"the config describes a {indexer.describe()} (index_head_dim), but the DSA layers' indexers "
+            f"hand the cache keys of width {protocol.index_dim}",
+        )
     if protocol.kv_dims is None:  # no attention layer
         return
     attention = options.structure.attention
@@ -252,8 +259,11 @@ def prepare(
             protocol = upstream.decoder_protocol(backbone.language_model, options.layer_kinds)
         check_kv_dims(options, protocol)
         options = dataclasses.replace(options, linear_states=protocol.linear_states)
-        if options.structure is not None and options.structure.attention.is_mla:
-            first = options.layer_kinds.index("attention")
+        # the expanded layout caches expand_kv's output and absorbed MLA runs the attention's projections
+        # itself; the latent layout with re-expansion runs the attention's own forward as it is
+        reads_mla = options.kv_layout == "expanded" or options.mla_attention == "absorbed"
+        if options.structure is not None and options.structure.attention.is_mla and reads_mla:
+            first = next(i for i, kind in enumerate(options.layer_kinds) if kind != "linear")
             upstream.require_mla_attention(backbone.layers[first].self_attn)
         chosen = plan(backbone.layers) if options.stitch else Plan(len(backbone.layers))
         if options.vision is not None:
