@@ -2,7 +2,8 @@
 vision cache per image and, with ``--images``, for the batch).
 
 Pure Python from the spec's shipped config and the model structure derived from it (any decoder
-family: MHA/GQA/MQA/MLA attention, dense or MoE, sliding windows): never imports torch, so it
+family: MHA/GQA/MQA/MLA attention, dense or MoE, sliding windows, gated-DeltaNet hybrid stacks with
+their constant per-request linear-attention state): never imports torch, so it
 answers instantly. A device is
 optional; with one, the report adds capacity and free memory, and a deployment that does not fit
 prints a ``WARNING:`` line (exit 0: a plan is advice, not a launch). The plan is the answer, so
@@ -65,9 +66,19 @@ def command(
     features of one --image-size image) and for the batch (--batch sequences x --images images, total
     and per device).
 
+    A hybrid stack (linear-attention + attention layers: Qwen3-Next, Qwen3.5) caches KV in its
+    attention layers only; each linear layer keeps a conv window and a float32 recurrent state per
+    request, constant in the context, sized beside the KV cache and counted in memory.
+
+    A DSA stack (DeepSeek-V3.2) also caches one indexer key per token in each indexed layer (FP8 with
+    an fp32 scale per 128 channels, as serving runtimes keep them; replicated over TP), growing with
+    the context beside the latent KV cache; the indexer's weights are counted in its layers.
+
     JSON (--format json): {"model_type", "architecture", "parallel", "batch", "seq_len",
     "max_seq_len", "kv_cache", "quantization", "weights", "activation_formula",
-    "memory_per_device", "vision_cache_entry_bytes", "vision_cache", "device", "warnings"}.
+    "memory_per_device", "vision_cache_entry_bytes", "vision_cache", "device", "warnings"}; a hybrid
+    or DSA stack adds "states" (each state kind: its layers, shapes, dtypes and bytes; DSA:
+    "indexer_keys").
 
     \b
     Examples:

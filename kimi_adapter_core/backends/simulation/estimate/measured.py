@@ -1,8 +1,9 @@
 """The ``--cost-model measured`` back end: kadapt's ops looked up in AIConfigurator's measured tables.
 
 ``MeasuredPricer`` turns each kadapt GEMM (and MLA's absorbed bmm), attention kernel (or, under
-attention DP on SGLang, its whole measured MLA module), routed-expert op and collective (TP
-all-reduce / all-gather, EP dispatch / combine) into AIConfigurator's op description and prices it
+attention DP on SGLang, its whole measured MLA module), gated-DeltaNet kernel (conv and scan of a
+hybrid stack's linear layers), routed-expert op and collective (TP all-reduce / all-gather, EP
+dispatch / combine) into AIConfigurator's op description and prices it
 through ``evaluate_ops_json`` on the system's tables, the way AIConfigurator's own graph for the
 layout queries them; ``None`` where it has no such op or table, and the roofline prices that op.
 Separate from ``aiconfigurator`` (the package, its systems and tables) and ``reference``
@@ -23,6 +24,29 @@ from .aiconfigurator import _database_handle, _gpus_per_node
 _GEMM_QUANT = {"bf16": "bfloat16", "fp8": "fp8", "fp8_block": "fp8_block", "int8": "fp8", "fp32": "bfloat16"}
 _MOE_QUANT = {"bf16": "bfloat16", "fp8": "fp8", "fp8_block": "fp8_block", "w4a16": "int4_wo", "int8": "fp8"}
 _KV = {"bf16": "bfloat16", "fp8": "fp8"}
+_DSA_KERNELS = ("dsa", "dsa_indexer", "dsa_topk")  # sparse MLA, indexer scoring, top-k (one DSA module)
+# a DSA kernel's sizes -> the key of AIConfigurator's DSA_MODEL_DIMS they must equal
+_DSA_DIMS = {"hidden": "hidden_size", "topk": "index_topk", "index_dim": "index_head_dim"}
+_DSA_DIMS |= {"index_heads": "index_n_heads", "q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank"}
+
+
+def _dsa_architecture(attrs: dict[str, Any]) -> str | None:
+    """The AIConfigurator DSA architecture whose sizes are this layer's (its tables are keyed by the
+    measured model: DeepSeek-V3.2 or GLM-5); None for any other sizes."""
+    try:
+        from aiconfigurator_core.sdk.operations.dsa import DSA_MODEL_DIMS
+    except ImportError:  # a release that moved it: the roofline prices the layer
+        return None
+    for architecture, dims in DSA_MODEL_DIMS.items():
+        if all(key in attrs and int(attrs[key]) == dims.get(name) for key, name in _DSA_DIMS.items()):
+            return str(architecture)
+    return None
+
+
+def _module_projection_quant(attrs: dict[str, Any]) -> str | None:
+    """The quant mode of a module's projections (its q_b_proj's), as AIConfigurator keys the module."""
+    kernels = [kernel for tag, _n, _k, kernel, _h, _m in attrs.get("module_gemms", ()) if tag == "proj"]
+    return _GEMM_QUANT.get(kernels[0]) if kernels else None
 
 
 @dataclass
@@ -78,6 +102,8 @@ class MeasuredPricer:
             return self._gemm(op, attrs)
         if op.kind == "attention" and "kernel" in attrs:
             return self._attention(attrs)
+        if op.kind == "linear_attention" and "source_kernel" in attrs:
+            return self._gated_delta_net(attrs)
         if op.kind == "experts" and "tokens" in attrs:
             return self._experts(attrs, decode)
         if op.kind == "comm" and op.comm is not None:
@@ -136,6 +162,8 @@ class MeasuredPricer:
         return self._evaluate(spec, context=True, batch=1, s=m, x=m)
 
     def _attention(self, attrs: dict[str, Any]) -> float | None:
+        if attrs["kernel"] in _DSA_KERNELS:
+            return self._dsa(attrs)
         if attrs["kernel"] == "mla" and int(attrs.get("attention_dp", 1)) > 1:
             module = self._wide_ep_mla(attrs)
             if module is not None:
@@ -189,6 +217,63 @@ class MeasuredPricer:
         spec = {"WideEpContextMla": body}
         return self._evaluate(spec, context=True, batch=batch, s=seq, prefix=past, measured_only=True)
 
+    def _dsa(self, attrs: dict[str, Any]) -> float | None:
+        """A DSA layer's kernels (indexer scoring, top-k, sparse MLA) where AIConfigurator measured
+        the whole DSA attention module (``DsaGeneration`` / ``DsaContext``: every projection of the
+        MLA and the indexer, the fp8 MQA logits, the top-k, the sparse MLA and the absorbed bmms,
+        o_proj). kadapt traces the module's GEMMs as kernels of their own, priced from
+        AIConfigurator's GEMM tables, so the sparse attention kernel takes the row less them and the
+        scoring and top-k are priced 0 (inside the row): the module sums to the measured row. None
+        (all three on the roofline) where the module was not measured at this shape, dtype and
+        architecture, or the GEMMs alone exceed the row."""
+        row = self.dsa_module_row(attrs)
+        if row is None:
+            return None
+        batch, seq, past = int(attrs["batch"]), int(attrs["seq"]), int(attrs["past"])
+        rows = {"new": batch * seq, "context": batch * (past + seq)}
+        gemms = 0.0
+        for tag, n, k, kernel, heads, m in attrs["module_gemms"]:
+            seconds = self._gemm_shape("module_gemm", kernel, tag, heads, rows[m], n, k)
+            if seconds is None:
+                return None
+            gemms += seconds
+        if row <= gemms:
+            return None
+        return row - gemms if attrs["kernel"] == "dsa" else 0.0
+
+    def dsa_module_row(self, attrs: dict[str, Any]) -> float | None:
+        """Seconds of AIConfigurator's measured DSA attention module for a DSA kernel's ``attrs``; None
+        where no measured row holds it (a model whose sizes are not one of its DSA architectures, a
+        KV dtype or projection format it did not measure, a framework without the table)."""
+        architecture = _dsa_architecture(attrs)
+        gemm = _module_projection_quant(attrs)
+        if architecture is None or gemm is None or "module_gemms" not in attrs:
+            return None
+        decode, batch, seq, past = (
+            bool(attrs["decode"]),
+            int(attrs["batch"]),
+            int(attrs["seq"]),
+            int(attrs["past"]),
+        )
+        body = {
+            "name": "attention",
+            "scale_factor": 1.0,
+            "num_heads": int(attrs["heads"]),
+            "kv_cache_dtype": _KV.get(str(attrs["kv_dtype"]), "bfloat16"),
+            "fmha_quant_mode": "bfloat16",
+            "gemm_quant_mode": gemm,
+            "architecture": architecture,
+            "index_topk": int(attrs["topk"]),
+            "cp_size": 1,
+            "full_frac": 1.0,
+            "attn_projection_quant_modes": dict.fromkeys(("q", "kv", "o", "indexer"), gemm),
+        }
+        if decode:
+            spec = {"DsaGeneration": body}
+            return self._evaluate(spec, context=False, batch=batch * seq, s=past + seq, measured_only=True)
+        spec = {"DsaContext": body}
+        return self._evaluate(spec, context=True, batch=batch, s=seq, prefix=past, measured_only=True)
+
     def _attention_kernel(self, attrs: dict[str, Any]) -> float | None:
         """One attention kernel in AIConfigurator's standalone MLA / attention tables."""
         decode, batch, seq, past = (
@@ -236,6 +321,33 @@ class MeasuredPricer:
             )
         body["fmha_quant_mode"] = "bfloat16"
         return self._evaluate({"ContextAttention": body}, context=True, batch=batch, s=seq, prefix=past)
+
+    def _gated_delta_net(self, attrs: dict[str, Any]) -> float | None:
+        """A gated-DeltaNet kernel in AIConfigurator's ``gdn_perf`` tables (its ``Gdn`` op, as its
+        Qwen3.5 graph queries it: this rank's heads, the model's hidden size): prefill
+        ``causal_conv1d_fn`` / ``chunk_gated_delta_rule`` at the batch's sequences of ``seq`` tokens,
+        decode ``causal_conv1d_update`` / ``fused_sigmoid_gating_delta_rule_update`` at one row per
+        new token. Measured rows only: where it has none (TensorRT-LLM's decode scan) it extrapolates
+        a speed-of-light figure, and the roofline prices the kernel instead."""
+        decode, batch, seq = bool(attrs["decode"]), int(attrs["batch"]), int(attrs["seq"])
+        spec = {
+            "Gdn": {
+                "name": str(attrs["source_kernel"]),
+                "scale_factor": 1.0,
+                "kernel_source": str(attrs["source_kernel"]),
+                "phase": "generation" if decode else "context",
+                "d_model": int(attrs["hidden"]),
+                "d_conv": int(attrs["conv"]),
+                "num_k_heads": int(attrs["key_heads"]),
+                "head_k_dim": int(attrs["key_dim"]),
+                "num_v_heads": int(attrs["value_heads"]),
+                "head_v_dim": int(attrs["value_dim"]),
+                "mamba_ssm_dtype": "float32",
+            }
+        }
+        if decode:
+            return self._evaluate(spec, context=False, batch=batch * seq, s=1, measured_only=True)
+        return self._evaluate(spec, context=True, batch=batch, s=seq, measured_only=True)
 
     def _experts(self, attrs: dict[str, Any], decode: bool) -> float | None:
         """The routed experts' grouped GEMMs. Where tokens reach the experts by all-to-all under

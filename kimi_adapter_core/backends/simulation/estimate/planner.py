@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from ....errors import UsageError
-from ....structure.model import Attention, ModelStructure
+from ....structure.model import Attention, Indexer, LinearAttention, ModelStructure
+from ....structure.states import ConvState, RecurrentState
 from ....vision.images import ImageBatch
 from ....vision.images import vision_cache_entry_bytes as entry_bytes
-from ..model.arch import Architecture
+from ..model.arch import Architecture, indexed_layer_ids
 from ..model.inputs import ModelInputs
 from ..model.parallel import Parallel, heads_per_rank, kv_elements_per_rank, kv_heads_per_rank
 from ..model.params import ParamGroup
-from ..model.quant import DTYPE_BYTES, Policy
+from ..model.quant import DTYPE_BYTES, INDEX_REFERENCE_DTYPE, Policy, index_key_bytes
 from ..tables.device import Device
 
 
@@ -32,21 +34,86 @@ def activation_formula(s: ModelStructure) -> str:
         terms.append("2*I/tp")
     if s.moe is not None and s.moe_layer_ids:
         terms.append("dp*top_k/ep*(hidden+3*I_moe)")
+    if s.linear is not None:
+        terms.append("(2*Hk*dk+2*Hv*dv+2*Hv)/tp")
+    if s.indexer is not None:
+        terms.append("idx_H*idx_dim + idx_dim + idx_H")
     return (
         f"T*2*(2*hidden + max({', '.join(terms)})) + T_logits*ceil(vocab/tp)*4   [T = tokens per rank per "
         "forward, KV/tp = KV heads per rank (>= 1), bf16 activations, fp32 logits]"
     )
 
 
+STATE_CONV_DTYPE = "bf16"  # the conv window is kept in the model dtype (vLLM's mamba cache "auto")
+
+
+@dataclass(frozen=True)
+class LinearStateSizing:
+    """What each linear-attention layer of a hybrid stack keeps per request: its conv window (in the
+    model dtype) and recurrent state (float32 whatever the KV dtype: ``structure.states``), constant
+    in the context length. Under TP both split with the heads, as vLLM shards the layer."""
+
+    linear: LinearAttention
+    layers: int
+    tp: int
+
+    def conv(self, *, per_rank: bool = True) -> ConvState:
+        whole = self.linear.conv_state
+        return ConvState(whole.channels // (self.tp if per_rank else 1), whole.kernel)
+
+    def recurrent(self, *, per_rank: bool = True) -> RecurrentState:
+        heads, *dims = self.linear.recurrent_state.shape()
+        return RecurrentState((heads // (self.tp if per_rank else 1), *dims))
+
+    def bytes_per_layer(self, *, per_rank: bool = True) -> int:
+        conv = self.conv(per_rank=per_rank).bytes_per_request(DTYPE_BYTES[STATE_CONV_DTYPE])
+        return conv + self.recurrent(per_rank=per_rank).bytes_per_request(DTYPE_BYTES[STATE_CONV_DTYPE])
+
+    def bytes_per_request(self, *, per_rank: bool = True) -> int:
+        return self.layers * self.bytes_per_layer(per_rank=per_rank)
+
+
+@dataclass(frozen=True)
+class IndexKeySizing:
+    """The DSA indexer keys of a DeepSeek-V3.2 stack: one ``head_dim`` key per token in each indexed
+    layer, beside its KV cache, growing with the context like it. The indexer is replicated over TP
+    (vLLM and SGLang build it of ``ReplicatedLinear``s), so every rank caches every key."""
+
+    indexer: Indexer
+    layers: int
+
+    @property
+    def bytes_per_token_layer(self) -> int:
+        """FP8 keys plus their fp32 block scales (128 + 4 B for DeepSeek-V3.2's 128-wide keys)."""
+        return index_key_bytes(self.indexer.head_dim)
+
+    @property
+    def reference_bytes_per_token_layer(self) -> int:
+        """What transformers' reference (and kadapt's extraction ABI) keeps: the model dtype, no scale."""
+        return self.indexer.bytes_per_token(DTYPE_BYTES[INDEX_REFERENCE_DTYPE])
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.bytes_per_token_layer * self.layers
+
+    def bytes(self, tokens: int) -> int:
+        """The keys of a sequence of ``tokens`` (the same on every TP rank: replicated)."""
+        return tokens * self.bytes_per_token
+
+
 @dataclass(frozen=True)
 class KvSizing:
-    """The KV cache of one token: per layer, whole model and per TP rank, with sliding-window caps."""
+    """The KV cache of one token: per layer, whole model and per TP rank, with sliding-window caps;
+    in a hybrid stack, over its attention layers, plus the linear layers' constant ``state``; in a DSA
+    stack plus the indexer keys (``index``), which grow with the context."""
 
     dtype: str
     layout: str  # heads | latent | expanded (the attention kind's default: what serving runtimes cache)
     attention: Attention
-    windows: tuple[int | None, ...]  # per layer: sliding window or None (full attention)
+    windows: tuple[int | None, ...]  # per attention layer: sliding window or None (full attention)
     tp: int
+    state: LinearStateSizing | None = None  # the linear layers' per-request state (hybrid stacks)
+    index: IndexKeySizing | None = None  # the DSA indexer keys (DeepSeek-V3.2)
 
     @property
     def bytes_per_elem(self) -> int:
@@ -67,7 +134,7 @@ class KvSizing:
 
     @property
     def bytes_per_token(self) -> int:
-        """One token in every layer, whole model (a sliding layer caps only a long sequence)."""
+        """One token in every attention layer, whole model (a sliding layer caps only a long sequence)."""
         return self.bytes_per_token_layer * self.layers
 
     @property
@@ -85,9 +152,24 @@ class KvSizing:
         """Token-layers a sequence of ``tokens`` holds: a sliding layer keeps its last ``window`` only."""
         return sum(tokens if window is None else min(tokens, window) for window in self.windows)
 
-    def sequence_bytes(self, tokens: int, *, per_rank: bool = True) -> int:
+    def state_bytes(self, *, per_rank: bool = True) -> int:
+        """The linear layers' state of one request, whatever its length (0: no linear layers)."""
+        return 0 if self.state is None else self.state.bytes_per_request(per_rank=per_rank)
+
+    def kv_bytes(self, tokens: int, *, per_rank: bool = True) -> int:
+        """The attention layers' KV cache of a sequence of ``tokens``."""
         per = self.rank_bytes_per_token_layer if per_rank else self.bytes_per_token_layer
         return self.cached_token_layers(tokens) * per
+
+    def index_bytes(self, tokens: int) -> int:
+        """The DSA indexer keys of a sequence of ``tokens`` (0: no indexed layers); replicated over TP."""
+        return 0 if self.index is None else self.index.bytes(tokens)
+
+    def sequence_bytes(self, tokens: int, *, per_rank: bool = True) -> int:
+        """Everything one sequence of ``tokens`` keeps: the KV cache plus any linear-attention state
+        and any DSA indexer keys."""
+        kept = self.kv_bytes(tokens, per_rank=per_rank) + self.state_bytes(per_rank=per_rank)
+        return kept + self.index_bytes(tokens)
 
 
 @dataclass(frozen=True)
@@ -186,10 +268,43 @@ def active_params(s: ModelStructure, weights: tuple[WeightLine, ...]) -> int:
     return total - routed + routed * s.moe.top_k // s.moe.num_experts
 
 
+def state_kinds(kv: KvSizing, tokens: int) -> dict[str, dict[str, Any]] | None:
+    """Per state kind of a hybrid or DSA stack, what one request of ``tokens`` keeps on one device:
+    the attention layers' KV cache (grows with the context), the linear layers' state (constant), the
+    DSA indexer keys (grow with the context). None for a plain attention model (its KV cache is the
+    only state)."""
+    if kv.state is None and kv.index is None:
+        return None
+    kinds: dict[str, dict[str, Any]] = {
+        "attention_kv": {
+            "layers": kv.layers,
+            "grows_with_context": True,
+            "bytes_per_request_per_device": kv.kv_bytes(tokens),
+        }
+    }
+    if kv.state is not None:
+        kinds["linear_attention"] = {
+            "layers": kv.state.layers,
+            "grows_with_context": False,
+            "bytes_per_request_per_device": kv.state_bytes(),
+        }
+    if kv.index is not None:
+        kinds["indexer_keys"] = {
+            "layers": kv.index.layers,
+            "grows_with_context": True,
+            "bytes_per_request_per_device": kv.index_bytes(tokens),
+        }
+    return kinds
+
+
 def kv_sizing(s: ModelStructure, tp: int, kv_dtype: str = "bf16") -> KvSizing:
     if kv_dtype not in DTYPE_BYTES:
         raise UsageError(f"unknown KV cache dtype {kv_dtype!r} (known: {', '.join(DTYPE_BYTES)})")
-    return KvSizing(kv_dtype, s.attention.default_kv_layout, s.attention, s.windows, tp)
+    windows = tuple(s.layers[i].window for i in s.attention_layer_ids)
+    state = None if s.linear is None else LinearStateSizing(s.linear, len(s.linear_layer_ids), tp)
+    index = None if s.indexer is None else IndexKeySizing(s.indexer, len(indexed_layer_ids(s)))
+    return KvSizing(kv_dtype, s.attention.default_kv_layout, s.attention, windows, tp, state, index)
+
 
 
 def max_seq_len(s: ModelStructure, requested: int | None) -> int:
@@ -256,8 +371,18 @@ def activation_bytes(s: ModelStructure, par: Parallel, tokens: int, logits_token
     moe = 0.0
     if s.moe is not None and s.moe_layer_ids:
         moe = par.dp * s.moe.top_k / par.ep * (s.hidden_size + 3 * s.moe.expert_intermediate_size)
+    linear = 0
+    if s.linear is not None:  # the in projections' outputs: q, k, v, the output gate z, b and a
+        lin = s.linear
+        heads = lin.num_value_heads
+        width = 2 * lin.num_key_heads * lin.key_head_dim + 2 * heads * lin.value_head_dim + 2 * heads
+        linear = width // par.tp
+    index = 0
+    if s.indexer is not None:  # the replicated indexer's q, k and head weights (every head on every rank)
+        ix = s.indexer
+        index = ix.n_heads * ix.head_dim + ix.head_dim + ix.n_heads
     return (
-        tokens * 2 * (2 * s.hidden_size + max(attention, dense, moe))
+        tokens * 2 * (2 * s.hidden_size + max(attention, dense, moe, linear, index))
         + logits_tokens * math.ceil(s.vocab_size / par.tp) * 4
     )
 

@@ -22,7 +22,7 @@ from ..model.rank_model import trace_rank
 from ..model.tracer import Op, fuse
 from ..tables.device import Device
 from .cost import Priced, fold_modules, kernel_table, overlap_shared_experts, price
-from .planner import Memory, activation_bytes, kv_sizing, memory, weight_lines
+from .planner import Memory, activation_bytes, kv_sizing, memory, state_kinds, weight_lines
 
 COST_MODELS = ("roofline", "measured")
 
@@ -52,6 +52,7 @@ class Simulation:
     warnings: tuple[str, ...]
     model: str = ""  # the structure's one-line description
     cost_model: str = "roofline"  # roofline | measured
+    states: dict[str, dict[str, Any]] | None = None  # per state kind of a hybrid stack (``state_kinds``)
 
     @property
     def step_time(self) -> float:
@@ -138,11 +139,12 @@ def simulate(
     kernels = tuple(finish_step(priced, dep))
     kv = kv_sizing(s, dep.parallel.tp, dep.kv_dtype)
     logits_tokens = dep.tokens_per_rank if dep.decode else dep.batch_per_rank
+    tokens = dep.context_len + dep.tokens_per_query
     mem = memory(
         weight_lines(inputs, dep.parallel),
         kv,
         dep.batch_per_rank,
-        dep.context_len + dep.tokens_per_query,
+        tokens,
         activation_bytes(s, dep.parallel, dep.tokens_per_rank, logits_tokens),
         device,
     )
@@ -153,4 +155,7 @@ def simulate(
             "MTP blocks (eh_proj + one decoder layer of the model's last kind + lm_head)"
         )
     notes += mem.warnings(device)
-    return Simulation(dep, device, inputs.quant_label, kernels, mem, tuple(notes), s.describe(), cost_model)
+    states = state_kinds(kv, tokens)
+    return Simulation(
+        dep, device, inputs.quant_label, kernels, mem, tuple(notes), s.describe(), cost_model, states
+    )

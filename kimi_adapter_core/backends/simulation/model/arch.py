@@ -1,10 +1,12 @@
 """What sizing reads about the model: the text backbone's ``ModelStructure`` plus the vision tower.
 
 The text backbone is ``structure.derive.structure_of_raw`` of the spec's shipped config - the one
-typed description every backend reads (attention kind and KV dims, per-layer windows and MLP kinds,
-MoE). This module adds only what the structure does not describe: a MoonViT-style vision tower
-(Kimi-K2.5), read from ``vision_config`` under either spelling of its keys (hub ``vt_*`` /
-``init_pos_emb_*`` or transformers' ``hidden_size`` / ``pos_emb_*``), and the root ``model_type``.
+typed description every backend reads (attention kind and KV dims, per-layer windows, mixers and
+MLP kinds, MoE, a hybrid stack's linear-attention sizes, a DSA stack's indexer). This module adds
+only what the structure does not describe: a MoonViT-style vision tower (Kimi-K2.5), read from
+``vision_config`` under either spelling of its keys (hub ``vt_*`` / ``init_pos_emb_*`` or
+transformers' ``hidden_size`` / ``pos_emb_*``), and the root ``model_type``; and it refuses a DSA
+config it would size wrong.
 It reads raw JSON and never imports torch, so ``kadapt plan`` stays instant.
 """
 
@@ -15,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from ....config.source import resolve_source
-from ....errors import KadaptError, Refusal
+from ....errors import KadaptError
 from ....spec.model import Spec
 from ....structure.bounds import shown_path
 from ....structure.model import ModelStructure
-from ....structure.of_spec import structure_of_raw
+from ....structure.of_spec import structure_of_raw, text_config_key
 from ....vision.tower import VisionArch, vision_arch
 
 
@@ -46,20 +48,48 @@ def read_config(spec: Spec) -> dict[str, Any]:
 def architecture(spec: Spec, raw: dict[str, Any]) -> Architecture:
     """The structure of ``raw`` (the root config dict) as ``spec`` reads it, plus its vision tower."""
     structure = structure_of_raw(spec, raw)
-    if structure.linear is not None:
-        raise Refusal(
-            "hybrid",
-            f"{len(structure.linear_layer_ids)} of the {structure.num_layers} layers are linear attention "
-            f"({structure.linear.describe()}): plan and simulate do not size or price their states and "
-            "scans yet, and refuse rather than count them as attention (apply and --verify carry them)",
-            location=spec.locate("gate"),
-        )
+    _check_indexer(spec, raw, structure)
     vision_cfg = raw.get("vision_config")
     vision = None
     if isinstance(vision_cfg, dict):
         origin = shown_path(spec.source.config) if spec.source.config is not None else "config"
         vision = vision_arch(vision_cfg, structure.hidden_size, origin=origin)
     return Architecture(str(raw.get("model_type", "")), structure, vision)
+
+
+def indexed_layer_ids(s: ModelStructure) -> tuple[int, ...]:
+    """The DSA layers (``indexed``: MLA plus the indexer) of a stack."""
+    return tuple(layer.index for layer in s.layers if layer.attention == "indexed")
+
+
+_INDEX_KEYS = ("index_topk", "index_n_heads", "index_head_dim")
+
+
+def _check_indexer(spec: Spec, raw: dict[str, Any], s: ModelStructure) -> None:
+    """A DSA stack is sized and priced as DeepSeek-V3.2 builds it: MLA whose low-rank query residual
+    (``q_lora_rank``) feeds the indexer's ``wq_b``. A config that sizes an indexer but names no indexed
+    layer would be sized as dense MLA while transformers builds every layer with an indexer
+    (``DeepseekV32Config`` fills ``layer_types`` itself): refused rather than sized wrong."""
+    origin = shown_path(spec.source.config) if spec.source.config is not None else "config"
+    key = text_config_key(spec, isinstance(raw.get("text_config"), dict))
+    text = raw[key] if key and isinstance(raw.get(key), dict) else raw
+    if s.indexer is None:
+        sized = [key for key in _INDEX_KEYS if text.get(key) is not None]
+        if sized:
+            raise KadaptError(
+                f"{origin}: the config sizes a DSA indexer ({', '.join(sized)}) but its layer_types names no "
+                "indexed_attention layer; plan and simulate would size dense MLA where transformers builds "
+                "an indexer in every layer: list the layers in layer_types",
+                location=spec.locate("source.config"),
+            )
+        return
+    a = s.attention
+    if not (a.is_mla and a.q_lora_rank):
+        raise KadaptError(
+            f"{origin}: the indexed layers' DSA indexer reads the MLA query residual (q_lora_rank), but the "
+            f"attention is {a.describe()}; plan and simulate size DeepSeek-V3.2's indexer only",
+            location=spec.locate("source.config"),
+        )
 
 
 def spec_architecture(spec: Spec) -> Architecture:

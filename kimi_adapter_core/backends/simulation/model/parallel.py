@@ -4,7 +4,8 @@ Devices = TP x DP. Attention, dense MLP and shared experts are sharded TP-ways a
 groups; routed experts are sharded EP-ways over the devices (EP must divide TP x DP); embeddings and
 lm_head are vocab-parallel over TP. Query heads split over TP; KV heads split too, and once TP
 exceeds them each rank holds one KV head (replicated TP / KV-heads times, as vLLM does); MLA's
-latent cache has no heads and is replicated on every TP rank. ``--batch`` is the global number of
+latent cache has no heads and is replicated on every TP rank. A hybrid stack's linear-attention
+heads (key and value) split over TP too, which must divide them. ``--batch`` is the global number of
 concurrent queries, split evenly over the DP groups.
 """
 
@@ -63,6 +64,10 @@ class Parallel:
                 )
         elif self.ep > 1:
             raise UsageError(f"--ep {self.ep} given but the model has no routed experts")
+        if s.linear is not None:  # a linear layer's heads split over TP like vLLM's (never replicated)
+            for heads, what in ((s.linear.num_key_heads, "key"), (s.linear.num_value_heads, "value")):
+                message = f"--tp {self.tp} does not divide the {heads} linear-attention {what} heads"
+                rules.append((heads, self.tp, message))
         for whole, part, message in rules:
             if whole % part:
                 raise UsageError(message)

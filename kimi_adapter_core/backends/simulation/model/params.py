@@ -2,7 +2,10 @@
 
 Counting from the ``ModelStructure`` (instead of instantiating the model) keeps ``kadapt plan``
 torch-free and instant, and works for every family the structure describes: MHA/GQA/MQA or MLA
-attention, dense and MoE MLPs (shared experts, a router bias for sigmoid routing), tied embeddings.
+attention, dense and MoE MLPs (shared experts, a router bias for sigmoid routing), tied embeddings,
+and hybrid stacks: attention weights in the attention layers only, gated-DeltaNet weights in the
+linear ones (``_gated_delta_net``; the attention of those families is gated: ``_gated_attention``),
+and a DSA stack's indexer in its indexed layers (``_indexer``).
 
 Each group carries what sizing needs: how it is sharded, its native dtype, whether it is a linear
 weight a quantization mode may touch, the shape of each tensor (the checkpoint's storage rule reads it:
@@ -27,7 +30,7 @@ from ....checkpoint.naming import rename_weight
 from ....spec.model import Spec
 from ....structure.model import ModelStructure
 from ....vision.tower import VisionArch
-from .arch import Architecture
+from .arch import Architecture, indexed_layer_ids
 
 # tp: split over tensor-parallel ranks (by heads or width); kv: split by KV heads, which are
 # replicated once TP exceeds them; ep: routed experts over expert-parallel ranks; vocab:
@@ -127,10 +130,21 @@ def _model(n: Naming, name: str, path: str, shape: tuple[int, ...], shard: Shard
     return ParamGroup(name, ((n.checkpoint(path),),), (shape,), shard, "bf16", False)
 
 
+def _gated_attention(s: ModelStructure) -> bool:
+    """Whether the attention layers are those of a gated-DeltaNet hybrid (Qwen3-Next, Qwen3.5,
+    Qwen3.5-MoE): every one of them folds a sigmoid output gate into ``q_proj`` (twice the query rows)
+    and normalizes each query and key head (``q_norm``, ``k_norm``). The structure does not carry
+    these two facts; these families are the only ones with a gated-DeltaNet mixer, and all their
+    attention classes build both (transformers 5.24 ``Qwen3NextAttention``, ``Qwen3_5Attention``)."""
+    return s.linear is not None and s.linear.kind == "gated_delta_net"
+
+
 def _attention(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
-    """Per-layer attention tensors. MLA: q_a/kv_a project to shared latents and are replicated under
-    TP (as vLLM/SGLang do); q_b/kv_b are column-parallel and o_proj row-parallel (split by heads).
-    MHA/GQA/MQA: q and o split by heads; k and v by KV heads (replicated once TP exceeds them)."""
+    """Attention tensors of an attention layer (the last row, the two layer norms, is every layer's).
+    MLA: q_a/kv_a project to shared latents and are replicated under TP (as vLLM/SGLang do); q_b/kv_b
+    are column-parallel and o_proj row-parallel (split by heads). MHA/GQA/MQA: q and o split by heads;
+    k and v by KV heads (replicated once TP exceeds them); a gated attention's q_proj holds the gate
+    too, and its per-head q/k norms are replicated."""
     a, h = s.attention, s.hidden_size
     heads = a.num_heads
     rows: list[tuple[str, Tensors, Shard, bool]] = []
@@ -167,18 +181,88 @@ def _attention(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
             ("kv_b_proj", [("self_attn.kv_b_proj.weight", kv_b)], "tp", True),
         ]
     else:
-        kv = a.num_kv_heads
+        kv, gated = a.num_kv_heads, _gated_attention(s)
+        q_rows = heads * a.head_dim * (2 if gated else 1)  # query and output gate
         rows += [
-            ("q_proj", [("self_attn.q_proj.weight", (heads * a.head_dim, h))], "tp", True),
+            ("q_proj", [("self_attn.q_proj.weight", (q_rows, h))], "tp", True),
             ("k_proj", [("self_attn.k_proj.weight", (kv * a.head_dim, h))], "kv", True),
             ("v_proj", [("self_attn.v_proj.weight", (kv * a.v_head_dim, h))], "kv", True),
         ]
+        if gated:
+            qk_norms: Tensors = [
+                ("self_attn.q_norm.weight", (a.head_dim,)),
+                ("self_attn.k_norm.weight", (a.head_dim,)),
+            ]
+            rows.append(("qk_norms", qk_norms, "replicated", False))
     norms: Tensors = [("input_layernorm.weight", (h,)), ("post_attention_layernorm.weight", (h,))]
     rows += [
         ("o_proj", [("self_attn.o_proj.weight", (h, heads * a.v_head_dim))], "tp", True),
         ("layer_norms", norms, "replicated", False),
     ]
     return rows
+
+
+def _indexer(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
+    """Tensors of a DSA layer's indexer under transformers' names (5.24 ``DeepseekV32Indexer``): ``wq_b``
+    from the MLA's query residual to every indexer head, ``wk`` to the one shared key, the key's
+    LayerNorm (weight and bias) and ``weights_proj`` to one weight per head. All replicated: vLLM and
+    SGLang build the indexer of ``ReplicatedLinear``s ("no tensor parallel, just replicated"). ``wq_b``
+    and ``wk`` are linear weights a checkpoint's FP8 blocks cover; ``weights_proj`` is not (DeepSeek's
+    inference code builds it in the model dtype, vLLM loads it with no quant config)."""
+    ix, a, h = s.indexer, s.attention, s.hidden_size
+    assert ix is not None and a.q_lora_rank
+    proj: Tensors = [
+        ("self_attn.indexer.wq_b.weight", (ix.n_heads * ix.head_dim, a.q_lora_rank)),
+        ("self_attn.indexer.wk.weight", (ix.head_dim, h)),
+    ]
+    norm: Tensors = [
+        ("self_attn.indexer.k_norm.weight", (ix.head_dim,)),
+        ("self_attn.indexer.k_norm.bias", (ix.head_dim,)),
+    ]
+    weights: Tensors = [("self_attn.indexer.weights_proj.weight", (ix.n_heads, h))]
+    return [
+        ("indexer_proj", proj, "replicated", True),
+        ("indexer_k_norm", norm, "replicated", False),
+        ("indexer_weights_proj", weights, "replicated", False),
+    ]
+
+
+# gated-DeltaNet families whose input projection is fused as in_proj_qkvz + in_proj_ba (the others,
+# Qwen3.5's, split it as in_proj_qkv, in_proj_z, in_proj_b, in_proj_a)
+_FUSED_IN_PROJ = ("qwen3_next",)
+
+
+def _gated_delta_net(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
+    """Tensors of a gated-DeltaNet layer's ``linear_attn`` under the model's own names (transformers
+    5.24 ``Qwen3NextGatedDeltaNet`` / ``Qwen3_5GatedDeltaNet``). Under TP every tensor is split by
+    heads as vLLM shards it (in projections column-parallel, the depthwise conv by channel, the
+    per-head decay ``A_log`` and ``dt_bias`` by value head, ``out_proj`` row-parallel), except the
+    gated norm's weight, one value head wide and replicated."""
+    lin, h = s.linear, s.hidden_size
+    assert lin is not None
+    key, value = lin.num_key_heads * lin.key_head_dim, lin.num_value_heads * lin.value_head_dim
+    heads = lin.num_value_heads
+    if s.model_type in _FUSED_IN_PROJ:
+        in_proj: Tensors = [
+            ("linear_attn.in_proj_qkvz.weight", (2 * key + 2 * value, h)),
+            ("linear_attn.in_proj_ba.weight", (2 * heads, h)),
+        ]
+    else:
+        in_proj = [
+            ("linear_attn.in_proj_qkv.weight", (2 * key + value, h)),
+            ("linear_attn.in_proj_z.weight", (value, h)),
+            ("linear_attn.in_proj_b.weight", (heads, h)),
+            ("linear_attn.in_proj_a.weight", (heads, h)),
+        ]
+    decay: Tensors = [("linear_attn.dt_bias", (heads,)), ("linear_attn.A_log", (heads,))]
+    conv = lin.conv_state
+    return [
+        ("in_proj", in_proj, "tp", True),
+        ("conv1d", [("linear_attn.conv1d.weight", (conv.channels, 1, conv.kernel))], "tp", False),
+        ("decay", decay, "tp", False),
+        ("norm", [("linear_attn.norm.weight", (lin.value_head_dim,))], "replicated", False),
+        ("out_proj", [("linear_attn.out_proj.weight", (h, value))], "tp", True),
+    ]
 
 
 def _gated_mlp(prefix: str, hidden: int, width: int) -> Tensors:
@@ -197,9 +281,17 @@ def text_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
     ]
     if not s.tie_word_embeddings:
         groups.append(_model(n, "lm_head", f"{n.lm_head}.weight", (vocab, h), "vocab"))
-    every = range(s.num_layers)
+    every, attention = range(s.num_layers), s.attention_layer_ids
     for name, tensors, shard, linear in _attention(s):
-        groups.append(_layers(n, f"attn.{name}", every, tensors, shard, "bf16", linear))
+        ids = every if name == "layer_norms" else attention  # every layer has both norms
+        groups.append(_layers(n, f"attn.{name}", ids, tensors, shard, "bf16", linear))
+    if s.indexer is not None:
+        for name, tensors, shard, linear in _indexer(s):
+            groups.append(_layers(n, f"attn.{name}", indexed_layer_ids(s), tensors, shard, "bf16", linear))
+    if s.linear is not None:
+        for name, tensors, shard, linear in _gated_delta_net(s):
+            ids = s.linear_layer_ids
+            groups.append(_layers(n, f"linear_attn.{name}", ids, tensors, shard, "bf16", linear))
     if s.dense_layer_ids:
         mlp = _gated_mlp("mlp", h, s.intermediate_size)
         groups.append(_layers(n, "dense_mlp", s.dense_layer_ids, mlp, "tp", "bf16", True))

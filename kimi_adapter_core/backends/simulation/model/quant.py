@@ -42,6 +42,20 @@ from .params import Naming, ParamGroup
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1, "int8": 1}
 
+# DSA indexer keys as serving runtimes cache them: FP8 e4m3 with one fp32 scale per 128 channels, whatever
+# --kv-dtype (DeepSeek's own inference code, vLLM's and SGLang's indexer caches: their scoring kernel,
+# DeepGEMM's fp8 MQA logits, reads FP8 keys); transformers' reference keeps them in the model dtype
+INDEX_KEY_DTYPE = "fp8"
+INDEX_SCALE_BLOCK = 128
+INDEX_SCALE_BYTES = 4
+INDEX_REFERENCE_DTYPE = "bf16"
+
+
+def index_key_bytes(head_dim: int) -> int:
+    """Bytes of one cached DSA indexer key: FP8 channels plus their fp32 block scales (132 for 128)."""
+    scales = math.ceil(head_dim / INDEX_SCALE_BLOCK) * INDEX_SCALE_BYTES
+    return head_dim * DTYPE_BYTES[INDEX_KEY_DTYPE] + scales
+
 
 @dataclass(frozen=True)
 class WeightFormat:

@@ -1,12 +1,13 @@
 """The per-rank config of the text model: which decoder layers are built, and the sizes of one rank.
 
 Tracing every layer of a huge model for every ``simulate`` call is slow and pointless: the layers of
-one kind are identical. So the per-rank model keeps the layers up to the first of each MLP kind
+one kind are identical. A layer's kind is its mixer (attention, or a hybrid stack's linear attention)
+and its MLP kind. So the per-rank model keeps the layers up to the first of each kind
 (``layer_kinds``, ``built_layers``), each traced layer standing for its kind, and its text
-sub-config is resized to ONE rank (``rank_overrides``: query and KV heads, dense and shared-expert
-widths, vocab over TP). The per-rank sizes are written under the config keys the structure read
-each fact from (``structure.keys``), so no family's key names are assumed; ``check_sizes`` refuses
-a config bridge that undoes one and notes one that changes a traced size.
+sub-config is resized to ONE rank (``rank_overrides``: query and KV heads, linear-attention heads,
+dense and shared-expert widths, vocab over TP). The per-rank sizes are written under the config keys
+the structure read each fact from (``structure.keys``), so no family's key names are assumed;
+``check_sizes`` refuses a config bridge that undoes one and notes one that changes a traced size.
 
 Separate from ``rank_model`` because it is config arithmetic (torch-free) that the vision trace
 (``estimate/vision``) applies to its own build too.
@@ -51,29 +52,40 @@ _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 
 @dataclass(frozen=True)
 class LayerKind:
-    """The decoder layers of one MLP kind, traced once (at the first of them)."""
+    """The decoder layers of one mixer and MLP kind, traced once (at the first of them)."""
 
     kind: str  # dense | moe
     layers: tuple[int, ...]  # indices in the full model
-    windows: tuple[int | None, ...]  # each one's sliding window (None: full attention)
+    windows: tuple[int | None, ...]  # each one's sliding window (None: full attention or linear)
+    mixer: str = "attention"  # attention | linear (a hybrid stack's linear-attention layers)
 
     @property
     def index(self) -> int:
         return self.layers[0]
 
     @property
+    def linear(self) -> bool:
+        return self.mixer == "linear"
+
+    @property
+    def scope(self) -> str:
+        """The scope its ops are recorded under: the MLP kind, prefixed ``linear_`` for linear layers
+        (attention layers keep the names attention-only models always had)."""
+        return f"linear_{self.kind}" if self.linear else self.kind
+
+    @property
     def name(self) -> str:
-        return f"{self.kind}_layer"
+        return f"{self.scope}_layer"
 
 
 def layer_kinds(s: ModelStructure) -> list[LayerKind]:
-    """One entry per MLP kind present, in the order their first layers appear."""
-    kinds: dict[str, list[int]] = {}
-    for layer in s.layers:
-        kinds.setdefault(layer.mlp, []).append(layer.index)
+    """One entry per mixer and MLP kind present, in the order their first layers appear."""
+    kinds: dict[tuple[str, str], list[int]] = {}
+    for layer, mixer in zip(s.layers, s.layer_kinds, strict=True):
+        kinds.setdefault((mixer, layer.mlp), []).append(layer.index)
     return [
-        LayerKind(kind, tuple(ids), tuple(s.layers[i].window for i in ids))
-        for kind, ids in sorted(kinds.items(), key=lambda item: item[1][0])
+        LayerKind(mlp, tuple(ids), tuple(s.layers[i].window for i in ids), mixer)
+        for (mixer, mlp), ids in sorted(kinds.items(), key=lambda item: item[1][0])
     ]
 
 
@@ -100,6 +112,9 @@ def rank_overrides(
     }
     if "num_kv_heads" in k:
         sizes[k["num_kv_heads"]] = kv_heads_per_rank(a, tp)
+    if s.linear is not None:  # split like the attention heads (``Parallel.check``: TP divides them)
+        sizes[k["linear_num_key_heads"]] = s.linear.num_key_heads // tp
+        sizes[k["linear_num_value_heads"]] = s.linear.num_value_heads // tp
     if not a.is_mla:
         sizes[k.get("head_dim", "head_dim")] = a.head_dim
     if s.dense_layer_ids and "intermediate_size" in k:

@@ -13,9 +13,10 @@ The kernels a serving runtime runs replace the eager Hugging Face code (``servin
 attention core (``AttentionKernel`` behind transformers' attention interface for MHA/GQA/MQA, the
 spec's ``mla.attention_class`` swapped for ``RankMLA``) and the routed experts (the
 ``moe.experts_class`` module, else the one holding the stacked expert weights, swapped for
-``RoutedExperts``). The collectives around them are recorded here: 2 TP all-reduces per layer,
-vocab-parallel embedding all-reduce and logits all-gather (EP dispatch + combine are the routed
-experts' own).
+``RoutedExperts``) and, in a hybrid stack's linear layers, the gated DeltaNet (swapped for
+``RankGatedDeltaNet``: ``linear_kernels``). The collectives around them are recorded here: 2 TP
+all-reduces per layer, vocab-parallel embedding all-reduce and logits all-gather (EP dispatch +
+combine are the routed experts' own).
 
 ``RankModel`` keeps the built model: what a step changes (recorder, deployment, weight formats) is
 bound per trace, so a sweep builds it once per TP size and traces it at every shape and weight mode.
@@ -44,6 +45,7 @@ from ....structure.of_spec import text_config_key
 from .arch import read_config
 from .deployment import Deployment
 from .inputs import ModelInputs
+from .linear_kernels import RankGatedDeltaNet, gated_delta_nets
 from .parallel import Parallel
 from .quant import NATIVE
 from .rank_config import BACKEND, LayerKind, check_sizes, layer_kinds, rank_overrides
@@ -101,6 +103,7 @@ class RankParts:
     eh_proj: nn.Module | None
     attention: list[RankMLA] = field(default_factory=list)  # the swapped MLA modules
     experts: list[RoutedExperts] = field(default_factory=list)  # the swapped routed experts
+    linear: list[RankGatedDeltaNet] = field(default_factory=list)  # the swapped linear-attention mixers
     configs: list[Any] = field(default_factory=list)  # configs of the traced layers' attention
     names: dict[int, str] = field(default_factory=dict)  # id(parameter) -> its name in the built model
 
@@ -129,6 +132,8 @@ class RankParts:
                 experts.bind(rec, dep, fmt)
         for mla in self.attention:
             mla.bind(rec, dep)
+        for mixer in self.linear:
+            mixer.bind(rec, dep)
         group_of = inputs.group_of()
         for _, part in self.named():
             for param in part.parameters():
@@ -222,7 +227,9 @@ def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts,
             for root, path in _experts_of(spec, traced.module, where, s):
                 _swap(root, path, experts)
             parts.experts.append(experts)
-        if s.attention.is_mla:
+        if traced.kind.linear:
+            parts.linear += _swap_linear(spec, traced.module, where)
+        elif s.attention.is_mla:
             attention_class = (spec.mla or {}).get("attention_class")
             if not attention_class:
                 raise KadaptError(
@@ -241,6 +248,24 @@ def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts,
 
 
 _UNBOUND = Deployment(Parallel(), 1, 1, 0, True)  # placeholder shapes until a trace binds its own
+
+
+def _swap_linear(spec: Spec, layer: nn.Module, where: str) -> list[RankGatedDeltaNet]:
+    """Swap every gated-DeltaNet mixer of a linear layer for its serving kernels (unbound)."""
+    found = gated_delta_nets(layer)
+    if not found:
+        seen = ", ".join(sorted({type(m).__name__ for m in layer.modules()}))
+        raise KadaptError(
+            f"{where} of the model built for spec {spec.name} is a linear-attention layer, but none of its "
+            "modules is a gated DeltaNet simulate can price (conv1d, norm, out_proj, A_log, dt_bias and "
+            f"the in projections of Qwen3-Next or Qwen3.5); the classes there are: {seen}"
+        )
+    swapped = []
+    for path, inner in found:
+        mixer = RankGatedDeltaNet(inner, Recorder(), _UNBOUND)
+        _swap(layer, path, mixer)
+        swapped.append(mixer)
+    return swapped
 
 
 def build_rank(
@@ -305,7 +330,8 @@ class RankModel:
                 for handle in handles:
                     handle.remove()
         if not s.attention.is_mla:
-            missed = [t.kind.name for t in model.layers if t.kind.name not in kernel.called]
+            attending = [t for t in model.layers if not t.kind.linear]
+            missed = [t.kind.name for t in attending if t.kind.name not in kernel.called]
             if missed:
                 raise KadaptError(
                     f"the attention of {', '.join(missed)} never called transformers' attention interface "
@@ -336,7 +362,7 @@ def _step(
         for t in dict.fromkeys(traced.rope_type for traced in model.layers)
     }
     for traced in model.layers:
-        with rec.scope(traced.kind.kind, len(traced.kind.layers)):
+        with rec.scope(traced.kind.scope, len(traced.kind.layers)):
             hidden = traced.module(hidden, position_embeddings=rope[traced.rope_type])
     last = model.norm(hidden if dep.decode else hidden[:, -1:, :])  # prefill: last token's logits
     _logits(model, rec, last, par.tp, vocab)

@@ -1,8 +1,9 @@
 """``kadapt plan`` rendered: the plan as a JSON document and as text tables.
 
-The architecture, the KV cache per token and layer in each layout, the weights by group and format,
-memory per device and the vision cache. Torch-free, like the planner: ``kadapt plan`` never imports
-torch. Separate from ``simulation`` because a plan and a simulation share no field but the memory
+The architecture, the KV cache per token and layer in each layout (and a hybrid stack's
+linear-attention state per request, a DSA stack's indexer keys per token), the weights by group and
+format, memory per device and the vision cache. Torch-free, like the planner: ``kadapt plan`` never
+imports torch. Separate from ``simulation`` because a plan and a simulation share no field but the memory
 figures (``blocks``).
 """
 
@@ -11,10 +12,14 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from ....structure.states import ConvState
 from ....vision.images import max_tokens_per_image
-from ..estimate.planner import Plan, activation_formula
+from ..estimate.planner import STATE_CONV_DTYPE, IndexKeySizing, LinearStateSizing, Plan, activation_formula
+from ..model.arch import indexed_layer_ids
+from ..model.quant import DTYPE_BYTES, INDEX_KEY_DTYPE, INDEX_REFERENCE_DTYPE, INDEX_SCALE_BLOCK
 from .blocks import GB, MIB, memory_json, memory_text, text_table
 
+_SHORT_DTYPES = {"float64": "fp64", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _LAYOUT_LABELS = {"latent": "MLA latent", "expanded": "expanded", "heads": "K+V heads"}
 
 
@@ -30,10 +35,89 @@ def _kv_json(plan: Plan) -> dict[str, Any]:
         "layers": kv.layers,
         "sliding_layers": sum(1 for w in kv.windows if w is not None),
         "windows": sorted({w for w in kv.windows if w is not None}),
-        "bytes_per_sequence": kv.sequence_bytes(plan.seq_len, per_rank=False),
-        "bytes_per_sequence_per_device": kv.sequence_bytes(plan.seq_len),
+        "bytes_per_sequence": kv.kv_bytes(plan.seq_len, per_rank=False),
+        "bytes_per_sequence_per_device": kv.kv_bytes(plan.seq_len),
         "layouts_bytes_per_token_layer": kv.layouts(),
     }
+
+
+def _states_json(plan: Plan) -> dict[str, Any]:
+    """Each state kind a hybrid or DSA stack keeps (added to the JSON only for those stacks, so the
+    plan of a plain attention model is what it always was): the attention layers' KV cache and a DSA
+    stack's indexer keys grow with the context, the linear layers' state is constant per request."""
+    kv, state, index = plan.kv, plan.kv.state, plan.kv.index
+    s = plan.arch.structure
+    states: dict[str, Any] = {
+        "attention_kv": {
+            "layers": kv.layers,
+            "layer_ids": list(s.attention_layer_ids),
+            "grows_with_context": True,
+            "bytes_per_token": kv.bytes_per_token,
+            "bytes_per_sequence": kv.kv_bytes(plan.seq_len, per_rank=False),
+            "bytes_per_sequence_per_device": kv.kv_bytes(plan.seq_len),
+        }
+    }
+    if state is not None:
+        states["linear_attention"] = {
+            "layers": state.layers,
+            "layer_ids": list(s.linear_layer_ids),
+            "mixer": state.linear.kind,
+            "grows_with_context": False,
+            "conv": _state_tensor(state, "conv"),
+            "recurrent": _state_tensor(state, "recurrent"),
+            "bytes_per_layer": state.bytes_per_layer(per_rank=False),
+            "bytes_per_request": state.bytes_per_request(per_rank=False),
+            "bytes_per_request_per_device": state.bytes_per_request(),
+        }
+    if index is not None:
+        states["indexer_keys"] = _index_json(plan, index)
+    states["bytes_per_sequence"] = kv.sequence_bytes(plan.seq_len, per_rank=False)
+    states["bytes_per_sequence_per_device"] = kv.sequence_bytes(plan.seq_len)
+    return states
+
+
+def _index_json(plan: Plan, index: IndexKeySizing) -> dict[str, Any]:
+    """A DSA stack's indexer keys: one FP8 key (and its fp32 block scale) per token and indexed layer,
+    replicated on every TP rank."""
+    ix = index.indexer
+    return {
+        "layers": index.layers,
+        "layer_ids": list(indexed_layer_ids(plan.arch.structure)),
+        "grows_with_context": True,
+        "indexer": {"n_heads": ix.n_heads, "head_dim": ix.head_dim, "topk": ix.topk},
+        "shape_per_token": [ix.head_dim],
+        "dtype": INDEX_KEY_DTYPE,
+        "scale": {"dtype": "fp32", "block": INDEX_SCALE_BLOCK},
+        "bytes_per_token_layer": index.bytes_per_token_layer,
+        "bytes_per_token_layer_per_device": index.bytes_per_token_layer,
+        "reference_dtype": INDEX_REFERENCE_DTYPE,
+        "reference_bytes_per_token_layer": index.reference_bytes_per_token_layer,
+        "bytes_per_token": index.bytes_per_token,
+        "bytes_per_sequence": index.bytes(plan.seq_len),
+        "bytes_per_sequence_per_device": index.bytes(plan.seq_len),
+    }
+
+
+def _state_tensor(state: LinearStateSizing, which: str) -> dict[str, Any]:
+    whole, rank = (
+        (state.conv(per_rank=False), state.conv())
+        if which == "conv"
+        else (state.recurrent(per_rank=False), state.recurrent())
+    )
+    model_dtype = DTYPE_BYTES[STATE_CONV_DTYPE]  # the conv window's; the recurrent state has its own
+    dtype = STATE_CONV_DTYPE if isinstance(whole, ConvState) else _SHORT_DTYPES[whole.dtype]
+    return {
+        "shape": list(whole.shape()),
+        "shape_per_device": list(rank.shape()),
+        "dtype": dtype,
+        "bytes_per_layer": whole.bytes_per_request(model_dtype),
+        "bytes_per_layer_per_device": rank.bytes_per_request(model_dtype),
+    }
+
+
+def _has_states(plan: Plan) -> bool:
+    """Whether the model keeps state besides its KV cache (linear-attention state, DSA indexer keys)."""
+    return plan.kv.state is not None or plan.kv.index is not None
 
 
 def plan_json(plan: Plan) -> dict[str, Any]:
@@ -50,6 +134,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "seq_len": plan.seq_len,
         "max_seq_len": plan.max_seq_len,
         "kv_cache": _kv_json(plan),
+        **({"states": _states_json(plan)} if _has_states(plan) else {}),
         "quantization": plan.quant,
         "weights": {
             "total_params": plan.total_params,
@@ -168,20 +253,63 @@ def _kv_text(plan: Plan) -> list[str]:
             heads = max(1, a.kv_dims(kv.layout)[0][0] // p.tp)
             how = f"{heads} KV head{'s' if heads > 1 else ''}/rank"
         rows.append(("per device", f"tp={p.tp}, {how}", f"{kv.rank_bytes_per_token_layer:>8} B"))
-    rows.append((f"all {kv.layers} layers", "one token", f"{kv.bytes_per_token:>8} B"))
+    attention = " attention" if kv.state is not None else ""
+    rows.append((f"all {kv.layers}{attention} layers", "one token", f"{kv.bytes_per_token:>8} B"))
     width = [max(len(r[i]) for r in rows) for i in range(2)]
-    lines = [f"KV cache ({kv.dtype}, per token per layer; cached as {kv.layout})"]
+    scope = f"{kv.layers} attention layers, grows with context; " if kv.state is not None else ""
+    lines = [f"KV cache ({scope}{kv.dtype}, per token per layer; cached as {kv.layout})"]
     lines += [f"  {r[0]:<{width[0]}}  {r[1]:<{width[1]}}  {r[2]}" for r in rows]
     sliding = [w for w in kv.windows if w is not None]
     if sliding:
         spans = ", ".join(str(w) for w in sorted(set(sliding)))
         lines.append(f"  sliding window: {len(sliding)}/{kv.layers} layers keep only the last {spans} tokens")
     whole, device = kv.sequence_bytes(plan.seq_len, per_rank=False), kv.sequence_bytes(plan.seq_len)
+    if kv.state is not None:
+        lines += _state_text(plan)
+    if kv.index is not None:
+        lines += _index_text(plan, kv.index)
+    what = f"{plan.seq_len} tokens" + (" (KV + linear-attention state)" if kv.state is not None else "")
+    what += " (KV + indexer keys)" if kv.index is not None else ""
     lines += [
-        f"  one sequence of {plan.seq_len} tokens: {whole / GB:.3f} GB ({device / GB:.3f} GB per device)",
+        f"  one sequence of {what}: {whole / GB:.3f} GB ({device / GB:.3f} GB per device)",
         f"  max sequence length  {plan.max_seq_len}",
     ]
     return lines
+
+
+def _state_text(plan: Plan) -> list[str]:
+    """The linear layers' state: its two tensors per layer, and the constant total per request."""
+    state = plan.kv.state
+    assert state is not None
+    conv, rec = _state_tensor(state, "conv"), _state_tensor(state, "recurrent")
+
+    def tensor(label: str, t: dict[str, Any]) -> str:
+        shape = "x".join(map(str, t["shape"]))
+        return f"    {label:<10} [{shape}] {t['dtype']}  {t['bytes_per_layer']:>10} B per layer"
+
+    per_layer = state.bytes_per_layer(per_rank=False) / MIB
+    return [
+        f"  linear-attention state: {state.layers} layers x {per_layer:.2f} MiB per request, constant in "
+        f"context ({state.linear.describe()})",
+        tensor("conv", conv),
+        tensor("recurrent", rec),
+        f"    per request {state.bytes_per_request(per_rank=False) / MIB:.1f} MiB "
+        f"({state.bytes_per_request() / MIB:.2f} MiB per device, heads split over tp={plan.parallel.tp})",
+    ]
+
+
+def _index_text(plan: Plan, index: IndexKeySizing) -> list[str]:
+    """The DSA indexer keys: per token and layer, their dtype, and the whole model."""
+    ix = index.indexer
+    return [
+        f"  indexer keys: {index.layers} indexed layers x {index.bytes_per_token_layer} B per token, "
+        f"grows with context ({ix.describe()})",
+        f"    key        [{ix.head_dim}] {INDEX_KEY_DTYPE} e4m3 + fp32 scale per {INDEX_SCALE_BLOCK}  "
+        f"{index.bytes_per_token_layer:>6} B per layer   ({index.reference_bytes_per_token_layer} B in "
+        f"transformers' {INDEX_REFERENCE_DTYPE} reference)",
+        f"    all {index.layers} indexed layers, one token {index.bytes_per_token} B "
+        f"(replicated over tp={plan.parallel.tp}, as the indexer is)",
+    ]
 
 
 def plan_text(plan: Plan) -> str:

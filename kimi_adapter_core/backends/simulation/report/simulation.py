@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .blocks import memory_json, memory_text, text_table
+from .blocks import MIB, memory_json, memory_text, text_table
 
 if TYPE_CHECKING:  # the simulator imports torch; rendering a simulation does not
     from ..estimate.simulator import Simulation
@@ -62,6 +62,7 @@ def sim_json(sim: Simulation) -> dict[str, Any]:
             for r in sim.rows()
         ],
         "memory_per_device": memory_json(sim.memory),
+        **({"states": sim.states} if sim.states is not None else {}),
         "warnings": list(sim.warnings),
     }
 
@@ -110,9 +111,35 @@ def sim_text(sim: Simulation, top: int | None = None) -> str:
         "",
         "Memory per device",
         *memory_text(sim.memory),
+        *_states_text(sim),
     ]
     lines += [f"WARNING: {w}" for w in sim.warnings]
     return "\n".join(lines)
+
+
+def _states_text(sim: Simulation) -> list[str]:
+    """A hybrid or DSA stack's state per request on one device, by kind (nothing for plain attention
+    models)."""
+    if sim.states is None:
+        return []
+    kv = sim.states["attention_kv"]
+    tokens = sim.deployment.context_len + sim.deployment.tokens_per_query
+    line = (
+        f"  state per request: KV cache {kv['bytes_per_request_per_device'] / MIB:.2f} MiB "
+        f"({kv['layers']} attention layers, {tokens} tokens: grows with context)"
+    )
+    linear, index = sim.states.get("linear_attention"), sim.states.get("indexer_keys")
+    if linear is not None:
+        line += (
+            f" + linear-attention state {linear['bytes_per_request_per_device'] / MIB:.2f} MiB "
+            f"({linear['layers']} layers, constant)"
+        )
+    if index is not None:
+        line += (
+            f" + indexer keys {index['bytes_per_request_per_device'] / MIB:.2f} MiB "
+            f"({index['layers']} indexed layers, grow with context)"
+        )
+    return [line]
 
 
 def _count(n: int, noun: str) -> str:
