@@ -46,7 +46,7 @@ from fixtures.modules import without_kadapt_env
 
 from kimi_adapter_core.backends.extraction import options_from_spec
 from kimi_adapter_core.backends.extraction.tiny_model import tiny_overrides
-from kimi_adapter_core.spec import load_spec
+from kimi_adapter_core.spec import Spec, load_spec
 
 pytestmark = pytest.mark.compat  # run by .ci/compat against other transformers releases
 REPO = Path(__file__).resolve().parents[1]
@@ -106,6 +106,14 @@ def reference(model, config, prompt, steps, implementation):
     return logits, out.sequences[:, prompt.shape[1]:], [step[:, None] for step in out.logits]
 
 
+def states(layer):
+    """The state names of a KV mapping layer: a linear-attention layer's conv and recurrent state, else
+    the attention's key and value (and a DSA layer's indexer keys, placed and updated like the key)."""
+    if layer.get("kind") == "linear":
+        return ("conv", "recurrent")
+    return ("key", "value", "index_key") if "prefill_index_key_output" in layer else ("key", "value")
+
+
 def run(executor, graph, feeds):
     """Execute ``graph`` with its inputs bound by name; its outputs by name."""
     outputs = executor.execute(tuple(feeds[meta.name] for meta in graph.graph_inputs))
@@ -157,9 +165,12 @@ def roundtrip(m, tiny, dtype, out, prefill_len, max_cache_len, steps):
     logits = [outputs["logits"]]
     cache = {}
     for layer in mapping["layers"]:
-        for part in ("key", "value"):
+        for part in states(layer):
             present = outputs[layer[f"prefill_{part}_output"]["name"]]
             target = layer[f"decode_{part}_input"]
+            if layer.get("kind") == "linear":  # contract.linear_states: the decode input as it is
+                cache[target["name"]] = present
+                continue
             zeros = torch.zeros(target["shape"], dtype=getattr(torch, target["dtype"]))
             cache[target["name"]] = zeros.index_copy(dim, torch.arange(present.shape[dim]), present)
     tokens = [logits[-1][:, -1].argmax(-1, keepdim=True)]
@@ -173,7 +184,7 @@ def roundtrip(m, tiny, dtype, out, prefill_len, max_cache_len, steps):
             **cache,
         })
         for layer in mapping["layers"]:
-            for part in ("key", "value"):
+            for part in states(layer):
                 cache[layer[f"decode_{part}_input"]["name"]] = outputs[layer[f"decode_{part}_output"]["name"]]
         logits.append(outputs["logits"])
         tokens.append(outputs["logits"][:, -1].argmax(-1, keepdim=True))
@@ -246,15 +257,27 @@ main()
 
 
 def vendor_and_run(names: list[str], tmp: Path, timeout: float = 900) -> dict[str, Any]:
-    """Copy each spec's generated module into ``tmp``, run the user's script there, return its report."""
+    """Copy each shipped spec's generated module into ``tmp``, run the user's script there, return its
+    report."""
     assert REPO not in tmp.parents, f"{tmp} must be outside the checkout"
     modules = {}
     for name in names:
-        spec = load_spec(REPO / "specs" / f"{name}.yaml")
-        options = options_from_spec(spec, output_dir=tmp / "unused", prefill_len=PREFILL, max_cache_len=CACHE)
         vendored = tmp / f"{name}_extraction.py"
         shutil.copyfile(REPO / "adapters" / name / "extraction.py", vendored)
-        modules[name] = {"path": str(vendored), "tiny": tiny_overrides(spec, options), "out": str(tmp / name)}
+        modules[name] = user_job(name, load_spec(REPO / "specs" / f"{name}.yaml"), vendored, tmp)
+    return run_user_script(modules, tmp, timeout)
+
+
+def user_job(name: str, spec: Spec, vendored: Path, tmp: Path) -> dict[str, Any]:
+    """What the user's script runs for one module: its path, the tiny model's overrides (``--verify``'s
+    sizes) and the folder its artifacts go to."""
+    options = options_from_spec(spec, output_dir=tmp / "unused", prefill_len=PREFILL, max_cache_len=CACHE)
+    return {"path": str(vendored), "tiny": tiny_overrides(spec, options), "out": str(tmp / name)}
+
+
+def run_user_script(modules: dict[str, dict[str, Any]], tmp: Path, timeout: float = 900) -> dict[str, Any]:
+    """Run the user's script in ``tmp`` (outside the checkout, without kadapt) over ``modules``."""
+    assert REPO not in tmp.parents, f"{tmp} must be outside the checkout"
     request = tmp / "request.json"
     request.write_text(
         json.dumps(

@@ -11,15 +11,16 @@ runtime's own ``kv_shapes`` over the structure's ``kv_dims``, the rest from the 
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..backends.extraction.names import DECODE_FIXED, PREFILL_FIXED, GraphNames
+from ..backends.extraction.names import DECODE_FIXED, LAYER_STATES, PREFILL_FIXED, GraphNames
 from ..backends.extraction.options import abi_graph_names, spec_paged
 from ..backends.extraction.runtime import abi as runtime
 from ..config.bridges import apply_bridges
 from ..config.source import resolve_source
-from ..errors import Refusal
+from ..errors import KadaptError, Refusal
 from ..patching.ledger import Ledger
 from ..spec.model import Spec
 from ..structure.kv_layout import resolve_kv_layout as options_resolve_kv_layout
@@ -28,6 +29,7 @@ from ..structure.of_spec import structure_of_raw
 
 INDEX_DTYPE = "int64"
 KVDims = tuple[tuple[int, int], tuple[int, int]]
+LinearStates = tuple[tuple[tuple[int, ...], str], tuple[tuple[int, ...], str]]
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,42 @@ class Dims:
         """Key and value shapes of one layer's cache, exactly as the extraction runtime builds them."""
         return runtime.kv_shapes(self.kv_dims, batch, length)
 
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Each layer's kind as the ABI carries its state (``runtime.LAYER_STATES``)."""
+        return self.structure.layer_kinds
+
+    @property
+    def hybrid(self) -> bool:
+        """True when some layers are linear attention (a conv window and a recurrent state, no KV)."""
+        return self.structure.linear is not None
+
+    @property
+    def index_dim(self) -> int | None:
+        """The width of the DSA indexer keys an ``indexed`` layer caches per token (None: no such layer)."""
+        return self.structure.indexer.head_dim if self.structure.indexer is not None else None
+
+    def index_key(self, batch: int, length: int) -> tuple[int, ...]:
+        """Shape of one indexed layer's indexer keys: a one-head key ``[batch, 1, length, index_dim]``."""
+        assert self.index_dim is not None
+        return runtime.kv_shapes(self.index_dims, batch, length)[0]
+
+    @property
+    def index_dims(self) -> KVDims:
+        """The indexer keys as the runtime sizes them: a one-head key (and unused value) of ``index_dim``."""
+        assert self.index_dim is not None
+        return ((1, self.index_dim),) * 2
+
+    def linear_states(self, dtype: str) -> LinearStates | None:
+        """Per request, ``((conv shape, dtype), (recurrent shape, dtype))`` of a linear layer with the
+        model in ``dtype`` (the conv window follows it, the recurrent state keeps its own), as the
+        extraction runtime takes them; None without linear layers."""
+        linear = self.structure.linear
+        if linear is None:
+            return None
+        recurrent = linear.recurrent_state
+        return ((linear.conv_state.shape(), dtype), (recurrent.shape(), recurrent.dtype))
+
 
 def bridged_config(spec: Spec) -> dict[str, Any]:
     """The spec's shipped root config mapping with the extraction bridges applied."""
@@ -71,18 +109,48 @@ def bridged_config(spec: Spec) -> dict[str, Any]:
 
 
 def structure(spec: Spec) -> ModelStructure:
-    """The text backbone's structure, as the extraction backend sees it (extraction bridges applied).
-    A hybrid stack is refused: the generated module does not carry linear-attention states yet."""
+    """The text backbone's structure, as the extraction backend sees it (extraction bridges applied);
+    a hybrid stack's linear layers (``structure.linear``) carry their conv and recurrent states, DSA
+    layers (``structure.indexer``) their indexer keys beside the KV cache. A stack that mixes DSA layers
+    with layers of another kind is refused: the generated ``save_ir`` names a DSA graph's outputs three
+    per layer (DeepSeek-V3.2 and GLM-5 index every layer)."""
     found = structure_of_raw(spec, bridged_config(spec))
-    if found.linear is not None:
+    kinds = set(found.layer_kinds)
+    if found.indexer is not None and kinds != {"indexed"}:
+        others = sorted(kinds - {"indexed"})
         raise Refusal(
-            "hybrid",
-            f"{len(found.linear_layer_ids)} of the {found.num_layers} layers are linear attention: the "
-            "generated extraction module does not carry their conv and recurrent states yet (kadapt apply "
-            "does)",
+            "layer-types",
+            f"{found.layer_kinds.count('indexed')} of the {found.num_layers} layers use DeepSeek sparse "
+            f"attention and the others are {', '.join(others)}: the generated extraction module carries "
+            "indexer keys for stacks whose every layer is indexed (its save_ir names three states per layer)",
             location=spec.locate("gate"),
         )
     return found
+
+
+def check_state_names(spec: Spec, found: ModelStructure) -> None:
+    """The ABI names every state the layers return and no other: a linear layer's conv and recurrent
+    state, a DSA layer's indexer keys (``kadapt apply`` checks the same before it exports)."""
+    prefill, _ = abi_graph_names(spec)
+    where = spec.locate("abi.prefill.outputs")
+    for present, named, roles, what in (
+        (found.linear is not None, prefill.has_linear_states, ("conv", "recurrent"), "linear-attention"),
+        (found.indexer is not None, prefill.has_index_keys, ("index_key",), "DSA (indexed_attention)"),
+    ):
+        presents = ", ".join(f'"<present {role} {{layer}}>"' for role in roles)
+        pasts = ", ".join(f'"<past {role} {{layer}}>"' for role in roles)
+        if present and not named:
+            raise KadaptError(
+                f"the model's {what} layers return their {' and '.join(roles)} states: add {presents} to "
+                f"abi.prefill.outputs and abi.decode.outputs and {pasts} to abi.decode.inputs",
+                location=where,
+            )
+        if named and not present:
+            raise KadaptError(
+                f"the ABI names {' and '.join(roles)} states, but the model has no {what} layer: keep only "
+                "the key and value templates",
+                location=where,
+            )
 
 
 def resolve_kv_layout(spec: Spec, found: ModelStructure) -> tuple[str, str | None]:
@@ -98,13 +166,21 @@ def resolve_kv_layout(spec: Spec, found: ModelStructure) -> tuple[str, str | Non
         layout_where=spec.locate("abi.kv_layout"),
         attention_where=spec.locate("abi.mla_attention" if "abi.mla_attention" in spec.positions else "abi"),
     )
-    return layout, abi.mla_attention if found.attention.is_mla else None
+    mla_attention = abi.mla_attention if found.attention.is_mla else None
+    if found.indexer is not None and mla_attention == "absorbed":
+        raise KadaptError(
+            "mla_attention 'absorbed' replaces the attention's forward, which would drop the DSA indexer "
+            "(its top-k selection): use reexpand for a model with indexed_attention layers",
+            location=spec.locate("abi.mla_attention"),
+        )
+    return layout, mla_attention
 
 
 def dims(spec: Spec) -> Dims:
     """The ABI's structure and resolved KV layout for ``spec`` (which must have an ``abi``)."""
     found = structure(spec)
     layout, mla_attention = resolve_kv_layout(spec, found)
+    check_state_names(spec, found)
     return Dims(found, layout, mla_attention)
 
 
@@ -113,12 +189,16 @@ def _shape(*sizes: int) -> str:
 
 
 def graph_tables(spec: Spec, d: Dims) -> tuple[GraphNames, GraphNames, list[dict[str, Any]]]:
-    """Names of both graphs, and per graph ``{title, graph, tensors: [{role, name, shape, dtype}]}``."""
+    """Names of both graphs, and per graph ``{title, graph, tensors: [{role, name, shape, dtype}]}``.
+
+    A per-layer row of a hybrid stack also says which ``layers`` kind it belongs to: attention layers
+    carry the key and value, linear layers the conv window and recurrent state (never paged)."""
     abi = spec.abi
     assert abi is not None
     prefill, decode = abi_graph_names(spec)
     b, s, cap = abi.batch, abi.prefill_len, abi.max_cache_len
     paged = spec_paged(spec)
+    linear = d.linear_states(abi.dtype)
 
     def fixed(names: GraphNames, q: int, keys: int) -> list[dict[str, Any]]:
         shapes = {
@@ -137,16 +217,36 @@ def graph_tables(spec: Spec, d: Dims) -> tuple[GraphNames, GraphNames, list[dict
             rows.append({"role": "input", "name": paged.block_table, "shape": table, "dtype": INDEX_DTYPE})
         return rows
 
-    def kv(
-        direction: str, key: str, value: str, length: int, *, decode: bool = False
+    def states(
+        direction: str, names: GraphNames, length: int, *, decode: bool = False
     ) -> list[dict[str, Any]]:
+        """One row per state template of ``names`` in ``direction`` (past: inputs, present: outputs)."""
         key_shape, value_shape = d.kv(b, length)
         if decode and paged is not None:  # block pools
             key_shape, value_shape = runtime.paged_shapes(d.kv_dims, paged.block_size, paged.num_blocks)
-        return [
-            {"role": direction, "name": key, "shape": _shape(*key_shape), "dtype": abi.dtype},
-            {"role": direction, "name": value, "shape": _shape(*value_shape), "dtype": abi.dtype},
-        ]
+        shapes = {"key": (key_shape, abi.dtype), "value": (value_shape, abi.dtype)}
+        if linear is not None:
+            shapes |= {
+                role: ((b, *shape), dtype)
+                for role, (shape, dtype) in zip(LAYER_STATES["linear"], linear, strict=True)
+            }
+        if d.index_dim is not None:  # a one-head key, placed and paged like the layer's key
+            index_shape = d.index_key(b, length)
+            if decode and paged is not None:
+                index_shape = runtime.paged_shapes(d.index_dims, paged.block_size, paged.num_blocks)[0]
+            shapes["index_key"] = (index_shape, abi.dtype)
+        role_of = "input" if direction == "past" else "output"
+        rows = []
+        for kind in state_kinds(d):
+            for role in LAYER_STATES[kind]:
+                shape, dtype = shapes[role]
+                row = {
+                    "role": role_of,
+                    "name": names.template(direction, role) or "",
+                    "shape": _shape(*shape),
+                }
+                rows.append({**row, "dtype": dtype, **({"layers": kind} if linear is not None else {})})
+        return rows
 
     def logits(names: GraphNames, q: int) -> dict[str, Any]:
         return {"role": "output", "name": names.logits, "shape": _shape(b, q, d.vocab), "dtype": abi.dtype}
@@ -155,42 +255,76 @@ def graph_tables(spec: Spec, d: Dims) -> tuple[GraphNames, GraphNames, list[dict
         {
             "title": "Prefill",
             "graph": "prefill",
-            "tensors": [
-                *fixed(prefill, s, s),
-                logits(prefill, s),
-                *kv("output", prefill.present_key, prefill.present_value, s),
-            ],
+            "tensors": [*fixed(prefill, s, s), logits(prefill, s), *states("present", prefill, s)],
         },
         {
             "title": "Decode",
             "graph": "decode",
             "tensors": [
                 *fixed(decode, 1, cap),
-                *kv("input", decode.past_key or "", decode.past_value or "", cap, decode=True),
+                *states("past", decode, cap, decode=True),
                 logits(decode, 1),
-                *kv("output", decode.present_key, decode.present_value, cap, decode=True),
+                *states("present", decode, cap, decode=True),
             ],
         },
     ]
     return prefill, decode, tables
 
 
+def state_kinds(d: Dims) -> tuple[str, ...]:
+    """The layer kinds whose state templates a graph table lists, in the ABI's template order."""
+    if d.hybrid:
+        return ("attention", "linear")
+    return ("indexed",) if d.index_dim is not None else ("attention",)
+
+
+def index_key_bytes(d: Dims, dtype: str) -> tuple[int, str]:
+    """Indexer-key bytes one token costs across the DSA layers, and the formula that gives them (0 and
+    an empty formula without DSA layers)."""
+    indexer = d.structure.indexer
+    if indexer is None:
+        return 0, ""
+    layers, width = d.layer_kinds.count("indexed"), DTYPE_BYTES[dtype]
+    formula = f"{layers} indexed layers x 1 x {indexer.head_dim} x {width} B"
+    return layers * indexer.bytes_per_token(width), formula
+
+
 def kv_bytes(d: Dims, layout: str, dtype: str) -> tuple[int, str]:
-    """Cache bytes one token costs across all layers in ``layout``, and the formula that gives them."""
+    """Cache bytes one token costs across the attention layers in ``layout``, and the formula that
+    gives them (a hybrid stack's linear layers keep no KV cache: ``linear_state_bytes``)."""
     (key_heads, key_dim), (value_heads, value_dim) = d.structure.attention.kv_dims(layout)
     width = DTYPE_BYTES[dtype]
     if key_heads == value_heads:
         per_layer = f"{key_heads} x ({key_dim} + {value_dim})"
     else:
         per_layer = f"({key_heads} x {key_dim} + {value_heads} x {value_dim})"
-    formula = f"{d.num_layers} layers x {per_layer} x {width} B"
-    return d.num_layers * d.structure.attention.kv_elements(layout) * width, formula
+    layers = len(d.structure.attention_layer_ids)
+    noun = "attention layers" if d.hybrid else "layers"
+    formula = f"{layers} {noun} x {per_layer} x {width} B"
+    return layers * d.structure.attention.kv_elements(layout) * width, formula
 
 
 def kv_bytes_per_token(spec: Spec, d: Dims) -> tuple[int, str]:
     """Cache bytes one token costs across all layers in the ABI's layout, and the formula."""
     assert spec.abi is not None
     return kv_bytes(d, d.kv_layout, spec.abi.dtype)
+
+
+def linear_state_rows(d: Dims, dtype: str) -> list[dict[str, Any]]:
+    """Per state of a linear layer: ``{state, shape, dtype, bytes}`` per request (``bytes`` for one
+    layer); empty without linear layers."""
+    linear = d.linear_states(dtype)
+    if linear is None:
+        return []
+    return [
+        {
+            "state": role,
+            "shape": _shape(*shape),
+            "dtype": state_dtype,
+            "bytes": math.prod(shape) * DTYPE_BYTES[state_dtype],
+        }
+        for role, (shape, state_dtype) in zip(LAYER_STATES["linear"], linear, strict=True)
+    ]
 
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}

@@ -12,6 +12,7 @@ import string
 from pathlib import PurePosixPath
 from typing import Any
 
+from ..backends.extraction.names import GraphNames
 from ..spec.model import Spec
 from ..structure.model import ModelStructure
 from ..structure.of_spec import structure_of_raw, text_config_key
@@ -164,6 +165,8 @@ def _flow(spec: Spec, files: dict[str, str], d: abi_tables.Dims) -> dict[str, An
     patches = [p for p in spec.patches if "extraction" in p.backends]
     where = f" (sub-config {abi.config})" if abi.config else ""
     masks = ["sliding-window masks in-graph"] if d.structure.has_sliding_layers else []
+    linear = ["conv and recurrent states per row"] if d.hybrid else []
+    linear += ["DSA indexer keys beside it"] if d.index_dim is not None else []
     nodes = [
         _node("SRC", f"Config {origin}", f"gate: model_type {spec.gate.model_type}"),
         _node("BR", "Config bridges", ", ".join(bridges) or "none"),
@@ -173,7 +176,9 @@ def _flow(spec: Spec, files: dict[str, str], d: abi_tables.Dims) -> dict[str, An
         ),
         _node("M", f"Build model on meta, {abi.dtype}", f"text backbone{where}"),
         _node("PW", "Prefill wrapper", f"batch {abi.batch}, {abi.prefill_len} tokens", *masks),
-        _node("DW", "Decode wrapper", f"static {d.kv_layout} KV cache of {abi.max_cache_len}", *masks),
+        _node(
+            "DW", "Decode wrapper", f"static {d.kv_layout} KV cache of {abi.max_cache_len}", *linear, *masks
+        ),
         _node("PI", "Prefill IR", files["prefill"]),
         _node("DI", "Decode IR", files["decode"]),
         _node("KV", "KV mapping", files["kv_mapping"]),
@@ -199,18 +204,25 @@ KV_LAYOUT_TEXT = {
 }
 
 
+def _flat_facts(data: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """``(dotted key, value)`` of every non-None leaf of ``data``, nested mappings spelled out at any depth
+    (``rope.by_layer_type.full_attention.theta``)."""
+    facts: list[tuple[str, Any]] = []
+    for key, value in data.items():
+        if isinstance(value, dict):
+            facts += _flat_facts(value, f"{prefix}{key}.")
+        elif value is not None:
+            facts.append((f"{prefix}{key}", value))
+    return facts
+
+
 def _structure_context(
     spec: Spec, found: ModelStructure, d: abi_tables.Dims | None, text_key: str | None
 ) -> dict[str, Any]:
     """The structure as a fact table, per-layer runs, and the KV layouts its attention can have."""
     data = found.to_dict()
     runs = data.pop("layers")
-    facts: list[tuple[str, Any]] = []
-    for key, value in data.items():
-        if isinstance(value, dict):
-            facts += [(f"{key}.{k}", v) for k, v in value.items() if v is not None]
-        elif value is not None:
-            facts.append((key, value))
+    facts = _flat_facts(data)
     attention = found.attention
     layouts = []
     for layout in attention.kv_layouts:
@@ -263,6 +275,8 @@ def _abi_context(spec: Spec, d: abi_tables.Dims | None) -> dict[str, Any] | None
         graph["file"] = files[graph["graph"]]
     per_token, formula = abi_tables.kv_bytes_per_token(spec, d)
     return {
+        "hybrid": _hybrid_context(spec, d, prefill, decode) if d.hybrid else None,
+        "indexed": _indexed_context(spec, d, prefill, decode) if d.index_dim is not None else None,
         "config_label": md_code(abi.config) if abi.config else "root config",
         "num_layers": d.num_layers,
         "batch": abi.batch,
@@ -285,6 +299,101 @@ def _abi_context(spec: Spec, d: abi_tables.Dims | None) -> dict[str, Any] | None
             "formula": formula,
             "total": _size(per_token * abi.max_cache_len * abi.batch),
         },
+    }
+
+
+def _layer_list(ids: tuple[int, ...]) -> str:
+    """``3, 7, 11, ..., 47`` for an evenly spaced run of more than four layers, else every index."""
+    steps = {b - a for a, b in zip(ids, ids[1:], strict=False)}
+    if len(ids) > 4 and len(steps) == 1:
+        return f"{ids[0]}, {ids[1]}, {ids[2]}, ..., {ids[-1]}"
+    return ", ".join(map(str, ids))
+
+
+def _state_names(prefill: GraphNames, decode: GraphNames, role: str) -> list[str | None]:
+    """The name templates of state ``role``: prefill output, decode input, decode output."""
+    return [
+        prefill.template("present", role),
+        decode.template("past", role),
+        decode.template("present", role),
+    ]
+
+
+def _per_token_rows(
+    spec: Spec, d: abi_tables.Dims, prefill: GraphNames, decode: GraphNames, kind: str
+) -> list[dict[str, Any]]:
+    """The rows of the states that grow with the context, of the layers of ``kind``: the key and value
+    (and a DSA layer's indexer keys, one head), each with its bytes per token of one layer."""
+    abi = spec.abi
+    assert abi is not None
+    (key_heads, key_dim), (value_heads, value_dim) = d.kv_dims
+    width = abi_tables.DTYPE_BYTES[abi.dtype]
+    ids = tuple(i for i, layer_kind in enumerate(d.layer_kinds) if layer_kind == kind)
+    states = [("key", key_heads, key_dim), ("value", value_heads, value_dim)]
+    if kind == "indexed":
+        states.append(("index_key", 1, d.index_dim))
+    return [
+        {
+            "kind": kind,
+            "layers": f"{len(ids)}: {_layer_list(ids)}",
+            "state": role,
+            "names": _state_names(prefill, decode, role),
+            "shape": f"{heads} x {dim} per token",
+            "dtype": abi.dtype,
+            "bytes": f"{heads * dim * width:,} B per token",
+        }
+        for role, heads, dim in states
+    ]
+
+
+def _indexed_context(
+    spec: Spec, d: abi_tables.Dims, prefill: GraphNames, decode: GraphNames
+) -> dict[str, Any]:
+    """A DSA stack's states: the KV cache and the indexer keys of each indexed layer (names, shape, dtype
+    and bytes per token), and the indexer keys' total at the ABI's sizes."""
+    abi = spec.abi
+    assert abi is not None and d.structure.indexer is not None
+    per_token, formula = abi_tables.index_key_bytes(d, abi.dtype)
+    return {
+        "rows": _per_token_rows(spec, d, prefill, decode, "indexed"),
+        "topk": d.structure.indexer.topk,
+        "per_token": f"{per_token:,} B",
+        "formula": formula,
+        "total": _size(per_token * abi.max_cache_len * abi.batch),
+    }
+
+
+def _hybrid_context(
+    spec: Spec, d: abi_tables.Dims, prefill: GraphNames, decode: GraphNames
+) -> dict[str, Any]:
+    """A hybrid stack's states by layer kind: names, shape, dtype and bytes of each (per token for a KV
+    cache, per request for a linear layer's), and the totals at the ABI's sizes."""
+    abi = spec.abi
+    assert abi is not None
+    attention_ids, linear_ids = d.structure.attention_layer_ids, d.structure.linear_layer_ids
+    rows = _per_token_rows(spec, d, prefill, decode, "attention")
+    states = abi_tables.linear_state_rows(d, abi.dtype)
+    rows += [
+        {
+            "kind": "linear",
+            "layers": f"the other {len(linear_ids)}",
+            "state": row["state"],
+            "names": _state_names(prefill, decode, row["state"]),
+            "shape": f"{row['shape']} per request",
+            "dtype": row["dtype"],
+            "bytes": f"{row['bytes']:,} B per request",
+        }
+        for row in states
+    ]
+    per_request = len(linear_ids) * sum(row["bytes"] for row in states)
+    parts = " + ".join(f"{row['shape']} x {abi_tables.DTYPE_BYTES[row['dtype']]} B" for row in states)
+    return {
+        "rows": rows,
+        "linear_layers": len(linear_ids),
+        "attention_layers": len(attention_ids),
+        "per_request": f"{per_request:,} B",
+        "formula": f"{len(linear_ids)} linear layers x ({parts})",
+        "total": _size(per_request * abi.batch),
     }
 
 

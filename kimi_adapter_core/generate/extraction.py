@@ -8,9 +8,13 @@ with the spec entry named, rather than generated half-working.
 
 The module bakes in the model's structure as kadapt derives it (``structure/``): the attention kind,
 the resolved KV layout (the spec's ``abi.kv_layout`` or the attention's default), the per-token KV
-dims and every layer's sliding window. It also carries the config keys each of those facts is read
-from, so that ``kv_dims(config)`` and ``windows(config)`` follow a config built with overrides (a
-tiny model of the same family) the way kadapt's ``derive_structure`` would.
+dims and every layer's sliding window; for a hybrid stack also each layer's kind and a linear layer's
+conv and recurrent state shapes, which its wrappers, example inputs, names and state mapping carry
+in the layer's place; for a DSA stack (DeepSeek-V3.2) each layer's kind and the width of the indexer
+keys, which they carry after the layer's key and value. It also carries the config keys each of those
+facts is read from, so that ``kv_dims(config)``, ``windows(config)`` (and ``layer_kinds(config)``,
+``linear_states(config)``, ``index_dim(config)``) follow a config built with overrides (a tiny model
+of the same family) the way kadapt's ``derive_structure`` would.
 """
 
 from __future__ import annotations
@@ -57,6 +61,17 @@ WINDOW_FACTS = (
     "max_window_layers",
     "sliding_window_pattern",
 )
+# What the generated ``layer_kinds`` and ``linear_states`` read from a hybrid stack's text config.
+HYBRID_FACTS = (
+    "full_attention_interval",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+)
+# What the generated ``index_dim`` reads from a DSA stack's text config (the indexer keys' width).
+INDEX_FACTS = ("index_head_dim",)
 
 
 def _fail(spec: Spec, where: str, message: str) -> KadaptError:
@@ -95,7 +110,11 @@ def _patches(spec: Spec, embedded: EmbeddedCallables) -> list[dict[str, Any]]:
 
 def _generated_points(spec: Spec, structure: ModelStructure) -> tuple[str, ...]:
     """The contact points a generated module checks at import (its wrappers probe the layers too)."""
-    points = ("cache_update", "loader_dtype_plan", "model_classes")
+    points: tuple[str, ...] = ("cache_update", "loader_dtype_plan", "model_classes")
+    if structure.linear is not None:  # the linear layers read and update their states through the cache
+        points = ("cache_update", "linear_attention_cache", *points[1:])
+    if structure.indexer is not None:  # the DSA indexer writes and reads its keys through the cache
+        points = ("cache_update", "indexer_cache", *points[1:])
     return (*points, "experts_implementation") if structure.moe is not None else points
 
 
@@ -110,6 +129,15 @@ def repeated_literal(values: tuple[Any, ...]) -> str:
     if values and len(set(values)) == 1:
         return f"({py_literal(values[0])},) * {len(values)}"
     return py_literal(values)
+
+
+def periodic_literal(values: tuple[Any, ...]) -> str:
+    """``("linear", "linear", "linear", "attention") * 12`` for a repeated pattern (its shortest period),
+    else ``repeated_literal``: short and exact."""
+    for period in range(2, len(values) // 2 + 1):
+        if len(values) % period == 0 and values == values[:period] * (len(values) // period):
+            return f"{py_literal(values[:period])} * {len(values) // period}"
+    return repeated_literal(values)
 
 
 def fact_candidates(spec: Spec, facts: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
@@ -128,7 +156,10 @@ def structure_data(structure: ModelStructure) -> dict[str, Any]:
 
 def structure_context(spec: Spec, d: abi_tables.Dims) -> dict[str, Any]:
     """What the module bakes in about the text backbone, read from kadapt's structure of it."""
-    facts = tuple(dict.fromkeys((*WINDOW_FACTS, *KV_FACTS[d.kv_layout])))
+    linear_facts = HYBRID_FACTS if d.hybrid else ()
+    index_facts = INDEX_FACTS if d.index_dim is not None else ()
+    facts = tuple(dict.fromkeys((*WINDOW_FACTS, *KV_FACTS[d.kv_layout], *linear_facts, *index_facts)))
+    assert spec.abi is not None
     return {
         "summary": d.structure.describe(),
         "data": structure_data(d.structure),
@@ -143,6 +174,17 @@ def structure_context(spec: Spec, d: abi_tables.Dims) -> dict[str, Any]:
         "windows": repeated_literal(d.structure.windows),
         "sliding": d.structure.has_sliding_layers,
         "fact_keys": fact_candidates(spec, facts),
+        "hybrid": d.hybrid,
+        "num_layers": d.num_layers,
+        "linear_count": len(d.structure.linear_layer_ids),
+        "layer_kinds": periodic_literal(d.layer_kinds),
+        "linear_states": d.linear_states(spec.abi.dtype),
+        "indexed": d.index_dim is not None,
+        "index_dim": d.index_dim,
+        "indexer": d.structure.indexer,
+        # per-layer kinds the wrappers, names and mapping take (hybrid or DSA stacks)
+        "kinds": d.hybrid or d.index_dim is not None,
+        "states_per_layer": 3 if d.index_dim is not None else 2,
     }
 
 
