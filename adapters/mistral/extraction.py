@@ -270,9 +270,17 @@ def paged_view(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 #  attention: the KV cache (``kv_layout`` says what key and value hold);
 #  linear:    a linear-attention / SSM mixer's short-convolution window and recurrent state, the two
 #             states transformers' ``LinearAttentionLayer`` keeps (``conv_states``/``recurrent_states``).
-LAYER_STATES = {"attention": ("key", "value"), "linear": ("conv", "recurrent")}
+#  indexed:   full attention with DeepSeek sparse attention's indexer: the KV cache, plus the indexer's
+#             own keys ``[B, 1, S, index_head_dim]`` (one head), cached, written and paged like a key.
+LAYER_STATES = {
+    "attention": ("key", "value"),
+    "linear": ("conv", "recurrent"),
+    "indexed": ("key", "value", "index_key"),
+}
+# States of one fixed size per request (no sequence dimension): never placed by position, never paged.
+FIXED_ROLES = ("conv", "recurrent")
 # Where a decoder layer keeps its token mixer, by layer kind (the mixer carries ``layer_idx``).
-MIXER_ATTRIBUTES = {"attention": ("self_attn",), "linear": ("linear_attn",)}
+MIXER_ATTRIBUTES = {"attention": ("self_attn",), "linear": ("linear_attn",), "indexed": ("self_attn",)}
 
 
 def mixer_of(layer: nn.Module, kind: str) -> nn.Module:
@@ -297,10 +305,13 @@ class StaticStateCache:
       ``cache_update`` contact point) with the new key/value states;
     - linear-attention / SSM layers call ``get_conv_state``/``update_conv_state`` and
       ``get_recurrent_state``/``update_recurrent_state`` (``Cache``'s linear-attention API, upstream's
-      ``linear_attention_cache`` contact point). ``is_recording_past`` answers True, which sends a
-      single-token decode down the layer's out-of-place path (``update_conv_state`` returns the window
-      plus the new token and the layer convolves it) instead of ``causal_conv1d_update``, which would
-      write the conv state in place.
+      ``linear_attention_cache`` contact point);
+    - a DSA indexer calls ``update_indexer`` with its new keys ``[B, S, index_head_dim]`` (upstream's
+      ``indexer_cache`` contact point): cached as a one-head key, it returns every slot's keys.
+
+    ``is_recording_past`` answers True, which sends a linear layer's single-token decode down its
+    out-of-place path (``update_conv_state`` returns the window plus the new token and the layer
+    convolves it) instead of ``causal_conv1d_update``, which would write the conv state in place.
 
     Anything else the layers read does not exist here, so a layer that needs more fails at trace time.
     """
@@ -350,20 +361,26 @@ class StaticStateCache:
         ``block_table[b, p // block_size]`` of the shared pool; the present is the updated pool and
         the attention reads the row's blocks gathered in logical order (``paged_write``/``paged_view``).
         """
+        return self._write_one(slot, "key", key), self._write_one(slot, "value", value)
+
+    def _write_one(self, slot: int, role: str, new: torch.Tensor) -> torch.Tensor:
+        """One growing state (``[B, heads, Q, dim]``) of a layer: its present, and what attention reads."""
         if self._past is None:
-            self.present[slot].update(key=key, value=value)
-            return key, value
+            self.present[slot][role] = new
+            return new
         assert self._cache_position is not None
-        past_key, past_value = self._past[slot]
+        past = self._past[slot][LAYER_STATES[self.kinds[slot]].index(role)]
         if self._block_table is None:
-            key = write_rows(past_key, key, self._cache_position)
-            value = write_rows(past_value, value, self._cache_position)
-            self.present[slot].update(key=key, value=value)
-            return key, value
-        pool_key = paged_write(past_key, key, self._cache_position, self._block_table)
-        pool_value = paged_write(past_value, value, self._cache_position, self._block_table)
-        self.present[slot].update(key=pool_key, value=pool_value)
-        return paged_view(pool_key, self._block_table), paged_view(pool_value, self._block_table)
+            self.present[slot][role] = written = write_rows(past, new, self._cache_position)
+            return written
+        self.present[slot][role] = pool = paged_write(past, new, self._cache_position, self._block_table)
+        return paged_view(pool, self._block_table)
+
+    def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int, **kwargs: Any) -> torch.Tensor:
+        """``Cache.update_indexer``: the indexer's new keys ``[B, S, dim]`` written like a one-head key;
+        returns every slot's keys ``[B, slots, dim]`` (unwritten slots are masked by the indexer)."""
+        keys = self._write_one(self._slot[layer_idx], "index_key", indexer_key_states.unsqueeze(1))
+        return keys.squeeze(1)
 
     def _past_state(self, layer_idx: int, name: str) -> torch.Tensor | None:
         if self._past is None:
@@ -569,18 +586,19 @@ class _TextStack(nn.Module):
                 for t in dict.fromkeys(self.rope_layer_types)
             }
             position_embeddings = [by_type[t] for t in self.rope_layer_types]
-        masks: dict[int | None, torch.Tensor | None] = {
+        # one mask per window, in first-use order (deterministic graphs); a linear layer's state takes
+        # every token it is given: no mask (the contract refuses padding)
+        attending = [
+            window for window, kind in zip(self.windows, self.kinds, strict=True) if kind != "linear"
+        ]
+        masks: dict[int | None, torch.Tensor] = {
             window: attention_mask
             if window is None
             else sliding_window_mask(attention_mask, position_ids, window)
-            for window, kind in zip(
-                self.windows, self.kinds, strict=True
-            )  # first-use order: deterministic graphs
-            if kind == "attention"
+            for window in dict.fromkeys(attending)
         }
-        # a linear layer's state takes every token it is given: no mask (the contract refuses padding)
         layer_masks = [
-            masks[window] if kind == "attention" else None
+            masks[window] if kind != "linear" else None
             for window, kind in zip(self.windows, self.kinds, strict=True)
         ]
         with (
@@ -749,21 +767,26 @@ def decode_inputs(
     paged: tuple[int, int] | None = None,
     kinds: Sequence[str] | None = None,
     linear_states: LinearStates | None = None,
+    index_dim: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Example decode inputs for the token at ``position`` in every row, with zeroed caches.
 
     ``paged`` ``(block_size, num_blocks)``: a block table giving row ``b`` blocks ``b * blocks ...``
     and zeroed pools ``[num_blocks, block_size, heads, dim]`` instead of per-row caches. ``kinds``
     gives each layer's kind (None: all attention); a ``linear`` layer takes its zeroed
-    ``linear_states`` per row instead (never paged).
+    ``linear_states`` per row instead (never paged); an ``indexed`` layer also its indexer keys, a
+    one-head cache of ``index_dim``.
     """
     positions = torch.full((batch, 1), position, dtype=torch.long, device=device)
+    index_dims: KVDims = ((1, index_dim or 1),) * 2  # the indexer keys: one head
     if paged is None:
         key_shape, value_shape = kv_shapes(kv_dims, batch, max_cache_len)
+        index_shape = kv_shapes(index_dims, batch, max_cache_len)[0]
         table: tuple[torch.Tensor, ...] = ()
     else:
         block_size, num_blocks = paged
         key_shape, value_shape = paged_shapes(kv_dims, block_size, num_blocks)
+        index_shape = paged_shapes(index_dims, block_size, num_blocks)[0]
         blocks = max_cache_len // block_size
         table = (torch.arange(batch * blocks, device=device).remainder(num_blocks).view(batch, blocks),)
     past: list[torch.Tensor] = []
@@ -776,6 +799,9 @@ def decode_inputs(
             torch.zeros(key_shape, dtype=dtype, device=device),
             torch.zeros(value_shape, dtype=dtype, device=device),
         ]
+        if kind == "indexed":
+            assert index_dim is not None, "an indexed layer needs its index_dim"
+            past.append(torch.zeros(index_shape, dtype=dtype, device=device))
     return (
         torch.zeros(batch, 1, dtype=torch.long, device=device),
         additive_causal_mask(positions, max_cache_len, dtype),
@@ -800,8 +826,8 @@ def place_prefill_kv(
     """Decode cache from prefill outputs: ``zeros.index_copy(2, arange(prefill_len), present)``; a
     linear layer's states (``kinds``, None: all attention) are the decode inputs as they are."""
     placed = []
-    for tensor, kind in zip(present, flat_state_kinds(kinds, len(present)), strict=True):
-        if kind == "linear":
+    for tensor, role in zip(present, flat_state_roles(kinds, len(present)), strict=True):
+        if role in FIXED_ROLES:
             placed.append(tensor)
             continue
         shape = (*tensor.shape[:2], max_cache_len, *tensor.shape[3:])
@@ -812,11 +838,12 @@ def place_prefill_kv(
     return placed
 
 
-def flat_state_kinds(kinds: Sequence[str] | None, count: int) -> list[str]:
-    """The kind of each flat state tensor, from each layer's kind (None: all attention)."""
+def flat_state_roles(kinds: Sequence[str] | None, count: int) -> list[str]:
+    """The role of each flat state tensor (``key``, ``conv``, ``index_key``, ...), from each layer's
+    kind (None: ``count`` tensors of attention layers)."""
     if kinds is None:
-        return ["attention"] * count
-    return [kind for kind in kinds for _ in LAYER_STATES[kind]]
+        return [LAYER_STATES["attention"][i % 2] for i in range(count)]
+    return [role for kind in kinds for role in LAYER_STATES[kind]]
 
 
 def place_prefill_kv_paged(
@@ -828,16 +855,17 @@ def place_prefill_kv_paged(
 ) -> list[torch.Tensor]:
     """Decode block pools from prefill outputs (``kv_cache: paged``): row ``b``'s positions
     ``0..lengths[b]-1`` written to their slots by the slot rule, the rest of each pool zeros.
-    ``pool_shapes`` gives each attention state's pool; a linear layer's states (``kinds``) stay per row.
+    ``pool_shapes`` gives the pool of each state that grows with the context, in order (keys, values,
+    indexer keys); a linear layer's states (``kinds``) stay per row.
 
     Pad positions are not written: their slots may be in blocks another row owns."""
     pools = []
-    attention_shapes = iter(pool_shapes)
-    for tensor, kind in zip(present, flat_state_kinds(kinds, len(present)), strict=True):
-        if kind == "linear":
+    growing_shapes = iter(pool_shapes)
+    for tensor, role in zip(present, flat_state_roles(kinds, len(present)), strict=True):
+        if role in FIXED_ROLES:
             pools.append(tensor)
             continue
-        shape = next(attention_shapes)
+        shape = next(growing_shapes)
         num_blocks, block_size, heads, dim = shape
         flat = torch.zeros(num_blocks * block_size, heads, dim, dtype=tensor.dtype, device=tensor.device)
         for row in range(tensor.shape[0]):
@@ -877,6 +905,11 @@ LINEAR_STATE_CONTENTS = {
     "recurrent": "the layer's linear-attention / SSM recurrent state after the last token, [batch, ...], "
     "in its own dtype (the reference kernels keep it in float32 whatever the ABI dtype)",
 }
+INDEX_KEY_CONTENTS = (
+    "the DSA indexer's keys (k_norm(wk(x)) with rope on its first qk_rope_head_dim dims), one head: "
+    "[batch, 1, slot, index_head_dim]; every query scores all visible slots with them and attends to its "
+    "top index_topk keys only. Placed, written, masked and paged exactly like the layer's key"
+)
 LINEAR_STATE_RULES = {
     "initial": "no input: a request's prefill starts from zero state and returns the state after its prompt",
     "prefill_to_decode": "the prefill output is the decode input as it is (same shape, no placement, no "
@@ -946,11 +979,13 @@ def kv_contract(
     paged: PagedKV | None = None,
     batch: int = 1,
     linear: bool = False,
+    index_dim: int | None = None,
 ) -> dict[str, Any]:
     """Everything a runtime needs besides the graphs: cache semantics, masks, positions, capacity,
     with ``dynamic`` sizes (``{"prefill_len": (1, 64)}``) how to bind them, with ``paged`` the
     block pool and block table (``batch`` rows, or the dynamic ``batch``), and with ``linear`` (the
-    stack has linear-attention / SSM layers) what their fixed-size states hold and the rules for them.
+    stack has linear-attention / SSM layers) what their fixed-size states hold and the rules for them;
+    with ``index_dim`` (DSA layers) what the indexer keys hold.
 
     Version 3: ``cache_position`` is ``[batch]`` (one position per row) and the optional paged cache;
     version 2 graphs took one ``[1]`` position for the whole batch."""
@@ -1017,6 +1052,8 @@ def kv_contract(
             "sizes": {name: list(bounds) for name, bounds in dynamic.items()},
             "rule": DYNAMIC_RULE,
         }
+    if index_dim is not None:
+        contract["cache"]["index_key"] = {"holds": INDEX_KEY_CONTENTS, "heads": 1, "dim": index_dim}
     if linear:
         contract["linear_states"] = {
             "conv": {"holds": LINEAR_STATE_CONTENTS["conv"]},
@@ -1047,6 +1084,7 @@ def build_kv_mapping(
     paged: PagedKV | None = None,
     kinds: Sequence[str] | None = None,
     linear_states: LinearStates | None = None,
+    index_dim: int | None = None,
 ) -> dict[str, Any]:
     """How prefill KV outputs become decode KV inputs, layer by layer.
 
@@ -1057,7 +1095,8 @@ def build_kv_mapping(
     ``paged``: the decode KV tensors are block pools (``kv_cache: paged``), the contract says how.
     ``kinds`` gives each layer's kind (None: all attention); a ``linear`` layer's entry names its conv
     and recurrent states (``names`` ``prefill_conv``/``decode_conv_in``/... templates) with the shapes
-    and dtypes of ``linear_states``, and the contract says how a runtime carries them.
+    and dtypes of ``linear_states``, and the contract says how a runtime carries them; an ``indexed``
+    layer's entry adds its indexer keys (``prefill_index_key``/...: a one-head key of ``index_dim``).
     """
     dynamic = dynamic or {}
     batch_dim: int | str = "batch" if "batch" in dynamic else batch
@@ -1073,7 +1112,14 @@ def build_kv_mapping(
         return {"name": names[role].format(layer=layer), "shape": list(shape), "dtype": kind}
 
     kinds = list(kinds) if kinds is not None else ["attention"] * num_layers
-    hybrid = "linear" in kinds
+    hybrid = any(kind != "attention" for kind in kinds)
+    index_dims: KVDims = ((1, index_dim or 1),) * 2
+    prefill_index = kv_shapes(index_dims, batch_dim, length_dim)[0]
+    decode_index = (
+        kv_shapes(index_dims, batch_dim, max_cache_len)[0]
+        if paged is None
+        else paged_shapes(index_dims, paged.block_size, paged.num_blocks)[0]
+    )
     layers: list[dict[str, Any]] = []
     for layer, kind in enumerate(kinds):
         if kind == "linear":
@@ -1092,13 +1138,22 @@ def build_kv_mapping(
         layers.append(
             {
                 "layer": layer,
-                **({"kind": "attention"} if hybrid else {}),
+                **({"kind": kind} if hybrid else {}),
                 "prefill_key_output": tensor("prefill_key", layer, prefill_shapes[0]),
                 "prefill_value_output": tensor("prefill_value", layer, prefill_shapes[1]),
                 "decode_key_input": tensor("decode_key_in", layer, decode_shapes[0]),
                 "decode_value_input": tensor("decode_value_in", layer, decode_shapes[1]),
                 "decode_key_output": tensor("decode_key_out", layer, decode_shapes[0]),
                 "decode_value_output": tensor("decode_value_out", layer, decode_shapes[1]),
+                **(
+                    {
+                        "prefill_index_key_output": tensor("prefill_index_key", layer, prefill_index),
+                        "decode_index_key_input": tensor("decode_index_key_in", layer, decode_index),
+                        "decode_index_key_output": tensor("decode_index_key_out", layer, decode_index),
+                    }
+                    if kind == "indexed"
+                    else {}
+                ),
             }
         )
     attention = {} if mla_attention == "reexpand" else {"mla_attention": mla_attention}
@@ -1112,7 +1167,8 @@ def build_kv_mapping(
             dynamic=dynamic,
             paged=paged,
             batch=batch,
-            linear=hybrid,
+            linear="linear" in kinds,
+            index_dim=index_dim if "indexed" in kinds else None,
         ),
         "kv_cache": "contiguous" if paged is None else "paged",
         "batch": batch,
@@ -1413,6 +1469,17 @@ def _probe_linear_attention_cache() -> str:
     return "Cache." + ", ".join(LINEAR_CACHE_METHODS)
 
 
+def _probe_indexer_cache() -> str:
+    expected = "Cache.update_indexer(indexer_key_states, layer_idx) returning every cached indexer key"
+    cache = _attr("transformers.cache_utils", "Cache", expected)
+    method = getattr(cache, "update_indexer", None)
+    if method is None:
+        raise _Moved(expected, "Cache has no update_indexer")
+    if not _leading_parameters(method, ("indexer_key_states", "layer_idx"))[0]:
+        raise _Moved(expected, _describe(method, "Cache.update_indexer"))
+    return _describe(method, "Cache.update_indexer")
+
+
 def _probe_dtype_plan() -> str:
     expected = "PreTrainedModel._get_dtype_plan(dtype) and core_model_loading.build_glob_alternation(globs)"
     model = _attr("transformers.modeling_utils", "PreTrainedModel", expected)
@@ -1671,6 +1738,15 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
         "and recurrent states from it and hand it the new ones",
         ("extraction (hybrid stacks)", "generated modules"),
         _probe_linear_attention_cache,
+    ),
+    ContactPoint(
+        "indexer_cache",
+        "transformers.cache_utils.Cache.update_indexer",
+        "update_indexer(indexer_key_states [B, S, dim], layer_idx) returning every cached indexer key",
+        "kadapt's static cache stands in for Cache in DeepSeek sparse attention: the indexer hands it its "
+        "new keys and scores every cached one",
+        ("extraction (DSA stacks)", "generated modules"),
+        _probe_indexer_cache,
     ),
     ContactPoint(
         "loader_dtype_plan",
@@ -1939,6 +2015,7 @@ class LayerProtocol(NamedTuple):
     cache_keyword: str
     kv_dims: tuple[tuple[int, int], tuple[int, int]] | None
     linear_states: tuple[tuple[tuple[int, ...], str], tuple[tuple[int, ...], str]] | None = None
+    index_dim: int | None = None  # a DSA indexer's key width (None: no indexed layer)
 
 
 class _UpdateCall:
@@ -1963,8 +2040,9 @@ class _UpdateCall:
 class _RecordingCache:
     """The ABI cache's protocol for one layer kind, recording each call and each other attribute asked for.
 
-    ``attention``: ``update`` only. ``linear``: the linear-attention API a prefill uses (no previous
-    state: ``get_*_state`` return None), each state update recorded with the layer index it names."""
+    ``attention``: ``update`` only. ``indexed``: ``update`` and the DSA indexer's ``update_indexer``.
+    ``linear``: the linear-attention API a prefill uses (no previous state: ``get_*_state`` return
+    None), each state update recorded with the layer index it names."""
 
     def __init__(self, kind: str = "attention") -> None:
         self.kind = kind
@@ -1973,12 +2051,18 @@ class _RecordingCache:
         self.linear: dict[str, tuple[Any, Any]] = {}  # method -> (layer_idx, tensor or kernel)
 
     def update(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        if self.kind != "attention":
+        if self.kind == "linear":
             return self.__getattr__("update")
         call = _UpdateCall(args, kwargs)
         self.calls.append(call)
         key, value, _ = call.states()
         return key, value
+
+    def update_indexer(self, indexer_key_states: Any, layer_idx: Any) -> Any:
+        if self.kind != "indexed":
+            return self.__getattr__("update_indexer")
+        self.linear["update_indexer"] = (layer_idx, indexer_key_states)
+        return indexer_key_states
 
     def _linear_call(self, name: str, layer_idx: Any, value: Any) -> None:
         if self.kind != "linear":
@@ -2067,6 +2151,7 @@ def probe_decoder_layers(
     for field, what in (
         ("kv_dims", "one KV shape per token for every attention layer (the ABI's cache has one)"),
         ("linear_states", "one conv and recurrent state shape for every linear layer"),
+        ("index_dim", "one indexer key width for every DSA layer"),
     ):
         seen = {getattr(p, field) for p in protocols} - {None}
         if len(seen) > 1:
@@ -2088,7 +2173,9 @@ def probe_decoder_layers(
     def first(field: str) -> Any:
         return next((getattr(p, field) for p in protocols if getattr(p, field) is not None), None)
 
-    return LayerProtocol(protocols[0].cache_keyword, first("kv_dims"), first("linear_states"))
+    return LayerProtocol(
+        protocols[0].cache_keyword, first("kv_dims"), first("linear_states"), first("index_dim")
+    )
 
 
 def rope_layer_types(language_model: Any) -> tuple[str, ...] | None:
@@ -2125,7 +2212,7 @@ def forget() -> None:
 def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str, index: int) -> LayerProtocol:
     import torch
 
-    expected = BY_NAME["cache_update" if kind == "attention" else "linear_attention_cache"].expected
+    expected = BY_NAME["linear_attention_cache" if kind == "linear" else "cache_update"].expected
     layer_name = type(layer).__name__
     attention = getattr(layer, "self_attn", None)
     layer_idx = getattr(attention, "layer_idx", None)
@@ -2134,9 +2221,7 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
     positions = torch.arange(2, device=parameter.device).unsqueeze(0)
     # a linear layer's state takes every token it is given: the wrappers hand it no mask
     mask = (
-        torch.zeros(1, 1, 2, 2, dtype=parameter.dtype, device=parameter.device)
-        if kind == "attention"
-        else None
+        torch.zeros(1, 1, 2, 2, dtype=parameter.dtype, device=parameter.device) if kind != "linear" else None
     )
     try:
         embeddings = (
@@ -2214,8 +2299,22 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
             f"{layer_name} returns the hidden states tensor",
             f"it returns {type(out).__name__}",
         )
-    key, value, _ = cache.calls[0].states()
-    return LayerProtocol(keyword, ((key.shape[1], key.shape[-1]), (value.shape[1], value.shape[-1])))
+    key, value, layer_idx = cache.calls[0].states()
+    kv_dims = ((key.shape[1], key.shape[-1]), (value.shape[1], value.shape[-1]))
+    if kind != "indexed":
+        return LayerProtocol(keyword, kv_dims)
+    indexed_idx, index_keys = cache.linear.get("update_indexer", (None, None))
+    if indexed_idx != layer_idx or not (isinstance(index_keys, torch.Tensor) and index_keys.dim() == 3):
+        found = "never calls it" if index_keys is None else f"calls it with layer_idx={indexed_idx!r}"
+        _unsupported(
+            "cache-protocol",
+            layer_name,
+            f"{layer_name}'s DSA indexer calls cache.update_indexer(keys [batch, tokens, dim], "
+            f"layer_idx={layer_idx}) once",
+            f"{layer_name} {found}",
+            point="indexer_cache",
+        )
+    return LayerProtocol(keyword, kv_dims, index_dim=int(index_keys.shape[-1]))
 
 
 def _linear_protocol(
