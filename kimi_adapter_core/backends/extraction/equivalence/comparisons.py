@@ -129,24 +129,33 @@ def compare_ragged(
         token = logits[:, -1].argmax(-1, keepdim=True)
         tokens.append(token)
     ours = torch.cat(tokens, dim=1)
-    differ, pairs = [], []
-    for row in range(rows):
-        _, expected, expected_logits = reference_run(model, prompt[row : row + 1, : int(lengths[row])], steps)
-        if not torch.equal(ours[row : row + 1], expected):
-            differ.append(row)
-        pairs += [
-            (ours_step[row : row + 1], ref)
-            for ours_step, ref in zip(step_logits, expected_logits, strict=True)
-        ]
-    close = compare(pairs, tolerance)
+    rows_ours = [(ours[row : row + 1], [step[row : row + 1] for step in step_logits]) for row in range(rows)]
+    prompts = [prompt[row : row + 1, : int(lengths[row])] for row in range(rows)]
+    passed, detail = _rows_against_generate(model, prompts, rows_ours, steps, tolerance)
     paged = "" if replay.block_table is None else ", paged, blocks out of order"
-    report.add(
-        f"ragged batch{suffix}",
-        not differ and close.passed,
-        f"{rows} rows of lengths {lengths.tolist()}{paged}: {steps + 1} tokens each "
-        + (f"DIFFER from model.generate on rows {differ}" if differ else "equal to model.generate row by row")
-        + f"; logits {close.detail()}",
+    report.add(f"ragged batch{suffix}", passed, f"{rows} rows of lengths {lengths.tolist()}{paged}: {detail}")
+
+
+def _rows_against_generate(
+    model: nn.Module,
+    prompts: list[torch.Tensor],
+    ours: list[tuple[torch.Tensor, list[torch.Tensor]]],
+    steps: int,
+    tolerance: Tolerance,
+) -> tuple[bool, str]:
+    """Each row's tokens ``[1, steps + 1]`` and per-step logits ``[1, vocab]`` against ``generate`` on
+    that row's prompt alone: whether all are equal and within ``tolerance``, and what the report says."""
+    differ, pairs = [], []
+    for row, (prompt, (tokens, logits)) in enumerate(zip(prompts, ours, strict=True)):
+        _, expected, expected_logits = reference_run(model, prompt, steps)
+        if not torch.equal(tokens, expected):
+            differ.append(row)
+        pairs += list(zip(logits, expected_logits, strict=True))
+    close = compare(pairs, tolerance)
+    verdict = (
+        f"DIFFER from model.generate on rows {differ}" if differ else "equal to model.generate row by row"
     )
+    return not differ and close.passed, f"{steps + 1} tokens each {verdict}; logits {close.detail()}"
 
 
 def compare_states(
@@ -234,25 +243,17 @@ def compare_joining(
                 row_logits[row].append(out[row, -1])
                 token[row, 0] = out[row, -1].argmax()
                 tokens[row].append(token[row].clone())
-    differ, pairs = [], []
-    for row in range(rows):
-        _, expected, expected_logits = reference_run(model, prompt[row : row + 1], steps)
-        ours = torch.stack(tokens[row][: steps + 1], dim=1)
-        if not torch.equal(ours, expected):
-            differ.append(row)
-        pairs += [
-            (ours_step.unsqueeze(0), ref)
-            for ours_step, ref in zip(row_logits[row][: steps + 1], expected_logits, strict=True)
-        ]
-    close = compare(pairs, tolerance)
+    rows_ours = [
+        (
+            torch.stack(tokens[row][: steps + 1], dim=1),
+            [step.unsqueeze(0) for step in row_logits[row][: steps + 1]],
+        )
+        for row in range(rows)
+    ]
+    prompts = [prompt[row : row + 1] for row in range(rows)]
+    passed, detail = _rows_against_generate(model, prompts, rows_ours, steps, tolerance)
     paged = "" if replay.block_table is None else ", paged, blocks out of order"
-    report.add(
-        f"joining rows{suffix}",
-        not differ and close.passed,
-        f"{rows} rows joining at steps {joins}{paged}: {steps + 1} tokens each "
-        + (f"DIFFER from model.generate on rows {differ}" if differ else "equal to model.generate row by row")
-        + f"; logits {close.detail()}",
-    )
+    report.add(f"joining rows{suffix}", passed, f"{rows} rows joining at steps {joins}{paged}: {detail}")
 
 
 def compare_merged(
