@@ -16,9 +16,10 @@ from fixtures.spec_files import KIMI_SPEC, REPO, kimi_spec_with
 from kimi_adapter_core.backends.simulation.estimate.simulator import Simulation, simulate
 from kimi_adapter_core.backends.simulation.model.deployment import Deployment
 from kimi_adapter_core.backends.simulation.model.inputs import model_inputs
+from kimi_adapter_core.backends.simulation.model.mla_kernels import RankMLA
 from kimi_adapter_core.backends.simulation.model.parallel import Parallel
 from kimi_adapter_core.backends.simulation.model.rank_model import build_rank
-from kimi_adapter_core.backends.simulation.model.serving_kernels import RankMLA, RoutedExperts
+from kimi_adapter_core.backends.simulation.model.serving_kernels import RoutedExperts
 from kimi_adapter_core.backends.simulation.model.tracer import Recorder
 from kimi_adapter_core.backends.simulation.tables.device import get_device
 from kimi_adapter_core.cli import cli

@@ -41,14 +41,12 @@ from ..patching.impls import resolve_impl
 from ..patching.remote import uses_remote_code
 from ..patching.targets import parse_target
 from ..spec.model import Spec
-from ..structure.model import ModelStructure
-from ..structure.of_spec import structure_of_raw
 from .bridges import bridge_context
 from .common import Rendered, cannot, gate_context, lookup, package_files, require, spec_identity
 from .embed import EmbeddedCallables, split_module
 from .environment import render
+from .tensorcast_coverage import TARGET, refuse_unpriced_layers
 
-TARGET = "simulation"
 # Patch kinds the embedded runtime installs (portable.BUILDERS + set_attribute).
 GENERATED_KINDS = (*portable.BUILDERS, "set_attribute")
 # Names the profile template itself defines at module level: embedded code must not rebind them.
@@ -412,70 +410,6 @@ def _runtime_context(spec: Spec) -> dict[str, Any]:
         "impl_constants": dict(sorted(embedded.constants.items())),
         "impl_sources": list(embedded.sources.values()),
     }
-
-
-# Model types whose linear-attention layers TensorCast prices, each in its own builtin profile's
-# patch_method (msmodeling 0.2.0, tensor_cast/transformers/builtin_model/): it routes the gated-DeltaNet
-# mixer to its ``tensor_cast.linear_attention`` op. ModelProfile has no field that declares such a module.
-TENSORCAST_LINEAR_BUILTINS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
-
-
-# TensorCast's MLA module classes that price DeepSeek sparse attention (msmodeling 0.2.0), by the builtin
-# profile that sets each as its ModelProfile.mla_module_class_type: the dsa_indexer op, the indexer cache
-# its input generator allocates when the class asks for one (requires_indexer_cache), and the top-k
-# mla_sparse_attention. No spec entry names a class, so only those builtin profiles use them.
-TENSORCAST_DSA_CLASSES = {
-    "deepseek_v32": "tensor_cast.layers.mla.DeepseekSparseAttention",
-    "glm_moe_dsa": "tensor_cast.layers.glm5.Glm5SparseAttention",
-}
-
-
-def refuse_unpriced_layers(spec: Spec) -> None:
-    """Refuse a profile TensorCast would price wrong: layers it models only in its builtin profiles."""
-    try:
-        raw = resolve_source(spec).raw
-    except KadaptError:  # no config to read the layers from: nothing to refuse for
-        return
-    found = structure_of_raw(spec, raw)
-    refuse_linear_attention(spec, found)
-    refuse_sparse_attention(spec, found)
-
-
-def refuse_sparse_attention(spec: Spec, found: ModelStructure) -> None:
-    """A DSA stack's profile cannot be generated: a spec names no TensorCast module class, so the MLA swap
-    would take TensorCast's dense MLA module, which allocates no indexer cache and attends to every key."""
-    if found.indexer is None:
-        return
-    raise cannot(
-        spec,
-        TARGET,
-        f"the {found.layer_kinds.count('indexed')} layers use DeepSeek sparse attention "
-        f"({found.indexer.describe()}), which msmodeling 0.2.0 prices only through the sparse MLA module "
-        "class its builtin profiles set as ModelProfile.mla_module_class_type ("
-        + ", ".join(f"{model_type}: {cls}" for model_type, cls in TENSORCAST_DSA_CLASSES.items())
-        + "): no spec entry names that class, and a generated profile's MLA swap would take the dense "
-        "MultiheadLatentAttentionTensorCast, which allocates no indexer cache and attends to every key. "
-        "Use TensorCast's builtin profile for this model",
-        "gate",
-    )
-
-
-def refuse_linear_attention(spec: Spec, found: ModelStructure) -> None:
-    """A hybrid stack's profile cannot be generated: TensorCast models linear attention only in its own
-    builtin profiles, which a generated profile would replace, leaving the layers to transformers' scan."""
-    if found.linear is None:
-        return
-    raise cannot(
-        spec,
-        TARGET,
-        f"{len(found.linear_layer_ids)} of the {found.num_layers} layers are linear attention "
-        f"({found.linear.describe()}), and TensorCast's ModelProfile has no field that declares a "
-        "linear-attention module: msmodeling 0.2.0 prices gated DeltaNet only inside its own builtin "
-        f"profiles ({', '.join(TENSORCAST_LINEAR_BUILTINS)}), whose patch_method routes the mixer to "
-        "its tensor_cast.linear_attention op; a generated profile would replace that and leave the layers "
-        "to transformers' chunked scan. Use TensorCast's builtin profile for this model",
-        "gate",
-    )
 
 
 def render_simulation(spec: Spec) -> list[Rendered]:

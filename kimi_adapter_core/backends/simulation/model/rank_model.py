@@ -46,10 +46,11 @@ from .arch import read_config
 from .deployment import Deployment
 from .inputs import ModelInputs
 from .linear_kernels import RankGatedDeltaNet, gated_delta_nets
+from .mla_kernels import RankMLA
 from .parallel import Parallel
 from .quant import NATIVE
 from .rank_config import BACKEND, LayerKind, check_sizes, layer_kinds, rank_overrides
-from .serving_kernels import AttentionKernel, RankMLA, RoutedExperts
+from .serving_kernels import AttentionKernel, RoutedExperts
 from .tracer import Recorder
 
 ATTENTION_IMPLEMENTATION = "kadapt_simulation"  # registered with transformers while a trace runs
