@@ -21,6 +21,9 @@ elsewhere (click's own plumbing, the way out) it only records, and ``_leave`` re
 signal was received the run ends as stopped whatever follows it: a ``KeyboardInterrupt`` inside a
 lazy import leaves a half-initialised module (numpy) whose next use raises ``ImportError``,
 ``AttributeError`` or ``RecursionError``, and that is reported as ``interrupted``, not as a bug.
+torch's own import is the exception: interrupted halfway it has aborted the process (SIGABRT), so
+``apply`` holds both signals back while it imports (``signals_deferred``) and they stop the run as
+soon as the import is done.
 SIGINT prints ``interrupted`` and exits 130, SIGTERM prints ``terminated`` and exits 143 (128 + the
 signal number, as a shell reports a process the signal ended). A signal ignored when ``kadapt``
 starts (a background job's SIGINT) stays ignored. Only the first ~0.1 s, the interpreter starting
@@ -172,6 +175,22 @@ def _signals_raise() -> Iterator[None]:
         yield
     finally:
         _SIGNALS.raising = False
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM held back (blocked) inside the block and delivered as it ends, where they
+    stop the run as anywhere else. For torch's import: a ``KeyboardInterrupt`` raised halfway through
+    it has ended the process with SIGABRT (-6) instead of ``interrupted``."""
+    if not _SIGNALS.active:  # the Python API and CliRunner keep the interpreter's own handling
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM}
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def _stopped_by(exc: BaseException) -> bool:

@@ -168,7 +168,9 @@ def command(
     """
     out = reporter(fmt)
     out.detail(f"spec: {spec_path.resolve()}")
-    with out.stage("import torch"):
+    from . import signals_deferred
+
+    with out.stage("import torch"), signals_deferred():
         import torch
 
         from ..loading import applied, load_model
