@@ -797,7 +797,7 @@ class _RecordingCache:
         self.kind = kind
         self.calls: list[_UpdateCall] = []
         self.missing: list[str] = []
-        self.linear: dict[str, tuple[Any, Any]] = {}  # method -> (layer_idx, tensor or kernel)
+        self.state_calls: dict[str, tuple[Any, Any]] = {}  # method -> (layer_idx, tensor or kernel)
 
     def update(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         if self.kind == "linear":
@@ -810,13 +810,13 @@ class _RecordingCache:
     def update_indexer(self, indexer_key_states: Any, layer_idx: Any) -> Any:
         if self.kind != "indexed":
             return self.__getattr__("update_indexer")
-        self.linear["update_indexer"] = (layer_idx, indexer_key_states)
+        self.state_calls["update_indexer"] = (layer_idx, indexer_key_states)
         return indexer_key_states
 
     def _linear_call(self, name: str, layer_idx: Any, value: Any) -> None:
         if self.kind != "linear":
             self.__getattr__(name)
-        self.linear[name] = (layer_idx, value)
+        self.state_calls[name] = (layer_idx, value)
 
     def get_conv_state(self, layer_idx: Any, state_idx: int = 0) -> None:
         self._linear_call("get_conv_state", layer_idx, None)
@@ -1052,7 +1052,7 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
     kv_dims = ((key.shape[1], key.shape[-1]), (value.shape[1], value.shape[-1]))
     if kind != "indexed":
         return LayerProtocol(keyword, kv_dims)
-    indexed_idx, index_keys = cache.linear.get("update_indexer", (None, None))
+    indexed_idx, index_keys = cache.state_calls.get("update_indexer", (None, None))
     if indexed_idx != layer_idx or not (isinstance(index_keys, torch.Tensor) and index_keys.dim() == 3):
         found = "never calls it" if index_keys is None else f"calls it with layer_idx={indexed_idx!r}"
         _unsupported(
@@ -1074,9 +1074,13 @@ def _linear_protocol(
     import torch
 
     for name in ("update_conv_state", "update_recurrent_state"):
-        layer_idx, _ = cache.linear.get(name, (None, None))
+        layer_idx, _ = cache.state_calls.get(name, (None, None))
         if layer_idx != index:
-            found = "never calls it" if name not in cache.linear else f"calls it with layer_idx={layer_idx!r}"
+            found = (
+                "never calls it"
+                if name not in cache.state_calls
+                else f"calls it with layer_idx={layer_idx!r}"
+            )
             _unsupported(
                 "cache-protocol",
                 layer_name,
@@ -1084,8 +1088,8 @@ def _linear_protocol(
                 f"{layer_name} {found}",
                 point="linear_attention_cache",
             )
-    conv, kernel = cache.linear["update_conv_state"][1]
-    recurrent = cache.linear["update_recurrent_state"][1]
+    conv, kernel = cache.state_calls["update_conv_state"][1]
+    recurrent = cache.state_calls["update_recurrent_state"][1]
     if not (isinstance(conv, torch.Tensor) and conv.dim() == 3 and isinstance(kernel, int) and kernel > 0):
         _unsupported(
             "cache-protocol",
