@@ -16,7 +16,8 @@ spec's ``mla.attention_class`` swapped for ``RankMLA``) and the routed experts (
 ``RoutedExperts``) and, in a hybrid stack's linear layers, the gated DeltaNet (swapped for
 ``RankGatedDeltaNet``: ``linear_kernels``). The collectives around them are recorded here: 2 TP
 all-reduces per layer, vocab-parallel embedding all-reduce and logits all-gather (EP dispatch +
-combine are the routed experts' own).
+combine are the routed experts' own), and the all-reduce of a norm's statistics when a norm spans a
+whole TP-split projection (``SplitNorm``: OLMoE's q_norm / k_norm).
 
 ``RankModel`` keeps the built model: what a step changes (recorder, deployment, weight formats) is
 bound per trace, so a sweep builds it once per TP size and traces it at every shape and weight mode.
@@ -51,6 +52,7 @@ from .parallel import Parallel
 from .quant import NATIVE
 from .rank_config import BACKEND, LayerKind, check_sizes, layer_kinds, rank_overrides
 from .serving_kernels import AttentionKernel, RoutedExperts
+from .split_norm import SplitNorm, split_norms
 from .tracer import Recorder
 
 ATTENTION_IMPLEMENTATION = "kadapt_simulation"  # registered with transformers while a trace runs
@@ -105,6 +107,7 @@ class RankParts:
     attention: list[RankMLA] = field(default_factory=list)  # the swapped MLA modules
     experts: list[RoutedExperts] = field(default_factory=list)  # the swapped routed experts
     linear: list[RankGatedDeltaNet] = field(default_factory=list)  # the swapped linear-attention mixers
+    norms: list[SplitNorm] = field(default_factory=list)  # the traced layers' norms, split when TP does
     configs: list[Any] = field(default_factory=list)  # configs of the traced layers' attention
     names: dict[int, str] = field(default_factory=dict)  # id(parameter) -> its name in the built model
 
@@ -135,6 +138,8 @@ class RankParts:
             mla.bind(rec, dep)
         for mixer in self.linear:
             mixer.bind(rec, dep)
+        for norm in self.norms:
+            norm.bind(rec)
         group_of = inputs.group_of()
         for _, part in self.named():
             for param in part.parameters():
@@ -245,6 +250,9 @@ def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts,
         else:
             configs = {id(m.config): m.config for m in traced.module.modules() if hasattr(m, "config")}
             parts.configs += [c for c in configs.values() if hasattr(c, "_attn_implementation")]
+    kernels: list[nn.Module] = [*parts.experts, *parts.attention, *parts.linear]
+    for traced in parts.layers:
+        parts.norms += split_norms(traced.module, kernels, dep.parallel.tp, parts.names)
     return parts, notes
 
 
@@ -327,6 +335,14 @@ class RankModel:
                     torch.no_grad(),
                 ):
                     _step(model, rec, dep, s, input_ids, positions, _all_reduce)
+            except RuntimeError as error:
+                where = rec.failure(error)
+                if where is None:
+                    raise
+                raise KadaptError(
+                    f"simulate cannot run the per-rank model of spec {self.spec.name} at TP {self.tp}: "
+                    f"{where} failed: {str(error).strip().splitlines()[0] if str(error).strip() else error!r}"
+                ) from error
             finally:
                 for handle in handles:
                     handle.remove()

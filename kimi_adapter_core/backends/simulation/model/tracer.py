@@ -88,6 +88,11 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _shapes(tensors: list[torch.Tensor]) -> str:
+    """``2x8x256 256``: the shapes an op was called on (the first three), as reports print them."""
+    return " ".join("x".join(map(str, t.shape)) or "scalar" for t in tensors[:3])
+
+
 class Recorder(TorchDispatchMode):
     """Collects ``Op`` records; ``scope`` and module hooks say where each one came from."""
 
@@ -101,11 +106,24 @@ class Recorder(TorchDispatchMode):
         self._scope = ("model", 1)
         self._modules: list[str] = []
         self._tag = ""
+        # the last op that raised: (its exception, where it ran), so a trace that fails can say where
+        self._failure: tuple[BaseException, str] | None = None
 
     # --- context -------------------------------------------------------------------------------
     def mark_weight(self, tensor: torch.Tensor, fmt: WeightFormat) -> None:
         self._weights[id(tensor)] = fmt
         self._keep.append(tensor)
+
+    def weight_format(self, tensor: torch.Tensor) -> WeightFormat | None:
+        """The format ``tensor`` was marked with (None: not a weight), to mark a replacement alike."""
+        return self._weights.get(id(tensor))
+
+    def failure(self, error: BaseException) -> str | None:
+        """Where ``error`` was raised, when an op run under this recorder raised it: ``aten.mul in
+        moe_layer.self_attn.q_norm on 1x8x256 2048``; None for an error raised elsewhere."""
+        if self._failure is None or self._failure[0] is not error:
+            return None
+        return self._failure[1]
 
     @contextlib.contextmanager
     def scope(self, name: str, repeat: int) -> Iterator[None]:
@@ -155,10 +173,13 @@ class Recorder(TorchDispatchMode):
         comm: dict[str, float] | None = None,
         shapes: str = "",
         attrs: dict[str, Any] | None = None,
+        at: int | None = None,
     ) -> None:
-        """Add a kernel priced from a formula rather than from a traced aten op."""
+        """Add a kernel priced from a formula rather than from a traced aten op; ``at``: its index in
+        ``ops`` when it ran between ops already recorded (default: after them)."""
         scope, repeat = self._scope
-        self.ops.append(
+        self.ops.insert(
+            len(self.ops) if at is None else at,
             Op(
                 name,
                 self.module,
@@ -171,14 +192,19 @@ class Recorder(TorchDispatchMode):
                 comm,
                 shapes,
                 dict(attrs or {}),
-            )
+            ),
         )
 
     # --- dispatch ------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch API
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         short = func._overloadpacket.__name__
+        try:
+            out = func(*args, **kwargs)
+        except RuntimeError as error:  # a shape the model cannot run at (the caller names it)
+            where = f" in {self.module}" if self.module else ""
+            self._failure = (error, f"aten.{short}{where} on {_shapes(_tensors((args, kwargs)))}")
+            raise
         ins, outs = _tensors((args, kwargs)), _tensors(out)
         self._keep.extend(outs)
         if (
@@ -234,7 +260,7 @@ class Recorder(TorchDispatchMode):
         else:
             flops, kind, compute = float(sum(t.numel() for t in outs)), "vector", "vector"
         scope, repeat = self._scope
-        shapes = " ".join("x".join(map(str, t.shape)) or "scalar" for t in ins[:3])
+        shapes = _shapes(ins)
         nbytes = sum(b for _, b in inputs) + sum(b for _, b in outputs)
         self.ops.append(
             Op(
