@@ -64,9 +64,20 @@ def test_full_size_apply_and_verify(spec_path: Path, shipped_apply: SharedApplie
     assert mapping["kv_layout"] == layout and mapping["attention"] == structure.attention.kind
     key, value = runtime.kv_shapes(structure.attention.kv_dims(layout), 1, spec.abi.max_cache_len)
     assert len(mapping["layers"]) == structure.num_layers
-    for layer in mapping["layers"]:
+    for layer, kind in zip(mapping["layers"], structure.layer_kinds, strict=True):
+        if kind == "linear":  # a request's conv window and recurrent state, as the config sizes them
+            assert structure.linear is not None
+            conv, recurrent = structure.linear.conv_state, structure.linear.recurrent_state
+            assert tuple(layer["decode_conv_input"]["shape"]) == (1, *conv.shape())
+            assert tuple(layer["decode_recurrent_output"]["shape"]) == (1, *recurrent.shape())
+            assert layer["decode_recurrent_output"]["dtype"] == recurrent.dtype
+            continue
         assert tuple(layer["decode_key_input"]["shape"]) == key
         assert tuple(layer["decode_value_output"]["shape"]) == value
+        if kind == "indexed":  # the DSA indexer's keys: one head of the indexer's width, a slot per token
+            assert structure.indexer is not None
+            index_key = (1, 1, spec.abi.max_cache_len, structure.indexer.head_dim)
+            assert tuple(layer["decode_index_key_input"]["shape"]) == index_key
     if structure.attention.kind == "gqa":  # per-layer K/V with the config's KV heads, not the query heads
         assert key == (
             1,

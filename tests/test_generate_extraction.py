@@ -33,7 +33,7 @@ import json
 import math
 import types
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,6 +148,17 @@ def test_module_is_standalone_and_bakes_in_kadapts_structure(
         assert not [w for w in MLA_WORDS if w in words]
 
 
+def linear_states_read(structure: ModelStructure, dtype: str) -> Any:
+    """The linear layers' states as the extraction binds them once the layers handed them over (the
+    pipeline checks they are the ones the config implies): the conv window in the ABI dtype, the
+    recurrent state in its own."""
+    linear = structure.linear
+    if linear is None:
+        return None
+    conv, recurrent = linear.conv_state, linear.recurrent_state
+    return ((conv.shape(), dtype), (recurrent.shape(), recurrent.dtype))
+
+
 @pytest.mark.parametrize("name", EXTRACTABLE)
 def test_config_readers_follow_a_tiny_config_like_kadapt(family: Callable[[str], Family], name: str) -> None:
     fam = family(name)
@@ -160,7 +171,9 @@ def test_config_readers_follow_a_tiny_config_like_kadapt(family: Callable[[str],
         assert (None in fam.structure.windows) == (None in fam.shipped.windows)  # full layers stay full
     layers = fam.structure.num_layers
     mapping = module.kv_mapping(text, prefill_len=PREFILL, max_cache_len=CACHE)
-    options = dataclasses.replace(fam.options, dtype=module.DTYPE)
+    options = dataclasses.replace(
+        fam.options, dtype=module.DTYPE, linear_states=linear_states_read(fam.structure, module.DTYPE)
+    )
     kadapt = kv_mapping_document(options, types.SimpleNamespace(layers=[None] * layers))  # type: ignore[arg-type]
     for key in ("format_version", "model_name", "prefill_graph", "decode_graph"):
         kadapt.pop(key)
@@ -217,8 +230,10 @@ def test_patches_are_gated_and_restored(family: Callable[[str], Family], name: s
         with module.patches_applied():
             assert vars(owner)[attr] is not original
         assert vars(owner)[attr] is original
-    layer = model.get_submodule(module.LANGUAGE_MODEL_PATH).layers[0].self_attn
-    assert module._owns_call((layer,)) and not module._owns_call((object(),))
+    layers = model.get_submodule(module.LANGUAGE_MODEL_PATH).layers
+    # a hybrid stack's first layer may be a linear one
+    attention = next(layer.self_attn for layer in layers if hasattr(layer, "self_attn"))
+    assert module._owns_call((attention,)) and not module._owns_call((object(),))
 
 
 # -- outputs: kadapt's runtime and transformers ---------------------------------------------------
@@ -248,13 +263,20 @@ def kadapt_wrapper(cls: type, fam: Family, model: torch.nn.Module) -> torch.nn.M
         language_model,
         submodule(model, fam.spec, "lm_head"),
         kv_layout=fam.options.kv_layout,
-        cache_keyword=upstream.decoder_protocol(language_model).cache_keyword,
+        cache_keyword=upstream.decoder_protocol(language_model, fam.options.layer_kinds).cache_keyword,
         mla_attention=fam.options.mla_attention,
         windows=fam.options.windows,
         embedding_ops=fam.structure.outside_ops("embeddings"),
         logit_ops=fam.structure.outside_ops("logits"),
         rope_layer_types=upstream.rope_layer_types(language_model),
+        layer_kinds=fam.options.layer_kinds,
     )
+
+
+def kv_of(states: Sequence[torch.Tensor], roles: Sequence[str]) -> list[tuple[int, ...]]:
+    """The shapes of the first attention layer's key and value among a flat list of states."""
+    first = roles.index("key")
+    return [tuple(t.shape) for t in states[first : first + 2]]
 
 
 @pytest.mark.parametrize("name", EXTRACTABLE)
@@ -281,15 +303,16 @@ def test_wrappers_equal_kadapts_runtime_and_transformers(family: Callable[[str],
             got = module.prefill_wrapper(ours)(ids, mask, positions)
         with upstream_experts(text):
             eager = reference(input_ids=ids).logits
-    assert len(got) == 1 + 2 * layers
-    key_shape, value_shape = runtime.kv_shapes(fam.options.kv_dims, 1, PREFILL)
-    assert [tuple(t.shape) for t in got[1:3]] == [key_shape, value_shape]
+    kinds = fam.options.layer_kinds  # every layer's states, in ABI order (hybrids: conv + recurrent)
+    roles = runtime.flat_state_roles(kinds, 2 * layers)
+    assert len(got) == 1 + len(roles)
+    assert kv_of(got[1:], roles) == list(runtime.kv_shapes(fam.options.kv_dims, 1, PREFILL))
     for a, b in zip(expected, got, strict=True):
         assert torch.equal(a, b)
     torch.testing.assert_close(got[0], eager, rtol=0, atol=TOLERANCE)
 
     # greedy decode steps over the placed prefill cache, each token checked against a full forward
-    cache = module.place_prefill_kv(got[1:], CACHE)
+    cache = module.place_prefill_kv(got[1:], CACHE, kinds)
     tokens = ids
     token = got[0][:, -1].argmax(-1, keepdim=True)
     for step in range(STEPS):
@@ -297,9 +320,8 @@ def test_wrappers_equal_kadapts_runtime_and_transformers(family: Callable[[str],
         example = module.decode_example_inputs(text, "cpu", position=position, max_cache_len=CACHE)
         step_mask = module.additive_causal_mask(example[2], CACHE, dtype)
         inputs = (token, step_mask, example[2], example[3], *cache)
-        assert [tuple(t.shape) for t in example[4:6]] == list(
-            runtime.kv_shapes(fam.options.kv_dims, 1, CACHE)
-        )
+        assert [tuple(t.shape) for t in example[4:]] == [tuple(t.shape) for t in cache]
+        assert kv_of(example[4:], roles) == list(runtime.kv_shapes(fam.options.kv_dims, 1, CACHE))
         tokens = torch.cat([tokens, token], dim=1)
         with torch.no_grad():
             with applied(spec, backend="extraction"):

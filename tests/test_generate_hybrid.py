@@ -29,58 +29,8 @@ from kimi_adapter_core.structure.of_spec import structure_of_raw
 
 REPO = Path(__file__).resolve().parents[1]
 PUBLISHED = REPO / "specs" / "qwen3_next" / "config.json"  # Qwen3-Next-80B-A3B's published config.json
-# The Qwen3-Next spec: its ABI names a linear layer's conv and recurrent state after the key and value.
-SPEC_YAML = """\
-apiVersion: kadapt/v1
-kind: AdapterSpec
-metadata:
-  name: qwen3_next
-  model: Qwen/Qwen3-Next-80B-A3B-Instruct
-  description: Qwen3-Next-80B-A3B (hybrid gated DeltaNet + GQA, MoE) on transformers' native classes.
-gate:
-  model_type: qwen3_next
-source:
-  config: qwen3_next/config.json
-requires:
-  transformers: ">=5.23,<6"
-  torch: ">=2.13,<2.14"
-config_bridges:
-  - id: X1
-    why: Eager attention keeps SDPA kernels out of the exported graph.
-    op: set
-    path: _attn_implementation
-    value: eager
-    backends: [extraction]
-  - id: X2
-    why: batched_mm experts are plain ATen with static shapes.
-    op: set
-    path: _experts_implementation
-    value: batched_mm
-    backends: [extraction]
-module_paths:
-  language_model: model
-  language_layers: model.layers
-  lm_head: lm_head
-architecture:
-  attention: gqa
-abi:
-  batch: 1
-  prefill_len: 128
-  max_cache_len: 2048
-  dtype: bfloat16
-  prefill:
-    inputs: [input_ids, attention_mask, position_ids]
-    outputs: [logits, "present.{layer}.key", "present.{layer}.value", "present.{layer}.conv",
-      "present.{layer}.recurrent"]
-  decode:
-    inputs: [input_ids, attention_mask, position_ids, cache_position, "past.{layer}.key",
-      "past.{layer}.value", "past.{layer}.conv", "past.{layer}.recurrent"]
-    outputs: [logits, "present.{layer}.key", "present.{layer}.value", "present.{layer}.conv",
-      "present.{layer}.recurrent"]
-backends:
-  extraction:
-    output_dir: out/qwen3_next
-"""
+# The shipped Qwen3-Next spec: its ABI names a linear layer's conv and recurrent state after key, value.
+SPEC_YAML = (REPO / "specs" / "qwen3_next.yaml").read_text(encoding="utf-8")
 # 3 linear : 1 full, as published (full_attention_interval 4), two periods, every size tiny
 TINY: dict[str, Any] = {
     "vocab_size": 128,

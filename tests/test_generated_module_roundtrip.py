@@ -22,7 +22,8 @@ Reference: transformers itself on the same CPU model with no patch installed, ea
   graph exports): bit-identical (measured 0 for every spec). Against transformers' eager experts loop
   in bf16 the two experts implementations round differently: tokens still equal here, logits within
   ``BF16_EAGER_EXPERTS_TOLERANCE`` = 0.1 (measured 4.7e-2 on kimi_k25 and deepseek_v3, 0 on
-  qwen3_moe and on the dense families).
+  qwen3_moe and on the dense families). Not for DSA (``SPARSE_ATTENTION``): its indexer's top-k
+  over bf16 scores turns that rounding into other keys attended, so bf16 tokens may part there.
 
 ``CORE`` (GQA dense, MLA + MoE with the latent cache, sliding windows) runs by default in ~50 s; the
 other shipped specs are marked ``slow``. One interpreter runs every spec the session selected: all of
@@ -52,6 +53,8 @@ pytestmark = pytest.mark.compat  # run by .ci/compat against other transformers 
 REPO = Path(__file__).resolve().parents[1]
 EXTRACTABLE = [p.stem for p in sorted((REPO / "specs").glob("*.yaml")) if load_spec(p).abi is not None]
 CORE = ("llama", "kimi_k25", "mistral")
+# specs whose attention picks its keys by a top-k of scores (DeepSeek sparse attention's indexer)
+SPARSE_ATTENTION = ("deepseek_v32",)
 DTYPES = ("float32", "bfloat16")
 PREFILL, CACHE, STEPS = 8, 16, 4
 FP32_TOLERANCE = 1e-4
@@ -363,7 +366,10 @@ def test_saved_graphs_carry_the_kv_mappings_names(
     for kind, graph in result["graphs"].items():
         names_in, names_out = graph["abi"]
         assert graph["inputs"] == names_in and graph["outputs"] == names_out, kind
-        assert graph["dtypes"] == [dtype], kind  # logits and caches in the dtype the model was built in
+        # logits and caches in the dtype the model was built in; a state the mapping gives its own dtype
+        # (a linear layer's float32 recurrent state) in that one
+        stated = {e["dtype"] for layer in mapping["layers"] for e in layer.values() if isinstance(e, dict)}
+        assert graph["dtypes"] == sorted({dtype} | stated), kind
         assert graph["metadata"]["graph"] == kind
         assert graph["metadata"]["num_layers"] == mapping["num_layers"] == len(mapping["layers"])
         assert dtype in graph["metadata"]["enums"]["dtype"].values()  # the table naming the codes
@@ -373,15 +379,23 @@ def test_saved_graphs_carry_the_kv_mappings_names(
     assert decode["inputs"][3] == "cache_position"
     assert prefill["outputs"][0] == decode["outputs"][0] == "logits"
 
-    def kv(role: str) -> list[str]:
-        """The mapping's names of one role, layer by layer, key then value: the graphs' KV order."""
-        return [layer[role.format(part)]["name"] for layer in mapping["layers"] for part in ("key", "value")]
+    def kv(prefix: str, suffix: str) -> list[str]:
+        """The mapping's names of one role, layer by layer in each entry's order (key, value[, index_key];
+        a linear layer's conv, recurrent): the graphs' state order."""
+        return [
+            entry["name"]
+            for layer in mapping["layers"]
+            for key, entry in layer.items()
+            if key.startswith(prefix) and key.endswith(suffix)
+        ]
 
-    assert prefill["outputs"][1:] == kv("prefill_{}_output")
-    assert decode["inputs"][4:] == kv("decode_{}_input")
-    assert decode["outputs"][1:] == kv("decode_{}_output")
-    assert decode["inputs"][4:6] == ["past.0.key", "past.0.value"]
-    assert prefill["outputs"][1:3] == decode["outputs"][1:3] == ["present.0.key", "present.0.value"]
+    assert prefill["outputs"][1:] == kv("prefill_", "_output")
+    assert decode["inputs"][4:] == kv("decode_", "_input")
+    assert decode["outputs"][1:] == kv("decode_", "_output")
+    first = mapping["layers"][0]
+    roles = ["conv", "recurrent"] if first.get("kind") == "linear" else ["key", "value"]
+    assert decode["inputs"][4:6] == [f"past.0.{role}" for role in roles]
+    assert prefill["outputs"][1:3] == decode["outputs"][1:3] == [f"present.0.{role}" for role in roles]
 
 
 @pytest.mark.parametrize(("name", "dtype"), CASES)
@@ -398,6 +412,10 @@ def test_saved_graphs_generate_like_transformers(
         return
     assert result["tokens"] == references["as built"]["tokens"]
     assert references["as built"]["max_diff"] == 0.0, "bf16 graph must be bit-identical to bf16 transformers"
-    # transformers' eager experts loop rounds differently from the exported one (dense families: equal)
+    # transformers' eager experts loop rounds differently from the exported one (dense families: equal).
+    # A DSA indexer picks its top-k keys from bf16 scores: a rounding difference flips a near-tie and
+    # the two runs attend to different keys, so only the as-built run can be compared there
+    if name in SPARSE_ATTENTION:
+        return
     assert result["tokens"] == references["eager"]["tokens"]
     assert references["eager"]["max_diff"] <= BF16_EAGER_EXPERTS_TOLERANCE

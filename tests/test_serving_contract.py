@@ -56,10 +56,13 @@ class Server:
         self.decode = torch_ir.IRExecutor(torch_ir.load_ir(str(out / mapping["decode_graph"])), weights)
         self.rows, self.width = mapping["batch"], mapping["prefill_len"]
         self.paged = self.contract.get("paged")
-        shapes = [
-            layer[f"decode_{role}_input"]["shape"] for layer in mapping["layers"] for role in ("key", "value")
-        ]
-        self.cache = [torch.zeros(shape, dtype=self.dtype) for shape in shapes]
+        # every state in ABI order, as each layer's entry lists them (key, value[, index_key]; conv,
+        # recurrent)
+        inputs = [e for layer in mapping["layers"] for key, e in layer.items() if key.endswith("_input")]
+        self.cache = [torch.zeros(e["shape"], dtype=getattr(torch, e["dtype"])) for e in inputs]
+        # a linear layer's states are one row per request: no slots, never paged (contract.linear_states)
+        fixed = set(self.contract.get("linear_states", ()))
+        self.fixed = [e["name"].rpartition(".")[2] in fixed for e in inputs]
         self.position = torch.zeros(self.rows, dtype=torch.long)
         self.token = torch.zeros(self.rows, 1, dtype=torch.long)
         if self.paged is not None:  # a free list in scrambled order: every row's blocks out of order
@@ -80,17 +83,20 @@ class Server:
         )
         for row in requests:
             n = int(lengths[row])
+            for index in (i for i, fixed in enumerate(self.fixed) if fixed):  # the state after the prompt
+                self.cache[index][row] = present[index][row]
             if self.paged is None:  # prefill_to_decode: the row's cache is zeros with the prefill KV placed
-                for index, source in enumerate(present):
+                for index in (i for i, fixed in enumerate(self.fixed) if not fixed):
                     self.cache[index][row] = 0
-                    self.cache[index][row, :, : self.width] = source[row]
+                    self.cache[index][row, :, : self.width] = present[index][row]
             else:  # give back the row's old blocks, take fresh ones, write real tokens by the slot rule
                 size = self.paged["block_size"]
                 self.free += self.block_table[row].tolist()
                 self.block_table[row] = torch.tensor(self.free[: self.paged["blocks_per_row"]])
                 del self.free[: self.paged["blocks_per_row"]]
-                for index, source in enumerate(present):
+                for index in (i for i, fixed in enumerate(self.fixed) if not fixed):
                     for p in range(n):  # pad slots are not the row's to write
+                        source = present[index]
                         self.cache[index][self.block_table[row, p // size], p % size] = source[row, :, p]
             self.position[row] = n
             self.token[row] = logits[row, n - 1].argmax()
@@ -168,10 +174,16 @@ def test_ragged_paged_continuous_batch_matches_generate_row_by_row(name: str, tm
     weights = {rename_weight(k, base.weight_renames): v for k, v in model.state_dict().items()}
     text = config.text_config if hasattr(config, "text_config") else config
     generator = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, text.vocab_size, (1, n), generator=generator) for n in LENGTHS]
+    # a stack whose states take pads too (contract.padding: none) gets whole prompts; rows still decode
+    # at different positions once a request joins
+    mapping = json.loads(next(tmp_path.glob("contiguous/*_kv_mapping.json")).read_text())
+    padding = mapping["contract"]["padding"]
+    lengths = LENGTHS if padding["supported"] != "none" else (PREFILL,) * len(LENGTHS)
+    prompts = [torch.randint(3, text.vocab_size, (1, n), generator=generator) for n in lengths]
     if hasattr(text, "_experts_implementation"):
         text._experts_implementation = "eager"
-    joining = torch.randint(3, text.vocab_size, (1, 6), generator=generator)
+    joining_len = 6 if lengths == LENGTHS else PREFILL
+    joining = torch.randint(3, text.vocab_size, (1, joining_len), generator=generator)
     expected = [_generate(model, prompt, STEPS) for prompt in prompts]
     expected[1] = expected[1][: JOIN + 1]  # row 1 leaves after JOIN steps; the joining request takes it
     expected.append(_generate(model, joining, STEPS - JOIN))

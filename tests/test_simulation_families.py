@@ -30,6 +30,7 @@ from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.loading import applied, load_config, load_model
 from kimi_adapter_core.spec import Spec, load_spec
+from kimi_adapter_core.structure.model import ModelStructure
 from kimi_adapter_core.structure.of_spec import text_config_key
 
 REPO = Path(__file__).resolve().parents[1]
@@ -300,6 +301,16 @@ def test_attended_pairs() -> None:
     assert attended_pairs(10, 2, 4) == 8
 
 
+def attention_kernel(s: ModelStructure, decode: bool) -> str:
+    """The kernel an attention layer of ``s`` runs: decode by its kind (DSA: FlashMLA's sparse kernel over
+    the top-k); a prefill from an empty cache shorter than DSA's top-k runs dense (the fewer FLOPs)."""
+    if not decode:
+        return "flash_attention_prefill"
+    if s.indexer is not None:
+        return "sparse_mla_decode"
+    return "mla_decode_attention" if s.attention.is_mla else "attention_decode"
+
+
 @pytest.mark.parametrize("name", SHIPPED)
 @pytest.mark.parametrize("decode", [True, False])
 def test_simulate_every_family(name: str, decode: bool) -> None:
@@ -317,20 +328,19 @@ def test_simulate_every_family(name: str, decode: bool) -> None:
     assert sim.step_time > 0 and all(r.time > 0 or r.bound == "overlapped" for r in rows)
     assert sum(r.time for r in rows) == pytest.approx(sim.step_time)
     names = {r.name for r in rows}
-    if s.attention.is_mla:
-        assert ("mla_decode_attention" if decode else "flash_attention_prefill") in names
-    else:
-        assert ("attention_decode" if decode else "flash_attention_prefill") in names
+    if not s.attention.is_mla:
         assert not any("mla" in n for n in names)
-    kernel = (
-        "mla_decode_attention"
-        if s.attention.is_mla and decode
-        else ("attention_decode" if decode else "flash_attention_prefill")
+    # a traced layer per kind: each attention layer runs its attention kernel, each linear layer its scan
+    kinds = s.layer_kinds
+    assert sum(r.count for r in rows if r.name == attention_kernel(s, decode)) == len(kinds) - kinds.count(
+        "linear"
     )
-    assert sum(r.count for r in rows if r.name == kernel) == s.num_layers  # a traced layer per kind
+    scan = "fused_sigmoid_gating_delta_rule_update" if decode else "chunk_gated_delta_rule"
+    assert sum(r.count for r in rows if r.name == scan) == kinds.count("linear")
     assert sum(r.count for r in rows if r.name == "tp_all_reduce") == 2 * s.num_layers
     if moe:
-        assert row(sim, "grouped_gemm(routed_experts)").count == s.n_moe_layers
+        experts = sum(r.count for r in rows if r.name == "grouped_gemm(routed_experts)")  # over layer kinds
+        assert experts == s.n_moe_layers
         assert not any(n.startswith("ep_") for n in names)  # EP 8 inside TP 8: no all-to-all
     else:
         assert not any("experts" in n or n.startswith("ep_") for n in names)

@@ -17,10 +17,16 @@ from user_outputs import RECORD, SIMULATIONS, SPECS, artifact_digests, cli_invok
 RECORDED: dict[str, str] = json.loads(RECORD.read_text())
 
 
+def _under(key: str, prefix: str) -> bool:
+    """``prefix`` names one output, or a folder of them when it ends with '/' (so plan/deepseek_v3 is
+    not plan/deepseek_v32)."""
+    return key == prefix or (prefix.endswith("/") and key.startswith(prefix))
+
+
 def _changed(found: dict[str, str], prefix: str) -> list[str]:
     """Outputs under ``prefix`` whose digest differs from the record (or that only one side has)."""
-    found = {k: v for k, v in found.items() if k.startswith(prefix)}
-    expected = {k: v for k, v in RECORDED.items() if k.startswith(prefix)}
+    found = {k: v for k, v in found.items() if _under(k, prefix)}
+    expected = {k: v for k, v in RECORDED.items() if _under(k, prefix)}
     return sorted(k for k in found.keys() | expected.keys() if found.get(k) != expected.get(k))
 
 

@@ -32,6 +32,7 @@ RECORD = REPO / "tests" / "recorded" / "user_outputs.json"
 # every shipped spec with an ABI (kimi_k25_remote runs remote code and has none)
 SPECS = (
     "deepseek_v3",
+    "deepseek_v32",
     "gemma3_text",
     "glm4_moe",
     "gpt_oss",
@@ -41,6 +42,7 @@ SPECS = (
     "mixtral",
     "qwen2",
     "qwen3_moe",
+    "qwen3_next",
 )
 SIMULATIONS = {
     "prefill_h200_tp8": ("--device", "h200", "--tp", "8"),
