@@ -237,6 +237,7 @@ OP_ARGS = {
     "concat": ("dim",),
     "transpose": ("dims",),
     "chunk": ("dim", "chunks", "index"),
+    "split": ("dim", "sizes", "index"),
     "permute_for_rope": ("heads", "inverse"),
 }
 
@@ -342,6 +343,11 @@ class MapReader:
             index = self.integer(op, "index", where, minimum=0)
             if index >= chunks:
                 raise self.error(f"{where}.index", index, f"below chunks ({chunks})")
+        if kind == "split":
+            sizes = self.sizes(op, "sizes", where)
+            index = self.integer(op, "index", where, minimum=0)
+            if index >= len(sizes):
+                raise self.error(f"{where}.index", index, f"below the number of sizes ({len(sizes)})")
         if kind == "permute_for_rope":
             self.integer(op, "heads", where, minimum=1)
             self.typed(op, "inverse", where, bool, "true or false")

@@ -8,11 +8,16 @@ and turns each into data: the checkpoint names of every source tensor, in load o
 (``stack``, ``concat``, ``transpose``) that rebuild the graph weight from them. Converters also go the
 other way, one checkpoint tensor into several weights (Kimi-K2.5's vision ``wqkv`` is chunked into
 ``q_proj``/``k_proj``/``v_proj``, q and k permuted from interleaved to half-split rope order): those
-become ``chunk`` (which part of the source) and ``permute_for_rope`` ops. Checkpoint names are
-the model path after the spec's ``weight_renames`` when the spec states them (it describes the
-checkpoint it targets), else the name transformers' ``save_pretrained`` writes: its loading renamings
-reversed (Mixtral's ``mlp.experts`` is ``block_sparse_moe.experts`` on disk). Each name (of a numbered
-group: the first and the last) is then checked against transformers' own loading rename
+become ``chunk`` (which equal part of the source), ``split`` (which part, of the sizes transformers'
+``Split`` reads from the model's target parameters: Sarvam-MoE's ``query_key_value`` into GQA-sized
+q, k, v) and ``permute_for_rope`` ops. Concatenated sources may differ in size (OLMo-Hybrid's q, k, v
+convolutions): each gets the size ``save_pretrained`` writes, the part ``torch.chunk`` cuts from the
+weight in transformers' reverse op (``Chunk``). Checkpoint names are the model path after the spec's
+``weight_renames`` when the spec states them (it describes the checkpoint it targets), else the name
+transformers' ``save_pretrained`` writes: its loading renamings reversed (Mixtral's ``mlp.experts`` is
+``block_sparse_moe.experts`` on disk). Source patterns written as regexes (Kimi-Linear's
+``\\.experts.*.w1.weight``) are read with their escaped dots as dots. Each name (of a numbered group:
+the first and the last) is then checked against transformers' own loading rename
 (``rename_source_key``), so a name that would not load is an error here.
 
 Why the spec's renames win: for Kimi-K2.5 the reversed mapping writes ``language_model.model.blocks.N``
@@ -27,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..errors import KadaptError
@@ -35,7 +41,7 @@ from .tensors import TensorType
 
 # ops transformers applies when loading, and how kadapt's weight map spells them
 _STACK, _CONCAT, _TRANSPOSE = "MergeModulelist", "Concatenate", "Transpose"
-_CHUNK, _ROPE = "Chunk", "PermuteForRope"
+_CHUNK, _SPLIT, _ROPE = "Chunk", "Split", "PermuteForRope"
 
 
 @dataclass(frozen=True)
@@ -126,7 +132,23 @@ def _target_match(converter: Any, path: str) -> _Target | None:
     return None
 
 
-def _op(op: Any, where: str, converter: Any, target: _Target, config: Any) -> dict[str, Any] | None:
+def _split_sizes(model: nn.Module, converter: Any, target: _Target, dim: int, where: str) -> list[int]:
+    """The part sizes transformers' ``Split`` cuts on ``dim``: each target parameter's size there, read
+    from the model as ``Split.convert`` reads it."""
+    sizes = []
+    for name in _targets(converter):
+        path = target.prefix + name + target.suffix
+        try:
+            sizes.append(int(model.get_parameter(path).shape[dim]))
+        except (AttributeError, IndexError) as exc:
+            raise KadaptError(
+                f"weight map: transformers splits the source of {where} into {path}, "
+                f"which has no size on dim {dim} in the model ({exc})"
+            ) from exc
+    return sizes
+
+
+def _op(op: Any, where: str, converter: Any, target: _Target, model: nn.Module) -> dict[str, Any] | None:
     """One converter op as weight-map data (None: an op that leaves this target untouched)."""
     kind = type(op).__name__
     if kind == _STACK:
@@ -138,10 +160,14 @@ def _op(op: Any, where: str, converter: Any, target: _Target, config: Any) -> di
     if kind == _CHUNK and op.num_shards_attribute is None:
         chunks = len(converter.target_patterns)
         return {"op": "chunk", "dim": op.dim, "chunks": chunks, "index": target.index}
+    if kind == _SPLIT:
+        sizes = _split_sizes(model, converter, target, op.dim, where)
+        return {"op": "split", "dim": op.dim, "sizes": sizes, "index": target.index}
     if kind == _ROPE:
         name = converter.target_patterns[target.index]
         if op.permute_layer_names is not None and not any(n in name for n in op.permute_layer_names):
             return None
+        config = model.config
         sub = getattr(config, op.subconfig_key, config) if op.subconfig_key else config
         return {
             "op": "permute_for_rope",
@@ -150,36 +176,63 @@ def _op(op: Any, where: str, converter: Any, target: _Target, config: Any) -> di
         }
     raise KadaptError(
         f"weight map: transformers loads {where} with {kind}, which the weight map cannot describe "
-        "(supported: MergeModulelist, Concatenate, Transpose, Chunk, PermuteForRope)"
+        "(supported: MergeModulelist, Concatenate, Transpose, Chunk, Split, PermuteForRope)"
     )
 
 
-def _source_shapes(shape: tuple[int, ...], ops: list[dict[str, Any]], groups: int) -> tuple[int, ...]:
-    """Each source tensor's shape: ``shape`` with the ops undone, last op first."""
-    dims = list(shape)
+def _concat_parts(shape: tuple[int, ...], dims: list[int], dim: int, groups: int) -> list[list[int]]:
+    """The ``groups`` source shapes a concatenation on ``dim`` of ``dims`` is made of, as
+    ``save_pretrained`` writes them: transformers' reverse op (``Chunk``) cuts with ``torch.chunk``, equal
+    parts when the size divides, else equal parts and a smaller last one."""
+    parts = [list(p.shape) for p in torch.empty(dims, device="meta").chunk(groups, dim)]
+    if len(parts) != groups:
+        raise KadaptError(
+            f"weight map: {shape} does not split into {groups} parts on dim {dim} "
+            f"(torch.chunk, which transformers saves them with, makes {len(parts)})"
+        )
+    return parts
+
+
+def _undo(dims: list[int], op: dict[str, Any], shape: tuple[int, ...]) -> None:
+    """``dims`` (one tensor's shape after ``op``) turned into its shape before ``op``, in place."""
+    kind = op["op"]
+    if kind == "stack":
+        del dims[op["dim"]]
+    elif kind == "chunk":
+        dims[op["dim"]] *= op["chunks"]
+    elif kind == "split":
+        part = op["sizes"][op["index"]]
+        if dims[op["dim"]] != part:
+            raise KadaptError(
+                f"weight map: the graph reads {shape}, transformers' Split makes part {op['index']} "
+                f"{part} long on dim {op['dim']}"
+            )
+        dims[op["dim"]] = sum(op["sizes"])
+    elif kind == "transpose":
+        a, b = op["dims"]
+        dims[a], dims[b] = dims[b], dims[a]
+
+
+def _source_shapes(shape: tuple[int, ...], ops: list[dict[str, Any]], groups: int) -> list[tuple[int, ...]]:
+    """Each source group's tensor shape: ``shape`` with the ops undone, last op first."""
+    shapes = [list(shape)]
     for op in reversed(ops):
         if op["op"] == "concat":
-            if dims[op["dim"]] % groups:
-                raise KadaptError(
-                    f"weight map: {shape} does not split into {groups} equal parts on dim {op['dim']}"
-                )
-            dims[op["dim"]] //= groups
-        elif op["op"] == "stack":
-            del dims[op["dim"]]
-        elif op["op"] == "chunk":
-            dims[op["dim"]] *= op["chunks"]
-        elif op["op"] == "permute_for_rope":
-            continue
+            if len(shapes) != 1:
+                raise KadaptError(f"weight map: transformers concatenates {shape} twice")
+            shapes = _concat_parts(shape, shapes[0], op["dim"], groups)
         else:
-            a, b = op["dims"]
-            dims[a], dims[b] = dims[b], dims[a]
-    return tuple(dims)
+            for dims in shapes:
+                _undo(dims, op, shape)
+    if len(shapes) == 1:
+        shapes *= groups
+    return [tuple(dims) for dims in shapes]
 
 
 def _expand(prefix: str, pattern: str, count: int | None) -> tuple[str, ...]:
-    """Concrete names of ``pattern`` (dots around it dropped, as for ``_targets``) under ``prefix``:
-    ``*`` numbered 0..count-1."""
-    pattern = pattern.strip(".")
+    """Concrete names of ``pattern`` (escaped dots read as dots, dots around it dropped, as for
+    ``_targets``) under ``prefix``: ``*`` numbered 0..count-1."""
+    pattern = pattern.replace(r"\.", ".").strip(".")
     if re.search(r"[\\()\[\]|?+^$]", pattern):
         raise KadaptError(f"weight map: cannot expand transformers source pattern {pattern!r} into names")
     if "*" not in pattern:
@@ -239,10 +292,10 @@ def checkpoint_sources(
                 _is_linear_weight(model, path),
             )
         else:
-            ops = [d for op in converter.operations if (d := _op(op, path, converter, target, model.config))]
+            ops = [d for op in converter.operations if (d := _op(op, path, converter, target, model))]
             stack = next((op["dim"] for op in ops if op["op"] == "stack"), None)
             patterns = list(converter._original_source_patterns)
-            shape = _source_shapes(tuple(tensor.shape), ops, len(patterns))
+            shapes = _source_shapes(tuple(tensor.shape), ops, len(patterns))
             count = tensor.shape[stack] if stack is not None else None
             groups = tuple(
                 SourceGroup(
@@ -253,9 +306,11 @@ def checkpoint_sources(
                     ),
                     shape,
                 )
-                for pattern in patterns
+                for pattern, shape in zip(patterns, shapes, strict=True)
             )
-            linear = len(shape) == 2 and (stack is not None or _is_linear_weight(model, path))
+            linear = all(len(shape) == 2 for shape in shapes) and (
+                stack is not None or _is_linear_weight(model, path)
+            )
             source = CheckpointSource(groups, tuple(ops), linear=linear)
             # a one-to-many converter renames its source to the first target; its ops make the others
             loads_as = target.prefix + _targets(converter)[0] + target.suffix

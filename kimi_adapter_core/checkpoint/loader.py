@@ -142,7 +142,7 @@ def permute_for_rope(tensor: torch.Tensor, heads: int, *, inverse: bool = False)
 
 
 def _single(state: list[Any], op: Mapping[str, Any]) -> torch.Tensor:
-    """The one tensor ``op`` (transpose, chunk, permute_for_rope) works on."""
+    """The one tensor ``op`` (transpose, chunk, split, permute_for_rope) works on."""
     if len(state) != 1 or isinstance(state[0], list):
         raise ValueError(f"{op['op']} needs one tensor, the ops so far leave {len(state)} groups")
     return state[0]
@@ -160,6 +160,13 @@ def _chunk(tensor: torch.Tensor, op: Mapping[str, Any]) -> torch.Tensor:
     if size % op["chunks"]:
         raise ValueError(f"{size} does not split into {op['chunks']} equal parts on dim {op['dim']}")
     return torch.chunk(tensor, op["chunks"], dim=op["dim"])[op["index"]]
+
+
+def _split(tensor: torch.Tensor, op: Mapping[str, Any]) -> torch.Tensor:
+    size = tensor.shape[_dim(op["dim"], tensor.dim())]
+    if size != sum(op["sizes"]):
+        raise ValueError(f"{size} does not split into parts of {op['sizes']} on dim {op['dim']}")
+    return torch.split(tensor, op["sizes"], dim=op["dim"])[op["index"]]
 
 
 def _rope(tensor: torch.Tensor, op: Mapping[str, Any]) -> torch.Tensor:
@@ -186,6 +193,8 @@ def _applied(state: list[Any], op: Mapping[str, Any]) -> list[Any]:
         return [tensor.transpose(*(_dim(d, tensor.dim()) for d in op["dims"]))]
     if kind == "chunk":
         return [_chunk(tensor, op)]
+    if kind == "split":
+        return [_split(tensor, op)]
     return [_rope(tensor, op)]
 
 

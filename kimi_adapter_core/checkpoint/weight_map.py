@@ -43,6 +43,18 @@ RULES = {
         "each storage tensor's suffix, combined as 'dequantize' says"
     ),
 }
+# ops the weight map learnt after its first models: a document states their rules only when it uses
+# them, so the maps of every model without them stay the bytes they were
+LATER_OPS = {
+    "split": "split the single tensor along dim into consecutive parts of `sizes` and keep part `index`",
+}
+
+
+def _rules(entries: Mapping[str, Any]) -> dict[str, Any]:
+    """``RULES``, with the rules of the later ops ``entries`` use."""
+    used = {op["op"] for entry in entries.values() for op in entry["ops"]}
+    later = {kind: rule for kind, rule in LATER_OPS.items() if kind in used}
+    return {**RULES, "ops": {**RULES["ops"], **later}} if later else RULES
 
 
 def _source_entry(source: CheckpointSource, dtype: str, stored: CheckpointStorage) -> list[dict[str, Any]]:
@@ -94,7 +106,7 @@ def weight_map_document(
         "model": model_name,
         "quantization": stored.found_in,
         "notes": list(stored.notes),
-        "rules": RULES,
+        "rules": _rules(entries),
         # distinct tensors: one fused checkpoint tensor may build several weights (q, k, v from wqkv)
         "checkpoint_tensors": len({t for e in entries.values() for g in e["sources"] for t in g["tensors"]}),
         "weights": entries,
