@@ -5,9 +5,9 @@ every finding as a located ``Diagnostic`` instead of stopping at the first: each
 imported and resolved, the config is built through the spec's bridges and its structure derived
 (so an ``mla`` section on a GQA model or a ``kv_layout`` its attention cannot have is caught), and a
 shortened copy of the model is built on meta (no weights) to resolve every ``module_paths`` entry
-and the ``mla``/``moe`` class names. It imports torch and transformers, and imports the modules a
-spec names: like ``apply``, it treats the spec as code. Remote-code targets are left to ``apply
---trust-remote-code``.
+(the decoder stack's parts relative to its language model) and the ``mla``/``moe`` class names. It
+imports torch and transformers, and imports the modules a spec names: like ``apply``, it treats the
+spec as code. Remote-code targets are left to ``apply --trust-remote-code``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 from .errors import KadaptError
 from .spec.diagnostics import Diagnostic, Locator, Severity
-from .spec.model import Spec
+from .spec.model import STACK_PARTS, Spec
 
 _LOCATION = re.compile(r"^(?P<file>.*):(?P<line>\d+):(?P<col>\d+)$")
 
@@ -122,9 +122,23 @@ def _check_model(findings: _Findings) -> None:
         model = findings.attempt("module_paths", lambda: load_model(spec, device="meta", config=config))
         if model is None:
             return
-        for key in spec.module_paths:
-            findings.attempt(f"module_paths.{key}", lambda key=key: submodule(model, spec, key))
+        found = {
+            key: findings.attempt(f"module_paths.{key}", lambda key=key: submodule(model, spec, key))
+            for key in spec.module_paths
+            if key not in STACK_PARTS  # relative to the language model: ``_check_stack_parts``
+        }
+        if spec.abi is not None and found.get("language_model") is not None:
+            _check_stack_parts(findings, model, found["language_model"], found.get("lm_head"))
         _check_classes(findings, model)
+
+
+def _check_stack_parts(findings: _Findings, model: Any, language_model: Any, lm_head: Any) -> None:
+    """The parts the extraction wrappers call on the decoder stack, where ``module_paths`` says (or
+    transformers' usual names): a missing one is the refusal apply would raise, at its spec key."""
+    from .backends.extraction.ir.export import Backbone, check_parts
+
+    parts = findings.spec.stack_parts()
+    findings.attempt("module_paths", lambda: check_parts(Backbone(model, language_model, lm_head, parts)))
 
 
 def resolve_diagnostics(spec: Spec, display: str | Path) -> list[Diagnostic]:

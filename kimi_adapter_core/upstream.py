@@ -930,7 +930,8 @@ def probe_decoder_layers(
 def rope_layer_types(language_model: Any) -> tuple[str, ...] | None:
     """Each layer's type, when the stack's rotary embedding takes one (``rotary_emb(x, position_ids,
     layer_type)``: Gemma-3, OLMo-3 give sliding and full layers their own frequencies), else None."""
-    if "layer_type" not in _signature(type(language_model.rotary_emb).forward).parameters:
+    rotary_emb = getattr(language_model, "rotary_emb", None)
+    if rotary_emb is None or "layer_type" not in _signature(type(rotary_emb).forward).parameters:
         return None
     types = getattr(language_model.config, "layer_types", None)
     if not types:
@@ -947,7 +948,8 @@ def decoder_protocol(language_model: Any, kinds: Sequence[str] | None = None) ->
     """``probe_decoder_layers`` over a transformers decoder model (``layers``, ``rotary_emb``), its
     layers of ``kinds`` (by layer; None: every layer is attention)."""
     layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
-    return probe_decoder_layers(layers, language_model.rotary_emb, rope_layer_types(language_model), kinds)
+    rotary_emb = getattr(language_model, "rotary_emb", None)  # None: no rope (NoPE, SSM stacks)
+    return probe_decoder_layers(layers, rotary_emb, rope_layer_types(language_model), kinds)
 
 
 def forget() -> None:
@@ -956,6 +958,30 @@ def forget() -> None:
     loading_api.cache_clear()
     temporal_merge_layout.cache_clear()
     _protocols.clear()
+
+
+def _rope_of(rotary_emb: Any, hidden: Any, positions: Any, layer_type: str | None, layer_name: str) -> Any:
+    """The stack's ``(cos, sin)`` for the probe's tokens, or the located refusal of a rotary embedding that
+    does not run on the model's device or returns another form (DeepSeek-V2's complex frequencies)."""
+    try:
+        embeddings = (
+            rotary_emb(hidden, positions) if layer_type is None else rotary_emb(hidden, positions, layer_type)
+        )
+    except Exception as exc:  # noqa: BLE001 - meta buffers read as values, mixed devices, ...
+        _unsupported(
+            "not-exportable",
+            type(rotary_emb).__name__,
+            f"rotary_emb(hidden_states, position_ids) runs on the {hidden.device.type} device",
+            f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}",
+        )
+    if not (isinstance(embeddings, tuple) and len(embeddings) == 2):
+        _unsupported(
+            "rotary-form",
+            layer_name,
+            "rotary_emb(hidden_states, position_ids) -> (cos, sin)",
+            f"{type(rotary_emb).__name__} returns {type(embeddings).__name__}",
+        )
+    return embeddings
 
 
 def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str, index: int) -> LayerProtocol:
@@ -972,24 +998,10 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
     mask = (
         torch.zeros(1, 1, 2, 2, dtype=parameter.dtype, device=parameter.device) if kind != "linear" else None
     )
-    try:
-        embeddings = (
-            rotary_emb(hidden, positions) if layer_type is None else rotary_emb(hidden, positions, layer_type)
-        )
-    except Exception as exc:  # noqa: BLE001 - meta buffers read as values, mixed devices, ...
-        _unsupported(
-            "not-exportable",
-            type(rotary_emb).__name__,
-            f"rotary_emb(hidden_states, position_ids) runs on the {parameter.device.type} device",
-            f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}",
-        )
-    if not (isinstance(embeddings, tuple) and len(embeddings) == 2):
-        _unsupported(
-            "rotary-form",
-            layer_name,
-            "rotary_emb(hidden_states, position_ids) -> (cos, sin)",
-            f"{type(rotary_emb).__name__} returns {type(embeddings).__name__}",
-        )
+    # no rotary_emb (NoPE, SSM stacks): the layers get no position embeddings, as the ABI's wrappers pass
+    embeddings = (
+        None if rotary_emb is None else _rope_of(rotary_emb, hidden, positions, layer_type, layer_name)
+    )
     keyword = cache_keyword(layer)
     cache = _RecordingCache(kind)
     failure: Exception | None = None

@@ -281,8 +281,14 @@ LAYER_STATES = {
 }
 # States of one fixed size per request (no sequence dimension): never placed by position, never paged.
 FIXED_ROLES = ("conv", "recurrent")
-# Where a decoder layer keeps its token mixer, by layer kind (the mixer carries ``layer_idx``).
-MIXER_ATTRIBUTES = {"attention": ("self_attn",), "linear": ("linear_attn",), "indexed": ("self_attn",)}
+# Where a decoder layer keeps its token mixer, by layer kind (the mixer carries ``layer_idx``): gated
+# DeltaNet in ``linear_attn``, Mamba2 in ``mixer`` (Mamba2, Nemotron-H) or ``mamba`` (Granite-4.0-H,
+# Bamba), KDA in ``self_attn`` (Kimi-Linear, Bailing-hybrid), a short convolution in ``conv`` (LFM2).
+MIXER_ATTRIBUTES = {
+    "attention": ("self_attn",),
+    "linear": ("linear_attn", "mixer", "mamba", "conv", "self_attn"),
+    "indexed": ("self_attn",),
+}
 
 
 def mixer_of(layer: nn.Module, kind: str) -> nn.Module:
@@ -313,7 +319,11 @@ class StaticStateCache:
 
     ``is_recording_past`` answers True, which sends a linear layer's single-token decode down its
     out-of-place path (``update_conv_state`` returns the window plus the new token and the layer
-    convolves it) instead of ``causal_conv1d_update``, which would write the conv state in place.
+    convolves it) instead of ``causal_conv1d_update``, which would write the conv state in place. Not
+    every mixer asks or updates: a Mamba2 decode writes its recurrent state in place
+    (``selective_state_update``), a KDA decode its conv window. So ``get_*_state`` hands out a clone of
+    the past state and records that clone as the layer's present; an ``update_*`` replaces it. The
+    graph never mutates an input, and every present is returned.
 
     Anything else the layers read does not exist here, so a layer that needs more fails at trace time.
     """
@@ -390,13 +400,22 @@ class StaticStateCache:
         slot = self._slot[layer_idx]
         return self._past[slot][LAYER_STATES[self.kinds[slot]].index(name)]
 
+    def _owned_state(self, layer_idx: int, name: str) -> torch.Tensor | None:
+        """A clone of the layer's past ``name`` state, recorded as its present: a layer that writes it in
+        place writes its present, never the graph input (None in prefill: no previous state)."""
+        past = self._past_state(layer_idx, name)
+        if past is None:
+            return None
+        self.present[self._slot[layer_idx]][name] = owned = past.clone()
+        return owned
+
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         """The layer's convolution window ``[B, channels, kernel]`` (None in prefill: no previous state)."""
-        return self._past_state(layer_idx, "conv")
+        return self._owned_state(layer_idx, "conv")
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         """The layer's recurrent state (None in prefill: the layer starts from zeros)."""
-        return self._past_state(layer_idx, "recurrent")
+        return self._owned_state(layer_idx, "recurrent")
 
     def is_recording_past(self, layer_idx: int) -> bool:
         """True: keeps a single-token decode on the layer's out-of-place convolution path."""
@@ -461,6 +480,27 @@ class StaticStateCache:
         return flat
 
 
+# The parts of a decoder stack the wrappers call, by role, where transformers' decoder models keep them
+# (relative to the stack); a spec's ``module_paths.embeddings`` / ``final_norm`` / ``rotary_embedding``
+# name others.
+STACK_PARTS = {"embeddings": "embed_tokens", "final_norm": "norm", "rotary_embedding": "rotary_emb"}
+
+
+def stack_part(
+    language_model: nn.Module, role: str, parts: Mapping[str, str] | None = None
+) -> nn.Module | None:
+    """The stack's ``role`` part at the path ``parts`` names (else ``STACK_PARTS``'); None for a rotary
+    embedding the stack does not have and ``parts`` does not name (NoPE, SSM stacks)."""
+    parts = parts or {}
+    path = parts.get(role, STACK_PARTS[role])
+    try:
+        return language_model.get_submodule(path)
+    except AttributeError:
+        if role == "rotary_embedding" and role not in parts:
+            return None
+        raise
+
+
 class _TextStack(nn.Module):
     """Embedding, a run of decoder layers, final norm and LM head, called layer by layer."""
 
@@ -469,7 +509,7 @@ class _TextStack(nn.Module):
         embed_tokens: nn.Module,
         layers: Sequence[nn.Module],
         norm: nn.Module,
-        rotary_emb: nn.Module,
+        rotary_emb: nn.Module | None,
         lm_head: nn.Module,
         *,
         kv_layout: str,
@@ -528,9 +568,11 @@ class _TextStack(nn.Module):
         logit_ops: OpList = (),
         rope_layer_types: Sequence[str] | None = None,
         layer_kinds: Sequence[str] | None = None,
+        parts: Mapping[str, str] | None = None,
         **extra: Any,
     ) -> _TextStack:
-        """Wrap a transformers decoder model (``embed_tokens``/``layers``/``norm``/``rotary_emb``).
+        """Wrap a transformers decoder model (``embed_tokens``/``layers``/``norm``/``rotary_emb``, or the
+        paths ``parts`` gives by role: ``STACK_PARTS``).
 
         ``cache_keyword`` is the keyword the decoder layers take the cache under (``past_key_values`` or
         ``cache``: ``upstream.probe_decoder_layers`` finds it); ``num_layers`` keeps only the first
@@ -540,16 +582,17 @@ class _TextStack(nn.Module):
         ``rope_layer_types`` each layer's type for a rotary embedding that takes one (``rotary_emb(x,
         position_ids, layer_type)``: Gemma-3, OLMo-3), indexed by layer;
         ``layer_kinds`` each layer's kind (``LAYER_STATES``: ``attention`` or ``linear``), indexed by layer;
+        ``parts`` where the stack keeps a part under another name (``{"final_norm": "norm_f"}``);
         ``extra`` goes to the wrapper's constructor (``image_token_id`` of ``MultimodalPrefillWrapper``).
         """
         layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
         if num_layers is not None:
             layers = layers[:num_layers]
         return cls(
-            language_model.embed_tokens,
+            stack_part(language_model, "embeddings", parts),
             layers,
-            language_model.norm,
-            language_model.rotary_emb,
+            stack_part(language_model, "final_norm", parts),
+            stack_part(language_model, "rotary_embedding", parts),  # None: a stack without rope
             lm_head,
             kv_layout=kv_layout,
             cache_keyword=cache_keyword,
@@ -580,7 +623,9 @@ class _TextStack(nn.Module):
     ) -> tuple[torch.Tensor, ...]:
         """The layers, final norm and LM head over input embeddings ``hidden_states`` ``[B, Q, hidden]``."""
         hidden_states = apply_ops(hidden_states, self.embedding_ops)
-        if self.rope_layer_types is None:
+        if self.rotary_emb is None:  # no rope: positions reach the layers only through the mask and cache
+            position_embeddings = [None] * len(self.layers)
+        elif self.rope_layer_types is None:
             position_embeddings = [self.rotary_emb(hidden_states, position_ids)] * len(self.layers)
         else:
             by_type = {
@@ -2183,7 +2228,8 @@ def probe_decoder_layers(
 def rope_layer_types(language_model: Any) -> tuple[str, ...] | None:
     """Each layer's type, when the stack's rotary embedding takes one (``rotary_emb(x, position_ids,
     layer_type)``: Gemma-3, OLMo-3 give sliding and full layers their own frequencies), else None."""
-    if "layer_type" not in _signature(type(language_model.rotary_emb).forward).parameters:
+    rotary_emb = getattr(language_model, "rotary_emb", None)
+    if rotary_emb is None or "layer_type" not in _signature(type(rotary_emb).forward).parameters:
         return None
     types = getattr(language_model.config, "layer_types", None)
     if not types:
@@ -2200,7 +2246,8 @@ def decoder_protocol(language_model: Any, kinds: Sequence[str] | None = None) ->
     """``probe_decoder_layers`` over a transformers decoder model (``layers``, ``rotary_emb``), its
     layers of ``kinds`` (by layer; None: every layer is attention)."""
     layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
-    return probe_decoder_layers(layers, language_model.rotary_emb, rope_layer_types(language_model), kinds)
+    rotary_emb = getattr(language_model, "rotary_emb", None)  # None: no rope (NoPE, SSM stacks)
+    return probe_decoder_layers(layers, rotary_emb, rope_layer_types(language_model), kinds)
 
 
 def forget() -> None:
@@ -2209,6 +2256,30 @@ def forget() -> None:
     loading_api.cache_clear()
     temporal_merge_layout.cache_clear()
     _protocols.clear()
+
+
+def _rope_of(rotary_emb: Any, hidden: Any, positions: Any, layer_type: str | None, layer_name: str) -> Any:
+    """The stack's ``(cos, sin)`` for the probe's tokens, or the located refusal of a rotary embedding that
+    does not run on the model's device or returns another form (DeepSeek-V2's complex frequencies)."""
+    try:
+        embeddings = (
+            rotary_emb(hidden, positions) if layer_type is None else rotary_emb(hidden, positions, layer_type)
+        )
+    except Exception as exc:  # noqa: BLE001 - meta buffers read as values, mixed devices, ...
+        _unsupported(
+            "not-exportable",
+            type(rotary_emb).__name__,
+            f"rotary_emb(hidden_states, position_ids) runs on the {hidden.device.type} device",
+            f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}",
+        )
+    if not (isinstance(embeddings, tuple) and len(embeddings) == 2):
+        _unsupported(
+            "rotary-form",
+            layer_name,
+            "rotary_emb(hidden_states, position_ids) -> (cos, sin)",
+            f"{type(rotary_emb).__name__} returns {type(embeddings).__name__}",
+        )
+    return embeddings
 
 
 def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str, index: int) -> LayerProtocol:
@@ -2225,24 +2296,10 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
     mask = (
         torch.zeros(1, 1, 2, 2, dtype=parameter.dtype, device=parameter.device) if kind != "linear" else None
     )
-    try:
-        embeddings = (
-            rotary_emb(hidden, positions) if layer_type is None else rotary_emb(hidden, positions, layer_type)
-        )
-    except Exception as exc:  # noqa: BLE001 - meta buffers read as values, mixed devices, ...
-        _unsupported(
-            "not-exportable",
-            type(rotary_emb).__name__,
-            f"rotary_emb(hidden_states, position_ids) runs on the {parameter.device.type} device",
-            f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}",
-        )
-    if not (isinstance(embeddings, tuple) and len(embeddings) == 2):
-        _unsupported(
-            "rotary-form",
-            layer_name,
-            "rotary_emb(hidden_states, position_ids) -> (cos, sin)",
-            f"{type(rotary_emb).__name__} returns {type(embeddings).__name__}",
-        )
+    # no rotary_emb (NoPE, SSM stacks): the layers get no position embeddings, as the ABI's wrappers pass
+    embeddings = (
+        None if rotary_emb is None else _rope_of(rotary_emb, hidden, positions, layer_type, layer_name)
+    )
     keyword = cache_keyword(layer)
     cache = _RecordingCache(kind)
     failure: Exception | None = None
@@ -2491,7 +2548,7 @@ OUTSIDE_MODELLED: dict[str, tuple[str, str, tuple[Any, ...]]] = {
 # built with overrides (a tiny one of the same architecture) gets its own sizes and windows.
 FACT_KEYS: dict[str, tuple[str, ...]] = {
     "kv_lora_rank": ("kv_lora_rank",),
-    "layer_types": ("layer_types",),
+    "layer_types": ("layer_types", "layers_block_type"),
     "max_window_layers": ("max_window_layers",),
     "num_layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
     "qk_rope_head_dim": ("qk_rope_head_dim",),

@@ -10,6 +10,7 @@ scaling) stays as transformers ships it.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ..structure.layer_pattern import pattern_period, shorten_layers
@@ -60,6 +61,27 @@ REPAIRS: dict[str, Any] = {
     "moe_intermediate_size": 32,
     "n_shared_experts": 1,
 }
+# A linear-attention / SSM mixer's sizes, set together when the default config has every key and none
+# of the second (its config class checks they agree: Mamba2's heads x head width = expand x hidden).
+# Small chunks make the verify prompt cross the chunked scan's chunk boundary.
+MIXER_SIZES: tuple[tuple[dict[str, Any], tuple[str, ...]], ...] = (
+    # Mamba2 (its SSM heads are num_heads, the attention heads a shrunk verify model keeps: 4 x 16 = 64)
+    ({"state_size": 16, "num_heads": 4, "head_dim": 16, "expand": 1, "n_groups": 2, "chunk_size": 16}, ()),
+    # Nemotron-H
+    ({"ssm_state_size": 16, "mamba_num_heads": 4, "mamba_head_dim": 8, "n_groups": 2, "chunk_size": 16}, ()),
+    # Granite-4.0-H, Bamba: heads x width = mamba_expand x hidden (Falcon-H1 sizes its own: mamba_d_ssm)
+    (
+        {"mamba_d_state": 16, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_expand": 1,
+         "mamba_n_groups": 2, "mamba_chunk_size": 16},
+        ("mamba_d_ssm",),
+    ),  # fmt: skip
+    # KDA (Kimi-Linear, Bailing-hybrid)
+    ({"linear_num_heads": 2, "linear_head_dim": 8}, ()),
+)
+# Granite-4.0-H's and Bamba's defaults are all Mamba2 layers, which transformers cannot run with a cache
+# (its get_seq_length needs an attention layer); their published configs interleave attention. The tiny
+# stack of such a default keeps its second layer attention, through whichever key its class reads.
+ATTENTION_LAYOUT = {"layer_types": ["linear_attention", "full_attention"], "attn_layer_indices": [1]}
 # token ids must lie inside the tiny vocabulary
 TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 OTHER_SIZES: dict[str, Any] = {
@@ -138,6 +160,16 @@ def _shrink_text(config: Any) -> None:
     for key, value in TOKEN_IDS.items():
         if isinstance(_get(config, key), int):
             _set(config, key, value)
+    types = _get(config, "layer_types")
+    all_mamba = isinstance(types, list) and set(types) == {"linear_attention"}
+    if _get(config, "mamba_d_state") is not None and all_mamba:
+        for key, value in ATTENTION_LAYOUT.items():
+            if key in vars(config):
+                _set(config, key, value[: len(types)])
+    for sizes, unless in MIXER_SIZES:
+        if all(_get(config, key) is not None for key in sizes) and not any(_get(config, k) for k in unless):
+            for key, value in sizes.items():
+                _set(config, key, value)
 
 
 def tiny_config(model_type: str) -> dict[str, Any]:
@@ -155,8 +187,20 @@ def tiny_config(model_type: str) -> dict[str, Any]:
     _shrink_text(text)
     raw = config.to_dict()
     raw["model_type"] = model_type
+    section = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    for key in [k for k, v in section.items() if _non_finite(v)]:
+        del section[key]  # JSON has no infinity (Mamba2's time_step_limit [0, inf]): the class default stays
+    layers = _get(text, "num_hidden_layers")
+    if "num_hidden_layers" not in section and isinstance(layers, int):
+        section["num_hidden_layers"] = layers  # a property of Nemotron-H's class; published JSON states it
     _drop_layers_beyond(raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw)
     return raw
+
+
+def _non_finite(value: Any) -> bool:
+    """A float or a list holding one that is infinite or NaN."""
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return any(isinstance(v, float) and not math.isfinite(v) for v in values)
 
 
 def _drop_layers_beyond(text: dict[str, Any]) -> None:

@@ -10,7 +10,8 @@ would export the same architecture twice: half of the matrix's time.
 
 The spec is the guide's: gate and source, eager attention and ``batched_mm`` experts for export, and
 ``module_paths`` where the built model holds its decoder stack (the module with ``layers`` and an
-``embed_tokens``, else the causal LM's base model) and its LM head. The config is the model type's
+``embed_tokens``, else the causal LM's base model), its LM head and, where the stack names them
+otherwise, its embedding, final norm and rotary embedding. The config is the model type's
 own defaults made small (``tiny``), so apply and verify run in seconds.
 
 A row is ``adapted`` (apply wrote its files and verify passed), ``refused`` (a ``Refusal`` with its
@@ -67,7 +68,28 @@ def _module_paths(model: Any) -> dict[str, str]:
         if isinstance(child, ModuleList)
     )
     paths["language_layers"] = f"{paths['language_model']}.{next(found, 'layers')}".strip(".")
-    return paths
+    return {**paths, **(_stack_parts(stack) if stack is not None else {})}
+
+
+def _stack_parts(stack: Any) -> dict[str, str]:
+    """Where the stack keeps the parts the wrappers call, as ``module_paths`` keys, when not at
+    transformers' usual names (``STACK_PARTS``): its input embedding, its last direct child that is a
+    norm, a direct child that is a rotary embedding (Mamba2: ``embeddings``, ``norm_f``; Bamba:
+    ``final_layernorm``)."""
+    from ..spec.model import STACK_PARTS
+
+    children = list(stack.named_children())
+    embedding = stack.get_input_embeddings() if hasattr(stack, "get_input_embeddings") else None
+
+    def last(kind: str) -> str | None:  # the last direct child whose class name says it is a ``kind``
+        return next((name for name, c in reversed(children) if kind in type(c).__name__.lower()), None)
+
+    found = {
+        "embeddings": next((name for name, child in children if child is embedding), None),
+        "final_norm": last("norm"),
+        "rotary_embedding": last("rotary"),
+    }
+    return {key: name for key, name in found.items() if name and not hasattr(stack, STACK_PARTS[key])}
 
 
 def _has(model: Any, path: str) -> bool:
@@ -84,13 +106,7 @@ def write_spec(folder: Path, model_type: str, config: dict[str, Any], paths: dic
     (folder / model_type / "config.json").write_text(json.dumps(config, default=str))
     abi_config = "  config: text_config\n" if isinstance(config.get("text_config"), dict) else ""
     text = config["text_config"] if isinstance(config.get("text_config"), dict) else config
-    # the states besides key and value a stack's layers return, named as a user names them
-    types = text.get("layer_types") or []
-    states, past = ("", "")
-    if "linear_attention" in types:  # a linear layer's conv and recurrent state, as a user writes them
-        states, past = ', "c.{layer}", "r.{layer}"', ', "pc.{layer}", "pr.{layer}"'
-    elif "indexed_attention" in types:  # a DSA layer's indexer keys
-        states, past = ', "i.{layer}"', ', "pi.{layer}"'
+    states, past = _state_templates(text)
     spec = folder / f"{model_type.replace('-', '_')}.yaml"
     spec.write_text(
         textwrap.dedent(
@@ -130,6 +146,24 @@ def write_spec(folder: Path, model_type: str, config: dict[str, Any], paths: dic
         )
     )
     return spec
+
+
+def _state_templates(text: dict[str, Any]) -> tuple[str, str]:
+    """The states besides key and value a stack's layers return, and take back, named as a user names
+    them: a linear layer's conv and recurrent state, a DSA layer's indexer keys (none when the config
+    says neither, or is refused: the trial reports that where apply raises it)."""
+    from ..errors import KadaptError
+    from ..structure.derive import derive_structure
+
+    try:
+        kinds = set(derive_structure(text).layer_kinds)
+    except KadaptError:
+        return "", ""
+    if "linear" in kinds:
+        return ', "c.{layer}", "r.{layer}"', ', "pc.{layer}", "pr.{layer}"'
+    if "indexed" in kinds:
+        return ', "i.{layer}"', ', "pi.{layer}"'
+    return "", ""
 
 
 def _one_line(text: str, limit: int = 300) -> str:

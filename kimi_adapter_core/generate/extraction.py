@@ -251,6 +251,7 @@ def render_extraction(spec: Spec) -> list[Rendered]:
         },
         "file_prefix": backend.get("file_prefix") or spec.name,
         "module_paths": {k: spec.module_paths[k] for k in ("language_model", "lm_head")},
+        "stack_parts": dict(spec.stack_parts().stated),  # {}: transformers' usual names
         "source_config": _source_config(spec),
         "runtime": {
             "imports": list(

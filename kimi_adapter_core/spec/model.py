@@ -9,7 +9,7 @@ stages (apply, generate) can point back at the spec line through ``Spec.locate``
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -192,6 +192,48 @@ class Abi:
     kv_cache: KvCacheAbi = KvCacheAbi()
 
 
+# The decoder stack's parts the prefill/decode wrappers call, by ``module_paths`` key, at the paths
+# (relative to ``module_paths.language_model``) where transformers' decoder models keep them; a spec
+# names another path where a family differs (Mamba2: ``embeddings``, ``norm_f``). The layers are
+# ``module_paths.language_layers``; a stack without a rotary embedding (NoPE, SSM) runs without one.
+STACK_PARTS = {"embeddings": "embed_tokens", "final_norm": "norm", "rotary_embedding": "rotary_emb"}
+_PART_ROLES = {
+    "embeddings": "token embedding",
+    "final_norm": "norm after the last decoder layer",
+    "rotary_embedding": "rotary embedding",
+}
+
+
+@dataclass(frozen=True)
+class StackParts:
+    """Where the decoder stack keeps the parts the wrappers call: the paths the spec states
+    (``stated``, key -> path) over ``STACK_PARTS``' defaults. ``locations`` is the spec line of each key
+    (``module_paths`` itself for one left to its default), so a refusal points at the key that fixes it."""
+
+    stated: Mapping[str, str] = field(default_factory=dict)
+    locations: Mapping[str, str] = field(default_factory=dict, compare=False)
+
+    def path(self, key: str) -> str:
+        """The path of part ``key`` relative to the language model."""
+        return self.stated.get(key, STACK_PARTS[key])
+
+    def where(self, key: str) -> str | None:
+        return self.locations.get(key)
+
+    def missing(self, stack: Any, key: str) -> str:
+        """Why the wrappers cannot call part ``key`` of ``stack`` (a torch module): the path, the
+        ``module_paths`` key that would fix it and the children the stack does have."""
+        name, has = type(stack).__name__, ", ".join(n for n, _ in stack.named_children()) or "none"
+        if key not in STACK_PARTS:  # the layers: one fixed name
+            return f"{name} has no {key} (its children: {has}); the prefill/decode wrappers call its {key}"
+        default = "" if key in self.stated else ", by default"
+        return (
+            f"{name} has no {self.path(key)} (module_paths.{key}{default}, relative to "
+            f"module_paths.language_model); its children: {has}. The prefill/decode wrappers call the "
+            f"stack's {_PART_ROLES[key]}: set module_paths.{key} to where {name} keeps it"
+        )
+
+
 @dataclass(frozen=True)
 class Spec:
     """One adapter spec. ``raw`` is the validated YAML mapping, kept for generators and docs."""
@@ -221,6 +263,13 @@ class Spec:
 
     def backend_options(self, backend: str) -> dict[str, Any]:
         return dict(self.backends.get(backend) or {})
+
+    def stack_parts(self) -> StackParts:
+        """The decoder stack's parts as ``module_paths`` names them, with transformers' usual names for
+        the rest."""
+        stated = {key: self.module_paths[key] for key in STACK_PARTS if key in self.module_paths}
+        where = {key: f"module_paths.{key}" if key in stated else "module_paths" for key in STACK_PARTS}
+        return StackParts(stated, {key: self.locate(at) for key, at in where.items()})
 
     @property
     def entry_ids(self) -> tuple[str, ...]:

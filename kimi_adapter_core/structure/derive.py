@@ -24,6 +24,7 @@ from ..resources import package_file
 from ..spec.model import Spec
 from . import bounds
 from .indexer_of import indexer_of
+from .layer_pattern import layout_types
 from .linear_of import linear_of
 from .model import (
     ATTENTION_KINDS,
@@ -263,6 +264,8 @@ def _spans(read: Reader, num_layers: int) -> list[tuple[str, int | None]]:
     if read.get("use_sliding_window", True) is False:
         window = None
     types = read.get("layer_types")
+    if types is None:
+        types = layout_types(read.raw, num_layers, read.get("mamba_state_size") is not None)
     if types is not None:
         if len(types) < num_layers:
             raise KadaptError(
@@ -335,10 +338,20 @@ def _refuse_unmodelled_layers(read: Reader, spec: Spec | None) -> None:
             raise Refusal(
                 "hybrid",
                 f"{read.where} sets {key}, which only models with non-attention layers (SSM, linear "
-                "attention, recurrence, convolution) have; kadapt carries KV caches and gated-DeltaNet "
-                "linear-attention states (conv window, recurrent state), and this layer keeps another state",
+                "attention, recurrence, convolution) have; kadapt carries KV caches and gated-DeltaNet, KDA "
+                "and Mamba2 states (conv window, recurrent state), and this layer keeps another state",
                 location=_locate(spec, "gate"),
             )
+    state = read.peek("mamba_state_size")
+    if state is not None and read.peek("mamba_num_heads") is None:
+        raise Refusal(
+            "hybrid",
+            f"{read.where} sets {state[0]} but no SSM heads "
+            f"({', '.join(read.candidates['mamba_num_heads'])}): "
+            "a Mamba1 selective scan, whose state is one per channel; kadapt carries KV caches and gated-"
+            "DeltaNet, KDA and Mamba2 states",
+            location=_locate(spec, "gate"),
+        )
     # a config object with one refuses global reads of its per-layer keys (``Reader.raw``); JSON keeps it
     if isinstance(read.config, Mapping) and read.config.get("per_layer_config"):
         raise Refusal(

@@ -6,7 +6,7 @@ The tiny verify models and ``validate --resolve`` keep a whole period of a model
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 
@@ -33,3 +33,23 @@ def shorten_layers(section: Mapping[str, Any], total: int, keep: int) -> dict[st
         for key, value in section.items()
         if isinstance(value, list) and len(value) == total and key != "architectures"
     }
+
+
+# Nemotron-H's older ``hybrid_override_pattern``, one letter per layer (its config class builds
+# ``layers_block_type`` from it): Mamba2, attention, MLP and MoE blocks
+PATTERN_LETTERS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+
+
+def layout_types(raw: Callable[[str], Any], num_layers: int, ssm: bool) -> list[Any] | None:
+    """Each layer's type from a layout a raw ``config.json`` keeps instead of a ``layer_types`` list,
+    as the config classes build the list: Nemotron-H's ``hybrid_override_pattern``; with SSM sizes
+    (``ssm``) and no list, every layer Mamba2 but Bamba's ``attn_layer_indices`` (Mamba2's own config:
+    all of them). None: the config has no such layout."""
+    pattern = raw("hybrid_override_pattern")
+    if isinstance(pattern, str):
+        return [PATTERN_LETTERS.get(letter, letter) for letter in pattern]
+    if not ssm:
+        return None
+    attending = raw("attn_layer_indices")
+    attending = set(attending) if isinstance(attending, list) else set()
+    return ["full_attention" if i in attending else "linear_attention" for i in range(num_layers)]

@@ -121,7 +121,17 @@ class Layer:
     mlp: str  # dense | moe
 
 
-LINEAR_KINDS = ("gated_delta_net",)
+# Linear-attention / SSM mixers kadapt sizes (``linear_of.MIXERS`` reads each from its config keys), and
+# the axes of each one's recurrent state per request (None: a short convolution keeps no such state).
+# The geometry is one for all: a mixer reads ``key_heads`` x ``key_dim`` query/key features and
+# ``value_heads`` x ``value_dim`` value features through one causal depthwise convolution; Mamba2's B/C
+# groups are its key heads and its state size their width, the way SSD reads them as attention.
+RECURRENT_AXES: dict[str, tuple[str, ...] | None] = {
+    "gated_delta_net": ("value_heads", "key_dim", "value_dim"),
+    "kda": ("value_heads", "key_dim", "value_dim"),
+    "mamba2": ("value_heads", "value_dim", "key_dim"),
+}
+LINEAR_KINDS = tuple(RECURRENT_AXES)
 
 
 @dataclass(frozen=True)
@@ -144,12 +154,14 @@ class Indexer:
 
 @dataclass(frozen=True)
 class LinearAttention:
-    """The linear-attention mixer of a hybrid stack's ``linear`` layers (gated DeltaNet: Qwen3-Next,
-    Qwen3.5): query/key heads of ``key_head_dim``, value heads of ``value_head_dim``, a causal
-    depthwise convolution of ``conv_kernel`` over the projected q, k and v. What it keeps per request
-    is fixed-size: the conv window and the recurrent state (``states.py``)."""
+    """The linear-attention / SSM mixer of a hybrid stack's ``linear`` layers: ``kind`` (``RECURRENT_AXES``)
+    and the sizes its states follow from. Gated DeltaNet (Qwen3-Next, Qwen3.5) has query/key heads of
+    ``key_head_dim`` and value heads of ``value_head_dim``; KDA (Kimi-Linear) as many of each; Mamba2
+    ``num_key_heads`` B/C groups of ``key_head_dim`` (the SSM state size) and ``num_value_heads`` heads of
+    ``value_head_dim``. What it keeps
+    per request is fixed-size: the conv window over all of them and the recurrent state (``states.py``)."""
 
-    kind: str  # gated_delta_net
+    kind: str  # LINEAR_KINDS
     num_key_heads: int
     num_value_heads: int
     key_head_dim: int
@@ -157,26 +169,60 @@ class LinearAttention:
     conv_kernel: int
 
     @property
-    def conv_state(self) -> ConvState:
-        """The conv window: its channels are the projected q, k (key heads) and v (value heads)."""
+    def conv(self) -> ConvState:
+        """The conv window: its channels are the projected queries and keys and the values."""
         channels = 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
         return ConvState(channels, self.conv_kernel)
 
     @property
+    def recurrent(self) -> RecurrentState | None:
+        """The recurrent state in the kind's axis order (None: a short convolution keeps none)."""
+        axes = RECURRENT_AXES[self.kind]
+        if axes is None:
+            return None
+        sizes = {
+            "value_heads": self.num_value_heads,
+            "key_dim": self.key_head_dim,
+            "value_dim": self.value_head_dim,
+        }
+        return RecurrentState(tuple(sizes[axis] for axis in axes))
+
+    @property
+    def conv_state(self) -> ConvState:
+        return self.conv
+
+    @property
     def recurrent_state(self) -> RecurrentState:
-        return RecurrentState((self.num_value_heads, self.key_head_dim, self.value_head_dim))
+        """The recurrent state of a mixer that keeps one (gated DeltaNet, KDA, Mamba2)."""
+        recurrent = self.recurrent
+        if recurrent is None:
+            raise ValueError(f"a {self.kind} mixer keeps no recurrent state")
+        return recurrent
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        """The states a layer of this mixer carries, in ABI order: ``conv`` and, but for a short
+        convolution, ``recurrent``."""
+        return ("conv",) if self.recurrent is None else ("conv", "recurrent")
 
     def state_bytes_per_request(self, abi_dtype_bytes: int) -> int:
         """Bytes one linear layer keeps per request, whatever the context length."""
-        return self.conv_state.bytes_per_request(abi_dtype_bytes) + self.recurrent_state.bytes_per_request(
-            abi_dtype_bytes
-        )
+        recurrent = self.recurrent
+        extra = recurrent.bytes_per_request(abi_dtype_bytes) if recurrent is not None else 0
+        return self.conv.bytes_per_request(abi_dtype_bytes) + extra
 
     def describe(self) -> str:
-        return (
-            f"gated DeltaNet {self.num_key_heads}x{self.key_head_dim} key / {self.num_value_heads}x"
-            f"{self.value_head_dim} value heads, conv {self.conv_kernel}"
-        )
+        return MIXER_TEXT[self.kind].format(**asdict(self))
+
+
+# How ``describe`` names each mixer, from its sizes
+MIXER_TEXT = {
+    "gated_delta_net": "gated DeltaNet {num_key_heads}x{key_head_dim} key / "
+    "{num_value_heads}x{value_head_dim} value heads, conv {conv_kernel}",
+    "kda": "KDA {num_value_heads}x{value_head_dim} heads, conv {conv_kernel}",
+    "mamba2": "Mamba2 SSM {num_value_heads}x{value_head_dim} heads, state {key_head_dim}, {num_key_heads} "
+    "groups, conv {conv_kernel}",
+}
 
 
 PER_LAYER_TYPE = "per_layer_type"  # Rope.type when the config keeps one rope per layer type

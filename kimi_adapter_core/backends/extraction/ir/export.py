@@ -15,6 +15,7 @@ import inspect
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from torch.export import ExportedProgram
 
 from .... import upstream
 from ....errors import KadaptError, Refusal
+from ....spec.model import STACK_PARTS, StackParts
 from ..names import FIXED_ROLES, GraphNames
 from ..options import MERGED, ExtractionOptions
 from ..runtime import abi as runtime
@@ -37,6 +39,7 @@ class Backbone:
     model: nn.Module
     language_model: nn.Module
     lm_head: nn.Module
+    parts: StackParts = StackParts()  # where the stack keeps its embedding, final norm, rotary embedding
 
     @property
     def config(self) -> Any:
@@ -51,7 +54,6 @@ class Backbone:
         return next(self.language_model.parameters()).device
 
 
-STACK = ("embed_tokens", "layers", "norm", "rotary_emb")  # what the wrappers call on the decoder stack
 # what a decoder layer's forward may take: the wrappers pass the first five (and the cache under its
 # keyword); any other named input is something the model's forward computes and the wrappers do not
 LAYER_INPUTS = frozenset(
@@ -62,22 +64,22 @@ LAYER_INPUTS = frozenset(
 NON_ATTENTION = ("Mamba", "Mixer", "Linear", "Conv", "Recurrent", "DeltaNet", "Rwkv", "Lstm")
 
 
+def check_parts(backbone: Backbone) -> None:
+    """Refuse (``stack-layout``) a stack without ``layers`` or a part where ``backbone.parts`` says it is."""
+    stack, parts = backbone.language_model, backbone.parts
+    for key in ("layers", *STACK_PARTS):
+        try:
+            runtime.stack_part(stack, key, parts.stated) if key in STACK_PARTS else stack.get_submodule(key)
+        except AttributeError:
+            raise Refusal("stack-layout", parts.missing(stack, key), location=parts.where(key)) from None
+
+
 def check_stack(backbone: Backbone, kinds: Sequence[str] | None = None) -> None:
-    """Refuse a decoder stack the wrappers cannot drive: no ``embed_tokens``/``layers``/``norm``/
-    ``rotary_emb`` (GPT-NeoX, GPT-2, Falcon, Phi layouts: ``stack-layout``), or layers without a
-    ``self_attn`` that knows its ``layer_idx`` (``hybrid`` when they mix tokens another way), where
-    ``kinds`` (each layer's kind; None: all attention) says a layer is attention; a ``linear`` layer
-    needs a ``linear_attn`` that knows its ``layer_idx``."""
+    """Refuse a stack the wrappers cannot drive: parts missing (``check_parts``, GPT-2, Falcon, Phi), or a
+    layer without the mixer of its kind (``kinds``; None: all attention; ``runtime.MIXER_ATTRIBUTES``) that
+    knows its ``layer_idx`` (``hybrid`` when it mixes tokens another way)."""
+    check_parts(backbone)
     stack = backbone.language_model
-    name = type(stack).__name__
-    missing = [attr for attr in STACK if not hasattr(stack, attr)]
-    if missing:
-        has = ", ".join(n for n, _ in stack.named_children())
-        raise Refusal(
-            "stack-layout",
-            f"{name} has no {', '.join(missing)} (its children: {has}); the prefill/decode wrappers call a "
-            f"decoder stack's {', '.join(STACK)}",
-        )
     for index, layer in enumerate(backbone.layers):
         params = inspect.signature(inspect.unwrap(type(layer).forward)).parameters
         extra = [
@@ -92,13 +94,18 @@ def check_stack(backbone: Backbone, kinds: Sequence[str] | None = None) -> None:
                 f"{type(stack).__name__}'s forward computes and the prefill/decode wrappers do not",
             )
         if kinds is not None and kinds[index] == "linear":
-            mixer = getattr(layer, "linear_attn", None)
-            if mixer is not None and getattr(mixer, "layer_idx", None) == index:
+            names = runtime.MIXER_ATTRIBUTES["linear"]
+            try:
+                mixer: nn.Module | None = runtime.mixer_of(layer, "linear")
+            except ValueError:
+                mixer = None
+            if getattr(mixer, "layer_idx", None) == index:
                 continue
             raise Refusal(
                 "hybrid",
                 f"{type(layer).__name__} (layer {index}) is a linear-attention layer by the config, but has "
-                f"no linear_attn whose layer_idx is {index}: kadapt addresses its states by that index",
+                f"no mixer ({', '.join(names)}) whose layer_idx is {index}: kadapt addresses its states by "
+                "that index",
             )
         attention = getattr(layer, "self_attn", None)
         if attention is not None and getattr(attention, "layer_idx", None) == index:
@@ -122,6 +129,14 @@ def check_stack(backbone: Backbone, kinds: Sequence[str] | None = None) -> None:
             f"{type(layer).__name__} (layer {index}) has {found} (children: {', '.join(others)}); the KV "
             "cache is addressed by each self_attn's layer_idx",
         )
+
+
+def probed_stack(language_model: nn.Module, parts: StackParts) -> Any:
+    """The stack as upstream's probes read it: its ``rotary_emb`` the rotary embedding the spec names."""
+    if "rotary_embedding" not in parts.stated:
+        return language_model
+    rotary = runtime.stack_part(language_model, "rotary_embedding", parts.stated)
+    return SimpleNamespace(layers=language_model.layers, config=language_model.config, rotary_emb=rotary)
 
 
 def check_exportable(backbone: Backbone) -> None:
@@ -154,22 +169,22 @@ def wrapper_for(kind: str, backbone: Backbone, options: ExtractionOptions, num_l
         extra["image_token_id"] = merged.image_token_id
     if kind == "decode" and options.paged is not None:
         extra["paged"] = True
+    probed = probed_stack(backbone.language_model, backbone.parts)
     return (
         classes[kind]
         .from_language_model(
             backbone.language_model,
             backbone.lm_head,
             kv_layout=options.kv_layout,
-            cache_keyword=upstream.decoder_protocol(
-                backbone.language_model, options.layer_kinds
-            ).cache_keyword,
+            cache_keyword=upstream.decoder_protocol(probed, options.layer_kinds).cache_keyword,
             num_layers=num_layers,
             layer_kinds=options.layer_kinds,
             mla_attention=options.mla_attention,
             windows=options.windows,
             embedding_ops=options.structure.outside_ops("embeddings") if options.structure else (),
             logit_ops=options.structure.outside_ops("logits") if options.structure else (),
-            rope_layer_types=upstream.rope_layer_types(backbone.language_model),
+            rope_layer_types=upstream.rope_layer_types(probed),
+            parts=backbone.parts.stated,
             **extra,
         )
         .eval()

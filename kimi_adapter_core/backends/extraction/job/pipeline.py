@@ -40,6 +40,7 @@ from ..ir.export import (
     exports_together,
     graph_names,
     load_export_machinery,
+    probed_stack,
     to_graph,
 )
 from ..ir.graph import Graph
@@ -82,7 +83,9 @@ class Clock:
 def backbone_of(spec: Spec, model: nn.Module) -> Backbone:
     from ....loading import submodule
 
-    return Backbone(model, submodule(model, spec, "language_model"), submodule(model, spec, "lm_head"))
+    return Backbone(
+        model, submodule(model, spec, "language_model"), submodule(model, spec, "lm_head"), spec.stack_parts()
+    )
 
 
 def bound_to(spec: Spec, backbone: Backbone, options: ExtractionOptions) -> ExtractionOptions:
@@ -256,7 +259,9 @@ def prepare(
         dtype = getattr(torch, options.dtype)
         cast_to_abi_dtype(model, [backbone.language_model, backbone.lm_head], dtype)
         with uncounted():  # the layers themselves, before any export (a check, not an artifact)
-            protocol = upstream.decoder_protocol(backbone.language_model, options.layer_kinds)
+            protocol = upstream.decoder_protocol(
+                probed_stack(backbone.language_model, backbone.parts), options.layer_kinds
+            )
         check_kv_dims(options, protocol)
         options = dataclasses.replace(options, linear_states=protocol.linear_states)
         # the expanded layout caches expand_kv's output and absorbed MLA runs the attention's projections

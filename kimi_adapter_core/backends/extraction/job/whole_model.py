@@ -1,6 +1,7 @@
 """Before anything is exported: the ABI wrappers compute what the model's own forward computes.
 
-The wrappers call ``embed_tokens``, the decoder layers, ``norm`` and ``lm_head`` themselves. Whatever a
+The wrappers call the embedding, the decoder layers, the final norm (``embed_tokens`` and ``norm``, or
+where the spec's ``module_paths`` put them) and ``lm_head`` themselves. Whatever a
 family does outside them (an embedding normaliser, a logit scale, soft-capping, a second rotary
 embedding) would be lost without a trace, and no config key has to announce it. So before exporting,
 kadapt runs both on a tiny random model of the spec's architecture (the ``--verify`` model, every
@@ -26,6 +27,7 @@ from .... import upstream
 from ....errors import Refusal
 from ....spec.model import Spec
 from ....structure.derive import derive_structure
+from ..ir.export import probed_stack
 from ..options import ExtractionOptions
 from ..runtime import abi as runtime
 
@@ -78,17 +80,20 @@ def _check(spec: Spec, options: ExtractionOptions) -> None:
     lm_head = submodule(model, spec, "lm_head")
     layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
     structure = derive_structure(language_model.config, spec)
+    parts = spec.stack_parts()
+    probed = probed_stack(language_model, parts)
     wrapper = runtime.PrefillWrapper.from_language_model(
         language_model,
         lm_head,
         kv_layout=options.kv_layout or structure.attention.default_kv_layout,
-        cache_keyword=upstream.decoder_protocol(language_model, structure.layer_kinds).cache_keyword,
+        cache_keyword=upstream.decoder_protocol(probed, structure.layer_kinds).cache_keyword,
         mla_attention=options.mla_attention,
         layer_kinds=structure.layer_kinds,
         windows=structure.windows,
         embedding_ops=structure.outside_ops("embeddings"),
         logit_ops=structure.outside_ops("logits"),
-        rope_layer_types=upstream.rope_layer_types(language_model),
+        rope_layer_types=upstream.rope_layer_types(probed),
+        parts=parts.stated,
     )
     ids = torch.randint(3, structure.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(3))
     _, mask, positions = runtime.prefill_inputs(
@@ -124,17 +129,21 @@ def _check(spec: Spec, options: ExtractionOptions) -> None:
             ) from exc
         if _close(ours, reference):
             return
-        embeddings = runtime.apply_ops(language_model.embed_tokens(ids), structure.outside_ops("embeddings"))
-        head = runtime.apply_ops(lm_head(language_model.norm(seen["last"])), structure.outside_ops("logits"))
+        embed = language_model.get_submodule(parts.path("embeddings"))
+        norm = language_model.get_submodule(parts.path("final_norm"))
+        embeddings = runtime.apply_ops(embed(ids), structure.outside_ops("embeddings"))
+        head = runtime.apply_ops(lm_head(norm(seen["last"])), structure.outside_ops("logits"))
     name = type(model).__name__
     code = "outside-layers"
     if not _close(embeddings, seen["first"]):
         where = (
-            f"the embeddings: {name}'s forward hands the first decoder layer embed_tokens(input_ids) "
+            f"the embeddings: {name}'s forward hands the first decoder layer "
+            f"{parts.path('embeddings')}(input_ids) "
             f"{_ratio(embeddings, seen['first'])}"
         )
     elif not _close(head, reference):
-        where = f"the head: {name}'s logits are lm_head(norm(hidden)) {_ratio(head, reference)}"
+        norm_path = parts.path("final_norm")
+        where = f"the head: {name}'s logits are lm_head({norm_path}(hidden)) {_ratio(head, reference)}"
     else:
         code = "stack-differs"
         where = f"the decoder stack: {name}'s layers give other hidden states when its own forward calls them"

@@ -55,7 +55,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -260,8 +260,14 @@ LAYER_STATES = {
 }
 # States of one fixed size per request (no sequence dimension): never placed by position, never paged.
 FIXED_ROLES = ("conv", "recurrent")
-# Where a decoder layer keeps its token mixer, by layer kind (the mixer carries ``layer_idx``).
-MIXER_ATTRIBUTES = {"attention": ("self_attn",), "linear": ("linear_attn",), "indexed": ("self_attn",)}
+# Where a decoder layer keeps its token mixer, by layer kind (the mixer carries ``layer_idx``): gated
+# DeltaNet in ``linear_attn``, Mamba2 in ``mixer`` (Mamba2, Nemotron-H) or ``mamba`` (Granite-4.0-H,
+# Bamba), KDA in ``self_attn`` (Kimi-Linear, Bailing-hybrid), a short convolution in ``conv`` (LFM2).
+MIXER_ATTRIBUTES = {
+    "attention": ("self_attn",),
+    "linear": ("linear_attn", "mixer", "mamba", "conv", "self_attn"),
+    "indexed": ("self_attn",),
+}
 
 
 def mixer_of(layer: nn.Module, kind: str) -> nn.Module:
@@ -292,7 +298,11 @@ class StaticStateCache:
 
     ``is_recording_past`` answers True, which sends a linear layer's single-token decode down its
     out-of-place path (``update_conv_state`` returns the window plus the new token and the layer
-    convolves it) instead of ``causal_conv1d_update``, which would write the conv state in place.
+    convolves it) instead of ``causal_conv1d_update``, which would write the conv state in place. Not
+    every mixer asks or updates: a Mamba2 decode writes its recurrent state in place
+    (``selective_state_update``), a KDA decode its conv window. So ``get_*_state`` hands out a clone of
+    the past state and records that clone as the layer's present; an ``update_*`` replaces it. The
+    graph never mutates an input, and every present is returned.
 
     Anything else the layers read does not exist here, so a layer that needs more fails at trace time.
     """
@@ -369,13 +379,22 @@ class StaticStateCache:
         slot = self._slot[layer_idx]
         return self._past[slot][LAYER_STATES[self.kinds[slot]].index(name)]
 
+    def _owned_state(self, layer_idx: int, name: str) -> torch.Tensor | None:
+        """A clone of the layer's past ``name`` state, recorded as its present: a layer that writes it in
+        place writes its present, never the graph input (None in prefill: no previous state)."""
+        past = self._past_state(layer_idx, name)
+        if past is None:
+            return None
+        self.present[self._slot[layer_idx]][name] = owned = past.clone()
+        return owned
+
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         """The layer's convolution window ``[B, channels, kernel]`` (None in prefill: no previous state)."""
-        return self._past_state(layer_idx, "conv")
+        return self._owned_state(layer_idx, "conv")
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         """The layer's recurrent state (None in prefill: the layer starts from zeros)."""
-        return self._past_state(layer_idx, "recurrent")
+        return self._owned_state(layer_idx, "recurrent")
 
     def is_recording_past(self, layer_idx: int) -> bool:
         """True: keeps a single-token decode on the layer's out-of-place convolution path."""
@@ -440,6 +459,27 @@ class StaticStateCache:
         return flat
 
 
+# The parts of a decoder stack the wrappers call, by role, where transformers' decoder models keep them
+# (relative to the stack); a spec's ``module_paths.embeddings`` / ``final_norm`` / ``rotary_embedding``
+# name others.
+STACK_PARTS = {"embeddings": "embed_tokens", "final_norm": "norm", "rotary_embedding": "rotary_emb"}
+
+
+def stack_part(
+    language_model: nn.Module, role: str, parts: Mapping[str, str] | None = None
+) -> nn.Module | None:
+    """The stack's ``role`` part at the path ``parts`` names (else ``STACK_PARTS``'); None for a rotary
+    embedding the stack does not have and ``parts`` does not name (NoPE, SSM stacks)."""
+    parts = parts or {}
+    path = parts.get(role, STACK_PARTS[role])
+    try:
+        return language_model.get_submodule(path)
+    except AttributeError:
+        if role == "rotary_embedding" and role not in parts:
+            return None
+        raise
+
+
 class _TextStack(nn.Module):
     """Embedding, a run of decoder layers, final norm and LM head, called layer by layer."""
 
@@ -448,7 +488,7 @@ class _TextStack(nn.Module):
         embed_tokens: nn.Module,
         layers: Sequence[nn.Module],
         norm: nn.Module,
-        rotary_emb: nn.Module,
+        rotary_emb: nn.Module | None,
         lm_head: nn.Module,
         *,
         kv_layout: str,
@@ -507,9 +547,11 @@ class _TextStack(nn.Module):
         logit_ops: OpList = (),
         rope_layer_types: Sequence[str] | None = None,
         layer_kinds: Sequence[str] | None = None,
+        parts: Mapping[str, str] | None = None,
         **extra: Any,
     ) -> _TextStack:
-        """Wrap a transformers decoder model (``embed_tokens``/``layers``/``norm``/``rotary_emb``).
+        """Wrap a transformers decoder model (``embed_tokens``/``layers``/``norm``/``rotary_emb``, or the
+        paths ``parts`` gives by role: ``STACK_PARTS``).
 
         ``cache_keyword`` is the keyword the decoder layers take the cache under (``past_key_values`` or
         ``cache``: ``upstream.probe_decoder_layers`` finds it); ``num_layers`` keeps only the first
@@ -519,16 +561,17 @@ class _TextStack(nn.Module):
         ``rope_layer_types`` each layer's type for a rotary embedding that takes one (``rotary_emb(x,
         position_ids, layer_type)``: Gemma-3, OLMo-3), indexed by layer;
         ``layer_kinds`` each layer's kind (``LAYER_STATES``: ``attention`` or ``linear``), indexed by layer;
+        ``parts`` where the stack keeps a part under another name (``{"final_norm": "norm_f"}``);
         ``extra`` goes to the wrapper's constructor (``image_token_id`` of ``MultimodalPrefillWrapper``).
         """
         layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
         if num_layers is not None:
             layers = layers[:num_layers]
         return cls(
-            language_model.embed_tokens,
+            stack_part(language_model, "embeddings", parts),
             layers,
-            language_model.norm,
-            language_model.rotary_emb,
+            stack_part(language_model, "final_norm", parts),
+            stack_part(language_model, "rotary_embedding", parts),  # None: a stack without rope
             lm_head,
             kv_layout=kv_layout,
             cache_keyword=cache_keyword,
@@ -559,7 +602,9 @@ class _TextStack(nn.Module):
     ) -> tuple[torch.Tensor, ...]:
         """The layers, final norm and LM head over input embeddings ``hidden_states`` ``[B, Q, hidden]``."""
         hidden_states = apply_ops(hidden_states, self.embedding_ops)
-        if self.rope_layer_types is None:
+        if self.rotary_emb is None:  # no rope: positions reach the layers only through the mask and cache
+            position_embeddings = [None] * len(self.layers)
+        elif self.rope_layer_types is None:
             position_embeddings = [self.rotary_emb(hidden_states, position_ids)] * len(self.layers)
         else:
             by_type = {
