@@ -24,6 +24,8 @@ the scan as analytic ``linear_attention`` kernels (formulas in docs/cost_model.m
   not grow with the context, where an attention layer's KV read does.
 
 Bound to a recorder and a deployment per trace (``bind``), like the other serving kernels.
+``RankLinearMixer`` holds what every mixer kind shares (the conv, a scan's state traffic); the KDA
+and Mamba2 kernels are in ``ssm_kernels``.
 """
 
 from __future__ import annotations
@@ -68,7 +70,73 @@ def gated_delta_nets(layer: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(path, m) for path, m in layer.named_modules() if path and is_gated_delta_net(m)]
 
 
-class RankGatedDeltaNet(nn.Module):
+class RankLinearMixer(nn.Module):
+    """What every linear-attention / SSM mixer's serving kernels share (gated DeltaNet here, KDA and
+    Mamba2 in ``ssm_kernels``): bound to a recorder and a deployment per trace, a causal depthwise conv
+    over ``channels`` x ``kernel`` on this rank, and a scan whose fixed-size state a decode step reads
+    and writes once per request."""
+
+    kernel: int
+
+    def bind(self, rec: Recorder, dep: Deployment) -> None:
+        """Record the next forward into ``rec`` at the shapes of ``dep``."""
+        self.rec, self.dep = rec, dep
+
+    @property
+    def channels(self) -> int:
+        """Conv channels on this rank."""
+        raise NotImplementedError
+
+    def _attrs(self, source: str, b: int, s: int, hidden: int) -> dict[str, Any]:
+        """What the op carries for a cost model (the kernel's sizes on this rank)."""
+        raise NotImplementedError
+
+    def _record_conv(self, b: int, s: int, hidden: int) -> None:
+        """The causal depthwise conv over the new tokens (with its SiLU); decode: the window update."""
+        channels, kernel, tokens = self.channels, self.kernel, b * s
+        window = b * channels * kernel * ACTIVATION_BYTES
+        # prefill after a cached context reads the previous window; every step writes the new one
+        previous = window if self.dep.decode or self.dep.context_len else 0
+        nbytes = 2 * tokens * channels * ACTIVATION_BYTES + channels * kernel * ACTIVATION_BYTES
+        source = "causal_conv1d_update" if self.dep.decode else "causal_conv1d_fn"
+        self.rec.analytic(
+            source,
+            "linear_attention",
+            flops=2 * tokens * channels * kernel,
+            nbytes=nbytes + previous + window,
+            compute="vector",
+            shapes=f"B{b} q{s} C{channels} K{kernel}",
+            attrs=self._attrs(source, b, s, hidden),
+        )
+
+    def _record_scan(
+        self,
+        source: str,
+        compute: str,
+        flops: float,
+        io: float,
+        state: float,
+        shapes: str,
+        attrs: dict[str, Any],
+    ) -> None:
+        """A scan kernel: ``io`` bytes of activations and gates, and the float32 ``state`` bytes of the
+        batch read and written per decode step; a prefill writes it once (and reads it after a context)."""
+        if self.dep.decode:
+            nbytes = io + 2 * state  # read and write every request's state
+        else:
+            nbytes = io + state + (state if self.dep.context_len else 0)  # written; read after a context
+        self.rec.analytic(
+            source,
+            "linear_attention",
+            flops=flops,
+            nbytes=nbytes,
+            compute=compute,
+            shapes=shapes,
+            attrs=attrs,
+        )
+
+
+class RankGatedDeltaNet(RankLinearMixer):
     """A gated-DeltaNet mixer as serving runtimes run it, around the adopted module's projections
     (adopted, not patched: no class is modified). Called as transformers calls the mixer:
     ``(hidden_states, cache=None, attention_mask=None, **kwargs)`` -> the output hidden states."""
@@ -90,10 +158,6 @@ class RankGatedDeltaNet(nn.Module):
         self.kernel = int(inner.conv_kernel_size)
         self.bind(rec, dep)
 
-    def bind(self, rec: Recorder, dep: Deployment) -> None:
-        """Record the next forward into ``rec`` at the shapes of ``dep``."""
-        self.rec, self.dep = rec, dep
-
     @property
     def channels(self) -> int:
         """Conv channels on this rank: q and k of the key heads, v of the value heads."""
@@ -106,7 +170,7 @@ class RankGatedDeltaNet(nn.Module):
         # the output gate z: the tail of the fused qkvz (in its per-key-head layout: same bytes), or in_proj_z
         gate = projected[0][..., -value:] if len(projected) == 2 else projected[1]
         self._record_conv(b, s, hidden)
-        self._record_scan(b, s, hidden)
+        self._record_delta_rule(b, s, hidden)
         rows = (b * s * self.value_heads, self.value_dim)
         core = torch.empty(rows, dtype=hidden_states.dtype, device=hidden_states.device)
         normed = self.norm(core, gate.reshape(-1, self.value_dim))
@@ -128,43 +192,16 @@ class RankGatedDeltaNet(nn.Module):
             "value_dim": self.value_dim,
         }
 
-    def _record_conv(self, b: int, s: int, hidden: int) -> None:
-        """The causal depthwise conv over the new tokens (with its SiLU); decode: the window update."""
-        channels, kernel, tokens = self.channels, self.kernel, b * s
-        window = b * channels * kernel * ACTIVATION_BYTES
-        # prefill after a cached context reads the previous window; every step writes the new one
-        previous = window if self.dep.decode or self.dep.context_len else 0
-        nbytes = 2 * tokens * channels * ACTIVATION_BYTES + channels * kernel * ACTIVATION_BYTES
-        source = "causal_conv1d_update" if self.dep.decode else "causal_conv1d_fn"
-        self.rec.analytic(
-            source,
-            "linear_attention",
-            flops=2 * tokens * channels * kernel,
-            nbytes=nbytes + previous + window,
-            compute="vector",
-            shapes=f"B{b} q{s} C{channels} K{kernel}",
-            attrs=self._attrs(source, b, s, hidden),
-        )
-
-    def _record_scan(self, b: int, s: int, hidden: int) -> None:
+    def _record_delta_rule(self, b: int, s: int, hidden: int) -> None:
         """The gated delta rule: the chunked scan in prefill, the recurrent update in decode."""
         hk, hv, dk, dv, tokens = self.key_heads, self.value_heads, self.key_dim, self.value_dim, b * s
         io = tokens * (2 * hk * dk + 2 * hv * dv) * ACTIVATION_BYTES + tokens * 2 * hv * STATE_BYTES
-        state = b * hv * dk * dv * STATE_BYTES
         if self.dep.decode:
             source, compute = "fused_sigmoid_gating_delta_rule_update", "vector"
             flops = tokens * hv * 7 * dk * dv
-            nbytes = io + 2 * state  # read and write every request's state
         else:
             source, compute = "chunk_gated_delta_rule", SCAN_COMPUTE
             flops = tokens * hv * (6 * CHUNK * dk + 4 * CHUNK * dv + 6 * dk * dv)
-            nbytes = io + state + (state if self.dep.context_len else 0)  # written; read after a context
-        self.rec.analytic(
-            source,
-            "linear_attention",
-            flops=flops,
-            nbytes=nbytes,
-            compute=compute,
-            shapes=f"B{b} q{s} Hk{hk} Hv{hv} dk{dk} dv{dv}",
-            attrs=self._attrs(source, b, s, hidden),
-        )
+        state = b * hv * dk * dv * STATE_BYTES
+        shapes = f"B{b} q{s} Hk{hk} Hv{hv} dk{dk} dv{dv}"
+        self._record_scan(source, compute, flops, io, state, shapes, self._attrs(source, b, s, hidden))

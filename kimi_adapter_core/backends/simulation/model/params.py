@@ -3,8 +3,9 @@
 Counting from the ``ModelStructure`` (instead of instantiating the model) keeps ``kadapt plan``
 torch-free and instant, and works for every family the structure describes: MHA/GQA/MQA or MLA
 attention, dense and MoE MLPs (shared experts, a router bias for sigmoid routing), tied embeddings,
-and hybrid stacks: attention weights in the attention layers only, gated-DeltaNet weights in the
-linear ones (``_gated_delta_net``; the attention of those families is gated: ``_gated_attention``),
+and hybrid stacks: attention weights in the attention layers only, the mixer's weights in the linear
+ones (``LINEAR_TENSORS``: ``_gated_delta_net``, ``_kda``, ``_mamba2``; the attention of the
+gated-DeltaNet families is gated: ``_gated_attention``),
 and a DSA stack's indexer in its indexed layers (``_indexer``).
 
 Each group carries what sizing needs: how it is sharded, its native dtype, whether it is a linear
@@ -265,6 +266,91 @@ def _gated_delta_net(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]
     ]
 
 
+# KDA families whose decay and output gate are low-rank pairs (f_a_proj -> f_b_proj, g_a_proj -> g_b_proj,
+# ``A_log`` [1, 1, H, 1]); the others (Bailing-hybrid) project them at full rank (f_proj, g_proj; A_log [H])
+_LOW_RANK_KDA_GATES = ("kimi_linear",)
+
+
+def _kda(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
+    """Tensors of a KDA layer's ``self_attn`` under the model's own names (transformers 5.24
+    ``KimiLinearDeltaAttention`` / ``BailingHybridDeltaAttention``): q, k, v and the per-head beta
+    projections, the q/k/v depthwise conv (no bias), the per-channel decay (its projections, ``dt_bias``
+    one per channel, ``A_log`` one per head), the output gate, the per-head gated norm and ``o_proj``.
+    Split over TP by heads as vLLM shards them, except the low-rank halves (``f_a_proj``, ``g_a_proj``:
+    ``ReplicatedLinear``) and the norm, one head wide."""
+    lin, h = s.linear, s.hidden_size
+    assert lin is not None
+    heads, d = lin.num_value_heads, lin.value_head_dim
+    width = heads * d
+    proj: Tensors = [(f"self_attn.{n}_proj.weight", (width, h)) for n in "qkv"]
+    proj.append(("self_attn.b_proj.weight", (heads, h)))
+    if s.model_type in _LOW_RANK_KDA_GATES:
+        low_rank: Tensors = [
+            ("self_attn.forget_gate.f_a_proj.weight", (d, h)),
+            ("self_attn.g_a_proj.weight", (d, h)),
+        ]
+        gates: Tensors = [
+            ("self_attn.forget_gate.f_b_proj.weight", (width, d)),
+            ("self_attn.g_b_proj.weight", (width, d)),
+        ]
+        a_log: tuple[int, ...] = (1, 1, heads, 1)
+    else:
+        low_rank = []
+        gates = [("self_attn.forget_gate.f_proj.weight", (width, h)), ("self_attn.g_proj.weight", (width, h))]
+        a_log = (heads,)
+    decay: Tensors = [("self_attn.forget_gate.dt_bias", (width,)), ("self_attn.forget_gate.A_log", a_log)]
+    conv = lin.conv
+    rows: list[tuple[str, Tensors, Shard, bool]] = [
+        ("proj", proj, "tp", True),
+        ("conv1d", [("self_attn.conv1d.weight", (conv.channels, 1, conv.kernel))], "tp", False),
+        ("gates", gates, "tp", True),
+        ("decay", decay, "tp", False),
+        ("o_norm", [("self_attn.o_norm.weight", (d,))], "replicated", False),
+        ("o_proj", [("self_attn.o_proj.weight", (h, width))], "tp", True),
+    ]
+    if low_rank:
+        rows.append(("gates_low_rank", low_rank, "replicated", True))
+    return rows
+
+
+# Mamba2 families whose decoder layer calls its mixer ``mamba`` (the others, Mamba2 and Nemotron-H: ``mixer``)
+_MAMBA_ATTRIBUTE = ("granitemoehybrid", "bamba")
+
+
+def _mamba2(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
+    """Tensors of a Mamba2 layer's mixer under the model's own names (transformers 5.24 ``Mamba2Mixer``,
+    ``NemotronHMamba2Mixer``, ``BambaMixer``, ``GraniteMoeHybridMambaLayer``): ``in_proj`` to z, x, B, C
+    and dt (I + I + 2 G N + H rows, I = H P), the depthwise conv over x, B and C with its bias (every
+    family's default), ``dt_bias``, ``A_log`` and ``D`` per head, the gated norm over I and ``out_proj``.
+    All split over TP by heads and groups as vLLM's ``MambaMixer2`` shards them (the norm too: its
+    groups are whole on a rank). Projection biases (off in every shipped config) are not counted."""
+    lin, h = s.linear, s.hidden_size
+    assert lin is not None
+    inner = lin.num_value_heads * lin.value_head_dim
+    conv, heads = lin.conv, lin.num_value_heads
+    mixer = "mamba" if s.model_type in _MAMBA_ATTRIBUTE else "mixer"
+    conv_tensors: Tensors = [
+        (f"{mixer}.conv1d.weight", (conv.channels, 1, conv.kernel)),
+        (f"{mixer}.conv1d.bias", (conv.channels,)),
+    ]
+    return [
+        ("in_proj", [(f"{mixer}.in_proj.weight", (inner + conv.channels + heads, h))], "tp", True),
+        ("conv1d", conv_tensors, "tp", False),
+        ("decay", [(f"{mixer}.{n}", (heads,)) for n in ("dt_bias", "A_log", "D")], "tp", False),
+        ("norm", [(f"{mixer}.norm.weight", (inner,))], "tp", False),
+        ("out_proj", [(f"{mixer}.out_proj.weight", (h, inner))], "tp", True),
+    ]
+
+
+# Per linear-attention kind: the tensors of one linear layer, and the prefix of their group names
+LINEAR_TENSORS = {
+    "gated_delta_net": (_gated_delta_net, "linear_attn"),
+    "kda": (_kda, "kda"),
+    "mamba2": (_mamba2, "mamba2"),
+}
+PRICED_MIXERS = tuple(LINEAR_TENSORS)
+
+
 def _gated_mlp(prefix: str, hidden: int, width: int) -> Tensors:
     return [
         (f"{prefix}.gate_proj.weight", (width, hidden)),
@@ -288,10 +374,11 @@ def text_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
     if s.indexer is not None:
         for name, tensors, shard, linear in _indexer(s):
             groups.append(_layers(n, f"attn.{name}", indexed_layer_ids(s), tensors, shard, "bf16", linear))
-    if s.linear is not None:
-        for name, tensors, shard, linear in _gated_delta_net(s):
+    if s.linear is not None and s.linear.kind in LINEAR_TENSORS:  # another kind: ``plan.check_priced``
+        tensors_of, label = LINEAR_TENSORS[s.linear.kind]
+        for name, tensors, shard, linear in tensors_of(s):
             ids = s.linear_layer_ids
-            groups.append(_layers(n, f"linear_attn.{name}", ids, tensors, shard, "bf16", linear))
+            groups.append(_layers(n, f"{label}.{name}", ids, tensors, shard, "bf16", linear))
     if s.dense_layer_ids:
         mlp = _gated_mlp("mlp", h, s.intermediate_size)
         groups.append(_layers(n, "dense_mlp", s.dense_layer_ids, mlp, "tp", "bf16", True))

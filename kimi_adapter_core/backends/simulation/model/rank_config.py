@@ -112,7 +112,9 @@ def rank_overrides(
     }
     if "num_kv_heads" in k:
         sizes[k["num_kv_heads"]] = kv_heads_per_rank(a, tp)
-    if s.linear is not None:  # split like the attention heads (``Parallel.check``: TP divides them)
+    # gated DeltaNet's heads split like the attention heads (``Parallel.check``: TP divides them); a KDA or
+    # Mamba2 mixer stays whole, its kernels run the rank's 1/tp (``ssm_kernels``)
+    if s.linear is not None and s.linear.kind == "gated_delta_net":
         sizes[k["linear_num_key_heads"]] = s.linear.num_key_heads // tp
         sizes[k["linear_num_value_heads"]] = s.linear.num_value_heads // tp
     if not a.is_mla:

@@ -13,8 +13,9 @@ The kernels a serving runtime runs replace the eager Hugging Face code (``servin
 attention core (``AttentionKernel`` behind transformers' attention interface for MHA/GQA/MQA, the
 spec's ``mla.attention_class`` swapped for ``RankMLA``) and the routed experts (the
 ``moe.experts_class`` module, else the one holding the stacked expert weights, swapped for
-``RoutedExperts``) and, in a hybrid stack's linear layers, the gated DeltaNet (swapped for
-``RankGatedDeltaNet``: ``linear_kernels``). The collectives around them are recorded here: 2 TP
+``RoutedExperts``) and, in a hybrid stack's linear layers, the mixer (a gated DeltaNet swapped for
+``RankGatedDeltaNet``: ``linear_kernels``; KDA and Mamba2 for ``RankKDA`` / ``RankMamba2``:
+``ssm_kernels``). The collectives around them are recorded here: 2 TP
 all-reduces per layer, vocab-parallel embedding all-reduce and logits all-gather (EP dispatch +
 combine are the routed experts' own), and the all-reduce of a norm's statistics when a norm spans a
 whole TP-split projection (``SplitNorm``: OLMoE's q_norm / k_norm).
@@ -46,13 +47,14 @@ from ....structure.of_spec import text_config_key
 from .arch import read_config
 from .deployment import Deployment
 from .inputs import ModelInputs
-from .linear_kernels import RankGatedDeltaNet, gated_delta_nets
+from .linear_kernels import RankLinearMixer
 from .mla_kernels import RankMLA
 from .parallel import Parallel
 from .quant import NATIVE
 from .rank_config import BACKEND, LayerKind, check_sizes, layer_kinds, rank_overrides
 from .serving_kernels import AttentionKernel, RoutedExperts
 from .split_norm import SplitNorm, split_norms
+from .ssm_kernels import linear_mixers, rank_mixer
 from .tracer import Recorder
 
 ATTENTION_IMPLEMENTATION = "kadapt_simulation"  # registered with transformers while a trace runs
@@ -106,7 +108,7 @@ class RankParts:
     eh_proj: nn.Module | None
     attention: list[RankMLA] = field(default_factory=list)  # the swapped MLA modules
     experts: list[RoutedExperts] = field(default_factory=list)  # the swapped routed experts
-    linear: list[RankGatedDeltaNet] = field(default_factory=list)  # the swapped linear-attention mixers
+    linear: list[RankLinearMixer] = field(default_factory=list)  # the swapped linear-attention mixers
     norms: list[SplitNorm] = field(default_factory=list)  # the traced layers' norms, split when TP does
     configs: list[Any] = field(default_factory=list)  # configs of the traced layers' attention
     names: dict[int, str] = field(default_factory=dict)  # id(parameter) -> its name in the built model
@@ -234,7 +236,7 @@ def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts,
                 _swap(root, path, experts)
             parts.experts.append(experts)
         if traced.kind.linear:
-            parts.linear += _swap_linear(spec, traced.module, where)
+            parts.linear += _swap_linear(spec, traced.module, where, dep.parallel.tp)
         elif s.attention.is_mla:
             attention_class = (spec.mla or {}).get("attention_class")
             if not attention_class:
@@ -259,19 +261,23 @@ def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts,
 _UNBOUND = Deployment(Parallel(), 1, 1, 0, True)  # placeholder shapes until a trace binds its own
 
 
-def _swap_linear(spec: Spec, layer: nn.Module, where: str) -> list[RankGatedDeltaNet]:
-    """Swap every gated-DeltaNet mixer of a linear layer for its serving kernels (unbound)."""
-    found = gated_delta_nets(layer)
+def _swap_linear(spec: Spec, layer: nn.Module, where: str, tp: int) -> list[RankLinearMixer]:
+    """Swap every linear-attention / SSM mixer of a linear layer (gated DeltaNet in ``linear_attn``,
+    KDA in ``self_attn``, Mamba2 in ``mixer`` or ``mamba``: found by their attribute names) for its
+    serving kernels (unbound)."""
+    found = linear_mixers(layer)
     if not found:
         seen = ", ".join(sorted({type(m).__name__ for m in layer.modules()}))
         raise KadaptError(
             f"{where} of the model built for spec {spec.name} is a linear-attention layer, but none of its "
-            "modules is a gated DeltaNet simulate can price (conv1d, norm, out_proj, A_log, dt_bias and "
-            f"the in projections of Qwen3-Next or Qwen3.5); the classes there are: {seen}"
+            "modules is a mixer simulate can price: a gated DeltaNet (conv1d, norm, out_proj, A_log, dt_bias "
+            "and the in projections of Qwen3-Next or Qwen3.5), a KDA (q/k/v_proj, conv1d, forget_gate, "
+            "b_proj, o_norm, o_proj) or a Mamba2 mixer (in_proj, conv1d, norm, out_proj, A_log, dt_bias, D); "
+            f"the classes there are: {seen}"
         )
     swapped = []
     for path, inner in found:
-        mixer = RankGatedDeltaNet(inner, Recorder(), _UNBOUND)
+        mixer = rank_mixer(inner, Recorder(), _UNBOUND, tp)
         _swap(layer, path, mixer)
         swapped.append(mixer)
     return swapped

@@ -12,10 +12,12 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from ....errors import KadaptError
 from ....structure.states import ConvState
 from ....vision.images import max_tokens_per_image
 from ..estimate.planner import STATE_CONV_DTYPE, IndexKeySizing, LinearStateSizing, Plan, activation_formula
 from ..model.arch import indexed_layer_ids
+from ..model.params import PRICED_MIXERS
 from ..model.quant import DTYPE_BYTES, INDEX_KEY_DTYPE, INDEX_REFERENCE_DTYPE, INDEX_SCALE_BLOCK
 from .blocks import GB, MIB, memory_json, memory_text, text_table
 
@@ -120,7 +122,21 @@ def _has_states(plan: Plan) -> bool:
     return plan.kv.state is not None or plan.kv.index is not None
 
 
+def check_priced(plan: Plan) -> None:
+    """Refuse a stack whose linear layers the weight table cannot price (a mixer kind the structure
+    knows and ``model/params.py`` has no tensor list for), rather than print weights of another
+    mixer's tensors."""
+    linear = plan.arch.structure.linear
+    if linear is not None and linear.kind not in PRICED_MIXERS:
+        raise KadaptError(
+            f"plan: {plan.arch.model_type}'s {len(plan.arch.structure.linear_layer_ids)} linear layers are "
+            f"{linear.kind} mixers ({linear.describe()}); the plan prices the weights of "
+            f"{', '.join(PRICED_MIXERS)} linear layers only and cannot price {linear.kind} weights yet"
+        )
+
+
 def plan_json(plan: Plan) -> dict[str, Any]:
+    check_priced(plan)
     p = plan.parallel
     return {
         "model_type": plan.arch.model_type,
@@ -313,6 +329,7 @@ def _index_text(plan: Plan, index: IndexKeySizing) -> list[str]:
 
 
 def plan_text(plan: Plan) -> str:
+    check_priced(plan)
     s, p = plan.arch.structure, plan.parallel
     lines = [
         f"kadapt plan: {plan.arch.model_type}  tp={p.tp} dp={p.dp} ep={p.ep} ({p.devices} devices)  "

@@ -1,0 +1,264 @@
+"""The KDA and Mamba2 kernels a serving runtime runs in a hybrid stack's linear / SSM layers.
+
+As for gated DeltaNet (``linear_kernels``), transformers' eager scans (a Python loop over chunks, or
+a chunked einsum in float32) are not what an engine launches. vLLM and SGLang run, per layer:
+
+- KDA (Kimi-Linear, Bailing-hybrid; FLA's kernels): ``causal_conv1d_fn`` over q, k and v, then
+  ``chunk_kda`` in prefill; ``causal_conv1d_update`` and ``fused_recurrent_kda`` in decode. The
+  delta rule of gated DeltaNet with one decay per key channel instead of one per head: the same
+  FLOPs per token and head (chunk ``L`` = 64: ``6 L dk + 4 L dv + 6 dk dv`` in prefill, ``7 dk dv``
+  in decode), and float32 gates ``dk`` wide per head.
+- Mamba2 (Mamba2, Nemotron-H, Granite-4.0-H, Bamba; the ``mamba_ssm`` kernels):
+  ``causal_conv1d_fn`` over x, B and C, then ``mamba_chunk_scan_combined`` (SSD) in prefill;
+  ``causal_conv1d_update`` and ``selective_state_update`` in decode. SSD per token, with ``G`` B/C
+  groups of the state size ``N`` and ``H`` heads of ``P``, chunk ``L`` (the config's chunk size):
+  ``2 L N`` per group (C Bᵀ inside the chunk) and ``2 L P + 4 N P`` per head (its product with x, the
+  chunk state Bᵀ x and C times the carried state); it runs on tensor cores (the chunks are batched
+  matmuls, only the state passing is sequential). The decode update: ``5 P N`` per token and head
+  (decay, dt B xᵀ, the sum and C S).
+
+Each decode step reads and writes every request's float32 state once; none of them grows with the
+context. The mixer's modules are adopted by attribute name and kept whole (the built model is not
+resized for these kinds): a TP engine's rank runs 1/tp of the heads, so the projections run on
+their rank's slice of the weight (``RankLinear``, a view: the weight's format follows it), the
+gated norms on their slice, and the analytic kernels at the rank's sizes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F  # noqa: N812
+
+from ....errors import KadaptError
+from .deployment import Deployment
+from .linear_kernels import (
+    ACTIVATION_BYTES,
+    CHUNK,
+    SCAN_COMPUTE,
+    STATE_BYTES,
+    RankGatedDeltaNet,
+    RankLinearMixer,
+    is_gated_delta_net,
+)
+from .tracer import Recorder
+
+# What each kind's mixer must have (transformers 5.24's KimiLinearDeltaAttention /
+# BailingHybridDeltaAttention; Mamba2Mixer, NemotronHMamba2Mixer, BambaMixer, GraniteMoeHybridMambaLayer)
+KDA_FIELDS = ("q_proj", "k_proj", "v_proj", "conv1d", "forget_gate", "b_proj", "o_norm", "o_proj")
+KDA_SIZES = ("num_heads", "head_dim", "conv_kernel_size")
+KDA_OUTPUT_GATES = (("g_a_proj", "g_b_proj"), ("g_proj",))  # Kimi: low rank; Bailing: full rank
+MAMBA2_FIELDS = ("in_proj", "conv1d", "norm", "out_proj", "A_log", "dt_bias", "D")
+MAMBA2_SIZES = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "conv_kernel_size", "chunk_size")
+
+
+def _has(module: nn.Module, names: tuple[str, ...]) -> bool:
+    return all(hasattr(module, name) for name in names)
+
+
+def is_kda(module: nn.Module) -> bool:
+    """Whether ``module`` is a KDA mixer (by its attribute names)."""
+    return _has(module, (*KDA_FIELDS, *KDA_SIZES)) and any(_has(module, g) for g in KDA_OUTPUT_GATES)
+
+
+def is_mamba2(module: nn.Module) -> bool:
+    """Whether ``module`` is a Mamba2 mixer (by its attribute names)."""
+    return _has(module, (*MAMBA2_FIELDS, *MAMBA2_SIZES))
+
+
+class RankLinear(nn.Module):
+    """An adopted ``nn.Linear`` as one TP rank runs it: column-parallel (``split="rows"``: 1/tp of the
+    output rows and bias), row-parallel (``"columns"``: 1/tp of the input columns; the bias is added
+    once) or replicated (``"none"``). The weight is sliced as a view, so the recorder charges it the
+    format of the adopted weight."""
+
+    def __init__(self, inner: nn.Module, tp: int, split: str) -> None:
+        super().__init__()
+        self.inner, self.tp, self.split = inner, tp, split
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.inner.weight, self.inner.bias
+        if self.split == "rows":
+            weight = weight[: weight.shape[0] // self.tp]
+            bias = None if bias is None else bias[: bias.shape[0] // self.tp]
+        elif self.split == "columns":
+            weight = weight[:, : weight.shape[1] // self.tp]
+        return F.linear(x, weight, bias)
+
+
+def _chain(linears: list[tuple[str, nn.Module]], tp: int, width: int) -> nn.Sequential:
+    """A gate's projections in order, under their names (Kimi's low-rank pair, or one full-rank
+    projection): those ``width`` wide (every head's channels) split by heads, a low-rank one
+    replicated (vLLM builds it as a ``ReplicatedLinear``)."""
+    split = {name: "rows" if m.out_features == width else "none" for name, m in linears}
+    return nn.Sequential(OrderedDict((name, RankLinear(m, tp, split[name])) for name, m in linears))
+
+
+class RankKDA(RankLinearMixer):
+    """A KDA mixer (``self_attn`` of a Kimi-Linear / Bailing-hybrid linear layer) as serving runtimes
+    run it at 1/tp of its heads. Called as transformers calls the mixer."""
+
+    def __init__(self, inner: nn.Module, rec: Recorder, dep: Deployment, tp: int) -> None:
+        super().__init__()
+        if not is_kda(inner):
+            raise KadaptError(
+                f"{type(inner).__name__} is not a KDA mixer kadapt can price: it needs "
+                f"{', '.join((*KDA_FIELDS, *KDA_SIZES))} and g_a_proj + g_b_proj or g_proj"
+            )
+        self.heads, self.head_dim = int(inner.num_heads) // tp, int(inner.head_dim)
+        self.kernel, width = int(inner.conv_kernel_size), int(inner.num_heads) * int(inner.head_dim)
+        for name in ("q_proj", "k_proj", "v_proj", "b_proj"):
+            setattr(self, name, RankLinear(getattr(inner, name), tp, "rows"))
+        forget = [(n, m) for n, m in inner.forget_gate.named_children() if isinstance(m, nn.Linear)]
+        self.forget_gate = _chain(forget, tp, width)
+        output = next(names for names in KDA_OUTPUT_GATES if _has(inner, names))
+        self.output_gate = _chain([(n, getattr(inner, n)) for n in output], tp, width)
+        self.o_norm = inner.o_norm  # per head: the rank runs it whole
+        self.o_proj = RankLinear(inner.o_proj, tp, "columns")
+        self.bind(rec, dep)
+
+    @property
+    def channels(self) -> int:
+        """Conv channels on this rank: q, k and v of its heads."""
+        return 3 * self.heads * self.head_dim
+
+    def forward(self, hidden_states: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
+        b, s, hidden = hidden_states.shape
+        for name in ("q_proj", "k_proj", "v_proj"):
+            getattr(self, name)(hidden_states)
+        self._record_conv(b, s, hidden)
+        self.forget_gate(hidden_states)  # the decay's projections; its activation is fused in the scan
+        self.b_proj(hidden_states)
+        self._record_kda(b, s, hidden)
+        gate = self.output_gate(hidden_states)
+        rows = (b * s * self.heads, self.head_dim)
+        core = torch.empty(rows, dtype=hidden_states.dtype, device=hidden_states.device)
+        normed = self.o_norm(core, gate.reshape(rows))
+        return self.o_proj(normed.reshape(b, s, self.heads * self.head_dim))
+
+    def _attrs(self, source: str, b: int, s: int, hidden: int) -> dict[str, Any]:
+        return {
+            "kernel": "kda",
+            "decode": self.dep.decode,
+            "batch": b,
+            "seq": s,
+            "hidden": hidden,
+            "conv": self.kernel,
+            "heads": self.heads,
+            "head_dim": self.head_dim,
+        }
+
+    def _record_kda(self, b: int, s: int, hidden: int) -> None:
+        """FLA's ``chunk_kda`` in prefill, ``fused_recurrent_kda`` in decode: the delta rule's FLOPs,
+        with q, k, v, o in bf16 and the per-channel decay g and beta in float32."""
+        h, d, tokens = self.heads, self.head_dim, b * s
+        io = tokens * 4 * h * d * ACTIVATION_BYTES + tokens * (h * d + h) * STATE_BYTES
+        if self.dep.decode:
+            source, compute, flops = "fused_recurrent_kda", "vector", tokens * h * 7 * d * d
+        else:
+            source, compute = "chunk_kda", SCAN_COMPUTE
+            flops = tokens * h * (10 * CHUNK * d + 6 * d * d)
+        state = b * h * d * d * STATE_BYTES
+        shapes = f"B{b} q{s} H{h} d{d}"
+        self._record_scan(source, compute, flops, io, state, shapes, self._attrs(source, b, s, hidden))
+
+
+class RankGatedNorm(nn.Module):
+    """Mamba2's gated RMSNorm (``norm(y, z)``: y times SiLU(z), normalized per group of channels) on
+    the rank's channels: its groups are whole on a rank, so only the weight is sliced (a view)."""
+
+    def __init__(self, inner: nn.Module, group_size: int) -> None:
+        super().__init__()
+        self.inner, self.group_size = inner, group_size
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        *prefix, width = y.shape
+        x = y.float() * F.silu(z.float())
+        grouped = x.view(*prefix, width // self.group_size, self.group_size)
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.inner.weight[:width] * grouped.view(*prefix, width).to(y.dtype)
+
+
+class RankMamba2(RankLinearMixer):
+    """A Mamba2 mixer (``mixer`` of Mamba2 / Nemotron-H, ``mamba`` of Granite-4.0-H / Bamba) as serving
+    runtimes run it at 1/tp of its heads and B/C groups. Called as transformers calls the mixer."""
+
+    def __init__(self, inner: nn.Module, rec: Recorder, dep: Deployment, tp: int) -> None:
+        super().__init__()
+        if not is_mamba2(inner):
+            raise KadaptError(
+                f"{type(inner).__name__} is not a Mamba2 mixer kadapt can price: it needs "
+                f"{', '.join((*MAMBA2_FIELDS, *MAMBA2_SIZES))}"
+            )
+        self.heads, self.head_dim = int(inner.num_heads) // tp, int(inner.head_dim)
+        self.groups, self.state_size = int(inner.n_groups) // tp, int(inner.ssm_state_size)
+        self.kernel, self.chunk = int(inner.conv_kernel_size), int(inner.chunk_size)
+        self.in_proj = RankLinear(inner.in_proj, tp, "rows")
+        self.norm = RankGatedNorm(inner.norm, self.heads * self.head_dim // self.groups)
+        self.out_proj = RankLinear(inner.out_proj, tp, "columns")
+        self.bind(rec, dep)
+
+    @property
+    def channels(self) -> int:
+        """Conv channels on this rank: x of its heads, B and C of its groups."""
+        return self.heads * self.head_dim + 2 * self.groups * self.state_size
+
+    def forward(self, hidden_states: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
+        b, s, hidden = hidden_states.shape
+        inner = self.heads * self.head_dim
+        projected = self.in_proj(hidden_states)  # z, x B C, dt
+        self._record_conv(b, s, hidden)
+        self._record_ssd(b, s, hidden)
+        y = torch.empty(b, s, inner, dtype=hidden_states.dtype, device=hidden_states.device)
+        return self.out_proj(self.norm(y, projected[..., :inner]))
+
+    def _attrs(self, source: str, b: int, s: int, hidden: int) -> dict[str, Any]:
+        return {
+            "kernel": "mamba2",
+            "decode": self.dep.decode,
+            "batch": b,
+            "seq": s,
+            "hidden": hidden,
+            "conv": self.kernel,
+            "heads": self.heads,
+            "head_dim": self.head_dim,
+            "groups": self.groups,
+            "state_size": self.state_size,
+            "chunk": self.chunk,
+        }
+
+    def _record_ssd(self, b: int, s: int, hidden: int) -> None:
+        """``mamba_chunk_scan_combined`` in prefill, ``selective_state_update`` in decode: x, B, C and
+        y in bf16, dt in float32, the state [H, P, N] in float32."""
+        h, p, g, n, tokens = self.heads, self.head_dim, self.groups, self.state_size, b * s
+        io = tokens * (2 * h * p + 2 * g * n) * ACTIVATION_BYTES + tokens * h * STATE_BYTES
+        if self.dep.decode:
+            source, compute, flops = "selective_state_update", "vector", tokens * h * 5 * p * n
+        else:
+            source, compute = "mamba_chunk_scan_combined", "bf16"
+            flops = tokens * (2 * self.chunk * n * g + h * (2 * self.chunk * p + 4 * n * p))
+        state = b * h * p * n * STATE_BYTES
+        shapes = f"B{b} q{s} H{h} P{p} G{g} N{n} L{self.chunk}"
+        self._record_scan(source, compute, flops, io, state, shapes, self._attrs(source, b, s, hidden))
+
+
+# the kinds in the order a module is tested (their attribute sets do not overlap)
+KINDS = (("gated DeltaNet", is_gated_delta_net), ("KDA", is_kda), ("Mamba2", is_mamba2))
+
+
+def linear_mixers(layer: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(path, module) of every linear-attention / SSM mixer of any kind inside a decoder layer."""
+    return [(path, m) for path, m in layer.named_modules() if path and any(test(m) for _, test in KINDS)]
+
+
+def rank_mixer(inner: nn.Module, rec: Recorder, dep: Deployment, tp: int) -> RankLinearMixer:
+    """The serving kernels of one mixer found by ``linear_mixers``. A gated DeltaNet is built per rank
+    already (``rank_config`` resizes its heads); KDA and Mamba2 mixers are whole and run 1/tp of them."""
+    if is_gated_delta_net(inner):
+        return RankGatedDeltaNet(inner, rec, dep)
+    if is_kda(inner):
+        return RankKDA(inner, rec, dep, tp)
+    return RankMamba2(inner, rec, dep, tp)
