@@ -61,12 +61,13 @@ REFUSALS = {
     "stack-differs": "the decoder layers, called by the wrappers with the ABI's masks, positions and cache, "
     "give other hidden states than the model's own forward gives them",
     "hybrid": "layers that are not attention (SSM, recurrence, convolution, linear attention other than "
-    "gated DeltaNet): their state is neither a KV cache nor a conv window and recurrent state kadapt can "
-    "size",
+    "gated DeltaNet, KDA and Mamba2): their state is neither a KV cache nor a conv window and recurrent "
+    "state kadapt can size",
     "layer-types": "attention kinds other than full, sliding-window and DSA-indexed (chunked, compressed)",
     "per-layer-config": "attention sizes that differ per layer (a per_layer_config)",
-    "stack-layout": "a decoder stack without the embed_tokens / layers / norm / rotary_emb the wrappers "
-    "call, or layers without a self_attn that knows its layer_idx",
+    "stack-layout": "a decoder stack without the layers, embeddings and final norm the wrappers call (the "
+    "spec's module_paths name them), or layers without a self_attn that knows its layer_idx, or that take "
+    "an input the model's forward computes and the wrappers do not",
     "cache-protocol": "decoder layers that use the cache beyond update(key, value, layer_idx), take it under "
     "no known keyword, or return something else than the hidden states",
     "rotary-form": "a rotary embedding that gives something else than (cos, sin) per position (complex "

@@ -1016,6 +1016,8 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
         )
     except Exception as exc:  # noqa: BLE001 - a protocol mismatch explains what failed after it
         failure, out = exc, None
+    if isinstance(out, tuple) and out:  # (hidden_states, what it hands the next layer): GLM-5's top-k
+        out = out[0]
     # how the layer used the cache first: whatever failed after a malformed call is its consequence
     if cache.missing:
         _unsupported(

@@ -54,7 +54,7 @@ REPO = Path(__file__).resolve().parents[1]
 EXTRACTABLE = [p.stem for p in sorted((REPO / "specs").glob("*.yaml")) if load_spec(p).abi is not None]
 CORE = ("llama", "kimi_k25", "mistral")
 # specs whose attention picks its keys by a top-k of scores (DeepSeek sparse attention's indexer)
-SPARSE_ATTENTION = ("deepseek_v32",)
+SPARSE_ATTENTION = ("deepseek_v32", "glm5")
 DTYPES = ("float32", "bfloat16")
 PREFILL, CACHE, STEPS = 8, 16, 4
 FP32_TOLERANCE = 1e-4

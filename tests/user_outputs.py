@@ -34,6 +34,7 @@ SPECS = (
     "deepseek_v3",
     "deepseek_v32",
     "gemma3_text",
+    "glm5",
     "glm4_moe",
     "gpt_oss",
     "kimi_k25",

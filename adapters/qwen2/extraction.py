@@ -289,6 +289,31 @@ MIXER_ATTRIBUTES = {
 }
 
 
+# Layer inputs the wrappers hand from one decoder layer to the next, as the model's forward does: a layer
+# that returns ``(hidden_states, *extra)`` gives ``extra`` to the next layer under these names, in order,
+# where that layer's forward takes them (GLM-5's DSA layers return their top-k for a layer that reuses
+# it: ``prev_topk_indices``).
+CARRIED_INPUTS = ("prev_topk_indices",)
+
+
+def carried_inputs(layer: nn.Module) -> tuple[str, ...]:
+    """The ``CARRIED_INPUTS`` a decoder layer's forward takes."""
+    parameters = inspect.signature(layer.forward).parameters
+    return tuple(name for name in CARRIED_INPUTS if name in parameters)
+
+
+def run_layer(
+    layer: nn.Module, hidden_states: torch.Tensor, carried: dict[str, Any], **kwargs: Any
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """One decoder layer over ``hidden_states`` with what the previous layer handed on (the names it
+    takes of ``carried``); returns its hidden states and what it hands to the next layer."""
+    takes = {name: carried[name] for name in carried_inputs(layer) if name in carried}
+    out = layer(hidden_states, **takes, **kwargs)
+    if isinstance(out, tuple):
+        return out[0], dict(zip(CARRIED_INPUTS, out[1:], strict=False))
+    return out, {}
+
+
 def mixer_of(layer: nn.Module, kind: str) -> nn.Module:
     """The layer's token mixer of ``kind`` (its ``layer_idx`` addresses the cache)."""
     for name in MIXER_ATTRIBUTES[kind]:
@@ -650,9 +675,12 @@ class _TextStack(nn.Module):
             cache.routing_expand_kv(self.layers),
             absorbing_mla(self.layers, self.mla_attention, self.cache_keyword),
         ):
+            carried: dict[str, Any] = {}
             for layer, mask, embeddings in zip(self.layers, layer_masks, position_embeddings, strict=True):
-                hidden_states = layer(
+                hidden_states, carried = run_layer(
+                    layer,
                     hidden_states,
+                    carried,
                     attention_mask=mask,
                     position_ids=position_ids,
                     use_cache=True,
@@ -2312,6 +2340,8 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
         )
     except Exception as exc:  # noqa: BLE001 - a protocol mismatch explains what failed after it
         failure, out = exc, None
+    if isinstance(out, tuple) and out:  # (hidden_states, what it hands the next layer): GLM-5's top-k
+        out = out[0]
     # how the layer used the cache first: whatever failed after a malformed call is its consequence
     if cache.missing:
         _unsupported(

@@ -39,7 +39,7 @@ from .rope_of import rope_of
 
 _MISSING = object()
 # facts whose value is a list; every other fact is one number (or string) for the whole stack
-LIST_FACTS = ("layer_types", "dense_layer_list")
+LIST_FACTS = ("layer_types", "dense_layer_list", "indexer_types")
 
 
 @functools.cache

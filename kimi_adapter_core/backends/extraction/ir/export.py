@@ -59,7 +59,7 @@ class Backbone:
 LAYER_INPUTS = frozenset(
     {"self", "hidden_states", "attention_mask", "position_ids", "position_embeddings", "use_cache",
      "cache", "past_key_values", "past_key_value", "cache_position", "output_attentions", "kwargs"}
-)  # fmt: skip
+) | frozenset(runtime.CARRIED_INPUTS)  # fmt: skip
 # child module class names of a decoder layer that mixes tokens without attention
 NON_ATTENTION = ("Mamba", "Mixer", "Linear", "Conv", "Recurrent", "DeltaNet", "Rwkv", "Lstm")
 

@@ -57,12 +57,20 @@ class RankMLA(nn.Module):
             )
         for name, child in inner.named_children():  # adopt the real projections and norms by name
             setattr(self, name, child)
+        # the class's own rope helper: the interleaved one where the config says so (DeepSeek's
+        # rope_interleave) or where the module defines no other (GLM-5 always interleaves)
         interleave = bool(getattr(getattr(inner, "config", None), "rope_interleave", False))
-        rotate = "apply_rotary_pos_emb_interleave" if interleave else "apply_rotary_pos_emb"
-        self.rotate = getattr(inspect.getmodule(type(inner)), rotate, None)  # the class's own rope helper
-        if self.rotate is None:
-            raise KadaptError(f"the module defining mla.attention_class {cls} has no {rotate}()")
+        helpers = ("apply_rotary_pos_emb_interleave", "apply_rotary_pos_emb")
+        module = inspect.getmodule(type(inner))
+        found = [name for name in (helpers if interleave else helpers[::-1]) if hasattr(module, name)]
+        if not found:
+            raise KadaptError(
+                f"the module defining mla.attention_class {cls} has none of {', '.join(helpers)}()"
+            )
+        self.rotate = getattr(module, found[0])
         self.adopted = type(inner)  # the spec's attention class, whose projections this module runs
+        # GLM-5's attention also returns its top-k, which its decoder layer hands on to the next layer
+        self.returns_topk = "prev_topk_indices" in inspect.signature(type(inner).forward).parameters
         self.q_lora_rank = inner.q_lora_rank
         self.heads, self.nope, self.rope = inner.num_heads, inner.qk_nope_head_dim, inner.qk_rope_head_dim
         self.v_dim, self.rank = inner.v_head_dim, inner.kv_lora_rank
@@ -116,6 +124,9 @@ class RankMLA(nn.Module):
             out = self._prefill(kv_nope, b, s, context, cache_write)
         out = self.o_proj(out)
         self._note_module_gemms(first, b * s, hidden)
+        if self.returns_topk:  # the selection's shape: the decoder layer only hands it on
+            topk = self.index[2] if self.index is not None else 1
+            return out, None, hidden_states.new_empty((b, s, topk), dtype=torch.int32)
         return out, None
 
     def _dsa_attrs(self, scored: int, selected: int) -> dict[str, Any]:

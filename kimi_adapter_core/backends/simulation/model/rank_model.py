@@ -364,6 +364,11 @@ class RankModel:
         return rec
 
 
+def _hidden(out: Any) -> torch.Tensor:
+    """A decoder layer's hidden states (GLM-5's layers also return the top-k they hand on)."""
+    return out[0] if isinstance(out, tuple) else out
+
+
 def _step(
     model: RankParts,
     rec: Recorder,
@@ -386,7 +391,7 @@ def _step(
     }
     for traced in model.layers:
         with rec.scope(traced.kind.scope, len(traced.kind.layers)):
-            hidden = traced.module(hidden, position_embeddings=rope[traced.rope_type])
+            hidden = _hidden(traced.module(hidden, position_embeddings=rope[traced.rope_type]))
     last = model.norm(hidden if dep.decode else hidden[:, -1:, :])  # prefill: last token's logits
     _logits(model, rec, last, par.tp, vocab)
     if dep.mtp and model.eh_proj is not None:
@@ -395,7 +400,7 @@ def _step(
             draft_in = hidden[:, -1:, :]
             draft = model.eh_proj(torch.cat([draft_in, model.embed_tokens(input_ids[:, -1:])], dim=-1))
             cos, sin = rope[model.layers[-1].rope_type]
-            draft = block(draft, position_embeddings=(cos[:, -1:], sin[:, -1:]))
+            draft = _hidden(block(draft, position_embeddings=(cos[:, -1:], sin[:, -1:])))
             _logits(model, rec, model.norm(draft), par.tp, vocab)
 
 

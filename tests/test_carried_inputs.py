@@ -1,0 +1,80 @@
+"""What a decoder layer hands the next one, and stacks whose layers share more than hidden states (issue 36).
+
+GLM-5's DSA layers return their top-k beside the hidden states, for a ``shared`` indexer layer after them
+that reuses it; the wrappers hand it on as ``GlmMoeDsaModel.forward`` does (``runtime.run_layer``). A
+tiny GLM-5 goes through the family matrix's export + verify. Stacks kadapt does not model are refused
+before any work, located: a ``shared`` indexer layer (no indexer keys of its own, attention over another
+layer's top-k) and hyper-connections (``hc_mult`` residual streams between the layers: HY-V4).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+from kimi_adapter_core.backends.extraction.runtime.abi import additive_causal_mask, carried_inputs, run_layer
+from kimi_adapter_core.errors import Refusal
+from kimi_adapter_core.families.tiny import tiny_config
+from kimi_adapter_core.families.trial import ADAPTED, run_trial
+from kimi_adapter_core.structure.derive import derive_structure
+
+TINY_GLM = dict(
+    hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+    kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16, index_n_heads=4,
+    index_head_dim=16, index_topk=3, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    intermediate_size=64, first_k_dense_replace=1, vocab_size=128,
+)  # fmt: skip
+
+
+def test_a_tiny_glm_5_is_adapted_and_verified() -> None:
+    row = run_trial("glm_moe_dsa")
+    assert (row.outcome, row.code) == (ADAPTED, ""), row.detail
+    assert "verify max |diff|" in row.detail
+
+
+def test_run_layer_hands_the_top_k_on_as_the_models_forward_does() -> None:
+    """Layers 1 and 2 reuse layer 0's top-k: run through ``run_layer`` they give transformers' logits,
+    and without the hand-over a shared layer has nothing to attend with."""
+    config = GlmMoeDsaConfig(**TINY_GLM, indexer_types=["full", "shared", "shared"])
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = GlmMoeDsaForCausalLM(config).eval()
+    ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(9).unsqueeze(0)
+    mask = additive_causal_mask(positions, 9, torch.float32)
+    stack = model.model
+    assert [carried_inputs(layer) for layer in stack.layers] == [("prev_topk_indices",)] * 3
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        hidden = stack.embed_tokens(ids)
+        embeddings = stack.rotary_emb(hidden, positions)
+        carried: dict = {}
+        for layer in stack.layers:
+            hidden, carried = run_layer(
+                layer, hidden, carried, attention_mask=mask, position_ids=positions,
+                position_embeddings=embeddings,
+            )  # fmt: skip
+            assert carried["prev_topk_indices"].shape == (1, 9, 3)
+        got = model.lm_head(stack.norm(hidden))
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+        with pytest.raises(ValueError, match="require top-k indices"):
+            run_layer(stack.layers[1], hidden, {}, attention_mask=mask, position_embeddings=embeddings)
+
+
+def test_a_shared_indexer_layer_is_refused_at_the_config() -> None:
+    config = GlmMoeDsaConfig(**TINY_GLM, indexer_types=["full", "shared", "full"])
+    with pytest.raises(Refusal) as refused:
+        derive_structure(config)
+    assert refused.value.code == "layer-types"
+    assert "makes layer 1 (and 0 more) 'shared'" in refused.value.message
+
+
+def test_hyper_connections_are_refused_at_the_config() -> None:
+    config = AutoConfig.for_model(**tiny_config("hy_v4"))
+    assert config.hc_mult > 1
+    with pytest.raises(Refusal) as refused:
+        derive_structure(config)
+    assert refused.value.code == "outside-layers"
+    assert f"hc_mult = {config.hc_mult}" in refused.value.message
+    assert "residual streams" in refused.value.message
