@@ -30,6 +30,7 @@ def test_runtime_imports_only_stdlib_and_torch() -> None:
         "__future__",
         "contextlib",
         "functools",
+        "inspect",
         "sys",
         "collections",
         "typing",

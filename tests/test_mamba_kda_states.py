@@ -86,3 +86,12 @@ def test_a_tiny_granite_4_h_is_adapted_and_verified() -> None:
     row = run_trial("granitemoehybrid")
     assert (row.outcome, row.code) == (ADAPTED, ""), row.detail
     assert "verify max |diff|" in row.detail
+
+
+def test_kimi_linears_dense_first_layer_comes_from_mlp_layer_types() -> None:
+    """Kimi-Linear states its MLP kinds per layer (``mlp_layer_types``), not by first_k_dense_replace."""
+    config = AutoConfig.for_model("kimi_linear")
+    structure = derive_structure(config)
+    assert config.mlp_layer_types[0] == "dense" and set(config.mlp_layer_types[1:]) == {"sparse"}
+    assert structure.dense_layer_ids == (0,)
+    assert structure.n_moe_layers == config.num_hidden_layers - 1

@@ -301,6 +301,14 @@ def test_attended_pairs() -> None:
     assert attended_pairs(10, 2, 4) == 8
 
 
+# the scan a linear layer runs by mixer kind: (decode, prefill), as serving engines name the kernels
+LINEAR_SCANS = {
+    "gated_delta_net": ("fused_sigmoid_gating_delta_rule_update", "chunk_gated_delta_rule"),
+    "kda": ("fused_recurrent_kda", "chunk_kda"),
+    "mamba2": ("selective_state_update", "mamba_chunk_scan_combined"),
+}
+
+
 def attention_kernel(s: ModelStructure, decode: bool) -> str:
     """The kernel an attention layer of ``s`` runs: decode by its kind (DSA: FlashMLA's sparse kernel over
     the top-k); a prefill from an empty cache shorter than DSA's top-k runs dense (the fewer FLOPs)."""
@@ -335,8 +343,9 @@ def test_simulate_every_family(name: str, decode: bool) -> None:
     assert sum(r.count for r in rows if r.name == attention_kernel(s, decode)) == len(kinds) - kinds.count(
         "linear"
     )
-    scan = "fused_sigmoid_gating_delta_rule_update" if decode else "chunk_gated_delta_rule"
-    assert sum(r.count for r in rows if r.name == scan) == kinds.count("linear")
+    if s.linear is not None:  # each linear layer runs its mixer's scan (decode: the recurrent update)
+        scan = LINEAR_SCANS[s.linear.kind][0 if decode else 1]
+        assert sum(r.count for r in rows if r.name == scan) == kinds.count("linear")
     assert sum(r.count for r in rows if r.name == "tp_all_reduce") == 2 * s.num_layers
     if moe:
         experts = sum(r.count for r in rows if r.name == "grouped_gemm(routed_experts)")  # over layer kinds

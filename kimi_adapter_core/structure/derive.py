@@ -4,7 +4,9 @@ The lookup is data: ``config_keys.yaml`` lists, for every structural fact, the k
 for it; the spec's ``architecture`` section adds keys (``fields``) or states facts outright
 (``attention``, ``dense_layers``, ``router``); the older ``moe.num_experts_key`` and
 ``moe.routing.scoring_func`` are honoured too. No ``model_type`` branches: a family kadapt has never
-seen works when its keys are in the table or the spec names them.
+seen works when its keys are in the table or the spec names them. The one list by model type is
+``unexplained_departures``: families whose verify found the graphs wrong for a cause not yet known,
+refused rather than exported wrong.
 
 Every contradiction between the spec and the config (an ``mla`` section on a GQA model, a stated
 attention kind the config does not have, a ``fields`` key the config lacks) is a ``KadaptError``
@@ -39,7 +41,7 @@ from .rope_of import rope_of
 
 _MISSING = object()
 # facts whose value is a list; every other fact is one number (or string) for the whole stack
-LIST_FACTS = ("layer_types", "dense_layer_list", "indexer_types")
+LIST_FACTS = ("layer_types", "dense_layer_list", "indexer_types", "mlp_layer_types")
 
 
 @functools.cache
@@ -251,6 +253,9 @@ def _mlp_kinds(read: Reader, spec: Spec | None, num_layers: int, moe: Moe | None
             )
         dense = set(stated)
     else:
+        types = read.get("mlp_layer_types")  # one 'dense' / 'sparse' per layer (Kimi-Linear, GLM-5)
+        if types is not None:
+            return ["dense" if i < len(types) and types[i] == "dense" else "moe" for i in range(num_layers)]
         first = int(read.get("first_dense_layers", 0) or 0)
         listed = set(read.get("dense_layer_list", []) or [])
         step = int(read.get("moe_layer_step", 1) or 1)
@@ -363,7 +368,16 @@ def _refuse_unmodelled_layers(read: Reader, spec: Spec | None) -> None:
 
 
 def _refuse_outside_layer_features(read: Reader, spec: Spec | None) -> None:
-    """Features that live outside the decoder layers would be dropped silently by the ABI wrappers."""
+    """Features that live outside the decoder layers would be dropped silently by the ABI wrappers; a
+    family whose verify departs for a reason not yet found is refused with what was seen."""
+    seen = _tables()["unexplained_departures"].get(read.raw("model_type"))
+    if seen is not None:
+        raise Refusal(
+            "stack-differs",
+            f"{read.where}: model_type {read.raw('model_type')!r}: {seen}; refused until explained, rather "
+            "than exported wrong",
+            location=spec.locate("gate") if spec is not None else None,
+        )
     for key, rule in _tables()["outside_layers"].items():
         value = read.raw(key)
         if value is not _MISSING and value not in rule["neutral"]:

@@ -63,11 +63,11 @@ class RankMLA(nn.Module):
         helpers = ("apply_rotary_pos_emb_interleave", "apply_rotary_pos_emb")
         module = inspect.getmodule(type(inner))
         found = [name for name in (helpers if interleave else helpers[::-1]) if hasattr(module, name)]
-        if not found:
-            raise KadaptError(
-                f"the module defining mla.attention_class {cls} has none of {', '.join(helpers)}()"
-            )
-        self.rotate = getattr(module, found[0])
+        # none: a NoPE MLA (Kimi-Linear), which must then be given no position embeddings
+        self.rotate = getattr(module, found[0]) if found else None
+        self.missing_rope = (
+            f"the module defining mla.attention_class {cls} has none of {', '.join(helpers)}()"
+        )
         self.adopted = type(inner)  # the spec's attention class, whose projections this module runs
         # GLM-5's attention also returns its top-k, which its decoder layer hands on to the next layer
         self.returns_topk = "prev_topk_indices" in inspect.signature(type(inner).forward).parameters
@@ -89,7 +89,7 @@ class RankMLA(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
         attention_mask: torch.Tensor | None = None,
         **_: Any,
     ) -> tuple[torch.Tensor, None]:
@@ -107,8 +107,11 @@ class RankMLA(nn.Module):
         kv_nope, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [rank, rope], dim=-1)
         kv_nope = self.kv_a_layernorm(kv_nope)
         k_rot = k_rot.view(b, 1, s, rope)
-        cos, sin = position_embeddings
-        q_rot, k_rot = self.rotate(q_rot, k_rot, cos, sin)
+        if position_embeddings is not None:  # None: a NoPE stack, the rope dims stay as projected
+            if self.rotate is None:
+                raise KadaptError(self.missing_rope)
+            cos, sin = position_embeddings
+            q_rot, k_rot = self.rotate(q_rot, k_rot, cos, sin)
         context = self.dep.context_len + s
         cache_write = b * s * (rank + rope) * self.kv_bytes
         if self.index is not None:  # DSA: the indexer picks each query's top-k keys, in both phases

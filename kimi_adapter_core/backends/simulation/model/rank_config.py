@@ -129,8 +129,9 @@ def rank_overrides(
             sizes[k.get("num_shared_experts", "n_shared_experts")] = 1
             width_key = k.get("expert_intermediate_size") or k["intermediate_size"]
             sizes[width_key] = max(1, moe.shared_intermediate_size // tp)
-    if "layer_types" in k and isinstance(text.get(k["layer_types"]), list):
-        sizes[k["layer_types"]] = list(text[k["layer_types"]][:layers])
+    for per_layer in (k.get("layer_types"), k.get("mlp_layer_types")):  # lists of one entry per layer
+        if per_layer and isinstance(text.get(per_layer), list):
+            sizes[per_layer] = list(text[per_layer][:layers])
     sizes.update({name: None for name in _TOKEN_IDS if name in text})
     prefix = f"{key}." if key else ""
     return {prefix + name: value for name, value in sizes.items()}

@@ -101,7 +101,7 @@ class RankParts:
     """What one step of the per-rank model runs, taken from the model built for the spec."""
 
     embed_tokens: nn.Module
-    rotary: nn.Module
+    rotary: nn.Module | None  # None: a stack without rope (NoPE, SSM): the layers get no position embeddings
     layers: list[TracedLayer]  # the first layer of each kind, in model order
     norm: nn.Module
     lm_head: nn.Module
@@ -119,7 +119,8 @@ class RankParts:
     def named(self) -> Iterator[tuple[str, nn.Module]]:
         """The parts under the names the op table uses (``moe_layer.self_attn.q_a_proj``, ...)."""
         yield "embed_tokens", self.embed_tokens
-        yield "rotary", self.rotary
+        if self.rotary is not None:
+            yield "rotary", self.rotary
         for traced in self.layers:
             yield traced.kind.name, traced.module
         yield "norm", self.norm
@@ -150,14 +151,18 @@ class RankParts:
                 rec.mark_weight(param, inputs.policy(group, checkpoint) if group else NATIVE["bf16"])
 
 
-def _child(spec: Spec, lm: nn.Module, name: str) -> nn.Module:
-    module = getattr(lm, name, None)
+def _child(spec: Spec, lm: nn.Module, key: str, *, optional: bool = False) -> nn.Module | None:
+    """The stack part ``key`` (``module_paths``: ``final_norm``, ``rotary_embedding``) of the text model;
+    an ``optional`` one may be absent (a NoPE / SSM stack has no rotary embedding)."""
+    parts = spec.stack_parts()
+    try:
+        module = lm.get_submodule(parts.path(key))
+    except AttributeError:
+        module = None
+    if module is None and optional and key not in parts.stated:
+        return None
     if not isinstance(module, nn.Module):
-        raise KadaptError(
-            f"module_paths.language_model ({spec.module_paths['language_model']}) of spec {spec.name} has "
-            f"no {name!r} submodule; simulate calls the text model's embed_tokens, rotary_emb and norm",
-            location=spec.locate("module_paths.language_model"),
-        )
+        raise KadaptError(parts.missing(lm, key), location=parts.where(key))
     return module
 
 
@@ -216,9 +221,9 @@ def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts,
     rope_types = upstream.rope_layer_types(lm)
     parts = RankParts(
         lm.get_input_embeddings(),
-        _child(spec, lm, "rotary_emb"),
+        _child(spec, lm, "rotary_embedding", optional=True),
         [TracedLayer(kind, layers[kind.index], rope_types and rope_types[kind.index]) for kind in kinds],
-        _child(spec, lm, "norm"),
+        _child(spec, lm, "final_norm"),
         lm_head,
         nn.Linear(2 * s.hidden_size, s.hidden_size, bias=False) if dep.mtp else None,
     )
@@ -386,7 +391,7 @@ def _step(
         rec.analytic("tp_all_reduce(vocab_parallel_embedding)", "comm", comm=all_reduce)
     # one (cos, sin) per rotary kind the traced layers use (Gemma-3: local and global frequencies)
     rope = {
-        t: model.rotary(hidden, positions, *([t] if t else []))
+        t: model.rotary(hidden, positions, *([t] if t else [])) if model.rotary is not None else None
         for t in dict.fromkeys(traced.rope_type for traced in model.layers)
     }
     for traced in model.layers:
