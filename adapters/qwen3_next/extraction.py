@@ -2619,6 +2619,16 @@ LAYER_KINDS = ("linear", "linear", "linear", "attention") * 12
 # value_dim] always in RECURRENT_DTYPE (transformers' scans accumulate it in float32).
 LINEAR_STATES = (((8192, 4), "bfloat16"), ((32, 128, 128), "float32"))
 RECURRENT_DTYPE = "float32"
+# The linear mixer's sizes by the config fact each is read from, and its recurrent state's axes
+# (kadapt's ``linear_of.MIXERS`` and ``RECURRENT_AXES`` for gated_delta_net)
+LINEAR_SIZES = {
+    "conv_kernel": "linear_conv_kernel_dim",
+    "key_head_dim": "linear_key_head_dim",
+    "num_key_heads": "linear_num_key_heads",
+    "num_value_heads": "linear_num_value_heads",
+    "value_head_dim": "linear_value_head_dim",
+}
+RECURRENT_AXES = ("value_heads", "key_dim", "value_dim")
 # Math families do outside their decoder layers, which the wrappers reproduce (kadapt's table):
 # config key -> (site, op, values that mean none); see ``apply_ops``.
 OUTSIDE_MODELLED: dict[str, tuple[str, str, tuple[Any, ...]]] = {
@@ -2978,16 +2988,21 @@ def layer_kinds(config: Any) -> tuple[str, ...]:
 def linear_states(config: Any, dtype: str | None = DTYPE) -> tuple[tuple[tuple[int, ...], str], ...]:
     """Per request, ``((conv shape, dtype), (recurrent shape, dtype))`` of a linear layer of the text
     ``config``, without the batch, for a model built in ``dtype`` (None: float32); for ``SOURCE_CONFIG``
-    and ``DTYPE`` this is ``LINEAR_STATES``. The conv window holds the projected q, k (key heads) and v
-    (value heads) of the last kernel tokens."""
-    key_heads = int(_fact(config, "linear_num_key_heads"))
-    value_heads = int(_fact(config, "linear_num_value_heads"))
-    key_dim = int(_fact(config, "linear_key_head_dim"))
-    value_dim = int(_fact(config, "linear_value_head_dim"))
-    kernel = int(_fact(config, "linear_conv_kernel_dim"))
-    channels = 2 * key_heads * key_dim + value_heads * value_dim
+    and ``DTYPE`` this is ``LINEAR_STATES``. The conv window holds the projected queries and keys (key
+    heads) and the values (value heads) of the last kernel tokens; the recurrent state's axes are the
+    mixer's (``RECURRENT_AXES``)."""
+    size = {name: int(_fact(config, fact)) for name, fact in LINEAR_SIZES.items()}
+    channels = (
+        2 * size["num_key_heads"] * size["key_head_dim"] + size["num_value_heads"] * size["value_head_dim"]
+    )
+    axes = {
+        "value_heads": size["num_value_heads"],
+        "key_dim": size["key_head_dim"],
+        "value_dim": size["value_head_dim"],
+    }
     conv_dtype = str(_torch_dtype(dtype)).removeprefix("torch.")
-    return ((channels, kernel), conv_dtype), ((value_heads, key_dim, value_dim), RECURRENT_DTYPE)
+    recurrent = tuple(axes[axis] for axis in RECURRENT_AXES)
+    return ((channels, size["conv_kernel"]), conv_dtype), (recurrent, RECURRENT_DTYPE)
 
 
 def outside_ops(config: Any, site: str) -> tuple[tuple[str, float], ...]:

@@ -36,7 +36,8 @@ from ..patching.impls import resolve_impl
 from ..patching.targets import parse_target
 from ..spec.model import Spec
 from ..structure.derive import fact_keys, outside_modelled
-from ..structure.model import ModelStructure
+from ..structure.linear_of import MIXERS
+from ..structure.model import RECURRENT_AXES, ModelStructure
 from . import abi as abi_tables
 from .bridges import bridge_context
 from .common import Rendered, cannot, gate_context, package_files, require, spec_identity
@@ -61,15 +62,9 @@ WINDOW_FACTS = (
     "max_window_layers",
     "sliding_window_pattern",
 )
-# What the generated ``layer_kinds`` and ``linear_states`` read from a hybrid stack's text config.
-HYBRID_FACTS = (
-    "full_attention_interval",
-    "linear_num_key_heads",
-    "linear_num_value_heads",
-    "linear_key_head_dim",
-    "linear_value_head_dim",
-    "linear_conv_kernel_dim",
-)
+# What the generated ``layer_kinds`` reads from a hybrid stack's text config; ``linear_states`` reads
+# the facts its mixer kind is sized by (``linear_of.MIXERS``).
+HYBRID_FACTS = ("full_attention_interval",)
 # What the generated ``index_dim`` reads from a DSA stack's text config (the indexer keys' width).
 INDEX_FACTS = ("index_head_dim",)
 
@@ -156,7 +151,9 @@ def structure_data(structure: ModelStructure) -> dict[str, Any]:
 
 def structure_context(spec: Spec, d: abi_tables.Dims) -> dict[str, Any]:
     """What the module bakes in about the text backbone, read from kadapt's structure of it."""
-    linear_facts = HYBRID_FACTS if d.hybrid else ()
+    linear = d.structure.linear
+    sizes = MIXERS[linear.kind] if linear is not None else {}
+    linear_facts = (*HYBRID_FACTS, *sizes.values()) if d.hybrid else ()
     index_facts = INDEX_FACTS if d.index_dim is not None else ()
     facts = tuple(dict.fromkeys((*WINDOW_FACTS, *KV_FACTS[d.kv_layout], *linear_facts, *index_facts)))
     assert spec.abi is not None
@@ -179,6 +176,8 @@ def structure_context(spec: Spec, d: abi_tables.Dims) -> dict[str, Any]:
         "linear_count": len(d.structure.linear_layer_ids),
         "layer_kinds": periodic_literal(d.layer_kinds),
         "linear_states": d.linear_states(spec.abi.dtype),
+        "linear_sizes": sizes,
+        "recurrent_axes": RECURRENT_AXES[linear.kind] if linear is not None else None,
         "indexed": d.index_dim is not None,
         "index_dim": d.index_dim,
         "indexer": d.structure.indexer,

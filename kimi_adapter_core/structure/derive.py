@@ -4,13 +4,10 @@ The lookup is data: ``config_keys.yaml`` lists, for every structural fact, the k
 for it; the spec's ``architecture`` section adds keys (``fields``) or states facts outright
 (``attention``, ``dense_layers``, ``router``); the older ``moe.num_experts_key`` and
 ``moe.routing.scoring_func`` are honoured too. No ``model_type`` branches: a family kadapt has never
-seen works when its keys are in the table or the spec names them. The one list by model type is
-``unexplained_departures``: families whose verify found the graphs wrong for a cause not yet known,
-refused rather than exported wrong.
+seen works when its keys are in the table or the spec names them (but ``unexplained_departures``).
 
-Every contradiction between the spec and the config (an ``mla`` section on a GQA model, a stated
-attention kind the config does not have, a ``fields`` key the config lacks) is a ``KadaptError``
-located at the spec entry, raised before any model is built.
+Every contradiction between the spec and the config (an ``mla`` section on a GQA model, a stated kind
+the config lacks, a missing ``fields`` key) is a ``KadaptError`` located at the spec entry, up front.
 """
 
 from __future__ import annotations
@@ -368,26 +365,21 @@ def _refuse_unmodelled_layers(read: Reader, spec: Spec | None) -> None:
 
 
 def _refuse_outside_layer_features(read: Reader, spec: Spec | None) -> None:
-    """Features that live outside the decoder layers would be dropped silently by the ABI wrappers; a
-    family whose verify departs for a reason not yet found is refused with what was seen."""
-    seen = _tables()["unexplained_departures"].get(read.raw("model_type"))
-    if seen is not None:
-        raise Refusal(
-            "stack-differs",
-            f"{read.where}: model_type {read.raw('model_type')!r}: {seen}; refused until explained, rather "
-            "than exported wrong",
-            location=spec.locate("gate") if spec is not None else None,
-        )
+    """Features outside the decoder layers would be dropped silently by the ABI wrappers; a family whose
+    verify departs for a reason not yet found is refused with what was seen."""
+    model_type, where = read.raw("model_type"), spec.locate("gate") if spec is not None else None
+    if (seen := _tables()["unexplained_departures"].get(model_type)) is not None:
+        message = f"{read.where}: model_type {model_type!r}: {seen}; refused until explained"
+        raise Refusal("stack-differs", message, location=where)
     for key, rule in _tables()["outside_layers"].items():
         value = read.raw(key)
         if value is not _MISSING and value not in rule["neutral"]:
-            raise Refusal(
-                "outside-layers",
+            message = (
                 f"{read.where} sets {key} = {value!r}, which {rule['effect']}; kadapt's prefill/decode "
                 "wrappers call the decoder layers directly and cannot honour it, so the model is refused "
-                "rather than exported wrong",
-                location=spec.locate("gate") if spec is not None else None,
+                "rather than exported wrong"
             )
+            raise Refusal("outside-layers", message, location=where)
 
 
 def _outside(read: Reader) -> tuple[OutsideOp, ...]:
