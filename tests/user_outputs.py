@@ -38,6 +38,7 @@ SPECS = (
     "glm4_moe",
     "gpt_oss",
     "kimi_k25",
+    "kimi_linear",
     "llama",
     "mistral",
     "mixtral",

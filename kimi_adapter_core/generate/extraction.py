@@ -35,9 +35,9 @@ from ..patching import portable
 from ..patching.impls import resolve_impl
 from ..patching.targets import parse_target
 from ..spec.model import Spec
-from ..structure.derive import fact_keys, outside_modelled
 from ..structure.linear_of import MIXERS
 from ..structure.model import RECURRENT_AXES, ModelStructure
+from ..structure.reader import fact_keys, outside_modelled
 from . import abi as abi_tables
 from .bridges import bridge_context
 from .common import Rendered, cannot, gate_context, package_files, require, spec_identity

@@ -12,14 +12,10 @@ the config lacks, a missing ``fields`` key) is a ``KadaptError`` located at the 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any
 
-import yaml
-
 from ..errors import KadaptError, Refusal
-from ..resources import package_file
 from ..spec.model import Spec
 from . import bounds
 from .indexer_of import indexer_of
@@ -34,115 +30,8 @@ from .model import (
     Moe,
     OutsideOp,
 )
+from .reader import _MISSING, Reader, _locate, _tables, outside_modelled
 from .rope_of import rope_of
-
-_MISSING = object()
-# facts whose value is a list; every other fact is one number (or string) for the whole stack
-LIST_FACTS = ("layer_types", "dense_layer_list", "indexer_types", "mlp_layer_types")
-
-
-@functools.cache
-def _tables() -> dict[str, Any]:
-    return yaml.safe_load(package_file("structure", "config_keys.yaml").read_text(encoding="utf-8"))
-
-
-def outside_modelled() -> dict[str, dict[str, Any]]:
-    """Config key -> {site, op, neutral}: the math outside the layers the wrappers reproduce."""
-    return {key: dict(rule) for key, rule in _tables()["outside_modelled"].items()}
-
-
-def fact_keys() -> dict[str, list[str]]:
-    """Fact -> candidate config keys, in lookup order."""
-    return {fact: list(keys) for fact, keys in _tables()["facts"].items()}
-
-
-class Reader:
-    """Looks facts up in one config (dict or object), remembering which key answered.
-
-    ``origin`` names the config file in value findings, ``prefix`` the section holding the text
-    backbone (``text_config.``), so a finding reads ``specs/x/config.json: text_config.vocab_size: ...``."""
-
-    def __init__(
-        self, config: Any, spec: Spec | None, where: str, origin: str | None = None, prefix: str = ""
-    ) -> None:
-        self.config = config
-        self.spec = spec
-        self.where = where
-        self.origin = origin or where
-        self.prefix = prefix
-        self.keys: dict[str, str] = {}
-        self.candidates = fact_keys()
-        for fact, key in _spec_fields(spec).items():
-            self.candidates[fact] = [key]
-
-    def raw(self, key: str) -> Any:
-        if isinstance(self.config, Mapping):
-            return self.config.get(key, _MISSING)
-        try:
-            return getattr(self.config, key, _MISSING)
-        except Exception as exc:  # noqa: BLE001 - per-layer configs refuse global reads (Gemma-4)
-            raise Refusal(
-                "per-layer-config",
-                f"{self.where} gives {key} per layer ({type(exc).__name__}); kadapt describes one "
-                "attention shape for every layer",
-                location=_locate(self.spec, "gate"),
-            ) from exc
-
-    def get(self, fact: str, default: Any = None) -> Any:
-        for key in self.candidates.get(fact, [fact]):
-            value = self.raw(key)
-            if value is not _MISSING and value is not None:
-                if isinstance(value, (list, tuple)) and fact not in LIST_FACTS:
-                    raise Refusal(
-                        "per-layer-config",
-                        f"{self.where}: {key} is a list (one value per layer); kadapt describes one "
-                        f"{fact} for every layer",
-                        location=_locate(self.spec, "gate"),
-                    )
-                self.keys[fact] = key
-                return value
-        return default
-
-    def peek(self, fact: str) -> tuple[str, Any] | None:
-        """``(key, value)`` of the first present, non-null key of ``fact``, refusing nothing: the value
-        check leaves a per-layer list or config to the reads that refuse it, in derive's order."""
-        for key in self.candidates.get(fact, [fact]):
-            try:
-                value = self.raw(key)
-            except Refusal:
-                return None
-            if value is not _MISSING and value is not None:
-                return key, value
-        return None
-
-    def require(self, fact: str) -> Any:
-        value = self.get(fact)
-        if value is None:
-            names = ", ".join(self.candidates.get(fact, [fact]))
-            raise Refusal(
-                "unknown-key",
-                f"{self.where} has no {fact} (looked for: {names}); name the config key under "
-                f"architecture.fields.{fact} in the spec",
-                location=self.spec.locate("architecture") if self.spec and self.spec.architecture else None,
-            )
-        return value
-
-
-def _spec_fields(spec: Spec | None) -> dict[str, str]:
-    if spec is None:
-        return {}
-    fields = dict((spec.architecture or {}).get("fields") or {})
-    key = (spec.moe or {}).get("num_experts_key")
-    if key and "num_experts" not in fields:
-        # [text_config, n_routed_experts] names the key inside the text sub-config
-        fields["num_experts"] = key[-1] if isinstance(key, list) else key
-    return fields
-
-
-def _locate(spec: Spec | None, where: str) -> str | None:
-    if spec is None:
-        return None
-    return spec.locate(where if where in spec.positions else where.rsplit(".", 1)[0])
 
 
 def _attention(read: Reader, spec: Spec | None, hidden: int) -> Attention:

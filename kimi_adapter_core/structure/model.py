@@ -77,7 +77,8 @@ class Attention:
         if self.is_mla:
             return (
                 f"MLA {self.num_heads} heads, kv_lora_rank {self.kv_lora_rank}, "
-                f"q_lora_rank {self.q_lora_rank}, head_dim {self.head_dim}/{self.v_head_dim}"
+                f"{'full q projection' if self.q_lora_rank is None else f'q_lora_rank {self.q_lora_rank}'}, "
+                f"head_dim {self.head_dim}/{self.v_head_dim}"
             )
         return f"{self.kind.upper()} {self.num_heads} heads / {self.num_kv_heads} KV heads x {self.head_dim}"
 

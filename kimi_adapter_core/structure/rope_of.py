@@ -26,7 +26,12 @@ def rope_of(read: Reader) -> Rope:
     """One rope, or one per layer type when ``rope_parameters`` nests a mapping per layer type (as
     transformers 5 keeps Gemma-3's and OLMo-3's); a missing theta is the config's ``rope_theta``, as
     transformers fills it."""
-    params = read.get("rope_parameters") or {}
+    params = read.get("rope_parameters")
+    if params is None and read.get("rope_theta") is None:
+        # transformers 5 gives every config class that rotates a rope_parameters; a config without
+        # any rope key (Kimi-Linear's NoPE MLA, Mamba/SSM stacks) has no rope
+        return Rope("none", None)
+    params = params or {}
     nested = _rope_by_layer_type(read, params)
     if not nested:
         return _rope_kind(read, params, with_factor=False)
