@@ -153,6 +153,8 @@ def test_absorbed_mla_equals_reexpand(tiny_cpu: torch.nn.Module) -> None:
         submodule(tiny_cpu, SPEC, "lm_head"),
     )
     ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    # the protocol probe runs each layer once on first use (then cached): probed before counting
+    keyword = upstream.decoder_protocol(language_model).cache_keyword
     runs, kv_b_calls = {}, []
     hooks = [
         layer.self_attn.kv_b_proj.register_forward_hook(lambda *_: kv_b_calls.append(1))

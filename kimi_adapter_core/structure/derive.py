@@ -4,7 +4,7 @@ The lookup is data: ``config_keys.yaml`` lists, for every structural fact, the k
 for it; the spec's ``architecture`` section adds keys (``fields``) or states facts outright
 (``attention``, ``dense_layers``, ``router``); the older ``moe.num_experts_key`` and
 ``moe.routing.scoring_func`` are honoured too. No ``model_type`` branches: a family kadapt has never
-seen works when its keys are in the table or the spec names them (but ``unexplained_departures``).
+seen works when its keys are in the table or the spec names them.
 
 Every contradiction between the spec and the config (an ``mla`` section on a GQA model, a stated kind
 the config lacks, a missing ``fields`` key) is a ``KadaptError`` located at the spec entry, up front.
@@ -254,12 +254,8 @@ def _refuse_unmodelled_layers(read: Reader, spec: Spec | None) -> None:
 
 
 def _refuse_outside_layer_features(read: Reader, spec: Spec | None) -> None:
-    """Features outside the decoder layers would be dropped silently by the ABI wrappers; a family whose
-    verify departs for a reason not yet found is refused with what was seen."""
-    model_type, where = read.raw("model_type"), spec.locate("gate") if spec is not None else None
-    if (seen := _tables()["unexplained_departures"].get(model_type)) is not None:
-        message = f"{read.where}: model_type {model_type!r}: {seen}; refused until explained"
-        raise Refusal("stack-differs", message, location=where)
+    """Features outside the decoder layers would be dropped silently by the ABI wrappers."""
+    where = spec.locate("gate") if spec is not None else None
     for key, rule in _tables()["outside_layers"].items():
         value = read.raw(key)
         if value is not _MISSING and value not in rule["neutral"]:

@@ -19,6 +19,7 @@ from transformers import DynamicCache
 from .... import upstream
 from .replay import Replay
 from .tolerance import Tolerance, compare
+from .topk_ties import boundary_ties, recording_ties
 
 
 class _RecordingCache(DynamicCache):
@@ -157,29 +158,58 @@ class Step(NamedTuple):
     ours: list[torch.Tensor]  # the graph's states (decode: attention rows written at the position)
     expected: list[torch.Tensor]
     logits: tuple[torch.Tensor, torch.Tensor, int]  # ours, transformers', first position
+    ties: tuple[str, ...] = ()  # exact ties at a DSA top-k boundary in transformers' step (localise only)
 
 
-def walk(model: nn.Module, replay: Replay, prompt: torch.Tensor, steps: int) -> Iterator[Step]:
+def walk(
+    model: nn.Module, replay: Replay, prompt: torch.Tensor, steps: int, *, ties: bool = False
+) -> Iterator[Step]:
     """The prefill and ``steps`` greedy decode steps of the replay and of transformers with its own
-    ``DynamicCache``, both fed the replay's tokens so they stay on one path."""
+    ``DynamicCache``, both fed the replay's tokens so they stay on one path; with ``ties``, each step
+    also names the exact ties at its DSA top-k boundaries (``topk_ties``)."""
+    if not ties:
+        yield from _walk(model, replay, prompt, steps, None)
+        return
+    with recording_ties(model) as recorder:
+        yield from _walk(model, replay, prompt, steps, recorder)
+
+
+def _walk(
+    model: nn.Module, replay: Replay, prompt: torch.Tensor, steps: int, recorder: Any
+) -> Iterator[Step]:
+    def step_ties() -> tuple[str, ...]:
+        if recorder is None:
+            return ()
+        found, recorder.calls = boundary_ties(recorder.calls), []
+        return tuple(found)
+
     layout = replay.kv_layout
     cache = _RecordingCache(model.config)
     keyword = upstream.cache_keyword(model)  # 5.24: ``cache``, before: ``past_key_values``
     lengths = torch.full((prompt.shape[0],), prompt.shape[1])
+    # positions are passed as generate() passes them: some models (Bamba) number a call's tokens from 0
+    # when given none, whatever the cache holds
+    positions = torch.arange(prompt.shape[1]).expand(prompt.shape[0], -1)
     with torch.no_grad():
-        reference = model(input_ids=prompt, **{keyword: cache}, use_cache=True).logits
+        reference = model(input_ids=prompt, position_ids=positions, **{keyword: cache}, use_cache=True).logits
     logits, present = replay.prefill_outputs(prompt, lengths)
     expected = _expected_states(model, cache, layout, replay.kinds)
-    yield Step("prefill", 0, present, expected, (logits, reference, 0))
+    yield Step("prefill", 0, present, expected, (logits, reference, 0), step_ties())
     states = replay.place(present, lengths)
     for step in range(steps):
         token, position = logits[:, -1:].argmax(-1), prompt.shape[1] + step
         with torch.no_grad():
-            reference = model(input_ids=token, **{keyword: cache}, use_cache=True).logits
+            at = torch.full_like(token, position)
+            reference = model(input_ids=token, position_ids=at, **{keyword: cache}, use_cache=True).logits
         logits, states = replay.run_decode(token, position, states)
         expected = _expected_states(model, cache, layout, replay.kinds)
         yield Step(
-            "decode", step + 1, replay.written_at(states, position), expected, (logits, reference, position)
+            "decode",
+            step + 1,
+            replay.written_at(states, position),
+            expected,
+            (logits, reference, position),
+            step_ties(),
         )
 
 
@@ -187,9 +217,15 @@ def _first_departure(
     model: nn.Module, replay: Replay, prompt: torch.Tensor, steps: int, tolerance: Tolerance
 ) -> str:
     """``localise``'s comparison, layer by layer in order, prefill then each decode step."""
-    for step in walk(model, replay, prompt, steps):
+    for step in walk(model, replay, prompt, steps, ties=True):
         found = _departure(replay, step.graph, step.ours, step.expected, step.logits, tolerance)
         if found is not None:
+            if step.ties:
+                found += (
+                    "; transformers' DSA top-k is tied at its boundary in this step "
+                    f"({'; '.join(step.ties)}): "
+                    "which of the tied keys are kept has no defined answer, so a departure here is the tie"
+                )
             return "prefill: " + found if step.graph == "prefill" else f"decode step {step.number}: {found}"
     return (
         f"not localised: fed the same tokens, every layer's KV cache and the logits stay within the bound "
