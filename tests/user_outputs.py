@@ -43,6 +43,7 @@ SPECS = (
     "mistral",
     "mixtral",
     "qwen2",
+    "qwen3_5_moe",
     "qwen3_moe",
     "qwen3_next",
 )
