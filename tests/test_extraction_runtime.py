@@ -169,7 +169,7 @@ def test_absorbed_mla_equals_reexpand(tiny_cpu: torch.nn.Module) -> None:
                         language_model,
                         lm_head,
                         kv_layout="latent",
-                        cache_keyword=upstream.decoder_protocol(language_model).cache_keyword,
+                        cache_keyword=keyword,
                         mla_attention=attention,
                     )
                     for cls in (runtime.PrefillWrapper, runtime.DecodeWrapper)
