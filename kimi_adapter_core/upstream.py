@@ -984,20 +984,31 @@ def _rope_of(rotary_emb: Any, hidden: Any, positions: Any, layer_type: str | Non
     return embeddings
 
 
+# Where a decoder layer keeps its attention (the runtime ABI's ``MIXER_ATTRIBUTES["attention"]``; this module
+# stays self-contained): ``self_attn``, or ``mixer`` in a stack of one-sublayer blocks (Nemotron-H)
+ATTENTION_ATTRIBUTES = ("self_attn", "mixer")
+# Layer kinds with no token mixer and no state (an MLP alone): called with neither a mask nor a cache
+MIXERLESS_KINDS = ("none",)
+
+
+def _attention_of(layer: Any) -> Any:
+    """The layer's attention module (None: it has none under ``ATTENTION_ATTRIBUTES``)."""
+    return next((m for m in (getattr(layer, n, None) for n in ATTENTION_ATTRIBUTES) if m is not None), None)
+
+
 def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str, index: int) -> LayerProtocol:
     import torch
 
     expected = BY_NAME["linear_attention_cache" if kind == "linear" else "cache_update"].expected
     layer_name = type(layer).__name__
-    attention = getattr(layer, "self_attn", None)
-    layer_idx = getattr(attention, "layer_idx", None)
+    layer_idx = getattr(_attention_of(layer), "layer_idx", None)
     parameter = next(layer.parameters())
     hidden = torch.zeros(1, 2, _hidden_size(layer), dtype=parameter.dtype, device=parameter.device)
     positions = torch.arange(2, device=parameter.device).unsqueeze(0)
-    # a linear layer's state takes every token it is given: the wrappers hand it no mask
-    mask = (
-        torch.zeros(1, 1, 2, 2, dtype=parameter.dtype, device=parameter.device) if kind != "linear" else None
-    )
+    # a linear layer's state takes every token it is given, a block with no mixer keeps none: the
+    # wrappers hand them no mask
+    unmasked = kind == "linear" or kind in MIXERLESS_KINDS
+    mask = torch.zeros(1, 1, 2, 2, dtype=parameter.dtype, device=parameter.device) if not unmasked else None
     # no rotary_emb (NoPE, SSM stacks): the layers get no position embeddings, as the ABI's wrappers pass
     embeddings = (
         None if rotary_emb is None else _rope_of(rotary_emb, hidden, positions, layer_type, layer_name)
@@ -1012,7 +1023,7 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
             position_ids=positions,
             use_cache=True,
             position_embeddings=embeddings,
-            **{keyword: cache},
+            **{keyword: cache if kind not in MIXERLESS_KINDS else None},
         )
     except Exception as exc:  # noqa: BLE001 - a protocol mismatch explains what failed after it
         failure, out = exc, None
@@ -1048,6 +1059,9 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
         )
     if kind == "linear":
         return _linear_protocol(layer_name, keyword, cache, index, out, hidden)
+    if kind in MIXERLESS_KINDS:  # given no cache: it must return the hidden states and keep nothing
+        _check_hidden_states(layer_name, out, hidden)
+        return LayerProtocol(keyword, None)
     if len(cache.calls) != 1:
         _unsupported(
             "cache-protocol",
@@ -1055,13 +1069,7 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
             f"{layer_name}(..., {keyword}=cache) calls cache.update once",
             f"{len(cache.calls)} calls",
         )
-    if not (isinstance(out, torch.Tensor) and out.shape == hidden.shape):
-        _unsupported(
-            "cache-protocol",
-            layer_name,
-            f"{layer_name} returns the hidden states tensor",
-            f"it returns {type(out).__name__}",
-        )
+    _check_hidden_states(layer_name, out, hidden)
     key, value, layer_idx = cache.calls[0].states()
     kv_dims = ((key.shape[1], key.shape[-1]), (value.shape[1], value.shape[-1]))
     if kind != "indexed":
@@ -1078,6 +1086,19 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
             point="indexer_cache",
         )
     return LayerProtocol(keyword, kv_dims, index_dim=int(index_keys.shape[-1]))
+
+
+def _check_hidden_states(layer_name: str, out: Any, hidden: Any) -> None:
+    """A decoder layer returns the hidden states tensor (of the input's shape)."""
+    import torch
+
+    if not (isinstance(out, torch.Tensor) and out.shape == hidden.shape):
+        _unsupported(
+            "cache-protocol",
+            layer_name,
+            f"{layer_name} returns the hidden states tensor",
+            f"it returns {type(out).__name__}",
+        )
 
 
 def _linear_protocol(
@@ -1137,7 +1158,7 @@ def _unsupported(code: str, layer: str, expected: str, found: str, *, point: str
 def _hidden_size(layer: Any) -> int:
     """The width a layer takes: its (attention's) config's, else the first module that states one (a
     linear-attention mixer keeps ``hidden_size`` but no config)."""
-    config = getattr(getattr(layer, "self_attn", None), "config", None) or getattr(layer, "config", None)
+    config = getattr(_attention_of(layer), "config", None) or getattr(layer, "config", None)
     if config is not None:
         return int(config.hidden_size)
     for module in layer.modules():

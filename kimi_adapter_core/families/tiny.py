@@ -34,6 +34,7 @@ TEXT_SIZES: dict[str, Any] = {
     "moe_intermediate_size": 32,
     "expert_intermediate_size": 32,
     "shared_expert_intermediate_size": 32,
+    "moe_shared_expert_intermediate_size": 32,
     "num_local_experts": 4,
     "num_experts": 4,
     "n_routed_experts": 4,

@@ -37,7 +37,7 @@ from ..patching.targets import parse_target
 from ..spec.model import Spec
 from ..structure.linear_of import MIXERS
 from ..structure.model import RECURRENT_AXES, ModelStructure
-from ..structure.reader import fact_keys, outside_modelled
+from ..structure.reader import fact_keys, mlp_block_types, outside_modelled
 from . import abi as abi_tables
 from .bridges import bridge_context
 from .common import Rendered, cannot, gate_context, package_files, require, spec_identity
@@ -183,6 +183,9 @@ def structure_context(spec: Spec, d: abi_tables.Dims) -> dict[str, Any]:
         "indexer": d.structure.indexer,
         # per-layer kinds the wrappers, names and mapping take (hybrid or DSA stacks)
         "kinds": d.hybrid or d.index_dim is not None,
+        # blocks with no token mixer (Nemotron-H's mlp and moe blocks) and the layer types that name them
+        "stateless": bool(d.structure.mixerless_layer_ids),
+        "stateless_types": tuple(mlp_block_types()),
         "states_per_layer": 3 if d.index_dim is not None else 2,
     }
 

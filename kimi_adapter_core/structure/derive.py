@@ -19,7 +19,7 @@ from ..errors import KadaptError, Refusal
 from ..spec.model import Spec
 from . import bounds
 from .indexer_of import indexer_of
-from .layer_pattern import layout_types
+from .layer_pattern import PATTERN_KEY, layout_types
 from .linear_of import linear_of
 from .model import (
     ATTENTION_KINDS,
@@ -30,7 +30,7 @@ from .model import (
     Moe,
     OutsideOp,
 )
-from .reader import _MISSING, Reader, _locate, _tables, outside_modelled
+from .reader import _MISSING, Reader, _locate, _tables, mlp_block_types, outside_modelled
 from .rope_of import rope_of
 
 
@@ -149,20 +149,69 @@ def _mlp_kinds(read: Reader, spec: Spec | None, num_layers: int, moe: Moe | None
     return ["dense" if i in dense else "moe" for i in range(num_layers)]
 
 
-def _spans(read: Reader, num_layers: int) -> list[tuple[str, int | None]]:
-    """Per layer ``(full|sliding, window)``: ``layer_types`` when the config lists them, else one rule."""
-    window = read.get("sliding_window")
-    if read.get("use_sliding_window", True) is False:
-        window = None
+def _layer_types(read: Reader, num_layers: int) -> list[Any] | None:
+    """Each layer's type as the config lists it (``layer_types``, Nemotron-H's ``layers_block_type``),
+    else as a raw layout builds the list (``layer_pattern.layout_types``); None: neither."""
     types = read.get("layer_types")
     if types is None:
         types = layout_types(read.raw, num_layers, read.get("mamba_state_size") is not None)
+    return types
+
+
+def _num_layers(read: Reader) -> int:
+    """The stack's depth: its key, else the length of the per-layer list that defines it (a Nemotron-H
+    ``config.json`` saved by transformers 5.24 has ``layers_block_type`` and no ``num_hidden_layers``, a
+    property of its class; an older one ``hybrid_override_pattern``)."""
+    if read.get("num_layers") is None:
+        types = read.get("layer_types")
+        pattern = read.raw(PATTERN_KEY)
+        listed = types if isinstance(types, list) else pattern if isinstance(pattern, str) else None
+        if listed:
+            return len(listed)
+    return int(read.require("num_layers"))
+
+
+def _lists_blocks(read: Reader) -> bool:
+    """Whether the config lists one-sublayer blocks (``mlp_blocks.keys``: Nemotron-H's)."""
+    return any(read.raw(key) not in (_MISSING, None) for key in _tables()["mlp_blocks"]["keys"])
+
+
+def _known_types(read: Reader) -> dict[str, str]:
+    """Layer type -> how kadapt models it (``layer_types``), and in a stack of one-sublayer blocks its MLP
+    blocks too (no mixer: ``none``)."""
+    known = dict(_tables()["layer_types"])
+    if _lists_blocks(read):
+        known.update(dict.fromkeys(mlp_block_types(), "none"))
+    return known
+
+
+def _block_mlps(read: Reader, types: list[Any] | None, num_layers: int, moe: Moe | None) -> list[str] | None:
+    """Per layer the MLP kind of a stack of one-sublayer blocks (``mlp_blocks``: Nemotron-H), where an MLP
+    block's type says its kind and a mixer block has no MLP (``none``); None: not such a stack."""
+    blocks = mlp_block_types()
+    if types is None or not _lists_blocks(read) or not any(t in blocks for t in types[:num_layers]):
+        return None  # Granite-4.0-H lists its blocks too, each a mixer and an MLP
+    kinds = [blocks.get(t, "none") for t in types[:num_layers]]
+    if "moe" in kinds and moe is None:
+        raise KadaptError(
+            f"{read.where}: layer {kinds.index('moe')} is a moe block but the config declares no routed "
+            f"experts (looked for: {', '.join(read.candidates['num_experts'])})"
+        )
+    return kinds
+
+
+def _spans(read: Reader, num_layers: int, types: list[Any] | None) -> list[tuple[str, int | None]]:
+    """Per layer ``(full|sliding|linear|indexed|none, window)``: ``types`` when the config lists them, else
+    one rule."""
+    window = read.get("sliding_window")
+    if read.get("use_sliding_window", True) is False:
+        window = None
     if types is not None:
         if len(types) < num_layers:
             raise KadaptError(
                 f"{read.where}: layer_types lists {len(types)} layers, the model has {num_layers}"
             )
-        known = _tables()["layer_types"]
+        known = _known_types(read)
         _check_layer_types(read, types[:num_layers])
         spans: list[tuple[str, int | None]] = []
         for i, kind in enumerate(types[:num_layers]):
@@ -204,8 +253,9 @@ def _spans(read: Reader, num_layers: int) -> list[tuple[str, int | None]]:
 
 
 def _check_layer_types(read: Reader, types: list[Any]) -> None:
-    """Every entry of ``layer_types`` must be a layer kind kadapt models (full, sliding, linear)."""
-    known = _tables()["layer_types"]
+    """Every entry of ``layer_types`` must be a layer kind kadapt models (full, sliding, linear, indexed;
+    in a stack of one-sublayer blocks also MLP blocks)."""
+    known = _known_types(read)
     for i, kind in enumerate(types):
         if not isinstance(kind, str) or kind in known:  # not a string: the value check reports it
             continue
@@ -353,12 +403,13 @@ def derive_structure(
     read = Reader(config, spec, where, origin, prefix)
     _refuse_unmodelled_layers(read, spec)
     _check_values(read)
-    num_layers = int(read.require("num_layers"))
+    num_layers = _num_layers(read)
     hidden = int(read.require("hidden_size"))
     attention = _attention(read, spec, hidden)
     moe = _moe(read, spec)
-    kinds = _mlp_kinds(read, spec, num_layers, moe)
-    spans = _spans(read, num_layers)
+    types = _layer_types(read, num_layers)
+    spans = _spans(read, num_layers, types)
+    kinds = _block_mlps(read, types, num_layers, moe) or _mlp_kinds(read, spec, num_layers, moe)
     _refuse_outside_layer_features(read, spec)
     dense_width = int(read.get("intermediate_size", 0) or 0) if "dense" in kinds else 0
     model_type = read.raw("model_type")

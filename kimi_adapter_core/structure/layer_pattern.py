@@ -27,16 +27,23 @@ def pattern_period(sequence: Sequence[Any], limit: int) -> int:
 def shorten_layers(section: Mapping[str, Any], total: int, keep: int) -> dict[str, Any]:
     """Overrides that cut every per-layer list of a text config section (``layer_types``,
     ``mlp_layer_types``, ``activation_sparsity_pattern``, ...: any list with one entry per layer) to
-    its first ``keep`` layers, as config classes require once the stack is shortened."""
-    return {
+    its first ``keep`` layers, as config classes require once the stack is shortened, and a layout of one
+    letter per layer (``PATTERN_KEY``: Nemotron-H's config class builds its stack from the letters, whatever
+    ``num_hidden_layers`` says)."""
+    cut: dict[str, Any] = {
         key: list(value[:keep])
         for key, value in section.items()
         if isinstance(value, list) and len(value) == total and key != "architectures"
     }
+    pattern = section.get(PATTERN_KEY)
+    if isinstance(pattern, str) and len(pattern) == total:
+        cut[PATTERN_KEY] = pattern[:keep]
+    return cut
 
 
 # Nemotron-H's older ``hybrid_override_pattern``, one letter per layer (its config class builds
 # ``layers_block_type`` from it): Mamba2, attention, MLP and MoE blocks
+PATTERN_KEY = "hybrid_override_pattern"
 PATTERN_LETTERS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 
 
@@ -45,7 +52,7 @@ def layout_types(raw: Callable[[str], Any], num_layers: int, ssm: bool) -> list[
     as the config classes build the list: Nemotron-H's ``hybrid_override_pattern``; with SSM sizes
     (``ssm``) and no list, every layer Mamba2 but Bamba's ``attn_layer_indices`` (Mamba2's own config:
     all of them). None: the config has no such layout."""
-    pattern = raw("hybrid_override_pattern")
+    pattern = raw(PATTERN_KEY)
     if isinstance(pattern, str):
         return [PATTERN_LETTERS.get(letter, letter) for letter in pattern]
     if not ssm:

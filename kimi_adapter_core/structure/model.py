@@ -114,12 +114,15 @@ class Moe:
 
 @dataclass(frozen=True)
 class Layer:
-    """One decoder layer: its token mixer (attention span, or linear attention) and its MLP kind."""
+    """One decoder layer: its token mixer (attention span, or linear attention) and its MLP kind. A stack
+    of one-sublayer blocks (Nemotron-H) has blocks with no token mixer (``attention`` ``none``: an MLP
+    alone) and mixer blocks with no MLP (``mlp`` ``none``)."""
 
     index: int
-    attention: str  # full | sliding | linear (ModelStructure.linear) | indexed (full + DSA: .indexer)
+    # full | sliding | linear (ModelStructure.linear) | indexed (full + DSA: .indexer) | none (no mixer)
+    attention: str
     window: int | None  # keys a query sees (sliding layers only)
-    mlp: str  # dense | moe
+    mlp: str  # dense | moe | none
 
 
 # Linear-attention / SSM mixers kadapt sizes (``linear_of.MIXERS`` reads each from its config keys), and
@@ -359,8 +362,9 @@ class ModelStructure:
     @property
     def layer_kinds(self) -> tuple[str, ...]:
         """Each layer's kind as the ABI carries its state: ``linear`` (conv window and recurrent state),
-        ``indexed`` (a KV cache and the DSA indexer's keys) or ``attention`` (a KV cache)."""
-        special = {"linear": "linear", "indexed": "indexed"}
+        ``indexed`` (a KV cache and the DSA indexer's keys), ``none`` (no token mixer: no state) or
+        ``attention`` (a KV cache)."""
+        special = {"linear": "linear", "indexed": "indexed", "none": "none"}
         return tuple(special.get(layer.attention, "attention") for layer in self.layers)
 
     @property
@@ -369,7 +373,18 @@ class ModelStructure:
 
     @property
     def attention_layer_ids(self) -> tuple[int, ...]:
-        return tuple(layer.index for layer in self.layers if layer.attention != "linear")
+        """The layers that attend (full, sliding or indexed): those with a KV cache."""
+        return tuple(layer.index for layer in self.layers if layer.attention not in ("linear", "none"))
+
+    @property
+    def mixerless_layer_ids(self) -> tuple[int, ...]:
+        """The blocks without a token mixer (an MLP alone: Nemotron-H's ``mlp`` and ``moe`` blocks)."""
+        return tuple(layer.index for layer in self.layers if layer.attention == "none")
+
+    @property
+    def mlpless_layer_ids(self) -> tuple[int, ...]:
+        """The layers without an MLP (Nemotron-H's mixer blocks)."""
+        return tuple(layer.index for layer in self.layers if layer.mlp == "none")
 
     def outside_ops(self, site: str) -> tuple[tuple[str, float], ...]:
         """``(op, value)`` of the math outside the layers at ``site`` (embeddings | logits), in order."""
@@ -390,6 +405,9 @@ class ModelStructure:
             mixer = f"{linear}/{self.num_layers} linear-attention layers ({self.linear.describe()}), {mixer}"
         if self.indexer is not None:
             mixer = f"{mixer} with a {self.indexer.describe()}"
+        if self.mixerless_layer_ids:  # one-sublayer blocks: say how many are an MLP alone, and a mixer alone
+            mixer += f", {len(self.mixerless_layer_ids)}/{self.num_layers} blocks an MLP alone (no mixer)"
+            mlp += f", {len(self.mlpless_layer_ids)}/{self.num_layers} blocks a mixer alone (no MLP)"
         return (
             f"{self.num_layers} layers, hidden {self.hidden_size}, {mixer}, "
             f"{mlp}{spans}, {self.rope.describe()}{outside}"

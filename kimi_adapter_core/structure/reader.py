@@ -31,6 +31,11 @@ def outside_modelled() -> dict[str, dict[str, Any]]:
     return {key: dict(rule) for key, rule in _tables()["outside_modelled"].items()}
 
 
+def mlp_block_types() -> dict[str, str]:
+    """Layer type -> MLP kind of the blocks that are an MLP alone, in a stack of one-sublayer blocks."""
+    return dict(_tables()["mlp_blocks"]["kinds"])
+
+
 def fact_keys() -> dict[str, list[str]]:
     """Fact -> candidate config keys, in lookup order."""
     return {fact: list(keys) for fact, keys in _tables()["facts"].items()}

@@ -25,6 +25,7 @@ LAYER_STATES = {
     "attention": ("key", "value"),
     "linear": ("conv", "recurrent"),
     "indexed": ("key", "value", "index_key"),
+    "none": (),  # a block with no token mixer (Nemotron-H's mlp and moe blocks): no state
 }
 # States of one fixed size per request (no sequence dimension): never placed by position, never paged.
 FIXED_ROLES = ("conv", "recurrent")

@@ -93,6 +93,8 @@ def check_stack(backbone: Backbone, kinds: Sequence[str] | None = None) -> None:
                 f"{type(layer).__name__}.forward (layer {index}) takes {', '.join(extra)}, which "
                 f"{type(stack).__name__}'s forward computes and the prefill/decode wrappers do not",
             )
+        if kinds is not None and kinds[index] in runtime.STATELESS_KINDS:
+            continue  # no mixer, no state: nothing is addressed by its index
         if kinds is not None and kinds[index] == "linear":
             names = runtime.MIXER_ATTRIBUTES["linear"]
             try:
@@ -107,7 +109,10 @@ def check_stack(backbone: Backbone, kinds: Sequence[str] | None = None) -> None:
                 f"no mixer ({', '.join(names)}) whose layer_idx is {index}: kadapt addresses its states by "
                 "that index",
             )
-        attention = getattr(layer, "self_attn", None)
+        try:
+            attention: nn.Module | None = runtime.mixer_of(layer, "attention")
+        except ValueError:
+            attention = None
         if attention is not None and getattr(attention, "layer_idx", None) == index:
             continue
         others = [type(m).__name__ for _, m in layer.named_children()]

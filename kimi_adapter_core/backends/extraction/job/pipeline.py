@@ -268,7 +268,7 @@ def prepare(
         # itself; the latent layout with re-expansion runs the attention's own forward as it is
         reads_mla = options.kv_layout == "expanded" or options.mla_attention == "absorbed"
         if options.structure is not None and options.structure.attention.is_mla and reads_mla:
-            first = next(i for i, kind in enumerate(options.layer_kinds) if kind != "linear")
+            first = next(i for i, kind in enumerate(options.layer_kinds) if kind in ("attention", "indexed"))
             upstream.require_mla_attention(backbone.layers[first].self_attn)
         chosen = plan(backbone.layers) if options.stitch else Plan(len(backbone.layers))
         if options.vision is not None:

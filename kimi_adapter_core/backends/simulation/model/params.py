@@ -99,6 +99,8 @@ class Naming:
     lm_head: str
     renames: tuple[tuple[str, str], ...]
     router: str = "gate"  # the MoE block's router attribute (gpt-oss: ``router``; moe.field_renames.gate)
+    embeddings: str = "embed_tokens"  # the stack's token embedding and final norm (``module_paths``)
+    final_norm: str = "norm"
 
     def checkpoint(self, path: str) -> str:
         """The checkpoint's name of model tensor ``path`` (the extraction backend's rule)."""
@@ -107,17 +109,42 @@ class Naming:
 
 def naming(spec: Spec) -> Naming:
     renames = spec.backend_options("extraction").get("weight_renames") or ()
-    paths = spec.module_paths
+    paths, parts = spec.module_paths, spec.stack_parts()
     return Naming(
         paths["language_model"],
         paths["language_layers"],
         paths["lm_head"],
         tuple((r["from"], r["to"]) for r in renames),
         ((spec.moe or {}).get("field_renames") or {}).get("gate", "gate"),
+        parts.path("embeddings"),
+        parts.path("final_norm"),
     )
 
 
 Tensors = Sequence[tuple[str, tuple[int, ...]]]  # (name inside one layer, shape)
+
+
+@dataclass(frozen=True)
+class Sublayers:
+    """Where a decoder layer keeps its parts: transformers' usual ``self_attn`` and ``mlp`` after
+    ``input_layernorm`` and ``post_attention_layernorm``, or, in a stack of one-sublayer blocks
+    (Nemotron-H: a block is a mixer alone or an MLP alone), its one part in ``mixer`` after ``norm``."""
+
+    attention: str = "self_attn"
+    mlp: str = "mlp"
+    norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+
+
+# Families whose MLPs (dense, shared and routed experts) are not gated: ``up_proj`` and ``down_proj``
+# around the activation, no ``gate_proj`` (transformers 5.24 ``NemotronHMLP``, ``NemotronHExperts``)
+_UNGATED_MLP = ("nemotron_h",)
+# Families whose router weight transformers keeps in float32 (``_keep_in_fp32_modules_strict``: Nemotron-H)
+_FP32_ROUTER = ("nemotron_h",)
+
+
+def sublayers(s: ModelStructure) -> Sublayers:
+    """The decoder layers' part names: one-sublayer blocks when some block has no token mixer."""
+    return Sublayers("mixer", "mixer", ("norm",)) if s.mixerless_layer_ids else Sublayers()
 
 
 def _layers(
@@ -182,12 +209,12 @@ def _attention(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
             ("kv_b_proj", [("self_attn.kv_b_proj.weight", kv_b)], "tp", True),
         ]
     else:
-        kv, gated = a.num_kv_heads, _gated_attention(s)
+        kv, gated, attn = a.num_kv_heads, _gated_attention(s), sublayers(s).attention
         q_rows = heads * a.head_dim * (2 if gated else 1)  # query and output gate
         rows += [
-            ("q_proj", [("self_attn.q_proj.weight", (q_rows, h))], "tp", True),
-            ("k_proj", [("self_attn.k_proj.weight", (kv * a.head_dim, h))], "kv", True),
-            ("v_proj", [("self_attn.v_proj.weight", (kv * a.v_head_dim, h))], "kv", True),
+            ("q_proj", [(f"{attn}.q_proj.weight", (q_rows, h))], "tp", True),
+            ("k_proj", [(f"{attn}.k_proj.weight", (kv * a.head_dim, h))], "kv", True),
+            ("v_proj", [(f"{attn}.v_proj.weight", (kv * a.v_head_dim, h))], "kv", True),
         ]
         if gated:
             qk_norms: Tensors = [
@@ -195,9 +222,10 @@ def _attention(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
                 ("self_attn.k_norm.weight", (a.head_dim,)),
             ]
             rows.append(("qk_norms", qk_norms, "replicated", False))
-    norms: Tensors = [("input_layernorm.weight", (h,)), ("post_attention_layernorm.weight", (h,))]
+    parts = sublayers(s)
+    norms: Tensors = [(f"{norm}.weight", (h,)) for norm in parts.norms]
     rows += [
-        ("o_proj", [("self_attn.o_proj.weight", (h, heads * a.v_head_dim))], "tp", True),
+        ("o_proj", [(f"{parts.attention}.o_proj.weight", (h, heads * a.v_head_dim))], "tp", True),
         ("layer_norms", norms, "replicated", False),
     ]
     return rows
@@ -351,19 +379,21 @@ LINEAR_TENSORS = {
 PRICED_MIXERS = tuple(LINEAR_TENSORS)
 
 
-def _gated_mlp(prefix: str, hidden: int, width: int) -> Tensors:
-    return [
-        (f"{prefix}.gate_proj.weight", (width, hidden)),
+def _mlp(prefix: str, hidden: int, width: int, gated: bool = True) -> Tensors:
+    """An MLP's projections: gate (when ``gated``), up and down."""
+    gate: Tensors = [(f"{prefix}.gate_proj.weight", (width, hidden))] if gated else []
+    up_down: Tensors = [
         (f"{prefix}.up_proj.weight", (width, hidden)),
         (f"{prefix}.down_proj.weight", (hidden, width)),
     ]
+    return [*gate, *up_down]
 
 
 def text_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
     h, vocab = s.hidden_size, s.vocab_size
     groups = [
-        _model(n, "embed_tokens", f"{n.language_model}.embed_tokens.weight", (vocab, h), "vocab"),
-        _model(n, "final_norm", f"{n.language_model}.norm.weight", (h,), "replicated"),
+        _model(n, "embed_tokens", f"{n.language_model}.{n.embeddings}.weight", (vocab, h), "vocab"),
+        _model(n, "final_norm", f"{n.language_model}.{n.final_norm}.weight", (h,), "replicated"),
     ]
     if not s.tie_word_embeddings:
         groups.append(_model(n, "lm_head", f"{n.lm_head}.weight", (vocab, h), "vocab"))
@@ -379,32 +409,44 @@ def text_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
         for name, tensors, shard, linear in tensors_of(s):
             ids = s.linear_layer_ids
             groups.append(_layers(n, f"{label}.{name}", ids, tensors, shard, "bf16", linear))
+    gated, mlp = s.model_type not in _UNGATED_MLP, sublayers(s).mlp
     if s.dense_layer_ids:
-        mlp = _gated_mlp("mlp", h, s.intermediate_size)
-        groups.append(_layers(n, "dense_mlp", s.dense_layer_ids, mlp, "tp", "bf16", True))
-    moe, ids = s.moe, s.moe_layer_ids
-    if moe is not None and ids:
-        experts = moe.num_experts
-        # Qwen2-MoE style (one shared expert of its own width, and a sigmoid gate on it) vs
-        # DeepSeek style (n shared experts of the routed width): the config key says which
-        qwen_style = "shared_expert_intermediate_size" in s.keys
-        router: list[tuple[str, tuple[int, ...]]] = [(f"mlp.{n.router}.weight", (experts, h))]
-        if qwen_style and moe.shared_intermediate_size:
-            router.append(("mlp.shared_expert_gate.weight", (1, h)))
-        groups.append(_layers(n, "router", ids, router, "replicated", "bf16", False))
-        if moe.scoring == "sigmoid":  # DeepSeek's noaux_tc correction bias, kept in fp32
-            bias: Tensors = [(f"mlp.{n.router}.e_score_correction_bias", (experts,))]
-            groups.append(_layers(n, "router_bias", ids, bias, "replicated", "fp32", False))
-        if moe.shared_intermediate_size:
-            prefix = "mlp.shared_expert" if qwen_style else "mlp.shared_experts"
-            shared = _gated_mlp(prefix, h, moe.shared_intermediate_size)
-            groups.append(_layers(n, "shared_experts", ids, shared, "tp", "bf16", True))
-        width = moe.expert_intermediate_size
-        routed: Tensors = [  # stacked [experts, out, in], as most transformers MoE classes hold them
-            ("mlp.experts.gate_up_proj", (experts, 2 * width, h)),
-            ("mlp.experts.down_proj", (experts, h, width)),
-        ]
-        groups.append(_layers(n, "routed_experts", ids, routed, "ep", "bf16", True))
+        dense = _mlp(mlp, h, s.intermediate_size, gated)
+        groups.append(_layers(n, "dense_mlp", s.dense_layer_ids, dense, "tp", "bf16", True))
+    if s.moe is not None and s.moe_layer_ids:
+        groups += _moe_groups(s, n, mlp, gated)
+    return groups
+
+
+def _moe_groups(s: ModelStructure, n: Naming, mlp: str, gated: bool) -> list[ParamGroup]:
+    """The MoE layers' router (``_FP32_ROUTER``), shared and routed experts."""
+    moe, ids, h = s.moe, s.moe_layer_ids, s.hidden_size
+    assert moe is not None
+    experts, groups = moe.num_experts, []
+    # Qwen2-MoE style (one shared expert of its own width, and a sigmoid gate on it) vs DeepSeek style
+    # (n shared experts of the routed width; Nemotron-H's of moe_shared_expert_intermediate_size): the
+    # config key says which
+    qwen_style = s.keys.get("shared_expert_intermediate_size") == "shared_expert_intermediate_size"
+    router: list[tuple[str, tuple[int, ...]]] = [(f"{mlp}.{n.router}.weight", (experts, h))]
+    if qwen_style and moe.shared_intermediate_size:
+        router.append((f"{mlp}.shared_expert_gate.weight", (1, h)))
+    router_dtype = "fp32" if s.model_type in _FP32_ROUTER else "bf16"
+    groups.append(_layers(n, "router", ids, router, "replicated", router_dtype, False))
+    if moe.scoring == "sigmoid":  # DeepSeek's noaux_tc correction bias, kept in fp32
+        bias: Tensors = [(f"{mlp}.{n.router}.e_score_correction_bias", (experts,))]
+        groups.append(_layers(n, "router_bias", ids, bias, "replicated", "fp32", False))
+    if moe.shared_intermediate_size:
+        prefix = f"{mlp}.shared_expert" if qwen_style else f"{mlp}.shared_experts"
+        shared = _mlp(prefix, h, moe.shared_intermediate_size, gated)
+        groups.append(_layers(n, "shared_experts", ids, shared, "tp", "bf16", True))
+    width = moe.expert_intermediate_size
+    routed: Tensors = [  # stacked [experts, out, in], as most transformers MoE classes hold them
+        (f"{mlp}.experts.gate_up_proj", (experts, 2 * width, h))
+        if gated
+        else (f"{mlp}.experts.up_proj", (experts, width, h)),
+        (f"{mlp}.experts.down_proj", (experts, h, width)),
+    ]
+    groups.append(_layers(n, "routed_experts", ids, routed, "ep", "bf16", True))
     return groups
 
 

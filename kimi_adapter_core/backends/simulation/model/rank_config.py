@@ -22,6 +22,7 @@ from typing import Any
 
 from ....errors import KadaptError
 from ....spec.model import Spec
+from ....structure.layer_pattern import PATTERN_KEY
 from ....structure.model import ModelStructure
 from .deployment import Deployment
 from .parallel import heads_per_rank, kv_heads_per_rank
@@ -54,10 +55,11 @@ _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 class LayerKind:
     """The decoder layers of one mixer and MLP kind, traced once (at the first of them)."""
 
-    kind: str  # dense | moe
+    kind: str  # dense | moe | none (a one-sublayer block that is a mixer alone: Nemotron-H)
     layers: tuple[int, ...]  # indices in the full model
     windows: tuple[int | None, ...]  # each one's sliding window (None: full attention or linear)
-    mixer: str = "attention"  # attention | linear (a hybrid stack's linear-attention layers)
+    # attention | linear (a hybrid stack's linear-attention layers) | indexed | none (an MLP alone)
+    mixer: str = "attention"
 
     @property
     def index(self) -> int:
@@ -68,9 +70,25 @@ class LayerKind:
         return self.mixer == "linear"
 
     @property
+    def attends(self) -> bool:
+        """Whether its layers attend (through transformers' attention interface, or MLA's kernel)."""
+        return self.mixer not in ("linear", "none")
+
+    @property
+    def sublayers(self) -> int:
+        """Its parts each ending in a TP all-reduce: the mixer and the MLP, or the one a block has."""
+        return (self.mixer != "none") + (self.kind != "none")
+
+    @property
     def scope(self) -> str:
         """The scope its ops are recorded under: the MLP kind, prefixed ``linear_`` for linear layers
-        (attention layers keep the names attention-only models always had)."""
+        (attention layers keep the names attention-only models always had); a block without an MLP by
+        its mixer (``attention``, ``linear``), one without a mixer by its MLP (``dense_only``,
+        ``moe_only``)."""
+        if self.kind == "none":
+            return "linear" if self.linear else "attention"
+        if self.mixer == "none":
+            return f"{self.kind}_only"
         return f"linear_{self.kind}" if self.linear else self.kind
 
     @property
@@ -132,6 +150,8 @@ def rank_overrides(
     for per_layer in (k.get("layer_types"), k.get("mlp_layer_types")):  # lists of one entry per layer
         if per_layer and isinstance(text.get(per_layer), list):
             sizes[per_layer] = list(text[per_layer][:layers])
+    if isinstance(text.get(PATTERN_KEY), str):  # Nemotron-H's letters: its class builds the stack from them
+        sizes[PATTERN_KEY] = text[PATTERN_KEY][:layers]
     sizes.update({name: None for name in _TOKEN_IDS if name in text})
     prefix = f"{key}." if key else ""
     return {prefix + name: value for name, value in sizes.items()}

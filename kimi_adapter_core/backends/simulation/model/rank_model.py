@@ -242,6 +242,8 @@ def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts,
             parts.experts.append(experts)
         if traced.kind.linear:
             parts.linear += _swap_linear(spec, traced.module, where, dep.parallel.tp)
+        elif not traced.kind.attends:  # an MLP alone: no mixer to price
+            continue
         elif s.attention.is_mla:
             attention_class = (spec.mla or {}).get("attention_class")
             if not attention_class:
@@ -328,13 +330,21 @@ class RankModel:
             hidden_bytes = b * q * s.hidden_size * 2
             _all_reduce = {"collective": "all_reduce", "bytes": hidden_bytes, "group": par.tp}
 
-            def tp_all_reduces(_module: nn.Module, _args: Any, _out: Any) -> None:
-                for _ in range(2):  # after the attention's o_proj and after the MLP's down projection
-                    rec.analytic("tp_all_reduce", "comm", comm=_all_reduce)
+            def tp_all_reduces(count: int) -> Any:
+                """After the attention's o_proj and after the MLP's down projection (a one-sublayer
+                block: after its one part)."""
+
+                def hook(_module: nn.Module, _args: Any, _out: Any) -> None:
+                    for _ in range(count):
+                        rec.analytic("tp_all_reduce", "comm", comm=_all_reduce)
+
+                return hook
 
             handles = []
             if par.tp > 1:  # registered before the recorder's hooks: recorded under the layer's name
-                handles += [t.module.register_forward_hook(tp_all_reduces) for t in model.layers]
+                handles += [
+                    t.module.register_forward_hook(tp_all_reduces(t.kind.sublayers)) for t in model.layers
+                ]
             for name, part in model.named():
                 handles += rec.hook(part, name)
             kinds = {id(m): t.kind for t in model.layers for m in t.module.modules()}
@@ -358,7 +368,7 @@ class RankModel:
                 for handle in handles:
                     handle.remove()
         if not s.attention.is_mla:
-            attending = [t for t in model.layers if not t.kind.linear]
+            attending = [t for t in model.layers if t.kind.attends]
             missed = [t.kind.name for t in attending if t.kind.name not in kernel.called]
             if missed:
                 raise KadaptError(
