@@ -280,21 +280,29 @@ def paged_view(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 #             states transformers' ``LinearAttentionLayer`` keeps (``conv_states``/``recurrent_states``).
 #  indexed:   full attention with DeepSeek sparse attention's indexer: the KV cache, plus the indexer's
 #             own keys ``[B, 1, S, index_head_dim]`` (one head), cached, written and paged like a key.
+#  none:      a block with no token mixer (an MLP alone: Nemotron-H's mlp and moe blocks, transformers'
+#             DummyLayer): no state, and the wrappers hand it neither a mask nor the cache.
 LAYER_STATES = {
     "attention": ("key", "value"),
     "linear": ("conv", "recurrent"),
     "indexed": ("key", "value", "index_key"),
+    "none": (),
 }
 # States of one fixed size per request (no sequence dimension): never placed by position, never paged.
 FIXED_ROLES = ("conv", "recurrent")
-# Where a decoder layer keeps its token mixer, by layer kind (the mixer carries ``layer_idx``): gated
-# DeltaNet in ``linear_attn``, Mamba2 in ``mixer`` (Mamba2, Nemotron-H) or ``mamba`` (Granite-4.0-H,
-# Bamba), KDA in ``self_attn`` (Kimi-Linear, Bailing-hybrid), a short convolution in ``conv`` (LFM2).
+# Where a decoder layer keeps its token mixer, by layer kind (the mixer carries ``layer_idx``): attention
+# in ``self_attn`` or, in a stack of one-sublayer blocks (Nemotron-H), ``mixer``; gated DeltaNet in
+# ``linear_attn``, Mamba2 in ``mixer`` (Mamba2, Nemotron-H) or ``mamba`` (Granite-4.0-H, Bamba), KDA in
+# ``self_attn`` (Kimi-Linear, Bailing-hybrid), a short convolution in ``conv`` (LFM2). A block with no
+# mixer (``none``) has none to look up (``layer_index``).
 MIXER_ATTRIBUTES = {
-    "attention": ("self_attn",),
+    "attention": ("self_attn", "mixer"),
     "linear": ("linear_attn", "mixer", "mamba", "conv", "self_attn"),
     "indexed": ("self_attn",),
+    "none": (),
 }
+# Layer kinds that keep no state: the wrappers hand them neither a mask nor the cache.
+STATELESS_KINDS = ("none",)
 
 
 # Layer inputs the wrappers hand from one decoder layer to the next, as the model's forward does: a layer
@@ -320,6 +328,14 @@ def run_layer(
     if isinstance(out, tuple):
         return out[0], dict(zip(CARRIED_INPUTS, out[1:], strict=False))
     return out, {}
+
+
+def layer_index(layer: nn.Module, kind: str, position: int) -> int:
+    """The index a layer's states are addressed by: its mixer's ``layer_idx``; a block with no mixer keeps
+    no state, so its own ``layer_idx`` or, without one, its ``position`` in the stack (a prefix of it)."""
+    if kind in STATELESS_KINDS:
+        return getattr(layer, "layer_idx", position)
+    return mixer_of(layer, kind).layer_idx
 
 
 def mixer_of(layer: nn.Module, kind: str) -> nn.Module:
@@ -574,7 +590,8 @@ class _TextStack(nn.Module):
         if unknown:
             raise ValueError(f"unknown layer kind {unknown[0]!r}; valid: {', '.join(LAYER_STATES)}")
         self.layer_ids = [
-            mixer_of(layer, kind).layer_idx for layer, kind in zip(self.layers, self.kinds, strict=True)
+            layer_index(layer, kind, position)
+            for position, (layer, kind) in enumerate(zip(self.layers, self.kinds, strict=True))
         ]
         # sliding window of each traced layer (None: full attention), by the layer's own index
         windows = list(windows) if windows is not None else []
@@ -665,9 +682,10 @@ class _TextStack(nn.Module):
             }
             position_embeddings = [by_type[t] for t in self.rope_layer_types]
         # one mask per window, in first-use order (deterministic graphs); a linear layer's state takes
-        # every token it is given: no mask (the contract refuses padding)
+        # every token it is given: no mask (the contract refuses padding); a block with no mixer neither
+        unmasked = ("linear", *STATELESS_KINDS)
         attending = [
-            window for window, kind in zip(self.windows, self.kinds, strict=True) if kind != "linear"
+            window for window, kind in zip(self.windows, self.kinds, strict=True) if kind not in unmasked
         ]
         masks: dict[int | None, torch.Tensor] = {
             window: attention_mask
@@ -676,7 +694,7 @@ class _TextStack(nn.Module):
             for window in dict.fromkeys(attending)
         }
         layer_masks = [
-            masks[window] if kind != "linear" else None
+            masks[window] if kind not in unmasked else None
             for window, kind in zip(self.windows, self.kinds, strict=True)
         ]
         with (
@@ -684,7 +702,9 @@ class _TextStack(nn.Module):
             absorbing_mla(self.layers, self.mla_attention, self.cache_keyword),
         ):
             carried: dict[str, Any] = {}
-            for layer, mask, embeddings in zip(self.layers, layer_masks, position_embeddings, strict=True):
+            for layer, mask, embeddings, kind in zip(
+                self.layers, layer_masks, position_embeddings, self.kinds, strict=True
+            ):
                 hidden_states, carried = run_layer(
                     layer,
                     hidden_states,
@@ -693,7 +713,7 @@ class _TextStack(nn.Module):
                     position_ids=position_ids,
                     use_cache=True,
                     position_embeddings=embeddings,
-                    **{self.cache_keyword: cache},
+                    **{self.cache_keyword: cache if kind not in STATELESS_KINDS else None},
                 )
         logits = apply_ops(self.lm_head(self.norm(hidden_states)), self.logit_ops)
         return (logits, *cache.flat_present())
@@ -872,6 +892,8 @@ def decode_inputs(
         table = (torch.arange(batch * blocks, device=device).remainder(num_blocks).view(batch, blocks),)
     past: list[torch.Tensor] = []
     for kind in kinds if kinds is not None else ["attention"] * num_layers:
+        if kind in STATELESS_KINDS:
+            continue
         if kind == "linear":
             assert linear_states is not None, "a linear layer needs its linear_states"
             past += linear_state_zeros(linear_states, batch, device)
@@ -1008,6 +1030,12 @@ LINEAR_STATE_RULES = {
 }
 
 
+STATELESS_RULE = (
+    "a layer of kind none is a block with no token mixer (an MLP alone): it keeps no state, so the graphs "
+    "take and return nothing for it and a runtime carries nothing"
+)
+
+
 DYNAMIC_RULE = (
     "a dimension written as a name instead of a number is that dynamic size: bind each name from the "
     "graph input that carries it (input_ids dim 0 is batch, dim 1 is prefill_len), refuse a size outside "
@@ -1061,12 +1089,14 @@ def kv_contract(
     batch: int = 1,
     linear: bool = False,
     index_dim: int | None = None,
+    stateless: bool = False,
 ) -> dict[str, Any]:
     """Everything a runtime needs besides the graphs: cache semantics, masks, positions, capacity,
     with ``dynamic`` sizes (``{"prefill_len": (1, 64)}``) how to bind them, with ``paged`` the
     block pool and block table (``batch`` rows, or the dynamic ``batch``), and with ``linear`` (the
     stack has linear-attention / SSM layers) what their fixed-size states hold and the rules for them;
-    with ``index_dim`` (DSA layers) what the indexer keys hold.
+    with ``index_dim`` (DSA layers) what the indexer keys hold; with ``stateless`` (blocks with no mixer)
+    that they carry nothing.
 
     Version 3: ``cache_position`` is ``[batch]`` (one position per row) and the optional paged cache;
     version 2 graphs took one ``[1]`` position for the whole batch."""
@@ -1135,6 +1165,8 @@ def kv_contract(
         }
     if index_dim is not None:
         contract["cache"]["index_key"] = {"holds": INDEX_KEY_CONTENTS, "heads": 1, "dim": index_dim}
+    if stateless:
+        contract["stateless_layers"] = STATELESS_RULE
     if linear:
         contract["linear_states"] = {
             "conv": {"holds": LINEAR_STATE_CONTENTS["conv"]},
@@ -1203,6 +1235,9 @@ def build_kv_mapping(
     )
     layers: list[dict[str, Any]] = []
     for layer, kind in enumerate(kinds):
+        if kind in STATELESS_KINDS:  # no state to carry: the entry says so
+            layers.append({"layer": layer, "kind": kind})
+            continue
         if kind == "linear":
             assert linear_states is not None, "a linear layer needs its linear_states"
             entry: dict[str, Any] = {"layer": layer, "kind": "linear"}
@@ -1250,6 +1285,7 @@ def build_kv_mapping(
             batch=batch,
             linear="linear" in kinds,
             index_dim=index_dim if "indexed" in kinds else None,
+            stateless=any(kind in STATELESS_KINDS for kind in kinds),
         ),
         "kv_cache": "contiguous" if paged is None else "paged",
         "batch": batch,
@@ -2316,20 +2352,31 @@ def _rope_of(rotary_emb: Any, hidden: Any, positions: Any, layer_type: str | Non
     return embeddings
 
 
+# Where a decoder layer keeps its attention (the runtime ABI's ``MIXER_ATTRIBUTES["attention"]``; this module
+# stays self-contained): ``self_attn``, or ``mixer`` in a stack of one-sublayer blocks (Nemotron-H)
+ATTENTION_ATTRIBUTES = ("self_attn", "mixer")
+# Layer kinds with no token mixer and no state (an MLP alone): called with neither a mask nor a cache
+MIXERLESS_KINDS = ("none",)
+
+
+def _attention_of(layer: Any) -> Any:
+    """The layer's attention module (None: it has none under ``ATTENTION_ATTRIBUTES``)."""
+    return next((m for m in (getattr(layer, n, None) for n in ATTENTION_ATTRIBUTES) if m is not None), None)
+
+
 def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str, index: int) -> LayerProtocol:
     import torch
 
     expected = BY_NAME["linear_attention_cache" if kind == "linear" else "cache_update"].expected
     layer_name = type(layer).__name__
-    attention = getattr(layer, "self_attn", None)
-    layer_idx = getattr(attention, "layer_idx", None)
+    layer_idx = getattr(_attention_of(layer), "layer_idx", None)
     parameter = next(layer.parameters())
     hidden = torch.zeros(1, 2, _hidden_size(layer), dtype=parameter.dtype, device=parameter.device)
     positions = torch.arange(2, device=parameter.device).unsqueeze(0)
-    # a linear layer's state takes every token it is given: the wrappers hand it no mask
-    mask = (
-        torch.zeros(1, 1, 2, 2, dtype=parameter.dtype, device=parameter.device) if kind != "linear" else None
-    )
+    # a linear layer's state takes every token it is given, a block with no mixer keeps none: the
+    # wrappers hand them no mask
+    unmasked = kind == "linear" or kind in MIXERLESS_KINDS
+    mask = torch.zeros(1, 1, 2, 2, dtype=parameter.dtype, device=parameter.device) if not unmasked else None
     # no rotary_emb (NoPE, SSM stacks): the layers get no position embeddings, as the ABI's wrappers pass
     embeddings = (
         None if rotary_emb is None else _rope_of(rotary_emb, hidden, positions, layer_type, layer_name)
@@ -2344,7 +2391,7 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
             position_ids=positions,
             use_cache=True,
             position_embeddings=embeddings,
-            **{keyword: cache},
+            **{keyword: cache if kind not in MIXERLESS_KINDS else None},
         )
     except Exception as exc:  # noqa: BLE001 - a protocol mismatch explains what failed after it
         failure, out = exc, None
@@ -2380,6 +2427,9 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
         )
     if kind == "linear":
         return _linear_protocol(layer_name, keyword, cache, index, out, hidden)
+    if kind in MIXERLESS_KINDS:  # given no cache: it must return the hidden states and keep nothing
+        _check_hidden_states(layer_name, out, hidden)
+        return LayerProtocol(keyword, None)
     if len(cache.calls) != 1:
         _unsupported(
             "cache-protocol",
@@ -2387,13 +2437,7 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
             f"{layer_name}(..., {keyword}=cache) calls cache.update once",
             f"{len(cache.calls)} calls",
         )
-    if not (isinstance(out, torch.Tensor) and out.shape == hidden.shape):
-        _unsupported(
-            "cache-protocol",
-            layer_name,
-            f"{layer_name} returns the hidden states tensor",
-            f"it returns {type(out).__name__}",
-        )
+    _check_hidden_states(layer_name, out, hidden)
     key, value, layer_idx = cache.calls[0].states()
     kv_dims = ((key.shape[1], key.shape[-1]), (value.shape[1], value.shape[-1]))
     if kind != "indexed":
@@ -2410,6 +2454,19 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
             point="indexer_cache",
         )
     return LayerProtocol(keyword, kv_dims, index_dim=int(index_keys.shape[-1]))
+
+
+def _check_hidden_states(layer_name: str, out: Any, hidden: Any) -> None:
+    """A decoder layer returns the hidden states tensor (of the input's shape)."""
+    import torch
+
+    if not (isinstance(out, torch.Tensor) and out.shape == hidden.shape):
+        _unsupported(
+            "cache-protocol",
+            layer_name,
+            f"{layer_name} returns the hidden states tensor",
+            f"it returns {type(out).__name__}",
+        )
 
 
 def _linear_protocol(
@@ -2469,7 +2526,7 @@ def _unsupported(code: str, layer: str, expected: str, found: str, *, point: str
 def _hidden_size(layer: Any) -> int:
     """The width a layer takes: its (attention's) config's, else the first module that states one (a
     linear-attention mixer keeps ``hidden_size`` but no config)."""
-    config = getattr(getattr(layer, "self_attn", None), "config", None) or getattr(layer, "config", None)
+    config = getattr(_attention_of(layer), "config", None) or getattr(layer, "config", None)
     if config is not None:
         return int(config.hidden_size)
     for module in layer.modules():
