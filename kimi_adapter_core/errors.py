@@ -63,7 +63,7 @@ REFUSALS = {
     "hybrid": "layers that are not attention (SSM, recurrence, convolution, linear attention other than "
     "gated DeltaNet, KDA and Mamba2): their state is neither a KV cache nor a conv window and recurrent "
     "state kadapt can size",
-    "layer-types": "attention kinds other than full, sliding-window and DSA-indexed (chunked, compressed)",
+    "layer-types": "attention kinds other than full, sliding-window, chunked and DSA-indexed (compressed)",
     "per-layer-config": "attention sizes that differ per layer (a per_layer_config)",
     "stack-layout": "a decoder stack without the layers, embeddings and final norm the wrappers call (the "
     "spec's module_paths name them), or layers without a self_attn that knows its layer_idx, or that take "
@@ -71,7 +71,7 @@ REFUSALS = {
     "cache-protocol": "decoder layers that use the cache beyond update(key, value, layer_idx), take it under "
     "no known keyword, or return something else than the hidden states",
     "rotary-form": "a rotary embedding that gives something else than (cos, sin) per position (complex "
-    "frequencies: DeepSeek-V2, Llama-4)",
+    "frequencies: DeepSeek-V2; Llama-4 without its builtin patches)",
     "routing": "a router scoring function kadapt does not know (it knows softmax and sigmoid)",
     "unknown-key": "a structural fact under a config key kadapt's table does not list: the spec names the "
     "key (architecture.fields)",

@@ -229,6 +229,17 @@ def _probe_indexer_cache() -> str:
     return _describe(method, "Cache.update_indexer")
 
 
+def _probe_cache_seq_length() -> str:
+    expected = "Cache.get_seq_length(layer_idx=0) -> the tokens cached before the current call"
+    cache = _attr("transformers.cache_utils", "Cache", expected)
+    method = getattr(cache, "get_seq_length", None)
+    if method is None:
+        raise _Moved(expected, "Cache has no get_seq_length")
+    if not _leading_parameters(method, ("layer_idx",))[0]:
+        raise _Moved(expected, _describe(method, "Cache.get_seq_length"))
+    return _describe(method, "Cache.get_seq_length")
+
+
 def _probe_dtype_plan() -> str:
     expected = "PreTrainedModel._get_dtype_plan(dtype) and core_model_loading.build_glob_alternation(globs)"
     model = _attr("transformers.modeling_utils", "PreTrainedModel", expected)
@@ -496,6 +507,16 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
         "new keys and scores every cached one",
         ("extraction (DSA stacks)", "generated modules"),
         _probe_indexer_cache,
+    ),
+    ContactPoint(
+        "cache_seq_length",
+        "transformers.cache_utils.Cache.get_seq_length",
+        "get_seq_length(layer_idx=0): the tokens cached before the current call",
+        "kadapt's static cache answers it for Llama-4's NoPE layers (attention temperature tuning): 0 in "
+        "prefill, each row's cache_position as a [batch] tensor in decode, read per row only by the "
+        "llama4_attention_forward builtin",
+        ("extraction (Llama-4)", "generated modules"),
+        _probe_cache_seq_length,
     ),
     ContactPoint(
         "loader_dtype_plan",
@@ -842,6 +863,10 @@ class _RecordingCache:
     ) -> Any:
         self._linear_call("update_recurrent_state", layer_idx, recurrent_states)
         return recurrent_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The probe is a prefill from position 0 (``StaticStateCache.get_seq_length``: 0 in prefill)."""
+        return 0
 
     def __getattr__(self, name: str) -> Any:
         self.missing.append(name)

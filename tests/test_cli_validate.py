@@ -162,7 +162,7 @@ def test_a_config_its_class_rejects_is_an_error_not_a_traceback(tmp_path: Path) 
             r"refused \(hybrid\): config sets mamba_d_state",
         ),
         (
-            lambda config, spec: config.update(layer_types=["chunked_attention"] * 36),
+            lambda config, spec: config.update(layer_types=["compressed_attention"] * 36),
             r"refused \(layer-types\)",
         ),
         (

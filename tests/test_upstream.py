@@ -82,21 +82,22 @@ def test_the_layer_probe_finds_the_keyword_the_layers_declare() -> None:
 def test_an_attention_reading_more_of_the_cache_than_update_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The ABI's cache has ``update`` only; an attention that asks it for its length (as Llama-4's does)
-    is refused by the probe, before any export, naming what it asked for."""
+    """The ABI's cache answers ``update`` (and ``get_seq_length``: Llama-4's temperature tuning); an
+    attention that asks it for anything else (its capacity) is refused by the probe, before any export,
+    naming what it asked for."""
     model = tiny_model("llama")
     attention = type(model.model.layers[0].self_attn)
     original = attention.forward
 
     def forward(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - a stand-in attention
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        cache.get_seq_length(self.layer_idx)
+        cache.get_max_cache_shape(self.layer_idx)
         return original(self, *args, **kwargs)
 
     upstream.forget()
     monkeypatch.setattr(attention, "forward", forward)
     try:
-        with pytest.raises(upstream.ContactPointMoved, match="reads cache.get_seq_length") as caught:
+        with pytest.raises(upstream.ContactPointMoved, match="reads cache.get_max_cache_shape") as caught:
             upstream.decoder_protocol(model.model)
     finally:
         upstream.forget()

@@ -229,6 +229,21 @@ def sliding_window_mask(
     return attention_mask.masked_fill(too_old, torch.finfo(attention_mask.dtype).min)
 
 
+def chunked_window_mask(
+    attention_mask: torch.Tensor, position_ids: torch.Tensor, chunk: int
+) -> torch.Tensor:
+    """``attention_mask`` with keys before each query's chunk masked too (chunked attention: Llama-4).
+
+    transformers' chunked overlay: key ``k`` visible to the query at ``p`` iff ``k // chunk == p //
+    chunk`` (and ``k <= p``, the caller's mask), i.e. masked iff ``k < p - p % chunk``: a causal window
+    of ``p % chunk + 1`` keys that depends on the query, unlike a sliding window of the same size.
+    """
+    keys = torch.arange(attention_mask.shape[-1], device=attention_mask.device)
+    chunk_start = position_ids - torch.remainder(position_ids, chunk)
+    before = keys.view(1, 1, 1, -1) < chunk_start.unsqueeze(1).unsqueeze(-1)
+    return attention_mask.masked_fill(before, torch.finfo(attention_mask.dtype).min)
+
+
 def write_rows(cache: torch.Tensor, new: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
     """``cache`` ``[B, heads, S, dim]`` with row ``b``'s new token ``new[b]`` ``[heads, 1, dim]`` at slot
     ``cache_position[b]``: rows at different positions in one step (continuous batching).
@@ -462,6 +477,17 @@ class StaticStateCache:
         """True: keeps a single-token decode on the layer's out-of-place convolution path."""
         return True
 
+    def get_seq_length(self, layer_idx: int = 0) -> int | torch.Tensor:
+        """Tokens cached before this call's: ``0`` in prefill (an ABI prefill starts at position 0), in
+        decode each row's ``cache_position`` as a ``[B]`` tensor (rows at different positions; a paged
+        cache counts logical positions too).
+
+        Unlike transformers' ``Cache.get_seq_length`` (one int for the batch), decode returns a tensor:
+        only code written for it may read it (Llama-4's temperature tuning through the
+        ``llama4_attention_forward`` builtin); other code that computes a Python int from it fails at
+        export rather than tracing one row's length for every row."""
+        return 0 if self._past is None or self._cache_position is None else self._cache_position
+
     def update_conv_state(
         self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
     ) -> torch.Tensor:
@@ -561,6 +587,7 @@ class _TextStack(nn.Module):
         logit_ops: OpList = (),
         rope_layer_types: Sequence[str] | None = None,
         layer_kinds: Sequence[str] | None = None,
+        chunks: Sequence[int | None] | None = None,
     ) -> None:
         super().__init__()
         if kv_layout not in KV_LAYOUTS:
@@ -590,6 +617,9 @@ class _TextStack(nn.Module):
         # sliding window of each traced layer (None: full attention), by the layer's own index
         windows = list(windows) if windows is not None else []
         self.windows = [windows[i] if i < len(windows) else None for i in self.layer_ids]
+        # attention chunk of each traced layer (None: not chunked), by the layer's own index
+        chunks = list(chunks) if chunks is not None else []
+        self.chunks = [chunks[i] if i < len(chunks) else None for i in self.layer_ids]
         # per traced layer, the layer type a per-type rotary embedding (Gemma-3) takes; None: one for all
         self.rope_layer_types = (
             [rope_layer_types[i] for i in self.layer_ids] if rope_layer_types is not None else None
@@ -611,6 +641,7 @@ class _TextStack(nn.Module):
         rope_layer_types: Sequence[str] | None = None,
         layer_kinds: Sequence[str] | None = None,
         parts: Mapping[str, str] | None = None,
+        chunks: Sequence[int | None] | None = None,
         **extra: Any,
     ) -> _TextStack:
         """Wrap a transformers decoder model (``embed_tokens``/``layers``/``norm``/``rotary_emb``, or the
@@ -625,6 +656,7 @@ class _TextStack(nn.Module):
         position_ids, layer_type)``: Gemma-3, OLMo-3), indexed by layer;
         ``layer_kinds`` each layer's kind (``LAYER_STATES``: ``attention`` or ``linear``), indexed by layer;
         ``parts`` where the stack keeps a part under another name (``{"final_norm": "norm_f"}``);
+        ``chunks`` each layer's attention chunk (None: not chunked), indexed by layer;
         ``extra`` goes to the wrapper's constructor (``image_token_id`` of ``MultimodalPrefillWrapper``).
         """
         layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
@@ -644,6 +676,7 @@ class _TextStack(nn.Module):
             logit_ops=logit_ops,
             rope_layer_types=rope_layer_types,
             layer_kinds=layer_kinds,
+            chunks=chunks,
             **extra,
         )
 
@@ -675,21 +708,19 @@ class _TextStack(nn.Module):
                 for t in dict.fromkeys(self.rope_layer_types)
             }
             position_embeddings = [by_type[t] for t in self.rope_layer_types]
-        # one mask per window, in first-use order (deterministic graphs); a linear layer's state takes
-        # every token it is given: no mask (the contract refuses padding); a block with no mixer neither
+        # one mask per span (a sliding window, ("chunk", size) or None: full), in first-use order
+        # (deterministic graphs); a linear layer's state takes every token it is given: no mask (the
+        # contract refuses padding); a block with no mixer neither
         unmasked = ("linear", *STATELESS_KINDS)
-        attending = [
-            window for window, kind in zip(self.windows, self.kinds, strict=True) if kind not in unmasked
+        spans = [
+            window if chunk is None else ("chunk", chunk)
+            for window, chunk in zip(self.windows, self.chunks, strict=True)
         ]
-        masks: dict[int | None, torch.Tensor] = {
-            window: attention_mask
-            if window is None
-            else sliding_window_mask(attention_mask, position_ids, window)
-            for window in dict.fromkeys(attending)
-        }
+        attending = [span for span, kind in zip(spans, self.kinds, strict=True) if kind not in unmasked]
+        masks = {span: layer_mask(attention_mask, position_ids, span) for span in dict.fromkeys(attending)}
         layer_masks = [
-            masks[window] if kind not in unmasked else None
-            for window, kind in zip(self.windows, self.kinds, strict=True)
+            masks[span] if kind not in unmasked else None
+            for span, kind in zip(spans, self.kinds, strict=True)
         ]
         with (
             cache.routing_expand_kv(self.layers),
@@ -711,6 +742,18 @@ class _TextStack(nn.Module):
                 )
         logits = apply_ops(self.lm_head(self.norm(hidden_states)), self.logit_ops)
         return (logits, *cache.flat_present())
+
+
+def layer_mask(
+    attention_mask: torch.Tensor, position_ids: torch.Tensor, span: int | tuple[str, int] | None
+) -> torch.Tensor:
+    """The mask of a layer whose span is ``span``: full attention (None) takes the caller's mask, a
+    sliding window (an int) ``sliding_window_mask``, a chunk (``("chunk", size)``) ``chunked_window_mask``."""
+    if span is None:
+        return attention_mask
+    if isinstance(span, tuple):
+        return chunked_window_mask(attention_mask, position_ids, span[1])
+    return sliding_window_mask(attention_mask, position_ids, span)
 
 
 class PrefillWrapper(_TextStack):
@@ -1073,6 +1116,13 @@ class PagedKV(NamedTuple):
         }
 
 
+CHUNKED_MASK_RULE = (
+    "chunked layers (attention_chunks) also hide k < p - p % chunk: a query sees only the keys of its own "
+    "chunk of positions; the graph adds that itself from position_ids. Every slot is still kept (the "
+    "caches are full length): right after a chunk boundary the query sees its own key only"
+)
+
+
 def kv_contract(
     kv_dims: KVDims,
     *,
@@ -1084,13 +1134,14 @@ def kv_contract(
     linear: bool = False,
     index_dim: int | None = None,
     stateless: bool = False,
+    chunked: bool = False,
 ) -> dict[str, Any]:
     """Everything a runtime needs besides the graphs: cache semantics, masks, positions, capacity,
     with ``dynamic`` sizes (``{"prefill_len": (1, 64)}``) how to bind them, with ``paged`` the
     block pool and block table (``batch`` rows, or the dynamic ``batch``), and with ``linear`` (the
     stack has linear-attention / SSM layers) what their fixed-size states hold and the rules for them;
     with ``index_dim`` (DSA layers) what the indexer keys hold; with ``stateless`` (blocks with no mixer)
-    that they carry nothing.
+    that they carry nothing; with ``chunked`` (chunked-attention layers) the chunk rule of the mask.
 
     Version 3: ``cache_position`` is ``[batch]`` (one position per row) and the optional paged cache;
     version 2 graphs took one ``[1]`` position for the whole batch."""
@@ -1135,6 +1186,7 @@ def kv_contract(
             "and slot k holds a real token",
             "sliding_windows": "layers with a window also hide k <= p - window; the graph adds that itself "
             "from position_ids, the caller passes one causal mask for every layer",
+            **({"chunked_attention": CHUNKED_MASK_RULE} if chunked else {}),
         },
         "padding": (
             {"supported": "right", "rule": padding}
@@ -1192,6 +1244,7 @@ def build_kv_mapping(
     kinds: Sequence[str] | None = None,
     linear_states: LinearStates | None = None,
     index_dim: int | None = None,
+    chunked: bool = False,
 ) -> dict[str, Any]:
     """How prefill KV outputs become decode KV inputs, layer by layer.
 
@@ -1204,6 +1257,7 @@ def build_kv_mapping(
     and recurrent states (``names`` ``prefill_conv``/``decode_conv_in``/... templates) with the shapes
     and dtypes of ``linear_states``, and the contract says how a runtime carries them; an ``indexed``
     layer's entry adds its indexer keys (``prefill_index_key``/...: a one-head key of ``index_dim``).
+    ``chunked``: the stack has chunked-attention layers, and the contract's mask states their rule.
     """
     dynamic = dynamic or {}
     batch_dim: int | str = "batch" if "batch" in dynamic else batch
@@ -1280,6 +1334,7 @@ def build_kv_mapping(
             linear="linear" in kinds,
             index_dim=index_dim if "indexed" in kinds else None,
             stateless=any(kind in STATELESS_KINDS for kind in kinds),
+            chunked=chunked,
         ),
         "kv_cache": "contiguous" if paged is None else "paged",
         "batch": batch,
@@ -1591,6 +1646,17 @@ def _probe_indexer_cache() -> str:
     return _describe(method, "Cache.update_indexer")
 
 
+def _probe_cache_seq_length() -> str:
+    expected = "Cache.get_seq_length(layer_idx=0) -> the tokens cached before the current call"
+    cache = _attr("transformers.cache_utils", "Cache", expected)
+    method = getattr(cache, "get_seq_length", None)
+    if method is None:
+        raise _Moved(expected, "Cache has no get_seq_length")
+    if not _leading_parameters(method, ("layer_idx",))[0]:
+        raise _Moved(expected, _describe(method, "Cache.get_seq_length"))
+    return _describe(method, "Cache.get_seq_length")
+
+
 def _probe_dtype_plan() -> str:
     expected = "PreTrainedModel._get_dtype_plan(dtype) and core_model_loading.build_glob_alternation(globs)"
     model = _attr("transformers.modeling_utils", "PreTrainedModel", expected)
@@ -1858,6 +1924,16 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
         "new keys and scores every cached one",
         ("extraction (DSA stacks)", "generated modules"),
         _probe_indexer_cache,
+    ),
+    ContactPoint(
+        "cache_seq_length",
+        "transformers.cache_utils.Cache.get_seq_length",
+        "get_seq_length(layer_idx=0): the tokens cached before the current call",
+        "kadapt's static cache answers it for Llama-4's NoPE layers (attention temperature tuning): 0 in "
+        "prefill, each row's cache_position as a [batch] tensor in decode, read per row only by the "
+        "llama4_attention_forward builtin",
+        ("extraction (Llama-4)", "generated modules"),
+        _probe_cache_seq_length,
     ),
     ContactPoint(
         "loader_dtype_plan",
@@ -2204,6 +2280,10 @@ class _RecordingCache:
     ) -> Any:
         self._linear_call("update_recurrent_state", layer_idx, recurrent_states)
         return recurrent_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The probe is a prefill from position 0 (``StaticStateCache.get_seq_length``: 0 in prefill)."""
+        return 0
 
     def __getattr__(self, name: str) -> Any:
         self.missing.append(name)

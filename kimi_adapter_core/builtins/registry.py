@@ -36,6 +36,14 @@ BUILTINS: dict[str, tuple[str, str]] = {
         "kimi_adapter_core.builtins.vision:meta_merged_embeddings",
         "Meta stub for image-feature merging: an empty meta tensor shaped like inputs_embeds.",
     ),
+    "llama4_rotary_cos_sin": (
+        "kimi_adapter_core.builtins.llama4:llama4_rotary_cos_sin",
+        "Llama-4 rotary forward: real (cos, sin) of upstream's angles instead of complex freqs_cis.",
+    ),
+    "llama4_attention_forward": (
+        "kimi_adapter_core.builtins.llama4:llama4_attention_forward",
+        "Llama-4 attention: interleaved-pair rope from (cos, sin) in real math; NoPE temperature per row.",
+    ),
     "rotary_seq_len_as_int": (
         "kimi_adapter_core.builtins.rotary:rotary_seq_len_as_int",
         "Rotary-embedding wrap: a tensor seq_len becomes an int (meta: the full cached length).",

@@ -22,6 +22,7 @@ TEXT_SIZES: dict[str, Any] = {
     "d_model": 64,
     "n_embd": 64,
     "intermediate_size": 128,
+    "intermediate_size_mlp": 128,
     "ffn_dim": 128,
     "num_attention_heads": 4,
     "n_head": 4,
@@ -48,6 +49,7 @@ TEXT_SIZES: dict[str, Any] = {
     "v_head_dim": 16,
     "sliding_window": 8,
     "attention_chunk_size": 8,
+    "floor_scale": 4,  # Llama-4's NoPE temperature tuning scales positions from floor_scale - 1 on
     "n_group": 1,
     "topk_group": 1,
 }

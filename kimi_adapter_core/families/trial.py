@@ -35,6 +35,36 @@ from ..errors import parse_refusal
 
 ADAPTED, REFUSED, FAILED, UNTESTED = "adapted", "refused", "failed", "untested"
 
+_LLAMA4 = "transformers.models.llama4.modeling_llama4"
+# The class patches the guide names for a model type whose own code needs a builtin to export
+# (docs/writing-a-spec.md, "Which bridges a family needs"): model type -> its patches, pinned to the
+# transformers release the matrix runs on (a release that changes the code refuses them: upstream drift).
+GUIDE_PATCHES: dict[str, tuple[dict[str, Any], ...]] = {
+    "llama4_text": (
+        {
+            "id": "L1",
+            "why": "complex freqs_cis become real (cos, sin), the form the wrappers pass on",
+            "target": f"{_LLAMA4}:Llama4TextRotaryEmbedding.forward",
+            "kind": "replace",
+            "impl": "builtin:llama4_rotary_cos_sin",
+            "backends": ["extraction"],
+            "pin": {
+                "signature": "(self, x, position_ids)",
+                "source_sha256": "8f2fa823a60a9eb365d0bcbc8b5b24893f37192cdafa6421a3371826e8db8e57",
+            },
+        },
+        {
+            "id": "L2",
+            "why": "rope from (cos, sin) in real math; the NoPE layers' temperature from each row's position",
+            "target": f"{_LLAMA4}:Llama4TextAttention.forward",
+            "kind": "replace",
+            "impl": "builtin:llama4_attention_forward",
+            "backends": ["extraction"],
+            "pin": {"source_sha256": "a77422c908cc05c7c0ba0ba26a24cbe1581a902dd6906a554bf7faab2e69c1bf"},
+        },
+    ),
+}
+
 
 class Row(NamedTuple):
     model_type: str
@@ -122,9 +152,10 @@ def write_spec(folder: Path, model_type: str, config: dict[str, Any], paths: dic
               - {{id: X2, why: batched_mm experts export with static shapes, op: set,
                   path: _experts_implementation, value: batched_mm, backends: [extraction]}}
             module_paths: {json.dumps(paths)}
-            abi:
             """
         )
+        + _patches_yaml(model_type)
+        + "abi:\n"
         + abi_config
         + textwrap.indent(
             textwrap.dedent(
@@ -146,6 +177,15 @@ def write_spec(folder: Path, model_type: str, config: dict[str, Any], paths: dic
         )
     )
     return spec
+
+
+def _patches_yaml(model_type: str) -> str:
+    """The ``patches:`` section of ``GUIDE_PATCHES[model_type]`` (empty for most types), one flow
+    mapping per patch (JSON is YAML)."""
+    patches = GUIDE_PATCHES.get(model_type, ())
+    if not patches:
+        return ""
+    return "patches:\n" + "".join(f"  - {json.dumps(patch)}\n" for patch in patches)
 
 
 def _state_templates(text: dict[str, Any]) -> tuple[str, str]:

@@ -204,6 +204,14 @@ def render_extraction(spec: Spec) -> list[Rendered]:
     if paged is not None:  # the block table follows cache_position, as kadapt apply exports it
         decode = dataclasses.replace(decode, fixed_inputs=(*decode.fixed_inputs, paged.block_table))
     dims = abi_tables.dims(spec)
+    if dims.structure.has_chunked_layers:
+        raise cannot(
+            spec,
+            TARGET,
+            "the model has chunked-attention layers (Llama-4), whose mask the generated module's wrappers "
+            "do not pass yet (windows(config) reads sliding windows only); kadapt apply exports them",
+            "gate",
+        )
     structure = structure_context(spec, dims)
     runtime_module = split_module(Path(runtime.__file__))
     encoding_module = split_module(Path(encoding.__file__))

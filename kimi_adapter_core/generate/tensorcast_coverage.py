@@ -1,8 +1,9 @@
 """What a generated TensorCast profile cannot declare, refused with the reason before anything renders.
 
 msmodeling prices gated DeltaNet and DeepSeek sparse attention only inside its own builtin profiles;
-a generated profile has no field for a linear-attention module or a sparse attention class, so a
-spec whose layers need one gets a located refusal naming what TensorCast lacks."""
+a generated profile has no field for a linear-attention module, a sparse attention class or an
+attention chunk (Llama-4), so a spec whose layers need one gets a located refusal naming what
+TensorCast lacks."""
 
 from __future__ import annotations
 
@@ -40,6 +41,26 @@ def refuse_unpriced_layers(spec: Spec) -> None:
     found = structure_of_raw(spec, raw)
     refuse_linear_attention(spec, found)
     refuse_sparse_attention(spec, found)
+    refuse_chunked_attention(spec, found)
+
+
+def refuse_chunked_attention(spec: Spec, found: ModelStructure) -> None:
+    """A stack with chunked-attention layers (Llama-4) cannot be profiled: TensorCast's attention sees a
+    sliding window or every key, so it would price each chunked layer's query over the whole context
+    instead of its own chunk's ``p % chunk + 1`` keys."""
+    chunked = [chunk for chunk in found.chunks if chunk is not None]
+    if not chunked:
+        return
+    raise cannot(
+        spec,
+        TARGET,
+        f"{len(chunked)} of the {found.num_layers} layers use chunked attention (chunk "
+        f"{'/'.join(str(c) for c in sorted(set(chunked)))}: a query sees only the keys of its own chunk), "
+        "and TensorCast's ModelProfile has no field that declares an attention chunk (msmodeling 0.2.0 "
+        "knows a sliding window or full attention); a generated profile would price every chunked layer "
+        "as full attention",
+        "gate",
+    )
 
 
 def refuse_sparse_attention(spec: Spec, found: ModelStructure) -> None:

@@ -142,6 +142,10 @@ def _mlp_kinds(read: Reader, spec: Spec | None, num_layers: int, moe: Moe | None
         types = read.get("mlp_layer_types")  # one 'dense' / 'sparse' per layer (Kimi-Linear, GLM-5)
         if types is not None:
             return ["dense" if i < len(types) and types[i] == "dense" else "moe" for i in range(num_layers)]
+        moe_listed = read.get("moe_layer_list")  # Llama-4's moe_layers: the MoE layers, the rest dense
+        if moe_listed is not None:
+            sparse = set(moe_listed)
+            return ["moe" if i in sparse else "dense" for i in range(num_layers)]
         first = int(read.get("first_dense_layers", 0) or 0)
         listed = set(read.get("dense_layer_list", []) or [])
         step = int(read.get("moe_layer_step", 1) or 1)
@@ -151,10 +155,13 @@ def _mlp_kinds(read: Reader, spec: Spec | None, num_layers: int, moe: Moe | None
 
 def _layer_types(read: Reader, num_layers: int) -> list[Any] | None:
     """Each layer's type as the config lists it (``layer_types``, Nemotron-H's ``layers_block_type``),
-    else as a raw layout builds the list (``layer_pattern.layout_types``); None: neither."""
+    else as a raw layout builds the list (``layer_pattern.layout_types``, Llama-4's chunk rule); None:
+    none of them."""
     types = read.get("layer_types")
     if types is None:
         types = layout_types(read.raw, num_layers, read.get("mamba_state_size") is not None)
+    if types is None:
+        types = _chunked_types(read, num_layers)
     return types
 
 
@@ -201,8 +208,8 @@ def _block_mlps(read: Reader, types: list[Any] | None, num_layers: int, moe: Moe
 
 
 def _spans(read: Reader, num_layers: int, types: list[Any] | None) -> list[tuple[str, int | None]]:
-    """Per layer ``(full|sliding|linear|indexed|none, window)``: ``types`` when the config lists them, else
-    one rule."""
+    """Per layer ``(kind, span)``: ``("sliding", window)``, ``("chunked", chunk)`` or ``(kind, None)``
+    (full, linear, indexed, none); from ``types`` when the config lists them, else one rule."""
     window = read.get("sliding_window")
     if read.get("use_sliding_window", True) is False:
         window = None
@@ -215,10 +222,7 @@ def _spans(read: Reader, num_layers: int, types: list[Any] | None) -> list[tuple
         _check_layer_types(read, types[:num_layers])
         spans: list[tuple[str, int | None]] = []
         for i, kind in enumerate(types[:num_layers]):
-            sliding = known[kind] == "sliding"
-            if sliding and not window:
-                raise KadaptError(f"{read.where}: layer {i} is {kind} but the config sets no sliding_window")
-            spans.append(("sliding", int(window)) if sliding else (known[kind], None))
+            spans.append(_span(read, i, kind, known[kind], window))
         return spans
     interval = read.get("full_attention_interval")
     # Qwen3-Next's and Qwen3.5's rule (their config classes build layer_types from it): layer i is full
@@ -250,6 +254,41 @@ def _spans(read: Reader, num_layers: int, types: list[Any] | None) -> list[tuple
     if first_sliding is not None and read.keys.get("use_sliding_window"):
         return [("sliding", int(window)) if i >= first_sliding else ("full", None) for i in range(num_layers)]
     return [("sliding", int(window))] * num_layers
+
+
+def _span(read: Reader, index: int, kind: str, modelled: str, window: Any) -> tuple[str, int | None]:
+    """One listed layer's ``(kind, span)``: a sliding layer takes the config's window, a chunked layer
+    its ``attention_chunk_size`` (a located error when the config has none)."""
+    if modelled == "sliding":
+        if not window:
+            raise KadaptError(f"{read.where}: layer {index} is {kind} but the config sets no sliding_window")
+        return "sliding", int(window)
+    if modelled == "chunked":
+        chunk = read.get("attention_chunk_size")
+        if not chunk:
+            raise KadaptError(
+                f"{read.where}: layer {index} is {kind} but the config sets no attention_chunk_size"
+            )
+        return "chunked", int(chunk)
+    return modelled, None
+
+
+def _chunked_types(read: Reader, num_layers: int) -> list[str] | None:
+    """Llama-4's rule (its config class builds ``layer_types`` from it when the JSON has none): with an
+    ``attention_chunk_size``, layers that use rope are chunked and the NoPE layers full attention, the
+    NoPE layers from ``no_rope_layers`` (1 = uses rope), or when that is missing or empty every
+    ``no_rope_layer_interval``-th layer (default 4, the class's). None: no chunk size, no such rule."""
+    if not read.get("attention_chunk_size"):
+        return None
+    flags = read.get("rope_layer_flags")
+    if not flags:
+        interval = int(read.get("no_rope_interval") or 4)
+        flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    elif len(flags) < num_layers:
+        raise KadaptError(
+            f"{read.where}: no_rope_layers lists {len(flags)} layers, the model has {num_layers}"
+        )
+    return ["chunked_attention" if flag else "full_attention" for flag in flags[:num_layers]]
 
 
 def _check_layer_types(read: Reader, types: list[Any]) -> None:
@@ -358,6 +397,12 @@ def _value_violations(read: Reader) -> list[bounds.Violation]:
     return found + bounds.cross_field(bounds.Facts(valid, frozenset(present)), read.prefix)
 
 
+def _dense_width(read: Reader) -> int:
+    """The dense layers' MLP width: Llama-4 keeps it apart from the experts' (``intermediate_size_mlp``
+    beside ``intermediate_size``), the other families in ``intermediate_size``."""
+    return int(read.get("dense_intermediate_size") or read.get("intermediate_size", 0) or 0)
+
+
 def _check_values(read: Reader) -> None:
     """Raise every value finding of the config at once, before anything is computed from a value."""
     found = _value_violations(read)
@@ -411,7 +456,7 @@ def derive_structure(
     spans = _spans(read, num_layers, types)
     kinds = _block_mlps(read, types, num_layers, moe) or _mlp_kinds(read, spec, num_layers, moe)
     _refuse_outside_layer_features(read, spec)
-    dense_width = int(read.get("intermediate_size", 0) or 0) if "dense" in kinds else 0
+    dense_width = _dense_width(read) if "dense" in kinds else 0
     model_type = read.raw("model_type")
     return ModelStructure(
         model_type=str(model_type if model_type is not _MISSING else ""),
@@ -423,8 +468,14 @@ def derive_structure(
         intermediate_size=dense_width,
         moe=moe,
         layers=tuple(
-            Layer(index=i, attention=span, window=window, mlp=kind)
-            for i, ((span, window), kind) in enumerate(zip(spans, kinds, strict=True))
+            Layer(
+                index=i,
+                attention=span,
+                window=size if span == "sliding" else None,
+                mlp=kind,
+                chunk=size if span == "chunked" else None,
+            )
+            for i, ((span, size), kind) in enumerate(zip(spans, kinds, strict=True))
         ),
         rope=rope_of(read),
         tie_word_embeddings=bool(read.get("tie_word_embeddings", False)),

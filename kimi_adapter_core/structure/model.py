@@ -119,10 +119,13 @@ class Layer:
     alone) and mixer blocks with no MLP (``mlp`` ``none``)."""
 
     index: int
-    # full | sliding | linear (ModelStructure.linear) | indexed (full + DSA: .indexer) | none (no mixer)
+    # full | sliding | chunked | linear (ModelStructure.linear) | indexed (full + DSA: .indexer) | none
+    # (no mixer)
     attention: str
     window: int | None  # keys a query sees (sliding layers only)
     mlp: str  # dense | moe | none
+    # chunked layers only (Llama-4): the query at position p sees keys p - p % chunk .. p
+    chunk: int | None = None
 
 
 # Linear-attention / SSM mixers kadapt sizes (``linear_of.MIXERS`` reads each from its config keys), and
@@ -360,6 +363,15 @@ class ModelStructure:
         return any(window is not None for window in self.windows)
 
     @property
+    def chunks(self) -> tuple[int | None, ...]:
+        """Per layer: the attention chunk of a chunked layer (Llama-4), or None."""
+        return tuple(layer.chunk for layer in self.layers)
+
+    @property
+    def has_chunked_layers(self) -> bool:
+        return any(chunk is not None for chunk in self.chunks)
+
+    @property
     def layer_kinds(self) -> tuple[str, ...]:
         """Each layer's kind as the ABI carries its state: ``linear`` (conv window and recurrent state),
         ``indexed`` (a KV cache and the DSA indexer's keys), ``none`` (no token mixer: no state) or
@@ -398,6 +410,10 @@ class ModelStructure:
         if self.has_sliding_layers:
             sliding = sum(1 for w in self.windows if w is not None)
             spans = f", {sliding}/{self.num_layers} sliding-window layers"
+        if self.has_chunked_layers:
+            chunked = [c for c in self.chunks if c is not None]
+            sizes = "/".join(str(c) for c in sorted(set(chunked)))
+            spans += f", {len(chunked)}/{self.num_layers} chunked-attention layers (chunk {sizes})"
         outside = "".join(f", {o.describe()}" for o in self.outside)
         mixer = self.attention.describe()
         if self.linear is not None:
@@ -431,7 +447,10 @@ def _compress_layers(layers: tuple[Layer, ...]) -> list[dict[str, Any]]:
     runs: list[dict[str, Any]] = []
     for layer in layers:
         kind = {"attention": layer.attention, "window": layer.window, "mlp": layer.mlp}
-        if runs and {k: runs[-1][k] for k in kind} == kind and runs[-1]["layers"][1] == layer.index - 1:
+        if layer.chunk is not None:  # only chunked layers name one: other stacks' metadata is unchanged
+            kind["chunk"] = layer.chunk
+        previous = {k: v for k, v in runs[-1].items() if k != "layers"} if runs else None
+        if previous == kind and runs[-1]["layers"][1] == layer.index - 1:
             runs[-1]["layers"][1] = layer.index
         else:
             runs.append({"layers": [layer.index, layer.index], **kind})

@@ -18,7 +18,14 @@ _MISSING = object()
 
 
 # facts whose value is a list; every other fact is one number (or string) for the whole stack
-LIST_FACTS = ("layer_types", "dense_layer_list", "indexer_types", "mlp_layer_types")
+LIST_FACTS = (
+    "layer_types",
+    "dense_layer_list",
+    "indexer_types",
+    "mlp_layer_types",
+    "moe_layer_list",
+    "rope_layer_flags",
+)
 
 
 @functools.cache

@@ -207,6 +207,12 @@ class ExtractionOptions:
         return self.structure.windows
 
     @property
+    def chunks(self) -> tuple[int | None, ...]:
+        """Each layer's attention chunk (Llama-4's chunked layers), or None."""
+        assert self.structure is not None, "bind_structure first"
+        return self.structure.chunks
+
+    @property
     def layer_kinds(self) -> tuple[str, ...]:
         """Each layer's kind (``names.LAYER_STATES``): ``linear`` for a linear-attention mixer, ``indexed``
         for attention with a DSA indexer, else ``attention``."""

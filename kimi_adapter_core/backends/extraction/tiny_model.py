@@ -24,6 +24,7 @@ from .options import ExtractionOptions
 TINY_FACTS = {
     "hidden_size": 64,
     "intermediate_size": 128,
+    "dense_intermediate_size": 128,
     "expert_intermediate_size": 32,
     "shared_expert_intermediate_size": 32,
     "num_layers": 3,
@@ -43,6 +44,8 @@ TINY_FACTS = {
     "head_dim": 16,
     # shorter than the verify prompt, so sliding-window masks decide the result
     "sliding_window": 4,
+    # chunked attention (Llama-4): the verify's prompt and decode cross several chunk boundaries
+    "attention_chunk_size": 4,
     # gated DeltaNet: value heads grouped 2 per key head, as the published configs do
     "linear_num_key_heads": 2,
     "linear_num_value_heads": 4,
@@ -104,6 +107,12 @@ VISION_LAYER_KEYS = (".num_hidden_layers", ".vt_num_hidden_layers")
 TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "media_placeholder_token_id": 3}
 
 
+# Attention settings that only act at long positions, set where the text config has them: Llama-4's NoPE
+# layers scale their queries by log1p(floor((p + 1) / floor_scale)) * attn_scale + 1, exactly 1 below
+# floor_scale - 1 (8191 in published configs); at 4 the verify's positions are scaled (a wrong scale fails).
+TINY_LONG_CONTEXT = {"floor_scale": 4}
+
+
 def tiny_layer_count(structure: ModelStructure) -> int:
     """Layers of the tiny stack: ``TINY_FACTS["num_layers"]``, or one whole period of the model's
     sliding/full pattern when that is longer (a 5:1 pattern needs 6 layers to have a full one), or,
@@ -129,6 +138,7 @@ def _tiny_text(structure: ModelStructure, section: dict[str, Any]) -> dict[str, 
         tiny[structure.keys["max_window_layers"]] = 1  # layers from 1 on slide: full and sliding both present
     if structure.moe is not None and structure.moe.expert_groups > 1:
         tiny.update({structure.keys[f]: v for f, v in TINY_EXPERT_GROUPS.items() if f in structure.keys})
+    tiny.update({key: value for key, value in TINY_LONG_CONTEXT.items() if key in section})
     tiny["initializer_range"] = TINY_INITIALIZER_RANGE
     return tiny
 

@@ -186,6 +186,7 @@ def wrapper_for(kind: str, backbone: Backbone, options: ExtractionOptions, num_l
             layer_kinds=options.layer_kinds,
             mla_attention=options.mla_attention,
             windows=options.windows,
+            chunks=options.chunks,
             embedding_ops=options.structure.outside_ops("embeddings") if options.structure else (),
             logit_ops=options.structure.outside_ops("logits") if options.structure else (),
             rope_layer_types=upstream.rope_layer_types(probed),

@@ -107,12 +107,15 @@ def kv_mapping_document(options: ExtractionOptions, backbone: Backbone) -> dict[
         kinds=options.layer_kinds,
         linear_states=options.linear_states,
         index_dim=options.index_dim,
+        chunked=options.structure is not None and options.structure.has_chunked_layers,
     )
     graphs = {"prefill_graph": options.path("prefill").name, "decode_graph": options.path("decode").name}
     assert options.structure is not None
     attention = {
         "attention": options.structure.attention.kind,
         "sliding_windows": list(options.windows) if options.structure.has_sliding_layers else None,
+        # only a stack with chunked layers names them: other mappings are what they always were
+        **({"attention_chunks": list(options.chunks)} if options.structure.has_chunked_layers else {}),
     }
     merged = options.merged_prefill
     extra: dict[str, Any] = {}

@@ -90,6 +90,7 @@ def _check(spec: Spec, options: ExtractionOptions) -> None:
         mla_attention=options.mla_attention,
         layer_kinds=structure.layer_kinds,
         windows=structure.windows,
+        chunks=structure.chunks,
         embedding_ops=structure.outside_ops("embeddings"),
         logit_ops=structure.outside_ops("logits"),
         rope_layer_types=upstream.rope_layer_types(probed),

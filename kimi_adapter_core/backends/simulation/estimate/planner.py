@@ -114,6 +114,8 @@ class KvSizing:
     tp: int
     state: LinearStateSizing | None = None  # the linear layers' per-request state (hybrid stacks)
     index: IndexKeySizing | None = None  # the DSA indexer keys (DeepSeek-V3.2)
+    # per attention layer: its attention chunk (Llama-4's chunked layers) or None; () when none is chunked
+    chunks: tuple[int | None, ...] = ()
 
     @property
     def bytes_per_elem(self) -> int:
@@ -149,8 +151,16 @@ class KvSizing:
         }
 
     def cached_token_layers(self, tokens: int) -> int:
-        """Token-layers a sequence of ``tokens`` holds: a sliding layer keeps its last ``window`` only."""
-        return sum(tokens if window is None else min(tokens, window) for window in self.windows)
+        """Token-layers a sequence of ``tokens`` holds: a sliding layer keeps its last ``window`` only, a
+        chunked layer at most ``chunk`` (a query needs ``p % chunk`` past keys: transformers' chunked
+        cache layer keeps the last ``chunk - 1``, plus the new token)."""
+        return sum(tokens if cap is None else min(tokens, cap) for cap in self.caps)
+
+    @property
+    def caps(self) -> tuple[int | None, ...]:
+        """Per attention layer: the tokens it keeps at most (its window or chunk), or None (all)."""
+        chunks = self.chunks or (None,) * len(self.windows)
+        return tuple(window or chunk for window, chunk in zip(self.windows, chunks, strict=True))
 
     def state_bytes(self, *, per_rank: bool = True) -> int:
         """The linear layers' state of one request, whatever its length (0: no linear layers)."""
@@ -301,9 +311,10 @@ def kv_sizing(s: ModelStructure, tp: int, kv_dtype: str = "bf16") -> KvSizing:
     if kv_dtype not in DTYPE_BYTES:
         raise UsageError(f"unknown KV cache dtype {kv_dtype!r} (known: {', '.join(DTYPE_BYTES)})")
     windows = tuple(s.layers[i].window for i in s.attention_layer_ids)
+    chunks = tuple(s.layers[i].chunk for i in s.attention_layer_ids) if s.has_chunked_layers else ()
     state = None if s.linear is None else LinearStateSizing(s.linear, len(s.linear_layer_ids), tp)
     index = None if s.indexer is None else IndexKeySizing(s.indexer, len(indexed_layer_ids(s)))
-    return KvSizing(kv_dtype, s.attention.default_kv_layout, s.attention, windows, tp, state, index)
+    return KvSizing(kv_dtype, s.attention.default_kv_layout, s.attention, windows, tp, state, index, chunks)
 
 
 

@@ -60,6 +60,12 @@ class LayerKind:
     windows: tuple[int | None, ...]  # each one's sliding window (None: full attention or linear)
     # attention | linear (a hybrid stack's linear-attention layers) | indexed | none (an MLP alone)
     mixer: str = "attention"
+    chunks: tuple[int | None, ...] = ()  # each one's attention chunk (Llama-4); () when none is chunked
+
+    @property
+    def spans(self) -> tuple[tuple[int | None, int | None], ...]:
+        """Each layer's ``(window, chunk)``: what bounds the keys its queries see."""
+        return tuple(zip(self.windows, self.chunks or (None,) * len(self.windows), strict=True))
 
     @property
     def index(self) -> int:
@@ -102,7 +108,13 @@ def layer_kinds(s: ModelStructure) -> list[LayerKind]:
     for layer, mixer in zip(s.layers, s.layer_kinds, strict=True):
         kinds.setdefault((mixer, layer.mlp), []).append(layer.index)
     return [
-        LayerKind(mlp, tuple(ids), tuple(s.layers[i].window for i in ids), mixer)
+        LayerKind(
+            mlp,
+            tuple(ids),
+            tuple(s.layers[i].window for i in ids),
+            mixer,
+            tuple(s.layers[i].chunk for i in ids) if s.has_chunked_layers else (),
+        )
         for (mixer, mlp), ids in sorted(kinds.items(), key=lambda item: item[1][0])
     ]
 

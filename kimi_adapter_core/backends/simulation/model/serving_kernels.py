@@ -48,6 +48,37 @@ def attended_pairs(past: int, new: int, window: int | None) -> int:
     return pairs + (new - uncapped) * (window or 0)
 
 
+def chunked_pairs(past: int, new: int, chunk: int) -> int:
+    """Query-key pairs of ``new`` queries after ``past`` tokens in chunked attention: the query at ``p``
+    sees ``p % chunk + 1`` keys, the keys of its own chunk up to itself."""
+
+    def upto(n: int) -> int:  # pairs of the queries at positions 0..n-1
+        whole, rest = divmod(n, chunk)
+        return whole * chunk * (chunk + 1) // 2 + rest * (rest + 1) // 2
+
+    return upto(past + new) - upto(past)
+
+
+def visible_keys(context: int, window: int | None, chunk: int | None) -> int:
+    """Keys the newest of ``context`` tokens attends to (itself included): every one, the last ``window``,
+    or in chunked attention its own chunk's ``p % chunk + 1``."""
+    if chunk is not None:
+        return (context - 1) % chunk + 1
+    return min(context, window or context)
+
+
+def prefill_pairs(past: int, new: int, window: int | None, chunk: int | None) -> int:
+    """Query-key pairs of ``new`` causal queries after ``past`` tokens, by the layer's span."""
+    return chunked_pairs(past, new, chunk) if chunk is not None else attended_pairs(past, new, window)
+
+
+def prefill_keys(past: int, new: int, window: int | None, chunk: int | None) -> int:
+    """Keys ``new`` queries after ``past`` tokens read at least once: the window-capped past, or the past
+    of the first query's chunk (chunked attention), plus the new tokens."""
+    kept = past % chunk if chunk is not None else min(past, window or past)
+    return kept + new
+
+
 def mean_of(values: list[float]) -> float:
     return sum(values) / len(values)
 
@@ -103,14 +134,14 @@ class AttentionKernel:
         per_token = kv * (hd + vd) * kvb  # one token of this rank's cache
         write = b * s * per_token
         if self.dep.decode:
-            reads = [min(past + s, w or past + s) for w in kind.windows]
+            reads = [visible_keys(past + s, w, c) for w, c in kind.spans]
             pairs = mean_of([b * heads * s * r for r in reads])
             kv_read = mean_of([b * r * per_token for r in reads])
             nbytes = kv_read + 2 * b * s * heads * (hd + vd) + write
             name = "attention_decode"
         else:
-            pairs = mean_of([b * heads * attended_pairs(past, s, w) for w in kind.windows])
-            keys = mean_of([min(past, w or past) + s for w in kind.windows])
+            pairs = mean_of([b * heads * prefill_pairs(past, s, w, c) for w, c in kind.spans])
+            keys = mean_of([prefill_keys(past, s, w, c) for w, c in kind.spans])
             kv_read = b * keys * per_token
             nbytes = 2 * b * s * heads * (hd + vd) + kv_read + write
             name = "flash_attention_prefill"

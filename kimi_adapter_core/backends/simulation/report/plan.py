@@ -25,6 +25,12 @@ _SHORT_DTYPES = {"float64": "fp64", "float32": "fp32", "bfloat16": "bf16", "floa
 _LAYOUT_LABELS = {"latent": "MLA latent", "expanded": "expanded", "heads": "K+V heads"}
 
 
+def _chunks_json(chunks: tuple[int | None, ...]) -> dict[str, Any]:
+    """The chunked layers (Llama-4) and their chunks; nothing for a stack without them."""
+    chunked = [c for c in chunks if c is not None]
+    return {"chunked_layers": len(chunked), "chunks": sorted(set(chunked))} if chunked else {}
+
+
 def _kv_json(plan: Plan) -> dict[str, Any]:
     kv = plan.kv
     return {
@@ -37,6 +43,7 @@ def _kv_json(plan: Plan) -> dict[str, Any]:
         "layers": kv.layers,
         "sliding_layers": sum(1 for w in kv.windows if w is not None),
         "windows": sorted({w for w in kv.windows if w is not None}),
+        **_chunks_json(kv.chunks),
         "bytes_per_sequence": kv.kv_bytes(plan.seq_len, per_rank=False),
         "bytes_per_sequence_per_device": kv.kv_bytes(plan.seq_len),
         "layouts_bytes_per_token_layer": kv.layouts(),
@@ -279,6 +286,13 @@ def _kv_text(plan: Plan) -> list[str]:
     if sliding:
         spans = ", ".join(str(w) for w in sorted(set(sliding)))
         lines.append(f"  sliding window: {len(sliding)}/{kv.layers} layers keep only the last {spans} tokens")
+    chunked = [c for c in kv.chunks if c is not None]
+    if chunked:
+        spans = ", ".join(str(c) for c in sorted(set(chunked)))
+        lines.append(
+            f"  chunked attention: {len(chunked)}/{kv.layers} layers keep at most the last {spans} tokens "
+            "(a query sees its own chunk: p % chunk + 1 keys)"
+        )
     whole, device = kv.sequence_bytes(plan.seq_len, per_rank=False), kv.sequence_bytes(plan.seq_len)
     if kv.state is not None:
         lines += _state_text(plan)
