@@ -42,6 +42,7 @@ SPECS = (
     "llama",
     "mistral",
     "mixtral",
+    "nemotron_h",
     "qwen2",
     "qwen3_5_moe",
     "qwen3_moe",
