@@ -43,7 +43,6 @@ SPECS = (
     "mistral",
     "mixtral",
     "qwen2",
-    "qwen3_5_moe",
     "qwen3_moe",
     "qwen3_next",
 )

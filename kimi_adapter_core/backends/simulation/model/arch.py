@@ -46,14 +46,12 @@ def read_config(spec: Spec) -> dict[str, Any]:
 
 
 def architecture(spec: Spec, raw: dict[str, Any]) -> Architecture:
-    """The structure of ``raw`` (the root config dict) as ``spec`` reads it, plus its vision tower when
-    the spec names one (``module_paths.vision_tower``: a MoonViT tower; a vision-language checkpoint
-    adapted for its text model alone, Qwen3.5's, is sized without its tower)."""
+    """The structure of ``raw`` (the root config dict) as ``spec`` reads it, plus its vision tower."""
     structure = structure_of_raw(spec, raw)
     _check_indexer(spec, raw, structure)
     vision_cfg = raw.get("vision_config")
     vision = None
-    if isinstance(vision_cfg, dict) and "vision_tower" in spec.module_paths:
+    if isinstance(vision_cfg, dict):
         origin = shown_path(spec.source.config) if spec.source.config is not None else "config"
         vision = vision_arch(vision_cfg, structure.hidden_size, origin=origin)
     return Architecture(str(raw.get("model_type", "")), structure, vision)
