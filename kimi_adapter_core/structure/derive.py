@@ -30,7 +30,7 @@ from .model import (
     Moe,
     OutsideOp,
 )
-from .reader import _MISSING, Reader, _locate, _tables, mlp_block_types, outside_modelled
+from .reader import MISSING, Reader, locate, mlp_block_types, outside_modelled, tables
 from .rope_of import rope_of
 
 
@@ -70,7 +70,7 @@ def _check_attention_claims(attention: Attention, read: Reader, spec: Spec | Non
         raise KadaptError(
             f"architecture.attention is {stated!r} but {read.where} describes {attention.kind.upper()} "
             f"attention ({attention.describe()}); valid: {', '.join(ATTENTION_KINDS)}",
-            location=_locate(spec, "architecture.attention"),
+            location=locate(spec, "architecture.attention"),
         )
     if spec.mla and not attention.is_mla:
         raise KadaptError(
@@ -107,7 +107,7 @@ def _moe(read: Reader, spec: Spec | None) -> Moe | None:
             "routing",
             f"{read.where}: router scoring {scoring!r} is not one kadapt knows; "
             f"valid: {', '.join(SCORING_FUNCS)}",
-            location=_locate(spec, "architecture.router.scoring"),
+            location=locate(spec, "architecture.router.scoring"),
         )
     normalize = router.get("normalize_top_k")
     if normalize is None:
@@ -135,7 +135,7 @@ def _mlp_kinds(read: Reader, spec: Spec | None, num_layers: int, moe: Moe | None
         if bad:
             raise KadaptError(
                 f"architecture.dense_layers names layers {bad} outside 0..{num_layers - 1}",
-                location=_locate(spec, "architecture.dense_layers"),
+                location=locate(spec, "architecture.dense_layers"),
             )
         dense = set(stated)
     else:
@@ -180,13 +180,13 @@ def _num_layers(read: Reader) -> int:
 
 def _lists_blocks(read: Reader) -> bool:
     """Whether the config lists one-sublayer blocks (``mlp_blocks.keys``: Nemotron-H's)."""
-    return any(read.raw(key) not in (_MISSING, None) for key in _tables()["mlp_blocks"]["keys"])
+    return any(read.raw(key) not in (MISSING, None) for key in tables()["mlp_blocks"]["keys"])
 
 
 def _known_types(read: Reader) -> dict[str, str]:
     """Layer type -> how kadapt models it (``layer_types``), and in a stack of one-sublayer blocks its MLP
     blocks too (no mixer: ``none``)."""
-    known = dict(_tables()["layer_types"])
+    known = dict(tables()["layer_types"])
     if _lists_blocks(read):
         known.update(dict.fromkeys(mlp_block_types(), "none"))
     return known
@@ -298,29 +298,29 @@ def _check_layer_types(read: Reader, types: list[Any]) -> None:
     for i, kind in enumerate(types):
         if not isinstance(kind, str) or kind in known:  # not a string: the value check reports it
             continue
-        hybrid = kind in _tables()["hybrid_layer_types"]
+        hybrid = kind in tables()["hybrid_layer_types"]
         *others, last = [repr(k) for k in known]
         raise Refusal(
             "hybrid" if hybrid else "layer-types",
             f"{read.where}: layer {i} is {kind!r}"
             + (" (its state is neither a KV cache nor a linear-attention state)" if hybrid else "")
             + f"; kadapt models {', '.join(others)} and {last} layers",
-            location=_locate(read.spec, "gate"),
+            location=locate(read.spec, "gate"),
         )
 
 
 def _refuse_unmodelled_layers(read: Reader, spec: Spec | None) -> None:
     """Hybrid stacks (SSM, linear attention, recurrence, convolution) and per-layer attention configs,
     told apart by keys only they have, on the config object and the raw JSON alike."""
-    for key in _tables()["hybrid_keys"]:
+    for key in tables()["hybrid_keys"]:
         value = read.raw(key)
-        if value is not _MISSING and value is not None:
+        if value is not MISSING and value is not None:
             raise Refusal(
                 "hybrid",
                 f"{read.where} sets {key}, which only models with non-attention layers (SSM, linear "
                 "attention, recurrence, convolution) have; kadapt carries KV caches and gated-DeltaNet, KDA "
                 "and Mamba2 states (conv window, recurrent state), and this layer keeps another state",
-                location=_locate(spec, "gate"),
+                location=locate(spec, "gate"),
             )
     state = read.peek("mamba_state_size")
     if state is not None and read.peek("mamba_num_heads") is None:
@@ -330,7 +330,7 @@ def _refuse_unmodelled_layers(read: Reader, spec: Spec | None) -> None:
             f"({', '.join(read.candidates['mamba_num_heads'])}): "
             "a Mamba1 selective scan, whose state is one per channel; kadapt carries KV caches and gated-"
             "DeltaNet, KDA and Mamba2 states",
-            location=_locate(spec, "gate"),
+            location=locate(spec, "gate"),
         )
     # a config object with one refuses global reads of its per-layer keys (``Reader.raw``); JSON keeps it
     if isinstance(read.config, Mapping) and read.config.get("per_layer_config"):
@@ -338,16 +338,16 @@ def _refuse_unmodelled_layers(read: Reader, spec: Spec | None) -> None:
             "per-layer-config",
             f"{read.where} has a per_layer_config (attention sizes that differ per layer); kadapt describes "
             "one attention shape for every layer",
-            location=_locate(spec, "gate"),
+            location=locate(spec, "gate"),
         )
 
 
 def _refuse_outside_layer_features(read: Reader, spec: Spec | None) -> None:
     """Features outside the decoder layers would be dropped silently by the ABI wrappers."""
     where = spec.locate("gate") if spec is not None else None
-    for key, rule in _tables()["outside_layers"].items():
+    for key, rule in tables()["outside_layers"].items():
         value = read.raw(key)
-        if value is not _MISSING and value not in rule["neutral"]:
+        if value is not MISSING and value not in rule["neutral"]:
             message = (
                 f"{read.where} sets {key} = {value!r}, which {rule['effect']}; kadapt's prefill/decode "
                 "wrappers call the decoder layers directly and cannot honour it, so the model is refused "
@@ -361,7 +361,7 @@ def _outside(read: Reader) -> tuple[OutsideOp, ...]:
     ops = []
     for key, rule in outside_modelled().items():
         value = read.raw(key)
-        if value is _MISSING or value in rule["neutral"]:
+        if value is MISSING or value in rule["neutral"]:
             continue
         ops.append(OutsideOp(rule["site"], rule["op"], float(value), key))
     return tuple(ops)
@@ -459,7 +459,7 @@ def derive_structure(
     dense_width = _dense_width(read) if "dense" in kinds else 0
     model_type = read.raw("model_type")
     return ModelStructure(
-        model_type=str(model_type if model_type is not _MISSING else ""),
+        model_type=str(model_type if model_type is not MISSING else ""),
         num_layers=num_layers,
         hidden_size=hidden,
         vocab_size=int(read.require("vocab_size")),

@@ -14,7 +14,7 @@ from ..errors import Refusal
 from ..resources import package_file
 from ..spec.model import Spec
 
-_MISSING = object()
+MISSING = object()  # a key the config does not have (None is a value it may hold)
 
 
 # facts whose value is a list; every other fact is one number (or string) for the whole stack
@@ -29,23 +29,24 @@ LIST_FACTS = (
 
 
 @functools.cache
-def _tables() -> dict[str, Any]:
+def tables() -> dict[str, Any]:
+    """``config_keys.yaml``, read once: the fact keys and the tables derive refuses by."""
     return yaml.safe_load(package_file("structure", "config_keys.yaml").read_text(encoding="utf-8"))
 
 
 def outside_modelled() -> dict[str, dict[str, Any]]:
     """Config key -> {site, op, neutral}: the math outside the layers the wrappers reproduce."""
-    return {key: dict(rule) for key, rule in _tables()["outside_modelled"].items()}
+    return {key: dict(rule) for key, rule in tables()["outside_modelled"].items()}
 
 
 def mlp_block_types() -> dict[str, str]:
     """Layer type -> MLP kind of the blocks that are an MLP alone, in a stack of one-sublayer blocks."""
-    return dict(_tables()["mlp_blocks"]["kinds"])
+    return dict(tables()["mlp_blocks"]["kinds"])
 
 
 def fact_keys() -> dict[str, list[str]]:
     """Fact -> candidate config keys, in lookup order."""
-    return {fact: list(keys) for fact, keys in _tables()["facts"].items()}
+    return {fact: list(keys) for fact, keys in tables()["facts"].items()}
 
 
 class Reader:
@@ -69,27 +70,27 @@ class Reader:
 
     def raw(self, key: str) -> Any:
         if isinstance(self.config, Mapping):
-            return self.config.get(key, _MISSING)
+            return self.config.get(key, MISSING)
         try:
-            return getattr(self.config, key, _MISSING)
+            return getattr(self.config, key, MISSING)
         except Exception as exc:  # noqa: BLE001 - per-layer configs refuse global reads (Gemma-4)
             raise Refusal(
                 "per-layer-config",
                 f"{self.where} gives {key} per layer ({type(exc).__name__}); kadapt describes one "
                 "attention shape for every layer",
-                location=_locate(self.spec, "gate"),
+                location=locate(self.spec, "gate"),
             ) from exc
 
     def get(self, fact: str, default: Any = None) -> Any:
         for key in self.candidates.get(fact, [fact]):
             value = self.raw(key)
-            if value is not _MISSING and value is not None:
+            if value is not MISSING and value is not None:
                 if isinstance(value, (list, tuple)) and fact not in LIST_FACTS:
                     raise Refusal(
                         "per-layer-config",
                         f"{self.where}: {key} is a list (one value per layer); kadapt describes one "
                         f"{fact} for every layer",
-                        location=_locate(self.spec, "gate"),
+                        location=locate(self.spec, "gate"),
                     )
                 self.keys[fact] = key
                 return value
@@ -103,7 +104,7 @@ class Reader:
                 value = self.raw(key)
             except Refusal:
                 return None
-            if value is not _MISSING and value is not None:
+            if value is not MISSING and value is not None:
                 return key, value
         return None
 
@@ -131,7 +132,8 @@ def _spec_fields(spec: Spec | None) -> dict[str, str]:
     return fields
 
 
-def _locate(spec: Spec | None, where: str) -> str | None:
+def locate(spec: Spec | None, where: str) -> str | None:
+    """The spec line of ``where`` (else of its parent section), for a finding about that entry."""
     if spec is None:
         return None
     return spec.locate(where if where in spec.positions else where.rsplit(".", 1)[0])

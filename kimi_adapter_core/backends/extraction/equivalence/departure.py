@@ -20,7 +20,7 @@ from .... import upstream
 from ..runtime import abi as runtime
 from .replay import Replay
 from .tolerance import Tolerance, compare
-from .topk_ties import boundary_ties, recording_ties
+from .topk_ties import TopkRecorder, recording_ties
 
 
 class _RecordingCache(DynamicCache):
@@ -178,13 +178,10 @@ def walk(
 
 
 def _walk(
-    model: nn.Module, replay: Replay, prompt: torch.Tensor, steps: int, recorder: Any
+    model: nn.Module, replay: Replay, prompt: torch.Tensor, steps: int, recorder: TopkRecorder | None
 ) -> Iterator[Step]:
     def step_ties() -> tuple[str, ...]:
-        if recorder is None:
-            return ()
-        found, recorder.calls = boundary_ties(recorder.calls), []
-        return tuple(found)
+        return recorder.take_ties() if recorder is not None else ()
 
     layout = replay.kv_layout
     cache = _RecordingCache(model.config)

@@ -19,7 +19,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 
-class _TopkRecorder(TorchFunctionMode):
+class TopkRecorder(TorchFunctionMode):
     """Keeps the input of every ``topk`` called while an indexer's forward runs (the MoE routers' own
     top-k runs outside any indexer and is not kept)."""
 
@@ -37,12 +37,17 @@ class _TopkRecorder(TorchFunctionMode):
             self.calls.append((self.inside, scores.detach().clone(), int(k)))
         return func(*args, **kwargs)
 
+    def take_ties(self) -> tuple[str, ...]:
+        """The boundary ties of the top-k calls recorded since the last take (``boundary_ties``)."""
+        found, self.calls = boundary_ties(self.calls), []
+        return tuple(found)
+
 
 @contextmanager
-def recording_ties(model: nn.Module) -> Iterator[_TopkRecorder]:
+def recording_ties(model: nn.Module) -> Iterator[TopkRecorder]:
     """Record every indexer's top-k inputs in ``model`` (modules with ``index_topk`` and a
     ``layer_idx``) for as long as the context is open."""
-    recorder = _TopkRecorder()
+    recorder = TopkRecorder()
     handles = []
     for module in model.modules():
         if hasattr(module, "index_topk") and hasattr(module, "layer_idx"):
