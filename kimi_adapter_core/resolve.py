@@ -135,7 +135,7 @@ def _check_model(findings: _Findings) -> None:
 def _check_stack_parts(findings: _Findings, model: Any, language_model: Any, lm_head: Any) -> None:
     """The parts the extraction wrappers call on the decoder stack, where ``module_paths`` says (or
     transformers' usual names): a missing one is the refusal apply would raise, at its spec key."""
-    from .backends.extraction.ir.export import Backbone, check_parts
+    from .backends.extraction.ir.stack import Backbone, check_parts
 
     parts = findings.spec.stack_parts()
     findings.attempt("module_paths", lambda: check_parts(Backbone(model, language_model, lm_head, parts)))

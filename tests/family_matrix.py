@@ -1,5 +1,5 @@
 """The family matrix as tests: each decoder-only model type of the installed transformers gets the row
-``docs/families.md`` records (outcome and refusal code), and none fails.
+``docs/families.md`` records (outcome, refusal code, whether plan's inventory is exact), and none fails.
 
 Split over two test files (``test_family_matrix_*.py``) so the two xdist workers share the ~2 minutes.
 The page is written against one transformers release; on another (the compatibility runs) the rows
@@ -17,7 +17,7 @@ import transformers
 
 from kimi_adapter_core.families.catalog import decoder_only
 from kimi_adapter_core.families.page import read_rows
-from kimi_adapter_core.families.trial import FAILED, run_trial
+from kimi_adapter_core.families.trial import FAILED, PLAN_EXACT, run_trial
 
 __all__ = ["FAILED", "RECORDED", "SKIP", "TYPES", "check_row", "half"]
 
@@ -45,4 +45,8 @@ def check_row(model_type: str) -> None:
     assert (row.outcome, row.code) == (recorded.outcome, recorded.code), (
         f"{model_type}: {row.outcome} {row.code} ({row.detail}), the page says {recorded.outcome} "
         f"{recorded.code} ({recorded.detail})"
+    )
+    # plan's inventory: exact where the page says so, and departing where it says it departs
+    assert (row.plan == PLAN_EXACT) == (recorded.plan == PLAN_EXACT), (
+        f"{model_type}: plan {row.plan!r}, the page says {recorded.plan!r}"
     )

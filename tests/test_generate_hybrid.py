@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import test_generated_module_roundtrip as roundtrip
+import roundtrip
 import torch
 from fixtures.modules import import_path
 from transformers import DynamicCache

@@ -22,7 +22,8 @@ from fixtures.modules import import_path
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from kimi_adapter_core import upstream
-from kimi_adapter_core.backends.extraction.ir.export import Backbone, check_parts, probed_stack, wrapper_for
+from kimi_adapter_core.backends.extraction.ir.export import wrapper_for
+from kimi_adapter_core.backends.extraction.ir.stack import Backbone, check_parts, probed_stack
 from kimi_adapter_core.backends.extraction.job.whole_model import check_whole_model
 from kimi_adapter_core.backends.extraction.options import bind_structure, options_from_spec
 from kimi_adapter_core.backends.extraction.runtime import abi

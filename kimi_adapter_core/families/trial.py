@@ -31,7 +31,7 @@ import traceback
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..errors import parse_refusal
+from ..errors import KadaptError, parse_refusal
 
 ADAPTED, REFUSED, FAILED, UNTESTED = "adapted", "refused", "failed", "untested"
 
@@ -66,11 +66,17 @@ GUIDE_PATCHES: dict[str, tuple[dict[str, Any], ...]] = {
 }
 
 
+PLAN_EXACT = "exact"
+
+
 class Row(NamedTuple):
     model_type: str
     outcome: str  # adapted | refused | failed
     code: str  # the refusal code (refused), the error kind (failed), or "" (adapted)
     detail: str  # one line: what was refused or failed, or what was proven
+    # adapted rows: whether plan's parameter inventory is the model transformers builds (``census``):
+    # "exact", or "departs: " and how; "" for the other outcomes
+    plan: str = ""
 
 
 def _module_paths(model: Any) -> dict[str, str]:
@@ -192,7 +198,6 @@ def _state_templates(text: dict[str, Any]) -> tuple[str, str]:
     """The states besides key and value a stack's layers return, and take back, named as a user names
     them: a linear layer's conv and recurrent state, a DSA layer's indexer keys (none when the config
     says neither, or is refused: the trial reports that where apply raises it)."""
-    from ..errors import KadaptError
     from ..structure.derive import derive_structure
 
     try:
@@ -255,8 +260,21 @@ def _buildable_config(model_type: str) -> tuple[dict[str, Any], Any] | str:
     return f"transformers' own default config does not build a model: {failure}"
 
 
+def _plan_census(spec: Any, model: Any, folder: Path) -> list[str]:
+    """What keeps plan's inventory from being ``model`` (``census``), or why plan refuses the spec
+    (its paths relative to the trial's ``folder``, so the page stays the same from run to run)."""
+    from ..backends.simulation.model.census import census
+    from ..backends.simulation.model.inputs import model_inputs
+
+    try:
+        inputs = model_inputs(spec, None)
+    except KadaptError as exc:  # the spec's plan refuses what verify adapts: a plan fact, not the row's
+        return [f"plan refuses it: {str(exc).replace(f'{folder}/', '')}"]
+    return census(inputs.groups, inputs.naming, model).problems()
+
+
 def run_trial(model_type: str) -> Row:
-    """``model_type`` through validate --resolve, apply and verify; its row."""
+    """``model_type`` through validate --resolve, apply and verify, and plan's census; its row."""
     from ..backends import extraction
     from ..loading import applied, load_model
     from ..resolve import resolve_diagnostics
@@ -286,7 +304,9 @@ def run_trial(model_type: str) -> Row:
                 return Row(model_type, FAILED, "resolve", _one_line(findings[0].message))
             options = extraction.options_from_spec(spec, output_dir=out)
             with applied(spec, backend="extraction"):  # apply's checks, in its order, on the spec's model
-                extraction.check(spec, load_model(spec, device="meta"), options, echo=lambda line: None)
+                model = load_model(spec, device="meta")
+                extraction.check(spec, model, options, echo=lambda line: None)
+            misplanned = _plan_census(spec, model, folder)
             options = dataclasses.replace(options, verify_dtypes=("float32",))
             report = extraction.verify(spec, options, echo=lambda line: None, keep_in=out)
         except BaseException as exc:  # noqa: BLE001 - every outcome is a row
@@ -304,4 +324,5 @@ def run_trial(model_type: str) -> Row:
             ADAPTED,
             "",
             _one_line(f"{report.attention_label}; verify max |diff| {report.max_logit_diff:.1e}"),
+            _one_line("departs: " + "; ".join(misplanned), 200) if misplanned else PLAN_EXACT,
         )

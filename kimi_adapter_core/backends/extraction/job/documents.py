@@ -14,9 +14,9 @@ import transformers
 from .... import __version__
 from ....spec.model import Spec
 from ..ir.encoding import enum_tables
-from ..ir.export import Backbone
 from ..ir.graph import Graph
 from ..ir.irjson import FORMAT_VERSION
+from ..ir.stack import Backbone
 from ..names import kv_names
 from ..options import MERGED, ExtractionOptions
 from ..runtime import abi as runtime

@@ -33,18 +33,15 @@ from ....spec.model import Spec
 from ....structure.derive import derive_structure
 from ..ir import vision
 from ..ir.export import (
-    Backbone,
-    check_exportable,
-    check_stack,
     export_wrapper,
     exports_together,
     graph_names,
     load_export_machinery,
-    probed_stack,
     to_graph,
 )
 from ..ir.graph import Graph
 from ..ir.irjson import ir_chunks
+from ..ir.stack import Backbone, check_exportable, check_stack, probed_stack
 from ..ir.stitch import NotStitchable, Plan, plan, stitch
 from ..ir.weights import model_tensor_types, tied_names, weight_entries
 from ..options import MERGED, ExtractionOptions, bind_merged_prefill, bind_structure

@@ -27,7 +27,7 @@ from .... import upstream
 from ....errors import Refusal
 from ....spec.model import Spec
 from ....structure.derive import derive_structure
-from ..ir.export import probed_stack
+from ..ir.stack import probed_stack
 from ..options import ExtractionOptions
 from ..runtime import abi as runtime
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from ....spec.model import Spec
 from .arch import Architecture, architecture, read_config
+from .census import departure_note
 from .params import Naming, ParamGroup, naming, param_groups
 from .quant import Policy, check_schemes, checkpoint_storage_of, resolve_policy
 
@@ -43,4 +44,7 @@ def model_inputs(spec: Spec, quant: str | None) -> ModelInputs:
     declared = list(spec.backend_options("simulation").get("quant_modes") or [])
     policy = resolve_policy(quant, declared, spec.quantization, stored)
     notes = () if quant else stored.notes  # why a scheme does not size the checkpoint a --quant mode replaces
+    departure = departure_note(arch.model_type, spec.path)
+    if departure is not None:
+        notes = (*notes, departure)
     return ModelInputs(arch, names, groups, policy, quant.upper() if quant else "checkpoint", notes)

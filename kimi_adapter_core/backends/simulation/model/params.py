@@ -32,6 +32,7 @@ from ....spec.model import Spec
 from ....structure.model import ModelStructure
 from ....vision.tower import VisionArch
 from .arch import Architecture, indexed_layer_ids
+from .layer_parts import FP32_ROUTER, MOE_PARTS, UNGATED_MLP, MoeParts, sublayers
 
 # tp: split over tensor-parallel ranks (by heads or width); kv: split by KV heads, which are
 # replicated once TP exceeds them; ep: routed experts over expert-parallel ranks; vocab:
@@ -122,29 +123,6 @@ def naming(spec: Spec) -> Naming:
 
 
 Tensors = Sequence[tuple[str, tuple[int, ...]]]  # (name inside one layer, shape)
-
-
-@dataclass(frozen=True)
-class Sublayers:
-    """Where a decoder layer keeps its parts: transformers' usual ``self_attn`` and ``mlp`` after
-    ``input_layernorm`` and ``post_attention_layernorm``, or, in a stack of one-sublayer blocks
-    (Nemotron-H: a block is a mixer alone or an MLP alone), its one part in ``mixer`` after ``norm``."""
-
-    attention: str = "self_attn"
-    mlp: str = "mlp"
-    norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
-
-
-# Families whose MLPs (dense, shared and routed experts) are not gated: ``up_proj`` and ``down_proj``
-# around the activation, no ``gate_proj`` (transformers 5.24 ``NemotronHMLP``, ``NemotronHExperts``)
-_UNGATED_MLP = ("nemotron_h",)
-# Families whose router weight transformers keeps in float32 (``_keep_in_fp32_modules_strict``: Nemotron-H)
-_FP32_ROUTER = ("nemotron_h",)
-
-
-def sublayers(s: ModelStructure) -> Sublayers:
-    """The decoder layers' part names: one-sublayer blocks when some block has no token mixer."""
-    return Sublayers("mixer", "mixer", ("norm",)) if s.mixerless_layer_ids else Sublayers()
 
 
 def _layers(
@@ -409,7 +387,7 @@ def text_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
         for name, tensors, shard, linear in tensors_of(s):
             ids = s.linear_layer_ids
             groups.append(_layers(n, f"{label}.{name}", ids, tensors, shard, "bf16", linear))
-    gated, mlp = s.model_type not in _UNGATED_MLP, sublayers(s).mlp
+    gated, mlp = s.model_type not in UNGATED_MLP, sublayers(s).mlp
     if s.dense_layer_ids:
         dense = _mlp(mlp, h, s.intermediate_size, gated)
         groups.append(_layers(n, "dense_mlp", s.dense_layer_ids, dense, "tp", "bf16", True))
@@ -419,7 +397,7 @@ def text_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
 
 
 def _moe_groups(s: ModelStructure, n: Naming, mlp: str, gated: bool) -> list[ParamGroup]:
-    """The MoE layers' router (``_FP32_ROUTER``), shared and routed experts."""
+    """The MoE layers' router (``FP32_ROUTER``), shared and routed experts."""
     moe, ids, h = s.moe, s.moe_layer_ids, s.hidden_size
     assert moe is not None
     experts, groups = moe.num_experts, []
@@ -427,17 +405,19 @@ def _moe_groups(s: ModelStructure, n: Naming, mlp: str, gated: bool) -> list[Par
     # (n shared experts of the routed width; Nemotron-H's of moe_shared_expert_intermediate_size): the
     # config key says which
     qwen_style = s.keys.get("shared_expert_intermediate_size") == "shared_expert_intermediate_size"
-    router: list[tuple[str, tuple[int, ...]]] = [(f"{mlp}.{n.router}.weight", (experts, h))]
+    parts = MOE_PARTS.get(
+        s.model_type, MoeParts(n.router, "shared_expert" if qwen_style else "shared_experts", True)
+    )
+    router: list[tuple[str, tuple[int, ...]]] = [(f"{mlp}.{parts.router}.weight", (experts, h))]
     if qwen_style and moe.shared_intermediate_size:
         router.append((f"{mlp}.shared_expert_gate.weight", (1, h)))
-    router_dtype = "fp32" if s.model_type in _FP32_ROUTER else "bf16"
+    router_dtype = "fp32" if s.model_type in FP32_ROUTER else "bf16"
     groups.append(_layers(n, "router", ids, router, "replicated", router_dtype, False))
-    if moe.scoring == "sigmoid":  # DeepSeek's noaux_tc correction bias, kept in fp32
-        bias: Tensors = [(f"{mlp}.{n.router}.e_score_correction_bias", (experts,))]
+    if moe.scoring == "sigmoid" and parts.correction_bias:  # DeepSeek's noaux_tc bias, kept in fp32
+        bias: Tensors = [(f"{mlp}.{parts.router}.e_score_correction_bias", (experts,))]
         groups.append(_layers(n, "router_bias", ids, bias, "replicated", "fp32", False))
     if moe.shared_intermediate_size:
-        prefix = f"{mlp}.shared_expert" if qwen_style else f"{mlp}.shared_experts"
-        shared = _mlp(prefix, h, moe.shared_intermediate_size, gated)
+        shared = _mlp(f"{mlp}.{parts.shared}", h, moe.shared_intermediate_size, gated)
         groups.append(_layers(n, "shared_experts", ids, shared, "tp", "bf16", True))
     width = moe.expert_intermediate_size
     routed: Tensors = [  # stacked [experts, out, in], as most transformers MoE classes hold them

@@ -1,0 +1,148 @@
+"""The decoder stack kadapt exports, and the checks it must pass before anything is traced.
+
+``Backbone`` is the spec's model seen through its module paths (the language model, its parts, the LM
+head); the checks refuse, with the stack-layout reason and the spec line, a stack whose layers the
+prefill/decode wrappers cannot call the way the model's own forward does (arguments the model computes
+once, a mixer that does not know its index), and a model whose experts cannot export. Split from
+``export.py``, which traces what passes them.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+from .... import upstream
+from ....errors import KadaptError, Refusal
+from ....spec.model import STACK_PARTS, StackParts
+from ..runtime import abi as runtime
+
+
+@dataclass(frozen=True)
+class Backbone:
+    """The text backbone inside the full model, as the spec's module_paths name it."""
+
+    model: nn.Module
+    language_model: nn.Module
+    lm_head: nn.Module
+    parts: StackParts = StackParts()  # where the stack keeps its embedding, final norm, rotary embedding
+
+    @property
+    def config(self) -> Any:
+        return self.language_model.config
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        return list(self.language_model.layers)[: self.config.num_hidden_layers]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.language_model.parameters()).device
+
+
+# what a decoder layer's forward may take: the wrappers pass the first five (and the cache under its
+# keyword); any other named input is something the model's forward computes and the wrappers do not
+LAYER_INPUTS = frozenset(
+    {"self", "hidden_states", "attention_mask", "position_ids", "position_embeddings", "use_cache",
+     "cache", "past_key_values", "past_key_value", "cache_position", "output_attentions", "kwargs"}
+) | frozenset(runtime.CARRIED_INPUTS)  # fmt: skip
+# child module class names of a decoder layer that mixes tokens without attention
+NON_ATTENTION = ("Mamba", "Mixer", "Linear", "Conv", "Recurrent", "DeltaNet", "Rwkv", "Lstm")
+
+
+def check_parts(backbone: Backbone) -> None:
+    """Refuse (``stack-layout``) a stack without ``layers`` or a part where ``backbone.parts`` says it is."""
+    stack, parts = backbone.language_model, backbone.parts
+    for key in ("layers", *STACK_PARTS):
+        try:
+            runtime.stack_part(stack, key, parts.stated) if key in STACK_PARTS else stack.get_submodule(key)
+        except AttributeError:
+            raise Refusal("stack-layout", parts.missing(stack, key), location=parts.where(key)) from None
+
+
+def check_stack(backbone: Backbone, kinds: Sequence[str] | None = None) -> None:
+    """Refuse a stack the wrappers cannot drive: parts missing (``check_parts``, GPT-2, Falcon, Phi), or a
+    layer without the mixer of its kind (``kinds``; None: all attention; ``runtime.MIXER_ATTRIBUTES``) that
+    knows its ``layer_idx`` (``hybrid`` when it mixes tokens another way)."""
+    check_parts(backbone)
+    stack = backbone.language_model
+    for index, layer in enumerate(backbone.layers):
+        params = inspect.signature(inspect.unwrap(type(layer).forward)).parameters
+        extra = [
+            n
+            for n, p in params.items()
+            if n not in LAYER_INPUTS and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+        ]
+        if extra:
+            raise Refusal(
+                "stack-layout",
+                f"{type(layer).__name__}.forward (layer {index}) takes {', '.join(extra)}, which "
+                f"{type(stack).__name__}'s forward computes and the prefill/decode wrappers do not",
+            )
+        if kinds is not None and kinds[index] in runtime.STATELESS_KINDS:
+            continue  # no mixer, no state: nothing is addressed by its index
+        if kinds is not None and kinds[index] == "linear":
+            names = runtime.MIXER_ATTRIBUTES["linear"]
+            try:
+                mixer: nn.Module | None = runtime.mixer_of(layer, "linear")
+            except ValueError:
+                mixer = None
+            if getattr(mixer, "layer_idx", None) == index:
+                continue
+            raise Refusal(
+                "hybrid",
+                f"{type(layer).__name__} (layer {index}) is a linear-attention layer by the config, but has "
+                f"no mixer ({', '.join(names)}) whose layer_idx is {index}: kadapt addresses its states by "
+                "that index",
+            )
+        try:
+            attention: nn.Module | None = runtime.mixer_of(layer, "attention")
+        except ValueError:
+            attention = None
+        if attention is not None and getattr(attention, "layer_idx", None) == index:
+            continue
+        others = [type(m).__name__ for _, m in layer.named_children()]
+        hybrid = [n for n in others if any(word in n for word in NON_ATTENTION)]
+        if hybrid:
+            raise Refusal(
+                "hybrid",
+                f"{type(layer).__name__} (layer {index}) mixes tokens with {', '.join(hybrid)}, which the "
+                "config does not describe as a linear-attention layer kadapt can size: its state is not a "
+                "KV cache",
+            )
+        found = (
+            "no self_attn"
+            if attention is None
+            else f"self_attn.layer_idx {getattr(attention, 'layer_idx', None)}"
+        )
+        raise Refusal(
+            "stack-layout",
+            f"{type(layer).__name__} (layer {index}) has {found} (children: {', '.join(others)}); the KV "
+            "cache is addressed by each self_attn's layer_idx",
+        )
+
+
+def probed_stack(language_model: nn.Module, parts: StackParts) -> Any:
+    """The stack as upstream's probes read it: its ``rotary_emb`` the rotary embedding the spec names."""
+    if "rotary_embedding" not in parts.stated:
+        return language_model
+    rotary = runtime.stack_part(language_model, "rotary_embedding", parts.stated)
+    return SimpleNamespace(layers=language_model.layers, config=language_model.config, rotary_emb=rotary)
+
+
+def check_exportable(backbone: Backbone) -> None:
+    """Refuse MoE layers whose experts implementation cannot be exported (data-dependent loops)."""
+    has_experts = any(upstream.is_experts_module(m) for m in backbone.language_model.modules())
+    implementation = getattr(backbone.config, "_experts_implementation", None)
+    if has_experts and implementation in (None, "eager"):
+        raise KadaptError(
+            f"the MoE experts use the {implementation or 'default eager'} implementation, which loops over "
+            "nonzero() expert hits and cannot be exported with static shapes; set "
+            "text_config._experts_implementation to batched_mm in the spec's config_bridges"
+        )
