@@ -40,6 +40,7 @@ SPECS = (
     "kimi_k25",
     "kimi_linear",
     "llama",
+    "llama4_scout",
     "mistral",
     "mixtral",
     "nemotron_h",

@@ -8,11 +8,13 @@ with the spec entry named, rather than generated half-working.
 
 The module bakes in the model's structure as kadapt derives it (``structure/``): the attention kind,
 the resolved KV layout (the spec's ``abi.kv_layout`` or the attention's default), the per-token KV
-dims and every layer's sliding window; for a hybrid stack also each layer's kind and a linear layer's
-conv and recurrent state shapes, which its wrappers, example inputs, names and state mapping carry
-in the layer's place; for a DSA stack (DeepSeek-V3.2) each layer's kind and the width of the indexer
-keys, which they carry after the layer's key and value. It also carries the config keys each of those
-facts is read from, so that ``kv_dims(config)``, ``windows(config)`` (and ``layer_kinds(config)``,
+dims and every layer's sliding window, and for Llama-4's chunked-attention layers every layer's
+attention chunk (``CHUNKS``), which its wrappers mask inside the graph as kadapt apply's do; for a
+hybrid stack also each layer's kind and a linear layer's conv and recurrent state shapes, which its
+wrappers, example inputs, names and state mapping carry in the layer's place; for a DSA stack
+(DeepSeek-V3.2) each layer's kind and the width of the indexer keys, which they carry after the
+layer's key and value. It also carries the config keys each of those facts is read from, so that
+``kv_dims(config)``, ``windows(config)`` (and ``chunks(config)``, ``layer_kinds(config)``,
 ``linear_states(config)``, ``index_dim(config)``) follow a config built with overrides (a tiny model
 of the same family) the way kadapt's ``derive_structure`` would.
 """
@@ -67,6 +69,8 @@ WINDOW_FACTS = (
 HYBRID_FACTS = ("full_attention_interval",)
 # What the generated ``index_dim`` reads from a DSA stack's text config (the indexer keys' width).
 INDEX_FACTS = ("index_head_dim",)
+# What the generated ``chunks`` reads from a stack with chunked-attention layers (Llama-4's rule).
+CHUNK_FACTS = ("attention_chunk_size", "rope_layer_flags", "no_rope_interval")
 
 
 def _fail(spec: Spec, where: str, message: str) -> KadaptError:
@@ -155,7 +159,11 @@ def structure_context(spec: Spec, d: abi_tables.Dims) -> dict[str, Any]:
     sizes = MIXERS[linear.kind] if linear is not None else {}
     linear_facts = (*HYBRID_FACTS, *sizes.values()) if d.hybrid else ()
     index_facts = INDEX_FACTS if d.index_dim is not None else ()
-    facts = tuple(dict.fromkeys((*WINDOW_FACTS, *KV_FACTS[d.kv_layout], *linear_facts, *index_facts)))
+    chunked = d.structure.has_chunked_layers
+    chunk_facts = CHUNK_FACTS if chunked else ()
+    facts = tuple(
+        dict.fromkeys((*WINDOW_FACTS, *KV_FACTS[d.kv_layout], *linear_facts, *index_facts, *chunk_facts))
+    )
     assert spec.abi is not None
     return {
         "summary": d.structure.describe(),
@@ -170,6 +178,9 @@ def structure_context(spec: Spec, d: abi_tables.Dims) -> dict[str, Any]:
         "kv_dims": d.kv_dims,
         "windows": repeated_literal(d.structure.windows),
         "sliding": d.structure.has_sliding_layers,
+        # chunked-attention layers (Llama-4): CHUNKS and chunks(config), passed like the windows
+        "chunked": chunked,
+        "chunks": periodic_literal(d.structure.chunks) if chunked else None,
         "fact_keys": fact_candidates(spec, facts),
         "hybrid": d.hybrid,
         "num_layers": d.num_layers,
@@ -204,14 +215,6 @@ def render_extraction(spec: Spec) -> list[Rendered]:
     if paged is not None:  # the block table follows cache_position, as kadapt apply exports it
         decode = dataclasses.replace(decode, fixed_inputs=(*decode.fixed_inputs, paged.block_table))
     dims = abi_tables.dims(spec)
-    if dims.structure.has_chunked_layers:
-        raise cannot(
-            spec,
-            TARGET,
-            "the model has chunked-attention layers (Llama-4), whose mask the generated module's wrappers "
-            "do not pass yet (windows(config) reads sliding windows only); kadapt apply exports them",
-            "gate",
-        )
     structure = structure_context(spec, dims)
     runtime_module = split_module(Path(runtime.__file__))
     encoding_module = split_module(Path(encoding.__file__))
