@@ -35,8 +35,8 @@ extraction config bridges, checks the gate and builds the model with transformer
 claimed, and the spec's patches (installed by ``patches_applied``, removed on exit) change
 behaviour only for claimed modules, checked on every call.
 
-Text backbone: 48 layers, hidden 5120, GQA 40 heads / 8 KV heads x 128, MoE 16 experts top-1 (width
-8192, sigmoid), 36/48 chunked-attention layers (chunk 8192), rope llama3.
+Text backbone: 48 layers, hidden 5120, GQA 40 heads / 8 KV heads x 128, MoE 16 experts top-1 + 1
+shared (width 8192, sigmoid), 36/48 chunked-attention layers (chunk 8192), rope llama3.
 KV cache: layout `heads` (the default of GQA attention); per layer and token a key of 8 x 128 and a
 value of 8 x 128 (heads x width); chunked-attention layers (Llama-4) are masked inside the graph to
 their own chunk (``CHUNKS``).
@@ -2657,8 +2657,8 @@ LM_HEAD_PATH = "lm_head"
 MODEL_CLASSES = ("AutoModelForImageTextToText", "AutoModelForCausalLM", "AutoModel")
 
 # The text backbone as kadapt derives it from SOURCE_CONFIG after the extraction bridges:
-# 48 layers, hidden 5120, GQA 40 heads / 8 KV heads x 128, MoE 16 experts top-1 (width 8192, sigmoid), 36/48
-# chunked-attention layers (chunk 8192), rope llama3
+# 48 layers, hidden 5120, GQA 40 heads / 8 KV heads x 128, MoE 16 experts top-1 + 1 shared (width 8192,
+# sigmoid), 36/48 chunked-attention layers (chunk 8192), rope llama3
 STRUCTURE: dict[str, Any] = {
     "attention": {"head_dim": 128, "kind": "gqa", "num_heads": 40, "num_kv_heads": 8, "v_head_dim": 128},
     "hidden_size": 5120,
@@ -2696,10 +2696,10 @@ STRUCTURE: dict[str, Any] = {
         "expert_intermediate_size": 8192,
         "normalize_top_k": False,
         "num_experts": 16,
-        "num_shared_experts": 0,
+        "num_shared_experts": 1,
         "routed_scaling_factor": 1.0,
         "scoring": "sigmoid",
-        "shared_intermediate_size": 0,
+        "shared_intermediate_size": 8192,
         "top_k": 1,
         "top_k_groups": 1,
     },
