@@ -50,13 +50,18 @@ from typing import Any
 
 import pytest
 from fixtures.modules import without_kadapt_env
+from fixtures.releases import runnable
 
 from kimi_adapter_core.backends.extraction import options_from_spec
 from kimi_adapter_core.backends.extraction.tiny_model import tiny_overrides
 from kimi_adapter_core.spec import Spec, load_spec
 
 REPO = Path(__file__).resolve().parents[1]
-EXTRACTABLE = [p.stem for p in sorted((REPO / "specs").glob("*.yaml")) if load_spec(p).abi is not None]
+# (a spec whose requires exclude the installed transformers is not vendored here: its module's pins
+# refuse this release's code, as kadapt apply refuses the spec; fixtures/releases.py)
+EXTRACTABLE = [
+    p.stem for p in runnable(sorted((REPO / "specs").glob("*.yaml"))) if load_spec(p).abi is not None
+]
 CORE = ("llama", "kimi_k25", "mistral")
 # specs whose attention picks its keys by a top-k of scores (DeepSeek sparse attention's indexer)
 SPARSE_ATTENTION = ("deepseek_v32", "glm5")

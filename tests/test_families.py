@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from fixtures.releases import skip_if_not_here
 from fixtures.shared_apply import SharedApplies
 
 from kimi_adapter_core.backends.extraction import options_from_spec, verify
@@ -43,7 +44,9 @@ def test_every_family_kind_is_shipped() -> None:
 
 @pytest.mark.slow
 @pytest.mark.compat
-@pytest.mark.parametrize("spec_path", SHIPPED, ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "spec_path", [pytest.param(p, id=p.stem, marks=skip_if_not_here(p)) for p in SHIPPED]
+)
 def test_full_size_apply_and_verify(spec_path: Path, shipped_apply: SharedApplies) -> None:
     spec = load_spec(spec_path)
     structure = structure_of_raw(spec, json.loads(spec.source.config.read_text()))

@@ -176,6 +176,7 @@ def command(
         from ..loading import applied, load_model
         from ..patching.session import active_session
         from ..spec import load_spec
+        from ..spec.requirements import check_requirements
         from ..structure.of_spec import structure_of_config
 
     try:
@@ -184,6 +185,7 @@ def command(
         raise UsageError(f"--device {device!r} is not a torch device (e.g. meta, cpu): {exc}") from exc
     with out.stage("load spec"):
         spec = load_spec(spec_path)
+        check_requirements(spec)  # before any folder or model: the spec's releases are not these
     if without:
         try:
             spec = spec.without(without)

@@ -6,7 +6,8 @@ Three findings, so that the day a new transformers release lands nobody has to g
   and the optional backends each command can use;
 - every transformers contact point (``upstream.CONTACT_POINTS``): ok, or moved with what kadapt
   expected and what it found;
-- every pin of the shipped specs' patches: ok, or moved (signature or source hash).
+- every pin of the shipped specs' patches: ok, or moved (signature or source hash), or not checked
+  (remote code; a spec whose ``requires`` excludes the installed release).
 
 Exit 1 when anything moved (a finding, like a failing lint), 0 otherwise.
 """
@@ -89,14 +90,21 @@ def pin_findings() -> list[dict[str, Any]]:
     from ..patching.targets import import_module, parse_target, resolve_in
     from ..resources import shipped_dir
     from ..spec import load_spec
+    from ..spec.requirements import unmet
 
     rows = []
     for path in sorted(shipped_dir("specs").glob("*.yaml")):
         spec = load_spec(path)
+        outside = unmet(spec)  # a spec for other releases: apply refuses it here, its pins do not apply
         for patch in spec.patches:
             if patch.pin is None:
                 continue
             row = {"spec": spec.name, "id": patch.id, "target": patch.target}
+            if outside:
+                package, required, installed = outside[0]
+                found = f"the spec requires {package}{required} (installed: {installed or 'none'})"
+                rows.append({**row, "status": "not checked", "found": found})
+                continue
             if patch.is_remote:
                 rows.append(
                     {

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import KadaptError
 from ..spec.model import EnvironmentShim, Patch, Spec
+from ..spec.requirements import check_requirements
 from . import kinds, pins, remote
 from .changes import Change, layered
 from .gate import GatedAttribute, Reach, gated, via_cell
@@ -345,6 +346,7 @@ def open_session(spec: Spec, backend: str, **kwargs: Any) -> Session:
                 )
             outer.users += 1
             return _nested(outer)
+        check_requirements(spec)  # the spec's own range first: its patches were written for it
         session = Session(spec, backend, **kwargs)
         session.apply()
         session.users = 1
