@@ -218,6 +218,45 @@ def _probe_linear_attention_cache() -> str:
     return "Cache." + ", ".join(LINEAR_CACHE_METHODS)
 
 
+# MiniMax's cache (``MiniMaxCache``, a DynamicCache subclass the model's forward insists on) and the
+# lightning-attention API on it: name -> its leading parameters after ``self``
+MINIMAX_CACHE = ("transformers.models.minimax.modeling_minimax", "MiniMaxCache")
+LIGHTNING_CACHE_METHODS = {
+    "get_linear_cache": ("layer_idx",),
+    "set_linear_cache": ("layer_idx", "linear_cache"),
+}
+
+
+def _probe_lightning_attention_cache() -> str:
+    import torch
+
+    expected = (
+        "MiniMaxCache.get_linear_cache(layer_idx) -> None before the layer's first "
+        "set_linear_cache(layer_idx, linear_cache), then that state"
+    )
+    cache_class = _attr(*MINIMAX_CACHE, expected)
+    for name, params in LIGHTNING_CACHE_METHODS.items():
+        method = getattr(cache_class, name, None)
+        if method is None:
+            raise _Moved(expected, f"MiniMaxCache has no {name}")
+        if not _leading_parameters(method, params)[0]:
+            raise _Moved(expected, _describe(method, f"MiniMaxCache.{name}"))
+    cache, state = cache_class(), torch.zeros(1, 1, 1, 1)
+    before = cache.get_linear_cache(0)
+    cache.set_linear_cache(0, state)
+    if before is not None or cache.get_linear_cache(0) is not state:
+        raise _Moved(expected, f"get_linear_cache(0) returns {type(before).__name__} before a state is set")
+    return "MiniMaxCache." + ", ".join(LIGHTNING_CACHE_METHODS)
+
+
+def model_cache_class(model: Any) -> Any:
+    """The cache class a model's forward accepts: ``MiniMaxCache`` for MiniMax (its forward refuses any
+    other), else ``DynamicCache``; the equivalence check records transformers' states in a subclass."""
+    if getattr(getattr(model, "config", None), "model_type", None) == "minimax":
+        return _attr(*MINIMAX_CACHE, "MiniMaxCache")
+    return _attr("transformers.cache_utils", "DynamicCache", "DynamicCache")
+
+
 def _probe_indexer_cache() -> str:
     expected = "Cache.update_indexer(indexer_key_states, layer_idx) returning every cached indexer key"
     cache = _attr("transformers.cache_utils", "Cache", expected)
@@ -500,6 +539,16 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
         _probe_linear_attention_cache,
     ),
     ContactPoint(
+        "lightning_attention_cache",
+        "transformers.models.minimax.modeling_minimax.MiniMaxCache.get_linear_cache/set_linear_cache",
+        "get_linear_cache(layer_idx) is None before the layer's first set_linear_cache(layer_idx, state); "
+        "the lightning layer prefills from zeros in blocks when it is None, else recurs token by token",
+        "kadapt's static cache stands in for MiniMaxCache in MiniMax's lightning-attention layers: they "
+        "read their recurrent state [B, heads, head_dim, head_dim] from it and hand it the new one",
+        ("extraction (MiniMax)", "generated modules"),
+        _probe_lightning_attention_cache,
+    ),
+    ContactPoint(
         "indexer_cache",
         "transformers.cache_utils.Cache.update_indexer",
         "update_indexer(indexer_key_states [B, S, dim], layer_idx) returning every cached indexer key",
@@ -780,11 +829,12 @@ class LayerProtocol(NamedTuple):
     what they cache: attention layers per token ``((key_heads, key_dim), (value_heads, value_dim))`` of
     what the attention hands to ``update`` (per-head K/V; MLA: its latents; None: no attention layer);
     linear-attention / SSM layers per request ``linear_states``: the conv window's and the recurrent
-    state's shape (without the batch) and dtype, as the layer handed them over."""
+    state's shape (without the batch) and dtype, as the layer handed them over (a lightning layer: its
+    recurrent state alone)."""
 
     cache_keyword: str
     kv_dims: tuple[tuple[int, int], tuple[int, int]] | None
-    linear_states: tuple[tuple[tuple[int, ...], str], tuple[tuple[int, ...], str]] | None = None
+    linear_states: tuple[tuple[tuple[int, ...], str], ...] | None = None
     index_dim: int | None = None  # a DSA indexer's key width (None: no indexed layer)
 
 
@@ -812,7 +862,8 @@ class _RecordingCache:
 
     ``attention``: ``update`` only. ``indexed``: ``update`` and the DSA indexer's ``update_indexer``.
     ``linear``: the linear-attention API a prefill uses (no previous state: ``get_*_state`` return
-    None), each state update recorded with the layer index it names."""
+    None), each state update recorded with the layer index it names. ``lightning``: MiniMaxCache's
+    ``get_linear_cache`` (None: a prefill) and ``set_linear_cache``, recorded alike."""
 
     def __init__(self, kind: str = "attention") -> None:
         self.kind = kind
@@ -821,7 +872,7 @@ class _RecordingCache:
         self.state_calls: dict[str, tuple[Any, Any]] = {}  # method -> (layer_idx, tensor or kernel)
 
     def update(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        if self.kind == "linear":
+        if self.kind in FIXED_STATE_KINDS:
             return self.__getattr__("update")
         call = _UpdateCall(args, kwargs)
         self.calls.append(call)
@@ -834,10 +885,16 @@ class _RecordingCache:
         self.state_calls["update_indexer"] = (layer_idx, indexer_key_states)
         return indexer_key_states
 
-    def _linear_call(self, name: str, layer_idx: Any, value: Any) -> None:
-        if self.kind != "linear":
+    def _linear_call(self, name: str, layer_idx: Any, value: Any, kind: str = "linear") -> None:
+        if self.kind != kind:
             self.__getattr__(name)
         self.state_calls[name] = (layer_idx, value)
+
+    def get_linear_cache(self, layer_idx: Any) -> None:
+        self._linear_call("get_linear_cache", layer_idx, None, "lightning")
+
+    def set_linear_cache(self, layer_idx: Any, linear_cache: Any) -> None:
+        self._linear_call("set_linear_cache", layer_idx, linear_cache, "lightning")
 
     def get_conv_state(self, layer_idx: Any, state_idx: int = 0) -> None:
         self._linear_call("get_conv_state", layer_idx, None)
@@ -1014,6 +1071,11 @@ def _rope_of(rotary_emb: Any, hidden: Any, positions: Any, layer_type: str | Non
 ATTENTION_ATTRIBUTES = ("self_attn", "mixer")
 # Layer kinds with no token mixer and no state (an MLP alone): called with neither a mask nor a cache
 MIXERLESS_KINDS = ("none",)
+# Layer kinds whose states are fixed-size per request (the runtime's ``LINEAR_LAYER_KINDS``; its own
+# name, as both modules are embedded in one generated module): no mask
+FIXED_STATE_KINDS = ("linear", "lightning")
+# The contact point each kind's cache protocol is (the rest: cache_update)
+STATE_POINTS = {"linear": "linear_attention_cache", "lightning": "lightning_attention_cache"}
 
 
 def _attention_of(layer: Any) -> Any:
@@ -1024,7 +1086,7 @@ def _attention_of(layer: Any) -> Any:
 def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str, index: int) -> LayerProtocol:
     import torch
 
-    expected = BY_NAME["linear_attention_cache" if kind == "linear" else "cache_update"].expected
+    expected = BY_NAME[STATE_POINTS.get(kind, "cache_update")].expected
     layer_name = type(layer).__name__
     layer_idx = getattr(_attention_of(layer), "layer_idx", None)
     parameter = next(layer.parameters())
@@ -1032,7 +1094,7 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
     positions = torch.arange(2, device=parameter.device).unsqueeze(0)
     # a linear layer's state takes every token it is given, a block with no mixer keeps none: the
     # wrappers hand them no mask
-    unmasked = kind == "linear" or kind in MIXERLESS_KINDS
+    unmasked = kind in FIXED_STATE_KINDS or kind in MIXERLESS_KINDS
     mask = torch.zeros(1, 1, 2, 2, dtype=parameter.dtype, device=parameter.device) if not unmasked else None
     # no rotary_emb (NoPE, SSM stacks): the layers get no position embeddings, as the ABI's wrappers pass
     embeddings = (
@@ -1084,6 +1146,8 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
         )
     if kind == "linear":
         return _linear_protocol(layer_name, keyword, cache, index, out, hidden)
+    if kind == "lightning":
+        return _lightning_protocol(layer_name, keyword, cache, index, out, hidden)
     if kind in MIXERLESS_KINDS:  # given no cache: it must return the hidden states and keep nothing
         _check_hidden_states(layer_name, out, hidden)
         return LayerProtocol(keyword, None)
@@ -1173,6 +1237,43 @@ def _linear_protocol(
         (tuple(int(d) for d in recurrent.shape[1:]), str(recurrent.dtype).removeprefix("torch.")),
     )
     return LayerProtocol(keyword, None, states)
+
+
+def _lightning_protocol(
+    layer_name: str, keyword: str, cache: _RecordingCache, index: int, out: Any, hidden: Any
+) -> LayerProtocol:
+    """A lightning layer's one state from its recorded prefill: it asked for its state under its own index
+    (None: the prefill path), set the new one ``[batch, heads, head_dim, head_dim]`` and returned the
+    hidden states."""
+    import torch
+
+    point = "lightning_attention_cache"
+    for name in LIGHTNING_CACHE_METHODS:
+        layer_idx, _ = cache.state_calls.get(name, (None, None))
+        if layer_idx != index:
+            found = f"calls it with layer_idx={layer_idx!r}"
+            if name not in cache.state_calls:
+                found = "never calls it"
+            _unsupported(
+                "cache-protocol",
+                layer_name,
+                f"{layer_name}(..., {keyword}=cache) calls cache.{name}(layer_idx={index}, ...) once",
+                f"{layer_name} {found}",
+                point=point,
+            )
+    state = cache.state_calls["set_linear_cache"][1]
+    if not (isinstance(state, torch.Tensor) and state.dim() == 4) or not (
+        isinstance(out, torch.Tensor) and out.shape == hidden.shape
+    ):
+        _unsupported(
+            "cache-protocol",
+            layer_name,
+            "a recurrent state tensor [batch, heads, head_dim, head_dim], and the hidden states returned",
+            f"state {type(state).__name__}, returns {type(out).__name__}",
+            point=point,
+        )
+    shape = tuple(int(d) for d in state.shape[1:])
+    return LayerProtocol(keyword, None, ((shape, str(state.dtype).removeprefix("torch.")),))
 
 
 def _unsupported(code: str, layer: str, expected: str, found: str, *, point: str = "cache_update") -> None:

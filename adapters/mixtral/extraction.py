@@ -287,6 +287,8 @@ def paged_view(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 #  attention: the KV cache (``kv_layout`` says what key and value hold);
 #  linear:    a linear-attention / SSM mixer's short-convolution window and recurrent state, the two
 #             states transformers' ``LinearAttentionLayer`` keeps (``conv_states``/``recurrent_states``).
+#  lightning: MiniMax's lightning attention: its recurrent state alone (``K^T V`` decayed per head,
+#             transformers' ``MiniMaxCache.linear_cache``), no conv window.
 #  indexed:   full attention with DeepSeek sparse attention's indexer: the KV cache, plus the indexer's
 #             own keys ``[B, 1, S, index_head_dim]`` (one head), cached, written and paged like a key.
 #  none:      a block with no token mixer (an MLP alone: Nemotron-H's mlp and moe blocks, transformers'
@@ -294,11 +296,15 @@ def paged_view(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 LAYER_STATES = {
     "attention": ("key", "value"),
     "linear": ("conv", "recurrent"),
+    "lightning": ("recurrent",),
     "indexed": ("key", "value", "index_key"),
     "none": (),
 }
 # States of one fixed size per request (no sequence dimension): never placed by position, never paged.
 FIXED_ROLES = ("conv", "recurrent")
+# Layer kinds whose states are all fixed-size per request (the contract's ``linear_states`` rules): they
+# take every token they are given, so the wrappers hand them no mask.
+LINEAR_LAYER_KINDS = ("linear", "lightning")
 # Where a decoder layer keeps its token mixer, by layer kind (the mixer carries ``layer_idx``): attention
 # in ``self_attn`` or, in a stack of one-sublayer blocks (Nemotron-H), ``mixer``; gated DeltaNet in
 # ``linear_attn``, Mamba2 in ``mixer`` (Mamba2, Nemotron-H) or ``mamba`` (Granite-4.0-H, Bamba), KDA in
@@ -307,6 +313,7 @@ FIXED_ROLES = ("conv", "recurrent")
 MIXER_ATTRIBUTES = {
     "attention": ("self_attn", "mixer"),
     "linear": ("linear_attn", "mixer", "mamba", "conv", "self_attn"),
+    "lightning": ("self_attn",),
     "indexed": ("self_attn",),
     "none": (),
 }
@@ -370,6 +377,9 @@ class StaticStateCache:
     - linear-attention / SSM layers call ``get_conv_state``/``update_conv_state`` and
       ``get_recurrent_state``/``update_recurrent_state`` (``Cache``'s linear-attention API, upstream's
       ``linear_attention_cache`` contact point);
+    - MiniMax's lightning attention calls ``get_linear_cache``/``set_linear_cache`` (``MiniMaxCache``'s
+      API, upstream's ``lightning_attention_cache`` contact point): None in prefill (the layer scans its
+      prompt in blocks from zeros), the past state in decode (its token-by-token recurrence);
     - a DSA indexer calls ``update_indexer`` with its new keys ``[B, S, index_head_dim]`` (upstream's
       ``indexer_cache`` contact point): cached as a one-head key, it returns every slot's keys.
 
@@ -512,6 +522,15 @@ class StaticStateCache:
         """The layer's state after the new tokens becomes the present."""
         self.present[self._slot[layer_idx]]["recurrent"] = recurrent_states
         return recurrent_states
+
+    def get_linear_cache(self, layer_idx: int) -> torch.Tensor | None:
+        """``MiniMaxCache.get_linear_cache``: a lightning layer's recurrent state ``[B, heads, head_dim,
+        head_dim]`` (None in prefill: the layer takes its from-scratch block path)."""
+        return self._owned_state(layer_idx, "recurrent")
+
+    def set_linear_cache(self, layer_idx: int, linear_cache: torch.Tensor) -> None:
+        """``MiniMaxCache.set_linear_cache``: the state after the new tokens becomes the present."""
+        self.present[self._slot[layer_idx]]["recurrent"] = linear_cache
 
     @contextlib.contextmanager
     def routing_expand_kv(self, layers: Sequence[nn.Module]) -> Iterator[None]:
@@ -711,7 +730,7 @@ class _TextStack(nn.Module):
         # one mask per span (a sliding window, ("chunk", size) or None: full), in first-use order
         # (deterministic graphs); a linear layer's state takes every token it is given: no mask (the
         # contract refuses padding); a block with no mixer neither
-        unmasked = ("linear", *STATELESS_KINDS)
+        unmasked = (*LINEAR_LAYER_KINDS, *STATELESS_KINDS)
         spans = [
             window if chunk is None else ("chunk", chunk)
             for window, chunk in zip(self.windows, self.chunks, strict=True)
@@ -878,15 +897,17 @@ def multimodal_prefill_inputs(
     return input_ids, features, mask, positions
 
 
-# Per request, the shape (without the batch) and dtype name of a linear layer's conv and recurrent
-# state, as ``upstream.LayerProtocol.linear_states`` observed them.
-LinearStates = tuple[tuple[tuple[int, ...], str], tuple[tuple[int, ...], str]]
+# Per request, the shape (without the batch) and dtype name of each state of a linear layer in its kind's
+# ABI order (conv and recurrent; a lightning layer's recurrent alone), as
+# ``upstream.LayerProtocol.linear_states`` observed them.
+LinearStates = tuple[tuple[tuple[int, ...], str], ...]
 
 
 def linear_state_zeros(
     linear_states: LinearStates, batch: int, device: str | torch.device
 ) -> list[torch.Tensor]:
-    """A linear layer's conv and recurrent states for ``batch`` rows before any token: zeros."""
+    """A linear layer's states (conv and recurrent; lightning: recurrent) for ``batch`` rows before any
+    token: zeros."""
     return [
         torch.zeros((batch, *shape), dtype=getattr(torch, dtype), device=device)
         for shape, dtype in linear_states
@@ -931,7 +952,7 @@ def decode_inputs(
     for kind in kinds if kinds is not None else ["attention"] * num_layers:
         if kind in STATELESS_KINDS:
             continue
-        if kind == "linear":
+        if kind in LINEAR_LAYER_KINDS:
             assert linear_states is not None, "a linear layer needs its linear_states"
             past += linear_state_zeros(linear_states, batch, device)
             continue
@@ -1045,6 +1066,11 @@ LINEAR_STATE_CONTENTS = {
     "recurrent": "the layer's linear-attention / SSM recurrent state after the last token, [batch, ...], "
     "in its own dtype (the reference kernels keep it in float32 whatever the ABI dtype)",
 }
+LIGHTNING_STATE_CONTENTS = (
+    "a lightning-attention layer's recurrent state after the last token: per head the decayed sum of "
+    "k^T v, [batch, heads, head_dim, head_dim], in the ABI dtype (transformers keeps it in the values' "
+    "dtype); there is no conv window"
+)
 INDEX_KEY_CONTENTS = (
     "the DSA indexer's keys (k_norm(wk(x)) with rope on its first qk_rope_head_dim dims), one head: "
     "[batch, 1, slot, index_head_dim]; every query scores all visible slots with them and attends to its "
@@ -1135,13 +1161,15 @@ def kv_contract(
     index_dim: int | None = None,
     stateless: bool = False,
     chunked: bool = False,
+    lightning: bool = False,
 ) -> dict[str, Any]:
     """Everything a runtime needs besides the graphs: cache semantics, masks, positions, capacity,
     with ``dynamic`` sizes (``{"prefill_len": (1, 64)}``) how to bind them, with ``paged`` the
     block pool and block table (``batch`` rows, or the dynamic ``batch``), and with ``linear`` (the
     stack has linear-attention / SSM layers) what their fixed-size states hold and the rules for them;
     with ``index_dim`` (DSA layers) what the indexer keys hold; with ``stateless`` (blocks with no mixer)
-    that they carry nothing; with ``chunked`` (chunked-attention layers) the chunk rule of the mask.
+    that they carry nothing; with ``chunked`` (chunked-attention layers) the chunk rule of the mask;
+    with ``lightning`` (MiniMax's lightning layers) what their one recurrent state holds, same rules.
 
     Version 3: ``cache_position`` is ``[batch]`` (one position per row) and the optional paged cache;
     version 2 graphs took one ``[1]`` position for the whole batch."""
@@ -1190,7 +1218,7 @@ def kv_contract(
         },
         "padding": (
             {"supported": "right", "rule": padding}
-            if not linear
+            if not (linear or lightning)
             else {
                 "supported": "none",
                 "rule": "the linear layers' states take every token of a prefill row, so a prompt is never "
@@ -1219,6 +1247,8 @@ def kv_contract(
             "recurrent": {"holds": LINEAR_STATE_CONTENTS["recurrent"]},
             **LINEAR_STATE_RULES,
         }
+    if lightning:
+        contract["linear_states"] = {"recurrent": {"holds": LIGHTNING_STATE_CONTENTS}, **LINEAR_STATE_RULES}
     if paged is not None:
         contract["paged"] = paged.contract(max_cache_len, "batch" if "batch" in dynamic else batch)
         contract["cache"]["slot_rule"] += (
@@ -1286,10 +1316,10 @@ def build_kv_mapping(
         if kind in STATELESS_KINDS:  # no state to carry: the entry says so
             layers.append({"layer": layer, "kind": kind})
             continue
-        if kind == "linear":
+        if kind in LINEAR_LAYER_KINDS:
             assert linear_states is not None, "a linear layer needs its linear_states"
-            entry: dict[str, Any] = {"layer": layer, "kind": "linear"}
-            for state, (shape, state_dtype) in zip(LAYER_STATES["linear"], linear_states, strict=True):
+            entry: dict[str, Any] = {"layer": layer, "kind": kind}
+            for state, (shape, state_dtype) in zip(LAYER_STATES[kind], linear_states, strict=True):
                 full = (batch_dim, *shape)
                 for role, key in (
                     ("prefill_{}", "prefill_{}_output"),
@@ -1332,6 +1362,7 @@ def build_kv_mapping(
             paged=paged,
             batch=batch,
             linear="linear" in kinds,
+            lightning="lightning" in kinds,
             index_dim=index_dim if "indexed" in kinds else None,
             stateless=any(kind in STATELESS_KINDS for kind in kinds),
             chunked=chunked,
@@ -1635,6 +1666,45 @@ def _probe_linear_attention_cache() -> str:
     return "Cache." + ", ".join(LINEAR_CACHE_METHODS)
 
 
+# MiniMax's cache (``MiniMaxCache``, a DynamicCache subclass the model's forward insists on) and the
+# lightning-attention API on it: name -> its leading parameters after ``self``
+MINIMAX_CACHE = ("transformers.models.minimax.modeling_minimax", "MiniMaxCache")
+LIGHTNING_CACHE_METHODS = {
+    "get_linear_cache": ("layer_idx",),
+    "set_linear_cache": ("layer_idx", "linear_cache"),
+}
+
+
+def _probe_lightning_attention_cache() -> str:
+    import torch
+
+    expected = (
+        "MiniMaxCache.get_linear_cache(layer_idx) -> None before the layer's first "
+        "set_linear_cache(layer_idx, linear_cache), then that state"
+    )
+    cache_class = _attr(*MINIMAX_CACHE, expected)
+    for name, params in LIGHTNING_CACHE_METHODS.items():
+        method = getattr(cache_class, name, None)
+        if method is None:
+            raise _Moved(expected, f"MiniMaxCache has no {name}")
+        if not _leading_parameters(method, params)[0]:
+            raise _Moved(expected, _describe(method, f"MiniMaxCache.{name}"))
+    cache, state = cache_class(), torch.zeros(1, 1, 1, 1)
+    before = cache.get_linear_cache(0)
+    cache.set_linear_cache(0, state)
+    if before is not None or cache.get_linear_cache(0) is not state:
+        raise _Moved(expected, f"get_linear_cache(0) returns {type(before).__name__} before a state is set")
+    return "MiniMaxCache." + ", ".join(LIGHTNING_CACHE_METHODS)
+
+
+def model_cache_class(model: Any) -> Any:
+    """The cache class a model's forward accepts: ``MiniMaxCache`` for MiniMax (its forward refuses any
+    other), else ``DynamicCache``; the equivalence check records transformers' states in a subclass."""
+    if getattr(getattr(model, "config", None), "model_type", None) == "minimax":
+        return _attr(*MINIMAX_CACHE, "MiniMaxCache")
+    return _attr("transformers.cache_utils", "DynamicCache", "DynamicCache")
+
+
 def _probe_indexer_cache() -> str:
     expected = "Cache.update_indexer(indexer_key_states, layer_idx) returning every cached indexer key"
     cache = _attr("transformers.cache_utils", "Cache", expected)
@@ -1917,6 +1987,16 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
         _probe_linear_attention_cache,
     ),
     ContactPoint(
+        "lightning_attention_cache",
+        "transformers.models.minimax.modeling_minimax.MiniMaxCache.get_linear_cache/set_linear_cache",
+        "get_linear_cache(layer_idx) is None before the layer's first set_linear_cache(layer_idx, state); "
+        "the lightning layer prefills from zeros in blocks when it is None, else recurs token by token",
+        "kadapt's static cache stands in for MiniMaxCache in MiniMax's lightning-attention layers: they "
+        "read their recurrent state [B, heads, head_dim, head_dim] from it and hand it the new one",
+        ("extraction (MiniMax)", "generated modules"),
+        _probe_lightning_attention_cache,
+    ),
+    ContactPoint(
         "indexer_cache",
         "transformers.cache_utils.Cache.update_indexer",
         "update_indexer(indexer_key_states [B, S, dim], layer_idx) returning every cached indexer key",
@@ -2197,11 +2277,12 @@ class LayerProtocol(NamedTuple):
     what they cache: attention layers per token ``((key_heads, key_dim), (value_heads, value_dim))`` of
     what the attention hands to ``update`` (per-head K/V; MLA: its latents; None: no attention layer);
     linear-attention / SSM layers per request ``linear_states``: the conv window's and the recurrent
-    state's shape (without the batch) and dtype, as the layer handed them over."""
+    state's shape (without the batch) and dtype, as the layer handed them over (a lightning layer: its
+    recurrent state alone)."""
 
     cache_keyword: str
     kv_dims: tuple[tuple[int, int], tuple[int, int]] | None
-    linear_states: tuple[tuple[tuple[int, ...], str], tuple[tuple[int, ...], str]] | None = None
+    linear_states: tuple[tuple[tuple[int, ...], str], ...] | None = None
     index_dim: int | None = None  # a DSA indexer's key width (None: no indexed layer)
 
 
@@ -2229,7 +2310,8 @@ class _RecordingCache:
 
     ``attention``: ``update`` only. ``indexed``: ``update`` and the DSA indexer's ``update_indexer``.
     ``linear``: the linear-attention API a prefill uses (no previous state: ``get_*_state`` return
-    None), each state update recorded with the layer index it names."""
+    None), each state update recorded with the layer index it names. ``lightning``: MiniMaxCache's
+    ``get_linear_cache`` (None: a prefill) and ``set_linear_cache``, recorded alike."""
 
     def __init__(self, kind: str = "attention") -> None:
         self.kind = kind
@@ -2238,7 +2320,7 @@ class _RecordingCache:
         self.state_calls: dict[str, tuple[Any, Any]] = {}  # method -> (layer_idx, tensor or kernel)
 
     def update(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        if self.kind == "linear":
+        if self.kind in FIXED_STATE_KINDS:
             return self.__getattr__("update")
         call = _UpdateCall(args, kwargs)
         self.calls.append(call)
@@ -2251,10 +2333,16 @@ class _RecordingCache:
         self.state_calls["update_indexer"] = (layer_idx, indexer_key_states)
         return indexer_key_states
 
-    def _linear_call(self, name: str, layer_idx: Any, value: Any) -> None:
-        if self.kind != "linear":
+    def _linear_call(self, name: str, layer_idx: Any, value: Any, kind: str = "linear") -> None:
+        if self.kind != kind:
             self.__getattr__(name)
         self.state_calls[name] = (layer_idx, value)
+
+    def get_linear_cache(self, layer_idx: Any) -> None:
+        self._linear_call("get_linear_cache", layer_idx, None, "lightning")
+
+    def set_linear_cache(self, layer_idx: Any, linear_cache: Any) -> None:
+        self._linear_call("set_linear_cache", layer_idx, linear_cache, "lightning")
 
     def get_conv_state(self, layer_idx: Any, state_idx: int = 0) -> None:
         self._linear_call("get_conv_state", layer_idx, None)
@@ -2431,6 +2519,11 @@ def _rope_of(rotary_emb: Any, hidden: Any, positions: Any, layer_type: str | Non
 ATTENTION_ATTRIBUTES = ("self_attn", "mixer")
 # Layer kinds with no token mixer and no state (an MLP alone): called with neither a mask nor a cache
 MIXERLESS_KINDS = ("none",)
+# Layer kinds whose states are fixed-size per request (the runtime's ``LINEAR_LAYER_KINDS``; its own
+# name, as both modules are embedded in one generated module): no mask
+FIXED_STATE_KINDS = ("linear", "lightning")
+# The contact point each kind's cache protocol is (the rest: cache_update)
+STATE_POINTS = {"linear": "linear_attention_cache", "lightning": "lightning_attention_cache"}
 
 
 def _attention_of(layer: Any) -> Any:
@@ -2441,7 +2534,7 @@ def _attention_of(layer: Any) -> Any:
 def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str, index: int) -> LayerProtocol:
     import torch
 
-    expected = BY_NAME["linear_attention_cache" if kind == "linear" else "cache_update"].expected
+    expected = BY_NAME[STATE_POINTS.get(kind, "cache_update")].expected
     layer_name = type(layer).__name__
     layer_idx = getattr(_attention_of(layer), "layer_idx", None)
     parameter = next(layer.parameters())
@@ -2449,7 +2542,7 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
     positions = torch.arange(2, device=parameter.device).unsqueeze(0)
     # a linear layer's state takes every token it is given, a block with no mixer keeps none: the
     # wrappers hand them no mask
-    unmasked = kind == "linear" or kind in MIXERLESS_KINDS
+    unmasked = kind in FIXED_STATE_KINDS or kind in MIXERLESS_KINDS
     mask = torch.zeros(1, 1, 2, 2, dtype=parameter.dtype, device=parameter.device) if not unmasked else None
     # no rotary_emb (NoPE, SSM stacks): the layers get no position embeddings, as the ABI's wrappers pass
     embeddings = (
@@ -2501,6 +2594,8 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
         )
     if kind == "linear":
         return _linear_protocol(layer_name, keyword, cache, index, out, hidden)
+    if kind == "lightning":
+        return _lightning_protocol(layer_name, keyword, cache, index, out, hidden)
     if kind in MIXERLESS_KINDS:  # given no cache: it must return the hidden states and keep nothing
         _check_hidden_states(layer_name, out, hidden)
         return LayerProtocol(keyword, None)
@@ -2590,6 +2685,43 @@ def _linear_protocol(
         (tuple(int(d) for d in recurrent.shape[1:]), str(recurrent.dtype).removeprefix("torch.")),
     )
     return LayerProtocol(keyword, None, states)
+
+
+def _lightning_protocol(
+    layer_name: str, keyword: str, cache: _RecordingCache, index: int, out: Any, hidden: Any
+) -> LayerProtocol:
+    """A lightning layer's one state from its recorded prefill: it asked for its state under its own index
+    (None: the prefill path), set the new one ``[batch, heads, head_dim, head_dim]`` and returned the
+    hidden states."""
+    import torch
+
+    point = "lightning_attention_cache"
+    for name in LIGHTNING_CACHE_METHODS:
+        layer_idx, _ = cache.state_calls.get(name, (None, None))
+        if layer_idx != index:
+            found = f"calls it with layer_idx={layer_idx!r}"
+            if name not in cache.state_calls:
+                found = "never calls it"
+            _unsupported(
+                "cache-protocol",
+                layer_name,
+                f"{layer_name}(..., {keyword}=cache) calls cache.{name}(layer_idx={index}, ...) once",
+                f"{layer_name} {found}",
+                point=point,
+            )
+    state = cache.state_calls["set_linear_cache"][1]
+    if not (isinstance(state, torch.Tensor) and state.dim() == 4) or not (
+        isinstance(out, torch.Tensor) and out.shape == hidden.shape
+    ):
+        _unsupported(
+            "cache-protocol",
+            layer_name,
+            "a recurrent state tensor [batch, heads, head_dim, head_dim], and the hidden states returned",
+            f"state {type(state).__name__}, returns {type(out).__name__}",
+            point=point,
+        )
+    shape = tuple(int(d) for d in state.shape[1:])
+    return LayerProtocol(keyword, None, ((shape, str(state.dtype).removeprefix("torch.")),))
 
 
 def _unsupported(code: str, layer: str, expected: str, found: str, *, point: str = "cache_update") -> None:

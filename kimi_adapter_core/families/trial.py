@@ -204,7 +204,7 @@ def _state_templates(text: dict[str, Any]) -> tuple[str, str]:
         kinds = set(derive_structure(text).layer_kinds)
     except KadaptError:
         return "", ""
-    if "linear" in kinds:
+    if kinds & {"linear", "lightning"}:  # a lightning layer uses the recurrent template alone
         return ', "c.{layer}", "r.{layer}"', ', "pc.{layer}", "pr.{layer}"'
     if "indexed" in kinds:
         return ', "i.{layer}"', ', "pi.{layer}"'

@@ -26,10 +26,11 @@ from ..spec.model import Spec
 from ..structure.kv_layout import resolve_kv_layout as options_resolve_kv_layout
 from ..structure.model import ModelStructure
 from ..structure.of_spec import structure_of_raw
+from ..structure.states import RecurrentState
 
 INDEX_DTYPE = "int64"
 KVDims = tuple[tuple[int, int], tuple[int, int]]
-LinearStates = tuple[tuple[tuple[int, ...], str], tuple[tuple[int, ...], str]]
+LinearStates = tuple[tuple[tuple[int, ...], str], ...]
 
 
 @dataclass(frozen=True)
@@ -92,13 +93,21 @@ class Dims:
 
     def linear_states(self, dtype: str) -> LinearStates | None:
         """Per request, ``((conv shape, dtype), (recurrent shape, dtype))`` of a linear layer with the
-        model in ``dtype`` (the conv window follows it, the recurrent state keeps its own), as the
-        extraction runtime takes them; None without linear layers."""
+        model in ``dtype`` (the conv window follows it, the recurrent state keeps its own; a lightning
+        layer's recurrent state alone, in ``dtype``), as the extraction runtime takes them; None without
+        linear layers."""
         linear = self.structure.linear
         if linear is None:
             return None
-        recurrent = linear.recurrent_state
-        return ((linear.conv_state.shape(), dtype), (recurrent.shape(), recurrent.dtype))
+        return tuple(
+            (state.shape(), state.dtype_in(dtype) if isinstance(state, RecurrentState) else dtype)
+            for _, state in linear.states
+        )
+
+    @property
+    def linear_kind(self) -> str:
+        """The ABI kind of the linear layers (``linear``, or ``lightning``: a recurrent state alone)."""
+        return self.structure.linear.layer_kind if self.structure.linear is not None else "linear"
 
 
 def bridged_config(spec: Spec) -> dict[str, Any]:
@@ -228,7 +237,7 @@ def graph_tables(spec: Spec, d: Dims) -> tuple[GraphNames, GraphNames, list[dict
         if linear is not None:
             shapes |= {
                 role: ((b, *shape), dtype)
-                for role, (shape, dtype) in zip(LAYER_STATES["linear"], linear, strict=True)
+                for role, (shape, dtype) in zip(LAYER_STATES[d.linear_kind], linear, strict=True)
             }
         if d.index_dim is not None:  # a one-head key, placed and paged like the layer's key
             index_shape = d.index_key(b, length)
@@ -274,7 +283,7 @@ def graph_tables(spec: Spec, d: Dims) -> tuple[GraphNames, GraphNames, list[dict
 def state_kinds(d: Dims) -> tuple[str, ...]:
     """The layer kinds whose state templates a graph table lists, in the ABI's template order."""
     if d.hybrid:
-        return ("attention", "linear")
+        return ("attention", d.linear_kind)
     return ("indexed",) if d.index_dim is not None else ("attention",)
 
 
@@ -323,7 +332,7 @@ def linear_state_rows(d: Dims, dtype: str) -> list[dict[str, Any]]:
             "dtype": state_dtype,
             "bytes": math.prod(shape) * DTYPE_BYTES[state_dtype],
         }
-        for role, (shape, state_dtype) in zip(LAYER_STATES["linear"], linear, strict=True)
+        for role, (shape, state_dtype) in zip(LAYER_STATES[d.linear_kind], linear, strict=True)
     ]
 
 

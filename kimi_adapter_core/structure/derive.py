@@ -318,8 +318,9 @@ def _refuse_unmodelled_layers(read: Reader, spec: Spec | None) -> None:
             raise Refusal(
                 "hybrid",
                 f"{read.where} sets {key}, which only models with non-attention layers (SSM, linear "
-                "attention, recurrence, convolution) have; kadapt carries KV caches and gated-DeltaNet, KDA "
-                "and Mamba2 states (conv window, recurrent state), and this layer keeps another state",
+                "attention, recurrence, convolution) have; kadapt carries KV caches, gated-DeltaNet, KDA "
+                "and Mamba2 states (conv window, recurrent state) and lightning attention's recurrent "
+                "state, and this layer keeps another state",
                 location=locate(spec, "gate"),
             )
     state = read.peek("mamba_state_size")
@@ -328,8 +329,8 @@ def _refuse_unmodelled_layers(read: Reader, spec: Spec | None) -> None:
             "hybrid",
             f"{read.where} sets {state[0]} but no SSM heads "
             f"({', '.join(read.candidates['mamba_num_heads'])}): "
-            "a Mamba1 selective scan, whose state is one per channel; kadapt carries KV caches and gated-"
-            "DeltaNet, KDA and Mamba2 states",
+            "a Mamba1 selective scan, whose state is one per channel; kadapt carries KV caches, gated-"
+            "DeltaNet, KDA and Mamba2 states and lightning attention's recurrent state",
             location=locate(spec, "gate"),
         )
     # a config object with one refuses global reads of its per-layer keys (``Reader.raw``); JSON keeps it

@@ -1,5 +1,6 @@
 """The linear-attention / SSM mixer a hybrid stack's config describes: gated DeltaNet (Qwen3-Next,
-Qwen3.5), KDA (Kimi-Linear, Bailing-hybrid), Mamba2 (Mamba2, Nemotron-H, Granite-4.0-H, Bamba).
+Qwen3.5), KDA (Kimi-Linear, Bailing-hybrid), Mamba2 (Mamba2, Nemotron-H, Granite-4.0-H, Bamba), lightning
+attention (MiniMax-Text-01: no conv window, a recurrent state alone).
 
 Which layers are linear comes from ``derive``'s per-layer spans (``layer_types``, the
 ``full_attention_interval`` rule, or a raw layout ``layer_pattern`` reads); this reads the sizes their
@@ -50,8 +51,24 @@ MIXERS: dict[str, dict[str, str]] = {
         "value_head_dim": "mamba_head_dim",
         "conv_kernel": "mamba_conv_kernel",
     },
+    # MiniMax's lightning attention: the attention's own heads and width (``head_dim``, else hidden /
+    # heads as MiniMaxLightningAttention computes it); no conv window
+    "lightning": {
+        "num_key_heads": "num_heads",
+        "num_value_heads": "num_heads",
+        "key_head_dim": "head_dim",
+        "value_head_dim": "head_dim",
+    },
 }
-MIXER_NAMES = {"gated_delta_net": "gated-DeltaNet", "kda": "KDA", "mamba2": "Mamba2"}
+MIXER_NAMES = {
+    "gated_delta_net": "gated-DeltaNet",
+    "kda": "KDA",
+    "mamba2": "Mamba2",
+    "lightning": "lightning",
+}
+# Facts a kind needs stated beside its sizes: lightning's sizes are any attention's, its prefill block
+# size (``block_size``) is what tells it apart
+MARKERS: dict[str, tuple[str, ...]] = {"lightning": ("lightning_block_size",)}
 # A size a config may leave to its class ("auto"): the fact, and how the class computes it
 AUTO = "auto"
 
@@ -63,10 +80,11 @@ def linear_of(read: Reader, spans: list[tuple[str, int | None]]) -> LinearAttent
     if all(span != "linear" for span, _ in spans):
         return None
     for kind, sizes in MIXERS.items():
-        if all(read.get(fact) is not None for fact in sizes.values()):
+        if all(_stated(read, fact) for fact in (*sizes.values(), *MARKERS.get(kind, ()))):
             return LinearAttention(kind=kind, **{name: _size(read, fact) for name, fact in sizes.items()})
     wanted = "; ".join(
-        f"{MIXER_NAMES[kind]}: {', '.join(_keys(read, fact) for fact in dict.fromkeys(sizes.values()))}"
+        f"{MIXER_NAMES[kind]}: "
+        + ", ".join(_keys(read, fact) for fact in dict.fromkeys((*sizes.values(), *MARKERS.get(kind, ()))))
         for kind, sizes in MIXERS.items()
     )
     raise Refusal(
@@ -83,9 +101,22 @@ def _keys(read: Reader, fact: str) -> str:
     return "/".join(getattr(read, "candidates", {}).get(fact, [fact]))
 
 
+def _stated(read: Reader, fact: str) -> bool:
+    """The config states ``fact`` (``head_dim`` may be left to hidden_size / heads)."""
+    if fact == "head_dim":
+        return read.get("head_dim") is not None or read.get("hidden_size") is not None
+    return read.get(fact) is not None
+
+
 def _size(read: Reader, fact: str) -> int:
-    """A positive whole size; ``auto`` for Mamba2's head width is what its config class computes."""
+    """A positive whole size; ``auto`` for Mamba2's head width is what its config class computes, an
+    unstated ``head_dim`` hidden_size / heads."""
     value = read.get(fact)
+    if value is None and fact == "head_dim":
+        hidden, heads = _size(read, "hidden_size"), _size(read, "num_heads")
+        if hidden % heads == 0:
+            return hidden // heads
+        value = f"unstated ({hidden} hidden over {heads} heads)"
     if value == AUTO and fact == "mamba_head_dim":
         inner = _size(read, "mamba_expand") * _size(read, "hidden_size")
         heads = _size(read, "mamba_num_heads")

@@ -137,8 +137,15 @@ RECURRENT_AXES: dict[str, tuple[str, ...] | None] = {
     "gated_delta_net": ("value_heads", "key_dim", "value_dim"),
     "kda": ("value_heads", "key_dim", "value_dim"),
     "mamba2": ("value_heads", "value_dim", "key_dim"),
+    "lightning": ("value_heads", "key_dim", "value_dim"),
 }
 LINEAR_KINDS = tuple(RECURRENT_AXES)
+# Mixers with no convolution window: MiniMax's lightning attention keeps only its recurrent state
+# ``[heads, head_dim, head_dim]`` (``K^T V`` decayed per head), in its values' dtype (the ABI dtype).
+CONV_FREE_KINDS = ("lightning",)
+# The ABI layer kind (``runtime.LAYER_STATES``) of a linear layer, by mixer kind: ``linear`` carries a
+# conv window and a recurrent state, ``lightning`` the recurrent state alone.
+LAYER_KIND_OF_MIXER = {"lightning": "lightning"}
 
 
 @dataclass(frozen=True)
@@ -173,11 +180,14 @@ class LinearAttention:
     num_value_heads: int
     key_head_dim: int
     value_head_dim: int
-    conv_kernel: int
+    conv_kernel: int = 0  # 0: no conv window (CONV_FREE_KINDS)
 
     @property
-    def conv(self) -> ConvState:
-        """The conv window: its channels are the projected queries and keys and the values."""
+    def conv(self) -> ConvState | None:
+        """The conv window: its channels are the projected queries and keys and the values (None: a
+        mixer without one, ``CONV_FREE_KINDS``)."""
+        if self.kind in CONV_FREE_KINDS:
+            return None
         channels = 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
         return ConvState(channels, self.conv_kernel)
 
@@ -192,11 +202,21 @@ class LinearAttention:
             "key_dim": self.key_head_dim,
             "value_dim": self.value_head_dim,
         }
-        return RecurrentState(tuple(sizes[axis] for axis in axes))
+        dims = tuple(sizes[axis] for axis in axes)
+        return RecurrentState(dims, None) if self.kind in CONV_FREE_KINDS else RecurrentState(dims)
 
     @property
     def conv_state(self) -> ConvState:
-        return self.conv
+        """The conv window of a mixer that keeps one (all but ``CONV_FREE_KINDS``)."""
+        conv = self.conv
+        if conv is None:
+            raise ValueError(f"a {self.kind} mixer keeps no conv window")
+        return conv
+
+    @property
+    def layer_kind(self) -> str:
+        """The ABI layer kind of this mixer's layers (``LAYER_KIND_OF_MIXER``, else ``linear``)."""
+        return LAYER_KIND_OF_MIXER.get(self.kind, "linear")
 
     @property
     def recurrent_state(self) -> RecurrentState:
@@ -208,15 +228,19 @@ class LinearAttention:
 
     @property
     def state_names(self) -> tuple[str, ...]:
-        """The states a layer of this mixer carries, in ABI order: ``conv`` and, but for a short
-        convolution, ``recurrent``."""
-        return ("conv",) if self.recurrent is None else ("conv", "recurrent")
+        """The states a layer of this mixer carries, in ABI order: ``conv`` (but for a mixer without a
+        window) and, but for a short convolution, ``recurrent``."""
+        return tuple(name for name, _ in self.states)
+
+    @property
+    def states(self) -> tuple[tuple[str, ConvState | RecurrentState], ...]:
+        """``(name, state)`` of each state a layer of this mixer carries, in ABI order."""
+        both = (("conv", self.conv), ("recurrent", self.recurrent))
+        return tuple((name, state) for name, state in both if state is not None)
 
     def state_bytes_per_request(self, abi_dtype_bytes: int) -> int:
         """Bytes one linear layer keeps per request, whatever the context length."""
-        recurrent = self.recurrent
-        extra = recurrent.bytes_per_request(abi_dtype_bytes) if recurrent is not None else 0
-        return self.conv.bytes_per_request(abi_dtype_bytes) + extra
+        return sum(state.bytes_per_request(abi_dtype_bytes) for _, state in self.states)
 
     def describe(self) -> str:
         return MIXER_TEXT[self.kind].format(**asdict(self))
@@ -229,6 +253,7 @@ MIXER_TEXT = {
     "kda": "KDA {num_value_heads}x{value_head_dim} heads, conv {conv_kernel}",
     "mamba2": "Mamba2 SSM {num_value_heads}x{value_head_dim} heads, state {key_head_dim}, {num_key_heads} "
     "groups, conv {conv_kernel}",
+    "lightning": "lightning attention {num_value_heads}x{value_head_dim} heads, no conv",
 }
 
 
@@ -374,9 +399,10 @@ class ModelStructure:
     @property
     def layer_kinds(self) -> tuple[str, ...]:
         """Each layer's kind as the ABI carries its state: ``linear`` (conv window and recurrent state),
-        ``indexed`` (a KV cache and the DSA indexer's keys), ``none`` (no token mixer: no state) or
-        ``attention`` (a KV cache)."""
-        special = {"linear": "linear", "indexed": "indexed", "none": "none"}
+        ``lightning`` (a recurrent state alone: MiniMax), ``indexed`` (a KV cache and the DSA indexer's
+        keys), ``none`` (no token mixer: no state) or ``attention`` (a KV cache)."""
+        linear = self.linear.layer_kind if self.linear is not None else "linear"
+        special = {"linear": linear, "indexed": "indexed", "none": "none"}
         return tuple(special.get(layer.attention, "attention") for layer in self.layers)
 
     @property

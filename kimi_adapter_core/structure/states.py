@@ -2,7 +2,8 @@
 
 An attention layer's KV cache grows with the context (``Attention.kv_dims`` sizes it per token). A
 linear-attention / SSM mixer instead keeps a short convolution window (``ConvState``) and a
-recurrent state (``RecurrentState``): one fixed-size slot per request however long it runs, the way
+recurrent state (``RecurrentState``; MiniMax's lightning attention only that): one fixed-size slot
+per request however long it runs, the way
 vLLM's ``kv_cache_interface`` has a Mamba state spec beside its attention specs and transformers'
 ``cache_utils`` a ``LinearAttentionLayer`` beside ``DynamicLayer``. Each class knows its shape per
 request and its bytes; ``plan`` sizes the states from them and the extraction checks the layers hand
@@ -38,13 +39,19 @@ class ConvState:
 class RecurrentState:
     """A linear-attention recurrent state of fixed shape per request (gated DeltaNet: ``[value_heads,
     key_dim, value_dim]``), kept in ``dtype`` whatever the ABI dtype: transformers' reference scans
-    accumulate it in float32."""
+    accumulate it in float32. ``dtype`` None: the ABI dtype (MiniMax's lightning attention keeps its
+    state in its values' dtype, ``MiniMaxLightningAttention.forward``)."""
 
     dims: tuple[int, ...]
-    dtype: str = "float32"
+    dtype: str | None = "float32"
 
     def shape(self) -> tuple[int, ...]:
         return self.dims
 
+    def dtype_in(self, abi_dtype: str) -> str:
+        """The state's dtype in a model whose ABI dtype is ``abi_dtype``."""
+        return abi_dtype if self.dtype is None else self.dtype
+
     def bytes_per_request(self, abi_dtype_bytes: int) -> int:
-        return math.prod(self.dims) * DTYPE_BYTES[self.dtype]
+        width = abi_dtype_bytes if self.dtype is None else DTYPE_BYTES[self.dtype]
+        return math.prod(self.dims) * width

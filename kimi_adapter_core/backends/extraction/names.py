@@ -24,6 +24,7 @@ MERGED_FIXED = ("input_ids", "image_features", "attention_mask", "position_ids")
 LAYER_STATES = {
     "attention": ("key", "value"),
     "linear": ("conv", "recurrent"),
+    "lightning": ("recurrent",),  # MiniMax's lightning attention: its recurrent state alone
     "indexed": ("key", "value", "index_key"),
     "none": (),  # a block with no token mixer (Nemotron-H's mlp and moe blocks): no state
 }

@@ -172,7 +172,7 @@ class ExtractionOptions:
     paged: PagedOptions | None = None  # abi.kv_cache: paged (None: contiguous per-row caches)
     # per request, shape and dtype of a linear layer's (conv, recurrent) states, as the layers hand
     # them over (``upstream.LayerProtocol.linear_states``; bound before export; None: no linear layer)
-    linear_states: tuple[tuple[tuple[int, ...], str], tuple[tuple[int, ...], str]] | None = None
+    linear_states: tuple[tuple[tuple[int, ...], str], ...] | None = None
 
     @property
     def dynamic_ranges(self) -> dict[str, DimRange]:

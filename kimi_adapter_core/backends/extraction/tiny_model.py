@@ -52,6 +52,9 @@ TINY_FACTS = {
     "linear_key_head_dim": 8,
     "linear_value_head_dim": 8,
     "linear_conv_kernel_dim": 4,
+    # lightning attention (MiniMax): prefill blocks shorter than the verify prompt, so it spans several
+    # blocks and a partial one (each block carries the state into the next)
+    "lightning_block_size": 16,
     # DSA: fewer keys than a verify context holds, so the indexer's top-k selection decides the result
     "index_n_heads": 8,
     "index_head_dim": 16,

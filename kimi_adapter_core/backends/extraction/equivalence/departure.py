@@ -30,6 +30,9 @@ class _RecordingCache(DynamicCache):
 
     def __init__(self, config: Any) -> None:
         super().__init__(config=config)
+        self._recording()
+
+    def _recording(self) -> None:
         self.written: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.indexed: dict[int, torch.Tensor] = {}  # a DSA layer's new indexer keys, [B, 1, Q, dim]
 
@@ -42,6 +45,24 @@ class _RecordingCache(DynamicCache):
     def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
         self.indexed[layer_idx] = indexer_key_states.detach().clone().unsqueeze(1)
         return super().update_indexer(indexer_key_states, layer_idx)
+
+
+def _recording_cache(model: nn.Module) -> _RecordingCache:
+    """The recording cache for ``model``: over ``DynamicCache``, or the cache class its forward insists
+    on (MiniMax's ``MiniMaxCache``, built without a config: ``upstream.model_cache_class``)."""
+    own = upstream.model_cache_class(model)
+    if own is DynamicCache:
+        return _RecordingCache(model.config)
+    recording = type(f"_Recording{own.__name__}", (_RecordingCache, own), {"__init__": _own_init(own)})
+    return recording()
+
+
+def _own_init(own: type) -> Any:
+    def __init__(self: _RecordingCache) -> None:
+        own.__init__(self)
+        self._recording()
+
+    return __init__
 
 
 def _expected_states(
@@ -59,6 +80,9 @@ def _expected_states(
             continue
         if kind == "linear":  # copies: transformers updates these tensors in place at the next step
             flat += [cache.get_conv_state(layer).clone(), cache.get_recurrent_state(layer).clone()]
+            continue
+        if kind == "lightning":  # MiniMaxCache's state, as set_linear_cache last replaced it
+            flat.append(cache.get_linear_cache(layer).clone())
             continue
         key, value = cache.written[layer]
         if layout == "expanded":
@@ -184,7 +208,7 @@ def _walk(
         return recorder.take_ties() if recorder is not None else ()
 
     layout = replay.kv_layout
-    cache = _RecordingCache(model.config)
+    cache = _recording_cache(model)
     keyword = upstream.cache_keyword(model)  # 5.24: ``cache``, before: ``past_key_values``
     lengths = torch.full((prompt.shape[0],), prompt.shape[1])
     # positions are passed as generate() passes them: some models (Bamba) number a call's tokens from 0

@@ -40,6 +40,7 @@ from ....structure.model import ModelStructure
 from ..job.pipeline import run
 from ..job.whole_model import one_thread
 from ..options import ExtractionOptions, bind_structure
+from ..runtime import abi as runtime
 from ..tiny_model import randomize_constants, tiny_overrides
 from . import multimodal as multimodal_verify
 from .checkpoint_binding import check_weights, saved_and_loaded
@@ -175,7 +176,8 @@ def _verify_in(
                 steps = options.verify_decode_steps
                 compare_states(report, model, replay, prompt, steps, tolerance=tolerance, suffix=suffix)
             if small.batch > 1:  # linear states take every prompt token: rows join instead of padding
-                (compare_joining if "linear" in small.layer_kinds else compare_ragged)(
+                linear = any(kind in runtime.LINEAR_LAYER_KINDS for kind in small.layer_kinds)
+                (compare_joining if linear else compare_ragged)(
                     report,
                     model,
                     replay,

@@ -87,10 +87,10 @@ def check_stack(backbone: Backbone, kinds: Sequence[str] | None = None) -> None:
             )
         if kinds is not None and kinds[index] in runtime.STATELESS_KINDS:
             continue  # no mixer, no state: nothing is addressed by its index
-        if kinds is not None and kinds[index] == "linear":
-            names = runtime.MIXER_ATTRIBUTES["linear"]
+        if kinds is not None and kinds[index] in runtime.LINEAR_LAYER_KINDS:
+            names = runtime.MIXER_ATTRIBUTES[kinds[index]]
             try:
-                mixer: nn.Module | None = runtime.mixer_of(layer, "linear")
+                mixer: nn.Module | None = runtime.mixer_of(layer, kinds[index])
             except ValueError:
                 mixer = None
             if getattr(mixer, "layer_idx", None) == index:

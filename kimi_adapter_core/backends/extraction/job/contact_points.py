@@ -13,8 +13,9 @@ def check_upstream(options: ExtractionOptions) -> None:
     points = (*upstream.EXPORT_POINTS, "loading_converters")
     if options.vision is not None:
         points = (*points, "vision_grid_helpers")
-    if options.structure is not None and options.structure.linear is not None:
-        points = (*points, "linear_attention_cache")
+    linear = options.structure.linear if options.structure is not None else None
+    if linear is not None:
+        points = (*points, upstream.STATE_POINTS[linear.layer_kind])
     if options.structure is not None and options.structure.indexer is not None:
         points = (*points, "indexer_cache")
     upstream.check(points)

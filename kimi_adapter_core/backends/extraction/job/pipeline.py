@@ -167,13 +167,13 @@ def check_linear_states(options: ExtractionOptions, protocol: upstream.LayerProt
     linear = options.structure.linear
     if linear is None or protocol.linear_states is None:
         return
-    read = (linear.conv_state.shape(), linear.recurrent_state.shape())
+    read = tuple(state.shape() for _, state in linear.states)
     found = tuple(shape for shape, _ in protocol.linear_states)
     if read != found:
         raise Refusal(
             "stack-differs",
-            f"the config describes {linear.describe()}, conv and recurrent states {read} per request, but "
-            f"the linear-attention layers hand over {found}",
+            f"the config describes {linear.describe()}, {' and '.join(linear.state_names)} states {read} per "
+            f"request, but the linear-attention layers hand over {found}",
         )
 
 

@@ -268,6 +268,8 @@ def paged_view(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 #  attention: the KV cache (``kv_layout`` says what key and value hold);
 #  linear:    a linear-attention / SSM mixer's short-convolution window and recurrent state, the two
 #             states transformers' ``LinearAttentionLayer`` keeps (``conv_states``/``recurrent_states``).
+#  lightning: MiniMax's lightning attention: its recurrent state alone (``K^T V`` decayed per head,
+#             transformers' ``MiniMaxCache.linear_cache``), no conv window.
 #  indexed:   full attention with DeepSeek sparse attention's indexer: the KV cache, plus the indexer's
 #             own keys ``[B, 1, S, index_head_dim]`` (one head), cached, written and paged like a key.
 #  none:      a block with no token mixer (an MLP alone: Nemotron-H's mlp and moe blocks, transformers'
@@ -275,11 +277,15 @@ def paged_view(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 LAYER_STATES = {
     "attention": ("key", "value"),
     "linear": ("conv", "recurrent"),
+    "lightning": ("recurrent",),
     "indexed": ("key", "value", "index_key"),
     "none": (),
 }
 # States of one fixed size per request (no sequence dimension): never placed by position, never paged.
 FIXED_ROLES = ("conv", "recurrent")
+# Layer kinds whose states are all fixed-size per request (the contract's ``linear_states`` rules): they
+# take every token they are given, so the wrappers hand them no mask.
+LINEAR_LAYER_KINDS = ("linear", "lightning")
 # Where a decoder layer keeps its token mixer, by layer kind (the mixer carries ``layer_idx``): attention
 # in ``self_attn`` or, in a stack of one-sublayer blocks (Nemotron-H), ``mixer``; gated DeltaNet in
 # ``linear_attn``, Mamba2 in ``mixer`` (Mamba2, Nemotron-H) or ``mamba`` (Granite-4.0-H, Bamba), KDA in
@@ -288,6 +294,7 @@ FIXED_ROLES = ("conv", "recurrent")
 MIXER_ATTRIBUTES = {
     "attention": ("self_attn", "mixer"),
     "linear": ("linear_attn", "mixer", "mamba", "conv", "self_attn"),
+    "lightning": ("self_attn",),
     "indexed": ("self_attn",),
     "none": (),
 }
@@ -351,6 +358,9 @@ class StaticStateCache:
     - linear-attention / SSM layers call ``get_conv_state``/``update_conv_state`` and
       ``get_recurrent_state``/``update_recurrent_state`` (``Cache``'s linear-attention API, upstream's
       ``linear_attention_cache`` contact point);
+    - MiniMax's lightning attention calls ``get_linear_cache``/``set_linear_cache`` (``MiniMaxCache``'s
+      API, upstream's ``lightning_attention_cache`` contact point): None in prefill (the layer scans its
+      prompt in blocks from zeros), the past state in decode (its token-by-token recurrence);
     - a DSA indexer calls ``update_indexer`` with its new keys ``[B, S, index_head_dim]`` (upstream's
       ``indexer_cache`` contact point): cached as a one-head key, it returns every slot's keys.
 
@@ -493,6 +503,15 @@ class StaticStateCache:
         """The layer's state after the new tokens becomes the present."""
         self.present[self._slot[layer_idx]]["recurrent"] = recurrent_states
         return recurrent_states
+
+    def get_linear_cache(self, layer_idx: int) -> torch.Tensor | None:
+        """``MiniMaxCache.get_linear_cache``: a lightning layer's recurrent state ``[B, heads, head_dim,
+        head_dim]`` (None in prefill: the layer takes its from-scratch block path)."""
+        return self._owned_state(layer_idx, "recurrent")
+
+    def set_linear_cache(self, layer_idx: int, linear_cache: torch.Tensor) -> None:
+        """``MiniMaxCache.set_linear_cache``: the state after the new tokens becomes the present."""
+        self.present[self._slot[layer_idx]]["recurrent"] = linear_cache
 
     @contextlib.contextmanager
     def routing_expand_kv(self, layers: Sequence[nn.Module]) -> Iterator[None]:
@@ -692,7 +711,7 @@ class _TextStack(nn.Module):
         # one mask per span (a sliding window, ("chunk", size) or None: full), in first-use order
         # (deterministic graphs); a linear layer's state takes every token it is given: no mask (the
         # contract refuses padding); a block with no mixer neither
-        unmasked = ("linear", *STATELESS_KINDS)
+        unmasked = (*LINEAR_LAYER_KINDS, *STATELESS_KINDS)
         spans = [
             window if chunk is None else ("chunk", chunk)
             for window, chunk in zip(self.windows, self.chunks, strict=True)
@@ -859,15 +878,17 @@ def multimodal_prefill_inputs(
     return input_ids, features, mask, positions
 
 
-# Per request, the shape (without the batch) and dtype name of a linear layer's conv and recurrent
-# state, as ``upstream.LayerProtocol.linear_states`` observed them.
-LinearStates = tuple[tuple[tuple[int, ...], str], tuple[tuple[int, ...], str]]
+# Per request, the shape (without the batch) and dtype name of each state of a linear layer in its kind's
+# ABI order (conv and recurrent; a lightning layer's recurrent alone), as
+# ``upstream.LayerProtocol.linear_states`` observed them.
+LinearStates = tuple[tuple[tuple[int, ...], str], ...]
 
 
 def linear_state_zeros(
     linear_states: LinearStates, batch: int, device: str | torch.device
 ) -> list[torch.Tensor]:
-    """A linear layer's conv and recurrent states for ``batch`` rows before any token: zeros."""
+    """A linear layer's states (conv and recurrent; lightning: recurrent) for ``batch`` rows before any
+    token: zeros."""
     return [
         torch.zeros((batch, *shape), dtype=getattr(torch, dtype), device=device)
         for shape, dtype in linear_states
@@ -912,7 +933,7 @@ def decode_inputs(
     for kind in kinds if kinds is not None else ["attention"] * num_layers:
         if kind in STATELESS_KINDS:
             continue
-        if kind == "linear":
+        if kind in LINEAR_LAYER_KINDS:
             assert linear_states is not None, "a linear layer needs its linear_states"
             past += linear_state_zeros(linear_states, batch, device)
             continue
@@ -1026,6 +1047,11 @@ LINEAR_STATE_CONTENTS = {
     "recurrent": "the layer's linear-attention / SSM recurrent state after the last token, [batch, ...], "
     "in its own dtype (the reference kernels keep it in float32 whatever the ABI dtype)",
 }
+LIGHTNING_STATE_CONTENTS = (
+    "a lightning-attention layer's recurrent state after the last token: per head the decayed sum of "
+    "k^T v, [batch, heads, head_dim, head_dim], in the ABI dtype (transformers keeps it in the values' "
+    "dtype); there is no conv window"
+)
 INDEX_KEY_CONTENTS = (
     "the DSA indexer's keys (k_norm(wk(x)) with rope on its first qk_rope_head_dim dims), one head: "
     "[batch, 1, slot, index_head_dim]; every query scores all visible slots with them and attends to its "
@@ -1116,13 +1142,15 @@ def kv_contract(
     index_dim: int | None = None,
     stateless: bool = False,
     chunked: bool = False,
+    lightning: bool = False,
 ) -> dict[str, Any]:
     """Everything a runtime needs besides the graphs: cache semantics, masks, positions, capacity,
     with ``dynamic`` sizes (``{"prefill_len": (1, 64)}``) how to bind them, with ``paged`` the
     block pool and block table (``batch`` rows, or the dynamic ``batch``), and with ``linear`` (the
     stack has linear-attention / SSM layers) what their fixed-size states hold and the rules for them;
     with ``index_dim`` (DSA layers) what the indexer keys hold; with ``stateless`` (blocks with no mixer)
-    that they carry nothing; with ``chunked`` (chunked-attention layers) the chunk rule of the mask.
+    that they carry nothing; with ``chunked`` (chunked-attention layers) the chunk rule of the mask;
+    with ``lightning`` (MiniMax's lightning layers) what their one recurrent state holds, same rules.
 
     Version 3: ``cache_position`` is ``[batch]`` (one position per row) and the optional paged cache;
     version 2 graphs took one ``[1]`` position for the whole batch."""
@@ -1171,7 +1199,7 @@ def kv_contract(
         },
         "padding": (
             {"supported": "right", "rule": padding}
-            if not linear
+            if not (linear or lightning)
             else {
                 "supported": "none",
                 "rule": "the linear layers' states take every token of a prefill row, so a prompt is never "
@@ -1200,6 +1228,8 @@ def kv_contract(
             "recurrent": {"holds": LINEAR_STATE_CONTENTS["recurrent"]},
             **LINEAR_STATE_RULES,
         }
+    if lightning:
+        contract["linear_states"] = {"recurrent": {"holds": LIGHTNING_STATE_CONTENTS}, **LINEAR_STATE_RULES}
     if paged is not None:
         contract["paged"] = paged.contract(max_cache_len, "batch" if "batch" in dynamic else batch)
         contract["cache"]["slot_rule"] += (
@@ -1267,10 +1297,10 @@ def build_kv_mapping(
         if kind in STATELESS_KINDS:  # no state to carry: the entry says so
             layers.append({"layer": layer, "kind": kind})
             continue
-        if kind == "linear":
+        if kind in LINEAR_LAYER_KINDS:
             assert linear_states is not None, "a linear layer needs its linear_states"
-            entry: dict[str, Any] = {"layer": layer, "kind": "linear"}
-            for state, (shape, state_dtype) in zip(LAYER_STATES["linear"], linear_states, strict=True):
+            entry: dict[str, Any] = {"layer": layer, "kind": kind}
+            for state, (shape, state_dtype) in zip(LAYER_STATES[kind], linear_states, strict=True):
                 full = (batch_dim, *shape)
                 for role, key in (
                     ("prefill_{}", "prefill_{}_output"),
@@ -1313,6 +1343,7 @@ def build_kv_mapping(
             paged=paged,
             batch=batch,
             linear="linear" in kinds,
+            lightning="lightning" in kinds,
             index_dim=index_dim if "indexed" in kinds else None,
             stateless=any(kind in STATELESS_KINDS for kind in kinds),
             chunked=chunked,

@@ -57,17 +57,21 @@ class LinearStateSizing:
     layers: int
     tp: int
 
-    def conv(self, *, per_rank: bool = True) -> ConvState:
-        whole = self.linear.conv_state
+    def conv(self, *, per_rank: bool = True) -> ConvState | None:
+        """The conv window (None: a mixer without one, MiniMax's lightning attention)."""
+        whole = self.linear.conv
+        if whole is None:
+            return None
         return ConvState(whole.channels // (self.tp if per_rank else 1), whole.kernel)
 
     def recurrent(self, *, per_rank: bool = True) -> RecurrentState:
-        heads, *dims = self.linear.recurrent_state.shape()
-        return RecurrentState((heads // (self.tp if per_rank else 1), *dims))
+        whole = self.linear.recurrent_state
+        heads, *dims = whole.shape()
+        return RecurrentState((heads // (self.tp if per_rank else 1), *dims), whole.dtype)
 
     def bytes_per_layer(self, *, per_rank: bool = True) -> int:
-        conv = self.conv(per_rank=per_rank).bytes_per_request(DTYPE_BYTES[STATE_CONV_DTYPE])
-        return conv + self.recurrent(per_rank=per_rank).bytes_per_request(DTYPE_BYTES[STATE_CONV_DTYPE])
+        states = (self.conv(per_rank=per_rank), self.recurrent(per_rank=per_rank))
+        return sum(s.bytes_per_request(DTYPE_BYTES[STATE_CONV_DTYPE]) for s in states if s is not None)
 
     def bytes_per_request(self, *, per_rank: bool = True) -> int:
         return self.layers * self.bytes_per_layer(per_rank=per_rank)

@@ -305,7 +305,7 @@ def _kda(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
         gates = [("self_attn.forget_gate.f_proj.weight", (width, h)), ("self_attn.g_proj.weight", (width, h))]
         a_log = (heads,)
     decay: Tensors = [("self_attn.forget_gate.dt_bias", (width,)), ("self_attn.forget_gate.A_log", a_log)]
-    conv = lin.conv
+    conv = lin.conv_state
     rows: list[tuple[str, Tensors, Shard, bool]] = [
         ("proj", proj, "tp", True),
         ("conv1d", [("self_attn.conv1d.weight", (conv.channels, 1, conv.kernel))], "tp", False),
@@ -333,7 +333,7 @@ def _mamba2(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
     lin, h = s.linear, s.hidden_size
     assert lin is not None
     inner = lin.num_value_heads * lin.value_head_dim
-    conv, heads = lin.conv, lin.num_value_heads
+    conv, heads = lin.conv_state, lin.num_value_heads
     mixer = "mamba" if s.model_type in _MAMBA_ATTRIBUTE else "mixer"
     conv_tensors: Tensors = [
         (f"{mixer}.conv1d.weight", (conv.channels, 1, conv.kernel)),
@@ -348,11 +348,28 @@ def _mamba2(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
     ]
 
 
+def _lightning(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
+    """Tensors of a lightning-attention layer's ``self_attn`` under the model's own names (transformers
+    5.24 ``MiniMaxLightningAttention``): the fused q/k/v projection, the sigmoid output gate, the RMS
+    norm over every head and ``out_proj``; no conv, no bias (the decay rates are computed buffers). Split
+    over TP by heads as vLLM's ``MiniMaxText01LinearAttention`` shards them, its norm too."""
+    lin, h = s.linear, s.hidden_size
+    assert lin is not None
+    width = lin.num_value_heads * lin.value_head_dim
+    return [
+        ("qkv_proj", [("self_attn.qkv_proj.weight", (3 * width, h))], "tp", True),
+        ("output_gate", [("self_attn.output_gate.weight", (width, h))], "tp", True),
+        ("norm", [("self_attn.norm.weight", (width,))], "tp", False),
+        ("out_proj", [("self_attn.out_proj.weight", (h, width))], "tp", True),
+    ]
+
+
 # Per linear-attention kind: the tensors of one linear layer, and the prefix of their group names
 LINEAR_TENSORS = {
     "gated_delta_net": (_gated_delta_net, "linear_attn"),
     "kda": (_kda, "kda"),
     "mamba2": (_mamba2, "mamba2"),
+    "lightning": (_lightning, "lightning"),
 }
 PRICED_MIXERS = tuple(LINEAR_TENSORS)
 

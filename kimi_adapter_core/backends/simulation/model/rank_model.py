@@ -39,7 +39,7 @@ from torch import nn
 
 from .... import upstream
 from ....checkpoint.dtypes import cast_to_abi_dtype
-from ....errors import KadaptError
+from ....errors import KadaptError, Refusal
 from ....loading import applied, load_config, load_model, submodule
 from ....spec.model import Spec
 from ....structure.model import ModelStructure
@@ -54,7 +54,7 @@ from .quant import NATIVE
 from .rank_config import BACKEND, LayerKind, check_sizes, layer_kinds, rank_overrides
 from .serving_kernels import AttentionKernel, RoutedExperts
 from .split_norm import SplitNorm, split_norms
-from .ssm_kernels import linear_mixers, rank_mixer
+from .ssm_kernels import SIMULATED_MIXERS, linear_mixers, rank_mixer
 from .tracer import Recorder
 
 ATTENTION_IMPLEMENTATION = "kadapt_simulation"  # registered with transformers while a trace runs
@@ -205,6 +205,14 @@ def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts,
     """Build the per-rank model for ``spec`` at ``dep``'s TP size (with an MTP block if it drafts) on
     meta and swap in the serving kernels (bound to nothing yet: ``RankParts.bind``). Must run inside
     ``applied(spec, backend="simulation")``."""
+    linear = inputs.arch.structure.linear
+    if linear is not None and linear.kind not in SIMULATED_MIXERS:
+        raise Refusal(
+            "hybrid",
+            f"spec {spec.name}: its {linear.describe()} layers have no serving kernel simulate can price "
+            f"(it prices {', '.join(SIMULATED_MIXERS)} mixers); plan sizes the model and its states",
+            location=spec.locate("gate"),
+        )
     s = inputs.arch.structure
     raw = read_config(spec)
     key = text_config_key(spec, isinstance(raw.get("text_config"), dict))

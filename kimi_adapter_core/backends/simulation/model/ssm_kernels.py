@@ -247,6 +247,8 @@ class RankMamba2(RankLinearMixer):
 
 # the kinds in the order a module is tested (their attribute sets do not overlap)
 KINDS = (("gated DeltaNet", is_gated_delta_net), ("KDA", is_kda), ("Mamba2", is_mamba2))
+# the structure's mixer kinds these kernels price (MiniMax's lightning attention: none yet)
+SIMULATED_MIXERS = ("gated_delta_net", "kda", "mamba2")
 
 
 def linear_mixers(layer: nn.Module) -> list[tuple[str, nn.Module]]:

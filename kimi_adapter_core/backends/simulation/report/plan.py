@@ -72,8 +72,7 @@ def _states_json(plan: Plan) -> dict[str, Any]:
             "layer_ids": list(s.linear_layer_ids),
             "mixer": state.linear.kind,
             "grows_with_context": False,
-            "conv": _state_tensor(state, "conv"),
-            "recurrent": _state_tensor(state, "recurrent"),
+            **{name: _state_tensor(state, name) for name in state.linear.state_names},
             "bytes_per_layer": state.bytes_per_layer(per_rank=False),
             "bytes_per_request": state.bytes_per_request(per_rank=False),
             "bytes_per_request_per_device": state.bytes_per_request(),
@@ -113,8 +112,11 @@ def _state_tensor(state: LinearStateSizing, which: str) -> dict[str, Any]:
         if which == "conv"
         else (state.recurrent(per_rank=False), state.recurrent())
     )
+    assert whole is not None and rank is not None, f"a {state.linear.kind} layer keeps no {which} state"
     model_dtype = DTYPE_BYTES[STATE_CONV_DTYPE]  # the conv window's; the recurrent state has its own
-    dtype = STATE_CONV_DTYPE if isinstance(whole, ConvState) else _SHORT_DTYPES[whole.dtype]
+    # (or the model's: lightning attention keeps it in its values' dtype, RecurrentState.dtype None)
+    own = isinstance(whole, ConvState) or whole.dtype is None
+    dtype = STATE_CONV_DTYPE if own else _SHORT_DTYPES[whole.dtype]
     return {
         "shape": list(whole.shape()),
         "shape_per_device": list(rank.shape()),
@@ -311,8 +313,6 @@ def _state_text(plan: Plan) -> list[str]:
     """The linear layers' state: its two tensors per layer, and the constant total per request."""
     state = plan.kv.state
     assert state is not None
-    conv, rec = _state_tensor(state, "conv"), _state_tensor(state, "recurrent")
-
     def tensor(label: str, t: dict[str, Any]) -> str:
         shape = "x".join(map(str, t["shape"]))
         return f"    {label:<10} [{shape}] {t['dtype']}  {t['bytes_per_layer']:>10} B per layer"
@@ -321,8 +321,7 @@ def _state_text(plan: Plan) -> list[str]:
     return [
         f"  linear-attention state: {state.layers} layers x {per_layer:.2f} MiB per request, constant in "
         f"context ({state.linear.describe()})",
-        tensor("conv", conv),
-        tensor("recurrent", rec),
+        *(tensor(name, _state_tensor(state, name)) for name in state.linear.state_names),
         f"    per request {state.bytes_per_request(per_rank=False) / MIB:.1f} MiB "
         f"({state.bytes_per_request() / MIB:.2f} MiB per device, heads split over tp={plan.parallel.tp})",
     ]
