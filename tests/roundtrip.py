@@ -133,11 +133,11 @@ def reference(model, config, prompt, steps, implementation):
 
 
 def states(layer):
-    """The state names of a KV mapping layer: a linear-attention layer's conv and recurrent state, else
-    the attention's key and value (and a DSA layer's indexer keys, placed and updated like the key)."""
-    if layer.get("kind") == "linear":
-        return ("conv", "recurrent")
-    return ("key", "value", "index_key") if "prefill_index_key_output" in layer else ("key", "value")
+    """The state names of a KV mapping layer, as its entries name them: a linear-attention layer's conv
+    and recurrent state (a lightning layer's recurrent alone), an attention's key and value (and a DSA
+    layer's indexer keys, placed and updated like the key), none for a block without a mixer."""
+    roles = ("conv", "recurrent", "key", "value", "index_key")
+    return tuple(role for role in roles if f"prefill_{role}_output" in layer)
 
 
 def run(executor, graph, feeds):

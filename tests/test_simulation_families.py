@@ -338,7 +338,8 @@ def test_simulate_every_family(name: str, decode: bool) -> None:
         assert not any("mla" in n for n in names)
     # a traced layer per kind: each attention layer runs its attention kernel, each linear layer its scan
     kinds = s.layer_kinds
-    assert sum(r.count for r in rows if r.name == attention_kernel(s, decode)) == kinds.count("attention")
+    attending = sum(kind not in ("linear", "none") for kind in kinds)  # full, sliding, chunked, indexed
+    assert sum(r.count for r in rows if r.name == attention_kernel(s, decode)) == attending
     if s.linear is not None:  # each linear layer runs its mixer's scan (decode: the recurrent update)
         scan = LINEAR_SCANS[s.linear.kind][0 if decode else 1]
         assert sum(r.count for r in rows if r.name == scan) == kinds.count("linear")

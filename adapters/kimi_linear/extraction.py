@@ -3795,6 +3795,18 @@ def _encoded(value: Any, where: str) -> Any:
         raise TypeError(f"{where}: {exc}") from exc
 
 
+def _graph_kinds(document: dict[str, Any]) -> list[str]:
+    """Each layer's kind in a saved graph: every stateful layer returns two states, a linear layer's
+    first its conv window ``[batch, channels, kernel]``, an attention layer's its keys (4-D).
+    """
+    outputs = document["graph_outputs"]
+    stateful = [
+        "linear" if len(outputs[1 + 2 * i]["shape"]) == 3 else "attention"
+        for i in range((len(outputs) - 1) // 2)
+    ]
+    return stateful
+
+
 def _abi_named(document: dict[str, Any], graph: str) -> None:
     """Rename ``document``'s graph inputs and outputs to ``graph_names(graph, layers)``, in place.
 
@@ -3805,9 +3817,8 @@ def _abi_named(document: dict[str, Any], graph: str) -> None:
     """
     inputs, outputs, nodes = document["graph_inputs"], document["graph_outputs"], document["nodes"]
     layers = (len(outputs) - 1) // 2
-    # each layer returns two states; a linear layer's first is its conv window [batch, channels, kernel],
-    # an attention layer's its keys (4-D: [batch, heads, slot, dim] or a block pool)
-    kinds = ["linear" if len(outputs[1 + 2 * i]["shape"]) == 3 else "attention" for i in range(layers)]
+    kinds = _graph_kinds(document)
+    layers = len(kinds)
     names_in, names_out = graph_names(graph, layers, kinds)
     if (len(inputs), len(outputs)) != (len(names_in), len(names_out)):
         raise ValueError(
@@ -3917,7 +3928,7 @@ def save_ir(ir: Any, path: str | Path, graph: str) -> Path:
     document["metadata"] = {
         "graph": graph,
         "spec": SPEC_NAME,
-        "num_layers": (len(document["graph_outputs"]) - 1) // 2,
+        "num_layers": len(_graph_kinds(document)),
         "enums": enum_tables(),
     }
     return _write_atomically(path, _json_text(document))
