@@ -59,7 +59,7 @@ def census(groups: Sequence[ParamGroup], names: Naming, model: Any) -> Census:
     """``groups`` (the text model's; vision groups are skipped) against ``model``, the model transformers
     built (a meta model will do): its persistent tensors, a tied tensor once, renamed as the checkpoint
     renames them."""
-    text = [g for g in groups if not g.name.startswith(("vision", "projector"))]
+    text = [g for g in groups if not g.is_vision]
     planned_names = {name for g in text for row in g.checkpoint_names for name in row}
     text_roots = (f"{names.language_model}.", f"{names.lm_head}.")
     built: dict[str, int] = {}

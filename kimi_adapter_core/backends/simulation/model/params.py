@@ -57,6 +57,11 @@ class ParamGroup:
         return tuple(math.prod(shape) for shape in self.tensor_shapes)
 
     @property
+    def is_vision(self) -> bool:
+        """A group of the vision tower or its projector (not the text model)."""
+        return self.name.startswith(("vision", "projector"))
+
+    @property
     def per_instance(self) -> int:
         return sum(self.tensor_params)
 

@@ -100,7 +100,7 @@ Policy = Callable[[ParamGroup, str], WeightFormat]
 
 
 def is_text_linear(group: ParamGroup) -> bool:
-    return group.linear and not group.name.startswith(("vision", "projector"))
+    return group.linear and not group.is_vision
 
 
 def _scale_bytes(dtype: str) -> int:
