@@ -11,11 +11,11 @@ and a DSA stack's indexer in its indexed layers (``_indexer``).
 Each group carries what sizing needs: how it is sharded, its native dtype, whether it is a linear
 weight a quantization mode may touch, the shape of each tensor (the checkpoint's storage rule reads it:
 ``quant.checkpoint_policy``), and the checkpoint names of its tensors - the model's own
-parameter names (``module_paths`` + transformers' conventional names inside a decoder layer:
-``self_attn.q_proj``, ``mlp.experts.gate_up_proj``, ...) after the spec's
-``backends.extraction.weight_renames``, i.e. what the extraction backend writes and what the spec's
-``quantization[].modules`` globs match. Sizes that the structure does not carry and that do not
-matter for sizing (q/k norms, attention and expert biases, gpt-oss's attention sinks: 0.03% of
+parameter names (``module_paths`` + the names inside a decoder layer: transformers' conventional
+``self_attn.q_proj``, ``mlp.experts.gate_up_proj``, ..., or the family's own from ``layer_parts``)
+after the spec's ``backends.extraction.weight_renames``, i.e. what the extraction backend writes and
+what the spec's ``quantization[].modules`` globs match. Sizes that the structure does not carry and
+that do not matter for sizing (q/k norms, attention and expert biases, gpt-oss's attention sinks: 0.03% of
 gpt-oss-120b; an MTP block the model class does not build) are not counted; see ``docs/cost_model.md``.
 """
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,7 +32,7 @@ from ....spec.model import Spec
 from ....structure.model import ModelStructure
 from ....vision.tower import VisionArch
 from .arch import Architecture, indexed_layer_ids
-from .layer_parts import FP32_ROUTER, MOE_PARTS, UNGATED_MLP, MoeParts, sublayers
+from .layer_parts import FP32_ROUTER, LayerParts, shared_expert, sublayers
 
 # tp: split over tensor-parallel ranks (by heads or width); kv: split by KV heads, which are
 # replicated once TP exceeds them; ep: routed experts over expert-parallel ranks; vocab:
@@ -192,25 +192,34 @@ def _attention(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
             ("kv_b_proj", [("self_attn.kv_b_proj.weight", kv_b)], "tp", True),
         ]
     else:
-        kv, gated, attn = a.num_kv_heads, _gated_attention(s), sublayers(s).attention
-        q_rows = heads * a.head_dim * (2 if gated else 1)  # query and output gate
-        rows += [
-            ("q_proj", [(f"{attn}.q_proj.weight", (q_rows, h))], "tp", True),
-            ("k_proj", [(f"{attn}.k_proj.weight", (kv * a.head_dim, h))], "kv", True),
-            ("v_proj", [(f"{attn}.v_proj.weight", (kv * a.v_head_dim, h))], "kv", True),
-        ]
-        if gated:
-            qk_norms: Tensors = [
-                ("self_attn.q_norm.weight", (a.head_dim,)),
-                ("self_attn.k_norm.weight", (a.head_dim,)),
-            ]
-            rows.append(("qk_norms", qk_norms, "replicated", False))
+        rows += _qkv(s, sublayers(s).attention)
     parts = sublayers(s)
-    norms: Tensors = [(f"{norm}.weight", (h,)) for norm in parts.norms]
-    rows += [
-        ("o_proj", [(f"{parts.attention}.o_proj.weight", (h, heads * a.v_head_dim))], "tp", True),
-        ("layer_norms", norms, "replicated", False),
+    o_proj = f"{parts.attention}.{parts.o_proj}.weight"
+    rows.append(("o_proj", [(o_proj, (h, heads * a.v_head_dim))], "tp", True))
+    if parts.norms:  # none when the layer's norms hold no weight (OLMo's LayerNorm)
+        norms: Tensors = [(f"{norm}.weight", (h,)) for norm in parts.norms]
+        rows.append(("layer_norms", norms, "replicated", False))
+    return rows
+
+
+def _qkv(s: ModelStructure, attn: str) -> list[tuple[str, Tensors, Shard, bool]]:
+    """MHA/GQA/MQA query, key and value projections: three, split by heads and by KV heads, or one
+    fused projection where the family fuses them (Phi-3's ``qkv_proj``), split by heads; a gated
+    attention's q_proj holds the output gate too, and its per-head q/k norms are replicated."""
+    a, h, qkv = s.attention, s.hidden_size, sublayers(s).qkv
+    kv, gated = a.num_kv_heads, _gated_attention(s)
+    q_rows = a.num_heads * a.head_dim * (2 if gated else 1)  # query and output gate
+    if qkv is not None:
+        fused = q_rows + kv * (a.head_dim + a.v_head_dim)
+        return [(qkv, [(f"{attn}.{qkv}.weight", (fused, h))], "tp", True)]
+    rows: list[tuple[str, Tensors, Shard, bool]] = [
+        ("q_proj", [(f"{attn}.q_proj.weight", (q_rows, h))], "tp", True),
+        ("k_proj", [(f"{attn}.k_proj.weight", (kv * a.head_dim, h))], "kv", True),
+        ("v_proj", [(f"{attn}.v_proj.weight", (kv * a.v_head_dim, h))], "kv", True),
     ]
+    if gated:
+        qk_norms: Tensors = [(f"{attn}.{qk}_norm.weight", (a.head_dim,)) for qk in ("q", "k")]
+        rows.append(("qk_norms", qk_norms, "replicated", False))
     return rows
 
 
@@ -379,22 +388,25 @@ LINEAR_TENSORS = {
 PRICED_MIXERS = tuple(LINEAR_TENSORS)
 
 
-def _mlp(prefix: str, hidden: int, width: int, gated: bool = True) -> Tensors:
-    """An MLP's projections: gate (when ``gated``), up and down."""
-    gate: Tensors = [(f"{prefix}.gate_proj.weight", (width, hidden))] if gated else []
-    up_down: Tensors = [
-        (f"{prefix}.up_proj.weight", (width, hidden)),
-        (f"{prefix}.down_proj.weight", (hidden, width)),
-    ]
-    return [*gate, *up_down]
+# rows of each MLP projection role (``layer_parts.LayerParts``), in widths
+_ROLE_ROWS = {"gate": 1, "up": 1, "gate_up": 2}
+
+
+def _mlp(prefix: str, hidden: int, width: int, roles: Mapping[str, str]) -> Tensors:
+    """An MLP's projections under the family's names: each input projection (gate and up, a fused
+    gate_up, or up alone) from ``hidden`` to its rows of ``width``, then down."""
+    ins = [(roles[r], n * width) for r, n in _ROLE_ROWS.items() if r in roles]
+    inputs: Tensors = [(f"{prefix}.{name}.weight", (rows, hidden)) for name, rows in ins]
+    return [*inputs, (f"{prefix}.{roles['down']}.weight", (hidden, width))]
 
 
 def text_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
     h, vocab = s.hidden_size, s.vocab_size
-    groups = [
-        _model(n, "embed_tokens", f"{n.language_model}.{n.embeddings}.weight", (vocab, h), "vocab"),
-        _model(n, "final_norm", f"{n.language_model}.{n.final_norm}.weight", (h,), "replicated"),
-    ]
+    parts = sublayers(s)
+    groups = [_model(n, "embed_tokens", f"{n.language_model}.{n.embeddings}.weight", (vocab, h), "vocab")]
+    if parts.final_norm:  # none when it holds no weight (OLMo's LayerNorm)
+        final = f"{n.language_model}.{n.final_norm}.weight"
+        groups.append(_model(n, "final_norm", final, (h,), "replicated"))
     if not s.tie_word_embeddings:
         groups.append(_model(n, "lm_head", f"{n.lm_head}.weight", (vocab, h), "vocab"))
     every, attention = range(s.num_layers), s.attention_layer_ids
@@ -409,42 +421,35 @@ def text_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
         for name, tensors, shard, linear in tensors_of(s):
             ids = s.linear_layer_ids
             groups.append(_layers(n, f"{label}.{name}", ids, tensors, shard, "bf16", linear))
-    gated, mlp = s.model_type not in UNGATED_MLP, sublayers(s).mlp
     if s.dense_layer_ids:
-        dense = _mlp(mlp, h, s.intermediate_size, gated)
+        dense = _mlp(parts.mlp, h, s.intermediate_size, parts.dense_mlp)
         groups.append(_layers(n, "dense_mlp", s.dense_layer_ids, dense, "tp", "bf16", True))
     if s.moe is not None and s.moe_layer_ids:
-        groups += _moe_groups(s, n, mlp, gated)
+        groups += _moe_groups(s, n, parts)
     return groups
 
 
-def _moe_groups(s: ModelStructure, n: Naming, mlp: str, gated: bool) -> list[ParamGroup]:
+def _moe_groups(s: ModelStructure, n: Naming, parts: LayerParts) -> list[ParamGroup]:
     """The MoE layers' router (``FP32_ROUTER``), shared and routed experts."""
-    moe, ids, h = s.moe, s.moe_layer_ids, s.hidden_size
+    moe, ids, h, mlp = s.moe, s.moe_layer_ids, s.hidden_size, parts.moe_block
     assert moe is not None
     experts, groups = moe.num_experts, []
-    # Qwen2-MoE style (one shared expert of its own width, and a sigmoid gate on it) vs DeepSeek style
-    # (n shared experts of the routed width; Nemotron-H's of moe_shared_expert_intermediate_size): the
-    # config key says which
-    qwen_style = s.keys.get("shared_expert_intermediate_size") == "shared_expert_intermediate_size"
-    parts = MOE_PARTS.get(
-        s.model_type, MoeParts(n.router, "shared_expert" if qwen_style else "shared_experts", True)
-    )
-    router: list[tuple[str, tuple[int, ...]]] = [(f"{mlp}.{parts.router}.weight", (experts, h))]
-    if qwen_style and moe.shared_intermediate_size:
-        router.append((f"{mlp}.shared_expert_gate.weight", (1, h)))
+    shared, shared_gate = shared_expert(s, parts)
+    router: list[tuple[str, tuple[int, ...]]] = [(f"{mlp}.{parts.router or n.router}.weight", (experts, h))]
+    if shared_gate and moe.shared_intermediate_size:
+        router.append((f"{mlp}.{shared_gate}.weight", (1, h)))
     router_dtype = "fp32" if s.model_type in FP32_ROUTER else "bf16"
     groups.append(_layers(n, "router", ids, router, "replicated", router_dtype, False))
     if moe.scoring == "sigmoid" and parts.correction_bias:  # DeepSeek's noaux_tc bias, kept in fp32
-        bias: Tensors = [(f"{mlp}.{parts.router}.e_score_correction_bias", (experts,))]
+        bias: Tensors = [(f"{mlp}.{parts.correction_bias}", (experts,))]
         groups.append(_layers(n, "router_bias", ids, bias, "replicated", "fp32", False))
     if moe.shared_intermediate_size:
-        shared = _mlp(f"{mlp}.{parts.shared}", h, moe.shared_intermediate_size, gated)
-        groups.append(_layers(n, "shared_experts", ids, shared, "tp", "bf16", True))
+        shared_mlp = _mlp(f"{mlp}.{shared}", h, moe.shared_intermediate_size, parts.shared_mlp)
+        groups.append(_layers(n, "shared_experts", ids, shared_mlp, "tp", "bf16", True))
     width = moe.expert_intermediate_size
     routed: Tensors = [  # stacked [experts, out, in], as most transformers MoE classes hold them
         (f"{mlp}.experts.gate_up_proj", (experts, 2 * width, h))
-        if gated
+        if parts.experts_gated
         else (f"{mlp}.experts.up_proj", (experts, width, h)),
         (f"{mlp}.experts.down_proj", (experts, h, width)),
     ]
