@@ -33,10 +33,12 @@ Reference: transformers itself on the same CPU model with no patch installed, ea
   attended, so bf16 tokens may part there.
 
 ``CORE`` (GQA dense, MLA + MoE with the latent cache, sliding windows) runs by default in ~50 s; the
-other shipped specs are marked ``slow``, and split in two halves (``HALVES``), one per test file, so two
-workers run them side by side. In each file one interpreter runs every spec the session selected: all
-of the file's (``CORE`` first, then the others, each in ``EXTRACTABLE``'s order: the same results as
-in two interpreters, compared byte for byte), or ``CORE`` alone (``-m "not slow"``), or the others
+shipped specs that bring a feature ``CORE`` lacks (``fixtures/archetypes.py``: a layer kind, a mixer,
+a cache layout, ...; every spec with ``KADAPT_TEST_EVERY_SPEC=1``) are marked ``slow``, and split in
+two halves (``HALVES``), one per test file, so two workers run them side by side. In each file one
+interpreter runs every spec the session selected: all of the file's (``CORE`` first, then the others,
+each in ``EXTRACTABLE``'s order: the same results as in two interpreters, compared byte for byte), or
+``CORE`` alone (``-m "not slow"``), or the others
 alone; each user's interpreter pays the ~4 s import floor once.
 """
 
@@ -51,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fixtures.archetypes import covering
 from fixtures.modules import without_kadapt_env
 from fixtures.releases import runnable
 
@@ -76,7 +79,8 @@ BF16_TOLERANCE = {"kimi_linear": BF16_KDA_TOLERANCE, "qwen3_5_moe": BF16_KDA_TOL
 # The two halves of the specs other than CORE, each vendored and run by its own test file's interpreter
 # (``test_generated_module_roundtrip.py``: CORE and the first half; ``..._1.py``: the second), so the
 # suite's two workers share the slowest file of the suite.
-OTHERS = [name for name in EXTRACTABLE if name not in CORE]
+# (the specs that bring a feature CORE lacks: fixtures/archetypes.py)
+OTHERS = [name for name in covering(EXTRACTABLE, first=CORE) if name not in CORE]
 HALVES = ([*CORE, *OTHERS[0::2]], OTHERS[1::2])
 
 

@@ -1,6 +1,7 @@
 """One trace instead of two (``export.one_pass_export``): the artifacts are the bytes that
-``torch.export.export(...).run_decompositions({})`` gives, for every shipped family and the options
-that change what is traced (dynamic sizes, a paged cache, the MLA variants, the vision graph)."""
+``torch.export.export(...).run_decompositions({})`` gives, for the shipped specs that hold every
+feature (``fixtures/archetypes.py``) and the options that change what is traced (dynamic sizes, a
+paged cache, the MLA variants, the vision graph)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
+from fixtures.archetypes import covering
 from fixtures.shared_apply import Applied, SharedApplies
 
 from kimi_adapter_core import upstream
@@ -18,7 +20,8 @@ from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import KadaptError
 
 REPO = Path(__file__).resolve().parents[1]
-SHIPPED = sorted(p.stem for p in (REPO / "specs").glob("*.yaml") if p.stem != "kimi_k25_remote")
+# every feature a shipped spec has (fixtures/archetypes.py)
+SHIPPED = covering(sorted(p.stem for p in (REPO / "specs").glob("*.yaml") if p.stem != "kimi_k25_remote"))
 OPTIONS = [
     ("llama", ("--dynamic", "prefill_len", "--dynamic", "batch", "--batch", "4")),
     ("llama", ("--batch", "2", "--kv-cache", "paged", "--block-size", "16")),

@@ -7,8 +7,8 @@ pad slots), every decode step has the rows at different positions, and with ``kv
 each row's blocks are scattered through the shared pool out of order. Midway one row finishes and
 a new request takes its place (its own prefill call, fresh blocks) while the others keep decoding:
 continuous batching. Every request must equal transformers' ``generate()`` on its prompt alone, for
-every shipped family (sliding-window layers included: the tiny models' window is 4, shorter than
-the prompts).
+the shipped specs that hold every feature (``fixtures/archetypes.py``; sliding-window layers included:
+the tiny models' window is 4, shorter than the prompts).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch_ir
+from fixtures.archetypes import covering
 from transformers import GenerationConfig
 
 from kimi_adapter_core.backends.extraction import options_from_spec, run
@@ -33,7 +34,10 @@ SHIPPED = sorted(p.stem for p in (REPO / "specs").glob("*.yaml") if p.stem != "k
 # GQA, MLA latent and sliding windows also run in .ci/compat on every supported transformers release:
 # the write goes through each release's own attention and cache protocol
 COMPAT = ("deepseek_v3", "gemma3_text", "llama")
-FAMILIES = [pytest.param(name, marks=pytest.mark.compat) if name in COMPAT else name for name in SHIPPED]
+FAMILIES = [
+    pytest.param(name, marks=pytest.mark.compat) if name in COMPAT else name
+    for name in covering(SHIPPED, first=COMPAT)  # every feature a shipped spec has: fixtures/archetypes.py
+]
 LENGTHS, PREFILL, CACHE, BLOCK, STEPS, JOIN = (3, 8, 5), 8, 24, 4, 12, 5
 
 

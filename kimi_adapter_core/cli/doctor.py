@@ -101,9 +101,7 @@ def pin_findings() -> list[dict[str, Any]]:
                 continue
             row = {"spec": spec.name, "id": patch.id, "target": patch.target}
             if outside:
-                package, required, installed = outside[0]
-                found = f"the spec requires {package}{required} (installed: {installed or 'none'})"
-                rows.append({**row, "status": "not checked", "found": found})
+                rows.append({**row, "status": "not checked", "found": f"the spec requires {outside[0]}"})
                 continue
             if patch.is_remote:
                 rows.append(

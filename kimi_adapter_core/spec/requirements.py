@@ -11,6 +11,7 @@ metadata, so the check imports neither torch nor transformers.
 from __future__ import annotations
 
 from importlib import metadata
+from typing import NamedTuple
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -20,10 +21,20 @@ from .diagnostics import join_breadcrumb
 from .model import Spec
 
 
-def unmet(spec: Spec) -> list[tuple[str, str, str | None]]:
-    """``(package, required, installed)`` for each ``requires`` entry the installed release does not
-    satisfy (installed None: not installed). Pre-releases and local versions (``2.13.0+cpu``) count as
-    the release they name."""
+class Unmet(NamedTuple):
+    """A ``requires`` entry the installed release does not satisfy (installed None: not installed)."""
+
+    package: str
+    required: str
+    installed: str | None
+
+    def __str__(self) -> str:
+        return f"{self.package}{self.required} (installed: {self.installed or 'none'})"
+
+
+def unmet(spec: Spec) -> list[Unmet]:
+    """Each ``requires`` entry the installed release does not satisfy. Pre-releases and local versions
+    (``2.13.0+cpu``) count as the release they name."""
     found = []
     for package, required in sorted(spec.requires.items()):
         try:
@@ -31,7 +42,7 @@ def unmet(spec: Spec) -> list[tuple[str, str, str | None]]:
         except metadata.PackageNotFoundError:
             installed = None
         if installed is None or not _satisfies(installed, required):
-            found.append((package, required, installed))
+            found.append(Unmet(package, required, installed))
     return found
 
 
@@ -48,10 +59,8 @@ def check_requirements(spec: Spec) -> None:
     missing = unmet(spec)
     if not missing:
         return
-    package, required, installed = missing[0]
-    others = "".join(f"; {p} {r} (installed: {i or 'none'})" for p, r, i in missing[1:])
     raise KadaptError(
-        f"spec {spec.name} requires {package}{required}, installed: {installed or 'none'}{others}; "
-        "install a release in that range, or review the spec's patches against this one and widen it",
-        location=spec.locate(join_breadcrumb("requires", package)),
+        f"spec {spec.name} requires {'; '.join(map(str, missing))}; install a release in that range, "
+        "or review the spec's patches against this one and widen it",
+        location=spec.locate(join_breadcrumb("requires", missing[0].package)),
     )

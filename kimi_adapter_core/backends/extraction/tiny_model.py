@@ -52,6 +52,13 @@ TINY_FACTS = {
     "linear_key_head_dim": 8,
     "linear_value_head_dim": 8,
     "linear_conv_kernel_dim": 4,
+    # KDA: as many key as value heads, one width for both
+    "kda_num_heads": 4,
+    "kda_head_dim": 8,
+    # Mamba2: 2 B/C groups of a small state (its heads and their width stay: Mamba2's and Bamba's configs
+    # check them against hidden_size x expand, which families state differently)
+    "mamba_groups": 2,
+    "mamba_state_size": 16,
     # lightning attention (MiniMax): prefill blocks shorter than the verify prompt, so it spans several
     # blocks and a partial one (each block carries the state into the next)
     "lightning_block_size": 16,
