@@ -759,8 +759,19 @@ class _TextStack(nn.Module):
                     position_embeddings=embeddings,
                     **{self.cache_keyword: cache if kind not in STATELESS_KINDS else None},
                 )
-        logits = apply_ops(self.lm_head(self.norm(hidden_states)), self.logit_ops)
+        final = in_head_dtype(self.norm(hidden_states), self.lm_head)
+        logits = apply_ops(self.lm_head(final), self.logit_ops)
         return (logits, *cache.flat_present())
+
+
+def in_head_dtype(hidden_states: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+    """The final hidden states in the LM head's dtype, as Mamba's and Falcon-Mamba's CausalLM cast them
+    (``residual_in_fp32`` keeps their residual stream, and so the final norm's output, in float32 in a
+    bfloat16 model). Elsewhere they already are: nothing is traced."""
+    weight = getattr(lm_head, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dtype != hidden_states.dtype:
+        return hidden_states.to(weight.dtype)
+    return hidden_states
 
 
 def layer_mask(
@@ -1697,6 +1708,36 @@ def _probe_lightning_attention_cache() -> str:
     return "MiniMaxCache." + ", ".join(LIGHTNING_CACHE_METHODS)
 
 
+# The CausalLMs whose forward casts the final hidden states to the LM head's dtype (their
+# ``residual_in_fp32`` residual stream reaches the final norm in float32): module, class, config class
+HEAD_CASTING_MODELS = (
+    ("transformers.models.mamba.modeling_mamba", "MambaForCausalLM", "MambaConfig"),
+    ("transformers.models.falcon_mamba.modeling_falcon_mamba", "FalconMambaForCausalLM", "FalconMambaConfig"),
+)
+
+
+def _probe_head_input_cast() -> str:
+    """Each model in bfloat16 with its float32 residual stream runs a two-token forward on CPU: the
+    LM head takes the final norm's float32 output only through the cast (without it, the bf16 head's
+    matmul raises a dtype mismatch)."""
+    import torch
+
+    expected = "lm_head(hidden_states.to(lm_head.weight.dtype)) in the CausalLM forward"
+    for module, name, config_name in HEAD_CASTING_MODELS:
+        model_class, config_class = _attr(module, name, expected), _attr(module, config_name, expected)
+        config = config_class(
+            vocab_size=8, hidden_size=8, state_size=2, num_hidden_layers=1, residual_in_fp32=True
+        )
+        model = model_class(config).to(torch.bfloat16).eval()
+        try:
+            with torch.no_grad():
+                model(torch.zeros(1, 2, dtype=torch.long), use_cache=False)
+        except RuntimeError as exc:
+            found = f"{name} in bfloat16 with a float32 residual stream raises: {exc}"
+            raise _Moved(expected, found) from exc
+    return ", ".join(f"{name}.forward" for _, name, _ in HEAD_CASTING_MODELS) + " cast to the head's dtype"
+
+
 def model_cache_class(model: Any) -> Any:
     """The cache class a model's forward accepts: ``MiniMaxCache`` for MiniMax (its forward refuses any
     other), else ``DynamicCache``; the equivalence check records transformers' states in a subclass."""
@@ -1981,8 +2022,8 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
         "the linear-attention cache API: get_*_state(layer_idx) is None before the first update, "
         "update_conv_state returns the window plus the new inputs, is_recording_past selects the "
         "out-of-place decode path",
-        "kadapt's static cache stands in for Cache in linear-attention / SSM layers: they read their conv "
-        "and recurrent states from it and hand it the new ones",
+        "kadapt's static cache stands in for Cache in linear-attention / SSM layers (gated DeltaNet, KDA, "
+        "Mamba2, Mamba1): they read their conv and recurrent states from it and hand it the new ones",
         ("extraction (hybrid stacks)", "generated modules"),
         _probe_linear_attention_cache,
     ),
@@ -1995,6 +2036,16 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
         "read their recurrent state [B, heads, head_dim, head_dim] from it and hand it the new one",
         ("extraction (MiniMax)", "generated modules"),
         _probe_lightning_attention_cache,
+    ),
+    ContactPoint(
+        "head_input_cast",
+        "transformers.models.mamba.modeling_mamba.MambaForCausalLM.forward, "
+        "falcon_mamba.modeling_falcon_mamba.FalconMambaForCausalLM.forward",
+        "lm_head(hidden_states.to(lm_head.weight.dtype)): the final hidden states cast to the head's dtype",
+        "the wrappers cast the final norm's output to the LM head's dtype as these forwards do: with "
+        "residual_in_fp32 a bfloat16 Mamba1 stack's residual stream, and so its final norm, is float32",
+        ("extraction (Mamba, Falcon-Mamba)", "generated modules"),
+        _probe_head_input_cast,
     ),
     ContactPoint(
         "indexer_cache",
@@ -2535,6 +2586,9 @@ MIXERLESS_KINDS = ("none",)
 FIXED_STATE_KINDS = ("linear", "lightning")
 # The contact point each kind's cache protocol is (the rest: cache_update)
 STATE_POINTS = {"linear": "linear_attention_cache", "lightning": "lightning_attention_cache"}
+# Mixer kinds whose stacks keep a float32 residual stream the CausalLM casts before its head (Mamba1's:
+# ``head_input_cast``)
+HEAD_CAST_MIXERS = ("mamba1",)
 
 
 def _attention_of(layer: Any) -> Any:

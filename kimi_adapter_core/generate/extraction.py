@@ -112,6 +112,8 @@ def _generated_points(spec: Spec, structure: ModelStructure) -> tuple[str, ...]:
     points: tuple[str, ...] = ("cache_update", "loader_dtype_plan", "model_classes")
     if structure.linear is not None:  # the linear layers read and update their states through the cache
         points = ("cache_update", "linear_attention_cache", *points[1:])
+    if structure.linear is not None and structure.linear.kind in upstream.HEAD_CAST_MIXERS:
+        points = (*points, "head_input_cast")  # the wrappers cast the final hidden states as it does
     if structure.indexer is not None:  # the DSA indexer writes and reads its keys through the cache
         points = ("cache_update", "indexer_cache", *points[1:])
     return (*points, "experts_implementation") if structure.moe is not None else points

@@ -61,6 +61,23 @@ def _attention(read: Reader, spec: Spec | None, hidden: int) -> Attention:
     return attention
 
 
+# Layer spans that attend (keep a KV cache)
+ATTENDING_SPANS = ("full", "sliding", "chunked", "indexed")
+
+
+def _attends(read: Reader, spans: list[tuple[str, int | None]]) -> bool:
+    """Whether the stack's attention is read from the config: some layer attends, or the config states
+    attention heads all the same (Mamba2's SSM heads, which its structure has always described)."""
+    return any(span in ATTENDING_SPANS for span, _ in spans) or read.get("num_heads") is not None
+
+
+def _nominal_attention(hidden: int) -> Attention:
+    """The attention of a stack no layer of which attends and whose config states no heads (Mamba,
+    Falcon-Mamba): one head of the hidden width, which sizes nothing (no layer caches a key or a value:
+    the mapping has no KV entry, the plan no KV bytes) but keeps one ``Attention`` per structure."""
+    return Attention("mha", 1, 1, hidden, hidden)
+
+
 def _check_attention_claims(attention: Attention, read: Reader, spec: Spec | None) -> None:
     """What the spec says about attention must be what the config has."""
     if spec is None:
@@ -146,6 +163,10 @@ def _mlp_kinds(read: Reader, spec: Spec | None, num_layers: int, moe: Moe | None
         if moe_listed is not None:
             sparse = set(moe_listed)
             return ["moe" if i in sparse else "dense" for i in range(num_layers)]
+        period = read.get("moe_layer_period")  # Jamba: layer i is MoE iff i % period == offset
+        if period:
+            offset = int(read.get("moe_layer_offset", 0) or 0)
+            return ["moe" if i % int(period) == offset else "dense" for i in range(num_layers)]
         first = int(read.get("first_dense_layers", 0) or 0)
         listed = set(read.get("dense_layer_list", []) or [])
         step = int(read.get("moe_layer_step", 1) or 1)
@@ -318,21 +339,11 @@ def _refuse_unmodelled_layers(read: Reader, spec: Spec | None) -> None:
             raise Refusal(
                 "hybrid",
                 f"{read.where} sets {key}, which only models with non-attention layers (SSM, linear "
-                "attention, recurrence, convolution) have; kadapt carries KV caches, gated-DeltaNet, KDA "
-                "and Mamba2 states (conv window, recurrent state) and lightning attention's recurrent "
-                "state, and this layer keeps another state",
+                "attention, recurrence, convolution) have; kadapt carries KV caches, gated-DeltaNet, KDA, "
+                "Mamba2 and Mamba1 states (conv window, recurrent state) and lightning attention's "
+                "recurrent state, and this layer keeps another state",
                 location=locate(spec, "gate"),
             )
-    state = read.peek("mamba_state_size")
-    if state is not None and read.peek("mamba_num_heads") is None:
-        raise Refusal(
-            "hybrid",
-            f"{read.where} sets {state[0]} but no SSM heads "
-            f"({', '.join(read.candidates['mamba_num_heads'])}): "
-            "a Mamba1 selective scan, whose state is one per channel; kadapt carries KV caches, gated-"
-            "DeltaNet, KDA and Mamba2 states and lightning attention's recurrent state",
-            location=locate(spec, "gate"),
-        )
     # a config object with one refuses global reads of its per-layer keys (``Reader.raw``); JSON keeps it
     if isinstance(read.config, Mapping) and read.config.get("per_layer_config"):
         raise Refusal(
@@ -451,11 +462,14 @@ def derive_structure(
     _check_values(read)
     num_layers = _num_layers(read)
     hidden = int(read.require("hidden_size"))
-    attention = _attention(read, spec, hidden)
     moe = _moe(read, spec)
     types = _layer_types(read, num_layers)
     spans = _spans(read, num_layers, types)
+    attends = _attends(read, spans)
+    attention = _attention(read, spec, hidden) if attends else _nominal_attention(hidden)
     kinds = _block_mlps(read, types, num_layers, moe) or _mlp_kinds(read, spec, num_layers, moe)
+    if not attends and moe is None:  # SSM mixers alone (MambaBlock: a norm and its mixer), no MLP
+        kinds = ["none"] * num_layers
     _refuse_outside_layer_features(read, spec)
     dense_width = _dense_width(read) if "dense" in kinds else 0
     model_type = read.raw("model_type")

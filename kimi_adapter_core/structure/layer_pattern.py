@@ -50,8 +50,9 @@ PATTERN_LETTERS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "
 def layout_types(raw: Callable[[str], Any], num_layers: int, ssm: bool) -> list[Any] | None:
     """Each layer's type from a layout a raw ``config.json`` keeps instead of a ``layer_types`` list,
     as the config classes build the list: Nemotron-H's ``hybrid_override_pattern``; with SSM sizes
-    (``ssm``) and no list, every layer Mamba2 but Bamba's ``attn_layer_indices`` (Mamba2's own config:
-    all of them). None: the config has no such layout."""
+    (``ssm``) and no list, every layer an SSM but Bamba's ``attn_layer_indices`` or Jamba's every
+    ``attn_layer_period``-th from ``attn_layer_offset`` (Mamba's and Mamba2's own configs: all of them).
+    None: the config has no such layout."""
     pattern = raw(PATTERN_KEY)
     if isinstance(pattern, str):
         return [PATTERN_LETTERS.get(letter, letter) for letter in pattern]
@@ -59,4 +60,7 @@ def layout_types(raw: Callable[[str], Any], num_layers: int, ssm: bool) -> list[
         return None
     attending = raw("attn_layer_indices")
     attending = set(attending) if isinstance(attending, list) else set()
+    period, offset = raw("attn_layer_period"), raw("attn_layer_offset")
+    if isinstance(period, int) and period > 0 and isinstance(offset, int):
+        attending |= {i for i in range(num_layers) if i % period == offset}
     return ["full_attention" if i in attending else "linear_attention" for i in range(num_layers)]

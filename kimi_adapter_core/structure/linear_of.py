@@ -1,6 +1,7 @@
 """The linear-attention / SSM mixer a hybrid stack's config describes: gated DeltaNet (Qwen3-Next,
-Qwen3.5), KDA (Kimi-Linear, Bailing-hybrid), Mamba2 (Mamba2, Nemotron-H, Granite-4.0-H, Bamba), lightning
-attention (MiniMax-Text-01: no conv window, a recurrent state alone).
+Qwen3.5), KDA (Kimi-Linear, Bailing-hybrid), Mamba2 (Mamba2, Nemotron-H, Granite-4.0-H, Bamba), Mamba1
+(Mamba, Falcon-Mamba, Jamba: a state per inner channel), lightning attention (MiniMax-Text-01: no conv
+window, a recurrent state alone).
 
 Which layers are linear comes from ``derive``'s per-layer spans (``layer_types``, the
 ``full_attention_interval`` rule, or a raw layout ``layer_pattern`` reads); this reads the sizes their
@@ -27,6 +28,12 @@ class Reader(Protocol):
     def get(self, fact: str, default: Any = None) -> Any: ...
 
 
+# Sizes no config key states, computed as the config classes compute them: a constant 1, and Mamba1's
+# inner channels (``MambaConfig.intermediate_size``, Jamba's mamba_expand x hidden_size)
+ONE = "one"
+MAMBA_CHANNELS = "mamba_channels"
+DERIVED = {ONE: (), MAMBA_CHANNELS: ("mamba_expand", "hidden_size")}
+
 # Per mixer kind, in the order tried: ``LinearAttention`` size -> the fact it is read from (Mamba2 reads
 # its B/C groups as key heads of the state size, ``model.RECURRENT_AXES``).
 MIXERS: dict[str, dict[str, str]] = {
@@ -51,6 +58,16 @@ MIXERS: dict[str, dict[str, str]] = {
         "value_head_dim": "mamba_head_dim",
         "conv_kernel": "mamba_conv_kernel",
     },
+    # Mamba1's selective scan (no SSM heads): one B/C group of the state size, and each of its
+    # expand x hidden inner channels a one-wide head (``model.VALUE_CONV_KINDS``: its conv sees them alone)
+    "mamba1": {
+        "num_key_heads": ONE,
+        "num_value_heads": MAMBA_CHANNELS,
+        "key_head_dim": "mamba_state_size",
+        "value_head_dim": ONE,
+        "conv_kernel": "mamba_conv_kernel",
+        "dt_rank": "mamba_dt_rank",
+    },
     # MiniMax's lightning attention: the attention's own heads and width (``head_dim``, else hidden /
     # heads as MiniMaxLightningAttention computes it); no conv window
     "lightning": {
@@ -64,12 +81,17 @@ MIXER_NAMES = {
     "gated_delta_net": "gated-DeltaNet",
     "kda": "KDA",
     "mamba2": "Mamba2",
+    "mamba1": "Mamba1",
     "lightning": "lightning",
 }
 # Facts a kind needs stated beside its sizes: lightning's sizes are any attention's, its prefill block
 # size (``block_size``) is what tells it apart
 MARKERS: dict[str, tuple[str, ...]] = {"lightning": ("lightning_block_size",)}
-# A size a config may leave to its class ("auto"): the fact, and how the class computes it
+# Facts a kind's config must not state: a Mamba1 scan is a state size without SSM heads (with heads,
+# Mamba2 sized it, or its key set is incomplete and the refusal names it)
+ABSENT: dict[str, tuple[str, ...]] = {"mamba1": ("mamba_num_heads",)}
+# A size a config may leave to its class ("auto": Mamba2's head width, Mamba1's dt rank); ``_size``
+# computes it as the class does
 AUTO = "auto"
 
 
@@ -80,12 +102,11 @@ def linear_of(read: Reader, spans: list[tuple[str, int | None]]) -> LinearAttent
     if all(span != "linear" for span, _ in spans):
         return None
     for kind, sizes in MIXERS.items():
-        if all(_stated(read, fact) for fact in (*sizes.values(), *MARKERS.get(kind, ()))):
+        stated = all(_stated(read, fact) for fact in _needed(kind))
+        if stated and not any(_stated(read, fact) for fact in ABSENT.get(kind, ())):
             return LinearAttention(kind=kind, **{name: _size(read, fact) for name, fact in sizes.items()})
     wanted = "; ".join(
-        f"{MIXER_NAMES[kind]}: "
-        + ", ".join(_keys(read, fact) for fact in dict.fromkeys((*sizes.values(), *MARKERS.get(kind, ()))))
-        for kind, sizes in MIXERS.items()
+        f"{MIXER_NAMES[kind]}: " + ", ".join(_keys(read, fact) for fact in _needed(kind)) for kind in MIXERS
     )
     raise Refusal(
         "hybrid",
@@ -94,6 +115,14 @@ def linear_of(read: Reader, spans: list[tuple[str, int | None]]) -> LinearAttent
         "other state",
         location=read.spec.locate("gate") if read.spec is not None else None,
     )
+
+
+def _needed(kind: str) -> tuple[str, ...]:
+    """The config facts a kind needs stated: its sizes' (a derived size's inputs) and its markers."""
+    facts: list[str] = []
+    for fact in (*MIXERS[kind].values(), *MARKERS.get(kind, ())):
+        facts += DERIVED.get(fact, (fact,))
+    return tuple(dict.fromkeys(facts))
 
 
 def _keys(read: Reader, fact: str) -> str:
@@ -110,13 +139,19 @@ def _stated(read: Reader, fact: str) -> bool:
 
 def _size(read: Reader, fact: str) -> int:
     """A positive whole size; ``auto`` for Mamba2's head width is what its config class computes, an
-    unstated ``head_dim`` hidden_size / heads."""
+    unstated ``head_dim`` hidden_size / heads, a ``DERIVED`` size as its config class computes it."""
+    if fact == ONE:
+        return 1
+    if fact == MAMBA_CHANNELS:
+        return _size(read, "mamba_expand") * _size(read, "hidden_size")
     value = read.get(fact)
     if value is None and fact == "head_dim":
         hidden, heads = _size(read, "hidden_size"), _size(read, "num_heads")
         if hidden % heads == 0:
             return hidden // heads
         value = f"unstated ({hidden} hidden over {heads} heads)"
+    if value == AUTO and fact == "mamba_dt_rank":  # MambaConfig's and JambaConfig's ceil(hidden / 16)
+        return -(-_size(read, "hidden_size") // 16)
     if value == AUTO and fact == "mamba_head_dim":
         inner = _size(read, "mamba_expand") * _size(read, "hidden_size")
         heads = _size(read, "mamba_num_heads")

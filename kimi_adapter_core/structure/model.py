@@ -132,11 +132,14 @@ class Layer:
 # the axes of each one's recurrent state per request (None: a short convolution keeps no such state).
 # The geometry is one for all: a mixer reads ``key_heads`` x ``key_dim`` query/key features and
 # ``value_heads`` x ``value_dim`` value features through one causal depthwise convolution; Mamba2's B/C
-# groups are its key heads and its state size their width, the way SSD reads them as attention.
+# groups are its key heads and its state size their width, the way SSD reads them as attention. Mamba1's
+# selective scan is the same read with one B/C group and one-wide heads, one per inner channel: its state
+# is ``[channels, state_size]``.
 RECURRENT_AXES: dict[str, tuple[str, ...] | None] = {
     "gated_delta_net": ("value_heads", "key_dim", "value_dim"),
     "kda": ("value_heads", "key_dim", "value_dim"),
     "mamba2": ("value_heads", "value_dim", "key_dim"),
+    "mamba1": ("value_heads", "key_dim"),
     "lightning": ("value_heads", "key_dim", "value_dim"),
 }
 LINEAR_KINDS = tuple(RECURRENT_AXES)
@@ -146,6 +149,10 @@ CONV_FREE_KINDS = ("lightning",)
 # The ABI layer kind (``runtime.LAYER_STATES``) of a linear layer, by mixer kind: ``linear`` carries a
 # conv window and a recurrent state, ``lightning`` the recurrent state alone.
 LAYER_KIND_OF_MIXER = {"lightning": "lightning"}
+# Mixers whose convolution sees the values alone: Mamba1 convolves its inner channels and projects B, C
+# and dt from the convolved channels afterwards (``MambaMixer.x_proj``), so its window is ``[channels,
+# conv_kernel]``.
+VALUE_CONV_KINDS = ("mamba1",)
 
 
 @dataclass(frozen=True)
@@ -172,8 +179,9 @@ class LinearAttention:
     and the sizes its states follow from. Gated DeltaNet (Qwen3-Next, Qwen3.5) has query/key heads of
     ``key_head_dim`` and value heads of ``value_head_dim``; KDA (Kimi-Linear) as many of each; Mamba2
     ``num_key_heads`` B/C groups of ``key_head_dim`` (the SSM state size) and ``num_value_heads`` heads of
-    ``value_head_dim``. What it keeps
-    per request is fixed-size: the conv window over all of them and the recurrent state (``states.py``)."""
+    ``value_head_dim``; Mamba1 one B/C group of ``key_head_dim`` and ``num_value_heads`` inner channels
+    of width 1. What it keeps per request is fixed-size: the conv window over all of them and the
+    recurrent state (``states.py``)."""
 
     kind: str  # LINEAR_KINDS
     num_key_heads: int
@@ -181,14 +189,17 @@ class LinearAttention:
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int = 0  # 0: no conv window (CONV_FREE_KINDS)
+    dt_rank: int | None = None  # Mamba1's dt projection rank (plan sizes x_proj/dt_proj by it); None: others
 
     @property
     def conv(self) -> ConvState | None:
-        """The conv window: its channels are the projected queries and keys and the values (None: a
-        mixer without one, ``CONV_FREE_KINDS``)."""
+        """The conv window: its channels are the projected queries and keys and the values (Mamba1: the
+        values alone, ``VALUE_CONV_KINDS``; None: a mixer without one, ``CONV_FREE_KINDS``)."""
         if self.kind in CONV_FREE_KINDS:
             return None
-        channels = 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+        channels = self.num_value_heads * self.value_head_dim
+        if self.kind not in VALUE_CONV_KINDS:
+            channels += 2 * self.num_key_heads * self.key_head_dim
         return ConvState(channels, self.conv_kernel)
 
     @property
@@ -220,7 +231,7 @@ class LinearAttention:
 
     @property
     def recurrent_state(self) -> RecurrentState:
-        """The recurrent state of a mixer that keeps one (gated DeltaNet, KDA, Mamba2)."""
+        """The recurrent state of a mixer that keeps one (gated DeltaNet, KDA, Mamba2, Mamba1)."""
         recurrent = self.recurrent
         if recurrent is None:
             raise ValueError(f"a {self.kind} mixer keeps no recurrent state")
@@ -253,6 +264,7 @@ MIXER_TEXT = {
     "kda": "KDA {num_value_heads}x{value_head_dim} heads, conv {conv_kernel}",
     "mamba2": "Mamba2 SSM {num_value_heads}x{value_head_dim} heads, state {key_head_dim}, {num_key_heads} "
     "groups, conv {conv_kernel}",
+    "mamba1": "Mamba1 selective scan {num_value_heads} channels, state {key_head_dim}, conv {conv_kernel}",
     "lightning": "lightning attention {num_value_heads}x{value_head_dim} heads, no conv",
 }
 
@@ -463,6 +475,8 @@ class ModelStructure:
         for kind in ("linear", "indexer"):  # stacks without them: their metadata is what it always was
             if getattr(self, kind) is None:
                 data.pop(kind)
+        if self.linear is not None and self.linear.dt_rank is None:  # only Mamba1 states one
+            data["linear"].pop("dt_rank")
         data["layers"] = _compress_layers(self.layers)
         data["rope"] = self.rope.to_dict()
         return data

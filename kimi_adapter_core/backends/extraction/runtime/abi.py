@@ -740,8 +740,19 @@ class _TextStack(nn.Module):
                     position_embeddings=embeddings,
                     **{self.cache_keyword: cache if kind not in STATELESS_KINDS else None},
                 )
-        logits = apply_ops(self.lm_head(self.norm(hidden_states)), self.logit_ops)
+        final = in_head_dtype(self.norm(hidden_states), self.lm_head)
+        logits = apply_ops(self.lm_head(final), self.logit_ops)
         return (logits, *cache.flat_present())
+
+
+def in_head_dtype(hidden_states: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+    """The final hidden states in the LM head's dtype, as Mamba's and Falcon-Mamba's CausalLM cast them
+    (``residual_in_fp32`` keeps their residual stream, and so the final norm's output, in float32 in a
+    bfloat16 model). Elsewhere they already are: nothing is traced."""
+    weight = getattr(lm_head, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dtype != hidden_states.dtype:
+        return hidden_states.to(weight.dtype)
+    return hidden_states
 
 
 def layer_mask(

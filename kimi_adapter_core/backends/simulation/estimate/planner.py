@@ -323,12 +323,15 @@ def kv_sizing(s: ModelStructure, tp: int, kv_dtype: str = "bf16") -> KvSizing:
 
 
 def max_seq_len(s: ModelStructure, requested: int | None) -> int:
-    """Like MAX's ``upper_bounded_default``: the request, bounded by max_position_embeddings."""
+    """Like MAX's ``upper_bounded_default``: the request, bounded by max_position_embeddings (a config
+    that states none, a pure SSM stack's, bounds nothing: then the request is needed)."""
     if requested is None:
+        if not s.max_positions:
+            raise UsageError("the config states no max_position_embeddings: pass --seq-len")
         return s.max_positions
     if requested < 1:
         raise UsageError(f"--seq-len must be >= 1 (got {requested})")
-    if requested > s.max_positions:
+    if s.max_positions and requested > s.max_positions:
         raise UsageError(
             f"--seq-len {requested} exceeds the model's max_position_embeddings {s.max_positions}"
         )

@@ -66,7 +66,8 @@ class Deployment:
             raise UsageError(f"routing must be one of {', '.join(ROUTINGS)} (got {self.routing!r})")
         if not 0 <= self.mtp_acceptance <= 1:
             raise UsageError(f"--mtp-acceptance must be in [0, 1] (got {self.mtp_acceptance})")
-        if self.context_len + self.tokens_per_query > s.max_positions:
+        # a config that states no max_position_embeddings (0: a pure SSM stack's) bounds nothing
+        if s.max_positions and self.context_len + self.tokens_per_query > s.max_positions:
             raise UsageError(
                 f"context {self.context_len} + {self.tokens_per_query} new tokens exceeds the "
                 f"model's max_position_embeddings {s.max_positions}"

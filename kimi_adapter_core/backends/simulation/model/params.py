@@ -362,6 +362,44 @@ def _mamba2(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
     ]
 
 
+# Mamba1 families whose decoder layer calls its mixer ``mamba`` (Mamba and Falcon-Mamba: ``mixer``), and
+# those whose dt/B/C norms carry weights (Falcon-Mamba's are weightless buffers)
+_MAMBA1_ATTRIBUTE = ("jamba",)
+_MAMBA1_NORMED = ("jamba",)
+
+
+def _mamba1(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
+    """Tensors of a Mamba1 layer's mixer under the model's own names (transformers 5.24 ``MambaMixer``,
+    ``FalconMambaMixer``, ``JambaMambaMixer``): ``in_proj`` to x and the gate (2 I rows), the depthwise
+    conv over x with its bias, ``x_proj`` to dt (rank R), B and C (N each), ``dt_proj`` back to I with its
+    bias, ``A_log`` ``[I, N]`` and ``D`` per channel, ``out_proj``; Jamba's dt/B/C RMS norms. Split over TP
+    by channels as vLLM's ``MambaMixer`` shards them (``x_proj`` row-parallel, its small output whole)."""
+    lin, h = s.linear, s.hidden_size
+    assert lin is not None and lin.dt_rank is not None
+    conv, state, rank = lin.conv_state, lin.key_head_dim, lin.dt_rank
+    inner = conv.channels
+    mixer = "mamba" if s.model_type in _MAMBA1_ATTRIBUTE else "mixer"
+    conv_tensors: Tensors = [
+        (f"{mixer}.conv1d.weight", (inner, 1, conv.kernel)),
+        (f"{mixer}.conv1d.bias", (inner,)),
+    ]
+    dt: Tensors = [(f"{mixer}.dt_proj.weight", (inner, rank)), (f"{mixer}.dt_proj.bias", (inner,))]
+    decay: Tensors = [(f"{mixer}.A_log", (inner, state)), (f"{mixer}.D", (inner,))]
+    rows: list[tuple[str, Tensors, Shard, bool]] = [
+        ("in_proj", [(f"{mixer}.in_proj.weight", (2 * inner, h))], "tp", True),
+        ("conv1d", conv_tensors, "tp", False),
+        ("x_proj", [(f"{mixer}.x_proj.weight", (rank + 2 * state, inner))], "tp", True),
+        ("dt_proj", dt, "tp", True),
+        ("decay", decay, "tp", False),
+        ("out_proj", [(f"{mixer}.out_proj.weight", (h, inner))], "tp", True),
+    ]
+    if s.model_type in _MAMBA1_NORMED:
+        widths = (("dt", rank), ("b", state), ("c", state))
+        norms = [(f"{mixer}.{n}_layernorm.weight", (w,)) for n, w in widths]
+        rows.append(("norms", norms, "replicated", False))
+    return rows
+
+
 def _lightning(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
     """Tensors of a lightning-attention layer's ``self_attn`` under the model's own names (transformers
     5.24 ``MiniMaxLightningAttention``): the fused q/k/v projection, the sigmoid output gate, the RMS
@@ -383,6 +421,7 @@ LINEAR_TENSORS = {
     "gated_delta_net": (_gated_delta_net, "linear_attn"),
     "kda": (_kda, "kda"),
     "mamba2": (_mamba2, "mamba2"),
+    "mamba1": (_mamba1, "mamba1"),
     "lightning": (_lightning, "lightning"),
 }
 PRICED_MIXERS = tuple(LINEAR_TENSORS)

@@ -135,11 +135,10 @@ def rank_overrides(
     outside the per-rank vocab."""
     tp, a, k = dep.parallel.tp, s.attention, s.keys
     layers = built_layers(s)
-    sizes: dict[str, Any] = {
-        k["num_heads"]: heads_per_rank(a, tp),
-        k["num_layers"]: layers,
-        k["vocab_size"]: math.ceil(s.vocab_size / tp),
-    }
+    sizes: dict[str, Any] = {k["num_layers"]: layers, k["vocab_size"]: math.ceil(s.vocab_size / tp)}
+    attends = "num_heads" in k  # a stack of SSM mixers alone has a nominal attention no key sizes
+    if attends:
+        sizes[k["num_heads"]] = heads_per_rank(a, tp)
     if "num_kv_heads" in k:
         sizes[k["num_kv_heads"]] = kv_heads_per_rank(a, tp)
     # gated DeltaNet's heads split like the attention heads (``Parallel.check``: TP divides them); a KDA or
@@ -147,7 +146,7 @@ def rank_overrides(
     if s.linear is not None and s.linear.kind == "gated_delta_net":
         sizes[k["linear_num_key_heads"]] = s.linear.num_key_heads // tp
         sizes[k["linear_num_value_heads"]] = s.linear.num_value_heads // tp
-    if not a.is_mla:
+    if attends and not a.is_mla:
         sizes[k.get("head_dim", "head_dim")] = a.head_dim
     if s.dense_layer_ids and "intermediate_size" in k:
         sizes[k["intermediate_size"]] = s.intermediate_size // tp

@@ -1,4 +1,4 @@
-"""The KDA and Mamba2 kernels a serving runtime runs in a hybrid stack's linear / SSM layers.
+"""The KDA, Mamba2 and Mamba1 kernels a serving runtime runs in a hybrid stack's linear / SSM layers.
 
 As for gated DeltaNet (``linear_kernels``), transformers' eager scans (a Python loop over chunks, or
 a chunked einsum in float32) are not what an engine launches. vLLM and SGLang run, per layer:
@@ -16,6 +16,12 @@ a chunked einsum in float32) are not what an engine launches. vLLM and SGLang ru
   chunk state Bᵀ x and C times the carried state); it runs on tensor cores (the chunks are batched
   matmuls, only the state passing is sequential). The decode update: ``5 P N`` per token and head
   (decay, dt B xᵀ, the sum and C S).
+- Mamba1 (Mamba, Falcon-Mamba, Jamba; the ``mamba_ssm`` kernels): ``causal_conv1d_fn`` over x alone,
+  ``x_proj`` to dt, B and C (row-parallel: the rank's channels in, all of dt/B/C out), ``dt_proj``, then
+  ``selective_scan_fn`` in prefill; ``causal_conv1d_update`` and ``selective_state_update`` in decode.
+  The scan has no heads: every channel of ``I`` keeps ``N`` states with its own decay, so per token
+  ``7 I N`` (exp(dt A) and its product, dt B x, the sum, C S) plus the skip and gate, in float32 on
+  the vector units (the scan is sequential in both phases: no chunked matmul form).
 
 Each decode step reads and writes every request's float32 state once; none of them grows with the
 context. The mixer's modules are adopted by attribute name and kept whole (the built model is not
@@ -53,6 +59,9 @@ KDA_SIZES = ("num_heads", "head_dim", "conv_kernel_size")
 KDA_OUTPUT_GATES = (("g_a_proj", "g_b_proj"), ("g_proj",))  # Kimi: low rank; Bailing: full rank
 MAMBA2_FIELDS = ("in_proj", "conv1d", "norm", "out_proj", "A_log", "dt_bias", "D")
 MAMBA2_SIZES = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "conv_kernel_size", "chunk_size")
+# MambaMixer, FalconMambaMixer, JambaMambaMixer
+MAMBA1_FIELDS = ("in_proj", "conv1d", "x_proj", "dt_proj", "out_proj", "A_log", "D")
+MAMBA1_SIZES = ("intermediate_size", "ssm_state_size", "time_step_rank", "conv_kernel_size")
 
 
 def _has(module: nn.Module, names: tuple[str, ...]) -> bool:
@@ -67,6 +76,11 @@ def is_kda(module: nn.Module) -> bool:
 def is_mamba2(module: nn.Module) -> bool:
     """Whether ``module`` is a Mamba2 mixer (by its attribute names)."""
     return _has(module, (*MAMBA2_FIELDS, *MAMBA2_SIZES))
+
+
+def is_mamba1(module: nn.Module) -> bool:
+    """Whether ``module`` is a Mamba1 mixer (by its attribute names)."""
+    return _has(module, (*MAMBA1_FIELDS, *MAMBA1_SIZES))
 
 
 class RankLinear(nn.Module):
@@ -245,10 +259,72 @@ class RankMamba2(RankLinearMixer):
         self._record_scan(source, compute, flops, io, state, shapes, self._attrs(source, b, s, hidden))
 
 
+class RankMamba1(RankLinearMixer):
+    """A Mamba1 mixer (``mixer`` of Mamba / Falcon-Mamba, ``mamba`` of Jamba) as serving runtimes run it
+    at 1/tp of its inner channels. Called as transformers calls the mixer."""
+
+    def __init__(self, inner: nn.Module, rec: Recorder, dep: Deployment, tp: int) -> None:
+        super().__init__()
+        if not is_mamba1(inner):
+            raise KadaptError(
+                f"{type(inner).__name__} is not a Mamba1 mixer kadapt can price: it needs "
+                f"{', '.join((*MAMBA1_FIELDS, *MAMBA1_SIZES))}"
+            )
+        self.inner_size, self.state_size = int(inner.intermediate_size) // tp, int(inner.ssm_state_size)
+        self.kernel, self.rank = int(inner.conv_kernel_size), int(inner.time_step_rank)
+        self.in_proj = RankLinear(inner.in_proj, tp, "rows")
+        self.x_proj = RankLinear(inner.x_proj, tp, "columns")
+        self.dt_proj = RankLinear(inner.dt_proj, tp, "rows")
+        self.out_proj = RankLinear(inner.out_proj, tp, "columns")
+        self.bind(rec, dep)
+
+    @property
+    def channels(self) -> int:
+        """Conv channels on this rank: its x channels (B and C come after the conv)."""
+        return self.inner_size
+
+    def forward(self, hidden_states: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
+        b, s, hidden = hidden_states.shape
+        self.in_proj(hidden_states)  # x and the gate z of the rank's channels
+        self._record_conv(b, s, hidden)
+        x = torch.empty(b, s, self.inner_size, dtype=hidden_states.dtype, device=hidden_states.device)
+        self.dt_proj(self.x_proj(x)[..., : self.rank])  # dt, B, C; dt back to the rank's channels
+        self._record_selective_scan(b, s, hidden)
+        return self.out_proj(torch.empty_like(x))
+
+    def _attrs(self, source: str, b: int, s: int, hidden: int) -> dict[str, Any]:
+        return {
+            "kernel": "mamba1",
+            "decode": self.dep.decode,
+            "batch": b,
+            "seq": s,
+            "hidden": hidden,
+            "conv": self.kernel,
+            "channels": self.inner_size,
+            "state_size": self.state_size,
+        }
+
+    def _record_selective_scan(self, b: int, s: int, hidden: int) -> None:
+        """``selective_scan_fn`` in prefill, ``selective_state_update`` in decode: x, z, dt, B, C and y
+        in bf16, A and the state [I, N] in float32."""
+        i, n, tokens = self.inner_size, self.state_size, b * s
+        io = tokens * (4 * i + 2 * n) * ACTIVATION_BYTES + i * n * STATE_BYTES
+        source = "selective_state_update" if self.dep.decode else "selective_scan_fn"
+        flops = tokens * i * (7 * n + 3)
+        state = b * i * n * STATE_BYTES
+        shapes = f"B{b} q{s} I{i} N{n}"
+        self._record_scan(source, "vector", flops, io, state, shapes, self._attrs(source, b, s, hidden))
+
+
 # the kinds in the order a module is tested (their attribute sets do not overlap)
-KINDS = (("gated DeltaNet", is_gated_delta_net), ("KDA", is_kda), ("Mamba2", is_mamba2))
+KINDS = (
+    ("gated DeltaNet", is_gated_delta_net),
+    ("KDA", is_kda),
+    ("Mamba2", is_mamba2),
+    ("Mamba1", is_mamba1),
+)
 # the structure's mixer kinds these kernels price (MiniMax's lightning attention: none yet)
-SIMULATED_MIXERS = ("gated_delta_net", "kda", "mamba2")
+SIMULATED_MIXERS = ("gated_delta_net", "kda", "mamba2", "mamba1")
 
 
 def linear_mixers(layer: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -258,9 +334,12 @@ def linear_mixers(layer: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def rank_mixer(inner: nn.Module, rec: Recorder, dep: Deployment, tp: int) -> RankLinearMixer:
     """The serving kernels of one mixer found by ``linear_mixers``. A gated DeltaNet is built per rank
-    already (``rank_config`` resizes its heads); KDA and Mamba2 mixers are whole and run 1/tp of them."""
+    already (``rank_config`` resizes its heads); KDA, Mamba2 and Mamba1 mixers are whole and run 1/tp of
+    them."""
     if is_gated_delta_net(inner):
         return RankGatedDeltaNet(inner, rec, dep)
     if is_kda(inner):
         return RankKDA(inner, rec, dep, tp)
+    if is_mamba1(inner):
+        return RankMamba1(inner, rec, dep, tp)
     return RankMamba2(inner, rec, dep, tp)

@@ -70,7 +70,7 @@ class Workload:
         for name, value in (("--ttft", self.ttft), ("--tpot", self.tpot)):
             if value is not None and value <= 0:
                 raise UsageError(f"{name} must be > 0 ms (got {value * 1e3:g})")
-        if self.isl + self.osl > max_positions:
+        if max_positions and self.isl + self.osl > max_positions:  # 0: the config states none
             raise UsageError(
                 f"--isl {self.isl} + --osl {self.osl} exceeds the model's max_position_embeddings "
                 f"{max_positions}"
