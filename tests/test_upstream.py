@@ -352,22 +352,3 @@ def test_tested_versions_are_stated_once_and_agree() -> None:
     for point in upstream.CONTACT_POINTS:
         assert f"| `{point.name}` |" in page, point.name
     assert f"transformers | {', '.join(upstream.TESTED_TRANSFORMERS)} |" in page
-
-
-def test_a_probe_answers_only_for_the_forwards_it_ran(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A layer probed under one spec's patches must be probed again without them: Llama-4's rotary
-    embedding gives (cos, sin) only under Scout's builtins, and a cached pass let the multimodal llama4
-    type past its refusal when the family matrix had just adapted llama4_text in the same process."""
-    from transformers import LlamaConfig, LlamaModel
-
-    config = LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=64,
-    )
-    model = LlamaModel(config).eval()
-    assert upstream.decoder_protocol(model).cache_keyword
-    rotary = type(model.rotary_emb)
-    real = rotary.forward
-    monkeypatch.setattr(rotary, "forward", lambda self, x, position_ids: real(self, x, position_ids)[0])
-    with pytest.raises(upstream.LayersUnsupported, match="returns Tensor"):
-        upstream.decoder_protocol(model)

@@ -2445,24 +2445,13 @@ def cache_keyword(layer: Any) -> str:
     return CACHE_KEYWORDS[-1]  # a **kwargs-only forward: the behavioural probe decides
 
 
-def _layer_key(layer: Any, rotary_emb: Any, layer_type: str | None) -> tuple[Any, ...]:
-    """What a layer's probe depends on: its module classes with the forwards installed on them now (a
-    spec's patches replace them; a result probed under one spec's builtins must not answer for a model
-    without them: Llama-4's rotary embedding returns (cos, sin) only under Scout's), their parameter
-    shapes and dtypes (layers of one class can differ in size: MiMo-V2-Flash's sliding layers have other
-    KV heads; a linear layer's conv state has the dtype the layer runs in), and the rotary embedding
-    and layer type it is called with."""
-    modules = [*layer.modules(), *([rotary_emb] if rotary_emb is not None else [])]
-    return (
-        layer_type,
-        *(
-            (
-                type(m),
-                getattr(type(m), "forward", None),
-                tuple((tuple(p.shape), p.dtype) for p in m.parameters(recurse=False)),
-            )
-            for m in modules
-        ),
+def _layer_key(layer: Any) -> tuple[Any, ...]:
+    """A layer's structure: its module classes and parameter shapes and dtypes (layers of one class can
+    differ in size: MiMo-V2-Flash's sliding layers have other KV heads; a linear layer's conv state
+    has the dtype the layer runs in)."""
+    return tuple(
+        (type(m), tuple((tuple(p.shape), p.dtype) for p in m.parameters(recurse=False)))
+        for m in layer.modules()
     )
 
 
@@ -2490,9 +2479,9 @@ def probe_decoder_layers(
     protocols = []
     for index, layer in enumerate(layers):
         kind = kinds[index] if kinds is not None else "attention"
-        layer_type = layer_types[index] if layer_types is not None else None
-        key = (kind, *_layer_key(layer, rotary_emb, layer_type))
+        key = (kind, *_layer_key(layer))
         if key not in _protocols:
+            layer_type = layer_types[index] if layer_types is not None else None
             with torch.no_grad():
                 _protocols[key] = _probe_layer(layer, rotary_emb, layer_type, kind, index)
         protocols.append(_protocols[key])

@@ -274,13 +274,20 @@ def _plan_census(spec: Any, model: Any, folder: Path) -> list[str]:
 
 
 def run_trial(model_type: str) -> Row:
-    """``model_type`` through validate --resolve, apply and verify, and plan's census; its row."""
+    """``model_type`` through validate --resolve, apply and verify, and plan's census; its row.
+
+    Each trial starts from no probe results (``upstream.forget``): the layer probes are cached by the
+    layers' classes and shapes, which one process's earlier trial may have probed under its own spec's
+    patches. Probed under Scout's builtins for ``llama4_text``, a cached pass answered for the multimodal
+    ``llama4`` type, which then failed in upstream's forward instead of its ``rotary-form`` refusal."""
+    from .. import upstream
     from ..backends import extraction
     from ..loading import applied, load_model
     from ..resolve import resolve_diagnostics
     from ..spec import load_spec
     from ..spec.loader import check_spec
 
+    upstream.forget()
     with tempfile.TemporaryDirectory(prefix=f"kadapt-family-{model_type}-") as tmp:
         folder = Path(tmp)
         found = _buildable_config(model_type)

@@ -42,15 +42,9 @@ def _attention(read: Reader, spec: Spec | None, hidden: int) -> Attention:
         q_lora = read.get("q_lora_rank")
         read.get("num_kv_heads")  # MLA keeps it equal to the heads; recorded so tiny models keep it so
         attention = Attention(
-            kind="mla",
-            num_heads=heads,
-            num_kv_heads=heads,
-            head_dim=nope + rope,
-            v_head_dim=int(read.require("v_head_dim")),
+            "mla", heads, heads, nope + rope, int(read.require("v_head_dim")),
             q_lora_rank=int(q_lora) if q_lora is not None else None,
-            kv_lora_rank=int(kv_lora),
-            qk_nope_head_dim=nope,
-            qk_rope_head_dim=rope,
+            kv_lora_rank=int(kv_lora), qk_nope_head_dim=nope, qk_rope_head_dim=rope,
         )
     else:
         kv_heads = int(read.get("num_kv_heads", heads))

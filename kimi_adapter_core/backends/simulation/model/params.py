@@ -4,7 +4,7 @@ Counting from the ``ModelStructure`` (instead of instantiating the model) keeps 
 torch-free and instant, and works for every family the structure describes: MHA/GQA/MQA or MLA
 attention, dense and MoE MLPs (shared experts, a router bias for sigmoid routing), tied embeddings,
 and hybrid stacks: attention weights in the attention layers only, the mixer's weights in the linear
-ones (``LINEAR_TENSORS``: ``_gated_delta_net``, ``_kda``, ``_mamba2``; the attention of the
+ones (``mixer_params.LINEAR_TENSORS``; the attention of the
 gated-DeltaNet families is gated: ``_gated_attention``),
 and a DSA stack's indexer in its indexed layers (``_indexer``).
 
@@ -25,7 +25,6 @@ import functools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from ....checkpoint.naming import rename_weight
 from ....spec.model import Spec
@@ -33,11 +32,7 @@ from ....structure.model import ModelStructure
 from ....vision.tower import VisionArch
 from .arch import Architecture, indexed_layer_ids
 from .layer_parts import FP32_ROUTER, LayerParts, shared_expert, sublayers
-
-# tp: split over tensor-parallel ranks (by heads or width); kv: split by KV heads, which are
-# replicated once TP exceeds them; ep: routed experts over expert-parallel ranks; vocab:
-# vocab-parallel rows (ceil(vocab/tp) per rank); replicated: every device holds all of it.
-Shard = Literal["tp", "kv", "ep", "vocab", "replicated"]
+from .mixer_params import LINEAR_TENSORS, Shard, Tensors
 
 
 @dataclass(frozen=True)
@@ -127,7 +122,6 @@ def naming(spec: Spec) -> Naming:
     )
 
 
-Tensors = Sequence[tuple[str, tuple[int, ...]]]  # (name inside one layer, shape)
 
 
 def _layers(
@@ -250,181 +244,6 @@ def _indexer(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
 
 # gated-DeltaNet families whose input projection is fused as in_proj_qkvz + in_proj_ba (the others,
 # Qwen3.5's, split it as in_proj_qkv, in_proj_z, in_proj_b, in_proj_a)
-_FUSED_IN_PROJ = ("qwen3_next",)
-
-
-def _gated_delta_net(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
-    """Tensors of a gated-DeltaNet layer's ``linear_attn`` under the model's own names (transformers
-    5.24 ``Qwen3NextGatedDeltaNet`` / ``Qwen3_5GatedDeltaNet``). Under TP every tensor is split by
-    heads as vLLM shards it (in projections column-parallel, the depthwise conv by channel, the
-    per-head decay ``A_log`` and ``dt_bias`` by value head, ``out_proj`` row-parallel), except the
-    gated norm's weight, one value head wide and replicated."""
-    lin, h = s.linear, s.hidden_size
-    assert lin is not None
-    key, value = lin.num_key_heads * lin.key_head_dim, lin.num_value_heads * lin.value_head_dim
-    heads = lin.num_value_heads
-    if s.model_type in _FUSED_IN_PROJ:
-        in_proj: Tensors = [
-            ("linear_attn.in_proj_qkvz.weight", (2 * key + 2 * value, h)),
-            ("linear_attn.in_proj_ba.weight", (2 * heads, h)),
-        ]
-    else:
-        in_proj = [
-            ("linear_attn.in_proj_qkv.weight", (2 * key + value, h)),
-            ("linear_attn.in_proj_z.weight", (value, h)),
-            ("linear_attn.in_proj_b.weight", (heads, h)),
-            ("linear_attn.in_proj_a.weight", (heads, h)),
-        ]
-    decay: Tensors = [("linear_attn.dt_bias", (heads,)), ("linear_attn.A_log", (heads,))]
-    conv = lin.conv_state
-    return [
-        ("in_proj", in_proj, "tp", True),
-        ("conv1d", [("linear_attn.conv1d.weight", (conv.channels, 1, conv.kernel))], "tp", False),
-        ("decay", decay, "tp", False),
-        ("norm", [("linear_attn.norm.weight", (lin.value_head_dim,))], "replicated", False),
-        ("out_proj", [("linear_attn.out_proj.weight", (h, value))], "tp", True),
-    ]
-
-
-# KDA families whose decay and output gate are low-rank pairs (f_a_proj -> f_b_proj, g_a_proj -> g_b_proj,
-# ``A_log`` [1, 1, H, 1]); the others (Bailing-hybrid) project them at full rank (f_proj, g_proj; A_log [H])
-_LOW_RANK_KDA_GATES = ("kimi_linear",)
-
-
-def _kda(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
-    """Tensors of a KDA layer's ``self_attn`` under the model's own names (transformers 5.24
-    ``KimiLinearDeltaAttention`` / ``BailingHybridDeltaAttention``): q, k, v and the per-head beta
-    projections, the q/k/v depthwise conv (no bias), the per-channel decay (its projections, ``dt_bias``
-    one per channel, ``A_log`` one per head), the output gate, the per-head gated norm and ``o_proj``.
-    Split over TP by heads as vLLM shards them, except the low-rank halves (``f_a_proj``, ``g_a_proj``:
-    ``ReplicatedLinear``) and the norm, one head wide."""
-    lin, h = s.linear, s.hidden_size
-    assert lin is not None
-    heads, d = lin.num_value_heads, lin.value_head_dim
-    width = heads * d
-    proj: Tensors = [(f"self_attn.{n}_proj.weight", (width, h)) for n in "qkv"]
-    proj.append(("self_attn.b_proj.weight", (heads, h)))
-    if s.model_type in _LOW_RANK_KDA_GATES:
-        low_rank: Tensors = [
-            ("self_attn.forget_gate.f_a_proj.weight", (d, h)),
-            ("self_attn.g_a_proj.weight", (d, h)),
-        ]
-        gates: Tensors = [
-            ("self_attn.forget_gate.f_b_proj.weight", (width, d)),
-            ("self_attn.g_b_proj.weight", (width, d)),
-        ]
-        a_log: tuple[int, ...] = (1, 1, heads, 1)
-    else:
-        low_rank = []
-        gates = [("self_attn.forget_gate.f_proj.weight", (width, h)), ("self_attn.g_proj.weight", (width, h))]
-        a_log = (heads,)
-    decay: Tensors = [("self_attn.forget_gate.dt_bias", (width,)), ("self_attn.forget_gate.A_log", a_log)]
-    conv = lin.conv_state
-    rows: list[tuple[str, Tensors, Shard, bool]] = [
-        ("proj", proj, "tp", True),
-        ("conv1d", [("self_attn.conv1d.weight", (conv.channels, 1, conv.kernel))], "tp", False),
-        ("gates", gates, "tp", True),
-        ("decay", decay, "tp", False),
-        ("o_norm", [("self_attn.o_norm.weight", (d,))], "replicated", False),
-        ("o_proj", [("self_attn.o_proj.weight", (h, width))], "tp", True),
-    ]
-    if low_rank:
-        rows.append(("gates_low_rank", low_rank, "replicated", True))
-    return rows
-
-
-# Mamba2 families whose decoder layer calls its mixer ``mamba`` (the others, Mamba2 and Nemotron-H: ``mixer``)
-_MAMBA_ATTRIBUTE = ("granitemoehybrid", "bamba")
-
-
-def _mamba2(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
-    """Tensors of a Mamba2 layer's mixer under the model's own names (transformers 5.24 ``Mamba2Mixer``,
-    ``NemotronHMamba2Mixer``, ``BambaMixer``, ``GraniteMoeHybridMambaLayer``): ``in_proj`` to z, x, B, C
-    and dt (I + I + 2 G N + H rows, I = H P), the depthwise conv over x, B and C with its bias (every
-    family's default), ``dt_bias``, ``A_log`` and ``D`` per head, the gated norm over I and ``out_proj``.
-    All split over TP by heads and groups as vLLM's ``MambaMixer2`` shards them (the norm too: its
-    groups are whole on a rank). Projection biases (off in every shipped config) are not counted."""
-    lin, h = s.linear, s.hidden_size
-    assert lin is not None
-    inner = lin.num_value_heads * lin.value_head_dim
-    conv, heads = lin.conv_state, lin.num_value_heads
-    mixer = "mamba" if s.model_type in _MAMBA_ATTRIBUTE else "mixer"
-    conv_tensors: Tensors = [
-        (f"{mixer}.conv1d.weight", (conv.channels, 1, conv.kernel)),
-        (f"{mixer}.conv1d.bias", (conv.channels,)),
-    ]
-    return [
-        ("in_proj", [(f"{mixer}.in_proj.weight", (inner + conv.channels + heads, h))], "tp", True),
-        ("conv1d", conv_tensors, "tp", False),
-        ("decay", [(f"{mixer}.{n}", (heads,)) for n in ("dt_bias", "A_log", "D")], "tp", False),
-        ("norm", [(f"{mixer}.norm.weight", (inner,))], "tp", False),
-        ("out_proj", [(f"{mixer}.out_proj.weight", (h, inner))], "tp", True),
-    ]
-
-
-# Mamba1 families whose decoder layer calls its mixer ``mamba`` (Mamba and Falcon-Mamba: ``mixer``), and
-# those whose dt/B/C norms carry weights (Falcon-Mamba's are weightless buffers)
-_MAMBA1_ATTRIBUTE = ("jamba",)
-_MAMBA1_NORMED = ("jamba",)
-
-
-def _mamba1(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
-    """Tensors of a Mamba1 layer's mixer under the model's own names (transformers 5.24 ``MambaMixer``,
-    ``FalconMambaMixer``, ``JambaMambaMixer``): ``in_proj`` to x and the gate (2 I rows), the depthwise
-    conv over x with its bias, ``x_proj`` to dt (rank R), B and C (N each), ``dt_proj`` back to I with its
-    bias, ``A_log`` ``[I, N]`` and ``D`` per channel, ``out_proj``; Jamba's dt/B/C RMS norms. Split over TP
-    by channels as vLLM's ``MambaMixer`` shards them (``x_proj`` row-parallel, its small output whole)."""
-    lin, h = s.linear, s.hidden_size
-    assert lin is not None and lin.dt_rank is not None
-    conv, state, rank = lin.conv_state, lin.key_head_dim, lin.dt_rank
-    inner = conv.channels
-    mixer = "mamba" if s.model_type in _MAMBA1_ATTRIBUTE else "mixer"
-    conv_tensors: Tensors = [
-        (f"{mixer}.conv1d.weight", (inner, 1, conv.kernel)),
-        (f"{mixer}.conv1d.bias", (inner,)),
-    ]
-    dt: Tensors = [(f"{mixer}.dt_proj.weight", (inner, rank)), (f"{mixer}.dt_proj.bias", (inner,))]
-    decay: Tensors = [(f"{mixer}.A_log", (inner, state)), (f"{mixer}.D", (inner,))]
-    rows: list[tuple[str, Tensors, Shard, bool]] = [
-        ("in_proj", [(f"{mixer}.in_proj.weight", (2 * inner, h))], "tp", True),
-        ("conv1d", conv_tensors, "tp", False),
-        ("x_proj", [(f"{mixer}.x_proj.weight", (rank + 2 * state, inner))], "tp", True),
-        ("dt_proj", dt, "tp", True),
-        ("decay", decay, "tp", False),
-        ("out_proj", [(f"{mixer}.out_proj.weight", (h, inner))], "tp", True),
-    ]
-    if s.model_type in _MAMBA1_NORMED:
-        widths = (("dt", rank), ("b", state), ("c", state))
-        norms = [(f"{mixer}.{n}_layernorm.weight", (w,)) for n, w in widths]
-        rows.append(("norms", norms, "replicated", False))
-    return rows
-
-
-def _lightning(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
-    """Tensors of a lightning-attention layer's ``self_attn`` under the model's own names (transformers
-    5.24 ``MiniMaxLightningAttention``): the fused q/k/v projection, the sigmoid output gate, the RMS
-    norm over every head and ``out_proj``; no conv, no bias (the decay rates are computed buffers). Split
-    over TP by heads as vLLM's ``MiniMaxText01LinearAttention`` shards them, its norm too."""
-    lin, h = s.linear, s.hidden_size
-    assert lin is not None
-    width = lin.num_value_heads * lin.value_head_dim
-    return [
-        ("qkv_proj", [("self_attn.qkv_proj.weight", (3 * width, h))], "tp", True),
-        ("output_gate", [("self_attn.output_gate.weight", (width, h))], "tp", True),
-        ("norm", [("self_attn.norm.weight", (width,))], "tp", False),
-        ("out_proj", [("self_attn.out_proj.weight", (h, width))], "tp", True),
-    ]
-
-
-# Per linear-attention kind: the tensors of one linear layer, and the prefix of their group names
-LINEAR_TENSORS = {
-    "gated_delta_net": (_gated_delta_net, "linear_attn"),
-    "kda": (_kda, "kda"),
-    "mamba2": (_mamba2, "mamba2"),
-    "mamba1": (_mamba1, "mamba1"),
-    "lightning": (_lightning, "lightning"),
-}
-PRICED_MIXERS = tuple(LINEAR_TENSORS)
 
 
 # rows of each MLP projection role (``layer_parts.LayerParts``), in widths

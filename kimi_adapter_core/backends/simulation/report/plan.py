@@ -17,7 +17,7 @@ from ....structure.states import ConvState
 from ....vision.images import max_tokens_per_image
 from ..estimate.planner import STATE_CONV_DTYPE, IndexKeySizing, LinearStateSizing, Plan, activation_formula
 from ..model.arch import indexed_layer_ids
-from ..model.params import PRICED_MIXERS
+from ..model.mixer_params import PRICED_MIXERS
 from ..model.quant import DTYPE_BYTES, INDEX_KEY_DTYPE, INDEX_REFERENCE_DTYPE, INDEX_SCALE_BLOCK
 from .blocks import GB, MIB, memory_json, memory_text, text_table
 
