@@ -352,3 +352,13 @@ def test_tested_versions_are_stated_once_and_agree() -> None:
     for point in upstream.CONTACT_POINTS:
         assert f"| `{point.name}` |" in page, point.name
     assert f"transformers | {', '.join(upstream.TESTED_TRANSFORMERS)} |" in page
+
+
+def test_doctor_prints_no_notice_of_its_own_probes() -> None:
+    """The head_input_cast probe runs a Mamba forward; transformers' notices about that forward's kernels
+    (causal_conv1d, mamba_ssm falling back to PyTorch) are not the user's and stay off doctor's output."""
+    done = subprocess.run(
+        [sys.executable, "-m", "kimi_adapter_core", "-q", "doctor"], capture_output=True, text=True, cwd=REPO
+    )
+    assert "ok     head_input_cast" in done.stdout
+    assert "falling back" not in done.stderr + done.stdout, done.stderr

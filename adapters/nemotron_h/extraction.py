@@ -1728,20 +1728,26 @@ def _probe_head_input_cast() -> str:
     LM head takes the final norm's float32 output only through the cast (without it, the bf16 head's
     matmul raises a dtype mismatch)."""
     import torch
+    from transformers.utils import logging as transformers_logging
 
     expected = "lm_head(hidden_states.to(lm_head.weight.dtype)) in the CausalLM forward"
-    for module, name, config_name in HEAD_CASTING_MODELS:
-        model_class, config_class = _attr(module, name, expected), _attr(module, config_name, expected)
-        config = config_class(
-            vocab_size=8, hidden_size=8, state_size=2, num_hidden_layers=1, residual_in_fp32=True
-        )
-        model = model_class(config).to(torch.bfloat16).eval()
-        try:
-            with torch.no_grad():
-                model(torch.zeros(1, 2, dtype=torch.long), use_cache=False)
-        except RuntimeError as exc:
-            found = f"{name} in bfloat16 with a float32 residual stream raises: {exc}"
-            raise _Moved(expected, found) from exc
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()  # the probe's forward is not the user's: no kernel notices
+    try:
+        for module, name, config_name in HEAD_CASTING_MODELS:
+            model_class, config_class = _attr(module, name, expected), _attr(module, config_name, expected)
+            config = config_class(
+                vocab_size=8, hidden_size=8, state_size=2, num_hidden_layers=1, residual_in_fp32=True
+            )
+            model = model_class(config).to(torch.bfloat16).eval()
+            try:
+                with torch.no_grad():
+                    model(torch.zeros(1, 2, dtype=torch.long), use_cache=False)
+            except RuntimeError as exc:
+                found = f"{name} in bfloat16 with a float32 residual stream raises: {exc}"
+                raise _Moved(expected, found) from exc
+    finally:
+        transformers_logging.set_verbosity(verbosity)
     return ", ".join(f"{name}.forward" for _, name, _ in HEAD_CASTING_MODELS) + " cast to the head's dtype"
 
 
