@@ -79,7 +79,7 @@ PREFILL, CACHE, STEPS = 8, 16, 4
 FP32_TOLERANCE = 1e-4
 BF16_EAGER_EXPERTS_TOLERANCE = 0.1
 BF16_KDA_TOLERANCE = 2.0
-BF16_TOLERANCE = {"kimi_linear": BF16_KDA_TOLERANCE, "qwen3_5_moe": BF16_KDA_TOLERANCE}
+BF16_TOLERANCE = {"qwen3_5_moe": BF16_KDA_TOLERANCE}  # (Kimi-Linear: BF16_SCAN_TOKENS_MAY_PART)
 # The two halves of the specs other than CORE, each vendored and run by its own test file's interpreter
 # (``test_generated_module_roundtrip.py``: CORE and the first half; ``..._1.py``: the second), so the
 # suite's two workers share the slowest file of the suite.

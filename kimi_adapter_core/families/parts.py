@@ -195,10 +195,16 @@ def generate(model_type: str) -> dict[str, Any] | None:
 
 
 def table(types: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """The entries of ``types`` that depart from the usual layer."""
-    warnings.filterwarnings("ignore")
+    """The entries of ``types`` that depart from the usual layer (the builds' warnings and log notices
+    silenced while they run, and only then: a test process keeps its own settings)."""
+    disabled = logging.root.manager.disable
     logging.disable(logging.WARNING)
-    entries = {t: generate(t) for t in types}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            entries = {t: generate(t) for t in types}
+    finally:
+        logging.disable(disabled)
     return {t: entry for t, entry in sorted(entries.items()) if entry}
 
 

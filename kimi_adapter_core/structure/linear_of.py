@@ -153,7 +153,7 @@ def _size(read: Reader, fact: str) -> int:
     if value == AUTO and fact == "mamba_dt_rank":  # MambaConfig's and JambaConfig's ceil(hidden / 16)
         return -(-_size(read, "hidden_size") // 16)
     if value == AUTO and fact == "mamba_head_dim":
-        inner = _size(read, "mamba_expand") * _size(read, "hidden_size")
+        inner = _size(read, MAMBA_CHANNELS)
         heads = _size(read, "mamba_num_heads")
         if inner % heads == 0:
             return inner // heads

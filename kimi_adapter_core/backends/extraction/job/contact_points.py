@@ -16,8 +16,8 @@ def check_upstream(options: ExtractionOptions) -> None:
     linear = options.structure.linear if options.structure is not None else None
     if linear is not None:
         points = (*points, upstream.STATE_POINTS[linear.layer_kind])
-    if linear is not None and linear.kind in upstream.HEAD_CAST_MIXERS:
-        points = (*points, "head_input_cast")
+        if linear.kind in upstream.HEAD_CAST_MIXERS:
+            points = (*points, "head_input_cast")
     if options.structure is not None and options.structure.indexer is not None:
         points = (*points, "indexer_cache")
     upstream.check(points)

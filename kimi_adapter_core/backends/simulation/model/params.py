@@ -150,7 +150,7 @@ def _attention(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
     are column-parallel and o_proj row-parallel (split by heads). MHA/GQA/MQA: q and o split by heads;
     k and v by KV heads (replicated once TP exceeds them); a gated attention's q_proj holds the gate
     too, and its per-head q/k norms are replicated."""
-    a, h = s.attention, s.hidden_size
+    a, h, parts = s.attention, s.hidden_size, sublayers(s)
     heads = a.num_heads
     rows: list[tuple[str, Tensors, Shard, bool]] = []
     if a.is_mla:
@@ -186,8 +186,7 @@ def _attention(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
             ("kv_b_proj", [("self_attn.kv_b_proj.weight", kv_b)], "tp", True),
         ]
     else:
-        rows += _qkv(s, sublayers(s).attention)
-    parts = sublayers(s)
+        rows += _qkv(s, parts)
     o_proj = f"{parts.attention}.{parts.o_proj}.weight"
     rows.append(("o_proj", [(o_proj, (h, heads * a.v_head_dim))], "tp", True))
     if parts.norms:  # none when the layer's norms hold no weight (OLMo's LayerNorm)
@@ -196,11 +195,11 @@ def _attention(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
     return rows
 
 
-def _qkv(s: ModelStructure, attn: str) -> list[tuple[str, Tensors, Shard, bool]]:
+def _qkv(s: ModelStructure, parts: LayerParts) -> list[tuple[str, Tensors, Shard, bool]]:
     """MHA/GQA/MQA query, key and value projections: three, split by heads and by KV heads, or one
     fused projection where the family fuses them (Phi-3's ``qkv_proj``), split by heads; a gated
     attention's q_proj holds the output gate too, and its per-head q/k norms are replicated."""
-    a, h, qkv = s.attention, s.hidden_size, sublayers(s).qkv
+    a, h, attn, qkv = s.attention, s.hidden_size, parts.attention, parts.qkv
     kv, gated = a.num_kv_heads, _gated_attention(s)
     q_rows = a.num_heads * a.head_dim * (2 if gated else 1)  # query and output gate
     if qkv is not None:
