@@ -225,6 +225,7 @@ def test_plan_sizes_the_mamba1_states_and_simulate_prices_the_scan(tmp_path: Pat
     assert planned.exit_code == 0, planned.output
     assert "recurrent  [128x16] fp32" in planned.output and "conv       [128x4] bf16" in planned.output
     assert "mamba1.x_proj" in planned.output and "0 attention layers" in planned.output
+    assert "no position limit stated" in planned.output and "max positions" not in planned.output
     simulated = runner.invoke(cli, ["simulate", str(path), "--device", "h200", "--query-len", "64"])
     assert simulated.exit_code == 0, simulated.output
     assert "selective_scan_fn" in simulated.output and "causal_conv1d_fn" in simulated.output

@@ -351,8 +351,8 @@ def plan_text(plan: Plan) -> str:
         "",
         "Architecture",
         f"  {s.describe()}",
-        f"  vocab {s.vocab_size}{' (tied embeddings)' if s.tie_word_embeddings else ''}, "
-        f"max positions {s.max_positions}"
+        f"  vocab {s.vocab_size}{' (tied embeddings)' if s.tie_word_embeddings else ''}"
+        + (f", max positions {s.max_positions}" if s.max_positions else ", no position limit stated")
         + (f", MTP layers {s.num_mtp_layers} (not counted)" if s.num_mtp_layers else ""),
     ]
     if plan.arch.vision:
