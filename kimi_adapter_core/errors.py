@@ -61,8 +61,8 @@ REFUSALS = {
     "stack-differs": "the decoder layers, called by the wrappers with the ABI's masks, positions and cache, "
     "give other hidden states than the model's own forward gives them",
     "hybrid": "layers that are not attention (SSM, recurrence, convolution, linear attention other than "
-    "gated DeltaNet, KDA, Mamba2, Mamba1 and lightning attention): their state is neither a KV cache nor "
-    "a conv window and recurrent state kadapt can size",
+    "gated DeltaNet, KDA, Mamba2, Mamba1, lightning attention and LFM2's short convolution): their state "
+    "is neither a KV cache nor a conv window and recurrent state kadapt can size",
     "layer-types": "attention kinds other than full, sliding-window, chunked and DSA-indexed (compressed)",
     "per-layer-config": "attention sizes that differ per layer (a per_layer_config)",
     "stack-layout": "a decoder stack without the layers, embeddings and final norm the wrappers call (the "

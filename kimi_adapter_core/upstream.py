@@ -218,6 +218,40 @@ def _probe_linear_attention_cache() -> str:
     return "Cache." + ", ".join(LINEAR_CACHE_METHODS)
 
 
+def _probe_short_conv_cache() -> str:
+    """The linear-attention API (``linear_attention_cache``), and a ``DynamicCache`` built for one ``conv``
+    layer (LFM2's layer type) keeping its window alone: a two-channel kernel-3 window updated by a
+    one-token prefill and a one-token decode returns the padded inputs, then the window plus the token,
+    keeps the last 3 inputs and no recurrent state (what the equivalence check reads back)."""
+    import torch
+
+    expected = (
+        "DynamicCache(config with layer_types ['conv']).update_conv_state(inputs, 0, conv_kernel_size=3) "
+        "returns the inputs behind zeros (prefill), then behind the window (decode); get_conv_state(0) "
+        "is the last 3 inputs and get_recurrent_state(0) None"
+    )
+    _probe_linear_attention_cache()
+    config_class = _attr("transformers", "PretrainedConfig", expected)
+    cache = _attr("transformers.cache_utils", "DynamicCache", expected)(
+        config=config_class(layer_types=["conv"], num_hidden_layers=1)
+    )
+    before = cache.get_conv_state(0)
+    prefill = cache.update_conv_state(torch.ones(1, 2, 1), 0, conv_kernel_size=3)
+    decode = cache.update_conv_state(torch.full((1, 2, 1), 2.0), 0, conv_kernel_size=3)
+    window, recurrent = cache.get_conv_state(0), cache.get_recurrent_state(0)
+    row = lambda *values: [list(values)] * 2  # noqa: E731 - both channels hold the same inputs
+    found = (
+        before,
+        prefill.tolist() == [row(0.0, 0.0, 1.0)],
+        decode.tolist() == [row(0.0, 0.0, 1.0, 2.0)],
+        window is not None and window.tolist() == [row(0.0, 1.0, 2.0)],
+        recurrent,
+    )
+    if found != (None, True, True, True, None):
+        raise _Moved(expected, f"(state before, prefill, decode, window, recurrent state) checks: {found}")
+    return "DynamicCache keeps a conv layer's window alone (LinearAttentionLayer.conv_states)"
+
+
 # MiniMax's cache (``MiniMaxCache``, a DynamicCache subclass the model's forward insists on) and the
 # lightning-attention API on it: name -> its leading parameters after ``self``
 MINIMAX_CACHE = ("transformers.models.minimax.modeling_minimax", "MiniMaxCache")
@@ -575,6 +609,19 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
         _probe_linear_attention_cache,
     ),
     ContactPoint(
+        "short_conv_cache",
+        "transformers.cache_utils.Cache.get_conv_state/update_conv_state/is_recording_past; "
+        "DynamicCache's 'conv' layers (LinearAttentionLayer)",
+        "a conv layer's window alone: get_conv_state(layer_idx) is None before the first "
+        "update_conv_state(inputs, layer_idx, conv_kernel_size=K), which returns the window plus the new "
+        "inputs; the window is the last K inputs, and there is no recurrent state",
+        "kadapt's static cache stands in for Cache in LFM2's gated short convolutions: they read their "
+        "window [B, hidden, K] from it and hand it the new inputs; the equivalence check reads "
+        "transformers' windows back from DynamicCache",
+        ("extraction (LFM2, LFM3)", "generated modules"),
+        _probe_short_conv_cache,
+    ),
+    ContactPoint(
         "lightning_attention_cache",
         "transformers.models.minimax.modeling_minimax.MiniMaxCache.get_linear_cache/set_linear_cache",
         "get_linear_cache(layer_idx) is None before the layer's first set_linear_cache(layer_idx, state); "
@@ -908,7 +955,8 @@ class _RecordingCache:
 
     ``attention``: ``update`` only. ``indexed``: ``update`` and the DSA indexer's ``update_indexer``.
     ``linear``: the linear-attention API a prefill uses (no previous state: ``get_*_state`` return
-    None), each state update recorded with the layer index it names. ``lightning``: MiniMaxCache's
+    None), each state update recorded with the layer index it names; ``short_conv``: its conv half
+    (``get_conv_state``, ``update_conv_state``, ``is_recording_past``). ``lightning``: MiniMaxCache's
     ``get_linear_cache`` (None: a prefill) and ``set_linear_cache``, recorded alike."""
 
     def __init__(self, kind: str = "attention") -> None:
@@ -931,22 +979,26 @@ class _RecordingCache:
         self.state_calls["update_indexer"] = (layer_idx, indexer_key_states)
         return indexer_key_states
 
-    def _linear_call(self, name: str, layer_idx: Any, value: Any, kind: str = "linear") -> None:
-        if self.kind != kind:
+    def _linear_call(
+        self, name: str, layer_idx: Any, value: Any, kinds: tuple[str, ...] | None = None
+    ) -> None:
+        """Record a state call, or count it missing for a kind that has no such call (``kinds``; None: the
+        kinds with a conv window, ``CONV_KINDS``)."""
+        if self.kind not in (kinds or CONV_KINDS):
             self.__getattr__(name)
         self.state_calls[name] = (layer_idx, value)
 
     def get_linear_cache(self, layer_idx: Any) -> None:
-        self._linear_call("get_linear_cache", layer_idx, None, "lightning")
+        self._linear_call("get_linear_cache", layer_idx, None, ("lightning",))
 
     def set_linear_cache(self, layer_idx: Any, linear_cache: Any) -> None:
-        self._linear_call("set_linear_cache", layer_idx, linear_cache, "lightning")
+        self._linear_call("set_linear_cache", layer_idx, linear_cache, ("lightning",))
 
     def get_conv_state(self, layer_idx: Any, state_idx: int = 0) -> None:
         self._linear_call("get_conv_state", layer_idx, None)
 
     def get_recurrent_state(self, layer_idx: Any, state_idx: int = 0) -> None:
-        self._linear_call("get_recurrent_state", layer_idx, None)
+        self._linear_call("get_recurrent_state", layer_idx, None, ("linear",))
 
     def is_recording_past(self, layer_idx: Any) -> bool:
         self._linear_call("is_recording_past", layer_idx, None)
@@ -964,7 +1016,7 @@ class _RecordingCache:
     def update_recurrent_state(
         self, recurrent_states: Any, layer_idx: Any, state_idx: int = 0, **kw: Any
     ) -> Any:
-        self._linear_call("update_recurrent_state", layer_idx, recurrent_states)
+        self._linear_call("update_recurrent_state", layer_idx, recurrent_states, ("linear",))
         return recurrent_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -1001,7 +1053,7 @@ _protocols: dict[tuple[Any, ...], LayerProtocol] = {}
 def probe_decoder_layers(
     layers: Sequence[Any],
     rotary_emb: Any,
-    layer_types: Sequence[str] | None = None,
+    layer_types: Sequence[str | None] | None = None,
     kinds: Sequence[str] | None = None,
 ) -> LayerProtocol:
     """Call one layer of each structure in ``layers`` with a recording cache; their shared protocol.
@@ -1012,7 +1064,8 @@ def probe_decoder_layers(
     ``layer_idx``, a linear layer reads and updates its conv and recurrent states once each under its
     own ``layer_idx``, and neither uses anything else of the cache; the layer returns the hidden states
     tensor; the rotary embedding returns ``(cos, sin)`` (given the layer's type from ``layer_types``
-    when it takes one). Runs on the layers' own device: free on meta, tiny elsewhere.
+    when it takes one; a layer whose type it keeps no frequencies for gets none). Runs on the layers' own
+    device: free on meta, tiny elsewhere.
     """
     import torch
 
@@ -1022,8 +1075,9 @@ def probe_decoder_layers(
         key = (kind, *_layer_key(layer))
         if key not in _protocols:
             layer_type = layer_types[index] if layer_types is not None else None
+            roped = rotary_emb if layer_types is None or layer_type is not None else None
             with torch.no_grad():
-                _protocols[key] = _probe_layer(layer, rotary_emb, layer_type, kind, index)
+                _protocols[key] = _probe_layer(layer, roped, layer_type, kind, index)
         protocols.append(_protocols[key])
     for field, what in (
         ("kv_dims", "one KV shape per token for every attention layer (the ABI's cache has one)"),
@@ -1055,9 +1109,11 @@ def probe_decoder_layers(
     )
 
 
-def rope_layer_types(language_model: Any) -> tuple[str, ...] | None:
+def rope_layer_types(language_model: Any) -> tuple[str | None, ...] | None:
     """Each layer's type, when the stack's rotary embedding takes one (``rotary_emb(x, position_ids,
-    layer_type)``: Gemma-3, OLMo-3 give sliding and full layers their own frequencies), else None."""
+    layer_type)``: Gemma-3, OLMo-3 give sliding and full layers their own frequencies), else None. A
+    layer whose type the embedding keeps no frequencies for (not in its ``layer_types``: LFM3's ``conv``
+    layers, which take none) is None: it gets no position embeddings, as the model's forward gives it."""
     rotary_emb = getattr(language_model, "rotary_emb", None)
     if rotary_emb is None or "layer_type" not in _signature(type(rotary_emb).forward).parameters:
         return None
@@ -1069,7 +1125,11 @@ def rope_layer_types(language_model: Any) -> tuple[str, ...] | None:
             "config.layer_types for a rotary embedding that takes a layer_type",
             f"{type(language_model.config).__name__} has no layer_types",
         )
-    return tuple(types[: language_model.config.num_hidden_layers])
+    kept = getattr(rotary_emb, "layer_types", None)
+    return tuple(
+        t if not isinstance(kept, (list, tuple)) or t in kept else None
+        for t in types[: language_model.config.num_hidden_layers]
+    )
 
 
 def decoder_protocol(language_model: Any, kinds: Sequence[str] | None = None) -> LayerProtocol:
@@ -1119,9 +1179,15 @@ ATTENTION_ATTRIBUTES = ("self_attn", "mixer")
 MIXERLESS_KINDS = ("none",)
 # Layer kinds whose states are fixed-size per request (the runtime's ``LINEAR_LAYER_KINDS``; its own
 # name, as both modules are embedded in one generated module): no mask
-FIXED_STATE_KINDS = ("linear", "lightning")
+FIXED_STATE_KINDS = ("linear", "lightning", "short_conv")
+# The layer kinds that keep a conv window through the linear-attention API (a short convolution alone)
+CONV_KINDS = ("linear", "short_conv")
 # The contact point each kind's cache protocol is (the rest: cache_update)
-STATE_POINTS = {"linear": "linear_attention_cache", "lightning": "lightning_attention_cache"}
+STATE_POINTS = {
+    "linear": "linear_attention_cache",
+    "lightning": "lightning_attention_cache",
+    "short_conv": "short_conv_cache",
+}
 # Mixer kinds whose stacks keep a float32 residual stream the CausalLM casts before its head (Mamba1's:
 # ``head_input_cast``)
 HEAD_CAST_MIXERS = ("mamba1",)
@@ -1197,6 +1263,8 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
         return _linear_protocol(layer_name, keyword, cache, index, out, hidden)
     if kind == "lightning":
         return _lightning_protocol(layer_name, keyword, cache, index, out, hidden)
+    if kind == "short_conv":
+        return LayerProtocol(keyword, None, (_conv_window(layer_name, keyword, cache, index, out, hidden),))
     if kind in MIXERLESS_KINDS:  # given no cache: it must return the hidden states and keep nothing
         _check_hidden_states(layer_name, out, hidden)
         return LayerProtocol(keyword, None)
@@ -1242,50 +1310,69 @@ def _check_hidden_states(layer_name: str, out: Any, hidden: Any) -> None:
 def _linear_protocol(
     layer_name: str, keyword: str, cache: _RecordingCache, index: int, out: Any, hidden: Any
 ) -> LayerProtocol:
-    """A linear layer's states from its recorded prefill: it updated its conv window (giving the kernel)
-    and its recurrent state under its own index and returned the hidden states."""
+    """A linear layer's states from its recorded prefill: its conv window (``_conv_window``) and its
+    recurrent state, updated under its own index."""
     import torch
 
-    for name in ("update_conv_state", "update_recurrent_state"):
-        layer_idx, _ = cache.state_calls.get(name, (None, None))
-        if layer_idx != index:
-            found = (
-                "never calls it"
-                if name not in cache.state_calls
-                else f"calls it with layer_idx={layer_idx!r}"
-            )
-            _unsupported(
-                "cache-protocol",
-                layer_name,
-                f"{layer_name}(..., {keyword}=cache) calls cache.{name}(..., layer_idx={index}) once",
-                f"{layer_name} {found}",
-                point="linear_attention_cache",
-            )
-    conv, kernel = cache.state_calls["update_conv_state"][1]
+    conv = _conv_window(layer_name, keyword, cache, index, out, hidden)
+    _called_once(cache, "update_recurrent_state", layer_name, keyword, index, "linear_attention_cache")
     recurrent = cache.state_calls["update_recurrent_state"][1]
+    if not isinstance(recurrent, torch.Tensor):
+        _unsupported(
+            "cache-protocol",
+            layer_name,
+            "a recurrent state tensor",
+            f"state {type(recurrent).__name__}",
+            point="linear_attention_cache",
+        )
+    dtype = str(recurrent.dtype).removeprefix("torch.")
+    return LayerProtocol(keyword, None, (conv, (tuple(int(d) for d in recurrent.shape[1:]), dtype)))
+
+
+def _called_once(
+    cache: _RecordingCache, name: str, layer_name: str, keyword: str, index: int, point: str
+) -> None:
+    """The layer called ``cache.name`` under its own index, or the protocol mismatch saying how not."""
+    layer_idx, _ = cache.state_calls.get(name, (None, None))
+    if layer_idx != index:
+        found = f"calls it with layer_idx={layer_idx!r}" if name in cache.state_calls else "never calls it"
+        _unsupported(
+            "cache-protocol",
+            layer_name,
+            f"{layer_name}(..., {keyword}=cache) calls cache.{name}(..., layer_idx={index}) once",
+            f"{layer_name} {found}",
+            point=point,
+        )
+
+
+def _conv_window(
+    layer_name: str, keyword: str, cache: _RecordingCache, index: int, out: Any, hidden: Any
+) -> tuple[tuple[int, ...], str]:
+    """A layer's conv window ``((channels, kernel), dtype)`` from its recorded prefill: it updated the
+    window under its own index giving the kernel, and returned the hidden states (a linear layer's, or a
+    short convolution's, which keeps nothing else)."""
+    import torch
+
+    point = STATE_POINTS[cache.kind]
+    _called_once(cache, "update_conv_state", layer_name, keyword, index, point)
+    conv, kernel = cache.state_calls["update_conv_state"][1]
     if not (isinstance(conv, torch.Tensor) and conv.dim() == 3 and isinstance(kernel, int) and kernel > 0):
         _unsupported(
             "cache-protocol",
             layer_name,
             "update_conv_state(inputs [batch, channels, tokens], layer_idx, conv_kernel_size=int)",
             f"{layer_name} hands over {type(conv).__name__} with conv_kernel_size={kernel!r}",
-            point="linear_attention_cache",
+            point=point,
         )
-    if not isinstance(recurrent, torch.Tensor) or not (
-        isinstance(out, torch.Tensor) and out.shape == hidden.shape
-    ):
+    if not (isinstance(out, torch.Tensor) and out.shape == hidden.shape):
         _unsupported(
             "cache-protocol",
             layer_name,
-            "a recurrent state tensor, and the hidden states tensor returned",
-            f"state {type(recurrent).__name__}, returns {type(out).__name__}",
-            point="linear_attention_cache",
+            "the hidden states tensor returned",
+            f"returns {type(out).__name__}",
+            point=point,
         )
-    states = (
-        ((int(conv.shape[1]), kernel), str(conv.dtype).removeprefix("torch.")),
-        (tuple(int(d) for d in recurrent.shape[1:]), str(recurrent.dtype).removeprefix("torch.")),
-    )
-    return LayerProtocol(keyword, None, states)
+    return (int(conv.shape[1]), kernel), str(conv.dtype).removeprefix("torch.")
 
 
 def _lightning_protocol(
@@ -1332,12 +1419,14 @@ def _unsupported(code: str, layer: str, expected: str, found: str, *, point: str
 
 def _hidden_size(layer: Any) -> int:
     """The width a layer takes: its (attention's) config's, else the first module that states one (a
-    linear-attention mixer keeps ``hidden_size`` but no config)."""
+    linear-attention mixer keeps ``hidden_size`` but no config; LFM2's short convolution a config)."""
     config = getattr(_attention_of(layer), "config", None) or getattr(layer, "config", None)
     if config is not None:
         return int(config.hidden_size)
     for module in layer.modules():
         size = getattr(module, "hidden_size", None)
+        if not isinstance(size, int):
+            size = getattr(getattr(module, "config", None), "hidden_size", None)
         if isinstance(size, int):
             return size
     _unsupported(

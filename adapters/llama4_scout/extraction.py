@@ -290,6 +290,8 @@ def paged_view(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 #             states transformers' ``LinearAttentionLayer`` keeps (``conv_states``/``recurrent_states``).
 #  lightning: MiniMax's lightning attention: its recurrent state alone (``K^T V`` decayed per head,
 #             transformers' ``MiniMaxCache.linear_cache``), no conv window.
+#  short_conv: LFM2's gated short convolution: its conv window alone (transformers keeps it in a
+#             ``LinearAttentionLayer`` whose recurrent state stays empty), no recurrent state.
 #  indexed:   full attention with DeepSeek sparse attention's indexer: the KV cache, plus the indexer's
 #             own keys ``[B, 1, S, index_head_dim]`` (one head), cached, written and paged like a key.
 #  none:      a block with no token mixer (an MLP alone: Nemotron-H's mlp and moe blocks, transformers'
@@ -298,6 +300,7 @@ LAYER_STATES = {
     "attention": ("key", "value"),
     "linear": ("conv", "recurrent"),
     "lightning": ("recurrent",),
+    "short_conv": ("conv",),
     "indexed": ("key", "value", "index_key"),
     "none": (),
 }
@@ -305,16 +308,17 @@ LAYER_STATES = {
 FIXED_ROLES = ("conv", "recurrent")
 # Layer kinds whose states are all fixed-size per request (the contract's ``linear_states`` rules): they
 # take every token they are given, so the wrappers hand them no mask.
-LINEAR_LAYER_KINDS = ("linear", "lightning")
+LINEAR_LAYER_KINDS = ("linear", "lightning", "short_conv")
 # Where a decoder layer keeps its token mixer, by layer kind (the mixer carries ``layer_idx``): attention
 # in ``self_attn`` or, in a stack of one-sublayer blocks (Nemotron-H), ``mixer``; gated DeltaNet in
 # ``linear_attn``, Mamba2 in ``mixer`` (Mamba2, Nemotron-H) or ``mamba`` (Granite-4.0-H, Bamba), KDA in
-# ``self_attn`` (Kimi-Linear, Bailing-hybrid), a short convolution in ``conv`` (LFM2). A block with no
+# ``self_attn`` (Kimi-Linear, Bailing-hybrid), a short convolution in ``conv`` (LFM2, LFM3). A block with no
 # mixer (``none``) has none to look up (``layer_index``).
 MIXER_ATTRIBUTES = {
     "attention": ("self_attn", "mixer"),
     "linear": ("linear_attn", "mixer", "mamba", "conv", "self_attn"),
     "lightning": ("self_attn",),
+    "short_conv": ("conv",),
     "indexed": ("self_attn",),
     "none": (),
 }
@@ -377,7 +381,8 @@ class StaticStateCache:
       ``cache_update`` contact point) with the new key/value states;
     - linear-attention / SSM layers call ``get_conv_state``/``update_conv_state`` and
       ``get_recurrent_state``/``update_recurrent_state`` (``Cache``'s linear-attention API, upstream's
-      ``linear_attention_cache`` contact point);
+      ``linear_attention_cache`` contact point); LFM2's short convolution only the conv half of it
+      (upstream's ``short_conv_cache``): ``get_conv_state`` None in prefill, the past window in decode;
     - MiniMax's lightning attention calls ``get_linear_cache``/``set_linear_cache`` (``MiniMaxCache``'s
       API, upstream's ``lightning_attention_cache`` contact point): None in prefill (the layer scans its
       prompt in blocks from zeros), the past state in decode (its token-by-token recurrence);
@@ -605,7 +610,7 @@ class _TextStack(nn.Module):
         windows: Sequence[int | None] | None = None,
         embedding_ops: OpList = (),
         logit_ops: OpList = (),
-        rope_layer_types: Sequence[str] | None = None,
+        rope_layer_types: Sequence[str | None] | None = None,
         layer_kinds: Sequence[str] | None = None,
         chunks: Sequence[int | None] | None = None,
     ) -> None:
@@ -658,7 +663,7 @@ class _TextStack(nn.Module):
         windows: Sequence[int | None] | None = None,
         embedding_ops: OpList = (),
         logit_ops: OpList = (),
-        rope_layer_types: Sequence[str] | None = None,
+        rope_layer_types: Sequence[str | None] | None = None,
         layer_kinds: Sequence[str] | None = None,
         parts: Mapping[str, str] | None = None,
         chunks: Sequence[int | None] | None = None,
@@ -723,11 +728,13 @@ class _TextStack(nn.Module):
         elif self.rope_layer_types is None:
             position_embeddings = [self.rotary_emb(hidden_states, position_ids)] * len(self.layers)
         else:
+            # a layer type the embedding keeps no frequencies for (None: LFM3's conv layers) takes none
             by_type = {
                 t: self.rotary_emb(hidden_states, position_ids, t)
                 for t in dict.fromkeys(self.rope_layer_types)
+                if t is not None
             }
-            position_embeddings = [by_type[t] for t in self.rope_layer_types]
+            position_embeddings = [by_type.get(t) for t in self.rope_layer_types]
         # one mask per span (a sliding window, ("chunk", size) or None: full), in first-use order
         # (deterministic graphs); a linear layer's state takes every token it is given: no mask (the
         # contract refuses padding); a block with no mixer neither
@@ -910,7 +917,7 @@ def multimodal_prefill_inputs(
 
 
 # Per request, the shape (without the batch) and dtype name of each state of a linear layer in its kind's
-# ABI order (conv and recurrent; a lightning layer's recurrent alone), as
+# ABI order (conv and recurrent; a lightning layer's recurrent alone, a short convolution's conv alone), as
 # ``upstream.LayerProtocol.linear_states`` observed them.
 LinearStates = tuple[tuple[tuple[int, ...], str], ...]
 
@@ -918,8 +925,8 @@ LinearStates = tuple[tuple[tuple[int, ...], str], ...]
 def linear_state_zeros(
     linear_states: LinearStates, batch: int, device: str | torch.device
 ) -> list[torch.Tensor]:
-    """A linear layer's states (conv and recurrent; lightning: recurrent) for ``batch`` rows before any
-    token: zeros."""
+    """A linear layer's states (conv and recurrent; lightning: recurrent; short_conv: conv) for ``batch``
+    rows before any token: zeros."""
     return [
         torch.zeros((batch, *shape), dtype=getattr(torch, dtype), device=device)
         for shape, dtype in linear_states
@@ -1083,6 +1090,12 @@ LIGHTNING_STATE_CONTENTS = (
     "k^T v, [batch, heads, head_dim, head_dim], in the ABI dtype (transformers keeps it in the values' "
     "dtype); there is no conv window"
 )
+SHORT_CONV_STATE_CONTENTS = (
+    "a gated short convolution's window (LFM2's conv layers): the B-gated inputs B * x of the last "
+    "kernel tokens, [batch, hidden, kernel] in the ABI dtype, the newest in the last column (zeros "
+    "before the prompt's first token); the prefill writes its prompt's last kernel columns, each decode "
+    "step shifts the window left by one and writes its token's last; there is no recurrent state"
+)
 INDEX_KEY_CONTENTS = (
     "the DSA indexer's keys (k_norm(wk(x)) with rope on its first qk_rope_head_dim dims), one head: "
     "[batch, 1, slot, index_head_dim]; every query scores all visible slots with them and attends to its "
@@ -1174,6 +1187,7 @@ def kv_contract(
     stateless: bool = False,
     chunked: bool = False,
     lightning: bool = False,
+    short_conv: bool = False,
 ) -> dict[str, Any]:
     """Everything a runtime needs besides the graphs: cache semantics, masks, positions, capacity,
     with ``dynamic`` sizes (``{"prefill_len": (1, 64)}``) how to bind them, with ``paged`` the
@@ -1181,7 +1195,8 @@ def kv_contract(
     stack has linear-attention / SSM layers) what their fixed-size states hold and the rules for them;
     with ``index_dim`` (DSA layers) what the indexer keys hold; with ``stateless`` (blocks with no mixer)
     that they carry nothing; with ``chunked`` (chunked-attention layers) the chunk rule of the mask;
-    with ``lightning`` (MiniMax's lightning layers) what their one recurrent state holds, same rules.
+    with ``lightning`` (MiniMax's lightning layers) what their one recurrent state holds, same rules;
+    with ``short_conv`` (LFM2's short convolutions) what their one conv window holds, same rules.
 
     Version 3: ``cache_position`` is ``[batch]`` (one position per row) and the optional paged cache;
     version 2 graphs took one ``[1]`` position for the whole batch."""
@@ -1230,7 +1245,7 @@ def kv_contract(
         },
         "padding": (
             {"supported": "right", "rule": padding}
-            if not (linear or lightning)
+            if not (linear or lightning or short_conv)
             else {
                 "supported": "none",
                 "rule": "the linear layers' states take every token of a prefill row, so a prompt is never "
@@ -1261,6 +1276,12 @@ def kv_contract(
         }
     if lightning:
         contract["linear_states"] = {"recurrent": {"holds": LIGHTNING_STATE_CONTENTS}, **LINEAR_STATE_RULES}
+    if short_conv:
+        contract["linear_states"] = {
+            **contract.get("linear_states", {}),
+            "conv": {"holds": SHORT_CONV_STATE_CONTENTS},
+            **LINEAR_STATE_RULES,
+        }
     if paged is not None:
         contract["paged"] = paged.contract(max_cache_len, "batch" if "batch" in dynamic else batch)
         contract["cache"]["slot_rule"] += (
@@ -1375,6 +1396,7 @@ def build_kv_mapping(
             batch=batch,
             linear="linear" in kinds,
             lightning="lightning" in kinds,
+            short_conv="short_conv" in kinds,
             index_dim=index_dim if "indexed" in kinds else None,
             stateless=any(kind in STATELESS_KINDS for kind in kinds),
             chunked=chunked,
@@ -1676,6 +1698,40 @@ def _probe_linear_attention_cache() -> str:
         if not _leading_parameters(method, params)[0]:
             raise _Moved(expected, _describe(method, f"Cache.{name}"))
     return "Cache." + ", ".join(LINEAR_CACHE_METHODS)
+
+
+def _probe_short_conv_cache() -> str:
+    """The linear-attention API (``linear_attention_cache``), and a ``DynamicCache`` built for one ``conv``
+    layer (LFM2's layer type) keeping its window alone: a two-channel kernel-3 window updated by a
+    one-token prefill and a one-token decode returns the padded inputs, then the window plus the token,
+    keeps the last 3 inputs and no recurrent state (what the equivalence check reads back)."""
+    import torch
+
+    expected = (
+        "DynamicCache(config with layer_types ['conv']).update_conv_state(inputs, 0, conv_kernel_size=3) "
+        "returns the inputs behind zeros (prefill), then behind the window (decode); get_conv_state(0) "
+        "is the last 3 inputs and get_recurrent_state(0) None"
+    )
+    _probe_linear_attention_cache()
+    config_class = _attr("transformers", "PretrainedConfig", expected)
+    cache = _attr("transformers.cache_utils", "DynamicCache", expected)(
+        config=config_class(layer_types=["conv"], num_hidden_layers=1)
+    )
+    before = cache.get_conv_state(0)
+    prefill = cache.update_conv_state(torch.ones(1, 2, 1), 0, conv_kernel_size=3)
+    decode = cache.update_conv_state(torch.full((1, 2, 1), 2.0), 0, conv_kernel_size=3)
+    window, recurrent = cache.get_conv_state(0), cache.get_recurrent_state(0)
+    row = lambda *values: [list(values)] * 2  # noqa: E731 - both channels hold the same inputs
+    found = (
+        before,
+        prefill.tolist() == [row(0.0, 0.0, 1.0)],
+        decode.tolist() == [row(0.0, 0.0, 1.0, 2.0)],
+        window is not None and window.tolist() == [row(0.0, 1.0, 2.0)],
+        recurrent,
+    )
+    if found != (None, True, True, True, None):
+        raise _Moved(expected, f"(state before, prefill, decode, window, recurrent state) checks: {found}")
+    return "DynamicCache keeps a conv layer's window alone (LinearAttentionLayer.conv_states)"
 
 
 # MiniMax's cache (``MiniMaxCache``, a DynamicCache subclass the model's forward insists on) and the
@@ -2035,6 +2091,19 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
         _probe_linear_attention_cache,
     ),
     ContactPoint(
+        "short_conv_cache",
+        "transformers.cache_utils.Cache.get_conv_state/update_conv_state/is_recording_past; "
+        "DynamicCache's 'conv' layers (LinearAttentionLayer)",
+        "a conv layer's window alone: get_conv_state(layer_idx) is None before the first "
+        "update_conv_state(inputs, layer_idx, conv_kernel_size=K), which returns the window plus the new "
+        "inputs; the window is the last K inputs, and there is no recurrent state",
+        "kadapt's static cache stands in for Cache in LFM2's gated short convolutions: they read their "
+        "window [B, hidden, K] from it and hand it the new inputs; the equivalence check reads "
+        "transformers' windows back from DynamicCache",
+        ("extraction (LFM2, LFM3)", "generated modules"),
+        _probe_short_conv_cache,
+    ),
+    ContactPoint(
         "lightning_attention_cache",
         "transformers.models.minimax.modeling_minimax.MiniMaxCache.get_linear_cache/set_linear_cache",
         "get_linear_cache(layer_idx) is None before the layer's first set_linear_cache(layer_idx, state); "
@@ -2368,7 +2437,8 @@ class _RecordingCache:
 
     ``attention``: ``update`` only. ``indexed``: ``update`` and the DSA indexer's ``update_indexer``.
     ``linear``: the linear-attention API a prefill uses (no previous state: ``get_*_state`` return
-    None), each state update recorded with the layer index it names. ``lightning``: MiniMaxCache's
+    None), each state update recorded with the layer index it names; ``short_conv``: its conv half
+    (``get_conv_state``, ``update_conv_state``, ``is_recording_past``). ``lightning``: MiniMaxCache's
     ``get_linear_cache`` (None: a prefill) and ``set_linear_cache``, recorded alike."""
 
     def __init__(self, kind: str = "attention") -> None:
@@ -2391,22 +2461,26 @@ class _RecordingCache:
         self.state_calls["update_indexer"] = (layer_idx, indexer_key_states)
         return indexer_key_states
 
-    def _linear_call(self, name: str, layer_idx: Any, value: Any, kind: str = "linear") -> None:
-        if self.kind != kind:
+    def _linear_call(
+        self, name: str, layer_idx: Any, value: Any, kinds: tuple[str, ...] | None = None
+    ) -> None:
+        """Record a state call, or count it missing for a kind that has no such call (``kinds``; None: the
+        kinds with a conv window, ``CONV_KINDS``)."""
+        if self.kind not in (kinds or CONV_KINDS):
             self.__getattr__(name)
         self.state_calls[name] = (layer_idx, value)
 
     def get_linear_cache(self, layer_idx: Any) -> None:
-        self._linear_call("get_linear_cache", layer_idx, None, "lightning")
+        self._linear_call("get_linear_cache", layer_idx, None, ("lightning",))
 
     def set_linear_cache(self, layer_idx: Any, linear_cache: Any) -> None:
-        self._linear_call("set_linear_cache", layer_idx, linear_cache, "lightning")
+        self._linear_call("set_linear_cache", layer_idx, linear_cache, ("lightning",))
 
     def get_conv_state(self, layer_idx: Any, state_idx: int = 0) -> None:
         self._linear_call("get_conv_state", layer_idx, None)
 
     def get_recurrent_state(self, layer_idx: Any, state_idx: int = 0) -> None:
-        self._linear_call("get_recurrent_state", layer_idx, None)
+        self._linear_call("get_recurrent_state", layer_idx, None, ("linear",))
 
     def is_recording_past(self, layer_idx: Any) -> bool:
         self._linear_call("is_recording_past", layer_idx, None)
@@ -2424,7 +2498,7 @@ class _RecordingCache:
     def update_recurrent_state(
         self, recurrent_states: Any, layer_idx: Any, state_idx: int = 0, **kw: Any
     ) -> Any:
-        self._linear_call("update_recurrent_state", layer_idx, recurrent_states)
+        self._linear_call("update_recurrent_state", layer_idx, recurrent_states, ("linear",))
         return recurrent_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -2461,7 +2535,7 @@ _protocols: dict[tuple[Any, ...], LayerProtocol] = {}
 def probe_decoder_layers(
     layers: Sequence[Any],
     rotary_emb: Any,
-    layer_types: Sequence[str] | None = None,
+    layer_types: Sequence[str | None] | None = None,
     kinds: Sequence[str] | None = None,
 ) -> LayerProtocol:
     """Call one layer of each structure in ``layers`` with a recording cache; their shared protocol.
@@ -2472,7 +2546,8 @@ def probe_decoder_layers(
     ``layer_idx``, a linear layer reads and updates its conv and recurrent states once each under its
     own ``layer_idx``, and neither uses anything else of the cache; the layer returns the hidden states
     tensor; the rotary embedding returns ``(cos, sin)`` (given the layer's type from ``layer_types``
-    when it takes one). Runs on the layers' own device: free on meta, tiny elsewhere.
+    when it takes one; a layer whose type it keeps no frequencies for gets none). Runs on the layers' own
+    device: free on meta, tiny elsewhere.
     """
     import torch
 
@@ -2482,8 +2557,9 @@ def probe_decoder_layers(
         key = (kind, *_layer_key(layer))
         if key not in _protocols:
             layer_type = layer_types[index] if layer_types is not None else None
+            roped = rotary_emb if layer_types is None or layer_type is not None else None
             with torch.no_grad():
-                _protocols[key] = _probe_layer(layer, rotary_emb, layer_type, kind, index)
+                _protocols[key] = _probe_layer(layer, roped, layer_type, kind, index)
         protocols.append(_protocols[key])
     for field, what in (
         ("kv_dims", "one KV shape per token for every attention layer (the ABI's cache has one)"),
@@ -2515,9 +2591,11 @@ def probe_decoder_layers(
     )
 
 
-def rope_layer_types(language_model: Any) -> tuple[str, ...] | None:
+def rope_layer_types(language_model: Any) -> tuple[str | None, ...] | None:
     """Each layer's type, when the stack's rotary embedding takes one (``rotary_emb(x, position_ids,
-    layer_type)``: Gemma-3, OLMo-3 give sliding and full layers their own frequencies), else None."""
+    layer_type)``: Gemma-3, OLMo-3 give sliding and full layers their own frequencies), else None. A
+    layer whose type the embedding keeps no frequencies for (not in its ``layer_types``: LFM3's ``conv``
+    layers, which take none) is None: it gets no position embeddings, as the model's forward gives it."""
     rotary_emb = getattr(language_model, "rotary_emb", None)
     if rotary_emb is None or "layer_type" not in _signature(type(rotary_emb).forward).parameters:
         return None
@@ -2529,7 +2607,11 @@ def rope_layer_types(language_model: Any) -> tuple[str, ...] | None:
             "config.layer_types for a rotary embedding that takes a layer_type",
             f"{type(language_model.config).__name__} has no layer_types",
         )
-    return tuple(types[: language_model.config.num_hidden_layers])
+    kept = getattr(rotary_emb, "layer_types", None)
+    return tuple(
+        t if not isinstance(kept, (list, tuple)) or t in kept else None
+        for t in types[: language_model.config.num_hidden_layers]
+    )
 
 
 def decoder_protocol(language_model: Any, kinds: Sequence[str] | None = None) -> LayerProtocol:
@@ -2579,9 +2661,15 @@ ATTENTION_ATTRIBUTES = ("self_attn", "mixer")
 MIXERLESS_KINDS = ("none",)
 # Layer kinds whose states are fixed-size per request (the runtime's ``LINEAR_LAYER_KINDS``; its own
 # name, as both modules are embedded in one generated module): no mask
-FIXED_STATE_KINDS = ("linear", "lightning")
+FIXED_STATE_KINDS = ("linear", "lightning", "short_conv")
+# The layer kinds that keep a conv window through the linear-attention API (a short convolution alone)
+CONV_KINDS = ("linear", "short_conv")
 # The contact point each kind's cache protocol is (the rest: cache_update)
-STATE_POINTS = {"linear": "linear_attention_cache", "lightning": "lightning_attention_cache"}
+STATE_POINTS = {
+    "linear": "linear_attention_cache",
+    "lightning": "lightning_attention_cache",
+    "short_conv": "short_conv_cache",
+}
 # Mixer kinds whose stacks keep a float32 residual stream the CausalLM casts before its head (Mamba1's:
 # ``head_input_cast``)
 HEAD_CAST_MIXERS = ("mamba1",)
@@ -2657,6 +2745,8 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
         return _linear_protocol(layer_name, keyword, cache, index, out, hidden)
     if kind == "lightning":
         return _lightning_protocol(layer_name, keyword, cache, index, out, hidden)
+    if kind == "short_conv":
+        return LayerProtocol(keyword, None, (_conv_window(layer_name, keyword, cache, index, out, hidden),))
     if kind in MIXERLESS_KINDS:  # given no cache: it must return the hidden states and keep nothing
         _check_hidden_states(layer_name, out, hidden)
         return LayerProtocol(keyword, None)
@@ -2702,50 +2792,69 @@ def _check_hidden_states(layer_name: str, out: Any, hidden: Any) -> None:
 def _linear_protocol(
     layer_name: str, keyword: str, cache: _RecordingCache, index: int, out: Any, hidden: Any
 ) -> LayerProtocol:
-    """A linear layer's states from its recorded prefill: it updated its conv window (giving the kernel)
-    and its recurrent state under its own index and returned the hidden states."""
+    """A linear layer's states from its recorded prefill: its conv window (``_conv_window``) and its
+    recurrent state, updated under its own index."""
     import torch
 
-    for name in ("update_conv_state", "update_recurrent_state"):
-        layer_idx, _ = cache.state_calls.get(name, (None, None))
-        if layer_idx != index:
-            found = (
-                "never calls it"
-                if name not in cache.state_calls
-                else f"calls it with layer_idx={layer_idx!r}"
-            )
-            _unsupported(
-                "cache-protocol",
-                layer_name,
-                f"{layer_name}(..., {keyword}=cache) calls cache.{name}(..., layer_idx={index}) once",
-                f"{layer_name} {found}",
-                point="linear_attention_cache",
-            )
-    conv, kernel = cache.state_calls["update_conv_state"][1]
+    conv = _conv_window(layer_name, keyword, cache, index, out, hidden)
+    _called_once(cache, "update_recurrent_state", layer_name, keyword, index, "linear_attention_cache")
     recurrent = cache.state_calls["update_recurrent_state"][1]
+    if not isinstance(recurrent, torch.Tensor):
+        _unsupported(
+            "cache-protocol",
+            layer_name,
+            "a recurrent state tensor",
+            f"state {type(recurrent).__name__}",
+            point="linear_attention_cache",
+        )
+    dtype = str(recurrent.dtype).removeprefix("torch.")
+    return LayerProtocol(keyword, None, (conv, (tuple(int(d) for d in recurrent.shape[1:]), dtype)))
+
+
+def _called_once(
+    cache: _RecordingCache, name: str, layer_name: str, keyword: str, index: int, point: str
+) -> None:
+    """The layer called ``cache.name`` under its own index, or the protocol mismatch saying how not."""
+    layer_idx, _ = cache.state_calls.get(name, (None, None))
+    if layer_idx != index:
+        found = f"calls it with layer_idx={layer_idx!r}" if name in cache.state_calls else "never calls it"
+        _unsupported(
+            "cache-protocol",
+            layer_name,
+            f"{layer_name}(..., {keyword}=cache) calls cache.{name}(..., layer_idx={index}) once",
+            f"{layer_name} {found}",
+            point=point,
+        )
+
+
+def _conv_window(
+    layer_name: str, keyword: str, cache: _RecordingCache, index: int, out: Any, hidden: Any
+) -> tuple[tuple[int, ...], str]:
+    """A layer's conv window ``((channels, kernel), dtype)`` from its recorded prefill: it updated the
+    window under its own index giving the kernel, and returned the hidden states (a linear layer's, or a
+    short convolution's, which keeps nothing else)."""
+    import torch
+
+    point = STATE_POINTS[cache.kind]
+    _called_once(cache, "update_conv_state", layer_name, keyword, index, point)
+    conv, kernel = cache.state_calls["update_conv_state"][1]
     if not (isinstance(conv, torch.Tensor) and conv.dim() == 3 and isinstance(kernel, int) and kernel > 0):
         _unsupported(
             "cache-protocol",
             layer_name,
             "update_conv_state(inputs [batch, channels, tokens], layer_idx, conv_kernel_size=int)",
             f"{layer_name} hands over {type(conv).__name__} with conv_kernel_size={kernel!r}",
-            point="linear_attention_cache",
+            point=point,
         )
-    if not isinstance(recurrent, torch.Tensor) or not (
-        isinstance(out, torch.Tensor) and out.shape == hidden.shape
-    ):
+    if not (isinstance(out, torch.Tensor) and out.shape == hidden.shape):
         _unsupported(
             "cache-protocol",
             layer_name,
-            "a recurrent state tensor, and the hidden states tensor returned",
-            f"state {type(recurrent).__name__}, returns {type(out).__name__}",
-            point="linear_attention_cache",
+            "the hidden states tensor returned",
+            f"returns {type(out).__name__}",
+            point=point,
         )
-    states = (
-        ((int(conv.shape[1]), kernel), str(conv.dtype).removeprefix("torch.")),
-        (tuple(int(d) for d in recurrent.shape[1:]), str(recurrent.dtype).removeprefix("torch.")),
-    )
-    return LayerProtocol(keyword, None, states)
+    return (int(conv.shape[1]), kernel), str(conv.dtype).removeprefix("torch.")
 
 
 def _lightning_protocol(
@@ -2792,12 +2901,14 @@ def _unsupported(code: str, layer: str, expected: str, found: str, *, point: str
 
 def _hidden_size(layer: Any) -> int:
     """The width a layer takes: its (attention's) config's, else the first module that states one (a
-    linear-attention mixer keeps ``hidden_size`` but no config)."""
+    linear-attention mixer keeps ``hidden_size`` but no config; LFM2's short convolution a config)."""
     config = getattr(_attention_of(layer), "config", None) or getattr(layer, "config", None)
     if config is not None:
         return int(config.hidden_size)
     for module in layer.modules():
         size = getattr(module, "hidden_size", None)
+        if not isinstance(size, int):
+            size = getattr(getattr(module, "config", None), "hidden_size", None)
         if isinstance(size, int):
             return size
     _unsupported(

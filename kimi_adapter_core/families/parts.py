@@ -26,11 +26,13 @@ from ..backends.simulation.model.layer_parts import PARTS_TABLE, USUAL
 from ..errors import KadaptError
 from .catalog import model_types
 
-# class-name fragments of a layer's token mixer; names of an attention's output projection; names of
-# a fused q/k/v projection
-MIXER_CLASSES = ("attn", "attention", "mixer")
+# class-name fragments of a layer's token mixer (LFM2's ``Lfm2ShortConv`` too); names of an attention's
+# output projection; names of a fused q/k/v projection; name fragments of an MLP's gate projection
+# (Llama's original ``w1``, which LFM2 keeps beside ``w3`` up and ``w2`` down)
+MIXER_CLASSES = ("attn", "attention", "mixer", "shortconv")
 O_PROJ_NAMES = ("o_proj", "dense", "out_proj", "c_proj")
 FUSED_QKV_NAMES = ("qkv", "query_key_value")
+GATE_NAMES = ("gate", "w1")
 
 
 def _weights(module: Any) -> dict[str, tuple[int, ...]]:
@@ -46,7 +48,7 @@ def _weights(module: Any) -> dict[str, tuple[int, ...]]:
 def projections(module: Any, hidden: int) -> dict[str, str] | None:
     """An MLP's projections by role (``gate``, ``up``, ``down``; ``gate_up``, ``down``; or ``up``,
     ``down`` when ungated), told by shape: ``down`` maps back to ``hidden``, a fused ``gate_up`` is
-    twice ``down``'s input wide, and of two inputs of one shape the one named ``gate*`` gates. None
+    twice ``down``'s input wide, and of two inputs of one shape the one named ``GATE_NAMES`` gates. None
     when ``module`` holds other weights (not an MLP)."""
     weights = _weights(module)
     down = [name for name, (out, inp) in weights.items() if out == hidden and inp != hidden]
@@ -58,7 +60,7 @@ def projections(module: Any, hidden: int) -> dict[str, str] | None:
         if inp == hidden and out == 2 * width:
             roles["gate_up"] = name
         elif inp == hidden and out == width:
-            roles["gate" if "gate" in name else "up"] = name
+            roles["gate" if any(g in name for g in GATE_NAMES) else "up"] = name
     complete = {"gate_up", "down"} <= roles.keys() or {"up", "down"} <= roles.keys()
     return roles if complete and set(roles.values()) == weights.keys() else None
 

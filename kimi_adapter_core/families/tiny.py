@@ -85,6 +85,11 @@ MIXER_SIZES: tuple[tuple[dict[str, Any], tuple[str, ...]], ...] = (
 # (its get_seq_length needs an attention layer); their published configs interleave attention. The tiny
 # stack of such a default keeps its second layer attention, through whichever key its class reads.
 ATTENTION_LAYOUT = {"layer_types": ["linear_attention", "full_attention"], "attn_layer_indices": [1]}
+# LFM2's default is all attention layers (``full_attn_idxs`` every layer) and LFM2-MoE's has no layer list
+# at all (its model does not build); their published configs interleave gated short convolutions. The
+# tiny stack of a default with a short-convolution kernel (``conv_L_cache``) and no ``conv`` layer starts
+# with one, then attends.
+SHORT_CONV_LAYOUT = {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]}
 # token ids must lie inside the tiny vocabulary
 TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 OTHER_SIZES: dict[str, Any] = {
@@ -96,6 +101,8 @@ OTHER_SIZES: dict[str, Any] = {
     "vocab_size": 128,
     "projection_dim": 32,
 }
+# ints that say how many layers come first with a dense MLP (DeepSeek's, LFM2-MoE's)
+FIRST_DENSE_KEYS = ("first_k_dense_replace", "num_dense_layers")
 # ints that say "every n-th layer": the tiny stack keeps one whole such period
 PERIOD_KEYS = (
     "sliding_window_pattern",
@@ -150,9 +157,10 @@ def _shrink_text(config: Any) -> None:
                     kept = [i for i in value if i < keep]
                     _set(config, key, kept or [keep - 1])
         _set(config, "num_hidden_layers", keep)
-        first_dense = _get(config, "first_k_dense_replace")
-        if isinstance(first_dense, int) and first_dense > 1:
-            _set(config, "first_k_dense_replace", 1)
+        for key in FIRST_DENSE_KEYS:  # one dense layer, so the tiny stack keeps an MoE one
+            first_dense = _get(config, key)
+            if isinstance(first_dense, int) and first_dense > 1:
+                _set(config, key, 1)
     for key, value in TEXT_SIZES.items():
         if _get(config, key) is not None:
             _set(config, key, value)
@@ -169,10 +177,23 @@ def _shrink_text(config: Any) -> None:
         for key, value in ATTENTION_LAYOUT.items():
             if key in vars(config):
                 _set(config, key, value[: len(types)])
+    if _get(config, "conv_L_cache") is not None and "conv" not in (types or ()):
+        _short_conv_layout(config)
     for sizes, unless in MIXER_SIZES:
         if all(_get(config, key) is not None for key in sizes) and not any(_get(config, k) for k in unless):
             for key, value in sizes.items():
                 _set(config, key, value)
+
+
+def _short_conv_layout(config: Any) -> None:
+    """``SHORT_CONV_LAYOUT`` on a config of a short-convolution family whose default has no conv layer:
+    its ``layer_types`` as long as the tiny stack (attention after the conv layer), its ``full_attn_idxs``
+    where the class keeps one."""
+    layers = int(_get(config, "num_hidden_layers") or 0)
+    types = SHORT_CONV_LAYOUT["layer_types"]
+    _set(config, "layer_types", (types + types[-1:] * layers)[:layers])
+    if "full_attn_idxs" in vars(config):
+        _set(config, "full_attn_idxs", SHORT_CONV_LAYOUT["full_attn_idxs"])
 
 
 def tiny_config(model_type: str) -> dict[str, Any]:

@@ -204,7 +204,8 @@ def _state_templates(text: dict[str, Any]) -> tuple[str, str]:
         kinds = set(derive_structure(text).layer_kinds)
     except KadaptError:
         return "", ""
-    if kinds & {"linear", "lightning"}:  # a lightning layer uses the recurrent template alone
+    # a lightning layer uses the recurrent template alone, a short convolution the conv template alone
+    if kinds & {"linear", "lightning", "short_conv"}:
         return ', "c.{layer}", "r.{layer}"', ', "pc.{layer}", "pr.{layer}"'
     if "indexed" in kinds:
         return ', "i.{layer}"', ', "pi.{layer}"'

@@ -334,8 +334,8 @@ def _refuse_unmodelled_layers(read: Reader, spec: Spec | None) -> None:
                 "hybrid",
                 f"{read.where} sets {key}, which only models with non-attention layers (SSM, linear "
                 "attention, recurrence, convolution) have; kadapt carries KV caches, gated-DeltaNet, KDA, "
-                "Mamba2 and Mamba1 states (conv window, recurrent state) and lightning attention's "
-                "recurrent state, and this layer keeps another state",
+                "Mamba2 and Mamba1 states (conv window, recurrent state), lightning attention's "
+                "recurrent state and short convolutions' windows, and this layer keeps another state",
                 location=locate(spec, "gate"),
             )
     # a config object with one refuses global reads of its per-layer keys (``Reader.raw``); JSON keeps it
@@ -405,8 +405,18 @@ def _value_violations(read: Reader) -> list[bounds.Violation]:
 
 def _dense_width(read: Reader) -> int:
     """The dense layers' MLP width: Llama-4 keeps it apart from the experts' (``intermediate_size_mlp``
-    beside ``intermediate_size``), the other families in ``intermediate_size``."""
-    return int(read.get("dense_intermediate_size") or read.get("intermediate_size", 0) or 0)
+    beside ``intermediate_size``), the other families in ``intermediate_size``; LFM2 adjusts it as its
+    ``Lfm2MLP`` does (``block_auto_adjust_ff_dim``: 2/3 of it, times ``block_ffn_dim_multiplier``, rounded
+    up to a multiple of ``block_multiple_of``)."""
+    width = int(read.get("dense_intermediate_size") or read.get("intermediate_size", 0) or 0)
+    if not read.get("ffn_auto_adjust"):
+        return width
+    width = int(2 * width / 3)
+    multiplier = read.get("ffn_dim_multiplier")
+    if multiplier is None:
+        return width
+    multiple = int(read.require("ffn_multiple_of"))
+    return multiple * -(-int(multiplier * width) // multiple)
 
 
 def _check_values(read: Reader) -> None:

@@ -1,7 +1,7 @@
 """The linear-attention / SSM mixer a hybrid stack's config describes: gated DeltaNet (Qwen3-Next,
 Qwen3.5), KDA (Kimi-Linear, Bailing-hybrid), Mamba2 (Mamba2, Nemotron-H, Granite-4.0-H, Bamba), Mamba1
 (Mamba, Falcon-Mamba, Jamba: a state per inner channel), lightning attention (MiniMax-Text-01: no conv
-window, a recurrent state alone).
+window, a recurrent state alone), a gated short convolution (LFM2, LFM3: a conv window alone).
 
 Which layers are linear comes from ``derive``'s per-layer spans (``layer_types``, the
 ``full_attention_interval`` rule, or a raw layout ``layer_pattern`` reads); this reads the sizes their
@@ -68,6 +68,15 @@ MIXERS: dict[str, dict[str, str]] = {
         "conv_kernel": "mamba_conv_kernel",
         "dt_rank": "mamba_dt_rank",
     },
+    # LFM2's gated short convolution (``Lfm2ShortConv``): a depthwise conv over the hidden channels,
+    # read as one-wide value heads (``model.VALUE_CONV_KINDS``); no recurrent state
+    "short_conv": {
+        "num_key_heads": ONE,
+        "num_value_heads": "hidden_size",
+        "key_head_dim": ONE,
+        "value_head_dim": ONE,
+        "conv_kernel": "short_conv_kernel",
+    },
     # MiniMax's lightning attention: the attention's own heads and width (``head_dim``, else hidden /
     # heads as MiniMaxLightningAttention computes it); no conv window
     "lightning": {
@@ -82,6 +91,7 @@ MIXER_NAMES = {
     "kda": "KDA",
     "mamba2": "Mamba2",
     "mamba1": "Mamba1",
+    "short_conv": "short convolution",
     "lightning": "lightning",
 }
 # Facts a kind needs stated beside its sizes: lightning's sizes are any attention's, its prefill block

@@ -134,12 +134,14 @@ class Layer:
 # ``value_heads`` x ``value_dim`` value features through one causal depthwise convolution; Mamba2's B/C
 # groups are its key heads and its state size their width, the way SSD reads them as attention. Mamba1's
 # selective scan is the same read with one B/C group and one-wide heads, one per inner channel: its state
-# is ``[channels, state_size]``.
+# is ``[channels, state_size]``. LFM2's gated short convolution convolves the hidden channels (one-wide
+# value heads) and keeps nothing else.
 RECURRENT_AXES: dict[str, tuple[str, ...] | None] = {
     "gated_delta_net": ("value_heads", "key_dim", "value_dim"),
     "kda": ("value_heads", "key_dim", "value_dim"),
     "mamba2": ("value_heads", "value_dim", "key_dim"),
     "mamba1": ("value_heads", "key_dim"),
+    "short_conv": None,
     "lightning": ("value_heads", "key_dim", "value_dim"),
 }
 LINEAR_KINDS = tuple(RECURRENT_AXES)
@@ -147,12 +149,14 @@ LINEAR_KINDS = tuple(RECURRENT_AXES)
 # ``[heads, head_dim, head_dim]`` (``K^T V`` decayed per head), in its values' dtype (the ABI dtype).
 CONV_FREE_KINDS = ("lightning",)
 # The ABI layer kind (``runtime.LAYER_STATES``) of a linear layer, by mixer kind: ``linear`` carries a
-# conv window and a recurrent state, ``lightning`` the recurrent state alone.
-LAYER_KIND_OF_MIXER = {"lightning": "lightning"}
+# conv window and a recurrent state, ``lightning`` the recurrent state alone, ``short_conv`` the conv
+# window alone.
+LAYER_KIND_OF_MIXER = {"lightning": "lightning", "short_conv": "short_conv"}
 # Mixers whose convolution sees the values alone: Mamba1 convolves its inner channels and projects B, C
 # and dt from the convolved channels afterwards (``MambaMixer.x_proj``), so its window is ``[channels,
-# conv_kernel]``.
-VALUE_CONV_KINDS = ("mamba1",)
+# conv_kernel]``; LFM2's short convolution its hidden channels (``Lfm2ShortConv.conv``, after gating
+# them by B).
+VALUE_CONV_KINDS = ("mamba1", "short_conv")
 
 
 @dataclass(frozen=True)
@@ -180,8 +184,9 @@ class LinearAttention:
     ``key_head_dim`` and value heads of ``value_head_dim``; KDA (Kimi-Linear) as many of each; Mamba2
     ``num_key_heads`` B/C groups of ``key_head_dim`` (the SSM state size) and ``num_value_heads`` heads of
     ``value_head_dim``; Mamba1 one B/C group of ``key_head_dim`` and ``num_value_heads`` inner channels
-    of width 1. What it keeps per request is fixed-size: the conv window over all of them and the
-    recurrent state (``states.py``)."""
+    of width 1; a short convolution (LFM2) ``num_value_heads`` hidden channels of width 1. What it keeps
+    per request is fixed-size: the conv window over all of them and the recurrent state (``states.py``;
+    a short convolution the window alone)."""
 
     kind: str  # LINEAR_KINDS
     num_key_heads: int
@@ -265,6 +270,7 @@ MIXER_TEXT = {
     "mamba2": "Mamba2 SSM {num_value_heads}x{value_head_dim} heads, state {key_head_dim}, {num_key_heads} "
     "groups, conv {conv_kernel}",
     "mamba1": "Mamba1 selective scan {num_value_heads} channels, state {key_head_dim}, conv {conv_kernel}",
+    "short_conv": "gated short convolution {num_value_heads} channels, conv {conv_kernel}",
     "lightning": "lightning attention {num_value_heads}x{value_head_dim} heads, no conv",
 }
 

@@ -25,6 +25,7 @@ LAYER_STATES = {
     "attention": ("key", "value"),
     "linear": ("conv", "recurrent"),
     "lightning": ("recurrent",),  # MiniMax's lightning attention: its recurrent state alone
+    "short_conv": ("conv",),  # LFM2's gated short convolution: its conv window alone
     "indexed": ("key", "value", "index_key"),
     "none": (),  # a block with no token mixer (Nemotron-H's mlp and moe blocks): no state
 }

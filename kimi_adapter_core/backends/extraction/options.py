@@ -462,7 +462,8 @@ def bind_structure(options: ExtractionOptions, structure: ModelStructure) -> Ext
     if structure.linear is not None and "prefill_len" in options.dynamic:
         raise KadaptError(
             "dynamic prefill_len cannot be exported for a stack with linear-attention layers: their prefill "
-            "scan runs one step per 64-token chunk, so the graph's operations depend on the prompt length; "
+            "scan runs one step per 64-token chunk (a short convolution pads a prompt shorter than its "
+            "window), so the graph's operations depend on the prompt length; "
             "export a static prefill_len (one prefill graph per length you serve)",
             location=options.dynamic_where,
         )

@@ -81,6 +81,9 @@ def _expected_states(
         if kind == "linear":  # copies: transformers updates these tensors in place at the next step
             flat += [cache.get_conv_state(layer).clone(), cache.get_recurrent_state(layer).clone()]
             continue
+        if kind == "short_conv":  # its LinearAttentionLayer's window alone (no recurrent state)
+            flat.append(cache.get_conv_state(layer).clone())
+            continue
         if kind == "lightning":  # MiniMaxCache's state, as set_linear_cache last replaced it
             flat.append(cache.get_linear_cache(layer).clone())
             continue

@@ -270,6 +270,8 @@ def paged_view(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 #             states transformers' ``LinearAttentionLayer`` keeps (``conv_states``/``recurrent_states``).
 #  lightning: MiniMax's lightning attention: its recurrent state alone (``K^T V`` decayed per head,
 #             transformers' ``MiniMaxCache.linear_cache``), no conv window.
+#  short_conv: LFM2's gated short convolution: its conv window alone (transformers keeps it in a
+#             ``LinearAttentionLayer`` whose recurrent state stays empty), no recurrent state.
 #  indexed:   full attention with DeepSeek sparse attention's indexer: the KV cache, plus the indexer's
 #             own keys ``[B, 1, S, index_head_dim]`` (one head), cached, written and paged like a key.
 #  none:      a block with no token mixer (an MLP alone: Nemotron-H's mlp and moe blocks, transformers'
@@ -278,6 +280,7 @@ LAYER_STATES = {
     "attention": ("key", "value"),
     "linear": ("conv", "recurrent"),
     "lightning": ("recurrent",),
+    "short_conv": ("conv",),
     "indexed": ("key", "value", "index_key"),
     "none": (),
 }
@@ -285,16 +288,17 @@ LAYER_STATES = {
 FIXED_ROLES = ("conv", "recurrent")
 # Layer kinds whose states are all fixed-size per request (the contract's ``linear_states`` rules): they
 # take every token they are given, so the wrappers hand them no mask.
-LINEAR_LAYER_KINDS = ("linear", "lightning")
+LINEAR_LAYER_KINDS = ("linear", "lightning", "short_conv")
 # Where a decoder layer keeps its token mixer, by layer kind (the mixer carries ``layer_idx``): attention
 # in ``self_attn`` or, in a stack of one-sublayer blocks (Nemotron-H), ``mixer``; gated DeltaNet in
 # ``linear_attn``, Mamba2 in ``mixer`` (Mamba2, Nemotron-H) or ``mamba`` (Granite-4.0-H, Bamba), KDA in
-# ``self_attn`` (Kimi-Linear, Bailing-hybrid), a short convolution in ``conv`` (LFM2). A block with no
+# ``self_attn`` (Kimi-Linear, Bailing-hybrid), a short convolution in ``conv`` (LFM2, LFM3). A block with no
 # mixer (``none``) has none to look up (``layer_index``).
 MIXER_ATTRIBUTES = {
     "attention": ("self_attn", "mixer"),
     "linear": ("linear_attn", "mixer", "mamba", "conv", "self_attn"),
     "lightning": ("self_attn",),
+    "short_conv": ("conv",),
     "indexed": ("self_attn",),
     "none": (),
 }
@@ -357,7 +361,8 @@ class StaticStateCache:
       ``cache_update`` contact point) with the new key/value states;
     - linear-attention / SSM layers call ``get_conv_state``/``update_conv_state`` and
       ``get_recurrent_state``/``update_recurrent_state`` (``Cache``'s linear-attention API, upstream's
-      ``linear_attention_cache`` contact point);
+      ``linear_attention_cache`` contact point); LFM2's short convolution only the conv half of it
+      (upstream's ``short_conv_cache``): ``get_conv_state`` None in prefill, the past window in decode;
     - MiniMax's lightning attention calls ``get_linear_cache``/``set_linear_cache`` (``MiniMaxCache``'s
       API, upstream's ``lightning_attention_cache`` contact point): None in prefill (the layer scans its
       prompt in blocks from zeros), the past state in decode (its token-by-token recurrence);
@@ -585,7 +590,7 @@ class _TextStack(nn.Module):
         windows: Sequence[int | None] | None = None,
         embedding_ops: OpList = (),
         logit_ops: OpList = (),
-        rope_layer_types: Sequence[str] | None = None,
+        rope_layer_types: Sequence[str | None] | None = None,
         layer_kinds: Sequence[str] | None = None,
         chunks: Sequence[int | None] | None = None,
     ) -> None:
@@ -638,7 +643,7 @@ class _TextStack(nn.Module):
         windows: Sequence[int | None] | None = None,
         embedding_ops: OpList = (),
         logit_ops: OpList = (),
-        rope_layer_types: Sequence[str] | None = None,
+        rope_layer_types: Sequence[str | None] | None = None,
         layer_kinds: Sequence[str] | None = None,
         parts: Mapping[str, str] | None = None,
         chunks: Sequence[int | None] | None = None,
@@ -703,11 +708,13 @@ class _TextStack(nn.Module):
         elif self.rope_layer_types is None:
             position_embeddings = [self.rotary_emb(hidden_states, position_ids)] * len(self.layers)
         else:
+            # a layer type the embedding keeps no frequencies for (None: LFM3's conv layers) takes none
             by_type = {
                 t: self.rotary_emb(hidden_states, position_ids, t)
                 for t in dict.fromkeys(self.rope_layer_types)
+                if t is not None
             }
-            position_embeddings = [by_type[t] for t in self.rope_layer_types]
+            position_embeddings = [by_type.get(t) for t in self.rope_layer_types]
         # one mask per span (a sliding window, ("chunk", size) or None: full), in first-use order
         # (deterministic graphs); a linear layer's state takes every token it is given: no mask (the
         # contract refuses padding); a block with no mixer neither
@@ -890,7 +897,7 @@ def multimodal_prefill_inputs(
 
 
 # Per request, the shape (without the batch) and dtype name of each state of a linear layer in its kind's
-# ABI order (conv and recurrent; a lightning layer's recurrent alone), as
+# ABI order (conv and recurrent; a lightning layer's recurrent alone, a short convolution's conv alone), as
 # ``upstream.LayerProtocol.linear_states`` observed them.
 LinearStates = tuple[tuple[tuple[int, ...], str], ...]
 
@@ -898,8 +905,8 @@ LinearStates = tuple[tuple[tuple[int, ...], str], ...]
 def linear_state_zeros(
     linear_states: LinearStates, batch: int, device: str | torch.device
 ) -> list[torch.Tensor]:
-    """A linear layer's states (conv and recurrent; lightning: recurrent) for ``batch`` rows before any
-    token: zeros."""
+    """A linear layer's states (conv and recurrent; lightning: recurrent; short_conv: conv) for ``batch``
+    rows before any token: zeros."""
     return [
         torch.zeros((batch, *shape), dtype=getattr(torch, dtype), device=device)
         for shape, dtype in linear_states
@@ -1063,6 +1070,12 @@ LIGHTNING_STATE_CONTENTS = (
     "k^T v, [batch, heads, head_dim, head_dim], in the ABI dtype (transformers keeps it in the values' "
     "dtype); there is no conv window"
 )
+SHORT_CONV_STATE_CONTENTS = (
+    "a gated short convolution's window (LFM2's conv layers): the B-gated inputs B * x of the last "
+    "kernel tokens, [batch, hidden, kernel] in the ABI dtype, the newest in the last column (zeros "
+    "before the prompt's first token); the prefill writes its prompt's last kernel columns, each decode "
+    "step shifts the window left by one and writes its token's last; there is no recurrent state"
+)
 INDEX_KEY_CONTENTS = (
     "the DSA indexer's keys (k_norm(wk(x)) with rope on its first qk_rope_head_dim dims), one head: "
     "[batch, 1, slot, index_head_dim]; every query scores all visible slots with them and attends to its "
@@ -1154,6 +1167,7 @@ def kv_contract(
     stateless: bool = False,
     chunked: bool = False,
     lightning: bool = False,
+    short_conv: bool = False,
 ) -> dict[str, Any]:
     """Everything a runtime needs besides the graphs: cache semantics, masks, positions, capacity,
     with ``dynamic`` sizes (``{"prefill_len": (1, 64)}``) how to bind them, with ``paged`` the
@@ -1161,7 +1175,8 @@ def kv_contract(
     stack has linear-attention / SSM layers) what their fixed-size states hold and the rules for them;
     with ``index_dim`` (DSA layers) what the indexer keys hold; with ``stateless`` (blocks with no mixer)
     that they carry nothing; with ``chunked`` (chunked-attention layers) the chunk rule of the mask;
-    with ``lightning`` (MiniMax's lightning layers) what their one recurrent state holds, same rules.
+    with ``lightning`` (MiniMax's lightning layers) what their one recurrent state holds, same rules;
+    with ``short_conv`` (LFM2's short convolutions) what their one conv window holds, same rules.
 
     Version 3: ``cache_position`` is ``[batch]`` (one position per row) and the optional paged cache;
     version 2 graphs took one ``[1]`` position for the whole batch."""
@@ -1210,7 +1225,7 @@ def kv_contract(
         },
         "padding": (
             {"supported": "right", "rule": padding}
-            if not (linear or lightning)
+            if not (linear or lightning or short_conv)
             else {
                 "supported": "none",
                 "rule": "the linear layers' states take every token of a prefill row, so a prompt is never "
@@ -1241,6 +1256,12 @@ def kv_contract(
         }
     if lightning:
         contract["linear_states"] = {"recurrent": {"holds": LIGHTNING_STATE_CONTENTS}, **LINEAR_STATE_RULES}
+    if short_conv:
+        contract["linear_states"] = {
+            **contract.get("linear_states", {}),
+            "conv": {"holds": SHORT_CONV_STATE_CONTENTS},
+            **LINEAR_STATE_RULES,
+        }
     if paged is not None:
         contract["paged"] = paged.contract(max_cache_len, "batch" if "batch" in dynamic else batch)
         contract["cache"]["slot_rule"] += (
@@ -1355,6 +1376,7 @@ def build_kv_mapping(
             batch=batch,
             linear="linear" in kinds,
             lightning="lightning" in kinds,
+            short_conv="short_conv" in kinds,
             index_dim=index_dim if "indexed" in kinds else None,
             stateless=any(kind in STATELESS_KINDS for kind in kinds),
             chunked=chunked,

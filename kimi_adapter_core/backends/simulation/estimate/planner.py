@@ -64,8 +64,11 @@ class LinearStateSizing:
             return None
         return ConvState(whole.channels // (self.tp if per_rank else 1), whole.kernel)
 
-    def recurrent(self, *, per_rank: bool = True) -> RecurrentState:
-        whole = self.linear.recurrent_state
+    def recurrent(self, *, per_rank: bool = True) -> RecurrentState | None:
+        """The recurrent state (None: a mixer without one, LFM2's short convolution)."""
+        whole = self.linear.recurrent
+        if whole is None:
+            return None
         heads, *dims = whole.shape()
         return RecurrentState((heads // (self.tp if per_rank else 1), *dims), whole.dtype)
 

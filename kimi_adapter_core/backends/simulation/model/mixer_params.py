@@ -184,12 +184,28 @@ def _lightning(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
     ]
 
 
+def _short_conv(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
+    """Tensors of a gated short convolution's ``conv`` under the model's own names (transformers 5.24
+    ``Lfm2ShortConv``): ``in_proj`` to B, C and x (3 hidden rows), the depthwise ``conv`` over B * x and
+    ``out_proj``; no bias (``conv_bias`` false in every published config). Split over TP by channels as
+    vLLM's ``ShortConv`` shards them (``in_proj`` column-parallel, ``out_proj`` row-parallel)."""
+    lin, h = s.linear, s.hidden_size
+    assert lin is not None
+    conv = lin.conv_state
+    return [
+        ("in_proj", [("conv.in_proj.weight", (3 * conv.channels, h))], "tp", True),
+        ("conv", [("conv.conv.weight", (conv.channels, 1, conv.kernel))], "tp", False),
+        ("out_proj", [("conv.out_proj.weight", (h, conv.channels))], "tp", True),
+    ]
+
+
 # Per linear-attention kind: the tensors of one linear layer, and the prefix of their group names
 LINEAR_TENSORS = {
     "gated_delta_net": (_gated_delta_net, "linear_attn"),
     "kda": (_kda, "kda"),
     "mamba2": (_mamba2, "mamba2"),
     "mamba1": (_mamba1, "mamba1"),
+    "short_conv": (_short_conv, "short_conv"),
     "lightning": (_lightning, "lightning"),
 }
 PRICED_MIXERS = tuple(LINEAR_TENSORS)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ....errors import UsageError
-from ....structure.model import Attention, ModelStructure
+from ....structure.model import VALUE_CONV_KINDS, Attention, ModelStructure
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,10 @@ class Parallel:
         elif self.ep > 1:
             raise UsageError(f"--ep {self.ep} given but the model has no routed experts")
         if s.linear is not None:  # a linear layer's heads split over TP like vLLM's (never replicated)
-            for heads, what in ((s.linear.num_key_heads, "key"), (s.linear.num_value_heads, "value")):
+            split = [(s.linear.num_value_heads, "value")]
+            if s.linear.kind not in VALUE_CONV_KINDS:  # else one nominal B/C group, whole on every rank
+                split.insert(0, (s.linear.num_key_heads, "key"))
+            for heads, what in split:
                 message = f"--tp {self.tp} does not divide the {heads} linear-attention {what} heads"
                 rules.append((heads, self.tp, message))
         for whole, part, message in rules:

@@ -106,6 +106,8 @@ def layer_kinds(s: ModelStructure) -> list[LayerKind]:
     """One entry per mixer and MLP kind present, in the order their first layers appear."""
     kinds: dict[tuple[str, str], list[int]] = {}
     for layer, mixer in zip(s.layers, s.layer_kinds, strict=True):
+        # every linear mixer's layers (a short convolution's ABI kind too) are traced as ``linear``
+        mixer = "linear" if layer.attention == "linear" else mixer
         kinds.setdefault((mixer, layer.mlp), []).append(layer.index)
     return [
         LayerKind(

@@ -94,6 +94,7 @@ class TracedLayer:
     kind: LayerKind
     module: nn.Module
     rope_type: str | None = None  # its layer type, for a rotary embedding that takes one (Gemma-3)
+    roped: bool = True  # False: its type has no frequencies in that embedding (LFM3's conv layers)
 
 
 @dataclass
@@ -230,7 +231,7 @@ def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts,
     parts = RankParts(
         lm.get_input_embeddings(),
         _child(spec, lm, "rotary_embedding", optional=True),
-        [TracedLayer(kind, layers[kind.index], rope_types and rope_types[kind.index]) for kind in kinds],
+        [_traced(kind, layers[kind.index], rope_types) for kind in kinds],
         _child(spec, lm, "final_norm"),
         lm_head,
         nn.Linear(2 * s.hidden_size, s.hidden_size, bias=False) if dep.mtp else None,
@@ -274,6 +275,14 @@ def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts,
 
 
 _UNBOUND = Deployment(Parallel(), 1, 1, 0, True)  # placeholder shapes until a trace binds its own
+
+
+def _traced(kind: LayerKind, layer: nn.Module, rope_types: tuple[str | None, ...] | None) -> TracedLayer:
+    """A layer traced for ``kind``, with its rotary layer type (``upstream.rope_layer_types``: None for
+    one rope for all; an entry None for a layer given none)."""
+    if rope_types is None:
+        return TracedLayer(kind, layer)
+    return TracedLayer(kind, layer, rope_types[kind.index], roped=rope_types[kind.index] is not None)
 
 
 def _swap_linear(spec: Spec, layer: nn.Module, where: str, tp: int) -> list[RankLinearMixer]:
@@ -410,11 +419,12 @@ def _step(
     # one (cos, sin) per rotary kind the traced layers use (Gemma-3: local and global frequencies)
     rope = {
         t: model.rotary(hidden, positions, *([t] if t else [])) if model.rotary is not None else None
-        for t in dict.fromkeys(traced.rope_type for traced in model.layers)
+        for t in dict.fromkeys(traced.rope_type for traced in model.layers if traced.roped)
     }
     for traced in model.layers:
+        embeddings = rope[traced.rope_type] if traced.roped else None
         with rec.scope(traced.kind.scope, len(traced.kind.layers)):
-            hidden = _hidden(traced.module(hidden, position_embeddings=rope[traced.rope_type]))
+            hidden = _hidden(traced.module(hidden, position_embeddings=embeddings))
     last = model.norm(hidden if dep.decode else hidden[:, -1:, :])  # prefill: last token's logits
     _logits(model, rec, last, par.tp, vocab)
     if dep.mtp and model.eh_proj is not None:

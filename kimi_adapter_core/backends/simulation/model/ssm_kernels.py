@@ -1,4 +1,5 @@
-"""The KDA, Mamba2 and Mamba1 kernels a serving runtime runs in a hybrid stack's linear / SSM layers.
+"""The KDA, Mamba2, Mamba1 and short-convolution kernels a serving runtime runs in a hybrid stack's
+linear / SSM layers.
 
 As for gated DeltaNet (``linear_kernels``), transformers' eager scans (a Python loop over chunks, or
 a chunked einsum in float32) are not what an engine launches. vLLM and SGLang run, per layer:
@@ -22,6 +23,10 @@ a chunked einsum in float32) are not what an engine launches. vLLM and SGLang ru
   The scan has no heads: every channel of ``I`` keeps ``N`` states with its own decay, so per token
   ``7 I N`` (exp(dt A) and its product, dt B x, the sum, C S) plus the skip and gate, in float32 on
   the vector units (the scan is sequential in both phases: no chunked matmul form).
+- LFM2's gated short convolution (LFM2, LFM2-MoE, LFM3; vLLM's ``ShortConv``): ``in_proj`` to B, C and
+  x (column-parallel), B * x, ``causal_conv1d_fn`` over it in prefill and ``causal_conv1d_update`` in
+  decode, C times the result, ``out_proj`` (row-parallel). No scan: its only state is the conv window,
+  which ``_record_conv`` reads and writes.
 
 Each decode step reads and writes every request's float32 state once; none of them grows with the
 context. The mixer's modules are adopted by attribute name and kept whole (the built model is not
@@ -62,6 +67,8 @@ MAMBA2_SIZES = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "conv_ker
 # MambaMixer, FalconMambaMixer, JambaMambaMixer
 MAMBA1_FIELDS = ("in_proj", "conv1d", "x_proj", "dt_proj", "out_proj", "A_log", "D")
 MAMBA1_SIZES = ("intermediate_size", "ssm_state_size", "time_step_rank", "conv_kernel_size")
+# Lfm2ShortConv (LFM2-MoE's and LFM3's are its subclasses or copies)
+SHORT_CONV_FIELDS = ("in_proj", "conv", "out_proj", "conv_kernel_size")
 
 
 def _has(module: nn.Module, names: tuple[str, ...]) -> bool:
@@ -81,6 +88,12 @@ def is_mamba2(module: nn.Module) -> bool:
 def is_mamba1(module: nn.Module) -> bool:
     """Whether ``module`` is a Mamba1 mixer (by its attribute names)."""
     return _has(module, (*MAMBA1_FIELDS, *MAMBA1_SIZES))
+
+
+def is_short_conv(module: nn.Module) -> bool:
+    """Whether ``module`` is a gated short convolution (by its attribute names: a ``conv``, where the SSM
+    mixers keep a ``conv1d``)."""
+    return _has(module, SHORT_CONV_FIELDS) and isinstance(module.conv, nn.Conv1d)
 
 
 class RankLinear(nn.Module):
@@ -316,15 +329,56 @@ class RankMamba1(RankLinearMixer):
         self._record_scan(source, "vector", flops, io, state, shapes, self._attrs(source, b, s, hidden))
 
 
+class RankShortConv(RankLinearMixer):
+    """A gated short convolution (``conv`` of an LFM2 / LFM2-MoE / LFM3 conv layer) as serving runtimes run
+    it at 1/tp of its channels. Called as transformers calls the mixer."""
+
+    def __init__(self, inner: nn.Module, rec: Recorder, dep: Deployment, tp: int) -> None:
+        super().__init__()
+        if not is_short_conv(inner):
+            raise KadaptError(
+                f"{type(inner).__name__} is not a gated short convolution kadapt can price: it needs "
+                f"{', '.join(SHORT_CONV_FIELDS)}"
+            )
+        self.width, self.kernel = int(inner.out_proj.in_features) // tp, int(inner.conv_kernel_size)
+        self.in_proj = RankLinear(inner.in_proj, tp, "rows")
+        self.out_proj = RankLinear(inner.out_proj, tp, "columns")
+        self.bind(rec, dep)
+
+    @property
+    def channels(self) -> int:
+        """Conv channels on this rank: its slice of the hidden channels."""
+        return self.width
+
+    def forward(self, hidden_states: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
+        b, s, hidden = hidden_states.shape
+        gate_b, gate_c, x = self.in_proj(hidden_states).chunk(3, dim=-1)  # the rank's B, C and x
+        convolved = torch.empty_like(gate_b * x)  # the conv's output over B * x
+        self._record_conv(b, s, hidden)
+        return self.out_proj(gate_c * convolved)
+
+    def _attrs(self, source: str, b: int, s: int, hidden: int) -> dict[str, Any]:
+        return {
+            "kernel": "short_conv",
+            "decode": self.dep.decode,
+            "batch": b,
+            "seq": s,
+            "hidden": hidden,
+            "conv": self.kernel,
+            "channels": self.width,
+        }
+
+
 # the kinds in the order a module is tested (their attribute sets do not overlap)
 KINDS = (
     ("gated DeltaNet", is_gated_delta_net),
     ("KDA", is_kda),
     ("Mamba2", is_mamba2),
     ("Mamba1", is_mamba1),
+    ("short convolution", is_short_conv),
 )
 # the structure's mixer kinds these kernels price (MiniMax's lightning attention: none yet)
-SIMULATED_MIXERS = ("gated_delta_net", "kda", "mamba2", "mamba1")
+SIMULATED_MIXERS = ("gated_delta_net", "kda", "mamba2", "mamba1", "short_conv")
 
 
 def linear_mixers(layer: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -335,11 +389,13 @@ def linear_mixers(layer: nn.Module) -> list[tuple[str, nn.Module]]:
 def rank_mixer(inner: nn.Module, rec: Recorder, dep: Deployment, tp: int) -> RankLinearMixer:
     """The serving kernels of one mixer found by ``linear_mixers``. A gated DeltaNet is built per rank
     already (``rank_config`` resizes its heads); KDA, Mamba2 and Mamba1 mixers are whole and run 1/tp of
-    them."""
+    them, as is a short convolution."""
     if is_gated_delta_net(inner):
         return RankGatedDeltaNet(inner, rec, dep)
     if is_kda(inner):
         return RankKDA(inner, rec, dep, tp)
     if is_mamba1(inner):
         return RankMamba1(inner, rec, dep, tp)
+    if is_short_conv(inner):
+        return RankShortConv(inner, rec, dep, tp)
     return RankMamba2(inner, rec, dep, tp)
