@@ -13,8 +13,10 @@ what it found and the versions kadapt is tested with, before any export starts.
 Two kinds of probe:
 - library probes (``check``) need no model: signatures and tiny behavioural calls, milliseconds each;
 - ``probe_decoder_layers`` runs the model's own decoder layers (on whatever device they are, meta
-  included) once per layer class with a recording cache: which keyword takes the cache, how the
-  attention calls ``Cache.update``, what the layer returns, what the rotary embedding returns.
+  included) once per layer structure with a recording cache: which keyword takes the cache, how the
+  attention calls ``Cache.update``, what the layer returns, what the rotary embedding returns. A result
+  answers only for layers whose classes hold the same methods (``_layer_key``): a probe made under one
+  spec's patches is never reused without them or under others.
 
 Self-contained on purpose (the standard library at import; torch and transformers inside functions):
 ``kadapt generate`` embeds this module verbatim in standalone extraction modules, which run the same
@@ -1037,13 +1039,37 @@ def cache_keyword(layer: Any) -> str:
     return CACHE_KEYWORDS[-1]  # a **kwargs-only forward: the behavioural probe decides
 
 
-def _layer_key(layer: Any) -> tuple[Any, ...]:
-    """A layer's structure: its module classes and parameter shapes and dtypes (layers of one class can
-    differ in size: MiMo-V2-Flash's sliding layers have other KV heads; a linear layer's conv state
-    has the dtype the layer runs in)."""
+def _installed(cls: type, base: type) -> tuple[Any, ...]:
+    """The methods and other descriptors ``cls`` and its bases below ``base`` (torch's ``Module``) hold
+    now: where a spec's patches install their dispatchers (a ``forward``, or a helper such as
+    DeepSeek-V3's ``expand_kv``) and gated attributes. The objects themselves, not their ids: a key
+    keeps them alive, so a later dispatcher cannot take a freed one's id."""
     return tuple(
-        (type(m), tuple((tuple(p.shape), p.dtype) for p in m.parameters(recurse=False)))
-        for m in layer.modules()
+        (name, value)
+        for klass in cls.__mro__
+        if klass not in base.__mro__
+        for name, value in vars(klass).items()
+        if hasattr(type(value), "__get__") and type(value).__hash__ is not None
+    )
+
+
+def _layer_key(layer: Any, rotary_emb: Any, layer_type: str | None) -> tuple[Any, ...]:
+    """What a layer's probe depends on: the classes of its modules and of the rotary embedding with the
+    methods installed on them now (a result probed under one spec's patches must not answer for the
+    layers without them, or under other patches: Llama-4's rotary embedding returns (cos, sin) only
+    under Scout's builtins), their parameter shapes and dtypes (layers of one class can differ in size:
+    MiMo-V2-Flash's sliding layers have other KV heads; a linear layer's conv state has the dtype the
+    layer runs in), and the layer type the rotary embedding is called with."""
+    from torch.nn import Module
+
+    modules = [*layer.modules(), *([rotary_emb] if rotary_emb is not None else [])]
+    methods = {cls: _installed(cls, Module) for cls in {type(m) for m in modules}}
+    return (
+        layer_type,
+        *(
+            (type(m), methods[type(m)], tuple((tuple(p.shape), p.dtype) for p in m.parameters(recurse=False)))
+            for m in modules
+        ),
     )
 
 
@@ -1072,10 +1098,10 @@ def probe_decoder_layers(
     protocols = []
     for index, layer in enumerate(layers):
         kind = kinds[index] if kinds is not None else "attention"
-        key = (kind, *_layer_key(layer))
+        layer_type = layer_types[index] if layer_types is not None else None
+        roped = rotary_emb if layer_types is None or layer_type is not None else None
+        key = (kind, *_layer_key(layer, roped, layer_type))
         if key not in _protocols:
-            layer_type = layer_types[index] if layer_types is not None else None
-            roped = rotary_emb if layer_types is None or layer_type is not None else None
             with torch.no_grad():
                 _protocols[key] = _probe_layer(layer, roped, layer_type, kind, index)
         protocols.append(_protocols[key])
@@ -1141,7 +1167,8 @@ def decoder_protocol(language_model: Any, kinds: Sequence[str] | None = None) ->
 
 
 def forget() -> None:
-    """Drop every probe result, so the next check probes again (after transformers was patched)."""
+    """Drop every probe result, so the next check probes again: the library probes are cached by name
+    alone (a layer's result is keyed by the methods its classes hold, ``_layer_key``)."""
     _run.cache_clear()
     loading_api.cache_clear()
     temporal_merge_layout.cache_clear()

@@ -15,7 +15,7 @@ from kimi_adapter_core.backends.simulation.model.census import census
 from kimi_adapter_core.backends.simulation.model.inputs import model_inputs
 from kimi_adapter_core.backends.simulation.model.layer_parts import PARTS_TABLE, family_parts
 from kimi_adapter_core.families import parts
-from kimi_adapter_core.families.trial import _buildable_config, _module_paths, write_spec
+from kimi_adapter_core.families.trial import buildable_config, module_paths, write_spec
 from kimi_adapter_core.spec import load_spec
 
 SHIPPED = json.loads(PARTS_TABLE.read_text(encoding="utf-8"))
@@ -77,10 +77,10 @@ def test_plan_sizes_what_the_family_builds(model_type: str, tmp_path: Path) -> N
     """Families whose inventory the table fixed: no invented tensor, the count within 1% (they departed
     before the table: ``qkv_proj``, no norm weights, post-norms, one norm, ``block_sparse_moe.router``,
     ``feed_forward``, an ungated MLP)."""
-    found = _buildable_config(model_type)
+    found = buildable_config(model_type)
     assert not isinstance(found, str), found
     config, model = found
-    spec = load_spec(write_spec(tmp_path, model_type, config, _module_paths(model)))
+    spec = load_spec(write_spec(tmp_path, model_type, config, module_paths(model)))
     inputs = model_inputs(spec, None)
     assert census(inputs.groups, inputs.naming, model).problems() == []
 

@@ -17,7 +17,7 @@ from transformers.models.minimax.modeling_minimax import MiniMaxCache
 from kimi_adapter_core import upstream
 from kimi_adapter_core.backends.extraction.runtime import abi as runtime
 from kimi_adapter_core.cli import cli
-from kimi_adapter_core.families.trial import _buildable_config, _module_paths, write_spec
+from kimi_adapter_core.families.trial import buildable_config, module_paths, write_spec
 from kimi_adapter_core.structure.derive import derive_structure
 
 ALPHA = 3.5565588200778455  # MiniMax-Text-01's residual factor of every sublayer
@@ -119,10 +119,10 @@ def test_prefill_and_decode_equal_transformers_with_its_minimax_cache(dtype: tor
 def test_simulate_refuses_a_lightning_stack_it_cannot_price(tmp_path: Path) -> None:
     """plan sizes a lightning stack; simulate has no serving kernel for its scan and says so (the family
     matrix's row, docs/families.md, proves apply and verify)."""
-    found = _buildable_config("minimax")
+    found = buildable_config("minimax")
     assert not isinstance(found, str)
     config, built = found
-    path = write_spec(tmp_path, "minimax", config, _module_paths(built))
+    path = write_spec(tmp_path, "minimax", config, module_paths(built))
     runner = CliRunner()
     assert runner.invoke(cli, ["plan", str(path), "--seq-len", "64"]).exit_code == 0
     result = runner.invoke(cli, ["simulate", str(path), "--device", "h200", "--query-len", "64"])

@@ -21,7 +21,7 @@ from kimi_adapter_core.backends.extraction import options_from_spec, verify
 from kimi_adapter_core.backends.extraction.runtime import abi as runtime
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import Refusal
-from kimi_adapter_core.families.trial import _buildable_config, _module_paths, write_spec
+from kimi_adapter_core.families.trial import buildable_config, module_paths, write_spec
 from kimi_adapter_core.spec import load_spec
 from kimi_adapter_core.structure.derive import derive_structure
 
@@ -192,10 +192,10 @@ def test_the_probe_and_the_mapping_carry_a_pure_ssm_stack_with_no_attention_laye
 
 
 def _spec(tmp_path: Path, model_type: str) -> Any:
-    found = _buildable_config(model_type)
+    found = buildable_config(model_type)
     assert not isinstance(found, str)
     config, built = found
-    return write_spec(tmp_path, model_type, config, _module_paths(built))
+    return write_spec(tmp_path, model_type, config, module_paths(built))
 
 
 def test_a_recurrent_state_carried_wrong_fails_verify(

@@ -30,7 +30,7 @@ from kimi_adapter_core.backends.extraction.runtime import abi
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import Refusal
 from kimi_adapter_core.families.tiny import tiny_config
-from kimi_adapter_core.families.trial import _buildable_config, _module_paths, write_spec
+from kimi_adapter_core.families.trial import buildable_config, module_paths, write_spec
 from kimi_adapter_core.generate import render_spec
 from kimi_adapter_core.spec import Spec, load_spec
 from kimi_adapter_core.spec.loader import check_spec
@@ -70,9 +70,9 @@ def test_the_runtime_and_the_spec_agree_on_the_usual_names() -> None:
 
 
 def test_the_matrix_spec_builder_names_a_mamba2_stacks_parts(tmp_path: Path) -> None:
-    built = {t: _buildable_config(t) for t in ("mamba2", "bamba", "llama")}
+    built = {t: buildable_config(t) for t in ("mamba2", "bamba", "llama")}
     assert not any(isinstance(found, str) for found in built.values())
-    paths = {t: _module_paths(found[1]) for t, found in built.items()}
+    paths = {t: module_paths(found[1]) for t, found in built.items()}
     assert {k: paths["mamba2"].get(k) for k in STACK_PARTS} == {**MAMBA2_PARTS, "rotary_embedding": None}
     assert {k: paths["bamba"].get(k) for k in STACK_PARTS} == {
         "embeddings": None,
@@ -123,7 +123,7 @@ def test_a_missing_part_is_refused_at_its_key_with_the_stacks_children(
     tmp_path: Path, parts: dict[str, str], key: str, missing: str, where: str | None
 ) -> None:
     spec = mamba2_spec(tmp_path, **parts)
-    found = _buildable_config("mamba2")
+    found = buildable_config("mamba2")
     assert not isinstance(found, str)
     model = found[1]  # on meta
     with pytest.raises(Refusal) as refused:

@@ -27,7 +27,7 @@ from kimi_adapter_core.backends.simulation.model.rank_config import layer_kinds
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import Refusal
 from kimi_adapter_core.families.tiny import tiny_config
-from kimi_adapter_core.families.trial import ADAPTED, _module_paths, run_trial, write_spec
+from kimi_adapter_core.families.trial import ADAPTED, module_paths, run_trial, write_spec
 from kimi_adapter_core.spec import load_spec
 from kimi_adapter_core.structure.derive import derive_structure, refuse_unmodelled
 
@@ -48,7 +48,7 @@ def spec_path(raw: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> 
     """The family trial's spec (the guide's) for the tiny config."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**raw))
-    return write_spec(tmp_path_factory.mktemp("nemotron_h"), "nemotron_h", raw, _module_paths(model))
+    return write_spec(tmp_path_factory.mktemp("nemotron_h"), "nemotron_h", raw, module_paths(model))
 
 
 def _cli(*args: object) -> dict[str, Any]:

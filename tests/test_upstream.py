@@ -104,6 +104,49 @@ def test_an_attention_reading_more_of_the_cache_than_update_is_refused(
     assert "cache_update" in str(caught.value) and TESTED in str(caught.value)
 
 
+def test_a_probe_answers_only_for_the_forwards_it_ran(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer probed under one spec's patches must be probed again without them: Llama-4's rotary
+    embedding gives (cos, sin) only under Scout's builtins, and a cached pass let the multimodal llama4
+    type past its refusal when the family matrix had just adapted llama4_text in the same process."""
+    model = tiny_model("llama")
+    assert upstream.decoder_protocol(model.model).cache_keyword
+    rotary = type(model.model.rotary_emb)
+    real = rotary.forward
+    monkeypatch.setattr(rotary, "forward", lambda self, x, position_ids: real(self, x, position_ids)[0])
+    with pytest.raises(upstream.LayersUnsupported, match="returns Tensor"):
+        upstream.decoder_protocol(model.model)
+
+
+def test_a_probe_is_keyed_by_every_method_the_layer_classes_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A spec patches helpers as well as forwards (DeepSeek-V3's ``expand_kv``): any method installed on
+    a layer module's class (or a base of it) makes the layer a new one to probe; with the method gone
+    again the first result answers."""
+    model = tiny_model("llama")
+    calls: list[int] = []
+    probe = upstream._probe_layer
+
+    def counted(*args: object) -> upstream.LayerProtocol:
+        calls.append(1)
+        return probe(*args)
+
+    monkeypatch.setattr(upstream, "_probe_layer", counted)
+    upstream.forget()
+    try:
+        upstream.decoder_protocol(model.model)
+        upstream.decoder_protocol(model.model)
+        assert len(calls) == 1  # both layers have one structure: probed once, then answered
+        base = type(model.model.layers[0]).__mro__[1]  # GradientCheckpointingLayer: the bases count too
+        assert base is not torch.nn.Module
+        with monkeypatch.context() as patched:
+            patched.setattr(base, "kadapt_helper", lambda self: None, raising=False)
+            upstream.decoder_protocol(model.model)
+            assert len(calls) == 2
+        upstream.decoder_protocol(model.model)
+        assert len(calls) == 2
+    finally:
+        upstream.forget()
+
+
 def test_the_temporal_merge_layout_is_what_the_helper_returns() -> None:
     from transformers.models.kimi_k25.modeling_kimi_k25 import get_vision_temporal_merge_index
 

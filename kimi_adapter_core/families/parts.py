@@ -182,15 +182,15 @@ def generate(model_type: str) -> dict[str, Any] | None:
     """``model_type``'s table entry (None: its small config builds no model, kadapt refuses its config,
     or it is the usual layer)."""
     from ..structure.derive import derive_structure
-    from .trial import _buildable_config, _module_paths
+    from .trial import buildable_config, module_paths
 
-    found = _buildable_config(model_type)
+    found = buildable_config(model_type)
     if isinstance(found, str):
         return None
     config, model = found
     text = config["text_config"] if isinstance(config.get("text_config"), dict) else config
     try:
-        parts = observed_parts(model, _module_paths(model), derive_structure(text))
+        parts = observed_parts(model, module_paths(model), derive_structure(text))
     except (KadaptError, AttributeError, IndexError, StopIteration):  # refused, or no part where expected
         return None
     return departures(parts) or None

@@ -79,7 +79,7 @@ class Row(NamedTuple):
     plan: str = ""
 
 
-def _module_paths(model: Any) -> dict[str, str]:
+def module_paths(model: Any) -> dict[str, str]:
     """Where the guide tells a spec author to look: the decoder stack, its layer list and the LM head."""
     from torch.nn import ModuleList
 
@@ -234,7 +234,7 @@ def _classify(exc: BaseException) -> tuple[str, str, str]:
     return FAILED, "traceback", _one_line(f"{type(exc).__name__}: {exc}{where}")
 
 
-def _buildable_config(model_type: str) -> tuple[dict[str, Any], Any] | str:
+def buildable_config(model_type: str) -> tuple[dict[str, Any], Any] | str:
     """The small config (else transformers' default) and the model transformers builds from it on
     meta (the class kadapt builds, without kadapt's patches); or why neither builds."""
     import torch
@@ -277,10 +277,10 @@ def _plan_census(spec: Any, model: Any, folder: Path) -> list[str]:
 def run_trial(model_type: str) -> Row:
     """``model_type`` through validate --resolve, apply and verify, and plan's census; its row.
 
-    Each trial starts from no probe results (``upstream.forget``): the layer probes are cached by the
-    layers' classes and shapes, which one process's earlier trial may have probed under its own spec's
-    patches. Probed under Scout's builtins for ``llama4_text``, a cached pass answered for the multimodal
-    ``llama4`` type, which then failed in upstream's forward instead of its ``rotary-form`` refusal."""
+    Each trial starts from no probe results (``upstream.forget``), as in a process of its own: a layer's
+    result is keyed by the methods its classes hold (one probed under Scout's builtins for
+    ``llama4_text`` no longer answers for the multimodal ``llama4`` type without them), but the library
+    probes are cached by name alone, whatever an earlier trial's patches changed."""
     from .. import upstream
     from ..backends import extraction
     from ..loading import applied, load_model
@@ -291,11 +291,11 @@ def run_trial(model_type: str) -> Row:
     upstream.forget()
     with tempfile.TemporaryDirectory(prefix=f"kadapt-family-{model_type}-") as tmp:
         folder = Path(tmp)
-        found = _buildable_config(model_type)
+        found = buildable_config(model_type)
         if isinstance(found, str):
             return Row(model_type, UNTESTED, "default-config", found)
         config, built = found
-        spec_path = write_spec(folder, model_type, config, _module_paths(built))
+        spec_path = write_spec(folder, model_type, config, module_paths(built))
         checked = check_spec(spec_path)
         if checked.diagnostics:  # plain validate refuses what it can read from the config alone
             message = checked.diagnostics[0].message

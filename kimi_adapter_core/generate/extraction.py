@@ -27,6 +27,7 @@ from typing import Any
 
 from .. import __version__, upstream
 from ..backends.extraction.ir import encoding
+from ..backends.extraction.job.contact_points import stack_points
 from ..backends.extraction.names import kv_names
 from ..backends.extraction.options import abi_graph_names, spec_paged
 from ..backends.extraction.runtime import abi as runtime
@@ -105,18 +106,6 @@ def _patches(spec: Spec, embedded: EmbeddedCallables) -> list[dict[str, Any]]:
             }
         )
     return rows
-
-
-def _generated_points(spec: Spec, structure: ModelStructure) -> tuple[str, ...]:
-    """The contact points a generated module checks at import (its wrappers probe the layers too)."""
-    points: tuple[str, ...] = ("cache_update", "loader_dtype_plan", "model_classes")
-    if structure.linear is not None:  # the linear layers read and update their states through the cache
-        points = ("cache_update", "linear_attention_cache", *points[1:])
-    if structure.linear is not None and structure.linear.kind in upstream.HEAD_CAST_MIXERS:
-        points = (*points, "head_input_cast")  # the wrappers cast the final hidden states as it does
-    if structure.indexer is not None:  # the DSA indexer writes and reads its keys through the cache
-        points = ("cache_update", "indexer_cache", *points[1:])
-    return (*points, "experts_implementation") if structure.moe is not None else points
 
 
 def _source_config(spec: Spec) -> dict[str, Any]:
@@ -285,7 +274,7 @@ def render_extraction(spec: Spec) -> list[Rendered]:
             "body": upstream_module.body,
             "summary": upstream_module.summary,
             "source": upstream_module.source,
-            "points": _generated_points(spec, dims.structure),
+            "points": stack_points(dims.structure),  # what kadapt's own run checks of the stack
             "transformers": upstream.TESTED_TRANSFORMERS,
             "torch": upstream.TESTED_TORCH,
             "kadapt": __version__,

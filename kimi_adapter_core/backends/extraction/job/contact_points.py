@@ -1,23 +1,49 @@
-"""The transformers contact points an extraction relies on, probed before any export."""
+"""The transformers contact points an extraction relies on, probed before any export.
+
+``stack_points`` is the one list of what exporting a stack through the ABI wrappers relies on: kadapt's
+own run checks it (with what only the run does: the weight map, the vision tower) and a generated
+extraction module checks exactly it at import, so the two cannot disagree about a model.
+"""
 
 from __future__ import annotations
 
+from .... import upstream
+from ....structure.model import ModelStructure
 from ..options import ExtractionOptions
+
+# What only kadapt's own run relies on: the loader's converters (the weight map); ``EXPORT_POINTS``'s
+# experts marker too for any model, since ``check_exportable`` finds experts modules by it.
+RUN_POINTS = (*upstream.EXPORT_POINTS, "loading_converters")
+
+
+def stack_points(structure: ModelStructure) -> tuple[str, ...]:
+    """The contact points the ABI wrappers rely on to export a stack of ``structure``: the cache, the
+    loader's dtype plan and the model classes; a linear stack's state cache (its layer kind's protocol)
+    and, for Mamba1, the head's input cast; a DSA stack's indexer cache; MoE experts' implementation."""
+    linear = structure.linear
+    points = ["cache_update"]
+    if linear is not None:  # the linear layers read and update their states through the cache
+        points.append(upstream.STATE_POINTS[linear.layer_kind])
+    if structure.indexer is not None:  # the DSA indexer writes and reads its keys through the cache
+        points.append("indexer_cache")
+    points += ["loader_dtype_plan", "model_classes"]
+    if linear is not None and linear.kind in upstream.HEAD_CAST_MIXERS:
+        points.append("head_input_cast")  # the wrappers cast the final hidden states as it does
+    if structure.moe is not None:
+        points.append("experts_implementation")
+    return tuple(points)
+
+
+def run_points(options: ExtractionOptions) -> tuple[str, ...]:
+    """What one run relies on: ``RUN_POINTS``, the stack's (once its structure is bound) and, with a
+    vision tower, transformers' grid helpers; each once, in that order."""
+    points = (*RUN_POINTS, *(stack_points(options.structure) if options.structure is not None else ()))
+    if options.vision is not None:
+        points = (*points, "vision_grid_helpers")
+    return tuple(dict.fromkeys(points))
 
 
 def check_upstream(options: ExtractionOptions) -> None:
     """Probe every transformers contact point this extraction relies on (``upstream.ContactPointMoved``
     names what moved); ``run`` probes the model's own decoder layers after it is built."""
-    from .... import upstream
-
-    points = (*upstream.EXPORT_POINTS, "loading_converters")
-    if options.vision is not None:
-        points = (*points, "vision_grid_helpers")
-    linear = options.structure.linear if options.structure is not None else None
-    if linear is not None:
-        points = (*points, upstream.STATE_POINTS[linear.layer_kind])
-        if linear.kind in upstream.HEAD_CAST_MIXERS:
-            points = (*points, "head_input_cast")
-    if options.structure is not None and options.structure.indexer is not None:
-        points = (*points, "indexer_cache")
-    upstream.check(points)
+    upstream.check(run_points(options))
