@@ -24,7 +24,7 @@ from kimi_adapter_core.backends.extraction.names import GraphNames, kv_names
 from kimi_adapter_core.backends.extraction.runtime import abi as runtime
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.families.tiny import tiny_config
-from kimi_adapter_core.families.trial import _buildable_config, _module_paths, write_spec
+from kimi_adapter_core.families.trial import buildable_config, module_paths, write_spec
 from kimi_adapter_core.spec import load_spec
 from kimi_adapter_core.structure.derive import derive_structure
 
@@ -76,7 +76,7 @@ def _wrappers(model: torch.nn.Module) -> tuple[Any, Any]:
         "cache_keyword": upstream.cache_keyword(stack.layers[0]),
         "layer_kinds": _kinds(model),
         # where the stack keeps its final norm (embedding_norm) and rope (LFM2-MoE: pos_emb), as a spec says
-        "parts": {k: v for k, v in _module_paths(model).items() if k in ("final_norm", "rotary_embedding")},
+        "parts": {k: v for k, v in module_paths(model).items() if k in ("final_norm", "rotary_embedding")},
         "windows": [getattr(model.config, "sliding_window", None) if t == "sliding_attention" else None
                     for t in model.config.layer_types],
         "rope_layer_types": upstream.rope_layer_types(stack),
@@ -206,10 +206,10 @@ def test_the_probe_reads_one_window_and_the_mapping_carries_it_alone() -> None:
 
 
 def _spec(tmp_path: Path, model_type: str, abi: tuple[str, str] = ("", "")) -> Path:
-    found = _buildable_config(model_type)
+    found = buildable_config(model_type)
     assert not isinstance(found, str)
     config, built = found
-    path = write_spec(tmp_path, model_type, config, _module_paths(built))
+    path = write_spec(tmp_path, model_type, config, module_paths(built))
     path.write_text(path.read_text().replace(*abi))
     return path
 
