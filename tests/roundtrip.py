@@ -79,7 +79,14 @@ PREFILL, CACHE, STEPS = 8, 16, 4
 FP32_TOLERANCE = 1e-4
 BF16_EAGER_EXPERTS_TOLERANCE = 0.1
 BF16_KDA_TOLERANCE = 2.0
-BF16_TOLERANCE = {"qwen3_5_moe": BF16_KDA_TOLERANCE}  # (Kimi-Linear: BF16_SCAN_TOKENS_MAY_PART)
+# MiniMax-Text-01 scales every residual by 3.56 (DeepNorm) and its lightning scan sums K^T V unnormalized,
+# so the eager experts loop's bf16 rounding grows to 2.5 on its tiny model's logits (the as-built run is
+# bit-identical, and so are the greedy tokens)
+BF16_LIGHTNING_TOLERANCE = 4.0
+BF16_TOLERANCE = {  # (Kimi-Linear: BF16_SCAN_TOKENS_MAY_PART)
+    "qwen3_5_moe": BF16_KDA_TOLERANCE,
+    "minimax_text_01": BF16_LIGHTNING_TOLERANCE,
+}
 # The two halves of the specs other than CORE, each vendored and run by its own test file's interpreter
 # (``test_generated_module_roundtrip.py``: CORE and the first half; ``..._1.py``: the second), so the
 # suite's two workers share the slowest file of the suite.
@@ -204,7 +211,7 @@ def roundtrip(m, tiny, dtype, out, prefill_len, max_cache_len, steps):
         for part in states(layer):
             present = outputs[layer[f"prefill_{part}_output"]["name"]]
             target = layer[f"decode_{part}_input"]
-            if layer.get("kind") == "linear":  # contract.linear_states: the decode input as it is
+            if layer.get("kind") in ("linear", "lightning"):  # contract.linear_states: the input as it is
                 cache[target["name"]] = present
                 continue
             zeros = torch.zeros(target["shape"], dtype=getattr(torch, target["dtype"]))
@@ -385,6 +392,10 @@ def test_the_script_ran_outside_the_checkout_without_kadapt(report: Callable[[st
         assert Path(path).parent == cwd, f"{name}: the vendored copy, not the committed file"
 
 
+# the states a layer of these kinds returns, in order (an attention or indexed layer: its key and value first)
+FIRST_LAYER_STATES = {"linear": ["conv", "recurrent"], "lightning": ["recurrent"]}
+
+
 def test_saved_graphs_carry_the_kv_mappings_names(
     report: Callable[[str], dict[str, Any]], name: str, dtype: str
 ) -> None:
@@ -425,9 +436,11 @@ def test_saved_graphs_carry_the_kv_mappings_names(
     assert decode["inputs"][4:] == kv("decode_", "_input")
     assert decode["outputs"][1:] == kv("decode_", "_output")
     first = mapping["layers"][0]
-    roles = ["conv", "recurrent"] if first.get("kind") == "linear" else ["key", "value"]
-    assert decode["inputs"][4:6] == [f"past.0.{role}" for role in roles]
-    assert prefill["outputs"][1:3] == decode["outputs"][1:3] == [f"present.0.{role}" for role in roles]
+    roles = FIRST_LAYER_STATES.get(first.get("kind"), ["key", "value"])
+    end = len(roles)
+    assert decode["inputs"][4 : 4 + end] == [f"past.0.{role}" for role in roles]
+    presents = [f"present.0.{role}" for role in roles]
+    assert prefill["outputs"][1 : 1 + end] == decode["outputs"][1 : 1 + end] == presents
 
 
 def test_saved_graphs_generate_like_transformers(

@@ -20,7 +20,8 @@ def test_the_chosen_specs_hold_every_feature_of_every_shipped_spec() -> None:
 def test_the_features_tell_apart_the_layer_kinds_caches_and_shapes_the_shipped_specs_have() -> None:
     found = set().union(*(features(name) for name in SHIPPED))
     assert {
-        "kind:linear", "kind:indexed", "kind:none", "mixer:kda", "mixer:gated_delta_net", "mixer:mamba2",
+        "kind:linear", "kind:indexed", "kind:none", "kind:lightning", "mixer:kda", "mixer:gated_delta_net",
+        "mixer:mamba2", "mixer:lightning",
         "chunked", "sliding", "kv-layout:latent", "kv-layout:heads", "vision", "nested-text-config",
         "remote-code", "mtp", "storage:fp8", "storage:mxfp4",
     } <= found

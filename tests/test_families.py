@@ -75,6 +75,15 @@ def test_full_size_apply_and_verify(spec_path: Path, shipped_apply: SharedApplie
             assert tuple(layer["decode_recurrent_output"]["shape"]) == (1, *recurrent.shape())
             assert layer["decode_recurrent_output"]["dtype"] == recurrent.dtype
             continue
+        if kind == "lightning":  # MiniMax: the recurrent state alone, in the ABI dtype
+            assert structure.linear is not None
+            recurrent = structure.linear.recurrent_state
+            assert [k for k in layer if k.startswith(("prefill_", "decode_"))] == [
+                "prefill_recurrent_output", "decode_recurrent_input", "decode_recurrent_output"
+            ]
+            assert tuple(layer["decode_recurrent_output"]["shape"]) == (1, *recurrent.shape())
+            assert layer["decode_recurrent_output"]["dtype"] == recurrent.dtype_in(spec.abi.dtype)
+            continue
         if kind == "none":  # a block with no mixer (Nemotron-H's MLP blocks) carries no state
             assert not [k for k in layer if k.startswith(("prefill_", "decode_"))], layer
             continue

@@ -56,6 +56,7 @@ from kimi_adapter_core.spec import Spec, load_spec
 from kimi_adapter_core.structure.derive import derive_structure
 from kimi_adapter_core.structure.model import ModelStructure
 from kimi_adapter_core.structure.of_spec import structure_of_config
+from kimi_adapter_core.structure.states import RecurrentState
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC_PATHS = sorted((REPO / "specs").glob("*.yaml"))
@@ -157,12 +158,14 @@ def test_module_is_standalone_and_bakes_in_kadapts_structure(
 def linear_states_read(structure: ModelStructure, dtype: str) -> Any:
     """The linear layers' states as the extraction binds them once the layers handed them over (the
     pipeline checks they are the ones the config implies): the conv window in the ABI dtype, the
-    recurrent state in its own."""
+    recurrent state in its own (a lightning layer's: the ABI dtype, and no conv window)."""
     linear = structure.linear
     if linear is None:
         return None
-    conv, recurrent = linear.conv_state, linear.recurrent_state
-    return ((conv.shape(), dtype), (recurrent.shape(), recurrent.dtype))
+    return tuple(
+        (state.shape(), state.dtype_in(dtype) if isinstance(state, RecurrentState) else dtype)
+        for _, state in linear.states
+    )
 
 
 @pytest.mark.parametrize("name", EXTRACTABLE)

@@ -304,6 +304,7 @@ LINEAR_SCANS = {
     "gated_delta_net": ("fused_sigmoid_gating_delta_rule_update", "chunk_gated_delta_rule"),
     "kda": ("fused_recurrent_kda", "chunk_kda"),
     "mamba2": ("selective_state_update", "mamba_chunk_scan_combined"),
+    "lightning": ("linear_decode_forward_triton", "lightning_attention"),
 }
 
 
@@ -338,11 +339,11 @@ def test_simulate_every_family(name: str, decode: bool) -> None:
         assert not any("mla" in n for n in names)
     # a traced layer per kind: each attention layer runs its attention kernel, each linear layer its scan
     kinds = s.layer_kinds
-    attending = sum(kind not in ("linear", "none") for kind in kinds)  # full, sliding, chunked, indexed
+    attending = len(s.attention_layer_ids)  # full, sliding, chunked, indexed
     assert sum(r.count for r in rows if r.name == attention_kernel(s, decode)) == attending
     if s.linear is not None:  # each linear layer runs its mixer's scan (decode: the recurrent update)
         scan = LINEAR_SCANS[s.linear.kind][0 if decode else 1]
-        assert sum(r.count for r in rows if r.name == scan) == kinds.count("linear")
+        assert sum(r.count for r in rows if r.name == scan) == len(s.linear_layer_ids)
     # one all-reduce per mixer and per MLP a layer has (Nemotron-H's blocks hold one or the other)
     sublayers = 2 * s.num_layers - kinds.count("none") - len(s.mlpless_layer_ids)
     assert sum(r.count for r in rows if r.name == "tp_all_reduce") == sublayers

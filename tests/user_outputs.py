@@ -41,6 +41,7 @@ SPECS = (
     "kimi_linear",
     "llama",
     "llama4_scout",
+    "minimax_text_01",
     "mistral",
     "mixtral",
     "nemotron_h",

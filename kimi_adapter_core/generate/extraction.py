@@ -178,6 +178,9 @@ def structure_context(spec: Spec, d: abi_tables.Dims) -> dict[str, Any]:
         "linear_count": len(d.structure.linear_layer_ids),
         "layer_kinds": periodic_literal(d.layer_kinds),
         "linear_states": d.linear_states(spec.abi.dtype),
+        # lightning attention (MiniMax): layers of kind "lightning" carrying a recurrent state alone
+        "lightning": d.linear_kind == "lightning",
+        "linear_kind": d.linear_kind,
         "linear_sizes": sizes,
         "recurrent_axes": RECURRENT_AXES[linear.kind] if linear is not None else None,
         "indexed": d.index_dim is not None,

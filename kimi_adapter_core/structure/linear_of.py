@@ -78,12 +78,14 @@ MIXERS: dict[str, dict[str, str]] = {
         "conv_kernel": "short_conv_kernel",
     },
     # MiniMax's lightning attention: the attention's own heads and width (``head_dim``, else hidden /
-    # heads as MiniMaxLightningAttention computes it); no conv window
+    # heads as MiniMaxLightningAttention computes it); no conv window; its prefill block (which sizes its
+    # decay buffers) is what tells it apart from any attention's sizes
     "lightning": {
         "num_key_heads": "num_heads",
         "num_value_heads": "num_heads",
         "key_head_dim": "head_dim",
         "value_head_dim": "head_dim",
+        "block_size": "lightning_block_size",
     },
 }
 MIXER_NAMES = {
@@ -94,9 +96,6 @@ MIXER_NAMES = {
     "short_conv": "short convolution",
     "lightning": "lightning",
 }
-# Facts a kind needs stated beside its sizes: lightning's sizes are any attention's, its prefill block
-# size (``block_size``) is what tells it apart
-MARKERS: dict[str, tuple[str, ...]] = {"lightning": ("lightning_block_size",)}
 # Facts a kind's config must not state: a Mamba1 scan is a state size without SSM heads (with heads,
 # Mamba2 sized it, or its key set is incomplete and the refusal names it)
 ABSENT: dict[str, tuple[str, ...]] = {"mamba1": ("mamba_num_heads",)}
@@ -128,9 +127,9 @@ def linear_of(read: Reader, spans: list[tuple[str, int | None]]) -> LinearAttent
 
 
 def _needed(kind: str) -> tuple[str, ...]:
-    """The config facts a kind needs stated: its sizes' (a derived size's inputs) and its markers."""
+    """The config facts a kind needs stated: its sizes' (a derived size's inputs)."""
     facts: list[str] = []
-    for fact in (*MIXERS[kind].values(), *MARKERS.get(kind, ())):
+    for fact in MIXERS[kind].values():
         facts += DERIVED.get(fact, (fact,))
     return tuple(dict.fromkeys(facts))
 

@@ -195,6 +195,8 @@ class LinearAttention:
     value_head_dim: int
     conv_kernel: int = 0  # 0: no conv window (CONV_FREE_KINDS)
     dt_rank: int | None = None  # Mamba1's dt projection rank (plan sizes x_proj/dt_proj by it); None: others
+    # lightning attention's prefill block (plan sizes its decay buffers by it); None: others
+    block_size: int | None = None
 
     @property
     def conv(self) -> ConvState | None:
@@ -271,7 +273,7 @@ MIXER_TEXT = {
     "groups, conv {conv_kernel}",
     "mamba1": "Mamba1 selective scan {num_value_heads} channels, state {key_head_dim}, conv {conv_kernel}",
     "short_conv": "gated short convolution {num_value_heads} channels, conv {conv_kernel}",
-    "lightning": "lightning attention {num_value_heads}x{value_head_dim} heads, no conv",
+    "lightning": "lightning attention {num_value_heads}x{value_head_dim} heads, block {block_size}, no conv",
 }
 
 
@@ -481,8 +483,9 @@ class ModelStructure:
         for kind in ("linear", "indexer"):  # stacks without them: their metadata is what it always was
             if getattr(self, kind) is None:
                 data.pop(kind)
-        if self.linear is not None and self.linear.dt_rank is None:  # only Mamba1 states one
-            data["linear"].pop("dt_rank")
+        for size in ("dt_rank", "block_size"):  # only Mamba1 states the one, lightning the other
+            if self.linear is not None and getattr(self.linear, size) is None:
+                data["linear"].pop(size)
         data["layers"] = _compress_layers(self.layers)
         data["rope"] = self.rope.to_dict()
         return data

@@ -171,15 +171,26 @@ def _mamba1(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
 def _lightning(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
     """Tensors of a lightning-attention layer's ``self_attn`` under the model's own names (transformers
     5.24 ``MiniMaxLightningAttention``): the fused q/k/v projection, the sigmoid output gate, the RMS
-    norm over every head and ``out_proj``; no conv, no bias (the decay rates are computed buffers). Split
-    over TP by heads as vLLM's ``MiniMaxText01LinearAttention`` shards them, its norm too."""
+    norm over every head and ``out_proj``; no conv, no bias. Its decay rates are persistent buffers the
+    class computes from the heads and the prefill block ``L`` (the slope per head, the query and key
+    decay ``[H, L, 1]`` inside a block, the causal ``[1, H, L, L]`` decay between its tokens): they are
+    in the model's state dict, so plan counts them (MiniMax-Text-01: 4.2 M per layer, 0.07% of the
+    model). Split over TP by heads as vLLM's ``MiniMaxText01LinearAttention`` shards them, its norm too."""
     lin, h = s.linear, s.hidden_size
-    assert lin is not None
-    width = lin.num_value_heads * lin.value_head_dim
+    assert lin is not None and lin.block_size is not None
+    heads, block = lin.num_value_heads, lin.block_size
+    width = heads * lin.value_head_dim
+    decay: Tensors = [
+        ("self_attn.slope_rate", (heads, 1, 1)),
+        ("self_attn.query_decay", (heads, block, 1)),
+        ("self_attn.key_decay", (heads, block, 1)),
+        ("self_attn.diagonal_decay", (1, heads, block, block)),
+    ]
     return [
         ("qkv_proj", [("self_attn.qkv_proj.weight", (3 * width, h))], "tp", True),
         ("output_gate", [("self_attn.output_gate.weight", (width, h))], "tp", True),
         ("norm", [("self_attn.norm.weight", (width,))], "tp", False),
+        ("decay", decay, "tp", False),
         ("out_proj", [("self_attn.out_proj.weight", (h, width))], "tp", True),
     ]
 

@@ -103,10 +103,11 @@ class LayerKind:
 
 
 def layer_kinds(s: ModelStructure) -> list[LayerKind]:
-    """One entry per mixer and MLP kind present, in the order their first layers appear."""
+    """One entry per mixer and MLP kind present, in the order their first layers appear. A linear
+    layer is ``linear`` whatever its ABI kind (MiniMax's ``lightning``, LFM2's ``short_conv`` too): its
+    mixer is swapped for its serving kernels, not run through the attention interface."""
     kinds: dict[tuple[str, str], list[int]] = {}
     for layer, mixer in zip(s.layers, s.layer_kinds, strict=True):
-        # every linear mixer's layers (a short convolution's ABI kind too) are traced as ``linear``
         mixer = "linear" if layer.attention == "linear" else mixer
         kinds.setdefault((mixer, layer.mlp), []).append(layer.index)
     return [

@@ -296,7 +296,8 @@ def _swap_linear(spec: Spec, layer: nn.Module, where: str, tp: int) -> list[Rank
             f"{where} of the model built for spec {spec.name} is a linear-attention layer, but none of its "
             "modules is a mixer simulate can price: a gated DeltaNet (conv1d, norm, out_proj, A_log, dt_bias "
             "and the in projections of Qwen3-Next or Qwen3.5), a KDA (q/k/v_proj, conv1d, forget_gate, "
-            "b_proj, o_norm, o_proj) or a Mamba2 mixer (in_proj, conv1d, norm, out_proj, A_log, dt_bias, D); "
+            "b_proj, o_norm, o_proj), a Mamba2 mixer (in_proj, conv1d, norm, out_proj, A_log, dt_bias, D) "
+            "or a lightning attention (qkv_proj, output_gate, norm, out_proj, slope_rate); "
             f"the classes there are: {seen}"
         )
     swapped = []

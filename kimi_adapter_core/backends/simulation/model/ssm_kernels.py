@@ -27,12 +27,20 @@ a chunked einsum in float32) are not what an engine launches. vLLM and SGLang ru
   x (column-parallel), B * x, ``causal_conv1d_fn`` over it in prefill and ``causal_conv1d_update`` in
   decode, C times the result, ``out_proj`` (row-parallel). No scan: its only state is the conv window,
   which ``_record_conv`` reads and writes.
+- Lightning attention (MiniMax-Text-01; vLLM's ``MiniMaxText01LinearAttention``): no conv. Prefill runs
+  ``lightning_attention`` over blocks of ``L`` tokens (the config's ``block_size``, 256): per token and
+  head ``4 L d`` inside its block (q Kᵀ, then its decayed product with V) and ``4 d²`` against the
+  state (q times the carried Kᵀ V, the block's decayed Kᵀ V added to it), on tensor cores (the blocks
+  are matmuls, only the state passing is sequential); decode runs ``linear_decode_forward_triton``:
+  ``5 d²`` per token and head (decay, kᵀ v, the sum and q S) on the vector units. Its state
+  ``[H, d, d]`` is in the model's dtype, as plan sizes it (``RecurrentState.dtype`` None).
 
-Each decode step reads and writes every request's float32 state once; none of them grows with the
-context. The mixer's modules are adopted by attribute name and kept whole (the built model is not
-resized for these kinds): a TP engine's rank runs 1/tp of the heads, so the projections run on
-their rank's slice of the weight (``RankLinear``, a view: the weight's format follows it), the
-gated norms on their slice, and the analytic kernels at the rank's sizes.
+Each decode step reads and writes every request's state once (float32, but lightning's); none of them
+grows with the context. The KDA, Mamba2 and Mamba1 mixers' modules are adopted by attribute name and
+kept whole (the built model is not resized for these kinds): a TP engine's rank runs 1/tp of the heads,
+so the projections run on their rank's slice of the weight (``RankLinear``, a view: the weight's format
+follows it), the gated norms on their slice, and the analytic kernels at the rank's sizes. Lightning
+attention is sized by the attention's heads, which ``rank_config`` resizes: its module is built per rank.
 """
 
 from __future__ import annotations
@@ -69,6 +77,9 @@ MAMBA1_FIELDS = ("in_proj", "conv1d", "x_proj", "dt_proj", "out_proj", "A_log", 
 MAMBA1_SIZES = ("intermediate_size", "ssm_state_size", "time_step_rank", "conv_kernel_size")
 # Lfm2ShortConv (LFM2-MoE's and LFM3's are its subclasses or copies)
 SHORT_CONV_FIELDS = ("in_proj", "conv", "out_proj", "conv_kernel_size")
+# MiniMaxLightningAttention
+LIGHTNING_FIELDS = ("qkv_proj", "output_gate", "norm", "out_proj", "act_fn", "slope_rate")
+LIGHTNING_SIZES = ("num_attention_heads", "head_dim", "block_size")
 
 
 def _has(module: nn.Module, names: tuple[str, ...]) -> bool:
@@ -94,6 +105,11 @@ def is_short_conv(module: nn.Module) -> bool:
     """Whether ``module`` is a gated short convolution (by its attribute names: a ``conv``, where the SSM
     mixers keep a ``conv1d``)."""
     return _has(module, SHORT_CONV_FIELDS) and isinstance(module.conv, nn.Conv1d)
+
+
+def is_lightning(module: nn.Module) -> bool:
+    """Whether ``module`` is a lightning-attention mixer (by its attribute names)."""
+    return _has(module, (*LIGHTNING_FIELDS, *LIGHTNING_SIZES))
 
 
 class RankLinear(nn.Module):
@@ -369,6 +385,60 @@ class RankShortConv(RankLinearMixer):
         }
 
 
+class RankLightning(RankLinearMixer):
+    """A lightning-attention mixer (``self_attn`` of a MiniMax linear layer) as vLLM runs it, around the
+    adopted module's projections, norm and activation; built with the rank's heads already. Called as
+    transformers calls the mixer, it returns ``(output, None)`` as the decoder layer unpacks it."""
+
+    def __init__(self, inner: nn.Module, rec: Recorder, dep: Deployment) -> None:
+        super().__init__()
+        if not is_lightning(inner):
+            raise KadaptError(
+                f"{type(inner).__name__} is not a lightning-attention mixer kadapt can price: it needs "
+                f"{', '.join((*LIGHTNING_FIELDS, *LIGHTNING_SIZES))}"
+            )
+        for name in ("qkv_proj", "output_gate", "norm", "out_proj", "act_fn"):
+            setattr(self, name, getattr(inner, name))
+        self.heads, self.head_dim = int(inner.num_attention_heads), int(inner.head_dim)
+        self.block = int(inner.block_size)  # no conv window: the base class's conv is never recorded
+        self.bind(rec, dep)
+
+    def forward(self, hidden_states: torch.Tensor, *_: Any, **__: Any) -> tuple[torch.Tensor, None]:
+        b, s, hidden = hidden_states.shape
+        self.act_fn(self.qkv_proj(hidden_states))  # SiLU over q, k and v
+        self._record_lightning(b, s, hidden)
+        width = self.heads * self.head_dim
+        core = torch.empty(b, s, width, dtype=hidden_states.dtype, device=hidden_states.device)
+        gated = torch.sigmoid(self.output_gate(hidden_states)) * self.norm(core)
+        return self.out_proj(gated), None
+
+    def _attrs(self, source: str, b: int, s: int, hidden: int) -> dict[str, Any]:
+        return {
+            "kernel": "lightning",
+            "decode": self.dep.decode,
+            "batch": b,
+            "seq": s,
+            "hidden": hidden,
+            "heads": self.heads,
+            "head_dim": self.head_dim,
+            "block": self.block,
+        }
+
+    def _record_lightning(self, b: int, s: int, hidden: int) -> None:
+        """``lightning_attention`` in prefill, ``linear_decode_forward_triton`` in decode: q, k, v and o in
+        bf16 (the per-head slopes are a few bytes), the state ``[H, d, d]`` in the model's dtype."""
+        h, d, tokens = self.heads, self.head_dim, b * s
+        io = tokens * 4 * h * d * ACTIVATION_BYTES
+        if self.dep.decode:
+            source, compute, flops = "linear_decode_forward_triton", "vector", tokens * h * 5 * d * d
+        else:
+            source, compute = "lightning_attention", "bf16"
+            flops = tokens * h * (4 * self.block * d + 4 * d * d)
+        state = b * h * d * d * ACTIVATION_BYTES
+        shapes = f"B{b} q{s} H{h} d{d} L{self.block}"
+        self._record_scan(source, compute, flops, io, state, shapes, self._attrs(source, b, s, hidden))
+
+
 # the kinds in the order a module is tested (their attribute sets do not overlap)
 KINDS = (
     ("gated DeltaNet", is_gated_delta_net),
@@ -376,9 +446,10 @@ KINDS = (
     ("Mamba2", is_mamba2),
     ("Mamba1", is_mamba1),
     ("short convolution", is_short_conv),
+    ("lightning attention", is_lightning),
 )
-# the structure's mixer kinds these kernels price (MiniMax's lightning attention: none yet)
-SIMULATED_MIXERS = ("gated_delta_net", "kda", "mamba2", "mamba1", "short_conv")
+# the structure's mixer kinds these kernels price (every kind plan sizes)
+SIMULATED_MIXERS = ("gated_delta_net", "kda", "mamba2", "mamba1", "short_conv", "lightning")
 
 
 def linear_mixers(layer: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -387,11 +458,13 @@ def linear_mixers(layer: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def rank_mixer(inner: nn.Module, rec: Recorder, dep: Deployment, tp: int) -> RankLinearMixer:
-    """The serving kernels of one mixer found by ``linear_mixers``. A gated DeltaNet is built per rank
-    already (``rank_config`` resizes its heads); KDA, Mamba2 and Mamba1 mixers are whole and run 1/tp of
-    them, as is a short convolution."""
+    """The serving kernels of one mixer found by ``linear_mixers``. A gated DeltaNet and a lightning
+    attention are built per rank already (``rank_config`` resizes their heads); KDA, Mamba2 and Mamba1
+    mixers are whole and run 1/tp of them, as is a short convolution."""
     if is_gated_delta_net(inner):
         return RankGatedDeltaNet(inner, rec, dep)
+    if is_lightning(inner):
+        return RankLightning(inner, rec, dep)
     if is_kda(inner):
         return RankKDA(inner, rec, dep, tp)
     if is_mamba1(inner):
