@@ -64,7 +64,14 @@ REFUSALS = {
     "gated DeltaNet, KDA, Mamba2, Mamba1, lightning attention and LFM2's short convolution): their state "
     "is neither a KV cache nor a conv window and recurrent state kadapt can size",
     "layer-types": "attention kinds other than full, sliding-window, chunked and DSA-indexed (compressed)",
-    "per-layer-config": "attention sizes that differ per layer (a per_layer_config)",
+    "per-layer-config": "per-layer config values other than each attention layer's KV heads and head "
+    "width (a per_layer_config overriding other attributes, a size listed per layer)",
+    "kv-shared-layers": "layers that reuse an earlier layer's keys and values within one forward "
+    "(num_kv_shared_layers: Gemma-4) instead of caching their own",
+    "per-layer-inputs": "a decoder layer input the model computes outside the layers from the tokens "
+    "(per-layer embeddings, PLE: Gemma-4's hidden_size_per_layer_input)",
+    "layer-mlp": "an MLP kadapt does not describe: a width that differs per layer, or a dense MLP beside "
+    "routed experts in one layer",
     "stack-layout": "a decoder stack without the layers, embeddings and final norm the wrappers call (the "
     "spec's module_paths name them), or layers without a self_attn that knows its layer_idx, or that take "
     "an input the model's forward computes and the wrappers do not",

@@ -931,6 +931,9 @@ class LayerProtocol(NamedTuple):
     kv_dims: tuple[tuple[int, int], tuple[int, int]] | None
     linear_states: tuple[tuple[tuple[int, ...], str], ...] | None = None
     index_dim: int | None = None  # a DSA indexer's key width (None: no indexed layer)
+    # per probed layer what it caches per token (``kv_dims`` of that layer; None: it caches no KV), so
+    # that layers of other KV heads or widths (MiMo-V2-Flash, Gemma-4) are checked one by one
+    layer_kv_dims: tuple[tuple[tuple[int, int], tuple[int, int]] | None, ...] | None = None
 
 
 class _UpdateCall:
@@ -1091,7 +1094,8 @@ def probe_decoder_layers(
     own ``layer_idx``, and neither uses anything else of the cache; the layer returns the hidden states
     tensor; the rotary embedding returns ``(cos, sin)`` (given the layer's type from ``layer_types``
     when it takes one; a layer whose type it keeps no frequencies for gets none). Runs on the layers' own
-    device: free on meta, tiny elsewhere.
+    device: free on meta, tiny elsewhere. The attention layers may cache different KV shapes
+    (``layer_kv_dims``, one per layer): the caller holds each against what the config says of that layer.
     """
     import torch
 
@@ -1106,7 +1110,6 @@ def probe_decoder_layers(
                 _protocols[key] = _probe_layer(layer, roped, layer_type, kind, index)
         protocols.append(_protocols[key])
     for field, what in (
-        ("kv_dims", "one KV shape per token for every attention layer (the ABI's cache has one)"),
         ("linear_states", "one conv and recurrent state shape for every linear layer"),
         ("index_dim", "one indexer key width for every DSA layer"),
     ):
@@ -1131,7 +1134,11 @@ def probe_decoder_layers(
         return next((getattr(p, field) for p in protocols if getattr(p, field) is not None), None)
 
     return LayerProtocol(
-        protocols[0].cache_keyword, first("kv_dims"), first("linear_states"), first("index_dim")
+        protocols[0].cache_keyword,
+        first("kv_dims"),
+        first("linear_states"),
+        first("index_dim"),
+        tuple(p.kv_dims for p in protocols),
     )
 
 

@@ -215,6 +215,12 @@ def kv_shapes(
     return (batch, key_heads, length, key_dim), (batch, value_heads, length, value_dim)
 
 
+def layer_dims(kv_dims: KVDims, layer_kv_dims: Sequence[KVDims] | None, layer: int) -> KVDims:
+    """Layer ``layer``'s KV dims: its own when the stack's layers cache different shapes (``layer_kv_dims``,
+    one per layer: MiMo-V2-Flash's sliding layers have more KV heads), else the stack's ``kv_dims``."""
+    return kv_dims if layer_kv_dims is None else layer_kv_dims[layer]
+
+
 def additive_causal_mask(query_positions: torch.Tensor, key_length: int, dtype: torch.dtype) -> torch.Tensor:
     """``[B, 1, Q, K]`` mask for ``query_positions`` ``[B, Q]``: key ``k`` visible iff ``k <= position``."""
     keys = torch.arange(key_length, device=query_positions.device)
@@ -951,6 +957,7 @@ def decode_inputs(
     kinds: Sequence[str] | None = None,
     linear_states: LinearStates | None = None,
     index_dim: int | None = None,
+    layer_kv_dims: Sequence[KVDims] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Example decode inputs for the token at ``position`` in every row, with zeroed caches.
 
@@ -958,28 +965,31 @@ def decode_inputs(
     and zeroed pools ``[num_blocks, block_size, heads, dim]`` instead of per-row caches. ``kinds``
     gives each layer's kind (None: all attention); a ``linear`` layer takes its zeroed
     ``linear_states`` per row instead (never paged); an ``indexed`` layer also its indexer keys, a
-    one-head cache of ``index_dim``.
+    one-head cache of ``index_dim``. ``layer_kv_dims``: each layer's own KV dims when they differ per
+    layer (None: ``kv_dims`` for every layer).
     """
     positions = torch.full((batch, 1), position, dtype=torch.long, device=device)
     index_dims: KVDims = ((1, index_dim or 1),) * 2  # the indexer keys: one head
-    if paged is None:
-        key_shape, value_shape = kv_shapes(kv_dims, batch, max_cache_len)
-        index_shape = kv_shapes(index_dims, batch, max_cache_len)[0]
-        table: tuple[torch.Tensor, ...] = ()
-    else:
-        block_size, num_blocks = paged
-        key_shape, value_shape = paged_shapes(kv_dims, block_size, num_blocks)
-        index_shape = paged_shapes(index_dims, block_size, num_blocks)[0]
-        blocks = max_cache_len // block_size
-        table = (torch.arange(batch * blocks, device=device).remainder(num_blocks).view(batch, blocks),)
+
+    def shapes(dims: KVDims) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        if paged is None:
+            return kv_shapes(dims, batch, max_cache_len)
+        return paged_shapes(dims, *paged)
+
+    index_shape = shapes(index_dims)[0]
+    table: tuple[torch.Tensor, ...] = ()
+    if paged is not None:
+        blocks = max_cache_len // paged[0]
+        table = (torch.arange(batch * blocks, device=device).remainder(paged[1]).view(batch, blocks),)
     past: list[torch.Tensor] = []
-    for kind in kinds if kinds is not None else ["attention"] * num_layers:
+    for layer, kind in enumerate(kinds if kinds is not None else ["attention"] * num_layers):
         if kind in STATELESS_KINDS:
             continue
         if kind in LINEAR_LAYER_KINDS:
             assert linear_states is not None, "a linear layer needs its linear_states"
             past += linear_state_zeros(linear_states, batch, device)
             continue
+        key_shape, value_shape = shapes(layer_dims(kv_dims, layer_kv_dims, layer))
         past += [
             torch.zeros(key_shape, dtype=dtype, device=device),
             torch.zeros(value_shape, dtype=dtype, device=device),
@@ -1172,6 +1182,11 @@ class PagedKV(NamedTuple):
         }
 
 
+PER_LAYER_KV_RULE = (
+    "the attention layers cache different KV heads or head widths: each attention layer's entry states "
+    "its own (layers[i].cache.key/value: heads, dim), and its tensors' shapes are those"
+)
+
 CHUNKED_MASK_RULE = (
     "chunked layers (attention_chunks) also hide k < p - p % chunk: a query sees only the keys of its own "
     "chunk of positions; the graph adds that itself from position_ids. Every slot is still kept (the "
@@ -1193,6 +1208,7 @@ def kv_contract(
     chunked: bool = False,
     lightning: bool = False,
     short_conv: bool = False,
+    per_layer: bool = False,
 ) -> dict[str, Any]:
     """Everything a runtime needs besides the graphs: cache semantics, masks, positions, capacity,
     with ``dynamic`` sizes (``{"prefill_len": (1, 64)}``) how to bind them, with ``paged`` the
@@ -1201,7 +1217,9 @@ def kv_contract(
     with ``index_dim`` (DSA layers) what the indexer keys hold; with ``stateless`` (blocks with no mixer)
     that they carry nothing; with ``chunked`` (chunked-attention layers) the chunk rule of the mask;
     with ``lightning`` (MiniMax's lightning layers) what their one recurrent state holds, same rules;
-    with ``short_conv`` (LFM2's short convolutions) what their one conv window holds, same rules.
+    with ``short_conv`` (LFM2's short convolutions) what their one conv window holds, same rules;
+    with ``per_layer`` (the layers cache different KV shapes) the heads and widths move to each layer's
+    entry (``layers[i].cache``) and ``cache.per_layer`` says so.
 
     Version 3: ``cache_position`` is ``[batch]`` (one position per row) and the optional paged cache;
     version 2 graphs took one ``[1]`` position for the whole batch."""
@@ -1269,6 +1287,10 @@ def kv_contract(
             "sizes": {name: list(bounds) for name, bounds in dynamic.items()},
             "rule": DYNAMIC_RULE,
         }
+    if per_layer:
+        contract["cache"]["key"] = {"holds": key}
+        contract["cache"]["value"] = {"holds": value}
+        contract["cache"]["per_layer"] = PER_LAYER_KV_RULE
     if index_dim is not None:
         contract["cache"]["index_key"] = {"holds": INDEX_KEY_CONTENTS, "heads": 1, "dim": index_dim}
     if stateless:
@@ -1313,6 +1335,7 @@ def build_kv_mapping(
     linear_states: LinearStates | None = None,
     index_dim: int | None = None,
     chunked: bool = False,
+    layer_kv_dims: Sequence[KVDims] | None = None,
 ) -> dict[str, Any]:
     """How prefill KV outputs become decode KV inputs, layer by layer.
 
@@ -1326,16 +1349,17 @@ def build_kv_mapping(
     and dtypes of ``linear_states``, and the contract says how a runtime carries them; an ``indexed``
     layer's entry adds its indexer keys (``prefill_index_key``/...: a one-head key of ``index_dim``).
     ``chunked``: the stack has chunked-attention layers, and the contract's mask states their rule.
+    ``layer_kv_dims``: each layer's own KV dims when they differ per layer; each attention entry then
+    states its heads and widths (``cache``), which the contract's ``cache`` no longer does.
     """
     dynamic = dynamic or {}
     batch_dim: int | str = "batch" if "batch" in dynamic else batch
     length_dim: int | str = "prefill_len" if "prefill_len" in dynamic else prefill_len
-    prefill_shapes = kv_shapes(kv_dims, batch_dim, length_dim)
-    decode_shapes: tuple[tuple[int | str, ...], tuple[int | str, ...]] = (
-        kv_shapes(kv_dims, batch_dim, max_cache_len)
-        if paged is None
-        else paged_shapes(kv_dims, paged.block_size, paged.num_blocks)
-    )
+
+    def decode_shapes(dims: KVDims) -> tuple[tuple[int | str, ...], tuple[int | str, ...]]:
+        if paged is None:
+            return kv_shapes(dims, batch_dim, max_cache_len)
+        return paged_shapes(dims, paged.block_size, paged.num_blocks)
 
     def tensor(role: str, layer: int, shape: tuple[int | str, ...], kind: str = dtype) -> dict[str, Any]:
         return {"name": names[role].format(layer=layer), "shape": list(shape), "dtype": kind}
@@ -1367,16 +1391,29 @@ def build_kv_mapping(
                     entry[key.format(state)] = tensor(role.format(state), layer, full, state_dtype)
             layers.append(entry)
             continue
+        dims = layer_dims(kv_dims, layer_kv_dims, layer)
+        prefill_shapes, decoded = kv_shapes(dims, batch_dim, length_dim), decode_shapes(dims)
+        (key_heads, key_dim), (value_heads, value_dim) = dims
         layers.append(
             {
                 "layer": layer,
                 **({"kind": kind} if hybrid else {}),
+                **(
+                    {
+                        "cache": {
+                            "key": {"heads": key_heads, "dim": key_dim},
+                            "value": {"heads": value_heads, "dim": value_dim},
+                        }
+                    }
+                    if layer_kv_dims is not None
+                    else {}
+                ),
                 "prefill_key_output": tensor("prefill_key", layer, prefill_shapes[0]),
                 "prefill_value_output": tensor("prefill_value", layer, prefill_shapes[1]),
-                "decode_key_input": tensor("decode_key_in", layer, decode_shapes[0]),
-                "decode_value_input": tensor("decode_value_in", layer, decode_shapes[1]),
-                "decode_key_output": tensor("decode_key_out", layer, decode_shapes[0]),
-                "decode_value_output": tensor("decode_value_out", layer, decode_shapes[1]),
+                "decode_key_input": tensor("decode_key_in", layer, decoded[0]),
+                "decode_value_input": tensor("decode_value_in", layer, decoded[1]),
+                "decode_key_output": tensor("decode_key_out", layer, decoded[0]),
+                "decode_value_output": tensor("decode_value_out", layer, decoded[1]),
                 **(
                     {
                         "prefill_index_key_output": tensor("prefill_index_key", layer, prefill_index),
@@ -1405,6 +1442,7 @@ def build_kv_mapping(
             index_dim=index_dim if "indexed" in kinds else None,
             stateless=any(kind in STATELESS_KINDS for kind in kinds),
             chunked=chunked,
+            per_layer=layer_kv_dims is not None,
         ),
         "kv_cache": "contiguous" if paged is None else "paged",
         "batch": batch,
@@ -1470,6 +1508,7 @@ def build_merged_prefill_mapping(
     placeholder_token_id: int,
     features_from: dict[str, Any] | None = None,
     dynamic: dict[str, tuple[int, int]] | None = None,
+    layer_kv_dims: Sequence[KVDims] | None = None,
 ) -> dict[str, Any]:
     """The KV mapping's ``merged_prefill`` section: the multimodal prefill graph and how its KV feeds decode.
 
@@ -1479,9 +1518,9 @@ def build_merged_prefill_mapping(
     dynamic = dynamic or {}
     batch_dim: int | str = "batch" if "batch" in dynamic else batch
     length_dim: int | str = "prefill_len" if "prefill_len" in dynamic else prefill_len
-    key_shape, value_shape = kv_shapes(kv_dims, batch_dim, length_dim)
 
-    def tensor(role: str, layer: int, shape: tuple[int | str, ...]) -> dict[str, Any]:
+    def tensor(role: str, layer: int, index: int) -> dict[str, Any]:
+        shape = kv_shapes(layer_dims(kv_dims, layer_kv_dims, layer), batch_dim, length_dim)[index]
         return {"name": names[role].format(layer=layer), "shape": list(shape), "dtype": dtype}
 
     return {
@@ -1507,8 +1546,8 @@ def build_merged_prefill_mapping(
         "layers": [
             {
                 "layer": layer,
-                "prefill_key_output": tensor("prefill_key", layer, key_shape),
-                "prefill_value_output": tensor("prefill_value", layer, value_shape),
+                "prefill_key_output": tensor("prefill_key", layer, 0),
+                "prefill_value_output": tensor("prefill_value", layer, 1),
                 "decode_key_input": names["decode_key_in"].format(layer=layer),
                 "decode_value_input": names["decode_value_in"].format(layer=layer),
             }
@@ -2416,6 +2455,9 @@ class LayerProtocol(NamedTuple):
     kv_dims: tuple[tuple[int, int], tuple[int, int]] | None
     linear_states: tuple[tuple[tuple[int, ...], str], ...] | None = None
     index_dim: int | None = None  # a DSA indexer's key width (None: no indexed layer)
+    # per probed layer what it caches per token (``kv_dims`` of that layer; None: it caches no KV), so
+    # that layers of other KV heads or widths (MiMo-V2-Flash, Gemma-4) are checked one by one
+    layer_kv_dims: tuple[tuple[tuple[int, int], tuple[int, int]] | None, ...] | None = None
 
 
 class _UpdateCall:
@@ -2576,7 +2618,8 @@ def probe_decoder_layers(
     own ``layer_idx``, and neither uses anything else of the cache; the layer returns the hidden states
     tensor; the rotary embedding returns ``(cos, sin)`` (given the layer's type from ``layer_types``
     when it takes one; a layer whose type it keeps no frequencies for gets none). Runs on the layers' own
-    device: free on meta, tiny elsewhere.
+    device: free on meta, tiny elsewhere. The attention layers may cache different KV shapes
+    (``layer_kv_dims``, one per layer): the caller holds each against what the config says of that layer.
     """
     import torch
 
@@ -2591,7 +2634,6 @@ def probe_decoder_layers(
                 _protocols[key] = _probe_layer(layer, roped, layer_type, kind, index)
         protocols.append(_protocols[key])
     for field, what in (
-        ("kv_dims", "one KV shape per token for every attention layer (the ABI's cache has one)"),
         ("linear_states", "one conv and recurrent state shape for every linear layer"),
         ("index_dim", "one indexer key width for every DSA layer"),
     ):
@@ -2616,7 +2658,11 @@ def probe_decoder_layers(
         return next((getattr(p, field) for p in protocols if getattr(p, field) is not None), None)
 
     return LayerProtocol(
-        protocols[0].cache_keyword, first("kv_dims"), first("linear_states"), first("index_dim")
+        protocols[0].cache_keyword,
+        first("kv_dims"),
+        first("linear_states"),
+        first("index_dim"),
+        tuple(p.kv_dims for p in protocols),
     )
 
 

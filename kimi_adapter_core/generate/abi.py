@@ -27,6 +27,7 @@ from ..structure.kv_layout import resolve_kv_layout as options_resolve_kv_layout
 from ..structure.model import ModelStructure
 from ..structure.of_spec import structure_of_raw
 from ..structure.states import RecurrentState
+from .common import cannot
 
 INDEX_DTYPE = "int64"
 KVDims = tuple[tuple[int, int], tuple[int, int]]
@@ -183,6 +184,25 @@ def resolve_kv_layout(spec: Spec, found: ModelStructure) -> tuple[str, str | Non
             location=spec.locate("abi.mla_attention"),
         )
     return layout, mla_attention
+
+
+def one_kv_shape(spec: Spec, d: Dims, target: str) -> None:
+    """The generated module (``KV_DIMS``, its example inputs and mapping) and the ABI tables state one KV
+    shape for every layer: a stack whose layers cache different shapes (MiMo-V2-Flash) is not expressible
+    there yet, and is refused with the shapes named rather than generated wrong (``kadapt apply`` and
+    ``--verify`` carry it)."""
+    per_layer = d.structure.layer_kv_dims(d.kv_layout)
+    if per_layer is None:
+        return
+    attending = sorted({per_layer[i] for i in d.structure.attention_layer_ids})
+    raise cannot(
+        spec,
+        target,
+        f"its attention layers cache {len(attending)} KV shapes per token ({', '.join(map(str, attending))}; "
+        "(heads, dim) of key and value), and the generated files state one for every layer; kadapt apply "
+        "extracts such a stack",
+        "gate",
+    )
 
 
 def dims(spec: Spec) -> Dims:

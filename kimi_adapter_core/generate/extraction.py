@@ -39,7 +39,8 @@ from ..patching.impls import resolve_impl
 from ..patching.targets import parse_target
 from ..spec.model import Spec
 from ..structure.linear_of import MIXERS
-from ..structure.model import RECURRENT_AXES, ModelStructure
+from ..structure.mixer import RECURRENT_AXES
+from ..structure.model import ModelStructure
 from ..structure.reader import fact_keys, mlp_block_types, outside_modelled
 from . import abi as abi_tables
 from .bridges import bridge_context
@@ -209,6 +210,7 @@ def render_extraction(spec: Spec) -> list[Rendered]:
     if paged is not None:  # the block table follows cache_position, as kadapt apply exports it
         decode = dataclasses.replace(decode, fixed_inputs=(*decode.fixed_inputs, paged.block_table))
     dims = abi_tables.dims(spec)
+    abi_tables.one_kv_shape(spec, dims, TARGET)
     structure = structure_context(spec, dims)
     runtime_module = split_module(Path(runtime.__file__))
     encoding_module = split_module(Path(encoding.__file__))

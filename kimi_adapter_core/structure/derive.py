@@ -12,7 +12,6 @@ the config lacks, a missing ``fields`` key) is a ``KadaptError`` located at the 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from ..errors import KadaptError, Refusal
@@ -20,6 +19,7 @@ from ..spec.model import Spec
 from . import bounds
 from .indexer_of import indexer_of
 from .layer_pattern import PATTERN_KEY, layout_types
+from .layer_shapes import layer_attentions
 from .linear_of import linear_of
 from .model import (
     ATTENTION_KINDS,
@@ -50,7 +50,8 @@ def _attention(read: Reader, spec: Spec | None, hidden: int) -> Attention:
         kv_heads = int(read.get("num_kv_heads", heads))
         head_dim = int(read.get("head_dim") or hidden // heads)
         kind = "mha" if kv_heads == heads else "mqa" if kv_heads == 1 else "gqa"
-        attention = Attention(kind, heads, kv_heads, head_dim, head_dim)
+        # values narrower than keys where the config says so (MiMo-V2-Flash: 192-wide keys, 128 values)
+        attention = Attention(kind, heads, kv_heads, head_dim, int(read.get("v_head_dim") or head_dim))
     _check_attention_claims(attention, read, spec)
     return attention
 
@@ -325,8 +326,9 @@ def _check_layer_types(read: Reader, types: list[Any]) -> None:
 
 
 def _refuse_unmodelled_layers(read: Reader, spec: Spec | None) -> None:
-    """Hybrid stacks (SSM, linear attention, recurrence, convolution) and per-layer attention configs,
-    told apart by keys only they have, on the config object and the raw JSON alike."""
+    """Hybrid stacks (SSM, linear attention, recurrence, convolution) and layer features kadapt lacks
+    (``layer_features``: Gemma-4's KV-shared layers, per-layer inputs), told apart by keys only they have,
+    on the config object and the raw JSON alike."""
     for key in tables()["hybrid_keys"]:
         value = read.raw(key)
         if value is not MISSING and value is not None:
@@ -338,14 +340,11 @@ def _refuse_unmodelled_layers(read: Reader, spec: Spec | None) -> None:
                 "recurrent state and short convolutions' windows, and this layer keeps another state",
                 location=locate(spec, "gate"),
             )
-    # a config object with one refuses global reads of its per-layer keys (``Reader.raw``); JSON keeps it
-    if isinstance(read.config, Mapping) and read.config.get("per_layer_config"):
-        raise Refusal(
-            "per-layer-config",
-            f"{read.where} has a per_layer_config (attention sizes that differ per layer); kadapt describes "
-            "one attention shape for every layer",
-            location=locate(spec, "gate"),
-        )
+    for key, rule in tables()["layer_features"].items():
+        value = read.raw(key)
+        if value is not MISSING and value not in rule["neutral"]:
+            message = f"{read.where} sets {key} = {value!r}, which {rule['effect']}"
+            raise Refusal(rule["code"], message, location=locate(spec, "gate"))
 
 
 def _refuse_outside_layer_features(read: Reader, spec: Spec | None) -> None:
@@ -436,9 +435,9 @@ def value_violations(
 
 
 def refuse_unmodelled(config: Any, spec: Spec | None = None, *, where: str = "text config") -> None:
-    """The refusals alone (hybrid layers, per-layer configs, unknown layer types, unmodelled math outside
-    the layers), without the facts a bare config.json may leave to its class's defaults: what runs on
-    the raw JSON before any config class sees it, and in plain ``validate``."""
+    """The refusals alone (hybrid layers, layer features kadapt lacks, unknown layer types, unmodelled
+    math outside the layers), without the facts a bare config.json may leave to its class's defaults:
+    what runs on the raw JSON before any config class sees it, and in plain ``validate``."""
     read = Reader(config, spec, where)
     _refuse_unmodelled_layers(read, spec)
     types = read.raw("layer_types")
@@ -471,6 +470,7 @@ def derive_structure(
     spans = _spans(read, num_layers, types)
     attends = _attends(read, spans)
     attention = _attention(read, spec, hidden) if attends else _nominal_attention(hidden)
+    shapes = layer_attentions(read, attention, types, num_layers) if attends else (None,) * num_layers
     kinds = _block_mlps(read, types, num_layers, moe) or _mlp_kinds(read, spec, num_layers, moe)
     if not attends and moe is None:  # SSM mixers alone (MambaBlock: a norm and its mixer), no MLP
         kinds = ["none"] * num_layers
@@ -493,8 +493,9 @@ def derive_structure(
                 window=size if span == "sliding" else None,
                 mlp=kind,
                 chunk=size if span == "chunked" else None,
+                attention_shape=shape if span in ATTENDING_SPANS else None,
             )
-            for i, ((span, size), kind) in enumerate(zip(spans, kinds, strict=True))
+            for i, ((span, size), kind, shape) in enumerate(zip(spans, kinds, shapes, strict=True))
         ),
         rope=rope_of(read),
         tie_word_embeddings=bool(read.get("tie_word_embeddings", False)),

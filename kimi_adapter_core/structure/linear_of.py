@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from ..errors import KadaptError, Refusal
 from ..spec.model import Spec
-from .model import LinearAttention
+from .mixer import LinearAttention
 
 
 class Reader(Protocol):
@@ -35,7 +35,7 @@ MAMBA_CHANNELS = "mamba_channels"
 DERIVED = {ONE: (), MAMBA_CHANNELS: ("mamba_expand", "hidden_size")}
 
 # Per mixer kind, in the order tried: ``LinearAttention`` size -> the fact it is read from (Mamba2 reads
-# its B/C groups as key heads of the state size, ``model.RECURRENT_AXES``).
+# its B/C groups as key heads of the state size, ``mixer.RECURRENT_AXES``).
 MIXERS: dict[str, dict[str, str]] = {
     "gated_delta_net": {
         "num_key_heads": "linear_num_key_heads",
@@ -59,7 +59,7 @@ MIXERS: dict[str, dict[str, str]] = {
         "conv_kernel": "mamba_conv_kernel",
     },
     # Mamba1's selective scan (no SSM heads): one B/C group of the state size, and each of its
-    # expand x hidden inner channels a one-wide head (``model.VALUE_CONV_KINDS``: its conv sees them alone)
+    # expand x hidden inner channels a one-wide head (``mixer.VALUE_CONV_KINDS``: its conv sees them alone)
     "mamba1": {
         "num_key_heads": ONE,
         "num_value_heads": MAMBA_CHANNELS,
@@ -69,7 +69,7 @@ MIXERS: dict[str, dict[str, str]] = {
         "dt_rank": "mamba_dt_rank",
     },
     # LFM2's gated short convolution (``Lfm2ShortConv``): a depthwise conv over the hidden channels,
-    # read as one-wide value heads (``model.VALUE_CONV_KINDS``); no recurrent state
+    # read as one-wide value heads (``mixer.VALUE_CONV_KINDS``); no recurrent state
     "short_conv": {
         "num_key_heads": ONE,
         "num_value_heads": "hidden_size",

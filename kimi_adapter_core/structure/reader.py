@@ -64,6 +64,7 @@ class Reader:
         self.origin = origin or where
         self.prefix = prefix
         self.keys: dict[str, str] = {}
+        self._dict: dict[str, Any] | None = None
         self.candidates = fact_keys()
         for fact, key in _spec_fields(spec).items():
             self.candidates[fact] = [key]
@@ -74,12 +75,31 @@ class Reader:
         try:
             return getattr(self.config, key, MISSING)
         except Exception as exc:  # noqa: BLE001 - per-layer configs refuse global reads (Gemma-4)
+            # an attribute a layer may override reads as the stack's value (``layer_shapes`` reads the
+            # layers' own from ``per_layer_config``); any other stays refused
+            if key in tables()["per_layer_attention"]["attributes"]:
+                return self._serialised().get(key, MISSING)
             raise Refusal(
                 "per-layer-config",
-                f"{self.where} gives {key} per layer ({type(exc).__name__}); kadapt describes one "
-                "attention shape for every layer",
+                f"{self.where} gives {key} per layer ({type(exc).__name__}); kadapt carries only "
+                f"{' and '.join(tables()['per_layer_attention']['attributes'])} per layer",
                 location=locate(self.spec, "gate"),
             ) from exc
+
+    def _serialised(self) -> dict[str, Any]:
+        """The config object as its ``config.json`` holds it (global values, ``per_layer_config``)."""
+        if self._dict is None:
+            self._dict = self.config.to_dict()
+        return self._dict
+
+    def per_layer_config(self) -> Any:
+        """The config's ``per_layer_config`` (sparse overrides per layer, as ``to_dict`` writes it), or
+        None: a JSON dict's key, a config object's serialised form (its attribute is a per-layer view)."""
+        if isinstance(self.config, Mapping):
+            return self.config.get("per_layer_config")
+        if not getattr(self.config, "is_heterogeneous", False):
+            return None  # every layer as the config says (transformers' HeterogeneousConfigMixin)
+        return self._serialised().get("per_layer_config")
 
     def get(self, fact: str, default: Any = None) -> Any:
         for key in self.candidates.get(fact, [fact]):

@@ -15,13 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import KadaptError
-from ...spec.model import (
-    KvCacheAbi,
-    MergedPrefillAbi,
-    Spec,
-    paged_name_problems,
-    paged_size_problems,
-)
+from ...spec.model import KvCacheAbi, MergedPrefillAbi, Spec, paged_name_problems, paged_size_problems
 from ...structure.kv_layout import resolve_kv_layout
 from ...structure.model import ALL_KV_LAYOUTS, ModelStructure
 from ...vision.options import VisionOptions, vision_options
@@ -193,6 +187,12 @@ class ExtractionOptions:
         """Per-token ``((key_heads, key_dim), (value_heads, value_dim))`` of the bound layout."""
         assert self.structure is not None and self.kv_layout is not None, "bind_structure first"
         return self.structure.attention.kv_dims(self.kv_layout)
+
+    @property
+    def layer_kv_dims(self) -> tuple[tuple[tuple[int, int], tuple[int, int]], ...] | None:
+        """Per layer its KV dims when the layers cache different shapes, else None (``kv_dims`` for all)."""
+        assert self.structure is not None and self.kv_layout is not None, "bind_structure first"
+        return self.structure.layer_kv_dims(self.kv_layout)
 
     @property
     def attention_label(self) -> str:

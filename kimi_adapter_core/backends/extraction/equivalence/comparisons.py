@@ -172,7 +172,8 @@ def compare_states(
     fed the same tokens: the attention rows each step wrote (keys, values, a DSA layer's indexer keys),
     each linear layer's conv window and recurrent state whole. Run for stacks with states beyond a KV
     cache, which the logits alone cannot vouch for (a state carries into every later step; an indexer
-    key only matters once it is among a query's top-k)."""
+    key only matters once it is among a query's top-k), and for layers caching KV of different shapes
+    (each layer's own heads and widths, MiMo-V2-Flash)."""
     pairs: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     graph_steps = 0
     for step in walk(model, replay, prompt, steps):

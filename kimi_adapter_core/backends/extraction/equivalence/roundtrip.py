@@ -172,7 +172,8 @@ def _verify_in(
             )
             if small.dynamic:
                 compare_dynamic(report, model, replay, prompt, small, tolerance=tolerance, suffix=suffix)
-            if any(kind != "attention" for kind in small.layer_kinds):  # states beyond a KV cache
+            # states beyond a KV cache, or KV caches of different shapes per layer (each is its own)
+            if any(kind != "attention" for kind in small.layer_kinds) or small.layer_kv_dims is not None:
                 steps = options.verify_decode_steps
                 compare_states(report, model, replay, prompt, steps, tolerance=tolerance, suffix=suffix)
             if small.batch > 1:  # linear states take every prompt token: rows join instead of padding

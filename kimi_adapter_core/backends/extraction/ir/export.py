@@ -101,6 +101,7 @@ def example_inputs(
         kinds=options.layer_kinds[:num_layers],
         linear_states=options.linear_states,
         index_dim=options.index_dim,
+        layer_kv_dims=None if options.layer_kv_dims is None else options.layer_kv_dims[:num_layers],
     )
 
 

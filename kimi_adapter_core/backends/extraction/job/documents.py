@@ -108,6 +108,7 @@ def kv_mapping_document(options: ExtractionOptions, backbone: Backbone) -> dict[
         linear_states=options.linear_states,
         index_dim=options.index_dim,
         chunked=options.structure is not None and options.structure.has_chunked_layers,
+        layer_kv_dims=options.layer_kv_dims,
     )
     graphs = {"prefill_graph": options.path("prefill").name, "decode_graph": options.path("decode").name}
     assert options.structure is not None
@@ -136,6 +137,7 @@ def kv_mapping_document(options: ExtractionOptions, backbone: Backbone) -> dict[
             placeholder_token_id=merged.image_token_id,
             features_from={"graph": options.path("vision").name, "output": options.vision.output_name},
             dynamic=dynamic_sizes(options, MERGED),
+            layer_kv_dims=options.layer_kv_dims,
         )
     return {
         "format_version": FORMAT_VERSION,

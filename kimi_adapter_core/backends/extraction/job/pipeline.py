@@ -147,17 +147,20 @@ def check_kv_dims(options: ExtractionOptions, protocol: upstream.LayerProtocol) 
             f"the config describes a {indexer.describe()} (index_head_dim), but the DSA layers' indexers "
             f"hand the cache keys of width {protocol.index_dim}",
         )
-    if protocol.kv_dims is None:  # no attention layer
-        return
-    attention = options.structure.attention
-    read = attention.kv_dims(attention.default_kv_layout)
-    if tuple(map(tuple, read)) != protocol.kv_dims:
-        keys = ", ".join(f"{f}={k}" for f, k in sorted(options.structure.keys.items()) if "head" in f)
-        raise Refusal(
-            "stack-differs",
-            f"the config describes {attention.describe()}, {read} ((heads, dim) of key and value per token, "
-            f"from {keys}), but the decoder layers cache {protocol.kv_dims}",
-        )
+    structure = options.structure
+    layout = structure.attention.default_kv_layout
+    cached = protocol.layer_kv_dims or ()
+    for layer, found in enumerate(cached):
+        if found is None:  # no KV cache: a linear or mixerless layer
+            continue
+        read = structure.kv_dims(layer, layout)
+        if tuple(map(tuple, read)) != found:
+            keys = ", ".join(f"{f}={k}" for f, k in sorted(structure.keys.items()) if "head" in f)
+            raise Refusal(
+                "stack-differs",
+                f"the config describes layer {layer}'s {structure.layer_attention(layer).describe()}, {read} "
+                f"((heads, dim) of key and value per token, from {keys}), but the layer caches {found}",
+            )
 
 
 def check_linear_states(options: ExtractionOptions, protocol: upstream.LayerProtocol) -> None:

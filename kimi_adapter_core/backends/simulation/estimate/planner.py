@@ -14,7 +14,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ....errors import UsageError
-from ....structure.model import Attention, Indexer, LinearAttention, ModelStructure
+from ....structure.mixer import LinearAttention
+from ....structure.model import Attention, Indexer, ModelStructure
 from ....structure.states import ConvState, RecurrentState
 from ....vision.images import ImageBatch
 from ....vision.images import vision_cache_entry_bytes as entry_bytes
@@ -123,6 +124,22 @@ class KvSizing:
     index: IndexKeySizing | None = None  # the DSA indexer keys (DeepSeek-V3.2)
     # per attention layer: its attention chunk (Llama-4's chunked layers) or None; () when none is chunked
     chunks: tuple[int | None, ...] = ()
+    # per attention layer its own attention when the layers cache different KV shapes (MiMo-V2-Flash's
+    # sliding layers, Gemma-4's full layers); () when every layer caches ``attention``'s
+    layer_attentions: tuple[Attention, ...] = ()
+
+    @property
+    def attentions(self) -> tuple[Attention, ...]:
+        """Per attention layer the attention whose KV it caches."""
+        return self.layer_attentions or (self.attention,) * self.layers
+
+    def layer_bytes_per_token(self, *, per_rank: bool = False) -> tuple[int, ...]:
+        """Per attention layer the bytes one token takes in it (whole model, or one TP rank's share)."""
+        elements = [
+            kv_elements_per_rank(a, self.layout, self.tp) if per_rank else a.kv_elements(self.layout)
+            for a in self.attentions
+        ]
+        return tuple(count * self.bytes_per_elem for count in elements)
 
     @property
     def bytes_per_elem(self) -> int:
@@ -144,7 +161,7 @@ class KvSizing:
     @property
     def bytes_per_token(self) -> int:
         """One token in every attention layer, whole model (a sliding layer caps only a long sequence)."""
-        return self.bytes_per_token_layer * self.layers
+        return sum(self.layer_bytes_per_token())
 
     @property
     def rank_bytes_per_token_layer(self) -> int:
@@ -175,8 +192,9 @@ class KvSizing:
 
     def kv_bytes(self, tokens: int, *, per_rank: bool = True) -> int:
         """The attention layers' KV cache of a sequence of ``tokens``."""
-        per = self.rank_bytes_per_token_layer if per_rank else self.bytes_per_token_layer
-        return self.cached_token_layers(tokens) * per
+        per_layer = self.layer_bytes_per_token(per_rank=per_rank)
+        kept = (tokens if cap is None else min(tokens, cap) for cap in self.caps)
+        return sum(count * nbytes for count, nbytes in zip(kept, per_layer, strict=True))
 
     def index_bytes(self, tokens: int) -> int:
         """The DSA indexer keys of a sequence of ``tokens`` (0: no indexed layers); replicated over TP."""
@@ -321,7 +339,10 @@ def kv_sizing(s: ModelStructure, tp: int, kv_dtype: str = "bf16") -> KvSizing:
     chunks = tuple(s.layers[i].chunk for i in s.attention_layer_ids) if s.has_chunked_layers else ()
     state = None if s.linear is None else LinearStateSizing(s.linear, len(s.linear_layer_ids), tp)
     index = None if s.indexer is None else IndexKeySizing(s.indexer, len(indexed_layer_ids(s)))
-    return KvSizing(kv_dtype, s.attention.default_kv_layout, s.attention, windows, tp, state, index, chunks)
+    shaped = any(s.layers[i].attention_shape is not None for i in s.attention_layer_ids)
+    layer_attentions = tuple(s.layer_attention(i) for i in s.attention_layer_ids) if shaped else ()
+    layout = s.attention.default_kv_layout
+    return KvSizing(kv_dtype, layout, s.attention, windows, tp, state, index, chunks, layer_attentions)
 
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ....errors import UsageError
-from ....structure.model import VALUE_CONV_KINDS, Attention, ModelStructure
+from ....structure.mixer import VALUE_CONV_KINDS
+from ....structure.model import Attention, ModelStructure
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from ....checkpoint.naming import rename_weight
 from ....spec.model import Spec
-from ....structure.model import ModelStructure
+from ....structure.model import Attention, ModelStructure
 from ....vision.tower import VisionArch
 from .arch import Architecture, indexed_layer_ids
 from .layer_parts import FP32_ROUTER, LayerParts, shared_expert, sublayers
@@ -144,13 +144,29 @@ def _gated_attention(s: ModelStructure) -> bool:
     return s.linear is not None and s.linear.kind == "gated_delta_net"
 
 
-def _attention(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
+def _attention_shapes(s: ModelStructure) -> list[tuple[Attention, tuple[int, ...], str]]:
+    """The attention layers grouped by their shape: ``(attention, layer ids, group label)``, the stack's
+    first with no label (its groups keep their names), then each per-layer shape labelled by its KV
+    heads and widths (``.8x192``: MiMo-V2-Flash's sliding layers). A stack with no attention layer
+    still gets the stack's (its layer norms are every layer's)."""
+    by_shape: dict[Attention, list[int]] = {s.attention: []}
+    for index in s.attention_layer_ids:
+        by_shape.setdefault(s.layer_attention(index), []).append(index)
+    return [
+        (a, tuple(ids), "" if a == s.attention else f".{a.num_kv_heads}x{a.head_dim}")
+        for a, ids in by_shape.items()
+        if ids or a == s.attention
+    ]
+
+
+def _attention(s: ModelStructure, a: Attention) -> list[tuple[str, Tensors, Shard, bool]]:
     """Attention tensors of an attention layer (the last row, the two layer norms, is every layer's).
     MLA: q_a/kv_a project to shared latents and are replicated under TP (as vLLM/SGLang do); q_b/kv_b
     are column-parallel and o_proj row-parallel (split by heads). MHA/GQA/MQA: q and o split by heads;
     k and v by KV heads (replicated once TP exceeds them); a gated attention's q_proj holds the gate
-    too, and its per-head q/k norms are replicated."""
-    a, h, parts = s.attention, s.hidden_size, sublayers(s)
+    too, and its per-head q/k norms are replicated. ``a`` is the attention of the layers sized (the
+    stack's, or a per-layer shape's)."""
+    h, parts = s.hidden_size, sublayers(s)
     heads = a.num_heads
     rows: list[tuple[str, Tensors, Shard, bool]] = []
     if a.is_mla:
@@ -186,7 +202,7 @@ def _attention(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
             ("kv_b_proj", [("self_attn.kv_b_proj.weight", kv_b)], "tp", True),
         ]
     else:
-        rows += _qkv(s, parts)
+        rows += _qkv(s, a, parts)
     o_proj = f"{parts.attention}.{parts.o_proj}.weight"
     rows.append(("o_proj", [(o_proj, (h, heads * a.v_head_dim))], "tp", True))
     if parts.norms:  # none when the layer's norms hold no weight (OLMo's LayerNorm)
@@ -195,11 +211,11 @@ def _attention(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
     return rows
 
 
-def _qkv(s: ModelStructure, parts: LayerParts) -> list[tuple[str, Tensors, Shard, bool]]:
+def _qkv(s: ModelStructure, a: Attention, parts: LayerParts) -> list[tuple[str, Tensors, Shard, bool]]:
     """MHA/GQA/MQA query, key and value projections: three, split by heads and by KV heads, or one
     fused projection where the family fuses them (Phi-3's ``qkv_proj``), split by heads; a gated
     attention's q_proj holds the output gate too, and its per-head q/k norms are replicated."""
-    a, h, attn, qkv = s.attention, s.hidden_size, parts.attention, parts.qkv
+    h, attn, qkv = s.hidden_size, parts.attention, parts.qkv
     kv, gated = a.num_kv_heads, _gated_attention(s)
     q_rows = a.num_heads * a.head_dim * (2 if gated else 1)  # query and output gate
     if qkv is not None:
@@ -266,10 +282,12 @@ def text_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
         groups.append(_model(n, "final_norm", final, (h,), "replicated"))
     if not s.tie_word_embeddings:
         groups.append(_model(n, "lm_head", f"{n.lm_head}.weight", (vocab, h), "vocab"))
-    every, attention = range(s.num_layers), s.attention_layer_ids
-    for name, tensors, shard, linear in _attention(s):
-        ids = every if name == "layer_norms" else attention  # every layer has both norms
-        groups.append(_layers(n, f"attn.{name}", ids, tensors, shard, "bf16", linear))
+    for first, (shape, ids, label) in enumerate(_attention_shapes(s)):
+        for name, tensors, shard, linear in _attention(s, shape):
+            if name == "layer_norms" and first:  # every layer has both norms: counted once
+                continue
+            layer_ids = range(s.num_layers) if name == "layer_norms" else ids
+            groups.append(_layers(n, f"attn.{name}{label}", layer_ids, tensors, shard, "bf16", linear))
     if s.indexer is not None:
         for name, tensors, shard, linear in _indexer(s):
             groups.append(_layers(n, f"attn.{name}", indexed_layer_ids(s), tensors, shard, "bf16", linear))

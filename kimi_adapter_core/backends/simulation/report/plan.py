@@ -15,7 +15,14 @@ from typing import Any
 from ....errors import KadaptError
 from ....structure.states import ConvState
 from ....vision.images import max_tokens_per_image
-from ..estimate.planner import STATE_CONV_DTYPE, IndexKeySizing, LinearStateSizing, Plan, activation_formula
+from ..estimate.planner import (
+    STATE_CONV_DTYPE,
+    IndexKeySizing,
+    KvSizing,
+    LinearStateSizing,
+    Plan,
+    activation_formula,
+)
 from ..model.arch import indexed_layer_ids
 from ..model.mixer_params import PRICED_MIXERS
 from ..model.quant import DTYPE_BYTES, INDEX_KEY_DTYPE, INDEX_REFERENCE_DTYPE, INDEX_SCALE_BLOCK
@@ -47,6 +54,9 @@ def _kv_json(plan: Plan) -> dict[str, Any]:
         "bytes_per_sequence": kv.kv_bytes(plan.seq_len, per_rank=False),
         "bytes_per_sequence_per_device": kv.kv_bytes(plan.seq_len),
         "layouts_bytes_per_token_layer": kv.layouts(),
+        # the layers cache different KV shapes: each attention layer's bytes per token (else the key is
+        # absent and the per-layer figures above are every layer's)
+        **({"layer_bytes_per_token": list(kv.layer_bytes_per_token())} if kv.layer_attentions else {}),
     }
 
 
@@ -284,6 +294,7 @@ def _kv_text(plan: Plan) -> list[str]:
     scope = f"{kv.layers} attention layers, grows with context; " if kv.state is not None else ""
     lines = [f"KV cache ({scope}{kv.dtype}, per token per layer; cached as {kv.layout})"]
     lines += [f"  {r[0]:<{width[0]}}  {r[1]:<{width[1]}}  {r[2]}" for r in rows]
+    lines += _shapes_text(kv)
     sliding = [w for w in kv.windows if w is not None]
     if sliding:
         spans = ", ".join(str(w) for w in sorted(set(sliding)))
@@ -307,6 +318,18 @@ def _kv_text(plan: Plan) -> list[str]:
         f"  max sequence length  {plan.max_seq_len}",
     ]
     return lines
+
+
+def _shapes_text(kv: KvSizing) -> list[str]:
+    """The layers whose KV shape is not the stack's (the rows above size the stack's): how many, their
+    attention and their bytes per token (nothing when every layer caches one shape)."""
+    sized = zip(kv.attentions, kv.layer_bytes_per_token(), strict=True)
+    others = [(a, nbytes) for a, nbytes in sized if a != kv.attention]
+    return [
+        f"  per-layer shape: {sum(1 for a, _ in others if a == shape)}/{kv.layers} layers cache "
+        f"{shape.describe()}, {nbytes} B per token per layer"
+        for shape, nbytes in dict(others).items()
+    ]
 
 
 def _state_text(plan: Plan) -> list[str]:

@@ -1,0 +1,131 @@
+"""Attention shapes that differ per layer: which layers attend with other KV heads or another head width.
+
+transformers states such a stack two ways. A heterogeneous config keeps sparse overrides per layer
+(``per_layer_config``: Gemma-4's full-attention layers are ``global_head_dim`` wide), which a config object
+serialises with ``to_dict()`` and a ``config.json`` may hold; a family's modelling code may also fix them
+(MiMo-V2-Flash's sliding layers have twice the config's KV heads, no key says so). Both are read as data
+(``config_keys.yaml``: ``per_layer_attention``), so a config object and its JSON describe one structure.
+Only the KV heads and the head width may differ: every layer still caches one key and one value per token,
+which is all the ABI needs to carry per layer; any other per-layer attribute stays refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..errors import KadaptError, Refusal
+from .model import Attention
+from .reader import MISSING, Reader, locate, tables
+
+
+def _table() -> dict[str, Any]:
+    return tables()["per_layer_attention"]
+
+
+def per_layer_attributes() -> dict[str, str]:
+    """Config attribute -> the fact it sets, for the attributes a layer may override."""
+    return dict(_table()["attributes"])
+
+
+def layer_attentions(
+    read: Reader, attention: Attention, types: Sequence[Any] | None, num_layers: int
+) -> tuple[Attention | None, ...]:
+    """Per layer its own attention where it differs from ``attention`` (None: the stack's)."""
+    overrides = _listed(read, num_layers)
+    if overrides is None:
+        overrides = _ruled(read, attention, types, num_layers)
+    if overrides and attention.is_mla:
+        facts = sorted({fact for layer in overrides.values() for fact in layer})
+        raise Refusal(
+            "per-layer-config",
+            f"{read.where}: layers {sorted(overrides)} override {facts} of a multi-head latent attention; "
+            "kadapt carries per-layer shapes of per-head KV only",
+            location=locate(read.spec, "gate"),
+        )
+    shapes: list[Attention | None] = []
+    for index in range(num_layers):
+        facts = overrides.get(index)
+        shape = _shape(read, attention, index, facts) if facts else None
+        shapes.append(None if shape == attention else shape)
+    return tuple(shapes)
+
+
+def _shape(read: Reader, attention: Attention, index: int, facts: Mapping[str, int]) -> Attention:
+    """``attention`` with layer ``index``'s KV heads and head width; both checked like the stack's."""
+    kv_heads = facts.get("num_kv_heads", attention.num_kv_heads)
+    head_dim = facts.get("head_dim", attention.head_dim)
+    for fact, value in (("num_kv_heads", kv_heads), ("head_dim", head_dim)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= 1 << 20:
+            raise KadaptError(
+                f"{read.where}: layer {index}'s {fact} is {value!r}; expected a positive integer"
+            )
+    heads = attention.num_heads
+    if heads % kv_heads:
+        raise KadaptError(
+            f"{read.where}: layer {index}'s {kv_heads} KV heads do not split the {heads} attention heads"
+        )
+    kind = "mha" if kv_heads == heads else "mqa" if kv_heads == 1 else "gqa"
+    # a layer's head width is its values' too, unless the stack's values have a width of their own
+    value_dim = head_dim if attention.v_head_dim == attention.head_dim else attention.v_head_dim
+    return Attention(kind, heads, kv_heads, head_dim, value_dim)
+
+
+def _listed(read: Reader, num_layers: int) -> dict[int, dict[str, int]] | None:
+    """The config's own ``per_layer_config`` as ``{layer: {fact: value}}``; None: it lists none."""
+    listed = read.per_layer_config()
+    if not listed:
+        return None
+    if not isinstance(listed, Mapping):
+        raise KadaptError(f"{read.where}: per_layer_config is {type(listed).__name__}; expected a mapping")
+    attributes = per_layer_attributes()
+    overrides: dict[int, dict[str, int]] = {}
+    for layer, values in listed.items():
+        index = int(layer) if isinstance(layer, str) and layer.isdigit() else layer
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < num_layers:
+            raise KadaptError(
+                f"{read.where}: per_layer_config names layer {layer!r}; expected 0..{num_layers - 1}"
+            )
+        if not isinstance(values, Mapping):
+            raise KadaptError(f"{read.where}: per_layer_config[{layer!r}] is not a mapping of attributes")
+        other = sorted(str(key) for key in values if key not in attributes)
+        if other:
+            raise Refusal(
+                "per-layer-config",
+                f"{read.where}: per_layer_config[{layer!r}] overrides {', '.join(other)}; kadapt carries "
+                f"only {' and '.join(attributes)} per layer (the KV shape each layer caches)",
+                location=locate(read.spec, "gate"),
+            )
+        overrides[index] = {attributes[key]: value for key, value in values.items()}
+    return overrides
+
+
+def _ruled(
+    read: Reader, attention: Attention, types: Sequence[Any] | None, num_layers: int
+) -> dict[int, dict[str, int]]:
+    """The overrides the family's code derives (``per_layer_attention.rules``, by model_type)."""
+    rules = _table()["rules"].get(read.raw("model_type"), {})
+    if not rules or types is None:
+        return {}
+    stack = {"num_kv_heads": attention.num_kv_heads, "head_dim": attention.head_dim}
+    overrides: dict[int, dict[str, int]] = {}
+    for index, layer_type in enumerate(list(types)[:num_layers]):
+        facts = {
+            fact: value
+            for fact, rule in rules.get(layer_type, {}).items()
+            if (value := _ruled_value(read, rule, stack[fact])) is not None
+        }
+        if facts:
+            overrides[index] = facts
+    return overrides
+
+
+def _ruled_value(read: Reader, rule: Mapping[str, Any], stack_value: int) -> Any:
+    """One rule's value: ``times`` the stack's, or the value of ``key`` (else ``default``) when ``when``."""
+    if "times" in rule:
+        return stack_value * int(rule["times"])
+    when = rule.get("when")
+    if when is not None and read.raw(when) in (MISSING, None, False):
+        return None
+    value = read.raw(rule["key"])
+    return rule.get("default") if value in (MISSING, None) else value
