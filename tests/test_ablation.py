@@ -53,5 +53,5 @@ def test_k1_functional_expand_kv_keeps_the_graph_small(tmp_path: Path, shipped_a
         ("without", apply(tmp_path / "without", "--format", "json", "--without", "K1")),
     ):
         assert result.exit_code == 0, result.output
-        nodes[label] = json.loads(result.output)["extraction"]["graphs"]["prefill"]["nodes"]
+        nodes[label] = json.loads(result.stdout)["extraction"]["graphs"]["prefill"]["nodes"]
     assert nodes["without"] - nodes["with"] == 6 * 61  # empty + slice_scatter instead of one cat, per layer

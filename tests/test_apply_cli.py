@@ -26,7 +26,7 @@ def test_main_job_extracts_full_kimi(shipped_apply: SharedApplies):
     result = shipped_apply("kimi_k25")
     out = result.out
     assert result.exit_code == 0, result.output
-    data = json.loads(result.output)
+    data = json.loads(result.stdout)
     assert data["model"]["layers"] == 61 and data["model"]["experts"] == 384
     assert data["model"]["class"] == "Kimi_K25ForConditionalGeneration"
     assert data["ledger"]["counts"]["failed"] == 0
@@ -53,7 +53,7 @@ def test_main_job_extracts_full_kimi(shipped_apply: SharedApplies):
 def test_apply_backend_none_builds_without_extracting(tmp_path):
     result = run("apply", str(REPO / "specs" / "kimi_k25.yaml"), "--backend", "none", "--format", "json")
     assert result.exit_code == 0, result.output
-    data = json.loads(result.output)
+    data = json.loads(result.stdout)
     assert "extraction" not in data
     assert {e["id"]: e["status"] for e in data["ledger"]["entries"]}["K1"] == "not for this backend"
 

@@ -54,7 +54,7 @@ def test_full_size_apply_and_verify(spec_path: Path, shipped_apply: SharedApplie
     result = shipped_apply(spec_path.stem)
     out = result.out
     assert result.exit_code == 0, result.output
-    data = json.loads(result.output)
+    data = json.loads(result.stdout)
     assert data["verify"]["passed"], data["verify"]
     assert data["verify"]["tokens_ir"] == data["verify"]["tokens_reference"]
     assert len(data["verify"]["tokens_ir"][0]) == 25  # 1 prefill token + 24 decode steps
@@ -233,7 +233,7 @@ def test_unshipped_family_from_yaml_alone(tmp_path: Path, family: str) -> None:
         "apply", str(spec_path), "--output-dir", str(tmp_path / "out"), "--verify", "--format", "json"
     )
     assert result.exit_code == 0, result.output
-    data = json.loads(result.output)
+    data = json.loads(result.stdout)
     assert data["verify"]["passed"], data["verify"]
     mapping = json.loads((tmp_path / "out" / f"{family}_kv_mapping.json").read_text())
     assert mapping["layers"][0]["decode_key_input"]["shape"] == [1, 2, 64, 32]

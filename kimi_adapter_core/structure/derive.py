@@ -21,6 +21,7 @@ from .indexer_of import indexer_of
 from .layer_pattern import PATTERN_KEY, layout_types
 from .layer_shapes import layer_attentions
 from .linear_of import linear_of
+from .mlp_of import dense_width_of
 from .model import (
     ATTENTION_KINDS,
     SCORING_FUNCS,
@@ -402,22 +403,6 @@ def _value_violations(read: Reader) -> list[bounds.Violation]:
     return found + bounds.cross_field(bounds.Facts(valid, frozenset(present)), read.prefix)
 
 
-def _dense_width(read: Reader) -> int:
-    """The dense layers' MLP width: Llama-4 keeps it apart from the experts' (``intermediate_size_mlp``
-    beside ``intermediate_size``), the other families in ``intermediate_size``; LFM2 adjusts it as its
-    ``Lfm2MLP`` does (``block_auto_adjust_ff_dim``: 2/3 of it, times ``block_ffn_dim_multiplier``, rounded
-    up to a multiple of ``block_multiple_of``)."""
-    width = int(read.get("dense_intermediate_size") or read.get("intermediate_size", 0) or 0)
-    if not read.get("ffn_auto_adjust"):
-        return width
-    width = int(2 * width / 3)
-    multiplier = read.get("ffn_dim_multiplier")
-    if multiplier is None:
-        return width
-    multiple = int(read.require("ffn_multiple_of"))
-    return multiple * -(-int(multiplier * width) // multiple)
-
-
 def _check_values(read: Reader) -> None:
     """Raise every value finding of the config at once, before anything is computed from a value."""
     found = _value_violations(read)
@@ -475,7 +460,7 @@ def derive_structure(
     if not attends and moe is None:  # SSM mixers alone (MambaBlock: a norm and its mixer), no MLP
         kinds = ["none"] * num_layers
     _refuse_outside_layer_features(read, spec)
-    dense_width = _dense_width(read) if "dense" in kinds else 0
+    dense_width = dense_width_of(read) if "dense" in kinds else 0
     model_type = read.raw("model_type")
     return ModelStructure(
         model_type=str(model_type if model_type is not MISSING else ""),
