@@ -620,7 +620,7 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
         "kadapt's static cache stands in for Cache in LFM2's gated short convolutions: they read their "
         "window [B, hidden, K] from it and hand it the new inputs; the equivalence check reads "
         "transformers' windows back from DynamicCache",
-        ("extraction (LFM2, LFM3)", "generated modules"),
+        ("extraction (LFM2, LFM2-MoE, LFM3)",),
         _probe_short_conv_cache,
     ),
     ContactPoint(

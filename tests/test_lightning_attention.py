@@ -167,7 +167,7 @@ def medium(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _cli(*args: object) -> dict[str, Any]:
     result = CliRunner().invoke(cli, [str(a) for a in args])
     assert result.exit_code == 0 and "Traceback" not in result.output, result.output
-    return json.loads(result.output)
+    return json.loads(result.stdout)
 
 
 def _simulate(spec: Path, *args: object) -> dict[str, Any]:

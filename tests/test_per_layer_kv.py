@@ -97,6 +97,9 @@ def test_other_per_layer_attributes_and_bad_overrides_are_refused_with_their_rea
         derive_structure({**raw, "per_layer_config": {"2": {"intermediate_size": 256}}})
     assert other.value.code == "per-layer-config"
     assert "per_layer_config['2'] overrides intermediate_size" in other.value.message
+    # plain validate's check on the raw JSON, before any config class
+    with pytest.raises(Refusal, match=r"per_layer_config\['2'\] overrides intermediate_size"):
+        refuse_unmodelled({**raw, "per_layer_config": {"2": {"intermediate_size": 256}}})
     with pytest.raises(KadaptError, match=r"per_layer_config names layer '7'; expected 0..2"):
         derive_structure({**raw, "per_layer_config": {"7": {"head_dim": 32}}})
     with pytest.raises(KadaptError, match="layer 2's 3 KV heads do not split the 4 attention heads"):
@@ -150,6 +153,7 @@ def test_the_mapping_states_each_layers_shape_only_where_layers_differ() -> None
     paged = mapping(FULL, layer_kv_dims=(FULL, SLIDING), paged=abi.PagedKV(8, 12, "block_table"))
     assert paged["layers"][1]["decode_key_input"]["shape"] == [12, 8, 4, 16]
     assert paged["layers"][0]["decode_key_input"]["shape"] == [12, 8, 2, 16]
+    assert "(layers[i].cache's heads and dim)" in paged["contract"]["paged"]["pool"]
     # a stack whose layers cache one shape: no per-layer key anywhere, the mapping it always had
     uniform = derive_structure(tiny_config("llama"))
     assert uniform.layer_kv_dims("heads") is None
@@ -201,7 +205,7 @@ def test_kadapt_plan_states_each_layers_bytes(tmp_path: Path) -> None:
     spec = mimo_spec(tmp_path)
     document = CliRunner().invoke(cli, ["plan", str(spec.path), "--format", "json"])
     assert document.exit_code == 0, document.output
-    kv = json.loads(document.output)["kv_cache"]
+    kv = json.loads(document.stdout)["kv_cache"]
     assert kv["layer_bytes_per_token"] == [128, 256] and kv["bytes_per_token"] == 384
     assert kv["bytes_per_sequence"] == 256 * 128 + 8 * 256
     text = CliRunner().invoke(cli, ["plan", str(spec.path)])
@@ -230,6 +234,10 @@ def test_the_probe_is_held_against_each_layers_shape(tmp_path: Path) -> None:
     assert differs.value.code == "stack-differs"
     assert "layer 1's MHA 4 heads / 4 KV heads x 16" in differs.value.message
     assert "but the layer caches ((2, 16), (2, 16))" in differs.value.message
+    # a protocol stating one shape for the stack is held against every attention layer's own
+    with pytest.raises(Refusal) as one:
+        check_kv_dims(options, LayerProtocol("cache", FULL))
+    assert "layer 1's" in one.value.message and "but the layer caches ((2, 16), (2, 16))" in one.value.message
 
 
 SPEC = """\

@@ -25,6 +25,7 @@ from kimi_adapter_core.backends.extraction.runtime import abi as runtime
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.families.tiny import tiny_config
 from kimi_adapter_core.families.trial import buildable_config, module_paths, write_spec
+from kimi_adapter_core.generate import NotExpressible, render_spec
 from kimi_adapter_core.spec import load_spec
 from kimi_adapter_core.structure.derive import derive_structure
 
@@ -259,10 +260,21 @@ def test_plan_sizes_the_window_and_simulate_prices_the_convolution(tmp_path: Pat
         command = ["simulate", str(path), "--device", "h200", "--tp", "2", *phase, "--format", "json"]
         simulated = runner.invoke(cli, command)
         assert simulated.exit_code == 0, simulated.output
-        ops = {(op["module"], op["op"]): op for op in json.loads(simulated.output)["ops"]}
+        ops = {(op["module"], op["op"]): op for op in json.loads(simulated.stdout)["ops"]}
         kernel = "causal_conv1d_update" if "--decode" in phase else "causal_conv1d_fn"
         conv = ops[("linear_dense_layer.conv", kernel)]
         assert conv["source"] == "roofline" and conv["flops"] > 0
         # the rank's in_proj: B, C and x of its half of the 64 channels, over the phase's tokens
         tokens = 64 if "--query-len" in phase else 1
         assert ops[("linear_dense_layer.conv.in_proj", "mm")]["flops"] == 2 * tokens * 64 * 3 * 32
+
+
+@pytest.mark.parametrize("target", ["extraction", "docs"])
+def test_generated_files_refuse_a_short_conv_stack_at_the_gate(tmp_path: Path, target: str) -> None:
+    """The templates carry a conv window with a recurrent state, or a recurrent state alone: a stack of
+    short convolutions is refused at the gate, what is missing named, instead of rendered wrong."""
+    spec = load_spec(_spec(tmp_path, "lfm2"))
+    with pytest.raises(NotExpressible) as refused:
+        render_spec(spec, [target])
+    assert refused.value.location == spec.locate("gate")
+    assert "short convolutions (LFM2: a conv window alone)" in refused.value.message

@@ -95,8 +95,8 @@ class Dims:
     def linear_states(self, dtype: str) -> LinearStates | None:
         """Per request, ``((conv shape, dtype), (recurrent shape, dtype))`` of a linear layer with the
         model in ``dtype`` (the conv window follows it, the recurrent state keeps its own; a lightning
-        layer's recurrent state alone, in ``dtype``), as the extraction runtime takes them; None without
-        linear layers."""
+        layer's recurrent state alone, in ``dtype``; a short convolution's window alone), as the extraction
+        runtime takes them; None without linear layers."""
         linear = self.structure.linear
         if linear is None:
             return None
@@ -107,7 +107,8 @@ class Dims:
 
     @property
     def linear_kind(self) -> str:
-        """The ABI kind of the linear layers (``linear``, or ``lightning``: a recurrent state alone)."""
+        """The ABI kind of the linear layers (``linear``; ``lightning``: a recurrent state alone;
+        ``short_conv``: a conv window alone)."""
         return self.structure.linear.layer_kind if self.structure.linear is not None else "linear"
 
 
@@ -186,23 +187,35 @@ def resolve_kv_layout(spec: Spec, found: ModelStructure) -> tuple[str, str | Non
     return layout, mla_attention
 
 
-def one_kv_shape(spec: Spec, d: Dims, target: str) -> None:
-    """The generated module (``KV_DIMS``, its example inputs and mapping) and the ABI tables state one KV
-    shape for every layer: a stack whose layers cache different shapes (MiMo-V2-Flash) is not expressible
-    there yet, and is refused with the shapes named rather than generated wrong (``kadapt apply`` and
-    ``--verify`` carry it)."""
+def check_generated_form(spec: Spec, d: Dims, target: str) -> None:
+    """Refuse at the gate, with what is missing named, a stack the generated files cannot state yet
+    rather than generate it wrong (``kadapt apply`` and ``--verify`` carry both):
+
+    - layers that cache different KV shapes (MiMo-V2-Flash): the generated module (``KV_DIMS``, its
+      example inputs and mapping) and the ABI tables state one KV shape for every layer;
+    - LFM2's short convolutions (a conv window alone): the templates carry linear layers with a conv
+      window and a recurrent state, and lightning layers with a recurrent state alone.
+    """
     per_layer = d.structure.layer_kv_dims(d.kv_layout)
-    if per_layer is None:
-        return
-    attending = sorted({per_layer[i] for i in d.structure.attention_layer_ids})
-    raise cannot(
-        spec,
-        target,
-        f"its attention layers cache {len(attending)} KV shapes per token ({', '.join(map(str, attending))}; "
-        "(heads, dim) of key and value), and the generated files state one for every layer; kadapt apply "
-        "extracts such a stack",
-        "gate",
-    )
+    if per_layer is not None:
+        attending = sorted({per_layer[i] for i in d.structure.attention_layer_ids})
+        raise cannot(
+            spec,
+            target,
+            f"its attention layers cache {len(attending)} KV shapes per token "
+            f"({', '.join(map(str, attending))}; (heads, dim) of key and value), and the generated files "
+            "state one for every layer; kadapt apply extracts such a stack",
+            "gate",
+        )
+    if d.linear_kind == "short_conv":
+        raise cannot(
+            spec,
+            target,
+            "its linear layers are short convolutions (LFM2: a conv window alone), which the generated files "
+            "do not carry yet (they carry a conv window with a recurrent state, or a recurrent state alone); "
+            "kadapt apply extracts such a stack",
+            "gate",
+        )
 
 
 def dims(spec: Spec) -> Dims:

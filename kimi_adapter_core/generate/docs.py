@@ -408,7 +408,7 @@ def render_docs(spec: Spec) -> list[Rendered]:
     if spec.abi is not None:
         layout, mla_attention = abi_tables.resolve_kv_layout(spec, found)
         d = abi_tables.Dims(found, layout, mla_attention)
-        abi_tables.one_kv_shape(spec, d, TARGET)
+        abi_tables.check_generated_form(spec, d, TARGET)
     abi = _abi_context(spec, d)
     identity = spec_identity(spec)
     context = {

@@ -210,7 +210,7 @@ def render_extraction(spec: Spec) -> list[Rendered]:
     if paged is not None:  # the block table follows cache_position, as kadapt apply exports it
         decode = dataclasses.replace(decode, fixed_inputs=(*decode.fixed_inputs, paged.block_table))
     dims = abi_tables.dims(spec)
-    abi_tables.one_kv_shape(spec, dims, TARGET)
+    abi_tables.check_generated_form(spec, dims, TARGET)
     structure = structure_context(spec, dims)
     runtime_module = split_module(Path(runtime.__file__))
     encoding_module = split_module(Path(encoding.__file__))

@@ -19,7 +19,7 @@ from ..spec.model import Spec
 from . import bounds
 from .indexer_of import indexer_of
 from .layer_pattern import PATTERN_KEY, layout_types
-from .layer_shapes import layer_attentions
+from .layer_shapes import layer_attentions, refuse_other_layer_attributes
 from .linear_of import linear_of
 from .mlp_of import dense_width_of
 from .model import (
@@ -327,9 +327,9 @@ def _check_layer_types(read: Reader, types: list[Any]) -> None:
 
 
 def _refuse_unmodelled_layers(read: Reader, spec: Spec | None) -> None:
-    """Hybrid stacks (SSM, linear attention, recurrence, convolution) and layer features kadapt lacks
-    (``layer_features``: Gemma-4's KV-shared layers, per-layer inputs), told apart by keys only they have,
-    on the config object and the raw JSON alike."""
+    """Hybrid stacks (SSM, linear attention, recurrence, convolution), layer features kadapt lacks
+    (``layer_features``: Gemma-4's KV-shared layers, per-layer inputs) and per-layer overrides of more than
+    the KV shape, told apart by keys only they have, on the config object and the raw JSON alike."""
     for key in tables()["hybrid_keys"]:
         value = read.raw(key)
         if value is not MISSING and value is not None:
@@ -346,6 +346,7 @@ def _refuse_unmodelled_layers(read: Reader, spec: Spec | None) -> None:
         if value is not MISSING and value not in rule["neutral"]:
             message = f"{read.where} sets {key} = {value!r}, which {rule['effect']}"
             raise Refusal(rule["code"], message, location=locate(spec, "gate"))
+    refuse_other_layer_attributes(read)
 
 
 def _refuse_outside_layer_features(read: Reader, spec: Spec | None) -> None:

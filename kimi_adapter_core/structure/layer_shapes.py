@@ -78,6 +78,7 @@ def _listed(read: Reader, num_layers: int) -> dict[int, dict[str, int]] | None:
         return None
     if not isinstance(listed, Mapping):
         raise KadaptError(f"{read.where}: per_layer_config is {type(listed).__name__}; expected a mapping")
+    refuse_other_layer_attributes(read)
     attributes = per_layer_attributes()
     overrides: dict[int, dict[str, int]] = {}
     for layer, values in listed.items():
@@ -88,7 +89,20 @@ def _listed(read: Reader, num_layers: int) -> dict[int, dict[str, int]] | None:
             )
         if not isinstance(values, Mapping):
             raise KadaptError(f"{read.where}: per_layer_config[{layer!r}] is not a mapping of attributes")
-        other = sorted(str(key) for key in values if key not in attributes)
+        overrides[index] = {attributes[key]: value for key, value in values.items()}
+    return overrides
+
+
+def refuse_other_layer_attributes(read: Reader) -> None:
+    """A ``per_layer_config`` that overrides anything but a layer's KV shape is refused, naming the layer
+    and the attributes: on the raw JSON too (plain ``validate`` runs it before any config class)."""
+    listed = read.per_layer_config()
+    if not listed or not isinstance(listed, Mapping):
+        return
+    attributes = per_layer_attributes()
+    for layer, values in listed.items():
+        named = values if isinstance(values, Mapping) else {}
+        other = sorted(str(key) for key in named if key not in attributes)
         if other:
             raise Refusal(
                 "per-layer-config",
@@ -96,8 +110,6 @@ def _listed(read: Reader, num_layers: int) -> dict[int, dict[str, int]] | None:
                 f"only {' and '.join(attributes)} per layer (the KV shape each layer caches)",
                 location=locate(read.spec, "gate"),
             )
-        overrides[index] = {attributes[key]: value for key, value in values.items()}
-    return overrides
 
 
 def _ruled(

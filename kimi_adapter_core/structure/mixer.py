@@ -49,9 +49,10 @@ class LinearAttention:
     ``key_head_dim`` and value heads of ``value_head_dim``; KDA (Kimi-Linear) as many of each; Mamba2
     ``num_key_heads`` B/C groups of ``key_head_dim`` (the SSM state size) and ``num_value_heads`` heads of
     ``value_head_dim``; Mamba1 one B/C group of ``key_head_dim`` and ``num_value_heads`` inner channels
-    of width 1; a short convolution (LFM2) ``num_value_heads`` hidden channels of width 1. What it keeps
-    per request is fixed-size: the conv window over all of them and the recurrent state (``states.py``;
-    a short convolution the window alone)."""
+    of width 1; a short convolution (LFM2) ``num_value_heads`` hidden channels of width 1; lightning
+    attention (MiniMax) heads of ``value_head_dim`` with no conv, its prefill blocks ``block_size`` long.
+    What it keeps per request is fixed-size: the conv window over all of them and the recurrent state
+    (``states.py``; a short convolution the window alone, lightning attention the recurrent state alone)."""
 
     kind: str  # LINEAR_KINDS
     num_key_heads: int
@@ -103,7 +104,7 @@ class LinearAttention:
 
     @property
     def recurrent_state(self) -> RecurrentState:
-        """The recurrent state of a mixer that keeps one (gated DeltaNet, KDA, Mamba2, Mamba1)."""
+        """The recurrent state of a mixer that keeps one (all but a short convolution)."""
         recurrent = self.recurrent
         if recurrent is None:
             raise ValueError(f"a {self.kind} mixer keeps no recurrent state")

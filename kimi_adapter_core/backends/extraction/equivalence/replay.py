@@ -37,7 +37,6 @@ class Replay:
         self.dtype = getattr(torch, options.dtype)
         self.max_cache_len = options.max_cache_len
         self.paged = options.paged
-        self.kv_dims = options.kv_dims
         self.kv_layout = options.kv_layout or "heads"
         self.kinds = list(options.layer_kinds)  # each layer's kind: the states it takes and returns
         self.layer_roles = [runtime.LAYER_STATES[kind] for kind in self.kinds]

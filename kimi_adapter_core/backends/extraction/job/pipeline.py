@@ -149,7 +149,10 @@ def check_kv_dims(options: ExtractionOptions, protocol: upstream.LayerProtocol) 
         )
     structure = options.structure
     layout = structure.attention.default_kv_layout
-    cached = protocol.layer_kv_dims or ()
+    cached = protocol.layer_kv_dims
+    if cached is None:  # a protocol that states one shape for the stack: every attention layer holds it
+        attending = set(structure.attention_layer_ids)
+        cached = tuple(protocol.kv_dims if i in attending else None for i in range(structure.num_layers))
     for layer, found in enumerate(cached):
         if found is None:  # no KV cache: a linear or mixerless layer
             continue

@@ -1129,14 +1129,15 @@ class PagedKV(NamedTuple):
     num_blocks: int
     block_table: str  # the decode graph's block-table input
 
-    def contract(self, max_cache_len: int, batch: int | str) -> dict[str, Any]:
+    def contract(self, max_cache_len: int, batch: int | str, per_layer: bool = False) -> dict[str, Any]:
         blocks = max_cache_len // self.block_size
+        sizes = "layers[i].cache's heads and dim" if per_layer else "the cache's heads and dim above"
         return {
             "block_size": self.block_size,
             "num_blocks": self.num_blocks,
             "blocks_per_row": blocks,
             "pool": "each decode KV input/output of a layer is a pool [num_blocks, block_size, heads, dim] "
-            "shared by every row (the cache's heads and dim above); the outputs replace the inputs",
+            f"shared by every row ({sizes}); the outputs replace the inputs",
             "block_table": {
                 "input": self.block_table,
                 "shape": [batch, blocks],
@@ -1279,13 +1280,9 @@ def kv_contract(
     if lightning:
         contract["linear_states"] = {"recurrent": {"holds": LIGHTNING_STATE_CONTENTS}, **LINEAR_STATE_RULES}
     if short_conv:
-        contract["linear_states"] = {
-            **contract.get("linear_states", {}),
-            "conv": {"holds": SHORT_CONV_STATE_CONTENTS},
-            **LINEAR_STATE_RULES,
-        }
+        contract["linear_states"] = {"conv": {"holds": SHORT_CONV_STATE_CONTENTS}, **LINEAR_STATE_RULES}
     if paged is not None:
-        contract["paged"] = paged.contract(max_cache_len, "batch" if "batch" in dynamic else batch)
+        contract["paged"] = paged.contract(max_cache_len, "batch" if "batch" in dynamic else batch, per_layer)
         contract["cache"]["slot_rule"] += (
             " in the prefill outputs and in each row's logical cache; the decode pools are addressed by "
             "contract.paged.slot_rule"

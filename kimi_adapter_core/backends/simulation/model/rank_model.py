@@ -14,7 +14,8 @@ attention core (``AttentionKernel`` behind transformers' attention interface for
 spec's ``mla.attention_class`` swapped for ``RankMLA``) and the routed experts (the
 ``moe.experts_class`` module, else the one holding the stacked expert weights, swapped for
 ``RoutedExperts``) and, in a hybrid stack's linear layers, the mixer (a gated DeltaNet swapped for
-``RankGatedDeltaNet``: ``linear_kernels``; KDA and Mamba2 for ``RankKDA`` / ``RankMamba2``:
+``RankGatedDeltaNet``: ``linear_kernels``; KDA, Mamba2, Mamba1, a short convolution and lightning
+attention for ``RankKDA`` / ``RankMamba2`` / ``RankMamba1`` / ``RankShortConv`` / ``RankLightning``:
 ``ssm_kernels``). The collectives around them are recorded here: 2 TP
 all-reduces per layer, vocab-parallel embedding all-reduce and logits all-gather (EP dispatch +
 combine are the routed experts' own), and the all-reduce of a norm's statistics when a norm spans a
@@ -287,8 +288,9 @@ def _traced(kind: LayerKind, layer: nn.Module, rope_types: tuple[str | None, ...
 
 def _swap_linear(spec: Spec, layer: nn.Module, where: str, tp: int) -> list[RankLinearMixer]:
     """Swap every linear-attention / SSM mixer of a linear layer (gated DeltaNet in ``linear_attn``,
-    KDA in ``self_attn``, Mamba2 in ``mixer`` or ``mamba``: found by their attribute names) for its
-    serving kernels (unbound)."""
+    KDA and lightning attention in ``self_attn``, Mamba2 and Mamba1 in ``mixer`` or ``mamba``, a short
+    convolution in ``conv``: found by their attribute names, ``ssm_kernels.KINDS``) for its serving
+    kernels (unbound)."""
     found = linear_mixers(layer)
     if not found:
         seen = ", ".join(sorted({type(m).__name__ for m in layer.modules()}))
@@ -296,8 +298,10 @@ def _swap_linear(spec: Spec, layer: nn.Module, where: str, tp: int) -> list[Rank
             f"{where} of the model built for spec {spec.name} is a linear-attention layer, but none of its "
             "modules is a mixer simulate can price: a gated DeltaNet (conv1d, norm, out_proj, A_log, dt_bias "
             "and the in projections of Qwen3-Next or Qwen3.5), a KDA (q/k/v_proj, conv1d, forget_gate, "
-            "b_proj, o_norm, o_proj), a Mamba2 mixer (in_proj, conv1d, norm, out_proj, A_log, dt_bias, D) "
-            "or a lightning attention (qkv_proj, output_gate, norm, out_proj, slope_rate); "
+            "b_proj, o_norm, o_proj), a Mamba2 mixer (in_proj, conv1d, norm, out_proj, A_log, dt_bias, D), "
+            "a Mamba1 mixer (in_proj, conv1d, x_proj, dt_proj, A_log, D, out_proj), a gated short "
+            "convolution (in_proj, conv, out_proj) or a lightning attention (qkv_proj, output_gate, norm, "
+            "out_proj, slope_rate); "
             f"the classes there are: {seen}"
         )
     swapped = []

@@ -35,12 +35,13 @@ a chunked einsum in float32) are not what an engine launches. vLLM and SGLang ru
   ``5 d²`` per token and head (decay, kᵀ v, the sum and q S) on the vector units. Its state
   ``[H, d, d]`` is in the model's dtype, as plan sizes it (``RecurrentState.dtype`` None).
 
-Each decode step reads and writes every request's state once (float32, but lightning's); none of them
-grows with the context. The KDA, Mamba2 and Mamba1 mixers' modules are adopted by attribute name and
-kept whole (the built model is not resized for these kinds): a TP engine's rank runs 1/tp of the heads,
-so the projections run on their rank's slice of the weight (``RankLinear``, a view: the weight's format
-follows it), the gated norms on their slice, and the analytic kernels at the rank's sizes. Lightning
-attention is sized by the attention's heads, which ``rank_config`` resizes: its module is built per rank.
+Each decode step reads and writes every request's state once (a recurrent state in float32 but
+lightning's, in the model's dtype as a conv window is); none of them grows with the context. The KDA,
+Mamba2, Mamba1 and short-convolution mixers' modules are adopted by attribute name and kept whole (the
+built model is not resized for these kinds): a TP engine's rank runs 1/tp of the heads, so the
+projections run on their rank's slice of the weight (``RankLinear``, a view: the weight's format follows
+it), the gated norms on their slice, and the analytic kernels at the rank's sizes. Lightning attention is
+sized by the attention's heads, which ``rank_config`` resizes: its module is built per rank.
 """
 
 from __future__ import annotations

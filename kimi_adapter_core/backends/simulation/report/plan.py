@@ -333,7 +333,8 @@ def _shapes_text(kv: KvSizing) -> list[str]:
 
 
 def _state_text(plan: Plan) -> list[str]:
-    """The linear layers' state: its two tensors per layer, and the constant total per request."""
+    """The linear layers' state: its tensors per layer (a conv window, a recurrent state or both), and the
+    constant total per request."""
     state = plan.kv.state
     assert state is not None
     def tensor(label: str, t: dict[str, Any]) -> str:
