@@ -267,6 +267,10 @@ def test_plan_sizes_the_window_and_simulate_prices_the_convolution(tmp_path: Pat
         # the rank's in_proj: B, C and x of its half of the 64 channels, over the phase's tokens
         tokens = 64 if "--query-len" in phase else 1
         assert ops[("linear_dense_layer.conv.in_proj", "mm")]["flops"] == 2 * tokens * 64 * 3 * 32
+        # the rank's MLP: half the adjusted width (128 -> 2/3 -> 85, rounded up to 256), adjusted once
+        # (adjusting the per-rank 128 again gave 256 columns a rank)
+        for layer in ("linear_dense_layer", "dense_layer"):
+            assert ops[(f"{layer}.feed_forward.w2", "mm")]["flops"] == 2 * tokens * 64 * (256 // 2)
 
 
 @pytest.mark.parametrize("target", ["extraction", "docs"])

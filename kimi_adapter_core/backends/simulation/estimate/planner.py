@@ -366,9 +366,9 @@ def params_per_device(group: ParamGroup, params: int, s: ModelStructure, par: Pa
     """The share of ``params`` (whole tensors of ``group``) one device holds."""
     if group.shard == "tp":
         return params // par.tp
-    if group.shard == "kv":
-        kv = s.attention.num_kv_heads
-        return params // kv * kv_heads_per_rank(s.attention, par.tp)
+    if group.shard == "kv":  # by the KV heads of the group's own attention shape
+        a = group.attention or s.attention
+        return params // a.num_kv_heads * kv_heads_per_rank(a, par.tp)
     if group.shard == "ep":
         return params // par.ep
     if group.shard == "vocab":  # vocab-parallel: each TP rank holds ceil(vocab / tp) rows

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ....checkpoint.naming import rename_weight
 from ....spec.model import Spec
@@ -45,6 +45,9 @@ class ParamGroup:
     shard: Shard
     dtype: str  # native dtype: bf16 | fp32
     linear: bool  # a linear weight that a --quant mode re-formats
+    # a "kv"-sharded group's attention, whose KV heads it splits by: a per-layer shape's differ from the
+    # stack's (MiMo-V2-Flash's sliding layers), and TP replicates each shape's heads past their own count
+    attention: Attention | None = None
 
     @property
     def tensor_params(self) -> tuple[int, ...]:
@@ -287,7 +290,8 @@ def text_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
             if name == "layer_norms" and first:  # every layer has both norms: counted once
                 continue
             layer_ids = range(s.num_layers) if name == "layer_norms" else ids
-            groups.append(_layers(n, f"attn.{name}{label}", layer_ids, tensors, shard, "bf16", linear))
+            group = _layers(n, f"attn.{name}{label}", layer_ids, tensors, shard, "bf16", linear)
+            groups.append(replace(group, attention=shape) if shard == "kv" else group)
     if s.indexer is not None:
         for name, tensors, shard, linear in _indexer(s):
             groups.append(_layers(n, f"attn.{name}", indexed_layer_ids(s), tensors, shard, "bf16", linear))

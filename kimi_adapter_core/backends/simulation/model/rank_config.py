@@ -5,7 +5,8 @@ one kind are identical. A layer's kind is its mixer (attention, or a hybrid stac
 and its MLP kind. So the per-rank model keeps the layers up to the first of each kind
 (``layer_kinds``, ``built_layers``), each traced layer standing for its kind, and its text
 sub-config is resized to ONE rank (``rank_overrides``: query and KV heads, linear-attention heads,
-dense and shared-expert widths, vocab over TP). The per-rank sizes are written under the config keys
+dense and shared-expert widths, vocab over TP; a width the family adjusts at build time, LFM2's, is written
+adjusted with the adjustment switched off). The per-rank sizes are written under the config keys
 the structure read each fact from (``structure.keys``), so no family's key names are assumed;
 ``check_sizes`` refuses a config bridge that undoes one and notes one that changes a traced size.
 
@@ -122,6 +123,25 @@ def layer_kinds(s: ModelStructure) -> list[LayerKind]:
     ]
 
 
+def one_kv_shape(spec: Spec, s: ModelStructure) -> None:
+    """Refuse a stack whose attention layers cache different KV shapes (MiMo-V2-Flash's sliding layers:
+    twice the KV heads), before any work: ``layer_kinds`` traces each kind from one layer, the per-rank
+    config writes the stack's KV heads / TP (the family's code derives the other shape's heads from them,
+    wrong wherever TP replicates one shape's heads and splits the other's), and the attention kernel
+    holds every layer to the stack's shape, so its price would be wrong or the trace would stop on a
+    misleading mismatch. ``kadapt plan`` sizes each layer's cache."""
+    per_layer = s.layer_kv_dims(s.attention.default_kv_layout)
+    if per_layer is None:
+        return
+    shapes = sorted({per_layer[i] for i in s.attention_layer_ids})
+    raise KadaptError(
+        f"simulate prices one KV shape for every attention layer; this stack's attention layers cache "
+        f"{len(shapes)} ({', '.join(map(str, shapes))}; (heads, dim) of key and value per token); "
+        "`kadapt plan` sizes each layer's KV cache",
+        location=spec.locate("gate"),
+    )
+
+
 def built_layers(s: ModelStructure) -> int:
     """Layers the per-rank model keeps: up to the first layer of the last kind to appear."""
     return max(kind.index for kind in layer_kinds(s)) + 1
@@ -153,6 +173,8 @@ def rank_overrides(
         sizes[k.get("head_dim", "head_dim")] = a.head_dim
     if s.dense_layer_ids and "intermediate_size" in k:
         sizes[k["intermediate_size"]] = s.intermediate_size // tp
+        if "ffn_auto_adjust" in k:  # LFM2: the width is already adjusted; its MLP must not adjust it again
+            sizes[k["ffn_auto_adjust"]] = False
     moe = s.moe
     if moe is not None and moe.shared_intermediate_size:
         if "shared_expert_intermediate_size" in k:  # one shared expert of its own width

@@ -52,7 +52,7 @@ from .linear_kernels import RankLinearMixer
 from .mla_kernels import RankMLA
 from .parallel import Parallel
 from .quant import NATIVE
-from .rank_config import BACKEND, LayerKind, check_sizes, layer_kinds, rank_overrides
+from .rank_config import BACKEND, LayerKind, check_sizes, layer_kinds, one_kv_shape, rank_overrides
 from .serving_kernels import AttentionKernel, RoutedExperts
 from .split_norm import SplitNorm, split_norms
 from .ssm_kernels import SIMULATED_MIXERS, linear_mixers, rank_mixer
@@ -444,6 +444,7 @@ def _step(
 
 def trace_rank(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[Recorder, list[str]]:
     """Build the per-rank model and run one step of it on meta; the recorder holds every op."""
+    one_kv_shape(spec, inputs.arch.structure)
     with applied(spec, backend=BACKEND):  # one session for the build and the trace
         model = RankModel(spec, inputs, dep)
         return model.trace(inputs, dep), list(model.notes)
