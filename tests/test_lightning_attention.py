@@ -100,8 +100,9 @@ def test_prefill_and_decode_equal_transformers_with_its_minimax_cache(dtype: tor
     prompt = torch.randint(3, 96, (1, PROMPT), generator=torch.Generator().manual_seed(1))
     cache = MiniMaxCache()
     _, causal, positions = runtime.prefill_inputs(batch=1, prefill_len=PROMPT, dtype=dtype, device="cpu")
+    keyword = upstream.cache_keyword(model)  # the model's cache argument (5.23: past_key_values)
     with torch.no_grad():
-        reference = model(input_ids=prompt, position_ids=positions, cache=cache, use_cache=True).logits
+        reference = model(input_ids=prompt, position_ids=positions, **{keyword: cache}, use_cache=True).logits
         logits, *present = prefill(prompt, causal, positions)
     assert present[0].dtype == dtype and present[0].shape == (1, 4, 8, 8)
     assert torch.equal(logits, reference)
@@ -113,7 +114,8 @@ def test_prefill_and_decode_equal_transformers_with_its_minimax_cache(dtype: tor
         mask = runtime.additive_causal_mask(positions, CACHE, dtype)
         inputs, before = states, [state.clone() for state in states]
         with torch.no_grad():
-            reference = model(input_ids=token, position_ids=positions, cache=cache, use_cache=True).logits
+            step = model(input_ids=token, position_ids=positions, **{keyword: cache}, use_cache=True)
+            reference = step.logits
             logits, *states = decode(token, mask, positions, torch.tensor([position]), *inputs)
         assert all(torch.equal(a, b) for a, b in zip(inputs, before, strict=True))  # inputs untouched
         assert torch.equal(logits, reference)
