@@ -966,12 +966,7 @@ def decode_inputs(
     positions = torch.full((batch, 1), position, dtype=torch.long, device=device)
     index_dims: KVDims = ((1, index_dim or 1),) * 2  # the indexer keys: one head
 
-    def shapes(dims: KVDims) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        if paged is None:
-            return kv_shapes(dims, batch, max_cache_len)
-        return paged_shapes(dims, *paged)
-
-    index_shape = shapes(index_dims)[0]
+    index_shape = decode_kv_shapes(index_dims, batch, max_cache_len, paged)[0]
     table: tuple[torch.Tensor, ...] = ()
     if paged is not None:
         blocks = max_cache_len // paged[0]
@@ -984,7 +979,8 @@ def decode_inputs(
             assert linear_states is not None, "a linear layer needs its linear_states"
             past += linear_state_zeros(linear_states, batch, device)
             continue
-        key_shape, value_shape = shapes(layer_dims(kv_dims, layer_kv_dims, layer))
+        dims = layer_dims(kv_dims, layer_kv_dims, layer)
+        key_shape, value_shape = decode_kv_shapes(dims, batch, max_cache_len, paged)
         past += [
             torch.zeros(key_shape, dtype=dtype, device=device),
             torch.zeros(value_shape, dtype=dtype, device=device),
@@ -1008,6 +1004,16 @@ def paged_shapes(
     """Shapes of one layer's key and value block pools: ``[num_blocks, block_size, heads, dim]``."""
     (key_heads, key_dim), (value_heads, value_dim) = kv_dims
     return (num_blocks, block_size, key_heads, key_dim), (num_blocks, block_size, value_heads, value_dim)
+
+
+def decode_kv_shapes(
+    kv_dims: KVDims, batch: int | str, max_cache_len: int, paged: tuple[int, int] | None
+) -> tuple[tuple[int | str, ...], tuple[int | str, ...]]:
+    """Shapes of one layer's decode key and value: the contiguous cache for ``max_cache_len`` positions,
+    or with ``paged`` ``(block_size, num_blocks)`` its block pools (``paged_shapes``)."""
+    if paged is None:
+        return kv_shapes(kv_dims, batch, max_cache_len)
+    return paged_shapes(kv_dims, *paged)
 
 
 def place_prefill_kv(
@@ -1348,10 +1354,7 @@ def build_kv_mapping(
     batch_dim: int | str = "batch" if "batch" in dynamic else batch
     length_dim: int | str = "prefill_len" if "prefill_len" in dynamic else prefill_len
 
-    def decode_shapes(dims: KVDims) -> tuple[tuple[int | str, ...], tuple[int | str, ...]]:
-        if paged is None:
-            return kv_shapes(dims, batch_dim, max_cache_len)
-        return paged_shapes(dims, paged.block_size, paged.num_blocks)
+    pool = None if paged is None else (paged.block_size, paged.num_blocks)
 
     def tensor(role: str, layer: int, shape: tuple[int | str, ...], kind: str = dtype) -> dict[str, Any]:
         return {"name": names[role].format(layer=layer), "shape": list(shape), "dtype": kind}
@@ -1360,11 +1363,7 @@ def build_kv_mapping(
     hybrid = any(kind != "attention" for kind in kinds)
     index_dims: KVDims = ((1, index_dim or 1),) * 2
     prefill_index = kv_shapes(index_dims, batch_dim, length_dim)[0]
-    decode_index = (
-        kv_shapes(index_dims, batch_dim, max_cache_len)[0]
-        if paged is None
-        else paged_shapes(index_dims, paged.block_size, paged.num_blocks)[0]
-    )
+    decode_index = decode_kv_shapes(index_dims, batch_dim, max_cache_len, pool)[0]
     layers: list[dict[str, Any]] = []
     for layer, kind in enumerate(kinds):
         if kind in STATELESS_KINDS:  # no state to carry: the entry says so
@@ -1384,7 +1383,8 @@ def build_kv_mapping(
             layers.append(entry)
             continue
         dims = layer_dims(kv_dims, layer_kv_dims, layer)
-        prefill_shapes, decoded = kv_shapes(dims, batch_dim, length_dim), decode_shapes(dims)
+        prefill_shapes = kv_shapes(dims, batch_dim, length_dim)
+        decoded = decode_kv_shapes(dims, batch_dim, max_cache_len, pool)
         (key_heads, key_dim), (value_heads, value_dim) = dims
         layers.append(
             {
