@@ -31,7 +31,8 @@ def per_layer_attributes() -> dict[str, str]:
 def layer_attentions(
     read: Reader, attention: Attention, types: Sequence[Any] | None, num_layers: int
 ) -> tuple[Attention | None, ...]:
-    """Per layer its own attention where it differs from ``attention`` (None: the stack's)."""
+    """Per layer its own attention where it differs from ``attention`` (None: the stack's). Called by
+    ``derive_structure`` after its refusals, ``refuse_other_layer_attributes`` among them."""
     overrides = _listed(read, num_layers)
     if overrides is None:
         overrides = _ruled(read, attention, types, num_layers)
@@ -78,8 +79,7 @@ def _listed(read: Reader, num_layers: int) -> dict[int, dict[str, int]] | None:
         return None
     if not isinstance(listed, Mapping):
         raise KadaptError(f"{read.where}: per_layer_config is {type(listed).__name__}; expected a mapping")
-    refuse_other_layer_attributes(read)
-    attributes = per_layer_attributes()
+    attributes = per_layer_attributes()  # no other: refused first (``refuse_other_layer_attributes``)
     overrides: dict[int, dict[str, int]] = {}
     for layer, values in listed.items():
         index = int(layer) if isinstance(layer, str) and layer.isdigit() else layer
