@@ -351,6 +351,45 @@ def _probe_cache_seq_length() -> str:
     return _describe(method, "Cache.get_seq_length")
 
 
+GEMMA4 = "transformers.models.gemma4.modeling_gemma4"
+# what kadapt's wrappers read of a stack with per-layer embeddings (the runtime's ``PerLayerInputs``):
+# the language model's methods (name -> leading parameters after ``self``) and the attributes they read
+PER_LAYER_INPUT_METHODS = {
+    "get_per_layer_inputs": ("input_ids", "inputs_embeds"),
+    "project_per_layer_inputs": ("inputs_embeds", "per_layer_inputs"),
+}
+PER_LAYER_INPUT_ATTRIBUTES = (
+    "embed_tokens_per_layer",
+    "per_layer_model_projection",
+    "per_layer_projection_norm",
+    "hidden_size_per_layer_input",
+    "per_layer_model_projection_scale",
+    "per_layer_input_scale",
+)
+
+
+def _probe_per_layer_inputs() -> str:
+    expected = (
+        "Gemma4TextModel.get_per_layer_inputs(input_ids, inputs_embeds) and project_per_layer_inputs("
+        "inputs_embeds, per_layer_inputs) reading only the PLE parts __init__ sets; "
+        "Gemma4TextDecoderLayer.forward takes per_layer_input and shared_kv_states"
+    )
+    model = _attr(GEMMA4, "Gemma4TextModel", expected)
+    layer = _attr(GEMMA4, "Gemma4TextDecoderLayer", expected)
+    for name, leading in PER_LAYER_INPUT_METHODS.items():
+        method = getattr(model, name, None)
+        if method is None or not _leading_parameters(method, leading)[0]:
+            raise _Moved(expected, _describe(method, name) if method else f"Gemma4TextModel has no {name}")
+    source = inspect.getsource(model.__init__)
+    missing = [name for name in PER_LAYER_INPUT_ATTRIBUTES if f"self.{name} =" not in source]
+    if missing:
+        raise _Moved(expected, f"Gemma4TextModel.__init__ no longer sets {', '.join(missing)}")
+    taken = _signature(layer.forward).parameters
+    if not {"per_layer_input", "shared_kv_states"} <= set(taken):
+        raise _Moved(expected, _describe(layer.forward, "Gemma4TextDecoderLayer.forward"))
+    return "; ".join(_describe(getattr(model, name), name) for name in PER_LAYER_INPUT_METHODS)
+
+
 def _probe_dtype_plan() -> str:
     expected = "PreTrainedModel._get_dtype_plan(dtype) and core_model_loading.build_glob_alternation(globs)"
     model = _attr("transformers.modeling_utils", "PreTrainedModel", expected)
@@ -661,6 +700,19 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
         "llama4_attention_forward builtin",
         ("extraction (Llama-4)", "generated modules"),
         _probe_cache_seq_length,
+    ),
+    ContactPoint(
+        "per_layer_inputs",
+        f"{GEMMA4}.Gemma4TextModel.get_per_layer_inputs/project_per_layer_inputs, "
+        "Gemma4TextDecoderLayer.forward(per_layer_input, shared_kv_states)",
+        "the language model computes every layer's per-layer embedding [B, Q, layers, width] from the "
+        "token ids and the input embeddings; a layer takes its slice as per_layer_input and the call's "
+        "shared_kv_states dict",
+        "the wrappers compute the per-layer embeddings once per call with the model's own two methods "
+        "(run on a holder of the parts they read, so the graph keeps the weights' names) and hand each "
+        "layer its slice and one shared_kv_states dict per call, as Gemma4TextModel.forward does",
+        ("extraction (Gemma-4)", "generated modules"),
+        _probe_per_layer_inputs,
     ),
     ContactPoint(
         "loader_dtype_plan",
@@ -1232,6 +1284,21 @@ def _attention_of(layer: Any) -> Any:
     return next((m for m in (getattr(layer, n, None) for n in ATTENTION_ATTRIBUTES) if m is not None), None)
 
 
+def _stack_inputs(layer: Any, hidden: Any) -> dict[str, Any]:
+    """The inputs the model's forward builds once per call that the layer's forward takes (the runtime's
+    ``STACK_INPUTS``), as the wrappers hand them to the first layer of a call: an empty
+    ``shared_kv_states`` (Gemma-4), a zero ``per_layer_input`` of the layer's width (None where it has
+    none; contact point ``per_layer_inputs``)."""
+    params = _signature(type(layer).forward).parameters
+    inputs: dict[str, Any] = {}
+    if "shared_kv_states" in params:
+        inputs["shared_kv_states"] = {}
+    if "per_layer_input" in params:
+        width = getattr(layer, "hidden_size_per_layer_input", None)
+        inputs["per_layer_input"] = hidden.new_zeros(*hidden.shape[:-1], width) if width else None
+    return inputs
+
+
 def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str, index: int) -> LayerProtocol:
     import torch
 
@@ -1259,6 +1326,7 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
             position_ids=positions,
             use_cache=True,
             position_embeddings=embeddings,
+            **_stack_inputs(layer, hidden),
             **{keyword: cache if kind not in MIXERLESS_KINDS else None},
         )
     except Exception as exc:  # noqa: BLE001 - a protocol mismatch explains what failed after it

@@ -111,7 +111,6 @@ def test_other_per_layer_attributes_and_bad_overrides_are_refused_with_their_rea
 @pytest.mark.parametrize(
     ("changes", "code", "key"),
     [
-        ({"hidden_size_per_layer_input": 256}, "per-layer-inputs", "hidden_size_per_layer_input = 256"),
         ({"num_kv_shared_layers": 1}, "kv-shared-layers", "num_kv_shared_layers = 1"),
         ({"use_double_wide_mlp": True}, "layer-mlp", "use_double_wide_mlp = True"),
     ],

@@ -236,9 +236,7 @@ def sliding_window_mask(
     return attention_mask.masked_fill(too_old, torch.finfo(attention_mask.dtype).min)
 
 
-def chunked_window_mask(
-    attention_mask: torch.Tensor, position_ids: torch.Tensor, chunk: int
-) -> torch.Tensor:
+def chunked_window_mask(attention_mask: torch.Tensor, position_ids: torch.Tensor, chunk: int) -> torch.Tensor:
     """``attention_mask`` with keys before each query's chunk masked too (chunked attention: Llama-4).
 
     transformers' chunked overlay: key ``k`` visible to the query at ``p`` iff ``k // chunk == p //
@@ -339,22 +337,63 @@ STATELESS_KINDS = ("none",)
 CARRIED_INPUTS = ("prev_topk_indices",)
 
 
+# Layer inputs the model's forward builds once per call and hands to every decoder layer that takes
+# them: Gemma-4's ``shared_kv_states`` (a dict its KV-storing layers fill with the keys and values they
+# attend over, for the KV-shared layers after them; transformers' KVSharingDict is a dict), fresh per
+# call, and ``per_layer_input`` (``PerLayerInputs``: each layer's slice of the per-layer embeddings, or
+# None where the config has none, as the model's forward passes it).
+STACK_INPUTS = ("shared_kv_states", "per_layer_input")
+
+
 def carried_inputs(layer: nn.Module) -> tuple[str, ...]:
-    """The ``CARRIED_INPUTS`` a decoder layer's forward takes."""
+    """The ``CARRIED_INPUTS`` and ``STACK_INPUTS`` a decoder layer's forward takes."""
     parameters = inspect.signature(layer.forward).parameters
-    return tuple(name for name in CARRIED_INPUTS if name in parameters)
+    return tuple(name for name in (*CARRIED_INPUTS, *STACK_INPUTS) if name in parameters)
 
 
 def run_layer(
     layer: nn.Module, hidden_states: torch.Tensor, carried: dict[str, Any], **kwargs: Any
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """One decoder layer over ``hidden_states`` with what the previous layer handed on (the names it
-    takes of ``carried``); returns its hidden states and what it hands to the next layer."""
-    takes = {name: carried[name] for name in carried_inputs(layer) if name in carried}
+    """One decoder layer over ``hidden_states`` with what the previous layer handed on and the stack's
+    per-call inputs (the names it takes of ``carried``); returns its hidden states and what it hands to
+    the next layer."""
+    takes = {name: carried.get(name) for name in carried_inputs(layer)}
     out = layer(hidden_states, **takes, **kwargs)
     if isinstance(out, tuple):
         return out[0], dict(zip(CARRIED_INPUTS, out[1:], strict=False))
     return out, {}
+
+
+class PerLayerInputs(nn.Module):
+    """Per-layer embeddings (Gemma-4's PLE): an input of its own for every decoder layer, computed once
+    per call from the token ids and the input embeddings ``[B, Q, layers, width]``.
+
+    Runs the language model's own ``get_per_layer_inputs`` / ``project_per_layer_inputs`` (contact point
+    ``per_layer_inputs``) on this holder of the parts and scales they read, so the graph holds the same
+    tensors as the model (the weights keep their names) without the whole language model inside."""
+
+    PARTS = ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm")
+    SCALARS = ("hidden_size_per_layer_input", "per_layer_model_projection_scale", "per_layer_input_scale")
+
+    def __init__(self, language_model: nn.Module) -> None:
+        super().__init__()
+        for name in self.PARTS:
+            setattr(self, name, getattr(language_model, name))
+        for name in self.SCALARS:
+            setattr(self, name, getattr(language_model, name))
+        self.config = language_model.config
+        self.source = type(language_model)
+
+    @classmethod
+    def of(cls, language_model: nn.Module) -> PerLayerInputs | None:
+        """The stack's per-layer inputs; None where its config gives the layers none."""
+        if not getattr(language_model.config, "hidden_size_per_layer_input", None):
+            return None
+        return cls(language_model)
+
+    def forward(self, input_ids: torch.Tensor, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        token_part = self.source.get_per_layer_inputs(self, input_ids, inputs_embeds)
+        return self.source.project_per_layer_inputs(self, inputs_embeds, token_part)
 
 
 def layer_index(layer: nn.Module, kind: str, position: int) -> int:
@@ -619,6 +658,7 @@ class _TextStack(nn.Module):
         rope_layer_types: Sequence[str | None] | None = None,
         layer_kinds: Sequence[str] | None = None,
         chunks: Sequence[int | None] | None = None,
+        per_layer_inputs: PerLayerInputs | None = None,
     ) -> None:
         super().__init__()
         if kv_layout not in KV_LAYOUTS:
@@ -634,6 +674,7 @@ class _TextStack(nn.Module):
         self.mla_attention = mla_attention
         self.embedding_ops = tuple(embedding_ops)
         self.logit_ops = tuple(logit_ops)
+        self.per_layer_inputs = per_layer_inputs
         # each traced layer's kind (LAYER_STATES), by its position in the stack; None: all attention
         self.kinds = [
             layer_kinds[i] if layer_kinds is not None else "attention" for i in range(len(self.layers))
@@ -689,6 +730,7 @@ class _TextStack(nn.Module):
         ``parts`` where the stack keeps a part under another name (``{"final_norm": "norm_f"}``);
         ``chunks`` each layer's attention chunk (None: not chunked), indexed by layer;
         ``extra`` goes to the wrapper's constructor (``image_token_id`` of ``MultimodalPrefillWrapper``).
+        The stack's per-layer embeddings (``PerLayerInputs``), where its config has them, come along.
         """
         layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
         if num_layers is not None:
@@ -708,6 +750,7 @@ class _TextStack(nn.Module):
             rope_layer_types=rope_layer_types,
             layer_kinds=layer_kinds,
             chunks=chunks,
+            per_layer_inputs=PerLayerInputs.of(language_model),
             **extra,
         )
 
@@ -718,7 +761,9 @@ class _TextStack(nn.Module):
         position_ids: torch.Tensor,
         cache: StaticStateCache,
     ) -> tuple[torch.Tensor, ...]:
-        return self._stack(self.embed_tokens(input_ids), attention_mask, position_ids, cache)
+        embeds = self.embed_tokens(input_ids)
+        per_layer = self.per_layer_inputs(input_ids, embeds) if self.per_layer_inputs is not None else None
+        return self._stack(embeds, attention_mask, position_ids, cache, per_layer)
 
     def _stack(
         self,
@@ -726,8 +771,10 @@ class _TextStack(nn.Module):
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
         cache: StaticStateCache,
+        per_layer: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
-        """The layers, final norm and LM head over input embeddings ``hidden_states`` ``[B, Q, hidden]``."""
+        """The layers, final norm and LM head over input embeddings ``hidden_states`` ``[B, Q, hidden]``
+        (``per_layer``: the per-layer embeddings ``[B, Q, layers, width]``, indexed by layer)."""
         hidden_states = apply_ops(hidden_states, self.embedding_ops)
         if self.rotary_emb is None:  # no rope: positions reach the layers only through the mask and cache
             position_embeddings = [None] * len(self.layers)
@@ -760,13 +807,15 @@ class _TextStack(nn.Module):
             absorbing_mla(self.layers, self.mla_attention, self.cache_keyword),
         ):
             carried: dict[str, Any] = {}
-            for layer, mask, embeddings, kind in zip(
-                self.layers, layer_masks, position_embeddings, self.kinds, strict=True
+            shared_kv_states: dict[str, Any] = {}  # STACK_INPUTS: one per call
+            for layer, mask, embeddings, kind, index in zip(
+                self.layers, layer_masks, position_embeddings, self.kinds, self.layer_ids, strict=True
             ):
+                per_layer_input = per_layer[:, :, index, :] if per_layer is not None else None
                 hidden_states, carried = run_layer(
                     layer,
                     hidden_states,
-                    carried,
+                    {**carried, "shared_kv_states": shared_kv_states, "per_layer_input": per_layer_input},
                     attention_mask=mask,
                     position_ids=position_ids,
                     use_cache=True,
@@ -846,6 +895,8 @@ class MultimodalPrefillWrapper(_TextStack):
 
     def __init__(self, *args: Any, image_token_id: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if self.per_layer_inputs is not None:  # they are computed from the token ids, not the features
+            raise ValueError("a merged image prefill of a stack with per-layer embeddings is not supported")
         self.image_token_id = image_token_id
 
     def forward(
@@ -1867,6 +1918,45 @@ def _probe_cache_seq_length() -> str:
     return _describe(method, "Cache.get_seq_length")
 
 
+GEMMA4 = "transformers.models.gemma4.modeling_gemma4"
+# what kadapt's wrappers read of a stack with per-layer embeddings (the runtime's ``PerLayerInputs``):
+# the language model's methods (name -> leading parameters after ``self``) and the attributes they read
+PER_LAYER_INPUT_METHODS = {
+    "get_per_layer_inputs": ("input_ids", "inputs_embeds"),
+    "project_per_layer_inputs": ("inputs_embeds", "per_layer_inputs"),
+}
+PER_LAYER_INPUT_ATTRIBUTES = (
+    "embed_tokens_per_layer",
+    "per_layer_model_projection",
+    "per_layer_projection_norm",
+    "hidden_size_per_layer_input",
+    "per_layer_model_projection_scale",
+    "per_layer_input_scale",
+)
+
+
+def _probe_per_layer_inputs() -> str:
+    expected = (
+        "Gemma4TextModel.get_per_layer_inputs(input_ids, inputs_embeds) and project_per_layer_inputs("
+        "inputs_embeds, per_layer_inputs) reading only the PLE parts __init__ sets; "
+        "Gemma4TextDecoderLayer.forward takes per_layer_input and shared_kv_states"
+    )
+    model = _attr(GEMMA4, "Gemma4TextModel", expected)
+    layer = _attr(GEMMA4, "Gemma4TextDecoderLayer", expected)
+    for name, leading in PER_LAYER_INPUT_METHODS.items():
+        method = getattr(model, name, None)
+        if method is None or not _leading_parameters(method, leading)[0]:
+            raise _Moved(expected, _describe(method, name) if method else f"Gemma4TextModel has no {name}")
+    source = inspect.getsource(model.__init__)
+    missing = [name for name in PER_LAYER_INPUT_ATTRIBUTES if f"self.{name} =" not in source]
+    if missing:
+        raise _Moved(expected, f"Gemma4TextModel.__init__ no longer sets {', '.join(missing)}")
+    taken = _signature(layer.forward).parameters
+    if not {"per_layer_input", "shared_kv_states"} <= set(taken):
+        raise _Moved(expected, _describe(layer.forward, "Gemma4TextDecoderLayer.forward"))
+    return "; ".join(_describe(getattr(model, name), name) for name in PER_LAYER_INPUT_METHODS)
+
+
 def _probe_dtype_plan() -> str:
     expected = "PreTrainedModel._get_dtype_plan(dtype) and core_model_loading.build_glob_alternation(globs)"
     model = _attr("transformers.modeling_utils", "PreTrainedModel", expected)
@@ -2177,6 +2267,19 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
         "llama4_attention_forward builtin",
         ("extraction (Llama-4)", "generated modules"),
         _probe_cache_seq_length,
+    ),
+    ContactPoint(
+        "per_layer_inputs",
+        f"{GEMMA4}.Gemma4TextModel.get_per_layer_inputs/project_per_layer_inputs, "
+        "Gemma4TextDecoderLayer.forward(per_layer_input, shared_kv_states)",
+        "the language model computes every layer's per-layer embedding [B, Q, layers, width] from the "
+        "token ids and the input embeddings; a layer takes its slice as per_layer_input and the call's "
+        "shared_kv_states dict",
+        "the wrappers compute the per-layer embeddings once per call with the model's own two methods "
+        "(run on a holder of the parts they read, so the graph keeps the weights' names) and hand each "
+        "layer its slice and one shared_kv_states dict per call, as Gemma4TextModel.forward does",
+        ("extraction (Gemma-4)", "generated modules"),
+        _probe_per_layer_inputs,
     ),
     ContactPoint(
         "loader_dtype_plan",
@@ -2748,6 +2851,21 @@ def _attention_of(layer: Any) -> Any:
     return next((m for m in (getattr(layer, n, None) for n in ATTENTION_ATTRIBUTES) if m is not None), None)
 
 
+def _stack_inputs(layer: Any, hidden: Any) -> dict[str, Any]:
+    """The inputs the model's forward builds once per call that the layer's forward takes (the runtime's
+    ``STACK_INPUTS``), as the wrappers hand them to the first layer of a call: an empty
+    ``shared_kv_states`` (Gemma-4), a zero ``per_layer_input`` of the layer's width (None where it has
+    none; contact point ``per_layer_inputs``)."""
+    params = _signature(type(layer).forward).parameters
+    inputs: dict[str, Any] = {}
+    if "shared_kv_states" in params:
+        inputs["shared_kv_states"] = {}
+    if "per_layer_input" in params:
+        width = getattr(layer, "hidden_size_per_layer_input", None)
+        inputs["per_layer_input"] = hidden.new_zeros(*hidden.shape[:-1], width) if width else None
+    return inputs
+
+
 def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str, index: int) -> LayerProtocol:
     import torch
 
@@ -2775,6 +2893,7 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
             position_ids=positions,
             use_cache=True,
             position_embeddings=embeddings,
+            **_stack_inputs(layer, hidden),
             **{keyword: cache if kind not in MIXERLESS_KINDS else None},
         )
     except Exception as exc:  # noqa: BLE001 - a protocol mismatch explains what failed after it

@@ -85,8 +85,8 @@ def read_rows(path: Path) -> dict[str, Row]:
     for line in path.read_text(encoding="utf-8").splitlines():
         match = _ROW.match(line)
         if match:
-            plan = match["plan"].replace("\\|", "|")
-            rows[match["type"]] = Row(match["type"], match["outcome"], match["code"], match["detail"], plan)
+            plan, detail = (match[cell].replace("\\|", "|") for cell in ("plan", "detail"))
+            rows[match["type"]] = Row(match["type"], match["outcome"], match["code"], detail, plan)
     return rows
 
 

@@ -52,6 +52,8 @@ TEXT_SIZES: dict[str, Any] = {
     "floor_scale": 4,  # Llama-4's NoPE temperature tuning scales positions from floor_scale - 1 on
     "n_group": 1,
     "topk_group": 1,
+    "hidden_size_per_layer_input": 8,  # Gemma-4's per-layer embeddings: one [vocab, layers x 8] table
+    "vocab_size_per_layer_input": 128,
 }
 # defaults some configs leave None although their model needs a value (set where the key exists)
 REPAIRS: dict[str, Any] = {
@@ -74,8 +76,14 @@ MIXER_SIZES: tuple[tuple[dict[str, Any], tuple[str, ...]], ...] = (
     ({"ssm_state_size": 16, "mamba_num_heads": 4, "mamba_head_dim": 8, "n_groups": 2, "chunk_size": 16}, ()),
     # Granite-4.0-H, Bamba: heads x width = mamba_expand x hidden (Falcon-H1 sizes its own: mamba_d_ssm)
     (
-        {"mamba_d_state": 16, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_expand": 1,
-         "mamba_n_groups": 2, "mamba_chunk_size": 16},
+        {
+            "mamba_d_state": 16,
+            "mamba_n_heads": 4,
+            "mamba_d_head": 16,
+            "mamba_expand": 1,
+            "mamba_n_groups": 2,
+            "mamba_chunk_size": 16,
+        },
         ("mamba_d_ssm",),
     ),  # fmt: skip
     # KDA (Kimi-Linear, Bailing-hybrid)
@@ -202,8 +210,7 @@ def tiny_config(model_type: str) -> dict[str, Any]:
 
     config = CONFIG_MAPPING[model_type]()
     text = config.get_text_config(decoder=True)
-    for name in list(vars(config)):
-        sub = getattr(config, name, None)
+    for sub in list(vars(config).values()):  # not getattr: a per-layer attribute raises (Gemma-4)
         if isinstance(sub, PreTrainedConfig) and sub is not text:
             for key, value in OTHER_SIZES.items():
                 if _get(sub, key) is not None:

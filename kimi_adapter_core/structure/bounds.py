@@ -151,6 +151,8 @@ FACT_RULES: dict[str, Rule] = {
     "dense_layer_list": Rule("ints", "a list of layer indices"),
     "moe_layer_list": Rule("ints", "a list of layer indices"),
     "dense_intermediate_size": _positive(MAX_WIDTH),
+    "per_layer_input_width": _non_negative(MAX_WIDTH),  # 0: no per-layer embeddings
+    "per_layer_input_vocab": _positive(MAX_VOCAB),
     "moe_layer_step": _positive(MAX_LAYERS),
     "norm_topk_prob": FLAG,
     "routed_scaling_factor": FINITE_NUMBER,

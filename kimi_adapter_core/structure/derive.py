@@ -30,6 +30,7 @@ from .model import (
     ModelStructure,
     Moe,
     OutsideOp,
+    PerLayerInputs,
 )
 from .reader import MISSING, Reader, locate, mlp_block_types, outside_modelled, tables
 from .rope_of import rope_of
@@ -43,9 +44,15 @@ def _attention(read: Reader, spec: Spec | None, hidden: int) -> Attention:
         q_lora = read.get("q_lora_rank")
         read.get("num_kv_heads")  # MLA keeps it equal to the heads; recorded so tiny models keep it so
         attention = Attention(
-            "mla", heads, heads, nope + rope, int(read.require("v_head_dim")),
+            "mla",
+            heads,
+            heads,
+            nope + rope,
+            int(read.require("v_head_dim")),
             q_lora_rank=int(q_lora) if q_lora is not None else None,
-            kv_lora_rank=int(kv_lora), qk_nope_head_dim=nope, qk_rope_head_dim=rope,
+            kv_lora_rank=int(kv_lora),
+            qk_nope_head_dim=nope,
+            qk_rope_head_dim=rope,
         )
     else:
         kv_heads = int(read.get("num_kv_heads", heads))
@@ -93,8 +100,18 @@ def _check_attention_claims(attention: Attention, read: Reader, spec: Spec | Non
         )
 
 
+def _per_layer_inputs(read: Reader) -> PerLayerInputs | None:
+    """The per-layer embeddings the config gives the layers (None: a width of 0 or none stated); their
+    table's vocabulary defaults to the model's, as Gemma-4's config does."""
+    width = int(read.get("per_layer_input_width", 0) or 0)
+    if width <= 0:
+        return None
+    return PerLayerInputs(width, int(read.get("per_layer_input_vocab") or read.require("vocab_size")))
+
+
 def _moe(read: Reader, spec: Spec | None) -> Moe | None:
-    experts = int(read.get("num_experts", 0) or 0)
+    switched_off = any(read.raw(key) is False for key in tables()["moe_switches"])
+    experts = 0 if switched_off else int(read.get("num_experts", 0) or 0)
     if experts <= 0:
         if spec is not None and spec.moe:
             raise KadaptError(
@@ -352,9 +369,11 @@ def _refuse_unmodelled_layers(read: Reader, spec: Spec | None) -> None:
 def _refuse_outside_layer_features(read: Reader, spec: Spec | None) -> None:
     """Features outside the decoder layers would be dropped silently by the ABI wrappers."""
     where = spec.locate("gate") if spec is not None else None
+    text_only = spec is None or spec.abi is None or spec.abi.vision is None
     for key, rule in tables()["outside_layers"].items():
         value = read.raw(key)
-        if value is not MISSING and value not in rule["neutral"]:
+        neutral = [*rule["neutral"], *(rule.get("text_neutral", ()) if text_only else ())]
+        if value is not MISSING and value not in neutral:
             message = (
                 f"{read.where} sets {key} = {value!r}, which {rule['effect']}; kadapt's prefill/decode "
                 "wrappers call the decoder layers directly and cannot honour it, so the model is refused "
@@ -489,5 +508,6 @@ def derive_structure(
         outside=_outside(read),
         linear=linear_of(read, spans),
         indexer=indexer_of(read, spans),
+        per_layer_inputs=_per_layer_inputs(read),
         keys=dict(read.keys),
     )

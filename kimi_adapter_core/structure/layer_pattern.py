@@ -27,7 +27,8 @@ def pattern_period(sequence: Sequence[Any], limit: int) -> int:
 def shorten_layers(section: Mapping[str, Any], total: int, keep: int) -> dict[str, Any]:
     """Overrides that cut every per-layer list of a text config section (``layer_types``,
     ``mlp_layer_types``, ``activation_sparsity_pattern``, ...: any list with one entry per layer) to
-    its first ``keep`` layers, as config classes require once the stack is shortened, and a layout of one
+    its first ``keep`` layers, as config classes require once the stack is shortened, the per-layer
+    overrides of a heterogeneous config (``per_layer_config``) to those layers, and a layout of one
     letter per layer (``PATTERN_KEY``: Nemotron-H's config class builds its stack from the letters, whatever
     ``num_hidden_layers`` says)."""
     cut: dict[str, Any] = {
@@ -38,6 +39,11 @@ def shorten_layers(section: Mapping[str, Any], total: int, keep: int) -> dict[st
     pattern = section.get(PATTERN_KEY)
     if isinstance(pattern, str) and len(pattern) == total:
         cut[PATTERN_KEY] = pattern[:keep]
+    overrides = section.get("per_layer_config")
+    if isinstance(overrides, Mapping):  # heterogeneous configs: overrides keyed by layer index
+        cut["per_layer_config"] = {
+            layer: values for layer, values in overrides.items() if int(str(layer)) < keep
+        }
     return cut
 
 

@@ -12,6 +12,7 @@ which is all the ABI needs to carry per layer; any other per-layer attribute sta
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ..errors import KadaptError, Refusal
@@ -44,12 +45,23 @@ def layer_attentions(
             "kadapt carries per-layer shapes of per-head KV only",
             location=locate(read.spec, "gate"),
         )
+    keyed = _value_from_key(read, types, num_layers)
     shapes: list[Attention | None] = []
     for index in range(num_layers):
         facts = overrides.get(index)
-        shape = _shape(read, attention, index, facts) if facts else None
+        shape = _shape(read, attention, index, facts) if facts else attention
+        if index in keyed:
+            shape = replace(shape, value_from_key=True)
         shapes.append(None if shape == attention else shape)
     return tuple(shapes)
+
+
+def _value_from_key(read: Reader, types: Sequence[Any] | None, num_layers: int) -> set[int]:
+    """The layers whose values are the key projection's output (``per_layer_attention.value_from_key``)."""
+    rule = _table().get("value_from_key", {}).get(read.raw("model_type"))
+    if rule is None or types is None or read.raw(rule["key"]) in (MISSING, None, False):
+        return set()
+    return {i for i, layer_type in enumerate(list(types)[:num_layers]) if layer_type in rule["layer_types"]}
 
 
 def _shape(read: Reader, attention: Attention, index: int, facts: Mapping[str, int]) -> Attention:

@@ -43,6 +43,9 @@ class Attention:
     kv_lora_rank: int | None = None
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
+    # the values are the key projection's output (no v_proj; Gemma-4's full layers with
+    # attention_k_eq_v): K and V still differ by their norms and rope, so both are cached
+    value_from_key: bool = False
 
     @property
     def is_mla(self) -> bool:
@@ -80,7 +83,15 @@ class Attention:
                 f"{'full q projection' if self.q_lora_rank is None else f'q_lora_rank {self.q_lora_rank}'}, "
                 f"head_dim {self.head_dim}/{self.v_head_dim}"
             )
-        return f"{self.kind.upper()} {self.num_heads} heads / {self.num_kv_heads} KV heads x {self.head_dim}"
+        shape = f"{self.kind.upper()} {self.num_heads} heads / {self.num_kv_heads} KV heads x {self.head_dim}"
+        return shape + (", values from the key projection" if self.value_from_key else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Its fields; ``value_from_key`` only where it is set (every other stack's metadata is unchanged)."""
+        data = asdict(self)
+        if not self.value_from_key:
+            data.pop("value_from_key")
+        return data
 
 
 @dataclass(frozen=True)
@@ -233,6 +244,19 @@ class OutsideOp:
 
 
 @dataclass(frozen=True)
+class PerLayerInputs:
+    """Per-layer embeddings (Gemma-4's PLE): every decoder layer takes an input of ``width`` of its own,
+    computed once per call from a ``[vocab, layers x width]`` token table and a projection of the input
+    embeddings; each layer gates, projects and adds it after its MLP."""
+
+    width: int
+    vocab: int
+
+    def describe(self) -> str:
+        return f"per-layer embeddings {self.width} wide (vocab {self.vocab})"
+
+
+@dataclass(frozen=True)
 class ModelStructure:
     """A decoder-only text backbone as every kadapt backend sees it."""
 
@@ -251,6 +275,7 @@ class ModelStructure:
     outside: tuple[OutsideOp, ...] = ()  # math outside the decoder layers, in the order it is applied
     linear: LinearAttention | None = None  # the mixer of the ``linear`` layers (None: attention only)
     indexer: Indexer | None = None  # the DSA indexer of the ``indexed`` layers (None: no such layer)
+    per_layer_inputs: PerLayerInputs | None = None  # per-layer embeddings (None: the layers take none)
     # fact -> the config key it was read from (so tiny verify models shrink the right keys)
     keys: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -348,6 +373,8 @@ class ModelStructure:
             sizes = "/".join(str(c) for c in sorted(set(chunked)))
             spans += f", {len(chunked)}/{self.num_layers} chunked-attention layers (chunk {sizes})"
         outside = "".join(f", {o.describe()}" for o in self.outside)
+        if self.per_layer_inputs is not None:
+            outside += f", {self.per_layer_inputs.describe()}"
         mixer = self.attention.describe()
         if self.linear is not None:
             linear = len(self.linear_layer_ids)
@@ -371,12 +398,13 @@ class ModelStructure:
         data.pop("keys")
         if not self.outside:  # most families: the key stays out of the IR metadata
             data.pop("outside")
-        for kind in ("linear", "indexer"):  # stacks without them: their metadata is what it always was
+        for kind in ("linear", "indexer", "per_layer_inputs"):  # stacks without them: metadata unchanged
             if getattr(self, kind) is None:
                 data.pop(kind)
         for size in ("dt_rank", "block_size"):  # only Mamba1 states the one, lightning the other
             if self.linear is not None and getattr(self.linear, size) is None:
                 data["linear"].pop(size)
+        data["attention"] = self.attention.to_dict()
         data["layers"] = _compress_layers(self.layers)
         data["rope"] = self.rope.to_dict()
         return data
@@ -390,7 +418,7 @@ def _compress_layers(layers: tuple[Layer, ...]) -> list[dict[str, Any]]:
         if layer.chunk is not None:  # only chunked layers name one: other stacks' metadata is unchanged
             kind["chunk"] = layer.chunk
         if layer.attention_shape is not None:  # only a layer whose shape differs names it
-            kind["attention_shape"] = asdict(layer.attention_shape)
+            kind["attention_shape"] = layer.attention_shape.to_dict()
         previous = {k: v for k, v in runs[-1].items() if k != "layers"} if runs else None
         if previous == kind and runs[-1]["layers"][1] == layer.index - 1:
             runs[-1]["layers"][1] = layer.index

@@ -47,11 +47,12 @@ class Backbone:
 
 
 # what a decoder layer's forward may take: the wrappers pass the first five (and the cache under its
-# keyword); any other named input is something the model's forward computes and the wrappers do not
+# keyword), what one layer hands the next and the stack's per-call inputs; any other named input is
+# something the model's forward computes and the wrappers do not
 LAYER_INPUTS = frozenset(
     {"self", "hidden_states", "attention_mask", "position_ids", "position_embeddings", "use_cache",
      "cache", "past_key_values", "past_key_value", "cache_position", "output_attentions", "kwargs"}
-) | frozenset(runtime.CARRIED_INPUTS)  # fmt: skip
+) | frozenset(runtime.CARRIED_INPUTS) | frozenset(runtime.STACK_INPUTS)  # fmt: skip
 # child module class names of a decoder layer that mixes tokens without attention
 NON_ATTENTION = ("Mamba", "Mixer", "Linear", "Conv", "Recurrent", "DeltaNet", "Rwkv", "Lstm")
 
@@ -66,12 +67,32 @@ def check_parts(backbone: Backbone) -> None:
             raise Refusal("stack-layout", parts.missing(stack, key), location=parts.where(key)) from None
 
 
+def check_per_layer_inputs(stack: nn.Module) -> None:
+    """Refuse (``per-layer-inputs``) a config with per-layer embeddings whose stack lacks the parts and
+    methods ``runtime.PerLayerInputs`` computes them with (contact point ``per_layer_inputs``)."""
+    if not getattr(stack.config, "hidden_size_per_layer_input", None):
+        return
+    names = (*runtime.PerLayerInputs.PARTS, *runtime.PerLayerInputs.SCALARS)
+    missing = [
+        n for n in (*names, "get_per_layer_inputs", "project_per_layer_inputs") if not hasattr(stack, n)
+    ]
+    if missing:
+        raise Refusal(
+            "per-layer-inputs",
+            f"{type(stack).__name__} has per-layer embeddings by its config (hidden_size_per_layer_input "
+            f"{stack.config.hidden_size_per_layer_input}) but no {', '.join(missing)}: the wrappers compute "
+            "them with the stack's own get_per_layer_inputs / project_per_layer_inputs",
+        )
+
+
 def check_stack(backbone: Backbone, kinds: Sequence[str] | None = None) -> None:
-    """Refuse a stack the wrappers cannot drive: parts missing (``check_parts``, GPT-2, Falcon, Phi), or a
-    layer without the mixer of its kind (``kinds``; None: all attention; ``runtime.MIXER_ATTRIBUTES``) that
-    knows its ``layer_idx`` (``hybrid`` when it mixes tokens another way)."""
+    """Refuse a stack the wrappers cannot drive: parts missing (``check_parts``, GPT-2, Falcon, Phi), per-
+    layer embeddings it cannot compute (``check_per_layer_inputs``), or a layer without the mixer of its
+    kind (``kinds``; None: all attention; ``runtime.MIXER_ATTRIBUTES``) that knows its ``layer_idx``
+    (``hybrid`` when it mixes tokens another way)."""
     check_parts(backbone)
     stack = backbone.language_model
+    check_per_layer_inputs(stack)
     for index, layer in enumerate(backbone.layers):
         params = inspect.signature(inspect.unwrap(type(layer).forward)).parameters
         extra = [

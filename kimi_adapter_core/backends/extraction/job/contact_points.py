@@ -19,13 +19,16 @@ RUN_POINTS = (*upstream.EXPORT_POINTS, "loading_converters")
 def stack_points(structure: ModelStructure) -> tuple[str, ...]:
     """The contact points the ABI wrappers rely on to export a stack of ``structure``: the cache, the
     loader's dtype plan and the model classes; a linear stack's state cache (its layer kind's protocol)
-    and, for Mamba1, the head's input cast; a DSA stack's indexer cache; MoE experts' implementation."""
+    and, for Mamba1, the head's input cast; a DSA stack's indexer cache; per-layer embeddings' methods;
+    MoE experts' implementation."""
     linear = structure.linear
     points = ["cache_update"]
     if linear is not None:  # the linear layers read and update their states through the cache
         points.append(upstream.STATE_POINTS[linear.layer_kind])
     if structure.indexer is not None:  # the DSA indexer writes and reads its keys through the cache
         points.append("indexer_cache")
+    if structure.per_layer_inputs is not None:  # computed by the language model's own methods
+        points.append("per_layer_inputs")
     points += ["loader_dtype_plan", "model_classes"]
     if linear is not None and linear.kind in upstream.HEAD_CAST_MIXERS:
         points.append("head_input_cast")  # the wrappers cast the final hidden states as it does

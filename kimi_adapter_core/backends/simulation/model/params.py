@@ -125,8 +125,6 @@ def naming(spec: Spec) -> Naming:
     )
 
 
-
-
 def _layers(
     n: Naming, name: str, layers: Sequence[int], tensors: Tensors, shard: Shard, dtype: str, linear: bool
 ) -> ParamGroup:
@@ -227,8 +225,9 @@ def _qkv(s: ModelStructure, a: Attention, parts: LayerParts) -> list[tuple[str, 
     rows: list[tuple[str, Tensors, Shard, bool]] = [
         ("q_proj", [(f"{attn}.q_proj.weight", (q_rows, h))], "tp", True),
         ("k_proj", [(f"{attn}.k_proj.weight", (kv * a.head_dim, h))], "kv", True),
-        ("v_proj", [(f"{attn}.v_proj.weight", (kv * a.v_head_dim, h))], "kv", True),
     ]
+    if not a.value_from_key:  # else the values are the key projection's output: no v_proj
+        rows.append(("v_proj", [(f"{attn}.v_proj.weight", (kv * a.v_head_dim, h))], "kv", True))
     if gated:
         qk_norms: Tensors = [(f"{attn}.{qk}_norm.weight", (a.head_dim,)) for qk in ("q", "k")]
         rows.append(("qk_norms", qk_norms, "replicated", False))
@@ -305,7 +304,42 @@ def text_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
         groups.append(_layers(n, "dense_mlp", s.dense_layer_ids, dense, "tp", "bf16", True))
     if s.moe is not None and s.moe_layer_ids:
         groups += _moe_groups(s, n, parts)
+    if s.per_layer_inputs is not None:
+        groups += _per_layer_input_groups(s, n)
     return groups
+
+
+def _per_layer_input_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
+    """Per-layer embeddings under transformers' names (5.24 ``Gemma4TextModel``): the token table
+    ``[vocab, layers x width]`` (split by vocabulary like the embeddings), the projection of the input
+    embeddings to every layer's input and its norm (replicated: computed once per token), and in each
+    layer the gate to the input's width, the projection back and its norm."""
+    ple, h, stack = s.per_layer_inputs, s.hidden_size, n.language_model
+    assert ple is not None
+    total = s.num_layers * ple.width
+    projection = f"{stack}.per_layer_model_projection.weight"
+    gates: Tensors = [
+        ("per_layer_input_gate.weight", (ple.width, h)),
+        ("per_layer_projection.weight", (h, ple.width)),
+    ]
+    everyone = range(s.num_layers)
+    return [
+        _model(n, "ple.embed", f"{stack}.embed_tokens_per_layer.weight", (ple.vocab, total), "vocab"),
+        ParamGroup(
+            "ple.projection", ((n.checkpoint(projection),),), ((total, h),), "replicated", "bf16", True
+        ),
+        _model(n, "ple.norm", f"{stack}.per_layer_projection_norm.weight", (ple.width,), "replicated"),
+        _layers(n, "ple.gates", everyone, gates, "replicated", "bf16", True),
+        _layers(
+            n,
+            "ple.norms",
+            everyone,
+            [("post_per_layer_input_norm.weight", (h,))],
+            "replicated",
+            "bf16",
+            False,
+        ),
+    ]
 
 
 def _moe_groups(s: ModelStructure, n: Naming, parts: LayerParts) -> list[ParamGroup]:
