@@ -5,15 +5,18 @@ groups; routed experts are sharded EP-ways over the devices (EP must divide TP x
 lm_head are vocab-parallel over TP. Query heads split over TP; KV heads split too, and once TP
 exceeds them each rank holds one KV head (replicated TP / KV-heads times, as vLLM does); MLA's
 latent cache has no heads and is replicated on every TP rank. A hybrid stack's linear-attention
-heads (key and value) split over TP too, which must divide them. ``--batch`` is the global number of
-concurrent queries, split evenly over the DP groups.
+heads (key and value) split over TP too, which must divide them; a stack no layer of which attends
+(Mamba) has no attention heads to divide. A refusal names the option and the config key the size was
+read from. ``--batch`` is the global number of concurrent queries, split evenly over the DP groups.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ....errors import UsageError
+from ....structure.linear_of import MIXERS
 from ....structure.mixer import VALUE_CONV_KINDS
 from ....structure.model import Attention, ModelStructure
 
@@ -33,21 +36,27 @@ class Parallel:
         for name, value in (("--tp", self.tp), ("--dp", self.dp), ("--ep", self.ep)):
             if value < 1:
                 raise UsageError(f"{name} must be >= 1 (got {value})")
-        a = s.attention
+        a, key = s.attention, _keys(s)
+        # a stack no layer of which attends (Mamba, Falcon-Mamba) has a nominal attention of one head:
+        # its mixers split by their own heads or channels (below), not by that head
+        attends = bool(s.attention_layer_ids)
         rules = [
-            (a.num_heads, self.tp, f"--tp {self.tp} does not divide the {a.num_heads} attention heads"),
             (
                 self.devices,
                 self.ep,
                 f"--ep {self.ep} does not divide the {self.devices} devices (tp {self.tp} x dp {self.dp})",
             ),
         ]
+        if attends:
+            heads = f"--tp {self.tp} does not divide the {a.num_heads} attention heads{key('num_heads')}"
+            rules.insert(0, (a.num_heads, self.tp, heads))
         if s.dense_layer_ids:
             rules.append(
                 (
                     s.intermediate_size,
                     self.tp,
-                    f"--tp {self.tp} does not divide the dense MLP width {s.intermediate_size}",
+                    f"--tp {self.tp} does not divide the dense MLP width {s.intermediate_size}"
+                    f"{key('intermediate_size')}",
                 )
             )
         if s.moe is not None and s.moe_layer_ids:
@@ -55,31 +64,35 @@ class Parallel:
                 (
                     s.moe.num_experts,
                     self.ep,
-                    f"--ep {self.ep} does not divide the {s.moe.num_experts} routed experts",
+                    f"--ep {self.ep} does not divide the {s.moe.num_experts} routed experts"
+                    f"{key('num_experts')}",
                 )
             )
             if s.moe.shared_intermediate_size:
                 width = s.moe.shared_intermediate_size
-                rules.append(
-                    (width, self.tp, f"--tp {self.tp} does not divide the shared-expert width {width}")
-                )
+                what = key("shared_expert_intermediate_size") or key("expert_intermediate_size")
+                message = f"--tp {self.tp} does not divide the shared-expert width {width}{what}"
+                rules.append((width, self.tp, message))
         elif self.ep > 1:
             raise UsageError(f"--ep {self.ep} given but the model has no routed experts")
         if s.linear is not None:  # a linear layer's heads split over TP like vLLM's (never replicated)
-            split = [(s.linear.num_value_heads, "value")]
+            facts = MIXERS.get(s.linear.kind, {})  # the fact each size is read from
+            split = [(s.linear.num_value_heads, "value", facts.get("num_value_heads", ""))]
             if s.linear.kind not in VALUE_CONV_KINDS:  # else one nominal B/C group, whole on every rank
-                split.insert(0, (s.linear.num_key_heads, "key"))
-            for heads, what in split:
-                message = f"--tp {self.tp} does not divide the {heads} linear-attention {what} heads"
+                split.insert(0, (s.linear.num_key_heads, "key", facts.get("num_key_heads", "")))
+            for heads, what, fact in split:
+                message = (
+                    f"--tp {self.tp} does not divide the {heads} linear-attention {what} heads{key(fact)}"
+                )
                 rules.append((heads, self.tp, message))
         for whole, part, message in rules:
             if whole % part:
                 raise UsageError(message)
         kv = a.num_kv_heads
-        if not a.is_mla and kv % self.tp and self.tp % kv:
+        if attends and not a.is_mla and kv % self.tp and self.tp % kv:
             raise UsageError(
-                f"--tp {self.tp} neither divides the {kv} KV heads nor is a multiple of them "
-                "(KV heads are split over TP ranks, or replicated once TP exceeds them)"
+                f"--tp {self.tp} neither divides the {kv} KV heads{key('num_kv_heads')} nor is a multiple of "
+                "them (KV heads are split over TP ranks, or replicated once TP exceeds them)"
             )
 
     def split_batch(self, batch: int) -> int:
@@ -88,6 +101,17 @@ class Parallel:
         if batch % self.dp:
             raise UsageError(f"--batch {batch} does not split evenly over --dp {self.dp} groups")
         return batch // self.dp
+
+
+def _keys(s: ModelStructure) -> Callable[[str], str]:
+    """`` (config num_attention_heads)``: the config key a size was read from, for a refusal to name
+    beside the option (empty for a fact the config states under no key: a nominal or derived size)."""
+
+    def key(fact: str) -> str:
+        name = s.keys.get(fact)
+        return f" (config {name})" if name else ""
+
+    return key
 
 
 def heads_per_rank(a: Attention, tp: int) -> int:

@@ -158,8 +158,12 @@ def rank_overrides(
     outside the per-rank vocab."""
     tp, a, k = dep.parallel.tp, s.attention, s.keys
     layers = built_layers(s)
-    sizes: dict[str, Any] = {k["num_layers"]: layers, k["vocab_size"]: math.ceil(s.vocab_size / tp)}
-    attends = "num_heads" in k  # a stack of SSM mixers alone has a nominal attention no key sizes
+    sizes: dict[str, Any] = {k["vocab_size"]: math.ceil(s.vocab_size / tp)}
+    if "num_layers" in k:  # else the per-layer list sets the depth (Nemotron-H's ``layers_block_type``)
+        sizes[k["num_layers"]] = layers
+    # a stack of SSM mixers alone has a nominal attention no key sizes, or one whose key is its mixer's
+    # (Mamba2's ``num_heads``: the mixer stays whole, its kernels run the rank's 1/tp)
+    attends = "num_heads" in k and bool(s.attention_layer_ids)
     if attends:
         sizes[k["num_heads"]] = heads_per_rank(a, tp)
     if "num_kv_heads" in k:

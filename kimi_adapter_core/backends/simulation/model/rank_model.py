@@ -19,7 +19,8 @@ attention for ``RankKDA`` / ``RankMamba2`` / ``RankMamba1`` / ``RankShortConv`` 
 ``ssm_kernels``). The collectives around them are recorded here: 2 TP
 all-reduces per layer, vocab-parallel embedding all-reduce and logits all-gather (EP dispatch +
 combine are the routed experts' own), and the all-reduce of a norm's statistics when a norm spans a
-whole TP-split projection (``SplitNorm``: OLMoE's q_norm / k_norm).
+whole TP-split projection (``SplitNorm``: OLMoE's q_norm / k_norm). A linear sized for the whole of a
+TP-split input runs on the rank's row-parallel slice (``SplitRows``: Helium's o_proj).
 
 ``RankModel`` keeps the built model: what a step changes (recorder, deployment, weight formats) is
 bound per trace, so a sweep builds it once per TP size and traces it at every shape and weight mode.
@@ -31,6 +32,7 @@ and ``module_paths`` then all work exactly as for ``kadapt apply``, with no seco
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +49,7 @@ from ....structure.model import ModelStructure
 from ....structure.of_spec import text_config_key
 from .arch import read_config
 from .deployment import Deployment
+from .head_width import refuse_hidden_derived_heads
 from .inputs import ModelInputs
 from .linear_kernels import RankLinearMixer
 from .mla_kernels import RankMLA
@@ -55,6 +58,7 @@ from .quant import NATIVE
 from .rank_config import BACKEND, LayerKind, check_sizes, layer_kinds, one_kv_shape, rank_overrides
 from .serving_kernels import AttentionKernel, RoutedExperts
 from .split_norm import SplitNorm, split_norms
+from .split_rows import SplitRows, split_rows
 from .ssm_kernels import SIMULATED_MIXERS, linear_mixers, rank_mixer
 from .tracer import Recorder
 
@@ -112,6 +116,7 @@ class RankParts:
     experts: list[RoutedExperts] = field(default_factory=list)  # the swapped routed experts
     linear: list[RankLinearMixer] = field(default_factory=list)  # the swapped linear-attention mixers
     norms: list[SplitNorm] = field(default_factory=list)  # the traced layers' norms, split when TP does
+    rows: list[SplitRows] = field(default_factory=list)  # their linears, row-split when sized for all TP
     configs: list[Any] = field(default_factory=list)  # configs of the traced layers' attention
     names: dict[int, str] = field(default_factory=dict)  # id(parameter) -> its name in the built model
 
@@ -143,8 +148,8 @@ class RankParts:
             mla.bind(rec, dep)
         for mixer in self.linear:
             mixer.bind(rec, dep)
-        for norm in self.norms:
-            norm.bind(rec)
+        for split in [*self.norms, *self.rows]:
+            split.bind(rec)
         group_of = inputs.group_of()
         for _, part in self.named():
             for param in part.parameters():
@@ -270,8 +275,12 @@ def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts,
             configs = {id(m.config): m.config for m in traced.module.modules() if hasattr(m, "config")}
             parts.configs += [c for c in configs.values() if hasattr(c, "_attn_implementation")]
     kernels: list[nn.Module] = [*parts.experts, *parts.attention, *parts.linear]
+    refuse_hidden_derived_heads(
+        spec, [(t.kind.name, t.module) for t in parts.layers if t.kind.attends], s, dep.parallel.tp
+    )
     for traced in parts.layers:
         parts.norms += split_norms(traced.module, kernels, dep.parallel.tp, parts.names)
+        parts.rows += split_rows(traced.module, kernels, dep.parallel.tp, parts.names)
     return parts, notes
 
 
@@ -378,13 +387,17 @@ class RankModel:
                     torch.no_grad(),
                 ):
                     _step(model, rec, dep, s, input_ids, positions, _all_reduce)
-            except RuntimeError as error:
-                where = rec.failure(error)
-                if where is None:
+            except KadaptError:
+                raise
+            except Exception as error:  # noqa: BLE001 - the family's code at a shape it cannot run
+                # where: the op that raised (a shape), else the innermost module running (its own code)
+                where = rec.failure(error) or (f"{rec.module} ({type(error).__name__})" if rec.module else "")
+                if not where:
                     raise
+                text = str(error).strip()
                 raise KadaptError(
                     f"simulate cannot run the per-rank model of spec {self.spec.name} at TP {self.tp}: "
-                    f"{where} failed: {str(error).strip().splitlines()[0] if str(error).strip() else error!r}"
+                    f"{where} failed: {text.splitlines()[0] if text else repr(error)}"
                 ) from error
             finally:
                 for handle in handles:
@@ -404,6 +417,15 @@ class RankModel:
 def _hidden(out: Any) -> torch.Tensor:
     """A decoder layer's hidden states (GLM-5's layers also return the top-k they hand on)."""
     return out[0] if isinstance(out, tuple) else out
+
+
+def _positions(layer: nn.Module, embeddings: Any, positions: torch.Tensor) -> dict[str, Any]:
+    """The position keywords a decoder layer is called with: its rotary ``(cos, sin)`` and, when its
+    forward takes them (by name or ``**kwargs``), the token positions, which some attentions read
+    themselves (Ministral-3's Llama-4 query scaling by position)."""
+    params = inspect.signature(layer.forward).parameters.values()
+    takes = any(p.name == "position_ids" or p.kind is p.VAR_KEYWORD for p in params)
+    return {"position_embeddings": embeddings, **({"position_ids": positions} if takes else {})}
 
 
 def _step(
@@ -429,7 +451,7 @@ def _step(
     for traced in model.layers:
         embeddings = rope[traced.rope_type] if traced.roped else None
         with rec.scope(traced.kind.scope, len(traced.kind.layers)):
-            hidden = _hidden(traced.module(hidden, position_embeddings=embeddings))
+            hidden = _hidden(traced.module(hidden, **_positions(traced.module, embeddings, positions)))
     last = model.norm(hidden if dep.decode else hidden[:, -1:, :])  # prefill: last token's logits
     _logits(model, rec, last, par.tp, vocab)
     if dep.mtp and model.eh_proj is not None:
@@ -438,7 +460,7 @@ def _step(
             draft_in = hidden[:, -1:, :]
             draft = model.eh_proj(torch.cat([draft_in, model.embed_tokens(input_ids[:, -1:])], dim=-1))
             cos, sin = rope[model.layers[-1].rope_type]
-            draft = _hidden(block(draft, position_embeddings=(cos[:, -1:], sin[:, -1:])))
+            draft = _hidden(block(draft, **_positions(block, (cos[:, -1:], sin[:, -1:]), positions[:, -1:])))
             _logits(model, rec, model.norm(draft), par.tp, vocab)
 
 
