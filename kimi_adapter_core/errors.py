@@ -78,7 +78,7 @@ REFUSALS = {
     "cache-protocol": "decoder layers that use the cache beyond update(key, value, layer_idx), take it under "
     "no known keyword, or return something else than the hidden states",
     "rotary-form": "a rotary embedding that gives something else than (cos, sin) per position (complex "
-    "frequencies: DeepSeek-V2; Llama-4 without its builtin patches)",
+    "frequencies: DeepSeek-V2 and Llama-4 without their builtin patches)",
     "routing": "a router scoring function kadapt does not know (it knows softmax and sigmoid)",
     "unknown-key": "a structural fact under a config key kadapt's table does not list: the spec names the "
     "key (architecture.fields)",

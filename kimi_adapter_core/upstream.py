@@ -528,7 +528,8 @@ def mla_attention_drift(attention: Any) -> str | None:
 
     Fields, projections (``q_proj``, or ``q_a_proj``/``q_a_layernorm``/``q_b_proj`` with a query
     LoRA), ``expand_kv`` (the expanded KV layout), ``scaling``, ``layer_idx`` and the rope helper its
-    own module defines for ``config.rope_interleave``.
+    own module defines for ``config.rope_interleave`` (or DeepSeek-V2's complex ``apply_rotary_emb``, whose
+    pairs the runtime rotates itself from the ``(cos, sin)`` of its builtins).
     """
     import sys
 
@@ -539,7 +540,8 @@ def mla_attention_drift(attention: Any) -> str | None:
     interleave = bool(getattr(getattr(attention, "config", None), "rope_interleave", False))
     rope = "apply_rotary_pos_emb_interleave" if interleave else "apply_rotary_pos_emb"
     module = sys.modules.get(type(attention).__module__)
-    if not hasattr(module, rope):
+    # DeepSeek-V2 rotates complex pairs (apply_rotary_emb); under its builtins the runtime does that itself
+    if not hasattr(module, rope) and not hasattr(module, "apply_rotary_emb"):
         missing.append(f"{type(attention).__module__}.{rope}")
     return f"{type(attention).__name__} has no {', '.join(missing)}" if missing else None
 

@@ -32,7 +32,7 @@ from kimi_adapter_core.backends.simulation.model.serving_kernels import (
 from kimi_adapter_core.builtins.llama4 import _temperature_scales
 from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.families.tiny import tiny_config
-from kimi_adapter_core.families.trial import ADAPTED, run_trial, write_spec
+from kimi_adapter_core.families.trial import ADAPTED, GUIDE_PATCHES, run_trial, write_spec
 from kimi_adapter_core.generate.common import NotExpressible
 from kimi_adapter_core.generate.tensorcast_coverage import refuse_unpriced_layers
 from kimi_adapter_core.spec import load_spec
@@ -133,16 +133,17 @@ def test_temperature_tuning_moves_the_tiny_logits_beyond_the_verify_bound() -> N
     assert float(((tuned - plain).abs() / bound).max()) > 100
 
 
-def test_llama4_text_is_adapted_by_the_family_trial() -> None:
-    """Adapted under Scout's builtins; the multimodal llama4 type tried next in the same process is still
-    refused for its rotary form (a probe cached under those builtins used to let it past)."""
+def test_llama4_text_is_adapted_by_the_family_trial(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adapted under Scout's builtins; the same text classes tried next in the same process without them
+    (the multimodal llama4 type, its guide patches dropped) are still refused for their rotary form (a
+    probe cached under those builtins used to let it past)."""
     row = run_trial("llama4_text")
     assert (row.outcome, row.code) == (ADAPTED, ""), row.detail
     assert row.detail.startswith("heads KV, GQA; verify max |diff|")
+    monkeypatch.delitem(GUIDE_PATCHES, "llama4")
     after = run_trial("llama4")
-    assert (after.outcome, after.code, after.detail) == (
-        "refused", "rotary-form", "Llama4TextRotaryEmbedding returns Tensor"
-    )
+    refused = ("refused", "rotary-form", "Llama4TextRotaryEmbedding returns Tensor")
+    assert (after.outcome, after.code, after.detail) == refused
 
 
 def test_simulate_prices_each_query_its_own_chunk() -> None:

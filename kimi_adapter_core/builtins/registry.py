@@ -44,6 +44,14 @@ BUILTINS: dict[str, tuple[str, str]] = {
         "kimi_adapter_core.builtins.llama4:llama4_attention_forward",
         "Llama-4 attention: interleaved-pair rope from (cos, sin) in real math; NoPE temperature per row.",
     ),
+    "deepseek_v2_rotary_cos_sin": (
+        "kimi_adapter_core.builtins.deepseek_v2:deepseek_v2_rotary_cos_sin",
+        "DeepSeek-V2 rotary forward: real (cos, sin) of upstream's angles instead of complex freqs_cis.",
+    ),
+    "deepseek_v2_attention_forward": (
+        "kimi_adapter_core.builtins.deepseek_v2:deepseek_v2_attention_forward",
+        "DeepSeek-V2 MLA attention: interleaved-pair rope of q_pe and k_pe from (cos, sin) in real math.",
+    ),
     "rotary_seq_len_as_int": (
         "kimi_adapter_core.builtins.rotary:rotary_seq_len_as_int",
         "Rotary-embedding wrap: a tensor seq_len becomes an int (meta: the full cached length).",

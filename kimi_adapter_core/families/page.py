@@ -50,7 +50,8 @@ def render(rows: Iterable[Row], excluded: Iterable[ModelType], transformers_vers
         "- **refused**: stopped before anything was written, with a documented reason (the codes below);",
         "- **failed**: anything else. The matrix's promise is that there is none;",
         "- **untested**: transformers' own default config for the type does not build a model (small "
-        "or not), so there is nothing to try it with.",
+        "or not), or the model it builds does not run its own forward (unpatched, where the trial "
+        "failed), so there is nothing to try it with or to compare against.",
         "",
         f"**{len(rows)} model types: {counts[ADAPTED]} adapted, {counts[REFUSED]} refused, "
         f"{counts[FAILED]} failed, {counts[UNTESTED]} untested.**",

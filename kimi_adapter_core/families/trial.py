@@ -18,7 +18,9 @@ A row is ``adapted`` (apply wrote its files and verify passed), ``refused`` (a `
 documented code, or a moved contact point: raised before anything was written) or ``failed``
 (anything else: an error kadapt did not classify, a traceback, a failed verify, files written by a
 refused run). The matrix's promise is that no row fails. A type whose own default config does not
-build a model in transformers (small or not) is ``untested``: there is nothing to try it with.
+build a model in transformers (small or not), or whose trial fails where transformers' own model, built
+unpatched from the same config, does not run its forward either, is ``untested``: there is nothing to
+try it with, or to compare against.
 """
 
 from __future__ import annotations
@@ -36,17 +38,44 @@ from ..errors import KadaptError, parse_refusal
 ADAPTED, REFUSED, FAILED, UNTESTED = "adapted", "refused", "failed", "untested"
 
 _LLAMA4 = "transformers.models.llama4.modeling_llama4"
+_DEEPSEEK_V2 = "transformers.models.deepseek_v2.modeling_deepseek_v2"
 # The class patches the guide names for a model type whose own code needs a builtin to export
 # (docs/writing-a-spec.md, "Which bridges a family needs"): model type -> its patches, pinned to the
 # transformers release the matrix runs on (a release that changes the code refuses them: upstream drift).
+_LLAMA4_PATCHES: tuple[dict[str, Any], ...] = (
+    {
+        "id": "L1",
+        "why": "complex freqs_cis become real (cos, sin), the form the wrappers pass on",
+        "target": f"{_LLAMA4}:Llama4TextRotaryEmbedding.forward",
+        "kind": "replace",
+        "impl": "builtin:llama4_rotary_cos_sin",
+        "backends": ["extraction"],
+        "pin": {
+            "signature": "(self, x, position_ids)",
+            "source_sha256": "8f2fa823a60a9eb365d0bcbc8b5b24893f37192cdafa6421a3371826e8db8e57",
+        },
+    },
+    {
+        "id": "L2",
+        "why": "rope from (cos, sin) in real math; the NoPE layers' temperature from each row's position",
+        "target": f"{_LLAMA4}:Llama4TextAttention.forward",
+        "kind": "replace",
+        "impl": "builtin:llama4_attention_forward",
+        "backends": ["extraction"],
+        "pin": {"source_sha256": "a77422c908cc05c7c0ba0ba26a24cbe1581a902dd6906a554bf7faab2e69c1bf"},
+    },
+)
 GUIDE_PATCHES: dict[str, tuple[dict[str, Any], ...]] = {
-    "llama4_text": (
+    "llama4_text": _LLAMA4_PATCHES,
+    # the multimodal type: the same text classes, under Llama4ForConditionalGeneration's language model
+    "llama4": _LLAMA4_PATCHES,
+    "deepseek_v2": (
         {
-            "id": "L1",
+            "id": "D1",
             "why": "complex freqs_cis become real (cos, sin), the form the wrappers pass on",
-            "target": f"{_LLAMA4}:Llama4TextRotaryEmbedding.forward",
+            "target": f"{_DEEPSEEK_V2}:DeepseekV2RotaryEmbedding.forward",
             "kind": "replace",
-            "impl": "builtin:llama4_rotary_cos_sin",
+            "impl": "builtin:deepseek_v2_rotary_cos_sin",
             "backends": ["extraction"],
             "pin": {
                 "signature": "(self, x, position_ids)",
@@ -54,13 +83,13 @@ GUIDE_PATCHES: dict[str, tuple[dict[str, Any], ...]] = {
             },
         },
         {
-            "id": "L2",
-            "why": "rope from (cos, sin) in real math; the NoPE layers' temperature from each row's position",
-            "target": f"{_LLAMA4}:Llama4TextAttention.forward",
+            "id": "D2",
+            "why": "the rope of q_pe and k_pe from (cos, sin) in real math; the latents cached as upstream's",
+            "target": f"{_DEEPSEEK_V2}:DeepseekV2Attention.forward",
             "kind": "replace",
-            "impl": "builtin:llama4_attention_forward",
+            "impl": "builtin:deepseek_v2_attention_forward",
             "backends": ["extraction"],
-            "pin": {"source_sha256": "a77422c908cc05c7c0ba0ba26a24cbe1581a902dd6906a554bf7faab2e69c1bf"},
+            "pin": {"source_sha256": "f84d31d933d5f7b2611ae72460c93084733b6ed81da5407a7dff963df11e86b9"},
         },
     ),
 }
@@ -178,7 +207,9 @@ def write_spec(folder: Path, model_type: str, config: dict[str, Any], paths: dic
                            "pk.{layer}", "pv.{layer}"PAST]
                   outputs: [logits, "k.{layer}", "v.{layer}"STATES]
                 """
-            ).replace("STATES", states).replace("PAST", past),
+            )
+            .replace("STATES", states)
+            .replace("PAST", past),
             "  ",
         )
     )
@@ -261,6 +292,30 @@ def buildable_config(model_type: str) -> tuple[dict[str, Any], Any] | str:
     return f"transformers' own default config does not build a model: {failure}"
 
 
+def _upstream_failure(config: dict[str, Any]) -> str | None:
+    """Why transformers' own model of ``config`` (unpatched, random float32 weights on CPU) does not run
+    its forward on a few tokens, or None when it does. A trial that fails where transformers' own model
+    fails too has nothing to be compared against (transformers 5.24's Llama4ForConditionalGeneration
+    reads ``image_outputs`` from its language model's output, which has none): untested, not failed."""
+    import torch
+    from transformers import AutoConfig
+
+    from ..loading import model_class
+
+    built = AutoConfig.for_model(**config)
+    name = model_class(built).__name__
+    torch.manual_seed(0)
+    try:
+        model = model_class(built)._from_config(built).float().eval()
+        with torch.no_grad():
+            model(input_ids=torch.tensor([[3, 4, 5, 6]]))
+    except Exception as exc:  # noqa: BLE001 - whatever transformers' own forward raises
+        frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+        where = f" ({Path(frame.filename).name}:{frame.lineno})" if frame else ""
+        return _one_line(f"transformers' own {name} does not run: {type(exc).__name__}: {exc}{where}")
+    return None
+
+
 def _plan_census(spec: Any, model: Any, folder: Path) -> list[str]:
     """What keeps plan's inventory from being ``model`` (``census``), or why plan refuses the spec
     (its paths relative to the trial's ``folder``, so the page stays the same from run to run)."""
@@ -279,7 +334,7 @@ def run_trial(model_type: str) -> Row:
 
     Each trial starts from no probe results (``upstream.forget``), as in a process of its own: a layer's
     result is keyed by the methods its classes hold (one probed under Scout's builtins for
-    ``llama4_text`` no longer answers for the multimodal ``llama4`` type without them), but the library
+    ``llama4_text`` no longer answers for the same classes without them), but the library
     probes are cached by name alone, whatever an earlier trial's patches changed."""
     from .. import upstream
     from ..backends import extraction
@@ -321,6 +376,9 @@ def run_trial(model_type: str) -> Row:
             if isinstance(exc, KeyboardInterrupt):
                 raise
             outcome, code, detail = _classify(exc)
+            upstream_failure = _upstream_failure(config) if outcome == FAILED else None
+            if upstream_failure is not None:
+                return Row(model_type, UNTESTED, "upstream-forward", upstream_failure)
             if outcome == REFUSED and out.exists() and any(out.iterdir()):
                 return Row(model_type, FAILED, "refused-late", f"{code} after writing files: {detail}")
             return Row(model_type, outcome, code, detail)
