@@ -1286,7 +1286,7 @@ def _attention_of(layer: Any) -> Any:
     return next((m for m in (getattr(layer, n, None) for n in ATTENTION_ATTRIBUTES) if m is not None), None)
 
 
-def _stack_inputs(layer: Any, hidden: Any) -> dict[str, Any]:
+def stack_inputs(layer: Any, hidden: Any) -> dict[str, Any]:
     """The inputs the model's forward builds once per call that the layer's forward takes (the runtime's
     ``STACK_INPUTS``), as the wrappers hand them to the first layer of a call: an empty
     ``shared_kv_states`` (Gemma-4), a zero ``per_layer_input`` of the layer's width (None where it has
@@ -1328,7 +1328,7 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
             position_ids=positions,
             use_cache=True,
             position_embeddings=embeddings,
-            **_stack_inputs(layer, hidden),
+            **stack_inputs(layer, hidden),
             **{keyword: cache if kind not in MIXERLESS_KINDS else None},
         )
     except Exception as exc:  # noqa: BLE001 - a protocol mismatch explains what failed after it

@@ -110,6 +110,17 @@ def _rope_helper(attn: nn.Module) -> Any:
     return helper
 
 
+def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[B, H, Q, rope]`` with each interleaved pair ``(x[2i], x[2i+1])`` rotated by angle ``i``
+    (``cos``/``sin`` ``[B, Q, rope / 2]``): a rope written with complex numbers (DeepSeek-V2's
+    ``apply_rotary_emb``), given as ``(cos, sin)`` by its builtins, in real arithmetic, in float32, then
+    back to ``x``'s dtype; the pairs stay interleaved, as in the cache the attention's own forward fills."""
+    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+    a, b = pairs[..., 0], pairs[..., 1]
+    c, s = cos[:, None], sin[:, None]
+    return torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(3).type_as(x)
+
+
 def absorbed_mla_forward(
     attn: nn.Module,
     hidden_states: torch.Tensor,
@@ -123,10 +134,12 @@ def absorbed_mla_forward(
 
     The layer hands the cache over under ``cache_keyword`` (what ``upstream.probe_decoder_layers``
     found the layers take: ``past_key_values`` up to transformers 5.23, ``cache`` since 5.24).
-    Projections, the latent split, ``kv_a_layernorm``, rope and the cache write are upstream's; then,
-    with ``W = kv_b_proj.weight.view(H, qk_nope + v, r)`` split into ``W_uk`` ``[H, qk_nope, r]`` and
-    ``W_uv`` ``[H, v, r]``: ``q_lat = q_nope W_uk`` ``[B, H, Q, r]``, scores ``(q_lat kv_nope^T +
-    q_rot k_rot^T) * scaling + mask``, softmax in fp32 cast back, ``out = (probs kv_nope) W_uv^T``.
+    Projections, the latent split, ``kv_a_layernorm``, rope (the module's own helper, or, given one angle
+    per interleaved pair, DeepSeek-V2's complex rope in real arithmetic) and the cache write are
+    upstream's; then, with ``W = kv_b_proj.weight.view(H, qk_nope + v, r)`` split into ``W_uk``
+    ``[H, qk_nope, r]`` and ``W_uv`` ``[H, v, r]``: ``q_lat = q_nope W_uk`` ``[B, H, Q, r]``, scores
+    ``(q_lat kv_nope^T + q_rot k_rot^T) * scaling + mask``, softmax in fp32 cast back,
+    ``out = (probs kv_nope) W_uv^T``.
     The cache (``[B, 1, S, r]``, ``[B, 1, S, rope]``) is read as is: no per-head keys or values.
     """
     batch_size, seq_length = hidden_states.shape[:-1]
@@ -147,7 +160,10 @@ def absorbed_mla_forward(
     k_rot = k_rot.view(batch_size, 1, seq_length, rope)
 
     cos, sin = position_embeddings
-    q_rot, k_rot = _rope_helper(attn)(q_rot, k_rot, cos, sin)
+    if cos.shape[-1] * 2 == rope:  # one angle per interleaved pair: a complex rope as (cos, sin)
+        q_rot, k_rot = _rotate_interleaved(q_rot, cos, sin), _rotate_interleaved(k_rot, cos, sin)
+    else:
+        q_rot, k_rot = _rope_helper(attn)(q_rot, k_rot, cos, sin)
 
     cache = kwargs.get(cache_keyword)
     if cache is not None:
@@ -2096,7 +2112,8 @@ def mla_attention_drift(attention: Any) -> str | None:
 
     Fields, projections (``q_proj``, or ``q_a_proj``/``q_a_layernorm``/``q_b_proj`` with a query
     LoRA), ``expand_kv`` (the expanded KV layout), ``scaling``, ``layer_idx`` and the rope helper its
-    own module defines for ``config.rope_interleave``.
+    own module defines for ``config.rope_interleave`` (or DeepSeek-V2's complex ``apply_rotary_emb``, whose
+    pairs the runtime rotates itself from the ``(cos, sin)`` of its builtins).
     """
     import sys
 
@@ -2107,7 +2124,8 @@ def mla_attention_drift(attention: Any) -> str | None:
     interleave = bool(getattr(getattr(attention, "config", None), "rope_interleave", False))
     rope = "apply_rotary_pos_emb_interleave" if interleave else "apply_rotary_pos_emb"
     module = sys.modules.get(type(attention).__module__)
-    if not hasattr(module, rope):
+    # DeepSeek-V2 rotates complex pairs (apply_rotary_emb); under its builtins the runtime does that itself
+    if not hasattr(module, rope) and not hasattr(module, "apply_rotary_emb"):
         missing.append(f"{type(attention).__module__}.{rope}")
     return f"{type(attention).__name__} has no {', '.join(missing)}" if missing else None
 
@@ -2852,7 +2870,7 @@ def _attention_of(layer: Any) -> Any:
     return next((m for m in (getattr(layer, n, None) for n in ATTENTION_ATTRIBUTES) if m is not None), None)
 
 
-def _stack_inputs(layer: Any, hidden: Any) -> dict[str, Any]:
+def stack_inputs(layer: Any, hidden: Any) -> dict[str, Any]:
     """The inputs the model's forward builds once per call that the layer's forward takes (the runtime's
     ``STACK_INPUTS``), as the wrappers hand them to the first layer of a call: an empty
     ``shared_kv_states`` (Gemma-4), a zero ``per_layer_input`` of the layer's width (None where it has
@@ -2894,7 +2912,7 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
             position_ids=positions,
             use_cache=True,
             position_embeddings=embeddings,
-            **_stack_inputs(layer, hidden),
+            **stack_inputs(layer, hidden),
             **{keyword: cache if kind not in MIXERLESS_KINDS else None},
         )
     except Exception as exc:  # noqa: BLE001 - a protocol mismatch explains what failed after it

@@ -109,7 +109,7 @@ def _rope_helper(attn: nn.Module) -> Any:
     return helper
 
 
-def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``x`` ``[B, H, Q, rope]`` with each interleaved pair ``(x[2i], x[2i+1])`` rotated by angle ``i``
     (``cos``/``sin`` ``[B, Q, rope / 2]``): a rope written with complex numbers (DeepSeek-V2's
     ``apply_rotary_emb``), given as ``(cos, sin)`` by its builtins, in real arithmetic, in float32, then
@@ -160,7 +160,7 @@ def absorbed_mla_forward(
 
     cos, sin = position_embeddings
     if cos.shape[-1] * 2 == rope:  # one angle per interleaved pair: a complex rope as (cos, sin)
-        q_rot, k_rot = _rotate_pairs(q_rot, cos, sin), _rotate_pairs(k_rot, cos, sin)
+        q_rot, k_rot = _rotate_interleaved(q_rot, cos, sin), _rotate_interleaved(k_rot, cos, sin)
     else:
         q_rot, k_rot = _rope_helper(attn)(q_rot, k_rot, cos, sin)
 
@@ -2869,7 +2869,7 @@ def _attention_of(layer: Any) -> Any:
     return next((m for m in (getattr(layer, n, None) for n in ATTENTION_ATTRIBUTES) if m is not None), None)
 
 
-def _stack_inputs(layer: Any, hidden: Any) -> dict[str, Any]:
+def stack_inputs(layer: Any, hidden: Any) -> dict[str, Any]:
     """The inputs the model's forward builds once per call that the layer's forward takes (the runtime's
     ``STACK_INPUTS``), as the wrappers hand them to the first layer of a call: an empty
     ``shared_kv_states`` (Gemma-4), a zero ``per_layer_input`` of the layer's width (None where it has
@@ -2911,7 +2911,7 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
             position_ids=positions,
             use_cache=True,
             position_embeddings=embeddings,
-            **_stack_inputs(layer, hidden),
+            **stack_inputs(layer, hidden),
             **{keyword: cache if kind not in MIXERLESS_KINDS else None},
         )
     except Exception as exc:  # noqa: BLE001 - a protocol mismatch explains what failed after it

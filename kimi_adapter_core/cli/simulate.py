@@ -19,7 +19,6 @@ import click
 from ..atomic import atomic_write_text
 from ..backends.simulation.model.inputs import model_inputs
 from ..backends.simulation.model.parallel import Parallel
-from ..backends.simulation.model.rank_config import one_kv_shape
 from ..backends.simulation.tables.device import get_device
 from ..spec import load_spec
 from .deployment_options import deployment_options, image_options, requested_images
@@ -171,7 +170,6 @@ def command(
     out.detail(f"spec: {spec_path.resolve()}")
     spec = load_spec(spec_path)
     inputs = model_inputs(spec, quant)
-    one_kv_shape(spec, inputs.arch.structure)  # before the sweeps and the trace
     requested = requested_images(spec, inputs.arch, images, image_size)
     if requested is not None and (decode or sweep):
         raise click.UsageError(

@@ -89,7 +89,7 @@ def _rope_helper(attn: nn.Module) -> Any:
     return helper
 
 
-def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``x`` ``[B, H, Q, rope]`` with each interleaved pair ``(x[2i], x[2i+1])`` rotated by angle ``i``
     (``cos``/``sin`` ``[B, Q, rope / 2]``): a rope written with complex numbers (DeepSeek-V2's
     ``apply_rotary_emb``), given as ``(cos, sin)`` by its builtins, in real arithmetic, in float32, then
@@ -140,7 +140,7 @@ def absorbed_mla_forward(
 
     cos, sin = position_embeddings
     if cos.shape[-1] * 2 == rope:  # one angle per interleaved pair: a complex rope as (cos, sin)
-        q_rot, k_rot = _rotate_pairs(q_rot, cos, sin), _rotate_pairs(k_rot, cos, sin)
+        q_rot, k_rot = _rotate_interleaved(q_rot, cos, sin), _rotate_interleaved(k_rot, cos, sin)
     else:
         q_rot, k_rot = _rope_helper(attn)(q_rot, k_rot, cos, sin)
 

@@ -94,6 +94,21 @@ class Parallel:
                 f"--tp {self.tp} neither divides the {kv} KV heads{key('num_kv_heads')} nor is a multiple of "
                 "them (KV heads are split over TP ranks, or replicated once TP exceeds them)"
             )
+        self._check_layer_shapes(s)
+
+    def _check_layer_shapes(self, s: ModelStructure) -> None:
+        """Layers with KV heads of their own (Gemma-4's full layers, MiMo-V2-Flash's sliding ones) split
+        them like the stack's: TP divides them or is a multiple of them."""
+        for layer in s.layers:
+            shape = layer.attention_shape
+            if shape is None or shape.num_kv_heads == s.attention.num_kv_heads:
+                continue
+            kv = shape.num_kv_heads
+            if kv % self.tp and self.tp % kv:
+                raise UsageError(
+                    f"--tp {self.tp} neither divides the {kv} KV heads of layer {layer.index} nor is a "
+                    "multiple of them (a layer's KV heads split over TP ranks, or are replicated past them)"
+                )
 
     def split_batch(self, batch: int) -> int:
         if batch < 1:

@@ -21,10 +21,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ....errors import KadaptError
+from ....errors import KadaptError, UsageError
 from ....spec.model import Spec
 from ....structure.layer_pattern import PATTERN_KEY
-from ....structure.model import ModelStructure
+from ....structure.model import Attention, ModelStructure
+from ....structure.reader import tables
 from .deployment import Deployment
 from .parallel import heads_per_rank, kv_heads_per_rank
 
@@ -62,6 +63,9 @@ class LayerKind:
     # attention | linear (a hybrid stack's linear-attention layers) | indexed | none (an MLP alone)
     mixer: str = "attention"
     chunks: tuple[int | None, ...] = ()  # each one's attention chunk (Llama-4); () when none is chunked
+    # their attention where it differs from the stack's (per-layer KV shapes: Gemma-4's full layers,
+    # MiMo-V2-Flash's sliding ones); None: the stack's
+    shape: Attention | None = None
 
     @property
     def spans(self) -> tuple[tuple[int | None, int | None], ...]:
@@ -96,7 +100,13 @@ class LayerKind:
             return "linear" if self.linear else "attention"
         if self.mixer == "none":
             return f"{self.kind}_only"
+        if self.shape is not None:  # a per-layer shape: its KV heads and width name it (plan's groups too)
+            return f"{self.kind}.{self.shape.num_kv_heads}x{self.shape.head_dim}"
         return f"linear_{self.kind}" if self.linear else self.kind
+
+    def attention(self, s: ModelStructure) -> Attention:
+        """The attention its layers run: their own shape, else the stack's."""
+        return self.shape or s.attention
 
     @property
     def name(self) -> str:
@@ -107,10 +117,10 @@ def layer_kinds(s: ModelStructure) -> list[LayerKind]:
     """One entry per mixer and MLP kind present, in the order their first layers appear. A linear
     layer is ``linear`` whatever its ABI kind (MiniMax's ``lightning``, LFM2's ``short_conv`` too): its
     mixer is swapped for its serving kernels, not run through the attention interface."""
-    kinds: dict[tuple[str, str], list[int]] = {}
+    kinds: dict[tuple[str, str, Attention | None], list[int]] = {}
     for layer, mixer in zip(s.layers, s.layer_kinds, strict=True):
         mixer = "linear" if layer.attention == "linear" else mixer
-        kinds.setdefault((mixer, layer.mlp), []).append(layer.index)
+        kinds.setdefault((mixer, layer.mlp, layer.attention_shape), []).append(layer.index)
     return [
         LayerKind(
             mlp,
@@ -118,28 +128,77 @@ def layer_kinds(s: ModelStructure) -> list[LayerKind]:
             tuple(s.layers[i].window for i in ids),
             mixer,
             tuple(s.layers[i].chunk for i in ids) if s.has_chunked_layers else (),
+            shape,
         )
-        for (mixer, mlp), ids in sorted(kinds.items(), key=lambda item: item[1][0])
+        for (mixer, mlp, shape), ids in sorted(kinds.items(), key=lambda item: item[1][0])
     ]
 
 
-def one_kv_shape(spec: Spec, s: ModelStructure) -> None:
-    """Refuse a stack whose attention layers cache different KV shapes (MiMo-V2-Flash's sliding layers:
-    twice the KV heads), before any work: ``layer_kinds`` traces each kind from one layer, the per-rank
-    config writes the stack's KV heads / TP (the family's code derives the other shape's heads from them,
-    wrong wherever TP replicates one shape's heads and splits the other's), and the attention kernel
-    holds every layer to the stack's shape, so its price would be wrong or the trace would stop on a
-    misleading mismatch. ``kadapt plan`` sizes each layer's cache."""
-    per_layer = s.layer_kv_dims(s.attention.default_kv_layout)
-    if per_layer is None:
-        return
-    shapes = sorted({per_layer[i] for i in s.attention_layer_ids})
-    raise KadaptError(
-        f"simulate prices one KV shape for every attention layer; this stack's attention layers cache "
-        f"{len(shapes)} ({', '.join(map(str, shapes))}; (heads, dim) of key and value per token); "
-        "`kadapt plan` sizes each layer's KV cache",
-        location=spec.locate("gate"),
-    )
+def check_rank_shapes(s: ModelStructure, tp: int) -> None:
+    """Refuse (``UsageError``) a TP degree at which one rank's config would build other KV heads than TP
+    shards: where the family's code derives a layer's KV heads from the stack's (``per_layer_attention``
+    rule ``times``: MiMo-V2-Flash's sliding layers, twice), a rank builds that multiple of the stack's
+    per-rank heads, which TP shards only while it does not exceed the stack's KV heads. ``kadapt plan``
+    sizes such a layer at any TP; the trace cannot build it."""
+    stack = s.attention
+    rules = tables()["per_layer_attention"]["rules"].get(s.model_type, {}).values()
+    multiples = {int(r["num_kv_heads"]["times"]) for r in rules if "times" in r.get("num_kv_heads", {})}
+    for layer in s.layers:
+        shape = layer.attention_shape
+        if shape is None or shape.num_kv_heads % stack.num_kv_heads:
+            continue
+        times = shape.num_kv_heads // stack.num_kv_heads
+        built = times * kv_heads_per_rank(stack, tp)
+        if times in multiples and kv_heads_per_rank(shape, tp) != built:
+            raise UsageError(
+                f"--tp {tp}: layer {layer.index} caches {shape.num_kv_heads} KV heads, {times}x the stack's "
+                f"{stack.num_kv_heads} by its family's code ({s.model_type}); one rank would build {built} "
+                f"where TP {tp} shards {kv_heads_per_rank(shape, tp)}; use --tp {stack.num_kv_heads} or less"
+            )
+
+
+def per_layer_rank_sizes(s: ModelStructure, tp: int, text: Mapping[str, Any], layers: int) -> dict[str, Any]:
+    """The per-layer KV heads of one rank, written where the config states them: its own
+    ``per_layer_config`` (each built layer's override with that layer's KV heads per rank), else the keys
+    the family's rule reads (``per_layer_attention.rules``: Gemma-4's ``num_global_key_value_heads``);
+    a rule that derives a layer's KV heads from the stack's (MiMo-V2-Flash's sliding layers: twice)
+    follows the stack's per-rank heads, which ``check_rank_shapes`` holds to the TP degrees where that
+    is what a serving engine shards. Head widths do not change with TP."""
+    shaped = {layer.index: layer.attention_shape for layer in s.layers if layer.attention_shape is not None}
+    if not shaped:
+        return {}
+    listed = text.get("per_layer_config")
+    if isinstance(listed, Mapping) and listed:
+        return {"per_layer_config": _listed_per_rank(s, listed, tp, layers)}
+    rules = tables()["per_layer_attention"]["rules"].get(s.model_type, {})
+    sizes: dict[str, Any] = {}
+    for index, shape in shaped.items():
+        rule = rules.get(_layer_type(text, index), {}).get("num_kv_heads")
+        if rule is None or shape.num_kv_heads == s.attention.num_kv_heads:
+            continue
+        want = kv_heads_per_rank(shape, tp)  # a rule of ``times`` holds per rank: ``Parallel.check``
+        if "key" in rule:
+            sizes[rule["key"]] = want
+    return sizes
+
+
+def _listed_per_rank(s: ModelStructure, listed: Mapping[Any, Any], tp: int, layers: int) -> dict[Any, Any]:
+    """A config's ``per_layer_config`` for the built layers, each layer's KV heads those of one rank."""
+    per_rank = {}
+    for layer, values in listed.items():
+        index = int(str(layer))
+        if index >= layers:
+            continue
+        values = dict(values)
+        if "num_key_value_heads" in values:
+            values["num_key_value_heads"] = kv_heads_per_rank(s.layer_attention(index), tp)
+        per_rank[layer] = values
+    return per_rank
+
+
+def _layer_type(text: Mapping[str, Any], index: int) -> Any:
+    types = text.get("layer_types")
+    return types[index] if isinstance(types, list) and index < len(types) else None
 
 
 def built_layers(s: ModelStructure) -> int:
@@ -168,6 +227,7 @@ def rank_overrides(
         sizes[k["num_heads"]] = heads_per_rank(a, tp)
     if "num_kv_heads" in k:
         sizes[k["num_kv_heads"]] = kv_heads_per_rank(a, tp)
+    sizes.update(per_layer_rank_sizes(s, tp, text, layers))
     # gated DeltaNet's heads split like the attention heads (``Parallel.check``: TP divides them); a KDA or
     # Mamba2 mixer stays whole, its kernels run the rank's 1/tp (``ssm_kernels``)
     if s.linear is not None and s.linear.kind == "gated_delta_net":
@@ -207,7 +267,9 @@ def check_sizes(
 ) -> list[str]:
     """A bridge may not undo a per-rank size; one that changes a traced size is reported."""
     for path, wanted in overrides.items():
-        got = getattr(text, path.rpartition(".")[2], wanted)
+        if path.rpartition(".")[2] == "per_layer_config":  # built into layer configs: the kernel checks it
+            continue
+        got = _stated(text, path.rpartition(".")[2], wanted)
         if wanted is not None and got != wanted:
             raise KadaptError(
                 f"a config bridge for backend {BACKEND} sets {path} = {got!r} over the per-rank value "
@@ -221,10 +283,17 @@ def check_sizes(
         name = s.keys.get(fact)
         if name is None or name in resized or name not in raw_text:
             continue
-        raw, got = raw_text[name], getattr(text, name, raw_text[name])
+        raw, got = raw_text[name], _stated(text, name, raw_text[name])
         if got != raw:
             notes.append(
                 f"config bridges change {prefix}{name} from {raw} to {got}: the traced modules use {got}; "
                 f"the routed-expert kernel, the memory figures and `kadapt plan` use the raw config's {raw}"
             )
     return notes
+
+
+def _stated(config: Any, name: str, default: Any) -> Any:
+    """The config's own value of ``name`` (else ``default``): the global one where a heterogeneous config
+    refuses to answer for attributes its layers override (Gemma-4's ``head_dim``)."""
+    stated = vars(config) if hasattr(config, "__dict__") else {}
+    return stated[name] if name in stated else getattr(config, name, default)

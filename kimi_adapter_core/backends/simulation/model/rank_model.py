@@ -55,7 +55,7 @@ from .linear_kernels import RankLinearMixer
 from .mla_kernels import RankMLA
 from .parallel import Parallel
 from .quant import NATIVE
-from .rank_config import BACKEND, LayerKind, check_sizes, layer_kinds, one_kv_shape, rank_overrides
+from .rank_config import BACKEND, LayerKind, check_rank_shapes, check_sizes, layer_kinds, rank_overrides
 from .serving_kernels import AttentionKernel, RoutedExperts
 from .split_norm import SplitNorm, split_norms
 from .split_rows import SplitRows, split_rows
@@ -428,6 +428,28 @@ def _positions(layer: nn.Module, embeddings: Any, positions: torch.Tensor) -> di
     return {"position_embeddings": embeddings, **({"position_ids": positions} if takes else {})}
 
 
+def _per_layer_inputs(rec: Recorder, s: ModelStructure, tokens: int) -> None:
+    """Gemma-4's per-layer embeddings, computed once per step before the layers: the projection of the
+    input embeddings to every layer's input (a GEMM, replicated on every rank as plan places it) and the
+    token table's rows (one gather). The per-layer rows the layers then gate are in each traced layer."""
+    ple = s.per_layer_inputs
+    if ple is None:
+        return
+    width, hidden = s.num_layers * ple.width, s.hidden_size
+    rec.analytic(
+        "per_layer_inputs(projection)",
+        "matmul",
+        flops=2 * tokens * hidden * width,
+        nbytes=2 * (hidden * width + tokens * (hidden + 2 * width)),
+        shapes=f"M{tokens} N{width} K{hidden}",
+        attrs={"kernel": "bf16", "batch": 1, "m": tokens, "n": width, "k": hidden},
+    )
+    gathered = 2 * tokens * width  # bf16 rows read, then written
+    rec.analytic(
+        "per_layer_inputs(gather)", "vector", flops=tokens * width, nbytes=2 * gathered, compute="vector"
+    )
+
+
 def _step(
     model: RankParts,
     rec: Recorder,
@@ -443,6 +465,7 @@ def _step(
     hidden = model.embed_tokens(input_ids)
     if par.tp > 1:
         rec.analytic("tp_all_reduce(vocab_parallel_embedding)", "comm", comm=all_reduce)
+    _per_layer_inputs(rec, s, input_ids.numel())
     # one (cos, sin) per rotary kind the traced layers use (Gemma-3: local and global frequencies)
     rope = {
         t: model.rotary(hidden, positions, *([t] if t else [])) if model.rotary is not None else None
@@ -451,7 +474,11 @@ def _step(
     for traced in model.layers:
         embeddings = rope[traced.rope_type] if traced.roped else None
         with rec.scope(traced.kind.scope, len(traced.kind.layers)):
-            hidden = _hidden(traced.module(hidden, **_positions(traced.module, embeddings, positions)))
+            kwargs = {
+                **_positions(traced.module, embeddings, positions),
+                **upstream.stack_inputs(traced.module, hidden),
+            }
+            hidden = _hidden(traced.module(hidden, **kwargs))
     last = model.norm(hidden if dep.decode else hidden[:, -1:, :])  # prefill: last token's logits
     _logits(model, rec, last, par.tp, vocab)
     if dep.mtp and model.eh_proj is not None:
@@ -466,7 +493,7 @@ def _step(
 
 def trace_rank(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[Recorder, list[str]]:
     """Build the per-rank model and run one step of it on meta; the recorder holds every op."""
-    one_kv_shape(spec, inputs.arch.structure)
+    check_rank_shapes(inputs.arch.structure, dep.parallel.tp)
     with applied(spec, backend=BACKEND):  # one session for the build and the trace
         model = RankModel(spec, inputs, dep)
         return model.trace(inputs, dep), list(model.notes)

@@ -158,7 +158,7 @@ class AttentionKernel:
         return query.new_empty(b, s, heads, vd), None
 
     def _check(self, kind: LayerKind, heads: int, kv: int, hd: int, vd: int) -> None:
-        a, tp = self.s.attention, self.dep.parallel.tp
+        a, tp = kind.attention(self.s), self.dep.parallel.tp
         want = (heads_per_rank(a, tp), kv_heads_per_rank(a, tp), a.head_dim, a.v_head_dim)
         if (heads, kv, hd, vd) != want:
             raise KadaptError(

@@ -21,6 +21,7 @@ from ..estimate.planner import Memory
 from ..model.inputs import ModelInputs, model_inputs
 from ..model.parallel import Parallel
 from ..model.quant import MODES
+from ..model.rank_config import check_rank_shapes
 
 DEFAULT_BATCHES = tuple(2**i for i in range(11))  # 1 .. 1024 concurrent queries
 
@@ -107,6 +108,7 @@ def layouts(s: ModelStructure, devices: int) -> list[Parallel]:
             par = Parallel(tp=tp, dp=devices // tp, ep=ep)
             try:
                 par.check(s)
+                check_rank_shapes(s, tp)  # a TP the per-rank trace cannot build is no layout to search
             except UsageError:
                 continue
             found.append(par)
