@@ -1286,15 +1286,38 @@ def _attention_of(layer: Any) -> Any:
     return next((m for m in (getattr(layer, n, None) for n in ATTENTION_ATTRIBUTES) if m is not None), None)
 
 
-def stack_inputs(layer: Any, hidden: Any) -> dict[str, Any]:
+class SharedKeysValues(dict):  # type: ignore[type-arg]
+    """A ``shared_kv_states`` for a KV-sharing layer called without its producer (the layer probe, the
+    simulation's per-rank trace): every layer type it asks for reads zero keys and values of
+    ``length`` positions shaped by the layer's own attention (its KV heads: heads / groups; its head
+    width); the types read are recorded."""
+
+    def __init__(self, attention: Any, hidden: Any, length: int) -> None:
+        super().__init__()
+        self.attention, self.hidden, self.length = attention, hidden, length
+        self.read: list[Any] = []
+
+    def __missing__(self, layer_type: Any) -> tuple[Any, Any]:
+        self.read.append(layer_type)
+        a = self.attention
+        heads = a.config.num_attention_heads // a.num_key_value_groups
+        zeros = self.hidden.new_zeros(self.hidden.shape[0], heads, self.length, a.head_dim)
+        return zeros, zeros
+
+
+def stack_inputs(layer: Any, hidden: Any, kind: str = "attention", length: int = 0) -> dict[str, Any]:
     """The inputs the model's forward builds once per call that the layer's forward takes (the runtime's
     ``STACK_INPUTS``), as the wrappers hand them to the first layer of a call: an empty
-    ``shared_kv_states`` (Gemma-4), a zero ``per_layer_input`` of the layer's width (None where it has
-    none; contact point ``per_layer_inputs``)."""
+    ``shared_kv_states`` (Gemma-4; a ``shared`` layer's reads zeros of ``length`` positions, default the
+    call's tokens: ``SharedKeysValues``), a zero ``per_layer_input`` of the layer's width (None where it
+    has none; contact point ``per_layer_inputs``)."""
     params = _signature(type(layer).forward).parameters
     inputs: dict[str, Any] = {}
     if "shared_kv_states" in params:
-        inputs["shared_kv_states"] = {}
+        attention = _attention_of(layer)
+        inputs["shared_kv_states"] = (
+            SharedKeysValues(attention, hidden, length or hidden.shape[1]) if kind == "shared" else {}
+        )
     if "per_layer_input" in params:
         width = getattr(layer, "hidden_size_per_layer_input", None)
         inputs["per_layer_input"] = hidden.new_zeros(*hidden.shape[:-1], width) if width else None
@@ -1328,7 +1351,7 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
             position_ids=positions,
             use_cache=True,
             position_embeddings=embeddings,
-            **stack_inputs(layer, hidden),
+            **(inputs := stack_inputs(layer, hidden, kind)),
             **{keyword: cache if kind not in MIXERLESS_KINDS else None},
         )
     except Exception as exc:  # noqa: BLE001 - a protocol mismatch explains what failed after it
@@ -1370,6 +1393,19 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
     if kind == "short_conv":
         return LayerProtocol(keyword, None, (_conv_window(layer_name, keyword, cache, index, out, hidden),))
     if kind in MIXERLESS_KINDS:  # given no cache: it must return the hidden states and keep nothing
+        _check_hidden_states(layer_name, out, hidden)
+        return LayerProtocol(keyword, None)
+    if kind == "shared":  # attends over its producer's keys and values: it must read them, cache nothing
+        shared = inputs.get("shared_kv_states")
+        if cache.calls or not isinstance(shared, SharedKeysValues) or not shared.read:
+            found = "calls cache.update" if cache.calls else "never reads shared_kv_states"
+            _unsupported(
+                "kv-shared-layers",
+                layer_name,
+                f"{layer_name} reads its keys and values from shared_kv_states and never updates the cache",
+                f"{layer_name} {found}",
+                point="per_layer_inputs",
+            )
         _check_hidden_states(layer_name, out, hidden)
         return LayerProtocol(keyword, None)
     if len(cache.calls) != 1:

@@ -111,12 +111,13 @@ def test_other_per_layer_attributes_and_bad_overrides_are_refused_with_their_rea
 @pytest.mark.parametrize(
     ("changes", "code", "key"),
     [
-        ({"num_kv_shared_layers": 1}, "kv-shared-layers", "num_kv_shared_layers = 1"),
-        ({"use_double_wide_mlp": True}, "layer-mlp", "use_double_wide_mlp = True"),
+        ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32},
+         "layer-mlp", "enable_moe_block = True"),
     ],
 )
 def test_gemma4_features_kadapt_lacks_are_refused_by_their_key(changes: dict, code: str, key: str) -> None:
-    """What Gemma-4 needs beyond per-layer shapes: each refused by name, object and JSON alike."""
+    """What Gemma-4 needs beyond per-layer shapes, KV sharing and per-layer embeddings (a dense MLP beside
+    routed experts): refused by name, object and JSON alike."""
     config = gemma4(**changes)
     for source in (config, config.to_dict()):
         with pytest.raises(Refusal) as refused:

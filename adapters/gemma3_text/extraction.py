@@ -316,6 +316,9 @@ def paged_view(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 #             own keys ``[B, 1, S, index_head_dim]`` (one head), cached, written and paged like a key.
 #  none:      a block with no token mixer (an MLP alone: Nemotron-H's mlp and moe blocks, transformers'
 #             DummyLayer): no state, and the wrappers hand it neither a mask nor the cache.
+#  shared:    attention over the keys and values an earlier layer of the same call computed (Gemma-4's
+#             KV sharing: the producer hands them over in ``shared_kv_states``): no state of its own;
+#             it takes its span's mask, and the cache it never touches.
 LAYER_STATES = {
     "attention": ("key", "value"),
     "linear": ("conv", "recurrent"),
@@ -323,6 +326,7 @@ LAYER_STATES = {
     "short_conv": ("conv",),
     "indexed": ("key", "value", "index_key"),
     "none": (),
+    "shared": (),
 }
 # States of one fixed size per request (no sequence dimension): never placed by position, never paged.
 FIXED_ROLES = ("conv", "recurrent")
@@ -341,6 +345,7 @@ MIXER_ATTRIBUTES = {
     "short_conv": ("conv",),
     "indexed": ("self_attn",),
     "none": (),
+    "shared": ("self_attn",),
 }
 # Layer kinds that keep no state: the wrappers hand them neither a mask nor the cache.
 STATELESS_KINDS = ("none",)
@@ -1040,7 +1045,7 @@ def decode_inputs(
         table = (torch.arange(batch * blocks, device=device).remainder(paged[1]).view(batch, blocks),)
     past: list[torch.Tensor] = []
     for layer, kind in enumerate(kinds if kinds is not None else ["attention"] * num_layers):
-        if kind in STATELESS_KINDS:
+        if not LAYER_STATES[kind]:  # no state (an MLP alone, a KV-sharing layer): nothing to pass
             continue
         if kind in LINEAR_LAYER_KINDS:
             assert linear_states is not None, "a linear layer needs its linear_states"
@@ -1207,6 +1212,15 @@ STATELESS_RULE = (
 )
 
 
+SHARED_RULE = (
+    "a layer of kind shared attends with its own queries over the keys and values that the layer its "
+    "entry names (kv_source, an earlier layer of the same layer type) computed in the same call: in prefill "
+    "the prompt's, in decode that layer's whole updated cache (contiguous or its paged view) under this "
+    "layer's own mask (its window); it caches nothing, so the graphs take and return nothing for it, and "
+    "a runtime carries, pages, places and frees nothing for it (its source's cache serves both)"
+)
+
+
 DYNAMIC_RULE = (
     "a dimension written as a name instead of a number is that dynamic size: bind each name from the "
     "graph input that carries it (input_ids dim 0 is batch, dim 1 is prefill_len), refuse a size outside "
@@ -1274,6 +1288,7 @@ def kv_contract(
     linear: bool = False,
     index_dim: int | None = None,
     stateless: bool = False,
+    shared: bool = False,
     chunked: bool = False,
     lightning: bool = False,
     short_conv: bool = False,
@@ -1284,7 +1299,8 @@ def kv_contract(
     block pool and block table (``batch`` rows, or the dynamic ``batch``), and with ``linear`` (the
     stack has linear-attention / SSM layers) what their fixed-size states hold and the rules for them;
     with ``index_dim`` (DSA layers) what the indexer keys hold; with ``stateless`` (blocks with no mixer)
-    that they carry nothing; with ``chunked`` (chunked-attention layers) the chunk rule of the mask;
+    that they carry nothing; with ``shared`` (KV-sharing layers) what they read and that they carry
+    nothing; with ``chunked`` (chunked-attention layers) the chunk rule of the mask;
     with ``lightning`` (MiniMax's lightning layers) what their one recurrent state holds, same rules;
     with ``short_conv`` (LFM2's short convolutions) what their one conv window holds, same rules;
     with ``per_layer`` (the layers cache different KV shapes) the heads and widths move to each layer's
@@ -1364,6 +1380,8 @@ def kv_contract(
         contract["cache"]["index_key"] = {"holds": INDEX_KEY_CONTENTS, "heads": 1, "dim": index_dim}
     if stateless:
         contract["stateless_layers"] = STATELESS_RULE
+    if shared:
+        contract["shared_layers"] = SHARED_RULE
     if linear:
         contract["linear_states"] = {
             "conv": {"holds": LINEAR_STATE_CONTENTS["conv"]},
@@ -1401,6 +1419,7 @@ def build_kv_mapping(
     index_dim: int | None = None,
     chunked: bool = False,
     layer_kv_dims: Sequence[KVDims] | None = None,
+    kv_sources: Sequence[int | None] | None = None,
 ) -> dict[str, Any]:
     """How prefill KV outputs become decode KV inputs, layer by layer.
 
@@ -1416,6 +1435,8 @@ def build_kv_mapping(
     ``chunked``: the stack has chunked-attention layers, and the contract's mask states their rule.
     ``layer_kv_dims``: each layer's own KV dims when they differ per layer; each attention entry then
     states its heads and widths (``cache``), which the contract's ``cache`` no longer does.
+    ``kv_sources``: per layer the earlier layer whose keys and values a ``shared`` layer attends over
+    (its entry names it, ``kv_source``; the contract states the rule).
     """
     dynamic = dynamic or {}
     batch_dim: int | str = "batch" if "batch" in dynamic else batch
@@ -1435,6 +1456,10 @@ def build_kv_mapping(
     for layer, kind in enumerate(kinds):
         if kind in STATELESS_KINDS:  # no state to carry: the entry says so
             layers.append({"layer": layer, "kind": kind})
+            continue
+        if kind == "shared":  # attends over its source's keys and values of the same call
+            source = kv_sources[layer] if kv_sources is not None else None
+            layers.append({"layer": layer, "kind": kind, "kv_source": source})
             continue
         if kind in LINEAR_LAYER_KINDS:
             assert linear_states is not None, "a linear layer needs its linear_states"
@@ -1500,6 +1525,7 @@ def build_kv_mapping(
             short_conv="short_conv" in kinds,
             index_dim=index_dim if "indexed" in kinds else None,
             stateless=any(kind in STATELESS_KINDS for kind in kinds),
+            shared="shared" in kinds,
             chunked=chunked,
             per_layer=layer_kv_dims is not None,
         ),
@@ -2869,15 +2895,38 @@ def _attention_of(layer: Any) -> Any:
     return next((m for m in (getattr(layer, n, None) for n in ATTENTION_ATTRIBUTES) if m is not None), None)
 
 
-def stack_inputs(layer: Any, hidden: Any) -> dict[str, Any]:
+class SharedKeysValues(dict):  # type: ignore[type-arg]
+    """A ``shared_kv_states`` for a KV-sharing layer called without its producer (the layer probe, the
+    simulation's per-rank trace): every layer type it asks for reads zero keys and values of
+    ``length`` positions shaped by the layer's own attention (its KV heads: heads / groups; its head
+    width); the types read are recorded."""
+
+    def __init__(self, attention: Any, hidden: Any, length: int) -> None:
+        super().__init__()
+        self.attention, self.hidden, self.length = attention, hidden, length
+        self.read: list[Any] = []
+
+    def __missing__(self, layer_type: Any) -> tuple[Any, Any]:
+        self.read.append(layer_type)
+        a = self.attention
+        heads = a.config.num_attention_heads // a.num_key_value_groups
+        zeros = self.hidden.new_zeros(self.hidden.shape[0], heads, self.length, a.head_dim)
+        return zeros, zeros
+
+
+def stack_inputs(layer: Any, hidden: Any, kind: str = "attention", length: int = 0) -> dict[str, Any]:
     """The inputs the model's forward builds once per call that the layer's forward takes (the runtime's
     ``STACK_INPUTS``), as the wrappers hand them to the first layer of a call: an empty
-    ``shared_kv_states`` (Gemma-4), a zero ``per_layer_input`` of the layer's width (None where it has
-    none; contact point ``per_layer_inputs``)."""
+    ``shared_kv_states`` (Gemma-4; a ``shared`` layer's reads zeros of ``length`` positions, default the
+    call's tokens: ``SharedKeysValues``), a zero ``per_layer_input`` of the layer's width (None where it
+    has none; contact point ``per_layer_inputs``)."""
     params = _signature(type(layer).forward).parameters
     inputs: dict[str, Any] = {}
     if "shared_kv_states" in params:
-        inputs["shared_kv_states"] = {}
+        attention = _attention_of(layer)
+        inputs["shared_kv_states"] = (
+            SharedKeysValues(attention, hidden, length or hidden.shape[1]) if kind == "shared" else {}
+        )
     if "per_layer_input" in params:
         width = getattr(layer, "hidden_size_per_layer_input", None)
         inputs["per_layer_input"] = hidden.new_zeros(*hidden.shape[:-1], width) if width else None
@@ -2911,7 +2960,7 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
             position_ids=positions,
             use_cache=True,
             position_embeddings=embeddings,
-            **stack_inputs(layer, hidden),
+            **(inputs := stack_inputs(layer, hidden, kind)),
             **{keyword: cache if kind not in MIXERLESS_KINDS else None},
         )
     except Exception as exc:  # noqa: BLE001 - a protocol mismatch explains what failed after it
@@ -2953,6 +3002,19 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
     if kind == "short_conv":
         return LayerProtocol(keyword, None, (_conv_window(layer_name, keyword, cache, index, out, hidden),))
     if kind in MIXERLESS_KINDS:  # given no cache: it must return the hidden states and keep nothing
+        _check_hidden_states(layer_name, out, hidden)
+        return LayerProtocol(keyword, None)
+    if kind == "shared":  # attends over its producer's keys and values: it must read them, cache nothing
+        shared = inputs.get("shared_kv_states")
+        if cache.calls or not isinstance(shared, SharedKeysValues) or not shared.read:
+            found = "calls cache.update" if cache.calls else "never reads shared_kv_states"
+            _unsupported(
+                "kv-shared-layers",
+                layer_name,
+                f"{layer_name} reads its keys and values from shared_kv_states and never updates the cache",
+                f"{layer_name} {found}",
+                point="per_layer_inputs",
+            )
         _check_hidden_states(layer_name, out, hidden)
         return LayerProtocol(keyword, None)
     if len(cache.calls) != 1:

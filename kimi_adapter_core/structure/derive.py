@@ -18,8 +18,9 @@ from ..errors import KadaptError, Refusal
 from ..spec.model import Spec
 from . import bounds
 from .indexer_of import indexer_of
+from .kv_sharing import kv_sources, mlp_widths
 from .layer_pattern import PATTERN_KEY, layout_types
-from .layer_shapes import layer_attentions, refuse_other_layer_attributes
+from .layer_shapes import layer_attentions
 from .linear_of import linear_of
 from .mlp_of import dense_width_of
 from .model import (
@@ -33,6 +34,7 @@ from .model import (
     PerLayerInputs,
 )
 from .reader import MISSING, Reader, locate, mlp_block_types, outside_modelled, tables
+from .refusals import refuse_outside_layer_features, refuse_unmodelled_layers
 from .rope_of import rope_of
 
 
@@ -343,45 +345,6 @@ def _check_layer_types(read: Reader, types: list[Any]) -> None:
         )
 
 
-def _refuse_unmodelled_layers(read: Reader, spec: Spec | None) -> None:
-    """Hybrid stacks (SSM, linear attention, recurrence, convolution), layer features kadapt lacks
-    (``layer_features``: Gemma-4's KV-shared layers, per-layer inputs) and per-layer overrides of more than
-    the KV shape, told apart by keys only they have, on the config object and the raw JSON alike."""
-    for key in tables()["hybrid_keys"]:
-        value = read.raw(key)
-        if value is not MISSING and value is not None:
-            raise Refusal(
-                "hybrid",
-                f"{read.where} sets {key}, which only models with non-attention layers (SSM, linear "
-                "attention, recurrence, convolution) have; kadapt carries KV caches, gated-DeltaNet, KDA, "
-                "Mamba2 and Mamba1 states (conv window, recurrent state), lightning attention's "
-                "recurrent state and short convolutions' windows, and this layer keeps another state",
-                location=locate(spec, "gate"),
-            )
-    for key, rule in tables()["layer_features"].items():
-        value = read.raw(key)
-        if value is not MISSING and value not in rule["neutral"]:
-            message = f"{read.where} sets {key} = {value!r}, which {rule['effect']}"
-            raise Refusal(rule["code"], message, location=locate(spec, "gate"))
-    refuse_other_layer_attributes(read)
-
-
-def _refuse_outside_layer_features(read: Reader, spec: Spec | None) -> None:
-    """Features outside the decoder layers would be dropped silently by the ABI wrappers."""
-    where = spec.locate("gate") if spec is not None else None
-    text_only = spec is None or spec.abi is None or spec.abi.vision is None
-    for key, rule in tables()["outside_layers"].items():
-        value = read.raw(key)
-        neutral = [*rule["neutral"], *(rule.get("text_neutral", ()) if text_only else ())]
-        if value is not MISSING and value not in neutral:
-            message = (
-                f"{read.where} sets {key} = {value!r}, which {rule['effect']}; kadapt's prefill/decode "
-                "wrappers call the decoder layers directly and cannot honour it, so the model is refused "
-                "rather than exported wrong"
-            )
-            raise Refusal("outside-layers", message, location=where)
-
-
 def _outside(read: Reader) -> tuple[OutsideOp, ...]:
     """The modelled math outside the layers that this config switches on (``outside_modelled``)."""
     ops = []
@@ -444,12 +407,12 @@ def refuse_unmodelled(config: Any, spec: Spec | None = None, *, where: str = "te
     math outside the layers), without the facts a bare config.json may leave to its class's defaults:
     what runs on the raw JSON before any config class sees it, and in plain ``validate``."""
     read = Reader(config, spec, where)
-    _refuse_unmodelled_layers(read, spec)
+    refuse_unmodelled_layers(read, spec)
     types = read.raw("layer_types")
     if isinstance(types, list):
         read.keys["layer_types"] = "layer_types"
         _check_layer_types(read, types)
-    _refuse_outside_layer_features(read, spec)
+    refuse_outside_layer_features(read, spec)
 
 
 def derive_structure(
@@ -466,7 +429,7 @@ def derive_structure(
     or builds a list per layer of a billion layers; ``origin`` (the config file) and ``prefix`` (its
     text section, ``text_config.``) locate those findings."""
     read = Reader(config, spec, where, origin, prefix)
-    _refuse_unmodelled_layers(read, spec)
+    refuse_unmodelled_layers(read, spec)
     _check_values(read)
     num_layers = _num_layers(read)
     hidden = int(read.require("hidden_size"))
@@ -476,11 +439,13 @@ def derive_structure(
     attends = _attends(read, spans)
     attention = _attention(read, spec, hidden) if attends else _nominal_attention(hidden)
     shapes = layer_attentions(read, attention, types, num_layers) if attends else (None,) * num_layers
+    sources = kv_sources(read, types, num_layers)
     kinds = _block_mlps(read, types, num_layers, moe) or _mlp_kinds(read, spec, num_layers, moe)
     if not attends and moe is None:  # SSM mixers alone (MambaBlock: a norm and its mixer), no MLP
         kinds = ["none"] * num_layers
-    _refuse_outside_layer_features(read, spec)
+    refuse_outside_layer_features(read, spec)
     dense_width = dense_width_of(read) if "dense" in kinds else 0
+    widths = mlp_widths(read, sources, kinds, dense_width)
     model_type = read.raw("model_type")
     return ModelStructure(
         model_type=str(model_type if model_type is not MISSING else ""),
@@ -499,8 +464,12 @@ def derive_structure(
                 mlp=kind,
                 chunk=size if span == "chunked" else None,
                 attention_shape=shape if span in ATTENDING_SPANS else None,
+                kv_source=source,
+                mlp_width=mlp_width,
             )
-            for i, ((span, size), kind, shape) in enumerate(zip(spans, kinds, shapes, strict=True))
+            for i, ((span, size), kind, shape, source, mlp_width) in enumerate(
+                zip(spans, kinds, shapes, sources, widths, strict=True)
+            )
         ),
         rope=rope_of(read),
         tie_word_embeddings=bool(read.get("tie_word_embeddings", False)),

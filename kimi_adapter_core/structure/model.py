@@ -140,6 +140,12 @@ class Layer:
     # the layer's own attention where its KV heads or head width differ from the stack's
     # (``layer_shapes``: MiMo-V2-Flash's sliding layers, Gemma-4's full layers); None: the stack's
     attention_shape: Attention | None = None
+    # the earlier layer whose keys and values this one reuses within a forward (``kv_sharing``: Gemma-4's
+    # last num_kv_shared_layers layers); it caches nothing of its own. None: it computes and caches its own
+    kv_source: int | None = None
+    # the layer's dense MLP width where it differs from the stack's ``intermediate_size`` (Gemma-4's
+    # double-wide MLP on its KV-sharing layers); None: the stack's
+    mlp_width: int | None = None
 
 
 @dataclass(frozen=True)
@@ -317,10 +323,14 @@ class ModelStructure:
     def layer_kinds(self) -> tuple[str, ...]:
         """Each layer's kind as the ABI carries its state: ``linear`` (conv window and recurrent state),
         ``lightning`` (a recurrent state alone: MiniMax), ``indexed`` (a KV cache and the DSA indexer's
-        keys), ``none`` (no token mixer: no state) or ``attention`` (a KV cache)."""
+        keys), ``none`` (no token mixer: no state), ``shared`` (attends over an earlier layer's keys and
+        values of the same call: no state) or ``attention`` (a KV cache)."""
         linear = self.linear.layer_kind if self.linear is not None else "linear"
         special = {"linear": linear, "indexed": "indexed", "none": "none"}
-        return tuple(special.get(layer.attention, "attention") for layer in self.layers)
+        return tuple(
+            "shared" if layer.kv_source is not None else special.get(layer.attention, "attention")
+            for layer in self.layers
+        )
 
     @property
     def linear_layer_ids(self) -> tuple[int, ...]:
@@ -328,8 +338,19 @@ class ModelStructure:
 
     @property
     def attention_layer_ids(self) -> tuple[int, ...]:
-        """The layers that attend (full, sliding or indexed): those with a KV cache."""
-        return tuple(layer.index for layer in self.layers if layer.attention not in ("linear", "none"))
+        """The layers with a KV cache of their own: those that attend (full, sliding, chunked or indexed)
+        but do not reuse an earlier layer's keys and values (``shared_layer_ids``)."""
+        return tuple(
+            layer.index
+            for layer in self.layers
+            if layer.attention not in ("linear", "none") and layer.kv_source is None
+        )
+
+    @property
+    def shared_layer_ids(self) -> tuple[int, ...]:
+        """The layers that attend over an earlier layer's keys and values of the same call (Gemma-4's KV
+        sharing): their queries and outputs are their own, their keys and values and cache are not."""
+        return tuple(layer.index for layer in self.layers if layer.kv_source is not None)
 
     @property
     def mixerless_layer_ids(self) -> tuple[int, ...]:
@@ -362,6 +383,10 @@ class ModelStructure:
 
     def describe(self) -> str:
         mlp = self.moe.describe() if self.moe else f"dense MLP {self.intermediate_size}"
+        wide = [layer for layer in self.layers if layer.mlp_width is not None]
+        if wide:
+            widths = "/".join(str(w) for w in sorted({layer.mlp_width for layer in wide if layer.mlp_width}))
+            mlp += f" ({len(wide)}/{self.num_layers} layers {widths})"
         if self.moe and self.n_dense_layers:
             mlp += f", dense layers {list(self.dense_layer_ids)}"
         spans = ""
@@ -385,6 +410,12 @@ class ModelStructure:
         if shaped:  # per-layer shapes: how many layers differ, and how
             others = sorted({layer.attention_shape.describe() for layer in shaped if layer.attention_shape})
             mixer += f" ({len(shaped)}/{self.num_layers} layers {'; '.join(others)})"
+        if self.shared_layer_ids:
+            sources = sorted({layer.kv_source for layer in self.layers if layer.kv_source is not None})
+            mixer += (
+                f", the last {len(self.shared_layer_ids)}/{self.num_layers} layers reuse the keys and values "
+                f"of layers {', '.join(map(str, sources))} (KV sharing)"
+            )
         if self.mixerless_layer_ids:  # one-sublayer blocks: say how many are an MLP alone, and a mixer alone
             mixer += f", {len(self.mixerless_layer_ids)}/{self.num_layers} blocks an MLP alone (no mixer)"
             mlp += f", {len(self.mlpless_layer_ids)}/{self.num_layers} blocks a mixer alone (no MLP)"
@@ -419,6 +450,10 @@ def _compress_layers(layers: tuple[Layer, ...]) -> list[dict[str, Any]]:
             kind["chunk"] = layer.chunk
         if layer.attention_shape is not None:  # only a layer whose shape differs names it
             kind["attention_shape"] = layer.attention_shape.to_dict()
+        if layer.kv_source is not None:  # only a KV-sharing layer names the layer it reads
+            kind["kv_source"] = layer.kv_source
+        if layer.mlp_width is not None:  # only a layer whose MLP width differs names it
+            kind["mlp_width"] = layer.mlp_width
         previous = {k: v for k, v in runs[-1].items() if k != "layers"} if runs else None
         if previous == kind and runs[-1]["layers"][1] == layer.index - 1:
             runs[-1]["layers"][1] = layer.index

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ...spec.model import Spec
+from ...structure.kv_sharing import kv_sharing_rule
 from ...structure.layer_pattern import pattern_period, shorten_layers
 from ...structure.model import ModelStructure
 from ...structure.of_spec import structure_of_raw, text_config_key
@@ -135,6 +136,27 @@ def tiny_layer_count(structure: ModelStructure) -> int:
     return min(max(TINY_FACTS["num_layers"], min(period, TINY_MAX_LAYERS)), structure.num_layers)
 
 
+def _shared_tail(structure: ModelStructure, section: dict[str, Any], layers: int) -> dict[str, Any]:
+    """A KV-sharing stack's tiny layers (Gemma-4): the tiny stack of ``layers`` computes its own keys and
+    values, then a tail of one sharing layer per layer type the model's tail holds, in the order of their
+    last occurrence (so the tail ends as the model does: Gemma-4's last layer is full attention); each
+    reads the last earlier tiny layer of its type, which the tiny stack must have (else nothing is
+    added and the tiny model keeps no sharing layer, which the check then refuses to call proven)."""
+    rule = kv_sharing_rule(structure.model_type)
+    types = section.get("layer_types")
+    if rule is None or not structure.shared_layer_ids or not isinstance(types, list):
+        return {}
+    tail = [types[i] for i in structure.shared_layer_ids]
+    order = sorted(set(tail), key=lambda t: max(i for i, u in enumerate(tail) if u == t))
+    if not set(order) <= set(types[:layers]):
+        return {}
+    return {
+        "layer_types": [*types[:layers], *order],
+        structure.keys["num_layers"]: layers + len(order),
+        rule["key"]: len(order),
+    }
+
+
 def _tiny_text(structure: ModelStructure, section: dict[str, Any]) -> dict[str, Any]:
     """Overrides of the text config that keep ``structure``'s kinds at tiny sizes: the attention kind,
     a whole period of the sliding/full pattern, dense and MoE layers, the router's expert groups."""
@@ -144,6 +166,7 @@ def _tiny_text(structure: ModelStructure, section: dict[str, Any]) -> dict[str, 
     layers = tiny_layer_count(structure)
     tiny[structure.keys["num_layers"]] = layers
     tiny.update(shorten_layers(section, structure.num_layers, layers))
+    tiny.update(_shared_tail(structure, section, layers))
     if "max_window_layers" in structure.keys and structure.has_sliding_layers:
         tiny[structure.keys["max_window_layers"]] = 1  # layers from 1 on slide: full and sliding both present
     if structure.moe is not None and structure.moe.expert_groups > 1:

@@ -296,6 +296,9 @@ def paged_view(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 #             own keys ``[B, 1, S, index_head_dim]`` (one head), cached, written and paged like a key.
 #  none:      a block with no token mixer (an MLP alone: Nemotron-H's mlp and moe blocks, transformers'
 #             DummyLayer): no state, and the wrappers hand it neither a mask nor the cache.
+#  shared:    attention over the keys and values an earlier layer of the same call computed (Gemma-4's
+#             KV sharing: the producer hands them over in ``shared_kv_states``): no state of its own;
+#             it takes its span's mask, and the cache it never touches.
 LAYER_STATES = {
     "attention": ("key", "value"),
     "linear": ("conv", "recurrent"),
@@ -303,6 +306,7 @@ LAYER_STATES = {
     "short_conv": ("conv",),
     "indexed": ("key", "value", "index_key"),
     "none": (),
+    "shared": (),
 }
 # States of one fixed size per request (no sequence dimension): never placed by position, never paged.
 FIXED_ROLES = ("conv", "recurrent")
@@ -321,6 +325,7 @@ MIXER_ATTRIBUTES = {
     "short_conv": ("conv",),
     "indexed": ("self_attn",),
     "none": (),
+    "shared": ("self_attn",),
 }
 # Layer kinds that keep no state: the wrappers hand them neither a mask nor the cache.
 STATELESS_KINDS = ("none",)
@@ -1020,7 +1025,7 @@ def decode_inputs(
         table = (torch.arange(batch * blocks, device=device).remainder(paged[1]).view(batch, blocks),)
     past: list[torch.Tensor] = []
     for layer, kind in enumerate(kinds if kinds is not None else ["attention"] * num_layers):
-        if kind in STATELESS_KINDS:
+        if not LAYER_STATES[kind]:  # no state (an MLP alone, a KV-sharing layer): nothing to pass
             continue
         if kind in LINEAR_LAYER_KINDS:
             assert linear_states is not None, "a linear layer needs its linear_states"
@@ -1187,6 +1192,15 @@ STATELESS_RULE = (
 )
 
 
+SHARED_RULE = (
+    "a layer of kind shared attends with its own queries over the keys and values that the layer its "
+    "entry names (kv_source, an earlier layer of the same layer type) computed in the same call: in prefill "
+    "the prompt's, in decode that layer's whole updated cache (contiguous or its paged view) under this "
+    "layer's own mask (its window); it caches nothing, so the graphs take and return nothing for it, and "
+    "a runtime carries, pages, places and frees nothing for it (its source's cache serves both)"
+)
+
+
 DYNAMIC_RULE = (
     "a dimension written as a name instead of a number is that dynamic size: bind each name from the "
     "graph input that carries it (input_ids dim 0 is batch, dim 1 is prefill_len), refuse a size outside "
@@ -1254,6 +1268,7 @@ def kv_contract(
     linear: bool = False,
     index_dim: int | None = None,
     stateless: bool = False,
+    shared: bool = False,
     chunked: bool = False,
     lightning: bool = False,
     short_conv: bool = False,
@@ -1264,7 +1279,8 @@ def kv_contract(
     block pool and block table (``batch`` rows, or the dynamic ``batch``), and with ``linear`` (the
     stack has linear-attention / SSM layers) what their fixed-size states hold and the rules for them;
     with ``index_dim`` (DSA layers) what the indexer keys hold; with ``stateless`` (blocks with no mixer)
-    that they carry nothing; with ``chunked`` (chunked-attention layers) the chunk rule of the mask;
+    that they carry nothing; with ``shared`` (KV-sharing layers) what they read and that they carry
+    nothing; with ``chunked`` (chunked-attention layers) the chunk rule of the mask;
     with ``lightning`` (MiniMax's lightning layers) what their one recurrent state holds, same rules;
     with ``short_conv`` (LFM2's short convolutions) what their one conv window holds, same rules;
     with ``per_layer`` (the layers cache different KV shapes) the heads and widths move to each layer's
@@ -1344,6 +1360,8 @@ def kv_contract(
         contract["cache"]["index_key"] = {"holds": INDEX_KEY_CONTENTS, "heads": 1, "dim": index_dim}
     if stateless:
         contract["stateless_layers"] = STATELESS_RULE
+    if shared:
+        contract["shared_layers"] = SHARED_RULE
     if linear:
         contract["linear_states"] = {
             "conv": {"holds": LINEAR_STATE_CONTENTS["conv"]},
@@ -1381,6 +1399,7 @@ def build_kv_mapping(
     index_dim: int | None = None,
     chunked: bool = False,
     layer_kv_dims: Sequence[KVDims] | None = None,
+    kv_sources: Sequence[int | None] | None = None,
 ) -> dict[str, Any]:
     """How prefill KV outputs become decode KV inputs, layer by layer.
 
@@ -1396,6 +1415,8 @@ def build_kv_mapping(
     ``chunked``: the stack has chunked-attention layers, and the contract's mask states their rule.
     ``layer_kv_dims``: each layer's own KV dims when they differ per layer; each attention entry then
     states its heads and widths (``cache``), which the contract's ``cache`` no longer does.
+    ``kv_sources``: per layer the earlier layer whose keys and values a ``shared`` layer attends over
+    (its entry names it, ``kv_source``; the contract states the rule).
     """
     dynamic = dynamic or {}
     batch_dim: int | str = "batch" if "batch" in dynamic else batch
@@ -1415,6 +1436,10 @@ def build_kv_mapping(
     for layer, kind in enumerate(kinds):
         if kind in STATELESS_KINDS:  # no state to carry: the entry says so
             layers.append({"layer": layer, "kind": kind})
+            continue
+        if kind == "shared":  # attends over its source's keys and values of the same call
+            source = kv_sources[layer] if kv_sources is not None else None
+            layers.append({"layer": layer, "kind": kind, "kv_source": source})
             continue
         if kind in LINEAR_LAYER_KINDS:
             assert linear_states is not None, "a linear layer needs its linear_states"
@@ -1480,6 +1505,7 @@ def build_kv_mapping(
             short_conv="short_conv" in kinds,
             index_dim=index_dim if "indexed" in kinds else None,
             stateless=any(kind in STATELESS_KINDS for kind in kinds),
+            shared="shared" in kinds,
             chunked=chunked,
             per_layer=layer_kv_dims is not None,
         ),

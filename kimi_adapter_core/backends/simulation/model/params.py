@@ -291,6 +291,7 @@ def text_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
             layer_ids = range(s.num_layers) if name == "layer_norms" else ids
             group = _layers(n, f"attn.{name}{label}", layer_ids, tensors, shard, "bf16", linear)
             groups.append(replace(group, attention=shape) if shard == "kv" else group)
+    groups += _shared_attention_groups(s, n)
     if s.indexer is not None:
         for name, tensors, shard, linear in _indexer(s):
             groups.append(_layers(n, f"attn.{name}", indexed_layer_ids(s), tensors, shard, "bf16", linear))
@@ -299,13 +300,33 @@ def text_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
         for name, tensors, shard, linear in tensors_of(s):
             ids = s.linear_layer_ids
             groups.append(_layers(n, f"{label}.{name}", ids, tensors, shard, "bf16", linear))
-    if s.dense_layer_ids:
-        dense = _mlp(parts.mlp, h, s.intermediate_size, parts.dense_mlp)
-        groups.append(_layers(n, "dense_mlp", s.dense_layer_ids, dense, "tp", "bf16", True))
+    if s.dense_layer_ids:  # by width: the stack's, then a width some layers have (Gemma-4's double-wide)
+        by_width: dict[int, list[int]] = {}
+        for index in s.dense_layer_ids:
+            by_width.setdefault(s.layers[index].mlp_width or s.intermediate_size, []).append(index)
+        for width, ids in by_width.items():
+            dense = _mlp(parts.mlp, h, width, parts.dense_mlp)
+            label = "" if width == s.intermediate_size else f".{width}"
+            groups.append(_layers(n, f"dense_mlp{label}", ids, dense, "tp", "bf16", True))
     if s.moe is not None and s.moe_layer_ids:
         groups += _moe_groups(s, n, parts)
     if s.per_layer_inputs is not None:
         groups += _per_layer_input_groups(s, n)
+    return groups
+
+
+def _shared_attention_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
+    """The KV-sharing layers' own attention tensors (Gemma-4): their query and output projections, by
+    their attention's shape; they have no key or value projection (their layer norms are every layer's)."""
+    by_shape: dict[Attention, list[int]] = {}
+    for index in s.shared_layer_ids:
+        by_shape.setdefault(s.layer_attention(index), []).append(index)
+    groups = []
+    for shape, ids in by_shape.items():
+        label = ".shared" + ("" if shape == s.attention else f".{shape.num_kv_heads}x{shape.head_dim}")
+        for name, tensors, shard, linear in _attention(s, shape):
+            if name in ("q_proj", "o_proj"):
+                groups.append(_layers(n, f"attn.{name}{label}", ids, tensors, shard, "bf16", linear))
     return groups
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from ....errors import KadaptError, UsageError
 from ....spec.model import Spec
+from ....structure.kv_sharing import kv_sharing_rule
 from ....structure.layer_pattern import PATTERN_KEY
 from ....structure.model import Attention, ModelStructure
 from ....structure.reader import tables
@@ -66,6 +67,7 @@ class LayerKind:
     # their attention where it differs from the stack's (per-layer KV shapes: Gemma-4's full layers,
     # MiMo-V2-Flash's sliding ones); None: the stack's
     shape: Attention | None = None
+    mlp_width: int | None = None  # their dense MLP width where it differs from the stack's (Gemma-4)
 
     @property
     def spans(self) -> tuple[tuple[int | None, int | None], ...]:
@@ -100,9 +102,14 @@ class LayerKind:
             return "linear" if self.linear else "attention"
         if self.mixer == "none":
             return f"{self.kind}_only"
+        scope = f"linear_{self.kind}" if self.linear else self.kind
+        if self.mixer == "shared":  # KV-sharing layers (Gemma-4): plan's groups say ``.shared`` too
+            scope += ".shared"
         if self.shape is not None:  # a per-layer shape: its KV heads and width name it (plan's groups too)
-            return f"{self.kind}.{self.shape.num_kv_heads}x{self.shape.head_dim}"
-        return f"linear_{self.kind}" if self.linear else self.kind
+            scope += f".{self.shape.num_kv_heads}x{self.shape.head_dim}"
+        if self.mlp_width is not None:
+            scope += f".{self.mlp_width}"
+        return scope
 
     def attention(self, s: ModelStructure) -> Attention:
         """The attention its layers run: their own shape, else the stack's."""
@@ -117,10 +124,11 @@ def layer_kinds(s: ModelStructure) -> list[LayerKind]:
     """One entry per mixer and MLP kind present, in the order their first layers appear. A linear
     layer is ``linear`` whatever its ABI kind (MiniMax's ``lightning``, LFM2's ``short_conv`` too): its
     mixer is swapped for its serving kernels, not run through the attention interface."""
-    kinds: dict[tuple[str, str, Attention | None], list[int]] = {}
+    kinds: dict[tuple[str, str, Attention | None, int | None], list[int]] = {}
     for layer, mixer in zip(s.layers, s.layer_kinds, strict=True):
         mixer = "linear" if layer.attention == "linear" else mixer
-        kinds.setdefault((mixer, layer.mlp, layer.attention_shape), []).append(layer.index)
+        key = (mixer, layer.mlp, layer.attention_shape, layer.mlp_width)
+        kinds.setdefault(key, []).append(layer.index)
     return [
         LayerKind(
             mlp,
@@ -129,8 +137,9 @@ def layer_kinds(s: ModelStructure) -> list[LayerKind]:
             mixer,
             tuple(s.layers[i].chunk for i in ids) if s.has_chunked_layers else (),
             shape,
+            width,
         )
-        for (mixer, mlp, shape), ids in sorted(kinds.items(), key=lambda item: item[1][0])
+        for (mixer, mlp, shape, width), ids in sorted(kinds.items(), key=lambda item: item[1][0])
     ]
 
 
@@ -228,6 +237,9 @@ def rank_overrides(
     if "num_kv_heads" in k:
         sizes[k["num_kv_heads"]] = kv_heads_per_rank(a, tp)
     sizes.update(per_layer_rank_sizes(s, tp, text, layers))
+    sharing = kv_sharing_rule(s.model_type)
+    if sharing is not None and s.shared_layer_ids:  # the built prefix's own sharing tail (Gemma-4)
+        sizes[sharing["key"]] = sum(1 for index in s.shared_layer_ids if index < layers)
     # gated DeltaNet's heads split like the attention heads (``Parallel.check``: TP divides them); a KDA or
     # Mamba2 mixer stays whole, its kernels run the rank's 1/tp (``ssm_kernels``)
     if s.linear is not None and s.linear.kind == "gated_delta_net":

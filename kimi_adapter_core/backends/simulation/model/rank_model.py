@@ -32,7 +32,6 @@ and ``module_paths`` then all work exactly as for ``kadapt apply``, with no seco
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +50,7 @@ from .arch import read_config
 from .deployment import Deployment
 from .head_width import refuse_hidden_derived_heads
 from .inputs import ModelInputs
+from .layer_calls import hidden_of, per_layer_inputs, positions_of
 from .linear_kernels import RankLinearMixer
 from .mla_kernels import RankMLA
 from .parallel import Parallel
@@ -414,42 +414,6 @@ class RankModel:
         return rec
 
 
-def _hidden(out: Any) -> torch.Tensor:
-    """A decoder layer's hidden states (GLM-5's layers also return the top-k they hand on)."""
-    return out[0] if isinstance(out, tuple) else out
-
-
-def _positions(layer: nn.Module, embeddings: Any, positions: torch.Tensor) -> dict[str, Any]:
-    """The position keywords a decoder layer is called with: its rotary ``(cos, sin)`` and, when its
-    forward takes them (by name or ``**kwargs``), the token positions, which some attentions read
-    themselves (Ministral-3's Llama-4 query scaling by position)."""
-    params = inspect.signature(layer.forward).parameters.values()
-    takes = any(p.name == "position_ids" or p.kind is p.VAR_KEYWORD for p in params)
-    return {"position_embeddings": embeddings, **({"position_ids": positions} if takes else {})}
-
-
-def _per_layer_inputs(rec: Recorder, s: ModelStructure, tokens: int) -> None:
-    """Gemma-4's per-layer embeddings, computed once per step before the layers: the projection of the
-    input embeddings to every layer's input (a GEMM, replicated on every rank as plan places it) and the
-    token table's rows (one gather). The per-layer rows the layers then gate are in each traced layer."""
-    ple = s.per_layer_inputs
-    if ple is None:
-        return
-    width, hidden = s.num_layers * ple.width, s.hidden_size
-    rec.analytic(
-        "per_layer_inputs(projection)",
-        "matmul",
-        flops=2 * tokens * hidden * width,
-        nbytes=2 * (hidden * width + tokens * (hidden + 2 * width)),
-        shapes=f"M{tokens} N{width} K{hidden}",
-        attrs={"kernel": "bf16", "batch": 1, "m": tokens, "n": width, "k": hidden},
-    )
-    gathered = 2 * tokens * width  # bf16 rows read, then written
-    rec.analytic(
-        "per_layer_inputs(gather)", "vector", flops=tokens * width, nbytes=2 * gathered, compute="vector"
-    )
-
-
 def _step(
     model: RankParts,
     rec: Recorder,
@@ -465,7 +429,7 @@ def _step(
     hidden = model.embed_tokens(input_ids)
     if par.tp > 1:
         rec.analytic("tp_all_reduce(vocab_parallel_embedding)", "comm", comm=all_reduce)
-    _per_layer_inputs(rec, s, input_ids.numel())
+    per_layer_inputs(rec, s, input_ids.numel())
     # one (cos, sin) per rotary kind the traced layers use (Gemma-3: local and global frequencies)
     rope = {
         t: model.rotary(hidden, positions, *([t] if t else [])) if model.rotary is not None else None
@@ -474,11 +438,13 @@ def _step(
     for traced in model.layers:
         embeddings = rope[traced.rope_type] if traced.roped else None
         with rec.scope(traced.kind.scope, len(traced.kind.layers)):
+            # a KV-sharing layer reads its producer's keys and values of the whole context
+            length = dep.context_len + hidden.shape[1]
             kwargs = {
-                **_positions(traced.module, embeddings, positions),
-                **upstream.stack_inputs(traced.module, hidden),
+                **positions_of(traced.module, embeddings, positions),
+                **upstream.stack_inputs(traced.module, hidden, traced.kind.mixer, length),
             }
-            hidden = _hidden(traced.module(hidden, **kwargs))
+            hidden = hidden_of(traced.module(hidden, **kwargs))
     last = model.norm(hidden if dep.decode else hidden[:, -1:, :])  # prefill: last token's logits
     _logits(model, rec, last, par.tp, vocab)
     if dep.mtp and model.eh_proj is not None:
@@ -487,7 +453,8 @@ def _step(
             draft_in = hidden[:, -1:, :]
             draft = model.eh_proj(torch.cat([draft_in, model.embed_tokens(input_ids[:, -1:])], dim=-1))
             cos, sin = rope[model.layers[-1].rope_type]
-            draft = _hidden(block(draft, **_positions(block, (cos[:, -1:], sin[:, -1:]), positions[:, -1:])))
+            at_last = positions_of(block, (cos[:, -1:], sin[:, -1:]), positions[:, -1:])
+            draft = hidden_of(block(draft, **at_last))
             _logits(model, rec, model.norm(draft), par.tp, vocab)
 
 

@@ -1,0 +1,50 @@
+"""How the per-rank trace calls a decoder layer and what it prices around the layers once per step: a
+layer's position keywords, its hidden states out of whatever it returns, and the per-layer embeddings
+(Gemma-4's PLE) the model computes before its layers."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from ....structure.model import ModelStructure
+from .tracer import Recorder
+
+
+def hidden_of(out: Any) -> torch.Tensor:
+    """A decoder layer's hidden states (GLM-5's layers also return the top-k they hand on)."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+def positions_of(layer: nn.Module, embeddings: Any, positions: torch.Tensor) -> dict[str, Any]:
+    """The position keywords a decoder layer is called with: its rotary ``(cos, sin)`` and, when its
+    forward takes them (by name or ``**kwargs``), the token positions, which some attentions read
+    themselves (Ministral-3's Llama-4 query scaling by position)."""
+    params = inspect.signature(layer.forward).parameters.values()
+    takes = any(p.name == "position_ids" or p.kind is p.VAR_KEYWORD for p in params)
+    return {"position_embeddings": embeddings, **({"position_ids": positions} if takes else {})}
+
+
+def per_layer_inputs(rec: Recorder, s: ModelStructure, tokens: int) -> None:
+    """Gemma-4's per-layer embeddings, computed once per step before the layers: the projection of the
+    input embeddings to every layer's input (a GEMM, replicated on every rank as plan places it) and the
+    token table's rows (one gather). The per-layer rows the layers then gate are in each traced layer."""
+    ple = s.per_layer_inputs
+    if ple is None:
+        return
+    width, hidden = s.num_layers * ple.width, s.hidden_size
+    rec.analytic(
+        "per_layer_inputs(projection)",
+        "matmul",
+        flops=2 * tokens * hidden * width,
+        nbytes=2 * (hidden * width + tokens * (hidden + 2 * width)),
+        shapes=f"M{tokens} N{width} K{hidden}",
+        attrs={"kernel": "bf16", "batch": 1, "m": tokens, "n": width, "k": hidden},
+    )
+    gathered = 2 * tokens * width  # bf16 rows read, then written
+    rec.analytic(
+        "per_layer_inputs(gather)", "vector", flops=tokens * width, nbytes=2 * gathered, compute="vector"
+    )
