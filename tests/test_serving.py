@@ -342,9 +342,16 @@ def test_kadapt_simulate_request_sweep(tmp_path: Path) -> None:
     assert set(doc["picks"]) == {"agg", "disagg"}
     assert all(p["decode"]["tp"] == 1 or p["decode"]["dp"] == 1 for p in doc["front"])
     assert "TPOT 12 ms" in plot.read_text()
+    # every row names its weights (--quant bf16 stores Llama's weights as its checkpoint does) and KV cache
+    assert doc["shipped_weights"] == "bf16" and doc["quantizations"] == ["BF16"]
+    for row in [*doc["front"], *(p for p in doc["picks"].values() if p)]:
+        assert (row["weights"], row["weight_format"], row["shipped_weights"]) == ("BF16", "bf16", "bf16")
+        assert row["weights_as_shipped"] and row["kv_dtype"] == "bf16" and row["topology_notes"] == []
     text = CliRunner().invoke(cli, [*args, "--serving", "agg"])
     assert text.exit_code == 0, text.output
     assert "picks" in text.output and "disagg" not in text.output
+    assert "weights: BF16 priced; the checkpoint ships bf16" in text.output
+    assert any("weights BF16 (shipped: bf16), KV bf16" in line for line in text.output.splitlines())
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,10 @@ from fixtures.spec_files import REPO
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kimi_adapter_core.backends.simulation.estimate import aiconfigurator
 from kimi_adapter_core.backends.simulation.estimate.cost import price
 from kimi_adapter_core.backends.simulation.estimate.simulator import finish_step, simulate, trace_kernels
+from kimi_adapter_core.backends.simulation.estimate.topology import topology_notes
 from kimi_adapter_core.backends.simulation.model.deployment import Deployment
 from kimi_adapter_core.backends.simulation.model.inputs import model_inputs
 from kimi_adapter_core.backends.simulation.model.parallel import Parallel
@@ -30,12 +33,14 @@ from kimi_adapter_core.backends.simulation.search.grid import Config, layouts, q
 from kimi_adapter_core.backends.simulation.search.pareto import dominates, pareto_front
 from kimi_adapter_core.backends.simulation.search.pareto_plot import PlotPoint, write_plot
 from kimi_adapter_core.backends.simulation.search.sweep import Sweep
+from kimi_adapter_core.backends.simulation.search.weight_labels import shipped_label
 from kimi_adapter_core.backends.simulation.tables.device import get_device
 from kimi_adapter_core.cli.sweep_options import run_sweep, sweep_options
 from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.spec import Spec, load_spec
 
 H200 = get_device("h200")
+SVG = "{http://www.w3.org/2000/svg}"
 DECODE = Deployment(Parallel(), 1, 1, 4096, True)
 PREFILL = Deployment(Parallel(), 1, 512, 0, False)
 
@@ -46,7 +51,8 @@ def spec_named(name: str) -> Spec:
 
 def sweep_of(name: str, devices: int, base: Deployment, batches: tuple[int, ...], **kw: Any) -> Sweep:
     spec = spec_named(name)
-    return Sweep(spec, sweep_inputs(spec, quant_modes(spec)), H200, base, devices, batches=batches, **kw)
+    modes = quant_modes(spec, "all")
+    return Sweep(spec, sweep_inputs(spec, modes), H200, base, devices, batches=batches, **kw)
 
 
 # --- the Pareto front -----------------------------------------------------------------------------------
@@ -97,9 +103,14 @@ def test_layouts_skip_tp_that_does_not_divide_the_heads() -> None:
     assert [(p.tp, p.dp) for p in layouts(s, 6)] == [(1, 6), (2, 3)]
 
 
-def test_modes_are_the_checkpoint_plus_declared_ones() -> None:
-    assert quant_modes(spec_named("kimi_k25")) == (None, "BF16", "W8A8", "W4A8", "W4A16")
-    assert quant_modes(spec_named("kimi_k25"), "w4a8") == ("W4A8",)
+def test_modes_are_the_checkpoint_unless_quant_asks_for_others() -> None:
+    kimi = spec_named("kimi_k25")
+    assert quant_modes(kimi) == (None,)  # the checkpoint as shipped: no mode chosen for the user
+    assert quant_modes(kimi, "all") == (None, "BF16", "W8A8", "W4A8", "W4A16")
+    assert quant_modes(kimi, "w4a8") == ("W4A8",)
+    assert quant_modes(kimi, "W8A8, checkpoint") == (None, "W8A8")  # the checkpoint first, named or not
+    with pytest.raises(KadaptError, match="names no weight mode"):
+        quant_modes(kimi, " , ")
 
 
 def test_invalid_batches_are_skipped_not_priced() -> None:
@@ -203,7 +214,7 @@ def test_configurations_that_do_not_fit_are_dropped() -> None:
 
 def test_a_model_too_big_for_the_devices_has_no_front() -> None:
     spec = spec_named("deepseek_v3")  # 671B parameters, fp8: ~680 GB on 4 x 141 GB
-    text = run_sweep(spec, model_inputs(spec, None), H200, DECODE, devices=4, batches=(4,))
+    text = run_sweep(spec, H200, DECODE, devices=4, batches=(4,))
     result = sweep_of("deepseek_v3", 4, DECODE, (4,)).run()
     assert result.points and not result.fitting and result.front == []
     assert "no configuration fits in memory" in text
@@ -258,7 +269,6 @@ def tiny(name: str, fmt: str, sweep: bool, devices: int | None, batches: Any, pl
     click.echo(
         run_sweep(
             spec,
-            model_inputs(spec, None),
             H200,
             DECODE,
             devices=devices or 1,
@@ -287,7 +297,8 @@ def test_cli_json_and_plot(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
     assert doc["devices"] == 8 and doc["batches"] == [8, 64] and doc["plot"] == str(plot)
-    assert doc["configurations"] == 4 * 2 * 2 and doc["priced"] + sum(doc["skipped"].values()) == 16
+    # 4 layouts x the checkpoint alone (the default) x 2 batches
+    assert doc["configurations"] == 4 * 1 * 2 and doc["priced"] + sum(doc["skipped"].values()) == 8
     front = doc["front"]
     assert front and all(p["tp"] * p["dp"] == 8 and p["ep"] == 1 for p in front)
     users = [p["tokens_per_s_per_user"] for p in front]
@@ -302,7 +313,7 @@ def test_cli_text_lists_the_front_with_layouts() -> None:
     assert (
         "Pareto front" in result.output
         and "TP" in result.output
-        and "configurations: 12 = 3 layouts" in result.output
+        and "configurations: 6 = 3 layouts x 1 weight modes (checkpoint)" in result.output
     )
 
 
@@ -331,3 +342,137 @@ def test_kadapt_simulate_sweep_is_wired(tmp_path: Path) -> None:
     assert json.loads(result.output)["front"] and plot.read_text().lstrip().startswith("<")
     stray = CliRunner().invoke(cli, [*args, "--plot", str(tmp_path / "x.html")])
     assert stray.exit_code == 2 and "apply to --sweep" in stray.output
+
+
+# --- no silent choices: each row's weights and KV cache, the topology it assumes ---------------------------
+def simulate_cli(*args: str) -> str:
+    from kimi_adapter_core.cli import cli
+
+    result = CliRunner().invoke(cli, ["simulate", *args])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+DEEPSEEK_16 = ["deepseek_v3", "--device", "h200", "--decode", "--context-len", "4096", "--kv-dtype", "fp8"]
+DEEPSEEK_16 += ["--sweep", "--devices", "16", "--batches", "256,1024"]
+
+
+def test_the_sweep_prices_the_checkpoint_as_shipped_unless_quant_asks() -> None:
+    shipped = json.loads(simulate_cli(*DEEPSEEK_16, "--format", "json"))
+    assert shipped["quantizations"] == ["checkpoint"] and shipped["shipped_weights"] == "fp8/b128x128"
+    assert shipped["declared_quantizations"] == ["W8A8", "BF16"]
+    for row in shipped["front"]:
+        assert row["weights"] == "fp8/b128x128 (shipped)" and row["weights_as_shipped"]
+        assert row["kv_dtype"] == "fp8" and row["quantization"] == "checkpoint"
+    every = json.loads(simulate_cli(*DEEPSEEK_16, "--quant", "all", "--format", "json"))
+    assert every["quantizations"] == ["checkpoint", "W8A8", "BF16"]
+    chosen = [row for row in every["front"] if row["quantization"] == "W8A8"]
+    assert chosen, "W8A8 is on the front here: the default must not have picked it silently"
+    for row in chosen:
+        assert row["weights"] == "W8A8" and row["weight_format"] == "int8 (W8A8)"
+        assert row["shipped_weights"] == "fp8/b128x128" and not row["weights_as_shipped"]
+    best = max(r["tokens_per_s_per_device"] for r in chosen)
+    assert best > max(r["tokens_per_s_per_device"] for r in shipped["front"])  # what the default gives up
+
+
+def test_text_rows_name_weights_shipped_format_and_kv_cache(tmp_path: Path) -> None:
+    default = simulate_cli(*DEEPSEEK_16)
+    assert "weights: the checkpoint as shipped (fp8/b128x128); --quant all also prices" in default
+    header = next(line for line in default.splitlines() if "tok/s/user" in line)
+    assert "weights" in header and "KV" in header and "shipped" not in header.replace("(shipped)", "")
+    plot = tmp_path / "front.svg"
+    text = simulate_cli(*DEEPSEEK_16, "--quant", "W8A8,checkpoint", "--plot", str(plot))
+    lines = text.splitlines()
+    header = next(line for line in lines if "tok/s/user" in line)
+    assert header.split()[6:9] == ["weights", "shipped", "KV"]
+    rows = [line.split() for line in lines[lines.index(header) + 1 :] if line[:4] == "    "]
+    assert rows and all(re.fullmatch(r"TP\d+ DP\d+ EP\d+", " ".join(row[4:7])) for row in rows)
+    assert {tuple(row[7:10]) for row in rows} <= {
+        ("W8A8", "fp8/b128x128", "fp8"),
+        ("fp8/b128x128", "(shipped)", "fp8/b128x128"),
+    }
+    assert any(row[7] == "W8A8" for row in rows)
+    for row in rows:  # a TP or EP group of 16 spans two 8-GPU NVLink domains of the H200 profile: noted
+        assert (row[-1] == "T1") == (max(int(row[4][2:]), int(row[6][2:])) > 8)
+    svg = plot.read_text()
+    titles = [t.text or "" for t in ET.fromstring(svg[svg.index("<svg") :]).iter(f"{SVG}title")]
+    assert any("weights W8A8, KV fp8" in t for t in titles)
+    assert any("weights fp8/b128x128 (shipped), KV fp8" in t for t in titles)
+
+
+def test_a_group_larger_than_the_measured_node_is_noted() -> None:
+    gb200 = get_device("gb200")
+    notes, marks = topology_notes(gb200, "trtllm", [("a", Parallel(8, 2, 8)), ("b", Parallel(4, 4, 4))])
+    assert [(n.id, n.devices, n.layouts) for n in notes] == [("T1", 8, ("a",))] and marks == {
+        "a": ("T1",),
+        "b": (),
+    }
+    assert "nvlink5_nvl72 domain (72 devices" in notes[0].text and "4 GPUs per node" in notes[0].text
+    assert topology_notes(H200, "trtllm", [("a", Parallel(8, 2, 8))])[0] == []  # node = domain = 8
+    spanning, _ = topology_notes(H200, "trtllm", [("c", Parallel(1, 16, 16))])
+    assert "spans 2 nvlink4 domains of 8" in spanning[0].text and "infiniband_ndr" in spanning[0].text
+
+
+def test_gb200_sweep_notes_what_it_assumed() -> None:
+    args = ["llama", "--device", "gb200", "--decode", "--context-len", "4096", "--sweep", "--devices", "8"]
+    doc = json.loads(simulate_cli(*args, "--batches", "1,64", "--format", "json"))
+    (note,) = doc["topology_notes"]
+    assert note["id"] == "T1" and note["devices"] == 8 and "4 GPUs per node" in note["note"]
+    assert any(row["tp"] == 8 for row in doc["front"])
+    for row in doc["front"]:
+        assert row["topology_notes"] == (["T1"] if row["tp"] == 8 else [])
+    text = simulate_cli(*args, "--batches", "1,64")
+    assert "T1 (TP8 DP1 EP1): a TP or EP group of 8 devices is priced inside one nvlink5_nvl72" in text
+
+
+def test_measured_node_sizes_are_aiconfigurators() -> None:
+    if not aiconfigurator.available():
+        pytest.skip("needs aiconfigurator-core")
+    for system, gpus in aiconfigurator.GPUS_PER_NODE.items():
+        assert [aiconfigurator._gpus_per_node(system, fw) for fw in aiconfigurator.FRAMEWORKS] == [gpus] * 3
+
+
+@pytest.mark.parametrize(
+    ("name", "label"),
+    [
+        ("deepseek_v3", "fp8/b128x128"),
+        ("kimi_k25", "int4/g32 routed_experts, bf16 other linear"),
+        ("gpt_oss", "mxfp4 routed_experts, bf16 other linear"),
+        ("llama", "bf16"),
+    ],
+)
+def test_shipped_label_is_what_the_config_stores(name: str, label: str) -> None:
+    spec = spec_named(name)
+    assert shipped_label(model_inputs(spec, None)) == label
+    assert shipped_label(model_inputs(spec, "W8A8")) == "int8 (W8A8)"
+
+
+def test_a_list_of_modes_applies_to_the_sweep_only() -> None:
+    from kimi_adapter_core.cli import cli
+
+    result = CliRunner().invoke(cli, ["simulate", "llama", "--device", "h200", "--quant", "all"])
+    assert result.exit_code == 2 and "a list of modes or 'all' applies to --sweep" in result.output
+    undeclared = CliRunner().invoke(
+        cli, ["simulate", "llama", "--device", "h200", "--sweep", "--quant", "w4a8"]
+    )
+    assert undeclared.exit_code == 2 and "not declared by this spec" in undeclared.output
+
+
+def test_simulate_notes_its_layouts_topology_and_names_the_kv_dtype() -> None:
+    args = [
+        "llama",
+        "--tp",
+        "8",
+        "--decode",
+        "--context-len",
+        "1024",
+        "--kv-dtype",
+        "fp8",
+        "--format",
+        "json",
+    ]
+    gb200 = json.loads(simulate_cli(*args, "--device", "gb200"))
+    (note,) = [w for w in gb200["warnings"] if w.startswith("topology (TP8): ")]
+    assert "nvlink5_nvl72" in note and "4 GPUs per node" in note and gb200["kv_dtype"] == "fp8"
+    h200 = json.loads(simulate_cli(*args, "--device", "h200"))
+    assert not [w for w in h200["warnings"] if w.startswith("topology")]  # an 8-GPU node, measured on 8

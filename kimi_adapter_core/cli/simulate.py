@@ -23,8 +23,9 @@ from ..backends.simulation.tables.device import get_device
 from ..spec import load_spec
 from .deployment_options import deployment_options, image_options, requested_images
 from .output import format_option, reporter, verbosity_options
+from .serving_options import run_serving, serving_options
 from .spec_argument import spec_argument
-from .sweep_options import run_serving, run_sweep, serving_options, sweep_options
+from .sweep_options import run_sweep, sweep_options
 
 
 @click.command(name="simulate")
@@ -135,7 +136,7 @@ def command(
 ) -> None:
     """Price one step of SPEC's model on a device and report time, tokens/s and memory.
 
-    JSON (--format json): {"phase", "model", "device", "quantization", "parallel", "batch",
+    JSON (--format json): {"phase", "model", "device", "quantization", "kv_dtype", "parallel", "batch",
     "query_len", "context_len", "mtp", "mtp_acceptance", "routing", "cost_model", "step_time_s",
     "output_tokens_per_step", "tokens_per_s", "tokens_per_s_per_device", "ops", "memory_per_device",
     "warnings"}; with --images also "image_prefill" (encoder, projector, merged prefill and total
@@ -169,7 +170,9 @@ def command(
     out = reporter(fmt)
     out.detail(f"spec: {spec_path.resolve()}")
     spec = load_spec(spec_path)
-    inputs = model_inputs(spec, quant)
+    if not sweep and quant is not None and ("," in quant or quant.strip().upper() == "ALL"):
+        raise click.UsageError(f"--quant {quant}: a list of modes or 'all' applies to --sweep")
+    inputs = model_inputs(spec, None if sweep else quant)  # a sweep's modes: ``sweep_modes``
     requested = requested_images(spec, inputs.arch, images, image_size)
     if requested is not None and (decode or sweep):
         raise click.UsageError(
@@ -212,7 +215,6 @@ def command(
         with out.stage("request sweep"):
             report = run_serving(
                 spec,
-                inputs,
                 profile,
                 dep,
                 workload,
@@ -232,7 +234,6 @@ def command(
         out.result(
             run_sweep(
                 spec,
-                inputs,
                 profile,
                 dep,
                 devices=devices or tp * dp,

@@ -39,6 +39,11 @@ SYSTEMS = {
     "gb200": "gb200",
 }
 FRAMEWORKS = ("trtllm", "sglang", "vllm")
+# GPUs per node in each system's file (``node.num_gpus_per_node``, the same for every framework): the
+# node the measured collectives ran in. Copied here so that the torch-free sweep can say when a layout
+# spans more GPUs than the data behind its kernel table (``search/topology.py``) without the extra;
+# a test holds it to the installed package's system files.
+GPUS_PER_NODE = {"h200_sxm": 8, "h100_sxm": 8, "a100_sxm": 8, "b200_sxm": 8, "gb200": 4}
 
 
 def require() -> Any:

@@ -23,6 +23,7 @@ from ..model.tracer import Op, fuse
 from ..tables.device import Device
 from .cost import Priced, fold_modules, kernel_table, overlap_shared_experts, price
 from .planner import Memory, activation_bytes, kv_sizing, memory, state_kinds, weight_lines
+from .topology import layout_notes
 
 COST_MODELS = ("roofline", "measured")
 
@@ -155,6 +156,8 @@ def simulate(
             "MTP blocks (eh_proj + one decoder layer of the model's last kind + lm_head)"
         )
     notes += mem.warnings(device)
+    if measured is None:  # AIConfigurator's own collectives count its nodes; the roofline's do not
+        notes += layout_notes(device, table, dep.parallel)
     states = state_kinds(kv, tokens)
     return Simulation(
         dep, device, inputs.quant_label, kernels, mem, tuple(notes), s.describe(), cost_model, states

@@ -28,6 +28,7 @@ def sim_json(sim: Simulation) -> dict[str, Any]:
         "model": sim.model,
         "device": sim.device.name,
         "quantization": sim.quant,
+        "kv_dtype": d.kv_dtype,
         "parallel": {"tp": p.tp, "dp": p.dp, "ep": p.ep, "devices": p.devices},
         "batch": d.batch,
         "query_len": d.tokens_per_query,
@@ -88,7 +89,7 @@ def sim_text(sim: Simulation, top: int | None = None) -> str:
     lines = [
         f"kadapt simulate: {phase(sim)} on {sim.device.name}  tp={p.tp} dp={p.dp} ep={p.ep} "
         f"({p.devices} devices)  batch={d.batch} query_len={d.tokens_per_query} context_len={d.context_len}"
-        f"  weights={sim.quant}  routing={d.routing}"
+        f"  weights={sim.quant}  kv={d.kv_dtype}  routing={d.routing}"
         + (f"  mtp={d.mtp}@{d.mtp_acceptance:g}" if d.mtp else ""),
         f"model: {sim.model}",
         "",

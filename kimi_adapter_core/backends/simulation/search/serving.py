@@ -282,14 +282,17 @@ class ServingSearch:
         return found
 
 
-def plot_points(result: ServingResult, label: Callable[[Candidate], str]) -> list[PlotPoint]:
-    """Every fitting candidate as a plot point: front points tagged with their layout, SLA misses hollow."""
+def plot_points(
+    result: ServingResult, label: Callable[[Candidate], str], weights: Callable[[str | None], str]
+) -> list[PlotPoint]:
+    """Every fitting candidate as a plot point: front points tagged with their layout, SLA misses hollow;
+    one series per serving mode and weights (``weights`` names a weight mode)."""
     front = {id(c) for c in result.front}
     return [
         PlotPoint(
             c.tokens_per_s_per_user,
             c.tokens_per_s_per_device,
-            f"{c.mode} {c.quant or 'checkpoint'}",
+            f"{c.mode} {weights(c.quant)}",
             label(c),
             id(c) in front,
             c.tag if id(c) in front else "",

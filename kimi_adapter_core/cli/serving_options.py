@@ -1,0 +1,290 @@
+"""``kadapt simulate --sweep --isl N --osl M``: the options and the report of a request-level search.
+
+``serving_options`` adds ``--isl --osl --ttft --tpot --serving``; with them ``run_serving`` prices
+whole requests, aggregated and disaggregated, under the SLA (``backends/simulation/search/serving.py``)
+and reports the picks and the front, each row saying its weights, the checkpoint's, the KV-cache dtype
+and its layouts' topology notes as a step sweep's rows do (``sweep_options``). Separate from
+``sweep_options`` because a deployment is two pools of workers, not one priced step. Only click is
+imported here: the search itself (torch) is imported when it runs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import click
+
+from .sweep_options import (
+    Notes,
+    column_width,
+    layout_notes,
+    notes_json,
+    notes_text,
+    sweep_modes,
+    with_options,
+)
+
+if TYPE_CHECKING:
+    from ..backends.simulation.model.deployment import Deployment
+    from ..backends.simulation.model.parallel import Parallel
+    from ..backends.simulation.search.grid import Point
+    from ..backends.simulation.search.request_pricing import Candidate, Workload
+    from ..backends.simulation.search.serving import ServingResult
+    from ..backends.simulation.search.weight_labels import WeightModes
+    from ..backends.simulation.tables.device import Device
+    from ..spec.model import Spec
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_SERVING_OPTIONS = (
+    click.option(
+        "--isl",
+        type=click.IntRange(1, 1 << 24),
+        default=None,
+        help="With --sweep: prompt tokens per request; the sweep then prices whole requests "
+        "(prefill + decode), aggregated and disaggregated, for --framework.",
+    ),
+    click.option(
+        "--osl", type=click.IntRange(2, 1 << 24), default=None, help="With --isl: output tokens per request."
+    ),
+    click.option(
+        "--ttft",
+        type=click.FloatRange(0, min_open=True),
+        default=None,
+        help="With --isl: time-to-first-token target in ms (deployments above it are excluded).",
+    ),
+    click.option(
+        "--tpot",
+        type=click.FloatRange(0, min_open=True),
+        default=None,
+        help="With --isl: time-per-output-token target in ms (deployments above it are excluded).",
+    ),
+    click.option(
+        "--serving",
+        type=click.Choice(["both", "agg", "disagg"]),
+        default="both",
+        show_default=True,
+        help="With --isl: aggregated (one pool), disaggregated (prefill and decode pools) or both.",
+    ),
+)
+
+
+def serving_options(command: F) -> F:
+    """Add ``--isl --osl --ttft --tpot --serving`` (the request-level search) to ``command``."""
+    return with_options(_SERVING_OPTIONS, command)
+
+
+def run_serving(
+    spec: Spec,
+    device: Device,
+    base: Deployment,
+    workload: Workload,
+    *,
+    devices: int,
+    framework: str,
+    modes: Sequence[str],
+    batches: Sequence[int] | None = None,
+    quant: str | None = None,
+    plot: Path | None = None,
+    fmt: str = "text",
+) -> str:
+    """Search aggregated and disaggregated deployments of ``workload`` on ``devices`` devices; return
+    the report in ``fmt`` (and write the plot when asked). ``base`` carries MTP, the KV dtype and the
+    routing; ``quant`` names the weight modes as in ``run_sweep`` (default: the checkpoint as shipped)."""
+    from ..backends.simulation.search.pareto_plot import SUFFIXES, SlaLine, write_plot
+    from ..backends.simulation.search.serving import ServingSearch, plot_points
+
+    if plot is not None and plot.suffix.lower() not in SUFFIXES:
+        raise click.UsageError(f"--plot {plot}: the suffix must be one of {', '.join(SUFFIXES)}")
+    by_mode, weights = sweep_modes(spec, quant)
+    search = ServingSearch(
+        spec, by_mode, device, base, devices, workload, framework, modes=modes, batches=batches
+    )
+    result = search.run()
+    if result.quants:
+        weights = replace(weights, quants=result.quants)
+    shown = [*result.front, *(b for m in result.modes if (b := result.best(m)) is not None)]
+    notes = layout_notes(device, framework, [par for c in shown for par in _pools(c)])
+
+    def label(c: Candidate) -> str:
+        return _candidate_label(c, weights, base.kv_dtype)
+
+    if plot is not None and result.candidates:
+        sla = None
+        if workload.tpot is not None:
+            sla = SlaLine(1 / workload.tpot, f"TPOT {workload.tpot * 1e3:g} ms")
+        title = (
+            f"{spec.name} on {devices} x {device.name}: {_workload(workload)}, KV {base.kv_dtype}, "
+            f"{result.framework.title}"
+        )
+        write_plot(plot, plot_points(result, label, weights.label), title, sla)
+    if fmt == "json":
+        return json.dumps(serving_json(result, spec, device, plot, weights, base.kv_dtype, notes), indent=2)
+    return serving_text(result, spec, device, plot, weights, base.kv_dtype, notes)
+
+
+def _pools(c: Candidate) -> tuple[Parallel, ...]:
+    """The layouts a candidate's workers run (agg: one)."""
+    decode = c.decode.config.parallel
+    return (decode,) if c.mode == "agg" else (c.prefill.config.parallel, decode)
+
+
+def _marks(c: Candidate, notes: Notes) -> tuple[str, ...]:
+    """The topology note ids of a candidate's worker layouts."""
+    from ..backends.simulation.search.grid import Config
+
+    found = [i for par in _pools(c) for i in notes[1].get(Config(par, 1, None).layout, ())]
+    return tuple(sorted(set(found)))
+
+
+def _workload(w: Workload) -> str:
+    sla = [f"TTFT <= {w.ttft * 1e3:g} ms" if w.ttft else "", f"TPOT <= {w.tpot * 1e3:g} ms" if w.tpot else ""]
+    return ", ".join([f"ISL {w.isl}, OSL {w.osl}", *(s for s in sla if s)])
+
+
+def _candidate_label(c: Candidate, weights: WeightModes, kv_dtype: str) -> str:
+    shipped = "" if c.quant is None else f" (shipped: {weights.shipped})"
+    return (
+        f"{c.mode} {c.layout}, weights {weights.label(c.quant)}{shipped}, KV {kv_dtype}: "
+        f"{c.tokens_per_s_per_user:.1f} tok/s/user, {c.tokens_per_s_per_device:.1f} tok/s/device, "
+        f"TTFT {c.ttft * 1e3:.0f} ms, TPOT {c.tpot * 1e3:.1f} ms"
+    )
+
+
+def _worker_json(p: Point, workers: int) -> dict[str, Any]:
+    c = p.config
+    return {
+        "tp": c.parallel.tp,
+        "dp": c.parallel.dp,
+        "ep": c.parallel.ep,
+        "batch": c.batch,
+        "workers": workers,
+        "step_time_s": p.step_time,
+    }
+
+
+def candidate_json(c: Candidate, weights: WeightModes, kv_dtype: str, notes: Notes) -> dict[str, Any]:
+    return {
+        "mode": c.mode,
+        "layout": c.layout,
+        **weights.row(c.quant, kv_dtype),
+        "prefill": _worker_json(c.prefill, c.prefill_workers),
+        "decode": _worker_json(c.decode, c.decode_workers),
+        "devices": c.devices,
+        "ttft_s": c.ttft,
+        "tpot_s": c.tpot,
+        "tokens_per_s_per_device": c.tokens_per_s_per_device,
+        "tokens_per_s_per_user": c.tokens_per_s_per_user,
+        "requests_per_s": c.requests_per_s,
+        "memory_per_device_bytes": c.memory.used,
+        "topology_notes": list(_marks(c, notes)),
+    }
+
+
+def serving_json(
+    result: ServingResult,
+    spec: Spec,
+    device: Device,
+    plot: Path | None,
+    weights: WeightModes,
+    kv_dtype: str,
+    notes: Notes,
+) -> dict[str, Any]:
+    from ..backends.simulation.search.launch_rules import describe_rules
+
+    w, fw = result.workload, result.framework
+
+    def row(c: Candidate) -> dict[str, Any]:
+        return candidate_json(c, weights, kv_dtype, notes)
+
+    return {
+        "model": spec.name,
+        "device": device.name,
+        "devices": result.devices,
+        "workload": {"isl": w.isl, "osl": w.osl, "ttft_s": w.ttft, "tpot_s": w.tpot},
+        "framework": {"name": fw.name, "title": fw.title, "rules": describe_rules(fw)},
+        "modes": list(result.modes),
+        "kv_dtype": kv_dtype,
+        "shipped_weights": weights.shipped,
+        "quantizations": [q or "checkpoint" for q in result.quants],
+        "declared_quantizations": list(weights.declared),
+        "worker_sizes": {str(k): v for k, v in result.worker_sizes.items()},
+        "refused": result.refused,
+        "steps_priced": result.steps_priced,
+        "traces": result.traces,
+        "traced_per_configuration": result.fallbacks,
+        "deployments": len(result.candidates),
+        "feasible": len(result.feasible),
+        "picks": {m: (row(b) if (b := result.best(m)) else None) for m in result.modes},
+        "front": [row(c) for c in result.front],
+        "topology_notes": notes_json(notes),
+        "plot": str(plot) if plot is not None and result.candidates else None,
+    }
+
+
+def serving_text(
+    result: ServingResult,
+    spec: Spec,
+    device: Device,
+    plot: Path | None,
+    weights: WeightModes,
+    kv_dtype: str,
+    notes: Notes,
+) -> str:
+    fw = result.framework
+    sizes = "; ".join(f"{n}: {why}" for n, why in result.worker_sizes.items())
+    lines = [
+        f"request sweep: {spec.name} on {result.devices} x {device.name}, {_workload(result.workload)}, "
+        f"KV cache {kv_dtype}, {fw.title} ({fw.name})",
+        weights.summary(),
+        f"workers of N devices: {sizes}",
+    ]
+    for rule in fw.rules:
+        if result.refused.get(rule.id):
+            lines.append(f"  {fw.title} cannot launch {result.refused[rule.id]} layouts ({rule.id})")
+    lines.append(
+        f"priced {result.steps_priced} prefill, decode and mixed steps ({result.traces} per-rank traces, "
+        f"{result.trace_seconds:.1f} s) into {len(result.candidates)} deployments; "
+        f"{len(result.feasible)} fit and meet the SLA"
+    )
+    lines.append("picks (most tokens/s per device that fits and meets the SLA):")
+    for mode in result.modes:
+        best = result.best(mode)
+        if best is not None:
+            marks = _marks(best, notes)
+            seen = f" [notes {','.join(marks)}]" if marks else ""
+            label = _candidate_label(best, weights, kv_dtype)[len(mode) + 1 :]
+            lines.append(f"  {mode:<6} {label}, {best.devices} devices{seen}")
+        elif not any(c.mode == mode for c in result.candidates):
+            why = "no prefill + decode worker pair fits" if mode == "disagg" else "no worker fits"
+            lines.append(f"  {mode:<6} none: {why} in {result.devices} devices")
+        else:
+            lines.append(f"  {mode:<6} none fits and meets the SLA")
+    front = result.front
+    if front:
+        labels = [weights.label(c.quant) for c in front]
+        w = column_width(labels, "weights")
+        ws = column_width([weights.shipped], "shipped")
+        shipped = "" if weights.only_shipped else f" {'shipped':<{ws}}"
+        lines += [
+            f"Pareto front ({len(front)} points meeting the SLA; tokens/s per user vs tokens/s per device):",
+            f"  {'mode':<6} {'tok/s/user':>10} {'tok/s/device':>12} {'TTFT ms':>8} {'TPOT ms':>8} "
+            f"{'devices':>7}  {'weights':<{w}}{shipped} {'KV':<4} {'notes':<5} layout",
+        ]
+        for c, label in zip(front, labels, strict=True):
+            row_shipped = "" if weights.only_shipped else f" {weights.shipped:<{ws}}"
+            lines.append(
+                f"  {c.mode:<6} {c.tokens_per_s_per_user:>10.1f} {c.tokens_per_s_per_device:>12.1f} "
+                f"{c.ttft * 1e3:>8.0f} {c.tpot * 1e3:>8.1f} {c.devices:>7}  "
+                f"{label:<{w}}{row_shipped} {kv_dtype:<4} {','.join(_marks(c, notes)):<5} {c.layout}"
+            )
+    lines += notes_text(notes)
+    for family, why in result.fallbacks.items():
+        lines.append(f"WARNING: {family} traced per configuration: {why}")
+    if plot is not None and result.candidates:
+        lines.append(f"plot: {plot}")
+    return "\n".join(lines)
