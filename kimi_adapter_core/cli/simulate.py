@@ -170,6 +170,8 @@ def command(
     out = reporter(fmt)
     out.detail(f"spec: {spec_path.resolve()}")
     spec = load_spec(spec_path)
+    for line in spec.deprecations:
+        out.note(line)
     inputs = model_inputs(spec, quant)
     one_kv_shape(spec, inputs.arch.structure)  # before the sweeps and the trace
     requested = requested_images(spec, inputs.arch, images, image_size)
