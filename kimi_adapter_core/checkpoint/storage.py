@@ -294,6 +294,17 @@ def _claimed(scheme: QuantScheme, name: str, shape: tuple[int, ...]) -> Storage 
     return pack_quantized(shape, scheme.bits, scheme.group_size, scheme.scale_dtype)
 
 
+def undescribed_by_schemes(quantization_config: Mapping[str, Any]) -> str | None:
+    """What ``quantization_config`` stores (``quant_method 'mxfp4'``) when no spec ``quantization``
+    scheme can describe it - an int scheme is compressed-tensors pack-quantized storage - else None.
+    kadapt 0.1.0 ignored a scheme beside such a config (``spec.deprecations`` keeps that for a release)."""
+    method = quantization_config.get("quant_method")
+    if method == "compressed-tensors" and quantization_config.get("format") == "pack-quantized":
+        return None
+    form = f", format {quantization_config.get('format')!r}" if method == "compressed-tensors" else ""
+    return f"quant_method {method!r}{form}"
+
+
 def scheme_contradiction(scheme: QuantScheme, quantization_config: dict[str, Any], where: str) -> str | None:
     """What in ``quantization_config`` contradicts ``scheme``, a spec's claim that its modules are
     stored int-``bits`` packed into ``packed_dtype`` words with one ``scale_dtype`` scale per
@@ -303,11 +314,8 @@ def scheme_contradiction(scheme: QuantScheme, quantization_config: dict[str, Any
         f"{scheme.modules!r} is int{scheme.bits} packed into {scheme.packed_dtype} words, "
         f"groups of {scheme.group_size}, {scheme.scale_dtype} scales"
     )
-    method = quantization_config.get("quant_method")
-    if method != "compressed-tensors" or quantization_config.get("format") != "pack-quantized":
-        stored = f"quant_method {method!r}" + (
-            f", format {quantization_config.get('format')!r}" if method == "compressed-tensors" else ""
-        )
+    stored = undescribed_by_schemes(quantization_config)
+    if stored is not None:
         return f"{claim}, but {where} has {stored} (int schemes describe compressed-tensors pack-quantized)"
     if scheme.packed_dtype != "int32":
         return f"{claim}, but compressed-tensors ({where}) packs into int32 words"

@@ -186,6 +186,8 @@ def command(
     with out.stage("load spec"):
         spec = load_spec(spec_path)
         check_requirements(spec)  # before any folder or model: the spec's releases are not these
+    for line in spec.deprecations:
+        out.note(line)
     if without:
         try:
             spec = spec.without(without)

@@ -75,6 +75,8 @@ def command(spec: Path | None, target: str, out: Path | None, check: bool, fmt: 
     for path in paths:
         report.detail(f"spec: {path.resolve()}")
         loaded = load_spec(path)
+        for line in loaded.deprecations:
+            report.note(line)
         root = out if out is not None else default_out(path)
         files, notes = render_spec(loaded, targets, skip_inexpressible=target == ALL)
         for note in notes:

@@ -89,6 +89,8 @@ def command(
     out = reporter(fmt)
     out.detail(f"spec: {spec_path.resolve()}")
     spec = load_spec(spec_path)
+    for line in spec.deprecations:
+        out.note(line)
     inputs = model_inputs(spec, quant)
     requested = requested_images(spec, inputs.arch, images, image_size)
     profile = get_device(device, device_file) if (device or device_file) else None

@@ -170,6 +170,8 @@ def command(
     out = reporter(fmt)
     out.detail(f"spec: {spec_path.resolve()}")
     spec = load_spec(spec_path)
+    for line in spec.deprecations:
+        out.note(line)
     if not sweep and quant is not None and ("," in quant or quant.strip().upper() == "ALL"):
         raise click.UsageError(f"--quant {quant}: a list of modes or 'all' applies to --sweep")
     inputs = model_inputs(spec, None if sweep else quant)  # a sweep's modes: ``sweep_modes``

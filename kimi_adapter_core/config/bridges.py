@@ -8,6 +8,7 @@ ledger row; a bridge that cannot do what it says raises ``KadaptError`` at its s
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from typing import Any
 
@@ -108,3 +109,11 @@ def apply_bridges(spec: Spec, raw: dict[str, Any], *, backend: str, ledger: Ledg
         if path:
             written.append(path)
     return written
+
+
+def bridged(spec: Spec, raw: dict[str, Any], backend: str) -> dict[str, Any]:
+    """A copy of ``raw`` as ``backend``'s bridges leave it, no ledger kept: what plain ``validate`` and
+    ``plan`` hold a backend's reading of the config against, torch-free (``load`` builds the object)."""
+    copied = copy.deepcopy(raw)
+    apply_bridges(spec, copied, backend=backend, ledger=Ledger(spec.name, backend))
+    return copied

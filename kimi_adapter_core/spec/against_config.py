@@ -9,8 +9,9 @@ with the same code ``apply`` runs later, so a spec that cannot work fails at lin
   every published model's, top-k above the experts): every one, each naming the config file and key -
   ``structure.derive.config_value_violations``, the check ``derive_structure`` runs first;
 - a ``quantization_config`` whose storage the weight map cannot describe (``quant_method``, format),
-  or that a spec ``quantization`` scheme contradicts (a scheme beside no ``quantization_config``: a
-  warning, since extraction then reads the checkpoint dense);
+  or that a spec ``quantization`` scheme contradicts - each backend's, as its config bridges leave the
+  shipped one (a scheme beside no backend's ``quantization_config``: a warning, since extraction then
+  reads the checkpoint dense);
 - an ``abi.kv_layout`` (or ``mla_attention``) the model's attention cannot hold (``expanded`` on GQA).
 
 A fact a bare ``config.json`` leaves to its transformers class's defaults cannot be read here; the
@@ -94,36 +95,49 @@ def _quantization_configs(spec: Any, config: dict[str, Any], locator: Locator) -
 
 
 def _quantization(spec: Any, config: dict[str, Any], locator: Locator) -> list[Diagnostic]:
-    """The shipped config's ``quantization_config`` must be one the weight map describes, and the spec's
-    ``quantization`` schemes must agree with it (the config decides storage; a scheme is a claim). A
-    scheme beside a config without one describes another checkpoint than the one shipped: a warning."""
-    from ..checkpoint.storage import quantization_config_of, scheme_contradiction, storage_rule
-    from ..structure.of_spec import raw_text_section
+    """The ``quantization_config`` each backend reads (the shipped config's, as that backend's bridges
+    leave it) must be one the weight map describes, and the spec's ``quantization`` schemes must agree
+    with it (the config decides storage; a scheme is a claim). A backend whose bridges drop it reads the
+    checkpoint dense and holds no scheme; a scheme no backend's config speaks of describes another
+    checkpoint than the one shipped: a warning."""
+    from ..checkpoint.storage import scheme_contradiction, storage_rule
+    from ..config.quantization import backend_quantization
 
-    _, text = raw_text_section(spec, config)
-    qc, where = quantization_config_of(text or {}, config)
-    if qc is None:
+    views = backend_quantization(spec, config)
+    read = [view for view in views if view.config is not None]
+    if not read:
+        dropped = not any(view.shipped for view in views)  # the shipped config has one, bridges drop it
         return [
-            locator.at(
-                f"quantization[{index}]",
-                f"{scheme.id} describes int{scheme.bits} storage, but the config has no quantization_config: "
-                "extraction reads that checkpoint dense, as transformers loads it (set the config's "
-                "quantization_config if the checkpoint is quantized)",
-                "quantization",
-                Severity.WARNING,
-            )
+            locator.at(f"quantization[{index}]", _unread(scheme, dropped), "quantization", Severity.WARNING)
             for index, scheme in enumerate(spec.quantization)
         ]
-    try:
-        storage_rule(qc, head="lm_head", where=where)
-    except KadaptError as exc:
-        return [locator.at("source.config", exc.message, "quantization")]
     found = []
-    for index, scheme in enumerate(spec.quantization):
-        problem = scheme_contradiction(scheme, qc, where)
-        if problem is not None:
-            found.append(locator.at(f"quantization[{index}]", f"{scheme.id}: {problem}", "quantization"))
+    for view in read:
+        try:
+            storage_rule(view.config, head="lm_head", where=view.where)
+        except KadaptError as exc:
+            found.append(locator.at("source.config", exc.message, "quantization"))
+            continue
+        for index, scheme in enumerate(spec.quantization):
+            problem = scheme_contradiction(scheme, view.config, view.where)
+            if problem is not None:
+                found.append(locator.at(f"quantization[{index}]", f"{scheme.id}: {problem}", "quantization"))
     return found
+
+
+def _unread(scheme: Any, dropped: bool) -> str:
+    """Why ``scheme`` describes no checkpoint a backend reads."""
+    claim = f"{scheme.id} describes int{scheme.bits} storage, but "
+    if dropped:
+        return (
+            f"{claim}every backend's config bridges drop the config's quantization_config: extraction "
+            "reads the checkpoint dense and plan sizes it dense (the scheme describes the published "
+            "checkpoint, not the one the bridges read)"
+        )
+    return (
+        f"{claim}the config has no quantization_config: extraction reads that checkpoint dense, as "
+        "transformers loads it (set the config's quantization_config if the checkpoint is quantized)"
+    )
 
 
 def _kv_layout(spec: Any, config: dict[str, Any], locator: Locator) -> list[Diagnostic]:

@@ -7,12 +7,14 @@ errors, or returns the typed ``Spec`` whose ``positions`` let later stages say `
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import KadaptError
+from .deprecations import CODE as DEPRECATED_CODE
 from .diagnostics import Diagnostic, Location, Locator, SpecInvalid, sort_diagnostics
 from .model import Spec, build_spec
 from .schema_loader import schema_diagnostics
@@ -22,7 +24,8 @@ from .yaml_loader import load_yaml
 
 @dataclass(frozen=True)
 class SpecCheck:
-    """Outcome of checking one file. ``raw`` is ``None`` when the YAML itself could not be loaded."""
+    """Outcome of checking one file. ``raw`` is ``None`` when the YAML itself could not be loaded; a spec
+    in a retired form (``deprecations``) is held in its new form, ``positions`` renumbered to match."""
 
     path: Path
     raw: Any
@@ -44,15 +47,22 @@ def check_spec(path: str | Path) -> SpecCheck:
     loaded = load_yaml(spec_path, display=str(path))
     if loaded.diagnostics:
         return SpecCheck(spec_path, None, loaded.positions, tuple(sort_diagnostics(loaded.diagnostics)))
-    locator = Locator(str(path), loaded.positions)
-    found = schema_diagnostics(loaded.data, locator)
-    if isinstance(loaded.data, dict):
-        found += semantic_diagnostics(loaded.data, spec_path.resolve(), locator, found)
+    raw, positions = loaded.data, loaded.positions
+    locator = Locator(str(path), positions)
+    found = schema_diagnostics(raw, locator)
+    if isinstance(raw, dict):
+        found += semantic_diagnostics(raw, spec_path.resolve(), locator, found)
         if not any(d.is_error for d in found):
             from .against_config import config_diagnostics
+            from .deprecations import retire
 
-            found += config_diagnostics(spec_path.resolve(), loaded.data, loaded.positions, locator)
-    return SpecCheck(spec_path, loaded.data, loaded.positions, tuple(sort_diagnostics(found)))
+            retired = retire(spec_path.resolve(), raw, positions, locator)  # warned at the old lines
+            raw, positions = retired.raw, retired.positions
+            found += [
+                *retired.diagnostics,
+                *config_diagnostics(spec_path.resolve(), raw, positions, Locator(str(path), positions)),
+            ]
+    return SpecCheck(spec_path, raw, positions, tuple(sort_diagnostics(found)))
 
 
 def shipped_spec_names() -> list[str]:
@@ -92,7 +102,8 @@ def resolve_spec_path(ref: str | os.PathLike[str]) -> Path:
 def load_spec(ref: str | os.PathLike[str] | Spec) -> Spec:
     """Load and validate a spec file, given as a path or a shipped spec's name (a ``Spec`` passes through).
 
-    Raises ``SpecInvalid`` (a ``KadaptError``) listing every error; warnings do not stop loading.
+    Raises ``SpecInvalid`` (a ``KadaptError``) listing every error; warnings do not stop loading. A
+    spec in a retired form comes back in its new form, with ``Spec.deprecations`` saying so.
     ``Spec.positions`` maps breadcrumbs (``patches[0].target``) to 1-based ``(line, col)``;
     ``Spec.locate(where)`` renders ``file:line:col``.
     """
@@ -102,4 +113,6 @@ def load_spec(ref: str | os.PathLike[str] | Spec) -> Spec:
     result = check_spec(path)
     if result.errors:
         raise SpecInvalid(result.errors)
-    return build_spec(path.resolve(), result.raw, result.positions)
+    spec = build_spec(path.resolve(), result.raw, result.positions)
+    retired = tuple(d.render() for d in result.warnings if d.code == DEPRECATED_CODE)
+    return dataclasses.replace(spec, deprecations=retired) if retired else spec

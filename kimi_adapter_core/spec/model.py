@@ -255,6 +255,9 @@ class Spec:
     quantization: tuple[QuantScheme, ...]
     abi: Abi | None
     backends: dict[str, dict[str, Any]]
+    # warnings, rendered, for each retired form the file was written in (``spec.deprecations``): the
+    # spec holds the new form; commands other than ``validate`` print these as notes
+    deprecations: tuple[str, ...] = field(default=(), compare=False)
 
     def locate(self, where: str) -> str:
         """``file:line:col`` of the spec node at breadcrumb path ``where`` (e.g. ``patches[0]``)."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,12 +32,11 @@ from ....checkpoint.storage import (
     CheckpointStorage,
     Storage,
     checkpoint_storage,
-    quantization_config_of,
 )
+from ....config.quantization import backend_quantization_config
 from ....errors import KadaptError, UsageError
 from ....spec.model import QuantScheme, Spec
 from ....structure.bounds import MAX_EXPERT_WEIGHTS
-from ....structure.of_spec import raw_text_section
 from .params import Naming, ParamGroup
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1, "int8": 1}
@@ -184,14 +183,14 @@ def _check_expert_count(stored: CheckpointStorage, group: ParamGroup, shape: tup
         )
 
 
-def checkpoint_storage_of(spec: Spec, raw: Mapping[str, Any], names: Naming) -> CheckpointStorage:
+def checkpoint_storage_of(spec: Spec, raw: dict[str, Any], names: Naming) -> CheckpointStorage:
     """The storage of the checkpoint whose config is ``raw`` (the shipped config), by the extraction's
-    own rule (``checkpoint_storage``), so that plan/simulate size the checkpoint extraction reads: the
-    config's ``quantization_config`` decides, none means dense (as transformers loads it), and the
-    spec's ``quantization`` schemes are claims - contradicting the config, a located error; beside a
-    dense config, a note. Torch-free, like ``kadapt plan``."""
-    _, text = raw_text_section(spec, raw)
-    qc, found_in = quantization_config_of(text or {}, raw)
+    own rule (``checkpoint_storage``), so that plan/simulate size what extraction would read of the
+    config simulation's bridges leave (a bridge may drop ``quantization_config`` for extraction alone):
+    the ``quantization_config`` decides, none means dense (as transformers loads it), and the spec's
+    ``quantization`` schemes are claims - contradicting the config, a located error; beside a dense
+    config, a note. Torch-free, like ``kadapt plan``."""
+    qc, found_in = backend_quantization_config(spec, raw, "simulation")
     head = names.checkpoint(f"{names.lm_head}.weight").removesuffix(".weight")
     return checkpoint_storage(
         qc, found_in, spec.quantization, head=head, locate=lambda i: spec.locate(f"quantization[{i}]")
