@@ -67,11 +67,12 @@ REFUSALS = {
     "per-layer-config": "per-layer config values other than each attention layer's KV heads and head "
     "width (a per_layer_config overriding other attributes, a size listed per layer)",
     "kv-shared-layers": "layers that reuse an earlier layer's keys and values within one forward "
-    "(num_kv_shared_layers: Gemma-4) instead of caching their own",
+    "(num_kv_shared_layers) by a rule kadapt has not proven for the family (Gemma-4's it carries), or that "
+    "all reuse another model's (an assistant model)",
     "per-layer-inputs": "a decoder layer input the model computes outside the layers from the tokens "
-    "(per-layer embeddings, PLE: Gemma-4's hidden_size_per_layer_input)",
-    "layer-mlp": "an MLP kadapt does not describe: a width that differs per layer, or a dense MLP beside "
-    "routed experts in one layer",
+    "(per-layer embeddings) where the stack lacks the methods Gemma-4's wrappers compute them with",
+    "layer-mlp": "an MLP kadapt does not describe: a dense MLP beside routed experts in one layer "
+    "(Gemma-4's enable_moe_block)",
     "stack-layout": "a decoder stack without the layers, embeddings and final norm the wrappers call (the "
     "spec's module_paths name them), or layers without a self_attn that knows its layer_idx, or that take "
     "an input the model's forward computes and the wrappers do not",
