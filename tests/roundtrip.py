@@ -105,6 +105,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         ]
         metafunc.parametrize(("name", "dtype"), cases)
 
+
 # The user's script: only the standard library, torch, torch_ir, transformers and the vendored module.
 USER_SCRIPT = r'''
 import contextlib
@@ -151,8 +152,9 @@ def reference(model, config, prompt, steps, implementation):
 
 def states(layer):
     """The state names of a KV mapping layer, as its entries name them: a linear-attention layer's conv
-    and recurrent state (a lightning layer's recurrent alone), an attention's key and value (and a DSA
-    layer's indexer keys, placed and updated like the key), none for a block without a mixer."""
+    and recurrent state (a lightning layer's recurrent alone, a short convolution's conv window alone), an
+    attention's key and value (and a DSA layer's indexer keys, placed and updated like the key), none for
+    a block without a mixer."""
     roles = ("conv", "recurrent", "key", "value", "index_key")
     return tuple(role for role in roles if f"prefill_{role}_output" in layer)
 
@@ -211,7 +213,7 @@ def roundtrip(m, tiny, dtype, out, prefill_len, max_cache_len, steps):
         for part in states(layer):
             present = outputs[layer[f"prefill_{part}_output"]["name"]]
             target = layer[f"decode_{part}_input"]
-            if layer.get("kind") in ("linear", "lightning"):  # contract.linear_states: the input as it is
+            if layer.get("kind") in ("linear", "lightning", "short_conv"):  # contract.linear_states: as it is
                 cache[target["name"]] = present
                 continue
             zeros = torch.zeros(target["shape"], dtype=getattr(torch, target["dtype"]))
@@ -393,7 +395,7 @@ def test_the_script_ran_outside_the_checkout_without_kadapt(report: Callable[[st
 
 
 # the states a layer of these kinds returns, in order (an attention or indexed layer: its key and value first)
-FIRST_LAYER_STATES = {"linear": ["conv", "recurrent"], "lightning": ["recurrent"]}
+FIRST_LAYER_STATES = {"linear": ["conv", "recurrent"], "lightning": ["recurrent"], "short_conv": ["conv"]}
 
 
 def test_saved_graphs_carry_the_kv_mappings_names(
@@ -410,8 +412,13 @@ def test_saved_graphs_carry_the_kv_mappings_names(
         names_in, names_out = graph["abi"]
         assert graph["inputs"] == names_in and graph["outputs"] == names_out, kind
         # logits and caches in the dtype the model was built in; a state the mapping gives its own dtype
-        # (a linear layer's float32 recurrent state) in that one
-        stated = {e["dtype"] for layer in mapping["layers"] for e in layer.values() if isinstance(e, dict)}
+        # (a linear layer's float32 recurrent state) in that one (a layer's own KV shape, ``cache``, has none)
+        stated = {
+            e["dtype"]
+            for layer in mapping["layers"]
+            for e in layer.values()
+            if isinstance(e, dict) and "dtype" in e
+        }
         assert graph["dtypes"] == sorted({dtype} | stated), kind
         assert graph["metadata"]["graph"] == kind
         assert graph["metadata"]["num_layers"] == mapping["num_layers"] == len(mapping["layers"])

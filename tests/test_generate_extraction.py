@@ -138,6 +138,9 @@ def test_module_is_standalone_and_bakes_in_kadapts_structure(
     assert module.WINDOWS == shipped.windows
     expected = shipped.to_dict()
     expected["attention"] = {k: v for k, v in expected["attention"].items() if v is not None}
+    for run in expected["layers"]:  # a layer's own attention (per-layer KV shapes), its fields alike
+        if "attention_shape" in run:
+            run["attention_shape"] = {k: v for k, v in run["attention_shape"].items() if v is not None}
     # model_type is the shipped config's (Kimi's text_config says kimi_k2, which transformers builds
     # as its deepseek_v3 config class); every structural fact is the built config's
     baked = dict(module.STRUCTURE)
@@ -150,6 +153,11 @@ def test_module_is_standalone_and_bakes_in_kadapts_structure(
     assert module.kv_dims(text) == module.KV_DIMS
     assert module.windows(text) == module.WINDOWS
     assert hasattr(module, "MLA_ATTENTION") == shipped.attention.is_mla
+    # each layer's own KV dims, where the layers cache different shapes (Gemma-4-31B)
+    per_layer = shipped.layer_kv_dims(layout)
+    assert getattr(module, "LAYER_KV_DIMS", None) == per_layer
+    if per_layer is not None:
+        assert module.layer_kv_dims(text) == per_layer
     if not shipped.attention.is_mla:
         words = outside_runtime(fam.path.read_text(encoding="utf-8")).lower()
         assert not [w for w in MLA_WORDS if w in words]

@@ -28,7 +28,6 @@ from kimi_adapter_core.backends.simulation.model.params import Naming, text_grou
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import KadaptError, Refusal
 from kimi_adapter_core.families.tiny import tiny_config
-from kimi_adapter_core.generate import NotExpressible, render_spec
 from kimi_adapter_core.spec import load_spec
 from kimi_adapter_core.structure.derive import derive_structure, refuse_unmodelled
 from kimi_adapter_core.upstream import LayerProtocol
@@ -286,14 +285,3 @@ def test_verify_proves_each_layers_kv_with_ragged_paged_rows(tmp_path: Path) -> 
     checks = {check.name: check.detail for check in report.checks}
     assert "2 attention layers, prefill + " in checks["returned states"]
     assert "paged, blocks out of order" in checks["ragged batch"]
-
-
-@pytest.mark.parametrize("target", ["extraction", "docs"])
-def test_generated_files_stating_one_kv_shape_refuse_a_per_layer_stack(tmp_path: Path, target: str) -> None:
-    """The generated module (``KV_DIMS``) and the ABI tables state one KV shape for every layer: a stack
-    whose layers differ is refused there, its shapes named at the gate, instead of generated wrong."""
-    spec = mimo_spec(tmp_path)
-    with pytest.raises(NotExpressible) as refused:
-        render_spec(spec, [target])
-    assert refused.value.location == spec.locate("gate")
-    assert "cache 2 KV shapes per token (((2, 16), (2, 16)), ((4, 16), (4, 16))" in refused.value.message

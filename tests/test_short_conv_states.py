@@ -25,7 +25,6 @@ from kimi_adapter_core.backends.extraction.runtime import abi as runtime
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.families.tiny import tiny_config
 from kimi_adapter_core.families.trial import buildable_config, module_paths, write_spec
-from kimi_adapter_core.generate import NotExpressible, render_spec
 from kimi_adapter_core.spec import load_spec
 from kimi_adapter_core.structure.derive import derive_structure
 
@@ -271,14 +270,3 @@ def test_plan_sizes_the_window_and_simulate_prices_the_convolution(tmp_path: Pat
         # (adjusting the per-rank 128 again gave 256 columns a rank)
         for layer in ("linear_dense_layer", "dense_layer"):
             assert ops[(f"{layer}.feed_forward.w2", "mm")]["flops"] == 2 * tokens * 64 * (256 // 2)
-
-
-@pytest.mark.parametrize("target", ["extraction", "docs"])
-def test_generated_files_refuse_a_short_conv_stack_at_the_gate(tmp_path: Path, target: str) -> None:
-    """The templates carry a conv window with a recurrent state, or a recurrent state alone: a stack of
-    short convolutions is refused at the gate, what is missing named, instead of rendered wrong."""
-    spec = load_spec(_spec(tmp_path, "lfm2"))
-    with pytest.raises(NotExpressible) as refused:
-        render_spec(spec, [target])
-    assert refused.value.location == spec.locate("gate")
-    assert "short convolutions (LFM2: a conv window alone)" in refused.value.message

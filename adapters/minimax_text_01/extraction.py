@@ -3754,16 +3754,15 @@ def layer_kinds(config: Any) -> tuple[str, ...]:
     """Per layer of the text ``config``: "lightning" for a linear-attention layer, else "attention"
     (``LAYER_KINDS``).
 
-    A config's ``layer_types`` decide when listed (``linear_attention`` layers are linear); otherwise every
-    ``full_attention_interval``-th layer is full attention and the others linear (Qwen3-Next's rule, which
-    its config class applies).
+    A config's ``layer_types`` decide when listed (layers of the types kadapt reads as linear are linear:
+    linear_attention, mamba, conv); otherwise every ``full_attention_interval``-th layer is full
+    attention and the others linear (Qwen3-Next's rule, which its config class applies).
     """
     num_layers = int(_fact(config, "num_layers"))
     types = _fact(config, "layer_types")
+    linear = ("linear_attention", "mamba", "conv")
     if types is not None:
-        return tuple(
-            "lightning" if kind == "linear_attention" else "attention" for kind in types[:num_layers]
-        )
+        return tuple("lightning" if kind in linear else "attention" for kind in types[:num_layers])
     interval = _fact(config, "full_attention_interval")
     if not interval:
         raise ValueError(

@@ -3,7 +3,8 @@
 Shapes follow from the spec's sizes and the model's structure (``structure/``), derived from the
 shipped config after the extraction bridges exactly as ``kadapt apply`` derives it: the KV layout is
 the spec's ``abi.kv_layout`` or the attention kind's default, the KV shapes come from the extraction
-runtime's own ``kv_shapes`` over the structure's ``kv_dims``, the rest from the wrapper signatures
+runtime's own ``kv_shapes`` over the structure's ``kv_dims`` (each layer's own where the layers cache
+different shapes: ``kv_groups``), the rest from the wrapper signatures
 (checked against real exported graphs in the tests). Names come from
 ``backends.extraction.options`` so docs and exporter cannot disagree.
 """
@@ -27,11 +28,24 @@ from ..structure.kv_layout import resolve_kv_layout as options_resolve_kv_layout
 from ..structure.model import ModelStructure
 from ..structure.of_spec import structure_of_raw
 from ..structure.states import RecurrentState
-from .common import cannot
 
 INDEX_DTYPE = "int64"
 KVDims = tuple[tuple[int, int], tuple[int, int]]
 LinearStates = tuple[tuple[tuple[int, ...], str], ...]
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """Attention layers that cache one KV shape: their ``dims``, their indices and, where the stack's
+    layers cache different shapes, the spans they attend with (``full``, ``sliding``; empty otherwise)."""
+
+    dims: KVDims
+    ids: tuple[int, ...]
+    spans: tuple[str, ...]
+
+    def label(self, kind: str) -> str:
+        """``attention`` for the one group of a stack, ``attention: 10 full`` for one of several."""
+        return f"{kind}: {len(self.ids)} {'/'.join(self.spans)}" if self.spans else kind
 
 
 @dataclass(frozen=True)
@@ -62,9 +76,29 @@ class Dims:
             return f"{self.kv_layout} KV, {self.structure.attention.kind.upper()}"
         return f"{self.kv_layout} KV, {self.mla_attention} MLA"
 
-    def kv(self, batch: int, length: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Key and value shapes of one layer's cache, exactly as the extraction runtime builds them."""
-        return runtime.kv_shapes(self.kv_dims, batch, length)
+    @property
+    def layer_kv_dims(self) -> tuple[KVDims, ...] | None:
+        """Per layer its KV dims when the attention layers cache different shapes (MiMo-V2-Flash's
+        sliding layers twice the KV heads, Gemma-4's full layers wider heads), else None: ``kv_dims``."""
+        return self.structure.layer_kv_dims(self.kv_layout)
+
+    def kv_groups(self, kind: str | None = None) -> list[KVGroup]:
+        """The layers of ``kind`` (None: every layer with a KV cache) grouped by the KV dims they cache, in
+        order of their first layer: one group of every such layer unless the layers cache different shapes."""
+        if kind is None:
+            ids = list(self.structure.attention_layer_ids)
+        else:
+            ids = [i for i, layer_kind in enumerate(self.layer_kinds) if layer_kind == kind]
+        per_layer = self.layer_kv_dims
+        if per_layer is None:
+            return [KVGroup(self.kv_dims, tuple(ids), ())] if ids else []
+        by_dims: dict[KVDims, list[int]] = {}
+        for i in ids:
+            by_dims.setdefault(per_layer[i], []).append(i)
+        return [
+            KVGroup(dims, tuple(ids), tuple(dict.fromkeys(self.structure.layers[i].attention for i in ids)))
+            for dims, ids in by_dims.items()
+        ]
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:
@@ -187,37 +221,6 @@ def resolve_kv_layout(spec: Spec, found: ModelStructure) -> tuple[str, str | Non
     return layout, mla_attention
 
 
-def check_generated_form(spec: Spec, d: Dims, target: str) -> None:
-    """Refuse at the gate, with what is missing named, a stack the generated files cannot state yet
-    rather than generate it wrong (``kadapt apply`` and ``--verify`` carry both):
-
-    - layers that cache different KV shapes (MiMo-V2-Flash): the generated module (``KV_DIMS``, its
-      example inputs and mapping) and the ABI tables state one KV shape for every layer;
-    - LFM2's short convolutions (a conv window alone): the templates carry linear layers with a conv
-      window and a recurrent state, and lightning layers with a recurrent state alone.
-    """
-    per_layer = d.structure.layer_kv_dims(d.kv_layout)
-    if per_layer is not None:
-        attending = sorted({per_layer[i] for i in d.structure.attention_layer_ids})
-        raise cannot(
-            spec,
-            target,
-            f"its attention layers cache {len(attending)} KV shapes per token "
-            f"({', '.join(map(str, attending))}; (heads, dim) of key and value), and the generated files "
-            "state one for every layer; kadapt apply extracts such a stack",
-            "gate",
-        )
-    if d.linear_kind == "short_conv":
-        raise cannot(
-            spec,
-            target,
-            "its linear layers are short convolutions (LFM2: a conv window alone), which the generated files "
-            "do not carry yet (they carry a conv window with a recurrent state, or a recurrent state alone); "
-            "kadapt apply extracts such a stack",
-            "gate",
-        )
-
-
 def dims(spec: Spec) -> Dims:
     """The ABI's structure and resolved KV layout for ``spec`` (which must have an ``abi``)."""
     found = structure(spec)
@@ -262,11 +265,16 @@ def graph_tables(spec: Spec, d: Dims) -> tuple[GraphNames, GraphNames, list[dict
     def states(
         direction: str, names: GraphNames, length: int, *, decode: bool = False
     ) -> list[dict[str, Any]]:
-        """One row per state template of ``names`` in ``direction`` (past: inputs, present: outputs)."""
-        key_shape, value_shape = d.kv(b, length)
-        if decode and paged is not None:  # block pools
-            key_shape, value_shape = runtime.paged_shapes(d.kv_dims, paged.block_size, paged.num_blocks)
-        shapes = {"key": (key_shape, abi.dtype), "value": (value_shape, abi.dtype)}
+        """One row per state template of ``names`` in ``direction`` (past: inputs, present: outputs); the
+        key and value once per KV shape the attention layers cache (``kv_groups``)."""
+
+        def kv_shapes(dims: KVDims) -> dict[str, tuple[tuple[int, ...], str]]:
+            key_shape, value_shape = runtime.kv_shapes(dims, b, length)
+            if decode and paged is not None:  # block pools
+                key_shape, value_shape = runtime.paged_shapes(dims, paged.block_size, paged.num_blocks)
+            return {"key": (key_shape, abi.dtype), "value": (value_shape, abi.dtype)}
+
+        shapes: dict[str, tuple[tuple[int, ...], str]] = {}
         if linear is not None:
             shapes |= {
                 role: ((b, *shape), dtype)
@@ -280,14 +288,22 @@ def graph_tables(spec: Spec, d: Dims) -> tuple[GraphNames, GraphNames, list[dict
         role_of = "input" if direction == "past" else "output"
         rows = []
         for kind in state_kinds(d):
-            for role in LAYER_STATES[kind]:
-                shape, dtype = shapes[role]
-                row = {
-                    "role": role_of,
-                    "name": names.template(direction, role) or "",
-                    "shape": _shape(*shape),
-                }
-                rows.append({**row, "dtype": dtype, **({"layers": kind} if linear is not None else {})})
+            # a kind with a KV cache: its rows once per KV shape (a stack without such layers: the stack's)
+            groups = (
+                (d.kv_groups(kind) or [KVGroup(d.kv_dims, (), ())]) if "key" in LAYER_STATES[kind] else []
+            )
+            for group in groups or [None]:
+                own = kv_shapes(group.dims) if group is not None else {}
+                for role in LAYER_STATES[kind]:
+                    shape, dtype = own.get(role) or shapes[role]
+                    row = {
+                        "role": role_of,
+                        "name": names.template(direction, role) or "",
+                        "shape": _shape(*shape),
+                    }
+                    if linear is not None or d.layer_kv_dims is not None:  # the layers' states differ
+                        row["layers"] = group.label(kind) if group is not None else kind
+                    rows.append({**row, "dtype": dtype})
         return rows
 
     def logits(names: GraphNames, q: int) -> dict[str, Any]:
@@ -331,25 +347,28 @@ def index_key_bytes(d: Dims, dtype: str) -> tuple[int, str]:
     return layers * indexer.bytes_per_token(width), formula
 
 
-def kv_bytes(d: Dims, layout: str, dtype: str) -> tuple[int, str]:
-    """Cache bytes one token costs across the attention layers in ``layout``, and the formula that
-    gives them (a hybrid stack's linear layers keep no KV cache: ``linear_state_bytes``)."""
-    (key_heads, key_dim), (value_heads, value_dim) = d.structure.attention.kv_dims(layout)
+def kv_bytes(d: Dims, dtype: str) -> tuple[int, str]:
+    """Cache bytes one token costs across the attention layers, and the formula that gives them: a term
+    per KV shape the layers cache (a hybrid stack's linear layers keep no KV cache: ``linear_state_rows``)."""
     width = DTYPE_BYTES[dtype]
-    if key_heads == value_heads:
-        per_layer = f"{key_heads} x ({key_dim} + {value_dim})"
-    else:
-        per_layer = f"({key_heads} x {key_dim} + {value_heads} x {value_dim})"
-    layers = len(d.structure.attention_layer_ids)
-    noun = "attention layers" if d.hybrid else "layers"
-    formula = f"{layers} {noun} x {per_layer} x {width} B"
-    return layers * d.structure.attention.kv_elements(layout) * width, formula
+    terms, total = [], 0
+    for group in d.kv_groups():
+        (key_heads, key_dim), (value_heads, value_dim) = group.dims
+        if key_heads == value_heads:
+            per_layer = f"{key_heads} x ({key_dim} + {value_dim})"
+        else:
+            per_layer = f"({key_heads} x {key_dim} + {value_heads} x {value_dim})"
+        noun = "attention layers" if d.hybrid else "layers"
+        spans = f"{'/'.join(group.spans)} " if group.spans else ""
+        terms.append(f"{len(group.ids)} {spans}{noun} x {per_layer} x {width} B")
+        total += len(group.ids) * (key_heads * key_dim + value_heads * value_dim) * width
+    return total, " + ".join(terms)
 
 
 def kv_bytes_per_token(spec: Spec, d: Dims) -> tuple[int, str]:
     """Cache bytes one token costs across all layers in the ABI's layout, and the formula."""
     assert spec.abi is not None
-    return kv_bytes(d, d.kv_layout, spec.abi.dtype)
+    return kv_bytes(d, spec.abi.dtype)
 
 
 def linear_state_rows(d: Dims, dtype: str) -> list[dict[str, Any]]:

@@ -154,6 +154,19 @@ def _node(node_id: str, *lines: str) -> dict[str, str]:
     return {"id": node_id, "label": "<br/>".join(mermaid_label(line) for line in lines)}
 
 
+# What a linear layer of each ABI kind carries per request, in the flowchart and the state mapping.
+FIXED_STATES = {
+    "linear": "conv and recurrent states",
+    "lightning": "recurrent states",
+    "short_conv": "conv windows",
+}
+STATE_PHRASE = {
+    "linear": "its conv window and recurrent state",
+    "lightning": "its recurrent state",
+    "short_conv": "its conv window",
+}
+
+
 def _flow(spec: Spec, files: dict[str, str], d: abi_tables.Dims) -> dict[str, Any]:
     """Mermaid flowchart of the extraction path: source, bridges, patches, model, wrappers, files."""
     assert spec.abi is not None
@@ -165,7 +178,7 @@ def _flow(spec: Spec, files: dict[str, str], d: abi_tables.Dims) -> dict[str, An
     patches = [p for p in spec.patches if "extraction" in p.backends]
     where = f" (sub-config {abi.config})" if abi.config else ""
     masks = ["sliding-window masks in-graph"] if d.structure.has_sliding_layers else []
-    linear = ["conv and recurrent states per row"] if d.hybrid else []
+    linear = [f"{FIXED_STATES[d.linear_kind]} per row"] if d.hybrid else []
     linear += ["DSA indexer keys beside it"] if d.index_dim is not None else []
     nodes = [
         _node("SRC", f"Config {origin}", f"gate: model_type {spec.gate.model_type}"),
@@ -226,22 +239,26 @@ def _structure_context(
     attention = found.attention
     layouts = []
     for layout in attention.kv_layouts:
-        (key_heads, key_dim), (value_heads, value_dim) = attention.kv_dims(layout)
         notes = []
         if layout == attention.default_kv_layout:
             notes.append(f"default for {attention.kind.upper()}")
         if d is not None and layout == d.kv_layout:
             notes.append("the ABI's")
-        layouts.append(
-            {
-                "layout": layout,
-                "key": f"{key_heads} x {key_dim}",
-                "value": f"{value_heads} x {value_dim}",
-                "elements": f"{attention.kv_elements(layout):,}",
-                "notes": ", ".join(notes),
-                "what": KV_LAYOUT_TEXT[layout],
-            }
-        )
+        # a row per KV shape the attention layers cache (one, unless the layers differ)
+        groups = abi_tables.Dims(found, layout, None).kv_groups()
+        for group in groups or [abi_tables.KVGroup(attention.kv_dims(layout), (), ())]:
+            (key_heads, key_dim), (value_heads, value_dim) = group.dims
+            layouts.append(
+                {
+                    "layout": layout,
+                    "layers": f"{len(group.ids)} {'/'.join(group.spans)}" if group.spans else None,
+                    "key": f"{key_heads} x {key_dim}",
+                    "value": f"{value_heads} x {value_dim}",
+                    "elements": f"{key_heads * key_dim + value_heads * value_dim:,}",
+                    "notes": ", ".join(notes),
+                    "what": KV_LAYOUT_TEXT[layout],
+                }
+            )
     return {
         "summary": found.describe(),
         "config_label": md_code(text_key) if text_key else "root config",
@@ -257,6 +274,7 @@ def _structure_context(
             for first, last in [run["layers"]]
         ],
         "kv_layouts": layouts,
+        "kv_layers": any(row["layers"] for row in layouts),  # the layers cache different KV shapes
     }
 
 
@@ -274,7 +292,14 @@ def _abi_context(spec: Spec, d: abi_tables.Dims | None) -> dict[str, Any] | None
     for graph in graphs:
         graph["file"] = files[graph["graph"]]
     per_token, formula = abi_tables.kv_bytes_per_token(spec, d)
+    plain = not d.hybrid and d.index_dim is None
     return {
+        # a graph table's layers column: which layers a state row is of, where the layers' states differ
+        "by_layers": any("layers" in t for graph in graphs for t in graph["tensors"]),
+        # the KV mapping's rows per KV shape, where the attention layers cache different ones
+        "kv_rows": _per_token_rows(spec, d, prefill, decode, "attention")
+        if plain and d.layer_kv_dims is not None
+        else None,
         "hybrid": _hybrid_context(spec, d, prefill, decode) if d.hybrid else None,
         "indexed": _indexed_context(spec, d, prefill, decode) if d.index_dim is not None else None,
         "config_label": md_code(abi.config) if abi.config else "root config",
@@ -303,10 +328,23 @@ def _abi_context(spec: Spec, d: abi_tables.Dims | None) -> dict[str, Any] | None
 
 
 def _layer_list(ids: tuple[int, ...]) -> str:
-    """``3, 7, 11, ..., 47`` for an evenly spaced run of more than four layers, else every index."""
+    """``3, 7, 11, ..., 47`` for an evenly spaced run of more than four layers; ``0-4, 6-10, ..., 54-58`` for
+    more than four runs of consecutive layers repeating at one step (Gemma-4's sliding layers); else
+    every index."""
     steps = {b - a for a, b in zip(ids, ids[1:], strict=False)}
     if len(ids) > 4 and len(steps) == 1:
         return f"{ids[0]}, {ids[1]}, {ids[2]}, ..., {ids[-1]}"
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    lengths = {len(run) for run in runs}
+    starts = {b[0] - a[0] for a, b in zip(runs, runs[1:], strict=False)}
+    if len(runs) > 4 and len(starts) == 1 and len(lengths) == 1 and len(runs[0]) > 1:
+        spans = [f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs]
+        return f"{spans[0]}, {spans[1]}, ..., {spans[-1]}"
     return ", ".join(map(str, ids))
 
 
@@ -323,27 +361,31 @@ def _per_token_rows(
     spec: Spec, d: abi_tables.Dims, prefill: GraphNames, decode: GraphNames, kind: str
 ) -> list[dict[str, Any]]:
     """The rows of the states that grow with the context, of the layers of ``kind``: the key and value
-    (and a DSA layer's indexer keys, one head), each with its bytes per token of one layer."""
+    (and a DSA layer's indexer keys, one head), each with its bytes per token of one layer; once per KV
+    shape where the layers cache different ones (``kv_groups``)."""
     abi = spec.abi
     assert abi is not None
-    (key_heads, key_dim), (value_heads, value_dim) = d.kv_dims
     width = abi_tables.DTYPE_BYTES[abi.dtype]
-    ids = tuple(i for i, layer_kind in enumerate(d.layer_kinds) if layer_kind == kind)
-    states = [("key", key_heads, key_dim), ("value", value_heads, value_dim)]
-    if kind == "indexed":
-        states.append(("index_key", 1, d.index_dim))
-    return [
-        {
-            "kind": kind,
-            "layers": f"{len(ids)}: {_layer_list(ids)}",
-            "state": role,
-            "names": _state_names(prefill, decode, role),
-            "shape": f"{heads} x {dim} per token",
-            "dtype": abi.dtype,
-            "bytes": f"{heads * dim * width:,} B per token",
-        }
-        for role, heads, dim in states
-    ]
+    rows = []
+    for group in d.kv_groups(kind):
+        (key_heads, key_dim), (value_heads, value_dim) = group.dims
+        states = [("key", key_heads, key_dim), ("value", value_heads, value_dim)]
+        if kind == "indexed":
+            states.append(("index_key", 1, d.index_dim))
+        spans = f" ({'/'.join(group.spans)})" if group.spans else ""
+        rows += [
+            {
+                "kind": kind,
+                "layers": f"{len(group.ids)}: {_layer_list(group.ids)}{spans}",
+                "state": role,
+                "names": _state_names(prefill, decode, role),
+                "shape": f"{heads} x {dim} per token",
+                "dtype": abi.dtype,
+                "bytes": f"{heads * dim * width:,} B per token",
+            }
+            for role, heads, dim in states
+        ]
+    return rows
 
 
 def _indexed_context(
@@ -389,6 +431,7 @@ def _hybrid_context(
     parts = " + ".join(f"{row['shape']} x {abi_tables.DTYPE_BYTES[row['dtype']]} B" for row in states)
     return {
         "rows": rows,
+        "states": STATE_PHRASE[d.linear_kind],
         "linear_layers": len(linear_ids),
         "attention_layers": len(attention_ids),
         "per_request": f"{per_request:,} B",
@@ -408,7 +451,6 @@ def render_docs(spec: Spec) -> list[Rendered]:
     if spec.abi is not None:
         layout, mla_attention = abi_tables.resolve_kv_layout(spec, found)
         d = abi_tables.Dims(found, layout, mla_attention)
-        abi_tables.check_generated_form(spec, d, TARGET)
     abi = _abi_context(spec, d)
     identity = spec_identity(spec)
     context = {

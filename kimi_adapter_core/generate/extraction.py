@@ -8,15 +8,17 @@ with the spec entry named, rather than generated half-working.
 
 The module bakes in the model's structure as kadapt derives it (``structure/``): the attention kind,
 the resolved KV layout (the spec's ``abi.kv_layout`` or the attention's default), the per-token KV
-dims and every layer's sliding window, and for Llama-4's chunked-attention layers every layer's
+dims (each layer's own, ``LAYER_KV_DIMS``, where the layers cache different shapes: MiMo-V2-Flash,
+Gemma-4) and every layer's sliding window, and for Llama-4's chunked-attention layers every layer's
 attention chunk (``CHUNKS``), which its wrappers mask inside the graph as kadapt apply's do; for a
-hybrid stack also each layer's kind and a linear layer's conv and recurrent state shapes, which its
-wrappers, example inputs, names and state mapping carry in the layer's place; for a DSA stack
+hybrid stack also each layer's kind and a linear layer's states (a conv window and a recurrent state;
+lightning attention the recurrent state alone, LFM2's short convolution the conv window alone), which
+its wrappers, example inputs, names and state mapping carry in the layer's place; for a DSA stack
 (DeepSeek-V3.2) each layer's kind and the width of the indexer keys, which they carry after the
 layer's key and value. It also carries the config keys each of those facts is read from, so that
-``kv_dims(config)``, ``windows(config)`` (and ``chunks(config)``, ``layer_kinds(config)``,
-``linear_states(config)``, ``index_dim(config)``) follow a config built with overrides (a tiny model
-of the same family) the way kadapt's ``derive_structure`` would.
+``kv_dims(config)``, ``windows(config)`` (and ``layer_kv_dims(config)``, ``chunks(config)``,
+``layer_kinds(config)``, ``linear_states(config)``, ``index_dim(config)``) follow a config built with
+overrides (a tiny model of the same family) the way kadapt's ``derive_structure`` would.
 """
 
 from __future__ import annotations
@@ -38,10 +40,11 @@ from ..patching import portable
 from ..patching.impls import resolve_impl
 from ..patching.targets import parse_target
 from ..spec.model import Spec
-from ..structure.linear_of import MIXERS
+from ..structure.layer_shapes import per_layer_attributes
+from ..structure.linear_of import DERIVED, MIXERS
 from ..structure.mixer import RECURRENT_AXES
 from ..structure.model import ModelStructure
-from ..structure.reader import fact_keys, mlp_block_types, outside_modelled
+from ..structure.reader import fact_keys, mlp_block_types, outside_modelled, tables
 from . import abi as abi_tables
 from .bridges import bridge_context
 from .common import Rendered, cannot, gate_context, package_files, require, spec_identity
@@ -67,8 +70,10 @@ WINDOW_FACTS = (
     "sliding_window_pattern",
 )
 # What the generated ``layer_kinds`` reads from a hybrid stack's text config; ``linear_states`` reads
-# the facts its mixer kind is sized by (``linear_of.MIXERS``).
+# the facts its mixer kind is sized by (``linear_of.MIXERS``, but for the sizes no key states).
 HYBRID_FACTS = ("full_attention_interval",)
+# What the generated ``kv_dims`` also reads where the values are narrower than the keys (MiMo-V2-Flash).
+VALUE_FACTS = ("v_head_dim",)
 # What the generated ``index_dim`` reads from a DSA stack's text config (the indexer keys' width).
 INDEX_FACTS = ("index_head_dim",)
 # What the generated ``chunks`` reads from a stack with chunked-attention layers (Llama-4's rule).
@@ -139,24 +144,53 @@ def fact_candidates(spec: Spec, facts: tuple[str, ...]) -> dict[str, tuple[str, 
 
 
 def structure_data(structure: ModelStructure) -> dict[str, Any]:
-    """``structure.to_dict()`` without the attention fields its kind does not have (all None)."""
+    """``structure.to_dict()`` without the attention fields its kind does not have (all None), the
+    stack's and a layer's own (``attention_shape``) alike."""
     data = structure.to_dict()
     data["attention"] = {k: v for k, v in data["attention"].items() if v is not None}
+    for run in data["layers"]:
+        if "attention_shape" in run:
+            run["attention_shape"] = {k: v for k, v in run["attention_shape"].items() if v is not None}
     return data
+
+
+def kv_text(d: abi_tables.Dims) -> str:
+    """What one layer caches per token, for the module's docstring: one shape, or each layer group's."""
+
+    def shape(dims: abi_tables.KVDims) -> str:
+        (key_heads, key_dim), (value_heads, value_dim) = dims
+        return f"a key of {key_heads} x {key_dim} and a value of {value_heads} x {value_dim}"
+
+    if d.layer_kv_dims is None:
+        return f"per layer and token {shape(d.kv_dims)} (heads x width)"
+    groups = ", ".join(
+        f"{len(group.ids)} {'/'.join(group.spans)} layers {shape(group.dims)}" for group in d.kv_groups()
+    )
+    own = "per layer and token a key and value of the layer's own shape (``LAYER_KV_DIMS``, heads x width)"
+    return f"{own}: {groups}"
 
 
 def structure_context(spec: Spec, d: abi_tables.Dims) -> dict[str, Any]:
     """What the module bakes in about the text backbone, read from kadapt's structure of it."""
     linear = d.structure.linear
-    sizes = MIXERS[linear.kind] if linear is not None else {}
+    # the mixer's sizes a config key states (a short convolution's one-wide heads are no key's)
+    sizes = (
+        {name: fact for name, fact in MIXERS[linear.kind].items() if fact not in DERIVED} if linear else {}
+    )
     linear_facts = (*HYBRID_FACTS, *sizes.values()) if d.hybrid else ()
     index_facts = INDEX_FACTS if d.index_dim is not None else ()
     chunked = d.structure.has_chunked_layers
     chunk_facts = CHUNK_FACTS if chunked else ()
+    attention = d.structure.attention
+    narrow_values = d.kv_layout == "heads" and attention.v_head_dim != attention.head_dim
+    value_facts = VALUE_FACTS if narrow_values else ()
     facts = tuple(
-        dict.fromkeys((*WINDOW_FACTS, *KV_FACTS[d.kv_layout], *linear_facts, *index_facts, *chunk_facts))
+        dict.fromkeys(
+            (*WINDOW_FACTS, *KV_FACTS[d.kv_layout], *value_facts, *linear_facts, *index_facts, *chunk_facts)
+        )
     )
     assert spec.abi is not None
+    per_layer = d.layer_kv_dims
     return {
         "summary": d.structure.describe(),
         "data": structure_data(d.structure),
@@ -168,6 +202,14 @@ def structure_context(spec: Spec, d: abi_tables.Dims) -> dict[str, Any]:
         else f"the default of {d.structure.attention.kind.upper()} attention",
         "mla_attention": d.mla_attention,
         "kv_dims": d.kv_dims,
+        # values narrower than keys (MiMo-V2-Flash): kv_dims reads their width (v_head_dim)
+        "narrow_values": narrow_values,
+        # layers caching different KV shapes (MiMo-V2-Flash, Gemma-4): LAYER_KV_DIMS and layer_kv_dims(config)
+        "per_layer": per_layer is not None,
+        "layer_kv_dims": periodic_literal(per_layer) if per_layer is not None else None,
+        "kv_text": kv_text(d),
+        "layer_shape_rules": tables()["per_layer_attention"]["rules"].get(d.structure.model_type, {}),
+        "per_layer_attributes": per_layer_attributes(),
         "windows": repeated_literal(d.structure.windows),
         "sliding": d.structure.has_sliding_layers,
         # chunked-attention layers (Llama-4): CHUNKS and chunks(config), passed like the windows
@@ -182,6 +224,10 @@ def structure_context(spec: Spec, d: abi_tables.Dims) -> dict[str, Any]:
         # lightning attention (MiniMax): layers of kind "lightning" carrying a recurrent state alone
         "lightning": d.linear_kind == "lightning",
         "linear_kind": d.linear_kind,
+        # short convolutions (LFM2): layers of kind "short_conv" carrying a conv window alone
+        "short_conv": d.linear_kind == "short_conv",
+        # the config's layer types that are linear layers (config_keys.yaml: linear_attention, conv, ...)
+        "linear_types": tuple(kind for kind, span in tables()["layer_types"].items() if span == "linear"),
         "linear_sizes": sizes,
         "recurrent_axes": RECURRENT_AXES[linear.kind] if linear is not None else None,
         "indexed": d.index_dim is not None,
@@ -210,7 +256,6 @@ def render_extraction(spec: Spec) -> list[Rendered]:
     if paged is not None:  # the block table follows cache_position, as kadapt apply exports it
         decode = dataclasses.replace(decode, fixed_inputs=(*decode.fixed_inputs, paged.block_table))
     dims = abi_tables.dims(spec)
-    abi_tables.check_generated_form(spec, dims, TARGET)
     structure = structure_context(spec, dims)
     runtime_module = split_module(Path(runtime.__file__))
     encoding_module = split_module(Path(encoding.__file__))
