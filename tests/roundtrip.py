@@ -170,6 +170,11 @@ def roundtrip(m, tiny, dtype, out, prefill_len, max_cache_len, steps):
     # the module docstring's flow
     model = m.build_model(device="meta", overrides=tiny, dtype=dtype)
     config = m.text_config(model.config)
+    # a KV-sharing stack (its tail keeps no state): its graphs are named by the model's own layer kinds
+    # and its layer count given, which a prefix of LAYER_KINDS and the graph's states do not show
+    shared = hasattr(m, "KV_SHARING_KEY")
+    sharing_kinds = [m.layer_kinds(config)] if shared else []
+    sharing_layers = [config.num_hidden_layers] if shared else []
     with torch.no_grad(), m.patches_applied():
         prefill = torch_ir.extract_ir(
             m.prefill_wrapper(model), m.prefill_example_inputs(prefill_len=prefill_len, dtype=dtype)
@@ -179,8 +184,8 @@ def roundtrip(m, tiny, dtype, out, prefill_len, max_cache_len, steps):
             m.decode_example_inputs(config, position=prefill_len, max_cache_len=max_cache_len, dtype=dtype),
         )
     paths = {
-        "prefill": m.save_ir(prefill, out / f"{m.FILE_PREFIX}_prefill_ir.json", "prefill"),
-        "decode": m.save_ir(decode, out / f"{m.FILE_PREFIX}_decode_ir.json", "decode"),
+        "prefill": m.save_ir(prefill, out / f"{m.FILE_PREFIX}_prefill_ir.json", "prefill", *sharing_layers),
+        "decode": m.save_ir(decode, out / f"{m.FILE_PREFIX}_decode_ir.json", "decode", *sharing_layers),
     }
     sizes = {"prefill_len": prefill_len, "max_cache_len": max_cache_len}
     mapping = json.loads(m.write_kv_mapping(out, config, **sizes, dtype=dtype).read_text())
@@ -239,7 +244,9 @@ def roundtrip(m, tiny, dtype, out, prefill_len, max_cache_len, steps):
             kind: {
                 "inputs": [meta.name for meta in graph.graph_inputs],
                 "outputs": [meta.name for meta in graph.graph_outputs],
-                "abi": m.graph_names(kind, text.num_hidden_layers),
+                # a stack whose kinds a built model does not keep as a prefix of LAYER_KINDS (a KV-sharing
+                # tail) names its graphs by the model's own kinds
+                "abi": m.graph_names(kind, text.num_hidden_layers, *sharing_kinds),
                 "dtypes": sorted({meta.dtype for meta in graph.graph_outputs}),
                 "metadata": json.loads(paths[kind].read_text())["metadata"],
             }

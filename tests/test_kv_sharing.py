@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
-from transformers import AutoConfig, AutoModelForCausalLM, Gemma4TextConfig
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, Gemma4TextConfig
 
 from kimi_adapter_core.backends.extraction import options_from_spec, verify
 from kimi_adapter_core.backends.extraction.tiny_model import _shared_tail
@@ -32,6 +32,8 @@ from kimi_adapter_core.spec import load_spec
 from kimi_adapter_core.structure.derive import derive_structure
 
 pytestmark = pytest.mark.compat
+
+REPO = Path(__file__).resolve().parents[1]
 
 TYPES = ["sliding_attention"] * 4 + ["full_attention", "sliding_attention", "full_attention"]
 
@@ -194,3 +196,33 @@ def test_the_tiny_verify_model_keeps_a_sharing_tail_of_each_type() -> None:
     tail = _shared_tail(structure, {"layer_types": types}, 5)
     assert tail["layer_types"] == types[:5] + ["sliding_attention", "full_attention"]
     assert tail["num_kv_shared_layers"] == 2 and tail["num_hidden_layers"] == 7
+
+
+def test_the_generated_module_carries_the_sharing_layers_as_transformers_does(monkeypatch) -> None:
+    """Gemma-4-E2B's generated extraction module on its tiny verify model (a sharing sliding and a full
+    layer after one period): prefill and decode logits and the producing layers' states equal
+    transformers' (its DynamicCache keeps no keys or values for the sharing layers either)."""
+    import test_generate_per_layer_kv as generated
+
+    from kimi_adapter_core.backends.extraction.tiny_model import tiny_overrides
+
+    spec = load_spec(REPO / "specs" / "gemma4_e2b.yaml")
+    module = generated.import_path(REPO / "adapters" / "gemma4_e2b" / "extraction.py", "generated_gemma4_e2b")
+    overrides = tiny_overrides(spec, options_from_spec(spec, output_dir=REPO / "out" / "unused"))
+    assert module.LAYER_KINDS == ("attention",) * 15 + ("shared",) * 20
+    config = module.text_config(module.load_config(overrides=overrides))
+    assert module.kv_sources(config) == (None,) * 5 + (3, 4)
+    dummies = [type(layer).__name__ for layer in DynamicCache(config=config).layers][5:]
+    assert dummies == ["DummyLayer"] * 2  # transformers caches nothing for the two sharing layers
+    monkeypatch.setattr(
+        generated,
+        "reference_states",
+        lambda cache: [
+            s.clone()
+            for layer in cache.layers
+            if getattr(layer, "keys", None) is not None
+            for s in (layer.keys, layer.values)
+        ],
+    )
+    states = generated.run_against_transformers(module, overrides)
+    assert len(states) == 2 * 5

@@ -34,6 +34,8 @@ SPECS = (
     "deepseek_v3",
     "deepseek_v32",
     "gemma3_text",
+    "gemma4_31b",
+    "gemma4_e2b",
     "glm5",
     "glm4_moe",
     "gpt_oss",

@@ -40,6 +40,7 @@ from ..patching import portable
 from ..patching.impls import resolve_impl
 from ..patching.targets import parse_target
 from ..spec.model import Spec
+from ..structure.kv_sharing import kv_sharing_rule
 from ..structure.layer_shapes import per_layer_attributes
 from ..structure.linear_of import DERIVED, MIXERS
 from ..structure.mixer import RECURRENT_AXES
@@ -233,8 +234,12 @@ def structure_context(spec: Spec, d: abi_tables.Dims) -> dict[str, Any]:
         "indexed": d.index_dim is not None,
         "index_dim": d.index_dim,
         "indexer": d.structure.indexer,
-        # per-layer kinds the wrappers, names and mapping take (hybrid or DSA stacks)
-        "kinds": d.hybrid or d.index_dim is not None,
+        # layers that reuse an earlier layer's keys and values (Gemma-4's KV sharing): kind "shared", no
+        # state; the config key that says how many last layers do
+        "shared": bool(d.structure.shared_layer_ids),
+        "kv_sharing_key": (kv_sharing_rule(d.structure.model_type) or {}).get("key"),
+        # per-layer kinds the wrappers, names and mapping take (hybrid, DSA or KV-sharing stacks)
+        "kinds": d.hybrid or d.index_dim is not None or bool(d.structure.shared_layer_ids),
         # blocks with no token mixer (Nemotron-H's mlp and moe blocks) and the layer types that name them
         "stateless": bool(d.structure.mixerless_layer_ids),
         "stateless_types": tuple(mlp_block_types()),
