@@ -226,3 +226,13 @@ def test_the_generated_module_carries_the_sharing_layers_as_transformers_does(mo
     )
     states = generated.run_against_transformers(module, overrides)
     assert len(states) == 2 * 5
+
+
+def test_the_spec_page_says_which_layers_read_whose_keys_and_values() -> None:
+    page = (REPO / "docs" / "specs" / "gemma4_e2b.md").read_text()
+    assert "| layers | attention | window | keys and values | MLP |" in page
+    assert "| 14 | full | — | own | dense |" in page
+    assert "| 15 .. 18 | sliding | 512 | layer 13's | dense 12288 |" in page
+    assert "| 34 | full | — | layer 14's | dense 12288 |" in page
+    # a stack without sharing keeps the table it had
+    assert "| layers | attention | window | MLP |" in (REPO / "docs" / "specs" / "gemma4_31b.md").read_text()

@@ -268,11 +268,14 @@ def _structure_context(
                 "range": str(first) if first == last else f"{first} .. {last}",
                 "attention": run["attention"],
                 "window": run["window"],
-                "mlp": run["mlp"],
+                # a KV-sharing layer names the layer whose keys and values it reads; a wider MLP its width
+                "kv": f"layer {run['kv_source']}'s" if "kv_source" in run else "own",
+                "mlp": run["mlp"] + (f" {run['mlp_width']}" if "mlp_width" in run else ""),
             }
             for run in runs
             for first, last in [run["layers"]]
         ],
+        "kv_sharing": any("kv_source" in run for run in runs),
         "kv_layouts": layouts,
         "kv_layers": any(row["layers"] for row in layouts),  # the layers cache different KV shapes
     }
