@@ -9,7 +9,7 @@ editable install's ``.pth``, which would put the checkout on ``sys.path``; the s
 ``sys.path`` and that ``kimi_adapter_core`` is not importable). The script follows the module
 docstring to the letter: ``build_model(device="meta", overrides=tiny, dtype=...)``, extraction with
 ``torch_ir.extract_ir`` under ``torch.no_grad()`` and ``patches_applied()``, ``save_ir``,
-``write_kv_mapping``, ``torch_ir.load_ir``, ``torch_ir.IRExecutor(graph, graph_weights(wrapper))`` on
+``write_kv_mapping``, ``torch_ir.load_ir``, ``run_graph(graph, graph_weights(wrapper), inputs, kind)`` on
 a CPU model of the same tiny architecture (``--verify``'s sizes, random weights). It binds every
 graph input and output by name (the KV mapping's names for the cache), seeds the decode cache and
 updates it the way the KV mapping says, and runs a prefill plus ``STEPS`` greedy decode steps.
@@ -159,9 +159,10 @@ def states(layer):
     return tuple(role for role in roles if f"prefill_{role}_output" in layer)
 
 
-def run(executor, graph, feeds):
-    """Execute ``graph`` with its inputs bound by name; its outputs by name."""
-    outputs = executor.execute(tuple(feeds[meta.name] for meta in graph.graph_inputs))
+def run(m, kind, graph, weights, feeds):
+    """Execute ``graph`` through the module's ``run_graph`` (its binder checks every call) with its
+    inputs bound by name; its outputs by name."""
+    outputs = m.run_graph(graph, weights, tuple(feeds[meta.name] for meta in graph.graph_inputs), kind)
     return dict(zip([meta.name for meta in graph.graph_outputs], outputs, strict=True))
 
 
@@ -198,16 +199,16 @@ def roundtrip(m, tiny, dtype, out, prefill_len, max_cache_len, steps):
         if path.endswith("e_score_correction_bias"):  # zeros by default; random exercises the biased top-k
             buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.1)
     text = m.text_config(cpu.config)
-    executors = {
-        "prefill": torch_ir.IRExecutor(graphs["prefill"], m.graph_weights(m.prefill_wrapper(cpu))),
-        "decode": torch_ir.IRExecutor(graphs["decode"], m.graph_weights(m.decode_wrapper(cpu))),
+    weights = {
+        "prefill": m.graph_weights(m.prefill_wrapper(cpu)),
+        "decode": m.graph_weights(m.decode_wrapper(cpu)),
     }
     prompt = torch.randint(4, text.vocab_size, (1, prefill_len), generator=torch.Generator().manual_seed(2))
 
     # prefill; the decode cache seeded from its presents and updated by the KV mapping's names and rules
     mask_name, dim = mapping["contract"]["mask"]["input"], mapping["sequence_dim"]
     positions = torch.arange(prefill_len).unsqueeze(0)
-    outputs = run(executors["prefill"], graphs["prefill"], {
+    outputs = run(m, "prefill", graphs["prefill"], weights["prefill"], {
         "input_ids": prompt,
         mask_name: m.additive_causal_mask(positions, prefill_len, torch_dtype),
         "position_ids": positions,
@@ -226,7 +227,7 @@ def roundtrip(m, tiny, dtype, out, prefill_len, max_cache_len, steps):
     tokens = [logits[-1][:, -1].argmax(-1, keepdim=True)]
     for position in range(prefill_len, prefill_len + steps):
         positions = torch.tensor([[position]])
-        outputs = run(executors["decode"], graphs["decode"], {
+        outputs = run(m, "decode", graphs["decode"], weights["decode"], {
             "input_ids": tokens[-1],
             mask_name: m.additive_causal_mask(positions, max_cache_len, torch_dtype),
             "position_ids": positions,

@@ -29,6 +29,7 @@ from fixtures.modules import import_path, outside_runtime
 from kimi_adapter_core import upstream
 from kimi_adapter_core.backends.extraction.ir import encoding
 from kimi_adapter_core.backends.extraction.runtime import abi as runtime
+from kimi_adapter_core.backends.extraction.runtime import symbolic
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.generate import check_all, render_spec, write_all
@@ -195,7 +196,13 @@ def test_extraction_module_embeds_runtime_and_builtin_source(kimi_files: dict[st
     assert "def mla_expand_kv_functional(" in text and "torch.cat((k_nope, k_rot), dim=-1)" in text
     assert split_module(Path(encoding.__file__)).body in text
     assert split_module(Path(upstream.__file__)).body in text
+    # the reference binder too, its one relative import (KadaptError) defined by the module itself
+    binder = split_module(Path(symbolic.__file__), provided=frozenset({"KadaptError"}))
+    assert binder.body in text and "class KadaptError(ValueError):" in text
+    with pytest.raises(KadaptError, match="symbolic.py uses a relative import"):
+        split_module(Path(symbolic.__file__))
     provenance = [split_module(Path(m.__file__)).source for m in (runtime, encoding, upstream)]
+    provenance.append(binder.source)
     assert provenance[2] == "kimi_adapter_core/upstream.py"
     for name in provenance:
         assert f"verbatim from {name}" in text
@@ -642,8 +649,8 @@ def test_verbatim_modules_that_define_the_same_name_are_refused(monkeypatch: pyt
 
     real = generate_extraction.split_module
 
-    def split(path: Path) -> Any:
-        module = real(path)
+    def split(path: Path, **options: Any) -> Any:
+        module = real(path, **options)
         if path.name == "upstream.py":
             module = dataclasses.replace(module, definitions=module.definitions | {"check_mla_attention"})
         return module

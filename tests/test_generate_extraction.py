@@ -42,6 +42,7 @@ import pytest
 import torch
 import torch_ir
 from fixtures.modules import import_path, outside_runtime
+from torch_ir.executor import ExecutionError
 
 from kimi_adapter_core import upstream
 from kimi_adapter_core.backends.extraction import options_from_spec
@@ -504,6 +505,47 @@ def test_torch_ir_extracts_and_replays_the_generated_wrappers(
 
 
 @QUIET_META_CONSTANTS
+def test_run_graph_refuses_a_position_past_the_cache_unless_checks_are_off(
+    family: Callable[[str], Family], tmp_path: Path
+) -> None:
+    """The module's entry point binds every call through the embedded binder: a decode row at position
+    max_cache_len is refused by default; with ``check=False`` the saved graph runs, and its contiguous
+    write drops the token without an error (every present equals its past), which is what the check is for."""
+    fam = family(TORCH_IR[0])
+    module = fam.module
+    assert 'run_graph(decode, weights, inputs, "decode")' in module.__doc__
+    model = module.build_model(device="meta", overrides=fam.tiny)
+    config = module.text_config(model.config)
+    with torch.no_grad(), module.patches_applied():
+        extracted = torch_ir.extract_ir(
+            module.decode_wrapper(model), module.decode_example_inputs(config, max_cache_len=CACHE)
+        )
+    decode = torch_ir.load_ir(module.save_ir(extracted, tmp_path / "decode_ir.json", "decode"))
+    torch.manual_seed(0)
+    cpu = module.build_model(device="cpu", overrides=fam.tiny)
+    dtype = getattr(torch, module.DTYPE)
+    generator = torch.Generator().manual_seed(4)
+    past = [torch.randn(tuple(meta.shape), generator=generator).to(dtype) for meta in decode.graph_inputs[4:]]
+
+    def call(position: int) -> tuple[torch.Tensor, ...]:
+        positions = torch.tensor([[position]])
+        mask = module.additive_causal_mask(positions, CACHE, dtype)
+        return (torch.tensor([[7]]), mask, positions, positions.view(-1), *past)
+
+    refused = rf"^decode input position_ids: row 0 holds {CACHE}, outside 0\.\.{CACHE - 1}: "
+    refused += rf"a position must be a slot of the cache \(max_cache_len {CACHE}\)"
+    with torch.no_grad(), module.patches_applied():
+        weights = module.graph_weights(module.decode_wrapper(cpu))
+        written = module.run_graph(decode, weights, call(CACHE - 1), "decode")
+        with pytest.raises(module.KadaptError, match=refused):
+            module.run_graph(decode, weights, call(CACHE), "decode")
+        dropped = module.run_graph(decode, weights, call(CACHE), "decode", check=False)
+    assert not torch.equal(written[1][:, :, CACHE - 1], past[0][:, :, CACHE - 1])  # the last slot is written
+    for present, before in zip(dropped[1:], past, strict=True):
+        assert torch.equal(present, before)  # past the cache: no slot, the token silently gone
+
+
+@QUIET_META_CONSTANTS
 def test_grad_mode_at_extraction_matters_only_under_a_no_grad_rotary(family: Callable[[str], Family]) -> None:
     """Why the docstring extracts under ``torch.no_grad()`` (pytorch-ir 0.2.3): where the rotary
     embedding's forward carries its own ``@torch.no_grad`` (transformers 5.23), grad mode on traces it
@@ -698,6 +740,13 @@ def test_a_paged_spec_generates_the_paged_decode_abi(tmp_path: Path) -> None:
         assert torch.equal(a, b)
     slot = table[1, 9 // 4] * 4 + 9 % 4  # row 1 at position 9: its token is in its own block
     assert not torch.equal(eager[1].flatten(0, 1)[slot], pools[0].flatten(0, 1)[slot])
+    # the entry point's binder refuses a row past the cache on the paged graph too, before the gather fails
+    late = torch.tensor([[5], [CACHE]])
+    past_the_cache = (*inputs[:2], late, late.view(-1), *inputs[4:])
+    with pytest.raises(module.KadaptError, match=rf"row 1 holds {CACHE}, outside 0\.\.{CACHE - 1}: "):
+        module.run_graph(decode, module.graph_weights(wrapper), past_the_cache, "decode")
+    with pytest.raises(ExecutionError, match="gather.*out of bounds"):  # unchecked: fails in the block table
+        module.run_graph(decode, module.graph_weights(wrapper), past_the_cache, "decode", check=False)
 
 
 def test_config_strings_reach_the_module_docstring_escaped(tmp_path: Path) -> None:

@@ -3,8 +3,11 @@
 ``symbolic.bind_ir`` checks the inputs against the IR's own ``graph_inputs`` (name, shape, dtype) before
 the executor sees them, for static graphs as for dynamic ones, and the multimodal prefill's placeholder
 count against the feature rows (the one rule the graph cannot check). Each refusal is one ``KadaptError``
-naming the input, its expected and its received shape. The declarations here are those of real saved
-files (a tiny Llama export, the KV mapping's ``merged_prefill`` section as the runtime builds it).
+naming the input, its expected and its received shape. Positions are read by value (issue 39, item 4): a
+row outside the cache is refused on every decode graph, contiguous (whose write would drop the token
+silently) and paged, and on a prefill given the cache it fills, naming the input, row, position and
+limit. The declarations here are those of real saved files (a tiny Llama export, the KV mapping's
+``merged_prefill`` section as the runtime builds it).
 """
 
 from __future__ import annotations
@@ -21,7 +24,12 @@ import torch_ir
 
 from kimi_adapter_core.backends.extraction import options_from_spec, run
 from kimi_adapter_core.backends.extraction.runtime import abi as runtime
-from kimi_adapter_core.backends.extraction.runtime.symbolic import Placeholders, bind_ir, check_inputs
+from kimi_adapter_core.backends.extraction.runtime.symbolic import (
+    Placeholders,
+    bind_ir,
+    check_inputs,
+    position_inputs,
+)
 from kimi_adapter_core.backends.extraction.tiny_model import tiny_overrides
 from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.loading import applied, load_config, load_model
@@ -180,9 +188,40 @@ def _merged_inputs(placeholders: int) -> tuple[torch.Tensor, ...]:
     return ids, torch.randn(ROWS, HIDDEN), mask, positions
 
 
-def test_decode_positions_past_the_cache_are_refused_by_value(saved: tuple) -> None:
-    """A position >= max_cache_len has no slot: the per-row write would drop the token without an
-    error, so the binder refuses it with the KV mapping's bounds, naming the input."""
+def _decode_call(decode: Any, position_ids: int, cache_position: int) -> tuple[torch.Tensor, ...]:
+    """Decode inputs of the saved graph for one row: its positions, a mask over the cache, zero caches."""
+    positions = torch.full((1, 1), position_ids, dtype=torch.long)
+    mask = runtime.additive_causal_mask(positions, CACHE, torch.float32)
+    cache = [torch.zeros(meta.shape, dtype=torch.float32) for meta in decode.graph_inputs[4:]]
+    return (torch.zeros(1, 1, dtype=torch.long), mask, positions, torch.tensor([cache_position]), *cache)
+
+
+@pytest.mark.parametrize(
+    ("position_ids", "cache_position", "refused"),
+    [
+        (CACHE, CACHE, f"position_ids: row 0 holds {CACHE}"),
+        (CACHE - 1, CACHE, f"cache_position: row 0 holds {CACHE}"),
+        (-1, 0, "position_ids: row 0 holds -1"),
+        (0, -1, "cache_position: row 0 holds -1"),
+    ],
+)
+def test_decode_positions_outside_the_cache_are_refused_by_default(
+    saved: tuple, position_ids: int, cache_position: int, refused: str
+) -> None:
+    """A position >= max_cache_len has no slot: the contiguous per-row write (``write_rows``) would drop
+    the token without an error, so the binder refuses it with no help from the caller, reading the limit
+    from the graph's own declaration (the mask spans the cache), and names input, row, position, limit."""
+    _, irs = saved
+    decode = irs["decode"]
+    assert bind_ir(decode, _decode_call(decode, CACHE - 1, CACHE - 1), {}, graph="decode") is decode
+    call = _decode_call(decode, position_ids, cache_position)
+    message = rf"^saved\.json input {refused}, outside 0\.\.{CACHE - 1}: a position must be a slot of the "
+    with pytest.raises(KadaptError, match=message + rf"cache \(max_cache_len {CACHE}\)"):
+        bind_ir(decode, call, {}, graph="saved.json")  # by the declaration, whatever the caller's label
+    assert bind_ir(decode, call, {}, graph="decode", check_values=False) is decode  # the documented switch
+
+
+def test_the_kv_mappings_value_ranges_agree_with_the_declaration(saved: tuple) -> None:
     import json
 
     from kimi_adapter_core.backends.extraction.runtime.symbolic import decode_value_ranges
@@ -191,16 +230,88 @@ def test_decode_positions_past_the_cache_are_refused_by_value(saved: tuple) -> N
     decode = irs["decode"]
     values = decode_value_ranges(decode, json.loads(options.path("kv_mapping").read_text()))
     assert values == {"position_ids": (0, CACHE - 1), "cache_position": (0, CACHE - 1)}
-    cache = [torch.zeros(meta.shape, dtype=torch.float32) for meta in decode.graph_inputs[4:]]
+    assert position_inputs(decode, graph="decode") == ([2, 3], CACHE)
+    assert position_inputs(irs["prefill"], graph="prefill") == ([2], None)
+    with pytest.raises(KadaptError, match=rf"^decode input cache_position: row 0 holds {CACHE}, outside"):
+        bind_ir(decode, _decode_call(decode, 0, CACHE), {}, graph="decode", values=values)
 
-    def call(position: int) -> tuple[torch.Tensor, ...]:
-        positions = torch.full((1, 1), position, dtype=torch.long)
-        mask = runtime.additive_causal_mask(positions, CACHE, torch.float32)
-        return (torch.zeros(1, 1, dtype=torch.long), mask, positions, positions.view(-1), *cache)
 
-    assert bind_ir(decode, call(CACHE - 1), {}, graph="decode", values=values) is decode
-    with pytest.raises(KadaptError, match=rf"^decode input position_ids: values must lie in 0..{CACHE - 1}"):
-        bind_ir(decode, call(CACHE), {}, graph="decode", values=values)
+def test_paged_decode_positions_outside_the_cache_are_refused(saved: tuple) -> None:
+    """The paged graph would fail loudly (the block table has no entry past the cache); the binder
+    refuses first, with the same error, here for the second row of a batch of two. The declaration is
+    the paged ABI's (``decode_inputs`` with block pools) over the saved graph's KV dims."""
+    _, irs = saved
+    key, value = (irs["decode"].graph_inputs[index].shape for index in (4, 5))  # [1, heads, CACHE, dim]
+    block_size, num_blocks, batch = 4, 2 * CACHE // 4, 2
+    example = runtime.decode_inputs(
+        ((key[1], key[3]), (value[1], value[3])),
+        batch=batch,
+        position=CACHE - 1,
+        max_cache_len=CACHE,
+        num_layers=1,
+        dtype=torch.float32,
+        device="cpu",
+        paged=(block_size, num_blocks),
+    )
+    names = ["input_ids", "attention_mask", "position_ids", "cache_position", "block_table", "key", "value"]
+    paged = torch_ir.IR.from_dict(
+        {
+            "graph_inputs": [
+                {"name": name, "shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch.")}
+                for name, tensor in zip(names, example, strict=True)
+            ],
+            "graph_outputs": [],
+            "weights": [],
+            "nodes": [],
+        }
+    )
+    assert tuple(paged.graph_inputs[5].shape[:2]) == (num_blocks, block_size)  # a block pool
+    assert bind_ir(paged, example, {}, graph="decode") is paged
+    late = (*example[:3], torch.tensor([CACHE - 1, CACHE]), *example[4:])
+    with pytest.raises(
+        KadaptError, match=rf"^decode input cache_position: row 1 holds {CACHE}, outside 0\.\.{CACHE - 1}: "
+    ):
+        bind_ir(paged, late, {}, graph="decode")
+
+
+def test_prefill_positions_past_the_cache_it_fills_are_refused(saved: tuple) -> None:
+    """A prefill graph states no cache length: with the ``max_cache_len`` of the cache its KV fills, a
+    row whose positions run past it is refused (its next decode step would have no slot)."""
+    _, irs = saved
+    prefill = irs["prefill"]
+    ids, mask, positions = _prefill_inputs(1, PREFILL)
+    last = positions + (CACHE - PREFILL)  # positions CACHE-PREFILL..CACHE-1: the cache's last slots
+    assert bind_ir(prefill, (ids, mask, last), {}, graph="prefill", max_cache_len=CACHE) is prefill
+    past = positions + (CACHE - PREFILL + 1)
+    assert bind_ir(prefill, (ids, mask, past), {}, graph="prefill") is prefill  # no cache: nothing to hold
+    with pytest.raises(
+        KadaptError, match=rf"^prefill input position_ids: row 0 holds {CACHE}, outside 0\.\.{CACHE - 1}: "
+    ):
+        bind_ir(prefill, (ids, mask, past), {}, graph="prefill", max_cache_len=CACHE)
+
+
+@pytest.mark.parametrize("key_len", ["prefill_len", 0])
+def test_a_decode_declaration_whose_mask_states_no_cache_length_is_refused(key_len: Any) -> None:
+    """The decode limit is the mask's key length: an edited file that makes it symbolic or empty is
+    refused naming the mask, never read as a cache with no limit."""
+    declared = [
+        ("input_ids", [1, 1], "int64"),
+        ("attention_mask", [1, 1, 1, key_len], "float32"),
+        ("position_ids", [1, 1], "int64"),
+        ("cache_position", [1], "int64"),
+    ]
+    ir = torch_ir.IR.from_dict(
+        {
+            "graph_inputs": [{"name": n, "shape": shape, "dtype": d} for n, shape, d in declared],
+            "graph_outputs": [],
+            "weights": [],
+            "nodes": [],
+        }
+    )
+    with pytest.raises(
+        KadaptError, match=r"^decode input attention_mask: declared \[1, 1, 1, .*max_cache_len"
+    ):
+        position_inputs(ir, graph="decode")
 
 
 def test_placeholders_are_read_from_the_mapping_or_the_ir_metadata() -> None:

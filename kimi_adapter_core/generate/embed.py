@@ -35,9 +35,11 @@ class EmbeddedModule:
     source: str  # where it comes from, e.g. "kimi_adapter_core/upstream.py" (the generated comment)
 
 
-def split_module(path: Path) -> EmbeddedModule:
+def split_module(path: Path, *, provided: frozenset[str] = frozenset()) -> EmbeddedModule:
     """Split ``path`` into its leading imports and the rest; ``__future__`` imports are dropped
-    (the generated module declares its own) and the docstring becomes ``summary``."""
+    (the generated module declares its own) and the docstring becomes ``summary``. A relative import
+    is refused unless every name it binds is ``provided`` (the generated module defines its own, as it
+    does ``KadaptError`` for the embedded binder); such an import is dropped."""
     source = path.read_text(encoding="utf-8")
     tree = ast.parse(source, filename=str(path))
     lines = source.splitlines(keepends=True)
@@ -50,13 +52,16 @@ def split_module(path: Path) -> EmbeddedModule:
     body_start = len(lines)
     for node in statements:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            if not (isinstance(node, ast.ImportFrom) and node.module == "__future__"):
+            if not (
+                isinstance(node, ast.ImportFrom)
+                and (node.module == "__future__" or _provides(node, provided))
+            ):
                 imports.append("".join(lines[node.lineno - 1 : node.end_lineno]).strip())
             continue
         body_start = _first_line(node) - 1
         break
     for node in statements:
-        if isinstance(node, ast.ImportFrom) and node.level:
+        if isinstance(node, ast.ImportFrom) and node.level and not _provides(node, provided):
             raise KadaptError(
                 f"{path.name} uses a relative import and cannot be embedded in a generated module"
             )
@@ -66,6 +71,11 @@ def split_module(path: Path) -> EmbeddedModule:
     )
     body = "".join(lines[body_start:]).strip("\n") + "\n"
     return EmbeddedModule(tuple(imports), body, summary, names, names - imported, _package_path(path))
+
+
+def _provides(node: ast.ImportFrom, provided: frozenset[str]) -> bool:
+    """Whether relative import ``node`` binds only names the generated module defines itself."""
+    return bool(node.level) and all(alias.asname is None and alias.name in provided for alias in node.names)
 
 
 def _package_path(path: Path) -> str:

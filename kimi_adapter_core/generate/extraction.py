@@ -33,6 +33,7 @@ from ..backends.extraction.job.contact_points import stack_points
 from ..backends.extraction.names import kv_names
 from ..backends.extraction.options import abi_graph_names, spec_paged
 from ..backends.extraction.runtime import abi as runtime
+from ..backends.extraction.runtime import symbolic
 from ..checkpoint import dtypes
 from ..config.source import resolve_source
 from ..errors import KadaptError
@@ -265,27 +266,34 @@ def render_extraction(spec: Spec) -> list[Rendered]:
     runtime_module = split_module(Path(runtime.__file__))
     encoding_module = split_module(Path(encoding.__file__))
     upstream_module = split_module(Path(upstream.__file__))
+    # the reference binder, which run_graph binds through; the module defines its own KadaptError
+    binder_module = split_module(Path(symbolic.__file__), provided=frozenset({"KadaptError"}))
     embedded = EmbeddedCallables(provided={upstream.__name__: upstream_module.names})
     patches = _patches(spec, embedded)
     # The backend's own dtype step, so a generated model holds the dtypes kadapt exports.
     cast = embedded.add(dtypes.cast_to_abi_dtype, what="extraction dtype cast")
     # kadapt's own pin check, so a generated module refuses drifted upstream code as apply does
     check_pin = embedded.add(portable.check_pin, what="patch pins")
-    runtime_defs, encoding_defs, upstream_defs = (
-        m.definitions for m in (runtime_module, encoding_module, upstream_module)
-    )
+    bodies = (runtime_module, encoding_module, upstream_module, binder_module)
     shared = sorted(
-        (runtime_defs & encoding_defs) | (runtime_defs & upstream_defs) | (encoding_defs & upstream_defs)
+        {
+            name
+            for i, one in enumerate(bodies)
+            for other in bodies[i + 1 :]
+            for name in one.definitions & other.definitions
+        }
     )
     if shared:  # one would silently replace the other in the generated module
-        raise KadaptError(f"runtime.py, encoding.py and upstream.py must not define the same names: {shared}")
-    whole = runtime_module.names | encoding_module.names | upstream_module.names
+        raise KadaptError(
+            f"runtime.py, encoding.py, upstream.py and symbolic.py must not define the same names: {shared}"
+        )
+    whole = runtime_module.names | encoding_module.names | upstream_module.names | binder_module.names
     clashes = sorted(whole & set(embedded.sources))
     if clashes:
         raise _fail(
             spec, "patches", f"patch implementations {clashes} clash with names of the extraction runtime"
         )
-    own_imports = set(runtime_module.imports) | set(encoding_module.imports) | set(upstream_module.imports)
+    own_imports = {line for module in bodies for line in module.imports}
     backend = spec.backend_options(TARGET)
     context = {
         "spec": spec_identity(spec),
@@ -313,9 +321,7 @@ def render_extraction(spec: Spec) -> list[Rendered]:
         "stack_parts": dict(spec.stack_parts().stated),  # {}: transformers' usual names
         "source_config": _source_config(spec),
         "runtime": {
-            "imports": list(
-                dict.fromkeys((*runtime_module.imports, *encoding_module.imports, *upstream_module.imports))
-            ),
+            "imports": list(dict.fromkeys(line for module in bodies for line in module.imports)),
             "body": runtime_module.body,
             "summary": runtime_module.summary,
             "source": runtime_module.source,
@@ -325,6 +331,7 @@ def render_extraction(spec: Spec) -> list[Rendered]:
             "summary": encoding_module.summary,
             "source": encoding_module.source,
         },
+        "binder": {"body": binder_module.body, "source": binder_module.source},
         "upstream": {
             "body": upstream_module.body,
             "summary": upstream_module.summary,

@@ -84,7 +84,14 @@ class MergedReplay:
             batch=prompt.shape[0], prefill_len=prompt.shape[1], dtype=self.dtype, device="cpu"
         )
         inputs = (prompt, features, mask, positions)
-        ir = bind_ir(self.ir, inputs, self.ranges, graph=MERGED, placeholders=self.placeholders)
+        ir = bind_ir(
+            self.ir,
+            inputs,
+            self.ranges,
+            graph=MERGED,
+            placeholders=self.placeholders,
+            max_cache_len=self.max_cache_len,
+        )
         logits, *present = torch_ir.IRExecutor(ir, self.weights).execute(inputs)
         if self.place is not None:  # the decode cache the text replay keeps (a paged pool)
             return logits, self.place(present, torch.full((prompt.shape[0],), prompt.shape[1]))

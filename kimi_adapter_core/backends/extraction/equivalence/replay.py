@@ -16,8 +16,8 @@ class Replay:
     """Runs the saved IR files with torch_ir's executor, the way another tool would.
 
     Every call goes through ``symbolic.bind_ir`` first: inputs the graph was not made for (a prompt
-    outside a dynamic range or longer than a static one, a wrong batch, dtype or cache shape) are refused
-    there, before execution, and dynamic sizes are bound to this call's shapes.
+    outside a dynamic range or longer than a static one, a wrong batch, dtype or cache shape, a position
+    past the cache) are refused there, before execution, and dynamic sizes are bound to this call's shapes.
 
     A graph is a pure function of its inputs and weights, and verify's checks feed it the same inputs
     more than once: the states check (``departure.walk``) replays exactly the prefill and greedy decode
@@ -52,7 +52,14 @@ class Replay:
         held = self.ran.get(key)
         if held is not None and held[0] is self.weights:
             return [tensor.clone() for tensor in held[1]]
-        ir = bind_ir(self.irs[kind], inputs, self.ranges, graph=kind, values=self.values.get(kind))
+        ir = bind_ir(
+            self.irs[kind],
+            inputs,
+            self.ranges,
+            graph=kind,
+            values=self.values.get(kind),
+            max_cache_len=self.max_cache_len,  # a prefill's positions too: its KV fills this cache
+        )
         outputs = list(torch_ir.IRExecutor(ir, self.weights).execute(inputs))
         self.ran[key] = (self.weights, [tensor.clone() for tensor in outputs])
         return outputs

@@ -24,6 +24,16 @@ the k-th placeholder and cannot count them). The loaded IR carries no metadata, 
 ``Placeholders.from_document`` of the KV mapping's ``merged_prefill`` section (or of the IR metadata's
 ``multimodal`` block), and the ranges of its ``dynamic`` block (``ranges_from``).
 
+Nor does a declaration state which positions a graph may take, and there the graph fails silently: a
+decode row at a position past the cache finds no slot, and the contiguous cache's per-row write
+(``write_rows``) drops its token without an error. So the binder reads the values of the position inputs
+(one min and one max each) and refuses a row outside ``0..max_cache_len-1``, naming the input, the row,
+its position and the limit, on every graph that writes a static cache: a decode graph (contiguous or
+paged) always, its limit read from its own declaration (the attention mask's key length is
+``max_cache_len``), a prefill whenever the runtime passes the ``max_cache_len`` of the cache it fills.
+``check_values=False`` skips every check that reads values (positions, ``values``, placeholders), for a
+runtime that checks them itself: on an accelerator each read is a device sync.
+
 Everything here reads files a user may have edited or downloaded, so each reader is bounded and fails as
 one ``KadaptError`` before execution: an expression is at most ``MAX_EXPRESSION_CHARS`` characters,
 nested at most ``MAX_EXPRESSION_DEPTH`` deep, uses only the grammar above, never divides by zero and
@@ -37,8 +47,7 @@ import ast
 import copy
 import operator
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ....errors import KadaptError
 
@@ -61,11 +70,17 @@ MAX_EXPRESSION_CHARS = 4096  # the writer's longest expressions are a few dozen 
 MAX_EXPRESSION_DEPTH = 64  # nesting of operators, calls and attribute lists
 MAX_VALUE = 2**63 - 1  # |value| of any constant or intermediate result: torch sizes are int64
 MAX_DIM = 2**31 - 1  # largest size a dynamic dimension's range may allow
+# why a position outside the cache is refused (the contiguous write would drop the token silently)
+POSITION_RULE = (
+    ": a position must be a slot of the cache (max_cache_len {limit}); past it the token has no slot and "
+    "its write would be dropped"
+)
 
 
-@dataclass(frozen=True)
-class DimRange:
-    """The sizes one symbol may take, both ends included."""
+class DimRange(NamedTuple):
+    """The sizes one symbol may take, both ends included. (Named tuples, not dataclasses, here: a
+    generated module embeds this file, and a dataclass needs its module in ``sys.modules``, which a
+    module imported by path is not.)"""
 
     min: int
     max: int
@@ -173,8 +188,7 @@ def _located(where: str) -> str:
     return f"{where}: " if where else ""
 
 
-@dataclass(frozen=True)
-class Placeholders:
+class Placeholders(NamedTuple):
     """The multimodal prefill's placeholder rule: the token ids (the graph's first input, the ABI's
     ``input_ids`` role) hold exactly as many ``token_id`` tokens, over the whole ``[batch, prefill_len]``,
     as the ``features_input`` tensor has rows."""
@@ -278,14 +292,18 @@ def check_inputs(
     graph: str,
     placeholders: Placeholders | None = None,
     values: Mapping[str, tuple[int, int]] | None = None,
+    max_cache_len: int | None = None,
+    check_values: bool = True,
 ) -> dict[str, int]:
     """Refuse ``inputs`` (tensors: ``.shape``, ``.dtype``) the loaded ``torch_ir`` IR ``ir`` was not made
     for, before execution; return each symbol's size.
 
     Checked: the input count, each input's rank and static dimensions, each symbol's range and
-    agreement across inputs (``bind_sizes``), each dtype against the declaration, with
-    ``placeholders`` the multimodal prefill's placeholder count against the feature rows, and with
-    ``values`` (``{input name: (low, high)}``, see ``decode_value_ranges``) the values of index inputs.
+    agreement across inputs (``bind_sizes``), each dtype against the declaration; then, unless
+    ``check_values`` is False, the rows' positions against the cache (``position_inputs``; a prefill's
+    only with ``max_cache_len``), with ``placeholders`` the multimodal prefill's placeholder count
+    against the feature rows, and with ``values`` (``{input name: (low, high)}``, see
+    ``decode_value_ranges``) the values of index inputs.
     """
     sizes = bind_sizes(
         [(meta.name, tuple(meta.shape)) for meta in ir.graph_inputs],
@@ -300,17 +318,63 @@ def check_inputs(
                 f"{graph} input {meta.name}: expected {meta.dtype} {_dims(meta.shape)}, got {got} "
                 f"{_dims(tensor.shape)}: dtype must be {meta.dtype}"
             )
+    if not check_values:
+        return sizes
+    indices, limit = position_inputs(ir, graph=graph)
+    limit = limit if limit is not None else max_cache_len
+    if limit is not None:
+        for index in indices:
+            meta = ir.graph_inputs[index]
+            _check_rows(graph, meta.name, inputs[index], 0, limit - 1, POSITION_RULE.format(limit=limit))
     if placeholders is not None:
         _check_placeholders(ir, inputs, placeholders, graph=graph)
     for meta, tensor in zip(ir.graph_inputs, inputs, strict=True):
-        if values and meta.name in values and tensor.numel():
+        if values and meta.name in values:
             low, high = values[meta.name]
-            least, most = int(tensor.min()), int(tensor.max())
-            if least < low or most > high:
-                raise KadaptError(
-                    f"{graph} input {meta.name}: values must lie in {low}..{high}, got {least}..{most}"
-                )
+            _check_rows(graph, meta.name, tensor, low, high)
     return sizes
+
+
+def position_inputs(ir: Any, *, graph: str) -> tuple[list[int], int | None]:
+    """The indices of ``ir``'s position inputs by ABI role, and the cache length its own declaration
+    states (None when it states none).
+
+    A text graph's first input is the token ids ``[batch, length]`` and its first 4-dim input the
+    attention mask ``[batch, 1, query_len, key_len]``; ``position_ids`` follows the mask. A decode graph
+    then takes ``cache_position`` ``[batch]`` (one dim), and its mask spans the whole cache, so the mask's
+    key length is ``max_cache_len`` (paged too: the mask is over logical positions). A graph of any
+    other form (vision) has no positions.
+    """
+    declared = [tuple(meta.shape) for meta in ir.graph_inputs]
+    if not declared or len(declared[0]) != 2:
+        return [], None
+    mask = next((index for index, shape in enumerate(declared) if len(shape) == 4), None)
+    if mask is None or mask + 1 >= len(declared):
+        return [], None
+    if mask + 2 >= len(declared) or len(declared[mask + 2]) != 1:
+        return [mask + 1], None
+    key_len = declared[mask][3]
+    if not isinstance(key_len, int) or isinstance(key_len, bool) or key_len < 1:
+        meta = ir.graph_inputs[mask]
+        raise KadaptError(
+            f"{graph} input {meta.name}: declared {_dims(meta.shape)}, but a decode graph's mask spans the "
+            f"cache: its key length must be max_cache_len, a positive integer, got {_shown(key_len)}"
+        )
+    return [mask + 1, mask + 2], key_len
+
+
+def _check_rows(graph: str, name: str, tensor: Any, low: int, high: int, why: str = "") -> None:
+    """Refuse ``tensor`` unless every value lies in ``low..high``, naming the first row (dim 0) that
+    does not and its value, then ``why``: one min and one max when all is well."""
+    if not tensor.numel() or (low <= int(tensor.min()) and int(tensor.max()) <= high):
+        return
+    if not len(tensor.shape):  # a scalar: one row
+        tensor = tensor.reshape(1)
+    for row in range(tensor.shape[0]):
+        least, most = int(tensor[row].min()), int(tensor[row].max())
+        if least < low or most > high:
+            value = least if least < low else most
+            raise KadaptError(f"{graph} input {name}: row {row} holds {value}, outside {low}..{high}{why}")
 
 
 def decode_value_ranges(ir: Any, mapping: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
@@ -358,15 +422,28 @@ def bind_ir(
     graph: str,
     placeholders: Placeholders | None = None,
     values: Mapping[str, tuple[int, int]] | None = None,
+    max_cache_len: int | None = None,
+    check_values: bool = True,
 ) -> Any:
     """The loaded ``torch_ir`` IR, ready to execute on ``inputs``: checked first (``check_inputs``: a
     ``KadaptError`` here, before execution, for any input the graph was not made for), then a copy with
     every symbol replaced by its size.
 
     Only nodes with symbolic attributes are copied; a static IR comes back unchanged. Call it on every
-    execution, not once per shape: dtypes and placeholder counts differ between calls of one shape.
+    execution, not once per shape: dtypes, positions and placeholder counts differ between calls of one
+    shape. ``max_cache_len``: the cache a prefill's outputs are placed in (a decode graph states its own);
+    ``check_values=False`` binds on shapes and dtypes alone (see the module docstring).
     """
-    sizes = check_inputs(ir, inputs, ranges, graph=graph, placeholders=placeholders, values=values)
+    sizes = check_inputs(
+        ir,
+        inputs,
+        ranges,
+        graph=graph,
+        placeholders=placeholders,
+        values=values,
+        max_cache_len=max_cache_len,
+        check_values=check_values,
+    )
     if not sizes:
         return ir
     bound = copy.copy(ir)
