@@ -73,7 +73,9 @@ CORE = ("llama", "kimi_k25", "mistral")
 # specs whose attention picks its keys by a top-k of scores (DeepSeek sparse attention's indexer)
 SPARSE_ATTENTION = ("deepseek_v32", "glm5")
 # specs whose bf16 greedy tokens may part between the exported and the eager experts implementation
-BF16_SCAN_TOKENS_MAY_PART = ("kimi_linear",)
+# MiniMax's lightning recurrence likewise: on one machine the eager loop's tokens matched, on another
+# they part at step 2 (max diff 6.4) while the as-built run stays bit-identical
+BF16_SCAN_TOKENS_MAY_PART = ("kimi_linear", "minimax_text_01")
 DTYPES = ("float32", "bfloat16")
 PREFILL, CACHE, STEPS = 8, 16, 4
 FP32_TOLERANCE = 1e-4

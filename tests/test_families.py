@@ -79,16 +79,22 @@ def test_full_size_apply_and_verify(spec_path: Path, shipped_apply: SharedApplie
             assert structure.linear is not None
             recurrent = structure.linear.recurrent_state
             assert [k for k in layer if k.startswith(("prefill_", "decode_"))] == [
-                "prefill_recurrent_output", "decode_recurrent_input", "decode_recurrent_output"
+                "prefill_recurrent_output",
+                "decode_recurrent_input",
+                "decode_recurrent_output",
             ]
             assert tuple(layer["decode_recurrent_output"]["shape"]) == (1, *recurrent.shape())
             assert layer["decode_recurrent_output"]["dtype"] == recurrent.dtype_in(spec.abi.dtype)
             continue
-        if kind == "none":  # a block with no mixer (Nemotron-H's MLP blocks) carries no state
+        if kind in ("none", "shared"):  # no mixer (Nemotron-H's MLP blocks) or another layer's KV (Gemma-4)
             assert not [k for k in layer if k.startswith(("prefill_", "decode_"))], layer
             continue
-        assert tuple(layer["decode_key_input"]["shape"]) == key
-        assert tuple(layer["decode_value_output"]["shape"]) == value
+        dims = structure.kv_dims(layer["layer"], layout)  # each layer its own shape (Gemma-4, MiMo)
+        own_key, own_value = runtime.kv_shapes(dims, 1, spec.abi.max_cache_len)
+        assert tuple(layer["decode_key_input"]["shape"]) == own_key
+        assert tuple(layer["decode_value_output"]["shape"]) == own_value
+        if structure.layer_kv_dims(layout) is None:
+            assert (own_key, own_value) == (key, value)
         if kind == "indexed":  # the DSA indexer's keys: one head of the indexer's width, a slot per token
             assert structure.indexer is not None
             index_key = (1, 1, spec.abi.max_cache_len, structure.indexer.head_dim)

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.generate import render_spec
-from kimi_adapter_core.generate.docs import comment_text, md_cell, md_code, md_paragraph, mermaid_label
+from kimi_adapter_core.generate.markdown import comment_text, md_cell, md_code, md_paragraph, mermaid_label
 from kimi_adapter_core.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[1]

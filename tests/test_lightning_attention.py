@@ -88,6 +88,16 @@ def _wrappers(model: torch.nn.Module) -> tuple[runtime.PrefillWrapper, runtime.D
     )
 
 
+def same(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
+    """Bit-identical in bfloat16; in float32 within 1e-6 of the largest |value| (the static graph's
+    matmuls may block differently from the dynamic cache's on another CPU: one machine gave equal bits,
+    another a last-place difference in the decode logits)."""
+    if ours.dtype == torch.bfloat16:
+        return torch.equal(ours, theirs)
+    bound = 1e-6 * max(1.0, float(theirs.abs().max()))
+    return ours.shape == theirs.shape and float((ours - theirs).abs().max()) <= bound
+
+
 def _theirs(cache: MiniMaxCache) -> list[torch.Tensor]:
     """What transformers' cache holds, in the ABI's order: layer 0's state, layer 1's key and value."""
     return [cache.get_linear_cache(0), cache.layers[1].keys, cache.layers[1].values]
@@ -105,8 +115,8 @@ def test_prefill_and_decode_equal_transformers_with_its_minimax_cache(dtype: tor
         reference = model(input_ids=prompt, position_ids=positions, **{keyword: cache}, use_cache=True).logits
         logits, *present = prefill(prompt, causal, positions)
     assert present[0].dtype == dtype and present[0].shape == (1, 4, 8, 8)
-    assert torch.equal(logits, reference)
-    assert all(torch.equal(ours, theirs) for ours, theirs in zip(present, _theirs(cache), strict=True))
+    assert same(logits, reference)
+    assert all(same(ours, theirs) for ours, theirs in zip(present, _theirs(cache), strict=True))
     states = runtime.place_prefill_kv(present, CACHE, ["lightning", "attention"])
     for step in range(STEPS):
         token, position = logits[:, -1:].argmax(-1), PROMPT + step
@@ -118,12 +128,12 @@ def test_prefill_and_decode_equal_transformers_with_its_minimax_cache(dtype: tor
             reference = step.logits
             logits, *states = decode(token, mask, positions, torch.tensor([position]), *inputs)
         assert all(torch.equal(a, b) for a, b in zip(inputs, before, strict=True))  # inputs untouched
-        assert torch.equal(logits, reference)
+        assert same(logits, reference)
         theirs = _theirs(cache)
-        assert torch.equal(states[0], theirs[0])  # the recurrent state after the step
+        assert same(states[0], theirs[0])  # the recurrent state after the step
         assert not torch.equal(states[0], before[0])  # the step moved it
         for ours, full in zip(states[1:], theirs[1:], strict=True):  # the KV rows written so far
-            assert torch.equal(ours[:, :, : position + 1], full)
+            assert same(ours[:, :, : position + 1], full)
 
 
 def test_plan_names_every_tensor_and_decay_buffer_transformers_builds() -> None:

@@ -339,7 +339,8 @@ def test_simulate_every_family(name: str, decode: bool) -> None:
         assert not any("mla" in n for n in names)
     # a traced layer per kind: each attention layer runs its attention kernel, each linear layer its scan
     kinds = s.layer_kinds
-    attending = len(s.attention_layer_ids)  # full, sliding, chunked, indexed
+    # full, sliding, chunked, indexed, and the KV-sharing layers (Gemma-4: they attend over another's cache)
+    attending = len(s.attention_layer_ids) + len(s.shared_layer_ids)
     assert sum(r.count for r in rows if r.name == attention_kernel(s, decode)) == attending
     if s.linear is not None:  # each linear layer runs its mixer's scan (decode: the recurrent update)
         scan = LINEAR_SCANS[s.linear.kind][0 if decode else 1]

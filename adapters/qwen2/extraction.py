@@ -694,6 +694,9 @@ class _TextStack(nn.Module):
             raise ValueError(f"unknown kv_layout {kv_layout!r}; valid: {', '.join(KV_LAYOUTS)}")
         check_mla_attention(kv_layout, mla_attention)
         self.embed_tokens = embed_tokens
+        # registered in the order the graph first uses them (the one-trace export lists buffers by
+        # registration, the two-call one by use: the IR's constants must not depend on which ran)
+        self.per_layer_inputs = per_layer_inputs
         self.layers = nn.ModuleList(layers)
         self.norm = norm
         self.rotary_emb = rotary_emb
@@ -703,7 +706,6 @@ class _TextStack(nn.Module):
         self.mla_attention = mla_attention
         self.embedding_ops = tuple(embedding_ops)
         self.logit_ops = tuple(logit_ops)
-        self.per_layer_inputs = per_layer_inputs
         # each traced layer's kind (LAYER_STATES), by its position in the stack; None: all attention
         self.kinds = [
             layer_kinds[i] if layer_kinds is not None else "attention" for i in range(len(self.layers))

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from .reader import tables
+
 
 def pattern_period(sequence: Sequence[Any], limit: int) -> int:
     """Layers that hold one whole period of a per-layer pattern: the shortest ``p`` with ``sequence[i] ==
@@ -28,7 +30,8 @@ def shorten_layers(section: Mapping[str, Any], total: int, keep: int) -> dict[st
     """Overrides that cut every per-layer list of a text config section (``layer_types``,
     ``mlp_layer_types``, ``activation_sparsity_pattern``, ...: any list with one entry per layer) to
     its first ``keep`` layers, as config classes require once the stack is shortened, the per-layer
-    overrides of a heterogeneous config (``per_layer_config``) to those layers, and a layout of one
+    overrides of a heterogeneous config (``per_layer_config``) to those layers, a KV-sharing count
+    (Gemma-4's ``num_kv_shared_layers``) to the sharing layers among them, and a layout of one
     letter per layer (``PATTERN_KEY``: Nemotron-H's config class builds its stack from the letters, whatever
     ``num_hidden_layers`` says)."""
     cut: dict[str, Any] = {
@@ -39,6 +42,10 @@ def shorten_layers(section: Mapping[str, Any], total: int, keep: int) -> dict[st
     pattern = section.get(PATTERN_KEY)
     if isinstance(pattern, str) and len(pattern) == total:
         cut[PATTERN_KEY] = pattern[:keep]
+    sharing = tables()["kv_sharing"].get(section.get("model_type"))
+    shared = section.get(sharing["key"]) if sharing is not None else None
+    if isinstance(shared, int) and shared > 0 and keep < total:  # the prefix's own KV-sharing tail
+        cut[sharing["key"]] = max(0, keep - (total - shared))
     overrides = section.get("per_layer_config")
     if isinstance(overrides, Mapping):  # heterogeneous configs: overrides keyed by layer index
         cut["per_layer_config"] = {
