@@ -4,6 +4,7 @@ fails later with another exception."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import queue
@@ -139,6 +140,7 @@ def _signal_apply_after(delay: float, signum: int, out: Path) -> tuple[int, str]
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == READY
         time.sleep(delay)
+        assert proc.poll() is None, f"the run ended within {delay} s: the signal would interrupt nothing"
         proc.send_signal(signum)
         _, stderr = proc.communicate(timeout=120)
     finally:
@@ -149,8 +151,27 @@ def _signal_apply_after(delay: float, signum: int, out: Path) -> tuple[int, str]
 
 
 # From main's start: command-line parsing, importing torch and transformers, the lazy imports of the
-# contact-point check (numpy, scipy: ~1 s in on an idle machine), the model build, the export.
-DELAYS = (0.02, 0.1, 0.3, 0.7, 1.0, 1.3, 2.0, 3.5)
+# contact-point check (numpy, scipy: ~1 s in on an idle machine), the model build, the export. Fractions
+# of the run's own length, measured first: on a fast machine a fixed 3.5 s landed after the run had
+# ended (exit 0), on a slow one it would land before the export.
+FRACTIONS = (0.005, 0.03, 0.1, 0.2, 0.3, 0.4, 0.55, 0.7)
+
+
+@functools.cache
+def _run_seconds(out: Path) -> float:
+    """How long ``kadapt apply specs/llama.yaml --no-cache`` runs after its READY line, undisturbed."""
+    proc = subprocess.Popen(
+        [*KADAPT_READY, "apply", "specs/llama.yaml", "--no-cache", "--output-dir", str(out)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == READY
+    start = time.monotonic()
+    proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    return time.monotonic() - start
 
 
 @pytest.mark.parametrize(
@@ -164,7 +185,8 @@ def test_a_signal_at_any_moment_of_apply_ends_it_cleanly(tmp_path, signum, code,
     # for SIGTERM ends the process outright (-15) and for SIGINT raises outside main's try.
     # SIGTERM is checked once the imports are done: one run in ~12 got SIGTERM inside torch's import
     # (0.7 s) and died of SIGABRT (-6), a defect the closing note of 2026-11-28 records as open.
-    delays = DELAYS if signum == signal.SIGINT else DELAYS[-1:]
+    seconds = _run_seconds(tmp_path.parent / "undisturbed")
+    delays = [round(f * seconds, 3) for f in (FRACTIONS if signum == signal.SIGINT else FRACTIONS[-1:])]
     for delay in delays:
         out = tmp_path / f"out-{delay}"
         status, stderr = _signal_apply_after(delay, signum, out)
