@@ -234,5 +234,7 @@ def test_the_spec_page_says_which_layers_read_whose_keys_and_values() -> None:
     assert "| 14 | full | — | own | dense |" in page
     assert "| 15 .. 18 | sliding | 512 | layer 13's | dense 12288 |" in page
     assert "| 34 | full | — | layer 14's | dense 12288 |" in page
+    assert "lists, for each of the 15 layers that keep their own keys and values" in page
+    assert "other 20 layers reuse another layer's, kind `shared`" in page
     # a stack without sharing keeps the table it had
     assert "| layers | attention | window | MLP |" in (REPO / "docs" / "specs" / "gemma4_31b.md").read_text()

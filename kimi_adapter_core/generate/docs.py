@@ -223,6 +223,8 @@ def _abi_context(spec: Spec, d: abi_tables.Dims | None) -> dict[str, Any] | None
         "indexed": _indexed_context(spec, d, prefill, decode) if d.index_dim is not None else None,
         "config_label": md_code(abi.config) if abi.config else "root config",
         "num_layers": d.num_layers,
+        # KV-sharing layers (Gemma-4) carry no state: the mapping's entries for them name their source
+        "shared_layers": len(d.structure.shared_layer_ids),
         "batch": abi.batch,
         "prefill_len": abi.prefill_len,
         "max_cache_len": abi.max_cache_len,
