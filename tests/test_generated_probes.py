@@ -86,3 +86,28 @@ def test_wrappers_probe_the_layers_under_the_patches(tmp_path: Path) -> None:
     assert logits.shape[:2] == (1, module.PREFILL_LEN) and torch.isfinite(logits).all()
     with pytest.raises(module.LayersUnsupported, match="Llama4TextRotaryEmbedding returns Tensor"):
         module.decoder_protocol(language_model)
+
+
+def test_the_layer_probe_cache_keeps_the_newest_results_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every patch session installs new dispatchers, so its layers probe under new keys: the cache keeps
+    the newest ``MAX_PROTOCOLS`` results, oldest dropped first, instead of every session's layers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kimi_adapter_core import upstream
+
+    upstream.forget()
+    monkeypatch.setattr(upstream, "MAX_PROTOCOLS", 2)
+    models = []
+    for width in (32, 48, 64):  # other parameter shapes: other keys
+        config = LlamaConfig(
+            hidden_size=width, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, vocab_size=32,
+        )  # fmt: skip
+        with torch.device("meta"):
+            models.append(LlamaForCausalLM(config))
+        upstream.decoder_protocol(models[-1].model)
+    kept = [key for key in upstream._protocols]
+    assert len(kept) == 2
+    widths = {shape[1] for key in kept for part in key[2:] for shape, _ in part[2] if len(shape) == 2}
+    assert 32 not in widths and {48, 64} <= widths  # the first model's result went first
+    upstream.forget()

@@ -2751,6 +2751,10 @@ def _layer_key(layer: Any, rotary_emb: Any, layer_type: str | None) -> tuple[Any
 
 
 _protocols: dict[tuple[Any, ...], LayerProtocol] = {}
+# Probe results kept at most: every patch session installs new dispatchers, so a key holding them is
+# new each session (``_layer_key``) and a long-lived process (a test run, the family matrix) would keep
+# every session's layers and methods alive; the oldest results are dropped first (a re-probe is cheap).
+MAX_PROTOCOLS = 256
 
 
 def probe_decoder_layers(
@@ -2782,6 +2786,8 @@ def probe_decoder_layers(
         if key not in _protocols:
             with torch.no_grad():
                 _protocols[key] = _probe_layer(layer, roped, layer_type, kind, index)
+            while len(_protocols) > MAX_PROTOCOLS:  # dicts keep insertion order: the oldest first
+                del _protocols[next(iter(_protocols))]
         protocols.append(_protocols[key])
     for field, what in (
         ("linear_states", "one conv and recurrent state shape for every linear layer"),
