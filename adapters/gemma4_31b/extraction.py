@@ -2972,6 +2972,7 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
     )
     keyword = cache_keyword(layer)
     cache = _RecordingCache(kind)
+    inputs = stack_inputs(layer, hidden, kind)  # a KV-sharing layer's reads are checked below
     failure: Exception | None = None
     try:
         out = layer(
@@ -2980,7 +2981,7 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
             position_ids=positions,
             use_cache=True,
             position_embeddings=embeddings,
-            **(inputs := stack_inputs(layer, hidden, kind)),
+            **inputs,
             **{keyword: cache if kind not in MIXERLESS_KINDS else None},
         )
     except Exception as exc:  # noqa: BLE001 - a protocol mismatch explains what failed after it

@@ -24,6 +24,7 @@ from .sweep_options import (
     layout_notes,
     notes_json,
     notes_text,
+    shipped_column,
     sweep_modes,
     with_options,
 )
@@ -268,15 +269,13 @@ def serving_text(
     if front:
         labels = [weights.label(c.quant) for c in front]
         w = column_width(labels, "weights")
-        ws = column_width([weights.shipped], "shipped")
-        shipped = "" if weights.only_shipped else f" {'shipped':<{ws}}"
+        shipped, row_shipped = shipped_column(weights)
         lines += [
             f"Pareto front ({len(front)} points meeting the SLA; tokens/s per user vs tokens/s per device):",
             f"  {'mode':<6} {'tok/s/user':>10} {'tok/s/device':>12} {'TTFT ms':>8} {'TPOT ms':>8} "
             f"{'devices':>7}  {'weights':<{w}}{shipped} {'KV':<4} {'notes':<5} layout",
         ]
         for c, label in zip(front, labels, strict=True):
-            row_shipped = "" if weights.only_shipped else f" {weights.shipped:<{ws}}"
             lines.append(
                 f"  {c.mode:<6} {c.tokens_per_s_per_user:>10.1f} {c.tokens_per_s_per_device:>12.1f} "
                 f"{c.ttft * 1e3:>8.0f} {c.tpot * 1e3:>8.1f} {c.devices:>7}  "

@@ -252,6 +252,15 @@ def column_width(values: Sequence[str], title: str) -> int:
     return max([len(title), *(len(v) for v in values)])
 
 
+def shipped_column(weights: WeightModes) -> tuple[str, str]:
+    """A row table's shipped-format column: its header and each row's cell, both empty when only the
+    shipped format was priced (every row's weights are then the shipped ones)."""
+    if weights.only_shipped:
+        return "", ""
+    width = column_width([weights.shipped], "shipped")
+    return f" {'shipped':<{width}}", f" {weights.shipped:<{width}}"
+
+
 def sweep_text(
     result: SweepResult,
     spec: Spec,
@@ -280,8 +289,7 @@ def sweep_text(
     else:
         labels = [weights.label(p.config.quant) for p in front]
         w = column_width(labels, "weights")
-        ws = column_width([weights.shipped], "shipped")
-        shipped = "" if weights.only_shipped else f" {'shipped':<{ws}}"
+        shipped, row_shipped = shipped_column(weights)
         lines += [
             f"Pareto front ({len(front)} points; tokens/s per user vs tokens/s per device):",
             f"  {'tok/s/user':>11} {'tok/s/device':>13} {'step ms':>9} {'batch':>6}  {'layout':<18} "
@@ -289,7 +297,6 @@ def sweep_text(
         ]
         for p, label in zip(front, labels, strict=True):
             c = p.config
-            row_shipped = "" if weights.only_shipped else f" {weights.shipped:<{ws}}"
             marks = ",".join(notes[1].get(c.layout, ()))
             lines.append(
                 f"  {p.tokens_per_s_per_user:>11.1f} {p.tokens_per_s_per_device:>13.1f} "

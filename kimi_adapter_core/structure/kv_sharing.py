@@ -12,7 +12,7 @@ no input for another model's keys and values. The sharing layers may have a dens
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import Refusal
@@ -22,6 +22,18 @@ from .reader import MISSING, Reader, locate, tables
 def kv_sharing_rule(model_type: Any) -> dict[str, Any] | None:
     """The model type's KV-sharing rule (``config_keys.yaml`` ``kv_sharing``), or None."""
     return tables()["kv_sharing"].get(model_type)
+
+
+def shared_in_prefix(model_type: Any, section: Mapping[str, Any], total: int, keep: int) -> dict[str, int]:
+    """The KV-sharing count of a stack cut to its first ``keep`` of ``total`` layers, under the family's
+    key (``{}`` for a family that shares nothing, or a stack not cut): the sharing layers are the last
+    ones, so the prefix keeps those past ``total - shared``."""
+    rule = kv_sharing_rule(model_type)
+    shared = section.get(rule["key"]) if rule is not None else None
+    if isinstance(shared, bool) or not isinstance(shared, int) or shared <= 0 or keep >= total:
+        return {}
+    assert rule is not None
+    return {rule["key"]: max(0, keep - (total - shared))}
 
 
 def kv_sources(read: Reader, types: Sequence[Any] | None, num_layers: int) -> tuple[int | None, ...]:

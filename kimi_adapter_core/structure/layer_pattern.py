@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .reader import tables
+from .kv_sharing import shared_in_prefix
 
 
 def pattern_period(sequence: Sequence[Any], limit: int) -> int:
@@ -42,10 +42,7 @@ def shorten_layers(section: Mapping[str, Any], total: int, keep: int) -> dict[st
     pattern = section.get(PATTERN_KEY)
     if isinstance(pattern, str) and len(pattern) == total:
         cut[PATTERN_KEY] = pattern[:keep]
-    sharing = tables()["kv_sharing"].get(section.get("model_type"))
-    shared = section.get(sharing["key"]) if sharing is not None else None
-    if isinstance(shared, int) and shared > 0 and keep < total:  # the prefix's own KV-sharing tail
-        cut[sharing["key"]] = max(0, keep - (total - shared))
+    cut.update(shared_in_prefix(section.get("model_type"), section, total, keep))  # its own sharing tail
     overrides = section.get("per_layer_config")
     if isinstance(overrides, Mapping):  # heterogeneous configs: overrides keyed by layer index
         cut["per_layer_config"] = {

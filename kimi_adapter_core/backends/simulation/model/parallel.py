@@ -88,26 +88,19 @@ class Parallel:
         for whole, part, message in rules:
             if whole % part:
                 raise UsageError(message)
-        kv = a.num_kv_heads
-        if attends and not a.is_mla and kv % self.tp and self.tp % kv:
-            raise UsageError(
-                f"--tp {self.tp} neither divides the {kv} KV heads{key('num_kv_heads')} nor is a multiple of "
-                "them (KV heads are split over TP ranks, or replicated once TP exceeds them)"
-            )
-        self._check_layer_shapes(s)
-
-    def _check_layer_shapes(self, s: ModelStructure) -> None:
-        """Layers with KV heads of their own (Gemma-4's full layers, MiMo-V2-Flash's sliding ones) split
-        them like the stack's: TP divides them or is a multiple of them."""
-        for layer in s.layers:
-            shape = layer.attention_shape
-            if shape is None or shape.num_kv_heads == s.attention.num_kv_heads:
-                continue
-            kv = shape.num_kv_heads
+        # the stack's KV heads, then those of layers with their own (Gemma-4's full layers, MiMo-V2-Flash's
+        # sliding ones): TP divides each count or is a multiple of it
+        kv_heads = [(a.num_kv_heads, key("num_kv_heads"))] if attends and not a.is_mla else []
+        kv_heads += [
+            (layer.attention_shape.num_kv_heads, f" of layer {layer.index}")
+            for layer in s.layers
+            if layer.attention_shape is not None and layer.attention_shape.num_kv_heads != a.num_kv_heads
+        ]
+        for kv, whose in kv_heads:
             if kv % self.tp and self.tp % kv:
                 raise UsageError(
-                    f"--tp {self.tp} neither divides the {kv} KV heads of layer {layer.index} nor is a "
-                    "multiple of them (a layer's KV heads split over TP ranks, or are replicated past them)"
+                    f"--tp {self.tp} neither divides the {kv} KV heads{whose} nor is a multiple of them "
+                    "(KV heads are split over TP ranks, or replicated once TP exceeds them)"
                 )
 
     def split_batch(self, batch: int) -> int:

@@ -23,7 +23,7 @@ from typing import Any
 
 from ....errors import KadaptError, UsageError
 from ....spec.model import Spec
-from ....structure.kv_sharing import kv_sharing_rule
+from ....structure.kv_sharing import shared_in_prefix
 from ....structure.layer_pattern import PATTERN_KEY
 from ....structure.model import Attention, ModelStructure
 from ....structure.reader import tables
@@ -182,12 +182,9 @@ def per_layer_rank_sizes(s: ModelStructure, tp: int, text: Mapping[str, Any], la
     rules = tables()["per_layer_attention"]["rules"].get(s.model_type, {})
     sizes: dict[str, Any] = {}
     for index, shape in shaped.items():
-        rule = rules.get(_layer_type(text, index), {}).get("num_kv_heads")
-        if rule is None or shape.num_kv_heads == s.attention.num_kv_heads:
-            continue
-        want = kv_heads_per_rank(shape, tp)  # a rule of ``times`` holds per rank: ``Parallel.check``
-        if "key" in rule:
-            sizes[rule["key"]] = want
+        rule = rules.get(_layer_type(text, index), {}).get("num_kv_heads", {})
+        if "key" in rule and shape.num_kv_heads != s.attention.num_kv_heads:  # ``times``: follows the stack's
+            sizes[rule["key"]] = kv_heads_per_rank(shape, tp)
     return sizes
 
 
@@ -237,9 +234,7 @@ def rank_overrides(
     if "num_kv_heads" in k:
         sizes[k["num_kv_heads"]] = kv_heads_per_rank(a, tp)
     sizes.update(per_layer_rank_sizes(s, tp, text, layers))
-    sharing = kv_sharing_rule(s.model_type)
-    if sharing is not None and s.shared_layer_ids:  # the built prefix's own sharing tail (Gemma-4)
-        sizes[sharing["key"]] = sum(1 for index in s.shared_layer_ids if index < layers)
+    sizes.update(shared_in_prefix(s.model_type, text, s.num_layers, layers))  # its own sharing tail (Gemma-4)
     # gated DeltaNet's heads split like the attention heads (``Parallel.check``: TP divides them); a KDA or
     # Mamba2 mixer stays whole, its kernels run the rank's 1/tp (``ssm_kernels``)
     if s.linear is not None and s.linear.kind == "gated_delta_net":
