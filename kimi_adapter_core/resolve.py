@@ -62,17 +62,19 @@ def _check_targets(findings: _Findings) -> None:
 
 def _short_model_overrides(spec: Spec) -> dict[str, Any]:
     """Keep enough layers to hold one of each kind (dense and MoE, attention and linear attention), so
-    class names can be found (and a config class that wants both mixers accepts the short stack)."""
+    class names can be found (and a config class that wants both mixers accepts the short stack); a
+    shared-block stack up to its first hybrid layer that reuses a block (transformers ties it there)."""
     from .config.source import resolve_source
     from .structure.layer_pattern import shorten_layers
     from .structure.of_spec import raw_text_section, structure_of_raw
+    from .structure.shared_blocks import reusing_prefix
 
     raw = resolve_source(spec).raw
     structure = structure_of_raw(spec, raw)
     first_of_kind: dict[tuple[bool, str], int] = {}
     for layer in structure.layers:
         first_of_kind.setdefault((layer.attention == "linear", layer.mlp), layer.index)
-    keep = max(first_of_kind.values()) + 1
+    keep = max(max(first_of_kind.values()) + 1, reusing_prefix(structure))
     key, section = raw_text_section(spec, raw)
     prefix = f"{key}." if key else ""
     # config classes need one entry per layer in every per-layer list

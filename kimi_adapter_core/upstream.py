@@ -1057,7 +1057,7 @@ class _RecordingCache:
         self._linear_call("get_conv_state", layer_idx, None)
 
     def get_recurrent_state(self, layer_idx: Any, state_idx: int = 0) -> None:
-        self._linear_call("get_recurrent_state", layer_idx, None, ("linear",))
+        self._linear_call("get_recurrent_state", layer_idx, None, RECURRENT_KINDS)
 
     def is_recording_past(self, layer_idx: Any) -> bool:
         self._linear_call("is_recording_past", layer_idx, None)
@@ -1075,7 +1075,7 @@ class _RecordingCache:
     def update_recurrent_state(
         self, recurrent_states: Any, layer_idx: Any, state_idx: int = 0, **kw: Any
     ) -> Any:
-        self._linear_call("update_recurrent_state", layer_idx, recurrent_states, ("linear",))
+        self._linear_call("update_recurrent_state", layer_idx, recurrent_states, RECURRENT_KINDS)
         return recurrent_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -1274,11 +1274,15 @@ MIXERLESS_KINDS = ("none",)
 # Layer kinds whose states are fixed-size per request (the runtime's ``LINEAR_LAYER_KINDS``; its own
 # name, as both modules are embedded in one generated module): no mask
 FIXED_STATE_KINDS = ("linear", "lightning", "short_conv")
-# The layer kinds that keep a conv window through the linear-attention API (a short convolution alone)
-CONV_KINDS = ("linear", "short_conv")
-# The contact point each kind's cache protocol is (the rest: cache_update)
+# The layer kinds that keep a conv window through the linear-attention API (a short convolution alone;
+# a hybrid layer beside its KV cache), and those that keep a recurrent state through it
+CONV_KINDS = ("linear", "short_conv", "hybrid")
+RECURRENT_KINDS = ("linear", "hybrid")
+# The contact point each kind's cache protocol is (the rest: cache_update; a hybrid layer's attention
+# also calls ``update``)
 STATE_POINTS = {
     "linear": "linear_attention_cache",
+    "hybrid": "linear_attention_cache",
     "lightning": "lightning_attention_cache",
     "short_conv": "short_conv_cache",
 }
@@ -1311,14 +1315,22 @@ class SharedKeysValues(dict):  # type: ignore[type-arg]
         return zeros, zeros
 
 
-def stack_inputs(layer: Any, hidden: Any, kind: str = "attention", length: int = 0) -> dict[str, Any]:
+def stack_inputs(
+    layer: Any, hidden: Any, kind: str = "attention", length: int = 0, index: int = 0, original: Any = None
+) -> dict[str, Any]:
     """The inputs the model's forward builds once per call that the layer's forward takes (the runtime's
     ``STACK_INPUTS``), as the wrappers hand them to the first layer of a call: an empty
     ``shared_kv_states`` (Gemma-4; a ``shared`` layer's reads zeros of ``length`` positions, default the
     call's tokens: ``SharedKeysValues``), a zero ``per_layer_input`` of the layer's width (None where it
-    has none; contact point ``per_layer_inputs``)."""
+    has none; contact point ``per_layer_inputs``), ``original_hidden_states`` (Zamba, Zamba2: what entered
+    the first layer, ``original``; zeros like ``hidden`` where not given) and the layer's ``index`` as
+    ``layer_idx``."""
     params = _signature(type(layer).forward).parameters
     inputs: dict[str, Any] = {}
+    if "original_hidden_states" in params:
+        inputs["original_hidden_states"] = hidden.new_zeros(hidden.shape) if original is None else original
+    if "layer_idx" in params:
+        inputs["layer_idx"] = index
     if "shared_kv_states" in params:
         attention = _attention_of(layer)
         inputs["shared_kv_states"] = (
@@ -1349,7 +1361,11 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
     )
     keyword = cache_keyword(layer)
     cache = _RecordingCache(kind)
-    inputs = stack_inputs(layer, hidden, kind)  # a KV-sharing layer's reads are checked below
+    inputs = stack_inputs(layer, hidden, kind, index=index)  # a KV-sharing layer's reads are checked below
+    if "causal_mask" in _signature(type(layer).forward).parameters:  # runtime.CAUSAL_MASK_INPUT (Zamba)
+        inputs["causal_mask"], mask = mask, None
+    if kind == "hybrid":  # its shared attention caches under the index the layer hands it
+        layer_idx = index
     failure: Exception | None = None
     try:
         out = layer(
@@ -1395,6 +1411,9 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
         )
     if kind == "linear":
         return _linear_protocol(layer_name, keyword, cache, index, out, hidden)
+    if kind == "hybrid":  # attention's KV beside the mixer's states, under one index
+        linear = _linear_protocol(layer_name, keyword, cache, index, out, hidden)
+        return linear._replace(kv_dims=_one_update(layer_name, keyword, cache))
     if kind == "lightning":
         return _lightning_protocol(layer_name, keyword, cache, index, out, hidden)
     if kind == "short_conv":
@@ -1415,16 +1434,8 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
             )
         _check_hidden_states(layer_name, out, hidden)
         return LayerProtocol(keyword, None)
-    if len(cache.calls) != 1:
-        _unsupported(
-            "cache-protocol",
-            layer_name,
-            f"{layer_name}(..., {keyword}=cache) calls cache.update once",
-            f"{len(cache.calls)} calls",
-        )
     _check_hidden_states(layer_name, out, hidden)
-    key, value, layer_idx = cache.calls[0].states()
-    kv_dims = ((key.shape[1], key.shape[-1]), (value.shape[1], value.shape[-1]))
+    kv_dims = _one_update(layer_name, keyword, cache)
     if kind != "indexed":
         return LayerProtocol(keyword, kv_dims)
     indexed_idx, index_keys = cache.state_calls.get("update_indexer", (None, None))
@@ -1439,6 +1450,22 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
             point="indexer_cache",
         )
     return LayerProtocol(keyword, kv_dims, index_dim=int(index_keys.shape[-1]))
+
+
+def _one_update(
+    layer_name: str, keyword: str, cache: _RecordingCache
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """What the layer's one ``update`` call caches per token: ``((key_heads, key_dim), (value_heads,
+    value_dim))``."""
+    if len(cache.calls) != 1:
+        _unsupported(
+            "cache-protocol",
+            layer_name,
+            f"{layer_name}(..., {keyword}=cache) calls cache.update once",
+            f"{len(cache.calls)} calls",
+        )
+    key, value, _ = cache.calls[0].states()
+    return (key.shape[1], key.shape[-1]), (value.shape[1], value.shape[-1])
 
 
 def _check_hidden_states(layer_name: str, out: Any, hidden: Any) -> None:

@@ -49,6 +49,9 @@ REFUSED = {
     ("flex_olmo", 8): ("--ep 8", "7 routed experts (config num_experts)"),
     ("bamba", 2): ("--tp 2", "1 linear-attention key heads (config mamba_n_groups)"),
     ("bamba", 8): ("--tp 8", "1 linear-attention key heads (config mamba_n_groups)"),
+    ("zamba2", 2): ("--tp 2", "1 linear-attention key heads (config mamba_ngroups)"),
+    ("zamba2", 8): ("--tp 8", "1 linear-attention key heads (config mamba_ngroups)"),
+    ("zamba", 8): ("--tp 8", "2 linear-attention value heads (config n_mamba_heads)"),
 }
 FAMILIES = {  # type -> whether it routes experts (EP = TP)
     "olmoe": True,  # q/k norms over every head: a rank's slice, statistics all-reduced
@@ -67,6 +70,8 @@ FAMILIES = {  # type -> whether it routes experts (EP = TP)
     "mamba2": False,  # its num_heads are the SSM heads: the mixer stays whole, no attention is resized
     "bamba": False,  # one Mamba2 B/C group: refused past TP 1
     "bitnet": False,
+    "zamba2": False,  # hybrid layers: a shared block, then Mamba2; one B/C group: refused past TP 1
+    "zamba": False,  # a multi-head Mamba1 scan per SSM head: TP splits the heads
     "flex_olmo": True,
 }
 

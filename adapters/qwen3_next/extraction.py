@@ -333,6 +333,9 @@ def paged_view(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 #  shared:    attention over the keys and values an earlier layer of the same call computed (Gemma-4's
 #             KV sharing: the producer hands them over in ``shared_kv_states``): no state of its own;
 #             it takes its span's mask, and the cache it never touches.
+#  hybrid:    full attention, then a linear mixer, in one layer (Zamba's and Zamba2's hybrid layers: a
+#             shared transformer block, then their own mixer): the KV cache and the mixer's conv window
+#             and recurrent state, all addressed by the mixer's ``layer_idx``.
 LAYER_STATES = {
     "attention": ("key", "value"),
     "linear": ("conv", "recurrent"),
@@ -341,6 +344,7 @@ LAYER_STATES = {
     "indexed": ("key", "value", "index_key"),
     "none": (),
     "shared": (),
+    "hybrid": ("key", "value", "conv", "recurrent"),
 }
 # States of one fixed size per request (no sequence dimension): never placed by position, never paged.
 FIXED_ROLES = ("conv", "recurrent")
@@ -351,7 +355,9 @@ LINEAR_LAYER_KINDS = ("linear", "lightning", "short_conv")
 # in ``self_attn`` or, in a stack of one-sublayer blocks (Nemotron-H), ``mixer``; gated DeltaNet in
 # ``linear_attn``, Mamba2 in ``mixer`` (Mamba2, Nemotron-H) or ``mamba`` (Granite-4.0-H, Bamba), KDA in
 # ``self_attn`` (Kimi-Linear, Bailing-hybrid), a short convolution in ``conv`` (LFM2, LFM3). A block with no
-# mixer (``none``) has none to look up (``layer_index``).
+# mixer (``none``) has none to look up (``layer_index``); a hybrid layer's mixer is inside its mixer
+# sublayer (Zamba, Zamba2: ``mamba_decoder.mamba``; the shared block's attention has no index of its own
+# and caches under the index the layer hands it).
 MIXER_ATTRIBUTES = {
     "attention": ("self_attn", "mixer"),
     "linear": ("linear_attn", "mixer", "mamba", "conv", "self_attn"),
@@ -360,6 +366,7 @@ MIXER_ATTRIBUTES = {
     "indexed": ("self_attn",),
     "none": (),
     "shared": ("self_attn",),
+    "hybrid": ("mamba_decoder.mamba",),
 }
 # Layer kinds that keep no state: the wrappers hand them neither a mask nor the cache.
 STATELESS_KINDS = ("none",)
@@ -377,7 +384,12 @@ CARRIED_INPUTS = ("prev_topk_indices",)
 # attend over, for the KV-shared layers after them; transformers' KVSharingDict is a dict), fresh per
 # call, and ``per_layer_input`` (``PerLayerInputs``: each layer's slice of the per-layer embeddings, or
 # None where the config has none, as the model's forward passes it).
-STACK_INPUTS = ("shared_kv_states", "per_layer_input")
+STACK_INPUTS = ("shared_kv_states", "per_layer_input", "original_hidden_states", "layer_idx")
+# Zamba's and Zamba2's layers also take ``original_hidden_states`` (what entered the first layer, which
+# their hybrid layers' shared blocks read beside their hidden states) and ``layer_idx`` (the index their
+# shared attention caches under); and they take the attention mask as ``causal_mask`` (``CAUSAL_MASK_INPUT``),
+# their ``attention_mask`` being the mixer's padding mask, which a linear layer is never given.
+CAUSAL_MASK_INPUT = "causal_mask"
 
 
 def carried_inputs(layer: nn.Module) -> tuple[str, ...]:
@@ -393,6 +405,8 @@ def run_layer(
     per-call inputs (the names it takes of ``carried``); returns its hidden states and what it hands to
     the next layer."""
     takes = {name: carried.get(name) for name in carried_inputs(layer)}
+    if CAUSAL_MASK_INPUT in inspect.signature(layer.forward).parameters:
+        kwargs = {**kwargs, CAUSAL_MASK_INPUT: kwargs.get("attention_mask"), "attention_mask": None}
     out = layer(hidden_states, **takes, **kwargs)
     if isinstance(out, tuple):
         return out[0], dict(zip(CARRIED_INPUTS, out[1:], strict=False))
@@ -441,8 +455,10 @@ def layer_index(layer: nn.Module, kind: str, position: int) -> int:
 
 def mixer_of(layer: nn.Module, kind: str) -> nn.Module:
     """The layer's token mixer of ``kind`` (its ``layer_idx`` addresses the cache)."""
-    for name in MIXER_ATTRIBUTES[kind]:
-        mixer = getattr(layer, name, None)
+    for path in MIXER_ATTRIBUTES[kind]:
+        mixer: Any = layer
+        for name in path.split("."):
+            mixer = getattr(mixer, name, None)
         if mixer is not None:
             return mixer
     raise ValueError(
@@ -845,6 +861,7 @@ class _TextStack(nn.Module):
         ):
             carried: dict[str, Any] = {}
             shared_kv_states: dict[str, Any] = {}  # STACK_INPUTS: one per call
+            first_input = hidden_states
             for layer, mask, embeddings, kind, index in zip(
                 self.layers, layer_masks, position_embeddings, self.kinds, self.layer_ids, strict=True
             ):
@@ -852,7 +869,13 @@ class _TextStack(nn.Module):
                 hidden_states, carried = run_layer(
                     layer,
                     hidden_states,
-                    {**carried, "shared_kv_states": shared_kv_states, "per_layer_input": per_layer_input},
+                    {
+                        **carried,
+                        "shared_kv_states": shared_kv_states,
+                        "per_layer_input": per_layer_input,
+                        "original_hidden_states": first_input,
+                        "layer_idx": index,
+                    },
                     attention_mask=mask,
                     position_ids=position_ids,
                     use_cache=True,
@@ -1076,6 +1099,9 @@ def decode_inputs(
         if kind == "indexed":
             assert index_dim is not None, "an indexed layer needs its index_dim"
             past.append(torch.zeros(index_shape, dtype=dtype, device=device))
+        if kind == "hybrid":  # the mixer's states after the KV cache
+            assert linear_states is not None, "a hybrid layer needs its linear_states"
+            past += linear_state_zeros(linear_states, batch, device)
     return (
         torch.zeros(batch, 1, dtype=torch.long, device=device),
         additive_causal_mask(positions, max_cache_len, dtype),
@@ -1237,6 +1263,14 @@ SHARED_RULE = (
 )
 
 
+HYBRID_RULE = (
+    "a layer of kind hybrid attends, then runs a linear mixer (Zamba, Zamba2: a shared transformer block, "
+    "then its own mixer): its key and value are a KV cache like an attention layer's (placed, paged and "
+    "masked by contract.cache, contract.paged), its conv and recurrent states a linear layer's "
+    "(contract.linear_states: one row per request, never paged); a prompt is never padded"
+)
+
+
 DYNAMIC_RULE = (
     "a dimension written as a name instead of a number is that dynamic size: bind each name from the "
     "graph input that carries it (input_ids dim 0 is batch, dim 1 is prefill_len), refuse a size outside "
@@ -1309,6 +1343,7 @@ def kv_contract(
     lightning: bool = False,
     short_conv: bool = False,
     per_layer: bool = False,
+    hybrid: bool = False,
 ) -> dict[str, Any]:
     """Everything a runtime needs besides the graphs: cache semantics, masks, positions, capacity,
     with ``dynamic`` sizes (``{"prefill_len": (1, 64)}``) how to bind them, with ``paged`` the
@@ -1319,6 +1354,8 @@ def kv_contract(
     nothing; with ``chunked`` (chunked-attention layers) the chunk rule of the mask;
     with ``lightning`` (MiniMax's lightning layers) what their one recurrent state holds, same rules;
     with ``short_conv`` (LFM2's short convolutions) what their one conv window holds, same rules;
+    with ``hybrid`` (Zamba's and Zamba2's hybrid layers) that they carry a KV cache and a linear layer's
+    states;
     with ``per_layer`` (the layers cache different KV shapes) the heads and widths move to each layer's
     entry (``layers[i].cache``) and ``cache.per_layer`` says so.
 
@@ -1398,6 +1435,8 @@ def kv_contract(
         contract["stateless_layers"] = STATELESS_RULE
     if shared:
         contract["shared_layers"] = SHARED_RULE
+    if hybrid:
+        contract["hybrid_layers"] = HYBRID_RULE
     if linear:
         contract["linear_states"] = {
             "conv": {"holds": LINEAR_STATE_CONTENTS["conv"]},
@@ -1468,6 +1507,22 @@ def build_kv_mapping(
     index_dims: KVDims = ((1, index_dim or 1),) * 2
     prefill_index = kv_shapes(index_dims, batch_dim, length_dim)[0]
     decode_index = decode_kv_shapes(index_dims, batch_dim, max_cache_len, pool)[0]
+
+    def fixed_states(layer: int, kind: str) -> dict[str, Any]:
+        """A layer's fixed-size states (``FIXED_ROLES`` of its kind) with ``linear_states``' shapes."""
+        assert linear_states is not None, f"a {kind} layer needs its linear_states"
+        fixed = [state for state in LAYER_STATES[kind] if state in FIXED_ROLES]
+        entry: dict[str, Any] = {}
+        for state, (shape, state_dtype) in zip(fixed, linear_states, strict=True):
+            full = (batch_dim, *shape)
+            for role, key in (
+                ("prefill_{}", "prefill_{}_output"),
+                ("decode_{}_in", "decode_{}_input"),
+                ("decode_{}_out", "decode_{}_output"),
+            ):
+                entry[key.format(state)] = tensor(role.format(state), layer, full, state_dtype)
+        return entry
+
     layers: list[dict[str, Any]] = []
     for layer, kind in enumerate(kinds):
         if kind in STATELESS_KINDS:  # no state to carry: the entry says so
@@ -1478,17 +1533,7 @@ def build_kv_mapping(
             layers.append({"layer": layer, "kind": kind, "kv_source": source})
             continue
         if kind in LINEAR_LAYER_KINDS:
-            assert linear_states is not None, "a linear layer needs its linear_states"
-            entry: dict[str, Any] = {"layer": layer, "kind": kind}
-            for state, (shape, state_dtype) in zip(LAYER_STATES[kind], linear_states, strict=True):
-                full = (batch_dim, *shape)
-                for role, key in (
-                    ("prefill_{}", "prefill_{}_output"),
-                    ("decode_{}_in", "decode_{}_input"),
-                    ("decode_{}_out", "decode_{}_output"),
-                ):
-                    entry[key.format(state)] = tensor(role.format(state), layer, full, state_dtype)
-            layers.append(entry)
+            layers.append({"layer": layer, "kind": kind, **fixed_states(layer, kind)})
             continue
         dims = layer_dims(kv_dims, layer_kv_dims, layer)
         prefill_shapes = kv_shapes(dims, batch_dim, length_dim)
@@ -1523,6 +1568,7 @@ def build_kv_mapping(
                     if kind == "indexed"
                     else {}
                 ),
+                **(fixed_states(layer, kind) if kind == "hybrid" else {}),  # its mixer's, after its KV
             }
         )
     attention = {} if mla_attention == "reexpand" else {"mla_attention": mla_attention}
@@ -1536,12 +1582,13 @@ def build_kv_mapping(
             dynamic=dynamic,
             paged=paged,
             batch=batch,
-            linear="linear" in kinds,
+            linear="linear" in kinds or "hybrid" in kinds,
             lightning="lightning" in kinds,
             short_conv="short_conv" in kinds,
             index_dim=index_dim if "indexed" in kinds else None,
             stateless=any(kind in STATELESS_KINDS for kind in kinds),
             shared="shared" in kinds,
+            hybrid="hybrid" in kinds,
             chunked=chunked,
             per_layer=layer_kv_dims is not None,
         ),
@@ -2682,7 +2729,7 @@ class _RecordingCache:
         self._linear_call("get_conv_state", layer_idx, None)
 
     def get_recurrent_state(self, layer_idx: Any, state_idx: int = 0) -> None:
-        self._linear_call("get_recurrent_state", layer_idx, None, ("linear",))
+        self._linear_call("get_recurrent_state", layer_idx, None, RECURRENT_KINDS)
 
     def is_recording_past(self, layer_idx: Any) -> bool:
         self._linear_call("is_recording_past", layer_idx, None)
@@ -2700,7 +2747,7 @@ class _RecordingCache:
     def update_recurrent_state(
         self, recurrent_states: Any, layer_idx: Any, state_idx: int = 0, **kw: Any
     ) -> Any:
-        self._linear_call("update_recurrent_state", layer_idx, recurrent_states, ("linear",))
+        self._linear_call("update_recurrent_state", layer_idx, recurrent_states, RECURRENT_KINDS)
         return recurrent_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -2899,11 +2946,15 @@ MIXERLESS_KINDS = ("none",)
 # Layer kinds whose states are fixed-size per request (the runtime's ``LINEAR_LAYER_KINDS``; its own
 # name, as both modules are embedded in one generated module): no mask
 FIXED_STATE_KINDS = ("linear", "lightning", "short_conv")
-# The layer kinds that keep a conv window through the linear-attention API (a short convolution alone)
-CONV_KINDS = ("linear", "short_conv")
-# The contact point each kind's cache protocol is (the rest: cache_update)
+# The layer kinds that keep a conv window through the linear-attention API (a short convolution alone;
+# a hybrid layer beside its KV cache), and those that keep a recurrent state through it
+CONV_KINDS = ("linear", "short_conv", "hybrid")
+RECURRENT_KINDS = ("linear", "hybrid")
+# The contact point each kind's cache protocol is (the rest: cache_update; a hybrid layer's attention
+# also calls ``update``)
 STATE_POINTS = {
     "linear": "linear_attention_cache",
+    "hybrid": "linear_attention_cache",
     "lightning": "lightning_attention_cache",
     "short_conv": "short_conv_cache",
 }
@@ -2936,14 +2987,22 @@ class SharedKeysValues(dict):  # type: ignore[type-arg]
         return zeros, zeros
 
 
-def stack_inputs(layer: Any, hidden: Any, kind: str = "attention", length: int = 0) -> dict[str, Any]:
+def stack_inputs(
+    layer: Any, hidden: Any, kind: str = "attention", length: int = 0, index: int = 0, original: Any = None
+) -> dict[str, Any]:
     """The inputs the model's forward builds once per call that the layer's forward takes (the runtime's
     ``STACK_INPUTS``), as the wrappers hand them to the first layer of a call: an empty
     ``shared_kv_states`` (Gemma-4; a ``shared`` layer's reads zeros of ``length`` positions, default the
     call's tokens: ``SharedKeysValues``), a zero ``per_layer_input`` of the layer's width (None where it
-    has none; contact point ``per_layer_inputs``)."""
+    has none; contact point ``per_layer_inputs``), ``original_hidden_states`` (Zamba, Zamba2: what entered
+    the first layer, ``original``; zeros like ``hidden`` where not given) and the layer's ``index`` as
+    ``layer_idx``."""
     params = _signature(type(layer).forward).parameters
     inputs: dict[str, Any] = {}
+    if "original_hidden_states" in params:
+        inputs["original_hidden_states"] = hidden.new_zeros(hidden.shape) if original is None else original
+    if "layer_idx" in params:
+        inputs["layer_idx"] = index
     if "shared_kv_states" in params:
         attention = _attention_of(layer)
         inputs["shared_kv_states"] = (
@@ -2974,7 +3033,11 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
     )
     keyword = cache_keyword(layer)
     cache = _RecordingCache(kind)
-    inputs = stack_inputs(layer, hidden, kind)  # a KV-sharing layer's reads are checked below
+    inputs = stack_inputs(layer, hidden, kind, index=index)  # a KV-sharing layer's reads are checked below
+    if "causal_mask" in _signature(type(layer).forward).parameters:  # runtime.CAUSAL_MASK_INPUT (Zamba)
+        inputs["causal_mask"], mask = mask, None
+    if kind == "hybrid":  # its shared attention caches under the index the layer hands it
+        layer_idx = index
     failure: Exception | None = None
     try:
         out = layer(
@@ -3020,6 +3083,9 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
         )
     if kind == "linear":
         return _linear_protocol(layer_name, keyword, cache, index, out, hidden)
+    if kind == "hybrid":  # attention's KV beside the mixer's states, under one index
+        linear = _linear_protocol(layer_name, keyword, cache, index, out, hidden)
+        return linear._replace(kv_dims=_one_update(layer_name, keyword, cache))
     if kind == "lightning":
         return _lightning_protocol(layer_name, keyword, cache, index, out, hidden)
     if kind == "short_conv":
@@ -3040,16 +3106,8 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
             )
         _check_hidden_states(layer_name, out, hidden)
         return LayerProtocol(keyword, None)
-    if len(cache.calls) != 1:
-        _unsupported(
-            "cache-protocol",
-            layer_name,
-            f"{layer_name}(..., {keyword}=cache) calls cache.update once",
-            f"{len(cache.calls)} calls",
-        )
     _check_hidden_states(layer_name, out, hidden)
-    key, value, layer_idx = cache.calls[0].states()
-    kv_dims = ((key.shape[1], key.shape[-1]), (value.shape[1], value.shape[-1]))
+    kv_dims = _one_update(layer_name, keyword, cache)
     if kind != "indexed":
         return LayerProtocol(keyword, kv_dims)
     indexed_idx, index_keys = cache.state_calls.get("update_indexer", (None, None))
@@ -3064,6 +3122,22 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
             point="indexer_cache",
         )
     return LayerProtocol(keyword, kv_dims, index_dim=int(index_keys.shape[-1]))
+
+
+def _one_update(
+    layer_name: str, keyword: str, cache: _RecordingCache
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """What the layer's one ``update`` call caches per token: ``((key_heads, key_dim), (value_heads,
+    value_dim))``."""
+    if len(cache.calls) != 1:
+        _unsupported(
+            "cache-protocol",
+            layer_name,
+            f"{layer_name}(..., {keyword}=cache) calls cache.update once",
+            f"{len(cache.calls)} calls",
+        )
+    key, value, _ = cache.calls[0].states()
+    return (key.shape[1], key.shape[-1]), (value.shape[1], value.shape[-1])
 
 
 def _check_hidden_states(layer_name: str, out: Any, hidden: Any) -> None:
@@ -3825,7 +3899,7 @@ OUTSIDE_MODELLED: dict[str, tuple[str, str, tuple[Any, ...]]] = {
 # built with overrides (a tiny one of the same architecture) gets its own sizes and windows.
 FACT_KEYS: dict[str, tuple[str, ...]] = {
     "full_attention_interval": ("full_attention_interval",),
-    "head_dim": ("head_dim",),
+    "head_dim": ("head_dim", "attention_head_dim"),
     "hidden_size": ("hidden_size", "d_model", "n_embd"),
     "layer_types": ("layer_types", "layers_block_type"),
     "linear_conv_kernel_dim": ("linear_conv_kernel_dim",),

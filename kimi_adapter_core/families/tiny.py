@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 from ..structure.layer_pattern import pattern_period, shorten_layers
+from ..structure.shared_blocks import class_derived_keys, shared_blocks_rule
 
 MAX_LAYERS = 8
 # config key -> tiny value, set where the default config has the key with a value
@@ -54,6 +55,7 @@ TEXT_SIZES: dict[str, Any] = {
     "topk_group": 1,
     "hidden_size_per_layer_input": 8,  # Gemma-4's per-layer embeddings: one [vocab, layers x 8] table
     "vocab_size_per_layer_input": 128,
+    "adapter_rank": 8,  # Zamba2's per-layer LoRA adapters on its shared blocks
 }
 # defaults some configs leave None although their model needs a value (set where the key exists)
 REPAIRS: dict[str, Any] = {
@@ -86,6 +88,8 @@ MIXER_SIZES: tuple[tuple[dict[str, Any], tuple[str, ...]], ...] = (
         },
         ("mamba_d_ssm",),
     ),  # fmt: skip
+    # Zamba2 (its head width is derived: mamba_expand x hidden / n_mamba_heads)
+    ({"mamba_d_state": 16, "n_mamba_heads": 4, "mamba_expand": 1, "mamba_ngroups": 2, "chunk_size": 16}, ()),
     # KDA (Kimi-Linear, Bailing-hybrid)
     ({"linear_num_heads": 2, "linear_head_dim": 8}, ()),
 )
@@ -216,6 +220,10 @@ def tiny_config(model_type: str) -> dict[str, Any]:
                 if _get(sub, key) is not None:
                     _set(sub, key, value)
     _shrink_text(text)
+    _shared_block_layout(text, model_type)
+    derived = class_derived_keys(model_type)  # Zamba's and Zamba2's: computed again from the small sizes
+    if text is config and derived:
+        config = _rederived(config, derived)
     raw = config.to_dict()
     raw["model_type"] = model_type
     section = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
@@ -226,6 +234,30 @@ def tiny_config(model_type: str) -> dict[str, Any]:
         section["num_hidden_layers"] = layers  # a property of Nemotron-H's class; published JSON states it
     _drop_layers_beyond(raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw)
     return raw
+
+
+def _shared_block_layout(config: Any, model_type: str) -> None:
+    """A shared-block stack (Zamba, Zamba2) keeps a mixer layer and a hybrid layer once more than it has
+    blocks, so that a block serves two hybrid layers (transformers cannot tie Zamba's one block with a
+    single hybrid layer); other stacks are left as they are."""
+    rule = shared_blocks_rule(model_type)
+    types = _get(config, "layer_types")
+    if rule is None or not isinstance(types, list):
+        return
+    count = rule["count"] if isinstance(rule["count"], int) else _get(config, rule["count"])
+    mixer = next((t for t in types if t != rule["layer_type"]), None)
+    pair = [t for t in (mixer, rule["layer_type"]) if t is not None]
+    layout = pair * (int(count) + 1)
+    _set(config, "layer_types", layout[: max(MAX_LAYERS, len(pair) * 2)])
+    _set(config, "num_hidden_layers", len(_get(config, "layer_types")))
+
+
+def _rederived(config: Any, derived: tuple[str, ...]) -> Any:
+    """``config`` built again from its shrunk values without ``derived``, so its class derives those
+    from the small sizes (setting attributes does not run ``__post_init__`` again, and a derived key
+    passed back in would override what the class computes)."""
+    values = {key: value for key, value in config.to_dict().items() if key not in derived}
+    return type(config)(**values)
 
 
 def _non_finite(value: Any) -> bool:

@@ -331,6 +331,8 @@ def graph_tables(spec: Spec, d: Dims) -> tuple[GraphNames, GraphNames, list[dict
 
 def state_kinds(d: Dims) -> tuple[str, ...]:
     """The layer kinds whose state templates a graph table lists, in the ABI's template order."""
+    if d.hybrid and "hybrid" in d.layer_kinds:  # Zamba2: hybrid layers, and attention ones if any
+        return (*(("attention",) if "attention" in d.layer_kinds else ()), d.linear_kind, "hybrid")
     if d.hybrid:
         return ("attention", d.linear_kind)
     return ("indexed",) if d.index_dim is not None else ("attention",)

@@ -44,9 +44,10 @@ from ..spec.model import Spec
 from ..structure.kv_sharing import kv_sharing_rule
 from ..structure.layer_shapes import per_layer_attributes
 from ..structure.linear_of import DERIVED, MIXERS
-from ..structure.mixer import RECURRENT_AXES
+from ..structure.mixer import RECURRENT_AXES, VALUE_CONV_KINDS
 from ..structure.model import ModelStructure
 from ..structure.reader import fact_keys, mlp_block_types, outside_modelled, tables
+from ..structure.shared_blocks import hybrid_layer_type
 from . import abi as abi_tables
 from .bridges import bridge_context
 from .common import Rendered, cannot, gate_context, package_files, require, spec_identity
@@ -74,6 +75,8 @@ WINDOW_FACTS = (
 # What the generated ``layer_kinds`` reads from a hybrid stack's text config; ``linear_states`` reads
 # the facts its mixer kind is sized by (``linear_of.MIXERS``, but for the sizes no key states).
 HYBRID_FACTS = ("full_attention_interval",)
+# The mixer sizes a scan over the values alone keeps (``linear_of.MIXERS`` also names its dt rank)
+STATE_SIZES = ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_kernel")
 # What the generated ``kv_dims`` also reads where the values are narrower than the keys (MiMo-V2-Flash).
 VALUE_FACTS = ("v_head_dim",)
 # What the generated ``index_dim`` reads from a DSA stack's text config (the indexer keys' width).
@@ -175,11 +178,21 @@ def kv_text(d: abi_tables.Dims) -> str:
 def structure_context(spec: Spec, d: abi_tables.Dims) -> dict[str, Any]:
     """What the module bakes in about the text backbone, read from kadapt's structure of it."""
     linear = d.structure.linear
-    # the mixer's sizes a config key states (a short convolution's one-wide heads are no key's)
+    # the mixer's sizes a config key states (a short convolution's one-wide heads are no key's); a scan
+    # over the values alone (Mamba1, Zamba's multi-head Mamba1) keeps the state sizes its config class
+    # computes, which the module computes alike (``_linear_size``), and the facts they come from
+    value_conv = linear is not None and linear.kind in VALUE_CONV_KINDS and linear.kind != "short_conv"
     sizes = (
-        {name: fact for name, fact in MIXERS[linear.kind].items() if fact not in DERIVED} if linear else {}
+        {
+            name: fact
+            for name, fact in MIXERS[linear.kind].items()
+            if (name in STATE_SIZES if value_conv else fact not in DERIVED)
+        }
+        if linear
+        else {}
     )
-    linear_facts = (*HYBRID_FACTS, *sizes.values()) if d.hybrid else ()
+    read = [f for fact in sizes.values() for f in DERIVED.get(fact, (fact,))]
+    linear_facts = (*HYBRID_FACTS, *read) if d.hybrid else ()
     index_facts = INDEX_FACTS if d.index_dim is not None else ()
     chunked = d.structure.has_chunked_layers
     chunk_facts = CHUNK_FACTS if chunked else ()
@@ -231,6 +244,7 @@ def structure_context(spec: Spec, d: abi_tables.Dims) -> dict[str, Any]:
         # the config's layer types that are linear layers (config_keys.yaml: linear_attention, conv, ...)
         "linear_types": tuple(kind for kind, span in tables()["layer_types"].items() if span == "linear"),
         "linear_sizes": sizes,
+        "value_conv": value_conv,
         "recurrent_axes": RECURRENT_AXES[linear.kind] if linear is not None else None,
         "indexed": d.index_dim is not None,
         "index_dim": d.index_dim,
@@ -244,6 +258,8 @@ def structure_context(spec: Spec, d: abi_tables.Dims) -> dict[str, Any]:
         # blocks with no token mixer (Nemotron-H's mlp and moe blocks) and the layer types that name them
         "stateless": bool(d.structure.mixerless_layer_ids),
         "stateless_types": tuple(mlp_block_types()),
+        # the layer types of hybrid layers (a KV cache and the mixer's states: Zamba2's shared-block rule)
+        "hybrid_types": tuple(hybrid_layer_type(d.structure.model_type)) if "hybrid" in d.layer_kinds else (),
         "states_per_layer": 3 if d.index_dim is not None else 2,
     }
 

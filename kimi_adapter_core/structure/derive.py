@@ -36,6 +36,7 @@ from .model import (
 from .reader import MISSING, Reader, locate, mlp_block_types, outside_modelled, tables
 from .refusals import refuse_outside_layer_features, refuse_unmodelled_layers
 from .rope_of import rope_of
+from .shared_blocks import hybrid_layer_type, mlp_kinds, shared_blocks_of
 
 
 def _attention(read: Reader, spec: Spec | None, hidden: int) -> Attention:
@@ -67,7 +68,7 @@ def _attention(read: Reader, spec: Spec | None, hidden: int) -> Attention:
 
 
 # Layer spans that attend (keep a KV cache)
-ATTENDING_SPANS = ("full", "sliding", "chunked", "indexed")
+ATTENDING_SPANS = ("full", "sliding", "chunked", "indexed", "hybrid")
 
 
 def _attends(read: Reader, spans: list[tuple[str, int | None]]) -> bool:
@@ -222,7 +223,7 @@ def _lists_blocks(read: Reader) -> bool:
 def _known_types(read: Reader) -> dict[str, str]:
     """Layer type -> how kadapt models it (``layer_types``), and in a stack of one-sublayer blocks its MLP
     blocks too (no mixer: ``none``)."""
-    known = dict(tables()["layer_types"])
+    known = {**tables()["layer_types"], **hybrid_layer_type(read.raw("model_type"))}
     if _lists_blocks(read):
         known.update(dict.fromkeys(mlp_block_types(), "none"))
     return known
@@ -443,6 +444,8 @@ def derive_structure(
     kinds = _block_mlps(read, types, num_layers, moe) or _mlp_kinds(read, spec, num_layers, moe)
     if not attends and moe is None:  # SSM mixers alone (MambaBlock: a norm and its mixer), no MLP
         kinds = ["none"] * num_layers
+    blocks = shared_blocks_of(read, spans)
+    kinds = mlp_kinds(blocks, spans, kinds)
     refuse_outside_layer_features(read, spec)
     dense_width = dense_width_of(read) if "dense" in kinds else 0
     widths = mlp_widths(read, sources, kinds, dense_width)
@@ -478,5 +481,6 @@ def derive_structure(
         linear=linear_of(read, spans),
         indexer=indexer_of(read, spans),
         per_layer_inputs=_per_layer_inputs(read),
+        shared_blocks=blocks,
         keys=dict(read.keys),
     )

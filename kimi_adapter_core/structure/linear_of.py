@@ -32,7 +32,12 @@ class Reader(Protocol):
 # inner channels (``MambaConfig.intermediate_size``, Jamba's mamba_expand x hidden_size)
 ONE = "one"
 MAMBA_CHANNELS = "mamba_channels"
-DERIVED = {ONE: (), MAMBA_CHANNELS: ("mamba_expand", "hidden_size")}
+MAMBA_HEAD_WIDTH = "mamba_head_width"  # a multi-head Mamba1's channels per head (Zamba's mamba_head_dim)
+DERIVED = {
+    ONE: (),
+    MAMBA_CHANNELS: ("mamba_expand", "hidden_size"),
+    MAMBA_HEAD_WIDTH: ("mamba_expand", "hidden_size", "mamba_num_heads"),
+}
 
 # Per mixer kind, in the order tried: ``LinearAttention`` size -> the fact it is read from (Mamba2 reads
 # its B/C groups as key heads of the state size, ``mixer.RECURRENT_AXES``).
@@ -68,6 +73,17 @@ MIXERS: dict[str, dict[str, str]] = {
         "conv_kernel": "mamba_conv_kernel",
         "dt_rank": "mamba_dt_rank",
     },
+    # Zamba's multi-head Mamba1 (``ZambaMambaMixer``): its inner channels split into SSM heads, each a
+    # Mamba1 scan of its own (its own x and dt projections, one B/C group of the state size); the conv
+    # sees the channels alone, the state is [heads, head width, state size]
+    "mamba1_heads": {
+        "num_key_heads": ONE,
+        "num_value_heads": "mamba_num_heads",
+        "key_head_dim": "mamba_state_size",
+        "value_head_dim": MAMBA_HEAD_WIDTH,
+        "conv_kernel": "mamba_conv_kernel",
+        "dt_rank": "mamba_dt_rank",
+    },
     # LFM2's gated short convolution (``Lfm2ShortConv``): a depthwise conv over the hidden channels,
     # read as one-wide value heads (``mixer.VALUE_CONV_KINDS``); no recurrent state
     "short_conv": {
@@ -93,12 +109,13 @@ MIXER_NAMES = {
     "kda": "KDA",
     "mamba2": "Mamba2",
     "mamba1": "Mamba1",
+    "mamba1_heads": "multi-head Mamba1",
     "short_conv": "short convolution",
     "lightning": "lightning",
 }
 # Facts a kind's config must not state: a Mamba1 scan is a state size without SSM heads (with heads,
 # Mamba2 sized it, or its key set is incomplete and the refusal names it)
-ABSENT: dict[str, tuple[str, ...]] = {"mamba1": ("mamba_num_heads",)}
+ABSENT: dict[str, tuple[str, ...]] = {"mamba1": ("mamba_num_heads",), "mamba1_heads": ("mamba_groups",)}
 # A size a config may leave to its class ("auto": Mamba2's head width, Mamba1's dt rank); ``_size``
 # computes it as the class does
 AUTO = "auto"
@@ -108,7 +125,7 @@ def linear_of(read: Reader, spans: list[tuple[str, int | None]]) -> LinearAttent
     """The linear layers' mixer (None when every layer is attention), the first of ``MIXERS`` whose
     facts the config states; a linear layer no kind sizes keeps a state kadapt has no kind for
     (``hybrid``)."""
-    if all(span != "linear" for span, _ in spans):
+    if all(span not in ("linear", "hybrid") for span, _ in spans):  # hybrid: attention, then the mixer
         return None
     for kind, sizes in MIXERS.items():
         stated = all(_stated(read, fact) for fact in _needed(kind))
@@ -153,6 +170,8 @@ def _size(read: Reader, fact: str) -> int:
         return 1
     if fact == MAMBA_CHANNELS:
         return _size(read, "mamba_expand") * _size(read, "hidden_size")
+    if fact == MAMBA_HEAD_WIDTH:  # ZambaConfig checks the heads split the channels
+        return _size(read, MAMBA_CHANNELS) // _size(read, "mamba_num_heads")
     value = read.get(fact)
     if value is None and fact == "head_dim":
         hidden, heads = _size(read, "hidden_size"), _size(read, "num_heads")

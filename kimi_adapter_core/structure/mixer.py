@@ -24,6 +24,7 @@ RECURRENT_AXES: dict[str, tuple[str, ...] | None] = {
     "kda": ("value_heads", "key_dim", "value_dim"),
     "mamba2": ("value_heads", "value_dim", "key_dim"),
     "mamba1": ("value_heads", "key_dim"),
+    "mamba1_heads": ("value_heads", "value_dim", "key_dim"),
     "short_conv": None,
     "lightning": ("value_heads", "key_dim", "value_dim"),
 }
@@ -39,7 +40,7 @@ LAYER_KIND_OF_MIXER = {"lightning": "lightning", "short_conv": "short_conv"}
 # and dt from the convolved channels afterwards (``MambaMixer.x_proj``), so its window is ``[channels,
 # conv_kernel]``; LFM2's short convolution its hidden channels (``Lfm2ShortConv.conv``, after gating
 # them by B).
-VALUE_CONV_KINDS = ("mamba1", "short_conv")
+VALUE_CONV_KINDS = ("mamba1", "mamba1_heads", "short_conv")
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,8 @@ MIXER_TEXT = {
     "mamba2": "Mamba2 SSM {num_value_heads}x{value_head_dim} heads, state {key_head_dim}, {num_key_heads} "
     "groups, conv {conv_kernel}",
     "mamba1": "Mamba1 selective scan {num_value_heads} channels, state {key_head_dim}, conv {conv_kernel}",
+    "mamba1_heads": "multi-head Mamba1 selective scan {num_value_heads}x{value_head_dim} channels, state "
+    "{key_head_dim}, conv {conv_kernel}",
     "short_conv": "gated short convolution {num_value_heads} channels, conv {conv_kernel}",
     "lightning": "lightning attention {num_value_heads}x{value_head_dim} heads, block {block_size}, no conv",
 }

@@ -131,7 +131,7 @@ class Layer:
 
     index: int
     # full | sliding | chunked | linear (ModelStructure.linear) | indexed (full + DSA: .indexer) | none
-    # (no mixer)
+    # (no mixer) | hybrid (a shared block's full attention, then the linear mixer: .shared_blocks)
     attention: str
     window: int | None  # keys a query sees (sliding layers only)
     mlp: str  # dense | moe | none
@@ -263,6 +263,28 @@ class PerLayerInputs:
 
 
 @dataclass(frozen=True)
+class SharedBlocks:
+    """Transformer blocks shared across a stack's ``hybrid`` layers (Zamba, Zamba2, ``shared_blocks.py``):
+    ``count`` blocks, hybrid layer ``j`` running block ``j % count`` over its hidden states concatenated
+    with the input embeddings (``input_width`` x hidden wide); each hybrid layer has LoRA adapters of
+    ``adapter_rank`` of its own (0: none; gate/up, and q/k/v with ``attention_adapters``) and a hidden x
+    hidden projection of the block's output into its own mixer."""
+
+    count: int
+    adapter_rank: int
+    attention_adapters: bool
+    input_width: int
+
+    def describe(self) -> str:
+        if not self.adapter_rank:
+            return f"{self.count} shared block(s), no adapters"
+        adapted = "q/k/v and gate/up" if self.attention_adapters else "gate/up"
+        return (
+            f"{self.count} shared block(s), {adapted} adapters of rank {self.adapter_rank} per hybrid layer"
+        )
+
+
+@dataclass(frozen=True)
 class ModelStructure:
     """A decoder-only text backbone as every kadapt backend sees it."""
 
@@ -282,6 +304,7 @@ class ModelStructure:
     linear: LinearAttention | None = None  # the mixer of the ``linear`` layers (None: attention only)
     indexer: Indexer | None = None  # the DSA indexer of the ``indexed`` layers (None: no such layer)
     per_layer_inputs: PerLayerInputs | None = None  # per-layer embeddings (None: the layers take none)
+    shared_blocks: SharedBlocks | None = None  # the hybrid layers' shared blocks (None: no hybrid layer)
     # fact -> the config key it was read from (so tiny verify models shrink the right keys)
     keys: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -324,9 +347,10 @@ class ModelStructure:
         """Each layer's kind as the ABI carries its state: ``linear`` (conv window and recurrent state),
         ``lightning`` (a recurrent state alone: MiniMax), ``indexed`` (a KV cache and the DSA indexer's
         keys), ``none`` (no token mixer: no state), ``shared`` (attends over an earlier layer's keys and
-        values of the same call: no state) or ``attention`` (a KV cache)."""
+        values of the same call: no state), ``hybrid`` (a KV cache, a conv window and a recurrent state:
+        Zamba2's shared-block layers) or ``attention`` (a KV cache)."""
         linear = self.linear.layer_kind if self.linear is not None else "linear"
-        special = {"linear": linear, "indexed": "indexed", "none": "none"}
+        special = {"linear": linear, "indexed": "indexed", "none": "none", "hybrid": "hybrid"}
         return tuple(
             "shared" if layer.kv_source is not None else special.get(layer.attention, "attention")
             for layer in self.layers
@@ -334,7 +358,8 @@ class ModelStructure:
 
     @property
     def linear_layer_ids(self) -> tuple[int, ...]:
-        return tuple(layer.index for layer in self.layers if layer.attention == "linear")
+        """The layers that run the linear mixer and keep its states: ``linear`` and ``hybrid`` ones."""
+        return tuple(layer.index for layer in self.layers if layer.attention in ("linear", "hybrid"))
 
     @property
     def attention_layer_ids(self) -> tuple[int, ...]:
@@ -400,9 +425,12 @@ class ModelStructure:
         outside = "".join(f", {o.describe()}" for o in self.outside)
         if self.per_layer_inputs is not None:
             outside += f", {self.per_layer_inputs.describe()}"
+        if self.shared_blocks is not None:
+            hybrid = sum(1 for layer in self.layers if layer.attention == "hybrid")
+            outside += f", {hybrid}/{self.num_layers} hybrid layers ({self.shared_blocks.describe()})"
         mixer = self.attention.describe()
         if self.linear is not None:
-            linear = len(self.linear_layer_ids)
+            linear = sum(1 for layer in self.layers if layer.attention == "linear")
             mixer = f"{linear}/{self.num_layers} linear-attention layers ({self.linear.describe()}), {mixer}"
         if self.indexer is not None:
             mixer = f"{mixer} with a {self.indexer.describe()}"
@@ -429,7 +457,8 @@ class ModelStructure:
         data.pop("keys")
         if not self.outside:  # most families: the key stays out of the IR metadata
             data.pop("outside")
-        for kind in ("linear", "indexer", "per_layer_inputs"):  # stacks without them: metadata unchanged
+        # stacks without them: metadata unchanged
+        for kind in ("linear", "indexer", "per_layer_inputs", "shared_blocks"):
             if getattr(self, kind) is None:
                 data.pop(kind)
         for size in ("dt_rank", "block_size"):  # only Mamba1 states the one, lightning the other

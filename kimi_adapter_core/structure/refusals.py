@@ -11,15 +11,17 @@ from ..errors import Refusal
 from ..spec.model import Spec
 from .layer_shapes import refuse_other_layer_attributes
 from .reader import MISSING, Reader, locate, tables
+from .shared_blocks import modelled_hybrid_keys
 
 
 def refuse_unmodelled_layers(read: Reader, spec: Spec | None) -> None:
     """Hybrid stacks (SSM, linear attention, recurrence, convolution), layer features kadapt lacks
     (``layer_features``: Gemma-4's KV-shared layers, per-layer inputs) and per-layer overrides of more than
     the KV shape, told apart by keys only they have, on the config object and the raw JSON alike."""
+    modelled = modelled_hybrid_keys(read.raw("model_type"))  # a shared-block rule's (Zamba2)
     for key in tables()["hybrid_keys"]:
         value = read.raw(key)
-        if value is not MISSING and value is not None:
+        if value is not MISSING and value is not None and key not in modelled:
             raise Refusal(
                 "hybrid",
                 f"{read.where} sets {key}, which only models with non-attention layers (SSM, linear "

@@ -18,6 +18,7 @@ from ...structure.kv_sharing import kv_sharing_rule
 from ...structure.layer_pattern import pattern_period, shorten_layers
 from ...structure.model import ModelStructure
 from ...structure.of_spec import structure_of_raw, text_config_key
+from ...structure.shared_blocks import class_derived_keys, shared_blocks_rule
 from .options import ExtractionOptions
 
 # Sizes of the tiny text backbone, by structural fact: each is written to whichever config key the
@@ -157,6 +158,44 @@ def _shared_tail(structure: ModelStructure, section: dict[str, Any], layers: int
     }
 
 
+# A shared-block stack (Zamba2): SSM heads that split the tiny mixer's channels, small adapters, and
+# (``_shared_block_layout``) a mixer layer and a hybrid layer repeated once more than there are blocks, so
+# that a block serves two hybrid layers, each with its own adapters, and the mixer layers run between.
+TINY_SHARED_BLOCKS = {"mamba_num_heads": 4, "adapter_rank": 8}
+
+
+def _shared_block_layout(structure: ModelStructure, section: dict[str, Any]) -> dict[str, Any]:
+    """A shared-block stack's tiny layers: ``[mixer, hybrid] x (count + 1)`` in the config's own layer
+    type names (hybrid layers alone when the model has no mixer layer), its SSM heads and adapter rank
+    small; ``{}`` for other stacks."""
+    blocks, key = structure.shared_blocks, structure.keys.get("layer_types")
+    types = section.get(key) if key else None
+    rule = shared_blocks_rule(structure.model_type)
+    if blocks is None or rule is None or not isinstance(types, list):
+        return {}
+    by_span = {layer.attention: types[layer.index] for layer in reversed(structure.layers)}
+    pair = [by_span[span] for span in ("linear", "hybrid") if span in by_span]
+    repeats = min(blocks.count + 1, TINY_MAX_LAYERS // len(pair))
+    sizes = {structure.keys["mamba_num_heads"]: TINY_SHARED_BLOCKS["mamba_num_heads"]}
+    if isinstance(rule["adapter_rank"], str):  # a config key (else the family's fixed rank: Zamba's none)
+        sizes[rule["adapter_rank"]] = TINY_SHARED_BLOCKS["adapter_rank"]
+    return {**sizes, key: pair * repeats, structure.keys["num_layers"]: len(pair) * repeats}
+
+
+def _class_derived(model_type: str, section: dict[str, Any], tiny: dict[str, Any]) -> dict[str, Any]:
+    """The keys ``model_type``'s config class derives from the others (``shared_blocks`` ``derived``:
+    Zamba2's attention and SSM head widths, its hybrid layer list) as it derives them from the tiny
+    sizes: a stale value in the section would override the class's own."""
+    keys = class_derived_keys(model_type)
+    if not keys:
+        return {}
+    from transformers import CONFIG_MAPPING
+
+    values = {k: v for k, v in {**section, **tiny}.items() if k not in keys and k != "model_type"}
+    built = CONFIG_MAPPING[model_type](**values)
+    return {key: getattr(built, key) for key in keys if key in section}
+
+
 def _tiny_text(structure: ModelStructure, section: dict[str, Any]) -> dict[str, Any]:
     """Overrides of the text config that keep ``structure``'s kinds at tiny sizes: the attention kind,
     a whole period of the sliding/full pattern, dense and MoE layers, the router's expert groups."""
@@ -167,13 +206,14 @@ def _tiny_text(structure: ModelStructure, section: dict[str, Any]) -> dict[str, 
     tiny[structure.keys["num_layers"]] = layers
     tiny.update(shorten_layers(section, structure.num_layers, layers))
     tiny.update(_shared_tail(structure, section, layers))
+    tiny.update(_shared_block_layout(structure, section))
     if "max_window_layers" in structure.keys and structure.has_sliding_layers:
         tiny[structure.keys["max_window_layers"]] = 1  # layers from 1 on slide: full and sliding both present
     if structure.moe is not None and structure.moe.expert_groups > 1:
         tiny.update({structure.keys[f]: v for f, v in TINY_EXPERT_GROUPS.items() if f in structure.keys})
     tiny.update({key: value for key, value in TINY_LONG_CONTEXT.items() if key in section})
     tiny["initializer_range"] = TINY_INITIALIZER_RANGE
-    return tiny
+    return {**tiny, **_class_derived(structure.model_type, section, tiny)}
 
 
 def tiny_overrides(spec: Spec, options: ExtractionOptions) -> dict[str, Any]:

@@ -48,10 +48,13 @@ class Backbone:
 
 # what a decoder layer's forward may take: the wrappers pass the first five (and the cache under its
 # keyword), what one layer hands the next and the stack's per-call inputs; any other named input is
-# something the model's forward computes and the wrappers do not
+# something the model's forward computes and the wrappers do not. ``transformer_hidden_states``: what
+# Zamba2's hybrid layer hands its own mixer sublayer; the model's forward never passes it to a layer of
+# the stack (a mixer layer alone leaves it None, as the wrappers do)
 LAYER_INPUTS = frozenset(
     {"self", "hidden_states", "attention_mask", "position_ids", "position_embeddings", "use_cache",
-     "cache", "past_key_values", "past_key_value", "cache_position", "output_attentions", "kwargs"}
+     "cache", "past_key_values", "past_key_value", "cache_position", "output_attentions", "kwargs",
+     runtime.CAUSAL_MASK_INPUT, "transformer_hidden_states"}
 ) | frozenset(runtime.CARRIED_INPUTS) | frozenset(runtime.STACK_INPUTS)  # fmt: skip
 # child module class names of a decoder layer that mixes tokens without attention
 NON_ATTENTION = ("Mamba", "Mixer", "Linear", "Conv", "Recurrent", "DeltaNet", "Rwkv", "Lstm")
@@ -108,7 +111,7 @@ def check_stack(backbone: Backbone, kinds: Sequence[str] | None = None) -> None:
             )
         if kinds is not None and kinds[index] in runtime.STATELESS_KINDS:
             continue  # no mixer, no state: nothing is addressed by its index
-        if kinds is not None and kinds[index] in runtime.LINEAR_LAYER_KINDS:
+        if kinds is not None and kinds[index] in (*runtime.LINEAR_LAYER_KINDS, "hybrid"):
             names = runtime.MIXER_ATTRIBUTES[kinds[index]]
             try:
                 mixer: nn.Module | None = runtime.mixer_of(layer, kinds[index])

@@ -70,8 +70,17 @@ def layer_kind(layer: nn.Module) -> Hashable:
 
 
 def plan(layers: Sequence[nn.Module]) -> Plan:
-    """Shortest prefix holding, at positions >= 1, a template for every layer after it."""
-    kinds = [layer_kind(layer) for layer in layers]
+    """Shortest prefix holding, at positions >= 1, a template for every layer after it. A layer that
+    holds a parameter another layer holds too (Zamba2's shared blocks) is a kind of its own: which of
+    the shared tensors it reads (its own adapters among a block's) is decided by its index at trace
+    time, so no clone of another layer is it."""
+    kinds: list[Hashable] = [layer_kind(layer) for layer in layers]
+    holders: dict[int, set[int]] = {}
+    for index, layer in enumerate(layers):
+        for parameter in layer.parameters():
+            holders.setdefault(id(parameter), set()).add(index)
+    for index in {i for held in holders.values() if len(held) > 1 for i in held}:
+        kinds[index] = ("shares parameters with another layer", index)
     for prefix in range(min(2, len(kinds)), len(kinds) + 1):
         last = {kinds[i]: i for i in range(1, prefix)}
         if all(kinds[j] in last for j in range(prefix, len(kinds))):

@@ -299,6 +299,9 @@ def paged_view(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 #  shared:    attention over the keys and values an earlier layer of the same call computed (Gemma-4's
 #             KV sharing: the producer hands them over in ``shared_kv_states``): no state of its own;
 #             it takes its span's mask, and the cache it never touches.
+#  hybrid:    full attention, then a linear mixer, in one layer (Zamba's and Zamba2's hybrid layers: a
+#             shared transformer block, then their own mixer): the KV cache and the mixer's conv window
+#             and recurrent state, all addressed by the mixer's ``layer_idx``.
 LAYER_STATES = {
     "attention": ("key", "value"),
     "linear": ("conv", "recurrent"),
@@ -307,6 +310,7 @@ LAYER_STATES = {
     "indexed": ("key", "value", "index_key"),
     "none": (),
     "shared": (),
+    "hybrid": ("key", "value", "conv", "recurrent"),
 }
 # States of one fixed size per request (no sequence dimension): never placed by position, never paged.
 FIXED_ROLES = ("conv", "recurrent")
@@ -317,7 +321,9 @@ LINEAR_LAYER_KINDS = ("linear", "lightning", "short_conv")
 # in ``self_attn`` or, in a stack of one-sublayer blocks (Nemotron-H), ``mixer``; gated DeltaNet in
 # ``linear_attn``, Mamba2 in ``mixer`` (Mamba2, Nemotron-H) or ``mamba`` (Granite-4.0-H, Bamba), KDA in
 # ``self_attn`` (Kimi-Linear, Bailing-hybrid), a short convolution in ``conv`` (LFM2, LFM3). A block with no
-# mixer (``none``) has none to look up (``layer_index``).
+# mixer (``none``) has none to look up (``layer_index``); a hybrid layer's mixer is inside its mixer
+# sublayer (Zamba, Zamba2: ``mamba_decoder.mamba``; the shared block's attention has no index of its own
+# and caches under the index the layer hands it).
 MIXER_ATTRIBUTES = {
     "attention": ("self_attn", "mixer"),
     "linear": ("linear_attn", "mixer", "mamba", "conv", "self_attn"),
@@ -326,6 +332,7 @@ MIXER_ATTRIBUTES = {
     "indexed": ("self_attn",),
     "none": (),
     "shared": ("self_attn",),
+    "hybrid": ("mamba_decoder.mamba",),
 }
 # Layer kinds that keep no state: the wrappers hand them neither a mask nor the cache.
 STATELESS_KINDS = ("none",)
@@ -343,7 +350,12 @@ CARRIED_INPUTS = ("prev_topk_indices",)
 # attend over, for the KV-shared layers after them; transformers' KVSharingDict is a dict), fresh per
 # call, and ``per_layer_input`` (``PerLayerInputs``: each layer's slice of the per-layer embeddings, or
 # None where the config has none, as the model's forward passes it).
-STACK_INPUTS = ("shared_kv_states", "per_layer_input")
+STACK_INPUTS = ("shared_kv_states", "per_layer_input", "original_hidden_states", "layer_idx")
+# Zamba's and Zamba2's layers also take ``original_hidden_states`` (what entered the first layer, which
+# their hybrid layers' shared blocks read beside their hidden states) and ``layer_idx`` (the index their
+# shared attention caches under); and they take the attention mask as ``causal_mask`` (``CAUSAL_MASK_INPUT``),
+# their ``attention_mask`` being the mixer's padding mask, which a linear layer is never given.
+CAUSAL_MASK_INPUT = "causal_mask"
 
 
 def carried_inputs(layer: nn.Module) -> tuple[str, ...]:
@@ -359,6 +371,8 @@ def run_layer(
     per-call inputs (the names it takes of ``carried``); returns its hidden states and what it hands to
     the next layer."""
     takes = {name: carried.get(name) for name in carried_inputs(layer)}
+    if CAUSAL_MASK_INPUT in inspect.signature(layer.forward).parameters:
+        kwargs = {**kwargs, CAUSAL_MASK_INPUT: kwargs.get("attention_mask"), "attention_mask": None}
     out = layer(hidden_states, **takes, **kwargs)
     if isinstance(out, tuple):
         return out[0], dict(zip(CARRIED_INPUTS, out[1:], strict=False))
@@ -407,8 +421,10 @@ def layer_index(layer: nn.Module, kind: str, position: int) -> int:
 
 def mixer_of(layer: nn.Module, kind: str) -> nn.Module:
     """The layer's token mixer of ``kind`` (its ``layer_idx`` addresses the cache)."""
-    for name in MIXER_ATTRIBUTES[kind]:
-        mixer = getattr(layer, name, None)
+    for path in MIXER_ATTRIBUTES[kind]:
+        mixer: Any = layer
+        for name in path.split("."):
+            mixer = getattr(mixer, name, None)
         if mixer is not None:
             return mixer
     raise ValueError(
@@ -811,6 +827,7 @@ class _TextStack(nn.Module):
         ):
             carried: dict[str, Any] = {}
             shared_kv_states: dict[str, Any] = {}  # STACK_INPUTS: one per call
+            first_input = hidden_states
             for layer, mask, embeddings, kind, index in zip(
                 self.layers, layer_masks, position_embeddings, self.kinds, self.layer_ids, strict=True
             ):
@@ -818,7 +835,13 @@ class _TextStack(nn.Module):
                 hidden_states, carried = run_layer(
                     layer,
                     hidden_states,
-                    {**carried, "shared_kv_states": shared_kv_states, "per_layer_input": per_layer_input},
+                    {
+                        **carried,
+                        "shared_kv_states": shared_kv_states,
+                        "per_layer_input": per_layer_input,
+                        "original_hidden_states": first_input,
+                        "layer_idx": index,
+                    },
                     attention_mask=mask,
                     position_ids=position_ids,
                     use_cache=True,
@@ -1042,6 +1065,9 @@ def decode_inputs(
         if kind == "indexed":
             assert index_dim is not None, "an indexed layer needs its index_dim"
             past.append(torch.zeros(index_shape, dtype=dtype, device=device))
+        if kind == "hybrid":  # the mixer's states after the KV cache
+            assert linear_states is not None, "a hybrid layer needs its linear_states"
+            past += linear_state_zeros(linear_states, batch, device)
     return (
         torch.zeros(batch, 1, dtype=torch.long, device=device),
         additive_causal_mask(positions, max_cache_len, dtype),
@@ -1203,6 +1229,14 @@ SHARED_RULE = (
 )
 
 
+HYBRID_RULE = (
+    "a layer of kind hybrid attends, then runs a linear mixer (Zamba, Zamba2: a shared transformer block, "
+    "then its own mixer): its key and value are a KV cache like an attention layer's (placed, paged and "
+    "masked by contract.cache, contract.paged), its conv and recurrent states a linear layer's "
+    "(contract.linear_states: one row per request, never paged); a prompt is never padded"
+)
+
+
 DYNAMIC_RULE = (
     "a dimension written as a name instead of a number is that dynamic size: bind each name from the "
     "graph input that carries it (input_ids dim 0 is batch, dim 1 is prefill_len), refuse a size outside "
@@ -1275,6 +1309,7 @@ def kv_contract(
     lightning: bool = False,
     short_conv: bool = False,
     per_layer: bool = False,
+    hybrid: bool = False,
 ) -> dict[str, Any]:
     """Everything a runtime needs besides the graphs: cache semantics, masks, positions, capacity,
     with ``dynamic`` sizes (``{"prefill_len": (1, 64)}``) how to bind them, with ``paged`` the
@@ -1285,6 +1320,8 @@ def kv_contract(
     nothing; with ``chunked`` (chunked-attention layers) the chunk rule of the mask;
     with ``lightning`` (MiniMax's lightning layers) what their one recurrent state holds, same rules;
     with ``short_conv`` (LFM2's short convolutions) what their one conv window holds, same rules;
+    with ``hybrid`` (Zamba's and Zamba2's hybrid layers) that they carry a KV cache and a linear layer's
+    states;
     with ``per_layer`` (the layers cache different KV shapes) the heads and widths move to each layer's
     entry (``layers[i].cache``) and ``cache.per_layer`` says so.
 
@@ -1364,6 +1401,8 @@ def kv_contract(
         contract["stateless_layers"] = STATELESS_RULE
     if shared:
         contract["shared_layers"] = SHARED_RULE
+    if hybrid:
+        contract["hybrid_layers"] = HYBRID_RULE
     if linear:
         contract["linear_states"] = {
             "conv": {"holds": LINEAR_STATE_CONTENTS["conv"]},
@@ -1434,6 +1473,22 @@ def build_kv_mapping(
     index_dims: KVDims = ((1, index_dim or 1),) * 2
     prefill_index = kv_shapes(index_dims, batch_dim, length_dim)[0]
     decode_index = decode_kv_shapes(index_dims, batch_dim, max_cache_len, pool)[0]
+
+    def fixed_states(layer: int, kind: str) -> dict[str, Any]:
+        """A layer's fixed-size states (``FIXED_ROLES`` of its kind) with ``linear_states``' shapes."""
+        assert linear_states is not None, f"a {kind} layer needs its linear_states"
+        fixed = [state for state in LAYER_STATES[kind] if state in FIXED_ROLES]
+        entry: dict[str, Any] = {}
+        for state, (shape, state_dtype) in zip(fixed, linear_states, strict=True):
+            full = (batch_dim, *shape)
+            for role, key in (
+                ("prefill_{}", "prefill_{}_output"),
+                ("decode_{}_in", "decode_{}_input"),
+                ("decode_{}_out", "decode_{}_output"),
+            ):
+                entry[key.format(state)] = tensor(role.format(state), layer, full, state_dtype)
+        return entry
+
     layers: list[dict[str, Any]] = []
     for layer, kind in enumerate(kinds):
         if kind in STATELESS_KINDS:  # no state to carry: the entry says so
@@ -1444,17 +1499,7 @@ def build_kv_mapping(
             layers.append({"layer": layer, "kind": kind, "kv_source": source})
             continue
         if kind in LINEAR_LAYER_KINDS:
-            assert linear_states is not None, "a linear layer needs its linear_states"
-            entry: dict[str, Any] = {"layer": layer, "kind": kind}
-            for state, (shape, state_dtype) in zip(LAYER_STATES[kind], linear_states, strict=True):
-                full = (batch_dim, *shape)
-                for role, key in (
-                    ("prefill_{}", "prefill_{}_output"),
-                    ("decode_{}_in", "decode_{}_input"),
-                    ("decode_{}_out", "decode_{}_output"),
-                ):
-                    entry[key.format(state)] = tensor(role.format(state), layer, full, state_dtype)
-            layers.append(entry)
+            layers.append({"layer": layer, "kind": kind, **fixed_states(layer, kind)})
             continue
         dims = layer_dims(kv_dims, layer_kv_dims, layer)
         prefill_shapes = kv_shapes(dims, batch_dim, length_dim)
@@ -1489,6 +1534,7 @@ def build_kv_mapping(
                     if kind == "indexed"
                     else {}
                 ),
+                **(fixed_states(layer, kind) if kind == "hybrid" else {}),  # its mixer's, after its KV
             }
         )
     attention = {} if mla_attention == "reexpand" else {"mla_attention": mla_attention}
@@ -1502,12 +1548,13 @@ def build_kv_mapping(
             dynamic=dynamic,
             paged=paged,
             batch=batch,
-            linear="linear" in kinds,
+            linear="linear" in kinds or "hybrid" in kinds,
             lightning="lightning" in kinds,
             short_conv="short_conv" in kinds,
             index_dim=index_dim if "indexed" in kinds else None,
             stateless=any(kind in STATELESS_KINDS for kind in kinds),
             shared="shared" in kinds,
+            hybrid="hybrid" in kinds,
             chunked=chunked,
             per_layer=layer_kv_dims is not None,
         ),

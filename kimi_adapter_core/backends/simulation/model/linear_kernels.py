@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F  # noqa: N812
 
 from ....errors import KadaptError
 from .deployment import Deployment
@@ -205,3 +206,23 @@ class RankGatedDeltaNet(RankLinearMixer):
         state = b * hv * dk * dv * STATE_BYTES
         shapes = f"B{b} q{s} Hk{hk} Hv{hv} dk{dk} dv{dv}"
         self._record_scan(source, compute, flops, io, state, shapes, self._attrs(source, b, s, hidden))
+
+
+class RankLinear(nn.Module):
+    """An adopted ``nn.Linear`` as one TP rank runs it: column-parallel (``split="rows"``: 1/tp of the
+    output rows and bias), row-parallel (``"columns"``: 1/tp of the input columns; the bias is added
+    once) or replicated (``"none"``). The weight is sliced as a view, so the recorder charges it the
+    format of the adopted weight."""
+
+    def __init__(self, inner: nn.Module, tp: int, split: str) -> None:
+        super().__init__()
+        self.inner, self.tp, self.split = inner, tp, split
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.inner.weight, self.inner.bias
+        if self.split == "rows":
+            weight = weight[: weight.shape[0] // self.tp]
+            bias = None if bias is None else bias[: bias.shape[0] // self.tp]
+        elif self.split == "columns":
+            weight = weight[:, : weight.shape[1] // self.tp]
+        return F.linear(x, weight, bias)

@@ -102,7 +102,7 @@ def _kda(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
 
 
 # Mamba2 families whose decoder layer calls its mixer ``mamba`` (the others, Mamba2 and Nemotron-H: ``mixer``)
-_MAMBA_ATTRIBUTE = ("granitemoehybrid", "bamba")
+_MAMBA_ATTRIBUTE = ("granitemoehybrid", "bamba", "zamba2")
 
 
 def _mamba2(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
@@ -168,6 +168,32 @@ def _mamba1(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
     return rows
 
 
+def _mamba1_heads(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
+    """Tensors of a multi-head Mamba1 mixer under the model's own names (transformers 5.24
+    ``ZambaMambaMixer``, at ``mamba``): ``in_proj`` to x and the gate (2 I rows), the depthwise conv over x
+    with its bias, per head ``x_proj_weight`` to dt (rank R), B and C and ``dt_proj_weight`` back to the
+    head's channels with its bias, ``A_log`` ``[heads, P, N]`` and ``D``, ``out_proj``. Split over TP by
+    heads (each head's scan is whole on a rank)."""
+    lin, h = s.linear, s.hidden_size
+    assert lin is not None and lin.dt_rank is not None
+    heads, width, state, rank = lin.num_value_heads, lin.value_head_dim, lin.key_head_dim, lin.dt_rank
+    inner, kernel = heads * width, lin.conv_state.kernel
+    conv_tensors: Tensors = [("mamba.conv1d.weight", (inner, 1, kernel)), ("mamba.conv1d.bias", (inner,))]
+    projections: Tensors = [
+        ("mamba.x_proj_weight", (heads, rank + 2 * state, width)),
+        ("mamba.dt_proj_weight", (heads, width, rank)),
+        ("mamba.dt_proj_bias", (heads, width)),
+    ]
+    decay: Tensors = [("mamba.A_log", (heads, width, state)), ("mamba.D", (heads, width))]
+    return [
+        ("in_proj", [("mamba.in_proj.weight", (2 * inner, h))], "tp", True),
+        ("conv1d", conv_tensors, "tp", False),
+        ("head_proj", projections, "tp", False),
+        ("decay", decay, "tp", False),
+        ("out_proj", [("mamba.out_proj.weight", (h, inner))], "tp", True),
+    ]
+
+
 def _lightning(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
     """Tensors of a lightning-attention layer's ``self_attn`` under the model's own names (transformers
     5.24 ``MiniMaxLightningAttention``): the fused q/k/v projection, the sigmoid output gate, the RMS
@@ -216,6 +242,7 @@ LINEAR_TENSORS = {
     "kda": (_kda, "kda"),
     "mamba2": (_mamba2, "mamba2"),
     "mamba1": (_mamba1, "mamba1"),
+    "mamba1_heads": (_mamba1_heads, "mamba1_heads"),
     "short_conv": (_short_conv, "short_conv"),
     "lightning": (_lightning, "lightning"),
 }

@@ -33,6 +33,7 @@ from ....vision.tower import VisionArch
 from .arch import Architecture, indexed_layer_ids
 from .layer_parts import FP32_ROUTER, LayerParts, shared_expert, sublayers
 from .mixer_params import LINEAR_TENSORS, Shard, Tensors
+from .shared_block_params import BlockGroup, shared_block_groups
 
 
 @dataclass(frozen=True)
@@ -284,6 +285,8 @@ def text_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
         groups.append(_model(n, "final_norm", final, (h,), "replicated"))
     if not s.tie_word_embeddings:
         groups.append(_model(n, "lm_head", f"{n.lm_head}.weight", (vocab, h), "vocab"))
+    if s.shared_blocks is not None:  # every decoder tensor is the mixer's or a shared block's (Zamba2)
+        return groups + [_shared_block_group(s, n, g) for g in shared_block_groups(s)]
     for first, (shape, ids, label) in enumerate(_attention_shapes(s)):
         for name, tensors, shard, linear in _attention(s, shape):
             if name == "layer_norms" and first:  # every layer has both norms: counted once
@@ -313,6 +316,14 @@ def text_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
     if s.per_layer_inputs is not None:
         groups += _per_layer_input_groups(s, n)
     return groups
+
+
+def _shared_block_group(s: ModelStructure, n: Naming, g: BlockGroup) -> ParamGroup:
+    """A shared-block stack's tensor family under the checkpoint's names; a ``kv`` one splits by the
+    stack's KV heads."""
+    names = tuple(tuple(n.checkpoint(f"{n.layers}.{path}") for path in paths) for paths in g.paths)
+    group = ParamGroup(g.name, names, g.shapes, g.shard, "bf16", g.linear)
+    return replace(group, attention=s.attention) if g.shard == "kv" else group
 
 
 def _shared_attention_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:

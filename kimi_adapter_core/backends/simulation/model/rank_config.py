@@ -27,6 +27,7 @@ from ....structure.kv_sharing import shared_in_prefix
 from ....structure.layer_pattern import PATTERN_KEY
 from ....structure.model import Attention, ModelStructure
 from ....structure.reader import tables
+from ....structure.shared_blocks import reusing_prefix, shared_blocks_rule
 from .deployment import Deployment
 from .parallel import heads_per_rank, kv_heads_per_rank
 
@@ -61,7 +62,8 @@ class LayerKind:
     kind: str  # dense | moe | none (a one-sublayer block that is a mixer alone: Nemotron-H)
     layers: tuple[int, ...]  # indices in the full model
     windows: tuple[int | None, ...]  # each one's sliding window (None: full attention or linear)
-    # attention | linear (a hybrid stack's linear-attention layers) | indexed | none (an MLP alone)
+    # attention | linear (a hybrid stack's linear-attention layers) | indexed | none (an MLP alone) |
+    # hybrid (attention, then a linear mixer: Zamba2) | shared
     mixer: str = "attention"
     chunks: tuple[int | None, ...] = ()  # each one's attention chunk (Llama-4); () when none is chunked
     # their attention where it differs from the stack's (per-layer KV shapes: Gemma-4's full layers,
@@ -83,14 +85,20 @@ class LayerKind:
         return self.mixer == "linear"
 
     @property
+    def mixes_linear(self) -> bool:
+        """Whether its layers run a linear mixer: linear layers, and hybrid ones after their attention."""
+        return self.mixer in ("linear", "hybrid")
+
+    @property
     def attends(self) -> bool:
         """Whether its layers attend (through transformers' attention interface, or MLA's kernel)."""
         return self.mixer not in ("linear", "none")
 
     @property
     def sublayers(self) -> int:
-        """Its parts each ending in a TP all-reduce: the mixer and the MLP, or the one a block has."""
-        return (self.mixer != "none") + (self.kind != "none")
+        """Its parts each ending in a TP all-reduce: the mixer and the MLP, or the one a block has (a
+        hybrid layer: its shared block's attention and MLP, then its linear mixer)."""
+        return (self.mixer != "none") + (self.kind != "none") + (self.mixer == "hybrid")
 
     @property
     def scope(self) -> str:
@@ -103,6 +111,8 @@ class LayerKind:
         if self.mixer == "none":
             return f"{self.kind}_only"
         scope = f"linear_{self.kind}" if self.linear else self.kind
+        if self.mixer == "hybrid":  # a shared block, then a linear mixer (Zamba2)
+            scope = f"hybrid_{self.kind}"
         if self.mixer == "shared":  # KV-sharing layers (Gemma-4): plan's groups say ``.shared`` too
             scope += ".shared"
         if self.shape is not None:  # a per-layer shape: its KV heads and width name it (plan's groups too)
@@ -145,10 +155,18 @@ def layer_kinds(s: ModelStructure) -> list[LayerKind]:
 
 def check_rank_shapes(s: ModelStructure, tp: int) -> None:
     """Refuse (``UsageError``) a TP degree at which one rank's config would build other KV heads than TP
-    shards: where the family's code derives a layer's KV heads from the stack's (``per_layer_attention``
-    rule ``times``: MiMo-V2-Flash's sliding layers, twice), a rank builds that multiple of the stack's
+    shards, or attention adapters it cannot split (Zamba2's, sized by the block's whole input): where
+    the family's code derives a layer's KV heads from the stack's (``per_layer_attention`` rule
+    ``times``: MiMo-V2-Flash's sliding layers, twice), a rank builds that multiple of the stack's
     per-rank heads, which TP shards only while it does not exceed the stack's KV heads. ``kadapt plan``
     sizes such a layer at any TP; the trace cannot build it."""
+    blocks, rule = s.shared_blocks, shared_blocks_rule(s.model_type)
+    if blocks is not None and blocks.attention_adapters and tp > 1 and rule is not None:
+        raise UsageError(
+            f"--tp {tp}: the shared blocks' q/k/v adapters (config {rule['attention_adapters']}) add one "
+            f"{blocks.input_width * s.hidden_size}-wide output to every head's projection, which the "
+            "per-rank model cannot split by heads; use --tp 1"
+        )
     stack = s.attention
     rules = tables()["per_layer_attention"]["rules"].get(s.model_type, {}).values()
     multiples = {int(r["num_kv_heads"]["times"]) for r in rules if "times" in r.get("num_kv_heads", {})}
@@ -208,8 +226,9 @@ def _layer_type(text: Mapping[str, Any], index: int) -> Any:
 
 
 def built_layers(s: ModelStructure) -> int:
-    """Layers the per-rank model keeps: up to the first layer of the last kind to appear."""
-    return max(kind.index for kind in layer_kinds(s)) + 1
+    """Layers the per-rank model keeps: up to the first layer of the last kind to appear, and in a
+    shared-block stack (Zamba) up to the first hybrid layer that reuses a block."""
+    return max(max(kind.index for kind in layer_kinds(s)) + 1, reusing_prefix(s))
 
 
 def rank_overrides(

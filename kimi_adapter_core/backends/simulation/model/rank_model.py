@@ -255,11 +255,11 @@ def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts,
             for root, path in _experts_of(spec, traced.module, where, s):
                 _swap(root, path, experts)
             parts.experts.append(experts)
-        if traced.kind.linear:
+        if traced.kind.mixes_linear:
             parts.linear += _swap_linear(spec, traced.module, where, dep.parallel.tp)
-        elif not traced.kind.attends:  # an MLP alone: no mixer to price
+        if not traced.kind.attends:  # linear, or an MLP alone: no attention to price
             continue
-        elif s.attention.is_mla:
+        if s.attention.is_mla:
             attention_class = (spec.mla or {}).get("attention_class")
             if not attention_class:
                 raise KadaptError(
@@ -426,7 +426,7 @@ def _step(
     """One step: embedding, the traced layers (each standing for its kind), the last norm and logits,
     and the MTP drafts."""
     par, vocab = dep.parallel, s.vocab_size
-    hidden = model.embed_tokens(input_ids)
+    hidden = embedded = model.embed_tokens(input_ids)
     if par.tp > 1:
         rec.analytic("tp_all_reduce(vocab_parallel_embedding)", "comm", comm=all_reduce)
     per_layer_inputs(rec, s, input_ids.numel())
@@ -442,7 +442,9 @@ def _step(
             length = dep.context_len + hidden.shape[1]
             kwargs = {
                 **positions_of(traced.module, embeddings, positions),
-                **upstream.stack_inputs(traced.module, hidden, traced.kind.mixer, length),
+                **upstream.stack_inputs(
+                    traced.module, hidden, traced.kind.mixer, length, traced.kind.index, embedded
+                ),
             }
             hidden = hidden_of(traced.module(hidden, **kwargs))
     last = model.norm(hidden if dep.decode else hidden[:, -1:, :])  # prefill: last token's logits

@@ -23,6 +23,7 @@ a chunked einsum in float32) are not what an engine launches. vLLM and SGLang ru
   The scan has no heads: every channel of ``I`` keeps ``N`` states with its own decay, so per token
   ``7 I N`` (exp(dt A) and its product, dt B x, the sum, C S) plus the skip and gate, in float32 on
   the vector units (the scan is sequential in both phases: no chunked matmul form).
+- Zamba's multi-head Mamba1: Mamba1's kernels per SSM head (``mamba_heads_kernels``).
 - LFM2's gated short convolution (LFM2, LFM2-MoE, LFM3; vLLM's ``ShortConv``): ``in_proj`` to B, C and
   x (column-parallel), B * x, ``causal_conv1d_fn`` over it in prefill and ``causal_conv1d_update`` in
   decode, C times the result, ``out_proj`` (row-parallel). No scan: its only state is the conv window,
@@ -61,9 +62,11 @@ from .linear_kernels import (
     SCAN_COMPUTE,
     STATE_BYTES,
     RankGatedDeltaNet,
+    RankLinear,
     RankLinearMixer,
     is_gated_delta_net,
 )
+from .mamba_heads_kernels import RankMamba1Heads, is_mamba1_heads
 from .tracer import Recorder
 
 # What each kind's mixer must have (transformers 5.24's KimiLinearDeltaAttention /
@@ -111,26 +114,6 @@ def is_short_conv(module: nn.Module) -> bool:
 def is_lightning(module: nn.Module) -> bool:
     """Whether ``module`` is a lightning-attention mixer (by its attribute names)."""
     return _has(module, (*LIGHTNING_FIELDS, *LIGHTNING_SIZES))
-
-
-class RankLinear(nn.Module):
-    """An adopted ``nn.Linear`` as one TP rank runs it: column-parallel (``split="rows"``: 1/tp of the
-    output rows and bias), row-parallel (``"columns"``: 1/tp of the input columns; the bias is added
-    once) or replicated (``"none"``). The weight is sliced as a view, so the recorder charges it the
-    format of the adopted weight."""
-
-    def __init__(self, inner: nn.Module, tp: int, split: str) -> None:
-        super().__init__()
-        self.inner, self.tp, self.split = inner, tp, split
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.inner.weight, self.inner.bias
-        if self.split == "rows":
-            weight = weight[: weight.shape[0] // self.tp]
-            bias = None if bias is None else bias[: bias.shape[0] // self.tp]
-        elif self.split == "columns":
-            weight = weight[:, : weight.shape[1] // self.tp]
-        return F.linear(x, weight, bias)
 
 
 def _chain(linears: list[tuple[str, nn.Module]], tp: int, width: int) -> nn.Sequential:
@@ -446,11 +429,12 @@ KINDS = (
     ("KDA", is_kda),
     ("Mamba2", is_mamba2),
     ("Mamba1", is_mamba1),
+    ("multi-head Mamba1", is_mamba1_heads),
     ("short convolution", is_short_conv),
     ("lightning attention", is_lightning),
 )
 # the structure's mixer kinds these kernels price (every kind plan sizes)
-SIMULATED_MIXERS = ("gated_delta_net", "kda", "mamba2", "mamba1", "short_conv", "lightning")
+SIMULATED_MIXERS = ("gated_delta_net", "kda", "mamba2", "mamba1", "mamba1_heads", "short_conv", "lightning")
 
 
 def linear_mixers(layer: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -470,6 +454,8 @@ def rank_mixer(inner: nn.Module, rec: Recorder, dep: Deployment, tp: int) -> Ran
         return RankKDA(inner, rec, dep, tp)
     if is_mamba1(inner):
         return RankMamba1(inner, rec, dep, tp)
+    if is_mamba1_heads(inner):
+        return RankMamba1Heads(inner, rec, dep, tp)
     if is_short_conv(inner):
         return RankShortConv(inner, rec, dep, tp)
     return RankMamba2(inner, rec, dep, tp)
