@@ -2,22 +2,26 @@
 
 GLM-5's DSA layers return their top-k beside the hidden states, for a ``shared`` indexer layer after them
 that reuses it; the wrappers hand it on as ``GlmMoeDsaModel.forward`` does (``runtime.run_layer``). A
-tiny GLM-5 goes through the family matrix's export + verify. Stacks kadapt does not model are refused
-before any work, located: a ``shared`` indexer layer (no indexer keys of its own, attention over another
-layer's top-k) and hyper-connections (``hc_mult`` residual streams between the layers: HY-V4).
+tiny GLM-5 goes through the family matrix's export + verify. HY-V4 keeps ``hc_mult`` residual streams
+between its layers (hyper-connections): the wrappers copy the embeddings into them and merge them with the
+stack's own head (``runtime.ResidualStreams``). Refused before any work, located: a ``shared`` indexer
+layer (no indexer keys of its own, attention over another layer's top-k), and streams of a family whose
+connections' weights kadapt does not know.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoConfig, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
+from kimi_adapter_core.backends.extraction.runtime import abi as runtime
 from kimi_adapter_core.backends.extraction.runtime.abi import additive_causal_mask, carried_inputs, run_layer
 from kimi_adapter_core.errors import Refusal
 from kimi_adapter_core.families.tiny import tiny_config
 from kimi_adapter_core.families.trial import ADAPTED, run_trial
 from kimi_adapter_core.structure.derive import derive_structure
+from kimi_adapter_core.structure.model import ResidualStreams
 
 TINY_GLM = dict(
     hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
@@ -70,11 +74,63 @@ def test_a_shared_indexer_layer_is_refused_at_the_config() -> None:
     assert "makes layer 1 (and 0 more) 'shared'" in refused.value.message
 
 
-def test_hyper_connections_are_refused_at_the_config() -> None:
+def test_hyper_connections_are_read_from_the_config() -> None:
     config = AutoConfig.for_model(**tiny_config("hy_v4"))
     assert config.hc_mult > 1
+    structure = derive_structure(config)
+    assert structure.residual_streams == ResidualStreams(count=config.hc_mult, comb=False)
+    assert f"{config.hc_mult} residual streams (hyper-connections)" in structure.describe()
+    assert structure.to_dict()["residual_streams"] == {"count": config.hc_mult, "comb": False}
+    assert "residual_streams" not in derive_structure(GlmMoeDsaConfig(**TINY_GLM)).to_dict()
+
+
+def test_hyper_connections_of_an_unknown_family_are_refused_at_the_config() -> None:
+    """A stream count on a family whose connections' weights kadapt does not know is refused, named."""
+    config = GlmMoeDsaConfig(**TINY_GLM)
+    config.hc_mult = 2
     with pytest.raises(Refusal) as refused:
         derive_structure(config)
     assert refused.value.code == "outside-layers"
-    assert f"hc_mult = {config.hc_mult}" in refused.value.message
-    assert "residual streams" in refused.value.message
+    assert "hc_mult = 2" in refused.value.message
+    assert "deepseek_v4, hy_v4" in refused.value.message
+    assert "'glm_moe_dsa'" in refused.value.message
+
+
+@pytest.mark.compat
+def test_a_tiny_hy_v4_with_residual_streams_is_adapted_verified_and_planned_exactly() -> None:
+    """HY-V4 keeps ``hc_mult`` residual streams between its layers: the wrappers copy the embeddings into
+    them and merge them with the stack's ``hc_head`` (``runtime.ResidualStreams``); export + verify equal
+    transformers, and plan's inventory (connections, head, the attention's output gate) is the model's."""
+    row = run_trial("hy_v4")
+    assert (row.outcome, row.code) == (ADAPTED, ""), row.detail
+    assert "verify max |diff|" in row.detail
+    assert row.plan == "exact", row.plan
+
+
+def test_the_streams_are_what_the_models_forward_keeps() -> None:
+    """``ResidualStreams`` over HY-V4's layers gives transformers' logits; with one stream the layers
+    refuse to run (they mix hc_mult streams), so a stack without the streams cannot pass for one."""
+    config = AutoConfig.for_model(**tiny_config("hy_v4"))
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(3, config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(7).unsqueeze(0)
+    mask = additive_causal_mask(positions, 7, torch.float32)
+    stack = model.model
+    streams = runtime.ResidualStreams.of(stack)
+    assert streams is not None and streams.count == config.hc_mult
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        embeds = stack.embed_tokens(ids)
+        embeddings = stack.rotary_emb(embeds, positions)
+        hidden, carried = streams.expand(embeds), {}
+        for layer in stack.layers:
+            hidden, carried = run_layer(
+                layer, hidden, carried, attention_mask=mask, position_ids=positions,
+                position_embeddings=embeddings,
+            )  # fmt: skip
+        got = model.lm_head(stack.norm(streams(hidden)))
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+        with pytest.raises(RuntimeError):
+            run_layer(stack.layers[0], embeds, {}, attention_mask=mask, position_embeddings=embeddings)

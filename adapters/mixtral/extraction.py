@@ -426,6 +426,36 @@ class PerLayerInputs(nn.Module):
         return self.source.project_per_layer_inputs(self, inputs_embeds, token_part)
 
 
+class ResidualStreams(nn.Module):
+    """Hyper-connections (HY-V4, DeepSeek-V4): the model's forward keeps ``hc_mult`` residual streams
+    between its decoder layers, each a copy of the input embeddings (``[B, Q, hidden]`` becomes ``[B, Q,
+    streams, hidden]``), and merges them with its ``hc_head`` before the final norm; the layers mix the
+    streams themselves. Holds that head, so the graph keeps its weights under the stack's name."""
+
+    HEAD = "hc_head"
+
+    def __init__(self, head: nn.Module, count: int) -> None:
+        super().__init__()
+        self.head = head
+        self.count = count
+
+    @classmethod
+    def of(cls, language_model: nn.Module) -> ResidualStreams | None:
+        """The stack's residual streams; None where its config keeps one (no ``hc_mult`` above 1)."""
+        count = getattr(language_model.config, "hc_mult", None) or 1
+        if count == 1:
+            return None
+        return cls(getattr(language_model, cls.HEAD), count)
+
+    def expand(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """What enters the first layer: the embeddings copied into every stream."""
+        return hidden_states.unsqueeze(2).expand(-1, -1, self.count, -1).contiguous()
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """What enters the final norm: the streams merged by the stack's head."""
+        return self.head(hidden_states)
+
+
 def layer_index(layer: nn.Module, kind: str, position: int) -> int:
     """The index a layer's states are addressed by: its mixer's ``layer_idx``; a block with no mixer keeps
     no state, so its own ``layer_idx`` or, without one, its ``position`` in the stack (a prefix of it)."""
@@ -689,6 +719,7 @@ class _TextStack(nn.Module):
         layer_kinds: Sequence[str] | None = None,
         chunks: Sequence[int | None] | None = None,
         per_layer_inputs: PerLayerInputs | None = None,
+        streams: ResidualStreams | None = None,
     ) -> None:
         super().__init__()
         if kv_layout not in KV_LAYOUTS:
@@ -699,6 +730,7 @@ class _TextStack(nn.Module):
         # registration, the two-call one by use: the IR's constants must not depend on which ran)
         self.per_layer_inputs = per_layer_inputs
         self.layers = nn.ModuleList(layers)
+        self.streams = streams
         self.norm = norm
         self.rotary_emb = rotary_emb
         self.lm_head = lm_head
@@ -762,7 +794,8 @@ class _TextStack(nn.Module):
         ``parts`` where the stack keeps a part under another name (``{"final_norm": "norm_f"}``);
         ``chunks`` each layer's attention chunk (None: not chunked), indexed by layer;
         ``extra`` goes to the wrapper's constructor (``image_token_id`` of ``MultimodalPrefillWrapper``).
-        The stack's per-layer embeddings (``PerLayerInputs``), where its config has them, come along.
+        The stack's per-layer embeddings (``PerLayerInputs``) and residual streams (``ResidualStreams``),
+        where its config has them, come along.
         """
         layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
         if num_layers is not None:
@@ -783,6 +816,7 @@ class _TextStack(nn.Module):
             layer_kinds=layer_kinds,
             chunks=chunks,
             per_layer_inputs=PerLayerInputs.of(language_model),
+            streams=ResidualStreams.of(language_model),
             **extra,
         )
 
@@ -834,6 +868,8 @@ class _TextStack(nn.Module):
             masks[span] if kind not in unmasked else None
             for span, kind in zip(spans, self.kinds, strict=True)
         ]
+        if self.streams is not None:  # after the rope, which the model computes from the embeddings
+            hidden_states = self.streams.expand(hidden_states)
         with (
             cache.routing_expand_kv(self.layers),
             absorbing_mla(self.layers, self.mla_attention, self.cache_keyword),
@@ -854,6 +890,8 @@ class _TextStack(nn.Module):
                     position_embeddings=embeddings,
                     **{self.cache_keyword: cache if kind not in STATELESS_KINDS else None},
                 )
+        if self.streams is not None:
+            hidden_states = self.streams(hidden_states)
         final = in_head_dtype(self.norm(hidden_states), self.lm_head)
         logits = apply_ops(self.lm_head(final), self.logit_ops)
         return (logits, *cache.flat_present())
@@ -2010,6 +2048,32 @@ def _probe_per_layer_inputs() -> str:
     return "; ".join(_describe(getattr(model, name), name) for name in PER_LAYER_INPUT_METHODS)
 
 
+# the stacks with hyper-connections (the runtime's ``ResidualStreams``): module -> their decoder model
+RESIDUAL_STREAM_MODELS = {
+    "transformers.models.hy_v4.modeling_hy_v4": "HYV4Model",
+    "transformers.models.deepseek_v4.modeling_deepseek_v4": "DeepseekV4Model",
+}
+
+
+def _probe_residual_streams() -> str:
+    expected = (
+        "HYV4Model / DeepseekV4Model.forward copies the input embeddings into config.hc_mult streams "
+        "(inputs_embeds.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1)) and computes "
+        "self.norm(self.hc_head(hidden_states)) after the last layer"
+    )
+    found = []
+    for module, name in RESIDUAL_STREAM_MODELS.items():
+        model = _attr(module, name, expected)
+        source = " ".join(inspect.getsource(model.forward).split())
+        for step in (".unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1)", "self.norm(self.hc_head("):
+            if step not in source:
+                raise _Moved(expected, f"{name}.forward no longer has {step}")
+        if "self.hc_head =" not in inspect.getsource(model.__init__):
+            raise _Moved(expected, f"{name}.__init__ no longer sets hc_head")
+        found.append(name)
+    return f"{' and '.join(found)}: embeddings expanded to hc_mult streams, hc_head before the final norm"
+
+
 def _probe_dtype_plan() -> str:
     expected = "PreTrainedModel._get_dtype_plan(dtype) and core_model_loading.build_glob_alternation(globs)"
     model = _attr("transformers.modeling_utils", "PreTrainedModel", expected)
@@ -2335,6 +2399,17 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
         "layer its slice and one shared_kv_states dict per call, as Gemma4TextModel.forward does",
         ("extraction (Gemma-4)", "generated modules"),
         _probe_per_layer_inputs,
+    ),
+    ContactPoint(
+        "residual_streams",
+        "models.hy_v4.modeling_hy_v4.HYV4Model.forward, models.deepseek_v4.modeling_deepseek_v4."
+        "DeepseekV4Model.forward",
+        "the input embeddings copied into config.hc_mult streams [B, Q, hc_mult, hidden] before the first "
+        "layer; self.norm(self.hc_head(hidden_states)) after the last",
+        "the wrappers copy the embeddings into the streams and merge them with the stack's own hc_head "
+        "before the final norm (runtime.ResidualStreams); the layers mix the streams themselves",
+        ("extraction (HY-V4)", "simulation", "generated modules"),
+        _probe_residual_streams,
     ),
     ContactPoint(
         "loader_dtype_plan",
@@ -2762,6 +2837,7 @@ def probe_decoder_layers(
     rotary_emb: Any,
     layer_types: Sequence[str | None] | None = None,
     kinds: Sequence[str] | None = None,
+    streams: int = 1,
 ) -> LayerProtocol:
     """Call one layer of each structure in ``layers`` with a recording cache; their shared protocol.
 
@@ -2774,6 +2850,8 @@ def probe_decoder_layers(
     when it takes one; a layer whose type it keeps no frequencies for gets none). Runs on the layers' own
     device: free on meta, tiny elsewhere. The attention layers may cache different KV shapes
     (``layer_kv_dims``, one per layer): the caller holds each against what the config says of that layer.
+    ``streams``: the residual streams each layer takes (``hc_mult``: hidden states ``[B, Q, streams,
+    hidden]``, as the runtime's ``ResidualStreams`` hands them; 1: ``[B, Q, hidden]``).
     """
     import torch
 
@@ -2782,10 +2860,10 @@ def probe_decoder_layers(
         kind = kinds[index] if kinds is not None else "attention"
         layer_type = layer_types[index] if layer_types is not None else None
         roped = rotary_emb if layer_types is None or layer_type is not None else None
-        key = (kind, *_layer_key(layer, roped, layer_type))
+        key = (kind, streams, *_layer_key(layer, roped, layer_type))
         if key not in _protocols:
             with torch.no_grad():
-                _protocols[key] = _probe_layer(layer, roped, layer_type, kind, index)
+                _protocols[key] = _probe_layer(layer, roped, layer_type, kind, index, streams)
             while len(_protocols) > MAX_PROTOCOLS:  # dicts keep insertion order: the oldest first
                 del _protocols[next(iter(_protocols))]
         protocols.append(_protocols[key])
@@ -2850,7 +2928,8 @@ def decoder_protocol(language_model: Any, kinds: Sequence[str] | None = None) ->
     layers of ``kinds`` (by layer; None: every layer is attention)."""
     layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
     rotary_emb = getattr(language_model, "rotary_emb", None)  # None: no rope (NoPE, SSM stacks)
-    return probe_decoder_layers(layers, rotary_emb, rope_layer_types(language_model), kinds)
+    streams = getattr(language_model.config, "hc_mult", None) or 1  # the runtime's ResidualStreams
+    return probe_decoder_layers(layers, rotary_emb, rope_layer_types(language_model), kinds, streams)
 
 
 def forget() -> None:
@@ -2950,7 +3029,9 @@ def stack_inputs(layer: Any, hidden: Any, kind: str = "attention", length: int =
     return inputs
 
 
-def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str, index: int) -> LayerProtocol:
+def _probe_layer(
+    layer: Any, rotary_emb: Any, layer_type: str | None, kind: str, index: int, streams: int = 1
+) -> LayerProtocol:
     import torch
 
     expected = BY_NAME[STATE_POINTS.get(kind, "cache_update")].expected
@@ -2958,6 +3039,8 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
     layer_idx = getattr(_attention_of(layer), "layer_idx", None)
     parameter = next(layer.parameters())
     hidden = torch.zeros(1, 2, _hidden_size(layer), dtype=parameter.dtype, device=parameter.device)
+    # the layer's input: one residual stream, or the stack's hc_mult copies of it
+    taken = hidden if streams == 1 else hidden.unsqueeze(2).expand(-1, -1, streams, -1).contiguous()
     positions = torch.arange(2, device=parameter.device).unsqueeze(0)
     # a linear layer's state takes every token it is given, a block with no mixer keeps none: the
     # wrappers hand them no mask
@@ -2973,7 +3056,7 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
     failure: Exception | None = None
     try:
         out = layer(
-            hidden,
+            taken,
             attention_mask=mask,
             position_ids=positions,
             use_cache=True,
@@ -3014,13 +3097,13 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
             f"{type(failure).__name__}: {' '.join(str(failure).split())[:300]}",
         )
     if kind == "linear":
-        return _linear_protocol(layer_name, keyword, cache, index, out, hidden)
+        return _linear_protocol(layer_name, keyword, cache, index, out, taken)
     if kind == "lightning":
-        return _lightning_protocol(layer_name, keyword, cache, index, out, hidden)
+        return _lightning_protocol(layer_name, keyword, cache, index, out, taken)
     if kind == "short_conv":
-        return LayerProtocol(keyword, None, (_conv_window(layer_name, keyword, cache, index, out, hidden),))
+        return LayerProtocol(keyword, None, (_conv_window(layer_name, keyword, cache, index, out, taken),))
     if kind in MIXERLESS_KINDS:  # given no cache: it must return the hidden states and keep nothing
-        _check_hidden_states(layer_name, out, hidden)
+        _check_hidden_states(layer_name, out, taken)
         return LayerProtocol(keyword, None)
     if kind == "shared":  # attends over its producer's keys and values: it must read them, cache nothing
         shared = inputs.get("shared_kv_states")
@@ -3033,7 +3116,7 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
                 f"{layer_name} {found}",
                 point="per_layer_inputs",
             )
-        _check_hidden_states(layer_name, out, hidden)
+        _check_hidden_states(layer_name, out, taken)
         return LayerProtocol(keyword, None)
     if len(cache.calls) != 1:
         _unsupported(
@@ -3042,7 +3125,7 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
             f"{layer_name}(..., {keyword}=cache) calls cache.update once",
             f"{len(cache.calls)} calls",
         )
-    _check_hidden_states(layer_name, out, hidden)
+    _check_hidden_states(layer_name, out, taken)
     key, value, layer_idx = cache.calls[0].states()
     kv_dims = ((key.shape[1], key.shape[-1]), (value.shape[1], value.shape[-1]))
     if kind != "indexed":

@@ -32,6 +32,8 @@ from .catalog import model_types
 MIXER_CLASSES = ("attn", "attention", "mixer", "shortconv")
 O_PROJ_NAMES = ("o_proj", "dense", "out_proj", "c_proj")
 FUSED_QKV_NAMES = ("qkv", "query_key_value")
+# an attention's own output gate (HY-V4: sigmoid(gate_proj(x)) scales each head's output before o_proj)
+OUTPUT_GATE = "gate_proj"
 GATE_NAMES = ("gate", "w1")
 
 
@@ -88,13 +90,16 @@ def _mixer(layer: Any) -> tuple[str, Any] | None:
 
 
 def attention_parts(layer: Any) -> dict[str, Any]:
-    """The attention's name, the layer's norms, and a fused q/k/v or another output projection."""
+    """The attention's name, the layer's norms, its output gate, and a fused q/k/v or another output
+    projection."""
     found = _mixer(layer)
     if found is None:
         return {}
     name, module = found
     weights = _weights(module)
     parts: dict[str, Any] = {"attention": name, "norms": _norms(layer)}
+    if OUTPUT_GATE in weights:  # a gate on the attention's output, projected from the layer's input
+        parts["output_gate"] = OUTPUT_GATE
     if {"q_proj", "k_proj", "v_proj", "o_proj"} <= weights.keys():
         return parts
     fused = [w for w in weights if any(k in w for k in FUSED_QKV_NAMES)]

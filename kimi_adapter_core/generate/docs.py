@@ -22,6 +22,7 @@ from .markdown import EMPTY, ESCAPES, comment_text, md_code, md_paragraph, md_te
 
 TARGET = "docs"
 
+
 def _bridge_rows(spec: Spec) -> list[dict[str, Any]]:
     rows = bridge_context(spec, backend=None, target=TARGET)["bridges"]
     for row in rows:

@@ -35,6 +35,7 @@ from .model import (
 )
 from .reader import MISSING, Reader, locate, mlp_block_types, outside_modelled, tables
 from .refusals import refuse_outside_layer_features, refuse_unmodelled_layers
+from .residual_streams import residual_streams_of
 from .rope_of import rope_of
 
 
@@ -478,5 +479,6 @@ def derive_structure(
         linear=linear_of(read, spans),
         indexer=indexer_of(read, spans),
         per_layer_inputs=_per_layer_inputs(read),
+        residual_streams=residual_streams_of(read),
         keys=dict(read.keys),
     )

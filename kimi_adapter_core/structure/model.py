@@ -263,6 +263,32 @@ class PerLayerInputs:
 
 
 @dataclass(frozen=True)
+class ResidualStreams:
+    """Hyper-connections (HY-V4, DeepSeek-V4): ``count`` residual streams between the decoder layers,
+    copies of the input embeddings, that each layer's attention and MLP connection collapses into one
+    input (``pre``) and writes back to (``post``) with weights computed from the streams, merged by the
+    stack's head before the final norm. ``comb``: each connection also mixes the streams among
+    themselves (DeepSeek-V4's Sinkhorn-normalised ``count x count`` matrix); HY-V4's does not."""
+
+    count: int
+    comb: bool
+
+    @property
+    def mixes(self) -> int:
+        """The weights one connection computes per token: pre and post per stream, plus the comb matrix."""
+        return 2 * self.count + (self.count * self.count if self.comb else 0)
+
+    @property
+    def scales(self) -> int:
+        """One scale per kind of weight a connection computes (pre, post, and comb where it has one)."""
+        return 3 if self.comb else 2
+
+    def describe(self) -> str:
+        mixing = ", mixed by Sinkhorn" if self.comb else ""
+        return f"{self.count} residual streams (hyper-connections{mixing})"
+
+
+@dataclass(frozen=True)
 class ModelStructure:
     """A decoder-only text backbone as every kadapt backend sees it."""
 
@@ -282,6 +308,7 @@ class ModelStructure:
     linear: LinearAttention | None = None  # the mixer of the ``linear`` layers (None: attention only)
     indexer: Indexer | None = None  # the DSA indexer of the ``indexed`` layers (None: no such layer)
     per_layer_inputs: PerLayerInputs | None = None  # per-layer embeddings (None: the layers take none)
+    residual_streams: ResidualStreams | None = None  # hyper-connections (None: one residual stream)
     # fact -> the config key it was read from (so tiny verify models shrink the right keys)
     keys: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -400,6 +427,8 @@ class ModelStructure:
         outside = "".join(f", {o.describe()}" for o in self.outside)
         if self.per_layer_inputs is not None:
             outside += f", {self.per_layer_inputs.describe()}"
+        if self.residual_streams is not None:
+            outside += f", {self.residual_streams.describe()}"
         mixer = self.attention.describe()
         if self.linear is not None:
             linear = len(self.linear_layer_ids)
@@ -429,7 +458,8 @@ class ModelStructure:
         data.pop("keys")
         if not self.outside:  # most families: the key stays out of the IR metadata
             data.pop("outside")
-        for kind in ("linear", "indexer", "per_layer_inputs"):  # stacks without them: metadata unchanged
+        # stacks without them: metadata unchanged
+        for kind in ("linear", "indexer", "per_layer_inputs", "residual_streams"):
             if getattr(self, kind) is None:
                 data.pop(kind)
         for size in ("dt_rank", "block_size"):  # only Mamba1 states the one, lightning the other

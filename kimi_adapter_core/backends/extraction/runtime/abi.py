@@ -397,6 +397,36 @@ class PerLayerInputs(nn.Module):
         return self.source.project_per_layer_inputs(self, inputs_embeds, token_part)
 
 
+class ResidualStreams(nn.Module):
+    """Hyper-connections (HY-V4, DeepSeek-V4): the model's forward keeps ``hc_mult`` residual streams
+    between its decoder layers, each a copy of the input embeddings (``[B, Q, hidden]`` becomes ``[B, Q,
+    streams, hidden]``), and merges them with its ``hc_head`` before the final norm; the layers mix the
+    streams themselves. Holds that head, so the graph keeps its weights under the stack's name."""
+
+    HEAD = "hc_head"
+
+    def __init__(self, head: nn.Module, count: int) -> None:
+        super().__init__()
+        self.head = head
+        self.count = count
+
+    @classmethod
+    def of(cls, language_model: nn.Module) -> ResidualStreams | None:
+        """The stack's residual streams; None where its config keeps one (no ``hc_mult`` above 1)."""
+        count = getattr(language_model.config, "hc_mult", None) or 1
+        if count == 1:
+            return None
+        return cls(getattr(language_model, cls.HEAD), count)
+
+    def expand(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """What enters the first layer: the embeddings copied into every stream."""
+        return hidden_states.unsqueeze(2).expand(-1, -1, self.count, -1).contiguous()
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """What enters the final norm: the streams merged by the stack's head."""
+        return self.head(hidden_states)
+
+
 def layer_index(layer: nn.Module, kind: str, position: int) -> int:
     """The index a layer's states are addressed by: its mixer's ``layer_idx``; a block with no mixer keeps
     no state, so its own ``layer_idx`` or, without one, its ``position`` in the stack (a prefix of it)."""
@@ -660,6 +690,7 @@ class _TextStack(nn.Module):
         layer_kinds: Sequence[str] | None = None,
         chunks: Sequence[int | None] | None = None,
         per_layer_inputs: PerLayerInputs | None = None,
+        streams: ResidualStreams | None = None,
     ) -> None:
         super().__init__()
         if kv_layout not in KV_LAYOUTS:
@@ -670,6 +701,7 @@ class _TextStack(nn.Module):
         # registration, the two-call one by use: the IR's constants must not depend on which ran)
         self.per_layer_inputs = per_layer_inputs
         self.layers = nn.ModuleList(layers)
+        self.streams = streams
         self.norm = norm
         self.rotary_emb = rotary_emb
         self.lm_head = lm_head
@@ -733,7 +765,8 @@ class _TextStack(nn.Module):
         ``parts`` where the stack keeps a part under another name (``{"final_norm": "norm_f"}``);
         ``chunks`` each layer's attention chunk (None: not chunked), indexed by layer;
         ``extra`` goes to the wrapper's constructor (``image_token_id`` of ``MultimodalPrefillWrapper``).
-        The stack's per-layer embeddings (``PerLayerInputs``), where its config has them, come along.
+        The stack's per-layer embeddings (``PerLayerInputs``) and residual streams (``ResidualStreams``),
+        where its config has them, come along.
         """
         layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
         if num_layers is not None:
@@ -754,6 +787,7 @@ class _TextStack(nn.Module):
             layer_kinds=layer_kinds,
             chunks=chunks,
             per_layer_inputs=PerLayerInputs.of(language_model),
+            streams=ResidualStreams.of(language_model),
             **extra,
         )
 
@@ -805,6 +839,8 @@ class _TextStack(nn.Module):
             masks[span] if kind not in unmasked else None
             for span, kind in zip(spans, self.kinds, strict=True)
         ]
+        if self.streams is not None:  # after the rope, which the model computes from the embeddings
+            hidden_states = self.streams.expand(hidden_states)
         with (
             cache.routing_expand_kv(self.layers),
             absorbing_mla(self.layers, self.mla_attention, self.cache_keyword),
@@ -825,6 +861,8 @@ class _TextStack(nn.Module):
                     position_embeddings=embeddings,
                     **{self.cache_keyword: cache if kind not in STATELESS_KINDS else None},
                 )
+        if self.streams is not None:
+            hidden_states = self.streams(hidden_states)
         final = in_head_dtype(self.norm(hidden_states), self.lm_head)
         logits = apply_ops(self.lm_head(final), self.logit_ops)
         return (logits, *cache.flat_present())

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from ....checkpoint.naming import rename_weight
 from ....spec.model import Spec
 from ....structure.model import Attention, ModelStructure
+from ....structure.residual_streams import STREAM_HEAD
 from ....vision.tower import VisionArch
 from .arch import Architecture, indexed_layer_ids
 from .layer_parts import FP32_ROUTER, LayerParts, shared_expert, sublayers
@@ -204,6 +205,9 @@ def _attention(s: ModelStructure, a: Attention) -> list[tuple[str, Tensors, Shar
         ]
     else:
         rows += _qkv(s, a, parts)
+    if parts.output_gate:  # one gate per output element, split by heads like the output
+        gate = f"{parts.attention}.{parts.output_gate}.weight"
+        rows.append(("output_gate", [(gate, (heads * a.v_head_dim, h))], "tp", True))
     o_proj = f"{parts.attention}.{parts.o_proj}.weight"
     rows.append(("o_proj", [(o_proj, (h, heads * a.v_head_dim))], "tp", True))
     if parts.norms:  # none when the layer's norms hold no weight (OLMo's LayerNorm)
@@ -312,6 +316,8 @@ def text_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
         groups += _moe_groups(s, n, parts)
     if s.per_layer_inputs is not None:
         groups += _per_layer_input_groups(s, n)
+    if s.residual_streams is not None:
+        groups += _residual_stream_groups(s, n)
     return groups
 
 
@@ -358,6 +364,46 @@ def _per_layer_input_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
             [("post_per_layer_input_norm.weight", (h,))],
             "replicated",
             "bf16",
+            False,
+        ),
+    ]
+
+
+def _residual_stream_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
+    """Hyper-connections under transformers' names (5.24 ``HYV4HyperConnection``, ``DeepseekV4Hyper
+    Connection``): each layer's attention and MLP connection (``attn_hc``, ``ffn_hc``) projects the
+    flattened streams to its mixes with ``fn`` and biases and scales them; the stack's ``hc_head``
+    merges the streams. All float32 (``_keep_in_fp32_modules_strict``), replicated: every rank mixes
+    the whole hidden state of every stream."""
+    streams, flat = (
+        s.residual_streams,
+        s.hidden_size * (s.residual_streams.count if s.residual_streams else 0),
+    )
+    assert streams is not None
+    connection = [
+        (f"{hc}.{name}", shape)
+        for hc in ("attn_hc", "ffn_hc")
+        for name, shape in (
+            ("fn", (streams.mixes, flat)),
+            ("base", (streams.mixes,)),
+            ("scale", (streams.scales,)),
+        )
+    ]
+    head = f"{n.language_model}.{STREAM_HEAD}"
+    return [
+        _layers(n, "hc.connections", range(s.num_layers), connection, "replicated", "fp32", False),
+        ParamGroup(
+            "hc.head",
+            (
+                (
+                    n.checkpoint(f"{head}.hc_fn"),
+                    n.checkpoint(f"{head}.hc_base"),
+                    n.checkpoint(f"{head}.hc_scale"),
+                ),
+            ),
+            ((streams.count, flat), (streams.count,), (1,)),
+            "replicated",
+            "fp32",
             False,
         ),
     ]

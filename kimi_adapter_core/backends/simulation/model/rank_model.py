@@ -46,6 +46,7 @@ from ....loading import applied, load_config, load_model, submodule
 from ....spec.model import Spec
 from ....structure.model import ModelStructure
 from ....structure.of_spec import text_config_key
+from ....structure.residual_streams import STREAM_HEAD
 from .arch import read_config
 from .deployment import Deployment
 from .head_width import refuse_hidden_derived_heads
@@ -119,6 +120,8 @@ class RankParts:
     rows: list[SplitRows] = field(default_factory=list)  # their linears, row-split when sized for all TP
     configs: list[Any] = field(default_factory=list)  # configs of the traced layers' attention
     names: dict[int, str] = field(default_factory=dict)  # id(parameter) -> its name in the built model
+    # hyper-connections' head, merging the residual streams before the final norm (None: one stream)
+    stream_head: nn.Module | None = None
 
     def layer(self, kind: str) -> nn.Module | None:
         return next((t.module for t in self.layers if t.kind.kind == kind), None)
@@ -130,6 +133,8 @@ class RankParts:
             yield "rotary", self.rotary
         for traced in self.layers:
             yield traced.kind.name, traced.module
+        if self.stream_head is not None:
+            yield STREAM_HEAD, self.stream_head
         yield "norm", self.norm
         yield "lm_head", self.lm_head
         if self.eh_proj is not None:
@@ -221,6 +226,14 @@ def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts,
             location=spec.locate("gate"),
         )
     s = inputs.arch.structure
+    if dep.mtp and s.residual_streams is not None:
+        raise Refusal(
+            "outside-layers",
+            f"spec {spec.name}: --mtp drafts through a DeepSeek-style MTP block on the final hidden "
+            f"state, and this model keeps {s.residual_streams.describe()}: its MTP block takes and "
+            "mixes the streams, which simulate does not model; simulate it without --mtp",
+            location=spec.locate("gate"),
+        )
     raw = read_config(spec)
     key = text_config_key(spec, isinstance(raw.get("text_config"), dict))
     raw_text = raw[key] if key else raw
@@ -241,6 +254,7 @@ def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts,
         _child(spec, lm, "final_norm"),
         lm_head,
         nn.Linear(2 * s.hidden_size, s.hidden_size, bias=False) if dep.mtp else None,
+        stream_head=lm.get_submodule(STREAM_HEAD) if s.residual_streams is not None else None,
     )
     # bf16 as a checkpoint loads: fp32 where transformers keeps it (the router's correction bias);
     # computed buffers (rotary inv_freq) keep their dtype
@@ -435,6 +449,9 @@ def _step(
         t: model.rotary(hidden, positions, *([t] if t else [])) if model.rotary is not None else None
         for t in dict.fromkeys(traced.rope_type for traced in model.layers if traced.roped)
     }
+    streams = s.residual_streams
+    if streams is not None:  # after the rope, which the model computes from the embeddings
+        hidden = hidden.unsqueeze(2).expand(-1, -1, streams.count, -1).contiguous()
     for traced in model.layers:
         embeddings = rope[traced.rope_type] if traced.roped else None
         with rec.scope(traced.kind.scope, len(traced.kind.layers)):
@@ -445,6 +462,8 @@ def _step(
                 **upstream.stack_inputs(traced.module, hidden, traced.kind.mixer, length),
             }
             hidden = hidden_of(traced.module(hidden, **kwargs))
+    if model.stream_head is not None:
+        hidden = model.stream_head(hidden)
     last = model.norm(hidden if dep.decode else hidden[:, -1:, :])  # prefill: last token's logits
     _logits(model, rec, last, par.tp, vocab)
     if dep.mtp and model.eh_proj is not None:
