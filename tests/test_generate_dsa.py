@@ -153,6 +153,13 @@ def test_the_module_bakes_in_the_indexer_keys(module: types.ModuleType, spec: Sp
         module.layer_kinds({"num_hidden_layers": 2, "layer_types": ["full_attention"] * 2})
         == ("attention",) * 2
     )
+    # a layer reusing an earlier one's top-k (GLM-5's and HY-V4's indexer_types "shared") caches KV alone
+    reusing = {"num_hidden_layers": 3, "indexer_types": ["full", "shared", "full"]}
+    assert module.layer_kinds(reusing) == ("indexed", "attention", "indexed")
+    assert module.graph_names("prefill", 3, module.layer_kinds(reusing))[1][4:6] == [
+        "present.1.key",
+        "present.1.value",
+    ]
 
 
 def test_prefill_and_decode_carry_the_indexer_keys_as_transformers_does(module: types.ModuleType) -> None:

@@ -3031,7 +3031,7 @@ def stack_inputs(layer: Any, hidden: Any, kind: str = "attention", length: int =
         )
     if "per_layer_input" in params:
         width = getattr(layer, "hidden_size_per_layer_input", None)
-        inputs["per_layer_input"] = hidden.new_zeros(*hidden.shape[:-1], width) if width else None
+        inputs["per_layer_input"] = hidden.new_zeros(*hidden.shape[:2], width) if width else None
     return inputs
 
 
@@ -3044,14 +3044,15 @@ def _probe_layer(
     layer_name = type(layer).__name__
     layer_idx = getattr(_attention_of(layer), "layer_idx", None)
     parameter = next(layer.parameters())
-    hidden = torch.zeros(1, 2, _hidden_size(layer), dtype=parameter.dtype, device=parameter.device)
+    dtype = _compute_dtype(layer)
+    hidden = torch.zeros(1, 2, _hidden_size(layer), dtype=dtype, device=parameter.device)
     # the layer's input: one residual stream, or the stack's hc_mult copies of it
     taken = hidden if streams == 1 else hidden.unsqueeze(2).expand(-1, -1, streams, -1).contiguous()
     positions = torch.arange(2, device=parameter.device).unsqueeze(0)
     # a linear layer's state takes every token it is given, a block with no mixer keeps none: the
     # wrappers hand them no mask
     unmasked = kind in FIXED_STATE_KINDS or kind in MIXERLESS_KINDS
-    mask = torch.zeros(1, 1, 2, 2, dtype=parameter.dtype, device=parameter.device) if not unmasked else None
+    mask = torch.zeros(1, 1, 2, 2, dtype=dtype, device=parameter.device) if not unmasked else None
     # no rotary_emb (NoPE, SSM stacks): the layers get no position embeddings, as the ABI's wrappers pass
     embeddings = (
         None if rotary_emb is None else _rope_of(rotary_emb, hidden, positions, layer_type, layer_name)
@@ -3059,6 +3060,10 @@ def _probe_layer(
     keyword = cache_keyword(layer)
     cache = _RecordingCache(kind)
     inputs = stack_inputs(layer, hidden, kind)  # a KV-sharing layer's reads are checked below
+    if "prev_topk_indices" in _signature(type(layer).forward).parameters:
+        # what an earlier DSA layer hands on (the runtime's CARRIED_INPUTS; a layer with an indexer of its
+        # own ignores it, one that reuses the top-k attends over it): every query's first key
+        inputs["prev_topk_indices"] = hidden.new_zeros(1, 2, 1, dtype=torch.long)
     failure: Exception | None = None
     try:
         out = layer(
@@ -3271,6 +3276,15 @@ def _lightning_protocol(
 def _unsupported(code: str, layer: str, expected: str, found: str, *, point: str = "cache_update") -> None:
     point = BY_NAME[point]
     raise LayersUnsupported(code, layer, Finding(point.name, point.symbol, False, found, expected))
+
+
+def _compute_dtype(layer: Any) -> Any:
+    """The dtype a layer's hidden states have: that of most of its parameters (a bfloat16 layer keeps
+    some small ones in float32, which may come first: HY-V4's attention sinks, hyper-connections)."""
+    sizes: dict[Any, int] = {}
+    for param in layer.parameters():
+        sizes[param.dtype] = sizes.get(param.dtype, 0) + param.numel()
+    return max(sizes, key=sizes.__getitem__)
 
 
 def _hidden_size(layer: Any) -> int:
@@ -3861,6 +3875,7 @@ OUTSIDE_MODELLED: dict[str, tuple[str, str, tuple[Any, ...]]] = {
 # built with overrides (a tiny one of the same architecture) gets its own sizes and windows.
 FACT_KEYS: dict[str, tuple[str, ...]] = {
     "index_head_dim": ("index_head_dim",),
+    "indexer_types": ("indexer_types",),
     "kv_lora_rank": ("kv_lora_rank",),
     "layer_types": ("layer_types", "layers_block_type"),
     "max_window_layers": ("max_window_layers",),
@@ -4013,10 +4028,10 @@ MAX_CONFIG_BYTES = 64 * 2**20  # a config file larger than this is refused unrea
 MAX_CONFIG_LAYERS = 10_000  # layer counts are bounded: transformers builds per-layer lists from them
 MAX_CONFIG_SIZE = 2**31 - 1  # any other size or head count
 # Text-config keys that hold sizes -> the least value each may take: every structural fact of FACT_KEYS
-# but the two that are no size, and the standard keys; counts and widths are positive, a window setting
+# but those that are no size (per-layer lists, switches), and the standard keys; counts and widths are positive, a window setting
 # may be 0 (none); a key set to None is not set. Layer counts are at most MAX_CONFIG_LAYERS, every other
 # size at most MAX_CONFIG_SIZE.
-_NOT_SIZES = ("layer_types", "use_sliding_window")
+_NOT_SIZES = ("layer_types", "use_sliding_window", "indexer_types")
 _WINDOW_SIZES = ("sliding_window", "max_window_layers", "sliding_window_pattern")
 _SIZE_KEYS: dict[str, int] = {
     "hidden_size": 1,
@@ -4189,14 +4204,17 @@ def windows(config: Any) -> tuple[int | None, ...]:
 
 
 def layer_kinds(config: Any) -> tuple[str, ...]:
-    """Per layer of the text ``config``: "indexed" for a DSA layer (``layer_types`` ``indexed_attention``),
-    else "attention" (``LAYER_KINDS``). A config that lists no ``layer_types`` indexes every layer, as the
-    config classes of DeepSeek-V3.2 and GLM-5 fill them in."""
+    """Per layer of the text ``config``: "indexed" for a DSA layer (``layer_types`` ``indexed_attention``)
+    that scores its own indexer keys, else "attention" (a KV cache alone: ``LAYER_KINDS``), as is a DSA
+    layer that reuses an earlier one's top-k (``indexer_types`` ``shared``). A config that lists no
+    ``layer_types`` indexes every layer, as the config classes of DeepSeek-V3.2 and GLM-5 fill them in."""
     num_layers = int(_fact(config, "num_layers"))
-    types = _fact(config, "layer_types")
-    if types is None:
-        return ("indexed",) * num_layers
-    return tuple("indexed" if kind == "indexed_attention" else "attention" for kind in types[:num_layers])
+    types = _fact(config, "layer_types") or ("indexed_attention",) * num_layers
+    scorers = _fact(config, "indexer_types") or ("full",) * num_layers
+    return tuple(
+        "indexed" if kind == "indexed_attention" and scorer == "full" else "attention"
+        for kind, scorer in zip(types[:num_layers], scorers[:num_layers], strict=True)
+    )
 
 
 def index_dim(config: Any) -> int:
@@ -4677,6 +4695,27 @@ def _encoded(value: Any, where: str) -> Any:
         raise TypeError(f"{where}: {exc}") from exc
 
 
+def _graph_kinds(document: dict[str, Any]) -> list[str]:
+    """Each layer's kind in a saved graph, placed by walking ``LAYER_KINDS`` (a model of this family built
+    with overrides keeps a prefix of its pattern): an indexed layer returns three states (its keys,
+    values and indexer keys), an attention layer two (one that reuses an indexed layer's top-k); a graph
+    whose states the pattern does not fill exactly is refused."""
+    states = len(document["graph_outputs"]) - 1
+    kinds: list[str] = []
+    used = 0
+    for kind in LAYER_KINDS:
+        if used >= states:
+            break
+        kinds.append(kind)
+        used += 3 if kind == "indexed" else 2
+    if used != states:
+        raise ValueError(
+            f"the graph returns {states} states, which LAYER_KINDS' pattern of indexed layers (three states) "
+            "and attention layers (two) does not fill: cannot name them"
+        )
+    return kinds
+
+
 def _abi_named(document: dict[str, Any], graph: str) -> None:
     """Rename ``document``'s graph inputs and outputs to ``graph_names(graph, layers)``, in place.
 
@@ -4687,8 +4726,10 @@ def _abi_named(document: dict[str, Any], graph: str) -> None:
     """
     inputs, outputs, nodes = document["graph_inputs"], document["graph_outputs"], document["nodes"]
     layers = (len(outputs) - 1) // 3
-    # each layer returns three states: its key, value and indexer keys (every layer is indexed)
-    names_in, names_out = graph_names(graph, layers, ["indexed"] * layers)
+    # an indexed layer returns three states (key, value, indexer keys), one reusing another's top-k two
+    kinds = _graph_kinds(document)
+    layers = len(kinds)
+    names_in, names_out = graph_names(graph, layers, kinds)
     if (len(inputs), len(outputs)) != (len(names_in), len(names_out)):
         raise ValueError(
             f"the IR has {len(inputs)} inputs and {len(outputs)} outputs, the {graph} graph of {layers} "
@@ -4797,7 +4838,7 @@ def save_ir(ir: Any, path: str | Path, graph: str) -> Path:
     document["metadata"] = {
         "graph": graph,
         "spec": SPEC_NAME,
-        "num_layers": (len(document["graph_outputs"]) - 1) // 3,
+        "num_layers": len(_graph_kinds(document)),
         "enums": enum_tables(),
     }
     return _write_atomically(path, _json_text(document))

@@ -3024,7 +3024,7 @@ def stack_inputs(layer: Any, hidden: Any, kind: str = "attention", length: int =
         )
     if "per_layer_input" in params:
         width = getattr(layer, "hidden_size_per_layer_input", None)
-        inputs["per_layer_input"] = hidden.new_zeros(*hidden.shape[:-1], width) if width else None
+        inputs["per_layer_input"] = hidden.new_zeros(*hidden.shape[:2], width) if width else None
     return inputs
 
 
@@ -3037,14 +3037,15 @@ def _probe_layer(
     layer_name = type(layer).__name__
     layer_idx = getattr(_attention_of(layer), "layer_idx", None)
     parameter = next(layer.parameters())
-    hidden = torch.zeros(1, 2, _hidden_size(layer), dtype=parameter.dtype, device=parameter.device)
+    dtype = _compute_dtype(layer)
+    hidden = torch.zeros(1, 2, _hidden_size(layer), dtype=dtype, device=parameter.device)
     # the layer's input: one residual stream, or the stack's hc_mult copies of it
     taken = hidden if streams == 1 else hidden.unsqueeze(2).expand(-1, -1, streams, -1).contiguous()
     positions = torch.arange(2, device=parameter.device).unsqueeze(0)
     # a linear layer's state takes every token it is given, a block with no mixer keeps none: the
     # wrappers hand them no mask
     unmasked = kind in FIXED_STATE_KINDS or kind in MIXERLESS_KINDS
-    mask = torch.zeros(1, 1, 2, 2, dtype=parameter.dtype, device=parameter.device) if not unmasked else None
+    mask = torch.zeros(1, 1, 2, 2, dtype=dtype, device=parameter.device) if not unmasked else None
     # no rotary_emb (NoPE, SSM stacks): the layers get no position embeddings, as the ABI's wrappers pass
     embeddings = (
         None if rotary_emb is None else _rope_of(rotary_emb, hidden, positions, layer_type, layer_name)
@@ -3052,6 +3053,10 @@ def _probe_layer(
     keyword = cache_keyword(layer)
     cache = _RecordingCache(kind)
     inputs = stack_inputs(layer, hidden, kind)  # a KV-sharing layer's reads are checked below
+    if "prev_topk_indices" in _signature(type(layer).forward).parameters:
+        # what an earlier DSA layer hands on (the runtime's CARRIED_INPUTS; a layer with an indexer of its
+        # own ignores it, one that reuses the top-k attends over it): every query's first key
+        inputs["prev_topk_indices"] = hidden.new_zeros(1, 2, 1, dtype=torch.long)
     failure: Exception | None = None
     try:
         out = layer(
@@ -3264,6 +3269,15 @@ def _lightning_protocol(
 def _unsupported(code: str, layer: str, expected: str, found: str, *, point: str = "cache_update") -> None:
     point = BY_NAME[point]
     raise LayersUnsupported(code, layer, Finding(point.name, point.symbol, False, found, expected))
+
+
+def _compute_dtype(layer: Any) -> Any:
+    """The dtype a layer's hidden states have: that of most of its parameters (a bfloat16 layer keeps
+    some small ones in float32, which may come first: HY-V4's attention sinks, hyper-connections)."""
+    sizes: dict[Any, int] = {}
+    for param in layer.parameters():
+        sizes[param.dtype] = sizes.get(param.dtype, 0) + param.numel()
+    return max(sizes, key=sizes.__getitem__)
 
 
 def _hidden_size(layer: Any) -> int:
@@ -3934,7 +3948,7 @@ MAX_CONFIG_BYTES = 64 * 2**20  # a config file larger than this is refused unrea
 MAX_CONFIG_LAYERS = 10_000  # layer counts are bounded: transformers builds per-layer lists from them
 MAX_CONFIG_SIZE = 2**31 - 1  # any other size or head count
 # Text-config keys that hold sizes -> the least value each may take: every structural fact of FACT_KEYS
-# but the two that are no size, and the standard keys; counts and widths are positive, a window setting
+# but those that are no size (per-layer lists, switches), and the standard keys; counts and widths are positive, a window setting
 # may be 0 (none); a key set to None is not set. Layer counts are at most MAX_CONFIG_LAYERS, every other
 # size at most MAX_CONFIG_SIZE.
 _NOT_SIZES = ("layer_types", "use_sliding_window")

@@ -122,6 +122,11 @@ PERIOD_KEYS = (
 )
 
 
+# per-layer lists without a period whose every kind the tiny stack keeps, up to its first layer (HY-V4's
+# indexer_types: full layers first, then ones that reuse their top-k)
+FIRST_OF_EACH_KEYS = ("indexer_types",)
+
+
 def _layers(config: Any) -> int:
     total = int(config.num_hidden_layers)
     keep = 2
@@ -132,6 +137,10 @@ def _layers(config: Any) -> int:
         value = _get(config, key)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             keep = max(keep, value)
+    for key in FIRST_OF_EACH_KEYS:
+        kinds = _get(config, key)
+        if isinstance(kinds, (list, tuple)) and len(kinds) == total:
+            keep = max(keep, *(kinds.index(kind) + 1 for kind in set(kinds)))
     return min(keep, MAX_LAYERS, total)
 
 

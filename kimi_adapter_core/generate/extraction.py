@@ -77,7 +77,7 @@ HYBRID_FACTS = ("full_attention_interval",)
 # What the generated ``kv_dims`` also reads where the values are narrower than the keys (MiMo-V2-Flash).
 VALUE_FACTS = ("v_head_dim",)
 # What the generated ``index_dim`` reads from a DSA stack's text config (the indexer keys' width).
-INDEX_FACTS = ("index_head_dim",)
+INDEX_FACTS = ("index_head_dim", "indexer_types")  # indexer_types: which DSA layers score their own keys
 # What the generated ``chunks`` reads from a stack with chunked-attention layers (Llama-4's rule).
 CHUNK_FACTS = ("attention_chunk_size", "rope_layer_flags", "no_rope_interval")
 

@@ -17,7 +17,7 @@ from typing import Any
 from ..errors import KadaptError, Refusal
 from ..spec.model import Spec
 from . import bounds
-from .indexer_of import indexer_of
+from .indexer_of import indexer_of, topk_sources
 from .kv_sharing import kv_sources, mlp_widths
 from .layer_pattern import PATTERN_KEY, layout_types
 from .layer_shapes import layer_attentions
@@ -467,9 +467,10 @@ def derive_structure(
                 attention_shape=shape if span in ATTENDING_SPANS else None,
                 kv_source=source,
                 mlp_width=mlp_width,
+                topk_source=topk_source,
             )
-            for i, ((span, size), kind, shape, source, mlp_width) in enumerate(
-                zip(spans, kinds, shapes, sources, widths, strict=True)
+            for i, ((span, size), kind, shape, source, mlp_width, topk_source) in enumerate(
+                zip(spans, kinds, shapes, sources, widths, topk_sources(read, spans), strict=True)
             )
         ),
         rope=rope_of(read),

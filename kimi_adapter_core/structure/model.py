@@ -146,6 +146,10 @@ class Layer:
     # the layer's dense MLP width where it differs from the stack's ``intermediate_size`` (Gemma-4's
     # double-wide MLP on its KV-sharing layers); None: the stack's
     mlp_width: int | None = None
+    # an ``indexed`` layer without an indexer of its own: the earlier indexed layer whose top-k it attends
+    # over (``indexer_types`` ``shared``: GLM-5, HY-V4); it caches keys and values, no indexer keys.
+    # None: it scores its own indexer keys (or is not indexed)
+    topk_source: int | None = None
 
 
 @dataclass(frozen=True)
@@ -350,12 +354,17 @@ class ModelStructure:
     def layer_kinds(self) -> tuple[str, ...]:
         """Each layer's kind as the ABI carries its state: ``linear`` (conv window and recurrent state),
         ``lightning`` (a recurrent state alone: MiniMax), ``indexed`` (a KV cache and the DSA indexer's
-        keys), ``none`` (no token mixer: no state), ``shared`` (attends over an earlier layer's keys and
-        values of the same call: no state) or ``attention`` (a KV cache)."""
+        keys; a layer reusing another's top-k keeps the KV cache alone: ``attention``), ``none`` (no
+        token mixer: no state), ``shared`` (attends over an earlier layer's keys and values of the same
+        call: no state) or ``attention`` (a KV cache)."""
         linear = self.linear.layer_kind if self.linear is not None else "linear"
         special = {"linear": linear, "indexed": "indexed", "none": "none"}
         return tuple(
-            "shared" if layer.kv_source is not None else special.get(layer.attention, "attention")
+            "shared"
+            if layer.kv_source is not None
+            else "attention"  # attends over another layer's top-k: its state is a KV cache alone
+            if layer.topk_source is not None
+            else special.get(layer.attention, "attention")
             for layer in self.layers
         )
 
@@ -435,6 +444,9 @@ class ModelStructure:
             mixer = f"{linear}/{self.num_layers} linear-attention layers ({self.linear.describe()}), {mixer}"
         if self.indexer is not None:
             mixer = f"{mixer} with a {self.indexer.describe()}"
+            reusing = [layer for layer in self.layers if layer.topk_source is not None]
+            if reusing:
+                mixer += f" ({len(reusing)}/{self.num_layers} layers reuse an earlier layer's top-k)"
         shaped = [layer for layer in self.layers if layer.attention_shape is not None]
         if shaped:  # per-layer shapes: how many layers differ, and how
             others = sorted({layer.attention_shape.describe() for layer in shaped if layer.attention_shape})
@@ -484,6 +496,8 @@ def _compress_layers(layers: tuple[Layer, ...]) -> list[dict[str, Any]]:
             kind["kv_source"] = layer.kv_source
         if layer.mlp_width is not None:  # only a layer whose MLP width differs names it
             kind["mlp_width"] = layer.mlp_width
+        if layer.topk_source is not None:  # only a layer reusing another's DSA top-k names it
+            kind["topk_source"] = layer.topk_source
         previous = {k: v for k, v in runs[-1].items() if k != "layers"} if runs else None
         if previous == kind and runs[-1]["layers"][1] == layer.index - 1:
             runs[-1]["layers"][1] = layer.index

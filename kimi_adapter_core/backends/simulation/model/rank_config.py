@@ -61,7 +61,8 @@ class LayerKind:
     kind: str  # dense | moe | none (a one-sublayer block that is a mixer alone: Nemotron-H)
     layers: tuple[int, ...]  # indices in the full model
     windows: tuple[int | None, ...]  # each one's sliding window (None: full attention or linear)
-    # attention | linear (a hybrid stack's linear-attention layers) | indexed | none (an MLP alone)
+    # attention | linear (a hybrid stack's linear-attention layers) | indexed | topk_reuse (DSA over an
+    # earlier layer's top-k, no indexer of its own) | shared (KV sharing) | none (an MLP alone)
     mixer: str = "attention"
     chunks: tuple[int | None, ...] = ()  # each one's attention chunk (Llama-4); () when none is chunked
     # their attention where it differs from the stack's (per-layer KV shapes: Gemma-4's full layers,
@@ -105,6 +106,8 @@ class LayerKind:
         scope = f"linear_{self.kind}" if self.linear else self.kind
         if self.mixer == "shared":  # KV-sharing layers (Gemma-4): plan's groups say ``.shared`` too
             scope += ".shared"
+        if self.mixer == "topk_reuse":  # DSA layers over an earlier layer's top-k (GLM-5, HY-V4)
+            scope += ".topk_reuse"
         if self.shape is not None:  # a per-layer shape: its KV heads and width name it (plan's groups too)
             scope += f".{self.shape.num_kv_heads}x{self.shape.head_dim}"
         if self.mlp_width is not None:
@@ -127,6 +130,8 @@ def layer_kinds(s: ModelStructure) -> list[LayerKind]:
     kinds: dict[tuple[str, str, Attention | None, int | None], list[int]] = {}
     for layer, mixer in zip(s.layers, s.layer_kinds, strict=True):
         mixer = "linear" if layer.attention == "linear" else mixer
+        if layer.topk_source is not None:  # DSA over an earlier layer's top-k: priced sparse, not scored
+            mixer = "topk_reuse"
         key = (mixer, layer.mlp, layer.attention_shape, layer.mlp_width)
         kinds.setdefault(key, []).append(layer.index)
     return [

@@ -51,7 +51,7 @@ from .arch import read_config
 from .deployment import Deployment
 from .head_width import refuse_hidden_derived_heads
 from .inputs import ModelInputs
-from .layer_calls import hidden_of, per_layer_inputs, positions_of
+from .layer_calls import carried_to, handed_on, hidden_of, per_layer_inputs, positions_of
 from .linear_kernels import RankLinearMixer
 from .mla_kernels import RankMLA
 from .parallel import Parallel
@@ -452,6 +452,7 @@ def _step(
     streams = s.residual_streams
     if streams is not None:  # after the rope, which the model computes from the embeddings
         hidden = hidden.unsqueeze(2).expand(-1, -1, streams.count, -1).contiguous()
+    carried: dict[str, Any] = {}  # what a traced layer hands the next (GLM-5's, HY-V4's DSA top-k)
     for traced in model.layers:
         embeddings = rope[traced.rope_type] if traced.roped else None
         with rec.scope(traced.kind.scope, len(traced.kind.layers)):
@@ -460,8 +461,10 @@ def _step(
             kwargs = {
                 **positions_of(traced.module, embeddings, positions),
                 **upstream.stack_inputs(traced.module, hidden, traced.kind.mixer, length),
+                **carried_to(traced.module, carried),
             }
-            hidden = hidden_of(traced.module(hidden, **kwargs))
+            out = traced.module(hidden, **kwargs)
+            hidden, carried = hidden_of(out), handed_on(out)
     if model.stream_head is not None:
         hidden = model.stream_head(hidden)
     last = model.norm(hidden if dep.decode else hidden[:, -1:, :])  # prefill: last token's logits
