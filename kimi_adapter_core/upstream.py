@@ -604,15 +604,15 @@ def rebuild_buffer(model: Any, path: str) -> Any:
 
     Only the owning module's own buffers are materialised: a shallow copy of it holds CPU buffers and
     fresh meta parameters (so the 1T-parameter model is never touched and nothing is allocated for
-    its weights), and the nearest ``PreTrainedModel`` above it initialises that copy. None when that
-    init does not give the buffer a value (it stays as ``torch.empty`` left it: checked by NaN fill).
+    its weights), and the nearest ``PreTrainedModel`` above it initialises that copy. Some models set a
+    buffer from an ancestor's init instead (FalconH1Model's ``_init_weights`` writes every mixer's
+    ``mup_vector``): then the copy is handed to it inside copies of its ancestors, each holding only the
+    child on the path, nearest first. None when no init gives the buffer a value (it stays as
+    ``torch.empty`` left it: checked by NaN fill).
     """
-    import copy
-
     import torch
 
     owner_path, _, leaf = path.rpartition(".")
-    owner = model.get_submodule(owner_path)
     parts = owner_path.split(".") if owner_path else []
     pretrained = next(
         (
@@ -626,24 +626,46 @@ def rebuild_buffer(model: Any, path: str) -> Any:
     )
     if pretrained is None:
         return None
-    ghost = copy.copy(owner)
+    owner = _ghost(model.get_submodule(owner_path))
+    ghost = owner
+    for depth in range(len(parts), -1, -1):
+        if depth < len(parts):  # one level up: the ancestor, holding only the path's child
+            parent = _ghost(model.get_submodule(".".join(parts[:depth])))
+            parent._modules = {parts[depth]: ghost}
+            ghost = parent
+        try:
+            with torch.no_grad():
+                pretrained._init_weights(ghost)
+        except Exception:  # noqa: BLE001 - an ancestor's init that reads what its copy lacks: not it
+            if ghost is owner:
+                raise
+            continue
+        value = owner._buffers.get(leaf)
+        if value is not None and not (value.is_floating_point() and bool(value.isnan().any())):
+            return value
+    return None
+
+
+def _ghost(module: Any) -> Any:
+    """A shallow copy of ``module`` without children, its own buffers NaN (zero) on CPU, its own parameters
+    fresh on meta (``rebuild_buffer``)."""
+    import copy
+
+    import torch
+
+    ghost = copy.copy(module)
     ghost._modules = {}
     ghost._parameters = {
         name: None if p is None else torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
-        for name, p in owner._parameters.items()
+        for name, p in module._parameters.items()
     }
     ghost._buffers = {
         name: None
         if b is None
         else torch.full_like(b, float("nan") if b.is_floating_point() else 0, device="cpu")
-        for name, b in owner._buffers.items()
+        for name, b in module._buffers.items()
     }
-    with torch.no_grad():
-        pretrained._init_weights(ghost)
-    value = ghost._buffers.get(leaf)
-    if value is None or (value.is_floating_point() and bool(value.isnan().any())):
-        return None
-    return value
+    return ghost
 
 
 def _probe_generation() -> str:
@@ -1053,7 +1075,8 @@ class _RecordingCache:
     ``linear``: the linear-attention API a prefill uses (no previous state: ``get_*_state`` return
     None), each state update recorded with the layer index it names; ``short_conv``: its conv half
     (``get_conv_state``, ``update_conv_state``, ``is_recording_past``). ``lightning``: MiniMaxCache's
-    ``get_linear_cache`` (None: a prefill) and ``set_linear_cache``, recorded alike."""
+    ``get_linear_cache`` (None: a prefill) and ``set_linear_cache``, recorded alike. ``hybrid``
+    (Falcon-H1): ``update`` and the linear-attention API, both under the layer's one index."""
 
     def __init__(self, kind: str = "attention") -> None:
         self.kind = kind
@@ -1094,7 +1117,7 @@ class _RecordingCache:
         self._linear_call("get_conv_state", layer_idx, None)
 
     def get_recurrent_state(self, layer_idx: Any, state_idx: int = 0) -> None:
-        self._linear_call("get_recurrent_state", layer_idx, None, ("linear",))
+        self._linear_call("get_recurrent_state", layer_idx, None, RECURRENT_KINDS)
 
     def is_recording_past(self, layer_idx: Any) -> bool:
         self._linear_call("is_recording_past", layer_idx, None)
@@ -1112,7 +1135,7 @@ class _RecordingCache:
     def update_recurrent_state(
         self, recurrent_states: Any, layer_idx: Any, state_idx: int = 0, **kw: Any
     ) -> Any:
-        self._linear_call("update_recurrent_state", layer_idx, recurrent_states, ("linear",))
+        self._linear_call("update_recurrent_state", layer_idx, recurrent_states, RECURRENT_KINDS)
         return recurrent_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -1315,13 +1338,16 @@ MIXERLESS_KINDS = ("none",)
 # Layer kinds whose states are fixed-size per request (the runtime's ``LINEAR_LAYER_KINDS``; its own
 # name, as both modules are embedded in one generated module): no mask
 FIXED_STATE_KINDS = ("linear", "lightning", "short_conv")
-# The layer kinds that keep a conv window through the linear-attention API (a short convolution alone)
-CONV_KINDS = ("linear", "short_conv")
+# The layer kinds that keep a conv window through the linear-attention API (a short convolution alone;
+# a hybrid layer beside its attention's KV: Falcon-H1), and those that keep a recurrent state through it
+CONV_KINDS = ("linear", "short_conv", "hybrid")
+RECURRENT_KINDS = ("linear", "hybrid")
 # The contact point each kind's cache protocol is (the rest: cache_update)
 STATE_POINTS = {
     "linear": "linear_attention_cache",
     "lightning": "lightning_attention_cache",
     "short_conv": "short_conv_cache",
+    "hybrid": "linear_attention_cache",
 }
 # Mixer kinds whose stacks keep a float32 residual stream the CausalLM casts before its head (Mamba1's:
 # ``head_input_cast``)
@@ -1475,6 +1501,9 @@ def _probe_layer(
     _check_hidden_states(layer_name, out, taken)
     key, value, layer_idx = cache.calls[0].states()
     kv_dims = ((key.shape[1], key.shape[-1]), (value.shape[1], value.shape[-1]))
+    if kind == "hybrid":  # its mixer's states too, through the linear-attention API (Falcon-H1)
+        mixed = _linear_protocol(layer_name, keyword, cache, index, out, hidden)
+        return LayerProtocol(keyword, kv_dims, mixed.linear_states)
     if kind != "indexed":
         return LayerProtocol(keyword, kv_dims)
     indexed_idx, index_keys = cache.state_calls.get("update_indexer", (None, None))

@@ -334,6 +334,10 @@ def paged_view(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 #  shared:    attention over the keys and values an earlier layer of the same call computed (Gemma-4's
 #             KV sharing: the producer hands them over in ``shared_kv_states``): no state of its own;
 #             it takes its span's mask, and the cache it never touches.
+#  hybrid:    full attention and a linear mixer side by side on one input (Falcon-H1; transformers'
+#             ``LinearAttentionAndFullAttentionLayer``): the attention's KV cache, then the mixer's conv
+#             window and recurrent state; it takes the attention mask (its mixer's padding mask stays
+#             None, as the model's forward leaves it without padding, which such stacks never have).
 LAYER_STATES = {
     "attention": ("key", "value"),
     "linear": ("conv", "recurrent"),
@@ -342,12 +346,16 @@ LAYER_STATES = {
     "indexed": ("key", "value", "index_key"),
     "none": (),
     "shared": (),
+    "hybrid": ("key", "value", "conv", "recurrent"),
 }
 # States of one fixed size per request (no sequence dimension): never placed by position, never paged.
 FIXED_ROLES = ("conv", "recurrent")
 # Layer kinds whose states are all fixed-size per request (the contract's ``linear_states`` rules): they
 # take every token they are given, so the wrappers hand them no mask.
 LINEAR_LAYER_KINDS = ("linear", "lightning", "short_conv")
+# Layer kinds that keep fixed-size states (a linear mixer's, alone or beside attention: ``hybrid``), whose
+# state takes every token of a prompt: their stack's prompts are never padded (the contract's padding).
+UNPADDED_KINDS = (*LINEAR_LAYER_KINDS, "hybrid")
 # Where a decoder layer keeps its token mixer, by layer kind (the mixer carries ``layer_idx``): attention
 # in ``self_attn`` or, in a stack of one-sublayer blocks (Nemotron-H), ``mixer``; gated DeltaNet in
 # ``linear_attn``, Mamba2 in ``mixer`` (Mamba2, Nemotron-H) or ``mamba`` (Granite-4.0-H, Bamba), KDA in
@@ -361,6 +369,7 @@ MIXER_ATTRIBUTES = {
     "indexed": ("self_attn",),
     "none": (),
     "shared": ("self_attn",),
+    "hybrid": ("self_attn",),
 }
 # Layer kinds that keep no state: the wrappers hand them neither a mask nor the cache.
 STATELESS_KINDS = ("none",)
@@ -1115,6 +1124,9 @@ def decode_inputs(
         if kind == "indexed":
             assert index_dim is not None, "an indexed layer needs its index_dim"
             past.append(torch.zeros(index_shape, dtype=dtype, device=device))
+        if kind == "hybrid":  # the mixer's states after the attention's KV
+            assert linear_states is not None, "a hybrid layer needs its linear_states"
+            past += linear_state_zeros(linear_states, batch, device)
     return (
         torch.zeros(batch, 1, dtype=torch.long, device=device),
         additive_causal_mask(positions, max_cache_len, dtype),
@@ -1276,6 +1288,14 @@ SHARED_RULE = (
 )
 
 
+HYBRID_RULE = (
+    "a layer of kind hybrid runs full attention and a linear mixer side by side on one input (Falcon-H1): "
+    "its entry carries the attention's key and value (placed, written, masked and paged as any attention "
+    "layer's) and the mixer's conv and recurrent states (contract.linear_states: one row per request, "
+    "never paged), in that order; the stack's prompts are never padded (padding.supported none)"
+)
+
+
 DYNAMIC_RULE = (
     "a dimension written as a name instead of a number is that dynamic size: bind each name from the "
     "graph input that carries it (input_ids dim 0 is batch, dim 1 is prefill_len), refuse a size outside "
@@ -1348,6 +1368,7 @@ def kv_contract(
     lightning: bool = False,
     short_conv: bool = False,
     per_layer: bool = False,
+    hybrid: bool = False,
 ) -> dict[str, Any]:
     """Everything a runtime needs besides the graphs: cache semantics, masks, positions, capacity,
     with ``dynamic`` sizes (``{"prefill_len": (1, 64)}``) how to bind them, with ``paged`` the
@@ -1359,7 +1380,8 @@ def kv_contract(
     with ``lightning`` (MiniMax's lightning layers) what their one recurrent state holds, same rules;
     with ``short_conv`` (LFM2's short convolutions) what their one conv window holds, same rules;
     with ``per_layer`` (the layers cache different KV shapes) the heads and widths move to each layer's
-    entry (``layers[i].cache``) and ``cache.per_layer`` says so.
+    entry (``layers[i].cache``) and ``cache.per_layer`` says so; with ``hybrid`` (layers that attend and
+    run a linear mixer side by side: Falcon-H1) that such a layer carries both (``linear`` is set too).
 
     Version 3: ``cache_position`` is ``[batch]`` (one position per row) and the optional paged cache;
     version 2 graphs took one ``[1]`` position for the whole batch."""
@@ -1437,6 +1459,8 @@ def kv_contract(
         contract["stateless_layers"] = STATELESS_RULE
     if shared:
         contract["shared_layers"] = SHARED_RULE
+    if hybrid:
+        contract["hybrid_layers"] = HYBRID_RULE
     if linear:
         contract["linear_states"] = {
             "conv": {"holds": LINEAR_STATE_CONTENTS["conv"]},
@@ -1516,18 +1540,20 @@ def build_kv_mapping(
             source = kv_sources[layer] if kv_sources is not None else None
             layers.append({"layer": layer, "kind": kind, "kv_source": source})
             continue
-        if kind in LINEAR_LAYER_KINDS:
-            assert linear_states is not None, "a linear layer needs its linear_states"
-            entry: dict[str, Any] = {"layer": layer, "kind": kind}
-            for state, (shape, state_dtype) in zip(LAYER_STATES[kind], linear_states, strict=True):
+        fixed: dict[str, Any] = {}  # a linear or hybrid layer's fixed-size states, in ABI order
+        if kind in UNPADDED_KINDS:
+            assert linear_states is not None, f"a {kind} layer needs its linear_states"
+            roles = [role for role in LAYER_STATES[kind] if role in FIXED_ROLES]
+            for state, (shape, state_dtype) in zip(roles, linear_states, strict=True):
                 full = (batch_dim, *shape)
                 for role, key in (
                     ("prefill_{}", "prefill_{}_output"),
                     ("decode_{}_in", "decode_{}_input"),
                     ("decode_{}_out", "decode_{}_output"),
                 ):
-                    entry[key.format(state)] = tensor(role.format(state), layer, full, state_dtype)
-            layers.append(entry)
+                    fixed[key.format(state)] = tensor(role.format(state), layer, full, state_dtype)
+        if kind in LINEAR_LAYER_KINDS:
+            layers.append({"layer": layer, "kind": kind, **fixed})
             continue
         dims = layer_dims(kv_dims, layer_kv_dims, layer)
         prefill_shapes = kv_shapes(dims, batch_dim, length_dim)
@@ -1562,6 +1588,7 @@ def build_kv_mapping(
                     if kind == "indexed"
                     else {}
                 ),
+                **fixed,
             }
         )
     attention = {} if mla_attention == "reexpand" else {"mla_attention": mla_attention}
@@ -1575,12 +1602,13 @@ def build_kv_mapping(
             dynamic=dynamic,
             paged=paged,
             batch=batch,
-            linear="linear" in kinds,
+            linear="linear" in kinds or "hybrid" in kinds,
             lightning="lightning" in kinds,
             short_conv="short_conv" in kinds,
             index_dim=index_dim if "indexed" in kinds else None,
             stateless=any(kind in STATELESS_KINDS for kind in kinds),
             shared="shared" in kinds,
+            hybrid="hybrid" in kinds,
             chunked=chunked,
             per_layer=layer_kv_dims is not None,
         ),
@@ -2268,15 +2296,15 @@ def rebuild_buffer(model: Any, path: str) -> Any:
 
     Only the owning module's own buffers are materialised: a shallow copy of it holds CPU buffers and
     fresh meta parameters (so the 1T-parameter model is never touched and nothing is allocated for
-    its weights), and the nearest ``PreTrainedModel`` above it initialises that copy. None when that
-    init does not give the buffer a value (it stays as ``torch.empty`` left it: checked by NaN fill).
+    its weights), and the nearest ``PreTrainedModel`` above it initialises that copy. Some models set a
+    buffer from an ancestor's init instead (FalconH1Model's ``_init_weights`` writes every mixer's
+    ``mup_vector``): then the copy is handed to it inside copies of its ancestors, each holding only the
+    child on the path, nearest first. None when no init gives the buffer a value (it stays as
+    ``torch.empty`` left it: checked by NaN fill).
     """
-    import copy
-
     import torch
 
     owner_path, _, leaf = path.rpartition(".")
-    owner = model.get_submodule(owner_path)
     parts = owner_path.split(".") if owner_path else []
     pretrained = next(
         (
@@ -2290,24 +2318,46 @@ def rebuild_buffer(model: Any, path: str) -> Any:
     )
     if pretrained is None:
         return None
-    ghost = copy.copy(owner)
+    owner = _ghost(model.get_submodule(owner_path))
+    ghost = owner
+    for depth in range(len(parts), -1, -1):
+        if depth < len(parts):  # one level up: the ancestor, holding only the path's child
+            parent = _ghost(model.get_submodule(".".join(parts[:depth])))
+            parent._modules = {parts[depth]: ghost}
+            ghost = parent
+        try:
+            with torch.no_grad():
+                pretrained._init_weights(ghost)
+        except Exception:  # noqa: BLE001 - an ancestor's init that reads what its copy lacks: not it
+            if ghost is owner:
+                raise
+            continue
+        value = owner._buffers.get(leaf)
+        if value is not None and not (value.is_floating_point() and bool(value.isnan().any())):
+            return value
+    return None
+
+
+def _ghost(module: Any) -> Any:
+    """A shallow copy of ``module`` without children, its own buffers NaN (zero) on CPU, its own parameters
+    fresh on meta (``rebuild_buffer``)."""
+    import copy
+
+    import torch
+
+    ghost = copy.copy(module)
     ghost._modules = {}
     ghost._parameters = {
         name: None if p is None else torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
-        for name, p in owner._parameters.items()
+        for name, p in module._parameters.items()
     }
     ghost._buffers = {
         name: None
         if b is None
         else torch.full_like(b, float("nan") if b.is_floating_point() else 0, device="cpu")
-        for name, b in owner._buffers.items()
+        for name, b in module._buffers.items()
     }
-    with torch.no_grad():
-        pretrained._init_weights(ghost)
-    value = ghost._buffers.get(leaf)
-    if value is None or (value.is_floating_point() and bool(value.isnan().any())):
-        return None
-    return value
+    return ghost
 
 
 def _probe_generation() -> str:
@@ -2717,7 +2767,8 @@ class _RecordingCache:
     ``linear``: the linear-attention API a prefill uses (no previous state: ``get_*_state`` return
     None), each state update recorded with the layer index it names; ``short_conv``: its conv half
     (``get_conv_state``, ``update_conv_state``, ``is_recording_past``). ``lightning``: MiniMaxCache's
-    ``get_linear_cache`` (None: a prefill) and ``set_linear_cache``, recorded alike."""
+    ``get_linear_cache`` (None: a prefill) and ``set_linear_cache``, recorded alike. ``hybrid``
+    (Falcon-H1): ``update`` and the linear-attention API, both under the layer's one index."""
 
     def __init__(self, kind: str = "attention") -> None:
         self.kind = kind
@@ -2758,7 +2809,7 @@ class _RecordingCache:
         self._linear_call("get_conv_state", layer_idx, None)
 
     def get_recurrent_state(self, layer_idx: Any, state_idx: int = 0) -> None:
-        self._linear_call("get_recurrent_state", layer_idx, None, ("linear",))
+        self._linear_call("get_recurrent_state", layer_idx, None, RECURRENT_KINDS)
 
     def is_recording_past(self, layer_idx: Any) -> bool:
         self._linear_call("is_recording_past", layer_idx, None)
@@ -2776,7 +2827,7 @@ class _RecordingCache:
     def update_recurrent_state(
         self, recurrent_states: Any, layer_idx: Any, state_idx: int = 0, **kw: Any
     ) -> Any:
-        self._linear_call("update_recurrent_state", layer_idx, recurrent_states, ("linear",))
+        self._linear_call("update_recurrent_state", layer_idx, recurrent_states, RECURRENT_KINDS)
         return recurrent_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -2979,13 +3030,16 @@ MIXERLESS_KINDS = ("none",)
 # Layer kinds whose states are fixed-size per request (the runtime's ``LINEAR_LAYER_KINDS``; its own
 # name, as both modules are embedded in one generated module): no mask
 FIXED_STATE_KINDS = ("linear", "lightning", "short_conv")
-# The layer kinds that keep a conv window through the linear-attention API (a short convolution alone)
-CONV_KINDS = ("linear", "short_conv")
+# The layer kinds that keep a conv window through the linear-attention API (a short convolution alone;
+# a hybrid layer beside its attention's KV: Falcon-H1), and those that keep a recurrent state through it
+CONV_KINDS = ("linear", "short_conv", "hybrid")
+RECURRENT_KINDS = ("linear", "hybrid")
 # The contact point each kind's cache protocol is (the rest: cache_update)
 STATE_POINTS = {
     "linear": "linear_attention_cache",
     "lightning": "lightning_attention_cache",
     "short_conv": "short_conv_cache",
+    "hybrid": "linear_attention_cache",
 }
 # Mixer kinds whose stacks keep a float32 residual stream the CausalLM casts before its head (Mamba1's:
 # ``head_input_cast``)
@@ -3139,6 +3193,9 @@ def _probe_layer(
     _check_hidden_states(layer_name, out, taken)
     key, value, layer_idx = cache.calls[0].states()
     kv_dims = ((key.shape[1], key.shape[-1]), (value.shape[1], value.shape[-1]))
+    if kind == "hybrid":  # its mixer's states too, through the linear-attention API (Falcon-H1)
+        mixed = _linear_protocol(layer_name, keyword, cache, index, out, hidden)
+        return LayerProtocol(keyword, kv_dims, mixed.linear_states)
     if kind != "indexed":
         return LayerProtocol(keyword, kv_dims)
     indexed_idx, index_keys = cache.state_calls.get("update_indexer", (None, None))
@@ -4000,6 +4057,7 @@ RECURRENT_AXES = ("value_heads", "value_dim", "key_dim")
 OUTSIDE_MODELLED: dict[str, tuple[str, str, tuple[Any, ...]]] = {
     "embedding_multiplier": ("embeddings", "mul", (None, 1, 1.0)),
     "final_logit_softcapping": ("logits", "softcap", (None,)),
+    "lm_head_multiplier": ("logits", "mul", (None, 1, 1.0)),
     "logit_scale": ("logits", "mul", (None, 1, 1.0)),
     "logits_scaling": ("logits", "div", (None, 1, 1.0)),
 }

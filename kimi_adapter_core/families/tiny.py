@@ -5,7 +5,8 @@
 per-layer list cut to the layers kept) and its other sub-configs, repairs the defaults some configs
 leave unbuildable (``head_dim`` or the KV heads left ``None``), and returns it as the dict a
 ``config.json`` holds. Sizes only: every kind the defaults choose (attention, MoE, windows, routing,
-scaling) stays as transformers ships it.
+scaling) stays as transformers ships it, but for multipliers a family's defaults leave at 1
+(``SCALES``: Falcon-H1's), which the tiny model sets apart so that a factor missed shows in verify.
 """
 
 from __future__ import annotations
@@ -86,6 +87,18 @@ MIXER_SIZES: tuple[tuple[dict[str, Any], tuple[str, ...]], ...] = (
         },
         ("mamba_d_ssm",),
     ),  # fmt: skip
+    # Falcon-H1: its inner width stated (mamba_d_ssm = heads x head width)
+    (
+        {
+            "mamba_d_ssm": 64,
+            "mamba_d_state": 16,
+            "mamba_n_heads": 4,
+            "mamba_d_head": 16,
+            "mamba_n_groups": 2,
+            "mamba_chunk_size": 16,
+        },
+        (),
+    ),  # fmt: skip
     # KDA (Kimi-Linear, Bailing-hybrid)
     ({"linear_num_heads": 2, "linear_head_dim": 8}, ()),
 )
@@ -98,6 +111,22 @@ ATTENTION_LAYOUT = {"layer_types": ["linear_attention", "full_attention"], "attn
 # tiny stack of a default with a short-convolution kernel (``conv_L_cache``) and no ``conv`` layer starts
 # with one, then attends.
 SHORT_CONV_LAYOUT = {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]}
+# Scales whose defaults are 1, where a model applies them (Falcon-H1's muP multipliers around and inside
+# its layers), by model_type: each set to a value of its own, so that verify's logits and states catch
+# a factor the wrappers or the layers drop
+SCALES: dict[str, dict[str, Any]] = {
+    "falcon_h1": {
+        "embedding_multiplier": 1.5,
+        "lm_head_multiplier": 0.75,
+        "key_multiplier": 0.6,
+        "attention_in_multiplier": 1.3,
+        "attention_out_multiplier": 0.8,
+        "ssm_in_multiplier": 1.2,
+        "ssm_out_multiplier": 0.7,
+        "mlp_multipliers": [1.1, 0.9],
+        "ssm_multipliers": [0.5, 1.4, 0.9, 1.1, 0.8],
+    },
+}
 # token ids must lie inside the tiny vocabulary
 TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 OTHER_SIZES: dict[str, Any] = {
@@ -225,6 +254,8 @@ def tiny_config(model_type: str) -> dict[str, Any]:
                 if _get(sub, key) is not None:
                     _set(sub, key, value)
     _shrink_text(text)
+    for key, value in SCALES.get(model_type, {}).items():
+        _set(text, key, value)
     raw = config.to_dict()
     raw["model_type"] = model_type
     section = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw

@@ -335,12 +335,13 @@ def _hybrid_context(
     abi = spec.abi
     assert abi is not None
     attention_ids, linear_ids = d.structure.attention_layer_ids, d.structure.linear_layer_ids
+    mixed = bool(d.structure.hybrid_layer_ids)  # Falcon-H1: the same layers attend and keep these states
     rows = _per_token_rows(spec, d, prefill, decode, "attention")
     states = abi_tables.linear_state_rows(d, abi.dtype)
     rows += [
         {
-            "kind": "linear",
-            "layers": f"the other {len(linear_ids)}",
+            "kind": "hybrid" if mixed else "linear",
+            "layers": f"the same {len(linear_ids)}" if mixed else f"the other {len(linear_ids)}",
             "state": row["state"],
             "names": _state_names(prefill, decode, row["state"]),
             "shape": f"{row['shape']} per request",
@@ -354,6 +355,7 @@ def _hybrid_context(
     return {
         "rows": rows,
         "states": STATE_PHRASE[d.linear_kind],
+        "mixed": mixed,
         "linear_layers": len(linear_ids),
         "attention_layers": len(attention_ids),
         "per_request": f"{per_request:,} B",

@@ -230,6 +230,11 @@ def structure_context(spec: Spec, d: abi_tables.Dims) -> dict[str, Any]:
         "short_conv": d.linear_kind == "short_conv",
         # the config's layer types that are linear layers (config_keys.yaml: linear_attention, conv, ...)
         "linear_types": tuple(kind for kind, span in tables()["layer_types"].items() if span == "linear"),
+        # layers running attention and the linear mixer side by side (Falcon-H1): their config types, and
+        # the type every layer has where the config class fixes it (``uniform_layer_types``)
+        "mixed": bool(d.structure.hybrid_layer_ids),
+        "mixed_types": tuple(kind for kind, span in tables()["layer_types"].items() if span == "hybrid"),
+        "uniform_type": tables()["uniform_layer_types"].get(d.structure.model_type),
         "linear_sizes": sizes,
         "recurrent_axes": RECURRENT_AXES[linear.kind] if linear is not None else None,
         "indexed": d.index_dim is not None,

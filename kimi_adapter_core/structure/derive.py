@@ -192,9 +192,13 @@ def _mlp_kinds(read: Reader, spec: Spec | None, num_layers: int, moe: Moe | None
 
 def _layer_types(read: Reader, num_layers: int) -> list[Any] | None:
     """Each layer's type as the config lists it (``layer_types``, Nemotron-H's ``layers_block_type``),
-    else as a raw layout builds the list (``layer_pattern.layout_types``, Llama-4's chunk rule); None:
+    else as the family's config class fixes it (``uniform_layer_types``: Falcon-H1), else as a raw layout
+    builds the list (``layer_pattern.layout_types``, Llama-4's chunk rule); None:
     none of them."""
     types = read.get("layer_types")
+    uniform = tables()["uniform_layer_types"].get(read.raw("model_type"))
+    if types is None and uniform is not None:  # a property of the family's config class (Falcon-H1)
+        types = [uniform] * num_layers
     if types is None:
         types = layout_types(read.raw, num_layers, read.get("mamba_state_size") is not None)
     if types is None:

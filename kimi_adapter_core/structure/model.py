@@ -131,7 +131,7 @@ class Layer:
 
     index: int
     # full | sliding | chunked | linear (ModelStructure.linear) | indexed (full + DSA: .indexer) | none
-    # (no mixer)
+    # (no mixer) | hybrid (full attention and the linear mixer side by side: Falcon-H1)
     attention: str
     window: int | None  # keys a query sees (sliding layers only)
     mlp: str  # dense | moe | none
@@ -356,9 +356,10 @@ class ModelStructure:
         ``lightning`` (a recurrent state alone: MiniMax), ``indexed`` (a KV cache and the DSA indexer's
         keys; a layer reusing another's top-k keeps the KV cache alone: ``attention``), ``none`` (no
         token mixer: no state), ``shared`` (attends over an earlier layer's keys and values of the same
-        call: no state) or ``attention`` (a KV cache)."""
+        call: no state), ``hybrid`` (a KV cache and a conv window and recurrent state: Falcon-H1's
+        attention and Mamba2 side by side) or ``attention`` (a KV cache)."""
         linear = self.linear.layer_kind if self.linear is not None else "linear"
-        special = {"linear": linear, "indexed": "indexed", "none": "none"}
+        special = {"linear": linear, "indexed": "indexed", "none": "none", "hybrid": "hybrid"}
         return tuple(
             "shared"
             if layer.kv_source is not None
@@ -370,7 +371,14 @@ class ModelStructure:
 
     @property
     def linear_layer_ids(self) -> tuple[int, ...]:
-        return tuple(layer.index for layer in self.layers if layer.attention == "linear")
+        """The layers that keep a linear mixer's states: ``linear`` ones and ``hybrid`` ones (Falcon-H1's,
+        which attend too: they are among ``attention_layer_ids`` as well)."""
+        return tuple(layer.index for layer in self.layers if layer.attention in ("linear", "hybrid"))
+
+    @property
+    def hybrid_layer_ids(self) -> tuple[int, ...]:
+        """The layers that run a linear mixer and full attention side by side (Falcon-H1)."""
+        return tuple(layer.index for layer in self.layers if layer.attention == "hybrid")
 
     @property
     def attention_layer_ids(self) -> tuple[int, ...]:
@@ -441,7 +449,9 @@ class ModelStructure:
         mixer = self.attention.describe()
         if self.linear is not None:
             linear = len(self.linear_layer_ids)
-            mixer = f"{linear}/{self.num_layers} linear-attention layers ({self.linear.describe()}), {mixer}"
+            both = " beside attention" if self.hybrid_layer_ids else ""  # Falcon-H1: side by side
+            kind = f"linear-attention layers{both} ({self.linear.describe()})"
+            mixer = f"{linear}/{self.num_layers} {kind}, {mixer}"
         if self.indexer is not None:
             mixer = f"{mixer} with a {self.indexer.describe()}"
             reusing = [layer for layer in self.layers if layer.topk_source is not None]
@@ -477,6 +487,8 @@ class ModelStructure:
         for size in ("dt_rank", "block_size"):  # only Mamba1 states the one, lightning the other
             if self.linear is not None and getattr(self.linear, size) is None:
                 data["linear"].pop(size)
+        if self.linear is not None and self.linear.gated_norm:  # only a norm-less Mamba2 says so
+            data["linear"].pop("gated_norm")
         data["attention"] = self.attention.to_dict()
         data["layers"] = _compress_layers(self.layers)
         data["rope"] = self.rope.to_dict()

@@ -29,6 +29,7 @@ LAYER_STATES = {
     "indexed": ("key", "value", "index_key"),
     "none": (),  # a block with no token mixer (Nemotron-H's mlp and moe blocks): no state
     "shared": (),  # attends over an earlier layer's keys and values of the same call (Gemma-4): no state
+    "hybrid": ("key", "value", "conv", "recurrent"),  # attention and a linear mixer side by side (Falcon-H1)
 }
 # States of one fixed size per request (no sequence dimension): never placed by position, never paged.
 FIXED_ROLES = ("conv", "recurrent")

@@ -299,6 +299,10 @@ def paged_view(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 #  shared:    attention over the keys and values an earlier layer of the same call computed (Gemma-4's
 #             KV sharing: the producer hands them over in ``shared_kv_states``): no state of its own;
 #             it takes its span's mask, and the cache it never touches.
+#  hybrid:    full attention and a linear mixer side by side on one input (Falcon-H1; transformers'
+#             ``LinearAttentionAndFullAttentionLayer``): the attention's KV cache, then the mixer's conv
+#             window and recurrent state; it takes the attention mask (its mixer's padding mask stays
+#             None, as the model's forward leaves it without padding, which such stacks never have).
 LAYER_STATES = {
     "attention": ("key", "value"),
     "linear": ("conv", "recurrent"),
@@ -307,12 +311,16 @@ LAYER_STATES = {
     "indexed": ("key", "value", "index_key"),
     "none": (),
     "shared": (),
+    "hybrid": ("key", "value", "conv", "recurrent"),
 }
 # States of one fixed size per request (no sequence dimension): never placed by position, never paged.
 FIXED_ROLES = ("conv", "recurrent")
 # Layer kinds whose states are all fixed-size per request (the contract's ``linear_states`` rules): they
 # take every token they are given, so the wrappers hand them no mask.
 LINEAR_LAYER_KINDS = ("linear", "lightning", "short_conv")
+# Layer kinds that keep fixed-size states (a linear mixer's, alone or beside attention: ``hybrid``), whose
+# state takes every token of a prompt: their stack's prompts are never padded (the contract's padding).
+UNPADDED_KINDS = (*LINEAR_LAYER_KINDS, "hybrid")
 # Where a decoder layer keeps its token mixer, by layer kind (the mixer carries ``layer_idx``): attention
 # in ``self_attn`` or, in a stack of one-sublayer blocks (Nemotron-H), ``mixer``; gated DeltaNet in
 # ``linear_attn``, Mamba2 in ``mixer`` (Mamba2, Nemotron-H) or ``mamba`` (Granite-4.0-H, Bamba), KDA in
@@ -326,6 +334,7 @@ MIXER_ATTRIBUTES = {
     "indexed": ("self_attn",),
     "none": (),
     "shared": ("self_attn",),
+    "hybrid": ("self_attn",),
 }
 # Layer kinds that keep no state: the wrappers hand them neither a mask nor the cache.
 STATELESS_KINDS = ("none",)
@@ -1080,6 +1089,9 @@ def decode_inputs(
         if kind == "indexed":
             assert index_dim is not None, "an indexed layer needs its index_dim"
             past.append(torch.zeros(index_shape, dtype=dtype, device=device))
+        if kind == "hybrid":  # the mixer's states after the attention's KV
+            assert linear_states is not None, "a hybrid layer needs its linear_states"
+            past += linear_state_zeros(linear_states, batch, device)
     return (
         torch.zeros(batch, 1, dtype=torch.long, device=device),
         additive_causal_mask(positions, max_cache_len, dtype),
@@ -1241,6 +1253,14 @@ SHARED_RULE = (
 )
 
 
+HYBRID_RULE = (
+    "a layer of kind hybrid runs full attention and a linear mixer side by side on one input (Falcon-H1): "
+    "its entry carries the attention's key and value (placed, written, masked and paged as any attention "
+    "layer's) and the mixer's conv and recurrent states (contract.linear_states: one row per request, "
+    "never paged), in that order; the stack's prompts are never padded (padding.supported none)"
+)
+
+
 DYNAMIC_RULE = (
     "a dimension written as a name instead of a number is that dynamic size: bind each name from the "
     "graph input that carries it (input_ids dim 0 is batch, dim 1 is prefill_len), refuse a size outside "
@@ -1313,6 +1333,7 @@ def kv_contract(
     lightning: bool = False,
     short_conv: bool = False,
     per_layer: bool = False,
+    hybrid: bool = False,
 ) -> dict[str, Any]:
     """Everything a runtime needs besides the graphs: cache semantics, masks, positions, capacity,
     with ``dynamic`` sizes (``{"prefill_len": (1, 64)}``) how to bind them, with ``paged`` the
@@ -1324,7 +1345,8 @@ def kv_contract(
     with ``lightning`` (MiniMax's lightning layers) what their one recurrent state holds, same rules;
     with ``short_conv`` (LFM2's short convolutions) what their one conv window holds, same rules;
     with ``per_layer`` (the layers cache different KV shapes) the heads and widths move to each layer's
-    entry (``layers[i].cache``) and ``cache.per_layer`` says so.
+    entry (``layers[i].cache``) and ``cache.per_layer`` says so; with ``hybrid`` (layers that attend and
+    run a linear mixer side by side: Falcon-H1) that such a layer carries both (``linear`` is set too).
 
     Version 3: ``cache_position`` is ``[batch]`` (one position per row) and the optional paged cache;
     version 2 graphs took one ``[1]`` position for the whole batch."""
@@ -1402,6 +1424,8 @@ def kv_contract(
         contract["stateless_layers"] = STATELESS_RULE
     if shared:
         contract["shared_layers"] = SHARED_RULE
+    if hybrid:
+        contract["hybrid_layers"] = HYBRID_RULE
     if linear:
         contract["linear_states"] = {
             "conv": {"holds": LINEAR_STATE_CONTENTS["conv"]},
@@ -1481,18 +1505,20 @@ def build_kv_mapping(
             source = kv_sources[layer] if kv_sources is not None else None
             layers.append({"layer": layer, "kind": kind, "kv_source": source})
             continue
-        if kind in LINEAR_LAYER_KINDS:
-            assert linear_states is not None, "a linear layer needs its linear_states"
-            entry: dict[str, Any] = {"layer": layer, "kind": kind}
-            for state, (shape, state_dtype) in zip(LAYER_STATES[kind], linear_states, strict=True):
+        fixed: dict[str, Any] = {}  # a linear or hybrid layer's fixed-size states, in ABI order
+        if kind in UNPADDED_KINDS:
+            assert linear_states is not None, f"a {kind} layer needs its linear_states"
+            roles = [role for role in LAYER_STATES[kind] if role in FIXED_ROLES]
+            for state, (shape, state_dtype) in zip(roles, linear_states, strict=True):
                 full = (batch_dim, *shape)
                 for role, key in (
                     ("prefill_{}", "prefill_{}_output"),
                     ("decode_{}_in", "decode_{}_input"),
                     ("decode_{}_out", "decode_{}_output"),
                 ):
-                    entry[key.format(state)] = tensor(role.format(state), layer, full, state_dtype)
-            layers.append(entry)
+                    fixed[key.format(state)] = tensor(role.format(state), layer, full, state_dtype)
+        if kind in LINEAR_LAYER_KINDS:
+            layers.append({"layer": layer, "kind": kind, **fixed})
             continue
         dims = layer_dims(kv_dims, layer_kv_dims, layer)
         prefill_shapes = kv_shapes(dims, batch_dim, length_dim)
@@ -1527,6 +1553,7 @@ def build_kv_mapping(
                     if kind == "indexed"
                     else {}
                 ),
+                **fixed,
             }
         )
     attention = {} if mla_attention == "reexpand" else {"mla_attention": mla_attention}
@@ -1540,12 +1567,13 @@ def build_kv_mapping(
             dynamic=dynamic,
             paged=paged,
             batch=batch,
-            linear="linear" in kinds,
+            linear="linear" in kinds or "hybrid" in kinds,
             lightning="lightning" in kinds,
             short_conv="short_conv" in kinds,
             index_dim=index_dim if "indexed" in kinds else None,
             stateless=any(kind in STATELESS_KINDS for kind in kinds),
             shared="shared" in kinds,
+            hybrid="hybrid" in kinds,
             chunked=chunked,
             per_layer=layer_kv_dims is not None,
         ),

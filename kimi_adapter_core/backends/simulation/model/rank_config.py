@@ -62,7 +62,8 @@ class LayerKind:
     layers: tuple[int, ...]  # indices in the full model
     windows: tuple[int | None, ...]  # each one's sliding window (None: full attention or linear)
     # attention | linear (a hybrid stack's linear-attention layers) | indexed | topk_reuse (DSA over an
-    # earlier layer's top-k, no indexer of its own) | shared (KV sharing) | none (an MLP alone)
+    # earlier layer's top-k, no indexer of its own) | shared (KV sharing) | none (an MLP alone) | hybrid
+    # (attention and a linear mixer side by side: Falcon-H1)
     mixer: str = "attention"
     chunks: tuple[int | None, ...] = ()  # each one's attention chunk (Llama-4); () when none is chunked
     # their attention where it differs from the stack's (per-layer KV shapes: Gemma-4's full layers,
@@ -81,12 +82,14 @@ class LayerKind:
 
     @property
     def linear(self) -> bool:
-        return self.mixer == "linear"
+        """Whether its layers run a linear mixer (swapped for its serving kernels): alone or, ``hybrid``,
+        beside attention."""
+        return self.mixer in ("linear", "hybrid")
 
     @property
     def attends(self) -> bool:
         """Whether its layers attend (through transformers' attention interface, or MLA's kernel)."""
-        return self.mixer not in ("linear", "none")
+        return self.mixer not in ("linear", "none")  # a hybrid layer attends too
 
     @property
     def sublayers(self) -> int:
@@ -95,15 +98,15 @@ class LayerKind:
 
     @property
     def scope(self) -> str:
-        """The scope its ops are recorded under: the MLP kind, prefixed ``linear_`` for linear layers
-        (attention layers keep the names attention-only models always had); a block without an MLP by
-        its mixer (``attention``, ``linear``), one without a mixer by its MLP (``dense_only``,
-        ``moe_only``)."""
+        """The scope its ops are recorded under: the MLP kind, prefixed ``linear_`` for linear layers and
+        ``hybrid_`` for layers running both (attention layers keep the names attention-only models
+        always had); a block without an MLP by its mixer (``attention``, ``linear``), one without a mixer
+        by its MLP (``dense_only``, ``moe_only``)."""
         if self.kind == "none":
             return "linear" if self.linear else "attention"
         if self.mixer == "none":
             return f"{self.kind}_only"
-        scope = f"linear_{self.kind}" if self.linear else self.kind
+        scope = f"{self.mixer}_{self.kind}" if self.linear else self.kind
         if self.mixer == "shared":  # KV-sharing layers (Gemma-4): plan's groups say ``.shared`` too
             scope += ".shared"
         if self.mixer == "topk_reuse":  # DSA layers over an earlier layer's top-k (GLM-5, HY-V4)

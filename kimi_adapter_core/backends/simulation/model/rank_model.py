@@ -269,11 +269,11 @@ def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts,
             for root, path in _experts_of(spec, traced.module, where, s):
                 _swap(root, path, experts)
             parts.experts.append(experts)
-        if traced.kind.linear:
+        if traced.kind.linear:  # a hybrid layer's mixer too, beside its attention (priced below)
             parts.linear += _swap_linear(spec, traced.module, where, dep.parallel.tp)
-        elif not traced.kind.attends:  # an MLP alone: no mixer to price
+        if not traced.kind.attends:  # a linear mixer or an MLP alone: no attention to price
             continue
-        elif s.attention.is_mla:
+        if s.attention.is_mla:
             attention_class = (spec.mla or {}).get("attention_class")
             if not attention_class:
                 raise KadaptError(
