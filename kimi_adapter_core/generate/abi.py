@@ -21,7 +21,7 @@ from ..backends.extraction.options import abi_graph_names, spec_paged
 from ..backends.extraction.runtime import abi as runtime
 from ..config.bridges import apply_bridges
 from ..config.source import resolve_source
-from ..errors import KadaptError, Refusal
+from ..errors import KadaptError
 from ..patching.ledger import Ledger
 from ..spec.model import Spec
 from ..structure.kv_layout import resolve_kv_layout as options_resolve_kv_layout
@@ -156,21 +156,9 @@ def bridged_config(spec: Spec) -> dict[str, Any]:
 def structure(spec: Spec) -> ModelStructure:
     """The text backbone's structure, as the extraction backend sees it (extraction bridges applied);
     a hybrid stack's linear layers (``structure.linear``) carry their conv and recurrent states, DSA
-    layers (``structure.indexer``) their indexer keys beside the KV cache. A stack that mixes DSA layers
-    with layers of another kind is refused: the generated ``save_ir`` names a DSA graph's outputs three
-    per layer (DeepSeek-V3.2 and GLM-5 index every layer)."""
-    found = structure_of_raw(spec, bridged_config(spec))
-    kinds = set(found.layer_kinds)
-    if found.indexer is not None and kinds != {"indexed"}:
-        others = sorted(kinds - {"indexed"})
-        raise Refusal(
-            "layer-types",
-            f"{found.layer_kinds.count('indexed')} of the {found.num_layers} layers use DeepSeek sparse "
-            f"attention and the others are {', '.join(others)}: the generated extraction module carries "
-            "indexer keys for stacks whose every layer is indexed (its save_ir names three states per layer)",
-            location=spec.locate("gate"),
-        )
-    return found
+    layers (``structure.indexer``) their indexer keys beside the KV cache (a stack mixing them with other
+    attention layers, dots3's: only the indexed layers, ``LAYER_KINDS`` saying which)."""
+    return structure_of_raw(spec, bridged_config(spec))
 
 
 def check_state_names(spec: Spec, found: ModelStructure) -> None:
@@ -301,7 +289,8 @@ def graph_tables(spec: Spec, d: Dims) -> tuple[GraphNames, GraphNames, list[dict
                         "name": names.template(direction, role) or "",
                         "shape": _shape(*shape),
                     }
-                    if linear is not None or d.layer_kv_dims is not None:  # the layers' states differ
+                    if linear is not None or d.layer_kv_dims is not None or len(state_kinds(d)) > 1:
+                        # the layers' states differ
                         row["layers"] = group.label(kind) if group is not None else kind
                     rows.append({**row, "dtype": dtype})
         return rows
@@ -333,7 +322,9 @@ def state_kinds(d: Dims) -> tuple[str, ...]:
     """The layer kinds whose state templates a graph table lists, in the ABI's template order."""
     if d.hybrid:
         return ("attention", d.linear_kind)
-    return ("indexed",) if d.index_dim is not None else ("attention",)
+    if d.index_dim is not None:  # DSA layers, and the attention layers beside them (dots3's sliding ones)
+        return ("indexed", "attention") if "attention" in d.layer_kinds else ("indexed",)
+    return ("attention",)
 
 
 def index_key_bytes(d: Dims, dtype: str) -> tuple[int, str]:
