@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 from ..structure.layer_pattern import pattern_period, shorten_layers
+from ..structure.layer_shapes import LATENT_LAYER_FACTS, per_layer_attributes, tiny_latent_layers
 
 MAX_LAYERS = 8
 # config key -> tiny value, set where the default config has the key with a value
@@ -137,6 +138,10 @@ OTHER_SIZES: dict[str, Any] = {
     "num_key_value_heads": 1,
     "vocab_size": 128,
     "projection_dim": 32,
+    # dots3's encoder adapters: their input is the encoder's width, their output the text model's
+    "adapter_in_dim": 32,
+    "adapter_input_size": 32,
+    "adapter_out_dim": TEXT_SIZES["hidden_size"],
 }
 # ints that say how many layers come first with a dense MLP (DeepSeek's, LFM2-MoE's)
 FIRST_DENSE_KEYS = ("first_k_dense_replace", "num_dense_layers")
@@ -248,8 +253,13 @@ def tiny_config(model_type: str) -> dict[str, Any]:
 
     config = CONFIG_MAPPING[model_type]()
     text = config.get_text_config(decoder=True)
-    for sub in list(vars(config).values()):  # not getattr: a per-layer attribute raises (Gemma-4)
+    cuts: dict[str, dict[str, Any]] = {}  # a heterogeneous sub-config's per-layer lists and overrides
+    for name, sub in list(vars(config).items()):  # not getattr: a per-layer attribute raises (Gemma-4)
         if isinstance(sub, PreTrainedConfig) and sub is not text:
+            total = _get(sub, "num_hidden_layers")
+            if isinstance(total, int) and getattr(sub, "is_heterogeneous", False):  # dots3's vision tower
+                keep = min(total, OTHER_SIZES["num_hidden_layers"])
+                cuts[name] = shorten_layers(sub.to_dict(), total, keep)  # cut as its stack is
             for key, value in OTHER_SIZES.items():
                 if _get(sub, key) is not None:
                     _set(sub, key, value)
@@ -257,6 +267,9 @@ def tiny_config(model_type: str) -> dict[str, Any]:
     for key, value in SCALES.get(model_type, {}).items():
         _set(text, key, value)
     raw = config.to_dict()
+    for name, cut in cuts.items():
+        if isinstance(raw.get(name), dict):
+            raw[name].update(cut)
     raw["model_type"] = model_type
     section = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
     for key in [k for k, v in section.items() if _non_finite(v)]:
@@ -265,7 +278,27 @@ def tiny_config(model_type: str) -> dict[str, Any]:
     if "num_hidden_layers" not in section and isinstance(layers, int):
         section["num_hidden_layers"] = layers  # a property of Nemotron-H's class; published JSON states it
     _drop_layers_beyond(raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw)
+    _tiny_latent_layers(section)
     return raw
+
+
+def _tiny_latent_layers(section: dict[str, Any]) -> None:
+    """A stack whose multi-head latent attention differs per layer (dots3's sliding layers): its config
+    object refuses global reads of the overridden attributes, so ``_shrink_text`` left them; the stack's
+    latent sizes and each kept layer's are made tiny here, on the JSON
+    (``layer_shapes.tiny_latent_layers``)."""
+    listed = section.get("per_layer_config")
+    if not isinstance(listed, dict) or not listed or section.get("kv_lora_rank") is None:
+        return
+    key_of = {fact: key for key, fact in per_layer_attributes().items()}
+    stack = {fact: section[key_of[fact]] for fact in LATENT_LAYER_FACTS}
+    tiny = {fact: TEXT_SIZES[key_of[fact]] for fact in LATENT_LAYER_FACTS}
+    tiny["qk_rope_head_dim"] = TEXT_SIZES["qk_rope_head_dim"]
+    section.update({key_of[fact]: tiny[fact] for fact in LATENT_LAYER_FACTS})
+    if key_of["num_kv_heads"] in section:  # MLA: one KV head per query head
+        section[key_of["num_kv_heads"]] = tiny["num_heads"]
+    layers = int(section.get("num_hidden_layers") or 0)
+    section["per_layer_config"] = tiny_latent_layers(listed, stack, tiny, layers, "head_dim" in section)
 
 
 def _non_finite(value: Any) -> bool:

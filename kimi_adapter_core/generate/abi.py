@@ -301,7 +301,8 @@ def graph_tables(spec: Spec, d: Dims) -> tuple[GraphNames, GraphNames, list[dict
                         "name": names.template(direction, role) or "",
                         "shape": _shape(*shape),
                     }
-                    if linear is not None or d.layer_kv_dims is not None:  # the layers' states differ
+                    if linear is not None or d.layer_kv_dims is not None or len(state_kinds(d)) > 1:
+                        # the layers' states differ
                         row["layers"] = group.label(kind) if group is not None else kind
                     rows.append({**row, "dtype": dtype})
         return rows
@@ -333,7 +334,9 @@ def state_kinds(d: Dims) -> tuple[str, ...]:
     """The layer kinds whose state templates a graph table lists, in the ABI's template order."""
     if d.hybrid:
         return ("attention", d.linear_kind)
-    return ("indexed",) if d.index_dim is not None else ("attention",)
+    if d.index_dim is not None:  # DSA layers, and the attention layers beside them (dots3's sliding ones)
+        return ("indexed", "attention") if "attention" in d.layer_kinds else ("indexed",)
+    return ("attention",)
 
 
 def index_key_bytes(d: Dims, dtype: str) -> tuple[int, str]:

@@ -318,8 +318,11 @@ def _indexed_context(
     abi = spec.abi
     assert abi is not None and d.structure.indexer is not None
     per_token, formula = abi_tables.index_key_bytes(d, abi.dtype)
+    mixed = "attention" in d.layer_kinds  # attention layers beside the DSA ones (dots3's sliding layers)
+    rows = _per_token_rows(spec, d, prefill, decode, "indexed")
     return {
-        "rows": _per_token_rows(spec, d, prefill, decode, "indexed"),
+        "rows": rows + (_per_token_rows(spec, d, prefill, decode, "attention") if mixed else []),
+        "mixed": mixed,
         "topk": d.structure.indexer.topk,
         "per_token": f"{per_token:,} B",
         "formula": formula,

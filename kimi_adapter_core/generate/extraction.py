@@ -42,7 +42,7 @@ from ..patching.impls import resolve_impl
 from ..patching.targets import parse_target
 from ..spec.model import Spec
 from ..structure.kv_sharing import kv_sharing_rule
-from ..structure.layer_shapes import per_layer_attributes
+from ..structure.layer_shapes import LATENT_LAYER_FACTS, per_layer_attributes
 from ..structure.linear_of import DERIVED, MIXERS
 from ..structure.mixer import RECURRENT_AXES
 from ..structure.model import ModelStructure
@@ -211,7 +211,12 @@ def structure_context(spec: Spec, d: abi_tables.Dims) -> dict[str, Any]:
         "layer_kv_dims": periodic_literal(per_layer) if per_layer is not None else None,
         "kv_text": kv_text(d),
         "layer_shape_rules": tables()["per_layer_attention"]["rules"].get(d.structure.model_type, {}),
-        "per_layer_attributes": per_layer_attributes(),
+        # a latent attention's layer may also have its own heads, latent rank and nope width
+        "per_layer_attributes": {
+            key: fact
+            for key, fact in per_layer_attributes().items()
+            if attention.is_mla or fact not in LATENT_LAYER_FACTS
+        },
         "windows": repeated_literal(d.structure.windows),
         "sliding": d.structure.has_sliding_layers,
         # chunked-attention layers (Llama-4): CHUNKS and chunks(config), passed like the windows
@@ -238,6 +243,8 @@ def structure_context(spec: Spec, d: abi_tables.Dims) -> dict[str, Any]:
         "linear_sizes": sizes,
         "recurrent_axes": RECURRENT_AXES[linear.kind] if linear is not None else None,
         "indexed": d.index_dim is not None,
+        # DSA layers beside attention ones (dots3's sliding layers): saved graphs are walked by LAYER_KINDS
+        "indexed_mixed": d.index_dim is not None and "attention" in d.layer_kinds,
         "index_dim": d.index_dim,
         "indexer": d.structure.indexer,
         # layers that reuse an earlier layer's keys and values (Gemma-4's KV sharing): kind "shared", no

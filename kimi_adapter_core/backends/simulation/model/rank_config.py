@@ -197,7 +197,8 @@ def per_layer_rank_sizes(s: ModelStructure, tp: int, text: Mapping[str, Any], la
 
 
 def _listed_per_rank(s: ModelStructure, listed: Mapping[Any, Any], tp: int, layers: int) -> dict[Any, Any]:
-    """A config's ``per_layer_config`` for the built layers, each layer's KV heads those of one rank."""
+    """A config's ``per_layer_config`` for the built layers, each layer's query and KV heads those of one
+    rank."""
     per_rank = {}
     for layer, values in listed.items():
         index = int(str(layer))
@@ -206,6 +207,8 @@ def _listed_per_rank(s: ModelStructure, listed: Mapping[Any, Any], tp: int, laye
         values = dict(values)
         if "num_key_value_heads" in values:
             values["num_key_value_heads"] = kv_heads_per_rank(s.layer_attention(index), tp)
+        if "num_attention_heads" in values:  # a latent attention's own query heads (dots3's sliding layers)
+            values["num_attention_heads"] = heads_per_rank(s.layer_attention(index), tp)
         per_rank[layer] = values
     return per_rank
 

@@ -54,7 +54,7 @@ from .inputs import ModelInputs
 from .layer_calls import carried_to, handed_on, hidden_of, per_layer_inputs, positions_of
 from .linear_kernels import RankLinearMixer
 from .mla_kernels import RankMLA
-from .parallel import Parallel
+from .parallel import Parallel, heads_per_rank
 from .quant import NATIVE
 from .rank_config import BACKEND, LayerKind, check_rank_shapes, check_sizes, layer_kinds, rank_overrides
 from .serving_kernels import AttentionKernel, RoutedExperts
@@ -283,6 +283,7 @@ def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts,
                 )
             for path, inner in _find(spec, traced.module, where, "mla", "attention_class", attention_class):
                 mla = RankMLA(inner, unbound, _UNBOUND, traced.kind)
+                _check_mla_shape(mla, traced.kind, s, dep.parallel.tp)
                 _swap(traced.module, path, mla)
                 parts.attention.append(mla)
         else:
@@ -299,6 +300,19 @@ def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts,
 
 
 _UNBOUND = Deployment(Parallel(), 1, 1, 0, True)  # placeholder shapes until a trace binds its own
+
+
+def _check_mla_shape(mla: RankMLA, kind: LayerKind, s: ModelStructure, tp: int) -> None:
+    """The traced MLA module of ``kind`` has that kind's own shape at ``tp`` (a layer with its own query
+    heads, latent rank or nope width, dots3's sliding layers, is priced as itself, not as the stack's)."""
+    a = kind.attention(s)
+    want = (heads_per_rank(a, tp), a.kv_lora_rank, a.qk_nope_head_dim)
+    if (mla.heads, mla.rank, mla.nope) != want:
+        raise KadaptError(
+            f"the per-rank MLA of layer {kind.index} runs {mla.heads} heads, latent rank {mla.rank}, nope "
+            f"width {mla.nope}, not the {want[0]}, {want[1]}, {want[2]} its structure gives at TP {tp}: its "
+            "config class did not build the per-rank sizes kadapt wrote (the layer's per_layer_config)"
+        )
 
 
 def _traced(kind: LayerKind, layer: nn.Module, rope_types: tuple[str | None, ...] | None) -> TracedLayer:
