@@ -22,8 +22,8 @@ from kimi_adapter_core.backends.simulation.model.arch import indexed_layer_ids
 from kimi_adapter_core.errors import Refusal
 from kimi_adapter_core.families.tiny import tiny_config
 from kimi_adapter_core.families.trial import ADAPTED, buildable_config, run_trial
+from kimi_adapter_core.structure.around_layers import ResidualStreams
 from kimi_adapter_core.structure.derive import derive_structure
-from kimi_adapter_core.structure.model import ResidualStreams
 
 TINY_GLM = dict(
     hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,

@@ -428,10 +428,10 @@ def test_a_saved_graph_of_a_mixed_stack_is_walked_by_its_layer_kinds(dots3: type
     def document(states: int) -> dict[str, Any]:
         return {"graph_outputs": [{"name": "logits"}] + [{"name": f"s{i}"} for i in range(states)]}
 
-    assert dots3._indexed_graph_kinds(document(8)) == list(DOTS3_KINDS)
-    assert dots3._indexed_graph_kinds(document(6)) == ["indexed", "indexed"]
-    with pytest.raises(ValueError, match="the graph returns 7 states, which no prefix of LAYER_KINDS fills"):
-        dots3._indexed_graph_kinds(document(7))
+    assert dots3._graph_kinds(document(8)) == list(DOTS3_KINDS)
+    assert dots3._graph_kinds(document(6)) == ["indexed", "indexed"]
+    with pytest.raises(ValueError, match="the graph returns 7 states, which LAYER_KINDS' pattern"):
+        dots3._graph_kinds(document(7))
 
 
 def test_the_docs_of_a_mixed_stack_list_each_kinds_states(dots3_text: tuple[Spec, dict[str, str]]) -> None:

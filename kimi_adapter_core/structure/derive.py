@@ -17,6 +17,7 @@ from typing import Any
 from ..errors import KadaptError, Refusal
 from ..spec.model import Spec
 from . import bounds
+from .around_layers import OutsideOp, PerLayerInputs
 from .indexer_of import indexer_of, topk_sources
 from .kv_sharing import kv_sources, mlp_widths
 from .layer_pattern import PATTERN_KEY, layout_types
@@ -30,8 +31,6 @@ from .model import (
     Layer,
     ModelStructure,
     Moe,
-    OutsideOp,
-    PerLayerInputs,
 )
 from .reader import MISSING, Reader, locate, mlp_block_types, outside_modelled, tables
 from .refusals import refuse_outside_layer_features, refuse_unmodelled_layers

@@ -11,7 +11,7 @@ the key and is not in the table is refused: its connections' weights are not kno
 from __future__ import annotations
 
 from ..errors import Refusal
-from .model import ResidualStreams
+from .around_layers import ResidualStreams
 from .reader import MISSING, Reader, locate, tables
 
 # where the stack keeps the head that merges the streams (transformers 5.24: HY-V4, DeepSeek-V4)

@@ -54,6 +54,7 @@ from .inputs import ModelInputs
 from .layer_calls import carried_to, handed_on, hidden_of, per_layer_inputs, positions_of
 from .linear_kernels import RankLinearMixer
 from .mla_kernels import RankMLA
+from .module_swaps import experts_of, find_modules, stack_child, swap
 from .parallel import Parallel, heads_per_rank
 from .quant import NATIVE
 from .rank_config import BACKEND, LayerKind, check_rank_shapes, check_sizes, layer_kinds, rank_overrides
@@ -64,35 +65,6 @@ from .ssm_kernels import SIMULATED_MIXERS, linear_mixers, rank_mixer
 from .tracer import Recorder
 
 ATTENTION_IMPLEMENTATION = "kadapt_simulation"  # registered with transformers while a trace runs
-
-
-def _find(
-    spec: Spec, root: nn.Module, where: str, section: str, key: str, name: str
-) -> list[tuple[str, nn.Module]]:
-    """Every module under ``root`` whose class is named ``name`` (non-empty, or a located error)."""
-    found = [(path, m) for path, m in root.named_modules() if path and type(m).__name__ == name]
-    if not found:
-        seen = ", ".join(sorted({type(m).__name__ for m in root.modules()}))
-        raise KadaptError(
-            f"{section}.{key} = {name!r} matches no module in {where} of the model built for spec "
-            f"{spec.name}; the classes there are: {seen}",
-            location=spec.locate(f"{section}.{key}"),
-        )
-    return found
-
-
-def _stacked_experts(root: nn.Module, experts: int) -> list[tuple[str, nn.Module]]:
-    """Modules holding stacked expert weights (``[num_experts, out, in]`` parameters of their own)."""
-    return [
-        (path, m)
-        for path, m in root.named_modules()
-        if path and any(p.dim() == 3 and p.shape[0] == experts for p in m.parameters(recurse=False))
-    ]
-
-
-def _swap(root: nn.Module, path: str, new: nn.Module) -> None:
-    parent, _, child = path.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, child, new)
 
 
 @dataclass
@@ -163,56 +135,6 @@ class RankParts:
                 rec.mark_weight(param, inputs.policy(group, checkpoint) if group else NATIVE["bf16"])
 
 
-def _child(spec: Spec, lm: nn.Module, key: str, *, optional: bool = False) -> nn.Module | None:
-    """The stack part ``key`` (``module_paths``: ``final_norm``, ``rotary_embedding``) of the text model;
-    an ``optional`` one may be absent (a NoPE / SSM stack has no rotary embedding)."""
-    parts = spec.stack_parts()
-    try:
-        module = lm.get_submodule(parts.path(key))
-    except AttributeError:
-        module = None
-    if module is None and optional and key not in parts.stated:
-        return None
-    if not isinstance(module, nn.Module):
-        raise KadaptError(parts.missing(lm, key), location=parts.where(key))
-    return module
-
-
-def _experts_of(spec: Spec, layer: nn.Module, where: str, s: ModelStructure) -> list[tuple[nn.Module, str]]:
-    """(parent, path) of every routed-experts module in an MoE layer: inside the spec's
-    ``moe.moe_class`` blocks, of class ``moe.experts_class`` when the spec names one, else the
-    modules holding the stacked ``[num_experts, ...]`` expert weights."""
-    assert s.moe is not None
-    moe = spec.moe or {}
-    roots = (
-        _find(spec, layer, where, "moe", "moe_class", moe["moe_class"])
-        if moe.get("moe_class")
-        else [("", layer)]
-    )
-    found: list[tuple[nn.Module, str]] = []
-    for _, root in roots:
-        if moe.get("experts_class"):
-            matches = _find(spec, root, where, "moe", "experts_class", moe["experts_class"])
-        else:
-            matches = _stacked_experts(root, s.moe.num_experts)
-            if not matches:
-                lists = [
-                    type(m).__name__
-                    for m in root.modules()
-                    if isinstance(m, nn.ModuleList) and len(m) == s.moe.num_experts
-                ]
-                detail = " (its experts are a per-expert module list)" if lists else ""
-                raise KadaptError(
-                    f"no module in {where} of the model built for spec {spec.name} holds the "
-                    f"{s.moe.num_experts} routed experts as stacked weights{detail}; simulate prices an "
-                    "experts module called as transformers' (hidden_states, top_k_index, top_k_weights): "
-                    "name its class under moe.experts_class",
-                    location=spec.locate("moe" if spec.moe else "metadata"),
-                )
-        found += [(root, path) for path, _ in matches]
-    return found
-
-
 def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts, list[str]]:
     """Build the per-rank model for ``spec`` at ``dep``'s TP size (with an MTP block if it drafts) on
     meta and swap in the serving kernels (bound to nothing yet: ``RankParts.bind``). Must run inside
@@ -249,9 +171,9 @@ def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts,
     rope_types = upstream.rope_layer_types(lm)
     parts = RankParts(
         lm.get_input_embeddings(),
-        _child(spec, lm, "rotary_embedding", optional=True),
+        stack_child(spec, lm, "rotary_embedding", optional=True),
         [_traced(kind, layers[kind.index], rope_types) for kind in kinds],
-        _child(spec, lm, "final_norm"),
+        stack_child(spec, lm, "final_norm"),
         lm_head,
         nn.Linear(2 * s.hidden_size, s.hidden_size, bias=False) if dep.mtp else None,
         stream_head=lm.get_submodule(STREAM_HEAD) if s.residual_streams is not None else None,
@@ -266,8 +188,8 @@ def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts,
         where = f"{layers_path}.{traced.kind.index}"
         if traced.kind.kind == "moe":
             experts = RoutedExperts(s, unbound, _UNBOUND, NATIVE["bf16"])
-            for root, path in _experts_of(spec, traced.module, where, s):
-                _swap(root, path, experts)
+            for root, path in experts_of(spec, traced.module, where, s):
+                swap(root, path, experts)
             parts.experts.append(experts)
         if traced.kind.linear:  # a hybrid layer's mixer too, beside its attention (priced below)
             parts.linear += _swap_linear(spec, traced.module, where, dep.parallel.tp)
@@ -281,10 +203,12 @@ def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts,
                     "for its serving kernel and finds it by the class name the spec declares",
                     location=spec.locate("mla" if spec.mla else "metadata"),
                 )
-            for path, inner in _find(spec, traced.module, where, "mla", "attention_class", attention_class):
+            for path, inner in find_modules(
+                spec, traced.module, where, "mla", "attention_class", attention_class
+            ):
                 mla = RankMLA(inner, unbound, _UNBOUND, traced.kind)
                 _check_mla_shape(mla, traced.kind, s, dep.parallel.tp)
-                _swap(traced.module, path, mla)
+                swap(traced.module, path, mla)
                 parts.attention.append(mla)
         else:
             configs = {id(m.config): m.config for m in traced.module.modules() if hasattr(m, "config")}
@@ -344,7 +268,7 @@ def _swap_linear(spec: Spec, layer: nn.Module, where: str, tp: int) -> list[Rank
     swapped = []
     for path, inner in found:
         mixer = rank_mixer(inner, Recorder(), _UNBOUND, tp)
-        _swap(layer, path, mixer)
+        swap(layer, path, mixer)
         swapped.append(mixer)
     return swapped
 
