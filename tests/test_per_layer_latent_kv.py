@@ -184,3 +184,18 @@ def test_the_verify_model_of_published_sizes_keeps_each_shape(tmp_path: Path) ->
     assert (
         overrides["vision_config.adapter_in_dim"] == 32 and overrides["vision_config.adapter_out_dim"] == 64
     )
+
+
+def test_a_graph_below_float32_is_refused_before_export(tmp_path: Path) -> None:
+    """dots3's forward computes its DSA layers' rotary embedding from float32 embeddings, so their indexer
+    keys are float32 in a bfloat16 model, which the ABI (every indexer key in abi.dtype) does not state:
+    apply refuses, located at abi.dtype, and writes nothing."""
+    path = dots3_spec(tmp_path).path
+    path.write_text(path.read_text().replace("dtype: float32", "dtype: bfloat16"))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["apply", str(path), "--output-dir", str(out)])
+    assert result.exit_code != 0
+    assert "refused (outside-layers)" in result.output
+    assert "indexer keys are float32" in result.output
+    assert load_spec(path).locate("abi.dtype") in result.output
+    assert not out.exists() or not any(out.iterdir())

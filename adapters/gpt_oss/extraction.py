@@ -2102,6 +2102,29 @@ def _probe_residual_streams() -> str:
     return f"{' and '.join(found)}: embeddings expanded to hc_mult streams, hc_head before the final norm"
 
 
+# the stacks whose forward computes some layer types' rotary embedding from float32 embeddings, which
+# makes their DSA indexer keys float32 in a bfloat16 model (extraction refuses such a graph below float32:
+# ``pipeline.check_rope_input_dtype``): module -> (decoder model, the expression it uses)
+FLOAT32_ROPE_MODEL_TYPES = ("dots3_note", "dots3_note_text")  # the model types whose stacks these are
+FLOAT32_ROPE_MODELS = {
+    "transformers.models.dots3_note.modeling_dots3_note": (
+        "Dots3NoteTextModel",
+        'inputs_embeds.float() if layer_type == "indexed_attention" else inputs_embeds',
+    ),
+}
+
+
+def _probe_rope_input_dtype() -> str:
+    found = []
+    for module, (name, expression) in FLOAT32_ROPE_MODELS.items():
+        expected = f"{name}.forward computes the rotary embedding from {expression}"
+        source = " ".join(inspect.getsource(_attr(module, name, expected).forward).split())
+        if expression not in source:
+            raise _Moved(expected, f"{name}.forward no longer has {expression}")
+        found.append(f"{name}: {expression}")
+    return "; ".join(found)
+
+
 def _probe_dtype_plan() -> str:
     expected = "PreTrainedModel._get_dtype_plan(dtype) and core_model_loading.build_glob_alternation(globs)"
     model = _attr("transformers.modeling_utils", "PreTrainedModel", expected)
@@ -2460,6 +2483,17 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
         "before the final norm (runtime.ResidualStreams); the layers mix the streams themselves",
         ("extraction (HY-V4)", "simulation", "generated modules"),
         _probe_residual_streams,
+    ),
+    ContactPoint(
+        "rope_input_dtype",
+        "models.dots3_note.modeling_dots3_note.Dots3NoteTextModel.forward",
+        'the rotary embedding of "indexed_attention" layers computed from inputs_embeds.float() (float32 '
+        "cos and sin in a bfloat16 model), the other layer types' from the embeddings as they are",
+        "in a bfloat16 model those layers' indexer keys are float32, which kadapt's ABI (every indexer "
+        "key in abi.dtype) does not state: extraction refuses dots3 graphs below float32 "
+        "(pipeline.check_rope_input_dtype), and this probe says when the rule moves",
+        ("extraction (dots3)",),
+        _probe_rope_input_dtype,
     ),
     ContactPoint(
         "loader_dtype_plan",
