@@ -4235,9 +4235,9 @@ MAX_CONFIG_BYTES = 64 * 2**20  # a config file larger than this is refused unrea
 MAX_CONFIG_LAYERS = 10_000  # layer counts are bounded: transformers builds per-layer lists from them
 MAX_CONFIG_SIZE = 2**31 - 1  # any other size or head count
 # Text-config keys that hold sizes -> the least value each may take: every structural fact of FACT_KEYS
-# but those that are no size (per-layer lists, switches), and the standard keys; counts and widths are positive, a window setting
-# may be 0 (none); a key set to None is not set. Layer counts are at most MAX_CONFIG_LAYERS, every other
-# size at most MAX_CONFIG_SIZE.
+# but those that are no size (per-layer lists, switches), and the standard keys; counts and widths are
+# positive, a window setting may be 0 (none); a key set to None is not set. Layer counts are at most
+# MAX_CONFIG_LAYERS, every other size at most MAX_CONFIG_SIZE.
 _NOT_SIZES = ("layer_types", "use_sliding_window")
 _WINDOW_SIZES = ("sliding_window", "max_window_layers", "sliding_window_pattern")
 _SIZE_KEYS: dict[str, int] = {
