@@ -73,3 +73,25 @@ def test_recurrent_gemma_keeps_its_recurrent_states_in_module_attributes() -> No
     block = model.model.layers[0].temporal_block
     assert block.conv1d_state is not None and block.rg_lru.recurrent_states is not None
     assert list(out.keys()) == ["logits"]
+
+
+@pytest.mark.parametrize(
+    ("layer_type", "named"),
+    [
+        ("heavily_compressed_attention", "a compressor folds each closed window"),
+        ("compressed_sparse_attention", "overlapping windows fold into KV entries"),
+    ],
+)
+def test_deepseek_v4s_compressed_layers_name_their_operation(layer_type: str, named: str) -> None:
+    """DeepSeek-V4's compressed attention kinds are refused naming the compressor state kadapt has no kind
+    for, at the first layer of that kind; its sliding layers are not what is refused."""
+    from kimi_adapter_core.structure.derive import derive_structure
+
+    config = AutoConfig.for_model("deepseek_v4")
+    first = config.layer_types.index(layer_type)
+    config.layer_types = ["sliding_attention"] * first + config.layer_types[first:]
+    with pytest.raises(Refusal) as refused:
+        derive_structure(config)
+    assert refused.value.code == "layer-types"
+    assert f"layer {first} is {layer_type!r}: {named}" in refused.value.message
+    assert "a spec cannot add one" in refused.value.message

@@ -333,11 +333,19 @@ def _chunked_types(read: Reader, num_layers: int) -> list[str] | None:
 
 def _check_layer_types(read: Reader, types: list[Any]) -> None:
     """Every entry of ``layer_types`` must be a layer kind kadapt models (full, sliding, linear, indexed;
-    in a stack of one-sublayer blocks also MLP blocks)."""
+    in a stack of one-sublayer blocks also MLP blocks); a type ``unmodelled_layer_types`` lists is refused
+    naming its operation and why no spec supplies it."""
     known = _known_types(read)
     for i, kind in enumerate(types):
         if not isinstance(kind, str) or kind in known:  # not a string: the value check reports it
             continue
+        unmodelled = tables()["unmodelled_layer_types"].get(kind)
+        if unmodelled is not None:  # a kind whose operation and reason the table names
+            raise Refusal(
+                "layer-types",
+                f"{read.where}: layer {i} is {kind!r}: {unmodelled['operation']}; {unmodelled['why']}",
+                location=locate(read.spec, "gate"),
+            )
         hybrid = kind in tables()["hybrid_layer_types"]
         *others, last = [repr(k) for k in known]
         raise Refusal(

@@ -24,7 +24,9 @@ KV_LAYOUTS_BY_KIND = {
     "mla": ("latent", "expanded"),
 }
 ALL_KV_LAYOUTS = ("heads", "latent", "expanded")
-SCORING_FUNCS = ("softmax", "sigmoid")
+SCORING_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")  # sqrtsoftplus: sqrt(softplus(x)), DeepSeek-V4
+# scorings whose top-k adds a correction bias to the scores (DeepSeek's noaux_tc; DeepSeek-V4 keeps it)
+CORRECTED_SCORINGS = ("sigmoid", "sqrtsoftplus")
 
 
 @dataclass(frozen=True)

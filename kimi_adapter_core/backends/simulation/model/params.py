@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 
 from ....checkpoint.naming import rename_weight
 from ....spec.model import Spec
-from ....structure.model import Attention, ModelStructure
+from ....structure.model import CORRECTED_SCORINGS, Attention, ModelStructure
 from ....structure.residual_streams import STREAM_HEAD
 from ....vision.tower import VisionArch
 from .arch import Architecture, indexed_layer_ids
@@ -420,7 +420,7 @@ def _moe_groups(s: ModelStructure, n: Naming, parts: LayerParts) -> list[ParamGr
         router.append((f"{mlp}.{shared_gate}.weight", (1, h)))
     router_dtype = "fp32" if s.model_type in FP32_ROUTER else "bf16"
     groups.append(_layers(n, "router", ids, router, "replicated", router_dtype, False))
-    if moe.scoring == "sigmoid" and parts.correction_bias:  # DeepSeek's noaux_tc bias, kept in fp32
+    if moe.scoring in CORRECTED_SCORINGS and parts.correction_bias:  # DeepSeek's noaux_tc bias, in fp32
         bias: Tensors = [(f"{mlp}.{parts.correction_bias}", (experts,))]
         groups.append(_layers(n, "router_bias", ids, bias, "replicated", "fp32", False))
     if moe.shared_intermediate_size:
