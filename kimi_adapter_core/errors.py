@@ -65,7 +65,8 @@ REFUSALS = {
     "is neither a KV cache nor a conv window and recurrent state kadapt can size",
     "layer-types": "attention kinds other than full, sliding-window, chunked and DSA-indexed (compressed)",
     "per-layer-config": "per-layer config values other than each attention layer's KV heads and head "
-    "width (a per_layer_config overriding other attributes, a size listed per layer)",
+    "width and a latent attention layer's query heads, latent rank and nope width (a per_layer_config "
+    "overriding other attributes, a size listed per layer)",
     "kv-shared-layers": "layers that reuse an earlier layer's keys and values within one forward "
     "(num_kv_shared_layers) by a rule kadapt has not proven for the family (Gemma-4's it carries), or that "
     "all reuse another model's (an assistant model)",

@@ -390,6 +390,55 @@ def _probe_per_layer_inputs() -> str:
     return "; ".join(_describe(getattr(model, name), name) for name in PER_LAYER_INPUT_METHODS)
 
 
+# the stacks with hyper-connections (the runtime's ``ResidualStreams``): module -> their decoder model
+RESIDUAL_STREAM_MODELS = {
+    "transformers.models.hy_v4.modeling_hy_v4": "HYV4Model",
+    "transformers.models.deepseek_v4.modeling_deepseek_v4": "DeepseekV4Model",
+}
+
+
+def _probe_residual_streams() -> str:
+    expected = (
+        "HYV4Model / DeepseekV4Model.forward copies the input embeddings into config.hc_mult streams "
+        "(inputs_embeds.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1)) and computes "
+        "self.norm(self.hc_head(hidden_states)) after the last layer"
+    )
+    found = []
+    for module, name in RESIDUAL_STREAM_MODELS.items():
+        model = _attr(module, name, expected)
+        source = " ".join(inspect.getsource(model.forward).split())
+        for step in (".unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1)", "self.norm(self.hc_head("):
+            if step not in source:
+                raise _Moved(expected, f"{name}.forward no longer has {step}")
+        if "self.hc_head =" not in inspect.getsource(model.__init__):
+            raise _Moved(expected, f"{name}.__init__ no longer sets hc_head")
+        found.append(name)
+    return f"{' and '.join(found)}: embeddings expanded to hc_mult streams, hc_head before the final norm"
+
+
+# the stacks whose forward computes some layer types' rotary embedding from float32 embeddings, which
+# makes their DSA indexer keys float32 in a bfloat16 model (extraction refuses such a graph below float32:
+# ``pipeline.check_rope_input_dtype``): module -> (decoder model, the expression it uses)
+FLOAT32_ROPE_MODEL_TYPES = ("dots3_note", "dots3_note_text")  # the model types whose stacks these are
+FLOAT32_ROPE_MODELS = {
+    "transformers.models.dots3_note.modeling_dots3_note": (
+        "Dots3NoteTextModel",
+        'inputs_embeds.float() if layer_type == "indexed_attention" else inputs_embeds',
+    ),
+}
+
+
+def _probe_rope_input_dtype() -> str:
+    found = []
+    for module, (name, expression) in FLOAT32_ROPE_MODELS.items():
+        expected = f"{name}.forward computes the rotary embedding from {expression}"
+        source = " ".join(inspect.getsource(_attr(module, name, expected).forward).split())
+        if expression not in source:
+            raise _Moved(expected, f"{name}.forward no longer has {expression}")
+        found.append(f"{name}: {expression}")
+    return "; ".join(found)
+
+
 def _probe_dtype_plan() -> str:
     expected = "PreTrainedModel._get_dtype_plan(dtype) and core_model_loading.build_glob_alternation(globs)"
     model = _attr("transformers.modeling_utils", "PreTrainedModel", expected)
@@ -578,15 +627,15 @@ def rebuild_buffer(model: Any, path: str) -> Any:
 
     Only the owning module's own buffers are materialised: a shallow copy of it holds CPU buffers and
     fresh meta parameters (so the 1T-parameter model is never touched and nothing is allocated for
-    its weights), and the nearest ``PreTrainedModel`` above it initialises that copy. None when that
-    init does not give the buffer a value (it stays as ``torch.empty`` left it: checked by NaN fill).
+    its weights), and the nearest ``PreTrainedModel`` above it initialises that copy. Some models set a
+    buffer from an ancestor's init instead (FalconH1Model's ``_init_weights`` writes every mixer's
+    ``mup_vector``): then the copy is handed to it inside copies of its ancestors, each holding only the
+    child on the path, nearest first. None when no init gives the buffer a value (it stays as
+    ``torch.empty`` left it: checked by NaN fill).
     """
-    import copy
-
     import torch
 
     owner_path, _, leaf = path.rpartition(".")
-    owner = model.get_submodule(owner_path)
     parts = owner_path.split(".") if owner_path else []
     pretrained = next(
         (
@@ -600,24 +649,46 @@ def rebuild_buffer(model: Any, path: str) -> Any:
     )
     if pretrained is None:
         return None
-    ghost = copy.copy(owner)
+    owner = _ghost(model.get_submodule(owner_path))
+    ghost = owner
+    for depth in range(len(parts), -1, -1):
+        if depth < len(parts):  # one level up: the ancestor, holding only the path's child
+            parent = _ghost(model.get_submodule(".".join(parts[:depth])))
+            parent._modules = {parts[depth]: ghost}
+            ghost = parent
+        try:
+            with torch.no_grad():
+                pretrained._init_weights(ghost)
+        except Exception:  # noqa: BLE001 - an ancestor's init that reads what its copy lacks: not it
+            if ghost is owner:
+                raise
+            continue
+        value = owner._buffers.get(leaf)
+        if value is not None and not (value.is_floating_point() and bool(value.isnan().any())):
+            return value
+    return None
+
+
+def _ghost(module: Any) -> Any:
+    """A shallow copy of ``module`` without children, its own buffers NaN (zero) on CPU, its own parameters
+    fresh on meta (``rebuild_buffer``)."""
+    import copy
+
+    import torch
+
+    ghost = copy.copy(module)
     ghost._modules = {}
     ghost._parameters = {
         name: None if p is None else torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
-        for name, p in owner._parameters.items()
+        for name, p in module._parameters.items()
     }
     ghost._buffers = {
         name: None
         if b is None
         else torch.full_like(b, float("nan") if b.is_floating_point() else 0, device="cpu")
-        for name, b in owner._buffers.items()
+        for name, b in module._buffers.items()
     }
-    with torch.no_grad():
-        pretrained._init_weights(ghost)
-    value = ghost._buffers.get(leaf)
-    if value is None or (value.is_floating_point() and bool(value.isnan().any())):
-        return None
-    return value
+    return ghost
 
 
 def _probe_generation() -> str:
@@ -715,6 +786,28 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
         "layer its slice and one shared_kv_states dict per call, as Gemma4TextModel.forward does",
         ("extraction (Gemma-4)", "generated modules"),
         _probe_per_layer_inputs,
+    ),
+    ContactPoint(
+        "residual_streams",
+        "models.hy_v4.modeling_hy_v4.HYV4Model.forward, models.deepseek_v4.modeling_deepseek_v4."
+        "DeepseekV4Model.forward",
+        "the input embeddings copied into config.hc_mult streams [B, Q, hc_mult, hidden] before the first "
+        "layer; self.norm(self.hc_head(hidden_states)) after the last",
+        "the wrappers copy the embeddings into the streams and merge them with the stack's own hc_head "
+        "before the final norm (runtime.ResidualStreams); the layers mix the streams themselves",
+        ("extraction (HY-V4)", "simulation", "generated modules"),
+        _probe_residual_streams,
+    ),
+    ContactPoint(
+        "rope_input_dtype",
+        "models.dots3_note.modeling_dots3_note.Dots3NoteTextModel.forward",
+        'the rotary embedding of "indexed_attention" layers computed from inputs_embeds.float() (float32 '
+        "cos and sin in a bfloat16 model), the other layer types' from the embeddings as they are",
+        "in a bfloat16 model those layers' indexer keys are float32, which kadapt's ABI (every indexer "
+        "key in abi.dtype) does not state: extraction refuses dots3 graphs below float32 "
+        "(pipeline.check_rope_input_dtype), and this probe says when the rule moves",
+        ("extraction (dots3)",),
+        _probe_rope_input_dtype,
     ),
     ContactPoint(
         "loader_dtype_plan",
@@ -1016,7 +1109,8 @@ class _RecordingCache:
     ``linear``: the linear-attention API a prefill uses (no previous state: ``get_*_state`` return
     None), each state update recorded with the layer index it names; ``short_conv``: its conv half
     (``get_conv_state``, ``update_conv_state``, ``is_recording_past``). ``lightning``: MiniMaxCache's
-    ``get_linear_cache`` (None: a prefill) and ``set_linear_cache``, recorded alike."""
+    ``get_linear_cache`` (None: a prefill) and ``set_linear_cache``, recorded alike. ``hybrid``
+    (Falcon-H1): ``update`` and the linear-attention API, both under the layer's one index."""
 
     def __init__(self, kind: str = "attention") -> None:
         self.kind = kind
@@ -1142,6 +1236,7 @@ def probe_decoder_layers(
     rotary_emb: Any,
     layer_types: Sequence[str | None] | None = None,
     kinds: Sequence[str] | None = None,
+    streams: int = 1,
 ) -> LayerProtocol:
     """Call one layer of each structure in ``layers`` with a recording cache; their shared protocol.
 
@@ -1154,6 +1249,8 @@ def probe_decoder_layers(
     when it takes one; a layer whose type it keeps no frequencies for gets none). Runs on the layers' own
     device: free on meta, tiny elsewhere. The attention layers may cache different KV shapes
     (``layer_kv_dims``, one per layer): the caller holds each against what the config says of that layer.
+    ``streams``: the residual streams each layer takes (``hc_mult``: hidden states ``[B, Q, streams,
+    hidden]``, as the runtime's ``ResidualStreams`` hands them; 1: ``[B, Q, hidden]``).
     """
     import torch
 
@@ -1162,10 +1259,10 @@ def probe_decoder_layers(
         kind = kinds[index] if kinds is not None else "attention"
         layer_type = layer_types[index] if layer_types is not None else None
         roped = rotary_emb if layer_types is None or layer_type is not None else None
-        key = (kind, *_layer_key(layer, roped, layer_type))
+        key = (kind, streams, *_layer_key(layer, roped, layer_type))
         if key not in _protocols:
             with torch.no_grad():
-                _protocols[key] = _probe_layer(layer, roped, layer_type, kind, index)
+                _protocols[key] = _probe_layer(layer, roped, layer_type, kind, index, streams)
             while len(_protocols) > MAX_PROTOCOLS:  # dicts keep insertion order: the oldest first
                 del _protocols[next(iter(_protocols))]
         protocols.append(_protocols[key])
@@ -1230,7 +1327,8 @@ def decoder_protocol(language_model: Any, kinds: Sequence[str] | None = None) ->
     layers of ``kinds`` (by layer; None: every layer is attention)."""
     layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
     rotary_emb = getattr(language_model, "rotary_emb", None)  # None: no rope (NoPE, SSM stacks)
-    return probe_decoder_layers(layers, rotary_emb, rope_layer_types(language_model), kinds)
+    streams = getattr(language_model.config, "hc_mult", None) or 1  # the runtime's ResidualStreams
+    return probe_decoder_layers(layers, rotary_emb, rope_layer_types(language_model), kinds, streams)
 
 
 def forget() -> None:
@@ -1275,7 +1373,8 @@ MIXERLESS_KINDS = ("none",)
 # name, as both modules are embedded in one generated module): no mask
 FIXED_STATE_KINDS = ("linear", "lightning", "short_conv")
 # The layer kinds that keep a conv window through the linear-attention API (a short convolution alone;
-# a hybrid layer beside its KV cache), and those that keep a recurrent state through it
+# a hybrid layer beside its attention's KV: Falcon-H1, Zamba), and those that keep a recurrent state
+# through it
 CONV_KINDS = ("linear", "short_conv", "hybrid")
 RECURRENT_KINDS = ("linear", "hybrid")
 # The contact point each kind's cache protocol is (the rest: cache_update; a hybrid layer's attention
@@ -1338,23 +1437,28 @@ def stack_inputs(
         )
     if "per_layer_input" in params:
         width = getattr(layer, "hidden_size_per_layer_input", None)
-        inputs["per_layer_input"] = hidden.new_zeros(*hidden.shape[:-1], width) if width else None
+        inputs["per_layer_input"] = hidden.new_zeros(*hidden.shape[:2], width) if width else None
     return inputs
 
 
-def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str, index: int) -> LayerProtocol:
+def _probe_layer(
+    layer: Any, rotary_emb: Any, layer_type: str | None, kind: str, index: int, streams: int = 1
+) -> LayerProtocol:
     import torch
 
     expected = BY_NAME[STATE_POINTS.get(kind, "cache_update")].expected
     layer_name = type(layer).__name__
     layer_idx = getattr(_attention_of(layer), "layer_idx", None)
     parameter = next(layer.parameters())
-    hidden = torch.zeros(1, 2, _hidden_size(layer), dtype=parameter.dtype, device=parameter.device)
+    dtype = _compute_dtype(layer)
+    hidden = torch.zeros(1, 2, _hidden_size(layer), dtype=dtype, device=parameter.device)
+    # the layer's input: one residual stream, or the stack's hc_mult copies of it
+    taken = hidden if streams == 1 else hidden.unsqueeze(2).expand(-1, -1, streams, -1).contiguous()
     positions = torch.arange(2, device=parameter.device).unsqueeze(0)
     # a linear layer's state takes every token it is given, a block with no mixer keeps none: the
     # wrappers hand them no mask
     unmasked = kind in FIXED_STATE_KINDS or kind in MIXERLESS_KINDS
-    mask = torch.zeros(1, 1, 2, 2, dtype=parameter.dtype, device=parameter.device) if not unmasked else None
+    mask = torch.zeros(1, 1, 2, 2, dtype=dtype, device=parameter.device) if not unmasked else None
     # no rotary_emb (NoPE, SSM stacks): the layers get no position embeddings, as the ABI's wrappers pass
     embeddings = (
         None if rotary_emb is None else _rope_of(rotary_emb, hidden, positions, layer_type, layer_name)
@@ -1364,12 +1468,16 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
     inputs = stack_inputs(layer, hidden, kind, index=index)  # a KV-sharing layer's reads are checked below
     if "causal_mask" in _signature(type(layer).forward).parameters:  # runtime.CAUSAL_MASK_INPUT (Zamba)
         inputs["causal_mask"], mask = mask, None
-    if kind == "hybrid":  # its shared attention caches under the index the layer hands it
+    if kind == "hybrid":  # its attention caches under the layer's index (Zamba's: the one handed it)
         layer_idx = index
+    if "prev_topk_indices" in _signature(type(layer).forward).parameters:
+        # what an earlier DSA layer hands on (the runtime's CARRIED_INPUTS; a layer with an indexer of its
+        # own ignores it, one that reuses the top-k attends over it): every query's first key
+        inputs["prev_topk_indices"] = hidden.new_zeros(1, 2, 1, dtype=torch.long)
     failure: Exception | None = None
     try:
         out = layer(
-            hidden,
+            taken,
             attention_mask=mask,
             position_ids=positions,
             use_cache=True,
@@ -1410,16 +1518,13 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
             f"{type(failure).__name__}: {' '.join(str(failure).split())[:300]}",
         )
     if kind == "linear":
-        return _linear_protocol(layer_name, keyword, cache, index, out, hidden)
-    if kind == "hybrid":  # attention's KV beside the mixer's states, under one index
-        linear = _linear_protocol(layer_name, keyword, cache, index, out, hidden)
-        return linear._replace(kv_dims=_one_update(layer_name, keyword, cache))
+        return _linear_protocol(layer_name, keyword, cache, index, out, taken)
     if kind == "lightning":
-        return _lightning_protocol(layer_name, keyword, cache, index, out, hidden)
+        return _lightning_protocol(layer_name, keyword, cache, index, out, taken)
     if kind == "short_conv":
-        return LayerProtocol(keyword, None, (_conv_window(layer_name, keyword, cache, index, out, hidden),))
+        return LayerProtocol(keyword, None, (_conv_window(layer_name, keyword, cache, index, out, taken),))
     if kind in MIXERLESS_KINDS:  # given no cache: it must return the hidden states and keep nothing
-        _check_hidden_states(layer_name, out, hidden)
+        _check_hidden_states(layer_name, out, taken)
         return LayerProtocol(keyword, None)
     if kind == "shared":  # attends over its producer's keys and values: it must read them, cache nothing
         shared = inputs.get("shared_kv_states")
@@ -1432,10 +1537,13 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
                 f"{layer_name} {found}",
                 point="per_layer_inputs",
             )
-        _check_hidden_states(layer_name, out, hidden)
+        _check_hidden_states(layer_name, out, taken)
         return LayerProtocol(keyword, None)
-    _check_hidden_states(layer_name, out, hidden)
+    _check_hidden_states(layer_name, out, taken)
     kv_dims = _one_update(layer_name, keyword, cache)
+    if kind == "hybrid":  # its mixer's states too, through the linear-attention API, under the same index
+        mixed = _linear_protocol(layer_name, keyword, cache, index, out, taken)
+        return LayerProtocol(keyword, kv_dims, mixed.linear_states)
     if kind != "indexed":
         return LayerProtocol(keyword, kv_dims)
     indexed_idx, index_keys = cache.state_calls.get("update_indexer", (None, None))
@@ -1589,6 +1697,15 @@ def _lightning_protocol(
 def _unsupported(code: str, layer: str, expected: str, found: str, *, point: str = "cache_update") -> None:
     point = BY_NAME[point]
     raise LayersUnsupported(code, layer, Finding(point.name, point.symbol, False, found, expected))
+
+
+def _compute_dtype(layer: Any) -> Any:
+    """The dtype a layer's hidden states have: that of most of its parameters (a bfloat16 layer keeps
+    some small ones in float32, which may come first: HY-V4's attention sinks, hyper-connections)."""
+    sizes: dict[Any, int] = {}
+    for param in layer.parameters():
+        sizes[param.dtype] = sizes.get(param.dtype, 0) + param.numel()
+    return max(sizes, key=sizes.__getitem__)
 
 
 def _hidden_size(layer: Any) -> int:

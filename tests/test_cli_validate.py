@@ -158,8 +158,8 @@ def test_a_config_its_class_rejects_is_an_error_not_a_traceback(tmp_path: Path) 
     [
         (lambda config, spec: config["quantization_config"].update(quant_method="awq"), "quant_method 'awq'"),
         (
-            lambda config, spec: config.update(mamba_d_ssm=16),  # Falcon-H1's parallel hybrid
-            r"refused \(hybrid\): config sets mamba_d_ssm",
+            lambda config, spec: config.update(chunkwise_kernel="chunkwise--native_autograd"),  # xLSTM
+            r"refused \(hybrid\): config sets chunkwise_kernel",
         ),
         (
             lambda config, spec: config.update(layer_types=["compressed_attention"] * 36),

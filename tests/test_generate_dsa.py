@@ -153,6 +153,13 @@ def test_the_module_bakes_in_the_indexer_keys(module: types.ModuleType, spec: Sp
         module.layer_kinds({"num_hidden_layers": 2, "layer_types": ["full_attention"] * 2})
         == ("attention",) * 2
     )
+    # a layer reusing an earlier one's top-k (GLM-5's and HY-V4's indexer_types "shared") caches KV alone
+    reusing = {"num_hidden_layers": 3, "indexer_types": ["full", "shared", "full"]}
+    assert module.layer_kinds(reusing) == ("indexed", "attention", "indexed")
+    assert module.graph_names("prefill", 3, module.layer_kinds(reusing))[1][4:6] == [
+        "present.1.key",
+        "present.1.value",
+    ]
 
 
 def test_prefill_and_decode_carry_the_indexer_keys_as_transformers_does(module: types.ModuleType) -> None:
@@ -333,3 +340,127 @@ def test_the_tensorcast_profile_of_a_dsa_stack_is_refused_at_the_gate(spec: Spec
     files, notes = render_spec(spec, ["simulation", "docs"], skip_inexpressible=True)
     assert [str(f.path) for f in files] == ["docs/specs/deepseek_v32.md"]
     assert notes and "target 'simulation' skipped: the 61 layers use DeepSeek sparse attention" in notes[0]
+
+
+# dots3 (families.tiny): DSA layers 0 and 1 beside a sliding attention layer 2 of its own latent shape
+# (rank 32 against 16); the indexed layers alone keep indexer keys. Was refused (layer-types): "the
+# generated extraction module carries indexer keys for stacks whose every layer is indexed".
+DOTS3_KINDS = ("indexed", "indexed", "attention")
+
+
+@pytest.fixture(scope="module")
+def dots3_text(tmp_path_factory: pytest.TempPathFactory) -> tuple[Spec, dict[str, str]]:
+    from test_per_layer_latent_kv import dots3_spec
+
+    spec = dots3_spec(tmp_path_factory.mktemp("dots3_dsa_spec"))
+    return spec, {**rendered(spec, "extraction"), **rendered(spec, "docs")}
+
+
+@pytest.fixture(scope="module")
+def dots3(
+    dots3_text: tuple[Spec, dict[str, str]], tmp_path_factory: pytest.TempPathFactory
+) -> types.ModuleType:
+    path = tmp_path_factory.mktemp("dots3_dsa_module") / "extraction.py"
+    path.write_text(dots3_text[1]["adapters/dots3_note_text/extraction.py"])
+    return import_path(path, "generated_dots3_dsa_extraction")
+
+
+def test_a_stack_mixing_dsa_and_attention_layers_carries_indexer_keys_in_its_indexed_layers_alone(
+    dots3: types.ModuleType,
+) -> None:
+    """Prefill and STEPS decode steps, batch 2, float32: logits and every state (indexer keys of the two
+    DSA layers only, the sliding layer's 32-wide latent) equal transformers' own ``DynamicCache``."""
+    assert dots3.LAYER_KINDS == DOTS3_KINDS
+    assert dots3.LAYER_KV_DIMS == (((1, 16), (1, 8)),) * 2 + (((1, 32), (1, 8)),)
+    torch.manual_seed(0)
+    model = dots3.build_model(device="cpu", overrides={}, dtype=None)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(std=0.2 if parameter.dim() > 1 else 0.5)
+    config = dots3.text_config(model.config)
+    prefill, decode = dots3.prefill_wrapper(model), dots3.decode_wrapper(model)
+    prompt = torch.randint(3, config.vocab_size, (BATCH, PROMPT), generator=torch.Generator().manual_seed(1))
+    cache = DynamicCache(config=model.config)
+    keyword = dots3.cache_keyword(model.model.layers[0])
+
+    def expected() -> list[torch.Tensor]:
+        flat: list[torch.Tensor] = []
+        for entry, kind in zip(cache.layers, DOTS3_KINDS, strict=True):
+            flat += [entry.keys.clone(), entry.values.clone()]
+            flat += [entry.indexer_keys.unsqueeze(1).clone()] if kind == "indexed" else []
+        return flat
+
+    def equal(ours: list[torch.Tensor], written: int) -> None:
+        theirs = expected()
+        assert len(ours) == len(theirs) == 8
+        for index, (mine, reference) in enumerate(zip(ours, theirs, strict=True)):
+            mine = mine[:, :, written - reference.shape[2] : written]  # a sliding layer keeps its window
+            assert mine.shape == reference.shape and (mine - reference).abs().max() <= TOLERANCE, index
+
+    _, mask, positions = dots3.prefill_example_inputs("cpu", batch=BATCH, prefill_len=PROMPT, dtype=None)
+    with torch.no_grad():
+        reference = model(prompt, **{keyword: cache}, use_cache=True).logits
+        logits, *present = prefill(prompt, mask, positions)
+    assert (logits - reference).abs().max() <= TOLERANCE
+    equal(present, PROMPT)
+    example = dots3.decode_example_inputs(
+        config, "cpu", batch=BATCH, position=PROMPT, max_cache_len=CAPACITY, dtype=None
+    )
+    states = dots3.place_prefill_kv(present, CAPACITY, DOTS3_KINDS)
+    assert [(t.shape, t.dtype) for t in example[4:]] == [(t.shape, t.dtype) for t in states]
+    token = logits[:, -1:].argmax(-1)
+    for step in range(STEPS):
+        position = PROMPT + step
+        positions = torch.full((BATCH, 1), position)
+        mask = dots3.additive_causal_mask(positions, CAPACITY, torch.float32)
+        with torch.no_grad():
+            reference = model(token, **{keyword: cache}, use_cache=True).logits
+            logits, *states = decode(token, mask, positions, positions.view(-1), *states)
+        assert (logits - reference).abs().max() <= TOLERANCE, step
+        equal(states, position + 1)
+        token = logits[:, -1:].argmax(-1)
+
+
+def test_a_saved_graph_of_a_mixed_stack_is_walked_by_its_layer_kinds(dots3: types.ModuleType) -> None:
+    """``save_ir`` counts a mixed stack's layers by ``LAYER_KINDS`` (three states an indexed layer, two
+    an attention one), not by three states a layer (which made 8 states 2 layers)."""
+
+    def document(states: int) -> dict[str, Any]:
+        return {"graph_outputs": [{"name": "logits"}] + [{"name": f"s{i}"} for i in range(states)]}
+
+    assert dots3._graph_kinds(document(8)) == list(DOTS3_KINDS)
+    assert dots3._graph_kinds(document(6)) == ["indexed", "indexed"]
+    with pytest.raises(ValueError, match="the graph returns 7 states, which LAYER_KINDS' pattern"):
+        dots3._graph_kinds(document(7))
+
+
+def test_the_docs_of_a_mixed_stack_list_each_kinds_states(dots3_text: tuple[Spec, dict[str, str]]) -> None:
+    page = dots3_text[1]["docs/specs/dots3_note_text.md"]
+    assert "Each indexed layer returns its DSA indexer keys after its key and value; the other" in page
+    assert "| output | indexed: 2 indexed | `i.{layer}` | `[1, 1, 8, 128]` | float32 |" in page
+    assert "| output | attention: 1 sliding | `k.{layer}` | `[1, 1, 8, 32]` | float32 |" in page
+    assert (
+        "| 1: 2 (sliding) | attention | key | `k.{layer}` | `pk.{layer}` | `k.{layer}` | 1 x 32 per token |"
+        in page
+    )
+    assert "Indexer keys: 1,024 B per token (2 indexed layers x 1 x 128 x 4 B)" in page
+
+
+@pytest.mark.compat  # ~15 s: torch_ir extracts and replays both graphs
+def test_a_mixed_stacks_vendored_module_round_trips_through_torch_ir(
+    dots3_text: tuple[Spec, dict[str, str]], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """float32: the saved graphs name each layer's states by its kind (no indexer keys for layer 2),
+    state 3 layers and generate like transformers. (bfloat16 is not claimed: dots3's DSA layers differ
+    from transformers' in bfloat16 through ``kadapt apply --verify`` as well.)"""
+    spec, files = dots3_text
+    tmp = tmp_path_factory.mktemp("vendored_dots3")
+    path = tmp / "dots3_note_text_extraction.py"
+    path.write_text(files["adapters/dots3_note_text/extraction.py"])
+    job = roundtrip.user_job("dots3_note_text", spec, path, tmp)
+    result = roundtrip.run_user_script({"dots3_note_text": job}, tmp)["results"]["dots3_note_text/float32"]
+    prefill = result["graphs"]["prefill"]
+    assert prefill["outputs"] == ["logits", "k.0", "v.0", "i.0", "k.1", "v.1", "i.1", "k.2", "v.2"]
+    assert prefill["metadata"]["num_layers"] == result["mapping"]["num_layers"] == 3
+    assert result["tokens"] == result["references"]["eager"]["tokens"]
+    assert result["references"]["eager"]["max_diff"] <= roundtrip.FP32_TOLERANCE

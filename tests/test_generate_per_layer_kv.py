@@ -203,6 +203,47 @@ def test_the_gemma4_module_carries_each_layers_kv_as_transformers_does(gemma: ty
     assert [tuple(t.shape[1:]) for t in states[8:]] == [(2, CAPACITY, 16)] * 2 + [(4, CAPACITY, 512)] * 2
 
 
+# dots3 (families.tiny) with its DSA layers full attention (generate refuses a stack mixing DSA layers with
+# others): its sliding layer's own 2 heads, latent rank 32 and nope 32 beside the stack's 4, 16, 16
+DOTS3 = {
+    **{key: value for key, value in tiny_config("dots3_note_text").items() if key != "rope_parameters"},
+    "layer_types": ["full_attention", "full_attention", "sliding_attention"],
+}
+
+
+@pytest.fixture(scope="module")
+def dots3(tmp_path_factory: pytest.TempPathFactory) -> types.ModuleType:
+    directory = tmp_path_factory.mktemp("dots3_spec")
+    (directory / "dots3_note_text").mkdir()
+    (directory / "dots3_note_text" / "config.json").write_text(json.dumps(DOTS3))
+    (directory / "dots3_note_text.yaml").write_text(
+        SPEC.replace("KV_CACHE\n", "").replace("mimo_v2_flash", "dots3_note_text")
+    )
+    spec = load_spec(directory / "dots3_note_text.yaml")
+    return module_of(spec, tmp_path_factory.mktemp("dots3_module"), "generated_dots3_extraction")
+
+
+@pytest.mark.compat
+def test_the_dots3_module_carries_each_layers_latent_cache_as_transformers_does(
+    dots3: types.ModuleType,
+) -> None:
+    """Each layer's latent width (the sliding layer's 32, its per_layer_config's) baked in, read from a
+    heterogeneous config object or its JSON as kadapt reads it, and carried as transformers caches it."""
+    stack, sliding = ((1, 16), (1, 8)), ((1, 32), (1, 8))
+    assert dots3.LAYER_KV_DIMS == (stack, stack, sliding) == dots3.layer_kv_dims(dots3.SOURCE_CONFIG)
+    wider = {"2": {**DOTS3["per_layer_config"]["2"], "kv_lora_rank": 48}}
+    config = dots3.text_config(dots3.load_config(overrides={"per_layer_config": wider}))
+    assert config.is_heterogeneous
+    expected = (stack, stack, ((1, 48), (1, 8)))
+    assert dots3.layer_kv_dims(config) == expected == derive_structure(config).layer_kv_dims("latent")
+    assert dots3.layer_kv_dims(config.to_dict()) == expected
+    states = run_against_transformers(dots3, {})
+    assert [tuple(t.shape[1:]) for t in states] == [(1, CAPACITY, 16), (1, CAPACITY, 8)] * 2 + [
+        (1, CAPACITY, 32),
+        (1, CAPACITY, 8),
+    ]
+
+
 def test_the_kv_mapping_and_paged_inputs_take_each_layers_shape(tmp_path: Path) -> None:
     """A paged MiMo module: each layer's block pools in its own shape, the mapping's entries state each
     layer's heads and widths, the contract's cache says they do, as kadapt apply's mapping does."""

@@ -268,3 +268,35 @@ def test_measured_cost_model_reads_aiconfigurators_dsa_module(dsa: Path) -> None
     for name in ("indexer_logits", "indexer_topk"):  # inside the measured module row
         (op,) = _ops(sim, name)
         assert op["source"] == source and op["time_s"] == 0
+
+
+def test_layers_reusing_a_top_k_attend_sparsely_without_scoring(tmp_path: Path) -> None:
+    """GLM-5 with ``indexer_types`` making every other layer after the dense ones ``shared``: those
+    layers attend over the last full layer's top-k (simulate's ``topk_reuse`` layers) and score nothing,
+    so at a 64k context a decode step costs less than with every layer scoring its own keys; plan
+    counts an indexer and its keys only for the layers that score."""
+    glm5 = json.loads((REPO / "specs" / "glm5" / "config.json").read_text())
+    layers = glm5["num_hidden_layers"]
+    reusing = ["full" if i < 4 or i % 2 == 0 else "shared" for i in range(layers)]
+    shared = reusing.count("shared")
+    steps, plans = {}, {}
+    for name, kinds in (("all_full", ["full"] * layers), ("reusing", reusing)):
+        folder = tmp_path / name
+        (folder / "glm5").mkdir(parents=True)
+        (folder / "glm5" / "config.json").write_text(json.dumps(glm5 | {"indexer_types": kinds}))
+        spec = folder / "glm5.yaml"
+        spec.write_text((REPO / "specs" / "glm5.yaml").read_text())
+        steps[name] = _cli(
+            "simulate", spec, "--device", "h200", "--tp", "8", "--decode", "--batch", "16",
+            "--context-len", "65536", "--format", "json",
+        )  # fmt: skip
+        plans[name] = _cli("plan", spec, "--format", "json")
+    ops = steps["reusing"]["ops"]
+    reuse = [op for op in ops if op["scope"] == "moe.topk_reuse"]
+    assert {op["op"] for op in reuse} >= {"sparse_mla_decode"}
+    assert not [op for op in reuse if op["op"].startswith("indexer") or ".indexer" in op["module"]]
+    assert steps["reusing"]["step_time_s"] < steps["all_full"]["step_time_s"]
+    groups = {name: {g["group"]: g for g in plan["weights"]["groups"]} for name, plan in plans.items()}
+    for group in ("attn.indexer_proj", "attn.indexer_weights_proj"):
+        per_layer = groups["all_full"][group]["params"] / layers
+        assert groups["reusing"][group]["params"] == pytest.approx(per_layer * (layers - shared))

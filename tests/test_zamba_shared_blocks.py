@@ -76,6 +76,23 @@ def test_the_structure_reads_hybrid_layers_their_blocks_and_no_mlp_elsewhere() -
     assert refused.value.code == "hybrid" and "mamba_headdim" in refused.value.message
 
 
+def test_the_hybrid_layer_type_is_modelled_only_where_a_rule_says_what_its_layers_are() -> None:
+    """One ABI kind ``hybrid`` for two layer designs: Zamba's shared block then its mixer
+    (``shared_blocks``) and Falcon-H1's attention and Mamba2 side by side (``uniform_layer_types``); a
+    ``hybrid`` layer type in any other family stays refused, naming it."""
+    falcon = AutoConfig.for_model("falcon_h1", num_hidden_layers=2).to_dict()
+    assert derive_structure(falcon).layer_kinds == ("hybrid", "hybrid")
+    assert derive_structure(_config()).layer_kinds == tuple(KINDS)
+    other = {
+        "model_type": "qwen3", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 128,
+        "layer_types": ["full_attention", "hybrid"],
+    }  # fmt: skip
+    with pytest.raises(Refusal) as refused:
+        derive_structure(other)
+    assert refused.value.code == "hybrid" and "layer 1 is 'hybrid'" in refused.value.message
+
+
 def _model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     config = AutoConfig.for_model(**_config())
     config._attn_implementation = "eager"

@@ -333,9 +333,12 @@ def paged_view(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 #  shared:    attention over the keys and values an earlier layer of the same call computed (Gemma-4's
 #             KV sharing: the producer hands them over in ``shared_kv_states``): no state of its own;
 #             it takes its span's mask, and the cache it never touches.
-#  hybrid:    full attention, then a linear mixer, in one layer (Zamba's and Zamba2's hybrid layers: a
-#             shared transformer block, then their own mixer): the KV cache and the mixer's conv window
-#             and recurrent state, all addressed by the mixer's ``layer_idx``.
+#  hybrid:    full attention and a linear mixer in one layer, their states addressed by one ``layer_idx``:
+#             side by side on one input (Falcon-H1; transformers' ``LinearAttentionAndFullAttentionLayer``)
+#             or one after the other (Zamba's and Zamba2's hybrid layers: a shared transformer block, then
+#             their own Mamba mixer): the attention's KV cache, then the mixer's conv window and recurrent
+#             state; it takes the attention mask (its mixer's padding mask stays None, as the model's
+#             forward leaves it without padding, which such stacks never have).
 LAYER_STATES = {
     "attention": ("key", "value"),
     "linear": ("conv", "recurrent"),
@@ -351,12 +354,16 @@ FIXED_ROLES = ("conv", "recurrent")
 # Layer kinds whose states are all fixed-size per request (the contract's ``linear_states`` rules): they
 # take every token they are given, so the wrappers hand them no mask.
 LINEAR_LAYER_KINDS = ("linear", "lightning", "short_conv")
+# Layer kinds that keep fixed-size states (a linear mixer's, alone or beside attention: ``hybrid``), whose
+# state takes every token of a prompt: their stack's prompts are never padded (the contract's padding).
+UNPADDED_KINDS = (*LINEAR_LAYER_KINDS, "hybrid")
 # Where a decoder layer keeps its token mixer, by layer kind (the mixer carries ``layer_idx``): attention
 # in ``self_attn`` or, in a stack of one-sublayer blocks (Nemotron-H), ``mixer``; gated DeltaNet in
 # ``linear_attn``, Mamba2 in ``mixer`` (Mamba2, Nemotron-H) or ``mamba`` (Granite-4.0-H, Bamba), KDA in
 # ``self_attn`` (Kimi-Linear, Bailing-hybrid), a short convolution in ``conv`` (LFM2, LFM3). A block with no
-# mixer (``none``) has none to look up (``layer_index``); a hybrid layer's mixer is inside its mixer
-# sublayer (Zamba, Zamba2: ``mamba_decoder.mamba``; the shared block's attention has no index of its own
+# mixer (``none``) has none to look up (``layer_index``); a hybrid layer's attention and linear mixer
+# share one index, read from the mixer: ``mamba`` beside its ``self_attn`` (Falcon-H1) or inside its mixer
+# sublayer (Zamba, Zamba2: ``mamba_decoder.mamba``, whose shared block's attention has no index of its own
 # and caches under the index the layer hands it).
 MIXER_ATTRIBUTES = {
     "attention": ("self_attn", "mixer"),
@@ -366,7 +373,7 @@ MIXER_ATTRIBUTES = {
     "indexed": ("self_attn",),
     "none": (),
     "shared": ("self_attn",),
-    "hybrid": ("mamba_decoder.mamba",),
+    "hybrid": ("mamba", "mamba_decoder.mamba"),
 }
 # Layer kinds that keep no state: the wrappers hand them neither a mask nor the cache.
 STATELESS_KINDS = ("none",)
@@ -443,6 +450,36 @@ class PerLayerInputs(nn.Module):
     def forward(self, input_ids: torch.Tensor, inputs_embeds: torch.Tensor) -> torch.Tensor:
         token_part = self.source.get_per_layer_inputs(self, input_ids, inputs_embeds)
         return self.source.project_per_layer_inputs(self, inputs_embeds, token_part)
+
+
+class ResidualStreams(nn.Module):
+    """Hyper-connections (HY-V4, DeepSeek-V4): the model's forward keeps ``hc_mult`` residual streams
+    between its decoder layers, each a copy of the input embeddings (``[B, Q, hidden]`` becomes ``[B, Q,
+    streams, hidden]``), and merges them with its ``hc_head`` before the final norm; the layers mix the
+    streams themselves. Holds that head, so the graph keeps its weights under the stack's name."""
+
+    HEAD = "hc_head"
+
+    def __init__(self, head: nn.Module, count: int) -> None:
+        super().__init__()
+        self.head = head
+        self.count = count
+
+    @classmethod
+    def of(cls, language_model: nn.Module) -> ResidualStreams | None:
+        """The stack's residual streams; None where its config keeps one (no ``hc_mult`` above 1)."""
+        count = getattr(language_model.config, "hc_mult", None) or 1
+        if count == 1:
+            return None
+        return cls(getattr(language_model, cls.HEAD), count)
+
+    def expand(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """What enters the first layer: the embeddings copied into every stream."""
+        return hidden_states.unsqueeze(2).expand(-1, -1, self.count, -1).contiguous()
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """What enters the final norm: the streams merged by the stack's head."""
+        return self.head(hidden_states)
 
 
 def layer_index(layer: nn.Module, kind: str, position: int) -> int:
@@ -710,6 +747,7 @@ class _TextStack(nn.Module):
         layer_kinds: Sequence[str] | None = None,
         chunks: Sequence[int | None] | None = None,
         per_layer_inputs: PerLayerInputs | None = None,
+        streams: ResidualStreams | None = None,
     ) -> None:
         super().__init__()
         if kv_layout not in KV_LAYOUTS:
@@ -720,6 +758,7 @@ class _TextStack(nn.Module):
         # registration, the two-call one by use: the IR's constants must not depend on which ran)
         self.per_layer_inputs = per_layer_inputs
         self.layers = nn.ModuleList(layers)
+        self.streams = streams
         self.norm = norm
         self.rotary_emb = rotary_emb
         self.lm_head = lm_head
@@ -783,7 +822,8 @@ class _TextStack(nn.Module):
         ``parts`` where the stack keeps a part under another name (``{"final_norm": "norm_f"}``);
         ``chunks`` each layer's attention chunk (None: not chunked), indexed by layer;
         ``extra`` goes to the wrapper's constructor (``image_token_id`` of ``MultimodalPrefillWrapper``).
-        The stack's per-layer embeddings (``PerLayerInputs``), where its config has them, come along.
+        The stack's per-layer embeddings (``PerLayerInputs``) and residual streams (``ResidualStreams``),
+        where its config has them, come along.
         """
         layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
         if num_layers is not None:
@@ -804,6 +844,7 @@ class _TextStack(nn.Module):
             layer_kinds=layer_kinds,
             chunks=chunks,
             per_layer_inputs=PerLayerInputs.of(language_model),
+            streams=ResidualStreams.of(language_model),
             **extra,
         )
 
@@ -855,6 +896,8 @@ class _TextStack(nn.Module):
             masks[span] if kind not in unmasked else None
             for span, kind in zip(spans, self.kinds, strict=True)
         ]
+        if self.streams is not None:  # after the rope, which the model computes from the embeddings
+            hidden_states = self.streams.expand(hidden_states)
         with (
             cache.routing_expand_kv(self.layers),
             absorbing_mla(self.layers, self.mla_attention, self.cache_keyword),
@@ -882,6 +925,8 @@ class _TextStack(nn.Module):
                     position_embeddings=embeddings,
                     **{self.cache_keyword: cache if kind not in STATELESS_KINDS else None},
                 )
+        if self.streams is not None:
+            hidden_states = self.streams(hidden_states)
         final = in_head_dtype(self.norm(hidden_states), self.lm_head)
         logits = apply_ops(self.lm_head(final), self.logit_ops)
         return (logits, *cache.flat_present())
@@ -1099,7 +1144,7 @@ def decode_inputs(
         if kind == "indexed":
             assert index_dim is not None, "an indexed layer needs its index_dim"
             past.append(torch.zeros(index_shape, dtype=dtype, device=device))
-        if kind == "hybrid":  # the mixer's states after the KV cache
+        if kind == "hybrid":  # the mixer's states after the attention's KV
             assert linear_states is not None, "a hybrid layer needs its linear_states"
             past += linear_state_zeros(linear_states, batch, device)
     return (
@@ -1264,10 +1309,11 @@ SHARED_RULE = (
 
 
 HYBRID_RULE = (
-    "a layer of kind hybrid attends, then runs a linear mixer (Zamba, Zamba2: a shared transformer block, "
-    "then its own mixer): its key and value are a KV cache like an attention layer's (placed, paged and "
-    "masked by contract.cache, contract.paged), its conv and recurrent states a linear layer's "
-    "(contract.linear_states: one row per request, never paged); a prompt is never padded"
+    "a layer of kind hybrid runs full attention and a linear mixer, side by side on one input (Falcon-H1) "
+    "or a shared transformer block and then its own mixer (Zamba, Zamba2): its entry carries the attention's "
+    "key and value (placed, written, masked and paged as any attention layer's) and the mixer's conv and "
+    "recurrent states (contract.linear_states: one row per request, never paged), in that order; the "
+    "stack's prompts are never padded (padding.supported none)"
 )
 
 
@@ -1354,10 +1400,10 @@ def kv_contract(
     nothing; with ``chunked`` (chunked-attention layers) the chunk rule of the mask;
     with ``lightning`` (MiniMax's lightning layers) what their one recurrent state holds, same rules;
     with ``short_conv`` (LFM2's short convolutions) what their one conv window holds, same rules;
-    with ``hybrid`` (Zamba's and Zamba2's hybrid layers) that they carry a KV cache and a linear layer's
-    states;
     with ``per_layer`` (the layers cache different KV shapes) the heads and widths move to each layer's
-    entry (``layers[i].cache``) and ``cache.per_layer`` says so.
+    entry (``layers[i].cache``) and ``cache.per_layer`` says so; with ``hybrid`` (layers that attend and
+    run a linear mixer: Falcon-H1 side by side, Zamba and Zamba2 one after the other) that such a layer
+    carries both (``linear`` is set too).
 
     Version 3: ``cache_position`` is ``[batch]`` (one position per row) and the optional paged cache;
     version 2 graphs took one ``[1]`` position for the whole batch."""
@@ -1507,22 +1553,6 @@ def build_kv_mapping(
     index_dims: KVDims = ((1, index_dim or 1),) * 2
     prefill_index = kv_shapes(index_dims, batch_dim, length_dim)[0]
     decode_index = decode_kv_shapes(index_dims, batch_dim, max_cache_len, pool)[0]
-
-    def fixed_states(layer: int, kind: str) -> dict[str, Any]:
-        """A layer's fixed-size states (``FIXED_ROLES`` of its kind) with ``linear_states``' shapes."""
-        assert linear_states is not None, f"a {kind} layer needs its linear_states"
-        fixed = [state for state in LAYER_STATES[kind] if state in FIXED_ROLES]
-        entry: dict[str, Any] = {}
-        for state, (shape, state_dtype) in zip(fixed, linear_states, strict=True):
-            full = (batch_dim, *shape)
-            for role, key in (
-                ("prefill_{}", "prefill_{}_output"),
-                ("decode_{}_in", "decode_{}_input"),
-                ("decode_{}_out", "decode_{}_output"),
-            ):
-                entry[key.format(state)] = tensor(role.format(state), layer, full, state_dtype)
-        return entry
-
     layers: list[dict[str, Any]] = []
     for layer, kind in enumerate(kinds):
         if kind in STATELESS_KINDS:  # no state to carry: the entry says so
@@ -1532,8 +1562,20 @@ def build_kv_mapping(
             source = kv_sources[layer] if kv_sources is not None else None
             layers.append({"layer": layer, "kind": kind, "kv_source": source})
             continue
+        fixed: dict[str, Any] = {}  # a linear or hybrid layer's fixed-size states, in ABI order
+        if kind in UNPADDED_KINDS:
+            assert linear_states is not None, f"a {kind} layer needs its linear_states"
+            roles = [role for role in LAYER_STATES[kind] if role in FIXED_ROLES]
+            for state, (shape, state_dtype) in zip(roles, linear_states, strict=True):
+                full = (batch_dim, *shape)
+                for role, key in (
+                    ("prefill_{}", "prefill_{}_output"),
+                    ("decode_{}_in", "decode_{}_input"),
+                    ("decode_{}_out", "decode_{}_output"),
+                ):
+                    fixed[key.format(state)] = tensor(role.format(state), layer, full, state_dtype)
         if kind in LINEAR_LAYER_KINDS:
-            layers.append({"layer": layer, "kind": kind, **fixed_states(layer, kind)})
+            layers.append({"layer": layer, "kind": kind, **fixed})
             continue
         dims = layer_dims(kv_dims, layer_kv_dims, layer)
         prefill_shapes = kv_shapes(dims, batch_dim, length_dim)
@@ -1568,7 +1610,7 @@ def build_kv_mapping(
                     if kind == "indexed"
                     else {}
                 ),
-                **(fixed_states(layer, kind) if kind == "hybrid" else {}),  # its mixer's, after its KV
+                **fixed,
             }
         )
     attention = {} if mla_attention == "reexpand" else {"mla_attention": mla_attention}
@@ -2062,6 +2104,55 @@ def _probe_per_layer_inputs() -> str:
     return "; ".join(_describe(getattr(model, name), name) for name in PER_LAYER_INPUT_METHODS)
 
 
+# the stacks with hyper-connections (the runtime's ``ResidualStreams``): module -> their decoder model
+RESIDUAL_STREAM_MODELS = {
+    "transformers.models.hy_v4.modeling_hy_v4": "HYV4Model",
+    "transformers.models.deepseek_v4.modeling_deepseek_v4": "DeepseekV4Model",
+}
+
+
+def _probe_residual_streams() -> str:
+    expected = (
+        "HYV4Model / DeepseekV4Model.forward copies the input embeddings into config.hc_mult streams "
+        "(inputs_embeds.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1)) and computes "
+        "self.norm(self.hc_head(hidden_states)) after the last layer"
+    )
+    found = []
+    for module, name in RESIDUAL_STREAM_MODELS.items():
+        model = _attr(module, name, expected)
+        source = " ".join(inspect.getsource(model.forward).split())
+        for step in (".unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1)", "self.norm(self.hc_head("):
+            if step not in source:
+                raise _Moved(expected, f"{name}.forward no longer has {step}")
+        if "self.hc_head =" not in inspect.getsource(model.__init__):
+            raise _Moved(expected, f"{name}.__init__ no longer sets hc_head")
+        found.append(name)
+    return f"{' and '.join(found)}: embeddings expanded to hc_mult streams, hc_head before the final norm"
+
+
+# the stacks whose forward computes some layer types' rotary embedding from float32 embeddings, which
+# makes their DSA indexer keys float32 in a bfloat16 model (extraction refuses such a graph below float32:
+# ``pipeline.check_rope_input_dtype``): module -> (decoder model, the expression it uses)
+FLOAT32_ROPE_MODEL_TYPES = ("dots3_note", "dots3_note_text")  # the model types whose stacks these are
+FLOAT32_ROPE_MODELS = {
+    "transformers.models.dots3_note.modeling_dots3_note": (
+        "Dots3NoteTextModel",
+        'inputs_embeds.float() if layer_type == "indexed_attention" else inputs_embeds',
+    ),
+}
+
+
+def _probe_rope_input_dtype() -> str:
+    found = []
+    for module, (name, expression) in FLOAT32_ROPE_MODELS.items():
+        expected = f"{name}.forward computes the rotary embedding from {expression}"
+        source = " ".join(inspect.getsource(_attr(module, name, expected).forward).split())
+        if expression not in source:
+            raise _Moved(expected, f"{name}.forward no longer has {expression}")
+        found.append(f"{name}: {expression}")
+    return "; ".join(found)
+
+
 def _probe_dtype_plan() -> str:
     expected = "PreTrainedModel._get_dtype_plan(dtype) and core_model_loading.build_glob_alternation(globs)"
     model = _attr("transformers.modeling_utils", "PreTrainedModel", expected)
@@ -2250,15 +2341,15 @@ def rebuild_buffer(model: Any, path: str) -> Any:
 
     Only the owning module's own buffers are materialised: a shallow copy of it holds CPU buffers and
     fresh meta parameters (so the 1T-parameter model is never touched and nothing is allocated for
-    its weights), and the nearest ``PreTrainedModel`` above it initialises that copy. None when that
-    init does not give the buffer a value (it stays as ``torch.empty`` left it: checked by NaN fill).
+    its weights), and the nearest ``PreTrainedModel`` above it initialises that copy. Some models set a
+    buffer from an ancestor's init instead (FalconH1Model's ``_init_weights`` writes every mixer's
+    ``mup_vector``): then the copy is handed to it inside copies of its ancestors, each holding only the
+    child on the path, nearest first. None when no init gives the buffer a value (it stays as
+    ``torch.empty`` left it: checked by NaN fill).
     """
-    import copy
-
     import torch
 
     owner_path, _, leaf = path.rpartition(".")
-    owner = model.get_submodule(owner_path)
     parts = owner_path.split(".") if owner_path else []
     pretrained = next(
         (
@@ -2272,24 +2363,46 @@ def rebuild_buffer(model: Any, path: str) -> Any:
     )
     if pretrained is None:
         return None
-    ghost = copy.copy(owner)
+    owner = _ghost(model.get_submodule(owner_path))
+    ghost = owner
+    for depth in range(len(parts), -1, -1):
+        if depth < len(parts):  # one level up: the ancestor, holding only the path's child
+            parent = _ghost(model.get_submodule(".".join(parts[:depth])))
+            parent._modules = {parts[depth]: ghost}
+            ghost = parent
+        try:
+            with torch.no_grad():
+                pretrained._init_weights(ghost)
+        except Exception:  # noqa: BLE001 - an ancestor's init that reads what its copy lacks: not it
+            if ghost is owner:
+                raise
+            continue
+        value = owner._buffers.get(leaf)
+        if value is not None and not (value.is_floating_point() and bool(value.isnan().any())):
+            return value
+    return None
+
+
+def _ghost(module: Any) -> Any:
+    """A shallow copy of ``module`` without children, its own buffers NaN (zero) on CPU, its own parameters
+    fresh on meta (``rebuild_buffer``)."""
+    import copy
+
+    import torch
+
+    ghost = copy.copy(module)
     ghost._modules = {}
     ghost._parameters = {
         name: None if p is None else torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
-        for name, p in owner._parameters.items()
+        for name, p in module._parameters.items()
     }
     ghost._buffers = {
         name: None
         if b is None
         else torch.full_like(b, float("nan") if b.is_floating_point() else 0, device="cpu")
-        for name, b in owner._buffers.items()
+        for name, b in module._buffers.items()
     }
-    with torch.no_grad():
-        pretrained._init_weights(ghost)
-    value = ghost._buffers.get(leaf)
-    if value is None or (value.is_floating_point() and bool(value.isnan().any())):
-        return None
-    return value
+    return ghost
 
 
 def _probe_generation() -> str:
@@ -2387,6 +2500,28 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
         "layer its slice and one shared_kv_states dict per call, as Gemma4TextModel.forward does",
         ("extraction (Gemma-4)", "generated modules"),
         _probe_per_layer_inputs,
+    ),
+    ContactPoint(
+        "residual_streams",
+        "models.hy_v4.modeling_hy_v4.HYV4Model.forward, models.deepseek_v4.modeling_deepseek_v4."
+        "DeepseekV4Model.forward",
+        "the input embeddings copied into config.hc_mult streams [B, Q, hc_mult, hidden] before the first "
+        "layer; self.norm(self.hc_head(hidden_states)) after the last",
+        "the wrappers copy the embeddings into the streams and merge them with the stack's own hc_head "
+        "before the final norm (runtime.ResidualStreams); the layers mix the streams themselves",
+        ("extraction (HY-V4)", "simulation", "generated modules"),
+        _probe_residual_streams,
+    ),
+    ContactPoint(
+        "rope_input_dtype",
+        "models.dots3_note.modeling_dots3_note.Dots3NoteTextModel.forward",
+        'the rotary embedding of "indexed_attention" layers computed from inputs_embeds.float() (float32 '
+        "cos and sin in a bfloat16 model), the other layer types' from the embeddings as they are",
+        "in a bfloat16 model those layers' indexer keys are float32, which kadapt's ABI (every indexer "
+        "key in abi.dtype) does not state: extraction refuses dots3 graphs below float32 "
+        "(pipeline.check_rope_input_dtype), and this probe says when the rule moves",
+        ("extraction (dots3)",),
+        _probe_rope_input_dtype,
     ),
     ContactPoint(
         "loader_dtype_plan",
@@ -2688,7 +2823,8 @@ class _RecordingCache:
     ``linear``: the linear-attention API a prefill uses (no previous state: ``get_*_state`` return
     None), each state update recorded with the layer index it names; ``short_conv``: its conv half
     (``get_conv_state``, ``update_conv_state``, ``is_recording_past``). ``lightning``: MiniMaxCache's
-    ``get_linear_cache`` (None: a prefill) and ``set_linear_cache``, recorded alike."""
+    ``get_linear_cache`` (None: a prefill) and ``set_linear_cache``, recorded alike. ``hybrid``
+    (Falcon-H1): ``update`` and the linear-attention API, both under the layer's one index."""
 
     def __init__(self, kind: str = "attention") -> None:
         self.kind = kind
@@ -2814,6 +2950,7 @@ def probe_decoder_layers(
     rotary_emb: Any,
     layer_types: Sequence[str | None] | None = None,
     kinds: Sequence[str] | None = None,
+    streams: int = 1,
 ) -> LayerProtocol:
     """Call one layer of each structure in ``layers`` with a recording cache; their shared protocol.
 
@@ -2826,6 +2963,8 @@ def probe_decoder_layers(
     when it takes one; a layer whose type it keeps no frequencies for gets none). Runs on the layers' own
     device: free on meta, tiny elsewhere. The attention layers may cache different KV shapes
     (``layer_kv_dims``, one per layer): the caller holds each against what the config says of that layer.
+    ``streams``: the residual streams each layer takes (``hc_mult``: hidden states ``[B, Q, streams,
+    hidden]``, as the runtime's ``ResidualStreams`` hands them; 1: ``[B, Q, hidden]``).
     """
     import torch
 
@@ -2834,10 +2973,10 @@ def probe_decoder_layers(
         kind = kinds[index] if kinds is not None else "attention"
         layer_type = layer_types[index] if layer_types is not None else None
         roped = rotary_emb if layer_types is None or layer_type is not None else None
-        key = (kind, *_layer_key(layer, roped, layer_type))
+        key = (kind, streams, *_layer_key(layer, roped, layer_type))
         if key not in _protocols:
             with torch.no_grad():
-                _protocols[key] = _probe_layer(layer, roped, layer_type, kind, index)
+                _protocols[key] = _probe_layer(layer, roped, layer_type, kind, index, streams)
             while len(_protocols) > MAX_PROTOCOLS:  # dicts keep insertion order: the oldest first
                 del _protocols[next(iter(_protocols))]
         protocols.append(_protocols[key])
@@ -2902,7 +3041,8 @@ def decoder_protocol(language_model: Any, kinds: Sequence[str] | None = None) ->
     layers of ``kinds`` (by layer; None: every layer is attention)."""
     layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
     rotary_emb = getattr(language_model, "rotary_emb", None)  # None: no rope (NoPE, SSM stacks)
-    return probe_decoder_layers(layers, rotary_emb, rope_layer_types(language_model), kinds)
+    streams = getattr(language_model.config, "hc_mult", None) or 1  # the runtime's ResidualStreams
+    return probe_decoder_layers(layers, rotary_emb, rope_layer_types(language_model), kinds, streams)
 
 
 def forget() -> None:
@@ -2947,7 +3087,8 @@ MIXERLESS_KINDS = ("none",)
 # name, as both modules are embedded in one generated module): no mask
 FIXED_STATE_KINDS = ("linear", "lightning", "short_conv")
 # The layer kinds that keep a conv window through the linear-attention API (a short convolution alone;
-# a hybrid layer beside its KV cache), and those that keep a recurrent state through it
+# a hybrid layer beside its attention's KV: Falcon-H1, Zamba), and those that keep a recurrent state
+# through it
 CONV_KINDS = ("linear", "short_conv", "hybrid")
 RECURRENT_KINDS = ("linear", "hybrid")
 # The contact point each kind's cache protocol is (the rest: cache_update; a hybrid layer's attention
@@ -3010,23 +3151,28 @@ def stack_inputs(
         )
     if "per_layer_input" in params:
         width = getattr(layer, "hidden_size_per_layer_input", None)
-        inputs["per_layer_input"] = hidden.new_zeros(*hidden.shape[:-1], width) if width else None
+        inputs["per_layer_input"] = hidden.new_zeros(*hidden.shape[:2], width) if width else None
     return inputs
 
 
-def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str, index: int) -> LayerProtocol:
+def _probe_layer(
+    layer: Any, rotary_emb: Any, layer_type: str | None, kind: str, index: int, streams: int = 1
+) -> LayerProtocol:
     import torch
 
     expected = BY_NAME[STATE_POINTS.get(kind, "cache_update")].expected
     layer_name = type(layer).__name__
     layer_idx = getattr(_attention_of(layer), "layer_idx", None)
     parameter = next(layer.parameters())
-    hidden = torch.zeros(1, 2, _hidden_size(layer), dtype=parameter.dtype, device=parameter.device)
+    dtype = _compute_dtype(layer)
+    hidden = torch.zeros(1, 2, _hidden_size(layer), dtype=dtype, device=parameter.device)
+    # the layer's input: one residual stream, or the stack's hc_mult copies of it
+    taken = hidden if streams == 1 else hidden.unsqueeze(2).expand(-1, -1, streams, -1).contiguous()
     positions = torch.arange(2, device=parameter.device).unsqueeze(0)
     # a linear layer's state takes every token it is given, a block with no mixer keeps none: the
     # wrappers hand them no mask
     unmasked = kind in FIXED_STATE_KINDS or kind in MIXERLESS_KINDS
-    mask = torch.zeros(1, 1, 2, 2, dtype=parameter.dtype, device=parameter.device) if not unmasked else None
+    mask = torch.zeros(1, 1, 2, 2, dtype=dtype, device=parameter.device) if not unmasked else None
     # no rotary_emb (NoPE, SSM stacks): the layers get no position embeddings, as the ABI's wrappers pass
     embeddings = (
         None if rotary_emb is None else _rope_of(rotary_emb, hidden, positions, layer_type, layer_name)
@@ -3036,12 +3182,16 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
     inputs = stack_inputs(layer, hidden, kind, index=index)  # a KV-sharing layer's reads are checked below
     if "causal_mask" in _signature(type(layer).forward).parameters:  # runtime.CAUSAL_MASK_INPUT (Zamba)
         inputs["causal_mask"], mask = mask, None
-    if kind == "hybrid":  # its shared attention caches under the index the layer hands it
+    if kind == "hybrid":  # its attention caches under the layer's index (Zamba's: the one handed it)
         layer_idx = index
+    if "prev_topk_indices" in _signature(type(layer).forward).parameters:
+        # what an earlier DSA layer hands on (the runtime's CARRIED_INPUTS; a layer with an indexer of its
+        # own ignores it, one that reuses the top-k attends over it): every query's first key
+        inputs["prev_topk_indices"] = hidden.new_zeros(1, 2, 1, dtype=torch.long)
     failure: Exception | None = None
     try:
         out = layer(
-            hidden,
+            taken,
             attention_mask=mask,
             position_ids=positions,
             use_cache=True,
@@ -3082,16 +3232,13 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
             f"{type(failure).__name__}: {' '.join(str(failure).split())[:300]}",
         )
     if kind == "linear":
-        return _linear_protocol(layer_name, keyword, cache, index, out, hidden)
-    if kind == "hybrid":  # attention's KV beside the mixer's states, under one index
-        linear = _linear_protocol(layer_name, keyword, cache, index, out, hidden)
-        return linear._replace(kv_dims=_one_update(layer_name, keyword, cache))
+        return _linear_protocol(layer_name, keyword, cache, index, out, taken)
     if kind == "lightning":
-        return _lightning_protocol(layer_name, keyword, cache, index, out, hidden)
+        return _lightning_protocol(layer_name, keyword, cache, index, out, taken)
     if kind == "short_conv":
-        return LayerProtocol(keyword, None, (_conv_window(layer_name, keyword, cache, index, out, hidden),))
+        return LayerProtocol(keyword, None, (_conv_window(layer_name, keyword, cache, index, out, taken),))
     if kind in MIXERLESS_KINDS:  # given no cache: it must return the hidden states and keep nothing
-        _check_hidden_states(layer_name, out, hidden)
+        _check_hidden_states(layer_name, out, taken)
         return LayerProtocol(keyword, None)
     if kind == "shared":  # attends over its producer's keys and values: it must read them, cache nothing
         shared = inputs.get("shared_kv_states")
@@ -3104,10 +3251,13 @@ def _probe_layer(layer: Any, rotary_emb: Any, layer_type: str | None, kind: str,
                 f"{layer_name} {found}",
                 point="per_layer_inputs",
             )
-        _check_hidden_states(layer_name, out, hidden)
+        _check_hidden_states(layer_name, out, taken)
         return LayerProtocol(keyword, None)
-    _check_hidden_states(layer_name, out, hidden)
+    _check_hidden_states(layer_name, out, taken)
     kv_dims = _one_update(layer_name, keyword, cache)
+    if kind == "hybrid":  # its mixer's states too, through the linear-attention API, under the same index
+        mixed = _linear_protocol(layer_name, keyword, cache, index, out, taken)
+        return LayerProtocol(keyword, kv_dims, mixed.linear_states)
     if kind != "indexed":
         return LayerProtocol(keyword, kv_dims)
     indexed_idx, index_keys = cache.state_calls.get("update_indexer", (None, None))
@@ -3261,6 +3411,15 @@ def _lightning_protocol(
 def _unsupported(code: str, layer: str, expected: str, found: str, *, point: str = "cache_update") -> None:
     point = BY_NAME[point]
     raise LayersUnsupported(code, layer, Finding(point.name, point.symbol, False, found, expected))
+
+
+def _compute_dtype(layer: Any) -> Any:
+    """The dtype a layer's hidden states have: that of most of its parameters (a bfloat16 layer keeps
+    some small ones in float32, which may come first: HY-V4's attention sinks, hyper-connections)."""
+    sizes: dict[Any, int] = {}
+    for param in layer.parameters():
+        sizes[param.dtype] = sizes.get(param.dtype, 0) + param.numel()
+    return max(sizes, key=sizes.__getitem__)
 
 
 def _hidden_size(layer: Any) -> int:
@@ -3887,6 +4046,7 @@ RECURRENT_AXES = ("value_heads", "key_dim", "value_dim")
 OUTSIDE_MODELLED: dict[str, tuple[str, str, tuple[Any, ...]]] = {
     "embedding_multiplier": ("embeddings", "mul", (None, 1, 1.0)),
     "final_logit_softcapping": ("logits", "softcap", (None,)),
+    "lm_head_multiplier": ("logits", "mul", (None, 1, 1.0)),
     "logit_scale": ("logits", "mul", (None, 1, 1.0)),
     "logits_scaling": ("logits", "div", (None, 1, 1.0)),
 }
@@ -4103,9 +4263,9 @@ MAX_CONFIG_BYTES = 64 * 2**20  # a config file larger than this is refused unrea
 MAX_CONFIG_LAYERS = 10_000  # layer counts are bounded: transformers builds per-layer lists from them
 MAX_CONFIG_SIZE = 2**31 - 1  # any other size or head count
 # Text-config keys that hold sizes -> the least value each may take: every structural fact of FACT_KEYS
-# but the two that are no size, and the standard keys; counts and widths are positive, a window setting
-# may be 0 (none); a key set to None is not set. Layer counts are at most MAX_CONFIG_LAYERS, every other
-# size at most MAX_CONFIG_SIZE.
+# but those that are no size (per-layer lists, switches), and the standard keys; counts and widths are
+# positive, a window setting may be 0 (none); a key set to None is not set. Layer counts are at most
+# MAX_CONFIG_LAYERS, every other size at most MAX_CONFIG_SIZE.
 _NOT_SIZES = ("layer_types", "use_sliding_window")
 _WINDOW_SIZES = ("sliding_window", "max_window_layers", "sliding_window_pattern")
 _SIZE_KEYS: dict[str, int] = {

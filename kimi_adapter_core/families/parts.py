@@ -30,8 +30,11 @@ from .catalog import model_types
 # output projection; names of a fused q/k/v projection; name fragments of an MLP's gate projection
 # (Llama's original ``w1``, which LFM2 keeps beside ``w3`` up and ``w2`` down)
 MIXER_CLASSES = ("attn", "attention", "mixer", "shortconv")
+ATTENTION_CLASSES = ("attn", "attention")
 O_PROJ_NAMES = ("o_proj", "dense", "out_proj", "c_proj")
 FUSED_QKV_NAMES = ("qkv", "query_key_value")
+# an attention's own output gate (HY-V4: sigmoid(gate_proj(x)) scales each head's output before o_proj)
+OUTPUT_GATE = "gate_proj"
 GATE_NAMES = ("gate", "w1")
 
 
@@ -80,21 +83,29 @@ def _norms(layer: Any) -> list[str]:
     ]
 
 
+def _mixers(layer: Any) -> list[tuple[str, Any]]:
+    """The layer's token mixers: one, or an attention and a Mamba2 mixer side by side (Falcon-H1)."""
+    return [(n, c) for n, c in _children(layer) if any(k in type(c).__name__.lower() for k in MIXER_CLASSES)]
+
+
 def _mixer(layer: Any) -> tuple[str, Any] | None:
-    return next(
-        ((n, c) for n, c in _children(layer) if any(k in type(c).__name__.lower() for k in MIXER_CLASSES)),
-        None,
-    )
+    """The layer's token mixer; of two, its attention (Falcon-H1's ``self_attn``, not its ``mamba``)."""
+    mixers = _mixers(layer)
+    attending = [(n, c) for n, c in mixers if any(k in type(c).__name__.lower() for k in ATTENTION_CLASSES)]
+    return next(iter(attending or mixers), None)
 
 
 def attention_parts(layer: Any) -> dict[str, Any]:
-    """The attention's name, the layer's norms, and a fused q/k/v or another output projection."""
+    """The attention's name, the layer's norms, its output gate, and a fused q/k/v or another output
+    projection."""
     found = _mixer(layer)
     if found is None:
         return {}
     name, module = found
     weights = _weights(module)
     parts: dict[str, Any] = {"attention": name, "norms": _norms(layer)}
+    if OUTPUT_GATE in weights:  # a gate on the attention's output, projected from the layer's input
+        parts["output_gate"] = OUTPUT_GATE
     if {"q_proj", "k_proj", "v_proj", "o_proj"} <= weights.keys():
         return parts
     fused = [w for w in weights if any(k in w for k in FUSED_QKV_NAMES)]
@@ -137,8 +148,8 @@ def moe_parts(name: str, module: Any, hidden: int) -> dict[str, Any]:
 
 def _block(layer: Any) -> tuple[str, Any] | None:
     """The layer's MLP block: its one child besides the norms and the token mixer that holds parameters."""
-    mixer = _mixer(layer)
-    blocks = [(n, c) for n, c in _children(layer) if "norm" not in n and (mixer is None or n != mixer[0])]
+    mixer, mixers = _mixer(layer), {n for n, _ in _mixers(layer)}
+    blocks = [(n, c) for n, c in _children(layer) if "norm" not in n and n not in mixers]
     if not blocks and mixer is not None:  # a one-sublayer block: its MLP is its ``mixer`` (Nemotron-H)
         return mixer
     return blocks[0] if len(blocks) == 1 else None

@@ -5,7 +5,8 @@
 per-layer list cut to the layers kept) and its other sub-configs, repairs the defaults some configs
 leave unbuildable (``head_dim`` or the KV heads left ``None``), and returns it as the dict a
 ``config.json`` holds. Sizes only: every kind the defaults choose (attention, MoE, windows, routing,
-scaling) stays as transformers ships it.
+scaling) stays as transformers ships it, but for multipliers a family's defaults leave at 1
+(``SCALES``: Falcon-H1's), which the tiny model sets apart so that a factor missed shows in verify.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import math
 from typing import Any
 
 from ..structure.layer_pattern import pattern_period, shorten_layers
+from ..structure.layer_shapes import LATENT_LAYER_FACTS, per_layer_attributes, tiny_latent_layers
 from ..structure.shared_blocks import class_derived_keys, shared_blocks_rule
 
 MAX_LAYERS = 8
@@ -90,6 +92,18 @@ MIXER_SIZES: tuple[tuple[dict[str, Any], tuple[str, ...]], ...] = (
     ),  # fmt: skip
     # Zamba2 (its head width is derived: mamba_expand x hidden / n_mamba_heads)
     ({"mamba_d_state": 16, "n_mamba_heads": 4, "mamba_expand": 1, "mamba_ngroups": 2, "chunk_size": 16}, ()),
+    # Falcon-H1: its inner width stated (mamba_d_ssm = heads x head width)
+    (
+        {
+            "mamba_d_ssm": 64,
+            "mamba_d_state": 16,
+            "mamba_n_heads": 4,
+            "mamba_d_head": 16,
+            "mamba_n_groups": 2,
+            "mamba_chunk_size": 16,
+        },
+        (),
+    ),  # fmt: skip
     # KDA (Kimi-Linear, Bailing-hybrid)
     ({"linear_num_heads": 2, "linear_head_dim": 8}, ()),
 )
@@ -102,6 +116,22 @@ ATTENTION_LAYOUT = {"layer_types": ["linear_attention", "full_attention"], "attn
 # tiny stack of a default with a short-convolution kernel (``conv_L_cache``) and no ``conv`` layer starts
 # with one, then attends.
 SHORT_CONV_LAYOUT = {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]}
+# Scales whose defaults are 1, where a model applies them (Falcon-H1's muP multipliers around and inside
+# its layers), by model_type: each set to a value of its own, so that verify's logits and states catch
+# a factor the wrappers or the layers drop
+SCALES: dict[str, dict[str, Any]] = {
+    "falcon_h1": {
+        "embedding_multiplier": 1.5,
+        "lm_head_multiplier": 0.75,
+        "key_multiplier": 0.6,
+        "attention_in_multiplier": 1.3,
+        "attention_out_multiplier": 0.8,
+        "ssm_in_multiplier": 1.2,
+        "ssm_out_multiplier": 0.7,
+        "mlp_multipliers": [1.1, 0.9],
+        "ssm_multipliers": [0.5, 1.4, 0.9, 1.1, 0.8],
+    },
+}
 # token ids must lie inside the tiny vocabulary
 TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 OTHER_SIZES: dict[str, Any] = {
@@ -112,6 +142,10 @@ OTHER_SIZES: dict[str, Any] = {
     "num_key_value_heads": 1,
     "vocab_size": 128,
     "projection_dim": 32,
+    # dots3's encoder adapters: their input is the encoder's width, their output the text model's
+    "adapter_in_dim": 32,
+    "adapter_input_size": 32,
+    "adapter_out_dim": TEXT_SIZES["hidden_size"],
 }
 # ints that say how many layers come first with a dense MLP (DeepSeek's, LFM2-MoE's)
 FIRST_DENSE_KEYS = ("first_k_dense_replace", "num_dense_layers")
@@ -126,6 +160,11 @@ PERIOD_KEYS = (
 )
 
 
+# per-layer lists without a period whose every kind the tiny stack keeps, up to its first layer (HY-V4's
+# indexer_types: full layers first, then ones that reuse their top-k)
+FIRST_OF_EACH_KEYS = ("indexer_types",)
+
+
 def _layers(config: Any) -> int:
     total = int(config.num_hidden_layers)
     keep = 2
@@ -136,6 +175,10 @@ def _layers(config: Any) -> int:
         value = _get(config, key)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             keep = max(keep, value)
+    for key in FIRST_OF_EACH_KEYS:
+        kinds = _get(config, key)
+        if isinstance(kinds, (list, tuple)) and len(kinds) == total:
+            keep = max(keep, *(kinds.index(kind) + 1 for kind in set(kinds)))
     return min(keep, MAX_LAYERS, total)
 
 
@@ -214,17 +257,27 @@ def tiny_config(model_type: str) -> dict[str, Any]:
 
     config = CONFIG_MAPPING[model_type]()
     text = config.get_text_config(decoder=True)
-    for sub in list(vars(config).values()):  # not getattr: a per-layer attribute raises (Gemma-4)
+    cuts: dict[str, dict[str, Any]] = {}  # a heterogeneous sub-config's per-layer lists and overrides
+    for name, sub in list(vars(config).items()):  # not getattr: a per-layer attribute raises (Gemma-4)
         if isinstance(sub, PreTrainedConfig) and sub is not text:
+            total = _get(sub, "num_hidden_layers")
+            if isinstance(total, int) and getattr(sub, "is_heterogeneous", False):  # dots3's vision tower
+                keep = min(total, OTHER_SIZES["num_hidden_layers"])
+                cuts[name] = shorten_layers(sub.to_dict(), total, keep)  # cut as its stack is
             for key, value in OTHER_SIZES.items():
                 if _get(sub, key) is not None:
                     _set(sub, key, value)
     _shrink_text(text)
     _shared_block_layout(text, model_type)
+    for key, value in SCALES.get(model_type, {}).items():
+        _set(text, key, value)
     derived = class_derived_keys(model_type)  # Zamba's and Zamba2's: computed again from the small sizes
     if text is config and derived:
         config = _rederived(config, derived)
     raw = config.to_dict()
+    for name, cut in cuts.items():
+        if isinstance(raw.get(name), dict):
+            raw[name].update(cut)
     raw["model_type"] = model_type
     section = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
     for key in [k for k, v in section.items() if _non_finite(v)]:
@@ -233,6 +286,7 @@ def tiny_config(model_type: str) -> dict[str, Any]:
     if "num_hidden_layers" not in section and isinstance(layers, int):
         section["num_hidden_layers"] = layers  # a property of Nemotron-H's class; published JSON states it
     _drop_layers_beyond(raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw)
+    _tiny_latent_layers(section)
     return raw
 
 
@@ -258,6 +312,25 @@ def _rederived(config: Any, derived: tuple[str, ...]) -> Any:
     passed back in would override what the class computes)."""
     values = {key: value for key, value in config.to_dict().items() if key not in derived}
     return type(config)(**values)
+
+
+def _tiny_latent_layers(section: dict[str, Any]) -> None:
+    """A stack whose multi-head latent attention differs per layer (dots3's sliding layers): its config
+    object refuses global reads of the overridden attributes, so ``_shrink_text`` left them; the stack's
+    latent sizes and each kept layer's are made tiny here, on the JSON
+    (``layer_shapes.tiny_latent_layers``)."""
+    listed = section.get("per_layer_config")
+    if not isinstance(listed, dict) or not listed or section.get("kv_lora_rank") is None:
+        return
+    key_of = {fact: key for key, fact in per_layer_attributes().items()}
+    stack = {fact: section[key_of[fact]] for fact in LATENT_LAYER_FACTS}
+    tiny = {fact: TEXT_SIZES[key_of[fact]] for fact in LATENT_LAYER_FACTS}
+    tiny["qk_rope_head_dim"] = TEXT_SIZES["qk_rope_head_dim"]
+    section.update({key_of[fact]: tiny[fact] for fact in LATENT_LAYER_FACTS})
+    if key_of["num_kv_heads"] in section:  # MLA: one KV head per query head
+        section[key_of["num_kv_heads"]] = tiny["num_heads"]
+    layers = int(section.get("num_hidden_layers") or 0)
+    section["per_layer_config"] = tiny_latent_layers(listed, stack, tiny, layers, "head_dim" in section)
 
 
 def _non_finite(value: Any) -> bool:

@@ -236,7 +236,7 @@ def _state_templates(text: dict[str, Any]) -> tuple[str, str]:
     except KadaptError:
         return "", ""
     # a lightning layer uses the recurrent template alone, a short convolution the conv template alone
-    if kinds & {"linear", "lightning", "short_conv"}:
+    if kinds & {"linear", "lightning", "short_conv", "hybrid"}:
         return ', "c.{layer}", "r.{layer}"', ', "pc.{layer}", "pr.{layer}"'
     if "indexed" in kinds:
         return ', "i.{layer}"', ', "pi.{layer}"'

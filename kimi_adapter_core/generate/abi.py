@@ -156,18 +156,18 @@ def bridged_config(spec: Spec) -> dict[str, Any]:
 def structure(spec: Spec) -> ModelStructure:
     """The text backbone's structure, as the extraction backend sees it (extraction bridges applied);
     a hybrid stack's linear layers (``structure.linear``) carry their conv and recurrent states, DSA
-    layers (``structure.indexer``) their indexer keys beside the KV cache. A stack that mixes DSA layers
-    with layers of another kind is refused: the generated ``save_ir`` names a DSA graph's outputs three
-    per layer (DeepSeek-V3.2 and GLM-5 index every layer)."""
+    layers (``structure.indexer``) their indexer keys beside the KV cache, and attention layers (among
+    them those reusing an indexed layer's top-k) their KV alone. A stack that mixes DSA layers with
+    layers of another kind is refused: the generated module names a DSA stack's states by those two."""
     found = structure_of_raw(spec, bridged_config(spec))
     kinds = set(found.layer_kinds)
-    if found.indexer is not None and kinds != {"indexed"}:
-        others = sorted(kinds - {"indexed"})
+    if found.indexer is not None and not kinds <= {"indexed", "attention"}:
+        others = sorted(kinds - {"indexed", "attention"})
         raise Refusal(
             "layer-types",
             f"{found.layer_kinds.count('indexed')} of the {found.num_layers} layers use DeepSeek sparse "
-            f"attention and the others are {', '.join(others)}: the generated extraction module carries "
-            "indexer keys for stacks whose every layer is indexed (its save_ir names three states per layer)",
+            f"attention and others are {', '.join(others)}: the generated extraction module names a DSA "
+            "stack's states by indexed and attention layers only",
             location=spec.locate("gate"),
         )
     return found
@@ -301,7 +301,8 @@ def graph_tables(spec: Spec, d: Dims) -> tuple[GraphNames, GraphNames, list[dict
                         "name": names.template(direction, role) or "",
                         "shape": _shape(*shape),
                     }
-                    if linear is not None or d.layer_kv_dims is not None:  # the layers' states differ
+                    if linear is not None or d.layer_kv_dims is not None or len(state_kinds(d)) > 1:
+                        # the layers' states differ
                         row["layers"] = group.label(kind) if group is not None else kind
                     rows.append({**row, "dtype": dtype})
         return rows
@@ -335,7 +336,9 @@ def state_kinds(d: Dims) -> tuple[str, ...]:
         return (*(("attention",) if "attention" in d.layer_kinds else ()), d.linear_kind, "hybrid")
     if d.hybrid:
         return ("attention", d.linear_kind)
-    return ("indexed",) if d.index_dim is not None else ("attention",)
+    if d.index_dim is not None:  # DSA layers, and the attention layers beside them (dots3's sliding ones)
+        return ("indexed", "attention") if "attention" in d.layer_kinds else ("indexed",)
+    return ("attention",)
 
 
 def index_key_bytes(d: Dims, dtype: str) -> tuple[int, str]:

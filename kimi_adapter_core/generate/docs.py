@@ -318,8 +318,11 @@ def _indexed_context(
     abi = spec.abi
     assert abi is not None and d.structure.indexer is not None
     per_token, formula = abi_tables.index_key_bytes(d, abi.dtype)
+    mixed = "attention" in d.layer_kinds  # attention layers beside the DSA ones (dots3's sliding layers)
+    rows = _per_token_rows(spec, d, prefill, decode, "indexed")
     return {
-        "rows": _per_token_rows(spec, d, prefill, decode, "indexed"),
+        "rows": rows + (_per_token_rows(spec, d, prefill, decode, "attention") if mixed else []),
+        "mixed": mixed,
         "topk": d.structure.indexer.topk,
         "per_token": f"{per_token:,} B",
         "formula": formula,
@@ -335,13 +338,16 @@ def _hybrid_context(
     abi = spec.abi
     assert abi is not None
     attention_ids, linear_ids = d.structure.attention_layer_ids, d.structure.linear_layer_ids
-    hybrid = d.layer_kinds.count("hybrid")  # Zamba2: KV rows of its own, and the mixer's states
+    # hybrid layers attend and keep the mixer's states: Falcon-H1's every layer (side by side), Zamba's
+    # every few beside its linear ones (a shared block, then the mixer)
+    hybrid = len(d.structure.hybrid_layer_ids)
+    mixed = bool(hybrid) and hybrid == len(linear_ids)  # no linear layer without attention (Falcon-H1)
     rows = _per_token_rows(spec, d, prefill, decode, "hybrid" if hybrid else "attention")
     states = abi_tables.linear_state_rows(d, abi.dtype)
     rows += [
         {
-            "kind": "linear and hybrid" if hybrid else "linear",
-            "layers": f"all {len(linear_ids)}" if hybrid else f"the other {len(linear_ids)}",
+            "kind": "hybrid" if mixed else "linear and hybrid" if hybrid else "linear",
+            "layers": f"{'the same' if mixed else 'all' if hybrid else 'the other'} {len(linear_ids)}",
             "state": row["state"],
             "names": _state_names(prefill, decode, row["state"]),
             "shape": f"{row['shape']} per request",
@@ -355,6 +361,7 @@ def _hybrid_context(
     return {
         "rows": rows,
         "states": STATE_PHRASE[d.linear_kind],
+        "mixed": mixed,
         "linear_layers": len(linear_ids) - hybrid,
         "hybrid_layers": hybrid,
         "attention_layers": len(attention_ids),

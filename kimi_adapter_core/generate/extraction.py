@@ -42,7 +42,7 @@ from ..patching.impls import resolve_impl
 from ..patching.targets import parse_target
 from ..spec.model import Spec
 from ..structure.kv_sharing import kv_sharing_rule
-from ..structure.layer_shapes import per_layer_attributes
+from ..structure.layer_shapes import LATENT_LAYER_FACTS, per_layer_attributes
 from ..structure.linear_of import DERIVED, MIXERS
 from ..structure.mixer import RECURRENT_AXES, VALUE_CONV_KINDS
 from ..structure.model import ModelStructure
@@ -80,7 +80,7 @@ STATE_SIZES = ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_d
 # What the generated ``kv_dims`` also reads where the values are narrower than the keys (MiMo-V2-Flash).
 VALUE_FACTS = ("v_head_dim",)
 # What the generated ``index_dim`` reads from a DSA stack's text config (the indexer keys' width).
-INDEX_FACTS = ("index_head_dim",)
+INDEX_FACTS = ("index_head_dim", "indexer_types")  # indexer_types: which DSA layers score their own keys
 # What the generated ``chunks`` reads from a stack with chunked-attention layers (Llama-4's rule).
 CHUNK_FACTS = ("attention_chunk_size", "rope_layer_flags", "no_rope_interval")
 
@@ -224,7 +224,12 @@ def structure_context(spec: Spec, d: abi_tables.Dims) -> dict[str, Any]:
         "layer_kv_dims": periodic_literal(per_layer) if per_layer is not None else None,
         "kv_text": kv_text(d),
         "layer_shape_rules": tables()["per_layer_attention"]["rules"].get(d.structure.model_type, {}),
-        "per_layer_attributes": per_layer_attributes(),
+        # a latent attention's layer may also have its own heads, latent rank and nope width
+        "per_layer_attributes": {
+            key: fact
+            for key, fact in per_layer_attributes().items()
+            if attention.is_mla or fact not in LATENT_LAYER_FACTS
+        },
         "windows": repeated_literal(d.structure.windows),
         "sliding": d.structure.has_sliding_layers,
         # chunked-attention layers (Llama-4): CHUNKS and chunks(config), passed like the windows
@@ -243,10 +248,19 @@ def structure_context(spec: Spec, d: abi_tables.Dims) -> dict[str, Any]:
         "short_conv": d.linear_kind == "short_conv",
         # the config's layer types that are linear layers (config_keys.yaml: linear_attention, conv, ...)
         "linear_types": tuple(kind for kind, span in tables()["layer_types"].items() if span == "linear"),
+        # layers running attention and the linear mixer (Falcon-H1 side by side, Zamba's shared block then
+        # the mixer): their config types (``shared_blocks.hybrid_layer_type``), and the type every layer
+        # has where the config class fixes it (``uniform_layer_types``)
+        "mixed": bool(d.structure.hybrid_layer_ids),
+        "hybrid_count": len(d.structure.hybrid_layer_ids),
+        "mixed_types": tuple(hybrid_layer_type(d.structure.model_type)),
+        "uniform_type": tables()["uniform_layer_types"].get(d.structure.model_type),
         "linear_sizes": sizes,
         "value_conv": value_conv,
         "recurrent_axes": RECURRENT_AXES[linear.kind] if linear is not None else None,
         "indexed": d.index_dim is not None,
+        # DSA layers beside attention ones (dots3's sliding layers): saved graphs are walked by LAYER_KINDS
+        "indexed_mixed": d.index_dim is not None and "attention" in d.layer_kinds,
         "index_dim": d.index_dim,
         "indexer": d.structure.indexer,
         # layers that reuse an earlier layer's keys and values (Gemma-4's KV sharing): kind "shared", no
@@ -258,8 +272,6 @@ def structure_context(spec: Spec, d: abi_tables.Dims) -> dict[str, Any]:
         # blocks with no token mixer (Nemotron-H's mlp and moe blocks) and the layer types that name them
         "stateless": bool(d.structure.mixerless_layer_ids),
         "stateless_types": tuple(mlp_block_types()),
-        # the layer types of hybrid layers (a KV cache and the mixer's states: Zamba2's shared-block rule)
-        "hybrid_types": tuple(hybrid_layer_type(d.structure.model_type)) if "hybrid" in d.layer_kinds else (),
         "states_per_layer": 3 if d.index_dim is not None else 2,
     }
 

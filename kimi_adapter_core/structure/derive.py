@@ -17,7 +17,8 @@ from typing import Any
 from ..errors import KadaptError, Refusal
 from ..spec.model import Spec
 from . import bounds
-from .indexer_of import indexer_of
+from .around_layers import OutsideOp, PerLayerInputs
+from .indexer_of import indexer_of, topk_sources
 from .kv_sharing import kv_sources, mlp_widths
 from .layer_pattern import PATTERN_KEY, layout_types
 from .layer_shapes import layer_attentions
@@ -30,11 +31,10 @@ from .model import (
     Layer,
     ModelStructure,
     Moe,
-    OutsideOp,
-    PerLayerInputs,
 )
 from .reader import MISSING, Reader, locate, mlp_block_types, outside_modelled, tables
 from .refusals import refuse_outside_layer_features, refuse_unmodelled_layers
+from .residual_streams import residual_streams_of
 from .rope_of import rope_of
 from .shared_blocks import hybrid_layer_type, mlp_kinds, shared_blocks_of
 
@@ -192,9 +192,13 @@ def _mlp_kinds(read: Reader, spec: Spec | None, num_layers: int, moe: Moe | None
 
 def _layer_types(read: Reader, num_layers: int) -> list[Any] | None:
     """Each layer's type as the config lists it (``layer_types``, Nemotron-H's ``layers_block_type``),
-    else as a raw layout builds the list (``layer_pattern.layout_types``, Llama-4's chunk rule); None:
+    else as the family's config class fixes it (``uniform_layer_types``: Falcon-H1), else as a raw layout
+    builds the list (``layer_pattern.layout_types``, Llama-4's chunk rule); None:
     none of them."""
     types = read.get("layer_types")
+    uniform = tables()["uniform_layer_types"].get(read.raw("model_type"))
+    if types is None and uniform is not None:  # a property of the family's config class (Falcon-H1)
+        types = [uniform] * num_layers
     if types is None:
         types = layout_types(read.raw, num_layers, read.get("mamba_state_size") is not None)
     if types is None:
@@ -330,11 +334,19 @@ def _chunked_types(read: Reader, num_layers: int) -> list[str] | None:
 
 def _check_layer_types(read: Reader, types: list[Any]) -> None:
     """Every entry of ``layer_types`` must be a layer kind kadapt models (full, sliding, linear, indexed;
-    in a stack of one-sublayer blocks also MLP blocks)."""
+    in a stack of one-sublayer blocks also MLP blocks); a type ``unmodelled_layer_types`` lists is refused
+    naming its operation and why no spec supplies it."""
     known = _known_types(read)
     for i, kind in enumerate(types):
         if not isinstance(kind, str) or kind in known:  # not a string: the value check reports it
             continue
+        unmodelled = tables()["unmodelled_layer_types"].get(kind)
+        if unmodelled is not None:  # a kind whose operation and reason the table names
+            raise Refusal(
+                "layer-types",
+                f"{read.where}: layer {i} is {kind!r}: {unmodelled['operation']}; {unmodelled['why']}",
+                location=locate(read.spec, "gate"),
+            )
         hybrid = kind in tables()["hybrid_layer_types"]
         *others, last = [repr(k) for k in known]
         raise Refusal(
@@ -469,9 +481,10 @@ def derive_structure(
                 attention_shape=shape if span in ATTENDING_SPANS else None,
                 kv_source=source,
                 mlp_width=mlp_width,
+                topk_source=topk_source,
             )
-            for i, ((span, size), kind, shape, source, mlp_width) in enumerate(
-                zip(spans, kinds, shapes, sources, widths, strict=True)
+            for i, ((span, size), kind, shape, source, mlp_width, topk_source) in enumerate(
+                zip(spans, kinds, shapes, sources, widths, topk_sources(read, spans), strict=True)
             )
         ),
         rope=rope_of(read),
@@ -482,5 +495,6 @@ def derive_structure(
         indexer=indexer_of(read, spans),
         per_layer_inputs=_per_layer_inputs(read),
         shared_blocks=blocks,
+        residual_streams=residual_streams_of(read),
         keys=dict(read.keys),
     )

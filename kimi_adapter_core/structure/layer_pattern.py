@@ -26,6 +26,11 @@ def pattern_period(sequence: Sequence[Any], limit: int) -> int:
     return period
 
 
+# List-valued config keys that are never per layer, whatever their length (a two-layer stack's
+# Falcon-H1 [gate, down] MLP multipliers, a Mamba2 time_step_limit [low, high]): never cut
+NOT_PER_LAYER = ("architectures", "mlp_multipliers", "ssm_multipliers", "time_step_limit")
+
+
 def shorten_layers(section: Mapping[str, Any], total: int, keep: int) -> dict[str, Any]:
     """Overrides that cut every per-layer list of a text config section (``layer_types``,
     ``mlp_layer_types``, ``activation_sparsity_pattern``, ...: any list with one entry per layer) to
@@ -37,7 +42,7 @@ def shorten_layers(section: Mapping[str, Any], total: int, keep: int) -> dict[st
     cut: dict[str, Any] = {
         key: list(value[:keep])
         for key, value in section.items()
-        if isinstance(value, list) and len(value) == total and key != "architectures"
+        if isinstance(value, list) and len(value) == total and key not in NOT_PER_LAYER
     }
     pattern = section.get(PATTERN_KEY)
     if isinstance(pattern, str) and len(pattern) == total:

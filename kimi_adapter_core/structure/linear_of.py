@@ -39,6 +39,10 @@ DERIVED = {
     MAMBA_HEAD_WIDTH: ("mamba_expand", "hidden_size", "mamba_num_heads"),
 }
 
+# Spans whose layers run a linear mixer: ``linear`` alone, ``hybrid`` with full attention (Falcon-H1: side
+# by side; Zamba: a shared block, then the mixer)
+MIXED_SPANS = ("linear", "hybrid")
+
 # Per mixer kind, in the order tried: ``LinearAttention`` size -> the fact it is read from (Mamba2 reads
 # its B/C groups as key heads of the state size, ``mixer.RECURRENT_AXES``).
 MIXERS: dict[str, dict[str, str]] = {
@@ -125,12 +129,14 @@ def linear_of(read: Reader, spans: list[tuple[str, int | None]]) -> LinearAttent
     """The linear layers' mixer (None when every layer is attention), the first of ``MIXERS`` whose
     facts the config states; a linear layer no kind sizes keeps a state kadapt has no kind for
     (``hybrid``)."""
-    if all(span not in ("linear", "hybrid") for span, _ in spans):  # hybrid: attention, then the mixer
+    if all(span not in MIXED_SPANS for span, _ in spans):
         return None
     for kind, sizes in MIXERS.items():
         stated = all(_stated(read, fact) for fact in _needed(kind))
         if stated and not any(_stated(read, fact) for fact in ABSENT.get(kind, ())):
-            return LinearAttention(kind=kind, **{name: _size(read, fact) for name, fact in sizes.items()})
+            gated = read.get("mamba_gated_norm") is not False or kind != "mamba2"  # Falcon-H1's switch
+            sizes_read = {name: _size(read, fact) for name, fact in sizes.items()}
+            return LinearAttention(kind=kind, **sizes_read, gated_norm=gated)
     wanted = "; ".join(
         f"{MIXER_NAMES[kind]}: " + ", ".join(_keys(read, fact) for fact in _needed(kind)) for kind in MIXERS
     )
@@ -180,8 +186,8 @@ def _size(read: Reader, fact: str) -> int:
         value = f"unstated ({hidden} hidden over {heads} heads)"
     if value == AUTO and fact == "mamba_dt_rank":  # MambaConfig's and JambaConfig's ceil(hidden / 16)
         return -(-_size(read, "hidden_size") // 16)
-    if value == AUTO and fact == "mamba_head_dim":
-        inner = _size(read, MAMBA_CHANNELS)
+    if value == AUTO and fact == "mamba_head_dim":  # Falcon-H1 states its inner width (mamba_d_ssm)
+        inner = _size(read, "mamba_inner") if _stated(read, "mamba_inner") else _size(read, MAMBA_CHANNELS)
         heads = _size(read, "mamba_num_heads")
         if inner % heads == 0:
             return inner // heads

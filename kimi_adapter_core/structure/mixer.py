@@ -64,6 +64,9 @@ class LinearAttention:
     dt_rank: int | None = None  # Mamba1's dt projection rank (plan sizes x_proj/dt_proj by it); None: others
     # lightning attention's prefill block (plan sizes its decay buffers by it); None: others
     block_size: int | None = None
+    # a Mamba2 mixer's gated RMS norm over its inner width (False: Falcon-H1's mamba_rms_norm off, which
+    # gates by silu(z) alone and has no norm weight)
+    gated_norm: bool = True
 
     @property
     def conv(self) -> ConvState | None:

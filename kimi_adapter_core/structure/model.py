@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .around_layers import OutsideOp, PerLayerInputs, ResidualStreams
 from .mixer import LinearAttention
 
 ATTENTION_KINDS = ("mha", "gqa", "mqa", "mla")
@@ -23,7 +24,9 @@ KV_LAYOUTS_BY_KIND = {
     "mla": ("latent", "expanded"),
 }
 ALL_KV_LAYOUTS = ("heads", "latent", "expanded")
-SCORING_FUNCS = ("softmax", "sigmoid")
+SCORING_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")  # sqrtsoftplus: sqrt(softplus(x)), DeepSeek-V4
+# scorings whose top-k adds a correction bias to the scores (DeepSeek's noaux_tc; DeepSeek-V4 keeps it)
+CORRECTED_SCORINGS = ("sigmoid", "sqrtsoftplus")
 
 
 @dataclass(frozen=True)
@@ -131,7 +134,8 @@ class Layer:
 
     index: int
     # full | sliding | chunked | linear (ModelStructure.linear) | indexed (full + DSA: .indexer) | none
-    # (no mixer) | hybrid (a shared block's full attention, then the linear mixer: .shared_blocks)
+    # (no mixer) | hybrid (full attention and the linear mixer: side by side, Falcon-H1; a shared block's,
+    # then the mixer, Zamba: .shared_blocks)
     attention: str
     window: int | None  # keys a query sees (sliding layers only)
     mlp: str  # dense | moe | none
@@ -146,6 +150,10 @@ class Layer:
     # the layer's dense MLP width where it differs from the stack's ``intermediate_size`` (Gemma-4's
     # double-wide MLP on its KV-sharing layers); None: the stack's
     mlp_width: int | None = None
+    # an ``indexed`` layer without an indexer of its own: the earlier indexed layer whose top-k it attends
+    # over (``indexer_types`` ``shared``: GLM-5, HY-V4); it caches keys and values, no indexer keys.
+    # None: it scores its own indexer keys (or is not indexed)
+    topk_source: int | None = None
 
 
 @dataclass(frozen=True)
@@ -223,45 +231,6 @@ def _number(value: float) -> str:
     return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
 
 
-OUTSIDE_SITES = ("embeddings", "logits")
-OUTSIDE_OPS = ("mul", "div", "softcap")
-
-
-@dataclass(frozen=True)
-class OutsideOp:
-    """Math a family does outside its decoder layers, which the ABI wrappers reproduce.
-
-    ``embeddings``: applied to what enters the first decoder layer; ``logits``: after the LM head.
-    ``softcap`` is ``tanh(x / value) * value``.
-    """
-
-    site: str
-    op: str
-    value: float
-    key: str  # the config key it comes from
-
-    def describe(self) -> str:
-        text = {
-            "mul": f"x {self.value:g}",
-            "div": f"/ {self.value:g}",
-            "softcap": f"soft-capped at {self.value:g}",
-        }
-        return f"{self.site} {text[self.op]} ({self.key})"
-
-
-@dataclass(frozen=True)
-class PerLayerInputs:
-    """Per-layer embeddings (Gemma-4's PLE): every decoder layer takes an input of ``width`` of its own,
-    computed once per call from a ``[vocab, layers x width]`` token table and a projection of the input
-    embeddings; each layer gates, projects and adds it after its MLP."""
-
-    width: int
-    vocab: int
-
-    def describe(self) -> str:
-        return f"per-layer embeddings {self.width} wide (vocab {self.vocab})"
-
-
 @dataclass(frozen=True)
 class SharedBlocks:
     """Transformer blocks shared across a stack's ``hybrid`` layers (Zamba, Zamba2, ``shared_blocks.py``):
@@ -305,6 +274,7 @@ class ModelStructure:
     indexer: Indexer | None = None  # the DSA indexer of the ``indexed`` layers (None: no such layer)
     per_layer_inputs: PerLayerInputs | None = None  # per-layer embeddings (None: the layers take none)
     shared_blocks: SharedBlocks | None = None  # the hybrid layers' shared blocks (None: no hybrid layer)
+    residual_streams: ResidualStreams | None = None  # hyper-connections (None: one residual stream)
     # fact -> the config key it was read from (so tiny verify models shrink the right keys)
     keys: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -346,20 +316,33 @@ class ModelStructure:
     def layer_kinds(self) -> tuple[str, ...]:
         """Each layer's kind as the ABI carries its state: ``linear`` (conv window and recurrent state),
         ``lightning`` (a recurrent state alone: MiniMax), ``indexed`` (a KV cache and the DSA indexer's
-        keys), ``none`` (no token mixer: no state), ``shared`` (attends over an earlier layer's keys and
-        values of the same call: no state), ``hybrid`` (a KV cache, a conv window and a recurrent state:
-        Zamba2's shared-block layers) or ``attention`` (a KV cache)."""
+        keys; a layer reusing another's top-k keeps the KV cache alone: ``attention``), ``none`` (no
+        token mixer: no state), ``shared`` (attends over an earlier layer's keys and values of the same
+        call: no state), ``hybrid`` (a KV cache and a conv window and recurrent state: Falcon-H1's
+        attention and Mamba2 side by side, Zamba's shared block and then its Mamba) or ``attention`` (a KV
+        cache)."""
         linear = self.linear.layer_kind if self.linear is not None else "linear"
         special = {"linear": linear, "indexed": "indexed", "none": "none", "hybrid": "hybrid"}
         return tuple(
-            "shared" if layer.kv_source is not None else special.get(layer.attention, "attention")
+            "shared"
+            if layer.kv_source is not None
+            else "attention"  # attends over another layer's top-k: its state is a KV cache alone
+            if layer.topk_source is not None
+            else special.get(layer.attention, "attention")
             for layer in self.layers
         )
 
     @property
     def linear_layer_ids(self) -> tuple[int, ...]:
-        """The layers that run the linear mixer and keep its states: ``linear`` and ``hybrid`` ones."""
+        """The layers that keep a linear mixer's states: ``linear`` ones and ``hybrid`` ones (which attend
+        too: they are among ``attention_layer_ids`` as well)."""
         return tuple(layer.index for layer in self.layers if layer.attention in ("linear", "hybrid"))
+
+    @property
+    def hybrid_layer_ids(self) -> tuple[int, ...]:
+        """The layers that run full attention and a linear mixer: side by side (Falcon-H1) or a shared
+        block, then the mixer (Zamba, Zamba2)."""
+        return tuple(layer.index for layer in self.layers if layer.attention == "hybrid")
 
     @property
     def attention_layer_ids(self) -> tuple[int, ...]:
@@ -426,14 +409,24 @@ class ModelStructure:
         if self.per_layer_inputs is not None:
             outside += f", {self.per_layer_inputs.describe()}"
         if self.shared_blocks is not None:
-            hybrid = sum(1 for layer in self.layers if layer.attention == "hybrid")
+            hybrid = len(self.hybrid_layer_ids)
             outside += f", {hybrid}/{self.num_layers} hybrid layers ({self.shared_blocks.describe()})"
+        if self.residual_streams is not None:
+            outside += f", {self.residual_streams.describe()}"
         mixer = self.attention.describe()
         if self.linear is not None:
-            linear = sum(1 for layer in self.layers if layer.attention == "linear")
-            mixer = f"{linear}/{self.num_layers} linear-attention layers ({self.linear.describe()}), {mixer}"
+            # a shared-block stack's hybrid layers are told with their blocks (Zamba), others' beside
+            # their attention (Falcon-H1: side by side)
+            blocks = self.shared_blocks is not None
+            linear = len(self.linear_layer_ids) - (len(self.hybrid_layer_ids) if blocks else 0)
+            both = " beside attention" if self.hybrid_layer_ids and not blocks else ""
+            kind = f"linear-attention layers{both} ({self.linear.describe()})"
+            mixer = f"{linear}/{self.num_layers} {kind}, {mixer}"
         if self.indexer is not None:
             mixer = f"{mixer} with a {self.indexer.describe()}"
+            reusing = [layer for layer in self.layers if layer.topk_source is not None]
+            if reusing:
+                mixer += f" ({len(reusing)}/{self.num_layers} layers reuse an earlier layer's top-k)"
         shaped = [layer for layer in self.layers if layer.attention_shape is not None]
         if shaped:  # per-layer shapes: how many layers differ, and how
             others = sorted({layer.attention_shape.describe() for layer in shaped if layer.attention_shape})
@@ -458,12 +451,14 @@ class ModelStructure:
         if not self.outside:  # most families: the key stays out of the IR metadata
             data.pop("outside")
         # stacks without them: metadata unchanged
-        for kind in ("linear", "indexer", "per_layer_inputs", "shared_blocks"):
+        for kind in ("linear", "indexer", "per_layer_inputs", "residual_streams", "shared_blocks"):
             if getattr(self, kind) is None:
                 data.pop(kind)
         for size in ("dt_rank", "block_size"):  # only Mamba1 states the one, lightning the other
             if self.linear is not None and getattr(self.linear, size) is None:
                 data["linear"].pop(size)
+        if self.linear is not None and self.linear.gated_norm:  # only a norm-less Mamba2 says so
+            data["linear"].pop("gated_norm")
         data["attention"] = self.attention.to_dict()
         data["layers"] = _compress_layers(self.layers)
         data["rope"] = self.rope.to_dict()
@@ -483,6 +478,8 @@ def _compress_layers(layers: tuple[Layer, ...]) -> list[dict[str, Any]]:
             kind["kv_source"] = layer.kv_source
         if layer.mlp_width is not None:  # only a layer whose MLP width differs names it
             kind["mlp_width"] = layer.mlp_width
+        if layer.topk_source is not None:  # only a layer reusing another's DSA top-k names it
+            kind["topk_source"] = layer.topk_source
         previous = {k: v for k, v in runs[-1].items() if k != "layers"} if runs else None
         if previous == kind and runs[-1]["layers"][1] == layer.index - 1:
             runs[-1]["layers"][1] = layer.index

@@ -82,7 +82,7 @@ class Reader:
             raise Refusal(
                 "per-layer-config",
                 f"{self.where} gives {key} per layer ({type(exc).__name__}); kadapt carries only "
-                f"{' and '.join(tables()['per_layer_attention']['attributes'])} per layer",
+                f"{', '.join(tables()['per_layer_attention']['attributes'])} per layer",
                 location=locate(self.spec, "gate"),
             ) from exc
 

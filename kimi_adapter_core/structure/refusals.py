@@ -1,4 +1,5 @@
-"""What kadapt refuses in a config before deriving anything: layers whose state it does not carry
+"""What kadapt refuses in a config before deriving anything: families whose layers need an operation
+it cannot express (``refused_families``, each naming it), layers whose state it does not carry
 (``hybrid_keys``), layer features no spec can supply (``layer_features``: Gemma-4's dense MLP beside
 routed experts), per-layer overrides of more than the KV shape, and math outside the layers the
 wrappers would drop (``outside_layers``); each located at the spec's gate. Keys only such configs
@@ -18,6 +19,7 @@ def refuse_unmodelled_layers(read: Reader, spec: Spec | None) -> None:
     """Hybrid stacks (SSM, linear attention, recurrence, convolution), layer features kadapt lacks
     (``layer_features``: Gemma-4's KV-shared layers, per-layer inputs) and per-layer overrides of more than
     the KV shape, told apart by keys only they have, on the config object and the raw JSON alike."""
+    _refuse_known_family(read, spec)
     modelled = modelled_hybrid_keys(read.raw("model_type"))  # a shared-block rule's (Zamba2)
     for key in tables()["hybrid_keys"]:
         value = read.raw(key)
@@ -39,6 +41,21 @@ def refuse_unmodelled_layers(read: Reader, spec: Spec | None) -> None:
             message = f"{read.where} sets {key} = {value!r}, which {rule['effect']}"
             raise Refusal(rule["code"], message, location=locate(spec, "gate"))
     refuse_other_layer_attributes(read)
+
+
+def _refuse_known_family(read: Reader, spec: Spec | None) -> None:
+    """A family whose layers need an operation kadapt cannot express (``refused_families``) is refused
+    naming that operation and why no spec can supply it, rather than with the generic hybrid sentence."""
+    rule = tables()["refused_families"].get(read.raw("model_type"))
+    if rule is None:
+        return
+    value = read.raw(rule["key"])
+    if value is not MISSING and value is not None:
+        raise Refusal(
+            rule.get("code", "hybrid"),
+            f"{read.where} sets {rule['key']}: {rule['operation']}; {rule['why']}",
+            location=locate(spec, "gate"),
+        )
 
 
 def refuse_outside_layer_features(read: Reader, spec: Spec | None) -> None:

@@ -7,7 +7,7 @@ to its own mixer (Zamba2: Mamba2; Zamba: a multi-head Mamba1); the other layers 
 with no MLP. Its state is a KV cache (the shared block's attention, cached per hybrid layer) and the
 mixer's conv window and recurrent state: the ABI kind ``hybrid``. The rule is data per model type
 (``config_keys.yaml`` ``shared_blocks``), so a config object and its JSON describe one structure; a
-``hybrid`` layer type elsewhere stays refused.
+``hybrid`` layer type elsewhere stays refused, but for Falcon-H1's (``hybrid_layer_type``).
 """
 
 from __future__ import annotations
@@ -37,9 +37,15 @@ def class_derived_keys(model_type: Any) -> tuple[str, ...]:
 
 
 def hybrid_layer_type(model_type: Any) -> dict[str, str]:
-    """``{layer type: "hybrid"}`` for a model type whose rule models its hybrid layers, else ``{}``."""
+    """``{layer type: "hybrid"}`` for a model type with a rule for its hybrid layers, else ``{}``: its
+    shared-block rule's type (Zamba, Zamba2), or the type its config class gives every layer where that
+    is ``hybrid`` (``uniform_layer_types``: Falcon-H1, attention and Mamba2 side by side). Elsewhere the
+    type stays refused (``hybrid_layer_types``)."""
     rule = shared_blocks_rule(model_type)
-    return {rule["layer_type"]: "hybrid"} if rule is not None else {}
+    if rule is not None:
+        return {rule["layer_type"]: "hybrid"}
+    uniform = tables()["uniform_layer_types"].get(model_type)
+    return {uniform: "hybrid"} if uniform == "hybrid" else {}
 
 
 def shared_blocks_of(read: Reader, spans: list[tuple[str, int | None]]) -> SharedBlocks | None:

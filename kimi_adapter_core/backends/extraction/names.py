@@ -29,7 +29,7 @@ LAYER_STATES = {
     "indexed": ("key", "value", "index_key"),
     "none": (),  # a block with no token mixer (Nemotron-H's mlp and moe blocks): no state
     "shared": (),  # attends over an earlier layer's keys and values of the same call (Gemma-4): no state
-    "hybrid": ("key", "value", "conv", "recurrent"),  # attention, then a Mamba2 mixer (Zamba2)
+    "hybrid": ("key", "value", "conv", "recurrent"),  # attention and a linear mixer (Falcon-H1, Zamba)
 }
 # States of one fixed size per request (no sequence dimension): never placed by position, never paged.
 FIXED_ROLES = ("conv", "recurrent")

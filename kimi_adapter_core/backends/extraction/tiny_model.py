@@ -16,6 +16,7 @@ from torch import nn
 from ...spec.model import Spec
 from ...structure.kv_sharing import kv_sharing_rule
 from ...structure.layer_pattern import pattern_period, shorten_layers
+from ...structure.layer_shapes import LATENT_LAYER_FACTS, tiny_latent_layers
 from ...structure.model import ModelStructure
 from ...structure.of_spec import structure_of_raw, text_config_key
 from ...structure.shared_blocks import class_derived_keys, shared_blocks_rule
@@ -101,6 +102,10 @@ TINY_OTHER = {
     "intermediate_size": 64,
     "vt_intermediate_size": 64,
     "text_hidden_size": TINY_FACTS["hidden_size"],
+    # dots3's encoder adapters: their input is the encoder's width, their output the text model's
+    "adapter_in_dim": 32,
+    "adapter_input_size": 32,
+    "adapter_out_dim": TINY_FACTS["hidden_size"],
 }
 
 
@@ -196,6 +201,16 @@ def _class_derived(model_type: str, section: dict[str, Any], tiny: dict[str, Any
     return {key: getattr(built, key) for key in keys if key in section}
 
 
+def _tiny_latent_layers(structure: ModelStructure, section: dict[str, Any], layers: int) -> dict[str, Any]:
+    """The kept layers' ``per_layer_config`` of a stack whose multi-head latent attention differs per
+    layer (dots3's sliding layers), tiny too (``layer_shapes.tiny_latent_layers``)."""
+    listed = section.get("per_layer_config")
+    if not structure.attention.is_mla or not isinstance(listed, dict):
+        return {}
+    stack = {fact: getattr(structure.attention, fact) for fact in LATENT_LAYER_FACTS}
+    return {"per_layer_config": tiny_latent_layers(listed, stack, TINY_FACTS, layers, "head_dim" in section)}
+
+
 def _tiny_text(structure: ModelStructure, section: dict[str, Any]) -> dict[str, Any]:
     """Overrides of the text config that keep ``structure``'s kinds at tiny sizes: the attention kind,
     a whole period of the sliding/full pattern, dense and MoE layers, the router's expert groups."""
@@ -207,6 +222,7 @@ def _tiny_text(structure: ModelStructure, section: dict[str, Any]) -> dict[str, 
     tiny.update(shorten_layers(section, structure.num_layers, layers))
     tiny.update(_shared_tail(structure, section, layers))
     tiny.update(_shared_block_layout(structure, section))
+    tiny.update(_tiny_latent_layers(structure, section, layers))
     if "max_window_layers" in structure.keys and structure.has_sliding_layers:
         tiny[structure.keys["max_window_layers"]] = 1  # layers from 1 on slide: full and sliding both present
     if structure.moe is not None and structure.moe.expert_groups > 1:
@@ -230,6 +246,10 @@ def tiny_overrides(spec: Spec, options: ExtractionOptions) -> dict[str, Any]:
             sizes = _tiny_text(structure, section)
         else:
             sizes = {name: value for name, value in TINY_OTHER.items() if key and name in section}
+            total = section.get("num_hidden_layers")
+            if "num_hidden_layers" in sizes and "per_layer_config" in section and isinstance(total, int):
+                # a heterogeneous tower (dots3's vision MoE schedule): its per-layer lists cut as its stack
+                sizes.update(shorten_layers(section, total, min(total, sizes["num_hidden_layers"])))
         sizes.update({name: value for name, value in TOKEN_IDS.items() if name in section})
         overrides.update({prefix + name: value for name, value in sizes.items()})
     if options.vision is not None:

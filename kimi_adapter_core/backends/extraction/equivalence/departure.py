@@ -70,7 +70,7 @@ def _expected_states(
 ) -> list[torch.Tensor]:
     """What the graph's presents must hold, layer by layer in ABI order: what transformers' attention
     layers wrote (key, value; per head through the layer's own ``expand_kv`` for the ``expanded`` MLA
-    layout), and a linear or hybrid layer's conv and recurrent state as transformers' cache holds them."""
+    layout), and a linear (or hybrid) layer's conv and recurrent state as transformers' cache holds them."""
     attentions = {
         m.layer_idx: m for m in model.modules() if hasattr(m, "expand_kv") and hasattr(m, "layer_idx")
     }
@@ -94,7 +94,7 @@ def _expected_states(
         flat += [key, value]
         if kind == "indexed":  # the indexer's keys, cached as a one-head key
             flat.append(cache.indexed[layer])
-        if kind == "hybrid":  # its mixer's states after the shared block's KV (Zamba2)
+        if kind == "hybrid":  # its mixer's states after its KV (Falcon-H1, Zamba), copied as for linear
             flat += [cache.get_conv_state(layer).clone(), cache.get_recurrent_state(layer).clone()]
     return flat
 

@@ -177,7 +177,7 @@ def _verify_in(
                 steps = options.verify_decode_steps
                 compare_states(report, model, replay, prompt, steps, tolerance=tolerance, suffix=suffix)
             if small.batch > 1:  # linear states take every prompt token: rows join instead of padding
-                linear = any(kind in runtime.LINEAR_LAYER_KINDS for kind in small.layer_kinds)
+                linear = any(kind in runtime.UNPADDED_KINDS for kind in small.layer_kinds)
                 (compare_joining if linear else compare_ragged)(
                     report,
                     model,

@@ -40,6 +40,12 @@ _DROPPED = {
     torch.ops.aten._assert_scalar.default,
 }
 _IDENTITY_IF_SAME_DTYPE = {torch.ops.aten._to_copy.default, torch.ops.aten.alias.default}
+# The dtypes torch_ir's ``load_ir`` restores a JSON constant in; it reads any other (bfloat16) as float32.
+# A constant of another floating dtype (Falcon-H1's ``mup_vector`` in a bf16 model) is stored as float32,
+# exactly, and cast back by a node of its own, so the saved graph computes in the model's dtype.
+JSON_CONSTANT_DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.int32, torch.int64, torch.int8, torch.bool,
+)  # fmt: skip
 
 
 def _arg_class(arg: torch.Argument) -> str:
@@ -268,6 +274,7 @@ def convert(
     inputs: list[GraphInput] = []
     weights: dict[str, TensorType] = {}
     constants: dict[str, torch.Tensor] = {}
+    nodes: list[Node] = []
     for spec in signature.input_specs:
         name = spec.arg.name
         if spec.kind == InputKind.USER_INPUT:
@@ -285,15 +292,25 @@ def convert(
             env[name] = Ref(WEIGHT, path)
         elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             path = param_path(spec.target)
-            constants[path] = constant_value(spec.target)
+            value = constant_value(spec.target)
             env[name] = Ref(CONSTANT, path)
+            if value.dtype in JSON_CONSTANT_DTYPES or not value.is_floating_point():
+                constants[path] = value
+                continue
+            constants[path] = value.float()  # a JSON reader restores float32: cast back in the graph
+            (cast_type,) = symbols.types(placeholders[name].meta["val"])
+            scope = spec.target.rpartition(".")[0]
+            attrs = {"dtype": encode(value.dtype, device=device)}
+            nodes.append(
+                Node(len(nodes), "aten._to_copy.default", scope, [env[name]], [cast_type], (), attrs)
+            )
+            env[name] = Ref(NODE, len(nodes) - 1)
         else:
             raise KadaptError(f"{kind} graph has an input of kind {spec.kind.name} ({name}); not supported")
     if len(inputs) != len(input_names):
         raise KadaptError(f"{kind} graph has {len(inputs)} inputs, its ABI names {len(input_names)}")
 
     converter = _Converter(env, device, symbols)
-    nodes: list[Node] = []
     for fx_node in program.graph.nodes:
         if fx_node.op != "call_function" or _computes_size(fx_node):
             continue

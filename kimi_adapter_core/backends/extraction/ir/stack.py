@@ -56,6 +56,10 @@ LAYER_INPUTS = frozenset(
      "cache", "past_key_values", "past_key_value", "cache_position", "output_attentions", "kwargs",
      runtime.CAUSAL_MASK_INPUT, "transformer_hidden_states"}
 ) | frozenset(runtime.CARRIED_INPUTS) | frozenset(runtime.STACK_INPUTS)  # fmt: skip
+# inputs a layer of a stack whose prompts are never padded (a linear mixer's state takes every token) may
+# take and the wrappers leave at their default, None, which is what the model's forward passes without
+# padding: Falcon-H1's mixer padding mask (``create_recurrent_attention_mask``)
+UNPADDED_INPUTS = frozenset({"mamba_attention_mask"})
 # child module class names of a decoder layer that mixes tokens without attention
 NON_ATTENTION = ("Mamba", "Mixer", "Linear", "Conv", "Recurrent", "DeltaNet", "Rwkv", "Lstm")
 
@@ -98,10 +102,12 @@ def check_stack(backbone: Backbone, kinds: Sequence[str] | None = None) -> None:
     check_per_layer_inputs(stack)
     for index, layer in enumerate(backbone.layers):
         params = inspect.signature(inspect.unwrap(type(layer).forward)).parameters
+        unpadded = kinds is not None and kinds[index] in runtime.UNPADDED_KINDS
+        allowed = LAYER_INPUTS | UNPADDED_INPUTS if unpadded else LAYER_INPUTS
         extra = [
             n
             for n, p in params.items()
-            if n not in LAYER_INPUTS and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+            if n not in allowed and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
         ]
         if extra:
             raise Refusal(
@@ -111,20 +117,26 @@ def check_stack(backbone: Backbone, kinds: Sequence[str] | None = None) -> None:
             )
         if kinds is not None and kinds[index] in runtime.STATELESS_KINDS:
             continue  # no mixer, no state: nothing is addressed by its index
-        if kinds is not None and kinds[index] in (*runtime.LINEAR_LAYER_KINDS, "hybrid"):
-            names = runtime.MIXER_ATTRIBUTES[kinds[index]]
+        if kinds is not None and kinds[index] in runtime.UNPADDED_KINDS:
+            # a linear layer's mixer; a hybrid layer's linear mixer, then its attention below (all
+            # addressed by the index)
+            kind = kinds[index]
+            names = runtime.MIXER_ATTRIBUTES[kind]
             try:
-                mixer: nn.Module | None = runtime.mixer_of(layer, kinds[index])
+                mixer: nn.Module | None = runtime.mixer_of(layer, kind)
             except ValueError:
                 mixer = None
-            if getattr(mixer, "layer_idx", None) == index:
+            if getattr(mixer, "layer_idx", None) != index:
+                raise Refusal(
+                    "hybrid",
+                    f"{type(layer).__name__} (layer {index}) is a {kind} layer by the config, but has no "
+                    f"mixer ({', '.join(names)}) whose layer_idx is {index}: kadapt addresses its states by "
+                    "that index",
+                )
+            if kind != "hybrid" or "layer_idx" in params:
+                # no attention beside it, or one that caches under the index the wrappers hand the layer
+                # (Zamba's and Zamba2's shared block: STACK_INPUTS layer_idx)
                 continue
-            raise Refusal(
-                "hybrid",
-                f"{type(layer).__name__} (layer {index}) is a linear-attention layer by the config, but has "
-                f"no mixer ({', '.join(names)}) whose layer_idx is {index}: kadapt addresses its states by "
-                "that index",
-            )
         try:
             attention: nn.Module | None = runtime.mixer_of(layer, "attention")
         except ValueError:

@@ -29,6 +29,10 @@ def stack_points(structure: ModelStructure) -> tuple[str, ...]:
         points.append("indexer_cache")
     if structure.per_layer_inputs is not None:  # computed by the language model's own methods
         points.append("per_layer_inputs")
+    if structure.model_type in upstream.FLOAT32_ROPE_MODEL_TYPES:  # a layer type's rope from float32 input
+        points.append("rope_input_dtype")
+    if structure.residual_streams is not None:  # copied from the embeddings, merged by the stack's head
+        points.append("residual_streams")
     points += ["loader_dtype_plan", "model_classes"]
     if linear is not None and linear.kind in upstream.HEAD_CAST_MIXERS:
         points.append("head_input_cast")  # the wrappers cast the final hidden states as it does

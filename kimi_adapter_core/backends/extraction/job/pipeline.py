@@ -166,6 +166,25 @@ def check_kv_dims(options: ExtractionOptions, protocol: upstream.LayerProtocol) 
             )
 
 
+def check_rope_input_dtype(spec: Spec, options: ExtractionOptions) -> None:
+    """Refuse a graph in a dtype below float32 of a stack whose forward computes its DSA layers' rotary
+    embedding from float32 embeddings (dots3; contact point ``rope_input_dtype``): their indexer keys
+    are float32 then (transformers' ``DynamicIndexedLayer`` keeps them so), and the ABI types every
+    indexer key in its own dtype; in float32 the two agree."""
+    s = options.structure
+    if s is None or s.indexer is None or options.dtype == "float32":
+        return
+    if s.model_type not in upstream.FLOAT32_ROPE_MODEL_TYPES:
+        return
+    raise Refusal(
+        "outside-layers",
+        f"{s.model_type}'s forward computes its DSA layers' rotary embedding from float32 embeddings, so "
+        f"in a {options.dtype} model their indexer keys are float32 while kadapt's ABI types every indexer "
+        "key in abi.dtype; export it in float32",
+        location=spec.locate("abi.dtype"),
+    )
+
+
 def check_linear_states(options: ExtractionOptions, protocol: upstream.LayerProtocol) -> None:
     """The linear layers' conv and recurrent state shapes the config implies (``structure.linear``)
     must be the ones the layers hand over (then the mapping states what the graphs carry)."""
@@ -256,6 +275,7 @@ def prepare(
     vision_modules = None
     with clock.step("prepare"):
         check_upstream(options)
+        check_rope_input_dtype(spec, options)
         check_stack(backbone, options.layer_kinds)
         check_exportable(backbone)
         load_export_machinery()

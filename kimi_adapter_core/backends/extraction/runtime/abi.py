@@ -299,9 +299,12 @@ def paged_view(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 #  shared:    attention over the keys and values an earlier layer of the same call computed (Gemma-4's
 #             KV sharing: the producer hands them over in ``shared_kv_states``): no state of its own;
 #             it takes its span's mask, and the cache it never touches.
-#  hybrid:    full attention, then a linear mixer, in one layer (Zamba's and Zamba2's hybrid layers: a
-#             shared transformer block, then their own mixer): the KV cache and the mixer's conv window
-#             and recurrent state, all addressed by the mixer's ``layer_idx``.
+#  hybrid:    full attention and a linear mixer in one layer, their states addressed by one ``layer_idx``:
+#             side by side on one input (Falcon-H1; transformers' ``LinearAttentionAndFullAttentionLayer``)
+#             or one after the other (Zamba's and Zamba2's hybrid layers: a shared transformer block, then
+#             their own Mamba mixer): the attention's KV cache, then the mixer's conv window and recurrent
+#             state; it takes the attention mask (its mixer's padding mask stays None, as the model's
+#             forward leaves it without padding, which such stacks never have).
 LAYER_STATES = {
     "attention": ("key", "value"),
     "linear": ("conv", "recurrent"),
@@ -317,12 +320,16 @@ FIXED_ROLES = ("conv", "recurrent")
 # Layer kinds whose states are all fixed-size per request (the contract's ``linear_states`` rules): they
 # take every token they are given, so the wrappers hand them no mask.
 LINEAR_LAYER_KINDS = ("linear", "lightning", "short_conv")
+# Layer kinds that keep fixed-size states (a linear mixer's, alone or beside attention: ``hybrid``), whose
+# state takes every token of a prompt: their stack's prompts are never padded (the contract's padding).
+UNPADDED_KINDS = (*LINEAR_LAYER_KINDS, "hybrid")
 # Where a decoder layer keeps its token mixer, by layer kind (the mixer carries ``layer_idx``): attention
 # in ``self_attn`` or, in a stack of one-sublayer blocks (Nemotron-H), ``mixer``; gated DeltaNet in
 # ``linear_attn``, Mamba2 in ``mixer`` (Mamba2, Nemotron-H) or ``mamba`` (Granite-4.0-H, Bamba), KDA in
 # ``self_attn`` (Kimi-Linear, Bailing-hybrid), a short convolution in ``conv`` (LFM2, LFM3). A block with no
-# mixer (``none``) has none to look up (``layer_index``); a hybrid layer's mixer is inside its mixer
-# sublayer (Zamba, Zamba2: ``mamba_decoder.mamba``; the shared block's attention has no index of its own
+# mixer (``none``) has none to look up (``layer_index``); a hybrid layer's attention and linear mixer
+# share one index, read from the mixer: ``mamba`` beside its ``self_attn`` (Falcon-H1) or inside its mixer
+# sublayer (Zamba, Zamba2: ``mamba_decoder.mamba``, whose shared block's attention has no index of its own
 # and caches under the index the layer hands it).
 MIXER_ATTRIBUTES = {
     "attention": ("self_attn", "mixer"),
@@ -332,7 +339,7 @@ MIXER_ATTRIBUTES = {
     "indexed": ("self_attn",),
     "none": (),
     "shared": ("self_attn",),
-    "hybrid": ("mamba_decoder.mamba",),
+    "hybrid": ("mamba", "mamba_decoder.mamba"),
 }
 # Layer kinds that keep no state: the wrappers hand them neither a mask nor the cache.
 STATELESS_KINDS = ("none",)
@@ -409,6 +416,36 @@ class PerLayerInputs(nn.Module):
     def forward(self, input_ids: torch.Tensor, inputs_embeds: torch.Tensor) -> torch.Tensor:
         token_part = self.source.get_per_layer_inputs(self, input_ids, inputs_embeds)
         return self.source.project_per_layer_inputs(self, inputs_embeds, token_part)
+
+
+class ResidualStreams(nn.Module):
+    """Hyper-connections (HY-V4, DeepSeek-V4): the model's forward keeps ``hc_mult`` residual streams
+    between its decoder layers, each a copy of the input embeddings (``[B, Q, hidden]`` becomes ``[B, Q,
+    streams, hidden]``), and merges them with its ``hc_head`` before the final norm; the layers mix the
+    streams themselves. Holds that head, so the graph keeps its weights under the stack's name."""
+
+    HEAD = "hc_head"
+
+    def __init__(self, head: nn.Module, count: int) -> None:
+        super().__init__()
+        self.head = head
+        self.count = count
+
+    @classmethod
+    def of(cls, language_model: nn.Module) -> ResidualStreams | None:
+        """The stack's residual streams; None where its config keeps one (no ``hc_mult`` above 1)."""
+        count = getattr(language_model.config, "hc_mult", None) or 1
+        if count == 1:
+            return None
+        return cls(getattr(language_model, cls.HEAD), count)
+
+    def expand(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """What enters the first layer: the embeddings copied into every stream."""
+        return hidden_states.unsqueeze(2).expand(-1, -1, self.count, -1).contiguous()
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """What enters the final norm: the streams merged by the stack's head."""
+        return self.head(hidden_states)
 
 
 def layer_index(layer: nn.Module, kind: str, position: int) -> int:
@@ -676,6 +713,7 @@ class _TextStack(nn.Module):
         layer_kinds: Sequence[str] | None = None,
         chunks: Sequence[int | None] | None = None,
         per_layer_inputs: PerLayerInputs | None = None,
+        streams: ResidualStreams | None = None,
     ) -> None:
         super().__init__()
         if kv_layout not in KV_LAYOUTS:
@@ -686,6 +724,7 @@ class _TextStack(nn.Module):
         # registration, the two-call one by use: the IR's constants must not depend on which ran)
         self.per_layer_inputs = per_layer_inputs
         self.layers = nn.ModuleList(layers)
+        self.streams = streams
         self.norm = norm
         self.rotary_emb = rotary_emb
         self.lm_head = lm_head
@@ -749,7 +788,8 @@ class _TextStack(nn.Module):
         ``parts`` where the stack keeps a part under another name (``{"final_norm": "norm_f"}``);
         ``chunks`` each layer's attention chunk (None: not chunked), indexed by layer;
         ``extra`` goes to the wrapper's constructor (``image_token_id`` of ``MultimodalPrefillWrapper``).
-        The stack's per-layer embeddings (``PerLayerInputs``), where its config has them, come along.
+        The stack's per-layer embeddings (``PerLayerInputs``) and residual streams (``ResidualStreams``),
+        where its config has them, come along.
         """
         layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
         if num_layers is not None:
@@ -770,6 +810,7 @@ class _TextStack(nn.Module):
             layer_kinds=layer_kinds,
             chunks=chunks,
             per_layer_inputs=PerLayerInputs.of(language_model),
+            streams=ResidualStreams.of(language_model),
             **extra,
         )
 
@@ -821,6 +862,8 @@ class _TextStack(nn.Module):
             masks[span] if kind not in unmasked else None
             for span, kind in zip(spans, self.kinds, strict=True)
         ]
+        if self.streams is not None:  # after the rope, which the model computes from the embeddings
+            hidden_states = self.streams.expand(hidden_states)
         with (
             cache.routing_expand_kv(self.layers),
             absorbing_mla(self.layers, self.mla_attention, self.cache_keyword),
@@ -848,6 +891,8 @@ class _TextStack(nn.Module):
                     position_embeddings=embeddings,
                     **{self.cache_keyword: cache if kind not in STATELESS_KINDS else None},
                 )
+        if self.streams is not None:
+            hidden_states = self.streams(hidden_states)
         final = in_head_dtype(self.norm(hidden_states), self.lm_head)
         logits = apply_ops(self.lm_head(final), self.logit_ops)
         return (logits, *cache.flat_present())
@@ -1065,7 +1110,7 @@ def decode_inputs(
         if kind == "indexed":
             assert index_dim is not None, "an indexed layer needs its index_dim"
             past.append(torch.zeros(index_shape, dtype=dtype, device=device))
-        if kind == "hybrid":  # the mixer's states after the KV cache
+        if kind == "hybrid":  # the mixer's states after the attention's KV
             assert linear_states is not None, "a hybrid layer needs its linear_states"
             past += linear_state_zeros(linear_states, batch, device)
     return (
@@ -1230,10 +1275,11 @@ SHARED_RULE = (
 
 
 HYBRID_RULE = (
-    "a layer of kind hybrid attends, then runs a linear mixer (Zamba, Zamba2: a shared transformer block, "
-    "then its own mixer): its key and value are a KV cache like an attention layer's (placed, paged and "
-    "masked by contract.cache, contract.paged), its conv and recurrent states a linear layer's "
-    "(contract.linear_states: one row per request, never paged); a prompt is never padded"
+    "a layer of kind hybrid runs full attention and a linear mixer, side by side on one input (Falcon-H1) "
+    "or a shared transformer block and then its own mixer (Zamba, Zamba2): its entry carries the attention's "
+    "key and value (placed, written, masked and paged as any attention layer's) and the mixer's conv and "
+    "recurrent states (contract.linear_states: one row per request, never paged), in that order; the "
+    "stack's prompts are never padded (padding.supported none)"
 )
 
 
@@ -1320,10 +1366,10 @@ def kv_contract(
     nothing; with ``chunked`` (chunked-attention layers) the chunk rule of the mask;
     with ``lightning`` (MiniMax's lightning layers) what their one recurrent state holds, same rules;
     with ``short_conv`` (LFM2's short convolutions) what their one conv window holds, same rules;
-    with ``hybrid`` (Zamba's and Zamba2's hybrid layers) that they carry a KV cache and a linear layer's
-    states;
     with ``per_layer`` (the layers cache different KV shapes) the heads and widths move to each layer's
-    entry (``layers[i].cache``) and ``cache.per_layer`` says so.
+    entry (``layers[i].cache``) and ``cache.per_layer`` says so; with ``hybrid`` (layers that attend and
+    run a linear mixer: Falcon-H1 side by side, Zamba and Zamba2 one after the other) that such a layer
+    carries both (``linear`` is set too).
 
     Version 3: ``cache_position`` is ``[batch]`` (one position per row) and the optional paged cache;
     version 2 graphs took one ``[1]`` position for the whole batch."""
@@ -1473,22 +1519,6 @@ def build_kv_mapping(
     index_dims: KVDims = ((1, index_dim or 1),) * 2
     prefill_index = kv_shapes(index_dims, batch_dim, length_dim)[0]
     decode_index = decode_kv_shapes(index_dims, batch_dim, max_cache_len, pool)[0]
-
-    def fixed_states(layer: int, kind: str) -> dict[str, Any]:
-        """A layer's fixed-size states (``FIXED_ROLES`` of its kind) with ``linear_states``' shapes."""
-        assert linear_states is not None, f"a {kind} layer needs its linear_states"
-        fixed = [state for state in LAYER_STATES[kind] if state in FIXED_ROLES]
-        entry: dict[str, Any] = {}
-        for state, (shape, state_dtype) in zip(fixed, linear_states, strict=True):
-            full = (batch_dim, *shape)
-            for role, key in (
-                ("prefill_{}", "prefill_{}_output"),
-                ("decode_{}_in", "decode_{}_input"),
-                ("decode_{}_out", "decode_{}_output"),
-            ):
-                entry[key.format(state)] = tensor(role.format(state), layer, full, state_dtype)
-        return entry
-
     layers: list[dict[str, Any]] = []
     for layer, kind in enumerate(kinds):
         if kind in STATELESS_KINDS:  # no state to carry: the entry says so
@@ -1498,8 +1528,20 @@ def build_kv_mapping(
             source = kv_sources[layer] if kv_sources is not None else None
             layers.append({"layer": layer, "kind": kind, "kv_source": source})
             continue
+        fixed: dict[str, Any] = {}  # a linear or hybrid layer's fixed-size states, in ABI order
+        if kind in UNPADDED_KINDS:
+            assert linear_states is not None, f"a {kind} layer needs its linear_states"
+            roles = [role for role in LAYER_STATES[kind] if role in FIXED_ROLES]
+            for state, (shape, state_dtype) in zip(roles, linear_states, strict=True):
+                full = (batch_dim, *shape)
+                for role, key in (
+                    ("prefill_{}", "prefill_{}_output"),
+                    ("decode_{}_in", "decode_{}_input"),
+                    ("decode_{}_out", "decode_{}_output"),
+                ):
+                    fixed[key.format(state)] = tensor(role.format(state), layer, full, state_dtype)
         if kind in LINEAR_LAYER_KINDS:
-            layers.append({"layer": layer, "kind": kind, **fixed_states(layer, kind)})
+            layers.append({"layer": layer, "kind": kind, **fixed})
             continue
         dims = layer_dims(kv_dims, layer_kv_dims, layer)
         prefill_shapes = kv_shapes(dims, batch_dim, length_dim)
@@ -1534,7 +1576,7 @@ def build_kv_mapping(
                     if kind == "indexed"
                     else {}
                 ),
-                **(fixed_states(layer, kind) if kind == "hybrid" else {}),  # its mixer's, after its KV
+                **fixed,
             }
         )
     attention = {} if mla_attention == "reexpand" else {"mla_attention": mla_attention}

@@ -345,7 +345,6 @@ def kv_sizing(s: ModelStructure, tp: int, kv_dtype: str = "bf16") -> KvSizing:
     return KvSizing(kv_dtype, layout, s.attention, windows, tp, state, index, chunks, layer_attentions)
 
 
-
 def max_seq_len(s: ModelStructure, requested: int | None) -> int:
     """Like MAX's ``upper_bounded_default``: the request, bounded by max_position_embeddings (a config
     that states none, a pure SSM stack's, bounds nothing: then the request is needed)."""

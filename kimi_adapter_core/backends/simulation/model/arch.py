@@ -60,8 +60,11 @@ def architecture(spec: Spec, raw: dict[str, Any]) -> Architecture:
 
 
 def indexed_layer_ids(s: ModelStructure) -> tuple[int, ...]:
-    """The DSA layers (``indexed``: MLA plus the indexer) of a stack."""
-    return tuple(layer.index for layer in s.layers if layer.attention == "indexed")
+    """The DSA layers with an indexer of their own (``indexed``: MLA plus the indexer) of a stack; a
+    layer that reuses another's top-k (``Layer.topk_source``) has neither its weights nor its keys."""
+    return tuple(
+        layer.index for layer in s.layers if layer.attention == "indexed" and layer.topk_source is None
+    )
 
 
 _INDEX_KEYS = ("index_topk", "index_n_heads", "index_head_dim")

@@ -19,6 +19,23 @@ def hidden_of(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
+# what a decoder layer returns beside its hidden states for the next one, in order (the extraction
+# runtime's ``CARRIED_INPUTS``: GLM-5's and HY-V4's DSA top-k, which a layer without an indexer reuses)
+CARRIED = ("prev_topk_indices",)
+
+
+def handed_on(out: Any) -> dict[str, Any]:
+    """What a decoder layer's output hands the next layer, by the name that layer takes it under."""
+    return dict(zip(CARRIED, out[1:], strict=False)) if isinstance(out, tuple) else {}
+
+
+def carried_to(layer: nn.Module, carried: dict[str, Any]) -> dict[str, Any]:
+    """The handed-on values ``layer``'s forward takes (each traced layer stands for its kind, and the
+    first of a kind that reuses a top-k comes after a layer that computes one)."""
+    params = inspect.signature(layer.forward).parameters
+    return {name: value for name, value in carried.items() if name in params}
+
+
 def positions_of(layer: nn.Module, embeddings: Any, positions: torch.Tensor) -> dict[str, Any]:
     """The position keywords a decoder layer is called with: its rotary ``(cos, sin)`` and, when its
     forward takes them (by name or ``**kwargs``), the token positions, which some attentions read

@@ -57,6 +57,7 @@ class LayerParts:
     final_norm: bool = True  # the stack's final norm holds a weight
     qkv: str | None = None  # a fused q/k/v projection, in place of q_proj, k_proj, v_proj
     o_proj: str = USUAL["o_proj"]
+    output_gate: str | None = None  # the attention's own output gate projection (HY-V4's gate_proj)
     mlp: str = USUAL["mlp"]
     moe: str | None = None  # the MoE block, when not where the dense MLP is
     dense_mlp: Mapping[str, str] = dataclasses.field(default_factory=lambda: dict(_GATED))

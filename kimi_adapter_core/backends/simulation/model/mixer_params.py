@@ -102,14 +102,15 @@ def _kda(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
 
 
 # Mamba2 families whose decoder layer calls its mixer ``mamba`` (the others, Mamba2 and Nemotron-H: ``mixer``)
-_MAMBA_ATTRIBUTE = ("granitemoehybrid", "bamba", "zamba2")
+_MAMBA_ATTRIBUTE = ("granitemoehybrid", "bamba", "zamba2", "falcon_h1")
 
 
 def _mamba2(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
     """Tensors of a Mamba2 layer's mixer under the model's own names (transformers 5.24 ``Mamba2Mixer``,
     ``NemotronHMamba2Mixer``, ``BambaMixer``, ``GraniteMoeHybridMambaLayer``): ``in_proj`` to z, x, B, C
     and dt (I + I + 2 G N + H rows, I = H P), the depthwise conv over x, B and C with its bias (every
-    family's default), ``dt_bias``, ``A_log`` and ``D`` per head, the gated norm over I and ``out_proj``.
+    family's default), ``dt_bias``, ``A_log`` and ``D`` per head, the gated norm over I (where the config
+    keeps one: Falcon-H1's ``mamba_rms_norm``, ``LinearAttention.gated_norm``) and ``out_proj``.
     All split over TP by heads and groups as vLLM's ``MambaMixer2`` shards them (the norm too: its
     groups are whole on a rank). Projection biases (off in every shipped config) are not counted."""
     lin, h = s.linear, s.hidden_size
@@ -121,13 +122,14 @@ def _mamba2(s: ModelStructure) -> list[tuple[str, Tensors, Shard, bool]]:
         (f"{mixer}.conv1d.weight", (conv.channels, 1, conv.kernel)),
         (f"{mixer}.conv1d.bias", (conv.channels,)),
     ]
-    return [
+    rows: list[tuple[str, Tensors, Shard, bool]] = [
         ("in_proj", [(f"{mixer}.in_proj.weight", (inner + conv.channels + heads, h))], "tp", True),
         ("conv1d", conv_tensors, "tp", False),
         ("decay", [(f"{mixer}.{n}", (heads,)) for n in ("dt_bias", "A_log", "D")], "tp", False),
         ("norm", [(f"{mixer}.norm.weight", (inner,))], "tp", False),
         ("out_proj", [(f"{mixer}.out_proj.weight", (h, inner))], "tp", True),
     ]
+    return [row for row in rows if row[0] != "norm" or lin.gated_norm]
 
 
 # Mamba1 families whose decoder layer calls its mixer ``mamba`` (Mamba and Falcon-Mamba: ``mixer``), and

@@ -28,7 +28,18 @@ _INDEXER_SIZES = ("n_heads", "head_dim", "index_topk")
 
 def _indexer_sizes(inner: nn.Module, kind: LayerKind) -> tuple[int, int, int] | None:
     """(heads, head_dim, top-k) of the DSA indexer of an ``indexed`` layer's attention (transformers'
-    ``DeepseekV32Indexer`` names, adopted as the module's ``indexer`` child); None in other layers."""
+    ``DeepseekV32Indexer`` names, adopted as the module's ``indexer`` child); a layer that reuses an
+    earlier one's top-k (``topk_reuse``: it has no indexer) the config's sizes of that indexer; None in
+    other layers."""
+    if kind.mixer == "topk_reuse":
+        config = getattr(inner, "config", None)
+        sizes = [getattr(config, key, None) for key in ("index_n_heads", "index_head_dim", "index_topk")]
+        if any(not isinstance(size, int) for size in sizes):
+            raise KadaptError(
+                f"layer {kind.index} attends over an earlier layer's DSA top-k, but its attention "
+                f"{type(inner).__name__}'s config states no index_n_heads, index_head_dim and index_topk"
+            )
+        return sizes[0], sizes[1], sizes[2]
     if kind.mixer != "indexed":
         return None
     indexer = getattr(inner, "indexer", None)
@@ -76,6 +87,8 @@ class RankMLA(nn.Module):
         self.v_dim, self.rank = inner.v_head_dim, inner.kv_lora_rank
         self.kind = kind
         self.index = _indexer_sizes(inner, kind)  # (heads, head_dim, top-k) of a DSA layer, else None
+        # whether it scores its own indexer keys (a layer reusing an earlier one's top-k does not)
+        self.scores = kind.mixer == "indexed"
         self.bind(rec, dep)
 
     def bind(self, rec: Recorder, dep: Deployment) -> None:
@@ -115,8 +128,9 @@ class RankMLA(nn.Module):
         context = self.dep.context_len + s
         cache_write = b * s * (rank + rope) * self.kv_bytes
         if self.index is not None:  # DSA: the indexer picks each query's top-k keys, in both phases
-            assert q_resid is not None  # ``_indexer_sizes`` refuses an indexer without the query residual
-            self._index(hidden_states, q_resid, b, s, context)
+            if self.scores:
+                assert q_resid is not None  # ``_indexer_sizes`` refuses an indexer without the query residual
+                self._index(hidden_states, q_resid, b, s, context)
             if self.dep.decode or not self._masked_mha_cheaper(b, s, context):
                 out = self._absorbed(q_nope, q_rot, b, s, context, cache_write, topk=self.index[2])
             else:

@@ -50,6 +50,22 @@ class Parallel:
         if attends:
             heads = f"--tp {self.tp} does not divide the {a.num_heads} attention heads{key('num_heads')}"
             rules.insert(0, (a.num_heads, self.tp, heads))
+            # then the query heads of layers with their own (dots3's sliding MLA layers), by each count's
+            # first layer
+            firsts: dict[int, int] = {}
+            for layer in s.layers:
+                if layer.attention_shape is not None:
+                    firsts.setdefault(layer.attention_shape.num_heads, layer.index)
+            rules[1:1] = [
+                (
+                    n,
+                    self.tp,
+                    f"--tp {self.tp} does not divide the {n} attention heads of layer {i} (its "
+                    "per_layer_config)",
+                )
+                for n, i in firsts.items()
+                if n != a.num_heads
+            ]
         if s.dense_layer_ids:
             rules.append(
                 (

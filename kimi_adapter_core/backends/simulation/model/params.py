@@ -28,7 +28,8 @@ from dataclasses import dataclass, replace
 
 from ....checkpoint.naming import rename_weight
 from ....spec.model import Spec
-from ....structure.model import Attention, ModelStructure
+from ....structure.model import CORRECTED_SCORINGS, Attention, ModelStructure
+from ....structure.residual_streams import STREAM_HEAD
 from ....vision.tower import VisionArch
 from .arch import Architecture, indexed_layer_ids
 from .layer_parts import FP32_ROUTER, LayerParts, shared_expert, sublayers
@@ -205,6 +206,9 @@ def _attention(s: ModelStructure, a: Attention) -> list[tuple[str, Tensors, Shar
         ]
     else:
         rows += _qkv(s, a, parts)
+    if parts.output_gate:  # one gate per output element, split by heads like the output
+        gate = f"{parts.attention}.{parts.output_gate}.weight"
+        rows.append(("output_gate", [(gate, (heads * a.v_head_dim, h))], "tp", True))
     o_proj = f"{parts.attention}.{parts.o_proj}.weight"
     rows.append(("o_proj", [(o_proj, (h, heads * a.v_head_dim))], "tp", True))
     if parts.norms:  # none when the layer's norms hold no weight (OLMo's LayerNorm)
@@ -315,6 +319,8 @@ def text_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
         groups += _moe_groups(s, n, parts)
     if s.per_layer_inputs is not None:
         groups += _per_layer_input_groups(s, n)
+    if s.residual_streams is not None:
+        groups += _residual_stream_groups(s, n)
     return groups
 
 
@@ -374,6 +380,46 @@ def _per_layer_input_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
     ]
 
 
+def _residual_stream_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
+    """Hyper-connections under transformers' names (5.24 ``HYV4HyperConnection``, ``DeepseekV4Hyper
+    Connection``): each layer's attention and MLP connection (``attn_hc``, ``ffn_hc``) projects the
+    flattened streams to its mixes with ``fn`` and biases and scales them; the stack's ``hc_head``
+    merges the streams. All float32 (``_keep_in_fp32_modules_strict``), replicated: every rank mixes
+    the whole hidden state of every stream."""
+    streams, flat = (
+        s.residual_streams,
+        s.hidden_size * (s.residual_streams.count if s.residual_streams else 0),
+    )
+    assert streams is not None
+    connection = [
+        (f"{hc}.{name}", shape)
+        for hc in ("attn_hc", "ffn_hc")
+        for name, shape in (
+            ("fn", (streams.mixes, flat)),
+            ("base", (streams.mixes,)),
+            ("scale", (streams.scales,)),
+        )
+    ]
+    head = f"{n.language_model}.{STREAM_HEAD}"
+    return [
+        _layers(n, "hc.connections", range(s.num_layers), connection, "replicated", "fp32", False),
+        ParamGroup(
+            "hc.head",
+            (
+                (
+                    n.checkpoint(f"{head}.hc_fn"),
+                    n.checkpoint(f"{head}.hc_base"),
+                    n.checkpoint(f"{head}.hc_scale"),
+                ),
+            ),
+            ((streams.count, flat), (streams.count,), (1,)),
+            "replicated",
+            "fp32",
+            False,
+        ),
+    ]
+
+
 def _moe_groups(s: ModelStructure, n: Naming, parts: LayerParts) -> list[ParamGroup]:
     """The MoE layers' router (``FP32_ROUTER``), shared and routed experts."""
     moe, ids, h, mlp = s.moe, s.moe_layer_ids, s.hidden_size, parts.moe_block
@@ -385,7 +431,7 @@ def _moe_groups(s: ModelStructure, n: Naming, parts: LayerParts) -> list[ParamGr
         router.append((f"{mlp}.{shared_gate}.weight", (1, h)))
     router_dtype = "fp32" if s.model_type in FP32_ROUTER else "bf16"
     groups.append(_layers(n, "router", ids, router, "replicated", router_dtype, False))
-    if moe.scoring == "sigmoid" and parts.correction_bias:  # DeepSeek's noaux_tc bias, kept in fp32
+    if moe.scoring in CORRECTED_SCORINGS and parts.correction_bias:  # DeepSeek's noaux_tc bias, in fp32
         bias: Tensors = [(f"{mlp}.{parts.correction_bias}", (experts,))]
         groups.append(_layers(n, "router_bias", ids, bias, "replicated", "fp32", False))
     if moe.shared_intermediate_size:

@@ -62,8 +62,9 @@ class LayerKind:
     kind: str  # dense | moe | none (a one-sublayer block that is a mixer alone: Nemotron-H)
     layers: tuple[int, ...]  # indices in the full model
     windows: tuple[int | None, ...]  # each one's sliding window (None: full attention or linear)
-    # attention | linear (a hybrid stack's linear-attention layers) | indexed | none (an MLP alone) |
-    # hybrid (attention, then a linear mixer: Zamba2) | shared
+    # attention | linear (a hybrid stack's linear-attention layers) | indexed | topk_reuse (DSA over an
+    # earlier layer's top-k, no indexer of its own) | shared (KV sharing) | none (an MLP alone) | hybrid
+    # (attention and a linear mixer: Falcon-H1 side by side, Zamba and Zamba2 a shared block, then the mixer)
     mixer: str = "attention"
     chunks: tuple[int | None, ...] = ()  # each one's attention chunk (Llama-4); () when none is chunked
     # their attention where it differs from the stack's (per-layer KV shapes: Gemma-4's full layers,
@@ -82,39 +83,37 @@ class LayerKind:
 
     @property
     def linear(self) -> bool:
-        return self.mixer == "linear"
-
-    @property
-    def mixes_linear(self) -> bool:
-        """Whether its layers run a linear mixer: linear layers, and hybrid ones after their attention."""
+        """Whether its layers run a linear mixer (swapped for its serving kernels): alone or, ``hybrid``,
+        beside attention."""
         return self.mixer in ("linear", "hybrid")
 
     @property
     def attends(self) -> bool:
         """Whether its layers attend (through transformers' attention interface, or MLA's kernel)."""
-        return self.mixer not in ("linear", "none")
+        return self.mixer not in ("linear", "none")  # a hybrid layer attends too
 
     @property
     def sublayers(self) -> int:
         """Its parts each ending in a TP all-reduce: the mixer and the MLP, or the one a block has (a
-        hybrid layer: its shared block's attention and MLP, then its linear mixer)."""
+        hybrid layer's attention and linear mixer each end in one: Falcon-H1's side by side, Zamba's
+        shared block, then its mixer)."""
         return (self.mixer != "none") + (self.kind != "none") + (self.mixer == "hybrid")
 
     @property
     def scope(self) -> str:
-        """The scope its ops are recorded under: the MLP kind, prefixed ``linear_`` for linear layers
-        (attention layers keep the names attention-only models always had); a block without an MLP by
-        its mixer (``attention``, ``linear``), one without a mixer by its MLP (``dense_only``,
-        ``moe_only``)."""
+        """The scope its ops are recorded under: the MLP kind, prefixed ``linear_`` for linear layers and
+        ``hybrid_`` for layers running both (attention layers keep the names attention-only models
+        always had); a block without an MLP by its mixer (``attention``, ``linear``), one without a mixer
+        by its MLP (``dense_only``, ``moe_only``)."""
         if self.kind == "none":
             return "linear" if self.linear else "attention"
         if self.mixer == "none":
             return f"{self.kind}_only"
-        scope = f"linear_{self.kind}" if self.linear else self.kind
-        if self.mixer == "hybrid":  # a shared block, then a linear mixer (Zamba2)
-            scope = f"hybrid_{self.kind}"
+        scope = f"{self.mixer}_{self.kind}" if self.linear else self.kind
         if self.mixer == "shared":  # KV-sharing layers (Gemma-4): plan's groups say ``.shared`` too
             scope += ".shared"
+        if self.mixer == "topk_reuse":  # DSA layers over an earlier layer's top-k (GLM-5, HY-V4)
+            scope += ".topk_reuse"
         if self.shape is not None:  # a per-layer shape: its KV heads and width name it (plan's groups too)
             scope += f".{self.shape.num_kv_heads}x{self.shape.head_dim}"
         if self.mlp_width is not None:
@@ -137,6 +136,8 @@ def layer_kinds(s: ModelStructure) -> list[LayerKind]:
     kinds: dict[tuple[str, str, Attention | None, int | None], list[int]] = {}
     for layer, mixer in zip(s.layers, s.layer_kinds, strict=True):
         mixer = "linear" if layer.attention == "linear" else mixer
+        if layer.topk_source is not None:  # DSA over an earlier layer's top-k: priced sparse, not scored
+            mixer = "topk_reuse"
         key = (mixer, layer.mlp, layer.attention_shape, layer.mlp_width)
         kinds.setdefault(key, []).append(layer.index)
     return [
@@ -207,7 +208,8 @@ def per_layer_rank_sizes(s: ModelStructure, tp: int, text: Mapping[str, Any], la
 
 
 def _listed_per_rank(s: ModelStructure, listed: Mapping[Any, Any], tp: int, layers: int) -> dict[Any, Any]:
-    """A config's ``per_layer_config`` for the built layers, each layer's KV heads those of one rank."""
+    """A config's ``per_layer_config`` for the built layers, each layer's query and KV heads those of one
+    rank."""
     per_rank = {}
     for layer, values in listed.items():
         index = int(str(layer))
@@ -216,6 +218,8 @@ def _listed_per_rank(s: ModelStructure, listed: Mapping[Any, Any], tp: int, laye
         values = dict(values)
         if "num_key_value_heads" in values:
             values["num_key_value_heads"] = kv_heads_per_rank(s.layer_attention(index), tp)
+        if "num_attention_heads" in values:  # a latent attention's own query heads (dots3's sliding layers)
+            values["num_attention_heads"] = heads_per_rank(s.layer_attention(index), tp)
         per_rank[layer] = values
     return per_rank
 

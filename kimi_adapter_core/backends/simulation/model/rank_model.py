@@ -46,14 +46,16 @@ from ....loading import applied, load_config, load_model, submodule
 from ....spec.model import Spec
 from ....structure.model import ModelStructure
 from ....structure.of_spec import text_config_key
+from ....structure.residual_streams import STREAM_HEAD
 from .arch import read_config
 from .deployment import Deployment
 from .head_width import refuse_hidden_derived_heads
 from .inputs import ModelInputs
-from .layer_calls import hidden_of, per_layer_inputs, positions_of
+from .layer_calls import carried_to, handed_on, hidden_of, per_layer_inputs, positions_of
 from .linear_kernels import RankLinearMixer
 from .mla_kernels import RankMLA
-from .parallel import Parallel
+from .module_swaps import experts_of, find_modules, stack_child, swap
+from .parallel import Parallel, heads_per_rank
 from .quant import NATIVE
 from .rank_config import BACKEND, LayerKind, check_rank_shapes, check_sizes, layer_kinds, rank_overrides
 from .serving_kernels import AttentionKernel, RoutedExperts
@@ -63,35 +65,6 @@ from .ssm_kernels import SIMULATED_MIXERS, linear_mixers, rank_mixer
 from .tracer import Recorder
 
 ATTENTION_IMPLEMENTATION = "kadapt_simulation"  # registered with transformers while a trace runs
-
-
-def _find(
-    spec: Spec, root: nn.Module, where: str, section: str, key: str, name: str
-) -> list[tuple[str, nn.Module]]:
-    """Every module under ``root`` whose class is named ``name`` (non-empty, or a located error)."""
-    found = [(path, m) for path, m in root.named_modules() if path and type(m).__name__ == name]
-    if not found:
-        seen = ", ".join(sorted({type(m).__name__ for m in root.modules()}))
-        raise KadaptError(
-            f"{section}.{key} = {name!r} matches no module in {where} of the model built for spec "
-            f"{spec.name}; the classes there are: {seen}",
-            location=spec.locate(f"{section}.{key}"),
-        )
-    return found
-
-
-def _stacked_experts(root: nn.Module, experts: int) -> list[tuple[str, nn.Module]]:
-    """Modules holding stacked expert weights (``[num_experts, out, in]`` parameters of their own)."""
-    return [
-        (path, m)
-        for path, m in root.named_modules()
-        if path and any(p.dim() == 3 and p.shape[0] == experts for p in m.parameters(recurse=False))
-    ]
-
-
-def _swap(root: nn.Module, path: str, new: nn.Module) -> None:
-    parent, _, child = path.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, child, new)
 
 
 @dataclass
@@ -119,6 +92,8 @@ class RankParts:
     rows: list[SplitRows] = field(default_factory=list)  # their linears, row-split when sized for all TP
     configs: list[Any] = field(default_factory=list)  # configs of the traced layers' attention
     names: dict[int, str] = field(default_factory=dict)  # id(parameter) -> its name in the built model
+    # hyper-connections' head, merging the residual streams before the final norm (None: one stream)
+    stream_head: nn.Module | None = None
 
     def layer(self, kind: str) -> nn.Module | None:
         return next((t.module for t in self.layers if t.kind.kind == kind), None)
@@ -130,6 +105,8 @@ class RankParts:
             yield "rotary", self.rotary
         for traced in self.layers:
             yield traced.kind.name, traced.module
+        if self.stream_head is not None:
+            yield STREAM_HEAD, self.stream_head
         yield "norm", self.norm
         yield "lm_head", self.lm_head
         if self.eh_proj is not None:
@@ -158,56 +135,6 @@ class RankParts:
                 rec.mark_weight(param, inputs.policy(group, checkpoint) if group else NATIVE["bf16"])
 
 
-def _child(spec: Spec, lm: nn.Module, key: str, *, optional: bool = False) -> nn.Module | None:
-    """The stack part ``key`` (``module_paths``: ``final_norm``, ``rotary_embedding``) of the text model;
-    an ``optional`` one may be absent (a NoPE / SSM stack has no rotary embedding)."""
-    parts = spec.stack_parts()
-    try:
-        module = lm.get_submodule(parts.path(key))
-    except AttributeError:
-        module = None
-    if module is None and optional and key not in parts.stated:
-        return None
-    if not isinstance(module, nn.Module):
-        raise KadaptError(parts.missing(lm, key), location=parts.where(key))
-    return module
-
-
-def _experts_of(spec: Spec, layer: nn.Module, where: str, s: ModelStructure) -> list[tuple[nn.Module, str]]:
-    """(parent, path) of every routed-experts module in an MoE layer: inside the spec's
-    ``moe.moe_class`` blocks, of class ``moe.experts_class`` when the spec names one, else the
-    modules holding the stacked ``[num_experts, ...]`` expert weights."""
-    assert s.moe is not None
-    moe = spec.moe or {}
-    roots = (
-        _find(spec, layer, where, "moe", "moe_class", moe["moe_class"])
-        if moe.get("moe_class")
-        else [("", layer)]
-    )
-    found: list[tuple[nn.Module, str]] = []
-    for _, root in roots:
-        if moe.get("experts_class"):
-            matches = _find(spec, root, where, "moe", "experts_class", moe["experts_class"])
-        else:
-            matches = _stacked_experts(root, s.moe.num_experts)
-            if not matches:
-                lists = [
-                    type(m).__name__
-                    for m in root.modules()
-                    if isinstance(m, nn.ModuleList) and len(m) == s.moe.num_experts
-                ]
-                detail = " (its experts are a per-expert module list)" if lists else ""
-                raise KadaptError(
-                    f"no module in {where} of the model built for spec {spec.name} holds the "
-                    f"{s.moe.num_experts} routed experts as stacked weights{detail}; simulate prices an "
-                    "experts module called as transformers' (hidden_states, top_k_index, top_k_weights): "
-                    "name its class under moe.experts_class",
-                    location=spec.locate("moe" if spec.moe else "metadata"),
-                )
-        found += [(root, path) for path, _ in matches]
-    return found
-
-
 def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts, list[str]]:
     """Build the per-rank model for ``spec`` at ``dep``'s TP size (with an MTP block if it drafts) on
     meta and swap in the serving kernels (bound to nothing yet: ``RankParts.bind``). Must run inside
@@ -221,6 +148,14 @@ def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts,
             location=spec.locate("gate"),
         )
     s = inputs.arch.structure
+    if dep.mtp and s.residual_streams is not None:
+        raise Refusal(
+            "outside-layers",
+            f"spec {spec.name}: --mtp drafts through a DeepSeek-style MTP block on the final hidden "
+            f"state, and this model keeps {s.residual_streams.describe()}: its MTP block takes and "
+            "mixes the streams, which simulate does not model; simulate it without --mtp",
+            location=spec.locate("gate"),
+        )
     raw = read_config(spec)
     key = text_config_key(spec, isinstance(raw.get("text_config"), dict))
     raw_text = raw[key] if key else raw
@@ -236,11 +171,12 @@ def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts,
     rope_types = upstream.rope_layer_types(lm)
     parts = RankParts(
         lm.get_input_embeddings(),
-        _child(spec, lm, "rotary_embedding", optional=True),
+        stack_child(spec, lm, "rotary_embedding", optional=True),
         [_traced(kind, layers[kind.index], rope_types) for kind in kinds],
-        _child(spec, lm, "final_norm"),
+        stack_child(spec, lm, "final_norm"),
         lm_head,
         nn.Linear(2 * s.hidden_size, s.hidden_size, bias=False) if dep.mtp else None,
+        stream_head=lm.get_submodule(STREAM_HEAD) if s.residual_streams is not None else None,
     )
     # bf16 as a checkpoint loads: fp32 where transformers keeps it (the router's correction bias);
     # computed buffers (rotary inv_freq) keep their dtype
@@ -252,12 +188,12 @@ def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts,
         where = f"{layers_path}.{traced.kind.index}"
         if traced.kind.kind == "moe":
             experts = RoutedExperts(s, unbound, _UNBOUND, NATIVE["bf16"])
-            for root, path in _experts_of(spec, traced.module, where, s):
-                _swap(root, path, experts)
+            for root, path in experts_of(spec, traced.module, where, s):
+                swap(root, path, experts)
             parts.experts.append(experts)
-        if traced.kind.mixes_linear:
+        if traced.kind.linear:  # a hybrid layer's mixer too, beside its attention (priced below)
             parts.linear += _swap_linear(spec, traced.module, where, dep.parallel.tp)
-        if not traced.kind.attends:  # linear, or an MLP alone: no attention to price
+        if not traced.kind.attends:  # a linear mixer or an MLP alone: no attention to price
             continue
         if s.attention.is_mla:
             attention_class = (spec.mla or {}).get("attention_class")
@@ -267,9 +203,12 @@ def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts,
                     "for its serving kernel and finds it by the class name the spec declares",
                     location=spec.locate("mla" if spec.mla else "metadata"),
                 )
-            for path, inner in _find(spec, traced.module, where, "mla", "attention_class", attention_class):
+            for path, inner in find_modules(
+                spec, traced.module, where, "mla", "attention_class", attention_class
+            ):
                 mla = RankMLA(inner, unbound, _UNBOUND, traced.kind)
-                _swap(traced.module, path, mla)
+                _check_mla_shape(mla, traced.kind, s, dep.parallel.tp)
+                swap(traced.module, path, mla)
                 parts.attention.append(mla)
         else:
             configs = {id(m.config): m.config for m in traced.module.modules() if hasattr(m, "config")}
@@ -285,6 +224,19 @@ def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts,
 
 
 _UNBOUND = Deployment(Parallel(), 1, 1, 0, True)  # placeholder shapes until a trace binds its own
+
+
+def _check_mla_shape(mla: RankMLA, kind: LayerKind, s: ModelStructure, tp: int) -> None:
+    """The traced MLA module of ``kind`` has that kind's own shape at ``tp`` (a layer with its own query
+    heads, latent rank or nope width, dots3's sliding layers, is priced as itself, not as the stack's)."""
+    a = kind.attention(s)
+    want = (heads_per_rank(a, tp), a.kv_lora_rank, a.qk_nope_head_dim)
+    if (mla.heads, mla.rank, mla.nope) != want:
+        raise KadaptError(
+            f"the per-rank MLA of layer {kind.index} runs {mla.heads} heads, latent rank {mla.rank}, nope "
+            f"width {mla.nope}, not the {want[0]}, {want[1]}, {want[2]} its structure gives at TP {tp}: its "
+            "config class did not build the per-rank sizes kadapt wrote (the layer's per_layer_config)"
+        )
 
 
 def _traced(kind: LayerKind, layer: nn.Module, rope_types: tuple[str | None, ...] | None) -> TracedLayer:
@@ -316,7 +268,7 @@ def _swap_linear(spec: Spec, layer: nn.Module, where: str, tp: int) -> list[Rank
     swapped = []
     for path, inner in found:
         mixer = rank_mixer(inner, Recorder(), _UNBOUND, tp)
-        _swap(layer, path, mixer)
+        swap(layer, path, mixer)
         swapped.append(mixer)
     return swapped
 
@@ -435,6 +387,10 @@ def _step(
         t: model.rotary(hidden, positions, *([t] if t else [])) if model.rotary is not None else None
         for t in dict.fromkeys(traced.rope_type for traced in model.layers if traced.roped)
     }
+    streams = s.residual_streams
+    if streams is not None:  # after the rope, which the model computes from the embeddings
+        hidden = hidden.unsqueeze(2).expand(-1, -1, streams.count, -1).contiguous()
+    carried: dict[str, Any] = {}  # what a traced layer hands the next (GLM-5's, HY-V4's DSA top-k)
     for traced in model.layers:
         embeddings = rope[traced.rope_type] if traced.roped else None
         with rec.scope(traced.kind.scope, len(traced.kind.layers)):
@@ -445,8 +401,12 @@ def _step(
                 **upstream.stack_inputs(
                     traced.module, hidden, traced.kind.mixer, length, traced.kind.index, embedded
                 ),
+                **carried_to(traced.module, carried),
             }
-            hidden = hidden_of(traced.module(hidden, **kwargs))
+            out = traced.module(hidden, **kwargs)
+            hidden, carried = hidden_of(out), handed_on(out)
+    if model.stream_head is not None:
+        hidden = model.stream_head(hidden)
     last = model.norm(hidden if dep.decode else hidden[:, -1:, :])  # prefill: last token's logits
     _logits(model, rec, last, par.tp, vocab)
     if dep.mtp and model.eh_proj is not None:

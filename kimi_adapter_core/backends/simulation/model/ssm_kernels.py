@@ -195,7 +195,8 @@ class RankKDA(RankLinearMixer):
 
 class RankGatedNorm(nn.Module):
     """Mamba2's gated RMSNorm (``norm(y, z)``: y times SiLU(z), normalized per group of channels) on
-    the rank's channels: its groups are whole on a rank, so only the weight is sliced (a view)."""
+    the rank's channels: its groups are whole on a rank, so only the weight is sliced (a view). A mixer
+    without the norm (Falcon-H1's ``mamba_rms_norm`` off: an ``Identity``, no weight) gates alone."""
 
     def __init__(self, inner: nn.Module, group_size: int) -> None:
         super().__init__()
@@ -204,13 +205,16 @@ class RankGatedNorm(nn.Module):
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         *prefix, width = y.shape
         x = y.float() * F.silu(z.float())
+        if getattr(self.inner, "weight", None) is None:
+            return x.to(y.dtype)
         grouped = x.view(*prefix, width // self.group_size, self.group_size)
         grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + 1e-6)
         return self.inner.weight[:width] * grouped.view(*prefix, width).to(y.dtype)
 
 
 class RankMamba2(RankLinearMixer):
-    """A Mamba2 mixer (``mixer`` of Mamba2 / Nemotron-H, ``mamba`` of Granite-4.0-H / Bamba) as serving
+    """A Mamba2 mixer (``mixer`` of Mamba2 / Nemotron-H, ``mamba`` of Granite-4.0-H / Bamba / Falcon-H1,
+    whose muP scales of the input and projections are elementwise and left out) as serving
     runtimes run it at 1/tp of its heads and B/C groups. Called as transformers calls the mixer."""
 
     def __init__(self, inner: nn.Module, rec: Recorder, dep: Deployment, tp: int) -> None:

@@ -337,6 +337,7 @@ def _state_text(plan: Plan) -> list[str]:
     constant total per request."""
     state = plan.kv.state
     assert state is not None
+
     def tensor(label: str, t: dict[str, Any]) -> str:
         shape = "x".join(map(str, t["shape"]))
         return f"    {label:<10} [{shape}] {t['dtype']}  {t['bytes_per_layer']:>10} B per layer"
