@@ -16,6 +16,7 @@ from fixtures.spec_files import REPO
 
 from kimi_adapter_core.backends.simulation.estimate import aiconfigurator, reference
 from kimi_adapter_core.backends.simulation.estimate.cost import _all_to_all, comm_time, kernel_table, price
+from kimi_adapter_core.backends.simulation.estimate.measured import MeasuredPricer
 from kimi_adapter_core.backends.simulation.estimate.simulator import Simulation, simulate
 from kimi_adapter_core.backends.simulation.model.deployment import Deployment
 from kimi_adapter_core.backends.simulation.model.inputs import ModelInputs, model_inputs
@@ -407,17 +408,42 @@ def test_deepseek_v3_against_aiconfigurator(batch: int, decode: bool) -> None:
 
 @needs_aic
 def test_measured_all_to_all_comes_from_the_deepep_tables() -> None:
-    """Attention DP8 x EP8 on one H200 node: dispatch and combine are looked up in AIConfigurator's
-    DeepEP low-latency tables (TensorRT-LLM's build); across two nodes it has no measurement (its
-    answer there is the one-node row, tier 'estimated'), so the roofline prices them."""
+    """Attention DP8 x EP8 on one H200 node: AIConfigurator's exact estimate keeps that layout on its
+    fused graph, so dispatch and combine are its ``MoeDispatch`` (TensorRT-LLM's own all-to-all at the
+    rank's 32 tokens); its DeepEP low-latency tables (TensorRT-LLM's build) hold the same op, which
+    the pricer takes across nodes. Across two nodes TensorRT-LLM has no DeepEP measurement (its answer
+    there is the one-node row, tier 'estimated'), so the roofline prices them."""
     sim = run(DEEPSEEK, tp=1, dp=8, ep=8, batch=256, decode=True, cost_model="measured")
     engine = aiconfigurator._database_handle("h200_sxm", "trtllm")
+    pricer = MeasuredPricer("h200_sxm", "trtllm")
     for name, phase, dtype in (
         ("ep_dispatch(all_to_all)", "dispatch", "fp8"),
         ("ep_combine(all_to_all)", "combine", "fp8"),
     ):
         got = row(sim, name)
         assert got.source == "aiconfigurator:h200_sxm/trtllm"
+        fused = {
+            "MoeDispatch": {
+                "name": name,
+                "scale_factor": 1.0,
+                "hidden_size": 7168,
+                "topk": 8,
+                "num_experts": 256,
+                "moe_tp_size": 1,
+                "moe_ep_size": 8,
+                "attention_dp_size": 8,
+                "pre_dispatch": phase == "dispatch",
+                "attn_ar_modeled": False,
+                "backend": "trtllm",
+                "flavor": "TrtllmAlltoall",
+                "comm_quant": "half",
+                "moe_quant": "fp8_block",
+                "attn_cp_size": 1,
+                "is_context": False,
+                "sms": 12,
+                "scale_num_tokens": 1,
+            }
+        }
         spec = {
             "MoeAllToAll": {
                 "name": name,
@@ -434,10 +460,13 @@ def test_measured_all_to_all_comes_from_the_deepep_tables() -> None:
                 "attention_tp_size": 1,
             }
         }
-        ((_, ms, _, tier),) = engine.evaluate_ops_json(
-            json.dumps([spec]), is_context=False, batch_size=1, s=32, x=32
-        )
+        shape = {"is_context": False, "batch_size": 1, "s": 32, "x": 32}
+        ((_, ms, _, tier),) = engine.evaluate_ops_json(json.dumps([fused]), **shape)
         assert tier == "silicon" and got.time / got.count == pytest.approx(ms * 1e-3, rel=1e-9)
+        ((_, ms, _, tier),) = engine.evaluate_ops_json(json.dumps([spec]), **shape)
+        op = next(k.op for k in sim.kernels if k.op.name == name)
+        deepep = pricer.deepep_all_to_all(op, decode=True)
+        assert tier == "silicon" and deepep == pytest.approx(ms * 1e-3, rel=1e-9)
     wide = run(DEEPSEEK, tp=1, dp=16, ep=16, batch=256, decode=True, cost_model="measured")
     # no TensorRT-LLM DeepEP row at EP16: kadapt's own DeepEP low-latency model prices it
     assert row(wide, "ep_dispatch(all_to_all)").source == "deepep_ll:h200"

@@ -1,9 +1,12 @@
 """The measured cost model in attention-DP / wide-EP layouts, and the B200 / GB200 DeepEP
 low-latency profiles.
 
-- ``--cost-model measured`` must query AIConfigurator as its own large-EP graph does (per-rank tokens,
-  attention-DP size, its wide-EP MLA module and DeepEP expert tables): the LMSYS-EP decode and prefill
-  shapes are compared with AIConfigurator's own estimate of the same layout, computed here.
+- ``--cost-model measured`` must query AIConfigurator as its own graph for the layout does: inside a
+  node its fused graph (the ``Moe`` table at every attention-DP rank's tokens, ``MoeDispatch``, the
+  standalone MLA tables), across nodes its large-EP graph (per-rank tokens, attention-DP size, its
+  wide-EP MLA module and DeepEP expert tables). Single-node and cross-node layouts, the LMSYS-EP decode
+  and prefill shapes among them, are compared with AIConfigurator's own estimate of the same layout,
+  computed here.
 - ``devices/b200.yaml`` / ``gb200.yaml``'s ``ep_low_latency`` sections are read back against the
   AIConfigurator SGLang DeepEP low-latency tables they were derived from."""
 
@@ -102,13 +105,37 @@ LMSYS = [
     (Deployment(Parallel(1, 32, 32), 32 * 8, 2000, 0, False, kv_dtype="fp8"), 8, 2000),
 ]
 DEEPEP = {"context": "deepep_ht", "generation": "deepep_ll"}
+# attention-DP layouts of DeepSeek-V3 on SGLang (device, deployment, queries per rank, context or prompt):
+# inside one node (AIConfigurator's fused graph) and across nodes (its large-EP graph)
+LAYOUTS = {
+    "H200 prefill DP8 EP8": (
+        "h200",
+        Deployment(Parallel(1, 8, 8), 8, 4096, 0, False, kv_dtype="fp8"),
+        1,
+        4096,
+    ),
+    "H200 decode DP8 EP8 b256": (
+        "h200",
+        Deployment(Parallel(1, 8, 8), 256, 1, 4096, True, kv_dtype="fp8"),
+        32,
+        4096,
+    ),
+    "H100 prefill DP16 EP16": (
+        "h100",
+        Deployment(Parallel(1, 16, 16), 16, 4096, 0, False, kv_dtype="fp8"),
+        1,
+        4096,
+    ),
+    "H100 decode DP64 EP64 (LMSYS)": ("h100", LMSYS[0][0], 256, 2000),
+    "H100 prefill DP32 EP32 (LMSYS)": ("h100", LMSYS[1][0], 8, 2000),
+}
 
 
-def measured_step(dep: Deployment) -> Simulation:
-    """DeepSeek-V3 as shipped (FP8 block) on H100 under ``--cost-model measured --framework sglang``."""
+def measured_step(dep: Deployment, device: str = "h100") -> Simulation:
+    """DeepSeek-V3 as shipped (FP8 block) under ``--cost-model measured --framework sglang``."""
     spec = load_spec(REPO / "specs" / "deepseek_v3.yaml")
     return simulate(
-        model_inputs(spec, None), spec, dep, get_device("h100"), cost_model="measured", framework="sglang"
+        model_inputs(spec, None), spec, dep, get_device(device), cost_model="measured", framework="sglang"
     )
 
 
@@ -116,15 +143,30 @@ LAYOUT_TOLERANCE = 0.10
 
 
 @needs_aic
-@pytest.mark.parametrize("case", range(len(LMSYS)), ids=["decode DP64 EP64", "prefill DP32 EP32"])
-def test_measured_wide_ep_layout_follows_aiconfigurators_own_graph(case: int) -> None:
-    """Before: the global token count at attention-DP 1 on the plain tables, 3.8x / 3.1x AIConfigurator's
-    own estimate. Per component too, so a right total from wrong parts fails."""
-    dep, per_rank, seq = LMSYS[case]
+def test_only_a_cross_node_ep_group_takes_the_large_ep_graph() -> None:
+    """AIConfigurator's exact estimate builds its large-EP graph only for an EP group wider than a node
+    (GB200: 4 GPUs), and only where tokens reach the experts by all-to-all under attention DP."""
+    h200, gb200 = MeasuredPricer("h200_sxm", "sglang"), MeasuredPricer("gb200", "sglang")
+    assert not h200.large_ep(8, 8, all_to_all=True)
+    assert h200.large_ep(16, 16, all_to_all=True)
+    assert not h200.large_ep(16, 16, all_to_all=False) and not h200.large_ep(1, 16, all_to_all=True)
+    assert gb200.large_ep(8, 8, all_to_all=True)
+
+
+@needs_aic
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_measured_attention_dp_layout_follows_aiconfigurators_own_graph(name: str) -> None:
+    """Before: the LMSYS shapes at the global token count on the plain tables, 3.8x / 3.1x
+    AIConfigurator's own estimate; then every attention-DP layout on the large-EP graph, 0.41x its
+    estimate of a single-node DP8 EP8 prefill (its fused graph there). Per component too, so a right
+    total from wrong parts fails."""
+    device, dep, per_rank, seq = LAYOUTS[name]
     par = dep.parallel
+    system = aiconfigurator.system_for(device)
+    cross_node = par.ep > MeasuredPricer(system, "sglang").gpus_per_node()
     ref = reference.reference_step(
         "deepseek-ai/DeepSeek-V3",
-        "h100_sxm",
+        system,
         "sglang",
         tp=par.tp,
         ep=par.ep,
@@ -132,19 +174,19 @@ def test_measured_wide_ep_layout_follows_aiconfigurators_own_graph(case: int) ->
         decode=dep.decode,
         batch=per_rank,
         seq=seq,
-        comm_backends=DEEPEP,
-        fmha_quant_mode="fp8_block",
+        comm_backends=DEEPEP if cross_node else None,
+        fmha_quant_mode="fp8_block" if cross_node else "bfloat16",
         kvcache_quant_mode="fp8",
     )
-    sim = measured_step(dep)
+    sim = measured_step(dep, device)
     assert sim.step_time * 1e3 == pytest.approx(ref.total_ms, rel=LAYOUT_TOLERANCE)
     parts = dict.fromkeys(reference.COMPONENTS, 0.0)
     for k in sim.kernels:
         parts[reference.kadapt_component(k.op)] += k.total * 1e3
-    for name in ("attention", "experts", "communication"):
-        assert parts[name] == pytest.approx(ref.components[name], rel=LAYOUT_TOLERANCE), name
-    experts = [k for k in sim.kernels if k.op.kind == "experts"]
-    assert experts and all(k.source.startswith("aiconfigurator:") for k in experts)
+    for component in ("attention", "experts", "communication"):
+        assert parts[component] == pytest.approx(ref.components[component], rel=LAYOUT_TOLERANCE), component
+    priced = [k for k in sim.kernels if k.op.kind == "experts" or k.op.name.startswith("ep_")]
+    assert len(priced) == 3 and all(k.source.startswith("aiconfigurator:") for k in priced)
 
 
 @needs_aic

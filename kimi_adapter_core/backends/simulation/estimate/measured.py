@@ -1,11 +1,19 @@
 """The ``--cost-model measured`` back end: kadapt's ops looked up in AIConfigurator's measured tables.
 
 ``MeasuredPricer`` turns each kadapt GEMM (and MLA's absorbed bmm), attention kernel (or, under
-attention DP on SGLang, its whole measured MLA module), gated-DeltaNet kernel (conv and scan of a
+cross-node wide EP on SGLang, its whole measured MLA module), gated-DeltaNet kernel (conv and scan of a
 hybrid stack's linear layers), routed-expert op and collective (TP all-reduce / all-gather, EP
 dispatch / combine) into AIConfigurator's op description and prices it
 through ``evaluate_ops_json`` on the system's tables, the way AIConfigurator's own graph for the
 layout queries them; ``None`` where it has no such op or table, and the roofline prices that op.
+
+Which graph an attention-DP layout gets is AIConfigurator's rule for an exact layout
+(``resolve_model_config_moe_comm`` in its ``sdk/moe_comm_resolver.py``, outside the
+``aiconfigurator-core`` wheel): an EP group wider than a node of the system file builds its large-EP
+graph (DeepEP all-to-all, ``MoeExpertCompute``, SGLang's attention-DP MLA module); one inside a node
+keeps its fused graph (``MoeDispatch`` of the framework's flavour around the ``Moe`` table at every
+attention-DP rank's tokens, the standalone MLA tables).
+
 Separate from ``aiconfigurator`` (the package, its systems and tables) and ``reference``
 (AIConfigurator's own step estimate) because this is kadapt's op vocabulary translated into
 AIConfigurator's.
@@ -18,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..model.tracer import Op
+from . import ep_dispatch
 from .aiconfigurator import _database_handle, _gpus_per_node
 
 # kadapt weight kernel -> AIConfigurator quant mode (GEMM, MoE)
@@ -70,6 +79,14 @@ class MeasuredPricer:
         """GPUs per node in AIConfigurator's system file: its all-to-all tables key node counts
         (GB200 NVL72 is 4 per node there, the others 8)."""
         return _gpus_per_node(self.system, self.framework)
+
+    def large_ep(self, attention_dp: int, ep: int, *, all_to_all: bool) -> bool:
+        """Whether AIConfigurator prices this layout with its large-EP graph: attention DP whose
+        tokens reach the experts by all-to-all (kadapt's ``ep > tp``) over an EP group wider than one
+        node. Its exact estimate keeps an EP group inside a node on the fused graph, which prices
+        DeepSeek-V3's prefill of 8 x 4k on 8 H200 (SGLang) 2.4x above its large-EP graph (SGLang's
+        fused MoE against the DeepEP-path expert tables)."""
+        return all_to_all and attention_dp > 1 and ep > self.gpus_per_node()
 
     def _evaluate(
         self,
@@ -164,7 +181,8 @@ class MeasuredPricer:
     def _attention(self, attrs: dict[str, Any]) -> float | None:
         if attrs["kernel"] in _DSA_KERNELS:
             return self._dsa(attrs)
-        if attrs["kernel"] == "mla" and int(attrs.get("attention_dp", 1)) > 1:
+        dp, ep, tp = (int(attrs.get(key, 1)) for key in ("attention_dp", "ep", "tp"))
+        if attrs["kernel"] == "mla" and self.large_ep(dp, ep, all_to_all=ep > tp):
             module = self._wide_ep_mla(attrs)
             if module is not None:
                 return module
@@ -350,13 +368,13 @@ class MeasuredPricer:
         return self._evaluate(spec, context=True, batch=batch, s=seq, measured_only=True)
 
     def _experts(self, attrs: dict[str, Any], decode: bool) -> float | None:
-        """The routed experts' grouped GEMMs. Where tokens reach the experts by all-to-all under
-        attention DP (wide EP: ``ep > tp`` and DP > 1) they are looked up as AIConfigurator's own
-        large-EP graph does: ``MoeExpertCompute`` (its DeepEP-path expert tables) at the tokens of
-        one attention-DP rank and the attention-DP size; its regular ``Moe`` table (SGLang's fused
-        MoE, measured inside one TP group) priced SGLang's DP64 EP64 decode experts 9.6x higher.
-        Otherwise (or where that table lacks the shape) ``Moe`` at the same tokens, as its TP/EP
-        graphs query it."""
+        """The routed experts' grouped GEMMs. In a layout AIConfigurator prices with its large-EP
+        graph (``large_ep``: cross-node wide EP) they are looked up as that graph does:
+        ``MoeExpertCompute`` (its DeepEP-path expert tables) at the tokens of one attention-DP rank
+        and the attention-DP size; its regular ``Moe`` table (SGLang's fused MoE, measured inside one
+        TP group) priced SGLang's DP64 EP64 decode experts 9.6x higher. Otherwise (or where that
+        table lacks the shape) ``Moe`` at every rank's tokens, as its fused graphs query it (the
+        ``Moe`` table at attention-DP size ``dp`` and ``s`` tokens is its row at ``dp x s``)."""
         quant = _MOE_QUANT.get(str(attrs["kernel"]))
         if quant is None:
             return None
@@ -375,7 +393,8 @@ class MeasuredPricer:
             "enable_eplb": False,
         }
         dp = int(attrs.get("attention_dp", 1))
-        if dp > 1 and attrs.get("all_to_all") and "rank_tokens" in attrs:
+        large = self.large_ep(dp, int(attrs["ep"]), all_to_all=bool(attrs.get("all_to_all")))
+        if large and "rank_tokens" in attrs:
             tokens = max(1, round(float(attrs["rank_tokens"])))
             wide = shape | {
                 "attention_dp_size": dp,
@@ -396,38 +415,29 @@ class MeasuredPricer:
         return self._evaluate({"Moe": moe}, context=True, batch=1, s=tokens, x=tokens)
 
     def _all_to_all(self, op: Op, decode: bool) -> float | None:
-        """EP dispatch or combine in AIConfigurator's large-EP tables: DeepEP low-latency kernels in
-        decode, high-throughput ones in prefill (TensorRT-LLM's own DeepEP builds for ``trtllm``), at
-        the tokens one rank sends. DeepEP moves what the model's activations are (8-bit or bf16);
-        TensorRT-LLM's high-throughput path sends bf16 either way (AIConfigurator's serving rule)."""
+        """EP dispatch or combine as AIConfigurator's graph for the layout moves tokens: inside a
+        node its fused graph's ``MoeDispatch``, across nodes (or without attention DP) its large-EP
+        tables (``deepep_all_to_all``)."""
         comm = op.comm
         assert comm is not None
         if "hidden" not in comm or int(comm["group"]) <= 1:
             return None
-        hidden, group = int(comm["hidden"]), int(comm["group"])
-        eight_bit = comm["token_bytes"] < 2 * hidden and op.name.startswith("ep_dispatch")
-        if self.framework == "trtllm":
-            backend = "trtllm_deepep_ll" if decode else "trtllm_deepep_ht"
-            dtype = "fp8" if eight_bit and decode else "bfloat16"
-        else:
-            backend, dtype = ("deepep_ll" if decode else "deepep_ht"), "default"
-        spec = {
-            "MoeAllToAll": {
-                "name": op.name,
-                "scale_factor": 1.0,
-                "phase": "dispatch" if op.name.startswith("ep_dispatch") else "combine",
-                "comm_backend": backend,
-                "comm_dtype": dtype,
-                "hidden_size": hidden,
-                "topk": int(comm["top_k"]),
-                "num_experts": int(comm["experts"]),
-                "moe_ep_size": group,
-                "node_num": -(-group // self.gpus_per_node()),
-                "sms": 20 if backend == "deepep_ht" else 0,  # AIConfigurator's default SM budget
-                "attention_tp_size": 1,  # ``tokens`` is already what one rank sends
-            }
-        }
-        tokens = max(1, round(float(comm["tokens"])))
+        if not self.large_ep(int(comm.get("attention_dp", 1)), int(comm["group"]), all_to_all=True):
+            fused = ep_dispatch.fused_dispatch(op, self.framework, decode=decode)
+            if fused is not None:
+                spec, tokens = fused
+                phase = {"context": not decode, "batch": 1, "s": tokens, "x": tokens}
+                seconds = self._evaluate(spec, **phase, measured_only=True)
+                if seconds is not None:
+                    return seconds
+        return self.deepep_all_to_all(op, decode)
+
+    def deepep_all_to_all(self, op: Op, decode: bool) -> float | None:
+        """EP dispatch or combine in AIConfigurator's DeepEP tables (``ep_dispatch.deepep_all_to_all``),
+        where they measured that EP size and node count."""
+        spec, tokens = ep_dispatch.deepep_all_to_all(
+            op, self.framework, decode=decode, gpus_per_node=self.gpus_per_node()
+        )
         return self._evaluate(spec, context=not decode, batch=1, s=tokens, x=tokens, measured_only=True)
 
     def _comm(self, comm: dict[str, Any]) -> float | None:

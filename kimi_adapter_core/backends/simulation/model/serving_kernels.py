@@ -94,7 +94,11 @@ def attention_attrs(kind: str, dep: Deployment, b: int, s: int, heads: int, kv_r
         "heads": heads,
         "kv_bytes": kv_read,
         "kv_dtype": dep.kv_dtype,
-        "attention_dp": dep.parallel.dp,  # AIConfigurator prices attention-DP MLA as a whole module
+        # the layout: AIConfigurator prices cross-node wide-EP MLA (attention DP, ``ep > tp``, EP
+        # wider than a node) as a whole module
+        "attention_dp": dep.parallel.dp,
+        "ep": dep.parallel.ep,
+        "tp": dep.parallel.tp,
     }
 
 
@@ -215,6 +219,10 @@ class RoutedExperts(nn.Module):
             # decode runs DeepEP's low-latency kernels (SGLang / TensorRT-LLM wide EP), prefill its
             # normal ones: they move different bytes at different fixed costs (cost.py)
             "low_latency": self.dep.decode,
+            # the layout as the measured cost model keys it (AIConfigurator's fused graph inside a
+            # node dispatches each attention-DP rank's tokens)
+            "attention_dp": par.dp,
+            "rank_tokens": tokens,
         }
         if all_to_all:
             self.rec.analytic(
