@@ -1063,7 +1063,9 @@ def temporal_merge_layout() -> str:
 
 # -- model probe: the decoder layers, called on what they run on ------------------------------------
 
-CACHE_KEYWORDS = ("cache", "past_key_values")  # newest first: 5.24 renamed past_key_values to cache
+# newest first: 5.24 renamed past_key_values to cache; GPT-NeoX's and Falcon's layers take it as
+# layer_past (the last stays the fallback of a **kwargs-only forward)
+CACHE_KEYWORDS = ("cache", "layer_past", "past_key_values")
 
 
 class LayerProtocol(NamedTuple):
@@ -1365,8 +1367,9 @@ def _rope_of(rotary_emb: Any, hidden: Any, positions: Any, layer_type: str | Non
 
 
 # Where a decoder layer keeps its attention (the runtime ABI's ``MIXER_ATTRIBUTES["attention"]``; this module
-# stays self-contained): ``self_attn``, or ``mixer`` in a stack of one-sublayer blocks (Nemotron-H)
-ATTENTION_ATTRIBUTES = ("self_attn", "mixer")
+# stays self-contained): ``self_attn``, or ``mixer`` in a stack of one-sublayer blocks (Nemotron-H), or
+# the older names (GPT-J, CodeGen: ``attn``; GPT-NeoX: ``attention``; Falcon: ``self_attention``)
+ATTENTION_ATTRIBUTES = ("self_attn", "mixer", "attn", "attention", "self_attention")
 # Layer kinds with no token mixer and no state (an MLP alone): called with neither a mask nor a cache
 MIXERLESS_KINDS = ("none",)
 # Layer kinds whose states are fixed-size per request (the runtime's ``LINEAR_LAYER_KINDS``; its own
@@ -1417,7 +1420,7 @@ def stack_inputs(layer: Any, hidden: Any, kind: str = "attention", length: int =
     ``STACK_INPUTS``), as the wrappers hand them to the first layer of a call: an empty
     ``shared_kv_states`` (Gemma-4; a ``shared`` layer's reads zeros of ``length`` positions, default the
     call's tokens: ``SharedKeysValues``), a zero ``per_layer_input`` of the layer's width (None where it
-    has none; contact point ``per_layer_inputs``)."""
+    has none; contact point ``per_layer_inputs``), no ``alibi`` (Falcon's rotary configs)."""
     params = _signature(type(layer).forward).parameters
     inputs: dict[str, Any] = {}
     if "shared_kv_states" in params:
@@ -1428,6 +1431,8 @@ def stack_inputs(layer: Any, hidden: Any, kind: str = "attention", length: int =
     if "per_layer_input" in params:
         width = getattr(layer, "hidden_size_per_layer_input", None)
         inputs["per_layer_input"] = hidden.new_zeros(*hidden.shape[:2], width) if width else None
+    if "alibi" in params:  # Falcon's: None in a rotary config (a stack with ALiBi is refused)
+        inputs["alibi"] = None
     return inputs
 
 
