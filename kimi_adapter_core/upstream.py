@@ -1063,7 +1063,9 @@ def temporal_merge_layout() -> str:
 
 # -- model probe: the decoder layers, called on what they run on ------------------------------------
 
-CACHE_KEYWORDS = ("cache", "past_key_values")  # newest first: 5.24 renamed past_key_values to cache
+# newest first: 5.24 renamed past_key_values to cache; GPT-NeoX's and Falcon's layers take it as
+# layer_past (the last stays the fallback of a **kwargs-only forward)
+CACHE_KEYWORDS = ("cache", "layer_past", "past_key_values")
 
 
 class LayerProtocol(NamedTuple):
@@ -1365,8 +1367,9 @@ def _rope_of(rotary_emb: Any, hidden: Any, positions: Any, layer_type: str | Non
 
 
 # Where a decoder layer keeps its attention (the runtime ABI's ``MIXER_ATTRIBUTES["attention"]``; this module
-# stays self-contained): ``self_attn``, or ``mixer`` in a stack of one-sublayer blocks (Nemotron-H)
-ATTENTION_ATTRIBUTES = ("self_attn", "mixer")
+# stays self-contained): ``self_attn``, or ``mixer`` in a stack of one-sublayer blocks (Nemotron-H), or
+# the older names (GPT-J, CodeGen: ``attn``; GPT-NeoX: ``attention``; Falcon: ``self_attention``)
+ATTENTION_ATTRIBUTES = ("self_attn", "mixer", "attn", "attention", "self_attention")
 # Layer kinds with no token mixer and no state (an MLP alone): called with neither a mask nor a cache
 MIXERLESS_KINDS = ("none",)
 # Layer kinds whose states are fixed-size per request (the runtime's ``LINEAR_LAYER_KINDS``; its own
@@ -1422,8 +1425,8 @@ def stack_inputs(
     ``shared_kv_states`` (Gemma-4; a ``shared`` layer's reads zeros of ``length`` positions, default the
     call's tokens: ``SharedKeysValues``), a zero ``per_layer_input`` of the layer's width (None where it
     has none; contact point ``per_layer_inputs``), ``original_hidden_states`` (Zamba, Zamba2: what entered
-    the first layer, ``original``; zeros like ``hidden`` where not given) and the layer's ``index`` as
-    ``layer_idx``."""
+    the first layer, ``original``; zeros like ``hidden`` where not given), the layer's ``index`` as
+    ``layer_idx``, and no ``alibi`` (Falcon's rotary configs)."""
     params = _signature(type(layer).forward).parameters
     inputs: dict[str, Any] = {}
     if "original_hidden_states" in params:
@@ -1438,6 +1441,8 @@ def stack_inputs(
     if "per_layer_input" in params:
         width = getattr(layer, "hidden_size_per_layer_input", None)
         inputs["per_layer_input"] = hidden.new_zeros(*hidden.shape[:2], width) if width else None
+    if "alibi" in params:  # Falcon's: None in a rotary config (a stack with ALiBi is refused)
+        inputs["alibi"] = None
     return inputs
 
 

@@ -34,7 +34,7 @@ from kimi_adapter_core.families.trial import buildable_config, module_paths, wri
 from kimi_adapter_core.generate import render_spec
 from kimi_adapter_core.spec import Spec, load_spec
 from kimi_adapter_core.spec.loader import check_spec
-from kimi_adapter_core.spec.model import STACK_PARTS, StackParts
+from kimi_adapter_core.spec.model import LAYERS, LAYERS_DEFAULT, STACK_PARTS, StackParts
 from kimi_adapter_core.structure.derive import derive_structure
 
 MAMBA2_PARTS = {"embeddings": "embeddings", "final_norm": "norm_f"}
@@ -65,8 +65,9 @@ def prompt(vocab: int) -> torch.Tensor:
 
 
 def test_the_runtime_and_the_spec_agree_on_the_usual_names() -> None:
-    """abi.py is embedded in generated modules and cannot import kadapt: its copy must not drift."""
-    assert abi.STACK_PARTS == STACK_PARTS
+    """abi.py is embedded in generated modules and cannot import kadapt: its copy must not drift (it
+    holds the layer list's role too, which the spec reads from ``module_paths.language_layers``)."""
+    assert abi.STACK_PARTS == {LAYERS: LAYERS_DEFAULT, **STACK_PARTS}
 
 
 def test_the_matrix_spec_builder_names_a_mamba2_stacks_parts(tmp_path: Path) -> None:
@@ -189,7 +190,7 @@ def test_a_generated_module_calls_the_parts_its_spec_names(generated: tuple[str,
     text, module = generated
     assert module.STACK_PART_PATHS == MAMBA2_PARTS
     assert text.count("parts=STACK_PART_PATHS,") == 2  # the prefill and the decode wrapper
-    assert "def probed_stack" not in text  # the rotary embedding is not renamed
+    assert "probed_stack(language_model, STACK_PART_PATHS)" in text  # the probes see the parts too
     torch.manual_seed(0)
     model = module.build_model(device="cpu", dtype=None)
     ids = prompt(model.config.vocab_size)

@@ -359,7 +359,8 @@ LINEAR_LAYER_KINDS = ("linear", "lightning", "short_conv")
 # state takes every token of a prompt: their stack's prompts are never padded (the contract's padding).
 UNPADDED_KINDS = (*LINEAR_LAYER_KINDS, "hybrid")
 # Where a decoder layer keeps its token mixer, by layer kind (the mixer carries ``layer_idx``): attention
-# in ``self_attn`` or, in a stack of one-sublayer blocks (Nemotron-H), ``mixer``; gated DeltaNet in
+# in ``self_attn`` or, in a stack of one-sublayer blocks (Nemotron-H), ``mixer``, or under an older name
+# (GPT-J, CodeGen: ``attn``; GPT-NeoX: ``attention``; Falcon: ``self_attention``); gated DeltaNet in
 # ``linear_attn``, Mamba2 in ``mixer`` (Mamba2, Nemotron-H) or ``mamba`` (Granite-4.0-H, Bamba), KDA in
 # ``self_attn`` (Kimi-Linear, Bailing-hybrid), a short convolution in ``conv`` (LFM2, LFM3). A block with no
 # mixer (``none``) has none to look up (``layer_index``); a hybrid layer's attention and linear mixer
@@ -367,7 +368,7 @@ UNPADDED_KINDS = (*LINEAR_LAYER_KINDS, "hybrid")
 # sublayer (Zamba, Zamba2: ``mamba_decoder.mamba``, whose shared block's attention has no index of its own
 # and caches under the index the layer hands it).
 MIXER_ATTRIBUTES = {
-    "attention": ("self_attn", "mixer"),
+    "attention": ("self_attn", "mixer", "attn", "attention", "self_attention"),
     "linear": ("linear_attn", "mixer", "mamba", "conv", "self_attn"),
     "lightning": ("self_attn",),
     "short_conv": ("conv",),
@@ -391,8 +392,9 @@ CARRIED_INPUTS = ("prev_topk_indices",)
 # them: Gemma-4's ``shared_kv_states`` (a dict its KV-storing layers fill with the keys and values they
 # attend over, for the KV-shared layers after them; transformers' KVSharingDict is a dict), fresh per
 # call, and ``per_layer_input`` (``PerLayerInputs``: each layer's slice of the per-layer embeddings, or
-# None where the config has none, as the model's forward passes it).
-STACK_INPUTS = ("shared_kv_states", "per_layer_input", "original_hidden_states", "layer_idx")
+# None where the config has none, as the model's forward passes it), and Falcon's ``alibi`` (None: the
+# wrappers run rotary configs, a stack with ALiBi is refused before export).
+STACK_INPUTS = ("shared_kv_states", "per_layer_input", "original_hidden_states", "layer_idx", "alibi")
 # Zamba's and Zamba2's layers also take ``original_hidden_states`` (what entered the first layer, which
 # their hybrid layers' shared blocks read beside their hidden states) and ``layer_idx`` (the index their
 # shared attention caches under); and they take the attention mask as ``causal_mask`` (``CAUSAL_MASK_INPUT``),
@@ -708,8 +710,13 @@ class StaticStateCache:
 
 # The parts of a decoder stack the wrappers call, by role, where transformers' decoder models keep them
 # (relative to the stack); a spec's ``module_paths.embeddings`` / ``final_norm`` / ``rotary_embedding``
-# name others.
-STACK_PARTS = {"embeddings": "embed_tokens", "final_norm": "norm", "rotary_embedding": "rotary_emb"}
+# name others, and its ``module_paths.language_layers`` the layer list (GPT-J, Falcon: ``h``).
+STACK_PARTS = {
+    "layers": "layers",
+    "embeddings": "embed_tokens",
+    "final_norm": "norm",
+    "rotary_embedding": "rotary_emb",
+}
 
 
 def stack_part(
@@ -725,6 +732,34 @@ def stack_part(
         if role == "rotary_embedding" and role not in parts:
             return None
         raise
+
+
+def stack_layers(language_model: nn.Module, parts: Mapping[str, str] | None = None) -> list[nn.Module]:
+    """The stack's decoder layers (at ``parts``' ``layers`` path), as many as its config counts."""
+    layers = stack_part(language_model, "layers", parts)
+    return list(layers)[: language_model.config.num_hidden_layers]  # type: ignore[call-overload]
+
+
+class ProbedStack(NamedTuple):
+    """A stack as ``upstream``'s layer probes read it, with its parts where a spec names them."""
+
+    layers: Any
+    config: Any
+    rotary_emb: nn.Module | None
+
+
+def probed_stack(language_model: nn.Module, parts: Mapping[str, str] | None = None) -> Any:
+    """The stack as ``upstream``'s layer probes read it (``layers``, ``config``, ``rotary_emb``): the
+    language model itself, or a view of it with the layer list and rotary embedding where ``parts``
+    names them."""
+    parts = parts or {}
+    if "layers" not in parts and "rotary_embedding" not in parts:
+        return language_model
+    return ProbedStack(
+        stack_part(language_model, "layers", parts),
+        language_model.config,
+        stack_part(language_model, "rotary_embedding", parts),
+    )
 
 
 class _TextStack(nn.Module):
@@ -826,7 +861,7 @@ class _TextStack(nn.Module):
         The stack's per-layer embeddings (``PerLayerInputs``) and residual streams (``ResidualStreams``),
         where its config has them, come along.
         """
-        layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
+        layers = stack_layers(language_model, parts)
         if num_layers is not None:
             layers = layers[:num_layers]
         return cls(
@@ -2778,7 +2813,9 @@ def temporal_merge_layout() -> str:
 
 # -- model probe: the decoder layers, called on what they run on ------------------------------------
 
-CACHE_KEYWORDS = ("cache", "past_key_values")  # newest first: 5.24 renamed past_key_values to cache
+# newest first: 5.24 renamed past_key_values to cache; GPT-NeoX's and Falcon's layers take it as
+# layer_past (the last stays the fallback of a **kwargs-only forward)
+CACHE_KEYWORDS = ("cache", "layer_past", "past_key_values")
 
 
 class LayerProtocol(NamedTuple):
@@ -3080,8 +3117,9 @@ def _rope_of(rotary_emb: Any, hidden: Any, positions: Any, layer_type: str | Non
 
 
 # Where a decoder layer keeps its attention (the runtime ABI's ``MIXER_ATTRIBUTES["attention"]``; this module
-# stays self-contained): ``self_attn``, or ``mixer`` in a stack of one-sublayer blocks (Nemotron-H)
-ATTENTION_ATTRIBUTES = ("self_attn", "mixer")
+# stays self-contained): ``self_attn``, or ``mixer`` in a stack of one-sublayer blocks (Nemotron-H), or
+# the older names (GPT-J, CodeGen: ``attn``; GPT-NeoX: ``attention``; Falcon: ``self_attention``)
+ATTENTION_ATTRIBUTES = ("self_attn", "mixer", "attn", "attention", "self_attention")
 # Layer kinds with no token mixer and no state (an MLP alone): called with neither a mask nor a cache
 MIXERLESS_KINDS = ("none",)
 # Layer kinds whose states are fixed-size per request (the runtime's ``LINEAR_LAYER_KINDS``; its own
@@ -3137,8 +3175,8 @@ def stack_inputs(
     ``shared_kv_states`` (Gemma-4; a ``shared`` layer's reads zeros of ``length`` positions, default the
     call's tokens: ``SharedKeysValues``), a zero ``per_layer_input`` of the layer's width (None where it
     has none; contact point ``per_layer_inputs``), ``original_hidden_states`` (Zamba, Zamba2: what entered
-    the first layer, ``original``; zeros like ``hidden`` where not given) and the layer's ``index`` as
-    ``layer_idx``."""
+    the first layer, ``original``; zeros like ``hidden`` where not given), the layer's ``index`` as
+    ``layer_idx``, and no ``alibi`` (Falcon's rotary configs)."""
     params = _signature(type(layer).forward).parameters
     inputs: dict[str, Any] = {}
     if "original_hidden_states" in params:
@@ -3153,6 +3191,8 @@ def stack_inputs(
     if "per_layer_input" in params:
         width = getattr(layer, "hidden_size_per_layer_input", None)
         inputs["per_layer_input"] = hidden.new_zeros(*hidden.shape[:2], width) if width else None
+    if "alibi" in params:  # Falcon's: None in a rotary config (a stack with ALiBi is refused)
+        inputs["alibi"] = None
     return inputs
 
 

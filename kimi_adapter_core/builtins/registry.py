@@ -52,6 +52,10 @@ BUILTINS: dict[str, tuple[str, str]] = {
         "kimi_adapter_core.builtins.deepseek_v2:deepseek_v2_attention_forward",
         "DeepSeek-V2 MLA attention: interleaved-pair rope of q_pe and k_pe from (cos, sin) in real math.",
     ),
+    "falcon_split_heads_slices": (
+        "kimi_adapter_core.builtins.falcon:falcon_split_heads_slices",
+        "Falcon _split_heads: key/value heads by slices, not list indices (no lifted constant on meta).",
+    ),
     "rotary_seq_len_as_int": (
         "kimi_adapter_core.builtins.rotary:rotary_seq_len_as_int",
         "Rotary-embedding wrap: a tensor seq_len becomes an int (meta: the full cached length).",

@@ -53,6 +53,8 @@ def projections(module: Any, hidden: int) -> dict[str, str] | None:
     ``down`` when ungated), told by shape: ``down`` maps back to ``hidden``, a fused ``gate_up`` is
     twice ``down``'s input wide, and of two inputs of one shape the one named ``GATE_NAMES`` gates. None
     when ``module`` holds other weights (not an MLP)."""
+    if any(type(child).__name__ == "Conv1D" for child in module.children()):
+        return None  # GPT-2's Conv1D keeps its weight [in, out]: shapes would swap up and down
     weights = _weights(module)
     down = [name for name, (out, inp) in weights.items() if out == hidden and inp != hidden]
     if len(down) != 1:
@@ -147,9 +149,10 @@ def moe_parts(name: str, module: Any, hidden: int) -> dict[str, Any]:
 
 
 def _block(layer: Any) -> tuple[str, Any] | None:
-    """The layer's MLP block: its one child besides the norms and the token mixer that holds parameters."""
-    mixer, mixers = _mixer(layer), {n for n, _ in _mixers(layer)}
-    blocks = [(n, c) for n, c in _children(layer) if "norm" not in n and n not in mixers]
+    """The layer's MLP block: its one child besides the norms (by name, or by class: GPT-J's ``ln_1``) and
+    the token mixer that holds parameters."""
+    mixer, mixers, norms = _mixer(layer), {n for n, _ in _mixers(layer)}, set(_norms(layer))
+    blocks = [(n, c) for n, c in _children(layer) if "norm" not in n and n not in mixers | norms]
     if not blocks and mixer is not None:  # a one-sublayer block: its MLP is its ``mixer`` (Nemotron-H)
         return mixer
     return blocks[0] if len(blocks) == 1 else None

@@ -27,6 +27,7 @@ TEXT_SIZES: dict[str, Any] = {
     "intermediate_size": 128,
     "intermediate_size_mlp": 128,
     "ffn_dim": 128,
+    "ffn_hidden_size": 128,  # Falcon's MLP width
     "num_attention_heads": 4,
     "n_head": 4,
     "num_key_value_heads": 2,
@@ -219,6 +220,7 @@ def _shrink_text(config: Any) -> None:
     for key, value in TEXT_SIZES.items():
         if _get(config, key) is not None:
             _set(config, key, value)
+    _shrink_rotary_dim(config)
     if _get(config, "kv_lora_rank") is not None:  # MLA: one KV head per query head, head_dim is the rope part
         _set(config, "num_key_value_heads", TEXT_SIZES["num_attention_heads"])
         if _get(config, "head_dim") is not None:
@@ -238,6 +240,18 @@ def _shrink_text(config: Any) -> None:
         if all(_get(config, key) is not None for key in sizes) and not any(_get(config, k) for k in unless):
             for key, value in sizes.items():
                 _set(config, key, value)
+
+
+def _shrink_rotary_dim(config: Any) -> None:
+    """Half the tiny head width for a ``rotary_dim`` of the default heads wider than it (GPT-J's and
+    CodeGen's 64 against heads of 16): the model could not build its rotary tables otherwise, and half
+    keeps a part of each head unrotated, as the defaults do."""
+    rotary, heads = _get(config, "rotary_dim"), _get(config, "num_attention_heads") or _get(config, "n_head")
+    width = _get(config, "head_dim") or (
+        (_get(config, "hidden_size") or _get(config, "n_embd") or 0) // heads if heads else None
+    )
+    if isinstance(rotary, int) and isinstance(width, int) and rotary > width:
+        _set(config, "rotary_dim", width // 2)
 
 
 def _short_conv_layout(config: Any) -> None:

@@ -39,6 +39,7 @@ ADAPTED, REFUSED, FAILED, UNTESTED = "adapted", "refused", "failed", "untested"
 
 _LLAMA4 = "transformers.models.llama4.modeling_llama4"
 _DEEPSEEK_V2 = "transformers.models.deepseek_v2.modeling_deepseek_v2"
+_FALCON = "transformers.models.falcon.modeling_falcon"
 # The class patches the guide names for a model type whose own code needs a builtin to export
 # (docs/writing-a-spec.md, "Which bridges a family needs"): model type -> its patches, pinned to the
 # transformers release the matrix runs on (a release that changes the code refuses them: upstream drift).
@@ -66,6 +67,22 @@ _LLAMA4_PATCHES: tuple[dict[str, Any], ...] = (
     },
 )
 GUIDE_PATCHES: dict[str, tuple[dict[str, Any], ...]] = {
+    "falcon": (
+        {
+            "id": "F1",
+            "why": "key and value heads by slices: a list index exports as a constant, valueless on meta",
+            "target": f"{_FALCON}:FalconAttention._split_heads",
+            "kind": "replace",
+            "impl": "builtin:falcon_split_heads_slices",
+            "backends": ["extraction"],
+            "pin": {
+                "signature": (
+                    "(self, fused_qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]"
+                ),
+                "source_sha256": "37894faf93b0c9d5ae3146421d6ee29c2482130f72c49a9dedf4979614d2370a",
+            },
+        },
+    ),
     "llama4_text": _LLAMA4_PATCHES,
     # the multimodal type: the same text classes, under Llama4ForConditionalGeneration's language model
     "llama4": _LLAMA4_PATCHES,

@@ -194,9 +194,14 @@ class Abi:
 
 # The decoder stack's parts the prefill/decode wrappers call, by ``module_paths`` key, at the paths
 # (relative to ``module_paths.language_model``) where transformers' decoder models keep them; a spec
-# names another path where a family differs (Mamba2: ``embeddings``, ``norm_f``). The layers are
-# ``module_paths.language_layers``; a stack without a rotary embedding (NoPE, SSM) runs without one.
+# names another path where a family differs (Mamba2: ``embeddings``, ``norm_f``). A stack without a
+# rotary embedding (NoPE, SSM) runs without one.
 STACK_PARTS = {"embeddings": "embed_tokens", "final_norm": "norm", "rotary_embedding": "rotary_emb"}
+# The layer list is a stack part too (role ``layers``), named by the required ``module_paths.language_layers``
+# (from the top-level model, as simulate and plan read it): the wrappers call it at that path relative to
+# the language model (GPT-J's ``transformer.h``: ``h``), so a stack that keeps its layers elsewhere needs no
+# second key.
+LAYERS, LAYERS_KEY, LAYERS_DEFAULT = "layers", "language_layers", "layers"
 _PART_ROLES = {
     "embeddings": "token embedding",
     "final_norm": "norm after the last decoder layer",
@@ -214,8 +219,8 @@ class StackParts:
     locations: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     def path(self, key: str) -> str:
-        """The path of part ``key`` relative to the language model."""
-        return self.stated.get(key, STACK_PARTS[key])
+        """The path of part ``key`` (a ``STACK_PARTS`` key, or ``LAYERS``) relative to the language model."""
+        return self.stated.get(key, LAYERS_DEFAULT if key == LAYERS else STACK_PARTS[key])
 
     def where(self, key: str) -> str | None:
         return self.locations.get(key)
@@ -224,8 +229,12 @@ class StackParts:
         """Why the wrappers cannot call part ``key`` of ``stack`` (a torch module): the path, the
         ``module_paths`` key that would fix it and the children the stack does have."""
         name, has = type(stack).__name__, ", ".join(n for n, _ in stack.named_children()) or "none"
-        if key not in STACK_PARTS:  # the layers: one fixed name
-            return f"{name} has no {key} (its children: {has}); the prefill/decode wrappers call its {key}"
+        if key == LAYERS:
+            return (
+                f"{name} has no {self.path(key)} (module_paths.{LAYERS_KEY}, relative to "
+                f"module_paths.language_model); its children: {has}. The prefill/decode wrappers call the "
+                f"stack's decoder layer list: set module_paths.{LAYERS_KEY} to where {name} keeps it"
+            )
         default = "" if key in self.stated else ", by default"
         return (
             f"{name} has no {self.path(key)} (module_paths.{key}{default}, relative to "
@@ -272,7 +281,19 @@ class Spec:
         the rest."""
         stated = {key: self.module_paths[key] for key in STACK_PARTS if key in self.module_paths}
         where = {key: f"module_paths.{key}" if key in stated else "module_paths" for key in STACK_PARTS}
+        layers = self.layers_in_stack()
+        if layers is not None and layers != LAYERS_DEFAULT:  # stated only where it departs: {} as before
+            stated[LAYERS] = layers
+        where[LAYERS] = f"module_paths.{LAYERS_KEY}"
         return StackParts(stated, {key: self.locate(at) for key, at in where.items()})
+
+    def layers_in_stack(self) -> str | None:
+        """``module_paths.language_layers`` relative to ``module_paths.language_model`` (GPT-J's
+        ``transformer.h``: ``h``); None where it is not inside it (``check_module_paths`` warns)."""
+        outer, inner = self.module_paths.get("language_model"), self.module_paths.get(LAYERS_KEY)
+        if not (isinstance(outer, str) and isinstance(inner, str) and inner.startswith(f"{outer}.")):
+            return None
+        return inner[len(outer) + 1 :]
 
     @property
     def entry_ids(self) -> tuple[str, ...]:

@@ -58,7 +58,10 @@ def _attention(read: Reader, spec: Spec | None, hidden: int) -> Attention:
             qk_rope_head_dim=rope,
         )
     else:
-        kv_heads = int(read.get("num_kv_heads", heads))
+        # FalconAttention caches one KV head (multi_query), or every head (its new decoder architecture)
+        every = read.get("new_decoder_architecture") is True
+        one = read.get("multi_query") is True and not every
+        kv_heads = heads if every else 1 if one else int(read.get("num_kv_heads", heads))
         head_dim = int(read.get("head_dim") or hidden // heads)
         kind = "mha" if kv_heads == heads else "mqa" if kv_heads == 1 else "gqa"
         # values narrower than keys where the config says so (MiMo-V2-Flash: 192-wide keys, 128 values)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -20,7 +19,7 @@ from torch import nn
 
 from .... import upstream
 from ....errors import KadaptError, Refusal
-from ....spec.model import STACK_PARTS, StackParts
+from ....spec.model import LAYERS, STACK_PARTS, StackParts
 from ..runtime import abi as runtime
 
 
@@ -39,7 +38,8 @@ class Backbone:
 
     @property
     def layers(self) -> list[nn.Module]:
-        return list(self.language_model.layers)[: self.config.num_hidden_layers]
+        """The decoder layers, at ``module_paths.language_layers`` (``parts``' ``layers``)."""
+        return runtime.stack_layers(self.language_model, self.parts.stated)
 
     @property
     def device(self) -> torch.device:
@@ -53,8 +53,8 @@ class Backbone:
 # the stack (a mixer layer alone leaves it None, as the wrappers do)
 LAYER_INPUTS = frozenset(
     {"self", "hidden_states", "attention_mask", "position_ids", "position_embeddings", "use_cache",
-     "cache", "past_key_values", "past_key_value", "cache_position", "output_attentions", "kwargs",
-     runtime.CAUSAL_MASK_INPUT, "transformer_hidden_states"}
+     "cache", "layer_past", "past_key_values", "past_key_value", "cache_position", "output_attentions",
+     "kwargs", runtime.CAUSAL_MASK_INPUT, "transformer_hidden_states"}
 ) | frozenset(runtime.CARRIED_INPUTS) | frozenset(runtime.STACK_INPUTS)  # fmt: skip
 # inputs a layer of a stack whose prompts are never padded (a linear mixer's state takes every token) may
 # take and the wrappers leave at their default, None, which is what the model's forward passes without
@@ -65,13 +65,64 @@ NON_ATTENTION = ("Mamba", "Mixer", "Linear", "Conv", "Recurrent", "DeltaNet", "R
 
 
 def check_parts(backbone: Backbone) -> None:
-    """Refuse (``stack-layout``) a stack without ``layers`` or a part where ``backbone.parts`` says it is."""
+    """Refuse (``stack-layout``) a stack without a part where ``backbone.parts`` says it is (the layer
+    list at ``module_paths.language_layers``, the embedding, final norm and rotary embedding)."""
     stack, parts = backbone.language_model, backbone.parts
-    for key in ("layers", *STACK_PARTS):
+    for key in (LAYERS, *STACK_PARTS):
         try:
-            runtime.stack_part(stack, key, parts.stated) if key in STACK_PARTS else stack.get_submodule(key)
+            runtime.stack_part(stack, key, parts.stated)
         except AttributeError:
             raise Refusal("stack-layout", parts.missing(stack, key), location=parts.where(key)) from None
+
+
+# names of a stack's direct child that holds position embeddings added to the token embeddings (GPT-2's
+# ``wpe``, OPT's ``embed_positions``, OpenAI-GPT's ``positions_embed``)
+POSITION_NAMES = ("wpe", "pos")
+
+
+def check_positions(backbone: Backbone) -> None:
+    """Refuse (``stack-layout``) a stack whose positions reach the layers other than through a rotary
+    embedding, the mask and the cache, which is all the wrappers hand them: learned absolute position
+    embeddings added to the token embeddings (an ``nn.Embedding`` child named ``POSITION_NAMES``) and
+    ALiBi biases added to the attention scores (``alibi_of``)."""
+    stack, parts = backbone.language_model, backbone.parts
+    token = runtime.stack_part(stack, "embeddings", parts.stated)
+    for name, child in stack.named_children():
+        learned = isinstance(child, nn.Embedding) and child is not token
+        if learned and any(word in name.lower() for word in POSITION_NAMES):
+            raise Refusal(
+                "stack-layout",
+                f"{type(stack).__name__} adds learned absolute position embeddings ({name}: "
+                f"{type(child).__name__} of {child.num_embeddings} positions) to the token embeddings; "
+                "the prefill/decode wrappers add none (learned positions are not supported yet)",
+                location=parts.where("embeddings"),
+            )
+    alibi = alibi_of(stack)
+    if alibi is not None:
+        raise Refusal(
+            "stack-layout",
+            f"{type(stack).__name__} adds ALiBi biases to the attention scores ({alibi}), which its forward "
+            "builds from the attention mask and hands to every layer; the prefill/decode wrappers build "
+            "none (ALiBi is not supported yet)",
+        )
+
+
+def alibi_of(stack: nn.Module) -> str | None:
+    """Where ``stack`` says it uses ALiBi (None: it does not): its config's ``alibi`` flag (Falcon),
+    ``attn_config.alibi`` (MPT), else an ALiBi builder in its modelling module that no flag turns off
+    (BLOOM's ``build_alibi_tensor``)."""
+    config = stack.config
+    attn_config = getattr(config, "attn_config", None)
+    for where, holder in (("config.alibi", config), ("config.attn_config.alibi", attn_config)):
+        flag = holder.get("alibi") if isinstance(holder, dict) else getattr(holder, "alibi", None)
+        if isinstance(flag, bool):
+            return where if flag else None
+    module = inspect.getmodule(type(stack))
+    builders = sorted(  # the builder first (BLOOM's build_alibi_tensor, not its _get_alibi_slopes)
+        (n for n, v in vars(module).items() if "alibi" in n.lower() and inspect.isfunction(v)),
+        key=lambda n: not n.startswith("build"),
+    )
+    return f"{module.__name__}.{builders[0]}" if module is not None and builders else None
 
 
 def check_per_layer_inputs(stack: nn.Module) -> None:
@@ -93,11 +144,13 @@ def check_per_layer_inputs(stack: nn.Module) -> None:
 
 
 def check_stack(backbone: Backbone, kinds: Sequence[str] | None = None) -> None:
-    """Refuse a stack the wrappers cannot drive: parts missing (``check_parts``, GPT-2, Falcon, Phi), per-
-    layer embeddings it cannot compute (``check_per_layer_inputs``), or a layer without the mixer of its
-    kind (``kinds``; None: all attention; ``runtime.MIXER_ATTRIBUTES``) that knows its ``layer_idx``
+    """Refuse a stack the wrappers cannot drive: parts missing (``check_parts``), positions they do not
+    hand the layers (``check_positions``: GPT-2's learned positions, BLOOM's ALiBi), per-layer
+    embeddings it cannot compute (``check_per_layer_inputs``), or a layer without the mixer of its kind
+    (``kinds``; None: all attention; ``runtime.MIXER_ATTRIBUTES``) that knows its ``layer_idx``
     (``hybrid`` when it mixes tokens another way)."""
     check_parts(backbone)
+    check_positions(backbone)
     stack = backbone.language_model
     check_per_layer_inputs(stack)
     for index, layer in enumerate(backbone.layers):
@@ -152,24 +205,22 @@ def check_stack(backbone: Backbone, kinds: Sequence[str] | None = None) -> None:
                 "config does not describe as a linear-attention layer kadapt can size: its state is not a "
                 "KV cache",
             )
+        names = " / ".join(runtime.MIXER_ATTRIBUTES["attention"])
         found = (
-            "no self_attn"
+            f"no attention ({names})"
             if attention is None
-            else f"self_attn.layer_idx {getattr(attention, 'layer_idx', None)}"
+            else f"an attention whose layer_idx is {getattr(attention, 'layer_idx', None)}"
         )
         raise Refusal(
             "stack-layout",
             f"{type(layer).__name__} (layer {index}) has {found} (children: {', '.join(others)}); the KV "
-            "cache is addressed by each self_attn's layer_idx",
+            "cache is addressed by each attention's layer_idx",
         )
 
 
 def probed_stack(language_model: nn.Module, parts: StackParts) -> Any:
-    """The stack as upstream's probes read it: its ``rotary_emb`` the rotary embedding the spec names."""
-    if "rotary_embedding" not in parts.stated:
-        return language_model
-    rotary = runtime.stack_part(language_model, "rotary_embedding", parts.stated)
-    return SimpleNamespace(layers=language_model.layers, config=language_model.config, rotary_emb=rotary)
+    """The stack as upstream's probes read it: its ``layers`` and ``rotary_emb`` where the spec names them."""
+    return runtime.probed_stack(language_model, parts.stated)
 
 
 def check_exportable(backbone: Backbone) -> None:

@@ -78,9 +78,9 @@ def _check(spec: Spec, options: ExtractionOptions) -> None:
     randomize_constants(model)
     language_model = submodule(model, spec, "language_model")
     lm_head = submodule(model, spec, "lm_head")
-    layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
     structure = derive_structure(language_model.config, spec)
     parts = spec.stack_parts()
+    layers = runtime.stack_layers(language_model, parts.stated)
     probed = probed_stack(language_model, parts)
     wrapper = runtime.PrefillWrapper.from_language_model(
         language_model,
