@@ -26,12 +26,12 @@ from .linear_of import linear_of
 from .mlp_of import dense_width_of
 from .model import (
     ATTENTION_KINDS,
-    SCORING_FUNCS,
     Attention,
     Layer,
     ModelStructure,
     Moe,
 )
+from .moe_of import moe_layer_kinds, moe_of
 from .reader import MISSING, Reader, locate, mlp_block_types, outside_modelled, tables
 from .refusals import refuse_outside_layer_features, refuse_unmodelled_layers
 from .residual_streams import residual_streams_of
@@ -113,84 +113,6 @@ def _per_layer_inputs(read: Reader) -> PerLayerInputs | None:
     if width <= 0:
         return None
     return PerLayerInputs(width, int(read.get("per_layer_input_vocab") or read.require("vocab_size")))
-
-
-def _moe(read: Reader, spec: Spec | None) -> Moe | None:
-    switched_off = any(read.raw(key) is False for key in tables()["moe_switches"])
-    experts = 0 if switched_off else int(read.get("num_experts", 0) or 0)
-    if experts <= 0:
-        if spec is not None and spec.moe:
-            raise KadaptError(
-                f"the spec has a `moe` section but {read.where} declares no routed experts "
-                f"(looked for: {', '.join(read.candidates['num_experts'])})",
-                location=spec.locate("moe"),
-            )
-        return None
-    top_k = int(read.require("top_k"))
-    width = int(read.get("expert_intermediate_size") or read.require("intermediate_size"))
-    shared = int(read.get("num_shared_experts", 0) or 0)
-    shared_width = read.get("shared_expert_intermediate_size")
-    if shared_width:  # Qwen2-MoE style: one shared expert of its own width
-        shared, shared_total = max(shared, 1), int(shared_width)
-    else:
-        shared_total = shared * width
-    router = dict((spec.architecture or {}).get("router") or {}) if spec else {}
-    routing = dict((spec.moe or {}).get("routing") or {}) if spec else {}
-    # routing has one source: the spec's statement, else the config's key, else nothing (no default)
-    scoring = router.get("scoring") or routing.get("scoring_func") or read.get("scoring_func")
-    if scoring is not None and scoring not in SCORING_FUNCS:
-        raise Refusal(
-            "routing",
-            f"{read.where}: router scoring {scoring!r} is not one kadapt knows; "
-            f"valid: {', '.join(SCORING_FUNCS)}",
-            location=locate(spec, "architecture.router.scoring"),
-        )
-    normalize = router.get("normalize_top_k")
-    if normalize is None:
-        normalize = read.get("norm_topk_prob")
-    return Moe(
-        num_experts=experts,
-        top_k=top_k,
-        expert_intermediate_size=width,
-        num_shared_experts=shared,
-        shared_intermediate_size=shared_total,
-        scoring=scoring,
-        normalize_top_k=None if normalize is None else bool(normalize),
-        routed_scaling_factor=float(read.get("routed_scaling_factor", 1.0)),
-        expert_groups=int(read.get("expert_groups", 1) or 1),
-        top_k_groups=int(read.get("top_k_groups", 1) or 1),
-    )
-
-
-def _mlp_kinds(read: Reader, spec: Spec | None, num_layers: int, moe: Moe | None) -> list[str]:
-    if moe is None:
-        return ["dense"] * num_layers
-    stated = (spec.architecture or {}).get("dense_layers") if spec else None
-    if stated is not None:
-        bad = [i for i in stated if not 0 <= i < num_layers]
-        if bad:
-            raise KadaptError(
-                f"architecture.dense_layers names layers {bad} outside 0..{num_layers - 1}",
-                location=locate(spec, "architecture.dense_layers"),
-            )
-        dense = set(stated)
-    else:
-        types = read.get("mlp_layer_types")  # one 'dense' / 'sparse' per layer (Kimi-Linear, GLM-5)
-        if types is not None:
-            return ["dense" if i < len(types) and types[i] == "dense" else "moe" for i in range(num_layers)]
-        moe_listed = read.get("moe_layer_list")  # Llama-4's moe_layers: the MoE layers, the rest dense
-        if moe_listed is not None:
-            sparse = set(moe_listed)
-            return ["moe" if i in sparse else "dense" for i in range(num_layers)]
-        period = read.get("moe_layer_period")  # Jamba: layer i is MoE iff i % period == offset
-        if period:
-            offset = int(read.get("moe_layer_offset", 0) or 0)
-            return ["moe" if i % int(period) == offset else "dense" for i in range(num_layers)]
-        first = int(read.get("first_dense_layers", 0) or 0)
-        listed = set(read.get("dense_layer_list", []) or [])
-        step = int(read.get("moe_layer_step", 1) or 1)
-        dense = {i for i in range(num_layers) if i < first or i in listed or (i + 1) % step}
-    return ["dense" if i in dense else "moe" for i in range(num_layers)]
 
 
 def _layer_types(read: Reader, num_layers: int) -> list[Any] | None:
@@ -449,14 +371,14 @@ def derive_structure(
     _check_values(read)
     num_layers = _num_layers(read)
     hidden = int(read.require("hidden_size"))
-    moe = _moe(read, spec)
+    moe = moe_of(read, spec)
     types = _layer_types(read, num_layers)
     spans = _spans(read, num_layers, types)
     attends = _attends(read, spans)
     attention = _attention(read, spec, hidden) if attends else _nominal_attention(hidden)
     shapes = layer_attentions(read, attention, types, num_layers) if attends else (None,) * num_layers
     sources = kv_sources(read, types, num_layers)
-    kinds = _block_mlps(read, types, num_layers, moe) or _mlp_kinds(read, spec, num_layers, moe)
+    kinds = _block_mlps(read, types, num_layers, moe) or moe_layer_kinds(read, spec, num_layers, moe)
     if not attends and moe is None:  # SSM mixers alone (MambaBlock: a norm and its mixer), no MLP
         kinds = ["none"] * num_layers
     blocks = shared_blocks_of(read, spans)
