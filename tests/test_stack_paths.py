@@ -269,3 +269,25 @@ def test_a_generated_module_calls_the_layers_its_spec_names(
     _, mask, positions = abi.prefill_inputs(batch=1, prefill_len=7, dtype=torch.float32, device="cpu")
     with torch.no_grad():
         assert (wrapper(ids, mask, positions)[0] - model(ids).logits).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("tp", "refused"),
+    [
+        ("1", "never called transformers' attention interface"),  # FalconAttention computes inline
+        ("2", "takes its head width from config hidden_size / num_attention_heads"),
+    ],
+)
+def test_simulate_refuses_falcons_attention_with_a_reason_at_every_tp(
+    tmp_path: Path, tp: str, refused: str
+) -> None:
+    """Falcon's per-rank config cannot be given a head width (a read-only property: the rank's config
+    leaves it to the class) and its attention runs inline, not through the interface simulate prices:
+    refused at TP 1 for the attention, past it for the head width, never a traceback."""
+    spec = matrix_spec(tmp_path, "falcon")
+    result = CliRunner().invoke(
+        cli, ["simulate", str(spec.path), "--device", "h100", "--tp", tp, "--query-len", "64"]
+    )
+    assert result.exit_code != 0
+    assert refused in result.output
+    assert "Traceback" not in result.output and "has no setter" not in result.output

@@ -45,6 +45,18 @@ def positions_of(layer: nn.Module, embeddings: Any, positions: torch.Tensor) -> 
     return {"position_embeddings": embeddings, **({"position_ids": positions} if takes else {})}
 
 
+def mask_of(layer: nn.Module, hidden: torch.Tensor) -> dict[str, Any]:
+    """An all-visible additive mask over the step's tokens where the layer's forward requires one
+    (Falcon's); other layers get none: the serving kernels price the attention, the trace masks nothing.
+    An attention that then computes inline rather than through transformers' attention interface is
+    refused after the step (``RankModel.trace``)."""
+    params = inspect.signature(layer.forward).parameters.values()
+    if not any(p.name == "attention_mask" and p.default is p.empty for p in params):
+        return {}
+    batch, tokens = hidden.shape[:2]
+    return {"attention_mask": hidden.new_zeros(batch, 1, tokens, tokens)}
+
+
 def per_layer_inputs(rec: Recorder, s: ModelStructure, tokens: int) -> None:
     """Gemma-4's per-layer embeddings, computed once per step before the layers: the projection of the
     input embeddings to every layer's input (a GEMM, replicated on every rank as plan places it) and the

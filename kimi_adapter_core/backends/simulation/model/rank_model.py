@@ -51,7 +51,7 @@ from .arch import read_config
 from .deployment import Deployment
 from .head_width import refuse_hidden_derived_heads
 from .inputs import ModelInputs
-from .layer_calls import carried_to, handed_on, hidden_of, per_layer_inputs, positions_of
+from .layer_calls import carried_to, handed_on, hidden_of, mask_of, per_layer_inputs, positions_of
 from .linear_kernels import RankLinearMixer
 from .mla_kernels import RankMLA
 from .module_swaps import experts_of, find_modules, stack_child, swap
@@ -159,7 +159,7 @@ def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts,
     raw = read_config(spec)
     key = text_config_key(spec, isinstance(raw.get("text_config"), dict))
     raw_text = raw[key] if key else raw
-    overrides = rank_overrides(key, s, dep, raw_text)
+    overrides = without_derived(rank_overrides(key, s, dep, raw_text), raw_text.get("model_type"), key)
     config = load_config(spec, backend=BACKEND, overrides=overrides)
     notes = check_sizes(spec, key, getattr(config, key) if key else config, raw_text, overrides, s)
     model = load_model(spec, device="meta", config=config)
@@ -221,6 +221,21 @@ def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts,
         parts.norms += split_norms(traced.module, kernels, dep.parallel.tp, parts.names)
         parts.rows += split_rows(traced.module, kernels, dep.parallel.tp, parts.names)
     return parts, notes
+
+
+def without_derived(overrides: dict[str, Any], model_type: Any, key: str | None) -> dict[str, Any]:
+    """``overrides`` less a head width the model type's config class derives itself (a read-only
+    ``head_dim`` property: Falcon's ``hidden_size / num_attention_heads``), which it refuses to be
+    given; at a TP where that derivation is not the model's head width, ``refuse_hidden_derived_heads``
+    refuses. Other read-only properties take their value through ``__init__`` (Nemotron-H's layer count)."""
+    from transformers import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[model_type] if model_type in CONFIG_MAPPING else None
+    head_dim = getattr(config_class, "head_dim", None)
+    if not (isinstance(head_dim, property) and head_dim.fset is None):
+        return overrides
+    path = f"{key}.head_dim" if key else "head_dim"
+    return {name: value for name, value in overrides.items() if name != path}
 
 
 _UNBOUND = Deployment(Parallel(), 1, 1, 0, True)  # placeholder shapes until a trace binds its own
@@ -402,6 +417,7 @@ def _step(
                     traced.module, hidden, traced.kind.mixer, length, traced.kind.index, embedded
                 ),
                 **carried_to(traced.module, carried),
+                **mask_of(traced.module, hidden),
             }
             out = traced.module(hidden, **kwargs)
             hidden, carried = hidden_of(out), handed_on(out)
