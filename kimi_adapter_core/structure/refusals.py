@@ -29,7 +29,8 @@ def refuse_unmodelled_layers(read: Reader, spec: Spec | None) -> None:
                 f"{read.where} sets {key}, which only models with non-attention layers (SSM, linear "
                 "attention, recurrence, convolution) have; kadapt carries KV caches, gated-DeltaNet, KDA, "
                 "Mamba2 and Mamba1 states (conv window, recurrent state), lightning attention's "
-                "recurrent state and short convolutions' windows, and this layer keeps another state",
+                "recurrent state, short convolutions' windows and hybrid layers holding both (Falcon-H1, "
+                "Zamba's shared blocks), and this family is not among those it reads",
                 location=locate(spec, "gate"),
             )
     model_type = read.raw("model_type")
