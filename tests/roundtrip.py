@@ -330,15 +330,18 @@ def user_job(name: str, spec: Spec, vendored: Path, tmp: Path) -> dict[str, Any]
     return {"path": str(vendored), "tiny": tiny_overrides(spec, options), "out": str(tmp / name)}
 
 
-def run_user_script(modules: dict[str, dict[str, Any]], tmp: Path, timeout: float = 900) -> dict[str, Any]:
-    """Run the user's script in ``tmp`` (outside the checkout, without kadapt) over ``modules``."""
+def run_user_script(
+    modules: dict[str, dict[str, Any]], tmp: Path, timeout: float = 900, dtypes: tuple[str, ...] = DTYPES
+) -> dict[str, Any]:
+    """Run the user's script in ``tmp`` (outside the checkout, without kadapt) over ``modules``, in each
+    of ``dtypes``."""
     assert REPO not in tmp.parents, f"{tmp} must be outside the checkout"
     request = tmp / "request.json"
     request.write_text(
         json.dumps(
             {
                 "modules": modules,
-                "dtypes": list(DTYPES),
+                "dtypes": list(dtypes),
                 "prefill_len": PREFILL,
                 "max_cache_len": CACHE,
                 "steps": STEPS,

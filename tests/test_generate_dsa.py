@@ -451,16 +451,36 @@ def test_a_mixed_stacks_vendored_module_round_trips_through_torch_ir(
     dots3_text: tuple[Spec, dict[str, str]], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """float32: the saved graphs name each layer's states by its kind (no indexer keys for layer 2),
-    state 3 layers and generate like transformers. (bfloat16 is not claimed: dots3's DSA layers differ
-    from transformers' in bfloat16 through ``kadapt apply --verify`` as well.)"""
+    state 3 layers and generate like transformers. (bfloat16 is refused: dots3's DSA layers keep float32
+    indexer keys there, ``test_a_dots3_module_refuses_to_build_below_float32``.)"""
     spec, files = dots3_text
     tmp = tmp_path_factory.mktemp("vendored_dots3")
     path = tmp / "dots3_note_text_extraction.py"
     path.write_text(files["adapters/dots3_note_text/extraction.py"])
     job = roundtrip.user_job("dots3_note_text", spec, path, tmp)
-    result = roundtrip.run_user_script({"dots3_note_text": job}, tmp)["results"]["dots3_note_text/float32"]
+    # float32 only: the module refuses a dots3 build below it
+    report = roundtrip.run_user_script({"dots3_note_text": job}, tmp, dtypes=("float32",))
+    result = report["results"]["dots3_note_text/float32"]
     prefill = result["graphs"]["prefill"]
     assert prefill["outputs"] == ["logits", "k.0", "v.0", "i.0", "k.1", "v.1", "i.1", "k.2", "v.2"]
     assert prefill["metadata"]["num_layers"] == result["mapping"]["num_layers"] == 3
     assert result["tokens"] == result["references"]["eager"]["tokens"]
     assert result["references"]["eager"]["max_diff"] <= roundtrip.FP32_TOLERANCE
+
+
+def test_a_dots3_module_refuses_to_build_below_float32(dots3: types.ModuleType, tmp_path: Path) -> None:
+    """dots3's DSA layers' rope comes from float32 embeddings, so below float32 their indexer keys are
+    float32 where the state mapping says the model's dtype: the module refuses the build, and generate a
+    spec whose abi.dtype is bfloat16, located (``kadapt apply`` refuses the same)."""
+    from test_per_layer_latent_kv import dots3_spec
+
+    with pytest.raises(dots3.KadaptError, match="build it in float32"):
+        dots3.build_model(device="meta", dtype="bfloat16")
+    assert dots3.build_model(device="meta", dtype="float32") is not None
+    path = dots3_spec(tmp_path).path
+    path.write_text(path.read_text().replace("dtype: float32", "dtype: bfloat16"))
+    spec = load_spec(path)
+    with pytest.raises(KadaptError) as refused:
+        render_spec(spec, ["extraction"])
+    assert "generate it in float32" in refused.value.message
+    assert refused.value.location == spec.locate("abi.dtype")

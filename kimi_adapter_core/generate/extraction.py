@@ -259,6 +259,9 @@ def structure_context(spec: Spec, d: abi_tables.Dims) -> dict[str, Any]:
         "value_conv": value_conv,
         "recurrent_axes": RECURRENT_AXES[linear.kind] if linear is not None else None,
         "indexed": d.index_dim is not None,
+        # DSA layers whose rope the model computes from float32 embeddings (dots3): float32 graphs only
+        "float32_rope": d.index_dim is not None
+        and d.structure.model_type in upstream.FLOAT32_ROPE_MODEL_TYPES,
         # DSA layers beside attention ones (dots3's sliding layers): saved graphs are walked by LAYER_KINDS
         "indexed_mixed": d.index_dim is not None and "attention" in d.layer_kinds,
         "index_dim": d.index_dim,
@@ -320,6 +323,14 @@ def render_extraction(spec: Spec) -> list[Rendered]:
     if clashes:
         raise _fail(
             spec, "patches", f"patch implementations {clashes} clash with names of the extraction runtime"
+        )
+    if structure["float32_rope"] and abi.dtype != "float32":  # what ``kadapt apply`` refuses alike
+        raise _fail(
+            spec,
+            "abi.dtype",
+            f"{structure['data']['model_type']}'s forward computes its DSA layers' rotary embedding from "
+            f"float32 embeddings, so in a {abi.dtype} model their indexer keys are float32 while the "
+            "module's state mapping types every indexer key in abi.dtype; generate it in float32",
         )
     own_imports = {line for module in bodies for line in module.imports}
     backend = spec.backend_options(TARGET)
