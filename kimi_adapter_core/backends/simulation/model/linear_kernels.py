@@ -137,6 +137,41 @@ class RankLinearMixer(nn.Module):
         )
 
 
+class Mamba1Scan(RankLinearMixer):
+    """What a Mamba1 selective scan records, whether its channels form one scan (``ssm_kernels.
+    RankMamba1``) or per-head scans (``mamba_heads_kernels.RankMamba1Heads``): x, z, dt and y in bf16 per
+    channel, B and C (``state_size`` each) per group of channels, A and the state ``[channels,
+    state_size]`` in float32; ``selective_scan_fn`` in prefill, ``selective_state_update`` in decode."""
+
+    state_size: int
+    bc_groups = 1  # the groups of channels that read their own B and C (one scan: one)
+
+    def _scan_shapes(self, b: int, s: int) -> str:
+        """The scan's shape label."""
+        raise NotImplementedError
+
+    def _attrs(self, source: str, b: int, s: int, hidden: int) -> dict[str, Any]:
+        return {
+            "kernel": "mamba1",
+            "decode": self.dep.decode,
+            "batch": b,
+            "seq": s,
+            "hidden": hidden,
+            "conv": self.kernel,
+            "channels": self.channels,
+            "state_size": self.state_size,
+        }
+
+    def _record_selective_scan(self, b: int, s: int, hidden: int) -> None:
+        i, n, tokens = self.channels, self.state_size, b * s
+        io = tokens * (4 * i + 2 * n * self.bc_groups) * ACTIVATION_BYTES + i * n * STATE_BYTES
+        source = "selective_state_update" if self.dep.decode else "selective_scan_fn"
+        flops = tokens * i * (7 * n + 3)
+        state = b * i * n * STATE_BYTES
+        attrs = self._attrs(source, b, s, hidden)
+        self._record_scan(source, "vector", flops, io, state, self._scan_shapes(b, s), attrs)
+
+
 class RankGatedDeltaNet(RankLinearMixer):
     """A gated-DeltaNet mixer as serving runtimes run it, around the adopted module's projections
     (adopted, not patched: no class is modified). Called as transformers calls the mixer:

@@ -18,7 +18,7 @@ from torch import nn
 
 from ....errors import KadaptError
 from .deployment import Deployment
-from .linear_kernels import ACTIVATION_BYTES, STATE_BYTES, RankLinear, RankLinearMixer
+from .linear_kernels import Mamba1Scan, RankLinear
 from .tracer import Recorder
 
 # ZambaMambaMixer (transformers 5.24): per-head projections are parameters, not nn.Linear modules
@@ -37,7 +37,7 @@ def is_mamba1_heads(module: nn.Module) -> bool:
     return all(hasattr(module, name) for name in (*MAMBA1_HEADS_FIELDS, *MAMBA1_HEADS_SIZES))
 
 
-class RankMamba1Heads(RankLinearMixer):
+class RankMamba1Heads(Mamba1Scan):
     """A multi-head Mamba1 mixer (``mamba`` of a Zamba layer) as one TP rank runs it: 1/tp of its heads.
     Called as transformers calls the mixer."""
 
@@ -51,6 +51,7 @@ class RankMamba1Heads(RankLinearMixer):
         self.heads, self.width = int(inner.n_mamba_heads) // tp, int(inner.mamba_head_dim)
         self.state_size, self.rank = int(inner.ssm_state_size), int(inner.time_step_rank)
         self.kernel = int(inner.conv_kernel_size)
+        self.bc_groups = self.heads  # each head reads its own B and C
         self.in_proj = RankLinear(inner.in_proj, tp, "rows")
         self.out_proj = RankLinear(inner.out_proj, tp, "columns")
         self.x_proj_weight, self.dt_proj_weight = inner.x_proj_weight, inner.dt_proj_weight
@@ -71,26 +72,5 @@ class RankMamba1Heads(RankLinearMixer):
         self._record_selective_scan(b, s, hidden)
         return self.out_proj(hidden_states.new_empty(b, s, self.channels))
 
-    def _attrs(self, source: str, b: int, s: int, hidden: int) -> dict[str, Any]:
-        return {
-            "kernel": "mamba1",
-            "decode": self.dep.decode,
-            "batch": b,
-            "seq": s,
-            "hidden": hidden,
-            "conv": self.kernel,
-            "channels": self.channels,
-            "state_size": self.state_size,
-        }
-
-    def _record_selective_scan(self, b: int, s: int, hidden: int) -> None:
-        """Each head's ``selective_scan_fn`` (prefill) or ``selective_state_update`` (decode), as Mamba1's
-        over the rank's channels: x, z, dt and y in bf16 per channel, B and C per head, A and the state
-        ``[heads, P, N]`` in float32."""
-        i, n, tokens = self.channels, self.state_size, b * s
-        io = tokens * (4 * i + 2 * n * self.heads) * ACTIVATION_BYTES + i * n * STATE_BYTES
-        source = "selective_state_update" if self.dep.decode else "selective_scan_fn"
-        flops = tokens * i * (7 * n + 3)
-        state = b * i * n * STATE_BYTES
-        shapes = f"B{b} q{s} H{self.heads} P{self.width} N{n}"
-        self._record_scan(source, "vector", flops, io, state, shapes, self._attrs(source, b, s, hidden))
+    def _scan_shapes(self, b: int, s: int) -> str:
+        return f"B{b} q{s} H{self.heads} P{self.width} N{self.state_size}"

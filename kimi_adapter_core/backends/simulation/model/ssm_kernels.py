@@ -61,6 +61,7 @@ from .linear_kernels import (
     CHUNK,
     SCAN_COMPUTE,
     STATE_BYTES,
+    Mamba1Scan,
     RankGatedDeltaNet,
     RankLinear,
     RankLinearMixer,
@@ -276,7 +277,7 @@ class RankMamba2(RankLinearMixer):
         self._record_scan(source, compute, flops, io, state, shapes, self._attrs(source, b, s, hidden))
 
 
-class RankMamba1(RankLinearMixer):
+class RankMamba1(Mamba1Scan):
     """A Mamba1 mixer (``mixer`` of Mamba / Falcon-Mamba, ``mamba`` of Jamba) as serving runtimes run it
     at 1/tp of its inner channels. Called as transformers calls the mixer."""
 
@@ -309,28 +310,8 @@ class RankMamba1(RankLinearMixer):
         self._record_selective_scan(b, s, hidden)
         return self.out_proj(torch.empty_like(x))
 
-    def _attrs(self, source: str, b: int, s: int, hidden: int) -> dict[str, Any]:
-        return {
-            "kernel": "mamba1",
-            "decode": self.dep.decode,
-            "batch": b,
-            "seq": s,
-            "hidden": hidden,
-            "conv": self.kernel,
-            "channels": self.inner_size,
-            "state_size": self.state_size,
-        }
-
-    def _record_selective_scan(self, b: int, s: int, hidden: int) -> None:
-        """``selective_scan_fn`` in prefill, ``selective_state_update`` in decode: x, z, dt, B, C and y
-        in bf16, A and the state [I, N] in float32."""
-        i, n, tokens = self.inner_size, self.state_size, b * s
-        io = tokens * (4 * i + 2 * n) * ACTIVATION_BYTES + i * n * STATE_BYTES
-        source = "selective_state_update" if self.dep.decode else "selective_scan_fn"
-        flops = tokens * i * (7 * n + 3)
-        state = b * i * n * STATE_BYTES
-        shapes = f"B{b} q{s} I{i} N{n}"
-        self._record_scan(source, "vector", flops, io, state, shapes, self._attrs(source, b, s, hidden))
+    def _scan_shapes(self, b: int, s: int) -> str:
+        return f"B{b} q{s} I{self.inner_size} N{self.state_size}"
 
 
 class RankShortConv(RankLinearMixer):
