@@ -1471,11 +1471,12 @@ def _probe_layer(
     keyword = cache_keyword(layer)
     cache = _RecordingCache(kind)
     inputs = stack_inputs(layer, hidden, kind, index=index)  # a KV-sharing layer's reads are checked below
-    if "causal_mask" in _signature(type(layer).forward).parameters:  # runtime.CAUSAL_MASK_INPUT (Zamba)
+    takes = _signature(type(layer).forward).parameters
+    if "causal_mask" in takes:  # runtime.CAUSAL_MASK_INPUT (Zamba)
         inputs["causal_mask"], mask = mask, None
     if kind == "hybrid":  # its attention caches under the layer's index (Zamba's: the one handed it)
         layer_idx = index
-    if "prev_topk_indices" in _signature(type(layer).forward).parameters:
+    if "prev_topk_indices" in takes:
         # what an earlier DSA layer hands on (the runtime's CARRIED_INPUTS; a layer with an indexer of its
         # own ignores it, one that reuses the top-k attends over it): every query's first key
         inputs["prev_topk_indices"] = hidden.new_zeros(1, 2, 1, dtype=torch.long)
