@@ -40,24 +40,8 @@ Sources
   large-EP one (DeepEP all-to-all, DeepEP-path expert tables, SGLang's attention-DP MLA module)
   across nodes; per step and per component, and the reason where it cannot price the layout.
 
-- [HELD-OUT] Kernel tables as a leave-out experiment within each serving framework, scored against
-  AIConfigurator's own step estimate computed in the same run (its engine, ``EngineHandle.compile`` +
-  ``predict_*_latency``; needs the ``measured`` extra). kadapt always prices with the framework's own
-  table (``--framework``), so every (device, framework) it ships - h100_sxm, h200_sxm, b200_sxm,
-  gb200 x TensorRT-LLM, SGLang, vLLM - is scored, with its shipped table and with tables that never
-  saw that cell's own rows: "shapes" (the cell's table refitted without any row of the family's
-  width or per-rank head counts, ``without_shapes``), "layout" (refitted without the scored
-  layout's rows: every model's expert rows at its EP size, the attention and MLA rows at its
-  per-rank head count, ``without_layout``), "device" (the framework's table measured on the same
-  GPU generation: H100 <-> H200, B200 <-> GB200, priced on the scored device as a borrowed table
-  is, ``cost._priced_time``: on one set of peaks the time above the bound carried over as a time)
-  and "other gen" (the same from the other generation: Hopper <- B200, Blackwell <-
-  H200; printed, not in the pass score). Families DeepSeek-V3 (fp8 block), Qwen3-235B-A22B and
-  Llama-3.1-8B (bf16), Kimi-K2.5 as shipped (int4 experts: AIConfigurator has no TensorRT-LLM int4
-  MoE, so it is scored on SGLang and vLLM only), each at two layouts; decode batch 1/32/128 at
-  context 4096, prefill 1 x 1024 and 1 x 4096. Printed per cell, family and phase: min / median /
-  max of kadapt / AIConfigurator per table. Then, informational: one framework's table priced
-  against another framework's serving on H200 (other kernels: not a calibration error).
+- [HELD-OUT] The kernel tables scored on cells they never saw, on a development and a test split:
+  ``benchmarks/held_out.py`` (its docstring says how; ``--held-out-only`` runs its development split).
 
 TensorCast column: ``--tensorcast DIR --tensorcast-python PY`` (or KADAPT_TENSORCAST /
 KADAPT_TENSORCAST_PYTHON), a checkout and a python that imports it; ~1 minute per case on a CPU.
@@ -66,28 +50,23 @@ KADAPT_TENSORCAST_PYTHON), a checkout and a python that imports it; ~1 minute pe
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
-import statistics
 import subprocess
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+
+import held_out  # benchmarks/held_out.py, beside this script
 
 from kimi_adapter_core.backends.simulation.estimate import aiconfigurator, reference
-from kimi_adapter_core.backends.simulation.estimate.cost import kernel_table, price
 from kimi_adapter_core.backends.simulation.estimate.measured import MeasuredPricer
-from kimi_adapter_core.backends.simulation.estimate.simulator import finish_step, simulate, trace_kernels
+from kimi_adapter_core.backends.simulation.estimate.simulator import simulate
 from kimi_adapter_core.backends.simulation.model.deployment import Deployment
 from kimi_adapter_core.backends.simulation.model.inputs import model_inputs
 from kimi_adapter_core.backends.simulation.model.parallel import Parallel
-from kimi_adapter_core.backends.simulation.model.tracer import Op
-from kimi_adapter_core.backends.simulation.tables import calibrate, calibrate_rows
-from kimi_adapter_core.backends.simulation.tables.device import Device, get_device
-from kimi_adapter_core.backends.simulation.tables.kernels import KernelTable, parse_kernels
+from kimi_adapter_core.backends.simulation.tables.device import get_device
 from kimi_adapter_core.spec import load_spec
 
 # The shipped DeepSeek-V3 spec. Its checkpoint is FP8 block-scaled (config.json quantization_config),
@@ -579,300 +558,6 @@ def wide_ep_table() -> None:
     )
 
 
-@dataclass(frozen=True)
-class Family:
-    spec: str  # kadapt spec file stem
-    model: str  # AIConfigurator's model name
-    layouts: tuple[tuple[int, int], ...]  # (tp, ep)
-    kv_dtype: str
-    quant: dict[str, str]  # AIConfigurator quant overrides
-    hidden: int  # model width: the "shapes" fit drops every measured row of this width
-    heads: int  # query heads: ... and every attention row with as many heads per rank as a layout's
-
-    def heads_per_rank(self, tp: int) -> int:
-        return self.heads // tp
-
-
-FAMILIES = [
-    Family(
-        "deepseek_v3",
-        "deepseek-ai/DeepSeek-V3",
-        ((8, 8), (4, 4)),
-        "fp8",
-        {"fmha_quant_mode": "bfloat16"},
-        7168,
-        128,
-    ),
-    Family("qwen3_moe", "Qwen/Qwen3-235B-A22B", ((8, 8), (4, 4)), "bf16", {}, 4096, 64),
-    Family("llama", "meta-llama/Meta-Llama-3.1-8B", ((1, 1), (2, 1)), "bf16", {}, 4096, 32),
-    Family("kimi_k25", "moonshotai/Kimi-K2.5", ((8, 8), (4, 4)), "bf16", {}, 7168, 64),
-]
-# (label, decode, batch, new tokens per query, context)
-POINTS = [
-    ("decode b1", True, 1, 1, 4096),
-    ("decode b32", True, 32, 1, 4096),
-    ("decode b128", True, 128, 1, 4096),
-    ("prefill 1024", False, 1, 1024, 0),
-    ("prefill 4096", False, 1, 4096, 0),
-]
-# every (AIConfigurator system, framework) scored: each is priced with its framework's own table, as
-# ``kadapt simulate --framework`` prices, fitted without that cell's own measurements
-TARGETS = [(system, framework) for system in calibrate.SYSTEMS for framework in calibrate_rows.FRAMEWORKS]
-# the device a "device" held-out table was measured on: the same GPU generation (H100 and H200 are
-# one Hopper die with different HBM; B200 and GB200 one Blackwell die, GB200 on a Grace board) ...
-SAME_GENERATION = {"h100_sxm": "h200_sxm", "h200_sxm": "h100_sxm", "b200_sxm": "gb200", "gb200": "b200_sxm"}
-# ... and the other generation (Hopper from B200, Blackwell from H200), its own column
-OTHER_GENERATION = {
-    "h100_sxm": "b200_sxm",
-    "h200_sxm": "b200_sxm",
-    "b200_sxm": "h200_sxm",
-    "gb200": "h200_sxm",
-}
-# informational, not in the score: (system, framework scored, framework whose table prices it). A
-# table prices its own framework's kernels; SGLang's Triton MoE or vLLM's MLA module are other kernels
-CROSS_FRAMEWORK = [
-    ("h200_sxm", "sglang", "trtllm"),
-    ("h200_sxm", "vllm", "trtllm"),
-    ("h200_sxm", "trtllm", "sglang"),
-]
-KINDS = ("shipped", "shapes", "layout", "device", "other gen")  # columns; all but "shipped" held out
-SCORED = ("shapes", "layout", "device")  # the pass score: within 15% in every case of these
-
-
-def _table(data: dict[str, Any], label: str) -> KernelTable:
-    """A kernel table built in memory from ``calibrate``'s output, as ``load_kernels`` would."""
-    return parse_kernels(json.loads(json.dumps(data)), Path(f"<{label}>"))
-
-
-def without_shapes(family: Family) -> calibrate_rows.RowFilter:
-    """A row filter dropping every measured row of the family's own shapes: its width (GEMM N or K,
-    MoE hidden size) and its per-rank head count at any of its layouts (attention, MLA kernels and
-    modules), so every kernel shape of the family is out of sample."""
-    heads = [family.heads_per_rank(tp) for tp, _ in family.layouts]
-
-    def keep(op: str, rows: Any) -> Any:
-        if op == "gemm":
-            return rows[(rows.n != family.hidden) & (rows.k != family.hidden)]
-        if op == "moe":
-            return rows[rows.hidden_size != family.hidden]
-        return rows[~rows.num_heads.isin(heads)]
-
-    return keep
-
-
-def without_layout(family: Family, tp: int, ep: int) -> calibrate_rows.RowFilter:
-    """A row filter dropping every measured row of the scored layout's split, whatever the model: the
-    expert rows at its EP size and the attention rows (MLA kernels and modules too) at its per-rank
-    head count. GEMM rows stay (their curves are medians by M over every shape, with no layout)."""
-    heads = family.heads_per_rank(tp)
-
-    def keep(op: str, rows: Any) -> Any:
-        if op == "moe":
-            return rows[rows.moe_ep_size != ep]
-        if op in ("attention", "mla"):
-            return rows[rows.num_heads != heads]
-        return rows
-
-    return keep
-
-
-def held_out_fit(
-    system: str, framework: str, row_filter: calibrate_rows.RowFilter, label: str
-) -> KernelTable:
-    """``framework``'s table on ``system`` refitted on the rows ``row_filter`` keeps: the filters drop
-    every row of the shapes scored, so no curve of those shapes is left; the curves of the other
-    shapes price them from the EP sizes, model widths and head counts around them, as in a shipped table
-    (``tests/test_calibration.py`` checks that no curve of a scored shape is left)."""
-    return _table(calibrate.calibrate(system, framework, row_filter), label)
-
-
-def source_table(system: str, framework: str) -> KernelTable:
-    """The shipped table of ``framework`` measured on ``system`` (a regeneration of its rows)."""
-    return kernel_table(get_device(calibrate.SYSTEMS[system]), framework)
-
-
-class AicSteps:
-    """AIConfigurator's step estimates, one compiled engine per model, system, framework and layout."""
-
-    def __init__(self) -> None:
-        self.engine = aiconfigurator.require()
-        self.handles: dict[tuple[str, str, str, int, int], Any] = {}
-
-    def step_ms(
-        self, family: Family, system: str, framework: str, tp: int, ep: int, point: tuple
-    ) -> float | str:
-        _, decode, batch, tokens, context = point
-        key = (family.model, system, framework, tp, ep)
-        try:
-            if key not in self.handles:
-                self.handles[key] = self.engine.EngineHandle.compile(
-                    family.model,
-                    system,
-                    framework,
-                    tp_size=tp,
-                    attention_dp_size=1,
-                    moe_tp_size=1,
-                    moe_ep_size=ep,
-                    **family.quant,
-                )
-            handle = self.handles[key]
-            return (
-                handle.predict_decode_latency(batch, context, 2)
-                if decode
-                else handle.predict_prefill_latency(batch, tokens)
-            )
-        except Exception as exc:  # AIConfigurator's own errors (a kernel it never measured)  # noqa: BLE001
-            return str(exc).split(":")[0][:60]
-
-
-def _step_ms(ops: list[Op], dep: Deployment, device: Device, table: KernelTable | None) -> float:
-    return sum(k.total for k in finish_step([price(op, device, table) for op in ops], dep)) * 1e3
-
-
-def _spread(ratios: list[float]) -> str:
-    if not ratios:
-        return f"{'n/a':>17}"
-    return f"{min(ratios):5.2f} {statistics.median(ratios):5.2f} {max(ratios):5.2f}"
-
-
-Traced = dict[tuple[str, int, int, str], tuple[list[Op], Deployment]]
-
-
-def _trace_all() -> Traced:
-    """Every family's kernels at each layout and point, traced once (pricing is per table)."""
-    traced: Traced = {}
-    for family in FAMILIES:
-        spec = load_spec(REPO / "specs" / f"{family.spec}.yaml")
-        inputs = model_inputs(spec, None)
-        for tp, ep in family.layouts:
-            for label, decode, batch, tokens, context in POINTS:
-                dep = Deployment(
-                    Parallel(tp, 1, ep), batch, tokens, context, decode, kv_dtype=family.kv_dtype
-                )
-                traced[(family.spec, tp, ep, label)] = (trace_kernels(spec, inputs, dep)[0], dep)
-    return traced
-
-
-def held_out_table() -> None:
-    """min / median / max of kadapt / AIConfigurator per scored cell, family and phase: with the
-    shipped table and with each held-out table of the cell's framework."""
-    if not aiconfigurator.available():
-        print("\nheld-out accuracy: needs aiconfigurator-core (pip install 'kadapt[measured]')")
-        return
-    aic = AicSteps()
-    traced = _trace_all()
-    # (system, framework, family, phase) -> kind -> ratios; unscored (system, framework, family): why
-    scores: dict[tuple[str, str, str, str], dict[str, list[float]]] = {}
-    missing: dict[tuple[str, str, str], str] = {}
-    outside: list[str] = []  # the shipped cases outside 15%, named (a spread hides which)
-    for system, framework in TARGETS:
-        device = get_device(calibrate.SYSTEMS[system])
-        shipped = kernel_table(device, framework)
-        moved = {
-            "device": source_table(SAME_GENERATION[system], framework),
-            "other gen": source_table(OTHER_GENERATION[system], framework),
-        }
-        for family in FAMILIES:
-            refs = {
-                (tp, ep, point[0]): aic.step_ms(family, system, framework, tp, ep, point)
-                for tp, ep in family.layouts
-                for point in POINTS
-            }
-            failed = [ref for ref in refs.values() if isinstance(ref, str)]
-            if failed:
-                missing[(system, framework, family.spec)] = failed[0]
-                continue
-            shapes = held_out_fit(system, framework, without_shapes(family), "without the family's shapes")
-            for tp, ep in family.layouts:
-                tables = {"shipped": shipped, "shapes": shapes, **moved}
-                tables["layout"] = held_out_fit(
-                    system, framework, without_layout(family, tp, ep), f"without TP{tp} EP{ep}"
-                )
-                for label, decode, *_ in POINTS:
-                    ops, dep = traced[(family.spec, tp, ep, label)]
-                    ref = refs[(tp, ep, label)]
-                    assert isinstance(ref, float)
-                    phase = "decode" if decode else "prefill"
-                    got = scores.setdefault((system, framework, family.spec, phase), {})
-                    for kind in KINDS:
-                        ours = _step_ms(ops, dep, device, tables[kind])
-                        got.setdefault(kind, []).append(ours / ref)
-                        if abs(ours / ref - 1) > 0.15 and kind == "shipped":
-                            outside.append(
-                                f"{system}/{framework} {family.spec} TP{tp} EP{ep} {label}: "
-                                f"{ours:.2f} / {ref:.2f} ms = {ours / ref:.3f}"
-                            )
-    print()
-    print(
-        "Held-out accuracy [HELD-OUT]: kadapt / AIConfigurator (computed live), min median max over "
-        "two layouts x decode b1/b32/b128 at 4k, prefill 1k / 4k; every cell priced with its framework's "
-        "table: shipped, and fitted without the cell's own rows (held out):"
-    )
-    print("    shapes: the cell's table refitted without any row of the family's width or per-rank heads")
-    print("    layout: ... without the scored layout's rows (experts at its EP, attention at its heads/rank)")
-    same = ", ".join(f"{t.split('_')[0]}<-{s.split('_')[0]}" for t, s in SAME_GENERATION.items())
-    other = ", ".join(f"{t.split('_')[0]}<-{s.split('_')[0]}" for t, s in OTHER_GENERATION.items())
-    print(f"    device: the framework's table measured on the same GPU generation ({same})")
-    print(f"    other gen: ... on the other generation ({other}); not in the pass score")
-    print(f"{'scored on':16} {'family':12} {'phase':8} {'n':>3} " + " ".join(f"{k:>17}" for k in KINDS))
-    for system, framework in TARGETS:
-        for family in FAMILIES:
-            where = f"{system}/{framework}"
-            if (system, framework, family.spec) in missing:
-                reason = missing[(system, framework, family.spec)]
-                print(f"{where:16} {family.spec:12} {'':8} {'':>3} AIConfigurator: {reason}")
-                continue
-            for phase in ("decode", "prefill"):
-                got = scores[(system, framework, family.spec, phase)]
-                print(
-                    f"{where:16} {family.spec:12} {phase:8} {len(got['shipped']):3} "
-                    + " ".join(_spread(got[k]) for k in KINDS)
-                )
-    shipped_in = [abs(r - 1) <= 0.15 for got in scores.values() for r in got["shipped"]]
-    for kind in KINDS:
-        flat = [abs(r - 1) <= 0.15 for got in scores.values() for r in got[kind]]
-        note = "" if kind == "shipped" else " (held out)" if kind in SCORED else " (held out, not scored)"
-        where = sum(a and b for a, b in zip(flat, shipped_in, strict=True))
-        print(
-            f"    {kind + ':':10} {sum(flat)}/{len(flat)} cases within 15% of AIConfigurator{note}; "
-            f"{where}/{sum(shipped_in)} of those the shipped table prices within 15%"
-        )
-    for case in outside:
-        print(f"    shipped tables, outside 15%: {case}")
-    cross_framework_table(aic, traced)
-
-
-def cross_framework_table(aic: AicSteps, traced: Traced) -> None:
-    """Informational: one framework's table pricing another framework's serving (not scored)."""
-    print()
-    print(
-        "Across frameworks (informational, not in the pass score): a framework's table priced against "
-        "another framework's serving, kadapt / AIConfigurator"
-    )
-    print(
-        f"{'scored on':16} {'table':16} {'family':12} {'phase':8} {'n':>3} {'shipped':>17} "
-        f"{'other framework':>17}"
-    )
-    for system, framework, source in CROSS_FRAMEWORK:
-        device = get_device(calibrate.SYSTEMS[system])
-        tables = (kernel_table(device, framework), kernel_table(device, source))
-        for family in FAMILIES:
-            got: dict[str, list[tuple[float, float]]] = {}
-            for tp, ep in family.layouts:
-                for point in POINTS:
-                    ref = aic.step_ms(family, system, framework, tp, ep, point)
-                    if isinstance(ref, str):
-                        continue
-                    ops, dep = traced[(family.spec, tp, ep, point[0])]
-                    ratios = tuple(_step_ms(ops, dep, device, t) / ref for t in tables)
-                    got.setdefault("decode" if point[1] else "prefill", []).append(ratios)
-            for phase, pairs in got.items():
-                print(
-                    f"{system + '/' + framework:16} {system + '/' + source:16} {family.spec:12} {phase:8} "
-                    f"{len(pairs):3} {_spread([p[0] for p in pairs])} {_spread([p[1] for p in pairs])}"
-                )
-
-
 def published_table() -> None:
     """The published serving anchors, DeepSeek-V3 priced as the FP8 block-scaled checkpoint those
     deployments ran (the scored row) and, for reference, under the W8A8 label."""
@@ -905,7 +590,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "aic": lambda _: aic_table(),
     "all-to-all": lambda _: all_to_all_table(),
     "wide-ep": lambda _: wide_ep_table(),
-    "held-out": lambda _: held_out_table(),
+    "held-out": lambda _: held_out.held_out_table(),
 }
 
 
@@ -930,7 +615,7 @@ def main() -> None:
     )
     options = parser.parse_args()
     if options.held_out_only:
-        held_out_table()
+        held_out.held_out_table()
         return
     for name, section in SECTIONS.items():
         if options.only in (None, name):

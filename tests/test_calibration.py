@@ -449,20 +449,93 @@ def test_cli_framework_reaches_the_roofline() -> None:
     assert "table:h200_sxm_vllm" not in out["trtllm"]["cost_model"]["sources"]
 
 
-# --- the held-out experiment (benchmarks/bench_simulation.py [HELD-OUT]) --------------------------------
+# --- the held-out experiment (benchmarks/held_out.py [HELD-OUT]) ---------------------------------------
 @pytest.fixture(scope="module")
 def bench():
-    """The benchmark module, whose row filters and sources define the held-out tables."""
+    """The held-out benchmark module, whose row filters, sources and splits define the experiment."""
     import importlib.util
     import sys
 
-    path = REPO / "benchmarks" / "bench_simulation.py"
-    loaded = importlib.util.spec_from_file_location("bench_simulation", path)
+    path = REPO / "benchmarks" / "held_out.py"
+    loaded = importlib.util.spec_from_file_location("held_out", path)
     assert loaded is not None and loaded.loader is not None
     module = importlib.util.module_from_spec(loaded)
-    sys.modules.setdefault("bench_simulation", module)
+    sys.modules.setdefault("held_out", module)
     loaded.loader.exec_module(module)
     return module
+
+
+def test_the_test_split_shares_no_device_width_attention_kind_or_ep_size_with_development(bench) -> None:
+    """Rules are chosen on the development split; the test split must be other devices, other model
+    shapes and other layouts, or its score is not a test of how the rules carry over."""
+    dev, test = bench.DEVELOPMENT, bench.TEST
+    assert not set(dev.devices) & set(test.devices)
+    assert not set(dev.families) & set(test.families)
+    assert not set(dev.layouts) & set(test.layouts)
+    families = {f.spec: f for f in bench.FAMILIES}
+    widths = [{families[name].hidden for name in split.families} for split in (dev, test)]
+    assert not widths[0] & widths[1]
+    eps = [{ep for _, ep in split.layouts} for split in (dev, test)]
+    assert not eps[0] & eps[1]
+    mla = [{bool(load_spec(REPO / "specs" / f"{name}.yaml").mla) for name in s.families} for s in (dev, test)]
+    assert mla == [{True}, {False}]  # MLA attention is developed on, GQA tested
+    # every split is non-empty on the grid the bench prices, and a cell is in one split at most
+    seen = {
+        bench.split_of(s, f.spec, lay) for s, _ in bench.TARGETS for f in bench.FAMILIES for lay in f.layouts
+    }
+    assert seen == set(bench.SPLITS)
+    assert bench.split_of("h200_sxm", "deepseek_v3", (8, 8)) == "development"
+    assert bench.split_of("h100_sxm", "llama", (1, 1)) == "test"
+    assert bench.split_of("h100_sxm", "deepseek_v3", (8, 8)) == "crossed"
+
+
+def _experts(version: str, kernel: str) -> dict:
+    return {"source": f"h200_sxm/moe/sglang/{version}/moe_perf.parquet ({kernel}), balanced; the curve..."}
+
+
+def test_a_refit_case_without_any_row_of_its_kernel_is_not_scorable(bench) -> None:
+    """A refit that kept no row of the measurement (framework, version, kernel) pricing an op prices
+    it from another kernel: Kimi-K2.5's int4 experts, measured by the newest SGLang at its width only,
+    from SGLang 0.5.10's ~4.7x slower Marlin. Such a case is counted apart, with the kernel named."""
+    from kimi_adapter_core.backends.simulation.model.tracer import Op
+
+    experts = Op(
+        "experts", "mlp.experts", "layer", 1, "experts", 1e12, 1e9, "int4", attrs={"kernel": "w4a16"}
+    )
+    norm = Op("norm", "norm", "layer", 1, "vector", 1e6, 1e6)
+    shipped = {"grouped_gemm": {"w4a16": _experts("0.5.14", "sglang_marlin_moe")}}
+    older = {"grouped_gemm": {"w4a16": _experts("0.5.10", "sglang_marlin_moe")}}
+    other_dtype = {"grouped_gemm": {"bf16": _experts("0.5.14", "sglang_fused_moe_triton")}}
+    gone = "experts w4a16: no sglang 0.5.14 sglang_marlin_moe row left"
+    assert (
+        bench.unscorable(shipped, older, [norm, experts])
+        == f"{gone} (sglang 0.5.10 sglang_marlin_moe instead)"
+    )
+    assert (
+        bench.unscorable(shipped, other_dtype, [experts])
+        == f"{gone} (sglang 0.5.14 sglang_fused_moe_triton instead)"
+    )
+    assert bench.unscorable(shipped, {}, [experts]) == f"{gone} (no curve (the roofline) instead)"
+    assert bench.unscorable(shipped, shipped, [norm, experts]) is None
+    assert bench.unscorable(other_dtype, other_dtype, [experts]) is None  # w4a16 falls back as priced
+    tally = bench.Tally()
+    for ratio, reason in ((1.05, None), (1.2, None), (1.5, None), (3.7, gone)):
+        tally.add(ratio, reason)
+    assert tally.record() == {"scorable": 3, "within_15": 1, "outside_35": 1, "not_scorable": {gone: 1}}
+
+
+def test_the_test_split_is_recorded_once_per_rules_fingerprint(bench, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(bench, "LEDGER", tmp_path / "ledger.json")
+    scores = {"shapes": bench.Tally().record()}
+    assert bench.record_test("aaaa", scores) is None
+    first = json.loads((tmp_path / "ledger.json").read_text())
+    assert [entry["rules"] for entry in first] == ["aaaa"]
+    assert bench.record_test("aaaa", {"shapes": {"scorable": 9}}) == first[0]  # a rerun is not recorded
+    assert bench.record_test("bbbb", scores) is None
+    assert [e["rules"] for e in json.loads((tmp_path / "ledger.json").read_text())] == ["aaaa", "bbbb"]
+    fingerprint = bench.rules_fingerprint()
+    assert len(fingerprint) == 16 and fingerprint == bench.rules_fingerprint()
+    assert all(any(REPO.glob(pattern)) for pattern in bench.RULES)
 
 
 def _family(bench, spec: str):
