@@ -42,6 +42,7 @@ import bisect
 import math
 from dataclasses import dataclass, replace
 from functools import cache
+from typing import Any
 
 from ....errors import KadaptError
 from ..model.tracer import Op
@@ -166,10 +167,31 @@ def comm_time(
     return latency + transfer, "network" if transfer >= latency else "latency", measured
 
 
-def _table_time(op: Op, table: KernelTable, compute: float, memory: float) -> tuple[float, float] | None:
-    """(time without fixed cost, fixed cost or 0 for the device's op overhead) the table gives ``op``
-    from its ideal ``compute`` and ``memory`` times; None when the table does not cover it."""
+def table_shape(op: Op, device: Device) -> dict[str, Any]:
+    """``op``'s attributes as a kernel table matches its curves: a routed-expert op of an
+    attention-DP layout whose tokens reach the experts by all-to-all over an EP group wider than the
+    device's NVLink domain runs the wide-EP path (DeepEP dispatch, DeepGEMM grouped GEMMs; SGLang
+    measures it on its own, ``graph``), as AIConfigurator's large-EP graph prices it across nodes:
+    on H100, DeepSeek-V3's experts of a DP16 EP16 prefill take 6.4 ms a layer there against 11.3 on
+    the fused path's rows."""
     attrs = op.attrs
+    wide = (
+        op.kind == "experts"
+        and attrs.get("all_to_all")
+        and int(attrs.get("attention_dp", 1)) > 1
+        and int(attrs.get("ep", 1)) > device.links[0].max_devices
+    )
+    if not wide:
+        return attrs
+    return {**attrs, "graph": "wide_ep_generation" if attrs.get("decode") else "wide_ep_context"}
+
+
+def _table_time(
+    op: Op, table: KernelTable, compute: float, memory: float, attrs: dict[str, Any]
+) -> tuple[float, float] | None:
+    """(time without fixed cost, fixed cost or 0 for the device's op overhead) the table gives ``op``
+    (its ``attrs`` as ``table_shape`` gives them) from its ideal ``compute`` and ``memory`` times;
+    None when the table does not cover it."""
     if op.kind == "matmul":
         kernel, m = str(attrs.get("kernel", op.compute)), float(attrs.get("m", 1))
         effs = table.gemm_eff(kernel, m, op.bytes)
@@ -228,7 +250,7 @@ def _priced_time(op: Op, device: Device, table: KernelTable) -> tuple[float, flo
     if source.peak_flops != device.peak_flops:
         source = device
     compute, memory = op.flops / source.peak(op.compute), op.bytes / source.hbm_bandwidth
-    found = _table_time(op, table, compute, memory)
+    found = _table_time(op, table, compute, memory, table_shape(op, device))
     if found is None or source is device:
         return found
     here = max(op.flops / device.peak(op.compute), op.bytes / device.hbm_bandwidth)

@@ -253,6 +253,7 @@ class RoutedExperts(nn.Module):
                 "rank_tokens": tokens,
                 "attention_dp": par.dp,
                 "all_to_all": all_to_all,
+                "decode": self.dep.decode,
                 "hidden": hidden,
                 "width": width,
                 "top_k": moe.top_k,

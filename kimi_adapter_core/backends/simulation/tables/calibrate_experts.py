@@ -45,6 +45,11 @@ EXPERT_SHAPE = {
 # layout only (at EP64, 4 experts per rank, the power-law rows run 3.6x balanced - the hottest rank
 # of a TP-path broadcast - which would triple a wide-EP decode's experts)
 EXPERT_LAYOUT = {"attention_dp": 1}
+# SGLang's wide-EP path (DeepEP dispatch, DeepGEMM grouped GEMMs), measured on its own per phase
+# (``num_tokens``: the EP group's tokens, as in the TP path's rows; AIConfigurator asks for one
+# attention-DP rank's tokens x its DP size). Its curves match the ``graph`` the pricer gives a layout
+# whose EP group is wider than the device's NVLink domain (``cost.table_shape``)
+WIDE_EP_PHASES = {"context": "wide_ep_context", "generation": "wide_ep_generation"}
 
 
 def moe_curves(
@@ -97,11 +102,8 @@ def moe_curves(
                 EXPERT_LAYOUT,
             ),
         }
-        shape = ["num_tokens", "hidden_size", "inter_size", "topk", "num_experts", "moe_ep_size"]
-        skewed = table[table.distribution == "power_law_1.01"][[*shape, "latency"]]
-        joined = balanced.merge(skewed, on=shape, suffixes=("", "_skewed"))
+        joined = _routing_pairs(table, balanced)
         if len(joined):  # a table without power-law rows leaves routing unskewed
-            joined = joined.assign(ratio=joined.latency_skewed / joined.latency)
             factors[key] = {
                 "pairs_per_expert": MOE_GRID,
                 "factor": _median_curve(joined, "pairs_per_expert", MOE_GRID, "ratio"),
@@ -113,7 +115,60 @@ def moe_curves(
                     EXPERT_LAYOUT,
                 ),
             }
+        for phase, graph in WIDE_EP_PHASES.items():
+            wide = _wide_ep_curves(root, framework, dtype, ideal, floor_ms, graph, phase, row_filter)
+            curves[key]["shapes"] += wide[0]
+            if key in factors:
+                factors[key]["shapes"] += wide[1]
     return curves, factors
+
+
+def _routing_pairs(table: Any, even: Any, skew: str = "power_law_1.01") -> Any:
+    """``even`` (evenly routed) rows joined with the ``skew`` rows of the same shape, with their
+    latency ``ratio``."""
+    shape = ["num_tokens", "hidden_size", "inter_size", "topk", "num_experts", "moe_ep_size"]
+    skewed = table[table.distribution == skew][[*shape, "latency"]]
+    joined = even.merge(skewed, on=shape, suffixes=("", "_skewed"))
+    return joined.assign(ratio=joined.latency_skewed / joined.latency)
+
+
+def _wide_ep_curves(
+    root: Path,
+    framework: str,
+    dtype: str,
+    ideal: Any,
+    floor_ms: float,
+    graph: str,
+    phase: str,
+    row_filter: RowFilter,
+) -> tuple[list[Any], list[Any]]:
+    """The wide-EP path's efficiency and power-law curves per measured shape, for one phase (empty
+    where ``framework`` did not measure it itself: another framework's wide-EP kernels are not this
+    one's). Its rows start at 4-32 tokens, so the pipeline floor is the TP path's ``floor_ms``."""
+
+    def select(t: Any) -> Any:
+        return t[t.moe_dtype == dtype]
+
+    try:
+        found = measured(root, ("moe", f"wideep_{phase}_moe_perf.parquet"), framework, select, row_filter)
+    except KadaptError:
+        return [], []
+    if found.source.split("/")[2] != framework:
+        return [], []
+    table = found.rows
+    local = table.num_experts / table.moe_ep_size
+    pairs = table.num_tokens * table.topk / table.moe_ep_size
+    table = table.assign(pairs_per_expert=pairs / local, pairs=pairs, local=local)
+    table = table.assign(ideal=ideal(table))
+    even = table[table.distribution == "uniform"]
+    layout = {"graph": graph}
+    curves = _shape_curves(even, EXPERT_SHAPE, lambda rows: _expert_curve(rows, floor_ms), layout)
+    joined = _routing_pairs(table, even)
+    factors = _shape_curves(joined, EXPERT_SHAPE, lambda rows: _factor_curve(rows, floor_ms), layout)
+    source = f"{found.source}, uniform"
+    return [c | {"source": source} for c in curves], [
+        f | {"source": f"{source} / power_law_1.01"} for f in factors
+    ]
 
 
 def _factor_curve(joined: Any, floor_ms: float) -> dict[str, Any]:

@@ -114,7 +114,7 @@ def _shape_curves(
     frame: Any,
     columns: dict[str, str],
     fit: Callable[[Any], dict[str, Any]],
-    layout: dict[str, int] | None = None,
+    layout: dict[str, Any] | None = None,
 ) -> list[Any]:
     """``fit`` on the rows of each measured shape, with its ``match`` (plus ``layout``: what every row
     was measured under); a shape whose rows are all launch-bound (dropped by ``_eff``) gets no curve
