@@ -217,6 +217,9 @@ def absorbing_mla(layers: Sequence[nn.Module], mla_attention: str, cache_keyword
 
 
 OpList = Sequence[tuple[str, float]]
+# The rope a decoder layer is handed (``upstream.rope_layer_types``): its layer type's (a str), none
+# (None), or a dict of every label's (a tuple of labels: DeepSeek-V4's ``{"main", "compress"}``)
+RopeKey = str | tuple[str, ...] | None
 
 
 def apply_ops(tensor: torch.Tensor, ops: OpList) -> torch.Tensor:
@@ -393,8 +396,12 @@ CARRIED_INPUTS = ("prev_topk_indices",)
 # attend over, for the KV-shared layers after them; transformers' KVSharingDict is a dict), fresh per
 # call, and ``per_layer_input`` (``PerLayerInputs``: each layer's slice of the per-layer embeddings, or
 # None where the config has none, as the model's forward passes it), and Falcon's ``alibi`` (None: the
-# wrappers run rotary configs, a stack with ALiBi is refused before export).
-STACK_INPUTS = ("shared_kv_states", "per_layer_input", "original_hidden_states", "layer_idx", "alibi")
+# wrappers run rotary configs, a stack with ALiBi is refused before export), and DeepSeek-V4's
+# ``input_ids`` (the call's token ids: its hash-routed MoE layers pick their experts by
+# ``tid2eid[input_ids]``; contact point ``layer_input_ids``).
+STACK_INPUTS = (
+    "shared_kv_states", "per_layer_input", "original_hidden_states", "layer_idx", "alibi", "input_ids",
+)  # fmt: skip
 # Zamba's and Zamba2's layers also take ``original_hidden_states`` (what entered the first layer, which
 # their hybrid layers' shared blocks read beside their hidden states) and ``layer_idx`` (the index their
 # shared attention caches under); and they take the attention mask as ``causal_mask`` (``CAUSAL_MASK_INPUT``),
@@ -580,6 +587,9 @@ class StaticStateCache:
         the whole updated cache. Paged: it goes to offset ``p % block_size`` of physical block
         ``block_table[b, p // block_size]`` of the shared pool; the present is the updated pool and
         the attention reads the row's blocks gathered in logical order (``paged_write``/``paged_view``).
+
+        A layer whose one KV head is both key and value (DeepSeek-V4: ``update(kv, kv)``) keeps both
+        states (the IR gives the prefill's second output of one tensor a copy of its own).
         """
         return self._write_one(slot, "key", key), self._write_one(slot, "value", value)
 
@@ -779,7 +789,7 @@ class _TextStack(nn.Module):
         windows: Sequence[int | None] | None = None,
         embedding_ops: OpList = (),
         logit_ops: OpList = (),
-        rope_layer_types: Sequence[str | None] | None = None,
+        rope_layer_types: Sequence[RopeKey] | None = None,
         layer_kinds: Sequence[str] | None = None,
         chunks: Sequence[int | None] | None = None,
         per_layer_inputs: PerLayerInputs | None = None,
@@ -838,7 +848,7 @@ class _TextStack(nn.Module):
         windows: Sequence[int | None] | None = None,
         embedding_ops: OpList = (),
         logit_ops: OpList = (),
-        rope_layer_types: Sequence[str | None] | None = None,
+        rope_layer_types: Sequence[RopeKey] | None = None,
         layer_kinds: Sequence[str] | None = None,
         parts: Mapping[str, str] | None = None,
         chunks: Sequence[int | None] | None = None,
@@ -893,7 +903,7 @@ class _TextStack(nn.Module):
     ) -> tuple[torch.Tensor, ...]:
         embeds = self.embed_tokens(input_ids)
         per_layer = self.per_layer_inputs(input_ids, embeds) if self.per_layer_inputs is not None else None
-        return self._stack(embeds, attention_mask, position_ids, cache, per_layer)
+        return self._stack(embeds, attention_mask, position_ids, cache, per_layer, input_ids)
 
     def _stack(
         self,
@@ -902,22 +912,27 @@ class _TextStack(nn.Module):
         position_ids: torch.Tensor,
         cache: StaticStateCache,
         per_layer: torch.Tensor | None = None,
+        input_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """The layers, final norm and LM head over input embeddings ``hidden_states`` ``[B, Q, hidden]``
-        (``per_layer``: the per-layer embeddings ``[B, Q, layers, width]``, indexed by layer)."""
+        (``per_layer``: the per-layer embeddings ``[B, Q, layers, width]``, indexed by layer;
+        ``input_ids``: the call's token ids, for layers that take them)."""
         hidden_states = apply_ops(hidden_states, self.embedding_ops)
         if self.rotary_emb is None:  # no rope: positions reach the layers only through the mask and cache
-            position_embeddings = [None] * len(self.layers)
+            position_embeddings: list[Any] = [None] * len(self.layers)
         elif self.rope_layer_types is None:
             position_embeddings = [self.rotary_emb(hidden_states, position_ids)] * len(self.layers)
         else:
-            # a layer type the embedding keeps no frequencies for (None: LFM3's conv layers) takes none
-            by_type = {
+            # a layer type the embedding keeps no frequencies for (None: LFM3's conv layers) takes none;
+            # a layer given rope labels (a tuple: DeepSeek-V4) takes {label: (cos, sin)} of every label
+            ropes = {
                 t: self.rotary_emb(hidden_states, position_ids, t)
-                for t in dict.fromkeys(self.rope_layer_types)
-                if t is not None
+                for t in dict.fromkeys(flat_rope_keys(self.rope_layer_types))
             }
-            position_embeddings = [by_type.get(t) for t in self.rope_layer_types]
+            position_embeddings = [
+                {label: ropes[label] for label in t} if isinstance(t, tuple) else ropes.get(t)  # type: ignore[index]
+                for t in self.rope_layer_types
+            ]
         # one mask per span (a sliding window, ("chunk", size) or None: full), in first-use order
         # (deterministic graphs); a linear layer's state takes every token it is given: no mask (the
         # contract refuses padding); a block with no mixer neither
@@ -954,6 +969,7 @@ class _TextStack(nn.Module):
                         "per_layer_input": per_layer_input,
                         "original_hidden_states": first_input,
                         "layer_idx": index,
+                        "input_ids": input_ids,
                     },
                     attention_mask=mask,
                     position_ids=position_ids,
@@ -966,6 +982,15 @@ class _TextStack(nn.Module):
         final = in_head_dtype(self.norm(hidden_states), self.lm_head)
         logits = apply_ops(self.lm_head(final), self.logit_ops)
         return (logits, *cache.flat_present())
+
+
+def flat_rope_keys(rope_layer_types: Sequence[RopeKey]) -> list[str]:
+    """Every rope a stack computes, in first-use order: the layer types, and the labels of a layer given
+    all of them (a tuple); a layer given none (None) adds nothing."""
+    keys: list[str] = []
+    for t in rope_layer_types:
+        keys += list(t) if isinstance(t, tuple) else [t] if t is not None else []
+    return keys
 
 
 def in_head_dtype(hidden_states: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
@@ -1051,7 +1076,7 @@ class MultimodalPrefillWrapper(_TextStack):
         hidden_states = merge_image_features(
             self.embed_tokens, input_ids, image_features, self.image_token_id
         )
-        return self._stack(hidden_states, attention_mask, position_ids, cache)
+        return self._stack(hidden_states, attention_mask, position_ids, cache, input_ids=input_ids)
 
 
 class DecodeWrapper(_TextStack):
@@ -2166,6 +2191,61 @@ def _probe_residual_streams() -> str:
     return f"{' and '.join(found)}: embeddings expanded to hc_mult streams, hc_head before the final norm"
 
 
+DEEPSEEK_V4 = "transformers.models.deepseek_v4.modeling_deepseek_v4"
+# the stacks whose rope is keyed by labels, not layer types (the runtime's rope keys, ``rope_labels``):
+# module -> their decoder model
+ROPE_BY_LABEL_MODELS = {DEEPSEEK_V4: "DeepseekV4Model"}
+
+
+def _probe_rope_by_label() -> str:
+    expected = (
+        "DeepseekV4Model.forward hands every layer position_embeddings = {label: self.rotary_emb("
+        "inputs_embeds, position_ids=position_ids, layer_type=label)} for each label of "
+        "config.rope_parameters (DeepseekV4RotaryEmbedding.layer_types), and DeepseekV4Attention.forward "
+        "picks position_embeddings[self.rope_layer_type]"
+    )
+    model = _attr(DEEPSEEK_V4, "DeepseekV4Model", expected)
+    attention = _attr(DEEPSEEK_V4, "DeepseekV4Attention", expected)
+    rotary = _attr(DEEPSEEK_V4, "DeepseekV4RotaryEmbedding", expected)
+    source = " ".join(inspect.getsource(model.forward).split())
+    for step in (
+        "position_embeddings = {",
+        "self.rotary_emb(inputs_embeds, position_ids=position_ids, layer_type=",
+    ):
+        if step not in source:
+            raise _Moved(expected, f"DeepseekV4Model.forward no longer has {step}")
+    if "position_embeddings[self.rope_layer_type]" not in inspect.getsource(attention.forward):
+        raise _Moved(
+            expected, "DeepseekV4Attention.forward no longer picks position_embeddings[self.rope_layer_type]"
+        )
+    if "self.layer_types = [k for k, v in config.rope_parameters.items()" not in inspect.getsource(
+        rotary.__init__
+    ):
+        raise _Moved(
+            expected, "DeepseekV4RotaryEmbedding no longer keeps the rope_parameters labels as layer_types"
+        )
+    if "layer_type" not in _signature(rotary.forward).parameters:
+        raise _Moved(expected, _describe(rotary.forward, "DeepseekV4RotaryEmbedding.forward"))
+    return "DeepseekV4Model: every layer takes {label: (cos, sin)} of config.rope_parameters' labels"
+
+
+def _probe_layer_input_ids() -> str:
+    expected = (
+        "DeepseekV4Model.forward hands every layer input_ids=input_ids; DeepseekV4DecoderLayer.forward "
+        "takes input_ids and DeepseekV4HashRouter picks the experts of tid2eid[input_ids]"
+    )
+    model = _attr(DEEPSEEK_V4, "DeepseekV4Model", expected)
+    layer = _attr(DEEPSEEK_V4, "DeepseekV4DecoderLayer", expected)
+    router = _attr(DEEPSEEK_V4, "DeepseekV4HashRouter", expected)
+    if "input_ids=input_ids" not in " ".join(inspect.getsource(model.forward).split()):
+        raise _Moved(expected, "DeepseekV4Model.forward no longer hands its layers input_ids=input_ids")
+    if "input_ids" not in _signature(layer.forward).parameters:
+        raise _Moved(expected, _describe(layer.forward, "DeepseekV4DecoderLayer.forward"))
+    if "self.tid2eid[input_ids" not in inspect.getsource(router.forward):
+        raise _Moved(expected, "DeepseekV4HashRouter.forward no longer reads self.tid2eid[input_ids]")
+    return "DeepseekV4DecoderLayer.forward takes the call's input_ids (hash routing: tid2eid[input_ids])"
+
+
 # the stacks whose forward computes some layer types' rotary embedding from float32 embeddings, which
 # makes their DSA indexer keys float32 in a bfloat16 model (extraction refuses such a graph below float32:
 # ``pipeline.check_rope_input_dtype``): module -> (decoder model, the expression it uses)
@@ -2263,7 +2343,9 @@ def _probe_loading() -> str:
     expected = (
         "core_model_loading: WeightConverter/WeightRenaming/PrefixChange with source/target patterns, "
         "operations, scope_prefix; rename_source_key(key, renamings, converters, prefix, meta_state) -> "
-        "(key, pattern); conversion_mapping.get_model_conversion_mapping(model, ..., add_legacy=)"
+        "(key, pattern); conversion_mapping.get_model_conversion_mapping(model, ..., add_legacy=); "
+        "convert_and_load_state_dict_in_model keeps a key the model has under its own name when its "
+        "renamed key is not the model's"
     )
     api = loading_api()
     converter = api.WeightConverter(
@@ -2291,7 +2373,17 @@ def _probe_loading() -> str:
         raise _Moved(expected + " renaming a converter's source to its target", f"it renamed to {loaded}")
     if "add_legacy" not in _signature(api.get_model_conversion_mapping).parameters:
         raise _Moved(expected, _describe(api.get_model_conversion_mapping, "get_model_conversion_mapping"))
-    return "converters rename their sources to their targets"
+    load = _attr("transformers.core_model_loading", "convert_and_load_state_dict_in_model", expected)
+    if LOADER_KEEPS_OWN_NAMES not in " ".join(inspect.getsource(load).split()):
+        raise _Moved(expected, "convert_and_load_state_dict_in_model no longer has " + LOADER_KEEPS_OWN_NAMES)
+    return "converters rename their sources to their targets; a model's own key stays when renaming misses"
+
+
+# transformers' loader loads a checkpoint key the model has under that name when its renamings lead to no
+# key of the model (DeepSeek-V4's ``\.norm\.`` -> ``.kv_norm.`` would take the final ``model.norm.weight``)
+LOADER_KEEPS_OWN_NAMES = (
+    "if renamed_key not in meta_model_state_dict and original_key in meta_model_state_dict:"
+)
 
 
 def _probe_vision_grid() -> str:
@@ -2549,6 +2641,27 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
         _probe_residual_streams,
     ),
     ContactPoint(
+        "rope_by_label",
+        "models.deepseek_v4.modeling_deepseek_v4.DeepseekV4Model.forward, DeepseekV4Attention.forward, "
+        "DeepseekV4RotaryEmbedding",
+        "every layer handed position_embeddings = {label: rotary_emb(x, position_ids, layer_type=label)} "
+        "for the labels of config.rope_parameters ({main, compress}); each attention picks its own",
+        "the wrappers compute every label's (cos, sin) once per call and hand each layer the dict "
+        "(upstream.rope_labels, the runtime's rope keys), as DeepseekV4Model.forward does",
+        ("extraction (DeepSeek-V4)", "simulation", "generated modules"),
+        _probe_rope_by_label,
+    ),
+    ContactPoint(
+        "layer_input_ids",
+        "models.deepseek_v4.modeling_deepseek_v4.DeepseekV4Model.forward, DeepseekV4DecoderLayer.forward, "
+        "DeepseekV4HashRouter.forward",
+        "every layer handed the call's input_ids; a hash_moe layer's router picks tid2eid[input_ids]",
+        "the wrappers hand every layer that takes input_ids the call's token ids (runtime STACK_INPUTS), "
+        "as DeepseekV4Model.forward does",
+        ("extraction (DeepSeek-V4)", "simulation", "generated modules"),
+        _probe_layer_input_ids,
+    ),
+    ContactPoint(
         "rope_input_dtype",
         "models.dots3_note.modeling_dots3_note.Dots3NoteTextModel.forward",
         'the rotary embedding of "indexed_attention" layers computed from inputs_embeds.float() (float32 '
@@ -2597,7 +2710,7 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
         "loading_converters",
         "transformers.core_model_loading, conversion_mapping.get_model_conversion_mapping",
         "converters with source/target patterns and operations; rename_source_key renames a source to "
-        "its target",
+        "its target; the loader keeps a key the model has when its renamed key is not the model's",
         "the weight map names, for every graph weight, the checkpoint tensors transformers' own loader "
         "builds it from, and checks each name loads back through rename_source_key",
         ("extraction (weight map)",),
@@ -2934,12 +3047,17 @@ class _RecordingCache:
 
 
 def cache_keyword(layer: Any) -> str:
-    """The keyword ``type(layer).forward`` takes the cache under (signature; 5.24: ``cache``)."""
+    """The keyword ``type(layer).forward`` takes the cache under (signature; 5.24: ``cache``); a
+    ``**kwargs``-only forward hands it on to its attention, whose signature then says (DeepSeek-V4's
+    takes ``cache`` in 5.24, ``past_key_values`` only through a deprecation shim)."""
     params = _signature(type(layer).forward).parameters
-    for keyword in CACHE_KEYWORDS:
-        if keyword in params:
-            return keyword
-    return CACHE_KEYWORDS[-1]  # a **kwargs-only forward: the behavioural probe decides
+    attention = _attention_of(layer)
+    inner = _signature(type(attention).forward).parameters if attention is not None else {}
+    for taken in (params, inner):
+        for keyword in CACHE_KEYWORDS:
+            if keyword in taken:
+                return keyword
+    return CACHE_KEYWORDS[-1]  # no signature names it: the behavioural probe decides
 
 
 def _installed(cls: type, base: type) -> tuple[Any, ...]:
@@ -2956,7 +3074,7 @@ def _installed(cls: type, base: type) -> tuple[Any, ...]:
     )
 
 
-def _layer_key(layer: Any, rotary_emb: Any, layer_type: str | None) -> tuple[Any, ...]:
+def _layer_key(layer: Any, rotary_emb: Any, layer_type: str | tuple[str, ...] | None) -> tuple[Any, ...]:
     """What a layer's probe depends on: the classes of its modules and of the rotary embedding with the
     methods installed on them now (a result probed under one spec's patches must not answer for the
     layers without them, or under other patches: Llama-4's rotary embedding returns (cos, sin) only
@@ -2986,7 +3104,7 @@ MAX_PROTOCOLS = 256
 def probe_decoder_layers(
     layers: Sequence[Any],
     rotary_emb: Any,
-    layer_types: Sequence[str | None] | None = None,
+    layer_types: Sequence[str | tuple[str, ...] | None] | None = None,
     kinds: Sequence[str] | None = None,
     streams: int = 1,
 ) -> LayerProtocol:
@@ -3051,11 +3169,13 @@ def probe_decoder_layers(
     )
 
 
-def rope_layer_types(language_model: Any) -> tuple[str | None, ...] | None:
+def rope_layer_types(language_model: Any) -> tuple[str | tuple[str, ...] | None, ...] | None:
     """Each layer's type, when the stack's rotary embedding takes one (``rotary_emb(x, position_ids,
     layer_type)``: Gemma-3, OLMo-3 give sliding and full layers their own frequencies), else None. A
     layer whose type the embedding keeps no frequencies for (not in its ``layer_types``: LFM3's ``conv``
-    layers, which take none) is None: it gets no position embeddings, as the model's forward gives it."""
+    layers, which take none) is None: it gets no position embeddings, as the model's forward gives it.
+    A stack whose rope is keyed by labels rather than layer types (``rope_labels``: DeepSeek-V4) gives
+    every layer the tuple of labels: each layer takes ``{label: (cos, sin)}`` of all of them."""
     rotary_emb = getattr(language_model, "rotary_emb", None)
     if rotary_emb is None or "layer_type" not in _signature(type(rotary_emb).forward).parameters:
         return None
@@ -3068,10 +3188,26 @@ def rope_layer_types(language_model: Any) -> tuple[str | None, ...] | None:
             f"{type(language_model.config).__name__} has no layer_types",
         )
     kept = getattr(rotary_emb, "layer_types", None)
-    return tuple(
-        t if not isinstance(kept, (list, tuple)) or t in kept else None
-        for t in types[: language_model.config.num_hidden_layers]
-    )
+    count = language_model.config.num_hidden_layers
+    labels = rope_labels(language_model)
+    if labels is not None:
+        return (labels,) * count
+    return tuple(t if not isinstance(kept, (list, tuple)) or t in kept else None for t in types[:count])
+
+
+def rope_labels(language_model: Any) -> tuple[str, ...] | None:
+    """The labels a stack's rotary embedding keeps its frequencies by, when they are not layer types and
+    the model's forward hands every layer ``{label: rotary_emb(x, position_ids, layer_type=label)}``
+    (DeepSeek-V4: ``{"main", "compress"}``, each attention picking its own; contact point
+    ``rope_by_label``); None for any other stack."""
+    model = type(language_model).__name__
+    if model not in ROPE_BY_LABEL_MODELS.values():
+        return None
+    kept = getattr(getattr(language_model, "rotary_emb", None), "layer_types", None)
+    types = set(getattr(language_model.config, "layer_types", None) or ())
+    if not isinstance(kept, (list, tuple)) or not kept or types & set(kept):
+        return None
+    return tuple(kept)
 
 
 def decoder_protocol(language_model: Any, kinds: Sequence[str] | None = None) -> LayerProtocol:
@@ -3092,9 +3228,12 @@ def forget() -> None:
     _protocols.clear()
 
 
-def _rope_of(rotary_emb: Any, hidden: Any, positions: Any, layer_type: str | None, layer_name: str) -> Any:
+def _rope_of(rotary_emb: Any, hidden: Any, positions: Any, layer_type: Any, layer_name: str) -> Any:
     """The stack's ``(cos, sin)`` for the probe's tokens, or the located refusal of a rotary embedding that
-    does not run on the model's device or returns another form (DeepSeek-V2's complex frequencies)."""
+    does not run on the model's device or returns another form (DeepSeek-V2's complex frequencies); for
+    rope labels (a tuple: ``rope_labels``) the dict of each label's."""
+    if isinstance(layer_type, tuple):
+        return {label: _rope_of(rotary_emb, hidden, positions, label, layer_name) for label in layer_type}
     try:
         embeddings = (
             rotary_emb(hidden, positions) if layer_type is None else rotary_emb(hidden, positions, layer_type)
@@ -3193,11 +3332,20 @@ def stack_inputs(
         inputs["per_layer_input"] = hidden.new_zeros(*hidden.shape[:2], width) if width else None
     if "alibi" in params:  # Falcon's: None in a rotary config (a stack with ALiBi is refused)
         inputs["alibi"] = None
+    if "input_ids" in params:  # DeepSeek-V4's hash-routed MoE: token 0 (a valid row of tid2eid)
+        import torch
+
+        inputs["input_ids"] = torch.zeros(*hidden.shape[:2], dtype=torch.long, device=hidden.device)
     return inputs
 
 
 def _probe_layer(
-    layer: Any, rotary_emb: Any, layer_type: str | None, kind: str, index: int, streams: int = 1
+    layer: Any,
+    rotary_emb: Any,
+    layer_type: str | tuple[str, ...] | None,
+    kind: str,
+    index: int,
+    streams: int = 1,
 ) -> LayerProtocol:
     import torch
 

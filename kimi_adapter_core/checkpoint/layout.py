@@ -316,6 +316,8 @@ def checkpoint_sources(
             loads_as = target.prefix + _targets(converter)[0] + target.suffix
         for name in _checked_names(source):
             loaded, _ = rename_source_key(name, renamings, converters, model.base_model_prefix, meta_state)
+            if loaded not in meta_state and name in meta_state:  # the loader keeps the model's own name
+                loaded = name  # (upstream.LOADER_KEEPS_OWN_NAMES: DeepSeek-V4's final norm.weight)
             if loaded != loads_as:
                 raise KadaptError(
                     f"weight map: checkpoint tensor {name} (from {path}) would load into {loaded}, "

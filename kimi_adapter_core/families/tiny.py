@@ -52,6 +52,7 @@ TEXT_SIZES: dict[str, Any] = {
     "qk_rope_head_dim": 8,
     "v_head_dim": 16,
     "sliding_window": 8,
+    "o_lora_rank": 16,  # DeepSeek-V4's grouped low-rank output projection (o_groups groups of this rank)
     "attention_chunk_size": 8,
     "floor_scale": 4,  # Llama-4's NoPE temperature tuning scales positions from floor_scale - 1 on
     "n_group": 1,

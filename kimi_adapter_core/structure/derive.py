@@ -18,6 +18,7 @@ from ..errors import KadaptError, Refusal
 from ..spec.model import Spec
 from . import bounds
 from .around_layers import OutsideOp, PerLayerInputs
+from .attention_form import attention_form_of
 from .indexer_of import indexer_of, topk_sources
 from .kv_sharing import kv_sources, mlp_widths
 from .layer_pattern import PATTERN_KEY, layout_types
@@ -65,7 +66,10 @@ def _attention(read: Reader, spec: Spec | None, hidden: int) -> Attention:
         head_dim = int(read.get("head_dim") or hidden // heads)
         kind = "mha" if kv_heads == heads else "mqa" if kv_heads == 1 else "gqa"
         # values narrower than keys where the config says so (MiMo-V2-Flash: 192-wide keys, 128 values)
-        attention = Attention(kind, heads, kv_heads, head_dim, int(read.get("v_head_dim") or head_dim))
+        v_head_dim = int(read.get("v_head_dim") or head_dim)
+        attention = Attention(
+            kind, heads, kv_heads, head_dim, v_head_dim, form=attention_form_of(read, head_dim)
+        )
     _check_attention_claims(attention, read, spec)
     return attention
 

@@ -13,7 +13,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .around_layers import OutsideOp, PerLayerInputs, ResidualStreams
+from .attention_form import AttentionForm
 from .mixer import LinearAttention
+from .rope import Rope
 
 ATTENTION_KINDS = ("mha", "gqa", "mqa", "mla")
 # KV-cache layouts each attention kind can be exported with; the first is the default.
@@ -49,6 +51,7 @@ class Attention:
     # the values are the key projection's output (no v_proj; Gemma-4's full layers with
     # attention_k_eq_v): K and V still differ by their norms and rope, so both are cached
     value_from_key: bool = False
+    form: AttentionForm | None = None  # projections other than q/k/v/o (DeepSeek-V4's shared-KV MQA)
 
     @property
     def is_mla(self) -> bool:
@@ -87,6 +90,7 @@ class Attention:
                 f"head_dim {self.head_dim}/{self.v_head_dim}"
             )
         shape = f"{self.kind.upper()} {self.num_heads} heads / {self.num_kv_heads} KV heads x {self.head_dim}"
+        shape += f", {self.form.describe()}" if self.form is not None else ""
         return shape + (", values from the key projection" if self.value_from_key else "")
 
     def to_dict(self) -> dict[str, Any]:
@@ -94,6 +98,8 @@ class Attention:
         data = asdict(self)
         if not self.value_from_key:
             data.pop("value_from_key")
+        if self.form is None:
+            data.pop("form")
         return data
 
 
@@ -112,6 +118,7 @@ class Moe:
     routed_scaling_factor: float = 1.0
     expert_groups: int = 1  # group-limited routing (DeepSeek's n_group / topk_group)
     top_k_groups: int = 1
+    hash_layers: tuple[int, ...] = ()  # routed by token id (DeepSeek-V4's tid2eid), not by the scores' top-k
 
     def describe(self) -> str:
         shared = f" + {self.num_shared_experts} shared" if self.num_shared_experts else ""
@@ -120,9 +127,10 @@ class Moe:
         else:
             norm = {True: ", normalized", False: "", None: ", normalization not stated"}[self.normalize_top_k]
             routing = f"{self.scoring}{norm}"
+        hashed = f"; {len(self.hash_layers)} layers pick them by token id" if self.hash_layers else ""
         return (
             f"MoE {self.num_experts} experts top-{self.top_k}{shared} "
-            f"(width {self.expert_intermediate_size}, {routing})"
+            f"(width {self.expert_intermediate_size}, {routing}{hashed})"
         )
 
 
@@ -172,63 +180,6 @@ class Indexer:
 
     def describe(self) -> str:
         return f"DSA indexer {self.n_heads}x{self.head_dim} top-{self.topk}"
-
-
-PER_LAYER_TYPE = "per_layer_type"  # Rope.type when the config keeps one rope per layer type
-
-
-@dataclass(frozen=True)
-class Rope:
-    """The rotary embedding: one for every layer, or one per layer type (Gemma-3, OLMo-3, ...).
-
-    transformers 5 keeps ``rope_parameters`` per layer type for families whose sliding and full layers
-    rotate differently; then ``type`` is ``PER_LAYER_TYPE``, ``theta`` None and ``by_layer_type`` holds
-    each layer type's own rope (with its scaling ``factor``), sorted by layer type so a config object
-    and its raw JSON describe it alike. A layer type whose entry is null has no rope (``none``).
-    """
-
-    type: str  # default | yarn | llama3 | ... (transformers' rope_type), or PER_LAYER_TYPE
-    theta: float | None
-    factor: float | None = None  # scaling factor; stated per layer type only
-    by_layer_type: tuple[tuple[str, Rope], ...] = ()
-
-    def describe(self) -> str:
-        """``rope yarn`` for one rope; per layer type each one's type, factor and theta:
-        ``rope linear x8 theta 1e6 (full_attention), default theta 1e4 (sliding_attention)``."""
-        if not self.by_layer_type:
-            return f"rope {self.type}"
-        return "rope " + ", ".join(f"{rope._kind_text()} ({name})" for name, rope in self.by_layer_type)
-
-    def _kind_text(self) -> str:
-        factor = f" x{_number(self.factor)}" if self.factor is not None else ""
-        theta = f" theta {_number(self.theta)}" if self.theta is not None else ""
-        return f"{self.type}{factor}{theta}"
-
-    def to_dict(self) -> dict[str, Any]:
-        """``{"type", "theta"}``, plus ``by_layer_type`` (layer type -> its type, theta and factor)
-        when the rope is per layer type; a layer type's ``factor`` only when the config sets one."""
-        if not self.by_layer_type:
-            return {"type": self.type, "theta": self.theta}
-        return {
-            "type": self.type,
-            "theta": self.theta,
-            "by_layer_type": {
-                name: {
-                    "type": rope.type,
-                    "theta": rope.theta,
-                    **({} if rope.factor is None else {"factor": rope.factor}),
-                }
-                for name, rope in self.by_layer_type
-            },
-        }
-
-
-def _number(value: float) -> str:
-    """A rope number as people write it: ``8``, ``0.5``, ``1e4``, ``1.5e5`` (``:g`` says ``1e+06``)."""
-    if abs(value) < 1e4:
-        return f"{value:g}"
-    mantissa, exponent = f"{value:e}".split("e")
-    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
 
 
 @dataclass(frozen=True)
@@ -459,6 +410,8 @@ class ModelStructure:
                 data["linear"].pop(size)
         if self.linear is not None and self.linear.gated_norm:  # only a norm-less Mamba2 says so
             data["linear"].pop("gated_norm")
+        if self.moe is not None and not self.moe.hash_layers:  # only hash-routed stacks say so
+            data["moe"].pop("hash_layers")
         data["attention"] = self.attention.to_dict()
         data["layers"] = _compress_layers(self.layers)
         data["rope"] = self.rope.to_dict()

@@ -58,7 +58,15 @@ def moe_of(read: Reader, spec: Spec | None) -> Moe | None:
         routed_scaling_factor=float(read.get("routed_scaling_factor", 1.0)),
         expert_groups=int(read.get("expert_groups", 1) or 1),
         top_k_groups=int(read.get("top_k_groups", 1) or 1),
+        hash_layers=hash_layers(read),
     )
+
+
+def hash_layers(read: Reader) -> tuple[int, ...]:
+    """The MoE layers whose router picks the experts by token id (``mlp_layer_types`` of a
+    ``hash_routed_mlp_types`` entry: DeepSeek-V4's ``hash_moe``, ``tid2eid[input_ids]``)."""
+    types = read.get("mlp_layer_types") or ()
+    return tuple(i for i, kind in enumerate(types) if kind in tables()["hash_routed_mlp_types"])
 
 
 def moe_layer_kinds(read: Reader, spec: Spec | None, num_layers: int, moe: Moe | None) -> list[str]:

@@ -102,6 +102,9 @@ class Reader:
         return self._serialised().get("per_layer_config")
 
     def get(self, fact: str, default: Any = None) -> Any:
+        fixed = tables()["fixed"].get(self.raw("model_type"), {})
+        if fact in fixed:  # the family's modelling code fixes it: its config key is not read
+            return fixed[fact]
         for key in self.candidates.get(fact, [fact]):
             value = self.raw(key)
             if value is not MISSING and value is not None:

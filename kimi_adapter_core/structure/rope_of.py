@@ -1,7 +1,8 @@
-"""The rotary embedding a config describes: one for every layer, or one per layer type.
+"""The rotary embedding a config describes: one for every layer, one per layer type, or one per label.
 
 transformers 5 keeps ``rope_parameters`` per layer type for families whose sliding and full layers
-rotate differently (Gemma-3, OLMo-3, ...): ``{"full_attention": {...}, "sliding_attention": {...}}``.
+rotate differently (Gemma-3, OLMo-3, ...): ``{"full_attention": {...}, "sliding_attention": {...}}``;
+DeepSeek-V4 nests them under labels its ``layer_types`` never names (``{"main", "compress"}``): ``rope``.
 Read through ``derive``'s reader, so a config object and its raw JSON describe the rope alike.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from .model import PER_LAYER_TYPE, Rope
+from .rope import BY_LABEL, PER_LAYER_TYPE, Rope
 
 
 class Reader(Protocol):
@@ -24,7 +25,8 @@ class Reader(Protocol):
 
 def rope_of(read: Reader) -> Rope:
     """One rope, or one per layer type when ``rope_parameters`` nests a mapping per layer type (as
-    transformers 5 keeps Gemma-3's and OLMo-3's); a missing theta is the config's ``rope_theta``, as
+    transformers 5 keeps Gemma-3's and OLMo-3's), or per label when none of its keys is a type of the
+    config's ``layer_types`` (DeepSeek-V4's); a missing theta is the config's ``rope_theta``, as
     transformers fills it."""
     params = read.get("rope_parameters")
     if params is None and read.get("rope_theta") is None:
@@ -36,7 +38,10 @@ def rope_of(read: Reader) -> Rope:
     if not nested:
         return _rope_kind(read, params, with_factor=False)
     by_layer_type = tuple((name, _rope_kind(read, nested[name], with_factor=True)) for name in sorted(nested))
-    return Rope(type=PER_LAYER_TYPE, theta=None, by_layer_type=by_layer_type)
+    types = read.raw("layer_types")
+    named = set(types) if isinstance(types, (list, tuple)) else set()
+    labelled = bool(named) and not named & nested.keys()  # keyed by labels, not by the layers' types
+    return Rope(type=BY_LABEL if labelled else PER_LAYER_TYPE, theta=None, by_layer_type=by_layer_type)
 
 
 def _rope_by_layer_type(read: Reader, params: Mapping[str, Any]) -> dict[str, Mapping[str, Any] | None]:

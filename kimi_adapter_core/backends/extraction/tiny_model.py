@@ -267,6 +267,11 @@ def tiny_overrides(spec: Spec, options: ExtractionOptions) -> dict[str, Any]:
 CONSTANT_SPREAD = 0.1
 
 
+# Integer buffers that hold indices, by name -> the attribute of their module that bounds them: DeepSeek-V4's
+# hash router's ``tid2eid`` [vocab, top_k] (each token's experts; transformers' init leaves it all zeros)
+INDEX_TABLES = {"tid2eid": "num_experts"}
+
+
 def randomize_constants(model: nn.Module) -> list[str]:
     """Give every parameter and persistent buffer that holds one constant value (biases and the MoE
     router's correction bias at 0, norm weights at 1) random values around it; return their names.
@@ -274,6 +279,7 @@ def randomize_constants(model: nn.Module) -> list[str]:
     transformers' init leaves them constant, so a graph that dropped a bias or a norm scale would still
     equal the reference: with them random, ``--verify`` is a proof for every weight, not only the
     matrices. Non-persistent buffers (rotary frequencies) are computed, not loaded, and stay as built.
+    An index table (``INDEX_TABLES``) left constant gets random valid indices instead.
     """
     generator = torch.Generator().manual_seed(1)
     changed = []
@@ -285,6 +291,13 @@ def randomize_constants(model: nn.Module) -> list[str]:
                 if n not in module._non_persistent_buffers_set
             ]
             for name, tensor in tensors:
+                bound = getattr(module, INDEX_TABLES.get(name, ""), None)
+                if isinstance(bound, int) and tensor.dim() == 2 and tensor.min() == tensor.max():
+                    # rows of distinct indices below ``bound``: every token routed its own way
+                    picks = torch.rand(tensor.shape[0], bound, generator=generator).argsort(dim=-1)
+                    tensor.copy_(picks[:, : tensor.shape[1]].to(tensor.dtype))
+                    changed.append(f"{module_name}.{name}" if module_name else name)
+                    continue
                 if not tensor.is_floating_point() or tensor.numel() < 2 or tensor.min() != tensor.max():
                     continue
                 value = float(tensor.flatten()[0])

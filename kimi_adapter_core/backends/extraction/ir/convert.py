@@ -19,6 +19,7 @@ the ABI's symbols (``symbolic``), and symbolic tensor dimensions as the expressi
 from __future__ import annotations
 
 import operator
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -311,6 +312,16 @@ def convert(
         raise KadaptError(f"{kind} graph has {len(inputs)} inputs, its ABI names {len(input_names)}")
 
     converter = _Converter(env, device, symbols)
+    output_node = next(n for n in program.graph.nodes if n.op == "output")
+    # a value the graph returns more than once (DeepSeek-V4's key and value: ``update(kv, kv)``) gets a
+    # copy per extra output, placed right after it: among its layer's nodes, as stitching needs them
+    repeats = Counter(value.name for value in output_node.args[0])
+    copies: dict[str, list[Ref]] = {}
+
+    def copy_if_repeated(name: str) -> None:
+        if repeats[name] > 1 and env[name].kind == NODE:
+            copies[name] = [_own_copy(env[name], nodes) for _ in range(repeats[name] - 1)]
+
     for fx_node in program.graph.nodes:
         if fx_node.op != "call_function" or _computes_size(fx_node):
             continue
@@ -318,6 +329,7 @@ def convert(
         if target is operator.getitem:
             source = env[fx_node.args[0].name]
             env[fx_node.name] = Ref(NODE, source.key, int(fx_node.args[1]))
+            copy_if_repeated(fx_node.name)
             continue
         if target in _DROPPED:
             continue
@@ -340,16 +352,18 @@ def convert(
         source = _operand_type(operands[0] if operands else None, nodes, inputs, weights)
         if _is_identity(fx_node, attrs, outputs, source):
             env[fx_node.name] = operands[0]
-            continue
-        returns = target._schema.returns
-        labels = tuple(r.name for r in returns) if len(returns) > 1 and all(r.name for r in returns) else ()
-        node = Node(len(nodes), str(target), _scope(fx_node), operands, outputs, labels, attrs)
-        nodes.append(node)
-        env[fx_node.name] = Ref(NODE, node.id)
+        else:
+            returns = target._schema.returns
+            labels = (
+                tuple(r.name for r in returns) if len(returns) > 1 and all(r.name for r in returns) else ()
+            )
+            node = Node(len(nodes), str(target), _scope(fx_node), operands, outputs, labels, attrs)
+            nodes.append(node)
+            env[fx_node.name] = Ref(NODE, node.id)
+        copy_if_repeated(fx_node.name)
 
     output_names = names.outputs(kinds)
     outputs: list[GraphOutput] = []
-    output_node = next(n for n in program.graph.nodes if n.op == "output")
     for spec, value in zip(signature.output_specs, output_node.args[0], strict=True):
         if spec.kind != OutputKind.USER_OUTPUT:
             raise KadaptError(
@@ -357,11 +371,23 @@ def convert(
             )
         position = len(outputs)
         layer, role = (None, "logits") if position == 0 else roles[position - 1]
-        outputs.append(GraphOutput(output_names[position], env[value.name], role, layer))
+        ref = env[value.name]
+        if any(output.ref == ref for output in outputs) and copies.get(value.name):
+            ref = copies[value.name].pop(0)
+        outputs.append(GraphOutput(output_names[position], ref, role, layer))
     graph = Graph(kind, inputs, outputs, nodes, weights, constants)
     prune(graph)
     check_functional(graph)
     return graph
+
+
+def _own_copy(ref: Ref, nodes: list[Node]) -> Ref:
+    """A copy of ``ref`` for a second ABI output of one value, in its node's scope, so every output has a
+    node, and a name, of its own."""
+    source = nodes[ref.key]
+    copy = Node(len(nodes), "aten.clone.default", source.scope, [ref], [source.outputs[ref.index]], (), {})
+    nodes.append(copy)
+    return Ref(NODE, copy.id)
 
 
 def _is_identity(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .... import upstream
 from ....structure.model import ModelStructure
+from ....structure.rope import BY_LABEL
 from ..options import ExtractionOptions
 
 # What only kadapt's own run relies on: the loader's converters (the weight map); ``EXPORT_POINTS``'s
@@ -20,7 +21,7 @@ def stack_points(structure: ModelStructure) -> tuple[str, ...]:
     """The contact points the ABI wrappers rely on to export a stack of ``structure``: the cache, the
     loader's dtype plan and the model classes; a linear stack's state cache (its layer kind's protocol)
     and, for Mamba1, the head's input cast; a DSA stack's indexer cache; per-layer embeddings' methods;
-    MoE experts' implementation."""
+    a rope by label and layers that take the token ids (DeepSeek-V4); MoE experts' implementation."""
     linear = structure.linear
     points = ["cache_update"]
     if linear is not None:  # the linear layers read and update their states through the cache
@@ -33,6 +34,10 @@ def stack_points(structure: ModelStructure) -> tuple[str, ...]:
         points.append("rope_input_dtype")
     if structure.residual_streams is not None:  # copied from the embeddings, merged by the stack's head
         points.append("residual_streams")
+    if structure.rope.type == BY_LABEL:  # every layer handed each label's rope
+        points.append("rope_by_label")
+    if structure.moe is not None and structure.moe.hash_layers:  # the layers take the call's token ids
+        points.append("layer_input_ids")
     points += ["loader_dtype_plan", "model_classes"]
     if linear is not None and linear.kind in upstream.HEAD_CAST_MIXERS:
         points.append("head_input_cast")  # the wrappers cast the final hidden states as it does

@@ -182,6 +182,9 @@ def absorbing_mla(layers: Sequence[nn.Module], mla_attention: str, cache_keyword
 
 
 OpList = Sequence[tuple[str, float]]
+# The rope a decoder layer is handed (``upstream.rope_layer_types``): its layer type's (a str), none
+# (None), or a dict of every label's (a tuple of labels: DeepSeek-V4's ``{"main", "compress"}``)
+RopeKey = str | tuple[str, ...] | None
 
 
 def apply_ops(tensor: torch.Tensor, ops: OpList) -> torch.Tensor:
@@ -358,8 +361,12 @@ CARRIED_INPUTS = ("prev_topk_indices",)
 # attend over, for the KV-shared layers after them; transformers' KVSharingDict is a dict), fresh per
 # call, and ``per_layer_input`` (``PerLayerInputs``: each layer's slice of the per-layer embeddings, or
 # None where the config has none, as the model's forward passes it), and Falcon's ``alibi`` (None: the
-# wrappers run rotary configs, a stack with ALiBi is refused before export).
-STACK_INPUTS = ("shared_kv_states", "per_layer_input", "original_hidden_states", "layer_idx", "alibi")
+# wrappers run rotary configs, a stack with ALiBi is refused before export), and DeepSeek-V4's
+# ``input_ids`` (the call's token ids: its hash-routed MoE layers pick their experts by
+# ``tid2eid[input_ids]``; contact point ``layer_input_ids``).
+STACK_INPUTS = (
+    "shared_kv_states", "per_layer_input", "original_hidden_states", "layer_idx", "alibi", "input_ids",
+)  # fmt: skip
 # Zamba's and Zamba2's layers also take ``original_hidden_states`` (what entered the first layer, which
 # their hybrid layers' shared blocks read beside their hidden states) and ``layer_idx`` (the index their
 # shared attention caches under); and they take the attention mask as ``causal_mask`` (``CAUSAL_MASK_INPUT``),
@@ -545,6 +552,9 @@ class StaticStateCache:
         the whole updated cache. Paged: it goes to offset ``p % block_size`` of physical block
         ``block_table[b, p // block_size]`` of the shared pool; the present is the updated pool and
         the attention reads the row's blocks gathered in logical order (``paged_write``/``paged_view``).
+
+        A layer whose one KV head is both key and value (DeepSeek-V4: ``update(kv, kv)``) keeps both
+        states (the IR gives the prefill's second output of one tensor a copy of its own).
         """
         return self._write_one(slot, "key", key), self._write_one(slot, "value", value)
 
@@ -744,7 +754,7 @@ class _TextStack(nn.Module):
         windows: Sequence[int | None] | None = None,
         embedding_ops: OpList = (),
         logit_ops: OpList = (),
-        rope_layer_types: Sequence[str | None] | None = None,
+        rope_layer_types: Sequence[RopeKey] | None = None,
         layer_kinds: Sequence[str] | None = None,
         chunks: Sequence[int | None] | None = None,
         per_layer_inputs: PerLayerInputs | None = None,
@@ -803,7 +813,7 @@ class _TextStack(nn.Module):
         windows: Sequence[int | None] | None = None,
         embedding_ops: OpList = (),
         logit_ops: OpList = (),
-        rope_layer_types: Sequence[str | None] | None = None,
+        rope_layer_types: Sequence[RopeKey] | None = None,
         layer_kinds: Sequence[str] | None = None,
         parts: Mapping[str, str] | None = None,
         chunks: Sequence[int | None] | None = None,
@@ -858,7 +868,7 @@ class _TextStack(nn.Module):
     ) -> tuple[torch.Tensor, ...]:
         embeds = self.embed_tokens(input_ids)
         per_layer = self.per_layer_inputs(input_ids, embeds) if self.per_layer_inputs is not None else None
-        return self._stack(embeds, attention_mask, position_ids, cache, per_layer)
+        return self._stack(embeds, attention_mask, position_ids, cache, per_layer, input_ids)
 
     def _stack(
         self,
@@ -867,22 +877,27 @@ class _TextStack(nn.Module):
         position_ids: torch.Tensor,
         cache: StaticStateCache,
         per_layer: torch.Tensor | None = None,
+        input_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """The layers, final norm and LM head over input embeddings ``hidden_states`` ``[B, Q, hidden]``
-        (``per_layer``: the per-layer embeddings ``[B, Q, layers, width]``, indexed by layer)."""
+        (``per_layer``: the per-layer embeddings ``[B, Q, layers, width]``, indexed by layer;
+        ``input_ids``: the call's token ids, for layers that take them)."""
         hidden_states = apply_ops(hidden_states, self.embedding_ops)
         if self.rotary_emb is None:  # no rope: positions reach the layers only through the mask and cache
-            position_embeddings = [None] * len(self.layers)
+            position_embeddings: list[Any] = [None] * len(self.layers)
         elif self.rope_layer_types is None:
             position_embeddings = [self.rotary_emb(hidden_states, position_ids)] * len(self.layers)
         else:
-            # a layer type the embedding keeps no frequencies for (None: LFM3's conv layers) takes none
-            by_type = {
+            # a layer type the embedding keeps no frequencies for (None: LFM3's conv layers) takes none;
+            # a layer given rope labels (a tuple: DeepSeek-V4) takes {label: (cos, sin)} of every label
+            ropes = {
                 t: self.rotary_emb(hidden_states, position_ids, t)
-                for t in dict.fromkeys(self.rope_layer_types)
-                if t is not None
+                for t in dict.fromkeys(flat_rope_keys(self.rope_layer_types))
             }
-            position_embeddings = [by_type.get(t) for t in self.rope_layer_types]
+            position_embeddings = [
+                {label: ropes[label] for label in t} if isinstance(t, tuple) else ropes.get(t)  # type: ignore[index]
+                for t in self.rope_layer_types
+            ]
         # one mask per span (a sliding window, ("chunk", size) or None: full), in first-use order
         # (deterministic graphs); a linear layer's state takes every token it is given: no mask (the
         # contract refuses padding); a block with no mixer neither
@@ -919,6 +934,7 @@ class _TextStack(nn.Module):
                         "per_layer_input": per_layer_input,
                         "original_hidden_states": first_input,
                         "layer_idx": index,
+                        "input_ids": input_ids,
                     },
                     attention_mask=mask,
                     position_ids=position_ids,
@@ -931,6 +947,15 @@ class _TextStack(nn.Module):
         final = in_head_dtype(self.norm(hidden_states), self.lm_head)
         logits = apply_ops(self.lm_head(final), self.logit_ops)
         return (logits, *cache.flat_present())
+
+
+def flat_rope_keys(rope_layer_types: Sequence[RopeKey]) -> list[str]:
+    """Every rope a stack computes, in first-use order: the layer types, and the labels of a layer given
+    all of them (a tuple); a layer given none (None) adds nothing."""
+    keys: list[str] = []
+    for t in rope_layer_types:
+        keys += list(t) if isinstance(t, tuple) else [t] if t is not None else []
+    return keys
 
 
 def in_head_dtype(hidden_states: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
@@ -1016,7 +1041,7 @@ class MultimodalPrefillWrapper(_TextStack):
         hidden_states = merge_image_features(
             self.embed_tokens, input_ids, image_features, self.image_token_id
         )
-        return self._stack(hidden_states, attention_mask, position_ids, cache)
+        return self._stack(hidden_states, attention_mask, position_ids, cache, input_ids=input_ids)
 
 
 class DecodeWrapper(_TextStack):

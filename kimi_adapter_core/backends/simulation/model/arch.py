@@ -22,6 +22,7 @@ from ....spec.model import Spec
 from ....structure.bounds import shown_path
 from ....structure.model import ModelStructure
 from ....structure.of_spec import structure_of_raw, text_config_key
+from ....structure.reader import tables
 from ....vision.tower import VisionArch, vision_arch
 
 
@@ -79,6 +80,8 @@ def _check_indexer(spec: Spec, raw: dict[str, Any], s: ModelStructure) -> None:
     key = text_config_key(spec, isinstance(raw.get("text_config"), dict))
     text = raw[key] if key and isinstance(raw.get(key), dict) else raw
     if s.indexer is None:
+        if s.model_type in tables()["compressor_indexer_types"]:  # a compressed layer's indexer, none here
+            return
         sized = [key for key in _INDEX_KEYS if text.get(key) is not None]
         if sized:
             raise KadaptError(

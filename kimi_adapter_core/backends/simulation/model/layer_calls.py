@@ -45,16 +45,39 @@ def positions_of(layer: nn.Module, embeddings: Any, positions: torch.Tensor) -> 
     return {"position_embeddings": embeddings, **({"position_ids": positions} if takes else {})}
 
 
+def rope_for(rotary: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, rope_type: Any) -> Any:
+    """A traced layer's position embeddings: the one rope (``rope_type`` None), its layer type's, or for
+    rope labels (a tuple: DeepSeek-V4, ``upstream.rope_labels``) ``{label: (cos, sin)}`` of each."""
+    if isinstance(rope_type, tuple):
+        return {label: rotary(hidden, positions, label) for label in rope_type}
+    return rotary(hidden, positions, *([rope_type] if rope_type else []))
+
+
 def mask_of(layer: nn.Module, hidden: torch.Tensor) -> dict[str, Any]:
     """An all-visible additive mask over the step's tokens where the layer's forward requires one
     (Falcon's); other layers get none: the serving kernels price the attention, the trace masks nothing.
     An attention that then computes inline rather than through transformers' attention interface is
     refused after the step (``RankModel.trace``)."""
     params = inspect.signature(layer.forward).parameters.values()
+    if _hands_on_mask(
+        layer, params
+    ):  # DeepSeek-V4: the layer passes **kwargs to an attention that requires one
+        return {"attention_mask": None}
     if not any(p.name == "attention_mask" and p.default is p.empty for p in params):
         return {}
     batch, tokens = hidden.shape[:2]
     return {"attention_mask": hidden.new_zeros(batch, 1, tokens, tokens)}
+
+
+def _hands_on_mask(layer: nn.Module, params: Any) -> bool:
+    """Whether the layer names no attention mask but hands its ``**kwargs`` to an attention whose forward
+    requires one (the model's forward passes it by keyword; None: nothing masked)."""
+    params = list(params)
+    if any(p.name == "attention_mask" for p in params) or not any(p.kind is p.VAR_KEYWORD for p in params):
+        return False
+    attention = getattr(layer, "self_attn", None)
+    taken = inspect.signature(attention.forward).parameters if attention is not None else {}
+    return "attention_mask" in taken and taken["attention_mask"].default is inspect.Parameter.empty
 
 
 def per_layer_inputs(rec: Recorder, s: ModelStructure, tokens: int) -> None:

@@ -32,6 +32,7 @@ from ....structure.model import CORRECTED_SCORINGS, Attention, ModelStructure
 from ....structure.residual_streams import STREAM_HEAD
 from ....vision.tower import VisionArch
 from .arch import Architecture, indexed_layer_ids
+from .form_params import form_attention, hash_router_rows
 from .layer_parts import FP32_ROUTER, LayerParts, shared_expert, sublayers
 from .mixer_params import LINEAR_TENSORS, Shard, Tensors
 from .shared_block_params import BlockGroup, shared_block_groups
@@ -171,6 +172,8 @@ def _attention(s: ModelStructure, a: Attention) -> list[tuple[str, Tensors, Shar
     stack's, or a per-layer shape's)."""
     h, parts = s.hidden_size, sublayers(s)
     heads = a.num_heads
+    if a.form is not None:  # DeepSeek-V4's shared-KV attention, its output and norms (form_params)
+        return form_attention(s, a, parts)  # type: ignore[return-value]
     rows: list[tuple[str, Tensors, Shard, bool]] = []
     if a.is_mla:
         assert a.kv_lora_rank is not None and a.qk_nope_head_dim is not None
@@ -433,7 +436,10 @@ def _moe_groups(s: ModelStructure, n: Naming, parts: LayerParts) -> list[ParamGr
     groups.append(_layers(n, "router", ids, router, "replicated", router_dtype, False))
     if moe.scoring in CORRECTED_SCORINGS and parts.correction_bias:  # DeepSeek's noaux_tc bias, in fp32
         bias: Tensors = [(f"{mlp}.{parts.correction_bias}", (experts,))]
-        groups.append(_layers(n, "router_bias", ids, bias, "replicated", "fp32", False))
+        biased = [i for i in ids if i not in moe.hash_layers]  # a hash-routed layer has none (form_params)
+        groups.append(_layers(n, "router_bias", biased, bias, "replicated", "fp32", False))
+    for name, tensors, shard, linear in hash_router_rows(s, parts) if moe.hash_layers else ():
+        groups.append(_layers(n, f"router.{name}", moe.hash_layers, tensors, shard, "int64", linear))
     if moe.shared_intermediate_size:
         shared_mlp = _mlp(f"{mlp}.{shared}", h, moe.shared_intermediate_size, parts.shared_mlp)
         groups.append(_layers(n, "shared_experts", ids, shared_mlp, "tp", "bf16", True))

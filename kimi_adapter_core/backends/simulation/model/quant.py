@@ -89,7 +89,8 @@ class WeightFormat:
 
 BF16 = WeightFormat("bf16", 16, 0, 0, "bf16")
 FP32 = WeightFormat("fp32", 32, 0, 0, "fp32")
-NATIVE = {"bf16": BF16, "fp32": FP32}
+INT64 = WeightFormat("int64", 64, 0, 0, "fp32")  # an index table (DeepSeek-V4's tid2eid): never multiplied
+NATIVE = {"bf16": BF16, "fp32": FP32, "int64": INT64}
 
 # (weight bits, activation bits) of each mode TensorCast names.
 MODES: dict[str, tuple[int, int]] = {"BF16": (16, 16), "W8A8": (8, 8), "W4A8": (4, 8), "W4A16": (4, 16)}

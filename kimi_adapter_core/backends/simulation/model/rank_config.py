@@ -169,6 +169,12 @@ def check_rank_shapes(s: ModelStructure, tp: int) -> None:
             "per-rank model cannot split by heads; use --tp 1"
         )
     stack = s.attention
+    if stack.form is not None and stack.form.o_groups % tp:
+        raise UsageError(
+            f"--tp {tp}: the attention's output projection runs {stack.form.o_groups} groups of heads "
+            f"(o_groups), each projected on its own (o_a_proj), which TP {tp} does not divide among ranks; "
+            f"use a --tp that divides {stack.form.o_groups}"
+        )
     rules = tables()["per_layer_attention"]["rules"].get(s.model_type, {}).values()
     multiples = {int(r["num_kv_heads"]["times"]) for r in rules if "times" in r.get("num_kv_heads", {})}
     for layer in s.layers:
@@ -265,6 +271,10 @@ def rank_overrides(
         sizes[k["linear_num_value_heads"]] = s.linear.num_value_heads // tp
     if attends and not a.is_mla:
         sizes[k.get("head_dim", "head_dim")] = a.head_dim
+    if (
+        a.form is not None
+    ):  # DeepSeek-V4's grouped output: a rank projects its heads' groups (check_rank_shapes)
+        sizes[k.get("o_groups", "o_groups")] = a.form.o_groups // tp
     if s.dense_layer_ids and "intermediate_size" in k:
         sizes[k["intermediate_size"]] = s.intermediate_size // tp
         if "ffn_auto_adjust" in k:  # LFM2: the width is already adjusted; its MLP must not adjust it again

@@ -51,7 +51,15 @@ from .arch import read_config
 from .deployment import Deployment
 from .head_width import refuse_hidden_derived_heads
 from .inputs import ModelInputs
-from .layer_calls import carried_to, handed_on, hidden_of, mask_of, per_layer_inputs, positions_of
+from .layer_calls import (
+    carried_to,
+    handed_on,
+    hidden_of,
+    mask_of,
+    per_layer_inputs,
+    positions_of,
+    rope_for,
+)
 from .linear_kernels import RankLinearMixer
 from .mla_kernels import RankMLA
 from .module_swaps import experts_of, find_modules, stack_child, swap
@@ -399,7 +407,7 @@ def _step(
     per_layer_inputs(rec, s, input_ids.numel())
     # one (cos, sin) per rotary kind the traced layers use (Gemma-3: local and global frequencies)
     rope = {
-        t: model.rotary(hidden, positions, *([t] if t else [])) if model.rotary is not None else None
+        t: rope_for(model.rotary, hidden, positions, t) if model.rotary is not None else None
         for t in dict.fromkeys(traced.rope_type for traced in model.layers if traced.roped)
     }
     streams = s.residual_streams

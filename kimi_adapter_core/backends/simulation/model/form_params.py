@@ -1,0 +1,58 @@
+"""Plan's inventory of the parts of DeepSeek-V4's layers that are not q/k/v/o attention or a top-k router.
+
+``AttentionForm`` (``structure/attention_form.py``): the low-rank query (``q_a_proj``, its norm,
+``q_b_proj``), the one KV head read as key and value (``kv_proj``, its norm), the grouped low-rank output
+(``o_a_proj``: ``o_groups`` blocks of ``heads x head_dim / o_groups`` -> ``o_lora_rank``, stored as one
+``[o_groups x o_lora_rank, heads x head_dim / o_groups]`` weight; ``o_b_proj`` mixes them back) and one
+float32 sink logit per head, under transformers 5.24's ``DeepseekV4Attention`` names. A hash-routed MoE
+layer (``Moe.hash_layers``) keeps its ``tid2eid`` table ``[vocab, top_k]`` (int64) beside the router's
+weight and no correction bias. Shards as ``params`` says: query and output split by heads (``tp``), the
+shared KV head and the query's latent replicated.
+"""
+
+from __future__ import annotations
+
+from ....structure.model import Attention, ModelStructure
+from .layer_parts import LayerParts
+
+Rows = list[tuple[str, list[tuple[str, tuple[int, ...]]], str, bool]]
+
+
+def form_attention(s: ModelStructure, a: Attention, parts: LayerParts) -> Rows:
+    """The attention rows of a layer of ``a.form`` (``params._attention``'s row form: name, tensors,
+    shard, whether a quantization mode may touch it)."""
+    f, h, attn = a.form, s.hidden_size, parts.attention
+    assert f is not None
+    width = a.num_heads * a.head_dim
+    rows: Rows = [
+        ("q_a_proj", [(f"{attn}.q_a_proj.weight", (f.q_lora_rank, h))], "replicated", True),
+        ("q_a_norm", [(f"{attn}.q_a_norm.weight", (f.q_lora_rank,))], "replicated", False),
+        ("q_b_proj", [(f"{attn}.q_b_proj.weight", (width, f.q_lora_rank))], "tp", True),
+        ("kv_proj", [(f"{attn}.kv_proj.weight", (a.head_dim, h))], "replicated", True),
+        ("kv_norm", [(f"{attn}.kv_norm.weight", (a.head_dim,))], "replicated", False),
+        (
+            "o_a_proj",
+            [(f"{attn}.o_a_proj.weight", (f.o_groups * f.o_lora_rank, width // f.o_groups))],
+            "tp",
+            True,
+        ),
+        ("o_b_proj", [(f"{attn}.o_b_proj.weight", (h, f.o_groups * f.o_lora_rank))], "tp", True),
+    ]
+    if f.sinks:
+        rows.append(("sinks", [(f"{attn}.sinks", (a.num_heads,))], "tp", False))
+    rows.append(("layer_norms", [(f"{norm}.weight", (h,)) for norm in parts.norms], "replicated", False))
+    return rows
+
+
+def hash_router_rows(s: ModelStructure, parts: LayerParts) -> Rows:
+    """A hash-routed layer's token -> experts table (beside the router weight every MoE layer has)."""
+    assert s.moe is not None
+    router = parts.router or "gate"
+    return [
+        (
+            "tid2eid",
+            [(f"{parts.moe_block}.{router}.tid2eid", (s.vocab_size, s.moe.top_k))],
+            "replicated",
+            False,
+        )
+    ]
