@@ -27,6 +27,12 @@ error), is a ``KadaptError`` naming the input, the row, its position and the lim
 skips the checks that read tensor values (a device sync each on an accelerator); shapes and dtypes are
 still checked.
 
+The packed step graph (``step_wrapper``, ``step_example_inputs``; ``StepWrapper`` explains it) runs
+prefill chunks, decode tokens and speculative tokens of many requests in one call over the paged pool.
+``run_graph(..., "step", mapping=...)`` binds it through ``bind_step`` with the state mapping's ``step``
+section (``kadapt apply --step-tokens`` writes it): every index input is checked against its range, and
+``check_ownership=True`` (a debug check) refuses a call in which a block one request writes is another's.
+
 Extract under ``torch.no_grad()``: with transformers 5.23 the rotary embedding's own ``no_grad`` is
 otherwise traced as a ``wrap_with_set_grad_enabled`` node that torch_ir's executor cannot run. The IR
 names its weights after the wrapper's parameters and buffers (``layers.0.self_attn.o_proj.weight``,
@@ -978,9 +984,14 @@ class _TextStack(nn.Module):
                 )
         if self.streams is not None:
             hidden_states = self.streams(hidden_states)
-        final = in_head_dtype(self.norm(hidden_states), self.lm_head)
+        final = in_head_dtype(self.norm(self.head_rows(hidden_states)), self.lm_head)
         logits = apply_ops(self.lm_head(final), self.logit_ops)
         return (logits, *cache.flat_present())
+
+    def head_rows(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The final hidden states the LM head turns into logits: all of them here; the packed step
+        graph (``step.StepWrapper``) keeps only the tokens the engine asks logits for."""
+        return hidden_states
 
 
 def flat_rope_keys(rope_layer_types: Sequence[RopeKey]) -> list[str]:
@@ -1406,11 +1417,16 @@ class PagedKV(NamedTuple):
                 "shape": [batch, blocks],
                 "dtype": "int64",
                 "rule": "block_table[b, j] is the pool block holding row b's positions "
-                f"j*{self.block_size}..(j+1)*{self.block_size}-1; blocks may be in any order, each owned by "
-                "one row; entries for blocks a row has not reached yet may name any block (the mask hides "
-                "them), but a row's written blocks must be its own. A row with no request still writes its "
-                "token: give it a scratch block",
+                f"j*{self.block_size}..(j+1)*{self.block_size}-1; blocks may be in any order; a block a row "
+                "writes is that row's alone, a full block of a prefix common to several rows may be read by "
+                "all of them (sharing); entries for blocks a row has not reached yet may name any block "
+                "(the mask hides them). A row with no request still writes its token: give it a scratch "
+                "block",
             },
+            "sharing": "prefix reuse: rows whose prompts start with the same whole blocks may point at "
+            "one copy of those blocks (full, read-only); the block holding a row's next position must be "
+            "its own, so a shared partial last block is copied first (copy-on-write). The binder checks "
+            "it on request (bind_step's check_ownership)",
             "pool_dims": {"block": 0, "offset": 1, "heads": 2, "dim": 3},
             "slot_rule": f"position p of row b is offset p % {self.block_size} of block "
             f"block_table[b, p // {self.block_size}]; the mask is the contiguous layout's, over logical "
@@ -1803,6 +1819,151 @@ def build_merged_prefill_mapping(
             }
             for layer in range(num_layers)
         ],
+    }
+
+# fmt: on
+
+# ---------------------------------------------------------------------------------------------
+# The packed step graph's wrapper, verbatim from kimi_adapter_core/backends/extraction/runtime/step.py
+# ---------------------------------------------------------------------------------------------
+
+# fmt: off
+STEP_FIXED = ("input_ids", "positions", "token_rows", "block_table", "logit_indices")
+# Layer kinds whose state a step can write token by token into the pool: the attention caches (and the
+# KV-less MLP blocks). A linear mixer's fixed-size state takes a request's tokens in order as one scan,
+# which a packed step of independent token rows cannot give it; a KV-sharing layer reads keys another
+# layer computed in the same call for the same query rows.
+STEP_KINDS = ("attention", "indexed", "none")
+
+
+def step_refusal(kinds: Sequence[str]) -> str | None:
+    """Why a stack of these layer kinds has no step graph (None: it has one)."""
+    for layer, kind in enumerate(kinds):
+        if kind not in STEP_KINDS:
+            what = "shares another layer's KV" if kind == "shared" else f"keeps {kind} state"
+            return (
+                f"layer {layer} {what}: the packed step graph writes attention KV token by token into the "
+                f"paged pool, and reads only layers of kinds {', '.join(STEP_KINDS)}"
+            )
+    return None
+
+
+class StepWrapper(_TextStack):
+    """The packed step over a paged pool (module docstring): each token a decode row of its request."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        refusal = step_refusal(self.kinds)
+        if refusal is not None:
+            raise ValueError(refusal)
+        self._logit_indices: torch.Tensor | None = None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        token_rows: torch.Tensor,
+        block_table: torch.Tensor,
+        logit_indices: torch.Tensor,
+        *pools: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        counts = [len(LAYER_STATES[kind]) for kind in self.kinds]
+        if len(pools) != sum(counts):
+            raise ValueError(f"expected {sum(counts)} past state tensors, got {len(pools)}")
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        past = [tuple(pools[start : start + n]) for start, n in zip(starts, counts, strict=True)]
+        key_length = block_table.shape[1] * pools[0].shape[1]  # max_cache_len: blocks of block_size
+        position_ids = positions.view(-1, 1)
+        mask = additive_causal_mask(position_ids, key_length, pools[0].dtype)
+        cache = StaticStateCache(
+            self.kv_layout,
+            self.layer_ids,
+            past,
+            positions,
+            block_table.index_select(0, token_rows),  # each token's row: its request's blocks
+            kinds=self.kinds,
+        )
+        self._logit_indices = logit_indices
+        try:
+            logits, *present = self._run(input_ids.view(-1, 1), mask, position_ids, cache)
+        finally:
+            self._logit_indices = None
+        return (logits[:, -1], *present)
+
+    def head_rows(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Only the tokens ``logit_indices`` names reach the norm and the LM head (``[N, 1, hidden]``)."""
+        assert self._logit_indices is not None, "head_rows runs inside forward"
+        return hidden_states.index_select(0, self._logit_indices)
+
+
+def step_inputs(
+    kv_dims: KVDims,
+    *,
+    tokens: int,
+    rows: int,
+    logits: int,
+    block_size: int,
+    num_blocks: int,
+    max_cache_len: int,
+    kinds: Sequence[str],
+    dtype: torch.dtype,
+    device: str | torch.device = "meta",
+    index_dim: int | None = None,
+    layer_kv_dims: Sequence[KVDims] | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Example step inputs: ``tokens`` tokens dealt round-robin to ``rows`` requests at consecutive
+    positions, a block table giving the rows blocks in order (wrapping around the pool), logits of the
+    last ``logits`` tokens, and zeroed pools."""
+    token_rows = torch.arange(tokens, device=device).remainder(rows)
+    positions = torch.div(torch.arange(tokens, device=device), rows, rounding_mode="floor")
+    blocks = max_cache_len // block_size
+    table = torch.arange(rows * blocks, device=device).remainder(num_blocks).view(rows, blocks)
+    indices = torch.arange(tokens - logits, tokens, device=device)
+    index_dims: KVDims = ((1, index_dim or 1),) * 2  # the indexer keys: one head
+    paged = (block_size, num_blocks)
+    pools: list[torch.Tensor] = []
+    for layer, kind in enumerate(kinds):
+        if not LAYER_STATES[kind]:
+            continue
+        key_shape, value_shape = decode_kv_shapes(layer_dims(kv_dims, layer_kv_dims, layer), 1, 1, paged)
+        pools += [torch.zeros(key_shape, dtype=dtype, device=device)]
+        pools += [torch.zeros(value_shape, dtype=dtype, device=device)]
+        if kind == "indexed":
+            index_shape = decode_kv_shapes(index_dims, 1, 1, paged)[0]
+            pools.append(torch.zeros(index_shape, dtype=dtype, device=device))
+    ids = torch.zeros(tokens, dtype=torch.long, device=device)
+    return ids, positions, token_rows, table, indices, *pools
+
+
+def step_mapping(
+    *,
+    graph: str,
+    inputs: Sequence[str],
+    logits: str,
+    tokens: int,
+    rows: int,
+    logit_count: int,
+    max_cache_len: int,
+    block_size: int,
+) -> dict[str, Any]:
+    """The state mapping's ``step`` section: the packed step graph's fixed inputs and its rules (the pools
+    are the paged decode graph's, ``contract.paged``)."""
+    ids, positions, token_rows, table, indices = inputs
+    shapes = {ids: [tokens], positions: [tokens], token_rows: [tokens]}
+    shapes.update({table: [rows, max_cache_len // block_size], indices: [logit_count]})
+    return {
+        "graph": graph,
+        "inputs": [{"name": name, "shape": shape, "dtype": "int64"} for name, shape in shapes.items()],
+        "logits": {"name": logits, "shape": [logit_count, "vocab"], "row_i": f"the token {indices}[i]"},
+        "pools": "the paged decode graph's KV inputs and outputs, in its order (contract.paged)",
+        "rule": f"{ids}[t] is token t of the call, at position {positions}[t] of request {token_rows}[t], "
+        f"whose blocks are row {token_rows}[t] of {table} (contract.paged's slot rule). The graph writes "
+        "every token's KV into the pools, then each token attends over its request's slots 0..its "
+        "position: a request's tokens in one call must be at consecutive positions continuing what its "
+        "blocks hold (a prefill chunk, one decode token, or k+1 speculative tokens), no two tokens may "
+        "write one slot, and a block written in the call must be its request's alone (contract.paged."
+        f"sharing). Logits row i is the token {indices}[i]'s. Unused tokens: a request whose block-table "
+        "row points at a scratch block no live request owns",
     }
 
 # fmt: on
@@ -3935,10 +4096,14 @@ def position_inputs(ir: Any, *, graph: str) -> tuple[list[int], int | None]:
     A text graph's first input is the token ids ``[batch, length]`` and its first 4-dim input the
     attention mask ``[batch, 1, query_len, key_len]``; ``position_ids`` follows the mask. A decode graph
     then takes ``cache_position`` ``[batch]`` (one dim), and its mask spans the whole cache, so the mask's
-    key length is ``max_cache_len`` (paged too: the mask is over logical positions). A graph of any
-    other form (vision) has no positions.
-    """
+    key length is ``max_cache_len`` (paged too: the mask is over logical positions). The step graph
+    (packed ``[T]`` ids, then ``positions``) holds its block table's blocks of its pools' block size.
+    A graph of any other form (vision) has no positions."""
     declared = [tuple(meta.shape) for meta in ir.graph_inputs]
+    if declared and len(declared[0]) == 1 and len(declared) > 5:  # the packed step graph (runtime/step.py):
+        table, pool = declared[3], declared[5]  # block_table [rows, blocks], pool [blocks, block_size, ..]
+        known = len(table) == 2 and len(pool) == 4 and all(type(n) is int for n in (table[1], pool[1]))
+        return [1], table[1] * pool[1] if known else None
     if not declared or len(declared[0]) != 2:
         return [], None
     mask = next((index for index, shape in enumerate(declared) if len(shape) == 4), None)
@@ -4087,6 +4252,92 @@ def _range(name: Any, bounds: Any) -> DimRange:
             f"got {_shown(bounds)}"
         )
     return DimRange(bounds[0], bounds[1])
+
+# fmt: on
+
+# ---------------------------------------------------------------------------------------------
+# The step graph's binding, verbatim from kimi_adapter_core/backends/extraction/runtime/step_bind.py
+# ---------------------------------------------------------------------------------------------
+
+
+# fmt: off
+def step_value_ranges(mapping: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
+    """What the step graph's index inputs may hold, by the state mapping (its ``step`` section and
+    ``contract.paged``): positions ``0..max_cache_len-1``, requests ``0..rows-1``, blocks
+    ``0..num_blocks-1``, logit indices ``0..tokens-1``."""
+    where = "state mapping"
+    step = mapping.get("step") if isinstance(mapping, Mapping) else None
+    if not isinstance(step, Mapping) or not isinstance(step.get("inputs"), list) or len(step["inputs"]) != 5:
+        raise KadaptError(f"{where}: step must list the step graph's 5 fixed inputs (was it exported?)")
+    ids, positions, rows, table, indices = step["inputs"]
+    last = _field(mapping, "max_cache_len", int, where) - 1
+    blocks = _field(mapping, "contract.paged.num_blocks", int, where) - 1
+    return {
+        _field(positions, "name", str, where): (0, last),
+        _field(rows, "name", str, where): (0, _first_dim(table, where) - 1),
+        _field(table, "name", str, where): (0, blocks),
+        _field(indices, "name", str, where): (0, _first_dim(ids, where) - 1),
+    }
+
+
+def _first_dim(entry: Any, where: str) -> int:
+    """The first dim of a step input's stated shape (tokens of the ids, rows of the block table)."""
+    shape = entry.get("shape") if isinstance(entry, Mapping) else None
+    if not isinstance(shape, list) or not shape or type(shape[0]) is not int:
+        raise KadaptError(f"{where}: step input {entry!r} must state a shape of integers")
+    return int(shape[0])
+
+
+def check_block_ownership(
+    positions: Sequence[int],
+    token_rows: Sequence[int],
+    block_table: Sequence[Sequence[int]],
+    block_size: int,
+    *,
+    graph: str = "step",
+) -> None:
+    """Refuse a call in which a block written by one request is also a block of another request of the
+    call: two requests writing one block, or one writing a prefix block another reads. Each request's
+    blocks are those up to its furthest position in the call (later entries of its row are unused)."""
+    furthest: dict[int, int] = {}
+    writer: dict[int, int] = {}
+    for token, (position, row) in enumerate(zip(positions, token_rows, strict=True)):
+        furthest[row] = max(furthest.get(row, position), position)
+        block = block_table[row][position // block_size]
+        if writer.setdefault(block, row) != row:
+            raise KadaptError(
+                f"{graph}: token {token} of request row {row} writes block {block}, which request row "
+                f"{writer[block]} writes in the same call: a written block must belong to one row"
+            )
+    for row, last in furthest.items():
+        for logical, block in enumerate(block_table[row][: last // block_size + 1]):
+            if writer.get(block, row) != row:
+                raise KadaptError(
+                    f"{graph}: request row {writer[block]} writes block {block}, which request row {row} "
+                    f"reads as its logical block {logical}: a shared prefix block is read-only; copy it "
+                    "to a block of the writing row first (copy-on-write)"
+                )
+
+
+def bind_step(
+    ir: Any,
+    inputs: Sequence[Any],
+    mapping: Mapping[str, Any],
+    *,
+    graph: str = "step",
+    ranges: Mapping[str, DimRange] | None = None,
+    check_values: bool = True,
+    check_ownership: bool = False,
+) -> Any:
+    """``bind_ir`` of the step graph with its index inputs' ranges from ``mapping`` (``step_value_ranges``)
+    and, with ``check_ownership``, the block-ownership check (``check_block_ownership``)."""
+    values = step_value_ranges(mapping) if check_values else None
+    bound = bind_ir(ir, inputs, ranges or {}, graph=graph, values=values, check_values=check_values)
+    if check_ownership:
+        size = _field(mapping, "contract.paged.block_size", int, "state mapping")
+        positions, token_rows, table = (inputs[index].tolist() for index in (1, 2, 3))
+        check_block_ownership(positions, token_rows, table, size, graph=graph)
+    return bound
 
 # fmt: on
 
@@ -4923,6 +5174,27 @@ def decode_wrapper(model: torch.nn.Module, num_layers: int | None = None) -> Dec
     )
 
 
+def step_wrapper(model: torch.nn.Module, num_layers: int | None = None) -> StepWrapper:
+    """The packed step graph over the paged pool (``StepWrapper``): ``STEP_FIXED`` then the decode graph's
+    pools -> logits of the asked-for tokens and the pools. A stack whose layers a step cannot serve (linear
+    state, KV sharing: ``step_refusal``) raises ``ValueError``."""
+    language_model = model.get_submodule(LANGUAGE_MODEL_PATH)
+    kinds = layer_kinds(language_model.config)
+    return StepWrapper.from_language_model(
+        language_model,
+        model.get_submodule(LM_HEAD_PATH),
+        kv_layout=KV_LAYOUT,
+        cache_keyword=_probed_cache_keyword(language_model),
+        num_layers=num_layers,
+        mla_attention=MLA_ATTENTION,
+        windows=windows(language_model.config),
+        embedding_ops=outside_ops(language_model.config, "embeddings"),
+        logit_ops=outside_ops(language_model.config, "logits"),
+        rope_layer_types=rope_layer_types(language_model),
+        layer_kinds=kinds,
+    )
+
+
 def graph_weights(wrapper: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every tensor an extracted IR of ``wrapper`` reads, by its name there: parameters and buffers
     (non-persistent ones such as the rotary ``inv_freq`` too, which ``state_dict`` leaves out), under
@@ -4941,16 +5213,23 @@ def run_graph(
     *,
     max_cache_len: int = MAX_CACHE_LEN,
     check: bool = True,
+    mapping: Mapping[str, Any] | None = None,
+    check_ownership: bool = False,
 ) -> list[torch.Tensor]:
-    """Execute ``ir`` (``torch_ir.load_ir`` of the saved ``graph``, "prefill" or "decode") on ``inputs``
-    with ``weights`` (``graph_weights``), bound through ``bind_ir`` first: an input the graph was not made
-    for, or a row at a position outside ``0..max_cache_len-1``, is a ``KadaptError`` before execution (a
-    decode graph states its own ``max_cache_len``; a prefill's is that of the cache its KV fills). With
-    ``check=False`` nothing reads the tensors' values (one min and max per position input): faster, and a
-    decode row past the cache is then dropped without an error."""
+    """Execute ``ir`` (``torch_ir.load_ir`` of the saved ``graph``, "prefill", "decode" or "step") on
+    ``inputs`` with ``weights`` (``graph_weights``), bound through ``bind_ir`` first: an input the graph was
+    not made for, or a row at a position outside ``0..max_cache_len-1``, is a ``KadaptError`` before
+    execution (a decode or step graph states its own ``max_cache_len``; a prefill's is that of the cache its
+    KV fills). With ``check=False`` nothing reads the tensors' values (one min and max per position input):
+    faster, and a decode row past the cache is then dropped without an error. A step graph given its state
+    ``mapping`` binds through ``bind_step``: its other index inputs are checked too, and with
+    ``check_ownership`` the blocks each request writes."""
     import torch_ir
 
-    bound = bind_ir(ir, inputs, {}, graph=graph, max_cache_len=max_cache_len, check_values=check)
+    if graph == "step" and mapping is not None:
+        bound = bind_step(ir, inputs, mapping, check_values=check, check_ownership=check_ownership)
+    else:
+        bound = bind_ir(ir, inputs, {}, graph=graph, max_cache_len=max_cache_len, check_values=check)
     return list(torch_ir.IRExecutor(bound, weights).execute(tuple(inputs)))
 
 
@@ -5000,6 +5279,38 @@ def decode_example_inputs(
         paged=None if PAGED is None else (PAGED.block_size, PAGED.num_blocks),
         kinds=layer_kinds(config)[:num_layers],
         linear_states=linear_states(config, dtype),
+    )
+
+
+def step_example_inputs(
+    config: Any,
+    device: str | torch.device = "meta",
+    *,
+    tokens: int,
+    logits: int = 1,
+    rows: int = BATCH,
+    max_cache_len: int = MAX_CACHE_LEN,
+    block_size: int | None = None,
+    num_blocks: int | None = None,
+    num_layers: int | None = None,
+    dtype: str | None = DTYPE,
+) -> tuple[torch.Tensor, ...]:
+    """Positional step inputs (``step_inputs``): ``tokens`` tokens dealt to ``rows`` requests, logits of
+    the last ``logits``, zeroed pools of ``num_blocks`` blocks of ``block_size`` (default: ``PAGED``'s)."""
+    if PAGED is None and (block_size is None or num_blocks is None):
+        raise ValueError("the spec's kv_cache is contiguous: give the step's block_size and num_blocks")
+    count = int(_fact(config, "num_layers")) if num_layers is None else num_layers
+    return step_inputs(
+        kv_dims(config),
+        tokens=tokens,
+        rows=rows,
+        logits=logits,
+        block_size=block_size if block_size is not None else PAGED.block_size,
+        num_blocks=num_blocks if num_blocks is not None else PAGED.num_blocks,
+        max_cache_len=max_cache_len,
+        kinds=layer_kinds(config)[:count],
+        dtype=_torch_dtype(dtype),
+        device=device,
     )
 
 

@@ -150,6 +150,19 @@ class KvCacheAbi:
         )
 
 
+@dataclass(frozen=True)
+class StepAbi:
+    """``abi.step``: also export the packed step graph (``runtime/step.py``) over the paged pool: ``tokens``
+    packed tokens per call, logits for ``logits`` of them (default: one per request, ``abi.batch``)."""
+
+    tokens: int
+    logits: int | None = None
+
+    @classmethod
+    def from_raw(cls, raw: dict[str, Any] | None) -> StepAbi | None:
+        return None if raw is None else cls(tokens=raw["tokens"], logits=raw.get("logits"))
+
+
 def paged_size_problems(block_size: int, num_blocks: int | None, max_cache_len: int) -> list[tuple[str, str]]:
     """What is wrong with a paged cache of these sizes, as ``(field of abi.kv_cache, message)``: the one
     rule ``validate`` reports located at each field and ``apply`` raises."""
@@ -190,6 +203,7 @@ class Abi:
     vision: VisionAbi | None = None  # the vision graph, for vision-language models that declare it
     dynamic: tuple[str, ...] = ()  # sizes exported as dynamic dimensions (batch, prefill_len)
     kv_cache: KvCacheAbi = KvCacheAbi()
+    step: StepAbi | None = None  # abi.step: also export the packed step graph (needs a paged kv_cache)
 
 
 # The decoder stack's parts the prefill/decode wrappers call, by ``module_paths`` key, at the paths
@@ -412,6 +426,7 @@ def build_spec(path: Path, raw: dict[str, Any], positions: dict[str, Location]) 
                 vision=_vision_abi(abi.get("vision")),
                 dynamic=tuple(abi.get("dynamic") or ()),
                 kv_cache=KvCacheAbi.from_raw(abi.get("kv_cache")),
+                step=StepAbi.from_raw(abi.get("step")),
             )
             if abi
             else None

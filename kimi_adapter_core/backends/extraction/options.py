@@ -9,24 +9,25 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ...errors import KadaptError
-from ...spec.model import KvCacheAbi, MergedPrefillAbi, Spec, paged_name_problems, paged_size_problems
+from ...spec.model import MergedPrefillAbi, Spec
 from ...structure.kv_layout import resolve_kv_layout
 from ...structure.model import ALL_KV_LAYOUTS, ModelStructure
 from ...vision.options import VisionOptions, vision_options
 from .names import DECODE_FIXED, MERGED_FIXED, PREFILL_FIXED, GraphNames, read_graph_names, state_roles
+from .paged import PagedOptions, paged_options
 from .runtime.symbolic import SYMBOLS as DYNAMIC_SIZES
 from .runtime.symbolic import DimRange
+from .step_options import StepOptions, serving_options
 
 MLA_ATTENTIONS = ("reexpand", "absorbed")
 DTYPES = ("bfloat16", "float16", "float32", "float64")
 MERGED = "prefill_mm"  # graph kind (and file name part) of the multimodal prefill
-KV_CACHES = ("contiguous", "paged")
 
 
 @dataclass(frozen=True)
@@ -66,43 +67,6 @@ def merged_prefill_options(
             "cannot hold its prompt"
         )
     return MergedPrefillOptions(names, length, spec.locate(where)), None
-
-
-@dataclass(frozen=True)
-class PagedOptions:
-    """``abi.kv_cache: paged``: decode KV as block pools ``[num_blocks, block_size, heads, dim]``."""
-
-    block_size: int
-    num_blocks: int
-    block_table: str  # name of the decode graph's block-table input, after cache_position
-
-
-def paged_options(
-    kv_cache: KvCacheAbi,
-    *,
-    batch: int,
-    max_cache_len: int,
-    decode_inputs: Iterable[str],
-    where: Callable[[str], str | None],
-) -> PagedOptions | None:
-    """The paged cache ``kv_cache`` describes, checked against the ABI sizes and the decode graph's
-    other inputs (None: contiguous); ``where(field)`` locates a problem with that field."""
-    if kv_cache.kind not in KV_CACHES:
-        raise KadaptError(
-            f"unknown kv_cache {kv_cache.kind!r}; valid: {', '.join(KV_CACHES)}", location=where("kind")
-        )
-    if kv_cache.kind == "contiguous":
-        return None
-    size = kv_cache.block_size
-    problems = [
-        *paged_size_problems(size, kv_cache.num_blocks, max_cache_len),
-        *paged_name_problems(kv_cache.block_table, decode_inputs),
-    ]
-    if problems:
-        field, message = problems[0]
-        raise KadaptError(f"kv_cache {message}", location=where(field))
-    num_blocks = kv_cache.num_blocks if kv_cache.num_blocks is not None else batch * (max_cache_len // size)
-    return PagedOptions(size, num_blocks, kv_cache.block_table)
 
 
 def spec_paged(spec: Spec) -> PagedOptions | None:
@@ -164,6 +128,7 @@ class ExtractionOptions:
     notes: tuple[str, ...] = ()  # what the run leaves out and why, said before it starts
     dynamic: tuple[str, ...] = ()  # abi.dynamic: sizes that become symbols ranging 1..their value
     paged: PagedOptions | None = None  # abi.kv_cache: paged (None: contiguous per-row caches)
+    step: StepOptions | None = None  # abi.step: the packed step graph too (``step_options``)
     # per request, shape and dtype of a linear layer's (conv, recurrent) states, as the layers hand
     # them over (``upstream.LayerProtocol.linear_states``; bound before export; None: no linear layer)
     linear_states: tuple[tuple[tuple[int, ...], str], ...] | None = None
@@ -231,7 +196,7 @@ class ExtractionOptions:
 
     def path(self, graph: str) -> Path:
         """Output file of ``graph``: ``prefill``, ``decode``, ``prefill_mm`` (the multimodal prefill),
-        ``vision``, ``kv_mapping``, ``weight_map``."""
+        ``step`` (the packed step graph), ``vision``, ``kv_mapping``, ``weight_map``."""
         suffix = f"{graph}.json" if graph in ("kv_mapping", "weight_map") else f"{graph}_ir.json"
         return self.output_dir / f"{self.file_prefix}_{suffix}"
 
@@ -314,11 +279,15 @@ def options_from_spec(
     dynamic: Iterable[str] | None = None,
     kv_cache: str | None = None,
     block_size: int | None = None,
+    num_blocks: int | None = None,
+    step_tokens: int | None = None,
+    step_logits: int | None = None,
 ) -> ExtractionOptions:
     """``spec.abi`` and ``backends.extraction`` defaults with CLI overrides, checked.
 
     ``kv_cache``/``block_size`` override ``abi.kv_cache`` (``paged`` with ``block_size``, default the
-    spec's or 16)."""
+    spec's or 16); ``num_blocks``, ``step_tokens`` and ``step_logits`` the pool size and ``abi.step``
+    (``step_options.serving_options``)."""
     abi = spec.abi
     if abi is None:
         raise KadaptError(f"spec {spec.name} has no `abi` section: extraction needs the prefill/decode ABI")
@@ -371,6 +340,8 @@ def options_from_spec(
     cache_abi = abi.kv_cache
     if kv_cache == "contiguous" and block_size is not None:
         raise KadaptError(f"block_size {block_size} needs a paged kv_cache, not contiguous")
+    if kv_cache == "contiguous" and (num_blocks is not None or step_tokens is not None):
+        raise KadaptError("num_blocks and the step graph need a paged kv_cache, not contiguous")
     if kv_cache is not None or block_size is not None:
         kind = kv_cache or "paged"
         cache_abi = dataclasses.replace(
@@ -397,6 +368,17 @@ def options_from_spec(
         merged, note = merged_prefill_options(
             spec, abi.vision.merged_prefill, max_cache_len=sizes["max_cache_len"]
         )
+    serving = serving_options(
+        spec,
+        batch=sizes["batch"],
+        max_cache_len=sizes["max_cache_len"],
+        paged=paged,
+        decode_names=decode_names,
+        multimodal=abi.vision is not None,
+        num_blocks=num_blocks,
+        step_tokens=step_tokens,
+        step_logits=step_logits,
+    )
     return ExtractionOptions(
         output_dir=out,
         file_prefix=str(backend.get("file_prefix") or spec.name),
@@ -408,7 +390,7 @@ def options_from_spec(
         names_where=spec.locate("abi.prefill.outputs"),
         mla_attention=attention,
         prefill_names=prefill_names,
-        decode_names=decode_names,
+        decode_names=serving.decode_names,
         weight_renames=tuple((r["from"], r["to"]) for r in backend.get("weight_renames") or ()),
         verify_overrides=dict(verify.get("config_overrides") or {}),
         verify_tolerance=float(verify.get("tolerance", 1e-4)),
@@ -424,7 +406,8 @@ def options_from_spec(
             sizes,
             spec.locate("abi.dynamic") if dynamic is None and abi.dynamic else None,
         ),
-        paged=paged,
+        paged=serving.paged,
+        step=serving.step,
         **sizes,
     )
 

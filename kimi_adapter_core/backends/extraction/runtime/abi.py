@@ -944,9 +944,14 @@ class _TextStack(nn.Module):
                 )
         if self.streams is not None:
             hidden_states = self.streams(hidden_states)
-        final = in_head_dtype(self.norm(hidden_states), self.lm_head)
+        final = in_head_dtype(self.norm(self.head_rows(hidden_states)), self.lm_head)
         logits = apply_ops(self.lm_head(final), self.logit_ops)
         return (logits, *cache.flat_present())
+
+    def head_rows(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The final hidden states the LM head turns into logits: all of them here; the packed step
+        graph (``step.StepWrapper``) keeps only the tokens the engine asks logits for."""
+        return hidden_states
 
 
 def flat_rope_keys(rope_layer_types: Sequence[RopeKey]) -> list[str]:
@@ -1372,11 +1377,16 @@ class PagedKV(NamedTuple):
                 "shape": [batch, blocks],
                 "dtype": "int64",
                 "rule": "block_table[b, j] is the pool block holding row b's positions "
-                f"j*{self.block_size}..(j+1)*{self.block_size}-1; blocks may be in any order, each owned by "
-                "one row; entries for blocks a row has not reached yet may name any block (the mask hides "
-                "them), but a row's written blocks must be its own. A row with no request still writes its "
-                "token: give it a scratch block",
+                f"j*{self.block_size}..(j+1)*{self.block_size}-1; blocks may be in any order; a block a row "
+                "writes is that row's alone, a full block of a prefix common to several rows may be read by "
+                "all of them (sharing); entries for blocks a row has not reached yet may name any block "
+                "(the mask hides them). A row with no request still writes its token: give it a scratch "
+                "block",
             },
+            "sharing": "prefix reuse: rows whose prompts start with the same whole blocks may point at "
+            "one copy of those blocks (full, read-only); the block holding a row's next position must be "
+            "its own, so a shared partial last block is copied first (copy-on-write). The binder checks "
+            "it on request (bind_step's check_ownership)",
             "pool_dims": {"block": 0, "offset": 1, "heads": 2, "dim": 3},
             "slot_rule": f"position p of row b is offset p % {self.block_size} of block "
             f"block_table[b, p // {self.block_size}]; the mask is the contiguous layout's, over logical "
