@@ -48,7 +48,7 @@ from kimi_adapter_core.backends.simulation.model.rank_model import RankModel
 from kimi_adapter_core.backends.simulation.search.grid import quant_modes, sweep_inputs
 from kimi_adapter_core.backends.simulation.search.request_pricing import Workload
 from kimi_adapter_core.backends.simulation.search.serving import ServingSearch
-from kimi_adapter_core.backends.simulation.search.sweep import Sweep
+from kimi_adapter_core.backends.simulation.search.sweep import Sweep, framework_pricer
 from kimi_adapter_core.backends.simulation.tables.device import get_device
 from kimi_adapter_core.spec import Spec, load_spec
 from kimi_adapter_core.spec.loader import resolve_spec_path
@@ -170,7 +170,10 @@ def requests(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         inputs = sweep_inputs(spec, quant_modes(spec, "all"))  # every mode: the benchmark prints both picks
         base = Deployment(Parallel(), 1, 1, 0, True)
-        result = ServingSearch(spec, inputs, device, base, devices, workload, args.framework).run()
+        pricer = framework_pricer(args.framework)  # the framework's kernel table, as the CLI prices
+        result = ServingSearch(
+            spec, inputs, device, base, devices, workload, args.framework, pricer=pricer
+        ).run()
         wall = time.perf_counter() - start
         print(
             f"\n{devices} devices: kadapt {wall:.1f} s wall ({result.traces} per-rank traces, "
