@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kimi_adapter_core.backends.simulation.estimate.cost import framework_pricer
 from kimi_adapter_core.backends.simulation.estimate.simulator import simulate, trace_kernels
 from kimi_adapter_core.backends.simulation.model.deployment import Deployment
 from kimi_adapter_core.backends.simulation.model.parallel import Parallel
@@ -48,7 +49,7 @@ from kimi_adapter_core.backends.simulation.model.rank_model import RankModel
 from kimi_adapter_core.backends.simulation.search.grid import quant_modes, sweep_inputs
 from kimi_adapter_core.backends.simulation.search.request_pricing import Workload
 from kimi_adapter_core.backends.simulation.search.serving import ServingSearch
-from kimi_adapter_core.backends.simulation.search.sweep import Sweep, framework_pricer
+from kimi_adapter_core.backends.simulation.search.sweep import Sweep
 from kimi_adapter_core.backends.simulation.tables.device import get_device
 from kimi_adapter_core.spec import Spec, load_spec
 from kimi_adapter_core.spec.loader import resolve_spec_path

@@ -28,8 +28,8 @@ from kimi_adapter_core.backends.simulation.search.concurrency import price_concu
 from kimi_adapter_core.backends.simulation.search.grid import quant_modes, sweep_inputs
 from kimi_adapter_core.backends.simulation.search.launch_rules import framework as framework_of
 from kimi_adapter_core.backends.simulation.search.request_pricing import Workload
+from kimi_adapter_core.backends.simulation.search.serving_points import ServingPoint, serving_points
 from kimi_adapter_core.backends.simulation.tables.device import get_device
-from kimi_adapter_core.backends.simulation.tables.serving_points import ServingPoint, serving_points
 from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.spec import load_spec
 

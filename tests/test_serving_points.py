@@ -21,19 +21,19 @@ import yaml
 from click.testing import CliRunner
 from fixtures.spec_files import REPO
 
+from kimi_adapter_core.backends.simulation.estimate.cost import framework_pricer
 from kimi_adapter_core.backends.simulation.model.deployment import Deployment
 from kimi_adapter_core.backends.simulation.search.concurrency import price_concurrency
 from kimi_adapter_core.backends.simulation.search.grid import quant_modes, sweep_inputs
 from kimi_adapter_core.backends.simulation.search.launch_rules import frameworks
 from kimi_adapter_core.backends.simulation.search.request_pricing import Workload
 from kimi_adapter_core.backends.simulation.search.serving import ServingSearch
-from kimi_adapter_core.backends.simulation.search.sweep import framework_pricer
-from kimi_adapter_core.backends.simulation.tables.device import get_device
-from kimi_adapter_core.backends.simulation.tables.serving_points import (
+from kimi_adapter_core.backends.simulation.search.serving_points import (
     POINTS_FILE,
     load_points,
     serving_points,
 )
+from kimi_adapter_core.backends.simulation.tables.device import get_device
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.spec import load_spec

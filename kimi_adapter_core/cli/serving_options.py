@@ -108,9 +108,9 @@ def run_serving(
     """Search aggregated and disaggregated deployments of ``workload`` on ``devices`` devices; return
     the report in ``fmt`` (and write the plot when asked). ``base`` carries MTP, the KV dtype and the
     routing; ``quant`` names the weight modes as in ``run_sweep`` (default: the checkpoint as shipped)."""
+    from ..backends.simulation.estimate.cost import framework_pricer
     from ..backends.simulation.search.pareto_plot import SUFFIXES, SlaLine, write_plot
     from ..backends.simulation.search.serving import ServingSearch, plot_points
-    from ..backends.simulation.search.sweep import framework_pricer
 
     if plot is not None and plot.suffix.lower() not in SUFFIXES:
         raise click.UsageError(f"--plot {plot}: the suffix must be one of {', '.join(SUFFIXES)}")

@@ -20,6 +20,7 @@ from dataclasses import replace
 
 from ....errors import UsageError
 from ....spec.model import Spec
+from ..estimate.cost import framework_pricer
 from ..model.deployment import Deployment
 from ..model.inputs import ModelInputs
 from ..model.parallel import Parallel
@@ -27,7 +28,7 @@ from ..tables.device import Device
 from .launch_rules import framework
 from .request_pricing import Candidate, Workload
 from .serving import ServingSearch
-from .sweep import Pricer, framework_pricer
+from .sweep import Pricer
 
 
 def concurrency_search(

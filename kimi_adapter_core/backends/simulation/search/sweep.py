@@ -38,7 +38,7 @@ from ....errors import KadaptError, UsageError
 from ....loading import applied
 from ....spec.model import Spec
 from ..estimate import simulator
-from ..estimate.cost import Priced, kernel_table, price
+from ..estimate.cost import Priced, price
 from ..estimate.planner import Memory, activation_bytes, kv_sizing, params_per_device, weight_lines
 from ..model.deployment import Deployment
 from ..model.inputs import ModelInputs
@@ -53,16 +53,6 @@ from .scaling import Scaled, ScaledExperts, close, expert_kernels, expert_spans,
 from .weight_modes import Key, TaggedTrace, Tagger, kernel_family, reformat, tag_index, tagged, untag
 
 Pricer = Callable[[Op, Device], Priced]
-
-
-def framework_pricer(framework: str) -> Pricer:
-    """The roofline with the device's kernel table for ``framework``: what ``kadapt simulate
-    --framework`` prices one step with (serving frameworks run different kernels), for a sweep."""
-
-    def pricer(op: Op, device: Device) -> Priced:
-        return price(op, device, kernel_table(device, framework))
-
-    return pricer
 
 
 class _Family:

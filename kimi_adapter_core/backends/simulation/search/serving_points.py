@@ -1,4 +1,4 @@
-"""Published end-to-end serving measurements (``published/serving_points.yaml``), read and checked.
+"""Published end-to-end serving measurements (``tables/published/serving_points.yaml``), read and checked.
 
 Each point is one public benchmark run of one server: a model, a device and count, a framework and its
 version, the server's layout, N concurrent requests of a prompt and output length, and what the
@@ -23,7 +23,7 @@ import yaml
 from ....errors import KadaptError
 from ..model.parallel import Parallel
 
-POINTS_FILE = Path(__file__).with_name("published") / "serving_points.yaml"
+POINTS_FILE = Path(__file__).parents[1] / "tables" / "published" / "serving_points.yaml"
 FRAMEWORKS = ("trtllm", "sglang", "vllm")
 _KEYS = {
     "id",
