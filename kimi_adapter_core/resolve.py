@@ -136,11 +136,16 @@ def _check_model(findings: _Findings) -> None:
 
 def _check_stack_parts(findings: _Findings, model: Any, language_model: Any, lm_head: Any) -> None:
     """The parts the extraction wrappers call on the decoder stack, where ``module_paths`` says (or
-    transformers' usual names): a missing one is the refusal apply would raise, at its spec key."""
-    from .backends.extraction.ir.stack import Backbone, check_parts
+    transformers' usual names), and the positions they hand its layers: a missing part, or learned
+    position embeddings ``module_paths.position_embeddings`` does not name, is the refusal apply would
+    raise, at its spec key."""
+    from .backends.extraction.ir.stack import Backbone, check_parts, check_positions
 
-    parts = findings.spec.stack_parts()
-    findings.attempt("module_paths", lambda: check_parts(Backbone(model, language_model, lm_head, parts)))
+    backbone = Backbone(model, language_model, lm_head, findings.spec.stack_parts())
+    before = len(findings.found)
+    findings.attempt("module_paths", lambda: check_parts(backbone))
+    if len(findings.found) == before:  # the parts are there: the positions they hand the layers
+        findings.attempt("module_paths", lambda: check_positions(backbone))
 
 
 def resolve_diagnostics(spec: Spec, display: str | Path) -> list[Diagnostic]:

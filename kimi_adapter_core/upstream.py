@@ -471,6 +471,76 @@ def _probe_layer_input_ids() -> str:
     return "DeepseekV4DecoderLayer.forward takes the call's input_ids (hash routing: tid2eid[input_ids])"
 
 
+# the model types whose learned absolute position tables keep rows before position 0, and those tables
+# (their ``offset``): module -> class
+OFFSET_POSITION_MODEL_TYPES = ("opt", "biogpt", "trocr")
+OFFSET_POSITION_TABLES = {
+    "transformers.models.opt.modeling_opt": "OPTLearnedPositionalEmbedding",
+    "transformers.models.biogpt.modeling_biogpt": "BioGptLearnedPositionalEmbedding",
+    "transformers.models.trocr.modeling_trocr": "TrOCRLearnedPositionalEmbedding",
+}
+
+
+def _probe_learned_positions() -> str:
+    import torch
+
+    expected = (
+        "an nn.Embedding of num_embeddings + offset rows whose forward looks up "
+        "super().forward(position_ids + self.offset)"
+    )
+    found = []
+    for module, name in OFFSET_POSITION_TABLES.items():
+        table = _attr(module, name, expected)(4, 2)
+        offset = getattr(table, "offset", None)
+        if not isinstance(table, torch.nn.Embedding) or not isinstance(offset, int):
+            raise _Moved(expected, f"{name} is no nn.Embedding with an int offset")
+        source = " ".join(inspect.getsource(type(table).forward).split())
+        if table.num_embeddings != 4 + offset or "super().forward(position_ids + self.offset)" not in source:
+            raise _Moved(expected, f"{name}.forward no longer looks up position_ids + self.offset")
+        found.append(f"{name} (offset {offset})")
+    return ", ".join(found)
+
+
+BLOOM = "transformers.models.bloom.modeling_bloom"
+MPT = "transformers.models.mpt.modeling_mpt"
+ALIBI_MODEL_TYPES = ("bloom", "mpt")  # the model types whose stack builds its ALiBi bias (runtime.AlibiBias)
+
+
+def _probe_alibi_bias() -> str:
+    import torch
+
+    expected = (
+        "BloomModel.build_alibi_tensor(attention_mask [B, K], num_heads, dtype) -> [B * heads, 1, K], "
+        "each head's slope times the visible keys before each key; BloomBlock.forward(alibi=)"
+    )
+    model = _attr(BLOOM, "BloomModel", expected)
+    block = _attr(BLOOM, "BloomBlock", expected)
+    if "alibi" not in _signature(block.forward).parameters:
+        raise _Moved(expected, f"BloomBlock.forward{_signature(block.forward)}")
+    mask = torch.tensor([[1, 1, 1, 0]])
+    bias = model.build_alibi_tensor(None, mask, 2, torch.float32)
+    slopes = bias[:, 0, 1]
+    if tuple(bias.shape) != (2, 1, 4) or not torch.equal(bias[:, 0, :3], slopes[:, None] * torch.arange(3)):
+        raise _Moved(expected, f"a [2, 1, 4] bias of slope * key; got {bias.flatten().tolist()}")
+    expected = (
+        "MptModel.build_mpt_alibi_tensor(num_heads, sequence_length, device=) -> [heads, 1, "
+        "sequence_length], each head's slope times each key's distance to the last; "
+        "MptBlock.forward(position_bias=)"
+    )
+    model = _attr(MPT, "MptModel", expected)
+    block = _attr(MPT, "MptBlock", expected)
+    if "position_bias" not in _signature(block.forward).parameters:
+        raise _Moved(expected, f"MptBlock.forward{_signature(block.forward)}")
+    bias = model.build_mpt_alibi_tensor(None, 2, 3, device="cpu")
+    distances = torch.arange(-2, 1)  # each key's distance to the last
+    if tuple(bias.shape) != (2, 1, 3) or not torch.equal(bias[:, 0, :], -bias[:, :1, 1] * distances):
+        raise _Moved(expected, f"a [2, 1, 3] bias of slope * (key - last); got {bias.flatten().tolist()}")
+    return (
+        "BloomModel.build_alibi_tensor: [B * heads, 1, K] of slope * visible keys before each key; "
+        "MptModel.build_mpt_alibi_tensor: [heads, 1, max_seq_len] of slope * (key - last)"
+    )
+
+
 # the stacks whose forward computes some layer types' rotary embedding from float32 embeddings, which
 # makes their DSA indexer keys float32 in a bfloat16 model (extraction refuses such a graph below float32:
 # ``pipeline.check_rope_input_dtype``): module -> (decoder model, the expression it uses)
@@ -885,6 +955,31 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
         "as DeepseekV4Model.forward does",
         ("extraction (DeepSeek-V4)", "simulation", "generated modules"),
         _probe_layer_input_ids,
+    ),
+    ContactPoint(
+        "learned_positions",
+        "models.opt.modeling_opt.OPTLearnedPositionalEmbedding, models.biogpt.modeling_biogpt."
+        "BioGptLearnedPositionalEmbedding, models.trocr.modeling_trocr.TrOCRLearnedPositionalEmbedding",
+        "an nn.Embedding of num_embeddings + offset rows whose forward looks up position_ids + self.offset",
+        "the wrappers add a stack's learned absolute position embeddings (module_paths.position_embeddings) "
+        "by the nn.Embedding lookup of each row's positions plus the table's offset, since each of these "
+        "forwards takes the positions another way (runtime.add_learned_positions)",
+        ("extraction (GPT-2, OPT, BioGPT, ...)", "generated modules"),
+        _probe_learned_positions,
+    ),
+    ContactPoint(
+        "alibi_bias",
+        "models.bloom.modeling_bloom.BloomModel.build_alibi_tensor, BloomBlock.forward(alibi); "
+        "models.mpt.modeling_mpt.MptModel.build_mpt_alibi_tensor, MptBlock.forward(position_bias)",
+        "build_alibi_tensor(attention_mask [B, K], num_heads, dtype) -> [B * heads, 1, K]: each head's slope "
+        "times the visible keys before each key, taken as alibi; build_mpt_alibi_tensor(num_heads, "
+        "max_seq_len) -> [heads, 1, max_seq_len]: the slope times each key's distance to the last, taken "
+        "as position_bias",
+        "the wrappers build BLOOM's and MPT's ALiBi biases once per call with the stack's own builder "
+        "(BLOOM's from the keys each row's last query sees) and hand every layer the result "
+        "(runtime.AlibiBias)",
+        ("extraction (BLOOM, MPT)", "generated modules"),
+        _probe_alibi_bias,
     ),
     ContactPoint(
         "rope_input_dtype",
@@ -1468,7 +1563,7 @@ def _rope_of(rotary_emb: Any, hidden: Any, positions: Any, layer_type: Any, laye
             "not-exportable",
             type(rotary_emb).__name__,
             f"rotary_emb(hidden_states, position_ids) runs on the {hidden.device.type} device",
-            f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}",
+            f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}{_failed_at(exc)}",
         )
     if not (isinstance(embeddings, tuple) and len(embeddings) == 2):
         _unsupported(
@@ -1540,7 +1635,9 @@ def stack_inputs(
     call's tokens: ``SharedKeysValues``), a zero ``per_layer_input`` of the layer's width (None where it
     has none; contact point ``per_layer_inputs``), ``original_hidden_states`` (Zamba, Zamba2: what entered
     the first layer, ``original``; zeros like ``hidden`` where not given), the layer's ``index`` as
-    ``layer_idx``, and no ``alibi`` (Falcon's rotary configs)."""
+    ``layer_idx``, and ALiBi biases of zeros for a layer that requires them (BLOOM's ``alibi`` ``[B *
+    heads, 1, length]``, MPT's ``position_bias`` ``[heads, 1, length]``: contact point ``alibi_bias``; a
+    bias of zeros leaves the scores as they are), else none (Falcon's rotary configs)."""
     params = _signature(type(layer).forward).parameters
     inputs: dict[str, Any] = {}
     if "original_hidden_states" in params:
@@ -1555,8 +1652,12 @@ def stack_inputs(
     if "per_layer_input" in params:
         width = getattr(layer, "hidden_size_per_layer_input", None)
         inputs["per_layer_input"] = hidden.new_zeros(*hidden.shape[:2], width) if width else None
-    if "alibi" in params:  # Falcon's: None in a rotary config (a stack with ALiBi is refused)
-        inputs["alibi"] = None
+    heads = getattr(layer, "num_heads", None) or getattr(_attention_of(layer), "num_heads", None)
+    for name in ("alibi", "position_bias"):  # BLOOM's [B * heads, 1, K], MPT's [heads, 1, K]
+        if name in params:
+            required = params[name].default is inspect.Parameter.empty
+            rows = heads * hidden.shape[0] if name == "alibi" and heads else heads
+            inputs[name] = hidden.new_zeros(rows, 1, length or hidden.shape[1]) if required and rows else None
     if "input_ids" in params:  # DeepSeek-V4's hash-routed MoE: token 0 (a valid row of tid2eid)
         import torch
 
@@ -1644,7 +1745,7 @@ def _probe_layer(
             "not-exportable",
             layer_name,
             f"{layer_name} runs on the {parameter.device.type} device with the ABI's inputs",
-            f"{type(failure).__name__}: {' '.join(str(failure).split())[:300]}",
+            f"{type(failure).__name__}: {' '.join(str(failure).split())[:300]}{_failed_at(failure)}",
         )
     if kind == "linear":
         return _linear_protocol(layer_name, keyword, cache, index, out, taken)
@@ -1687,6 +1788,20 @@ def _probe_layer(
             point="indexer_cache",
         )
     return LayerProtocol(keyword, kv_dims, index_dim=int(index_keys.shape[-1]))
+
+
+def _failed_at(failure: BaseException) -> str:
+    """Where in transformers' modelling code ``failure`` was raised (the innermost frame of a
+    ``models/`` file, and its line: JetMoE's ``expert_size.tolist()``, which reads tensor values a
+    meta model has none of), or nothing when it was raised elsewhere."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(failure.__traceback__) if "/transformers/models/" in f.filename]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    where = frame.filename.rsplit("/transformers/", 1)[1].removesuffix(".py").replace("/", ".")
+    return f", at {where}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
 
 
 def _one_update(
@@ -1845,6 +1960,8 @@ def _hidden_size(layer: Any) -> int:
         return int(config.hidden_size)
     for module in layer.modules():
         size = getattr(module, "hidden_size", None)
+        if not isinstance(size, int):  # BART-style layers (TrOCR): embed_dim
+            size = getattr(module, "embed_dim", None)
         if not isinstance(size, int):
             size = getattr(getattr(module, "config", None), "hidden_size", None)
         if isinstance(size, int):

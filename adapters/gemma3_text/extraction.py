@@ -395,12 +395,13 @@ CARRIED_INPUTS = ("prev_topk_indices",)
 # them: Gemma-4's ``shared_kv_states`` (a dict its KV-storing layers fill with the keys and values they
 # attend over, for the KV-shared layers after them; transformers' KVSharingDict is a dict), fresh per
 # call, and ``per_layer_input`` (``PerLayerInputs``: each layer's slice of the per-layer embeddings, or
-# None where the config has none, as the model's forward passes it), and Falcon's ``alibi`` (None: the
-# wrappers run rotary configs, a stack with ALiBi is refused before export), and DeepSeek-V4's
-# ``input_ids`` (the call's token ids: its hash-routed MoE layers pick their experts by
-# ``tid2eid[input_ids]``; contact point ``layer_input_ids``).
+# None where the config has none, as the model's forward passes it), ``alibi`` / ``position_bias``
+# (BLOOM's and MPT's ALiBi biases: ``AlibiBias``; None where the stack has none, Falcon's rotary configs),
+# and DeepSeek-V4's ``input_ids`` (the call's token ids: its hash-routed MoE layers pick their experts
+# by ``tid2eid[input_ids]``; contact point ``layer_input_ids``).
 STACK_INPUTS = (
-    "shared_kv_states", "per_layer_input", "original_hidden_states", "layer_idx", "alibi", "input_ids",
+    "shared_kv_states", "per_layer_input", "original_hidden_states", "layer_idx", "alibi", "position_bias",
+    "input_ids",
 )  # fmt: skip
 # Zamba's and Zamba2's layers also take ``original_hidden_states`` (what entered the first layer, which
 # their hybrid layers' shared blocks read beside their hidden states) and ``layer_idx`` (the index their
@@ -720,22 +721,32 @@ class StaticStateCache:
 
 # The parts of a decoder stack the wrappers call, by role, where transformers' decoder models keep them
 # (relative to the stack); a spec's ``module_paths.embeddings`` / ``final_norm`` / ``rotary_embedding``
-# name others, and its ``module_paths.language_layers`` the layer list (GPT-J, Falcon: ``h``).
-STACK_PARTS = {
+# name others, and its ``module_paths.language_layers`` the layer list (GPT-J, Falcon: ``h``). Learned
+# absolute position embeddings have no usual name (GPT-2: ``wpe``; OPT: ``embed_positions``): a stack has
+# them where ``module_paths.position_embeddings`` names them (``add_learned_positions``), and so does a
+# norm over the embeddings before the first layer (BLOOM's ``word_embeddings_layernorm``):
+# ``module_paths.embedding_norm``.
+STACK_PARTS: dict[str, str | None] = {
     "layers": "layers",
     "embeddings": "embed_tokens",
     "final_norm": "norm",
     "rotary_embedding": "rotary_emb",
+    "position_embeddings": None,
+    "embedding_norm": None,
 }
 
 
 def stack_part(
-    language_model: nn.Module, role: str, parts: Mapping[str, str] | None = None
+    language_model: nn.Module, role: str, parts: Mapping[str, str | None] | None = None
 ) -> nn.Module | None:
     """The stack's ``role`` part at the path ``parts`` names (else ``STACK_PARTS``'); None for a rotary
-    embedding the stack does not have and ``parts`` does not name (NoPE, SSM stacks)."""
+    embedding the stack does not have and ``parts`` does not name (NoPE, SSM stacks), for a part
+    without a usual name (learned position embeddings, an embedding norm) ``parts`` does not name, and
+    for a part ``parts`` says the stack has none of (None: TrOCR's final norm)."""
     parts = parts or {}
     path = parts.get(role, STACK_PARTS[role])
+    if path is None:
+        return None
     try:
         return language_model.get_submodule(path)
     except AttributeError:
@@ -744,7 +755,60 @@ def stack_part(
         raise
 
 
-def stack_layers(language_model: nn.Module, parts: Mapping[str, str] | None = None) -> list[nn.Module]:
+def add_learned_positions(
+    hidden_states: torch.Tensor, table: nn.Module | None, position_ids: torch.Tensor
+) -> torch.Tensor:
+    """``hidden_states`` ``[B, Q, hidden]`` plus each token's learned absolute position embedding, looked
+    up at its row's own ``position_ids`` ``[B, Q]`` in ``table`` (None: the stack has none), as GPT-2's
+    ``wpe(position_ids)``. OPT's, BioGPT's and TrOCR's tables keep their first ``offset`` (2) rows
+    unused: their forwards look up ``position_ids + self.offset`` (contact point ``learned_positions``),
+    which this does through the ``nn.Embedding`` lookup itself, since each of their forwards takes the
+    positions another way (the 2-D mask, a cache length)."""
+    if table is None:
+        return hidden_states
+    offset = getattr(table, "offset", 0)
+    embeddings = nn.Embedding.forward(table, position_ids + offset)  # type: ignore[arg-type]
+    return hidden_states + embeddings
+
+
+class AlibiBias(nn.Module):
+    """ALiBi biases the model's forward builds once per call with a builder of the stack's own and hands
+    every layer (contact point ``alibi_bias``): BLOOM's ``build_alibi_tensor(attention_mask, heads,
+    dtype)`` as ``alibi`` ``[B * heads, 1, K]``, the slope times the visible keys before each key, from
+    its 2-D mask; MPT's ``build_mpt_alibi_tensor(heads, max_seq_len)`` as ``position_bias`` ``[heads, 1,
+    max_seq_len]``, the slope times each key's distance to the last (float32), from the config alone.
+
+    BLOOM's 2-D mask is what the ABI's 4-D mask says each row's last query sees (its prompt, or its cache
+    up to its own position): a key's bias counts the visible keys before it, as the model's cumsum
+    does, and a hidden key's bias is masked anyway. Plain elementwise ops, so it exports."""
+
+    BUILDERS = {"build_alibi_tensor": "alibi", "build_mpt_alibi_tensor": "position_bias"}
+
+    def __init__(self, builder: Any, keyword: str, num_heads: int, length: int | None) -> None:
+        super().__init__()
+        self.builder = builder  # the stack's bound builder
+        self.keyword = keyword  # the layer input it is handed as (a STACK_INPUTS name)
+        self.num_heads = num_heads
+        self.length = length  # MPT's: the config's max_seq_len
+
+    @classmethod
+    def of(cls, language_model: nn.Module) -> AlibiBias | None:
+        """The stack's ALiBi bias; None where it has no ``BUILDERS`` method."""
+        for method, keyword in cls.BUILDERS.items():
+            builder = getattr(language_model, method, None)
+            if builder is not None:
+                length = getattr(language_model.config, "max_seq_len", None)
+                return cls(builder, keyword, language_model.config.num_attention_heads, length)
+        return None
+
+    def forward(self, attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.keyword == "position_bias":
+            return self.builder(self.num_heads, self.length, device=attention_mask.device)
+        visible = (attention_mask[:, 0, -1, :] == 0).to(torch.long)  # [B, K]: the last query's keys
+        return self.builder(visible, self.num_heads, dtype)
+
+
+def stack_layers(language_model: nn.Module, parts: Mapping[str, str | None] | None = None) -> list[nn.Module]:
     """The stack's decoder layers (at ``parts``' ``layers`` path), as many as its config counts."""
     layers = stack_part(language_model, "layers", parts)
     return list(layers)[: language_model.config.num_hidden_layers]  # type: ignore[call-overload]
@@ -758,7 +822,7 @@ class ProbedStack(NamedTuple):
     rotary_emb: nn.Module | None
 
 
-def probed_stack(language_model: nn.Module, parts: Mapping[str, str] | None = None) -> Any:
+def probed_stack(language_model: nn.Module, parts: Mapping[str, str | None] | None = None) -> Any:
     """The stack as ``upstream``'s layer probes read it (``layers``, ``config``, ``rotary_emb``): the
     language model itself, or a view of it with the layer list and rotary embedding where ``parts``
     names them."""
@@ -779,7 +843,7 @@ class _TextStack(nn.Module):
         self,
         embed_tokens: nn.Module,
         layers: Sequence[nn.Module],
-        norm: nn.Module,
+        norm: nn.Module | None,
         rotary_emb: nn.Module | None,
         lm_head: nn.Module,
         *,
@@ -794,6 +858,9 @@ class _TextStack(nn.Module):
         chunks: Sequence[int | None] | None = None,
         per_layer_inputs: PerLayerInputs | None = None,
         streams: ResidualStreams | None = None,
+        position_embeddings: nn.Module | None = None,
+        embedding_norm: nn.Module | None = None,
+        alibi: AlibiBias | None = None,
     ) -> None:
         super().__init__()
         if kv_layout not in KV_LAYOUTS:
@@ -803,6 +870,9 @@ class _TextStack(nn.Module):
         # registered in the order the graph first uses them (the one-trace export lists buffers by
         # registration, the two-call one by use: the IR's constants must not depend on which ran)
         self.per_layer_inputs = per_layer_inputs
+        self.position_embeddings = position_embeddings  # learned absolute positions (None: none)
+        self.embedding_norm = embedding_norm  # a norm over the embeddings (None: none)
+        self.alibi = alibi  # ALiBi biases handed to every layer (None: none)
         self.layers = nn.ModuleList(layers)
         self.streams = streams
         self.norm = norm
@@ -850,7 +920,7 @@ class _TextStack(nn.Module):
         logit_ops: OpList = (),
         rope_layer_types: Sequence[RopeKey] | None = None,
         layer_kinds: Sequence[str] | None = None,
-        parts: Mapping[str, str] | None = None,
+        parts: Mapping[str, str | None] | None = None,
         chunks: Sequence[int | None] | None = None,
         **extra: Any,
     ) -> _TextStack:
@@ -891,6 +961,9 @@ class _TextStack(nn.Module):
             chunks=chunks,
             per_layer_inputs=PerLayerInputs.of(language_model),
             streams=ResidualStreams.of(language_model),
+            position_embeddings=stack_part(language_model, "position_embeddings", parts),
+            embedding_norm=stack_part(language_model, "embedding_norm", parts),
+            alibi=AlibiBias.of(language_model),
             **extra,
         )
 
@@ -918,6 +991,13 @@ class _TextStack(nn.Module):
         (``per_layer``: the per-layer embeddings ``[B, Q, layers, width]``, indexed by layer;
         ``input_ids``: the call's token ids, for layers that take them)."""
         hidden_states = apply_ops(hidden_states, self.embedding_ops)
+        hidden_states = add_learned_positions(hidden_states, self.position_embeddings, position_ids)
+        if self.embedding_norm is not None:
+            hidden_states = self.embedding_norm(hidden_states)
+        # ALiBi biases under the input name the layers take them as (``alibi``, ``position_bias``)
+        biases: dict[str, torch.Tensor] = {}
+        if self.alibi is not None:
+            biases[self.alibi.keyword] = self.alibi(attention_mask, hidden_states.dtype)
         if self.rotary_emb is None:  # no rope: positions reach the layers only through the mask and cache
             position_embeddings: list[Any] = [None] * len(self.layers)
         elif self.rope_layer_types is None:
@@ -970,6 +1050,7 @@ class _TextStack(nn.Module):
                         "original_hidden_states": first_input,
                         "layer_idx": index,
                         "input_ids": input_ids,
+                        **biases,
                     },
                     attention_mask=mask,
                     position_ids=position_ids,
@@ -979,7 +1060,9 @@ class _TextStack(nn.Module):
                 )
         if self.streams is not None:
             hidden_states = self.streams(hidden_states)
-        final = in_head_dtype(self.norm(self.head_rows(hidden_states)), self.lm_head)
+        rows = self.head_rows(hidden_states)
+        normed = self.norm(rows) if self.norm is not None else rows  # None: post-norm
+        final = in_head_dtype(normed, self.lm_head)
         logits = apply_ops(self.lm_head(final), self.logit_ops)
         return (logits, *cache.flat_present())
 
@@ -2401,6 +2484,76 @@ def _probe_layer_input_ids() -> str:
     return "DeepseekV4DecoderLayer.forward takes the call's input_ids (hash routing: tid2eid[input_ids])"
 
 
+# the model types whose learned absolute position tables keep rows before position 0, and those tables
+# (their ``offset``): module -> class
+OFFSET_POSITION_MODEL_TYPES = ("opt", "biogpt", "trocr")
+OFFSET_POSITION_TABLES = {
+    "transformers.models.opt.modeling_opt": "OPTLearnedPositionalEmbedding",
+    "transformers.models.biogpt.modeling_biogpt": "BioGptLearnedPositionalEmbedding",
+    "transformers.models.trocr.modeling_trocr": "TrOCRLearnedPositionalEmbedding",
+}
+
+
+def _probe_learned_positions() -> str:
+    import torch
+
+    expected = (
+        "an nn.Embedding of num_embeddings + offset rows whose forward looks up "
+        "super().forward(position_ids + self.offset)"
+    )
+    found = []
+    for module, name in OFFSET_POSITION_TABLES.items():
+        table = _attr(module, name, expected)(4, 2)
+        offset = getattr(table, "offset", None)
+        if not isinstance(table, torch.nn.Embedding) or not isinstance(offset, int):
+            raise _Moved(expected, f"{name} is no nn.Embedding with an int offset")
+        source = " ".join(inspect.getsource(type(table).forward).split())
+        if table.num_embeddings != 4 + offset or "super().forward(position_ids + self.offset)" not in source:
+            raise _Moved(expected, f"{name}.forward no longer looks up position_ids + self.offset")
+        found.append(f"{name} (offset {offset})")
+    return ", ".join(found)
+
+
+BLOOM = "transformers.models.bloom.modeling_bloom"
+MPT = "transformers.models.mpt.modeling_mpt"
+ALIBI_MODEL_TYPES = ("bloom", "mpt")  # the model types whose stack builds its ALiBi bias (runtime.AlibiBias)
+
+
+def _probe_alibi_bias() -> str:
+    import torch
+
+    expected = (
+        "BloomModel.build_alibi_tensor(attention_mask [B, K], num_heads, dtype) -> [B * heads, 1, K], "
+        "each head's slope times the visible keys before each key; BloomBlock.forward(alibi=)"
+    )
+    model = _attr(BLOOM, "BloomModel", expected)
+    block = _attr(BLOOM, "BloomBlock", expected)
+    if "alibi" not in _signature(block.forward).parameters:
+        raise _Moved(expected, f"BloomBlock.forward{_signature(block.forward)}")
+    mask = torch.tensor([[1, 1, 1, 0]])
+    bias = model.build_alibi_tensor(None, mask, 2, torch.float32)
+    slopes = bias[:, 0, 1]
+    if tuple(bias.shape) != (2, 1, 4) or not torch.equal(bias[:, 0, :3], slopes[:, None] * torch.arange(3)):
+        raise _Moved(expected, f"a [2, 1, 4] bias of slope * key; got {bias.flatten().tolist()}")
+    expected = (
+        "MptModel.build_mpt_alibi_tensor(num_heads, sequence_length, device=) -> [heads, 1, "
+        "sequence_length], each head's slope times each key's distance to the last; "
+        "MptBlock.forward(position_bias=)"
+    )
+    model = _attr(MPT, "MptModel", expected)
+    block = _attr(MPT, "MptBlock", expected)
+    if "position_bias" not in _signature(block.forward).parameters:
+        raise _Moved(expected, f"MptBlock.forward{_signature(block.forward)}")
+    bias = model.build_mpt_alibi_tensor(None, 2, 3, device="cpu")
+    distances = torch.arange(-2, 1)  # each key's distance to the last
+    if tuple(bias.shape) != (2, 1, 3) or not torch.equal(bias[:, 0, :], -bias[:, :1, 1] * distances):
+        raise _Moved(expected, f"a [2, 1, 3] bias of slope * (key - last); got {bias.flatten().tolist()}")
+    return (
+        "BloomModel.build_alibi_tensor: [B * heads, 1, K] of slope * visible keys before each key; "
+        "MptModel.build_mpt_alibi_tensor: [heads, 1, max_seq_len] of slope * (key - last)"
+    )
+
+
 # the stacks whose forward computes some layer types' rotary embedding from float32 embeddings, which
 # makes their DSA indexer keys float32 in a bfloat16 model (extraction refuses such a graph below float32:
 # ``pipeline.check_rope_input_dtype``): module -> (decoder model, the expression it uses)
@@ -2815,6 +2968,31 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
         "as DeepseekV4Model.forward does",
         ("extraction (DeepSeek-V4)", "simulation", "generated modules"),
         _probe_layer_input_ids,
+    ),
+    ContactPoint(
+        "learned_positions",
+        "models.opt.modeling_opt.OPTLearnedPositionalEmbedding, models.biogpt.modeling_biogpt."
+        "BioGptLearnedPositionalEmbedding, models.trocr.modeling_trocr.TrOCRLearnedPositionalEmbedding",
+        "an nn.Embedding of num_embeddings + offset rows whose forward looks up position_ids + self.offset",
+        "the wrappers add a stack's learned absolute position embeddings (module_paths.position_embeddings) "
+        "by the nn.Embedding lookup of each row's positions plus the table's offset, since each of these "
+        "forwards takes the positions another way (runtime.add_learned_positions)",
+        ("extraction (GPT-2, OPT, BioGPT, ...)", "generated modules"),
+        _probe_learned_positions,
+    ),
+    ContactPoint(
+        "alibi_bias",
+        "models.bloom.modeling_bloom.BloomModel.build_alibi_tensor, BloomBlock.forward(alibi); "
+        "models.mpt.modeling_mpt.MptModel.build_mpt_alibi_tensor, MptBlock.forward(position_bias)",
+        "build_alibi_tensor(attention_mask [B, K], num_heads, dtype) -> [B * heads, 1, K]: each head's slope "
+        "times the visible keys before each key, taken as alibi; build_mpt_alibi_tensor(num_heads, "
+        "max_seq_len) -> [heads, 1, max_seq_len]: the slope times each key's distance to the last, taken "
+        "as position_bias",
+        "the wrappers build BLOOM's and MPT's ALiBi biases once per call with the stack's own builder "
+        "(BLOOM's from the keys each row's last query sees) and hand every layer the result "
+        "(runtime.AlibiBias)",
+        ("extraction (BLOOM, MPT)", "generated modules"),
+        _probe_alibi_bias,
     ),
     ContactPoint(
         "rope_input_dtype",
@@ -3398,7 +3576,7 @@ def _rope_of(rotary_emb: Any, hidden: Any, positions: Any, layer_type: Any, laye
             "not-exportable",
             type(rotary_emb).__name__,
             f"rotary_emb(hidden_states, position_ids) runs on the {hidden.device.type} device",
-            f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}",
+            f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}{_failed_at(exc)}",
         )
     if not (isinstance(embeddings, tuple) and len(embeddings) == 2):
         _unsupported(
@@ -3470,7 +3648,9 @@ def stack_inputs(
     call's tokens: ``SharedKeysValues``), a zero ``per_layer_input`` of the layer's width (None where it
     has none; contact point ``per_layer_inputs``), ``original_hidden_states`` (Zamba, Zamba2: what entered
     the first layer, ``original``; zeros like ``hidden`` where not given), the layer's ``index`` as
-    ``layer_idx``, and no ``alibi`` (Falcon's rotary configs)."""
+    ``layer_idx``, and ALiBi biases of zeros for a layer that requires them (BLOOM's ``alibi`` ``[B *
+    heads, 1, length]``, MPT's ``position_bias`` ``[heads, 1, length]``: contact point ``alibi_bias``; a
+    bias of zeros leaves the scores as they are), else none (Falcon's rotary configs)."""
     params = _signature(type(layer).forward).parameters
     inputs: dict[str, Any] = {}
     if "original_hidden_states" in params:
@@ -3485,8 +3665,12 @@ def stack_inputs(
     if "per_layer_input" in params:
         width = getattr(layer, "hidden_size_per_layer_input", None)
         inputs["per_layer_input"] = hidden.new_zeros(*hidden.shape[:2], width) if width else None
-    if "alibi" in params:  # Falcon's: None in a rotary config (a stack with ALiBi is refused)
-        inputs["alibi"] = None
+    heads = getattr(layer, "num_heads", None) or getattr(_attention_of(layer), "num_heads", None)
+    for name in ("alibi", "position_bias"):  # BLOOM's [B * heads, 1, K], MPT's [heads, 1, K]
+        if name in params:
+            required = params[name].default is inspect.Parameter.empty
+            rows = heads * hidden.shape[0] if name == "alibi" and heads else heads
+            inputs[name] = hidden.new_zeros(rows, 1, length or hidden.shape[1]) if required and rows else None
     if "input_ids" in params:  # DeepSeek-V4's hash-routed MoE: token 0 (a valid row of tid2eid)
         import torch
 
@@ -3574,7 +3758,7 @@ def _probe_layer(
             "not-exportable",
             layer_name,
             f"{layer_name} runs on the {parameter.device.type} device with the ABI's inputs",
-            f"{type(failure).__name__}: {' '.join(str(failure).split())[:300]}",
+            f"{type(failure).__name__}: {' '.join(str(failure).split())[:300]}{_failed_at(failure)}",
         )
     if kind == "linear":
         return _linear_protocol(layer_name, keyword, cache, index, out, taken)
@@ -3617,6 +3801,20 @@ def _probe_layer(
             point="indexer_cache",
         )
     return LayerProtocol(keyword, kv_dims, index_dim=int(index_keys.shape[-1]))
+
+
+def _failed_at(failure: BaseException) -> str:
+    """Where in transformers' modelling code ``failure`` was raised (the innermost frame of a
+    ``models/`` file, and its line: JetMoE's ``expert_size.tolist()``, which reads tensor values a
+    meta model has none of), or nothing when it was raised elsewhere."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(failure.__traceback__) if "/transformers/models/" in f.filename]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    where = frame.filename.rsplit("/transformers/", 1)[1].removesuffix(".py").replace("/", ".")
+    return f", at {where}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
 
 
 def _one_update(
@@ -3775,6 +3973,8 @@ def _hidden_size(layer: Any) -> int:
         return int(config.hidden_size)
     for module in layer.modules():
         size = getattr(module, "hidden_size", None)
+        if not isinstance(size, int):  # BART-style layers (TrOCR): embed_dim
+            size = getattr(module, "embed_dim", None)
         if not isinstance(size, int):
             size = getattr(getattr(module, "config", None), "hidden_size", None)
         if isinstance(size, int):
@@ -4504,9 +4704,9 @@ FACT_KEYS: dict[str, tuple[str, ...]] = {
     "hidden_size": ("hidden_size", "d_model", "n_embd"),
     "layer_types": ("layer_types", "layers_block_type"),
     "max_window_layers": ("max_window_layers",),
-    "num_heads": ("num_attention_heads", "n_head", "num_heads", "n_heads"),
+    "num_heads": ("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads"),
     "num_kv_heads": ("num_key_value_heads", "num_kv_heads", "n_head_kv"),
-    "num_layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+    "num_layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers"),
     "sliding_window": ("sliding_window",),
     "sliding_window_pattern": ("sliding_window_pattern",),
     "use_sliding_window": ("use_sliding_window",),

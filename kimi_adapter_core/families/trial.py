@@ -26,6 +26,7 @@ try it with, or to compare against.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import tempfile
 import textwrap
@@ -40,6 +41,7 @@ ADAPTED, REFUSED, FAILED, UNTESTED = "adapted", "refused", "failed", "untested"
 _LLAMA4 = "transformers.models.llama4.modeling_llama4"
 _DEEPSEEK_V2 = "transformers.models.deepseek_v2.modeling_deepseek_v2"
 _FALCON = "transformers.models.falcon.modeling_falcon"
+_MPT = "transformers.models.mpt.modeling_mpt"
 # The class patches the guide names for a model type whose own code needs a builtin to export
 # (docs/writing-a-spec.md, "Which bridges a family needs"): model type -> its patches, pinned to the
 # transformers release the matrix runs on (a release that changes the code refuses them: upstream drift).
@@ -80,6 +82,24 @@ GUIDE_PATCHES: dict[str, tuple[dict[str, Any], ...]] = {
                     "(self, fused_qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]"
                 ),
                 "source_sha256": "37894faf93b0c9d5ae3146421d6ee29c2482130f72c49a9dedf4979614d2370a",
+            },
+        },
+    ),
+    "mpt": (
+        {
+            "id": "M1",
+            "why": "ALiBi sliced by the key length alone (no cache length read per row); additive mask",
+            "target": f"{_MPT}:MptAttention.forward",
+            "kind": "replace",
+            "impl": "builtin:mpt_attention_forward",
+            "backends": ["extraction", "simulation"],  # simulate then refuses its inline attention by name
+            "pin": {
+                "signature": (
+                    "(self, hidden_states: torch.Tensor, position_bias: torch.Tensor, cache: "
+                    "transformers.cache_utils.Cache | None = None, "
+                    "attention_mask: torch.Tensor | None = None, **kwargs)"
+                ),
+                "source_sha256": "61b00d0a061a40a476a3a5f896708981e8f2d706087c3dc3200fad6ad9ae0fbf",
             },
         },
     ),
@@ -125,7 +145,7 @@ class Row(NamedTuple):
     plan: str = ""
 
 
-def module_paths(model: Any) -> dict[str, str]:
+def module_paths(model: Any) -> dict[str, str | None]:
     """Where the guide tells a spec author to look: the decoder stack, its layer list and the LM head."""
     from torch.nn import ModuleList
 
@@ -153,11 +173,18 @@ def module_paths(model: Any) -> dict[str, str]:
     return {**paths, **(_stack_parts(stack) if stack is not None else {})}
 
 
-def _stack_parts(stack: Any) -> dict[str, str]:
+def _stack_parts(stack: Any) -> dict[str, str | None]:
     """Where the stack keeps the parts the wrappers call, as ``module_paths`` keys, when not at
     transformers' usual names (``STACK_PARTS``): its input embedding, its last direct child that is a
     norm, a direct child that is a rotary embedding (Mamba2: ``embeddings``, ``norm_f``; Bamba:
-    ``final_layernorm``)."""
+    ``final_layernorm``; None where it has no norm child at all: post-norm layers, TrOCR), and a direct
+    child that embeds positions, which has no usual name (GPT-2's
+    ``wpe``, OPT's ``embed_positions``: an embedding named ``POSITION_NAMES``, learned or not) and a norm
+    over the embeddings (BLOOM's ``word_embeddings_layernorm``: a norm whose name says ``emb``, registered
+    before the layer list), which have none."""
+    from torch.nn import ModuleList
+
+    from ..backends.extraction.ir.stack import POSITION_NAMES
     from ..spec.model import STACK_PARTS
 
     children = list(stack.named_children())
@@ -166,12 +193,41 @@ def _stack_parts(stack: Any) -> dict[str, str]:
     def last(kind: str) -> str | None:  # the last direct child whose class name says it is a ``kind``
         return next((name for name, c in reversed(children) if kind in type(c).__name__.lower()), None)
 
+    before_layers = list(itertools.takewhile(lambda item: not isinstance(item[1], ModuleList), children))
+    embedding_norm = next(  # LFM2's final norm is named embedding_norm too, after its layers
+        (
+            name
+            for name, child in before_layers
+            if child is not embedding and "emb" in name and "norm" in type(child).__name__.lower()
+        ),
+        None,
+    )
+    children = [(name, child) for name, child in children if name != embedding_norm]
     found = {
         "embeddings": next((name for name, child in children if child is embedding), None),
         "final_norm": last("norm"),
+        "embedding_norm": embedding_norm,
         "rotary_embedding": last("rotary"),
+        "position_embeddings": next(
+            (
+                name
+                for name, child in children
+                if child is not embedding
+                and any(word in name.lower() for word in POSITION_NAMES)
+                and "embedding" in type(child).__name__.lower()
+                and "rotary" not in type(child).__name__.lower()
+            ),
+            None,
+        ),
     }
-    return {key: name for key, name in found.items() if name and not hasattr(stack, STACK_PARTS[key])}
+    written: dict[str, str | None] = {  # a part without a usual name (None) wherever the stack has it
+        key: name
+        for key, name in found.items()
+        if name and (STACK_PARTS[key] is None or not hasattr(stack, str(STACK_PARTS[key])))
+    }
+    if found["final_norm"] is None and not hasattr(stack, str(STACK_PARTS["final_norm"])):
+        written["final_norm"] = None  # no norm at all (post-norm layers: TrOCR): the stack applies none
+    return written
 
 
 def _has(model: Any, path: str) -> bool:
@@ -182,7 +238,7 @@ def _has(model: Any, path: str) -> bool:
     return True
 
 
-def write_spec(folder: Path, model_type: str, config: dict[str, Any], paths: dict[str, str]) -> Path:
+def write_spec(folder: Path, model_type: str, config: dict[str, Any], paths: dict[str, str | None]) -> Path:
     """The guide's spec for ``model_type`` on ``config`` (written to ``folder/model_type/config.json``)."""
     (folder / model_type).mkdir(parents=True, exist_ok=True)
     (folder / model_type / "config.json").write_text(json.dumps(config, default=str))

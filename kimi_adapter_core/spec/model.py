@@ -209,8 +209,16 @@ class Abi:
 # The decoder stack's parts the prefill/decode wrappers call, by ``module_paths`` key, at the paths
 # (relative to ``module_paths.language_model``) where transformers' decoder models keep them; a spec
 # names another path where a family differs (Mamba2: ``embeddings``, ``norm_f``). A stack without a
-# rotary embedding (NoPE, SSM) runs without one.
-STACK_PARTS = {"embeddings": "embed_tokens", "final_norm": "norm", "rotary_embedding": "rotary_emb"}
+# rotary embedding (NoPE, SSM) runs without one. Learned absolute position embeddings (GPT-2's ``wpe``,
+# OPT's ``embed_positions``) and a norm over the embeddings (BLOOM's ``word_embeddings_layernorm``) have
+# no usual name (None): a stack has them only where the spec names them.
+STACK_PARTS: dict[str, str | None] = {
+    "embeddings": "embed_tokens",
+    "final_norm": "norm",
+    "rotary_embedding": "rotary_emb",
+    "position_embeddings": None,
+    "embedding_norm": None,
+}
 # The layer list is a stack part too (role ``layers``), named by the required ``module_paths.language_layers``
 # (from the top-level model, as simulate and plan read it): the wrappers call it at that path relative to
 # the language model (GPT-J's ``transformer.h``: ``h``), so a stack that keeps its layers elsewhere needs no
@@ -220,6 +228,8 @@ _PART_ROLES = {
     "embeddings": "token embedding",
     "final_norm": "norm after the last decoder layer",
     "rotary_embedding": "rotary embedding",
+    "position_embeddings": "learned position embedding",
+    "embedding_norm": "norm over the embeddings",
 }
 
 
@@ -229,11 +239,12 @@ class StackParts:
     (``stated``, key -> path) over ``STACK_PARTS``' defaults. ``locations`` is the spec line of each key
     (``module_paths`` itself for one left to its default), so a refusal points at the key that fixes it."""
 
-    stated: Mapping[str, str] = field(default_factory=dict)
+    stated: Mapping[str, str | None] = field(default_factory=dict)  # None: no such part (final_norm)
     locations: Mapping[str, str] = field(default_factory=dict, compare=False)
 
-    def path(self, key: str) -> str:
-        """The path of part ``key`` (a ``STACK_PARTS`` key, or ``LAYERS``) relative to the language model."""
+    def path(self, key: str) -> str | None:
+        """The path of part ``key`` (a ``STACK_PARTS`` key, or ``LAYERS``) relative to the language model;
+        None for a part without a usual name that the spec does not name (the stack has none)."""
         return self.stated.get(key, LAYERS_DEFAULT if key == LAYERS else STACK_PARTS[key])
 
     def where(self, key: str) -> str | None:

@@ -360,12 +360,13 @@ CARRIED_INPUTS = ("prev_topk_indices",)
 # them: Gemma-4's ``shared_kv_states`` (a dict its KV-storing layers fill with the keys and values they
 # attend over, for the KV-shared layers after them; transformers' KVSharingDict is a dict), fresh per
 # call, and ``per_layer_input`` (``PerLayerInputs``: each layer's slice of the per-layer embeddings, or
-# None where the config has none, as the model's forward passes it), and Falcon's ``alibi`` (None: the
-# wrappers run rotary configs, a stack with ALiBi is refused before export), and DeepSeek-V4's
-# ``input_ids`` (the call's token ids: its hash-routed MoE layers pick their experts by
-# ``tid2eid[input_ids]``; contact point ``layer_input_ids``).
+# None where the config has none, as the model's forward passes it), ``alibi`` / ``position_bias``
+# (BLOOM's and MPT's ALiBi biases: ``AlibiBias``; None where the stack has none, Falcon's rotary configs),
+# and DeepSeek-V4's ``input_ids`` (the call's token ids: its hash-routed MoE layers pick their experts
+# by ``tid2eid[input_ids]``; contact point ``layer_input_ids``).
 STACK_INPUTS = (
-    "shared_kv_states", "per_layer_input", "original_hidden_states", "layer_idx", "alibi", "input_ids",
+    "shared_kv_states", "per_layer_input", "original_hidden_states", "layer_idx", "alibi", "position_bias",
+    "input_ids",
 )  # fmt: skip
 # Zamba's and Zamba2's layers also take ``original_hidden_states`` (what entered the first layer, which
 # their hybrid layers' shared blocks read beside their hidden states) and ``layer_idx`` (the index their
@@ -685,22 +686,32 @@ class StaticStateCache:
 
 # The parts of a decoder stack the wrappers call, by role, where transformers' decoder models keep them
 # (relative to the stack); a spec's ``module_paths.embeddings`` / ``final_norm`` / ``rotary_embedding``
-# name others, and its ``module_paths.language_layers`` the layer list (GPT-J, Falcon: ``h``).
-STACK_PARTS = {
+# name others, and its ``module_paths.language_layers`` the layer list (GPT-J, Falcon: ``h``). Learned
+# absolute position embeddings have no usual name (GPT-2: ``wpe``; OPT: ``embed_positions``): a stack has
+# them where ``module_paths.position_embeddings`` names them (``add_learned_positions``), and so does a
+# norm over the embeddings before the first layer (BLOOM's ``word_embeddings_layernorm``):
+# ``module_paths.embedding_norm``.
+STACK_PARTS: dict[str, str | None] = {
     "layers": "layers",
     "embeddings": "embed_tokens",
     "final_norm": "norm",
     "rotary_embedding": "rotary_emb",
+    "position_embeddings": None,
+    "embedding_norm": None,
 }
 
 
 def stack_part(
-    language_model: nn.Module, role: str, parts: Mapping[str, str] | None = None
+    language_model: nn.Module, role: str, parts: Mapping[str, str | None] | None = None
 ) -> nn.Module | None:
     """The stack's ``role`` part at the path ``parts`` names (else ``STACK_PARTS``'); None for a rotary
-    embedding the stack does not have and ``parts`` does not name (NoPE, SSM stacks)."""
+    embedding the stack does not have and ``parts`` does not name (NoPE, SSM stacks), for a part
+    without a usual name (learned position embeddings, an embedding norm) ``parts`` does not name, and
+    for a part ``parts`` says the stack has none of (None: TrOCR's final norm)."""
     parts = parts or {}
     path = parts.get(role, STACK_PARTS[role])
+    if path is None:
+        return None
     try:
         return language_model.get_submodule(path)
     except AttributeError:
@@ -709,7 +720,60 @@ def stack_part(
         raise
 
 
-def stack_layers(language_model: nn.Module, parts: Mapping[str, str] | None = None) -> list[nn.Module]:
+def add_learned_positions(
+    hidden_states: torch.Tensor, table: nn.Module | None, position_ids: torch.Tensor
+) -> torch.Tensor:
+    """``hidden_states`` ``[B, Q, hidden]`` plus each token's learned absolute position embedding, looked
+    up at its row's own ``position_ids`` ``[B, Q]`` in ``table`` (None: the stack has none), as GPT-2's
+    ``wpe(position_ids)``. OPT's, BioGPT's and TrOCR's tables keep their first ``offset`` (2) rows
+    unused: their forwards look up ``position_ids + self.offset`` (contact point ``learned_positions``),
+    which this does through the ``nn.Embedding`` lookup itself, since each of their forwards takes the
+    positions another way (the 2-D mask, a cache length)."""
+    if table is None:
+        return hidden_states
+    offset = getattr(table, "offset", 0)
+    embeddings = nn.Embedding.forward(table, position_ids + offset)  # type: ignore[arg-type]
+    return hidden_states + embeddings
+
+
+class AlibiBias(nn.Module):
+    """ALiBi biases the model's forward builds once per call with a builder of the stack's own and hands
+    every layer (contact point ``alibi_bias``): BLOOM's ``build_alibi_tensor(attention_mask, heads,
+    dtype)`` as ``alibi`` ``[B * heads, 1, K]``, the slope times the visible keys before each key, from
+    its 2-D mask; MPT's ``build_mpt_alibi_tensor(heads, max_seq_len)`` as ``position_bias`` ``[heads, 1,
+    max_seq_len]``, the slope times each key's distance to the last (float32), from the config alone.
+
+    BLOOM's 2-D mask is what the ABI's 4-D mask says each row's last query sees (its prompt, or its cache
+    up to its own position): a key's bias counts the visible keys before it, as the model's cumsum
+    does, and a hidden key's bias is masked anyway. Plain elementwise ops, so it exports."""
+
+    BUILDERS = {"build_alibi_tensor": "alibi", "build_mpt_alibi_tensor": "position_bias"}
+
+    def __init__(self, builder: Any, keyword: str, num_heads: int, length: int | None) -> None:
+        super().__init__()
+        self.builder = builder  # the stack's bound builder
+        self.keyword = keyword  # the layer input it is handed as (a STACK_INPUTS name)
+        self.num_heads = num_heads
+        self.length = length  # MPT's: the config's max_seq_len
+
+    @classmethod
+    def of(cls, language_model: nn.Module) -> AlibiBias | None:
+        """The stack's ALiBi bias; None where it has no ``BUILDERS`` method."""
+        for method, keyword in cls.BUILDERS.items():
+            builder = getattr(language_model, method, None)
+            if builder is not None:
+                length = getattr(language_model.config, "max_seq_len", None)
+                return cls(builder, keyword, language_model.config.num_attention_heads, length)
+        return None
+
+    def forward(self, attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.keyword == "position_bias":
+            return self.builder(self.num_heads, self.length, device=attention_mask.device)
+        visible = (attention_mask[:, 0, -1, :] == 0).to(torch.long)  # [B, K]: the last query's keys
+        return self.builder(visible, self.num_heads, dtype)
+
+
+def stack_layers(language_model: nn.Module, parts: Mapping[str, str | None] | None = None) -> list[nn.Module]:
     """The stack's decoder layers (at ``parts``' ``layers`` path), as many as its config counts."""
     layers = stack_part(language_model, "layers", parts)
     return list(layers)[: language_model.config.num_hidden_layers]  # type: ignore[call-overload]
@@ -723,7 +787,7 @@ class ProbedStack(NamedTuple):
     rotary_emb: nn.Module | None
 
 
-def probed_stack(language_model: nn.Module, parts: Mapping[str, str] | None = None) -> Any:
+def probed_stack(language_model: nn.Module, parts: Mapping[str, str | None] | None = None) -> Any:
     """The stack as ``upstream``'s layer probes read it (``layers``, ``config``, ``rotary_emb``): the
     language model itself, or a view of it with the layer list and rotary embedding where ``parts``
     names them."""
@@ -744,7 +808,7 @@ class _TextStack(nn.Module):
         self,
         embed_tokens: nn.Module,
         layers: Sequence[nn.Module],
-        norm: nn.Module,
+        norm: nn.Module | None,
         rotary_emb: nn.Module | None,
         lm_head: nn.Module,
         *,
@@ -759,6 +823,9 @@ class _TextStack(nn.Module):
         chunks: Sequence[int | None] | None = None,
         per_layer_inputs: PerLayerInputs | None = None,
         streams: ResidualStreams | None = None,
+        position_embeddings: nn.Module | None = None,
+        embedding_norm: nn.Module | None = None,
+        alibi: AlibiBias | None = None,
     ) -> None:
         super().__init__()
         if kv_layout not in KV_LAYOUTS:
@@ -768,6 +835,9 @@ class _TextStack(nn.Module):
         # registered in the order the graph first uses them (the one-trace export lists buffers by
         # registration, the two-call one by use: the IR's constants must not depend on which ran)
         self.per_layer_inputs = per_layer_inputs
+        self.position_embeddings = position_embeddings  # learned absolute positions (None: none)
+        self.embedding_norm = embedding_norm  # a norm over the embeddings (None: none)
+        self.alibi = alibi  # ALiBi biases handed to every layer (None: none)
         self.layers = nn.ModuleList(layers)
         self.streams = streams
         self.norm = norm
@@ -815,7 +885,7 @@ class _TextStack(nn.Module):
         logit_ops: OpList = (),
         rope_layer_types: Sequence[RopeKey] | None = None,
         layer_kinds: Sequence[str] | None = None,
-        parts: Mapping[str, str] | None = None,
+        parts: Mapping[str, str | None] | None = None,
         chunks: Sequence[int | None] | None = None,
         **extra: Any,
     ) -> _TextStack:
@@ -856,6 +926,9 @@ class _TextStack(nn.Module):
             chunks=chunks,
             per_layer_inputs=PerLayerInputs.of(language_model),
             streams=ResidualStreams.of(language_model),
+            position_embeddings=stack_part(language_model, "position_embeddings", parts),
+            embedding_norm=stack_part(language_model, "embedding_norm", parts),
+            alibi=AlibiBias.of(language_model),
             **extra,
         )
 
@@ -883,6 +956,13 @@ class _TextStack(nn.Module):
         (``per_layer``: the per-layer embeddings ``[B, Q, layers, width]``, indexed by layer;
         ``input_ids``: the call's token ids, for layers that take them)."""
         hidden_states = apply_ops(hidden_states, self.embedding_ops)
+        hidden_states = add_learned_positions(hidden_states, self.position_embeddings, position_ids)
+        if self.embedding_norm is not None:
+            hidden_states = self.embedding_norm(hidden_states)
+        # ALiBi biases under the input name the layers take them as (``alibi``, ``position_bias``)
+        biases: dict[str, torch.Tensor] = {}
+        if self.alibi is not None:
+            biases[self.alibi.keyword] = self.alibi(attention_mask, hidden_states.dtype)
         if self.rotary_emb is None:  # no rope: positions reach the layers only through the mask and cache
             position_embeddings: list[Any] = [None] * len(self.layers)
         elif self.rope_layer_types is None:
@@ -935,6 +1015,7 @@ class _TextStack(nn.Module):
                         "original_hidden_states": first_input,
                         "layer_idx": index,
                         "input_ids": input_ids,
+                        **biases,
                     },
                     attention_mask=mask,
                     position_ids=position_ids,
@@ -944,7 +1025,9 @@ class _TextStack(nn.Module):
                 )
         if self.streams is not None:
             hidden_states = self.streams(hidden_states)
-        final = in_head_dtype(self.norm(self.head_rows(hidden_states)), self.lm_head)
+        rows = self.head_rows(hidden_states)
+        normed = self.norm(rows) if self.norm is not None else rows  # None: post-norm
+        final = in_head_dtype(normed, self.lm_head)
         logits = apply_ops(self.lm_head(final), self.logit_ops)
         return (logits, *cache.flat_present())
 
