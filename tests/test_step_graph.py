@@ -13,7 +13,6 @@ logits of an unshared copy, and the binder's ownership check refuses two rows wr
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ import pytest
 import torch
 import torch_ir
 from fixtures.modules import import_path
+from fixtures.step_graph import Sizes, StepGraph, extract_step
 from torch_ir.executor import ExecutionError
 from transformers import GenerationConfig
 
@@ -29,7 +29,6 @@ from kimi_adapter_core.backends.extraction.runtime.step import step_mapping
 from kimi_adapter_core.backends.extraction.runtime.step_bind import bind_step
 from kimi_adapter_core.backends.extraction.runtime.symbolic import position_inputs
 from kimi_adapter_core.backends.extraction.tiny_model import tiny_overrides
-from kimi_adapter_core.checkpoint.naming import rename_weight
 from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.loading import applied, load_config, load_model
 from kimi_adapter_core.spec import load_spec
@@ -42,33 +41,8 @@ CHUNKS = (5, 3, 6)
 SPECULATIVE = 3  # request 2 verifies k + 1 = 3 tokens in one call
 
 
-def _extract(name: str, tmp_path: Path) -> tuple[dict[str, Any], Path, dict[str, torch.Tensor], Any, Any]:
-    """The step graph of the tiny ``name`` model (fp32) and the model itself."""
-    spec = load_spec(name)
-    options = options_from_spec(
-        spec,
-        output_dir=tmp_path,
-        batch=ROWS,
-        prefill_len=PREFILL,
-        max_cache_len=CACHE,
-        block_size=BLOCK,
-        num_blocks=BLOCKS,
-        step_tokens=TOKENS,
-        step_logits=LOGITS,
-    )
-    options = dataclasses.replace(options, dtype="float32", vision=None, merged_prefill=None)
-    config = load_config(spec, overrides=tiny_overrides(spec, options))
-    torch.manual_seed(0)
-    with applied(spec):
-        model = load_model(spec, device="cpu", config=config, dtype=torch.float32).eval()
-        meta = load_model(spec, device="meta", config=config, dtype=torch.float32).eval()
-        run(spec, meta, options, echo=lambda _: None)
-    mapping = json.loads(options.path("kv_mapping").read_text())
-    weights = {rename_weight(k, options.weight_renames): v for k, v in model.state_dict().items()}
-    text = config.text_config if hasattr(config, "text_config") else config
-    if hasattr(text, "_experts_implementation"):
-        text._experts_implementation = "eager"
-    return mapping, options.output_dir, weights, model, text
+def _extract(name: str, tmp_path: Path) -> StepGraph:
+    return extract_step(name, tmp_path, Sizes(ROWS, CACHE, BLOCK, BLOCKS, TOKENS, LOGITS, PREFILL))
 
 
 class Engine:
