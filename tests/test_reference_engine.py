@@ -44,8 +44,15 @@ def _generate(model, prompt: list[int], new: int) -> list[int]:
 
 
 # GQA, a sliding window (4 on the tiny model: requests run past it), MoE, MLA latent KV with MoE, GQA MoE
-# with partial rope (GLM-4.5)
-FAMILIES = [pytest.param("llama", marks=pytest.mark.compat), "mistral", "qwen3_moe", "deepseek_v3", "glm4_moe"]
+# with partial rope (GLM-4.5), Kimi-K2.5's text stack (its spec keeps its vision graphs)
+FAMILIES = [
+    pytest.param("llama", marks=pytest.mark.compat),
+    "mistral",
+    "qwen3_moe",
+    "deepseek_v3",
+    "glm4_moe",
+    "kimi_k25",
+]
 
 
 @pytest.mark.slow

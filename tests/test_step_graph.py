@@ -130,7 +130,8 @@ def _check(
 
 # GQA, MLA latent, MoE, a sliding window (4 on the tiny model), DSA's indexer keys paged like keys
 # (top-4 of the visible keys), per-type rope and sliding layers, chunked attention with NoPE layers,
-# attention sinks, DSA with MLA; GQA and MLA also on every supported transformers release
+# attention sinks, DSA with MLA, Kimi-K2.5's text stack (a multimodal spec); GQA and MLA also on every
+# supported transformers release
 FAMILIES = [
     pytest.param("llama", marks=pytest.mark.compat),
     pytest.param("deepseek_v3", marks=pytest.mark.compat),
@@ -141,6 +142,7 @@ FAMILIES = [
     "llama4_scout",
     "gpt_oss",
     "glm5",
+    "kimi_k25",
 ]
 
 
@@ -288,10 +290,24 @@ def test_stacks_a_step_cannot_serve_are_refused_before_export(
     assert not list(tmp_path.iterdir())
 
 
-def test_a_multimodal_spec_is_refused_a_step_graph_at_abi_step(tmp_path: Path) -> None:
-    spec = load_spec("kimi_k25")
-    with pytest.raises(KadaptError, match=r"^the packed step graph is text only"):
-        options_from_spec(spec, output_dir=tmp_path, step_tokens=TOKENS)
+def test_a_multimodal_spec_gets_a_step_graph_that_refuses_image_placeholders(
+    llama: tuple[Any, ...], tmp_path: Path
+) -> None:
+    """Kimi-K2.5 keeps its vision graphs and gets the step graph too (its text requests, and every
+    request's decode, run in it); a prompt with images is prefilled by the merged prefill graph. The
+    step mapping then names the placeholder, and the binder refuses a call whose token ids hold it: the
+    graph would embed it as a token where the model puts image features."""
+    options = options_from_spec(load_spec("kimi_k25"), output_dir=tmp_path, step_tokens=TOKENS)
+    assert options.step is not None and options.vision is not None and options.merged_prefill is not None
+    mapping, out, weights, _, _ = llama
+    with_placeholder = {**mapping, "step": {**mapping["step"], "placeholder_token_id": 7}}
+    engine = Engine(with_placeholder, out, weights)
+    engine.call([(0, [0, 1], [5, 6], 1)])  # no placeholder: runs
+    with pytest.raises(
+        KadaptError, match=r"^step input input_ids: token 1 is the image placeholder \(id 7\)"
+    ):
+        engine.call([(0, [2, 3], [8, 7], 1)])
+    engine.call([(0, [2, 3], [8, 7], 1)], check_values=False)  # the switch turns it off with the others
 
 
 @pytest.mark.filterwarnings("ignore:Skipping .* meta-device constant:UserWarning")

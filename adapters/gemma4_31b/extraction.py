@@ -2026,12 +2026,25 @@ def step_mapping(
     logit_count: int,
     max_cache_len: int,
     block_size: int,
+    placeholder_token_id: int | None = None,
 ) -> dict[str, Any]:
     """The state mapping's ``step`` section: the packed step graph's fixed inputs and its rules (the pools
-    are the paged decode graph's, ``contract.paged``)."""
+    are the paged decode graph's, ``contract.paged``); with ``placeholder_token_id`` (a multimodal spec's
+    image placeholder) the token its ids may not hold."""
     ids, positions, token_rows, table, indices = inputs
     shapes = {ids: [tokens], positions: [tokens], token_rows: [tokens]}
     shapes.update({table: [rows, max_cache_len // block_size], indices: [logit_count]})
+    placeholder = (
+        {
+            "placeholder_token_id": placeholder_token_id,
+            "placeholder_rule": f"{ids} never holds {placeholder_token_id}: the step graph embeds token "
+            "ids, so an image placeholder would get no image features; a prompt with images is prefilled "
+            "by the merged prefill graph (merged_prefill), whose KV the runtime places in the pool, and "
+            "continues here",
+        }
+        if placeholder_token_id is not None
+        else {}
+    )
     return {
         "graph": graph,
         "inputs": [{"name": name, "shape": shape, "dtype": "int64"} for name, shape in shapes.items()],
@@ -2045,6 +2058,7 @@ def step_mapping(
         "write one slot, and a block written in the call must be its request's alone (contract.paged."
         f"sharing). Logits row i is the token {indices}[i]'s. Unused tokens: a request whose block-table "
         "row points at a scratch block no live request owns",
+        **placeholder,
     }
 
 # fmt: on
@@ -4525,15 +4539,32 @@ def bind_step(
     check_values: bool = True,
     check_ownership: bool = False,
 ) -> Any:
-    """``bind_ir`` of the step graph with its index inputs' ranges from ``mapping`` (``step_value_ranges``)
-    and, with ``check_ownership``, the block-ownership check (``check_block_ownership``)."""
+    """``bind_ir`` of the step graph with its index inputs' ranges from ``mapping`` (``step_value_ranges``),
+    no image placeholder in its token ids where the mapping names one (``check_no_placeholder``) and,
+    with ``check_ownership``, the block-ownership check (``check_block_ownership``)."""
     values = step_value_ranges(mapping) if check_values else None
     bound = bind_ir(ir, inputs, ranges or {}, graph=graph, values=values, check_values=check_values)
+    placeholder = mapping["step"].get("placeholder_token_id") if check_values else None
+    if placeholder is not None:
+        check_no_placeholder(inputs[0].tolist(), placeholder, graph=graph)
     if check_ownership:
         size = _field(mapping, "contract.paged.block_size", int, "state mapping")
         positions, token_rows, table = (inputs[index].tolist() for index in (1, 2, 3))
         check_block_ownership(positions, token_rows, table, size, graph=graph)
     return bound
+
+
+def check_no_placeholder(token_ids: Sequence[int], placeholder: int, *, graph: str = "step") -> None:
+    """Refuse a step whose token ids hold the image placeholder: the step graph embeds token ids, so the
+    placeholder would be embedded as a token where the model puts image features (silently wrong
+    logits); such a prompt is prefilled by the merged prefill graph."""
+    if placeholder in token_ids:
+        raise KadaptError(
+            f"{graph} input input_ids: token {list(token_ids).index(placeholder)} is the image placeholder "
+            f"(id {placeholder}); the step graph embeds token ids only: prefill a prompt with images with "
+            "the merged prefill graph (merged_prefill), place its KV in the pool and continue in the step "
+            "graph"
+        )
 
 # fmt: on
 

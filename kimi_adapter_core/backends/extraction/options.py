@@ -374,7 +374,6 @@ def options_from_spec(
         max_cache_len=sizes["max_cache_len"],
         paged=paged,
         decode_names=decode_names,
-        multimodal=abi.vision is not None,
         num_blocks=num_blocks,
         step_tokens=step_tokens,
         step_logits=step_logits,

@@ -52,13 +52,14 @@ def serving_options(
     max_cache_len: int,
     paged: PagedOptions | None,
     decode_names: GraphNames,
-    multimodal: bool,
     num_blocks: int | None = None,
     step_tokens: int | None = None,
     step_logits: int | None = None,
 ) -> Serving:
     """The pool size and the step graph of ``spec.abi`` and the CLI (its values win), over the paged
-    cache ``options_from_spec`` read; ``multimodal``: the spec exports image graphs (no step then)."""
+    cache ``options_from_spec`` read. A multimodal spec gets it too: its text requests (and the decode of
+    every request) run in it; a prompt with images is prefilled by the merged prefill graph, and the
+    step mapping names the placeholder token the binder refuses in the step's token ids."""
     assert spec.abi is not None
     stated = spec.abi.step
     located = spec.locate("abi.step") if "abi.step" in spec.positions else None
@@ -91,12 +92,6 @@ def serving_options(
     if logits > tokens:
         raise KadaptError(
             f"step logits {logits} exceed its tokens {tokens}: logits are returned for tokens of the call",
-            location=located,
-        )
-    if multimodal:
-        raise KadaptError(
-            "the packed step graph is text only: it embeds token ids, so a prompt's image placeholders "
-            "would get no image features; drop abi.step (or abi.vision)",
             location=located,
         )
     names = tuple(name.format(block_table=paged.block_table) for name in STEP_FIXED)

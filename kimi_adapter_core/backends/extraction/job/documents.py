@@ -158,6 +158,7 @@ def kv_mapping_document(options: ExtractionOptions, backbone: Backbone) -> dict[
             logit_count=step.logits,
             max_cache_len=options.max_cache_len,
             block_size=options.paged.block_size,
+            placeholder_token_id=merged.image_token_id if merged is not None else None,
         )
     return {
         "format_version": FORMAT_VERSION,

@@ -166,12 +166,25 @@ def step_mapping(
     logit_count: int,
     max_cache_len: int,
     block_size: int,
+    placeholder_token_id: int | None = None,
 ) -> dict[str, Any]:
     """The state mapping's ``step`` section: the packed step graph's fixed inputs and its rules (the pools
-    are the paged decode graph's, ``contract.paged``)."""
+    are the paged decode graph's, ``contract.paged``); with ``placeholder_token_id`` (a multimodal spec's
+    image placeholder) the token its ids may not hold."""
     ids, positions, token_rows, table, indices = inputs
     shapes = {ids: [tokens], positions: [tokens], token_rows: [tokens]}
     shapes.update({table: [rows, max_cache_len // block_size], indices: [logit_count]})
+    placeholder = (
+        {
+            "placeholder_token_id": placeholder_token_id,
+            "placeholder_rule": f"{ids} never holds {placeholder_token_id}: the step graph embeds token "
+            "ids, so an image placeholder would get no image features; a prompt with images is prefilled "
+            "by the merged prefill graph (merged_prefill), whose KV the runtime places in the pool, and "
+            "continues here",
+        }
+        if placeholder_token_id is not None
+        else {}
+    )
     return {
         "graph": graph,
         "inputs": [{"name": name, "shape": shape, "dtype": "int64"} for name, shape in shapes.items()],
@@ -185,4 +198,5 @@ def step_mapping(
         "write one slot, and a block written in the call must be its request's alone (contract.paged."
         f"sharing). Logits row i is the token {indices}[i]'s. Unused tokens: a request whose block-table "
         "row points at a scratch block no live request owns",
+        **placeholder,
     }

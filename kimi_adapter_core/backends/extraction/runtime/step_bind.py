@@ -90,12 +90,29 @@ def bind_step(
     check_values: bool = True,
     check_ownership: bool = False,
 ) -> Any:
-    """``bind_ir`` of the step graph with its index inputs' ranges from ``mapping`` (``step_value_ranges``)
-    and, with ``check_ownership``, the block-ownership check (``check_block_ownership``)."""
+    """``bind_ir`` of the step graph with its index inputs' ranges from ``mapping`` (``step_value_ranges``),
+    no image placeholder in its token ids where the mapping names one (``check_no_placeholder``) and,
+    with ``check_ownership``, the block-ownership check (``check_block_ownership``)."""
     values = step_value_ranges(mapping) if check_values else None
     bound = bind_ir(ir, inputs, ranges or {}, graph=graph, values=values, check_values=check_values)
+    placeholder = mapping["step"].get("placeholder_token_id") if check_values else None
+    if placeholder is not None:
+        check_no_placeholder(inputs[0].tolist(), placeholder, graph=graph)
     if check_ownership:
         size = _field(mapping, "contract.paged.block_size", int, "state mapping")
         positions, token_rows, table = (inputs[index].tolist() for index in (1, 2, 3))
         check_block_ownership(positions, token_rows, table, size, graph=graph)
     return bound
+
+
+def check_no_placeholder(token_ids: Sequence[int], placeholder: int, *, graph: str = "step") -> None:
+    """Refuse a step whose token ids hold the image placeholder: the step graph embeds token ids, so the
+    placeholder would be embedded as a token where the model puts image features (silently wrong
+    logits); such a prompt is prefilled by the merged prefill graph."""
+    if placeholder in token_ids:
+        raise KadaptError(
+            f"{graph} input input_ids: token {list(token_ids).index(placeholder)} is the image placeholder "
+            f"(id {placeholder}); the step graph embeds token ids only: prefill a prompt with images with "
+            "the merged prefill graph (merged_prefill), place its KV in the pool and continue in the step "
+            "graph"
+        )
