@@ -190,7 +190,7 @@ def generated(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, types.Modu
 def test_a_generated_module_calls_the_parts_its_spec_names(generated: tuple[str, types.ModuleType]) -> None:
     text, module = generated
     assert module.STACK_PART_PATHS == MAMBA2_PARTS
-    assert text.count("parts=STACK_PART_PATHS,") == 2  # the prefill and the decode wrapper
+    assert text.count("parts=STACK_PART_PATHS,") == 3  # the prefill, decode and step wrappers
     assert "probed_stack(language_model, STACK_PART_PATHS)" in text  # the probes see the parts too
     torch.manual_seed(0)
     model = module.build_model(device="cpu", dtype=None)
