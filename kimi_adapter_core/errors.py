@@ -77,8 +77,9 @@ REFUSALS = {
     "stack-layout": "a decoder stack without the layers, embeddings and final norm the wrappers call (the "
     "spec's module_paths name them), positions reaching its layers other than by a rotary embedding, "
     "learned absolute position embeddings the spec names or ALiBi built by the stack's own builder "
-    "(sinusoidal tables, Falcon's ALiBi), or layers without an attention that knows its layer_idx, or "
-    "that take an input the model's forward computes and the wrappers do not",
+    "(sinusoidal tables, a relative position bias), or layers without an attention that knows its layer "
+    "index (several attentions per layer), or that take an input the model's forward computes and the "
+    "wrappers do not",
     "cache-protocol": "decoder layers that use the cache beyond update(key, value, layer_idx), take it under "
     "no known keyword, or return something else than the hidden states",
     "rotary-form": "a rotary embedding that gives something else than (cos, sin) per position (complex "

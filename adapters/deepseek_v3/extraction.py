@@ -494,25 +494,37 @@ class ResidualStreams(nn.Module):
         return self.head(hidden_states)
 
 
-def layer_index(layer: nn.Module, kind: str, position: int) -> int:
-    """The index a layer's states are addressed by: its mixer's ``layer_idx``; a block with no mixer keeps
-    no state, so its own ``layer_idx`` or, without one, its ``position`` in the stack (a prefix of it)."""
+def layer_index(layer: nn.Module, kind: str, position: int, attention: str | None = None) -> int:
+    """The index a layer's states are addressed by: its mixer's ``layer_idx`` (an attention's may be
+    ``layer_id``: ``INDEX_ATTRIBUTES``); a block with no mixer keeps no state, so its own ``layer_idx``
+    or, without one, its ``position`` in the stack (a prefix of it). ``attention``: ``mixer_of``'s."""
     if kind in STATELESS_KINDS:
         return getattr(layer, "layer_idx", position)
-    return mixer_of(layer, kind).layer_idx
+    return index_of(mixer_of(layer, kind, attention))
 
 
-def mixer_of(layer: nn.Module, kind: str) -> nn.Module:
-    """The layer's token mixer of ``kind`` (its ``layer_idx`` addresses the cache)."""
-    for path in MIXER_ATTRIBUTES[kind]:
+# The attribute a mixer keeps the index it caches under in: ``layer_idx``, or GPT-Neo's attention's
+# ``layer_id`` (upstream's ``INDEX_ATTRIBUTES``)
+INDEX_ATTRIBUTES = ("layer_idx", "layer_id")
+
+
+def index_of(mixer: nn.Module | None) -> Any:
+    """The index ``mixer`` caches under (``INDEX_ATTRIBUTES``; None: it keeps none)."""
+    return next((i for i in (getattr(mixer, n, None) for n in INDEX_ATTRIBUTES) if i is not None), None)
+
+
+def mixer_of(layer: nn.Module, kind: str, attention: str | None = None) -> nn.Module:
+    """The layer's token mixer of ``kind`` (its index addresses the cache). ``attention``: where an
+    attention layer keeps it, relative to the layer (a spec's ``module_paths.layer_attention``: GPT-Neo's
+    ``attn.attention``), instead of ``MIXER_ATTRIBUTES``' names."""
+    paths = (attention,) if attention is not None and kind == "attention" else MIXER_ATTRIBUTES[kind]
+    for path in paths:
         mixer: Any = layer
         for name in path.split("."):
             mixer = getattr(mixer, name, None)
         if mixer is not None:
             return mixer
-    raise ValueError(
-        f"{type(layer).__name__} has no {kind} mixer (looked for {', '.join(MIXER_ATTRIBUTES[kind])})"
-    )
+    raise ValueError(f"{type(layer).__name__} has no {kind} mixer (looked for {', '.join(paths)})")
 
 
 class StaticStateCache:
@@ -737,6 +749,11 @@ STACK_PARTS: dict[str, str | None] = {
 }
 
 
+# Where each decoder layer keeps its attention, relative to the layer (``module_paths.layer_attention``,
+# carried with the stack's parts; absent: ``MIXER_ATTRIBUTES``' names): not a part of the stack itself
+LAYER_ATTENTION = "layer_attention"
+
+
 def stack_part(
     language_model: nn.Module, role: str, parts: Mapping[str, str | None] | None = None
 ) -> nn.Module | None:
@@ -781,26 +798,56 @@ class AlibiBias(nn.Module):
 
     BLOOM's 2-D mask is what the ABI's 4-D mask says each row's last query sees (its prompt, or its cache
     up to its own position): a key's bias counts the visible keys before it, as the model's cumsum
-    does, and a hidden key's bias is masked anyway. Plain elementwise ops, so it exports."""
+    does, and a hidden key's bias is masked anyway. Plain elementwise ops, so it exports.
+
+    Falcon with ``alibi: true`` builds BLOOM's bias with a function of its modelling module
+    (``build_alibi_tensor``, the stack has no such method) and its forward also folds it into the mask
+    it hands every layer (``FOLDING_STACKS``): each visible entry becomes the bias over ``sqrt(head_dim)``
+    (a hidden one stays the dtype's minimum), beside the bias itself as ``alibi`` (``fold``)."""
 
     BUILDERS = {"build_alibi_tensor": "alibi", "build_mpt_alibi_tensor": "position_bias"}
+    # stacks whose forward builds the bias with the modelling module's ``build_alibi_tensor`` when their
+    # config's ``alibi`` is true, and folds it into the layers' mask
+    FOLDING_STACKS = ("FalconModel",)
 
-    def __init__(self, builder: Any, keyword: str, num_heads: int, length: int | None) -> None:
+    def __init__(
+        self, builder: Any, keyword: str, num_heads: int, length: int | None, fold: float | None = None
+    ) -> None:
         super().__init__()
         self.builder = builder  # the stack's bound builder
         self.keyword = keyword  # the layer input it is handed as (a STACK_INPUTS name)
         self.num_heads = num_heads
         self.length = length  # MPT's: the config's max_seq_len
+        self.fold = fold  # Falcon's 1 / sqrt(head_dim): the bias folded into the mask (None: not)
 
     @classmethod
     def of(cls, language_model: nn.Module) -> AlibiBias | None:
-        """The stack's ALiBi bias; None where it has no ``BUILDERS`` method."""
+        """The stack's ALiBi bias; None where it has no ``BUILDERS`` method (nor, a ``FOLDING_STACKS``
+        one whose config turns ALiBi on, its module's builder)."""
+        config = language_model.config
         for method, keyword in cls.BUILDERS.items():
             builder = getattr(language_model, method, None)
             if builder is not None:
-                length = getattr(language_model.config, "max_seq_len", None)
-                return cls(builder, keyword, language_model.config.num_attention_heads, length)
+                return cls(builder, keyword, config.num_attention_heads, getattr(config, "max_seq_len", None))
+        module = inspect.getmodule(type(language_model))
+        builder = getattr(module, "build_alibi_tensor", None)
+        if (
+            type(language_model).__name__ in cls.FOLDING_STACKS
+            and getattr(config, "alibi", False)
+            and builder
+        ):
+            heads = config.num_attention_heads
+            return cls(builder, "alibi", heads, None, fold=(config.hidden_size // heads) ** -0.5)
         return None
+
+    def folded(self, mask: torch.Tensor | None, bias: torch.Tensor) -> torch.Tensor | None:
+        """``mask`` ``[B, 1, Q, K]`` (additive) with ``bias`` ``[B * heads, 1, K]`` folded in as Falcon's
+        forward does: ``[B, heads, Q, K]``, each visible entry the bias times ``fold``; unchanged where
+        nothing folds."""
+        if self.fold is None or mask is None:
+            return mask
+        heads = bias.reshape(mask.shape[0], self.num_heads, 1, bias.shape[-1]) * self.fold
+        return heads.masked_fill(mask < -1, torch.finfo(mask.dtype).min)
 
     def forward(self, attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.keyword == "position_bias":
@@ -821,19 +868,21 @@ class ProbedStack(NamedTuple):
     layers: Any
     config: Any
     rotary_emb: nn.Module | None
+    layer_attention: str | None = None  # where a layer keeps its attention (None: the usual names)
 
 
 def probed_stack(language_model: nn.Module, parts: Mapping[str, str | None] | None = None) -> Any:
     """The stack as ``upstream``'s layer probes read it (``layers``, ``config``, ``rotary_emb``): the
     language model itself, or a view of it with the layer list and rotary embedding where ``parts``
-    names them."""
+    names them, and where a layer keeps its attention (``LAYER_ATTENTION``)."""
     parts = parts or {}
-    if "layers" not in parts and "rotary_embedding" not in parts:
+    if not {"layers", "rotary_embedding", LAYER_ATTENTION} & parts.keys():
         return language_model
     return ProbedStack(
         stack_part(language_model, "layers", parts),
         language_model.config,
         stack_part(language_model, "rotary_embedding", parts),
+        parts.get(LAYER_ATTENTION),
     )
 
 
@@ -862,6 +911,7 @@ class _TextStack(nn.Module):
         position_embeddings: nn.Module | None = None,
         embedding_norm: nn.Module | None = None,
         alibi: AlibiBias | None = None,
+        layer_attention: str | None = None,
     ) -> None:
         super().__init__()
         if kv_layout not in KV_LAYOUTS:
@@ -892,7 +942,7 @@ class _TextStack(nn.Module):
         if unknown:
             raise ValueError(f"unknown layer kind {unknown[0]!r}; valid: {', '.join(LAYER_STATES)}")
         self.layer_ids = [
-            layer_index(layer, kind, position)
+            layer_index(layer, kind, position, layer_attention)
             for position, (layer, kind) in enumerate(zip(self.layers, self.kinds, strict=True))
         ]
         # sliding window of each traced layer (None: full attention), by the layer's own index
@@ -965,6 +1015,7 @@ class _TextStack(nn.Module):
             position_embeddings=stack_part(language_model, "position_embeddings", parts),
             embedding_norm=stack_part(language_model, "embedding_norm", parts),
             alibi=AlibiBias.of(language_model),
+            layer_attention=(parts or {}).get(LAYER_ATTENTION),
             **extra,
         )
 
@@ -1028,6 +1079,9 @@ class _TextStack(nn.Module):
             masks[span] if kind not in unmasked else None
             for span, kind in zip(spans, self.kinds, strict=True)
         ]
+        if self.alibi is not None and self.alibi.fold is not None:  # Falcon's: folded into the mask too
+            folded = {id(m): self.alibi.folded(m, biases["alibi"]) for m in layer_masks}
+            layer_masks = [folded[id(m)] for m in layer_masks]
         if self.streams is not None:  # after the rope, which the model computes from the embeddings
             hidden_states = self.streams.expand(hidden_states)
         with (
@@ -2531,7 +2585,9 @@ def _probe_learned_positions() -> str:
 
 BLOOM = "transformers.models.bloom.modeling_bloom"
 MPT = "transformers.models.mpt.modeling_mpt"
-ALIBI_MODEL_TYPES = ("bloom", "mpt")  # the model types whose stack builds its ALiBi bias (runtime.AlibiBias)
+FALCON = "transformers.models.falcon.modeling_falcon"
+# the model types whose stack builds its ALiBi bias (runtime.AlibiBias; Falcon's where its config says)
+ALIBI_MODEL_TYPES = ("bloom", "mpt", "falcon")
 
 
 def _probe_alibi_bias() -> str:
@@ -2563,9 +2619,22 @@ def _probe_alibi_bias() -> str:
     distances = torch.arange(-2, 1)  # each key's distance to the last
     if tuple(bias.shape) != (2, 1, 3) or not torch.equal(bias[:, 0, :], -bias[:, :1, 1] * distances):
         raise _Moved(expected, f"a [2, 1, 3] bias of slope * (key - last); got {bias.flatten().tolist()}")
+    expected = (
+        "modeling_falcon.build_alibi_tensor(attention_mask [B, K], num_heads, dtype) -> [B * heads, 1, K], "
+        "each head's slope times the visible keys before each key; FalconDecoderLayer.forward(alibi=)"
+    )
+    builder = _attr(FALCON, "build_alibi_tensor", expected)
+    layer = _attr(FALCON, "FalconDecoderLayer", expected)
+    if "alibi" not in _signature(layer.forward).parameters:
+        raise _Moved(expected, f"FalconDecoderLayer.forward{_signature(layer.forward)}")
+    bias = builder(mask, 2, torch.float32)
+    slopes = bias[:, 0, 1]
+    if tuple(bias.shape) != (2, 1, 4) or not torch.equal(bias[:, 0, :3], slopes[:, None] * torch.arange(3)):
+        raise _Moved(expected, f"a [2, 1, 4] bias of slope * key; got {bias.flatten().tolist()}")
     return (
         "BloomModel.build_alibi_tensor: [B * heads, 1, K] of slope * visible keys before each key; "
-        "MptModel.build_mpt_alibi_tensor: [heads, 1, max_seq_len] of slope * (key - last)"
+        "MptModel.build_mpt_alibi_tensor: [heads, 1, max_seq_len] of slope * (key - last); "
+        "modeling_falcon.build_alibi_tensor: as BLOOM's"
     )
 
 
@@ -2998,15 +3067,17 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
     ContactPoint(
         "alibi_bias",
         "models.bloom.modeling_bloom.BloomModel.build_alibi_tensor, BloomBlock.forward(alibi); "
-        "models.mpt.modeling_mpt.MptModel.build_mpt_alibi_tensor, MptBlock.forward(position_bias)",
+        "models.mpt.modeling_mpt.MptModel.build_mpt_alibi_tensor, MptBlock.forward(position_bias); "
+        "models.falcon.modeling_falcon.build_alibi_tensor, FalconDecoderLayer.forward(alibi)",
         "build_alibi_tensor(attention_mask [B, K], num_heads, dtype) -> [B * heads, 1, K]: each head's slope "
         "times the visible keys before each key, taken as alibi; build_mpt_alibi_tensor(num_heads, "
         "max_seq_len) -> [heads, 1, max_seq_len]: the slope times each key's distance to the last, taken "
         "as position_bias",
-        "the wrappers build BLOOM's and MPT's ALiBi biases once per call with the stack's own builder "
-        "(BLOOM's from the keys each row's last query sees) and hand every layer the result "
-        "(runtime.AlibiBias)",
-        ("extraction (BLOOM, MPT)", "generated modules"),
+        "the wrappers build BLOOM's, MPT's and Falcon's ALiBi biases once per call with the stack's own "
+        "builder (BLOOM's and Falcon's from the keys each row's last query sees) and hand every layer the "
+        "result (runtime.AlibiBias; Falcon's also folded into the mask over sqrt(head_dim), as "
+        "FalconModel.forward does)",
+        ("extraction (BLOOM, MPT, Falcon with alibi)", "generated modules"),
         _probe_alibi_bias,
     ),
     ContactPoint(
@@ -3394,13 +3465,14 @@ class _RecordingCache:
         raise AttributeError(f"kadapt's static cache has no {name!r} for {self.kind} layers")
 
 
-def cache_keyword(layer: Any) -> str:
+def cache_keyword(layer: Any, attention: str | None = None) -> str:
     """The keyword ``type(layer).forward`` takes the cache under (signature; 5.24: ``cache``); a
     ``**kwargs``-only forward hands it on to its attention, whose signature then says (DeepSeek-V4's
-    takes ``cache`` in 5.24, ``past_key_values`` only through a deprecation shim)."""
+    takes ``cache`` in 5.24, ``past_key_values`` only through a deprecation shim). ``attention``: where
+    the layer keeps its attention (``_attention_of``)."""
     params = _signature(type(layer).forward).parameters
-    attention = _attention_of(layer)
-    inner = _signature(type(attention).forward).parameters if attention is not None else {}
+    module = _attention_of(layer, attention)
+    inner = _signature(type(module).forward).parameters if module is not None else {}
     for taken in (params, inner):
         for keyword in CACHE_KEYWORDS:
             if keyword in taken:
@@ -3455,6 +3527,7 @@ def probe_decoder_layers(
     layer_types: Sequence[str | tuple[str, ...] | None] | None = None,
     kinds: Sequence[str] | None = None,
     streams: int = 1,
+    attention: str | None = None,
 ) -> LayerProtocol:
     """Call one layer of each structure in ``layers`` with a recording cache; their shared protocol.
 
@@ -3468,7 +3541,8 @@ def probe_decoder_layers(
     device: free on meta, tiny elsewhere. The attention layers may cache different KV shapes
     (``layer_kv_dims``, one per layer): the caller holds each against what the config says of that layer.
     ``streams``: the residual streams each layer takes (``hc_mult``: hidden states ``[B, Q, streams,
-    hidden]``, as the runtime's ``ResidualStreams`` hands them; 1: ``[B, Q, hidden]``).
+    hidden]``, as the runtime's ``ResidualStreams`` hands them; 1: ``[B, Q, hidden]``). ``attention``:
+    where each layer keeps its attention, the one that calls ``update`` (``_attention_of``).
     """
     import torch
 
@@ -3477,10 +3551,10 @@ def probe_decoder_layers(
         kind = kinds[index] if kinds is not None else "attention"
         layer_type = layer_types[index] if layer_types is not None else None
         roped = rotary_emb if layer_types is None or layer_type is not None else None
-        key = (kind, streams, *_layer_key(layer, roped, layer_type))
+        key = (kind, streams, attention, *_layer_key(layer, roped, layer_type))
         if key not in _protocols:
             with torch.no_grad():
-                _protocols[key] = _probe_layer(layer, roped, layer_type, kind, index, streams)
+                _protocols[key] = _probe_layer(layer, roped, layer_type, kind, index, streams, attention)
             while len(_protocols) > MAX_PROTOCOLS:  # dicts keep insertion order: the oldest first
                 del _protocols[next(iter(_protocols))]
         protocols.append(_protocols[key])
@@ -3560,11 +3634,15 @@ def rope_labels(language_model: Any) -> tuple[str, ...] | None:
 
 def decoder_protocol(language_model: Any, kinds: Sequence[str] | None = None) -> LayerProtocol:
     """``probe_decoder_layers`` over a transformers decoder model (``layers``, ``rotary_emb``), its
-    layers of ``kinds`` (by layer; None: every layer is attention)."""
+    layers of ``kinds`` (by layer; None: every layer is attention); a view of it (the runtime's
+    ``ProbedStack``) may say where a layer keeps its attention (``layer_attention``)."""
     layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
     rotary_emb = getattr(language_model, "rotary_emb", None)  # None: no rope (NoPE, SSM stacks)
     streams = getattr(language_model.config, "hc_mult", None) or 1  # the runtime's ResidualStreams
-    return probe_decoder_layers(layers, rotary_emb, rope_layer_types(language_model), kinds, streams)
+    attention = language_model.layer_attention if isinstance(language_model, tuple) else None
+    return probe_decoder_layers(
+        layers, rotary_emb, rope_layer_types(language_model), kinds, streams, attention
+    )
 
 
 def forget() -> None:
@@ -3607,6 +3685,9 @@ def _rope_of(rotary_emb: Any, hidden: Any, positions: Any, layer_type: Any, laye
 # stays self-contained): ``self_attn``, or ``mixer`` in a stack of one-sublayer blocks (Nemotron-H), or
 # the older names (GPT-J, CodeGen: ``attn``; GPT-NeoX: ``attention``; Falcon: ``self_attention``)
 ATTENTION_ATTRIBUTES = ("self_attn", "mixer", "attn", "attention", "self_attention")
+# The attribute an attention keeps the index it caches under in: ``layer_idx``, or GPT-Neo's ``layer_id``
+# (the runtime ABI's ``INDEX_ATTRIBUTES``)
+CACHE_INDEX_ATTRIBUTES = ("layer_idx", "layer_id")
 # Layer kinds with no token mixer and no state (an MLP alone): called with neither a mask nor a cache
 MIXERLESS_KINDS = ("none",)
 # Layer kinds whose states are fixed-size per request (the runtime's ``LINEAR_LAYER_KINDS``; its own
@@ -3630,9 +3711,23 @@ STATE_POINTS = {
 HEAD_CAST_MIXERS = ("mamba1",)
 
 
-def _attention_of(layer: Any) -> Any:
-    """The layer's attention module (None: it has none under ``ATTENTION_ATTRIBUTES``)."""
+def _attention_of(layer: Any, path: str | None = None) -> Any:
+    """The layer's attention module: at ``path`` (a spec's ``module_paths.layer_attention``, dotted,
+    relative to the layer: GPT-Neo's ``attn.attention``), else the first of ``ATTENTION_ATTRIBUTES``
+    (None: it has none there)."""
+    if path is not None:
+        module = layer
+        for name in path.split("."):
+            module = getattr(module, name, None)
+        return module
     return next((m for m in (getattr(layer, n, None) for n in ATTENTION_ATTRIBUTES) if m is not None), None)
+
+
+def attention_index(attention: Any) -> Any:
+    """The index ``attention`` caches under (``CACHE_INDEX_ATTRIBUTES``; None: it keeps none)."""
+    return next(
+        (i for i in (getattr(attention, n, None) for n in CACHE_INDEX_ATTRIBUTES) if i is not None), None
+    )
 
 
 class SharedKeysValues(dict):  # type: ignore[type-arg]
@@ -3655,7 +3750,13 @@ class SharedKeysValues(dict):  # type: ignore[type-arg]
 
 
 def stack_inputs(
-    layer: Any, hidden: Any, kind: str = "attention", length: int = 0, index: int = 0, original: Any = None
+    layer: Any,
+    hidden: Any,
+    kind: str = "attention",
+    length: int = 0,
+    index: int = 0,
+    original: Any = None,
+    attention: str | None = None,
 ) -> dict[str, Any]:
     """The inputs the model's forward builds once per call that the layer's forward takes (the runtime's
     ``STACK_INPUTS``), as the wrappers hand them to the first layer of a call: an empty
@@ -3665,22 +3766,23 @@ def stack_inputs(
     the first layer, ``original``; zeros like ``hidden`` where not given), the layer's ``index`` as
     ``layer_idx``, and ALiBi biases of zeros for a layer that requires them (BLOOM's ``alibi`` ``[B *
     heads, 1, length]``, MPT's ``position_bias`` ``[heads, 1, length]``: contact point ``alibi_bias``; a
-    bias of zeros leaves the scores as they are), else none (Falcon's rotary configs)."""
+    bias of zeros leaves the scores as they are), else none (Falcon's rotary configs). ``attention``: where
+    the layer keeps its attention (``_attention_of``)."""
     params = _signature(type(layer).forward).parameters
+    module = _attention_of(layer, attention)
     inputs: dict[str, Any] = {}
     if "original_hidden_states" in params:
         inputs["original_hidden_states"] = hidden.new_zeros(hidden.shape) if original is None else original
     if "layer_idx" in params:
         inputs["layer_idx"] = index
     if "shared_kv_states" in params:
-        attention = _attention_of(layer)
         inputs["shared_kv_states"] = (
-            SharedKeysValues(attention, hidden, length or hidden.shape[1]) if kind == "shared" else {}
+            SharedKeysValues(module, hidden, length or hidden.shape[1]) if kind == "shared" else {}
         )
     if "per_layer_input" in params:
         width = getattr(layer, "hidden_size_per_layer_input", None)
         inputs["per_layer_input"] = hidden.new_zeros(*hidden.shape[:2], width) if width else None
-    heads = getattr(layer, "num_heads", None) or getattr(_attention_of(layer), "num_heads", None)
+    heads = getattr(layer, "num_heads", None) or getattr(module, "num_heads", None)
     for name in ("alibi", "position_bias"):  # BLOOM's [B * heads, 1, K], MPT's [heads, 1, K]
         if name in params:
             required = params[name].default is inspect.Parameter.empty
@@ -3700,15 +3802,16 @@ def _probe_layer(
     kind: str,
     index: int,
     streams: int = 1,
+    attention: str | None = None,
 ) -> LayerProtocol:
     import torch
 
     expected = BY_NAME[STATE_POINTS.get(kind, "cache_update")].expected
     layer_name = type(layer).__name__
-    layer_idx = getattr(_attention_of(layer), "layer_idx", None)
+    layer_idx = attention_index(_attention_of(layer, attention))
     parameter = next(layer.parameters())
     dtype = _compute_dtype(layer)
-    hidden = torch.zeros(1, 2, _hidden_size(layer), dtype=dtype, device=parameter.device)
+    hidden = torch.zeros(1, 2, _hidden_size(layer, attention), dtype=dtype, device=parameter.device)
     # the layer's input: one residual stream, or the stack's hc_mult copies of it
     taken = hidden if streams == 1 else hidden.unsqueeze(2).expand(-1, -1, streams, -1).contiguous()
     positions = torch.arange(2, device=parameter.device).unsqueeze(0)
@@ -3720,9 +3823,11 @@ def _probe_layer(
     embeddings = (
         None if rotary_emb is None else _rope_of(rotary_emb, hidden, positions, layer_type, layer_name)
     )
-    keyword = cache_keyword(layer)
+    keyword = cache_keyword(layer, attention)
     cache = _RecordingCache(kind)
-    inputs = stack_inputs(layer, hidden, kind, index=index)  # a KV-sharing layer's reads are checked below
+    inputs = stack_inputs(
+        layer, hidden, kind, index=index, attention=attention
+    )  # a KV-sharing layer's reads are checked below
     takes = _signature(type(layer).forward).parameters
     if "causal_mask" in takes:  # runtime.CAUSAL_MASK_INPUT (Zamba)
         inputs["causal_mask"], mask = mask, None
@@ -3980,10 +4085,10 @@ def _compute_dtype(layer: Any) -> Any:
     return max(sizes, key=sizes.__getitem__)
 
 
-def _hidden_size(layer: Any) -> int:
+def _hidden_size(layer: Any, attention: str | None = None) -> int:
     """The width a layer takes: its (attention's) config's, else the first module that states one (a
     linear-attention mixer keeps ``hidden_size`` but no config; LFM2's short convolution a config)."""
-    config = getattr(_attention_of(layer), "config", None) or getattr(layer, "config", None)
+    config = getattr(_attention_of(layer, attention), "config", None) or getattr(layer, "config", None)
     if config is not None:
         return int(config.hidden_size)
     for module in layer.modules():

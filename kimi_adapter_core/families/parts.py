@@ -105,6 +105,11 @@ def attention_parts(layer: Any) -> dict[str, Any]:
     if found is None:
         return {}
     name, module = found
+    inner = [
+        (n, c) for n, c in _children(module) if any(k in type(c).__name__.lower() for k in ATTENTION_CLASSES)
+    ]
+    if not _weights(module) and len(inner) == 1:  # a wrapper around the attention (GPT-Neo's attn.attention)
+        name, module = f"{name}.{inner[0][0]}", inner[0][1]
     weights = _weights(module)
     parts: dict[str, Any] = {"attention": name, "norms": _norms(layer)}
     if OUTPUT_GATE in weights:  # a gate on the attention's output, projected from the layer's input

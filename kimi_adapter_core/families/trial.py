@@ -35,103 +35,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import KadaptError, parse_refusal
+from .guide import GUIDE_FIELDS, GUIDE_PATCHES
 
 ADAPTED, REFUSED, FAILED, UNTESTED = "adapted", "refused", "failed", "untested"
-
-_LLAMA4 = "transformers.models.llama4.modeling_llama4"
-_DEEPSEEK_V2 = "transformers.models.deepseek_v2.modeling_deepseek_v2"
-_FALCON = "transformers.models.falcon.modeling_falcon"
-_MPT = "transformers.models.mpt.modeling_mpt"
-# The class patches the guide names for a model type whose own code needs a builtin to export
-# (docs/writing-a-spec.md, "Which bridges a family needs"): model type -> its patches, pinned to the
-# transformers release the matrix runs on (a release that changes the code refuses them: upstream drift).
-_LLAMA4_PATCHES: tuple[dict[str, Any], ...] = (
-    {
-        "id": "L1",
-        "why": "complex freqs_cis become real (cos, sin), the form the wrappers pass on",
-        "target": f"{_LLAMA4}:Llama4TextRotaryEmbedding.forward",
-        "kind": "replace",
-        "impl": "builtin:llama4_rotary_cos_sin",
-        "backends": ["extraction"],
-        "pin": {
-            "signature": "(self, x, position_ids)",
-            "source_sha256": "8f2fa823a60a9eb365d0bcbc8b5b24893f37192cdafa6421a3371826e8db8e57",
-        },
-    },
-    {
-        "id": "L2",
-        "why": "rope from (cos, sin) in real math; the NoPE layers' temperature from each row's position",
-        "target": f"{_LLAMA4}:Llama4TextAttention.forward",
-        "kind": "replace",
-        "impl": "builtin:llama4_attention_forward",
-        "backends": ["extraction"],
-        "pin": {"source_sha256": "a77422c908cc05c7c0ba0ba26a24cbe1581a902dd6906a554bf7faab2e69c1bf"},
-    },
-)
-GUIDE_PATCHES: dict[str, tuple[dict[str, Any], ...]] = {
-    "falcon": (
-        {
-            "id": "F1",
-            "why": "key and value heads by slices: a list index exports as a constant, valueless on meta",
-            "target": f"{_FALCON}:FalconAttention._split_heads",
-            "kind": "replace",
-            "impl": "builtin:falcon_split_heads_slices",
-            "backends": ["extraction"],
-            "pin": {
-                "signature": (
-                    "(self, fused_qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]"
-                ),
-                "source_sha256": "37894faf93b0c9d5ae3146421d6ee29c2482130f72c49a9dedf4979614d2370a",
-            },
-        },
-    ),
-    "mpt": (
-        {
-            "id": "M1",
-            "why": "ALiBi sliced by the key length alone (no cache length read per row); additive mask",
-            "target": f"{_MPT}:MptAttention.forward",
-            "kind": "replace",
-            "impl": "builtin:mpt_attention_forward",
-            "backends": ["extraction", "simulation"],  # simulate then refuses its inline attention by name
-            "pin": {
-                "signature": (
-                    "(self, hidden_states: torch.Tensor, position_bias: torch.Tensor, cache: "
-                    "transformers.cache_utils.Cache | None = None, "
-                    "attention_mask: torch.Tensor | None = None, **kwargs)"
-                ),
-                "source_sha256": "61b00d0a061a40a476a3a5f896708981e8f2d706087c3dc3200fad6ad9ae0fbf",
-            },
-        },
-    ),
-    "llama4_text": _LLAMA4_PATCHES,
-    # the multimodal type: the same text classes, under Llama4ForConditionalGeneration's language model
-    "llama4": _LLAMA4_PATCHES,
-    "deepseek_v2": (
-        {
-            "id": "D1",
-            "why": "complex freqs_cis become real (cos, sin), the form the wrappers pass on",
-            "target": f"{_DEEPSEEK_V2}:DeepseekV2RotaryEmbedding.forward",
-            "kind": "replace",
-            "impl": "builtin:deepseek_v2_rotary_cos_sin",
-            "backends": ["extraction"],
-            "pin": {
-                "signature": "(self, x, position_ids)",
-                "source_sha256": "8f2fa823a60a9eb365d0bcbc8b5b24893f37192cdafa6421a3371826e8db8e57",
-            },
-        },
-        {
-            "id": "D2",
-            "why": "the rope of q_pe and k_pe from (cos, sin) in real math; the latents cached as upstream's",
-            "target": f"{_DEEPSEEK_V2}:DeepseekV2Attention.forward",
-            "kind": "replace",
-            "impl": "builtin:deepseek_v2_attention_forward",
-            "backends": ["extraction"],
-            "pin": {"source_sha256": "f84d31d933d5f7b2611ae72460c93084733b6ed81da5407a7dff963df11e86b9"},
-        },
-    ),
-}
-
-
 PLAN_EXACT = "exact"
 
 
@@ -170,7 +76,34 @@ def module_paths(model: Any) -> dict[str, str | None]:
         if isinstance(child, ModuleList)
     )
     paths["language_layers"] = f"{paths['language_model']}.{next(found, 'layers')}".strip(".")
-    return {**paths, **(_stack_parts(stack) if stack is not None else {})}
+    layers = model.get_submodule(paths["language_layers"]) if _has(model, paths["language_layers"]) else None
+    first = next(iter(layers), None) if isinstance(layers, ModuleList) else None
+    return {
+        **paths,
+        **(_stack_parts(stack) if stack is not None else {}),
+        **(_layer_attention(first) if first is not None else {}),
+    }
+
+
+def _layer_attention(layer: Any) -> dict[str, str]:
+    """``module_paths.layer_attention`` where the usual names (the runtime's ``MIXER_ATTRIBUTES``) find no
+    attention in the first decoder layer: the first submodule whose class name says attention that caches
+    under index 0 (``INDEX_ATTRIBUTES``); none where the usual names find one (a list of attentions,
+    LongCat-Flash's, is then refused by name) or nothing qualifies."""
+    from ..backends.extraction.runtime import abi as runtime
+
+    try:
+        runtime.mixer_of(layer, "attention")
+        return {}
+    except ValueError:
+        pass
+    found = (
+        path
+        for path, module in layer.named_modules()
+        if path and "attention" in type(module).__name__.lower() and runtime.index_of(module) == 0
+    )
+    path = next(found, None)
+    return {"layer_attention": path} if path is not None else {}
 
 
 def _stack_parts(stack: Any) -> dict[str, str | None]:
@@ -261,6 +194,11 @@ def write_spec(folder: Path, model_type: str, config: dict[str, Any], paths: dic
                   path: _experts_implementation, value: batched_mm, backends: [extraction]}}
             module_paths: {json.dumps(paths)}
             """
+        )
+        + (
+            f"architecture: {{fields: {json.dumps(GUIDE_FIELDS[model_type])}}}\n"
+            if model_type in GUIDE_FIELDS
+            else ""
         )
         + _patches_yaml(model_type)
         + "abi:\n"

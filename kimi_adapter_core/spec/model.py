@@ -224,6 +224,10 @@ STACK_PARTS: dict[str, str | None] = {
 # the language model (GPT-J's ``transformer.h``: ``h``), so a stack that keeps its layers elsewhere needs no
 # second key.
 LAYERS, LAYERS_KEY, LAYERS_DEFAULT = "layers", "language_layers", "layers"
+# Where each decoder layer keeps its attention, relative to the layer (GPT-Neo's ``attn.attention``): the
+# module that caches its keys and values under its index; carried with the stack's parts (``stated``), not
+# a part of the stack (no default: the runtime's ``MIXER_ATTRIBUTES`` names, ``self_attn`` first)
+LAYER_ATTENTION = "layer_attention"
 _PART_ROLES = {
     "embeddings": "token embedding",
     "final_norm": "norm after the last decoder layer",
@@ -310,6 +314,11 @@ class Spec:
         if layers is not None and layers != LAYERS_DEFAULT:  # stated only where it departs: {} as before
             stated[LAYERS] = layers
         where[LAYERS] = f"module_paths.{LAYERS_KEY}"
+        if LAYER_ATTENTION in self.module_paths:
+            stated[LAYER_ATTENTION] = self.module_paths[LAYER_ATTENTION]
+        where[LAYER_ATTENTION] = (
+            f"module_paths.{LAYER_ATTENTION}" if LAYER_ATTENTION in stated else "module_paths"
+        )
         return StackParts(stated, {key: self.locate(at) for key, at in where.items()})
 
     def layers_in_stack(self) -> str | None:

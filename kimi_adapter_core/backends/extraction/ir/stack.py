@@ -19,7 +19,7 @@ from torch import nn
 
 from .... import upstream
 from ....errors import KadaptError, Refusal
-from ....spec.model import LAYERS, STACK_PARTS, StackParts
+from ....spec.model import LAYER_ATTENTION, LAYERS, STACK_PARTS, StackParts
 from ..runtime import abi as runtime
 
 
@@ -122,7 +122,7 @@ def check_positions(backbone: Backbone) -> None:
             f"{type(stack).__name__} adds ALiBi biases to the attention scores ({alibi}) other than through "
             "a builder of its own whose result every layer takes as alibi or position_bias (BLOOM's "
             "build_alibi_tensor, MPT's build_mpt_alibi_tensor), the ALiBi the prefill/decode wrappers "
-            "build (runtime.AlibiBias)",
+            "build (runtime.AlibiBias: Falcon's too, folded into the mask as its forward does)",
         )
 
 
@@ -209,11 +209,8 @@ def check_stack(backbone: Backbone, kinds: Sequence[str] | None = None) -> None:
                 # no attention beside it, or one that caches under the index the wrappers hand the layer
                 # (Zamba's and Zamba2's shared block: STACK_INPUTS layer_idx)
                 continue
-        try:
-            attention: nn.Module | None = runtime.mixer_of(layer, "attention")
-        except ValueError:
-            attention = None
-        if attention is not None and getattr(attention, "layer_idx", None) == index:
+        attention = _attention(layer, index, backbone.parts)
+        if attention is not None and runtime.index_of(attention) == index:
             continue
         others = [type(m).__name__ for _, m in layer.named_children()]
         hybrid = [n for n in others if any(word in n for word in NON_ATTENTION)]
@@ -224,17 +221,44 @@ def check_stack(backbone: Backbone, kinds: Sequence[str] | None = None) -> None:
                 "config does not describe as a linear-attention layer kadapt can size: its state is not a "
                 "KV cache",
             )
-        names = " / ".join(runtime.MIXER_ATTRIBUTES["attention"])
+        path = backbone.parts.stated.get(LAYER_ATTENTION)
+        names = path or " / ".join(runtime.MIXER_ATTRIBUTES["attention"])
         found = (
-            f"no attention ({names})"
+            f"no attention at {names}"
             if attention is None
-            else f"an attention whose layer_idx is {getattr(attention, 'layer_idx', None)}"
+            else f"at {names} a {type(attention).__name__} whose layer index "
+            f"({' / '.join(runtime.INDEX_ATTRIBUTES)}) is {runtime.index_of(attention)}"
         )
         raise Refusal(
             "stack-layout",
             f"{type(layer).__name__} (layer {index}) has {found} (children: {', '.join(others)}); the KV "
-            "cache is addressed by each attention's layer_idx",
+            f"cache is addressed by each attention's layer index: set module_paths.{LAYER_ATTENTION} to the "
+            "attention inside a layer (relative to it) that caches under its own index",
+            location=backbone.parts.where(LAYER_ATTENTION),
         )
+
+
+def _attention(layer: nn.Module, index: int, parts: StackParts) -> nn.Module | None:
+    """The attention of decoder layer ``index`` where ``parts`` says (or the usual names); None if it has
+    none there. Refuses a layer that keeps several attentions in a list, each caching under an index of
+    its own (LongCat-Flash: ``self_attn[0]``, ``self_attn[1]`` at ``2 i`` and ``2 i + 1``): it writes as
+    many KV entries as it has attentions, and kadapt's cache holds one per decoder layer."""
+    try:
+        attention: nn.Module | None = runtime.mixer_of(layer, "attention", parts.stated.get(LAYER_ATTENTION))
+    except ValueError:
+        return None
+    if isinstance(attention, nn.ModuleList):
+        indices = [runtime.index_of(m) for m in attention]
+        if len(attention) > 1 and all(isinstance(i, int) for i in indices):
+            raise Refusal(
+                "stack-layout",
+                f"{type(layer).__name__} (layer {index}) runs {len(attention)} attentions in turn (a "
+                f"ModuleList of {type(attention[0]).__name__}), caching under indices "
+                f"{', '.join(map(str, indices))}: each decoder layer writes {len(attention)} KV cache "
+                "entries, and the ABI's cache holds one per decoder layer (its k.{layer} / v.{layer} "
+                "states); no spec field gives a layer more than one",
+            )
+    return attention
 
 
 def probed_stack(language_model: nn.Module, parts: StackParts) -> Any:

@@ -458,25 +458,37 @@ class ResidualStreams(nn.Module):
         return self.head(hidden_states)
 
 
-def layer_index(layer: nn.Module, kind: str, position: int) -> int:
-    """The index a layer's states are addressed by: its mixer's ``layer_idx``; a block with no mixer keeps
-    no state, so its own ``layer_idx`` or, without one, its ``position`` in the stack (a prefix of it)."""
+def layer_index(layer: nn.Module, kind: str, position: int, attention: str | None = None) -> int:
+    """The index a layer's states are addressed by: its mixer's ``layer_idx`` (an attention's may be
+    ``layer_id``: ``INDEX_ATTRIBUTES``); a block with no mixer keeps no state, so its own ``layer_idx``
+    or, without one, its ``position`` in the stack (a prefix of it). ``attention``: ``mixer_of``'s."""
     if kind in STATELESS_KINDS:
         return getattr(layer, "layer_idx", position)
-    return mixer_of(layer, kind).layer_idx
+    return index_of(mixer_of(layer, kind, attention))
 
 
-def mixer_of(layer: nn.Module, kind: str) -> nn.Module:
-    """The layer's token mixer of ``kind`` (its ``layer_idx`` addresses the cache)."""
-    for path in MIXER_ATTRIBUTES[kind]:
+# The attribute a mixer keeps the index it caches under in: ``layer_idx``, or GPT-Neo's attention's
+# ``layer_id`` (upstream's ``INDEX_ATTRIBUTES``)
+INDEX_ATTRIBUTES = ("layer_idx", "layer_id")
+
+
+def index_of(mixer: nn.Module | None) -> Any:
+    """The index ``mixer`` caches under (``INDEX_ATTRIBUTES``; None: it keeps none)."""
+    return next((i for i in (getattr(mixer, n, None) for n in INDEX_ATTRIBUTES) if i is not None), None)
+
+
+def mixer_of(layer: nn.Module, kind: str, attention: str | None = None) -> nn.Module:
+    """The layer's token mixer of ``kind`` (its index addresses the cache). ``attention``: where an
+    attention layer keeps it, relative to the layer (a spec's ``module_paths.layer_attention``: GPT-Neo's
+    ``attn.attention``), instead of ``MIXER_ATTRIBUTES``' names."""
+    paths = (attention,) if attention is not None and kind == "attention" else MIXER_ATTRIBUTES[kind]
+    for path in paths:
         mixer: Any = layer
         for name in path.split("."):
             mixer = getattr(mixer, name, None)
         if mixer is not None:
             return mixer
-    raise ValueError(
-        f"{type(layer).__name__} has no {kind} mixer (looked for {', '.join(MIXER_ATTRIBUTES[kind])})"
-    )
+    raise ValueError(f"{type(layer).__name__} has no {kind} mixer (looked for {', '.join(paths)})")
 
 
 class StaticStateCache:
@@ -701,6 +713,11 @@ STACK_PARTS: dict[str, str | None] = {
 }
 
 
+# Where each decoder layer keeps its attention, relative to the layer (``module_paths.layer_attention``,
+# carried with the stack's parts; absent: ``MIXER_ATTRIBUTES``' names): not a part of the stack itself
+LAYER_ATTENTION = "layer_attention"
+
+
 def stack_part(
     language_model: nn.Module, role: str, parts: Mapping[str, str | None] | None = None
 ) -> nn.Module | None:
@@ -745,26 +762,56 @@ class AlibiBias(nn.Module):
 
     BLOOM's 2-D mask is what the ABI's 4-D mask says each row's last query sees (its prompt, or its cache
     up to its own position): a key's bias counts the visible keys before it, as the model's cumsum
-    does, and a hidden key's bias is masked anyway. Plain elementwise ops, so it exports."""
+    does, and a hidden key's bias is masked anyway. Plain elementwise ops, so it exports.
+
+    Falcon with ``alibi: true`` builds BLOOM's bias with a function of its modelling module
+    (``build_alibi_tensor``, the stack has no such method) and its forward also folds it into the mask
+    it hands every layer (``FOLDING_STACKS``): each visible entry becomes the bias over ``sqrt(head_dim)``
+    (a hidden one stays the dtype's minimum), beside the bias itself as ``alibi`` (``fold``)."""
 
     BUILDERS = {"build_alibi_tensor": "alibi", "build_mpt_alibi_tensor": "position_bias"}
+    # stacks whose forward builds the bias with the modelling module's ``build_alibi_tensor`` when their
+    # config's ``alibi`` is true, and folds it into the layers' mask
+    FOLDING_STACKS = ("FalconModel",)
 
-    def __init__(self, builder: Any, keyword: str, num_heads: int, length: int | None) -> None:
+    def __init__(
+        self, builder: Any, keyword: str, num_heads: int, length: int | None, fold: float | None = None
+    ) -> None:
         super().__init__()
         self.builder = builder  # the stack's bound builder
         self.keyword = keyword  # the layer input it is handed as (a STACK_INPUTS name)
         self.num_heads = num_heads
         self.length = length  # MPT's: the config's max_seq_len
+        self.fold = fold  # Falcon's 1 / sqrt(head_dim): the bias folded into the mask (None: not)
 
     @classmethod
     def of(cls, language_model: nn.Module) -> AlibiBias | None:
-        """The stack's ALiBi bias; None where it has no ``BUILDERS`` method."""
+        """The stack's ALiBi bias; None where it has no ``BUILDERS`` method (nor, a ``FOLDING_STACKS``
+        one whose config turns ALiBi on, its module's builder)."""
+        config = language_model.config
         for method, keyword in cls.BUILDERS.items():
             builder = getattr(language_model, method, None)
             if builder is not None:
-                length = getattr(language_model.config, "max_seq_len", None)
-                return cls(builder, keyword, language_model.config.num_attention_heads, length)
+                return cls(builder, keyword, config.num_attention_heads, getattr(config, "max_seq_len", None))
+        module = inspect.getmodule(type(language_model))
+        builder = getattr(module, "build_alibi_tensor", None)
+        if (
+            type(language_model).__name__ in cls.FOLDING_STACKS
+            and getattr(config, "alibi", False)
+            and builder
+        ):
+            heads = config.num_attention_heads
+            return cls(builder, "alibi", heads, None, fold=(config.hidden_size // heads) ** -0.5)
         return None
+
+    def folded(self, mask: torch.Tensor | None, bias: torch.Tensor) -> torch.Tensor | None:
+        """``mask`` ``[B, 1, Q, K]`` (additive) with ``bias`` ``[B * heads, 1, K]`` folded in as Falcon's
+        forward does: ``[B, heads, Q, K]``, each visible entry the bias times ``fold``; unchanged where
+        nothing folds."""
+        if self.fold is None or mask is None:
+            return mask
+        heads = bias.reshape(mask.shape[0], self.num_heads, 1, bias.shape[-1]) * self.fold
+        return heads.masked_fill(mask < -1, torch.finfo(mask.dtype).min)
 
     def forward(self, attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.keyword == "position_bias":
@@ -785,19 +832,21 @@ class ProbedStack(NamedTuple):
     layers: Any
     config: Any
     rotary_emb: nn.Module | None
+    layer_attention: str | None = None  # where a layer keeps its attention (None: the usual names)
 
 
 def probed_stack(language_model: nn.Module, parts: Mapping[str, str | None] | None = None) -> Any:
     """The stack as ``upstream``'s layer probes read it (``layers``, ``config``, ``rotary_emb``): the
     language model itself, or a view of it with the layer list and rotary embedding where ``parts``
-    names them."""
+    names them, and where a layer keeps its attention (``LAYER_ATTENTION``)."""
     parts = parts or {}
-    if "layers" not in parts and "rotary_embedding" not in parts:
+    if not {"layers", "rotary_embedding", LAYER_ATTENTION} & parts.keys():
         return language_model
     return ProbedStack(
         stack_part(language_model, "layers", parts),
         language_model.config,
         stack_part(language_model, "rotary_embedding", parts),
+        parts.get(LAYER_ATTENTION),
     )
 
 
@@ -826,6 +875,7 @@ class _TextStack(nn.Module):
         position_embeddings: nn.Module | None = None,
         embedding_norm: nn.Module | None = None,
         alibi: AlibiBias | None = None,
+        layer_attention: str | None = None,
     ) -> None:
         super().__init__()
         if kv_layout not in KV_LAYOUTS:
@@ -856,7 +906,7 @@ class _TextStack(nn.Module):
         if unknown:
             raise ValueError(f"unknown layer kind {unknown[0]!r}; valid: {', '.join(LAYER_STATES)}")
         self.layer_ids = [
-            layer_index(layer, kind, position)
+            layer_index(layer, kind, position, layer_attention)
             for position, (layer, kind) in enumerate(zip(self.layers, self.kinds, strict=True))
         ]
         # sliding window of each traced layer (None: full attention), by the layer's own index
@@ -929,6 +979,7 @@ class _TextStack(nn.Module):
             position_embeddings=stack_part(language_model, "position_embeddings", parts),
             embedding_norm=stack_part(language_model, "embedding_norm", parts),
             alibi=AlibiBias.of(language_model),
+            layer_attention=(parts or {}).get(LAYER_ATTENTION),
             **extra,
         )
 
@@ -992,6 +1043,9 @@ class _TextStack(nn.Module):
             masks[span] if kind not in unmasked else None
             for span, kind in zip(spans, self.kinds, strict=True)
         ]
+        if self.alibi is not None and self.alibi.fold is not None:  # Falcon's: folded into the mask too
+            folded = {id(m): self.alibi.folded(m, biases["alibi"]) for m in layer_masks}
+            layer_masks = [folded[id(m)] for m in layer_masks]
         if self.streams is not None:  # after the rope, which the model computes from the embeddings
             hidden_states = self.streams.expand(hidden_states)
         with (
