@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from fixtures.ragged import ragged_greedy
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -192,21 +193,7 @@ def test_gpt_neos_ragged_rows_decode_past_the_local_window_as_transformers_gener
         claim_model(model, spec.name)
         prefill = abi.PrefillWrapper.from_language_model(stack, model.lm_head, **built)
         decode = abi.DecodeWrapper.from_language_model(stack, model.lm_head, **built)
-        padded = prompt.masked_fill(torch.arange(9) >= lengths[:, None], 0)
-        _, causal, positions = abi.prefill_inputs(batch=3, prefill_len=9, dtype=torch.float32, device="cpu")
-        pad = torch.arange(9).view(1, 1, 1, -1) >= lengths.view(-1, 1, 1, 1)
-        with torch.no_grad():
-            logits, *present = prefill(
-                padded, causal.masked_fill(pad, torch.finfo(torch.float32).min), positions
-            )
-            cache = abi.place_prefill_kv(present, CAPACITY)
-            steps = [logits[torch.arange(3), lengths - 1]]
-            for step in range(STEPS):
-                token = steps[-1].argmax(-1, keepdim=True)
-                at = lengths + step
-                mask = abi.additive_causal_mask(at[:, None], CAPACITY, torch.float32)
-                logits, *cache = decode(token, mask, at[:, None], at, *cache)
-                steps.append(logits[:, -1])
+        steps = ragged_greedy(prefill, decode, prompt, lengths, CAPACITY, STEPS)
     for row, length in enumerate(lengths.tolist()):
         _, _, expected = reference_run(model, prompt[row : row + 1, :length], STEPS)
         for ours, theirs in zip(steps, expected, strict=True):

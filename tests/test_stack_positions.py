@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from fixtures.ragged import ragged_greedy
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from kimi_adapter_core import upstream
@@ -167,19 +168,7 @@ def _ragged_decode(
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, model.config.vocab_size, (3, 9), generator=generator)
     lengths = torch.tensor([9, 6, 3])
-    padded = prompt.masked_fill(torch.arange(9) >= lengths[:, None], 0)
-    _, causal, positions = abi.prefill_inputs(batch=3, prefill_len=9, dtype=torch.float32, device="cpu")
-    pad = torch.arange(9).view(1, 1, 1, -1) >= lengths.view(-1, 1, 1, 1)
-    with torch.no_grad():
-        logits, *present = prefill(padded, causal.masked_fill(pad, torch.finfo(torch.float32).min), positions)
-        cache = abi.place_prefill_kv(present, CAPACITY)
-        steps = [logits[torch.arange(3), lengths - 1]]
-        for step in range(STEPS):
-            token = steps[-1].argmax(-1, keepdim=True)
-            at = lengths + step
-            mask = abi.additive_causal_mask(at[:, None], CAPACITY, torch.float32)
-            logits, *cache = decode(token, mask, at[:, None], at, *cache)
-            steps.append(logits[:, -1])
+    steps = ragged_greedy(prefill, decode, prompt, lengths, CAPACITY, STEPS)
     return steps, prompt, lengths
 
 
