@@ -40,6 +40,7 @@ ADAPTED, REFUSED, FAILED, UNTESTED = "adapted", "refused", "failed", "untested"
 _LLAMA4 = "transformers.models.llama4.modeling_llama4"
 _DEEPSEEK_V2 = "transformers.models.deepseek_v2.modeling_deepseek_v2"
 _FALCON = "transformers.models.falcon.modeling_falcon"
+_DEEPSEEK_V4 = "transformers.models.deepseek_v4.modeling_deepseek_v4"
 # The class patches the guide names for a model type whose own code needs a builtin to export
 # (docs/writing-a-spec.md, "Which bridges a family needs"): model type -> its patches, pinned to the
 # transformers release the matrix runs on (a release that changes the code refuses them: upstream drift).
@@ -66,6 +67,23 @@ _LLAMA4_PATCHES: tuple[dict[str, Any], ...] = (
         "pin": {"source_sha256": "a77422c908cc05c7c0ba0ba26a24cbe1581a902dd6906a554bf7faab2e69c1bf"},
     },
 )
+# The class patches the guide names for a layer type whose code needs a builtin to export, added to a
+# family's where its config lists that type (DeepSeek-V4's heavily compressed layers: a stack of sliding
+# layers alone needs none, and its generated module carries no wrap).
+GUIDE_LAYER_PATCHES: dict[str, tuple[dict[str, Any], ...]] = {
+    "heavily_compressed_attention": (
+        {
+            "id": "V1",
+            "why": "the HCA compressor's open window and entries in the static cache, per row (upstream "
+            "grows them by concatenation and counts entries in a Python int for the whole batch)",
+            "target": f"{_DEEPSEEK_V4}:DeepseekV4HCACompressor.forward",
+            "kind": "wrap",
+            "impl": "builtin:deepseek_v4_hca_compressor",
+            "backends": ["extraction"],
+            "pin": {"source_sha256": "fe93d160eee3c9b08574d00bac8c4a55e510a77e1a3e5502eb2df825ba6f39c9"},
+        },
+    ),
+}
 GUIDE_PATCHES: dict[str, tuple[dict[str, Any], ...]] = {
     "falcon": (
         {
@@ -206,7 +224,7 @@ def write_spec(folder: Path, model_type: str, config: dict[str, Any], paths: dic
             module_paths: {json.dumps(paths)}
             """
         )
-        + _patches_yaml(model_type)
+        + _patches_yaml(model_type, text)
         + "abi:\n"
         + abi_config
         + textwrap.indent(
@@ -233,10 +251,13 @@ def write_spec(folder: Path, model_type: str, config: dict[str, Any], paths: dic
     return spec
 
 
-def _patches_yaml(model_type: str) -> str:
-    """The ``patches:`` section of ``GUIDE_PATCHES[model_type]`` (empty for most types), one flow
-    mapping per patch (JSON is YAML)."""
-    patches = GUIDE_PATCHES.get(model_type, ())
+def _patches_yaml(model_type: str, text: dict[str, Any]) -> str:
+    """The ``patches:`` section of ``GUIDE_PATCHES[model_type]`` and the ``GUIDE_LAYER_PATCHES`` of the
+    layer types the text config lists (empty for most types), one flow mapping per patch (JSON is
+    YAML)."""
+    types = text.get("layer_types") if isinstance(text.get("layer_types"), list) else []
+    layer = [patch for kind in GUIDE_LAYER_PATCHES if kind in types for patch in GUIDE_LAYER_PATCHES[kind]]
+    patches = (*GUIDE_PATCHES.get(model_type, ()), *layer)
     if not patches:
         return ""
     return "patches:\n" + "".join(f"  - {json.dumps(patch)}\n" for patch in patches)
@@ -244,7 +265,8 @@ def _patches_yaml(model_type: str) -> str:
 
 def _state_templates(text: dict[str, Any]) -> tuple[str, str]:
     """The states besides key and value a stack's layers return, and take back, named as a user names
-    them: a linear layer's conv and recurrent state, a DSA layer's indexer keys (none when the config
+    them: a linear layer's conv and recurrent state, a DSA layer's indexer keys, a compressed layer's
+    ring and entries (none when the config
     says neither, or is refused: the trial reports that where apply raises it)."""
     from ..structure.derive import derive_structure
 
@@ -257,6 +279,8 @@ def _state_templates(text: dict[str, Any]) -> tuple[str, str]:
         return ', "c.{layer}", "r.{layer}"', ', "pc.{layer}", "pr.{layer}"'
     if "indexed" in kinds:
         return ', "i.{layer}"', ', "pi.{layer}"'
+    if "hca" in kinds:  # a compressor's ring and entries
+        return ', "cs.{layer}", "ce.{layer}"', ', "pcs.{layer}", "pce.{layer}"'
     return "", ""
 
 

@@ -225,6 +225,13 @@ class ExtractionOptions:
         assert self.structure is not None, "bind_structure first"
         return self.structure.indexer.head_dim if self.structure.indexer is not None else None
 
+    @property
+    def compress_rates(self) -> dict[str, int] | None:
+        """A compressed layer kind's rate (``{"hca": rate}``; None: no compressed layer)."""
+        assert self.structure is not None, "bind_structure first"
+        compressor = self.structure.compressor
+        return {"hca": compressor.rate} if compressor is not None else None
+
     def state_roles(self, num_layers: int) -> list[str]:
         """The role of each per-layer state tensor of the first ``num_layers`` layers, in ABI order."""
         return [role for _, role in state_roles(self.layer_kinds[:num_layers])]
@@ -475,7 +482,30 @@ def bind_structure(options: ExtractionOptions, structure: ModelStructure) -> Ext
             '"<past recurrent {layer}>" to abi.decode.inputs',
             location=options.names_where,
         )
-    if structure.linear is None and options.prefill_names.has_linear_states:
+    compressor = structure.compressor
+    compressed = compressor is not None
+    if compressed and not options.prefill_names.has_linear_states:
+        raise KadaptError(
+            f"the model has {structure.layer_kinds.count('hca')} compressed (hca) layers, whose compressor "
+            'ring and entries the graphs return: add "<present comp_src {layer}>", "<present comp {layer}>" '
+            'to abi.prefill.outputs and abi.decode.outputs, and "<past comp_src {layer}>", "<past comp '
+            '{layer}>" to abi.decode.inputs',
+            location=options.names_where,
+        )
+    if compressor is not None and options.max_cache_len % compressor.rate:
+        raise KadaptError(
+            f"abi.max_cache_len {options.max_cache_len} is not a multiple of the compressed layers' rate "
+            f"{compressor.rate}: their entries take max_cache_len / rate slots; use a multiple of it",
+            location=options.names_where,
+        )
+    if compressed and "prefill_len" in options.dynamic:
+        raise KadaptError(
+            "dynamic prefill_len cannot be exported for a stack with compressed (hca) layers: the prompt's "
+            "closed windows (prefill_len // rate entries) and the ring's placement are read from its length; "
+            "export a static prefill_len (one prefill graph per length you serve)",
+            location=options.dynamic_where,
+        )
+    if structure.linear is None and not compressed and options.prefill_names.has_linear_states:
         raise KadaptError(
             "the ABI names conv and recurrent states, but the model has no linear-attention layer: keep "
             "only the key and value templates",
