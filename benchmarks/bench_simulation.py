@@ -43,6 +43,11 @@ Sources
 - [HELD-OUT] The kernel tables scored on cells they never saw, on a development and a test split:
   ``benchmarks/held_out.py`` (its docstring says how; ``--held-out-only`` runs its development split).
 
+- [SERVING] Untouched real-world anchors: published end-to-end serving points (SGLang cookbook B200
+  runs, dstack's H200 SGLang / vLLM / TensorRT-LLM sweep, GPUStack's H100 / A100 vLLM runs; sources and
+  assumptions in ``tables/published/serving_points.yaml``) priced with ``kadapt simulate --concurrency``,
+  AIConfigurator's aggregated estimate beside: ``benchmarks/serving_anchors.py`` (``--only serving``).
+
 TensorCast column: ``--tensorcast DIR --tensorcast-python PY`` (or KADAPT_TENSORCAST /
 KADAPT_TENSORCAST_PYTHON), a checkout and a python that imports it; ~1 minute per case on a CPU.
 """
@@ -59,6 +64,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import held_out  # benchmarks/held_out.py, beside this script
+import serving_anchors  # benchmarks/serving_anchors.py, beside this script
 
 from kimi_adapter_core.backends.simulation.estimate import aiconfigurator, reference
 from kimi_adapter_core.backends.simulation.estimate.measured import MeasuredPricer
@@ -591,6 +597,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "all-to-all": lambda _: all_to_all_table(),
     "wide-ep": lambda _: wide_ep_table(),
     "held-out": lambda _: held_out.held_out_table(),
+    "serving": lambda _: serving_anchors.serving_table(),
 }
 
 
@@ -611,7 +618,8 @@ def main() -> None:
         "--only",
         choices=list(SECTIONS),
         help="print one section: the published anchors, the A3 cases, the H200 AIC cases, the all-to-all "
-        "per call, the attention-DP / wide-EP layouts against AIConfigurator, or held-out accuracy",
+        "per call, the attention-DP / wide-EP layouts against AIConfigurator, held-out accuracy, or the "
+        "published end-to-end serving points (simulate --concurrency vs measured, AIConfigurator beside)",
     )
     options = parser.parse_args()
     if options.held_out_only:

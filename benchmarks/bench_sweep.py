@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kimi_adapter_core.backends.simulation.estimate.cost import framework_pricer
 from kimi_adapter_core.backends.simulation.estimate.simulator import simulate, trace_kernels
 from kimi_adapter_core.backends.simulation.model.deployment import Deployment
 from kimi_adapter_core.backends.simulation.model.parallel import Parallel
@@ -170,7 +171,10 @@ def requests(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         inputs = sweep_inputs(spec, quant_modes(spec, "all"))  # every mode: the benchmark prints both picks
         base = Deployment(Parallel(), 1, 1, 0, True)
-        result = ServingSearch(spec, inputs, device, base, devices, workload, args.framework).run()
+        pricer = framework_pricer(args.framework)  # the framework's kernel table, as the CLI prices
+        result = ServingSearch(
+            spec, inputs, device, base, devices, workload, args.framework, pricer=pricer
+        ).run()
         wall = time.perf_counter() - start
         print(
             f"\n{devices} devices: kadapt {wall:.1f} s wall ({result.traces} per-rank traces, "

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from .errors import KadaptError
 from .spec.diagnostics import Diagnostic, Locator, Severity
-from .spec.model import STACK_PARTS, Spec
+from .spec.model import LAYER_ATTENTION, STACK_PARTS, Spec
 
 _LOCATION = re.compile(r"^(?P<file>.*):(?P<line>\d+):(?P<col>\d+)$")
 
@@ -127,20 +127,29 @@ def _check_model(findings: _Findings) -> None:
         found = {
             key: findings.attempt(f"module_paths.{key}", lambda key=key: submodule(model, spec, key))
             for key in spec.module_paths
-            if key not in STACK_PARTS  # relative to the language model: ``_check_stack_parts``
+            # relative to the language model, or to one layer: ``_check_stack_parts``
+            if key not in STACK_PARTS and key != LAYER_ATTENTION
         }
         if spec.abi is not None and found.get("language_model") is not None:
-            _check_stack_parts(findings, model, found["language_model"], found.get("lm_head"))
+            _check_stack_parts(
+                findings, model, found["language_model"], found.get("lm_head"), structure.layer_kinds
+            )
         _check_classes(findings, model)
 
 
-def _check_stack_parts(findings: _Findings, model: Any, language_model: Any, lm_head: Any) -> None:
+def _check_stack_parts(
+    findings: _Findings, model: Any, language_model: Any, lm_head: Any, kinds: Sequence[str]
+) -> None:
     """The parts the extraction wrappers call on the decoder stack, where ``module_paths`` says (or
-    transformers' usual names): a missing one is the refusal apply would raise, at its spec key."""
-    from .backends.extraction.ir.stack import Backbone, check_parts
+    transformers' usual names), the positions they hand its layers and each layer's attention (of
+    ``kinds``, by layer): a missing part, learned position embeddings ``module_paths.position_embeddings``
+    does not name, or a layer without an attention that caches under its index (where
+    ``module_paths.layer_attention`` says, or the usual names) is the refusal apply would raise, at its
+    spec key (``check_stack``)."""
+    from .backends.extraction.ir.stack import Backbone, check_stack
 
-    parts = findings.spec.stack_parts()
-    findings.attempt("module_paths", lambda: check_parts(Backbone(model, language_model, lm_head, parts)))
+    backbone = Backbone(model, language_model, lm_head, findings.spec.stack_parts())
+    findings.attempt("module_paths", lambda: check_stack(backbone, kinds))
 
 
 def resolve_diagnostics(spec: Spec, display: str | Path) -> list[Diagnostic]:

@@ -506,6 +506,91 @@ def _probe_compressor_cache() -> str:
     return "DeepseekV4HCACompressor(hidden_states, q_residual, position_ids, cache, layer_idx)"
 
 
+# the model types whose learned absolute position tables keep rows before position 0, and those tables
+# (their ``offset``): module -> class
+OFFSET_POSITION_MODEL_TYPES = ("opt", "biogpt", "trocr")
+OFFSET_POSITION_TABLES = {
+    "transformers.models.opt.modeling_opt": "OPTLearnedPositionalEmbedding",
+    "transformers.models.biogpt.modeling_biogpt": "BioGptLearnedPositionalEmbedding",
+    "transformers.models.trocr.modeling_trocr": "TrOCRLearnedPositionalEmbedding",
+}
+
+
+def _probe_learned_positions() -> str:
+    import torch
+
+    expected = (
+        "an nn.Embedding of num_embeddings + offset rows whose forward looks up "
+        "super().forward(position_ids + self.offset)"
+    )
+    found = []
+    for module, name in OFFSET_POSITION_TABLES.items():
+        table = _attr(module, name, expected)(4, 2)
+        offset = getattr(table, "offset", None)
+        if not isinstance(table, torch.nn.Embedding) or not isinstance(offset, int):
+            raise _Moved(expected, f"{name} is no nn.Embedding with an int offset")
+        source = " ".join(inspect.getsource(type(table).forward).split())
+        if table.num_embeddings != 4 + offset or "super().forward(position_ids + self.offset)" not in source:
+            raise _Moved(expected, f"{name}.forward no longer looks up position_ids + self.offset")
+        found.append(f"{name} (offset {offset})")
+    return ", ".join(found)
+
+
+BLOOM = "transformers.models.bloom.modeling_bloom"
+MPT = "transformers.models.mpt.modeling_mpt"
+FALCON = "transformers.models.falcon.modeling_falcon"
+# the model types whose stack builds its ALiBi bias (runtime.AlibiBias; Falcon's where its config says)
+ALIBI_MODEL_TYPES = ("bloom", "mpt", "falcon")
+
+
+def _probe_alibi_bias() -> str:
+    import torch
+
+    expected = (
+        "BloomModel.build_alibi_tensor(attention_mask [B, K], num_heads, dtype) -> [B * heads, 1, K], "
+        "each head's slope times the visible keys before each key; BloomBlock.forward(alibi=)"
+    )
+    model = _attr(BLOOM, "BloomModel", expected)
+    block = _attr(BLOOM, "BloomBlock", expected)
+    if "alibi" not in _signature(block.forward).parameters:
+        raise _Moved(expected, f"BloomBlock.forward{_signature(block.forward)}")
+    mask = torch.tensor([[1, 1, 1, 0]])
+    bias = model.build_alibi_tensor(None, mask, 2, torch.float32)
+    slopes = bias[:, 0, 1]
+    if tuple(bias.shape) != (2, 1, 4) or not torch.equal(bias[:, 0, :3], slopes[:, None] * torch.arange(3)):
+        raise _Moved(expected, f"a [2, 1, 4] bias of slope * key; got {bias.flatten().tolist()}")
+    expected = (
+        "MptModel.build_mpt_alibi_tensor(num_heads, sequence_length, device=) -> [heads, 1, "
+        "sequence_length], each head's slope times each key's distance to the last; "
+        "MptBlock.forward(position_bias=)"
+    )
+    model = _attr(MPT, "MptModel", expected)
+    block = _attr(MPT, "MptBlock", expected)
+    if "position_bias" not in _signature(block.forward).parameters:
+        raise _Moved(expected, f"MptBlock.forward{_signature(block.forward)}")
+    bias = model.build_mpt_alibi_tensor(None, 2, 3, device="cpu")
+    distances = torch.arange(-2, 1)  # each key's distance to the last
+    if tuple(bias.shape) != (2, 1, 3) or not torch.equal(bias[:, 0, :], -bias[:, :1, 1] * distances):
+        raise _Moved(expected, f"a [2, 1, 3] bias of slope * (key - last); got {bias.flatten().tolist()}")
+    expected = (
+        "modeling_falcon.build_alibi_tensor(attention_mask [B, K], num_heads, dtype) -> [B * heads, 1, K], "
+        "each head's slope times the visible keys before each key; FalconDecoderLayer.forward(alibi=)"
+    )
+    builder = _attr(FALCON, "build_alibi_tensor", expected)
+    layer = _attr(FALCON, "FalconDecoderLayer", expected)
+    if "alibi" not in _signature(layer.forward).parameters:
+        raise _Moved(expected, f"FalconDecoderLayer.forward{_signature(layer.forward)}")
+    bias = builder(mask, 2, torch.float32)
+    slopes = bias[:, 0, 1]
+    if tuple(bias.shape) != (2, 1, 4) or not torch.equal(bias[:, 0, :3], slopes[:, None] * torch.arange(3)):
+        raise _Moved(expected, f"a [2, 1, 4] bias of slope * key; got {bias.flatten().tolist()}")
+    return (
+        "BloomModel.build_alibi_tensor: [B * heads, 1, K] of slope * visible keys before each key; "
+        "MptModel.build_mpt_alibi_tensor: [heads, 1, max_seq_len] of slope * (key - last); "
+        "modeling_falcon.build_alibi_tensor: as BLOOM's"
+    )
+
+
 # the stacks whose forward computes some layer types' rotary embedding from float32 embeddings, which
 # makes their DSA indexer keys float32 in a bfloat16 model (extraction refuses such a graph below float32:
 # ``pipeline.check_rope_input_dtype``): module -> (decoder model, the expression it uses)
@@ -934,6 +1019,33 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
         _probe_compressor_cache,
     ),
     ContactPoint(
+        "learned_positions",
+        "models.opt.modeling_opt.OPTLearnedPositionalEmbedding, models.biogpt.modeling_biogpt."
+        "BioGptLearnedPositionalEmbedding, models.trocr.modeling_trocr.TrOCRLearnedPositionalEmbedding",
+        "an nn.Embedding of num_embeddings + offset rows whose forward looks up position_ids + self.offset",
+        "the wrappers add a stack's learned absolute position embeddings (module_paths.position_embeddings) "
+        "by the nn.Embedding lookup of each row's positions plus the table's offset, since each of these "
+        "forwards takes the positions another way (runtime.add_learned_positions)",
+        ("extraction (GPT-2, OPT, BioGPT, ...)", "generated modules"),
+        _probe_learned_positions,
+    ),
+    ContactPoint(
+        "alibi_bias",
+        "models.bloom.modeling_bloom.BloomModel.build_alibi_tensor, BloomBlock.forward(alibi); "
+        "models.mpt.modeling_mpt.MptModel.build_mpt_alibi_tensor, MptBlock.forward(position_bias); "
+        "models.falcon.modeling_falcon.build_alibi_tensor, FalconDecoderLayer.forward(alibi)",
+        "build_alibi_tensor(attention_mask [B, K], num_heads, dtype) -> [B * heads, 1, K]: each head's slope "
+        "times the visible keys before each key, taken as alibi; build_mpt_alibi_tensor(num_heads, "
+        "max_seq_len) -> [heads, 1, max_seq_len]: the slope times each key's distance to the last, taken "
+        "as position_bias",
+        "the wrappers build BLOOM's, MPT's and Falcon's ALiBi biases once per call with the stack's own "
+        "builder (BLOOM's and Falcon's from the keys each row's last query sees) and hand every layer the "
+        "result (runtime.AlibiBias; Falcon's also folded into the mask over sqrt(head_dim), as "
+        "FalconModel.forward does)",
+        ("extraction (BLOOM, MPT, Falcon with alibi)", "generated modules"),
+        _probe_alibi_bias,
+    ),
+    ContactPoint(
         "rope_input_dtype",
         "models.dots3_note.modeling_dots3_note.Dots3NoteTextModel.forward",
         'the rotary embedding of "indexed_attention" layers computed from inputs_embeds.float() (float32 '
@@ -1346,13 +1458,14 @@ class _RecordingCache:
         raise AttributeError(f"kadapt's static cache has no {name!r} for {self.kind} layers")
 
 
-def cache_keyword(layer: Any) -> str:
+def cache_keyword(layer: Any, attention: str | None = None) -> str:
     """The keyword ``type(layer).forward`` takes the cache under (signature; 5.24: ``cache``); a
     ``**kwargs``-only forward hands it on to its attention, whose signature then says (DeepSeek-V4's
-    takes ``cache`` in 5.24, ``past_key_values`` only through a deprecation shim)."""
+    takes ``cache`` in 5.24, ``past_key_values`` only through a deprecation shim). ``attention``: where
+    the layer keeps its attention (``_attention_of``)."""
     params = _signature(type(layer).forward).parameters
-    attention = _attention_of(layer)
-    inner = _signature(type(attention).forward).parameters if attention is not None else {}
+    module = _attention_of(layer, attention)
+    inner = _signature(type(module).forward).parameters if module is not None else {}
     for taken in (params, inner):
         for keyword in CACHE_KEYWORDS:
             if keyword in taken:
@@ -1407,6 +1520,7 @@ def probe_decoder_layers(
     layer_types: Sequence[str | tuple[str, ...] | None] | None = None,
     kinds: Sequence[str] | None = None,
     streams: int = 1,
+    attention: str | None = None,
 ) -> LayerProtocol:
     """Call one layer of each structure in ``layers`` with a recording cache; their shared protocol.
 
@@ -1420,7 +1534,8 @@ def probe_decoder_layers(
     device: free on meta, tiny elsewhere. The attention layers may cache different KV shapes
     (``layer_kv_dims``, one per layer): the caller holds each against what the config says of that layer.
     ``streams``: the residual streams each layer takes (``hc_mult``: hidden states ``[B, Q, streams,
-    hidden]``, as the runtime's ``ResidualStreams`` hands them; 1: ``[B, Q, hidden]``).
+    hidden]``, as the runtime's ``ResidualStreams`` hands them; 1: ``[B, Q, hidden]``). ``attention``:
+    where each layer keeps its attention, the one that calls ``update`` (``_attention_of``).
     """
     import torch
 
@@ -1429,10 +1544,10 @@ def probe_decoder_layers(
         kind = kinds[index] if kinds is not None else "attention"
         layer_type = layer_types[index] if layer_types is not None else None
         roped = rotary_emb if layer_types is None or layer_type is not None else None
-        key = (kind, streams, *_layer_key(layer, roped, layer_type))
+        key = (kind, streams, attention, *_layer_key(layer, roped, layer_type))
         if key not in _protocols:
             with torch.no_grad():
-                _protocols[key] = _probe_layer(layer, roped, layer_type, kind, index, streams)
+                _protocols[key] = _probe_layer(layer, roped, layer_type, kind, index, streams, attention)
             while len(_protocols) > MAX_PROTOCOLS:  # dicts keep insertion order: the oldest first
                 del _protocols[next(iter(_protocols))]
         protocols.append(_protocols[key])
@@ -1512,11 +1627,15 @@ def rope_labels(language_model: Any) -> tuple[str, ...] | None:
 
 def decoder_protocol(language_model: Any, kinds: Sequence[str] | None = None) -> LayerProtocol:
     """``probe_decoder_layers`` over a transformers decoder model (``layers``, ``rotary_emb``), its
-    layers of ``kinds`` (by layer; None: every layer is attention)."""
+    layers of ``kinds`` (by layer; None: every layer is attention); a view of it (the runtime's
+    ``ProbedStack``) may say where a layer keeps its attention (``layer_attention``)."""
     layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
     rotary_emb = getattr(language_model, "rotary_emb", None)  # None: no rope (NoPE, SSM stacks)
     streams = getattr(language_model.config, "hc_mult", None) or 1  # the runtime's ResidualStreams
-    return probe_decoder_layers(layers, rotary_emb, rope_layer_types(language_model), kinds, streams)
+    attention = language_model.layer_attention if isinstance(language_model, tuple) else None
+    return probe_decoder_layers(
+        layers, rotary_emb, rope_layer_types(language_model), kinds, streams, attention
+    )
 
 
 def forget() -> None:
@@ -1543,7 +1662,7 @@ def _rope_of(rotary_emb: Any, hidden: Any, positions: Any, layer_type: Any, laye
             "not-exportable",
             type(rotary_emb).__name__,
             f"rotary_emb(hidden_states, position_ids) runs on the {hidden.device.type} device",
-            f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}",
+            f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}{_failed_at(exc)}",
         )
     if not (isinstance(embeddings, tuple) and len(embeddings) == 2):
         _unsupported(
@@ -1559,6 +1678,9 @@ def _rope_of(rotary_emb: Any, hidden: Any, positions: Any, layer_type: Any, laye
 # stays self-contained): ``self_attn``, or ``mixer`` in a stack of one-sublayer blocks (Nemotron-H), or
 # the older names (GPT-J, CodeGen: ``attn``; GPT-NeoX: ``attention``; Falcon: ``self_attention``)
 ATTENTION_ATTRIBUTES = ("self_attn", "mixer", "attn", "attention", "self_attention")
+# The attribute an attention keeps the index it caches under in: ``layer_idx``, or GPT-Neo's ``layer_id``
+# (the runtime ABI's ``INDEX_ATTRIBUTES``)
+CACHE_INDEX_ATTRIBUTES = ("layer_idx", "layer_id")
 # Layer kinds with no token mixer and no state (an MLP alone): called with neither a mask nor a cache
 MIXERLESS_KINDS = ("none",)
 # Layer kinds whose states are fixed-size per request (the runtime's ``LINEAR_LAYER_KINDS``; its own
@@ -1583,9 +1705,23 @@ STATE_POINTS = {
 HEAD_CAST_MIXERS = ("mamba1",)
 
 
-def _attention_of(layer: Any) -> Any:
-    """The layer's attention module (None: it has none under ``ATTENTION_ATTRIBUTES``)."""
+def _attention_of(layer: Any, path: str | None = None) -> Any:
+    """The layer's attention module: at ``path`` (a spec's ``module_paths.layer_attention``, dotted,
+    relative to the layer: GPT-Neo's ``attn.attention``), else the first of ``ATTENTION_ATTRIBUTES``
+    (None: it has none there)."""
+    if path is not None:
+        module = layer
+        for name in path.split("."):
+            module = getattr(module, name, None)
+        return module
     return next((m for m in (getattr(layer, n, None) for n in ATTENTION_ATTRIBUTES) if m is not None), None)
+
+
+def attention_index(attention: Any) -> Any:
+    """The index ``attention`` caches under (``CACHE_INDEX_ATTRIBUTES``; None: it keeps none)."""
+    return next(
+        (i for i in (getattr(attention, n, None) for n in CACHE_INDEX_ATTRIBUTES) if i is not None), None
+    )
 
 
 class SharedKeysValues(dict):  # type: ignore[type-arg]
@@ -1608,7 +1744,13 @@ class SharedKeysValues(dict):  # type: ignore[type-arg]
 
 
 def stack_inputs(
-    layer: Any, hidden: Any, kind: str = "attention", length: int = 0, index: int = 0, original: Any = None
+    layer: Any,
+    hidden: Any,
+    kind: str = "attention",
+    length: int = 0,
+    index: int = 0,
+    original: Any = None,
+    attention: str | None = None,
 ) -> dict[str, Any]:
     """The inputs the model's forward builds once per call that the layer's forward takes (the runtime's
     ``STACK_INPUTS``), as the wrappers hand them to the first layer of a call: an empty
@@ -1616,23 +1758,30 @@ def stack_inputs(
     call's tokens: ``SharedKeysValues``), a zero ``per_layer_input`` of the layer's width (None where it
     has none; contact point ``per_layer_inputs``), ``original_hidden_states`` (Zamba, Zamba2: what entered
     the first layer, ``original``; zeros like ``hidden`` where not given), the layer's ``index`` as
-    ``layer_idx``, and no ``alibi`` (Falcon's rotary configs)."""
+    ``layer_idx``, and ALiBi biases of zeros for a layer that requires them (BLOOM's ``alibi`` ``[B *
+    heads, 1, length]``, MPT's ``position_bias`` ``[heads, 1, length]``: contact point ``alibi_bias``; a
+    bias of zeros leaves the scores as they are), else none (Falcon's rotary configs). ``attention``: where
+    the layer keeps its attention (``_attention_of``)."""
     params = _signature(type(layer).forward).parameters
+    module = _attention_of(layer, attention)
     inputs: dict[str, Any] = {}
     if "original_hidden_states" in params:
         inputs["original_hidden_states"] = hidden.new_zeros(hidden.shape) if original is None else original
     if "layer_idx" in params:
         inputs["layer_idx"] = index
     if "shared_kv_states" in params:
-        attention = _attention_of(layer)
         inputs["shared_kv_states"] = (
-            SharedKeysValues(attention, hidden, length or hidden.shape[1]) if kind == "shared" else {}
+            SharedKeysValues(module, hidden, length or hidden.shape[1]) if kind == "shared" else {}
         )
     if "per_layer_input" in params:
         width = getattr(layer, "hidden_size_per_layer_input", None)
         inputs["per_layer_input"] = hidden.new_zeros(*hidden.shape[:2], width) if width else None
-    if "alibi" in params:  # Falcon's: None in a rotary config (a stack with ALiBi is refused)
-        inputs["alibi"] = None
+    heads = getattr(layer, "num_heads", None) or getattr(module, "num_heads", None)
+    for name in ("alibi", "position_bias"):  # BLOOM's [B * heads, 1, K], MPT's [heads, 1, K]
+        if name in params:
+            required = params[name].default is inspect.Parameter.empty
+            rows = heads * hidden.shape[0] if name == "alibi" and heads else heads
+            inputs[name] = hidden.new_zeros(rows, 1, length or hidden.shape[1]) if required and rows else None
     if "input_ids" in params:  # DeepSeek-V4's hash-routed MoE: token 0 (a valid row of tid2eid)
         import torch
 
@@ -1647,15 +1796,16 @@ def _probe_layer(
     kind: str,
     index: int,
     streams: int = 1,
+    attention: str | None = None,
 ) -> LayerProtocol:
     import torch
 
     expected = BY_NAME[STATE_POINTS.get(kind, "cache_update")].expected
     layer_name = type(layer).__name__
-    layer_idx = getattr(_attention_of(layer), "layer_idx", None)
+    layer_idx = attention_index(_attention_of(layer, attention))
     parameter = next(layer.parameters())
     dtype = _compute_dtype(layer)
-    hidden = torch.zeros(1, 2, _hidden_size(layer), dtype=dtype, device=parameter.device)
+    hidden = torch.zeros(1, 2, _hidden_size(layer, attention), dtype=dtype, device=parameter.device)
     # the layer's input: one residual stream, or the stack's hc_mult copies of it
     taken = hidden if streams == 1 else hidden.unsqueeze(2).expand(-1, -1, streams, -1).contiguous()
     positions = torch.arange(2, device=parameter.device).unsqueeze(0)
@@ -1667,9 +1817,11 @@ def _probe_layer(
     embeddings = (
         None if rotary_emb is None else _rope_of(rotary_emb, hidden, positions, layer_type, layer_name)
     )
-    keyword = cache_keyword(layer)
+    keyword = cache_keyword(layer, attention)
     cache = _RecordingCache(kind)
-    inputs = stack_inputs(layer, hidden, kind, index=index)  # a KV-sharing layer's reads are checked below
+    inputs = stack_inputs(
+        layer, hidden, kind, index=index, attention=attention
+    )  # a KV-sharing layer's reads are checked below
     takes = _signature(type(layer).forward).parameters
     if "causal_mask" in takes:  # runtime.CAUSAL_MASK_INPUT (Zamba)
         inputs["causal_mask"], mask = mask, None
@@ -1720,7 +1872,7 @@ def _probe_layer(
             "not-exportable",
             layer_name,
             f"{layer_name} runs on the {parameter.device.type} device with the ABI's inputs",
-            f"{type(failure).__name__}: {' '.join(str(failure).split())[:300]}",
+            f"{type(failure).__name__}: {' '.join(str(failure).split())[:300]}{_failed_at(failure)}",
         )
     if kind == "linear":
         return _linear_protocol(layer_name, keyword, cache, index, out, taken)
@@ -1782,6 +1934,20 @@ def _check_compressor_calls(layer_name: str, cache: _RecordingCache, layer_idx: 
                 f"{layer_name} {found}",
                 point="compressor_cache",
             )
+
+
+def _failed_at(failure: BaseException) -> str:
+    """Where in transformers' modelling code ``failure`` was raised (the innermost frame of a
+    ``models/`` file, and its line: JetMoE's ``expert_size.tolist()``, which reads tensor values a
+    meta model has none of), or nothing when it was raised elsewhere."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(failure.__traceback__) if "/transformers/models/" in f.filename]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    where = frame.filename.rsplit("/transformers/", 1)[1].removesuffix(".py").replace("/", ".")
+    return f", at {where}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
 
 
 def _one_update(
@@ -1932,14 +2098,16 @@ def _compute_dtype(layer: Any) -> Any:
     return max(sizes, key=sizes.__getitem__)
 
 
-def _hidden_size(layer: Any) -> int:
+def _hidden_size(layer: Any, attention: str | None = None) -> int:
     """The width a layer takes: its (attention's) config's, else the first module that states one (a
     linear-attention mixer keeps ``hidden_size`` but no config; LFM2's short convolution a config)."""
-    config = getattr(_attention_of(layer), "config", None) or getattr(layer, "config", None)
+    config = getattr(_attention_of(layer, attention), "config", None) or getattr(layer, "config", None)
     if config is not None:
         return int(config.hidden_size)
     for module in layer.modules():
         size = getattr(module, "hidden_size", None)
+        if not isinstance(size, int):  # BART-style layers (TrOCR): embed_dim
+            size = getattr(module, "embed_dim", None)
         if not isinstance(size, int):
             size = getattr(getattr(module, "config", None), "hidden_size", None)
         if isinstance(size, int):

@@ -29,7 +29,7 @@ from fixtures.modules import import_path, outside_runtime
 from kimi_adapter_core import upstream
 from kimi_adapter_core.backends.extraction.ir import encoding
 from kimi_adapter_core.backends.extraction.runtime import abi as runtime
-from kimi_adapter_core.backends.extraction.runtime import symbolic
+from kimi_adapter_core.backends.extraction.runtime import step, step_bind, symbolic
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import KadaptError
 from kimi_adapter_core.generate import check_all, render_spec, write_all
@@ -201,8 +201,12 @@ def test_extraction_module_embeds_runtime_and_builtin_source(kimi_files: dict[st
     assert binder.body in text and "class KadaptError(ValueError):" in text
     with pytest.raises(KadaptError, match="symbolic.py uses a relative import"):
         split_module(Path(symbolic.__file__))
+    # the step graph's wrapper over the runtime and its binding over the binder, their imports provided
+    step_wrapper = split_module(Path(step.__file__), provided=split_module(Path(runtime.__file__)).names)
+    step_binder = split_module(Path(step_bind.__file__), provided=binder.names | {"KadaptError"})
+    assert step_wrapper.body in text and step_binder.body in text
     provenance = [split_module(Path(m.__file__)).source for m in (runtime, encoding, upstream)]
-    provenance.append(binder.source)
+    provenance += [binder.source, step_wrapper.source, step_binder.source]
     assert provenance[2] == "kimi_adapter_core/upstream.py"
     for name in provenance:
         assert f"verbatim from {name}" in text

@@ -108,7 +108,8 @@ def test_the_layer_probe_cache_keeps_the_newest_results_only(monkeypatch: pytest
         upstream.decoder_protocol(models[-1].model)
     kept = [key for key in upstream._protocols]
     assert len(kept) == 2
-    # a key: (kind, residual streams, the layer's key parts...), each part's third item its parameters
-    widths = {shape[1] for key in kept for part in key[3:] for shape, _ in part[2] if len(shape) == 2}
+    # a key: (kind, residual streams, where the layer keeps its attention, the layer's key parts...),
+    # each part's third item its parameters
+    widths = {shape[1] for key in kept for part in key[4:] for shape, _ in part[2] if len(shape) == 2}
     assert 32 not in widths and {48, 64} <= widths  # the first model's result went first
     upstream.forget()

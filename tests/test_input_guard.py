@@ -5,9 +5,10 @@ the executor sees them, for static graphs as for dynamic ones, and the multimoda
 count against the feature rows (the one rule the graph cannot check). Each refusal is one ``KadaptError``
 naming the input, its expected and its received shape. Positions are read by value (issue 39, item 4): a
 row outside the cache is refused on every decode graph, contiguous (whose write would drop the token
-silently) and paged, and on a prefill given the cache it fills, naming the input, row, position and
-limit. The declarations here are those of real saved files (a tiny Llama export, the KV mapping's
-``merged_prefill`` section as the runtime builds it).
+silently) and paged, and on a prefill or multimodal prefill given the cache it fills, naming the input,
+row, position and limit (the packed step graph's: ``tests/test_step_graph.py``). The declarations here
+are those of real saved files (a tiny Llama export, the KV mapping's ``merged_prefill`` section as the
+runtime builds it).
 """
 
 from __future__ import annotations
@@ -355,3 +356,24 @@ def test_the_binder_stays_torch_free() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0 and done.stdout.strip() == "Placeholders", done.stderr
+
+
+def test_multimodal_prefill_positions_past_the_cache_it_fills_are_refused() -> None:
+    """The multimodal prefill's positions (after its mask, behind the image features) are checked like
+    the text prefill's: given the cache its KV fills, a row running past it is refused."""
+    rule = Placeholders.from_document(_mapping_section())
+    ids, features, mask, positions = _merged_inputs(ROWS)
+    bind_ir(MERGED_IR, (ids, features, mask, positions), {}, graph="prefill_mm", max_cache_len=LENGTH)
+    past = positions + 1  # row 0's last token at position LENGTH: no slot in a cache of LENGTH
+    with pytest.raises(
+        KadaptError,
+        match=rf"^prefill_mm input position_ids: row 0 holds {LENGTH}, outside 0\.\.{LENGTH - 1}: ",
+    ):
+        bind_ir(
+            MERGED_IR,
+            (ids, features, mask, past),
+            {},
+            graph="prefill_mm",
+            placeholders=rule,
+            max_cache_len=LENGTH,
+        )

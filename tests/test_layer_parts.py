@@ -21,7 +21,7 @@ from kimi_adapter_core.spec import load_spec
 SHIPPED = json.loads(PARTS_TABLE.read_text(encoding="utf-8"))
 # one family of each kind of entry, and one of the usual layer (no entry)
 REGENERATED = (
-    "phi3", "olmo", "olmo2", "cohere", "granitemoe", "nemotron_h", "llama4_text", "qwen2_moe", "llama"
+    "phi3", "olmo", "olmo2", "cohere", "granitemoe", "nemotron_h", "llama4_text", "qwen2_moe", "llama", "gpt2"
 )
 
 

@@ -74,11 +74,12 @@ def test_the_matrix_spec_builder_names_a_mamba2_stacks_parts(tmp_path: Path) -> 
     built = {t: buildable_config(t) for t in ("mamba2", "bamba", "llama")}
     assert not any(isinstance(found, str) for found in built.values())
     paths = {t: module_paths(found[1]) for t, found in built.items()}
-    assert {k: paths["mamba2"].get(k) for k in STACK_PARTS} == {**MAMBA2_PARTS, "rotary_embedding": None}
+    none = dict.fromkeys(("rotary_embedding", "position_embeddings", "embedding_norm"))
+    assert {k: paths["mamba2"].get(k) for k in STACK_PARTS} == {**MAMBA2_PARTS, **none}
     assert {k: paths["bamba"].get(k) for k in STACK_PARTS} == {
         "embeddings": None,
         "final_norm": "final_layernorm",
-        "rotary_embedding": None,
+        **none,
     }
     assert not set(paths["llama"]) & set(STACK_PARTS)  # the usual names: nothing written
     spec = load_spec(write_spec(tmp_path, "mamba2", built["mamba2"][0], paths["mamba2"]))
@@ -189,7 +190,7 @@ def generated(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, types.Modu
 def test_a_generated_module_calls_the_parts_its_spec_names(generated: tuple[str, types.ModuleType]) -> None:
     text, module = generated
     assert module.STACK_PART_PATHS == MAMBA2_PARTS
-    assert text.count("parts=STACK_PART_PATHS,") == 2  # the prefill and the decode wrapper
+    assert text.count("parts=STACK_PART_PATHS,") == 3  # the prefill, decode and step wrappers
     assert "probed_stack(language_model, STACK_PART_PATHS)" in text  # the probes see the parts too
     torch.manual_seed(0)
     model = module.build_model(device="cpu", dtype=None)

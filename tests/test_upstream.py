@@ -117,6 +117,22 @@ def test_a_probe_answers_only_for_the_forwards_it_ran(monkeypatch: pytest.Monkey
         upstream.decoder_protocol(model.model)
 
 
+def test_a_layer_that_reads_tensor_values_is_refused_at_the_line_that_reads_them() -> None:
+    """JetMoE's router reads its per-expert token counts as Python ints, which a meta model (and a static
+    graph) has none of: the refusal names that line of transformers' modelling code."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kimi_adapter_core.families.tiny import tiny_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny_config("jetmoe")))
+    upstream.forget()
+    with pytest.raises(upstream.LayersUnsupported) as refused:
+        upstream.decoder_protocol(model.model)
+    assert refused.value.code == "not-exportable"
+    assert re.search(r"at models\.jetmoe\.modeling_jetmoe:\d+ in forward: .*\.tolist\(\)", str(refused.value))
+
+
 def test_a_probe_is_keyed_by_every_method_the_layer_classes_hold(monkeypatch: pytest.MonkeyPatch) -> None:
     """A spec patches helpers as well as forwards (DeepSeek-V3's ``expand_kv``): any method installed on
     a layer module's class (or a base of it) makes the layer a new one to probe; with the method gone

@@ -27,6 +27,12 @@ error), is a ``KadaptError`` naming the input, the row, its position and the lim
 skips the checks that read tensor values (a device sync each on an accelerator); shapes and dtypes are
 still checked.
 
+The packed step graph (``step_wrapper``, ``step_example_inputs``; ``StepWrapper`` explains it) runs
+prefill chunks, decode tokens and speculative tokens of many requests in one call over the paged pool.
+``run_graph(..., "step", mapping=...)`` binds it through ``bind_step`` with the state mapping's ``step``
+section (``kadapt apply --step-tokens`` writes it): every index input is checked against its range, and
+``check_ownership=True`` (a debug check) refuses a call in which a block one request writes is another's.
+
 Extract under ``torch.no_grad()``: with transformers 5.23 the rotary embedding's own ``no_grad`` is
 otherwise traced as a ``wrap_with_set_grad_enabled`` node that torch_ir's executor cannot run. The IR
 names its weights after the wrapper's parameters and buffers (``layers.0.self_attn.o_proj.weight``,
@@ -412,12 +418,13 @@ CARRIED_INPUTS = ("prev_topk_indices",)
 # them: Gemma-4's ``shared_kv_states`` (a dict its KV-storing layers fill with the keys and values they
 # attend over, for the KV-shared layers after them; transformers' KVSharingDict is a dict), fresh per
 # call, and ``per_layer_input`` (``PerLayerInputs``: each layer's slice of the per-layer embeddings, or
-# None where the config has none, as the model's forward passes it), and Falcon's ``alibi`` (None: the
-# wrappers run rotary configs, a stack with ALiBi is refused before export), and DeepSeek-V4's
-# ``input_ids`` (the call's token ids: its hash-routed MoE layers pick their experts by
-# ``tid2eid[input_ids]``; contact point ``layer_input_ids``).
+# None where the config has none, as the model's forward passes it), ``alibi`` / ``position_bias``
+# (BLOOM's and MPT's ALiBi biases: ``AlibiBias``; None where the stack has none, Falcon's rotary configs),
+# and DeepSeek-V4's ``input_ids`` (the call's token ids: its hash-routed MoE layers pick their experts
+# by ``tid2eid[input_ids]``; contact point ``layer_input_ids``).
 STACK_INPUTS = (
-    "shared_kv_states", "per_layer_input", "original_hidden_states", "layer_idx", "alibi", "input_ids",
+    "shared_kv_states", "per_layer_input", "original_hidden_states", "layer_idx", "alibi", "position_bias",
+    "input_ids",
 )  # fmt: skip
 # Zamba's and Zamba2's layers also take ``original_hidden_states`` (what entered the first layer, which
 # their hybrid layers' shared blocks read beside their hidden states) and ``layer_idx`` (the index their
@@ -522,25 +529,37 @@ class CompressorWindows(NamedTuple):
     prior_gate: torch.Tensor | None = None
 
 
-def layer_index(layer: nn.Module, kind: str, position: int) -> int:
-    """The index a layer's states are addressed by: its mixer's ``layer_idx``; a block with no mixer keeps
-    no state, so its own ``layer_idx`` or, without one, its ``position`` in the stack (a prefix of it)."""
+def layer_index(layer: nn.Module, kind: str, position: int, attention: str | None = None) -> int:
+    """The index a layer's states are addressed by: its mixer's ``layer_idx`` (an attention's may be
+    ``layer_id``: ``INDEX_ATTRIBUTES``); a block with no mixer keeps no state, so its own ``layer_idx``
+    or, without one, its ``position`` in the stack (a prefix of it). ``attention``: ``mixer_of``'s."""
     if kind in STATELESS_KINDS:
         return getattr(layer, "layer_idx", position)
-    return mixer_of(layer, kind).layer_idx
+    return index_of(mixer_of(layer, kind, attention))
 
 
-def mixer_of(layer: nn.Module, kind: str) -> nn.Module:
-    """The layer's token mixer of ``kind`` (its ``layer_idx`` addresses the cache)."""
-    for path in MIXER_ATTRIBUTES[kind]:
+# The attribute a mixer keeps the index it caches under in: ``layer_idx``, or GPT-Neo's attention's
+# ``layer_id`` (upstream's ``INDEX_ATTRIBUTES``)
+INDEX_ATTRIBUTES = ("layer_idx", "layer_id")
+
+
+def index_of(mixer: nn.Module | None) -> Any:
+    """The index ``mixer`` caches under (``INDEX_ATTRIBUTES``; None: it keeps none)."""
+    return next((i for i in (getattr(mixer, n, None) for n in INDEX_ATTRIBUTES) if i is not None), None)
+
+
+def mixer_of(layer: nn.Module, kind: str, attention: str | None = None) -> nn.Module:
+    """The layer's token mixer of ``kind`` (its index addresses the cache). ``attention``: where an
+    attention layer keeps it, relative to the layer (a spec's ``module_paths.layer_attention``: GPT-Neo's
+    ``attn.attention``), instead of ``MIXER_ATTRIBUTES``' names."""
+    paths = (attention,) if attention is not None and kind == "attention" else MIXER_ATTRIBUTES[kind]
+    for path in paths:
         mixer: Any = layer
         for name in path.split("."):
             mixer = getattr(mixer, name, None)
         if mixer is not None:
             return mixer
-    raise ValueError(
-        f"{type(layer).__name__} has no {kind} mixer (looked for {', '.join(MIXER_ATTRIBUTES[kind])})"
-    )
+    raise ValueError(f"{type(layer).__name__} has no {kind} mixer (looked for {', '.join(paths)})")
 
 
 class StaticStateCache:
@@ -826,22 +845,37 @@ class StaticStateCache:
 
 # The parts of a decoder stack the wrappers call, by role, where transformers' decoder models keep them
 # (relative to the stack); a spec's ``module_paths.embeddings`` / ``final_norm`` / ``rotary_embedding``
-# name others, and its ``module_paths.language_layers`` the layer list (GPT-J, Falcon: ``h``).
-STACK_PARTS = {
+# name others, and its ``module_paths.language_layers`` the layer list (GPT-J, Falcon: ``h``). Learned
+# absolute position embeddings have no usual name (GPT-2: ``wpe``; OPT: ``embed_positions``): a stack has
+# them where ``module_paths.position_embeddings`` names them (``add_learned_positions``), and so does a
+# norm over the embeddings before the first layer (BLOOM's ``word_embeddings_layernorm``):
+# ``module_paths.embedding_norm``.
+STACK_PARTS: dict[str, str | None] = {
     "layers": "layers",
     "embeddings": "embed_tokens",
     "final_norm": "norm",
     "rotary_embedding": "rotary_emb",
+    "position_embeddings": None,
+    "embedding_norm": None,
 }
 
 
+# Where each decoder layer keeps its attention, relative to the layer (``module_paths.layer_attention``,
+# carried with the stack's parts; absent: ``MIXER_ATTRIBUTES``' names): not a part of the stack itself
+LAYER_ATTENTION = "layer_attention"
+
+
 def stack_part(
-    language_model: nn.Module, role: str, parts: Mapping[str, str] | None = None
+    language_model: nn.Module, role: str, parts: Mapping[str, str | None] | None = None
 ) -> nn.Module | None:
     """The stack's ``role`` part at the path ``parts`` names (else ``STACK_PARTS``'); None for a rotary
-    embedding the stack does not have and ``parts`` does not name (NoPE, SSM stacks)."""
+    embedding the stack does not have and ``parts`` does not name (NoPE, SSM stacks), for a part
+    without a usual name (learned position embeddings, an embedding norm) ``parts`` does not name, and
+    for a part ``parts`` says the stack has none of (None: TrOCR's final norm)."""
     parts = parts or {}
     path = parts.get(role, STACK_PARTS[role])
+    if path is None:
+        return None
     try:
         return language_model.get_submodule(path)
     except AttributeError:
@@ -850,7 +884,90 @@ def stack_part(
         raise
 
 
-def stack_layers(language_model: nn.Module, parts: Mapping[str, str] | None = None) -> list[nn.Module]:
+def add_learned_positions(
+    hidden_states: torch.Tensor, table: nn.Module | None, position_ids: torch.Tensor
+) -> torch.Tensor:
+    """``hidden_states`` ``[B, Q, hidden]`` plus each token's learned absolute position embedding, looked
+    up at its row's own ``position_ids`` ``[B, Q]`` in ``table`` (None: the stack has none), as GPT-2's
+    ``wpe(position_ids)``. OPT's, BioGPT's and TrOCR's tables keep their first ``offset`` (2) rows
+    unused: their forwards look up ``position_ids + self.offset`` (contact point ``learned_positions``),
+    which this does through the ``nn.Embedding`` lookup itself, since each of their forwards takes the
+    positions another way (the 2-D mask, a cache length)."""
+    if table is None:
+        return hidden_states
+    offset = getattr(table, "offset", 0)
+    embeddings = nn.Embedding.forward(table, position_ids + offset)  # type: ignore[arg-type]
+    return hidden_states + embeddings
+
+
+class AlibiBias(nn.Module):
+    """ALiBi biases the model's forward builds once per call with a builder of the stack's own and hands
+    every layer (contact point ``alibi_bias``): BLOOM's ``build_alibi_tensor(attention_mask, heads,
+    dtype)`` as ``alibi`` ``[B * heads, 1, K]``, the slope times the visible keys before each key, from
+    its 2-D mask; MPT's ``build_mpt_alibi_tensor(heads, max_seq_len)`` as ``position_bias`` ``[heads, 1,
+    max_seq_len]``, the slope times each key's distance to the last (float32), from the config alone.
+
+    BLOOM's 2-D mask is what the ABI's 4-D mask says each row's last query sees (its prompt, or its cache
+    up to its own position): a key's bias counts the visible keys before it, as the model's cumsum
+    does, and a hidden key's bias is masked anyway. Plain elementwise ops, so it exports.
+
+    Falcon with ``alibi: true`` builds BLOOM's bias with a function of its modelling module
+    (``build_alibi_tensor``, the stack has no such method) and its forward also folds it into the mask
+    it hands every layer (``FOLDING_STACKS``): each visible entry becomes the bias over ``sqrt(head_dim)``
+    (a hidden one stays the dtype's minimum), beside the bias itself as ``alibi`` (``fold``)."""
+
+    BUILDERS = {"build_alibi_tensor": "alibi", "build_mpt_alibi_tensor": "position_bias"}
+    # stacks whose forward builds the bias with the modelling module's ``build_alibi_tensor`` when their
+    # config's ``alibi`` is true, and folds it into the layers' mask
+    FOLDING_STACKS = ("FalconModel",)
+
+    def __init__(
+        self, builder: Any, keyword: str, num_heads: int, length: int | None, fold: float | None = None
+    ) -> None:
+        super().__init__()
+        self.builder = builder  # the stack's bound builder
+        self.keyword = keyword  # the layer input it is handed as (a STACK_INPUTS name)
+        self.num_heads = num_heads
+        self.length = length  # MPT's: the config's max_seq_len
+        self.fold = fold  # Falcon's 1 / sqrt(head_dim): the bias folded into the mask (None: not)
+
+    @classmethod
+    def of(cls, language_model: nn.Module) -> AlibiBias | None:
+        """The stack's ALiBi bias; None where it has no ``BUILDERS`` method (nor, a ``FOLDING_STACKS``
+        one whose config turns ALiBi on, its module's builder)."""
+        config = language_model.config
+        for method, keyword in cls.BUILDERS.items():
+            builder = getattr(language_model, method, None)
+            if builder is not None:
+                return cls(builder, keyword, config.num_attention_heads, getattr(config, "max_seq_len", None))
+        module = inspect.getmodule(type(language_model))
+        builder = getattr(module, "build_alibi_tensor", None)
+        if (
+            type(language_model).__name__ in cls.FOLDING_STACKS
+            and getattr(config, "alibi", False)
+            and builder
+        ):
+            heads = config.num_attention_heads
+            return cls(builder, "alibi", heads, None, fold=(config.hidden_size // heads) ** -0.5)
+        return None
+
+    def folded(self, mask: torch.Tensor | None, bias: torch.Tensor) -> torch.Tensor | None:
+        """``mask`` ``[B, 1, Q, K]`` (additive) with ``bias`` ``[B * heads, 1, K]`` folded in as Falcon's
+        forward does: ``[B, heads, Q, K]``, each visible entry the bias times ``fold``; unchanged where
+        nothing folds."""
+        if self.fold is None or mask is None:
+            return mask
+        heads = bias.reshape(mask.shape[0], self.num_heads, 1, bias.shape[-1]) * self.fold
+        return heads.masked_fill(mask < -1, torch.finfo(mask.dtype).min)
+
+    def forward(self, attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.keyword == "position_bias":
+            return self.builder(self.num_heads, self.length, device=attention_mask.device)
+        visible = (attention_mask[:, 0, -1, :] == 0).to(torch.long)  # [B, K]: the last query's keys
+        return self.builder(visible, self.num_heads, dtype)
+
+
+def stack_layers(language_model: nn.Module, parts: Mapping[str, str | None] | None = None) -> list[nn.Module]:
     """The stack's decoder layers (at ``parts``' ``layers`` path), as many as its config counts."""
     layers = stack_part(language_model, "layers", parts)
     return list(layers)[: language_model.config.num_hidden_layers]  # type: ignore[call-overload]
@@ -862,19 +979,21 @@ class ProbedStack(NamedTuple):
     layers: Any
     config: Any
     rotary_emb: nn.Module | None
+    layer_attention: str | None = None  # where a layer keeps its attention (None: the usual names)
 
 
-def probed_stack(language_model: nn.Module, parts: Mapping[str, str] | None = None) -> Any:
+def probed_stack(language_model: nn.Module, parts: Mapping[str, str | None] | None = None) -> Any:
     """The stack as ``upstream``'s layer probes read it (``layers``, ``config``, ``rotary_emb``): the
     language model itself, or a view of it with the layer list and rotary embedding where ``parts``
-    names them."""
+    names them, and where a layer keeps its attention (``LAYER_ATTENTION``)."""
     parts = parts or {}
-    if "layers" not in parts and "rotary_embedding" not in parts:
+    if not {"layers", "rotary_embedding", LAYER_ATTENTION} & parts.keys():
         return language_model
     return ProbedStack(
         stack_part(language_model, "layers", parts),
         language_model.config,
         stack_part(language_model, "rotary_embedding", parts),
+        parts.get(LAYER_ATTENTION),
     )
 
 
@@ -885,7 +1004,7 @@ class _TextStack(nn.Module):
         self,
         embed_tokens: nn.Module,
         layers: Sequence[nn.Module],
-        norm: nn.Module,
+        norm: nn.Module | None,
         rotary_emb: nn.Module | None,
         lm_head: nn.Module,
         *,
@@ -900,6 +1019,10 @@ class _TextStack(nn.Module):
         chunks: Sequence[int | None] | None = None,
         per_layer_inputs: PerLayerInputs | None = None,
         streams: ResidualStreams | None = None,
+        position_embeddings: nn.Module | None = None,
+        embedding_norm: nn.Module | None = None,
+        alibi: AlibiBias | None = None,
+        layer_attention: str | None = None,
     ) -> None:
         super().__init__()
         if kv_layout not in KV_LAYOUTS:
@@ -909,6 +1032,9 @@ class _TextStack(nn.Module):
         # registered in the order the graph first uses them (the one-trace export lists buffers by
         # registration, the two-call one by use: the IR's constants must not depend on which ran)
         self.per_layer_inputs = per_layer_inputs
+        self.position_embeddings = position_embeddings  # learned absolute positions (None: none)
+        self.embedding_norm = embedding_norm  # a norm over the embeddings (None: none)
+        self.alibi = alibi  # ALiBi biases handed to every layer (None: none)
         self.layers = nn.ModuleList(layers)
         self.streams = streams
         self.norm = norm
@@ -927,7 +1053,7 @@ class _TextStack(nn.Module):
         if unknown:
             raise ValueError(f"unknown layer kind {unknown[0]!r}; valid: {', '.join(LAYER_STATES)}")
         self.layer_ids = [
-            layer_index(layer, kind, position)
+            layer_index(layer, kind, position, layer_attention)
             for position, (layer, kind) in enumerate(zip(self.layers, self.kinds, strict=True))
         ]
         # sliding window of each traced layer (None: full attention), by the layer's own index
@@ -956,7 +1082,7 @@ class _TextStack(nn.Module):
         logit_ops: OpList = (),
         rope_layer_types: Sequence[RopeKey] | None = None,
         layer_kinds: Sequence[str] | None = None,
-        parts: Mapping[str, str] | None = None,
+        parts: Mapping[str, str | None] | None = None,
         chunks: Sequence[int | None] | None = None,
         **extra: Any,
     ) -> _TextStack:
@@ -997,6 +1123,10 @@ class _TextStack(nn.Module):
             chunks=chunks,
             per_layer_inputs=PerLayerInputs.of(language_model),
             streams=ResidualStreams.of(language_model),
+            position_embeddings=stack_part(language_model, "position_embeddings", parts),
+            embedding_norm=stack_part(language_model, "embedding_norm", parts),
+            alibi=AlibiBias.of(language_model),
+            layer_attention=(parts or {}).get(LAYER_ATTENTION),
             **extra,
         )
 
@@ -1024,6 +1154,13 @@ class _TextStack(nn.Module):
         (``per_layer``: the per-layer embeddings ``[B, Q, layers, width]``, indexed by layer;
         ``input_ids``: the call's token ids, for layers that take them)."""
         hidden_states = apply_ops(hidden_states, self.embedding_ops)
+        hidden_states = add_learned_positions(hidden_states, self.position_embeddings, position_ids)
+        if self.embedding_norm is not None:
+            hidden_states = self.embedding_norm(hidden_states)
+        # ALiBi biases under the input name the layers take them as (``alibi``, ``position_bias``)
+        biases: dict[str, torch.Tensor] = {}
+        if self.alibi is not None:
+            biases[self.alibi.keyword] = self.alibi(attention_mask, hidden_states.dtype)
         if self.rotary_emb is None:  # no rope: positions reach the layers only through the mask and cache
             position_embeddings: list[Any] = [None] * len(self.layers)
         elif self.rope_layer_types is None:
@@ -1053,6 +1190,9 @@ class _TextStack(nn.Module):
             masks[span] if kind not in unmasked else None
             for span, kind in zip(spans, self.kinds, strict=True)
         ]
+        if self.alibi is not None and self.alibi.fold is not None:  # Falcon's: folded into the mask too
+            folded = {id(m): self.alibi.folded(m, biases["alibi"]) for m in layer_masks}
+            layer_masks = [folded[id(m)] for m in layer_masks]
         if self.streams is not None:  # after the rope, which the model computes from the embeddings
             hidden_states = self.streams.expand(hidden_states)
         with (
@@ -1076,6 +1216,7 @@ class _TextStack(nn.Module):
                         "original_hidden_states": first_input,
                         "layer_idx": index,
                         "input_ids": input_ids,
+                        **biases,
                     },
                     attention_mask=mask,
                     position_ids=position_ids,
@@ -1085,9 +1226,16 @@ class _TextStack(nn.Module):
                 )
         if self.streams is not None:
             hidden_states = self.streams(hidden_states)
-        final = in_head_dtype(self.norm(hidden_states), self.lm_head)
+        rows = self.head_rows(hidden_states)
+        normed = self.norm(rows) if self.norm is not None else rows  # None: post-norm
+        final = in_head_dtype(normed, self.lm_head)
         logits = apply_ops(self.lm_head(final), self.logit_ops)
         return (logits, *cache.flat_present())
+
+    def head_rows(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The final hidden states the LM head turns into logits: all of them here; the packed step
+        graph (``step.StepWrapper``) keeps only the tokens the engine asks logits for."""
+        return hidden_states
 
 
 def flat_rope_keys(rope_layer_types: Sequence[RopeKey]) -> list[str]:
@@ -1590,11 +1738,16 @@ class PagedKV(NamedTuple):
                 "shape": [batch, blocks],
                 "dtype": "int64",
                 "rule": "block_table[b, j] is the pool block holding row b's positions "
-                f"j*{self.block_size}..(j+1)*{self.block_size}-1; blocks may be in any order, each owned by "
-                "one row; entries for blocks a row has not reached yet may name any block (the mask hides "
-                "them), but a row's written blocks must be its own. A row with no request still writes its "
-                "token: give it a scratch block",
+                f"j*{self.block_size}..(j+1)*{self.block_size}-1; blocks may be in any order; a block a row "
+                "writes is that row's alone, a full block of a prefix common to several rows may be read by "
+                "all of them (sharing); entries for blocks a row has not reached yet may name any block "
+                "(the mask hides them). A row with no request still writes its token: give it a scratch "
+                "block",
             },
+            "sharing": "prefix reuse: rows whose prompts start with the same whole blocks may point at "
+            "one copy of those blocks (full, read-only); the block holding a row's next position must be "
+            "its own, so a shared partial last block is copied first (copy-on-write). The binder checks "
+            "it on request (bind_step's check_ownership)",
             "pool_dims": {"block": 0, "offset": 1, "heads": 2, "dim": 3},
             "slot_rule": f"position p of row b is offset p % {self.block_size} of block "
             f"block_table[b, p // {self.block_size}]; the mask is the contiguous layout's, over logical "
@@ -2034,6 +2187,165 @@ def build_merged_prefill_mapping(
             }
             for layer in range(num_layers)
         ],
+    }
+
+# fmt: on
+
+# ---------------------------------------------------------------------------------------------
+# The packed step graph's wrapper, verbatim from kimi_adapter_core/backends/extraction/runtime/step.py
+# ---------------------------------------------------------------------------------------------
+
+# fmt: off
+STEP_FIXED = ("input_ids", "positions", "token_rows", "block_table", "logit_indices")
+# Layer kinds whose state a step can write token by token into the pool: the attention caches (and the
+# KV-less MLP blocks). A linear mixer's fixed-size state takes a request's tokens in order as one scan,
+# which a packed step of independent token rows cannot give it; a KV-sharing layer reads keys another
+# layer computed in the same call for the same query rows.
+STEP_KINDS = ("attention", "indexed", "none")
+
+
+def step_refusal(kinds: Sequence[str]) -> str | None:
+    """Why a stack of these layer kinds has no step graph (None: it has one)."""
+    for layer, kind in enumerate(kinds):
+        if kind not in STEP_KINDS:
+            what = "shares another layer's KV" if kind == "shared" else f"keeps {kind} state"
+            return (
+                f"layer {layer} {what}: the packed step graph writes attention KV token by token into the "
+                f"paged pool, and reads only layers of kinds {', '.join(STEP_KINDS)}"
+            )
+    return None
+
+
+class StepWrapper(_TextStack):
+    """The packed step over a paged pool (module docstring): each token a decode row of its request."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        refusal = step_refusal(self.kinds)
+        if refusal is not None:
+            raise ValueError(refusal)
+        self._logit_indices: torch.Tensor | None = None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        token_rows: torch.Tensor,
+        block_table: torch.Tensor,
+        logit_indices: torch.Tensor,
+        *pools: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        counts = [len(LAYER_STATES[kind]) for kind in self.kinds]
+        if len(pools) != sum(counts):
+            raise ValueError(f"expected {sum(counts)} past state tensors, got {len(pools)}")
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        past = [tuple(pools[start : start + n]) for start, n in zip(starts, counts, strict=True)]
+        key_length = block_table.shape[1] * pools[0].shape[1]  # max_cache_len: blocks of block_size
+        position_ids = positions.view(-1, 1)
+        mask = additive_causal_mask(position_ids, key_length, pools[0].dtype)
+        cache = StaticStateCache(
+            self.kv_layout,
+            self.layer_ids,
+            past,
+            positions,
+            block_table.index_select(0, token_rows),  # each token's row: its request's blocks
+            kinds=self.kinds,
+        )
+        self._logit_indices = logit_indices
+        try:
+            logits, *present = self._run(input_ids.view(-1, 1), mask, position_ids, cache)
+        finally:
+            self._logit_indices = None
+        return (logits[:, -1], *present)
+
+    def head_rows(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Only the tokens ``logit_indices`` names reach the norm and the LM head (``[N, 1, hidden]``)."""
+        assert self._logit_indices is not None, "head_rows runs inside forward"
+        return hidden_states.index_select(0, self._logit_indices)
+
+
+def step_inputs(
+    kv_dims: KVDims,
+    *,
+    tokens: int,
+    rows: int,
+    logits: int,
+    block_size: int,
+    num_blocks: int,
+    max_cache_len: int,
+    kinds: Sequence[str],
+    dtype: torch.dtype,
+    device: str | torch.device = "meta",
+    index_dim: int | None = None,
+    layer_kv_dims: Sequence[KVDims] | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Example step inputs: ``tokens`` tokens dealt round-robin to ``rows`` requests at consecutive
+    positions, a block table giving the rows blocks in order (wrapping around the pool), logits of the
+    last ``logits`` tokens, and zeroed pools."""
+    token_rows = torch.arange(tokens, device=device).remainder(rows)
+    positions = torch.div(torch.arange(tokens, device=device), rows, rounding_mode="floor")
+    blocks = max_cache_len // block_size
+    table = torch.arange(rows * blocks, device=device).remainder(num_blocks).view(rows, blocks)
+    indices = torch.arange(tokens - logits, tokens, device=device)
+    index_dims: KVDims = ((1, index_dim or 1),) * 2  # the indexer keys: one head
+    paged = (block_size, num_blocks)
+    pools: list[torch.Tensor] = []
+    for layer, kind in enumerate(kinds):
+        if not LAYER_STATES[kind]:
+            continue
+        key_shape, value_shape = decode_kv_shapes(layer_dims(kv_dims, layer_kv_dims, layer), 1, 1, paged)
+        pools += [torch.zeros(key_shape, dtype=dtype, device=device)]
+        pools += [torch.zeros(value_shape, dtype=dtype, device=device)]
+        if kind == "indexed":
+            index_shape = decode_kv_shapes(index_dims, 1, 1, paged)[0]
+            pools.append(torch.zeros(index_shape, dtype=dtype, device=device))
+    ids = torch.zeros(tokens, dtype=torch.long, device=device)
+    return ids, positions, token_rows, table, indices, *pools
+
+
+def step_mapping(
+    *,
+    graph: str,
+    inputs: Sequence[str],
+    logits: str,
+    tokens: int,
+    rows: int,
+    logit_count: int,
+    max_cache_len: int,
+    block_size: int,
+    placeholder_token_id: int | None = None,
+) -> dict[str, Any]:
+    """The state mapping's ``step`` section: the packed step graph's fixed inputs and its rules (the pools
+    are the paged decode graph's, ``contract.paged``); with ``placeholder_token_id`` (a multimodal spec's
+    image placeholder) the token its ids may not hold."""
+    ids, positions, token_rows, table, indices = inputs
+    shapes = {ids: [tokens], positions: [tokens], token_rows: [tokens]}
+    shapes.update({table: [rows, max_cache_len // block_size], indices: [logit_count]})
+    placeholder = (
+        {
+            "placeholder_token_id": placeholder_token_id,
+            "placeholder_rule": f"{ids} never holds {placeholder_token_id}: the step graph embeds token "
+            "ids, so an image placeholder would get no image features; a prompt with images is prefilled "
+            "by the merged prefill graph (merged_prefill), whose KV the runtime places in the pool, and "
+            "continues here",
+        }
+        if placeholder_token_id is not None
+        else {}
+    )
+    return {
+        "graph": graph,
+        "inputs": [{"name": name, "shape": shape, "dtype": "int64"} for name, shape in shapes.items()],
+        "logits": {"name": logits, "shape": [logit_count, "vocab"], "row_i": f"the token {indices}[i]"},
+        "pools": "the paged decode graph's KV inputs and outputs, in its order (contract.paged)",
+        "rule": f"{ids}[t] is token t of the call, at position {positions}[t] of request {token_rows}[t], "
+        f"whose blocks are row {token_rows}[t] of {table} (contract.paged's slot rule). The graph writes "
+        "every token's KV into the pools, then each token attends over its request's slots 0..its "
+        "position: a request's tokens in one call must be at consecutive positions continuing what its "
+        "blocks hold (a prefill chunk, one decode token, or k+1 speculative tokens), no two tokens may "
+        "write one slot, and a block written in the call must be its request's alone (contract.paged."
+        f"sharing). Logits row i is the token {indices}[i]'s. Unused tokens: a request whose block-table "
+        "row points at a scratch block no live request owns",
+        **placeholder,
     }
 
 # fmt: on
@@ -2511,6 +2823,91 @@ def _probe_compressor_cache() -> str:
     return "DeepseekV4HCACompressor(hidden_states, q_residual, position_ids, cache, layer_idx)"
 
 
+# the model types whose learned absolute position tables keep rows before position 0, and those tables
+# (their ``offset``): module -> class
+OFFSET_POSITION_MODEL_TYPES = ("opt", "biogpt", "trocr")
+OFFSET_POSITION_TABLES = {
+    "transformers.models.opt.modeling_opt": "OPTLearnedPositionalEmbedding",
+    "transformers.models.biogpt.modeling_biogpt": "BioGptLearnedPositionalEmbedding",
+    "transformers.models.trocr.modeling_trocr": "TrOCRLearnedPositionalEmbedding",
+}
+
+
+def _probe_learned_positions() -> str:
+    import torch
+
+    expected = (
+        "an nn.Embedding of num_embeddings + offset rows whose forward looks up "
+        "super().forward(position_ids + self.offset)"
+    )
+    found = []
+    for module, name in OFFSET_POSITION_TABLES.items():
+        table = _attr(module, name, expected)(4, 2)
+        offset = getattr(table, "offset", None)
+        if not isinstance(table, torch.nn.Embedding) or not isinstance(offset, int):
+            raise _Moved(expected, f"{name} is no nn.Embedding with an int offset")
+        source = " ".join(inspect.getsource(type(table).forward).split())
+        if table.num_embeddings != 4 + offset or "super().forward(position_ids + self.offset)" not in source:
+            raise _Moved(expected, f"{name}.forward no longer looks up position_ids + self.offset")
+        found.append(f"{name} (offset {offset})")
+    return ", ".join(found)
+
+
+BLOOM = "transformers.models.bloom.modeling_bloom"
+MPT = "transformers.models.mpt.modeling_mpt"
+FALCON = "transformers.models.falcon.modeling_falcon"
+# the model types whose stack builds its ALiBi bias (runtime.AlibiBias; Falcon's where its config says)
+ALIBI_MODEL_TYPES = ("bloom", "mpt", "falcon")
+
+
+def _probe_alibi_bias() -> str:
+    import torch
+
+    expected = (
+        "BloomModel.build_alibi_tensor(attention_mask [B, K], num_heads, dtype) -> [B * heads, 1, K], "
+        "each head's slope times the visible keys before each key; BloomBlock.forward(alibi=)"
+    )
+    model = _attr(BLOOM, "BloomModel", expected)
+    block = _attr(BLOOM, "BloomBlock", expected)
+    if "alibi" not in _signature(block.forward).parameters:
+        raise _Moved(expected, f"BloomBlock.forward{_signature(block.forward)}")
+    mask = torch.tensor([[1, 1, 1, 0]])
+    bias = model.build_alibi_tensor(None, mask, 2, torch.float32)
+    slopes = bias[:, 0, 1]
+    if tuple(bias.shape) != (2, 1, 4) or not torch.equal(bias[:, 0, :3], slopes[:, None] * torch.arange(3)):
+        raise _Moved(expected, f"a [2, 1, 4] bias of slope * key; got {bias.flatten().tolist()}")
+    expected = (
+        "MptModel.build_mpt_alibi_tensor(num_heads, sequence_length, device=) -> [heads, 1, "
+        "sequence_length], each head's slope times each key's distance to the last; "
+        "MptBlock.forward(position_bias=)"
+    )
+    model = _attr(MPT, "MptModel", expected)
+    block = _attr(MPT, "MptBlock", expected)
+    if "position_bias" not in _signature(block.forward).parameters:
+        raise _Moved(expected, f"MptBlock.forward{_signature(block.forward)}")
+    bias = model.build_mpt_alibi_tensor(None, 2, 3, device="cpu")
+    distances = torch.arange(-2, 1)  # each key's distance to the last
+    if tuple(bias.shape) != (2, 1, 3) or not torch.equal(bias[:, 0, :], -bias[:, :1, 1] * distances):
+        raise _Moved(expected, f"a [2, 1, 3] bias of slope * (key - last); got {bias.flatten().tolist()}")
+    expected = (
+        "modeling_falcon.build_alibi_tensor(attention_mask [B, K], num_heads, dtype) -> [B * heads, 1, K], "
+        "each head's slope times the visible keys before each key; FalconDecoderLayer.forward(alibi=)"
+    )
+    builder = _attr(FALCON, "build_alibi_tensor", expected)
+    layer = _attr(FALCON, "FalconDecoderLayer", expected)
+    if "alibi" not in _signature(layer.forward).parameters:
+        raise _Moved(expected, f"FalconDecoderLayer.forward{_signature(layer.forward)}")
+    bias = builder(mask, 2, torch.float32)
+    slopes = bias[:, 0, 1]
+    if tuple(bias.shape) != (2, 1, 4) or not torch.equal(bias[:, 0, :3], slopes[:, None] * torch.arange(3)):
+        raise _Moved(expected, f"a [2, 1, 4] bias of slope * key; got {bias.flatten().tolist()}")
+    return (
+        "BloomModel.build_alibi_tensor: [B * heads, 1, K] of slope * visible keys before each key; "
+        "MptModel.build_mpt_alibi_tensor: [heads, 1, max_seq_len] of slope * (key - last); "
+        "modeling_falcon.build_alibi_tensor: as BLOOM's"
+    )
+
+
 # the stacks whose forward computes some layer types' rotary embedding from float32 embeddings, which
 # makes their DSA indexer keys float32 in a bfloat16 model (extraction refuses such a graph below float32:
 # ``pipeline.check_rope_input_dtype``): module -> (decoder model, the expression it uses)
@@ -2939,6 +3336,33 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
         _probe_compressor_cache,
     ),
     ContactPoint(
+        "learned_positions",
+        "models.opt.modeling_opt.OPTLearnedPositionalEmbedding, models.biogpt.modeling_biogpt."
+        "BioGptLearnedPositionalEmbedding, models.trocr.modeling_trocr.TrOCRLearnedPositionalEmbedding",
+        "an nn.Embedding of num_embeddings + offset rows whose forward looks up position_ids + self.offset",
+        "the wrappers add a stack's learned absolute position embeddings (module_paths.position_embeddings) "
+        "by the nn.Embedding lookup of each row's positions plus the table's offset, since each of these "
+        "forwards takes the positions another way (runtime.add_learned_positions)",
+        ("extraction (GPT-2, OPT, BioGPT, ...)", "generated modules"),
+        _probe_learned_positions,
+    ),
+    ContactPoint(
+        "alibi_bias",
+        "models.bloom.modeling_bloom.BloomModel.build_alibi_tensor, BloomBlock.forward(alibi); "
+        "models.mpt.modeling_mpt.MptModel.build_mpt_alibi_tensor, MptBlock.forward(position_bias); "
+        "models.falcon.modeling_falcon.build_alibi_tensor, FalconDecoderLayer.forward(alibi)",
+        "build_alibi_tensor(attention_mask [B, K], num_heads, dtype) -> [B * heads, 1, K]: each head's slope "
+        "times the visible keys before each key, taken as alibi; build_mpt_alibi_tensor(num_heads, "
+        "max_seq_len) -> [heads, 1, max_seq_len]: the slope times each key's distance to the last, taken "
+        "as position_bias",
+        "the wrappers build BLOOM's, MPT's and Falcon's ALiBi biases once per call with the stack's own "
+        "builder (BLOOM's and Falcon's from the keys each row's last query sees) and hand every layer the "
+        "result (runtime.AlibiBias; Falcon's also folded into the mask over sqrt(head_dim), as "
+        "FalconModel.forward does)",
+        ("extraction (BLOOM, MPT, Falcon with alibi)", "generated modules"),
+        _probe_alibi_bias,
+    ),
+    ContactPoint(
         "rope_input_dtype",
         "models.dots3_note.modeling_dots3_note.Dots3NoteTextModel.forward",
         'the rotary embedding of "indexed_attention" layers computed from inputs_embeds.float() (float32 '
@@ -3351,13 +3775,14 @@ class _RecordingCache:
         raise AttributeError(f"kadapt's static cache has no {name!r} for {self.kind} layers")
 
 
-def cache_keyword(layer: Any) -> str:
+def cache_keyword(layer: Any, attention: str | None = None) -> str:
     """The keyword ``type(layer).forward`` takes the cache under (signature; 5.24: ``cache``); a
     ``**kwargs``-only forward hands it on to its attention, whose signature then says (DeepSeek-V4's
-    takes ``cache`` in 5.24, ``past_key_values`` only through a deprecation shim)."""
+    takes ``cache`` in 5.24, ``past_key_values`` only through a deprecation shim). ``attention``: where
+    the layer keeps its attention (``_attention_of``)."""
     params = _signature(type(layer).forward).parameters
-    attention = _attention_of(layer)
-    inner = _signature(type(attention).forward).parameters if attention is not None else {}
+    module = _attention_of(layer, attention)
+    inner = _signature(type(module).forward).parameters if module is not None else {}
     for taken in (params, inner):
         for keyword in CACHE_KEYWORDS:
             if keyword in taken:
@@ -3412,6 +3837,7 @@ def probe_decoder_layers(
     layer_types: Sequence[str | tuple[str, ...] | None] | None = None,
     kinds: Sequence[str] | None = None,
     streams: int = 1,
+    attention: str | None = None,
 ) -> LayerProtocol:
     """Call one layer of each structure in ``layers`` with a recording cache; their shared protocol.
 
@@ -3425,7 +3851,8 @@ def probe_decoder_layers(
     device: free on meta, tiny elsewhere. The attention layers may cache different KV shapes
     (``layer_kv_dims``, one per layer): the caller holds each against what the config says of that layer.
     ``streams``: the residual streams each layer takes (``hc_mult``: hidden states ``[B, Q, streams,
-    hidden]``, as the runtime's ``ResidualStreams`` hands them; 1: ``[B, Q, hidden]``).
+    hidden]``, as the runtime's ``ResidualStreams`` hands them; 1: ``[B, Q, hidden]``). ``attention``:
+    where each layer keeps its attention, the one that calls ``update`` (``_attention_of``).
     """
     import torch
 
@@ -3434,10 +3861,10 @@ def probe_decoder_layers(
         kind = kinds[index] if kinds is not None else "attention"
         layer_type = layer_types[index] if layer_types is not None else None
         roped = rotary_emb if layer_types is None or layer_type is not None else None
-        key = (kind, streams, *_layer_key(layer, roped, layer_type))
+        key = (kind, streams, attention, *_layer_key(layer, roped, layer_type))
         if key not in _protocols:
             with torch.no_grad():
-                _protocols[key] = _probe_layer(layer, roped, layer_type, kind, index, streams)
+                _protocols[key] = _probe_layer(layer, roped, layer_type, kind, index, streams, attention)
             while len(_protocols) > MAX_PROTOCOLS:  # dicts keep insertion order: the oldest first
                 del _protocols[next(iter(_protocols))]
         protocols.append(_protocols[key])
@@ -3517,11 +3944,15 @@ def rope_labels(language_model: Any) -> tuple[str, ...] | None:
 
 def decoder_protocol(language_model: Any, kinds: Sequence[str] | None = None) -> LayerProtocol:
     """``probe_decoder_layers`` over a transformers decoder model (``layers``, ``rotary_emb``), its
-    layers of ``kinds`` (by layer; None: every layer is attention)."""
+    layers of ``kinds`` (by layer; None: every layer is attention); a view of it (the runtime's
+    ``ProbedStack``) may say where a layer keeps its attention (``layer_attention``)."""
     layers = list(language_model.layers)[: language_model.config.num_hidden_layers]
     rotary_emb = getattr(language_model, "rotary_emb", None)  # None: no rope (NoPE, SSM stacks)
     streams = getattr(language_model.config, "hc_mult", None) or 1  # the runtime's ResidualStreams
-    return probe_decoder_layers(layers, rotary_emb, rope_layer_types(language_model), kinds, streams)
+    attention = language_model.layer_attention if isinstance(language_model, tuple) else None
+    return probe_decoder_layers(
+        layers, rotary_emb, rope_layer_types(language_model), kinds, streams, attention
+    )
 
 
 def forget() -> None:
@@ -3548,7 +3979,7 @@ def _rope_of(rotary_emb: Any, hidden: Any, positions: Any, layer_type: Any, laye
             "not-exportable",
             type(rotary_emb).__name__,
             f"rotary_emb(hidden_states, position_ids) runs on the {hidden.device.type} device",
-            f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}",
+            f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}{_failed_at(exc)}",
         )
     if not (isinstance(embeddings, tuple) and len(embeddings) == 2):
         _unsupported(
@@ -3564,6 +3995,9 @@ def _rope_of(rotary_emb: Any, hidden: Any, positions: Any, layer_type: Any, laye
 # stays self-contained): ``self_attn``, or ``mixer`` in a stack of one-sublayer blocks (Nemotron-H), or
 # the older names (GPT-J, CodeGen: ``attn``; GPT-NeoX: ``attention``; Falcon: ``self_attention``)
 ATTENTION_ATTRIBUTES = ("self_attn", "mixer", "attn", "attention", "self_attention")
+# The attribute an attention keeps the index it caches under in: ``layer_idx``, or GPT-Neo's ``layer_id``
+# (the runtime ABI's ``INDEX_ATTRIBUTES``)
+CACHE_INDEX_ATTRIBUTES = ("layer_idx", "layer_id")
 # Layer kinds with no token mixer and no state (an MLP alone): called with neither a mask nor a cache
 MIXERLESS_KINDS = ("none",)
 # Layer kinds whose states are fixed-size per request (the runtime's ``LINEAR_LAYER_KINDS``; its own
@@ -3588,9 +4022,23 @@ STATE_POINTS = {
 HEAD_CAST_MIXERS = ("mamba1",)
 
 
-def _attention_of(layer: Any) -> Any:
-    """The layer's attention module (None: it has none under ``ATTENTION_ATTRIBUTES``)."""
+def _attention_of(layer: Any, path: str | None = None) -> Any:
+    """The layer's attention module: at ``path`` (a spec's ``module_paths.layer_attention``, dotted,
+    relative to the layer: GPT-Neo's ``attn.attention``), else the first of ``ATTENTION_ATTRIBUTES``
+    (None: it has none there)."""
+    if path is not None:
+        module = layer
+        for name in path.split("."):
+            module = getattr(module, name, None)
+        return module
     return next((m for m in (getattr(layer, n, None) for n in ATTENTION_ATTRIBUTES) if m is not None), None)
+
+
+def attention_index(attention: Any) -> Any:
+    """The index ``attention`` caches under (``CACHE_INDEX_ATTRIBUTES``; None: it keeps none)."""
+    return next(
+        (i for i in (getattr(attention, n, None) for n in CACHE_INDEX_ATTRIBUTES) if i is not None), None
+    )
 
 
 class SharedKeysValues(dict):  # type: ignore[type-arg]
@@ -3613,7 +4061,13 @@ class SharedKeysValues(dict):  # type: ignore[type-arg]
 
 
 def stack_inputs(
-    layer: Any, hidden: Any, kind: str = "attention", length: int = 0, index: int = 0, original: Any = None
+    layer: Any,
+    hidden: Any,
+    kind: str = "attention",
+    length: int = 0,
+    index: int = 0,
+    original: Any = None,
+    attention: str | None = None,
 ) -> dict[str, Any]:
     """The inputs the model's forward builds once per call that the layer's forward takes (the runtime's
     ``STACK_INPUTS``), as the wrappers hand them to the first layer of a call: an empty
@@ -3621,23 +4075,30 @@ def stack_inputs(
     call's tokens: ``SharedKeysValues``), a zero ``per_layer_input`` of the layer's width (None where it
     has none; contact point ``per_layer_inputs``), ``original_hidden_states`` (Zamba, Zamba2: what entered
     the first layer, ``original``; zeros like ``hidden`` where not given), the layer's ``index`` as
-    ``layer_idx``, and no ``alibi`` (Falcon's rotary configs)."""
+    ``layer_idx``, and ALiBi biases of zeros for a layer that requires them (BLOOM's ``alibi`` ``[B *
+    heads, 1, length]``, MPT's ``position_bias`` ``[heads, 1, length]``: contact point ``alibi_bias``; a
+    bias of zeros leaves the scores as they are), else none (Falcon's rotary configs). ``attention``: where
+    the layer keeps its attention (``_attention_of``)."""
     params = _signature(type(layer).forward).parameters
+    module = _attention_of(layer, attention)
     inputs: dict[str, Any] = {}
     if "original_hidden_states" in params:
         inputs["original_hidden_states"] = hidden.new_zeros(hidden.shape) if original is None else original
     if "layer_idx" in params:
         inputs["layer_idx"] = index
     if "shared_kv_states" in params:
-        attention = _attention_of(layer)
         inputs["shared_kv_states"] = (
-            SharedKeysValues(attention, hidden, length or hidden.shape[1]) if kind == "shared" else {}
+            SharedKeysValues(module, hidden, length or hidden.shape[1]) if kind == "shared" else {}
         )
     if "per_layer_input" in params:
         width = getattr(layer, "hidden_size_per_layer_input", None)
         inputs["per_layer_input"] = hidden.new_zeros(*hidden.shape[:2], width) if width else None
-    if "alibi" in params:  # Falcon's: None in a rotary config (a stack with ALiBi is refused)
-        inputs["alibi"] = None
+    heads = getattr(layer, "num_heads", None) or getattr(module, "num_heads", None)
+    for name in ("alibi", "position_bias"):  # BLOOM's [B * heads, 1, K], MPT's [heads, 1, K]
+        if name in params:
+            required = params[name].default is inspect.Parameter.empty
+            rows = heads * hidden.shape[0] if name == "alibi" and heads else heads
+            inputs[name] = hidden.new_zeros(rows, 1, length or hidden.shape[1]) if required and rows else None
     if "input_ids" in params:  # DeepSeek-V4's hash-routed MoE: token 0 (a valid row of tid2eid)
         import torch
 
@@ -3652,15 +4113,16 @@ def _probe_layer(
     kind: str,
     index: int,
     streams: int = 1,
+    attention: str | None = None,
 ) -> LayerProtocol:
     import torch
 
     expected = BY_NAME[STATE_POINTS.get(kind, "cache_update")].expected
     layer_name = type(layer).__name__
-    layer_idx = getattr(_attention_of(layer), "layer_idx", None)
+    layer_idx = attention_index(_attention_of(layer, attention))
     parameter = next(layer.parameters())
     dtype = _compute_dtype(layer)
-    hidden = torch.zeros(1, 2, _hidden_size(layer), dtype=dtype, device=parameter.device)
+    hidden = torch.zeros(1, 2, _hidden_size(layer, attention), dtype=dtype, device=parameter.device)
     # the layer's input: one residual stream, or the stack's hc_mult copies of it
     taken = hidden if streams == 1 else hidden.unsqueeze(2).expand(-1, -1, streams, -1).contiguous()
     positions = torch.arange(2, device=parameter.device).unsqueeze(0)
@@ -3672,9 +4134,11 @@ def _probe_layer(
     embeddings = (
         None if rotary_emb is None else _rope_of(rotary_emb, hidden, positions, layer_type, layer_name)
     )
-    keyword = cache_keyword(layer)
+    keyword = cache_keyword(layer, attention)
     cache = _RecordingCache(kind)
-    inputs = stack_inputs(layer, hidden, kind, index=index)  # a KV-sharing layer's reads are checked below
+    inputs = stack_inputs(
+        layer, hidden, kind, index=index, attention=attention
+    )  # a KV-sharing layer's reads are checked below
     takes = _signature(type(layer).forward).parameters
     if "causal_mask" in takes:  # runtime.CAUSAL_MASK_INPUT (Zamba)
         inputs["causal_mask"], mask = mask, None
@@ -3725,7 +4189,7 @@ def _probe_layer(
             "not-exportable",
             layer_name,
             f"{layer_name} runs on the {parameter.device.type} device with the ABI's inputs",
-            f"{type(failure).__name__}: {' '.join(str(failure).split())[:300]}",
+            f"{type(failure).__name__}: {' '.join(str(failure).split())[:300]}{_failed_at(failure)}",
         )
     if kind == "linear":
         return _linear_protocol(layer_name, keyword, cache, index, out, taken)
@@ -3787,6 +4251,20 @@ def _check_compressor_calls(layer_name: str, cache: _RecordingCache, layer_idx: 
                 f"{layer_name} {found}",
                 point="compressor_cache",
             )
+
+
+def _failed_at(failure: BaseException) -> str:
+    """Where in transformers' modelling code ``failure`` was raised (the innermost frame of a
+    ``models/`` file, and its line: JetMoE's ``expert_size.tolist()``, which reads tensor values a
+    meta model has none of), or nothing when it was raised elsewhere."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(failure.__traceback__) if "/transformers/models/" in f.filename]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    where = frame.filename.rsplit("/transformers/", 1)[1].removesuffix(".py").replace("/", ".")
+    return f", at {where}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
 
 
 def _one_update(
@@ -3937,14 +4415,16 @@ def _compute_dtype(layer: Any) -> Any:
     return max(sizes, key=sizes.__getitem__)
 
 
-def _hidden_size(layer: Any) -> int:
+def _hidden_size(layer: Any, attention: str | None = None) -> int:
     """The width a layer takes: its (attention's) config's, else the first module that states one (a
     linear-attention mixer keeps ``hidden_size`` but no config; LFM2's short convolution a config)."""
-    config = getattr(_attention_of(layer), "config", None) or getattr(layer, "config", None)
+    config = getattr(_attention_of(layer, attention), "config", None) or getattr(layer, "config", None)
     if config is not None:
         return int(config.hidden_size)
     for module in layer.modules():
         size = getattr(module, "hidden_size", None)
+        if not isinstance(size, int):  # BART-style layers (TrOCR): embed_dim
+            size = getattr(module, "embed_dim", None)
         if not isinstance(size, int):
             size = getattr(getattr(module, "config", None), "hidden_size", None)
         if isinstance(size, int):
@@ -4259,10 +4739,14 @@ def position_inputs(ir: Any, *, graph: str) -> tuple[list[int], int | None]:
     A text graph's first input is the token ids ``[batch, length]`` and its first 4-dim input the
     attention mask ``[batch, 1, query_len, key_len]``; ``position_ids`` follows the mask. A decode graph
     then takes ``cache_position`` ``[batch]`` (one dim), and its mask spans the whole cache, so the mask's
-    key length is ``max_cache_len`` (paged too: the mask is over logical positions). A graph of any
-    other form (vision) has no positions.
-    """
+    key length is ``max_cache_len`` (paged too: the mask is over logical positions). The step graph
+    (packed ``[T]`` ids, then ``positions``) holds its block table's blocks of its pools' block size.
+    A graph of any other form (vision) has no positions."""
     declared = [tuple(meta.shape) for meta in ir.graph_inputs]
+    if declared and len(declared[0]) == 1 and len(declared) > 5:  # the packed step graph (runtime/step.py):
+        table, pool = declared[3], declared[5]  # block_table [rows, blocks], pool [blocks, block_size, ..]
+        known = len(table) == 2 and len(pool) == 4 and all(type(n) is int for n in (table[1], pool[1]))
+        return [1], table[1] * pool[1] if known else None
     if not declared or len(declared[0]) != 2:
         return [], None
     mask = next((index for index, shape in enumerate(declared) if len(shape) == 4), None)
@@ -4415,6 +4899,109 @@ def _range(name: Any, bounds: Any) -> DimRange:
 # fmt: on
 
 # ---------------------------------------------------------------------------------------------
+# The step graph's binding, verbatim from kimi_adapter_core/backends/extraction/runtime/step_bind.py
+# ---------------------------------------------------------------------------------------------
+
+
+# fmt: off
+def step_value_ranges(mapping: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
+    """What the step graph's index inputs may hold, by the state mapping (its ``step`` section and
+    ``contract.paged``): positions ``0..max_cache_len-1``, requests ``0..rows-1``, blocks
+    ``0..num_blocks-1``, logit indices ``0..tokens-1``."""
+    where = "state mapping"
+    step = mapping.get("step") if isinstance(mapping, Mapping) else None
+    if not isinstance(step, Mapping) or not isinstance(step.get("inputs"), list) or len(step["inputs"]) != 5:
+        raise KadaptError(f"{where}: step must list the step graph's 5 fixed inputs (was it exported?)")
+    ids, positions, rows, table, indices = step["inputs"]
+    last = _field(mapping, "max_cache_len", int, where) - 1
+    blocks = _field(mapping, "contract.paged.num_blocks", int, where) - 1
+    return {
+        _field(positions, "name", str, where): (0, last),
+        _field(rows, "name", str, where): (0, _first_dim(table, where) - 1),
+        _field(table, "name", str, where): (0, blocks),
+        _field(indices, "name", str, where): (0, _first_dim(ids, where) - 1),
+    }
+
+
+def _first_dim(entry: Any, where: str) -> int:
+    """The first dim of a step input's stated shape (tokens of the ids, rows of the block table)."""
+    shape = entry.get("shape") if isinstance(entry, Mapping) else None
+    if not isinstance(shape, list) or not shape or type(shape[0]) is not int:
+        raise KadaptError(f"{where}: step input {entry!r} must state a shape of integers")
+    return int(shape[0])
+
+
+def check_block_ownership(
+    positions: Sequence[int],
+    token_rows: Sequence[int],
+    block_table: Sequence[Sequence[int]],
+    block_size: int,
+    *,
+    graph: str = "step",
+) -> None:
+    """Refuse a call in which a block written by one request is also a block of another request of the
+    call: two requests writing one block, or one writing a prefix block another reads. Each request's
+    blocks are those up to its furthest position in the call (later entries of its row are unused)."""
+    furthest: dict[int, int] = {}
+    writer: dict[int, int] = {}
+    for token, (position, row) in enumerate(zip(positions, token_rows, strict=True)):
+        furthest[row] = max(furthest.get(row, position), position)
+        block = block_table[row][position // block_size]
+        if writer.setdefault(block, row) != row:
+            raise KadaptError(
+                f"{graph}: token {token} of request row {row} writes block {block}, which request row "
+                f"{writer[block]} writes in the same call: a written block must belong to one row"
+            )
+    for row, last in furthest.items():
+        for logical, block in enumerate(block_table[row][: last // block_size + 1]):
+            if writer.get(block, row) != row:
+                raise KadaptError(
+                    f"{graph}: request row {writer[block]} writes block {block}, which request row {row} "
+                    f"reads as its logical block {logical}: a shared prefix block is read-only; copy it "
+                    "to a block of the writing row first (copy-on-write)"
+                )
+
+
+def bind_step(
+    ir: Any,
+    inputs: Sequence[Any],
+    mapping: Mapping[str, Any],
+    *,
+    graph: str = "step",
+    ranges: Mapping[str, DimRange] | None = None,
+    check_values: bool = True,
+    check_ownership: bool = False,
+) -> Any:
+    """``bind_ir`` of the step graph with its index inputs' ranges from ``mapping`` (``step_value_ranges``),
+    no image placeholder in its token ids where the mapping names one (``check_no_placeholder``) and,
+    with ``check_ownership``, the block-ownership check (``check_block_ownership``)."""
+    values = step_value_ranges(mapping) if check_values else None
+    bound = bind_ir(ir, inputs, ranges or {}, graph=graph, values=values, check_values=check_values)
+    placeholder = mapping["step"].get("placeholder_token_id") if check_values else None
+    if placeholder is not None:
+        check_no_placeholder(inputs[0].tolist(), placeholder, graph=graph)
+    if check_ownership:
+        size = _field(mapping, "contract.paged.block_size", int, "state mapping")
+        positions, token_rows, table = (inputs[index].tolist() for index in (1, 2, 3))
+        check_block_ownership(positions, token_rows, table, size, graph=graph)
+    return bound
+
+
+def check_no_placeholder(token_ids: Sequence[int], placeholder: int, *, graph: str = "step") -> None:
+    """Refuse a step whose token ids hold the image placeholder: the step graph embeds token ids, so the
+    placeholder would be embedded as a token where the model puts image features (silently wrong
+    logits); such a prompt is prefilled by the merged prefill graph."""
+    if placeholder in token_ids:
+        raise KadaptError(
+            f"{graph} input input_ids: token {list(token_ids).index(placeholder)} is the image placeholder "
+            f"(id {placeholder}); the step graph embeds token ids only: prefill a prompt with images with "
+            "the merged prefill graph (merged_prefill), place its KV in the pool and continue in the step "
+            "graph"
+        )
+
+# fmt: on
+
+# ---------------------------------------------------------------------------------------------
 # The spec: gate, ABI, config
 # ---------------------------------------------------------------------------------------------
 
@@ -4516,7 +5103,7 @@ FACT_KEYS: dict[str, tuple[str, ...]] = {
     "kv_lora_rank": ("kv_lora_rank",),
     "layer_types": ("layer_types", "layers_block_type"),
     "max_window_layers": ("max_window_layers",),
-    "num_layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+    "num_layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers"),
     "qk_rope_head_dim": ("qk_rope_head_dim",),
     "sliding_window": ("sliding_window",),
     "sliding_window_pattern": ("sliding_window_pattern",),
@@ -5233,6 +5820,25 @@ def decode_wrapper(model: torch.nn.Module, num_layers: int | None = None) -> Dec
     )
 
 
+def step_wrapper(model: torch.nn.Module, num_layers: int | None = None) -> StepWrapper:
+    """The packed step graph over the paged pool (``StepWrapper``): ``STEP_FIXED`` then the decode graph's
+    pools -> logits of the asked-for tokens and the pools. A stack whose layers a step cannot serve (linear
+    state, KV sharing: ``step_refusal``) raises ``ValueError``."""
+    language_model = model.get_submodule(LANGUAGE_MODEL_PATH)
+    return StepWrapper.from_language_model(
+        language_model,
+        model.get_submodule(LM_HEAD_PATH),
+        kv_layout=KV_LAYOUT,
+        cache_keyword=_probed_cache_keyword(language_model),
+        num_layers=num_layers,
+        mla_attention=MLA_ATTENTION,
+        windows=windows(language_model.config),
+        embedding_ops=outside_ops(language_model.config, "embeddings"),
+        logit_ops=outside_ops(language_model.config, "logits"),
+        rope_layer_types=rope_layer_types(language_model),
+    )
+
+
 def graph_weights(wrapper: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every tensor an extracted IR of ``wrapper`` reads, by its name there: parameters and buffers
     (non-persistent ones such as the rotary ``inv_freq`` too, which ``state_dict`` leaves out), under
@@ -5251,16 +5857,23 @@ def run_graph(
     *,
     max_cache_len: int = MAX_CACHE_LEN,
     check: bool = True,
+    mapping: Mapping[str, Any] | None = None,
+    check_ownership: bool = False,
 ) -> list[torch.Tensor]:
-    """Execute ``ir`` (``torch_ir.load_ir`` of the saved ``graph``, "prefill" or "decode") on ``inputs``
-    with ``weights`` (``graph_weights``), bound through ``bind_ir`` first: an input the graph was not made
-    for, or a row at a position outside ``0..max_cache_len-1``, is a ``KadaptError`` before execution (a
-    decode graph states its own ``max_cache_len``; a prefill's is that of the cache its KV fills). With
-    ``check=False`` nothing reads the tensors' values (one min and max per position input): faster, and a
-    decode row past the cache is then dropped without an error."""
+    """Execute ``ir`` (``torch_ir.load_ir`` of the saved ``graph``, "prefill", "decode" or "step") on
+    ``inputs`` with ``weights`` (``graph_weights``), bound through ``bind_ir`` first: an input the graph was
+    not made for, or a row at a position outside ``0..max_cache_len-1``, is a ``KadaptError`` before
+    execution (a decode or step graph states its own ``max_cache_len``; a prefill's is that of the cache its
+    KV fills). With ``check=False`` nothing reads the tensors' values (one min and max per position input):
+    faster, and a decode row past the cache is then dropped without an error. A step graph given its state
+    ``mapping`` binds through ``bind_step``: its other index inputs are checked too, and with
+    ``check_ownership`` the blocks each request writes."""
     import torch_ir
 
-    bound = bind_ir(ir, inputs, {}, graph=graph, max_cache_len=max_cache_len, check_values=check)
+    if graph == "step" and mapping is not None:
+        bound = bind_step(ir, inputs, mapping, check_values=check, check_ownership=check_ownership)
+    else:
+        bound = bind_ir(ir, inputs, {}, graph=graph, max_cache_len=max_cache_len, check_values=check)
     return list(torch_ir.IRExecutor(bound, weights).execute(tuple(inputs)))
 
 
@@ -5308,6 +5921,38 @@ def decode_example_inputs(
         dtype=_torch_dtype(dtype),
         device=device,
         paged=None if PAGED is None else (PAGED.block_size, PAGED.num_blocks),
+    )
+
+
+def step_example_inputs(
+    config: Any,
+    device: str | torch.device = "meta",
+    *,
+    tokens: int,
+    logits: int = 1,
+    rows: int = BATCH,
+    max_cache_len: int = MAX_CACHE_LEN,
+    block_size: int | None = None,
+    num_blocks: int | None = None,
+    num_layers: int | None = None,
+    dtype: str | None = DTYPE,
+) -> tuple[torch.Tensor, ...]:
+    """Positional step inputs (``step_inputs``): ``tokens`` tokens dealt to ``rows`` requests, logits of
+    the last ``logits``, zeroed pools of ``num_blocks`` blocks of ``block_size`` (default: ``PAGED``'s)."""
+    if PAGED is None and (block_size is None or num_blocks is None):
+        raise ValueError("the spec's kv_cache is contiguous: give the step's block_size and num_blocks")
+    count = int(_fact(config, "num_layers")) if num_layers is None else num_layers
+    return step_inputs(
+        kv_dims(config),
+        tokens=tokens,
+        rows=rows,
+        logits=logits,
+        block_size=block_size if block_size is not None else PAGED.block_size,
+        num_blocks=num_blocks if num_blocks is not None else PAGED.num_blocks,
+        max_cache_len=max_cache_len,
+        kinds=["attention"] * count,
+        dtype=_torch_dtype(dtype),
+        device=device,
     )
 
 

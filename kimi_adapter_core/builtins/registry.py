@@ -68,6 +68,14 @@ BUILTINS: dict[str, tuple[str, str]] = {
         "kimi_adapter_core.builtins.falcon:falcon_split_heads_slices",
         "Falcon _split_heads: key/value heads by slices, not list indices (no lifted constant on meta).",
     ),
+    "gpt_neo_attn": (
+        "kimi_adapter_core.builtins.gpt_neo:gpt_neo_attn",
+        "GPT-Neo attention scores: the ABI's mask (causal prefix, local window) in place of the bias buffer.",
+    ),
+    "mpt_attention_forward": (
+        "kimi_adapter_core.builtins.mpt:mpt_attention_forward",
+        "MPT attention: ALiBi bias sliced by the key length alone; the ABI's additive mask added.",
+    ),
     "rotary_seq_len_as_int": (
         "kimi_adapter_core.builtins.rotary:rotary_seq_len_as_int",
         "Rotary-embedding wrap: a tensor seq_len becomes an int (meta: the full cached length).",

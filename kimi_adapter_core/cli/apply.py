@@ -111,6 +111,25 @@ SIZE = click.IntRange(1, 1 << 24)  # tokens or sequences: 0 or a typo's 1e12 is 
     "--block-size", type=SIZE, help="extraction: positions per block of a paged cache (implies paged)."
 )
 @click.option(
+    "--num-blocks",
+    type=SIZE,
+    help="extraction: blocks in each layer's paged pool, independent of batch and context (implies "
+    "paged; default: the spec's abi.kv_cache.num_blocks, else batch x max_cache_len / block_size).",
+)
+@click.option(
+    "--step-tokens",
+    type=SIZE,
+    help="extraction: also export the packed step graph (<prefix>_step_ir.json) taking this many tokens "
+    "per call: prefill chunks, decode and speculative tokens of every request (implies paged; default: "
+    "the spec's abi.step).",
+)
+@click.option(
+    "--step-logits",
+    type=SIZE,
+    help="extraction: tokens per step call whose logits the step graph returns (default: abi.step.logits, "
+    "else batch).",
+)
+@click.option(
     "--verify", is_flag=True, help="extraction: check the saved IR on a tiny model against transformers."
 )
 @click.option(
@@ -146,6 +165,9 @@ def command(
     static: bool,
     kv_cache: str | None,
     block_size: int | None,
+    num_blocks: int | None,
+    step_tokens: int | None,
+    step_logits: int | None,
     verify: bool,
     no_cache: bool,
     without: tuple[str, ...],
@@ -165,6 +187,7 @@ def command(
       kadapt apply kimi_k25 --backend none --format json
       kadapt apply llama --dynamic prefill_len --dynamic batch --batch 8
       kadapt apply llama --batch 8 --kv-cache paged --block-size 16 --verify
+      kadapt apply llama --batch 8 --num-blocks 64 --step-tokens 256
     """
     out = reporter(fmt)
     out.detail(f"spec: {spec_path.resolve()}")
@@ -210,6 +233,9 @@ def command(
             dynamic=() if static else (dynamic or None),
             kv_cache=kv_cache,
             block_size=block_size,
+            num_blocks=num_blocks,
+            step_tokens=step_tokens,
+            step_logits=step_logits,
         )
     elif (
         verify
@@ -227,12 +253,16 @@ def command(
                 mla_attention,
                 kv_cache,
                 block_size,
+                num_blocks,
+                step_tokens,
+                step_logits,
             )
         )
     ):
         raise UsageError(
             "--output-dir/--batch/--prefill-len/--max-cache-len/--kv-layout/--mla-attention/--dynamic/"
-            "--static/--kv-cache/--block-size/--verify/--no-cache need --backend extraction"
+            "--static/--kv-cache/--block-size/--num-blocks/--step-tokens/--step-logits/--verify/--no-cache "
+            "need --backend extraction"
         )
     if opts is not None:
         from ..backends.extraction.job.forked import export_processes

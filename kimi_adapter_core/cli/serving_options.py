@@ -1,8 +1,10 @@
 """``kadapt simulate --sweep --isl N --osl M``: the options and the report of a request-level search.
 
-``serving_options`` adds ``--isl --osl --ttft --tpot --serving``; with them ``run_serving`` prices
-whole requests, aggregated and disaggregated, under the SLA (``backends/simulation/search/serving.py``)
-and reports the picks and the front, each row saying its weights, the checkpoint's, the KV-cache dtype
+``serving_options`` adds ``--isl --osl --ttft --tpot --concurrency --serving``; with them
+``run_serving`` prices whole requests, aggregated and disaggregated, under the SLA
+(``backends/simulation/search/serving.py``) and reports the picks and the front, and
+``run_concurrency`` prices one given layout at N requests in flight (``search/concurrency.py``),
+each row saying its weights, the checkpoint's, the KV-cache dtype
 and its layouts' topology notes as a step sweep's rows do (``sweep_options``). Separate from
 ``sweep_options`` because a deployment is two pools of workers, not one priced step. Only click is
 imported here: the search itself (torch) is imported when it runs.
@@ -47,7 +49,8 @@ _SERVING_OPTIONS = (
         type=click.IntRange(1, 1 << 24),
         default=None,
         help="With --sweep: prompt tokens per request; the sweep then prices whole requests "
-        "(prefill + decode), aggregated and disaggregated, for --framework.",
+        "(prefill + decode), aggregated and disaggregated, for --framework (or, with --concurrency, "
+        "one layout's).",
     ),
     click.option(
         "--osl", type=click.IntRange(2, 1 << 24), default=None, help="With --isl: output tokens per request."
@@ -65,6 +68,14 @@ _SERVING_OPTIONS = (
         help="With --isl: time-per-output-token target in ms (deployments above it are excluded).",
     ),
     click.option(
+        "--concurrency",
+        type=click.IntRange(1, 1 << 20),
+        default=None,
+        help="With --isl/--osl, without --sweep: price the one layout --tp/--dp/--ep serving this many "
+        "concurrent requests, aggregated (chunked prefill at --framework's default step budget): TTFT, "
+        "TPOT and output tokens/s per device and per user.",
+    ),
+    click.option(
         "--serving",
         type=click.Choice(["both", "agg", "disagg"]),
         default="both",
@@ -75,7 +86,8 @@ _SERVING_OPTIONS = (
 
 
 def serving_options(command: F) -> F:
-    """Add ``--isl --osl --ttft --tpot --serving`` (the request-level search) to ``command``."""
+    """Add ``--isl --osl --ttft --tpot --concurrency --serving`` (the request-level search and the
+    one-deployment request price) to ``command``."""
     return with_options(_SERVING_OPTIONS, command)
 
 
@@ -96,6 +108,7 @@ def run_serving(
     """Search aggregated and disaggregated deployments of ``workload`` on ``devices`` devices; return
     the report in ``fmt`` (and write the plot when asked). ``base`` carries MTP, the KV dtype and the
     routing; ``quant`` names the weight modes as in ``run_sweep`` (default: the checkpoint as shipped)."""
+    from ..backends.simulation.estimate.cost import framework_pricer
     from ..backends.simulation.search.pareto_plot import SUFFIXES, SlaLine, write_plot
     from ..backends.simulation.search.serving import ServingSearch, plot_points
 
@@ -103,7 +116,16 @@ def run_serving(
         raise click.UsageError(f"--plot {plot}: the suffix must be one of {', '.join(SUFFIXES)}")
     by_mode, weights = sweep_modes(spec, quant)
     search = ServingSearch(
-        spec, by_mode, device, base, devices, workload, framework, modes=modes, batches=batches
+        spec,
+        by_mode,
+        device,
+        base,
+        devices,
+        workload,
+        framework,
+        modes=modes,
+        batches=batches,
+        pricer=framework_pricer(framework),  # the framework's kernel table, as ``simulate --framework``
     )
     result = search.run()
     if result.quants:
@@ -286,4 +308,59 @@ def serving_text(
         lines.append(f"WARNING: {family} traced per configuration: {why}")
     if plot is not None and result.candidates:
         lines.append(f"plot: {plot}")
+    return "\n".join(lines)
+
+
+def run_concurrency(
+    spec: Spec,
+    device: Device,
+    base: Deployment,
+    workload: Workload,
+    concurrency: int,
+    *,
+    framework: str,
+    quant: str | None = None,
+    fmt: str = "text",
+) -> str:
+    """Price ``base.parallel`` serving ``concurrency`` requests of ``workload`` (aggregated; the sweep's
+    candidate for that layout and batch) and report it in ``fmt``, with its weights and KV modes."""
+    from ..backends.simulation.search.concurrency import price_concurrency
+    from ..backends.simulation.search.launch_rules import framework as framework_of
+
+    by_mode, weights = sweep_modes(spec, quant)
+    c = price_concurrency(spec, by_mode, device, base, workload, framework, concurrency)
+    notes = layout_notes(device, framework, [base.parallel])
+    fw = framework_of(framework)
+    if fmt == "json":
+        doc = {
+            "model": spec.name,
+            "device": device.name,
+            "workload": {"isl": workload.isl, "osl": workload.osl, "concurrency": concurrency},
+            "framework": {"name": fw.name, "title": fw.title, "step_tokens": fw.step_tokens.max},
+            **candidate_json(c, weights, base.kv_dtype, notes),
+            "chunk": c.chunk,
+            "mixed_step_time_s": c.mixed_step_time,
+            "fits": c.fits,
+            "notes": notes_json(notes),
+        }
+        return json.dumps(doc, indent=2)
+    marks = _marks(c, notes)
+    lines = [
+        f"{spec.name} on {c.devices} x {device.name}, {c.decode.config.layout}, {concurrency} concurrent "
+        f"requests of ISL {workload.isl}, OSL {workload.osl}, {fw.title} ({fw.name}), aggregated: chunked "
+        f"prefill, step budget {fw.step_tokens.max} tokens, {c.chunk} prompt tokens per mixed step",
+        f"weights {weights.label(c.quant)}, KV cache {base.kv_dtype}",
+        f"TTFT {c.ttft * 1e3:.1f} ms, TPOT {c.tpot * 1e3:.2f} ms",
+        f"output tokens/s: {c.tokens_per_s_per_device:.1f} per device, "
+        f"{c.tokens_per_s_per_user:.1f} per user ({c.requests_per_s:.2f} requests/s)",
+        f"steps: decode {c.decode.step_time * 1e3:.2f} ms, mixed {c.mixed_step_time * 1e3:.2f} ms",
+    ]
+    if marks:
+        lines.append(f"topology notes: {','.join(marks)}")
+    lines += notes_text(notes)
+    if not c.fits:
+        lines.append(
+            f"WARNING: does not fit in device memory ({c.memory.used / 2**30:.1f} GiB used per device of "
+            f"{(device.memory_bytes or 0) / 2**30:.1f}); the timing is still informative"
+        )
     return "\n".join(lines)

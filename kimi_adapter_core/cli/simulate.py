@@ -23,7 +23,7 @@ from ..backends.simulation.tables.device import get_device
 from ..spec import load_spec
 from .deployment_options import deployment_options, image_options, requested_images
 from .output import format_option, reporter, verbosity_options
-from .serving_options import run_serving, serving_options
+from .serving_options import run_concurrency, run_serving, serving_options
 from .spec_argument import spec_argument
 from .sweep_options import run_sweep, sweep_options
 
@@ -132,6 +132,7 @@ def command(
     osl: int | None,
     ttft: float | None,
     tpot: float | None,
+    concurrency: int | None,
     serving: str,
 ) -> None:
     """Price one step of SPEC's model on a device and report time, tokens/s and memory.
@@ -156,6 +157,7 @@ def command(
       kadapt simulate deepseek_v3 --device h200 --tp 8 --ep 8 --cost-model measured
       kadapt simulate qwen3_moe --device h200 --decode --sweep --devices 8 --plot front.html
       kadapt simulate deepseek_v3 --device h200 --sweep --devices 16 --isl 4000 --osl 1000 --tpot 30
+      kadapt simulate gpt_oss --device h100 --tp 1 --framework vllm --isl 1000 --osl 1000 --concurrency 64
     """
     from ..backends.simulation.estimate.simulator import simulate
     from ..backends.simulation.model.deployment import Deployment
@@ -197,10 +199,45 @@ def command(
         routing.replace("-", "_"),
     )
     requests = isl is not None or osl is not None
+    if concurrency is not None:
+        if isl is None or osl is None:
+            raise click.UsageError("--concurrency prices requests: it needs both --isl and --osl")
+        if sweep:
+            raise click.UsageError("--concurrency prices the one layout --tp/--dp/--ep; drop --sweep")
+        if decode or query_len is not None or context_len or batch != 1:
+            raise click.UsageError(
+                "--concurrency prices whole requests (prefill and decode): drop --decode, --batch, "
+                "--query-len and --context-len"
+            )
+        if ttft is not None or tpot is not None or serving == "disagg":
+            raise click.UsageError(
+                "--concurrency prices one aggregated deployment: --ttft, --tpot and --serving disagg "
+                "apply to --sweep"
+            )
+        if cost_model != "roofline" or devices is not None or batches is not None or plot is not None:
+            raise click.UsageError(
+                "--concurrency prices with the roofline cost model; --devices, --batches and --plot "
+                "apply to --sweep"
+            )
+        from ..backends.simulation.search.request_pricing import Workload
+
+        with out.stage("concurrency"):
+            report = run_concurrency(
+                spec,
+                profile,
+                dep,
+                Workload(isl, osl),
+                concurrency,
+                framework=framework,
+                quant=quant,
+                fmt="json" if out.json else "text",
+            )
+        out.result(report)
+        return
     if not requests and (ttft is not None or tpot is not None or serving != "both"):
         raise click.UsageError("--ttft, --tpot and --serving apply to a request sweep (--sweep --isl --osl)")
     if requests and not sweep:
-        raise click.UsageError("--isl and --osl apply to --sweep")
+        raise click.UsageError("--isl and --osl apply to --sweep (or --concurrency)")
     if sweep and requests:
         if isl is None or osl is None:
             raise click.UsageError("a request sweep needs both --isl and --osl")

@@ -32,19 +32,22 @@ from .catalog import model_types
 MIXER_CLASSES = ("attn", "attention", "mixer", "shortconv")
 ATTENTION_CLASSES = ("attn", "attention")
 O_PROJ_NAMES = ("o_proj", "dense", "out_proj", "c_proj")
-FUSED_QKV_NAMES = ("qkv", "query_key_value")
+FUSED_QKV_NAMES = ("qkv", "query_key_value", "c_attn")  # GPT-2's, StarCoder's: c_attn
 # an attention's own output gate (HY-V4: sigmoid(gate_proj(x)) scales each head's output before o_proj)
 OUTPUT_GATE = "gate_proj"
 GATE_NAMES = ("gate", "w1")
 
 
 def _weights(module: Any) -> dict[str, tuple[int, ...]]:
-    """``module``'s children's 2-D weights, by child name (``gate_proj`` for ``gate_proj.weight``)."""
+    """``module``'s children's 2-D weights, by child name (``gate_proj`` for ``gate_proj.weight``), as
+    ``[out, in]``: GPT-2's ``Conv1D`` keeps its weight ``[in, out]``, read transposed."""
     found = {}
+    children = dict(module.named_children())
     for path, param in module.named_parameters():
         name, _, leaf = path.rpartition(".")
         if leaf == "weight" and name and "." not in name and param.dim() == 2:
-            found[name] = tuple(param.shape)
+            conv1d = type(children.get(name)).__name__ == "Conv1D"
+            found[name] = tuple(param.shape)[::-1] if conv1d else tuple(param.shape)
     return found
 
 
@@ -53,8 +56,6 @@ def projections(module: Any, hidden: int) -> dict[str, str] | None:
     ``down`` when ungated), told by shape: ``down`` maps back to ``hidden``, a fused ``gate_up`` is
     twice ``down``'s input wide, and of two inputs of one shape the one named ``GATE_NAMES`` gates. None
     when ``module`` holds other weights (not an MLP)."""
-    if any(type(child).__name__ == "Conv1D" for child in module.children()):
-        return None  # GPT-2's Conv1D keeps its weight [in, out]: shapes would swap up and down
     weights = _weights(module)
     down = [name for name, (out, inp) in weights.items() if out == hidden and inp != hidden]
     if len(down) != 1:
@@ -104,6 +105,11 @@ def attention_parts(layer: Any) -> dict[str, Any]:
     if found is None:
         return {}
     name, module = found
+    inner = [
+        (n, c) for n, c in _children(module) if any(k in type(c).__name__.lower() for k in ATTENTION_CLASSES)
+    ]
+    if not _weights(module) and len(inner) == 1:  # a wrapper around the attention (GPT-Neo's attn.attention)
+        name, module = f"{name}.{inner[0][0]}", inner[0][1]
     weights = _weights(module)
     parts: dict[str, Any] = {"attention": name, "norms": _norms(layer)}
     if OUTPUT_GATE in weights:  # a gate on the attention's output, projected from the layer's input
@@ -158,19 +164,24 @@ def _block(layer: Any) -> tuple[str, Any] | None:
     return blocks[0] if len(blocks) == 1 else None
 
 
-def observed_parts(model: Any, paths: dict[str, str], structure: Any) -> dict[str, Any]:
+def observed_parts(model: Any, paths: dict[str, str | None], structure: Any) -> dict[str, Any]:
     """Every role ``model`` shows in the first attention, dense and MoE layer of ``structure``, and
     whether its final norm holds a weight."""
-    stack = model.get_submodule(paths["language_model"])
-    layers = model.get_submodule(paths["language_layers"])
+    stack = model.get_submodule(str(paths["language_model"]))
+    layers = model.get_submodule(str(paths["language_layers"]))
     hidden = structure.hidden_size
-    final = stack.get_submodule(paths.get("final_norm", "norm"))
-    parts: dict[str, Any] = {"final_norm": any(True for _ in final.parameters())}
+    final_path = paths.get("final_norm", "norm")  # None: a post-norm stack with no final norm (TrOCR)
+    final = stack.get_submodule(final_path) if final_path is not None else None
+    parts: dict[str, Any] = {"final_norm": final is not None and any(True for _ in final.parameters())}
     if structure.attention_layer_ids:
         parts |= attention_parts(layers[structure.attention_layer_ids[0]])
-    if structure.dense_layer_ids and (block := _block(layers[structure.dense_layer_ids[0]])):
-        if (mlp := projections(block[1], hidden)) is not None:
+    if structure.dense_layer_ids:
+        dense = layers[structure.dense_layer_ids[0]]
+        block = _block(dense)
+        if block is not None and (mlp := projections(block[1], hidden)) is not None:
             parts |= {"mlp": block[0], "dense_mlp": mlp}
+        elif block is None and (mlp := projections(dense, hidden)) is not None:
+            parts |= {"mlp": "", "dense_mlp": mlp}  # the layer's own projections (OPT's fc1 / fc2)
     if structure.moe is not None and structure.moe_layer_ids:
         block = _block(layers[structure.moe_layer_ids[0]])
         if block is not None and "experts" in dict(block[1].named_children()):

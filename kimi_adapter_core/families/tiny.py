@@ -28,6 +28,9 @@ TEXT_SIZES: dict[str, Any] = {
     "intermediate_size_mlp": 128,
     "ffn_dim": 128,
     "ffn_hidden_size": 128,  # Falcon's MLP width
+    # OPT's token embedding width: the hidden size, as every OPT but 350m keeps it (one that differs
+    # projects in and out of the stack: refused, ``check_projections``)
+    "word_embed_proj_dim": 64,
     "num_attention_heads": 4,
     "n_head": 4,
     "num_key_value_heads": 2,

@@ -26,6 +26,7 @@ try it with, or to compare against.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import tempfile
 import textwrap
@@ -34,102 +35,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import KadaptError, parse_refusal
+from .guide import GUIDE_FIELDS, GUIDE_LAYER_PATCHES, GUIDE_PATCHES
 
 ADAPTED, REFUSED, FAILED, UNTESTED = "adapted", "refused", "failed", "untested"
-
-_LLAMA4 = "transformers.models.llama4.modeling_llama4"
-_DEEPSEEK_V2 = "transformers.models.deepseek_v2.modeling_deepseek_v2"
-_FALCON = "transformers.models.falcon.modeling_falcon"
-_DEEPSEEK_V4 = "transformers.models.deepseek_v4.modeling_deepseek_v4"
-# The class patches the guide names for a model type whose own code needs a builtin to export
-# (docs/writing-a-spec.md, "Which bridges a family needs"): model type -> its patches, pinned to the
-# transformers release the matrix runs on (a release that changes the code refuses them: upstream drift).
-_LLAMA4_PATCHES: tuple[dict[str, Any], ...] = (
-    {
-        "id": "L1",
-        "why": "complex freqs_cis become real (cos, sin), the form the wrappers pass on",
-        "target": f"{_LLAMA4}:Llama4TextRotaryEmbedding.forward",
-        "kind": "replace",
-        "impl": "builtin:llama4_rotary_cos_sin",
-        "backends": ["extraction"],
-        "pin": {
-            "signature": "(self, x, position_ids)",
-            "source_sha256": "8f2fa823a60a9eb365d0bcbc8b5b24893f37192cdafa6421a3371826e8db8e57",
-        },
-    },
-    {
-        "id": "L2",
-        "why": "rope from (cos, sin) in real math; the NoPE layers' temperature from each row's position",
-        "target": f"{_LLAMA4}:Llama4TextAttention.forward",
-        "kind": "replace",
-        "impl": "builtin:llama4_attention_forward",
-        "backends": ["extraction"],
-        "pin": {"source_sha256": "a77422c908cc05c7c0ba0ba26a24cbe1581a902dd6906a554bf7faab2e69c1bf"},
-    },
-)
-# The class patches the guide names for a layer type whose code needs a builtin to export, added to a
-# family's where its config lists that type (DeepSeek-V4's heavily compressed layers: a stack of sliding
-# layers alone needs none, and its generated module carries no wrap).
-GUIDE_LAYER_PATCHES: dict[str, tuple[dict[str, Any], ...]] = {
-    "heavily_compressed_attention": (
-        {
-            "id": "V1",
-            "why": "the HCA compressor's open window and entries in the static cache, per row (upstream "
-            "grows them by concatenation and counts entries in a Python int for the whole batch)",
-            "target": f"{_DEEPSEEK_V4}:DeepseekV4HCACompressor.forward",
-            "kind": "wrap",
-            "impl": "builtin:deepseek_v4_hca_compressor",
-            "backends": ["extraction"],
-            "pin": {"source_sha256": "fe93d160eee3c9b08574d00bac8c4a55e510a77e1a3e5502eb2df825ba6f39c9"},
-        },
-    ),
-}
-GUIDE_PATCHES: dict[str, tuple[dict[str, Any], ...]] = {
-    "falcon": (
-        {
-            "id": "F1",
-            "why": "key and value heads by slices: a list index exports as a constant, valueless on meta",
-            "target": f"{_FALCON}:FalconAttention._split_heads",
-            "kind": "replace",
-            "impl": "builtin:falcon_split_heads_slices",
-            "backends": ["extraction"],
-            "pin": {
-                "signature": (
-                    "(self, fused_qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]"
-                ),
-                "source_sha256": "37894faf93b0c9d5ae3146421d6ee29c2482130f72c49a9dedf4979614d2370a",
-            },
-        },
-    ),
-    "llama4_text": _LLAMA4_PATCHES,
-    # the multimodal type: the same text classes, under Llama4ForConditionalGeneration's language model
-    "llama4": _LLAMA4_PATCHES,
-    "deepseek_v2": (
-        {
-            "id": "D1",
-            "why": "complex freqs_cis become real (cos, sin), the form the wrappers pass on",
-            "target": f"{_DEEPSEEK_V2}:DeepseekV2RotaryEmbedding.forward",
-            "kind": "replace",
-            "impl": "builtin:deepseek_v2_rotary_cos_sin",
-            "backends": ["extraction"],
-            "pin": {
-                "signature": "(self, x, position_ids)",
-                "source_sha256": "8f2fa823a60a9eb365d0bcbc8b5b24893f37192cdafa6421a3371826e8db8e57",
-            },
-        },
-        {
-            "id": "D2",
-            "why": "the rope of q_pe and k_pe from (cos, sin) in real math; the latents cached as upstream's",
-            "target": f"{_DEEPSEEK_V2}:DeepseekV2Attention.forward",
-            "kind": "replace",
-            "impl": "builtin:deepseek_v2_attention_forward",
-            "backends": ["extraction"],
-            "pin": {"source_sha256": "f84d31d933d5f7b2611ae72460c93084733b6ed81da5407a7dff963df11e86b9"},
-        },
-    ),
-}
-
-
 PLAN_EXACT = "exact"
 
 
@@ -143,7 +51,7 @@ class Row(NamedTuple):
     plan: str = ""
 
 
-def module_paths(model: Any) -> dict[str, str]:
+def module_paths(model: Any) -> dict[str, str | None]:
     """Where the guide tells a spec author to look: the decoder stack, its layer list and the LM head."""
     from torch.nn import ModuleList
 
@@ -168,14 +76,48 @@ def module_paths(model: Any) -> dict[str, str]:
         if isinstance(child, ModuleList)
     )
     paths["language_layers"] = f"{paths['language_model']}.{next(found, 'layers')}".strip(".")
-    return {**paths, **(_stack_parts(stack) if stack is not None else {})}
+    layers = model.get_submodule(paths["language_layers"]) if _has(model, paths["language_layers"]) else None
+    first = next(iter(layers), None) if isinstance(layers, ModuleList) else None
+    return {
+        **paths,
+        **(_stack_parts(stack) if stack is not None else {}),
+        **(_layer_attention(first) if first is not None else {}),
+    }
 
 
-def _stack_parts(stack: Any) -> dict[str, str]:
+def _layer_attention(layer: Any) -> dict[str, str]:
+    """``module_paths.layer_attention`` where the usual names (the runtime's ``MIXER_ATTRIBUTES``) find no
+    attention in the first decoder layer: the first submodule whose class name says attention that caches
+    under index 0 (``INDEX_ATTRIBUTES``); none where the usual names find one (a list of attentions,
+    LongCat-Flash's, is then refused by name) or nothing qualifies."""
+    from ..backends.extraction.runtime import abi as runtime
+
+    try:
+        runtime.mixer_of(layer, "attention")
+        return {}
+    except ValueError:
+        pass
+    found = (
+        path
+        for path, module in layer.named_modules()
+        if path and "attention" in type(module).__name__.lower() and runtime.index_of(module) == 0
+    )
+    path = next(found, None)
+    return {"layer_attention": path} if path is not None else {}
+
+
+def _stack_parts(stack: Any) -> dict[str, str | None]:
     """Where the stack keeps the parts the wrappers call, as ``module_paths`` keys, when not at
     transformers' usual names (``STACK_PARTS``): its input embedding, its last direct child that is a
     norm, a direct child that is a rotary embedding (Mamba2: ``embeddings``, ``norm_f``; Bamba:
-    ``final_layernorm``)."""
+    ``final_layernorm``; None where it has no norm child at all: post-norm layers, TrOCR), and a direct
+    child that embeds positions, which has no usual name (GPT-2's
+    ``wpe``, OPT's ``embed_positions``: an embedding named ``POSITION_NAMES``, learned or not) and a norm
+    over the embeddings (BLOOM's ``word_embeddings_layernorm``: a norm whose name says ``emb``, registered
+    before the layer list), which have none."""
+    from torch.nn import ModuleList
+
+    from ..backends.extraction.ir.stack import POSITION_NAMES
     from ..spec.model import STACK_PARTS
 
     children = list(stack.named_children())
@@ -184,12 +126,41 @@ def _stack_parts(stack: Any) -> dict[str, str]:
     def last(kind: str) -> str | None:  # the last direct child whose class name says it is a ``kind``
         return next((name for name, c in reversed(children) if kind in type(c).__name__.lower()), None)
 
+    before_layers = list(itertools.takewhile(lambda item: not isinstance(item[1], ModuleList), children))
+    embedding_norm = next(  # LFM2's final norm is named embedding_norm too, after its layers
+        (
+            name
+            for name, child in before_layers
+            if child is not embedding and "emb" in name and "norm" in type(child).__name__.lower()
+        ),
+        None,
+    )
+    children = [(name, child) for name, child in children if name != embedding_norm]
     found = {
         "embeddings": next((name for name, child in children if child is embedding), None),
         "final_norm": last("norm"),
+        "embedding_norm": embedding_norm,
         "rotary_embedding": last("rotary"),
+        "position_embeddings": next(
+            (
+                name
+                for name, child in children
+                if child is not embedding
+                and any(word in name.lower() for word in POSITION_NAMES)
+                and "embedding" in type(child).__name__.lower()
+                and "rotary" not in type(child).__name__.lower()
+            ),
+            None,
+        ),
     }
-    return {key: name for key, name in found.items() if name and not hasattr(stack, STACK_PARTS[key])}
+    written: dict[str, str | None] = {  # a part without a usual name (None) wherever the stack has it
+        key: name
+        for key, name in found.items()
+        if name and (STACK_PARTS[key] is None or not hasattr(stack, str(STACK_PARTS[key])))
+    }
+    if found["final_norm"] is None and not hasattr(stack, str(STACK_PARTS["final_norm"])):
+        written["final_norm"] = None  # no norm at all (post-norm layers: TrOCR): the stack applies none
+    return written
 
 
 def _has(model: Any, path: str) -> bool:
@@ -200,7 +171,7 @@ def _has(model: Any, path: str) -> bool:
     return True
 
 
-def write_spec(folder: Path, model_type: str, config: dict[str, Any], paths: dict[str, str]) -> Path:
+def write_spec(folder: Path, model_type: str, config: dict[str, Any], paths: dict[str, str | None]) -> Path:
     """The guide's spec for ``model_type`` on ``config`` (written to ``folder/model_type/config.json``)."""
     (folder / model_type).mkdir(parents=True, exist_ok=True)
     (folder / model_type / "config.json").write_text(json.dumps(config, default=str))
@@ -223,6 +194,11 @@ def write_spec(folder: Path, model_type: str, config: dict[str, Any], paths: dic
                   path: _experts_implementation, value: batched_mm, backends: [extraction]}}
             module_paths: {json.dumps(paths)}
             """
+        )
+        + (
+            f"architecture: {{fields: {json.dumps(GUIDE_FIELDS[model_type])}}}\n"
+            if model_type in GUIDE_FIELDS
+            else ""
         )
         + _patches_yaml(model_type, text)
         + "abi:\n"

@@ -33,7 +33,7 @@ from ..backends.extraction.job.contact_points import stack_points
 from ..backends.extraction.names import kv_names
 from ..backends.extraction.options import abi_graph_names, spec_paged
 from ..backends.extraction.runtime import abi as runtime
-from ..backends.extraction.runtime import symbolic
+from ..backends.extraction.runtime import step, step_bind, symbolic
 from ..checkpoint import dtypes
 from ..config.source import resolve_source
 from ..errors import KadaptError
@@ -299,13 +299,16 @@ def render_extraction(spec: Spec) -> list[Rendered]:
     upstream_module = split_module(Path(upstream.__file__))
     # the reference binder, which run_graph binds through; the module defines its own KadaptError
     binder_module = split_module(Path(symbolic.__file__), provided=frozenset({"KadaptError"}))
+    # the packed step graph's wrapper (over the runtime's) and its binding (over the binder's)
+    step_module = split_module(Path(step.__file__), provided=runtime_module.names)
+    step_binder = split_module(Path(step_bind.__file__), provided=binder_module.names | {"KadaptError"})
     embedded = EmbeddedCallables(provided={upstream.__name__: upstream_module.names})
     patches = _patches(spec, embedded)
     # The backend's own dtype step, so a generated model holds the dtypes kadapt exports.
     cast = embedded.add(dtypes.cast_to_abi_dtype, what="extraction dtype cast")
     # kadapt's own pin check, so a generated module refuses drifted upstream code as apply does
     check_pin = embedded.add(portable.check_pin, what="patch pins")
-    bodies = (runtime_module, encoding_module, upstream_module, binder_module)
+    bodies = (runtime_module, step_module, encoding_module, upstream_module, binder_module, step_binder)
     shared = sorted(
         {
             name
@@ -316,9 +319,10 @@ def render_extraction(spec: Spec) -> list[Rendered]:
     )
     if shared:  # one would silently replace the other in the generated module
         raise KadaptError(
-            f"runtime.py, encoding.py, upstream.py and symbolic.py must not define the same names: {shared}"
+            "runtime.py, step.py, encoding.py, upstream.py, symbolic.py and step_bind.py must not define "
+            f"the same names: {shared}"
         )
-    whole = runtime_module.names | encoding_module.names | upstream_module.names | binder_module.names
+    whole = frozenset().union(*(module.names for module in bodies))
     clashes = sorted(whole & set(embedded.sources))
     if clashes:
         raise _fail(
@@ -371,6 +375,8 @@ def render_extraction(spec: Spec) -> list[Rendered]:
             "source": encoding_module.source,
         },
         "binder": {"body": binder_module.body, "source": binder_module.source},
+        "step": {"body": step_module.body, "source": step_module.source},
+        "step_binder": {"body": step_binder.body, "source": step_binder.source},
         "upstream": {
             "body": upstream_module.body,
             "summary": upstream_module.summary,

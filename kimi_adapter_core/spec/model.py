@@ -150,6 +150,19 @@ class KvCacheAbi:
         )
 
 
+@dataclass(frozen=True)
+class StepAbi:
+    """``abi.step``: also export the packed step graph (``runtime/step.py``) over the paged pool: ``tokens``
+    packed tokens per call, logits for ``logits`` of them (default: one per request, ``abi.batch``)."""
+
+    tokens: int
+    logits: int | None = None
+
+    @classmethod
+    def from_raw(cls, raw: dict[str, Any] | None) -> StepAbi | None:
+        return None if raw is None else cls(tokens=raw["tokens"], logits=raw.get("logits"))
+
+
 def paged_size_problems(block_size: int, num_blocks: int | None, max_cache_len: int) -> list[tuple[str, str]]:
     """What is wrong with a paged cache of these sizes, as ``(field of abi.kv_cache, message)``: the one
     rule ``validate`` reports located at each field and ``apply`` raises."""
@@ -190,22 +203,37 @@ class Abi:
     vision: VisionAbi | None = None  # the vision graph, for vision-language models that declare it
     dynamic: tuple[str, ...] = ()  # sizes exported as dynamic dimensions (batch, prefill_len)
     kv_cache: KvCacheAbi = KvCacheAbi()
+    step: StepAbi | None = None  # abi.step: also export the packed step graph (needs a paged kv_cache)
 
 
 # The decoder stack's parts the prefill/decode wrappers call, by ``module_paths`` key, at the paths
 # (relative to ``module_paths.language_model``) where transformers' decoder models keep them; a spec
 # names another path where a family differs (Mamba2: ``embeddings``, ``norm_f``). A stack without a
-# rotary embedding (NoPE, SSM) runs without one.
-STACK_PARTS = {"embeddings": "embed_tokens", "final_norm": "norm", "rotary_embedding": "rotary_emb"}
+# rotary embedding (NoPE, SSM) runs without one. Learned absolute position embeddings (GPT-2's ``wpe``,
+# OPT's ``embed_positions``) and a norm over the embeddings (BLOOM's ``word_embeddings_layernorm``) have
+# no usual name (None): a stack has them only where the spec names them.
+STACK_PARTS: dict[str, str | None] = {
+    "embeddings": "embed_tokens",
+    "final_norm": "norm",
+    "rotary_embedding": "rotary_emb",
+    "position_embeddings": None,
+    "embedding_norm": None,
+}
 # The layer list is a stack part too (role ``layers``), named by the required ``module_paths.language_layers``
 # (from the top-level model, as simulate and plan read it): the wrappers call it at that path relative to
 # the language model (GPT-J's ``transformer.h``: ``h``), so a stack that keeps its layers elsewhere needs no
 # second key.
 LAYERS, LAYERS_KEY, LAYERS_DEFAULT = "layers", "language_layers", "layers"
+# Where each decoder layer keeps its attention, relative to the layer (GPT-Neo's ``attn.attention``): the
+# module that caches its keys and values under its index; carried with the stack's parts (``stated``), not
+# a part of the stack (no default: the runtime's ``MIXER_ATTRIBUTES`` names, ``self_attn`` first)
+LAYER_ATTENTION = "layer_attention"
 _PART_ROLES = {
     "embeddings": "token embedding",
     "final_norm": "norm after the last decoder layer",
     "rotary_embedding": "rotary embedding",
+    "position_embeddings": "learned position embedding",
+    "embedding_norm": "norm over the embeddings",
 }
 
 
@@ -215,11 +243,12 @@ class StackParts:
     (``stated``, key -> path) over ``STACK_PARTS``' defaults. ``locations`` is the spec line of each key
     (``module_paths`` itself for one left to its default), so a refusal points at the key that fixes it."""
 
-    stated: Mapping[str, str] = field(default_factory=dict)
+    stated: Mapping[str, str | None] = field(default_factory=dict)  # None: no such part (final_norm)
     locations: Mapping[str, str] = field(default_factory=dict, compare=False)
 
-    def path(self, key: str) -> str:
-        """The path of part ``key`` (a ``STACK_PARTS`` key, or ``LAYERS``) relative to the language model."""
+    def path(self, key: str) -> str | None:
+        """The path of part ``key`` (a ``STACK_PARTS`` key, or ``LAYERS``) relative to the language model;
+        None for a part without a usual name that the spec does not name (the stack has none)."""
         return self.stated.get(key, LAYERS_DEFAULT if key == LAYERS else STACK_PARTS[key])
 
     def where(self, key: str) -> str | None:
@@ -285,6 +314,11 @@ class Spec:
         if layers is not None and layers != LAYERS_DEFAULT:  # stated only where it departs: {} as before
             stated[LAYERS] = layers
         where[LAYERS] = f"module_paths.{LAYERS_KEY}"
+        if LAYER_ATTENTION in self.module_paths:
+            stated[LAYER_ATTENTION] = self.module_paths[LAYER_ATTENTION]
+        where[LAYER_ATTENTION] = (
+            f"module_paths.{LAYER_ATTENTION}" if LAYER_ATTENTION in stated else "module_paths"
+        )
         return StackParts(stated, {key: self.locate(at) for key, at in where.items()})
 
     def layers_in_stack(self) -> str | None:
@@ -412,6 +446,7 @@ def build_spec(path: Path, raw: dict[str, Any], positions: dict[str, Location]) 
                 vision=_vision_abi(abi.get("vision")),
                 dynamic=tuple(abi.get("dynamic") or ()),
                 kv_cache=KvCacheAbi.from_raw(abi.get("kv_cache")),
+                step=StepAbi.from_raw(abi.get("step")),
             )
             if abi
             else None

@@ -192,6 +192,7 @@ class _Checks(ShippedConfigChecks):
                 "abi.prefill_len", f"prefill_len {prefill} exceeds max_cache_len {cache}", "abi-lengths"
             )
         self.check_paged(abi.get("kv_cache"), abi.get("batch"), cache)
+        self.check_step(abi.get("step"), abi.get("kv_cache"), abi.get("vision"))
         vision = abi.get("vision") if isinstance(abi.get("vision"), dict) else {}
         merged = vision.get("merged_prefill")
         graphs = {"prefill": abi.get("prefill"), "decode": abi.get("decode")}
@@ -242,6 +243,26 @@ class _Checks(ShippedConfigChecks):
             ]
         for field, message, code in problems:
             self.error(at(field), message, code)
+
+    def check_step(self, step: Any, kv_cache: Any, vision: Any) -> None:
+        """``abi.step`` returns logits of at most its tokens, reads a paged pool (a contiguous
+        ``kv_cache`` contradicts it) and is text only (what apply refuses, said here)."""
+        if not isinstance(step, dict) or not self.clean("abi.step"):
+            return
+        tokens, logits = step.get("tokens"), step.get("logits")
+        if isinstance(tokens, int) and isinstance(logits, int) and logits > tokens:
+            self.error("abi.step.logits", f"step logits {logits} exceed its tokens {tokens}", "abi-lengths")
+        kind = kv_cache.get("kind") if isinstance(kv_cache, dict) else kv_cache
+        if kind == "contiguous":
+            self.error(
+                "abi.step",
+                "the step graph reads and writes the paged pool: kv_cache must be paged",
+                "abi-step",
+            )
+        if vision is not None:
+            self.error(
+                "abi.step", "the packed step graph is text only: a spec with abi.vision has none", "abi-step"
+            )
 
     def check_merged_prefill(
         self, merged: dict[str, Any], vision: dict[str, Any], prefill: Any, cache: Any

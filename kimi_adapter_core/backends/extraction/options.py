@@ -9,24 +9,26 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ...errors import KadaptError
-from ...spec.model import KvCacheAbi, MergedPrefillAbi, Spec, paged_name_problems, paged_size_problems
+from ...spec.model import MergedPrefillAbi, Spec
 from ...structure.kv_layout import resolve_kv_layout
 from ...structure.model import ALL_KV_LAYOUTS, ModelStructure
 from ...vision.options import VisionOptions, vision_options
+from .compressed_options import check_compressed
 from .names import DECODE_FIXED, MERGED_FIXED, PREFILL_FIXED, GraphNames, read_graph_names, state_roles
+from .paged import PagedOptions, paged_options
 from .runtime.symbolic import SYMBOLS as DYNAMIC_SIZES
 from .runtime.symbolic import DimRange
+from .step_options import StepOptions, serving_options
 
 MLA_ATTENTIONS = ("reexpand", "absorbed")
 DTYPES = ("bfloat16", "float16", "float32", "float64")
 MERGED = "prefill_mm"  # graph kind (and file name part) of the multimodal prefill
-KV_CACHES = ("contiguous", "paged")
 
 
 @dataclass(frozen=True)
@@ -66,43 +68,6 @@ def merged_prefill_options(
             "cannot hold its prompt"
         )
     return MergedPrefillOptions(names, length, spec.locate(where)), None
-
-
-@dataclass(frozen=True)
-class PagedOptions:
-    """``abi.kv_cache: paged``: decode KV as block pools ``[num_blocks, block_size, heads, dim]``."""
-
-    block_size: int
-    num_blocks: int
-    block_table: str  # name of the decode graph's block-table input, after cache_position
-
-
-def paged_options(
-    kv_cache: KvCacheAbi,
-    *,
-    batch: int,
-    max_cache_len: int,
-    decode_inputs: Iterable[str],
-    where: Callable[[str], str | None],
-) -> PagedOptions | None:
-    """The paged cache ``kv_cache`` describes, checked against the ABI sizes and the decode graph's
-    other inputs (None: contiguous); ``where(field)`` locates a problem with that field."""
-    if kv_cache.kind not in KV_CACHES:
-        raise KadaptError(
-            f"unknown kv_cache {kv_cache.kind!r}; valid: {', '.join(KV_CACHES)}", location=where("kind")
-        )
-    if kv_cache.kind == "contiguous":
-        return None
-    size = kv_cache.block_size
-    problems = [
-        *paged_size_problems(size, kv_cache.num_blocks, max_cache_len),
-        *paged_name_problems(kv_cache.block_table, decode_inputs),
-    ]
-    if problems:
-        field, message = problems[0]
-        raise KadaptError(f"kv_cache {message}", location=where(field))
-    num_blocks = kv_cache.num_blocks if kv_cache.num_blocks is not None else batch * (max_cache_len // size)
-    return PagedOptions(size, num_blocks, kv_cache.block_table)
 
 
 def spec_paged(spec: Spec) -> PagedOptions | None:
@@ -164,6 +129,7 @@ class ExtractionOptions:
     notes: tuple[str, ...] = ()  # what the run leaves out and why, said before it starts
     dynamic: tuple[str, ...] = ()  # abi.dynamic: sizes that become symbols ranging 1..their value
     paged: PagedOptions | None = None  # abi.kv_cache: paged (None: contiguous per-row caches)
+    step: StepOptions | None = None  # abi.step: the packed step graph too (``step_options``)
     # per request, shape and dtype of a linear layer's (conv, recurrent) states, as the layers hand
     # them over (``upstream.LayerProtocol.linear_states``; bound before export; None: no linear layer)
     linear_states: tuple[tuple[tuple[int, ...], str], ...] | None = None
@@ -238,7 +204,7 @@ class ExtractionOptions:
 
     def path(self, graph: str) -> Path:
         """Output file of ``graph``: ``prefill``, ``decode``, ``prefill_mm`` (the multimodal prefill),
-        ``vision``, ``kv_mapping``, ``weight_map``."""
+        ``step`` (the packed step graph), ``vision``, ``kv_mapping``, ``weight_map``."""
         suffix = f"{graph}.json" if graph in ("kv_mapping", "weight_map") else f"{graph}_ir.json"
         return self.output_dir / f"{self.file_prefix}_{suffix}"
 
@@ -321,11 +287,15 @@ def options_from_spec(
     dynamic: Iterable[str] | None = None,
     kv_cache: str | None = None,
     block_size: int | None = None,
+    num_blocks: int | None = None,
+    step_tokens: int | None = None,
+    step_logits: int | None = None,
 ) -> ExtractionOptions:
     """``spec.abi`` and ``backends.extraction`` defaults with CLI overrides, checked.
 
     ``kv_cache``/``block_size`` override ``abi.kv_cache`` (``paged`` with ``block_size``, default the
-    spec's or 16)."""
+    spec's or 16); ``num_blocks``, ``step_tokens`` and ``step_logits`` the pool size and ``abi.step``
+    (``step_options.serving_options``)."""
     abi = spec.abi
     if abi is None:
         raise KadaptError(f"spec {spec.name} has no `abi` section: extraction needs the prefill/decode ABI")
@@ -378,6 +348,8 @@ def options_from_spec(
     cache_abi = abi.kv_cache
     if kv_cache == "contiguous" and block_size is not None:
         raise KadaptError(f"block_size {block_size} needs a paged kv_cache, not contiguous")
+    if kv_cache == "contiguous" and (num_blocks is not None or step_tokens is not None):
+        raise KadaptError("num_blocks and the step graph need a paged kv_cache, not contiguous")
     if kv_cache is not None or block_size is not None:
         kind = kv_cache or "paged"
         cache_abi = dataclasses.replace(
@@ -404,6 +376,16 @@ def options_from_spec(
         merged, note = merged_prefill_options(
             spec, abi.vision.merged_prefill, max_cache_len=sizes["max_cache_len"]
         )
+    serving = serving_options(
+        spec,
+        batch=sizes["batch"],
+        max_cache_len=sizes["max_cache_len"],
+        paged=paged,
+        decode_names=decode_names,
+        num_blocks=num_blocks,
+        step_tokens=step_tokens,
+        step_logits=step_logits,
+    )
     return ExtractionOptions(
         output_dir=out,
         file_prefix=str(backend.get("file_prefix") or spec.name),
@@ -415,7 +397,7 @@ def options_from_spec(
         names_where=spec.locate("abi.prefill.outputs"),
         mla_attention=attention,
         prefill_names=prefill_names,
-        decode_names=decode_names,
+        decode_names=serving.decode_names,
         weight_renames=tuple((r["from"], r["to"]) for r in backend.get("weight_renames") or ()),
         verify_overrides=dict(verify.get("config_overrides") or {}),
         verify_tolerance=float(verify.get("tolerance", 1e-4)),
@@ -431,7 +413,8 @@ def options_from_spec(
             sizes,
             spec.locate("abi.dynamic") if dynamic is None and abi.dynamic else None,
         ),
-        paged=paged,
+        paged=serving.paged,
+        step=serving.step,
         **sizes,
     )
 
@@ -482,29 +465,14 @@ def bind_structure(options: ExtractionOptions, structure: ModelStructure) -> Ext
             '"<past recurrent {layer}>" to abi.decode.inputs',
             location=options.names_where,
         )
-    compressor = structure.compressor
-    compressed = compressor is not None
-    if compressed and not options.prefill_names.has_linear_states:
-        raise KadaptError(
-            f"the model has {structure.layer_kinds.count('hca')} compressed (hca) layers, whose compressor "
-            'ring and entries the graphs return: add "<present comp_src {layer}>", "<present comp {layer}>" '
-            'to abi.prefill.outputs and abi.decode.outputs, and "<past comp_src {layer}>", "<past comp '
-            '{layer}>" to abi.decode.inputs',
-            location=options.names_where,
-        )
-    if compressor is not None and options.max_cache_len % compressor.rate:
-        raise KadaptError(
-            f"abi.max_cache_len {options.max_cache_len} is not a multiple of the compressed layers' rate "
-            f"{compressor.rate}: their entries take max_cache_len / rate slots; use a multiple of it",
-            location=options.names_where,
-        )
-    if compressed and "prefill_len" in options.dynamic:
-        raise KadaptError(
-            "dynamic prefill_len cannot be exported for a stack with compressed (hca) layers: the prompt's "
-            "closed windows (prefill_len // rate entries) and the ring's placement are read from its length; "
-            "export a static prefill_len (one prefill graph per length you serve)",
-            location=options.dynamic_where,
-        )
+    compressed = check_compressed(
+        structure,
+        names_state=options.prefill_names.has_linear_states,
+        max_cache_len=options.max_cache_len,
+        dynamic=options.dynamic,
+        names_where=options.names_where,
+        dynamic_where=options.dynamic_where,
+    )
     if structure.linear is None and not compressed and options.prefill_names.has_linear_states:
         raise KadaptError(
             "the ABI names conv and recurrent states, but the model has no linear-attention layer: keep "

@@ -24,13 +24,18 @@ from ....errors import KadaptError
 from ..names import COMPRESSED_ROLES, FIXED_ROLES, GraphNames
 from ..options import MERGED, ExtractionOptions
 from ..runtime import abi as runtime
+from ..runtime import step as runtime_step
+from ..step_options import STEP
 from .convert import Symbols, convert, symbol_names
 from .graph import Graph
 from .stack import Backbone, probed_stack
 
 
 def graph_names(kind: str, options: ExtractionOptions) -> GraphNames:
-    """ABI names of the ``kind`` graph: ``prefill``, ``decode`` or ``prefill_mm``."""
+    """ABI names of the ``kind`` graph: ``prefill``, ``decode``, ``prefill_mm`` or ``step``."""
+    if kind == STEP:
+        assert options.step is not None
+        return options.step.names
     if kind == MERGED:
         assert options.merged_prefill is not None
         return options.merged_prefill.names
@@ -38,7 +43,11 @@ def graph_names(kind: str, options: ExtractionOptions) -> GraphNames:
 
 
 def wrapper_for(kind: str, backbone: Backbone, options: ExtractionOptions, num_layers: int) -> nn.Module:
-    classes = {"prefill": runtime.PrefillWrapper, "decode": runtime.DecodeWrapper}
+    classes = {
+        "prefill": runtime.PrefillWrapper,
+        "decode": runtime.DecodeWrapper,
+        STEP: runtime_step.StepWrapper,
+    }
     extra: dict[str, Any] = {}
     if kind == MERGED:
         merged = options.merged_prefill
@@ -74,6 +83,23 @@ def example_inputs(
     kind: str, backbone: Backbone, options: ExtractionOptions, num_layers: int
 ) -> tuple[Any, ...]:
     dtype = getattr(torch, options.dtype)
+    if kind == STEP:
+        step, paged = options.step, options.paged
+        assert step is not None and paged is not None
+        return runtime_step.step_inputs(
+            options.kv_dims,
+            tokens=step.tokens,
+            rows=step.rows,
+            logits=step.logits,
+            block_size=paged.block_size,
+            num_blocks=paged.num_blocks,
+            max_cache_len=options.max_cache_len,
+            kinds=options.layer_kinds[:num_layers],
+            dtype=dtype,
+            device=backbone.device,
+            index_dim=options.index_dim,
+            layer_kv_dims=None if options.layer_kv_dims is None else options.layer_kv_dims[:num_layers],
+        )
     if kind == "prefill":
         return runtime.prefill_inputs(
             batch=options.batch, prefill_len=options.prefill_len, dtype=dtype, device=backbone.device
@@ -115,6 +141,8 @@ def dynamic_dims(kind: str, options: ExtractionOptions, num_inputs: int) -> dict
     pools of a paged cache (shared by all rows). Multimodal prefill: the prefill's, but the image
     features ``[image tokens, hidden]`` stay fixed (one image ABI for the whole batch).
     """
+    if kind == STEP:  # static sizes: tokens, logits and requests per call are the spec's
+        return {}
     batch = "batch" in options.dynamic
     length = "prefill_len" in options.dynamic and kind != "decode"
     mask = 2 if kind == MERGED else 1

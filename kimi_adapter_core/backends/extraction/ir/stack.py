@@ -19,7 +19,7 @@ from torch import nn
 
 from .... import upstream
 from ....errors import KadaptError, Refusal
-from ....spec.model import LAYERS, STACK_PARTS, StackParts
+from ....spec.model import LAYER_ATTENTION, LAYERS, STACK_PARTS, StackParts
 from ..runtime import abi as runtime
 
 
@@ -56,6 +56,10 @@ LAYER_INPUTS = frozenset(
      "cache", "layer_past", "past_key_values", "past_key_value", "cache_position", "output_attentions",
      "kwargs", runtime.CAUSAL_MASK_INPUT, "transformer_hidden_states"}
 ) | frozenset(runtime.CARRIED_INPUTS) | frozenset(runtime.STACK_INPUTS)  # fmt: skip
+# a decoder layer's cross-attention inputs (GPT-2, GPTBigCode, TrOCR, XGLM): the causal LM's forward hands
+# them None unless the caller gives encoder states, which a text prompt never does; the wrappers leave
+# them at their default, None, and the layer skips its cross-attention
+ENCODER_INPUTS = frozenset({"encoder_hidden_states", "encoder_attention_mask"})
 # inputs a layer of a stack whose prompts are never padded (a linear mixer's state takes every token) may
 # take and the wrappers leave at their default, None, which is what the model's forward passes without
 # padding: Falcon-H1's mixer padding mask (``create_recurrent_attention_mask``)
@@ -78,32 +82,47 @@ def check_parts(backbone: Backbone) -> None:
 # names of a stack's direct child that holds position embeddings added to the token embeddings (GPT-2's
 # ``wpe``, OPT's ``embed_positions``, OpenAI-GPT's ``positions_embed``)
 POSITION_NAMES = ("wpe", "pos")
+POSITIONS_KEY = "position_embeddings"  # the module_paths key (and StackParts role) that names them
 
 
 def check_positions(backbone: Backbone) -> None:
     """Refuse (``stack-layout``) a stack whose positions reach the layers other than through a rotary
-    embedding, the mask and the cache, which is all the wrappers hand them: learned absolute position
-    embeddings added to the token embeddings (an ``nn.Embedding`` child named ``POSITION_NAMES``) and
-    ALiBi biases added to the attention scores (``alibi_of``)."""
+    embedding, learned absolute position embeddings the spec names (``module_paths.position_embeddings``,
+    which the wrappers add to the token embeddings), the mask and the cache: a learned table the spec
+    does not name (an ``nn.Embedding`` child named ``POSITION_NAMES``), a named part that is no table
+    (sinusoidal positions) and ALiBi biases added to the attention scores (``alibi_of``)."""
     stack, parts = backbone.language_model, backbone.parts
     token = runtime.stack_part(stack, "embeddings", parts.stated)
+    named = runtime.stack_part(stack, POSITIONS_KEY, parts.stated)
+    if named is not None and not isinstance(named, nn.Embedding):
+        raise Refusal(
+            "stack-layout",
+            f"module_paths.{POSITIONS_KEY} names {parts.path(POSITIONS_KEY)}, a {type(named).__name__}: the "
+            "wrappers add learned absolute position embeddings, a table (nn.Embedding) looked up at each "
+            "row's positions; positions another module computes (a sinusoidal table, a relative position "
+            "bias) are not supported",
+            location=parts.where(POSITIONS_KEY),
+        )
     for name, child in stack.named_children():
-        learned = isinstance(child, nn.Embedding) and child is not token
+        learned = isinstance(child, nn.Embedding) and child is not token and child is not named
         if learned and any(word in name.lower() for word in POSITION_NAMES):
             raise Refusal(
                 "stack-layout",
                 f"{type(stack).__name__} adds learned absolute position embeddings ({name}: "
-                f"{type(child).__name__} of {child.num_embeddings} positions) to the token embeddings; "
-                "the prefill/decode wrappers add none (learned positions are not supported yet)",
-                location=parts.where("embeddings"),
+                f"{type(child).__name__} of {child.num_embeddings} positions) to the token embeddings, "
+                f"which the spec does not name: set module_paths.{POSITIONS_KEY}: {name} (relative to "
+                "module_paths.language_model) and the prefill/decode wrappers add them at each row's "
+                "positions",
+                location=parts.where(POSITIONS_KEY),
             )
     alibi = alibi_of(stack)
-    if alibi is not None:
+    if alibi is not None and runtime.AlibiBias.of(stack) is None:
         raise Refusal(
             "stack-layout",
-            f"{type(stack).__name__} adds ALiBi biases to the attention scores ({alibi}), which its forward "
-            "builds from the attention mask and hands to every layer; the prefill/decode wrappers build "
-            "none (ALiBi is not supported yet)",
+            f"{type(stack).__name__} adds ALiBi biases to the attention scores ({alibi}) other than through "
+            "a builder of its own whose result every layer takes as alibi or position_bias (BLOOM's "
+            "build_alibi_tensor, MPT's build_mpt_alibi_tensor), the ALiBi the prefill/decode wrappers "
+            "build (runtime.AlibiBias: Falcon's too, folded into the mask as its forward does)",
         )
 
 
@@ -156,7 +175,7 @@ def check_stack(backbone: Backbone, kinds: Sequence[str] | None = None) -> None:
     for index, layer in enumerate(backbone.layers):
         params = inspect.signature(inspect.unwrap(type(layer).forward)).parameters
         unpadded = kinds is not None and kinds[index] in runtime.UNPADDED_KINDS
-        allowed = LAYER_INPUTS | UNPADDED_INPUTS if unpadded else LAYER_INPUTS
+        allowed = LAYER_INPUTS | ENCODER_INPUTS | (UNPADDED_INPUTS if unpadded else frozenset())
         extra = [
             n
             for n, p in params.items()
@@ -190,11 +209,8 @@ def check_stack(backbone: Backbone, kinds: Sequence[str] | None = None) -> None:
                 # no attention beside it, or one that caches under the index the wrappers hand the layer
                 # (Zamba's and Zamba2's shared block: STACK_INPUTS layer_idx)
                 continue
-        try:
-            attention: nn.Module | None = runtime.mixer_of(layer, "attention")
-        except ValueError:
-            attention = None
-        if attention is not None and getattr(attention, "layer_idx", None) == index:
+        attention = _attention(layer, index, backbone.parts)
+        if attention is not None and runtime.index_of(attention) == index:
             continue
         others = [type(m).__name__ for _, m in layer.named_children()]
         hybrid = [n for n in others if any(word in n for word in NON_ATTENTION)]
@@ -205,17 +221,44 @@ def check_stack(backbone: Backbone, kinds: Sequence[str] | None = None) -> None:
                 "config does not describe as a linear-attention layer kadapt can size: its state is not a "
                 "KV cache",
             )
-        names = " / ".join(runtime.MIXER_ATTRIBUTES["attention"])
+        path = backbone.parts.stated.get(LAYER_ATTENTION)
+        names = path or " / ".join(runtime.MIXER_ATTRIBUTES["attention"])
         found = (
-            f"no attention ({names})"
+            f"no attention at {names}"
             if attention is None
-            else f"an attention whose layer_idx is {getattr(attention, 'layer_idx', None)}"
+            else f"at {names} a {type(attention).__name__} whose layer index "
+            f"({' / '.join(runtime.INDEX_ATTRIBUTES)}) is {runtime.index_of(attention)}"
         )
         raise Refusal(
             "stack-layout",
             f"{type(layer).__name__} (layer {index}) has {found} (children: {', '.join(others)}); the KV "
-            "cache is addressed by each attention's layer_idx",
+            f"cache is addressed by each attention's layer index: set module_paths.{LAYER_ATTENTION} to the "
+            "attention inside a layer (relative to it) that caches under its own index",
+            location=backbone.parts.where(LAYER_ATTENTION),
         )
+
+
+def _attention(layer: nn.Module, index: int, parts: StackParts) -> nn.Module | None:
+    """The attention of decoder layer ``index`` where ``parts`` says (or the usual names); None if it has
+    none there. Refuses a layer that keeps several attentions in a list, each caching under an index of
+    its own (LongCat-Flash: ``self_attn[0]``, ``self_attn[1]`` at ``2 i`` and ``2 i + 1``): it writes as
+    many KV entries as it has attentions, and kadapt's cache holds one per decoder layer."""
+    try:
+        attention: nn.Module | None = runtime.mixer_of(layer, "attention", parts.stated.get(LAYER_ATTENTION))
+    except ValueError:
+        return None
+    if isinstance(attention, nn.ModuleList):
+        indices = [runtime.index_of(m) for m in attention]
+        if len(attention) > 1 and all(isinstance(i, int) for i in indices):
+            raise Refusal(
+                "stack-layout",
+                f"{type(layer).__name__} (layer {index}) runs {len(attention)} attentions in turn (a "
+                f"ModuleList of {type(attention[0]).__name__}), caching under indices "
+                f"{', '.join(map(str, indices))}: each decoder layer writes {len(attention)} KV cache "
+                "entries, and the ABI's cache holds one per decoder layer (its k.{layer} / v.{layer} "
+                "states); no spec field gives a layer more than one",
+            )
+    return attention
 
 
 def probed_stack(language_model: nn.Module, parts: StackParts) -> Any:

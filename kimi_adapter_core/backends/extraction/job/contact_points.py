@@ -21,7 +21,8 @@ def stack_points(structure: ModelStructure) -> tuple[str, ...]:
     """The contact points the ABI wrappers rely on to export a stack of ``structure``: the cache, the
     loader's dtype plan and the model classes; a linear stack's state cache (its layer kind's protocol)
     and, for Mamba1, the head's input cast; a DSA stack's indexer cache; per-layer embeddings' methods;
-    a rope by label and layers that take the token ids (DeepSeek-V4); MoE experts' implementation."""
+    a rope by label and layers that take the token ids (DeepSeek-V4); an offset learned position
+    table's lookup (OPT); BLOOM's ALiBi builder; MoE experts' implementation."""
     linear = structure.linear
     points = ["cache_update"]
     if linear is not None:  # the linear layers read and update their states through the cache
@@ -38,6 +39,10 @@ def stack_points(structure: ModelStructure) -> tuple[str, ...]:
         points.append("rope_by_label")
     if structure.moe is not None and structure.moe.hash_layers:  # the layers take the call's token ids
         points.append("layer_input_ids")
+    if structure.model_type in upstream.OFFSET_POSITION_MODEL_TYPES:  # looked up past the table's offset
+        points.append("learned_positions")
+    if structure.model_type in upstream.ALIBI_MODEL_TYPES:  # built by the stack's build_alibi_tensor
+        points.append("alibi_bias")
     points += ["loader_dtype_plan", "model_classes"]
     if linear is not None and linear.kind in upstream.HEAD_CAST_MIXERS:
         points.append("head_input_cast")  # the wrappers cast the final hidden states as it does

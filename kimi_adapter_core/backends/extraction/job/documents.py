@@ -20,6 +20,8 @@ from ..ir.stack import Backbone
 from ..names import kv_names
 from ..options import MERGED, ExtractionOptions
 from ..runtime import abi as runtime
+from ..runtime.step import step_mapping
+from ..step_options import STEP
 
 EXEC_DEVICE = "cpu"  # factory ops traced on meta get this device (the executors run on CPU)
 
@@ -45,7 +47,12 @@ def metadata(spec: Spec, backbone: Backbone, options: ExtractionOptions, graph: 
             **({"dynamic": dynamic_sizes(options, graph.kind)} if options.dynamic else {}),
             **(
                 {"kv_cache": {"kind": "paged", **paged_kv(options)._asdict()}}  # type: ignore[union-attr]
-                if options.paged is not None and graph.kind == "decode"
+                if options.paged is not None and graph.kind in ("decode", STEP)
+                else {}
+            ),
+            **(
+                {"step": {"tokens": options.step.tokens, "logits": options.step.logits}}
+                if options.step is not None and graph.kind == STEP
                 else {}
             ),
         },
@@ -140,6 +147,19 @@ def kv_mapping_document(options: ExtractionOptions, backbone: Backbone) -> dict[
             features_from={"graph": options.path("vision").name, "output": options.vision.output_name},
             dynamic=dynamic_sizes(options, MERGED),
             layer_kv_dims=options.layer_kv_dims,
+        )
+    step = options.step
+    if step is not None and options.paged is not None:
+        extra["step"] = step_mapping(
+            graph=options.path(STEP).name,
+            inputs=step.names.fixed_inputs,
+            logits=step.names.logits,
+            tokens=step.tokens,
+            rows=step.rows,
+            logit_count=step.logits,
+            max_cache_len=options.max_cache_len,
+            block_size=options.paged.block_size,
+            placeholder_token_id=merged.image_token_id if merged is not None else None,
         )
     return {
         "format_version": FORMAT_VERSION,

@@ -2,7 +2,9 @@
 
 With ``abi.vision`` also the vision graph, and with ``abi.vision.merged_prefill`` the multimodal prefill
 (``prefill_mm``: the prefill wrapper whose embeddings take image features at placeholder tokens, traced
-and stitched like the text prefill, so its KV continues into the same decode graph).
+and stitched like the text prefill, so its KV continues into the same decode graph), and with
+``abi.step`` the packed step graph (``step``: prefill chunks, decode and speculative tokens of many
+requests in one call over the paged pool, ``runtime/step.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ from ..ir.stack import Backbone, check_exportable, check_stack, probed_stack
 from ..ir.stitch import NotStitchable, Plan, plan, stitch
 from ..ir.weights import model_tensor_types, tied_names, weight_entries
 from ..options import MERGED, ExtractionOptions, bind_merged_prefill, bind_structure
+from ..runtime.step import step_refusal
+from ..step_options import STEP
 from . import forked
 from .contact_points import check_upstream
 from .documents import EXEC_DEVICE, kv_mapping_document, metadata
@@ -277,6 +281,8 @@ def prepare(
         check_upstream(options)
         check_rope_input_dtype(spec, options)
         check_stack(backbone, options.layer_kinds)
+        if options.step is not None and (refusal := step_refusal(options.layer_kinds)) is not None:
+            raise KadaptError(f"no packed step graph: {refusal}", location=options.step.where)
         check_exportable(backbone)
         load_export_machinery()
         dtype = getattr(torch, options.dtype)
@@ -326,6 +332,7 @@ def run(
     clock = Clock(echo)
     backbone, options, chosen, vision_modules = prepare(spec, model, options, clock, check_whole=check_whole)
     kinds = [*GRAPHS, *([MERGED] if options.merged_prefill is not None else [])]
+    kinds += [STEP] if options.step is not None else []
     tasks: list[forked.Task] = [
         (kind, functools.partial(build_graph, kind, backbone, options, chosen, clock)) for kind in kinds
     ]

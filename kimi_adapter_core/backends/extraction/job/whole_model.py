@@ -130,16 +130,20 @@ def _check(spec: Spec, options: ExtractionOptions) -> None:
             ) from exc
         if _close(ours, reference):
             return
-        embed = language_model.get_submodule(parts.path("embeddings"))
-        norm = language_model.get_submodule(parts.path("final_norm"))
-        embeddings = runtime.apply_ops(embed(ids), structure.outside_ops("embeddings"))
-        head = runtime.apply_ops(lm_head(norm(seen["last"])), structure.outside_ops("logits"))
+        embed = runtime.stack_part(language_model, "embeddings", parts.stated)
+        norm = runtime.stack_part(language_model, "final_norm", parts.stated)
+        table = runtime.stack_part(language_model, "position_embeddings", parts.stated)
+        embeddings = runtime.add_learned_positions(
+            runtime.apply_ops(embed(ids), structure.outside_ops("embeddings")), table, positions
+        )
+        last = norm(seen["last"]) if norm is not None else seen["last"]  # None: a post-norm stack
+        head = runtime.apply_ops(lm_head(last), structure.outside_ops("logits"))
     name = type(model).__name__
     code = "outside-layers"
     if not _close(embeddings, seen["first"]):
         where = (
             f"the embeddings: {name}'s forward hands the first decoder layer "
-            f"{parts.path('embeddings')}(input_ids) "
+            f"{parts.path('embeddings')}(input_ids){' plus its position embeddings' if table else ''} "
             f"{_ratio(embeddings, seen['first'])}"
         )
     elif not _close(head, reference):

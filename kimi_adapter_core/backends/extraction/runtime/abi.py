@@ -381,12 +381,13 @@ CARRIED_INPUTS = ("prev_topk_indices",)
 # them: Gemma-4's ``shared_kv_states`` (a dict its KV-storing layers fill with the keys and values they
 # attend over, for the KV-shared layers after them; transformers' KVSharingDict is a dict), fresh per
 # call, and ``per_layer_input`` (``PerLayerInputs``: each layer's slice of the per-layer embeddings, or
-# None where the config has none, as the model's forward passes it), and Falcon's ``alibi`` (None: the
-# wrappers run rotary configs, a stack with ALiBi is refused before export), and DeepSeek-V4's
-# ``input_ids`` (the call's token ids: its hash-routed MoE layers pick their experts by
-# ``tid2eid[input_ids]``; contact point ``layer_input_ids``).
+# None where the config has none, as the model's forward passes it), ``alibi`` / ``position_bias``
+# (BLOOM's and MPT's ALiBi biases: ``AlibiBias``; None where the stack has none, Falcon's rotary configs),
+# and DeepSeek-V4's ``input_ids`` (the call's token ids: its hash-routed MoE layers pick their experts
+# by ``tid2eid[input_ids]``; contact point ``layer_input_ids``).
 STACK_INPUTS = (
-    "shared_kv_states", "per_layer_input", "original_hidden_states", "layer_idx", "alibi", "input_ids",
+    "shared_kv_states", "per_layer_input", "original_hidden_states", "layer_idx", "alibi", "position_bias",
+    "input_ids",
 )  # fmt: skip
 # Zamba's and Zamba2's layers also take ``original_hidden_states`` (what entered the first layer, which
 # their hybrid layers' shared blocks read beside their hidden states) and ``layer_idx`` (the index their
@@ -491,25 +492,37 @@ class CompressorWindows(NamedTuple):
     prior_gate: torch.Tensor | None = None
 
 
-def layer_index(layer: nn.Module, kind: str, position: int) -> int:
-    """The index a layer's states are addressed by: its mixer's ``layer_idx``; a block with no mixer keeps
-    no state, so its own ``layer_idx`` or, without one, its ``position`` in the stack (a prefix of it)."""
+def layer_index(layer: nn.Module, kind: str, position: int, attention: str | None = None) -> int:
+    """The index a layer's states are addressed by: its mixer's ``layer_idx`` (an attention's may be
+    ``layer_id``: ``INDEX_ATTRIBUTES``); a block with no mixer keeps no state, so its own ``layer_idx``
+    or, without one, its ``position`` in the stack (a prefix of it). ``attention``: ``mixer_of``'s."""
     if kind in STATELESS_KINDS:
         return getattr(layer, "layer_idx", position)
-    return mixer_of(layer, kind).layer_idx
+    return index_of(mixer_of(layer, kind, attention))
 
 
-def mixer_of(layer: nn.Module, kind: str) -> nn.Module:
-    """The layer's token mixer of ``kind`` (its ``layer_idx`` addresses the cache)."""
-    for path in MIXER_ATTRIBUTES[kind]:
+# The attribute a mixer keeps the index it caches under in: ``layer_idx``, or GPT-Neo's attention's
+# ``layer_id`` (upstream's ``INDEX_ATTRIBUTES``)
+INDEX_ATTRIBUTES = ("layer_idx", "layer_id")
+
+
+def index_of(mixer: nn.Module | None) -> Any:
+    """The index ``mixer`` caches under (``INDEX_ATTRIBUTES``; None: it keeps none)."""
+    return next((i for i in (getattr(mixer, n, None) for n in INDEX_ATTRIBUTES) if i is not None), None)
+
+
+def mixer_of(layer: nn.Module, kind: str, attention: str | None = None) -> nn.Module:
+    """The layer's token mixer of ``kind`` (its index addresses the cache). ``attention``: where an
+    attention layer keeps it, relative to the layer (a spec's ``module_paths.layer_attention``: GPT-Neo's
+    ``attn.attention``), instead of ``MIXER_ATTRIBUTES``' names."""
+    paths = (attention,) if attention is not None and kind == "attention" else MIXER_ATTRIBUTES[kind]
+    for path in paths:
         mixer: Any = layer
         for name in path.split("."):
             mixer = getattr(mixer, name, None)
         if mixer is not None:
             return mixer
-    raise ValueError(
-        f"{type(layer).__name__} has no {kind} mixer (looked for {', '.join(MIXER_ATTRIBUTES[kind])})"
-    )
+    raise ValueError(f"{type(layer).__name__} has no {kind} mixer (looked for {', '.join(paths)})")
 
 
 class StaticStateCache:
@@ -795,22 +808,37 @@ class StaticStateCache:
 
 # The parts of a decoder stack the wrappers call, by role, where transformers' decoder models keep them
 # (relative to the stack); a spec's ``module_paths.embeddings`` / ``final_norm`` / ``rotary_embedding``
-# name others, and its ``module_paths.language_layers`` the layer list (GPT-J, Falcon: ``h``).
-STACK_PARTS = {
+# name others, and its ``module_paths.language_layers`` the layer list (GPT-J, Falcon: ``h``). Learned
+# absolute position embeddings have no usual name (GPT-2: ``wpe``; OPT: ``embed_positions``): a stack has
+# them where ``module_paths.position_embeddings`` names them (``add_learned_positions``), and so does a
+# norm over the embeddings before the first layer (BLOOM's ``word_embeddings_layernorm``):
+# ``module_paths.embedding_norm``.
+STACK_PARTS: dict[str, str | None] = {
     "layers": "layers",
     "embeddings": "embed_tokens",
     "final_norm": "norm",
     "rotary_embedding": "rotary_emb",
+    "position_embeddings": None,
+    "embedding_norm": None,
 }
 
 
+# Where each decoder layer keeps its attention, relative to the layer (``module_paths.layer_attention``,
+# carried with the stack's parts; absent: ``MIXER_ATTRIBUTES``' names): not a part of the stack itself
+LAYER_ATTENTION = "layer_attention"
+
+
 def stack_part(
-    language_model: nn.Module, role: str, parts: Mapping[str, str] | None = None
+    language_model: nn.Module, role: str, parts: Mapping[str, str | None] | None = None
 ) -> nn.Module | None:
     """The stack's ``role`` part at the path ``parts`` names (else ``STACK_PARTS``'); None for a rotary
-    embedding the stack does not have and ``parts`` does not name (NoPE, SSM stacks)."""
+    embedding the stack does not have and ``parts`` does not name (NoPE, SSM stacks), for a part
+    without a usual name (learned position embeddings, an embedding norm) ``parts`` does not name, and
+    for a part ``parts`` says the stack has none of (None: TrOCR's final norm)."""
     parts = parts or {}
     path = parts.get(role, STACK_PARTS[role])
+    if path is None:
+        return None
     try:
         return language_model.get_submodule(path)
     except AttributeError:
@@ -819,7 +847,90 @@ def stack_part(
         raise
 
 
-def stack_layers(language_model: nn.Module, parts: Mapping[str, str] | None = None) -> list[nn.Module]:
+def add_learned_positions(
+    hidden_states: torch.Tensor, table: nn.Module | None, position_ids: torch.Tensor
+) -> torch.Tensor:
+    """``hidden_states`` ``[B, Q, hidden]`` plus each token's learned absolute position embedding, looked
+    up at its row's own ``position_ids`` ``[B, Q]`` in ``table`` (None: the stack has none), as GPT-2's
+    ``wpe(position_ids)``. OPT's, BioGPT's and TrOCR's tables keep their first ``offset`` (2) rows
+    unused: their forwards look up ``position_ids + self.offset`` (contact point ``learned_positions``),
+    which this does through the ``nn.Embedding`` lookup itself, since each of their forwards takes the
+    positions another way (the 2-D mask, a cache length)."""
+    if table is None:
+        return hidden_states
+    offset = getattr(table, "offset", 0)
+    embeddings = nn.Embedding.forward(table, position_ids + offset)  # type: ignore[arg-type]
+    return hidden_states + embeddings
+
+
+class AlibiBias(nn.Module):
+    """ALiBi biases the model's forward builds once per call with a builder of the stack's own and hands
+    every layer (contact point ``alibi_bias``): BLOOM's ``build_alibi_tensor(attention_mask, heads,
+    dtype)`` as ``alibi`` ``[B * heads, 1, K]``, the slope times the visible keys before each key, from
+    its 2-D mask; MPT's ``build_mpt_alibi_tensor(heads, max_seq_len)`` as ``position_bias`` ``[heads, 1,
+    max_seq_len]``, the slope times each key's distance to the last (float32), from the config alone.
+
+    BLOOM's 2-D mask is what the ABI's 4-D mask says each row's last query sees (its prompt, or its cache
+    up to its own position): a key's bias counts the visible keys before it, as the model's cumsum
+    does, and a hidden key's bias is masked anyway. Plain elementwise ops, so it exports.
+
+    Falcon with ``alibi: true`` builds BLOOM's bias with a function of its modelling module
+    (``build_alibi_tensor``, the stack has no such method) and its forward also folds it into the mask
+    it hands every layer (``FOLDING_STACKS``): each visible entry becomes the bias over ``sqrt(head_dim)``
+    (a hidden one stays the dtype's minimum), beside the bias itself as ``alibi`` (``fold``)."""
+
+    BUILDERS = {"build_alibi_tensor": "alibi", "build_mpt_alibi_tensor": "position_bias"}
+    # stacks whose forward builds the bias with the modelling module's ``build_alibi_tensor`` when their
+    # config's ``alibi`` is true, and folds it into the layers' mask
+    FOLDING_STACKS = ("FalconModel",)
+
+    def __init__(
+        self, builder: Any, keyword: str, num_heads: int, length: int | None, fold: float | None = None
+    ) -> None:
+        super().__init__()
+        self.builder = builder  # the stack's bound builder
+        self.keyword = keyword  # the layer input it is handed as (a STACK_INPUTS name)
+        self.num_heads = num_heads
+        self.length = length  # MPT's: the config's max_seq_len
+        self.fold = fold  # Falcon's 1 / sqrt(head_dim): the bias folded into the mask (None: not)
+
+    @classmethod
+    def of(cls, language_model: nn.Module) -> AlibiBias | None:
+        """The stack's ALiBi bias; None where it has no ``BUILDERS`` method (nor, a ``FOLDING_STACKS``
+        one whose config turns ALiBi on, its module's builder)."""
+        config = language_model.config
+        for method, keyword in cls.BUILDERS.items():
+            builder = getattr(language_model, method, None)
+            if builder is not None:
+                return cls(builder, keyword, config.num_attention_heads, getattr(config, "max_seq_len", None))
+        module = inspect.getmodule(type(language_model))
+        builder = getattr(module, "build_alibi_tensor", None)
+        if (
+            type(language_model).__name__ in cls.FOLDING_STACKS
+            and getattr(config, "alibi", False)
+            and builder
+        ):
+            heads = config.num_attention_heads
+            return cls(builder, "alibi", heads, None, fold=(config.hidden_size // heads) ** -0.5)
+        return None
+
+    def folded(self, mask: torch.Tensor | None, bias: torch.Tensor) -> torch.Tensor | None:
+        """``mask`` ``[B, 1, Q, K]`` (additive) with ``bias`` ``[B * heads, 1, K]`` folded in as Falcon's
+        forward does: ``[B, heads, Q, K]``, each visible entry the bias times ``fold``; unchanged where
+        nothing folds."""
+        if self.fold is None or mask is None:
+            return mask
+        heads = bias.reshape(mask.shape[0], self.num_heads, 1, bias.shape[-1]) * self.fold
+        return heads.masked_fill(mask < -1, torch.finfo(mask.dtype).min)
+
+    def forward(self, attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.keyword == "position_bias":
+            return self.builder(self.num_heads, self.length, device=attention_mask.device)
+        visible = (attention_mask[:, 0, -1, :] == 0).to(torch.long)  # [B, K]: the last query's keys
+        return self.builder(visible, self.num_heads, dtype)
+
+
+def stack_layers(language_model: nn.Module, parts: Mapping[str, str | None] | None = None) -> list[nn.Module]:
     """The stack's decoder layers (at ``parts``' ``layers`` path), as many as its config counts."""
     layers = stack_part(language_model, "layers", parts)
     return list(layers)[: language_model.config.num_hidden_layers]  # type: ignore[call-overload]
@@ -831,19 +942,21 @@ class ProbedStack(NamedTuple):
     layers: Any
     config: Any
     rotary_emb: nn.Module | None
+    layer_attention: str | None = None  # where a layer keeps its attention (None: the usual names)
 
 
-def probed_stack(language_model: nn.Module, parts: Mapping[str, str] | None = None) -> Any:
+def probed_stack(language_model: nn.Module, parts: Mapping[str, str | None] | None = None) -> Any:
     """The stack as ``upstream``'s layer probes read it (``layers``, ``config``, ``rotary_emb``): the
     language model itself, or a view of it with the layer list and rotary embedding where ``parts``
-    names them."""
+    names them, and where a layer keeps its attention (``LAYER_ATTENTION``)."""
     parts = parts or {}
-    if "layers" not in parts and "rotary_embedding" not in parts:
+    if not {"layers", "rotary_embedding", LAYER_ATTENTION} & parts.keys():
         return language_model
     return ProbedStack(
         stack_part(language_model, "layers", parts),
         language_model.config,
         stack_part(language_model, "rotary_embedding", parts),
+        parts.get(LAYER_ATTENTION),
     )
 
 
@@ -854,7 +967,7 @@ class _TextStack(nn.Module):
         self,
         embed_tokens: nn.Module,
         layers: Sequence[nn.Module],
-        norm: nn.Module,
+        norm: nn.Module | None,
         rotary_emb: nn.Module | None,
         lm_head: nn.Module,
         *,
@@ -869,6 +982,10 @@ class _TextStack(nn.Module):
         chunks: Sequence[int | None] | None = None,
         per_layer_inputs: PerLayerInputs | None = None,
         streams: ResidualStreams | None = None,
+        position_embeddings: nn.Module | None = None,
+        embedding_norm: nn.Module | None = None,
+        alibi: AlibiBias | None = None,
+        layer_attention: str | None = None,
     ) -> None:
         super().__init__()
         if kv_layout not in KV_LAYOUTS:
@@ -878,6 +995,9 @@ class _TextStack(nn.Module):
         # registered in the order the graph first uses them (the one-trace export lists buffers by
         # registration, the two-call one by use: the IR's constants must not depend on which ran)
         self.per_layer_inputs = per_layer_inputs
+        self.position_embeddings = position_embeddings  # learned absolute positions (None: none)
+        self.embedding_norm = embedding_norm  # a norm over the embeddings (None: none)
+        self.alibi = alibi  # ALiBi biases handed to every layer (None: none)
         self.layers = nn.ModuleList(layers)
         self.streams = streams
         self.norm = norm
@@ -896,7 +1016,7 @@ class _TextStack(nn.Module):
         if unknown:
             raise ValueError(f"unknown layer kind {unknown[0]!r}; valid: {', '.join(LAYER_STATES)}")
         self.layer_ids = [
-            layer_index(layer, kind, position)
+            layer_index(layer, kind, position, layer_attention)
             for position, (layer, kind) in enumerate(zip(self.layers, self.kinds, strict=True))
         ]
         # sliding window of each traced layer (None: full attention), by the layer's own index
@@ -925,7 +1045,7 @@ class _TextStack(nn.Module):
         logit_ops: OpList = (),
         rope_layer_types: Sequence[RopeKey] | None = None,
         layer_kinds: Sequence[str] | None = None,
-        parts: Mapping[str, str] | None = None,
+        parts: Mapping[str, str | None] | None = None,
         chunks: Sequence[int | None] | None = None,
         **extra: Any,
     ) -> _TextStack:
@@ -966,6 +1086,10 @@ class _TextStack(nn.Module):
             chunks=chunks,
             per_layer_inputs=PerLayerInputs.of(language_model),
             streams=ResidualStreams.of(language_model),
+            position_embeddings=stack_part(language_model, "position_embeddings", parts),
+            embedding_norm=stack_part(language_model, "embedding_norm", parts),
+            alibi=AlibiBias.of(language_model),
+            layer_attention=(parts or {}).get(LAYER_ATTENTION),
             **extra,
         )
 
@@ -993,6 +1117,13 @@ class _TextStack(nn.Module):
         (``per_layer``: the per-layer embeddings ``[B, Q, layers, width]``, indexed by layer;
         ``input_ids``: the call's token ids, for layers that take them)."""
         hidden_states = apply_ops(hidden_states, self.embedding_ops)
+        hidden_states = add_learned_positions(hidden_states, self.position_embeddings, position_ids)
+        if self.embedding_norm is not None:
+            hidden_states = self.embedding_norm(hidden_states)
+        # ALiBi biases under the input name the layers take them as (``alibi``, ``position_bias``)
+        biases: dict[str, torch.Tensor] = {}
+        if self.alibi is not None:
+            biases[self.alibi.keyword] = self.alibi(attention_mask, hidden_states.dtype)
         if self.rotary_emb is None:  # no rope: positions reach the layers only through the mask and cache
             position_embeddings: list[Any] = [None] * len(self.layers)
         elif self.rope_layer_types is None:
@@ -1022,6 +1153,9 @@ class _TextStack(nn.Module):
             masks[span] if kind not in unmasked else None
             for span, kind in zip(spans, self.kinds, strict=True)
         ]
+        if self.alibi is not None and self.alibi.fold is not None:  # Falcon's: folded into the mask too
+            folded = {id(m): self.alibi.folded(m, biases["alibi"]) for m in layer_masks}
+            layer_masks = [folded[id(m)] for m in layer_masks]
         if self.streams is not None:  # after the rope, which the model computes from the embeddings
             hidden_states = self.streams.expand(hidden_states)
         with (
@@ -1045,6 +1179,7 @@ class _TextStack(nn.Module):
                         "original_hidden_states": first_input,
                         "layer_idx": index,
                         "input_ids": input_ids,
+                        **biases,
                     },
                     attention_mask=mask,
                     position_ids=position_ids,
@@ -1054,9 +1189,16 @@ class _TextStack(nn.Module):
                 )
         if self.streams is not None:
             hidden_states = self.streams(hidden_states)
-        final = in_head_dtype(self.norm(hidden_states), self.lm_head)
+        rows = self.head_rows(hidden_states)
+        normed = self.norm(rows) if self.norm is not None else rows  # None: post-norm
+        final = in_head_dtype(normed, self.lm_head)
         logits = apply_ops(self.lm_head(final), self.logit_ops)
         return (logits, *cache.flat_present())
+
+    def head_rows(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The final hidden states the LM head turns into logits: all of them here; the packed step
+        graph (``step.StepWrapper``) keeps only the tokens the engine asks logits for."""
+        return hidden_states
 
 
 def flat_rope_keys(rope_layer_types: Sequence[RopeKey]) -> list[str]:
@@ -1559,11 +1701,16 @@ class PagedKV(NamedTuple):
                 "shape": [batch, blocks],
                 "dtype": "int64",
                 "rule": "block_table[b, j] is the pool block holding row b's positions "
-                f"j*{self.block_size}..(j+1)*{self.block_size}-1; blocks may be in any order, each owned by "
-                "one row; entries for blocks a row has not reached yet may name any block (the mask hides "
-                "them), but a row's written blocks must be its own. A row with no request still writes its "
-                "token: give it a scratch block",
+                f"j*{self.block_size}..(j+1)*{self.block_size}-1; blocks may be in any order; a block a row "
+                "writes is that row's alone, a full block of a prefix common to several rows may be read by "
+                "all of them (sharing); entries for blocks a row has not reached yet may name any block "
+                "(the mask hides them). A row with no request still writes its token: give it a scratch "
+                "block",
             },
+            "sharing": "prefix reuse: rows whose prompts start with the same whole blocks may point at "
+            "one copy of those blocks (full, read-only); the block holding a row's next position must be "
+            "its own, so a shared partial last block is copied first (copy-on-write). The binder checks "
+            "it on request (bind_step's check_ownership)",
             "pool_dims": {"block": 0, "offset": 1, "heads": 2, "dim": 3},
             "slot_rule": f"position p of row b is offset p % {self.block_size} of block "
             f"block_table[b, p // {self.block_size}]; the mask is the contiguous layout's, over logical "

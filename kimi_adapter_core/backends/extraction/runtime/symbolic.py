@@ -26,11 +26,10 @@ the k-th placeholder and cannot count them). The loaded IR carries no metadata, 
 
 Nor does a declaration state which positions a graph may take, and there the graph fails silently: a
 decode row at a position past the cache finds no slot, and the contiguous cache's per-row write
-(``write_rows``) drops its token without an error. So the binder reads the values of the position inputs
-(one min and one max each) and refuses a row outside ``0..max_cache_len-1``, naming the input, the row,
-its position and the limit, on every graph that writes a static cache: a decode graph (contiguous or
-paged) always, its limit read from its own declaration (the attention mask's key length is
-``max_cache_len``), a prefill whenever the runtime passes the ``max_cache_len`` of the cache it fills.
+(``write_rows``) drops its token without an error. So the binder reads the position inputs' values (one
+min and max each) and refuses a row outside ``0..max_cache_len-1``, naming the input, row, position and
+limit, on every graph that writes a cache: a decode or step graph always, its limit read from its own
+declaration (see ``position_inputs``), a prefill whenever the runtime passes the cache it fills.
 ``check_values=False`` skips every check that reads values (positions, ``values``, placeholders), for a
 runtime that checks them itself: on an accelerator each read is a device sync.
 
@@ -342,10 +341,14 @@ def position_inputs(ir: Any, *, graph: str) -> tuple[list[int], int | None]:
     A text graph's first input is the token ids ``[batch, length]`` and its first 4-dim input the
     attention mask ``[batch, 1, query_len, key_len]``; ``position_ids`` follows the mask. A decode graph
     then takes ``cache_position`` ``[batch]`` (one dim), and its mask spans the whole cache, so the mask's
-    key length is ``max_cache_len`` (paged too: the mask is over logical positions). A graph of any
-    other form (vision) has no positions.
-    """
+    key length is ``max_cache_len`` (paged too: the mask is over logical positions). The step graph
+    (packed ``[T]`` ids, then ``positions``) holds its block table's blocks of its pools' block size.
+    A graph of any other form (vision) has no positions."""
     declared = [tuple(meta.shape) for meta in ir.graph_inputs]
+    if declared and len(declared[0]) == 1 and len(declared) > 5:  # the packed step graph (runtime/step.py):
+        table, pool = declared[3], declared[5]  # block_table [rows, blocks], pool [blocks, block_size, ..]
+        known = len(table) == 2 and len(pool) == 4 and all(type(n) is int for n in (table[1], pool[1]))
+        return [1], table[1] * pool[1] if known else None
     if not declared or len(declared[0]) != 2:
         return [], None
     mask = next((index for index, shape in enumerate(declared) if len(shape) == 4), None)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any
@@ -340,6 +341,17 @@ def price(op: Op, device: Device, table: KernelTable | None = None) -> Priced:
     if table and _mla(op) and source != "roofline":
         floors = table.module_floor.get("mla" if op.attrs.get("decode") else "mla_prefill", ())
     return Priced(op, body + overhead, bound, source, floors)
+
+
+def framework_pricer(framework: str) -> Callable[[Op, Device], Priced]:
+    """``price`` with the device's kernel table for ``framework``: what ``kadapt simulate
+    --framework`` prices one step with (serving frameworks run different kernels), for a sweep or a
+    ``--concurrency`` request mode."""
+
+    def pricer(op: Op, device: Device) -> Priced:
+        return price(op, device, kernel_table(device, framework))
+
+    return pricer
 
 
 def _mla(op: Op) -> bool:

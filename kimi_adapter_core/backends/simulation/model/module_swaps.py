@@ -47,10 +47,13 @@ def swap(root: nn.Module, path: str, new: nn.Module) -> None:
 
 def stack_child(spec: Spec, lm: nn.Module, key: str, *, optional: bool = False) -> nn.Module | None:
     """The stack part ``key`` (``module_paths``: ``final_norm``, ``rotary_embedding``) of the text model;
-    an ``optional`` one may be absent (a NoPE / SSM stack has no rotary embedding)."""
+    an ``optional`` one may be absent (a NoPE / SSM stack has no rotary embedding); None where the spec
+    says the stack has none (``final_norm: null``)."""
     parts = spec.stack_parts()
+    if key in parts.stated and parts.stated[key] is None:
+        return None
     try:
-        module = lm.get_submodule(parts.path(key))
+        module = lm.get_submodule(str(parts.path(key)))
     except AttributeError:
         module = None
     if module is None and optional and key not in parts.stated:

@@ -32,10 +32,12 @@ from ....structure.model import CORRECTED_SCORINGS, Attention, ModelStructure
 from ....structure.residual_streams import STREAM_HEAD
 from ....vision.tower import VisionArch
 from .arch import Architecture, indexed_layer_ids
+from .embedding_params import embedding_tensors
 from .form_params import compressor_rows, form_attention, hash_router_rows
 from .layer_parts import FP32_ROUTER, LayerParts, shared_expert, sublayers
 from .mixer_params import LINEAR_TENSORS, Shard, Tensors
 from .shared_block_params import BlockGroup, shared_block_groups
+from .stream_params import stream_connections, stream_head_shapes
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,10 @@ class Naming:
     renames: tuple[tuple[str, str], ...]
     router: str = "gate"  # the MoE block's router attribute (gpt-oss: ``router``; moe.field_renames.gate)
     embeddings: str = "embed_tokens"  # the stack's token embedding and final norm (``module_paths``)
-    final_norm: str = "norm"
+    final_norm: str | None = "norm"  # None: the stack applies none (``final_norm: null``)
+    # the stack's learned absolute position table and its norm over the embeddings (None: none)
+    position_embeddings: str | None = None
+    embedding_norm: str | None = None
 
     def checkpoint(self, path: str) -> str:
         """The checkpoint's name of model tensor ``path`` (the extraction backend's rule)."""
@@ -123,8 +128,10 @@ def naming(spec: Spec) -> Naming:
         paths["lm_head"],
         tuple((r["from"], r["to"]) for r in renames),
         ((spec.moe or {}).get("field_renames") or {}).get("gate", "gate"),
-        parts.path("embeddings"),
+        str(parts.path("embeddings")),
         parts.path("final_norm"),
+        parts.path("position_embeddings"),
+        parts.path("embedding_norm"),
     )
 
 
@@ -276,22 +283,25 @@ _ROLE_ROWS = {"gate": 1, "up": 1, "gate_up": 2}
 
 
 def _mlp(prefix: str, hidden: int, width: int, roles: Mapping[str, str]) -> Tensors:
-    """An MLP's projections under the family's names: each input projection (gate and up, a fused
-    gate_up, or up alone) from ``hidden`` to its rows of ``width``, then down."""
+    """An MLP's projections under the family's names (``prefix`` "": the layer's own, OPT's): each input
+    projection (gate and up, fused gate_up, or up alone) from ``hidden`` to ``width`` rows, then down."""
     ins = [(roles[r], n * width) for r, n in _ROLE_ROWS.items() if r in roles]
-    inputs: Tensors = [(f"{prefix}.{name}.weight", (rows, hidden)) for name, rows in ins]
-    return [*inputs, (f"{prefix}.{roles['down']}.weight", (hidden, width))]
+    at = f"{prefix}." if prefix else ""
+    inputs: Tensors = [(f"{at}{name}.weight", (rows, hidden)) for name, rows in ins]
+    return [*inputs, (f"{at}{roles['down']}.weight", (hidden, width))]
 
 
 def text_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
     h, vocab = s.hidden_size, s.vocab_size
     parts = sublayers(s)
     groups = [_model(n, "embed_tokens", f"{n.language_model}.{n.embeddings}.weight", (vocab, h), "vocab")]
-    if parts.final_norm:  # none when it holds no weight (OLMo's LayerNorm)
+    if parts.final_norm and n.final_norm is not None:  # none holding a weight (OLMo's LayerNorm)
         final = f"{n.language_model}.{n.final_norm}.weight"
         groups.append(_model(n, "final_norm", final, (h,), "replicated"))
     if not s.tie_word_embeddings:
         groups.append(_model(n, "lm_head", f"{n.lm_head}.weight", (vocab, h), "vocab"))
+    for role, path, shape in embedding_tensors(s, n.language_model, n.position_embeddings, n.embedding_norm):
+        groups.append(_model(n, role, path, shape, "replicated"))
     if s.shared_blocks is not None:  # every decoder tensor is the mixer's or a shared block's (Zamba2)
         return groups + [_shared_block_group(s, n, g) for g in shared_block_groups(s)]
     for first, (shape, ids, label) in enumerate(_attention_shapes(s)):
@@ -387,43 +397,14 @@ def _per_layer_input_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
 
 
 def _residual_stream_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
-    """Hyper-connections under transformers' names (5.24 ``HYV4HyperConnection``, ``DeepseekV4Hyper
-    Connection``): each layer's attention and MLP connection (``attn_hc``, ``ffn_hc``) projects the
-    flattened streams to its mixes with ``fn`` and biases and scales them; the stack's ``hc_head``
-    merges the streams. All float32 (``_keep_in_fp32_modules_strict``), replicated: every rank mixes
-    the whole hidden state of every stream."""
-    streams, flat = (
-        s.residual_streams,
-        s.hidden_size * (s.residual_streams.count if s.residual_streams else 0),
-    )
-    assert streams is not None
-    connection = [
-        (f"{hc}.{name}", shape)
-        for hc in ("attn_hc", "ffn_hc")
-        for name, shape in (
-            ("fn", (streams.mixes, flat)),
-            ("base", (streams.mixes,)),
-            ("scale", (streams.scales,)),
-        )
-    ]
+    """Hyper-connections (``stream_params``): every layer's two connections and the stack's head,
+    float32 and replicated."""
     head = f"{n.language_model}.{STREAM_HEAD}"
-    return [
-        _layers(n, "hc.connections", range(s.num_layers), connection, "replicated", "fp32", False),
-        ParamGroup(
-            "hc.head",
-            (
-                (
-                    n.checkpoint(f"{head}.hc_fn"),
-                    n.checkpoint(f"{head}.hc_base"),
-                    n.checkpoint(f"{head}.hc_scale"),
-                ),
-            ),
-            ((streams.count, flat), (streams.count,), (1,)),
-            "replicated",
-            "fp32",
-            False,
-        ),
-    ]
+    names = tuple(n.checkpoint(f"{head}.{name}") for name in ("hc_fn", "hc_base", "hc_scale"))
+    connections = _layers(
+        n, "hc.connections", range(s.num_layers), stream_connections(s), "replicated", "fp32", False
+    )
+    return [connections, ParamGroup("hc.head", (names,), stream_head_shapes(s), "replicated", "fp32", False)]
 
 
 def _moe_groups(s: ModelStructure, n: Naming, parts: LayerParts) -> list[ParamGroup]:

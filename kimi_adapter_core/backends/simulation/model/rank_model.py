@@ -181,7 +181,7 @@ def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts,
         lm.get_input_embeddings(),
         stack_child(spec, lm, "rotary_embedding", optional=True),
         [_traced(kind, layers[kind.index], rope_types) for kind in kinds],
-        stack_child(spec, lm, "final_norm"),
+        stack_child(spec, lm, "final_norm") or nn.Identity(),  # a post-norm stack applies none
         lm_head,
         nn.Linear(2 * s.hidden_size, s.hidden_size, bias=False) if dep.mtp else None,
         stream_head=lm.get_submodule(STREAM_HEAD) if s.residual_streams is not None else None,

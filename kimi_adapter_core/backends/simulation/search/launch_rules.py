@@ -55,13 +55,13 @@ class StepTokens:
     counts_decode: bool
     source: str
 
-    def chunks(self, decode_rows: int, most: int) -> list[int]:
+    def chunks(self, decode_rows: int, most: int, budgets: tuple[int, ...] = STEP_BUDGETS) -> list[int]:
         """Prompt tokens a mixed step carries beside ``decode_rows`` decode tokens, one per budget
-        tried (``STEP_BUDGETS`` up to the cap), at most ``most`` (the prompt tokens a cycle brings: a
-        step cannot carry more than are waiting); a budget the decode rows already fill carries no
-        prompt and is left out."""
+        tried (``budgets`` up to the cap; ``(max,)``: the framework's default alone), at most ``most``
+        (the prompt tokens a cycle brings: a step cannot carry more than are waiting); a budget the
+        decode rows already fill carries no prompt and is left out."""
         found = []
-        for budget in (b for b in STEP_BUDGETS if b <= self.max):
+        for budget in (b for b in budgets if b <= self.max):
             chunk = min(budget - decode_rows if self.counts_decode else budget, most)
             if chunk > 0 and chunk not in found:
                 found.append(chunk)

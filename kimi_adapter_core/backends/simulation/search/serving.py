@@ -33,7 +33,7 @@ from ..model.parallel import Parallel
 from ..model.rank_model import RankModel
 from ..tables.device import Device
 from .grid import Config, Point, divisors, layouts
-from .launch_rules import Framework, framework
+from .launch_rules import STEP_BUDGETS, Framework, framework
 from .pareto import pareto_front
 from .pareto_plot import PlotPoint
 from .request_pricing import Candidate, Workload, aggregated, disaggregated, mixed_step, prompt_attention
@@ -98,6 +98,8 @@ class ServingSearch:
         batches: Sequence[int] | None = None,
         prefill_batches: Sequence[int] = DEFAULT_PREFILL_BATCHES,
         pricer: Pricer | None = None,
+        layout: Parallel | None = None,
+        budgets: tuple[int, ...] | None = None,
     ) -> None:
         if devices < 1:
             raise UsageError(f"--devices must be >= 1 (got {devices})")
@@ -111,6 +113,9 @@ class ServingSearch:
         self.batches = tuple(sorted(set(batches))) if batches else REQUEST_BATCHES
         self.prefill_batches = tuple(sorted(set(prefill_batches)))
         self.pricer = pricer
+        # ``layout``: search that one layout only (``kadapt simulate --concurrency``); ``budgets``: the
+        # aggregated step budgets tried (default ``STEP_BUDGETS`` up to the framework's cap)
+        self.layout, self.budgets = layout, budgets or STEP_BUDGETS
         self.decode_base = replace(
             base, query_len=1, context_len=workload.isl + workload.osl // 2, decode=True, batch=1
         )
@@ -142,11 +147,15 @@ class ServingSearch:
         decode_points: list[Point] = []
         prefill_points: list[Point] = []
         for workers in divisors(self.devices):
+            if self.layout is not None and workers != self.layout.devices:
+                continue
             try:
                 candidates = layouts(self.s, workers)
             except UsageError:
                 result.worker_sizes[workers] = "no layout divides the model's heads and widths"
                 continue
+            if self.layout is not None:
+                candidates = [par for par in candidates if par == self.layout]
             pars = []
             for par in candidates:
                 rule = self.framework.refusal(par)
@@ -211,7 +220,7 @@ class ServingSearch:
         tokens."""
         tpq, w = self.decode_base.tokens_per_query, self.workload
         return {
-            (par, b): self.framework.step_tokens.chunks(b // par.dp * tpq, b // par.dp * w.isl)
+            (par, b): self.framework.step_tokens.chunks(b // par.dp * tpq, b // par.dp * w.isl, self.budgets)
             for par in pars
             for b in self.batches
             if b % par.dp == 0

@@ -1,0 +1,202 @@
+"""The mixed step graph: one call over the packed tokens of every scheduled request (issue 39).
+
+What a vLLM- or SGLang-style engine runs each step: prefill chunks, single decode tokens and ``k + 1``
+speculative tokens of different requests packed into one ``[T]`` token vector, each token at its own
+position, reading and writing the paged KV pool through the block table, logits only for the tokens the
+engine asks for.
+
+``StepWrapper(input_ids, positions, token_rows, block_table, logit_indices, past.0.key, ...)``
+-> ``(logits, present.0.key, ...)``:
+
+- ``input_ids`` ``[T]``: the tokens of every request this step, packed (no padding between requests);
+- ``positions`` ``[T]``: each token's position in its request (``0..max_cache_len-1``);
+- ``token_rows`` ``[T]``: each token's request, a row of ``block_table``;
+- ``block_table`` ``[R, max_cache_len / block_size]``: each request's physical blocks, as in paged decode;
+- ``logit_indices`` ``[N]``: the tokens (indices into ``T``) whose logits the engine wants (a chunk's
+  last token, a decode token, every speculative token to verify);
+- the pools ``[num_blocks, block_size, heads, dim]`` of paged decode; ``logits`` is ``[N, vocab]``.
+
+Why it is cheap: the paged decode graph already writes every row's new key and value into the pool
+(``paged_write``, one ``index_copy``) before any row reads its blocks back (``paged_view``). So a step
+is a paged decode in which each token is a row of its own, whose block-table row is its request's:
+after the write, the pool holds every token of this step, and a token at position ``p`` attends over
+its request's slots ``0..p`` (``additive_causal_mask`` by position, computed in the graph): what the
+request cached before, and the tokens of this step before it. A prompt prefilled in chunks then equals
+a one-shot prefill, and ``k + 1`` speculative tokens are verified in one call.
+
+The engine's part (the contract): a request's tokens are at consecutive positions continuing what its
+blocks already hold, so every slot ``<= p`` is written; no two tokens write one slot; a block written
+this step belongs to that request alone (prefix blocks shared between requests are read-only: the
+binder's ownership check, ``step_bind``). Sizes are static: an engine with fewer tokens pads with
+tokens of a request whose block-table row points at a scratch block no live request owns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .abi import (
+    LAYER_STATES,
+    KVDims,
+    StaticStateCache,
+    _TextStack,
+    additive_causal_mask,
+    decode_kv_shapes,
+    layer_dims,
+)
+
+# The step graph's fixed inputs, in order (then the pools, as paged decode's).
+STEP_FIXED = ("input_ids", "positions", "token_rows", "block_table", "logit_indices")
+# Layer kinds whose state a step can write token by token into the pool: the attention caches (and the
+# KV-less MLP blocks). A linear mixer's fixed-size state takes a request's tokens in order as one scan,
+# which a packed step of independent token rows cannot give it; a KV-sharing layer reads keys another
+# layer computed in the same call for the same query rows.
+STEP_KINDS = ("attention", "indexed", "none")
+
+
+def step_refusal(kinds: Sequence[str]) -> str | None:
+    """Why a stack of these layer kinds has no step graph (None: it has one)."""
+    for layer, kind in enumerate(kinds):
+        if kind not in STEP_KINDS:
+            what = "shares another layer's KV" if kind == "shared" else f"keeps {kind} state"
+            return (
+                f"layer {layer} {what}: the packed step graph writes attention KV token by token into the "
+                f"paged pool, and reads only layers of kinds {', '.join(STEP_KINDS)}"
+            )
+    return None
+
+
+class StepWrapper(_TextStack):
+    """The packed step over a paged pool (module docstring): each token a decode row of its request."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        refusal = step_refusal(self.kinds)
+        if refusal is not None:
+            raise ValueError(refusal)
+        self._logit_indices: torch.Tensor | None = None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        token_rows: torch.Tensor,
+        block_table: torch.Tensor,
+        logit_indices: torch.Tensor,
+        *pools: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        counts = [len(LAYER_STATES[kind]) for kind in self.kinds]
+        if len(pools) != sum(counts):
+            raise ValueError(f"expected {sum(counts)} past state tensors, got {len(pools)}")
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        past = [tuple(pools[start : start + n]) for start, n in zip(starts, counts, strict=True)]
+        key_length = block_table.shape[1] * pools[0].shape[1]  # max_cache_len: blocks of block_size
+        position_ids = positions.view(-1, 1)
+        mask = additive_causal_mask(position_ids, key_length, pools[0].dtype)
+        cache = StaticStateCache(
+            self.kv_layout,
+            self.layer_ids,
+            past,
+            positions,
+            block_table.index_select(0, token_rows),  # each token's row: its request's blocks
+            kinds=self.kinds,
+        )
+        self._logit_indices = logit_indices
+        try:
+            logits, *present = self._run(input_ids.view(-1, 1), mask, position_ids, cache)
+        finally:
+            self._logit_indices = None
+        return (logits[:, -1], *present)
+
+    def head_rows(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Only the tokens ``logit_indices`` names reach the norm and the LM head (``[N, 1, hidden]``)."""
+        assert self._logit_indices is not None, "head_rows runs inside forward"
+        return hidden_states.index_select(0, self._logit_indices)
+
+
+def step_inputs(
+    kv_dims: KVDims,
+    *,
+    tokens: int,
+    rows: int,
+    logits: int,
+    block_size: int,
+    num_blocks: int,
+    max_cache_len: int,
+    kinds: Sequence[str],
+    dtype: torch.dtype,
+    device: str | torch.device = "meta",
+    index_dim: int | None = None,
+    layer_kv_dims: Sequence[KVDims] | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Example step inputs: ``tokens`` tokens dealt round-robin to ``rows`` requests at consecutive
+    positions, a block table giving the rows blocks in order (wrapping around the pool), logits of the
+    last ``logits`` tokens, and zeroed pools."""
+    token_rows = torch.arange(tokens, device=device).remainder(rows)
+    positions = torch.div(torch.arange(tokens, device=device), rows, rounding_mode="floor")
+    blocks = max_cache_len // block_size
+    table = torch.arange(rows * blocks, device=device).remainder(num_blocks).view(rows, blocks)
+    indices = torch.arange(tokens - logits, tokens, device=device)
+    index_dims: KVDims = ((1, index_dim or 1),) * 2  # the indexer keys: one head
+    paged = (block_size, num_blocks)
+    pools: list[torch.Tensor] = []
+    for layer, kind in enumerate(kinds):
+        if not LAYER_STATES[kind]:
+            continue
+        key_shape, value_shape = decode_kv_shapes(layer_dims(kv_dims, layer_kv_dims, layer), 1, 1, paged)
+        pools += [torch.zeros(key_shape, dtype=dtype, device=device)]
+        pools += [torch.zeros(value_shape, dtype=dtype, device=device)]
+        if kind == "indexed":
+            index_shape = decode_kv_shapes(index_dims, 1, 1, paged)[0]
+            pools.append(torch.zeros(index_shape, dtype=dtype, device=device))
+    ids = torch.zeros(tokens, dtype=torch.long, device=device)
+    return ids, positions, token_rows, table, indices, *pools
+
+
+def step_mapping(
+    *,
+    graph: str,
+    inputs: Sequence[str],
+    logits: str,
+    tokens: int,
+    rows: int,
+    logit_count: int,
+    max_cache_len: int,
+    block_size: int,
+    placeholder_token_id: int | None = None,
+) -> dict[str, Any]:
+    """The state mapping's ``step`` section: the packed step graph's fixed inputs and its rules (the pools
+    are the paged decode graph's, ``contract.paged``); with ``placeholder_token_id`` (a multimodal spec's
+    image placeholder) the token its ids may not hold."""
+    ids, positions, token_rows, table, indices = inputs
+    shapes = {ids: [tokens], positions: [tokens], token_rows: [tokens]}
+    shapes.update({table: [rows, max_cache_len // block_size], indices: [logit_count]})
+    placeholder = (
+        {
+            "placeholder_token_id": placeholder_token_id,
+            "placeholder_rule": f"{ids} never holds {placeholder_token_id}: the step graph embeds token "
+            "ids, so an image placeholder would get no image features; a prompt with images is prefilled "
+            "by the merged prefill graph (merged_prefill), whose KV the runtime places in the pool, and "
+            "continues here",
+        }
+        if placeholder_token_id is not None
+        else {}
+    )
+    return {
+        "graph": graph,
+        "inputs": [{"name": name, "shape": shape, "dtype": "int64"} for name, shape in shapes.items()],
+        "logits": {"name": logits, "shape": [logit_count, "vocab"], "row_i": f"the token {indices}[i]"},
+        "pools": "the paged decode graph's KV inputs and outputs, in its order (contract.paged)",
+        "rule": f"{ids}[t] is token t of the call, at position {positions}[t] of request {token_rows}[t], "
+        f"whose blocks are row {token_rows}[t] of {table} (contract.paged's slot rule). The graph writes "
+        "every token's KV into the pools, then each token attends over its request's slots 0..its "
+        "position: a request's tokens in one call must be at consecutive positions continuing what its "
+        "blocks hold (a prefill chunk, one decode token, or k+1 speculative tokens), no two tokens may "
+        "write one slot, and a block written in the call must be its request's alone (contract.paged."
+        f"sharing). Logits row i is the token {indices}[i]'s. Unused tokens: a request whose block-table "
+        "row points at a scratch block no live request owns",
+        **placeholder,
+    }

@@ -1,0 +1,167 @@
+"""Published end-to-end serving measurements (``tables/published/serving_points.yaml``), read and checked.
+
+Each point is one public benchmark run of one server: a model, a device and count, a framework and its
+version, the server's layout, N concurrent requests of a prompt and output length, and what the
+benchmark client measured (output tokens/s of the whole server, mean and median TTFT and TPOT). They
+are kadapt's untouched test: no cost table was fitted on them, ``benchmarks/bench_simulation.py --only
+serving`` prices each with ``kadapt simulate --concurrency`` and prints the ratio.
+
+Separate from the bench so that a test can hold every point to the schema (a typo in a key, a missing
+source or certainty note, a layout that does not match the device count fails loudly, naming the point)
+without importing the pricing machinery.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ....errors import KadaptError
+from ..model.parallel import Parallel
+
+POINTS_FILE = Path(__file__).parents[1] / "tables" / "published" / "serving_points.yaml"
+FRAMEWORKS = ("trtllm", "sglang", "vllm")
+_KEYS = {
+    "id",
+    "source",
+    "model",
+    "device",
+    "devices",
+    "framework",
+    "framework_version",
+    "layout",
+    "kv_dtype",
+    "workload",
+    "concurrency",
+    "measured_concurrency",
+    "measured",
+    "certainty",
+}
+_MEASURED = ("output_tok_s", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms")
+_WORKLOAD = ("dataset", "requests", "total_input_tokens", "total_output_tokens")
+
+
+@dataclass(frozen=True)
+class ServingPoint:
+    """One published measurement; ``isl`` / ``osl`` are the run's mean lengths (its token totals over
+    its requests: benchmark clients draw lengths per request unless told not to)."""
+
+    id: str
+    url: str
+    title: str
+    spec: str  # specs/<spec>.yaml
+    checkpoint: str
+    device: str  # a kadapt device profile
+    devices: int
+    framework: str
+    version: str
+    parallel: Parallel  # the layout kadapt prices
+    layout_stated: str
+    layout_assumed: bool  # ``parallel`` is not the stated layout (kadapt has no expert-TP: see the note)
+    moe_tp: int  # the stated routed-expert sharding (expert TP x EP = devices), for AIConfigurator
+    moe_ep: int
+    kv_dtype: str
+    isl: int
+    osl: int
+    concurrency: int
+    output_tok_s: float  # the whole server's
+    mean_ttft_ms: float
+    median_ttft_ms: float
+    mean_tpot_ms: float
+    median_tpot_ms: float
+    certainty: str
+
+    @property
+    def output_tok_s_per_device(self) -> float:
+        return self.output_tok_s / self.devices
+
+
+def _need(entry: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    value = entry.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool) or value == "":
+        raise KadaptError(f"{where}: {key} missing or not a {kind} (got {value!r})")
+    return value
+
+
+def _point(entry: dict[str, Any], index: int, file: str) -> ServingPoint:
+    where = f"{file}: point {index} ({entry.get('id', '?')})"
+    unknown = set(entry) - _KEYS
+    if unknown:
+        raise KadaptError(f"{where}: unknown keys {sorted(unknown)}")
+    source, model = _need(entry, "source", dict, where), _need(entry, "model", dict, where)
+    layout, workload = _need(entry, "layout", dict, where), _need(entry, "workload", dict, where)
+    measured = _need(entry, "measured", dict, where)
+    for key in ("url", "title"):
+        _need(source, key, str, f"{where} source")
+    if not str(source["url"]).startswith("https://"):
+        raise KadaptError(f"{where}: source.url must be an https address")
+    for key in _WORKLOAD:
+        _need(workload, key, (str, int), f"{where} workload")
+    for key in _MEASURED:
+        if _need(measured, key, (int, float), f"{where} measured") <= 0:
+            raise KadaptError(f"{where}: measured.{key} must be > 0")
+    framework = _need(entry, "framework", str, where)
+    if framework not in FRAMEWORKS:
+        raise KadaptError(f"{where}: framework {framework!r} not in {FRAMEWORKS}")
+    par = Parallel(*(_need(layout, k, int, f"{where} layout") for k in ("tp", "dp", "ep")))
+    devices = _need(entry, "devices", int, where)
+    if par.devices != devices:
+        raise KadaptError(f"{where}: layout tp x dp = {par.devices} but devices = {devices}")
+    moe_tp, moe_ep = int(layout.get("moe_tp", 1)), int(layout.get("moe_ep", par.ep))
+    if "moe_tp" in layout and moe_tp * moe_ep != devices:
+        raise KadaptError(f"{where}: layout moe_tp x moe_ep must be {devices} devices")
+    if par.ep != moe_ep and not layout.get("assumed"):
+        raise KadaptError(f"{where}: layout ep is not the stated MoE's: mark it assumed")
+    requests = workload["requests"]
+    isl = round(workload["total_input_tokens"] / requests)
+    osl = round(workload["total_output_tokens"] / requests)
+    return ServingPoint(
+        id=_need(entry, "id", str, where),
+        url=source["url"],
+        title=source["title"],
+        spec=_need(model, "spec", str, f"{where} model"),
+        checkpoint=_need(model, "checkpoint", str, f"{where} model"),
+        device=_need(entry, "device", str, where),
+        devices=devices,
+        framework=framework,
+        version=str(_need(entry, "framework_version", (str, int, float), where)),
+        parallel=par,
+        layout_stated=_need(layout, "stated", str, f"{where} layout"),
+        layout_assumed=bool(layout.get("assumed", False)),
+        moe_tp=moe_tp if "moe_tp" in layout else devices // par.ep,
+        moe_ep=moe_ep,
+        kv_dtype=_need(entry, "kv_dtype", str, where),
+        isl=isl,
+        osl=osl,
+        concurrency=_need(entry, "concurrency", int, where),
+        output_tok_s=float(measured["output_tok_s"]),
+        mean_ttft_ms=float(measured["mean_ttft_ms"]),
+        median_ttft_ms=float(measured["median_ttft_ms"]),
+        mean_tpot_ms=float(measured["mean_tpot_ms"]),
+        median_tpot_ms=float(measured["median_tpot_ms"]),
+        certainty=_need(entry, "certainty", str, where),
+    )
+
+
+def load_points(path: Path = POINTS_FILE) -> tuple[ServingPoint, ...]:
+    """Every point of ``path``, checked (``KadaptError`` naming the point and key otherwise)."""
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    if not isinstance(data, dict) or not isinstance(data.get("points"), list):
+        raise KadaptError(f"{path.name}: expected a mapping with a list under 'points'")
+    points = tuple(_point(entry, i, path.name) for i, entry in enumerate(data["points"]))
+    seen: set[str] = set()
+    for p in points:
+        if p.id in seen:
+            raise KadaptError(f"{path.name}: point id {p.id!r} appears twice")
+        seen.add(p.id)
+    return points
+
+
+@cache
+def serving_points() -> tuple[ServingPoint, ...]:
+    """The shipped points (``published/serving_points.yaml``), read once."""
+    return load_points()

@@ -1,0 +1,141 @@
+"""The guide's per-family spec entries (docs/writing-a-spec.md, "Which bridges a family needs"): the
+class patches a model type's own code needs to export and the ``architecture.fields`` its config needs,
+as the family matrix's spec builder (``trial.write_spec``) writes them, the same fields a user writes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_LLAMA4 = "transformers.models.llama4.modeling_llama4"
+_DEEPSEEK_V2 = "transformers.models.deepseek_v2.modeling_deepseek_v2"
+_FALCON = "transformers.models.falcon.modeling_falcon"
+_MPT = "transformers.models.mpt.modeling_mpt"
+_GPT_NEO = "transformers.models.gpt_neo.modeling_gpt_neo"
+_DEEPSEEK_V4 = "transformers.models.deepseek_v4.modeling_deepseek_v4"
+# The class patches the guide names for a model type whose own code needs a builtin to export
+# (docs/writing-a-spec.md, "Which bridges a family needs"): model type -> its patches, pinned to the
+# transformers release the matrix runs on (a release that changes the code refuses them: upstream drift).
+_LLAMA4_PATCHES: tuple[dict[str, Any], ...] = (
+    {
+        "id": "L1",
+        "why": "complex freqs_cis become real (cos, sin), the form the wrappers pass on",
+        "target": f"{_LLAMA4}:Llama4TextRotaryEmbedding.forward",
+        "kind": "replace",
+        "impl": "builtin:llama4_rotary_cos_sin",
+        "backends": ["extraction"],
+        "pin": {
+            "signature": "(self, x, position_ids)",
+            "source_sha256": "8f2fa823a60a9eb365d0bcbc8b5b24893f37192cdafa6421a3371826e8db8e57",
+        },
+    },
+    {
+        "id": "L2",
+        "why": "rope from (cos, sin) in real math; the NoPE layers' temperature from each row's position",
+        "target": f"{_LLAMA4}:Llama4TextAttention.forward",
+        "kind": "replace",
+        "impl": "builtin:llama4_attention_forward",
+        "backends": ["extraction"],
+        "pin": {"source_sha256": "a77422c908cc05c7c0ba0ba26a24cbe1581a902dd6906a554bf7faab2e69c1bf"},
+    },
+)
+GUIDE_PATCHES: dict[str, tuple[dict[str, Any], ...]] = {
+    "gpt_neo": (
+        {
+            "id": "N1",
+            "why": "each row's causal prefix and local window from the ABI's mask, not a buffer sliced by "
+            "the cache's length",
+            "target": f"{_GPT_NEO}:GPTNeoSelfAttention._attn",
+            "kind": "replace",
+            "impl": "builtin:gpt_neo_attn",
+            "backends": ["extraction"],
+            "pin": {
+                "signature": "(self, query, key, value, attention_mask=None)",
+                "source_sha256": "39d314cacd051131ca1f05b3b3b1ac6d758461427ab10e6244425a7c751947cd",
+            },
+        },
+    ),
+    "falcon": (
+        {
+            "id": "F1",
+            "why": "key and value heads by slices: a list index exports as a constant, valueless on meta",
+            "target": f"{_FALCON}:FalconAttention._split_heads",
+            "kind": "replace",
+            "impl": "builtin:falcon_split_heads_slices",
+            "backends": ["extraction"],
+            "pin": {
+                "signature": (
+                    "(self, fused_qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]"
+                ),
+                "source_sha256": "37894faf93b0c9d5ae3146421d6ee29c2482130f72c49a9dedf4979614d2370a",
+            },
+        },
+    ),
+    "mpt": (
+        {
+            "id": "M1",
+            "why": "ALiBi sliced by the key length alone (no cache length read per row); additive mask",
+            "target": f"{_MPT}:MptAttention.forward",
+            "kind": "replace",
+            "impl": "builtin:mpt_attention_forward",
+            "backends": ["extraction", "simulation"],  # simulate then refuses its inline attention by name
+            "pin": {
+                "signature": (
+                    "(self, hidden_states: torch.Tensor, position_bias: torch.Tensor, cache: "
+                    "transformers.cache_utils.Cache | None = None, "
+                    "attention_mask: torch.Tensor | None = None, **kwargs)"
+                ),
+                "source_sha256": "61b00d0a061a40a476a3a5f896708981e8f2d706087c3dc3200fad6ad9ae0fbf",
+            },
+        },
+    ),
+    "llama4_text": _LLAMA4_PATCHES,
+    # the multimodal type: the same text classes, under Llama4ForConditionalGeneration's language model
+    "llama4": _LLAMA4_PATCHES,
+    "deepseek_v2": (
+        {
+            "id": "D1",
+            "why": "complex freqs_cis become real (cos, sin), the form the wrappers pass on",
+            "target": f"{_DEEPSEEK_V2}:DeepseekV2RotaryEmbedding.forward",
+            "kind": "replace",
+            "impl": "builtin:deepseek_v2_rotary_cos_sin",
+            "backends": ["extraction"],
+            "pin": {
+                "signature": "(self, x, position_ids)",
+                "source_sha256": "8f2fa823a60a9eb365d0bcbc8b5b24893f37192cdafa6421a3371826e8db8e57",
+            },
+        },
+        {
+            "id": "D2",
+            "why": "the rope of q_pe and k_pe from (cos, sin) in real math; the latents cached as upstream's",
+            "target": f"{_DEEPSEEK_V2}:DeepseekV2Attention.forward",
+            "kind": "replace",
+            "impl": "builtin:deepseek_v2_attention_forward",
+            "backends": ["extraction"],
+            "pin": {"source_sha256": "f84d31d933d5f7b2611ae72460c93084733b6ed81da5407a7dff963df11e86b9"},
+        },
+    ),
+}
+
+# The class patches the guide names for a layer type whose code needs a builtin to export, added to a
+# family's where its config lists that type (DeepSeek-V4's heavily compressed layers: a stack of sliding
+# layers alone needs none, and its generated module carries no wrap).
+GUIDE_LAYER_PATCHES: dict[str, tuple[dict[str, Any], ...]] = {
+    "heavily_compressed_attention": (
+        {
+            "id": "V1",
+            "why": "the HCA compressor's open window and entries in the static cache, per row (upstream "
+            "grows them by concatenation and counts entries in a Python int for the whole batch)",
+            "target": f"{_DEEPSEEK_V4}:DeepseekV4HCACompressor.forward",
+            "kind": "wrap",
+            "impl": "builtin:deepseek_v4_hca_compressor",
+            "backends": ["extraction"],
+            "pin": {"source_sha256": "fe93d160eee3c9b08574d00bac8c4a55e510a77e1a3e5502eb2df825ba6f39c9"},
+        },
+    ),
+}
+# The ``architecture.fields`` the guide states for a family whose config keys a fact under a name
+# ``config_keys.yaml`` does not list for every family (GPT-Neo: which layers are local, their window)
+GUIDE_FIELDS: dict[str, dict[str, str]] = {
+    "gpt_neo": {"layer_types": "attention_layers", "sliding_window": "window_size"},
+}

@@ -1,0 +1,181 @@
+"""The published serving points (``tables/published/serving_points.yaml``) and ``kadapt simulate
+--concurrency``, which prices them.
+
+What must hold: every point loads with its source, layout, workload, measurements and a certainty
+note, for a shipped spec, device profile and framework, and there are at least 40 of them across 3
+devices and 3 frameworks (issue 38 item 3); a point missing a key or with a layout that does not
+match its device count is refused, naming the point; ``--concurrency`` prices a real spec in text and
+JSON, saying the weight and KV modes, with ``--framework``'s kernel table (its decode step is
+``simulate --decode``'s), and refuses what it cannot price with a located usage error; and a point's
+``--concurrency`` price is the request sweep's price of that same layout and batch (the two modes
+share one formula and cannot drift apart).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from fixtures.spec_files import REPO
+
+from kimi_adapter_core.backends.simulation.estimate.cost import framework_pricer
+from kimi_adapter_core.backends.simulation.model.deployment import Deployment
+from kimi_adapter_core.backends.simulation.search.concurrency import price_concurrency
+from kimi_adapter_core.backends.simulation.search.grid import quant_modes, sweep_inputs
+from kimi_adapter_core.backends.simulation.search.launch_rules import frameworks
+from kimi_adapter_core.backends.simulation.search.request_pricing import Workload
+from kimi_adapter_core.backends.simulation.search.serving import ServingSearch
+from kimi_adapter_core.backends.simulation.search.serving_points import (
+    POINTS_FILE,
+    load_points,
+    serving_points,
+)
+from kimi_adapter_core.backends.simulation.tables.device import get_device
+from kimi_adapter_core.cli import cli
+from kimi_adapter_core.errors import KadaptError
+from kimi_adapter_core.spec import load_spec
+
+
+# --- the published points ------------------------------------------------------------------------
+def test_every_point_loads_with_its_source_and_assumptions() -> None:
+    points = serving_points()
+    assert len(points) >= 40
+    assert len({p.device for p in points}) >= 3 and len({p.framework for p in points}) >= 3
+    for p in points:
+        assert p.url.startswith("https://") and p.title and p.certainty, p.id
+        assert (REPO / "specs" / f"{p.spec}.yaml").is_file(), p.id
+        assert get_device(p.device).name == p.device, p.id
+        assert p.framework in frameworks() and p.version, p.id
+        assert p.parallel.devices == p.devices == p.moe_tp * p.moe_ep, p.id
+        assert p.concurrency >= 1 and p.isl >= 1 and p.osl >= 2, p.id
+        assert p.output_tok_s > 0 and p.mean_tpot_ms > 0 and p.median_ttft_ms > 0, p.id
+        # a layout kadapt prices differently from the stated one says so
+        assert p.layout_assumed or p.parallel.ep == p.moe_ep, p.id
+
+
+def _tampered(tmp_path: Path, change: dict[str, object], drop: str | None = None) -> Path:
+    data = yaml.safe_load(POINTS_FILE.read_text(encoding="utf-8"))
+    first = data["points"][0]
+    first.update(change)
+    if drop:
+        del first[drop]
+    path = tmp_path / POINTS_FILE.name
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("change", "drop", "message"),
+    [
+        ({}, "certainty", "certainty missing"),
+        ({"source": {"title": "t", "url": "http://example.com"}}, None, "https address"),
+        ({"devices": 4}, None, "devices = 4"),
+        ({"framework": "tgi"}, None, "framework 'tgi'"),
+        ({"measured_throughput": 1.0}, None, "unknown keys"),
+    ],
+)
+def test_a_bad_point_is_refused_by_name(
+    tmp_path: Path, change: dict[str, object], drop: str | None, message: str
+) -> None:
+    with pytest.raises(KadaptError, match=message) as err:
+        load_points(_tampered(tmp_path, change, drop))
+    assert "point 0 (sglang-b200-dsr1-1000x1000-c1)" in str(err.value)
+
+
+# --- kadapt simulate --concurrency -------------------------------------------------------------------
+CONCURRENCY = ["simulate", "llama", "--device", "h100", "--isl", "512", "--osl", "64"]
+
+
+def test_concurrency_text_and_json() -> None:
+    text = CliRunner().invoke(cli, [*CONCURRENCY, "--concurrency", "8", "--framework", "vllm"])
+    assert text.exit_code == 0, text.output
+    assert "TP1 DP1 EP1, 8 concurrent requests of ISL 512, OSL 64, vLLM (vllm), aggregated" in text.output
+    assert "weights bf16 (shipped), KV cache bf16" in text.output
+    assert "TTFT" in text.output and "TPOT" in text.output and "per device" in text.output
+    args = [*CONCURRENCY, "--concurrency", "8", "--framework", "vllm", "--kv-dtype", "fp8"]
+    args += ["--format", "json"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["workload"] == {"isl": 512, "osl": 64, "concurrency": 8}
+    assert (doc["mode"], doc["decode"]["batch"], doc["devices"]) == ("agg", 8, 1)
+    assert (doc["weights"], doc["kv_dtype"], doc["shipped_weights"]) == ("bf16 (shipped)", "fp8", "bf16")
+    assert doc["framework"] == {"name": "vllm", "title": "vLLM", "step_tokens": 8192}
+    # 8 requests in flight, each at 1 / TPOT tokens/s (no prompt waits longer than the cycle it joins)
+    assert doc["tokens_per_s_per_user"] == pytest.approx(1 / doc["tpot_s"])
+    assert 0 < doc["tokens_per_s_per_device"] <= 8 * doc["tokens_per_s_per_user"]
+    assert doc["ttft_s"] > doc["decode"]["step_time_s"] and doc["fits"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--concurrency", "8"], "needs both --isl and --osl"),
+        (["--concurrency", "8", "--isl", "512"], "needs both --isl and --osl"),
+        (["--concurrency", "3", *CONCURRENCY[4:], "--tp", "1", "--dp", "2"], "does not split over --dp 2"),
+        (["--concurrency", "8", *CONCURRENCY[4:], "--sweep"], "drop --sweep"),
+        (["--concurrency", "8", *CONCURRENCY[4:], "--decode"], "drop --decode"),
+        (["--concurrency", "8", *CONCURRENCY[4:], "--tpot", "10"], "apply to --sweep"),
+        (["--concurrency", "8", *CONCURRENCY[4:], "--tp", "3"], "--tp 3 does not divide"),
+    ],
+)
+def test_concurrency_usage_errors(extra: list[str], message: str) -> None:
+    result = CliRunner().invoke(cli, ["simulate", "llama", "--device", "h100", *extra])
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+def test_a_points_concurrency_price_is_the_sweeps_price() -> None:
+    """GPUStack's gpt-oss-120b on one H100 (vLLM, 4 requests in flight) priced by ``--concurrency`` and
+    by the request sweep over batches around it: the sweep's candidate for that layout, batch and the
+    framework's default step budget is the same deployment at the same price."""
+    (point,) = [p for p in serving_points() if p.id == "gpustack-h100-gptoss-vllm-tp1-c4"]
+    spec = load_spec(REPO / "specs" / f"{point.spec}.yaml")
+    inputs = sweep_inputs(spec, quant_modes(spec, None))
+    device, workload = get_device(point.device), Workload(point.isl, point.osl)
+    base = Deployment(point.parallel, 1, 1, 0, False, kv_dtype=point.kv_dtype)
+    priced = price_concurrency(spec, inputs, device, base, workload, point.framework, point.concurrency)
+    sweep = ServingSearch(
+        spec,
+        inputs,
+        device,
+        base,
+        point.devices,
+        workload,
+        point.framework,
+        modes=("agg",),
+        batches=(2, point.concurrency, 8),
+        pricer=framework_pricer(point.framework),
+    ).run()
+    same = [
+        c
+        for c in sweep.candidates
+        if c.decode.config.parallel == point.parallel
+        and c.decode.config.batch == point.concurrency
+        and c.chunk == priced.chunk
+    ]
+    assert len(same) == 1 and len({c.chunk for c in sweep.candidates}) > 1  # the sweep tried other budgets
+    (c,) = same
+    assert (c.ttft, c.tpot, c.tokens_per_s_per_device) == (
+        priced.ttft,
+        priced.tpot,
+        priced.tokens_per_s_per_device,
+    )
+
+
+def test_concurrency_prices_with_the_frameworks_kernel_table() -> None:
+    """The decode step ``--concurrency`` prices is ``kadapt simulate --decode``'s for the same
+    framework (its kernel table), and another framework's table prices it differently."""
+    steps = {}
+    for name in ("vllm", "trtllm"):
+        args = [*CONCURRENCY, "--concurrency", "8", "--framework", name, "--format", "json"]
+        doc = json.loads(CliRunner().invoke(cli, args).output)
+        step = ["simulate", "llama", "--device", "h100", "--decode", "--batch", "8", "--framework", name]
+        step += ["--context-len", str(512 + 64 // 2), "--format", "json"]
+        sim = json.loads(CliRunner().invoke(cli, step).output)
+        assert doc["decode"]["step_time_s"] == pytest.approx(sim["step_time_s"], rel=1e-9)
+        steps[name] = sim["step_time_s"]
+    assert steps["vllm"] != pytest.approx(steps["trtllm"], rel=1e-3)
