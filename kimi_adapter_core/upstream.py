@@ -471,6 +471,41 @@ def _probe_layer_input_ids() -> str:
     return "DeepseekV4DecoderLayer.forward takes the call's input_ids (hash routing: tid2eid[input_ids])"
 
 
+# what the ``deepseek_v4_hca_compressor`` builtin reads of upstream's HCA compressor besides the pinned
+# forward it replaces: its modules and sizes, and the attention's call of it (the static cache's
+# ``compressed_window``/``write_compressed`` protocol stands in for DeepseekV4HCACache's)
+HCA_COMPRESSOR_PARTS = (
+    "self.compress_rate", "self.kv_proj", "self.gate_proj", "self.position_bias", "self.kv_norm",
+    "self.rotary_emb",
+)  # fmt: skip
+HCA_COMPRESSOR_CALL = ("self.compressor(", "hidden_states, q_residual, position_ids,")
+
+
+def _probe_compressor_cache() -> str:
+    expected = (
+        "DeepseekV4Attention.forward calls self.compressor(hidden_states, q_residual, position_ids, cache, "
+        "self.layer_idx) and concatenates the entries it returns after the sliding keys, with its "
+        "block_bias after the mask; DeepseekV4HCACompressor keeps compress_rate, kv_proj, gate_proj, "
+        "position_bias, kv_norm and rotary_emb, and the module apply_rotary_pos_emb"
+    )
+    attention = _attr(DEEPSEEK_V4, "DeepseekV4Attention", expected)
+    compressor = _attr(DEEPSEEK_V4, "DeepseekV4HCACompressor", expected)
+    _attr(DEEPSEEK_V4, "apply_rotary_pos_emb", expected)
+    source = " ".join(inspect.getsource(attention.forward).split())
+    concatenations = ("torch.cat([kv, compressed_kv], dim=2)", "torch.cat([attention_mask, block_bias")
+    for step in (*HCA_COMPRESSOR_CALL, *concatenations):
+        if step not in source:
+            raise _Moved(expected, f"DeepseekV4Attention.forward no longer has {step}")
+    init = inspect.getsource(compressor.__init__)
+    missing = [part for part in HCA_COMPRESSOR_PARTS if f"{part} =" not in init]
+    if missing:
+        raise _Moved(expected, f"DeepseekV4HCACompressor.__init__ no longer sets {', '.join(missing)}")
+    names = ("hidden_states", "q_residual", "position_ids")
+    if not _leading_parameters(compressor.forward, names)[0]:
+        raise _Moved(expected, _describe(compressor.forward, "DeepseekV4HCACompressor.forward"))
+    return "DeepseekV4HCACompressor(hidden_states, q_residual, position_ids, cache, layer_idx)"
+
+
 # the model types whose learned absolute position tables keep rows before position 0, and those tables
 # (their ``offset``): module -> class
 OFFSET_POSITION_MODEL_TYPES = ("opt", "biogpt", "trocr")
@@ -972,6 +1007,18 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
         _probe_layer_input_ids,
     ),
     ContactPoint(
+        "compressor_cache",
+        "models.deepseek_v4.modeling_deepseek_v4.DeepseekV4HCACompressor, DeepseekV4Attention.forward, "
+        "DeepseekV4HCACache.store_compression_weights/update_compressor_states",
+        "the attention calls its compressor (hidden_states, q_residual, position_ids, cache, layer_idx) and "
+        "attends over the entries it returns after the sliding keys, masked by its block_bias",
+        "kadapt's static cache keeps the compressor's open window (a ring) and its entries per row "
+        "(compressed_window/write_compressed), through the pinned deepseek_v4_hca_compressor builtin, "
+        "which reads the compressor's own projections, norm, position bias and compress rope",
+        ("extraction (DeepSeek-V4)", "generated modules"),
+        _probe_compressor_cache,
+    ),
+    ContactPoint(
         "learned_positions",
         "models.opt.modeling_opt.OPTLearnedPositionalEmbedding, models.biogpt.modeling_biogpt."
         "BioGptLearnedPositionalEmbedding, models.trocr.modeling_trocr.TrOCRLearnedPositionalEmbedding",
@@ -1328,6 +1375,34 @@ class _RecordingCache:
         key, value, _ = call.states()
         return key, value
 
+    def compressed_window(self, layer_idx: Any, kv: Any, gate: Any, rate: Any, series: str = "comp") -> Any:
+        """The static cache's prefill answer (``compressed_window``): the prompt's closed windows (the
+        runtime's ``CompressorWindows`` fields; no previous window: an hca layer's compressor)."""
+        import types
+
+        import torch
+
+        if self.kind != "hca":
+            return self.__getattr__("compressed_window")
+        self.state_calls["compressed_window"] = (layer_idx, kv)
+        batch, length, dim = kv.shape
+        windows = length // rate
+        start = (torch.arange(windows, device=kv.device) * rate).unsqueeze(0).expand(batch, -1)
+        shape = (batch, windows, rate, dim)
+        chunk_kv, chunk_gate = (
+            kv[:, : windows * rate].reshape(shape),
+            gate[:, : windows * rate].reshape(shape),
+        )
+        return types.SimpleNamespace(
+            kv=chunk_kv, gate=chunk_gate, start=start, prior_kv=None, prior_gate=None
+        )
+
+    def write_compressed(self, layer_idx: Any, entries: Any, rate: Any, series: str = "comp") -> Any:
+        if self.kind != "hca":
+            return self.__getattr__("write_compressed")
+        self.state_calls["write_compressed"] = (layer_idx, entries)
+        return entries.unsqueeze(1)
+
     def update_indexer(self, indexer_key_states: Any, layer_idx: Any) -> Any:
         if self.kind != "indexed":
             return self.__getattr__("update_indexer")
@@ -1619,6 +1694,7 @@ RECURRENT_KINDS = ("linear", "hybrid")
 # The contact point each kind's cache protocol is (the rest: cache_update; a hybrid layer's attention
 # also calls ``update``)
 STATE_POINTS = {
+    "hca": "compressor_cache",
     "linear": "linear_attention_cache",
     "hybrid": "linear_attention_cache",
     "lightning": "lightning_attention_cache",
@@ -1825,6 +1901,8 @@ def _probe_layer(
     if kind == "hybrid":  # its mixer's states too, through the linear-attention API, under the same index
         mixed = _linear_protocol(layer_name, keyword, cache, index, out, taken)
         return LayerProtocol(keyword, kv_dims, mixed.linear_states)
+    if kind == "hca":
+        _check_compressor_calls(layer_name, cache, layer_idx)
     if kind != "indexed":
         return LayerProtocol(keyword, kv_dims)
     indexed_idx, index_keys = cache.state_calls.get("update_indexer", (None, None))
@@ -1839,6 +1917,23 @@ def _probe_layer(
             point="indexer_cache",
         )
     return LayerProtocol(keyword, kv_dims, index_dim=int(index_keys.shape[-1]))
+
+
+def _check_compressor_calls(layer_name: str, cache: _RecordingCache, layer_idx: Any) -> None:
+    """An ``hca`` layer's compressor hands the static cache its window and its entries, once each, under
+    the attention's index (the ``deepseek_v4_hca_compressor`` builtin: a spec without it runs upstream's
+    compressor, which reads ``cache.layers`` and is refused as a cache read above)."""
+    for call in ("compressed_window", "write_compressed"):
+        called = cache.state_calls.get(call, (None, None))[0]
+        if called != layer_idx:
+            found = "never calls it" if call not in cache.state_calls else f"calls it with {called!r}"
+            _unsupported(
+                "cache-protocol",
+                layer_name,
+                f"{layer_name}'s compressor calls cache.{call}(layer_idx={layer_idx}, ...) once",
+                f"{layer_name} {found}",
+                point="compressor_cache",
+            )
 
 
 def _failed_at(failure: BaseException) -> str:

@@ -343,4 +343,5 @@ def test_the_torch_free_names_and_the_runtime_agree_on_every_layer_kinds_states(
 
     assert names.LAYER_STATES == abi.LAYER_STATES
     assert names.FIXED_ROLES == abi.FIXED_ROLES
+    assert names.COMPRESSED_ROLES == abi.COMPRESSED_ROLES
     assert set(abi.MIXER_ATTRIBUTES) == set(abi.LAYER_STATES)

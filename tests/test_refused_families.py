@@ -75,23 +75,21 @@ def test_recurrent_gemma_keeps_its_recurrent_states_in_module_attributes() -> No
     assert list(out.keys()) == ["logits"]
 
 
-@pytest.mark.parametrize(
-    ("layer_type", "named"),
-    [
-        ("heavily_compressed_attention", "a compressor folds each closed window"),
-        ("compressed_sparse_attention", "overlapping windows fold into KV entries"),
-    ],
-)
-def test_deepseek_v4s_compressed_layers_name_their_operation(layer_type: str, named: str) -> None:
-    """DeepSeek-V4's compressed attention kinds are refused naming the compressor state kadapt has no kind
-    for, at the first layer of that kind; its sliding layers are not what is refused."""
+def test_deepseek_v4s_compressed_sparse_layers_name_their_operation() -> None:
+    """DeepSeek-V4's compressed sparse attention is refused naming the state kadapt has no kind for (its
+    overlapping windows and the indexer's compressed keys), at the first such layer; the heavily
+    compressed layers before it (kind ``hca``) are not what is refused."""
     from kimi_adapter_core.structure.derive import derive_structure
 
     config = AutoConfig.for_model("deepseek_v4")
-    first = config.layer_types.index(layer_type)
-    config.layer_types = ["sliding_attention"] * first + config.layer_types[first:]
+    first = config.layer_types.index("compressed_sparse_attention")
+    assert config.layer_types[:first] == ["heavily_compressed_attention"] * first
     with pytest.raises(Refusal) as refused:
         derive_structure(config)
     assert refused.value.code == "layer-types"
-    assert f"layer {first} is {layer_type!r}: {named}" in refused.value.message
-    assert "a spec cannot add one" in refused.value.message
+    message = refused.value.message
+    assert (
+        f"layer {first} is 'compressed_sparse_attention': overlapping windows fold into KV entries" in message
+    )
+    assert "its structure, state mapping, plan and simulate do not carry it yet" in message
+    assert "a spec cannot add one" in message

@@ -348,6 +348,12 @@ def paged_view(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 #             their own Mamba mixer): the attention's KV cache, then the mixer's conv window and recurrent
 #             state; it takes the attention mask (its mixer's padding mask stays None, as the model's
 #             forward leaves it without padding, which such stacks never have).
+#  hca:       DeepSeek-V4's heavily compressed attention: a sliding window of K=V (key, value, as
+#             attention) beside a compressor that turns every closed window of ``rate`` tokens into one
+#             entry: ``comp_src`` ``[B, 1, rate, 2 * head_dim]`` the ring of the raw ``kv_proj ||
+#             gate_proj`` of the current window's tokens (slot ``p % rate``), ``comp`` ``[B, 1,
+#             max_cache_len / rate, head_dim]`` the entries (slot ``w``: window ``w``), written by the
+#             ``deepseek_v4_hca_compressor`` builtin through ``compressed_window``/``write_compressed``.
 LAYER_STATES = {
     "attention": ("key", "value"),
     "linear": ("conv", "recurrent"),
@@ -357,9 +363,22 @@ LAYER_STATES = {
     "none": (),
     "shared": (),
     "hybrid": ("key", "value", "conv", "recurrent"),
+    "hca": ("key", "value", "comp_src", "comp"),
+    "csa": ("key", "value", "comp_src", "comp", "index_src", "index_comp"),
 }
 # States of one fixed size per request (no sequence dimension): never placed by position, never paged.
-FIXED_ROLES = ("conv", "recurrent")
+# A compressor's ring (``comp_src``, ``index_src``) is one: the prefill returns it already placed.
+FIXED_ROLES = ("conv", "recurrent", "comp_src", "index_src")
+# Compressed entries: per request (never paged), slot ``w`` holds window ``w``, ``max_cache_len / rate``
+# slots; placed from the prefill's ``floor(prefill_len / rate)`` entries like a key (``place_compressed``).
+COMPRESSED_ROLES = ("comp", "index_comp")
+# A compressor's series: its ring and its entries (a CSA layer's indexer runs one of its own)
+COMPRESSED_SERIES = {"comp": ("comp_src", "comp"), "index": ("index_src", "index_comp")}
+# Layer kinds with a compressor, by the windows their ring holds (csa: the previous one too): their ring
+# is placed from the prompt's length, so their stack's prompts are never padded either (the contract's
+# padding).
+LAYER_RINGS = {"hca": 1, "csa": 2}
+COMPRESSED_KINDS = tuple(LAYER_RINGS)
 # Layer kinds whose states are all fixed-size per request (the contract's ``linear_states`` rules): they
 # take every token they are given, so the wrappers hand them no mask.
 LINEAR_LAYER_KINDS = ("linear", "lightning", "short_conv")
@@ -384,6 +403,8 @@ MIXER_ATTRIBUTES = {
     "none": (),
     "shared": ("self_attn",),
     "hybrid": ("mamba", "mamba_decoder.mamba"),
+    "hca": ("self_attn",),
+    "csa": ("self_attn",),
 }
 # Layer kinds that keep no state: the wrappers hand them neither a mask nor the cache.
 STATELESS_KINDS = ("none",)
@@ -496,6 +517,19 @@ class ResidualStreams(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """What enters the final norm: the streams merged by the stack's head."""
         return self.head(hidden_states)
+
+
+class CompressorWindows(NamedTuple):
+    """The windows a compressor pools (``StaticStateCache.compressed_window``): the raw projections
+    ``kv``/``gate`` ``[B, W, rate, dim]`` of each window, its first position ``start`` ``[B, W]`` (the
+    entry's rope position) and, for an overlapping compressor (csa), the previous window's
+    ``prior_kv``/``prior_gate`` (``-inf`` gates where there is none: window 0)."""
+
+    kv: torch.Tensor
+    gate: torch.Tensor
+    start: torch.Tensor
+    prior_kv: torch.Tensor | None = None
+    prior_gate: torch.Tensor | None = None
 
 
 def layer_index(layer: nn.Module, kind: str, position: int, attention: str | None = None) -> int:
@@ -629,6 +663,82 @@ class StaticStateCache:
         returns every slot's keys ``[B, slots, dim]`` (unwritten slots are masked by the indexer)."""
         keys = self._write_one(self._slot[layer_idx], "index_key", indexer_key_states.unsqueeze(1))
         return keys.squeeze(1)
+
+    def compressed_window(
+        self, layer_idx: int, kv: torch.Tensor, gate: torch.Tensor, rate: int, series: str = "comp"
+    ) -> CompressorWindows:
+        """A compressor's windows to pool (``CompressorWindows``), from the new raw projections
+        ``kv``/``gate`` ``[B, Q, dim]`` (the ``compressed_window``/``write_compressed`` protocol, contact
+        point ``compressor_cache``; the ``deepseek_v4_*`` builtins call it). ``series`` names the states:
+        ``comp`` (``comp_src``, ``comp``) or a CSA layer's indexer, ``index`` (``index_src``,
+        ``index_comp``). The ring holds one window of ``rate`` raw ``kv || gate`` rows (hca) or two
+        (csa: an entry mixes the previous window's first half with its own second half), slot
+        ``p % ring``.
+
+        Prefill: the prompt's ``floor(Q / rate)`` closed windows (static: the prompt is never padded),
+        and the ring as its present, slot ``j`` holding position ``j + ring * floor((Q - 1 - j) /
+        ring)`` (the last position ``= j mod ring``), zeros where that is negative. Decode: the ring with
+        each row's token written at slot ``p % ring``, as one window, window ``w = (p + 1) // rate - 1``
+        (the one the token closes when ``(p + 1) % rate == 0``, else an entry ``write_compressed``
+        drops): slot order is position order within a window."""
+        slot, source = self._slot[layer_idx], COMPRESSED_SERIES[series][0]
+        overlap = LAYER_RINGS[self.kinds[slot]]
+        ring_len = rate * overlap
+        new = torch.cat([kv, gate], dim=-1).unsqueeze(1)  # [B, 1, Q, 2 * dim]
+        dim, batch, length = kv.shape[-1], kv.shape[0], kv.shape[1]
+        offsets = torch.arange(rate, device=kv.device)
+        if self._past is None:
+            slots = torch.arange(ring_len, device=kv.device)
+            last = slots + ring_len * torch.div(length - 1 - slots, ring_len, rounding_mode="floor")
+            ring = new.index_select(2, last.clamp(min=0)) * (last >= 0).view(1, 1, -1, 1).to(new.dtype)
+            self.present[slot][source] = ring
+            count = length // rate
+            chunk = new[:, 0, : count * rate].view(batch, count, rate, 2 * dim)
+            windows = torch.arange(count, device=kv.device).unsqueeze(0).expand(batch, -1)
+            prior = torch.cat([torch.zeros_like(chunk[:, :1]), chunk[:, :-1]], dim=1) if count else chunk
+        else:
+            assert self._cache_position is not None
+            past = self._past_state(layer_idx, source)
+            assert past is not None
+            position = self._cache_position
+            ring = write_rows(past, new.to(past.dtype), torch.remainder(position, ring_len))
+            self.present[slot][source] = ring
+            windows = (torch.div(position + 1, rate, rounding_mode="floor") - 1).clamp(min=0).view(-1, 1)
+            rows = ring[:, 0]  # [B, ring, 2 * dim]
+
+            def window(index: torch.Tensor) -> torch.Tensor:  # the ring's rows of window ``index`` [B, 1]
+                taken = torch.remainder(index, overlap) * rate + offsets.view(1, -1)
+                return rows.gather(1, taken.unsqueeze(-1).expand(-1, -1, 2 * dim)).unsqueeze(1)
+
+            chunk, prior = window(windows), window(windows - 1)
+        start = windows * rate
+        if overlap == 1:
+            return CompressorWindows(chunk[..., :dim], chunk[..., dim:], start)
+        missing = (windows < 1).view(*windows.shape, 1, 1)  # window 0 has no previous one: weight 0
+        prior_gate = prior[..., dim:].masked_fill(missing, float("-inf"))
+        return CompressorWindows(chunk[..., :dim], chunk[..., dim:], start, prior[..., :dim], prior_gate)
+
+    def write_compressed(
+        self, layer_idx: int, entries: torch.Tensor, rate: int, series: str = "comp"
+    ) -> torch.Tensor:
+        """The layer's compressed entries of ``series`` after ``entries`` ``[B, W, dim]`` (one per
+        window ``compressed_window`` gave): prefill, the prompt's as the present ``[B, 1, W, dim]``;
+        decode, the entry written at slot ``(p + 1) // rate - 1`` of each row whose token closed its
+        window (``(p + 1) % rate == 0``), the other rows' entries unchanged. Returns every slot ``[B, 1,
+        slots, dim]``; the caller masks slot ``w`` unless ``w < (p + 1) // rate``."""
+        slot, role = self._slot[layer_idx], COMPRESSED_SERIES[series][1]
+        entries = entries.unsqueeze(1)
+        if self._past is None:
+            self.present[slot][role] = entries
+            return entries
+        assert self._cache_position is not None
+        past = self._past_state(layer_idx, role)
+        assert past is not None
+        closed = torch.div(self._cache_position + 1, rate, rounding_mode="floor")
+        closing = torch.remainder(self._cache_position + 1, rate) == 0
+        target = torch.where(closing, closed - 1, torch.full_like(closed, -1))  # -1: no slot
+        self.present[slot][role] = written = write_rows(past, entries.to(past.dtype), target)
+        return written
 
     def _past_state(self, layer_idx: int, name: str) -> torch.Tensor | None:
         if self._past is None:
@@ -1317,6 +1427,7 @@ def decode_inputs(
     linear_states: LinearStates | None = None,
     index_dim: int | None = None,
     layer_kv_dims: Sequence[KVDims] | None = None,
+    compress_rates: Mapping[str, int] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Example decode inputs for the token at ``position`` in every row, with zeroed caches.
 
@@ -1325,7 +1436,8 @@ def decode_inputs(
     gives each layer's kind (None: all attention); a ``linear`` layer takes its zeroed
     ``linear_states`` per row instead (never paged); an ``indexed`` layer also its indexer keys, a
     one-head cache of ``index_dim``. ``layer_kv_dims``: each layer's own KV dims when they differ per
-    layer (None: ``kv_dims`` for every layer).
+    layer (None: ``kv_dims`` for every layer). ``compress_rates``: a compressed layer kind's rate
+    (``{"hca": 128}``): its ring and entries per row after its KV (``compressed_shapes``).
     """
     positions = torch.full((batch, 1), position, dtype=torch.long, device=device)
     index_dims: KVDims = ((1, index_dim or 1),) * 2  # the indexer keys: one head
@@ -1355,6 +1467,14 @@ def decode_inputs(
         if kind == "hybrid":  # the mixer's states after the attention's KV
             assert linear_states is not None, "a hybrid layer needs its linear_states"
             past += linear_state_zeros(linear_states, batch, device)
+        if kind in COMPRESSED_KINDS:
+            assert compress_rates is not None, f"a {kind} layer needs its compress rate"
+            rate, windows = compress_rates[kind], LAYER_RINGS[kind]
+            shapes = compressed_shapes(dims[0][1], rate, batch, max_cache_len, windows)
+            if kind == "csa":  # its indexer's own series
+                assert index_dim is not None, "a csa layer needs its indexer's index_dim"
+                shapes += compressed_shapes(index_dim, rate, batch, max_cache_len, windows)
+            past += [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
     return (
         torch.zeros(batch, 1, dtype=torch.long, device=device),
         additive_causal_mask(positions, max_cache_len, dtype),
@@ -1373,6 +1493,17 @@ def paged_shapes(
     return (num_blocks, block_size, key_heads, key_dim), (num_blocks, block_size, value_heads, value_dim)
 
 
+def compressed_shapes(
+    head_dim: int, rate: int, batch: int | str, max_cache_len: int, windows: int = 1
+) -> tuple[tuple[int | str, ...], tuple[int | str, ...]]:
+    """Decode shapes of a compressor's ring ``[B, 1, windows x rate, 2 x windows x head_dim]`` (its raw
+    ``kv || gate``, each ``windows x head_dim`` wide: csa's two series) and entries ``[B, 1, max_cache_len
+    / rate, head_dim]`` (per request: never paged)."""
+    if max_cache_len % rate:
+        raise ValueError(f"max_cache_len {max_cache_len} is not a multiple of the compress rate {rate}")
+    return (batch, 1, windows * rate, 2 * windows * head_dim), (batch, 1, max_cache_len // rate, head_dim)
+
+
 def decode_kv_shapes(
     kv_dims: KVDims, batch: int | str, max_cache_len: int, paged: tuple[int, int] | None
 ) -> tuple[tuple[int | str, ...], tuple[int | str, ...]]:
@@ -1388,10 +1519,14 @@ def place_prefill_kv(
 ) -> list[torch.Tensor]:
     """Decode cache from prefill outputs: ``zeros.index_copy(2, arange(prefill_len), present)``; a
     linear layer's states (``kinds``, None: all attention) are the decode inputs as they are."""
-    placed = []
-    for tensor, role in zip(present, flat_state_roles(kinds, len(present)), strict=True):
+    placed: list[torch.Tensor] = []
+    owners = flat_state_kinds(kinds, len(present))
+    for tensor, role, kind in zip(present, flat_state_roles(kinds, len(present)), owners, strict=True):
         if role in FIXED_ROLES:
             placed.append(tensor)
+            continue
+        if role in COMPRESSED_ROLES:  # after its ring, which gives the rate
+            placed.append(place_compressed(tensor, max_cache_len, compressor_rate(placed[-1], kind)))
             continue
         shape = (*tensor.shape[:2], max_cache_len, *tensor.shape[3:])
         positions = torch.arange(tensor.shape[2], device=tensor.device)
@@ -1399,6 +1534,27 @@ def place_prefill_kv(
             torch.zeros(shape, dtype=tensor.dtype, device=tensor.device).index_copy(2, positions, tensor)
         )
     return placed
+
+
+def place_compressed(entries: torch.Tensor, max_cache_len: int, rate: int) -> torch.Tensor:
+    """A compressor's decode entries ``[B, 1, max_cache_len / rate, dim]`` from the prefill's ``[B, 1, W,
+    dim]``: slot ``w`` takes window ``w``'s entry, the rest zeros (masked until written)."""
+    shape = (*entries.shape[:2], max_cache_len // rate, *entries.shape[3:])
+    slots = torch.arange(entries.shape[2], device=entries.device)
+    return torch.zeros(shape, dtype=entries.dtype, device=entries.device).index_copy(2, slots, entries)
+
+
+def compressor_rate(ring: torch.Tensor, kind: str) -> int:
+    """A compressor's rate from its ring ``[B, 1, ring, 2 * dim]``, which holds ``LAYER_RINGS[kind]``
+    windows (the entries after it are placed and read by it)."""
+    return ring.shape[2] // LAYER_RINGS[kind]
+
+
+def flat_state_kinds(kinds: Sequence[str] | None, count: int) -> list[str]:
+    """The layer kind each flat state tensor belongs to (None: ``count`` tensors of attention layers)."""
+    if kinds is None:
+        return ["attention"] * count
+    return [kind for kind in kinds for _ in LAYER_STATES[kind]]
 
 
 def flat_state_roles(kinds: Sequence[str] | None, count: int) -> list[str]:
@@ -1424,9 +1580,14 @@ def place_prefill_kv_paged(
     Pad positions are not written: their slots may be in blocks another row owns."""
     pools = []
     growing_shapes = iter(pool_shapes)
-    for tensor, role in zip(present, flat_state_roles(kinds, len(present)), strict=True):
+    owners = flat_state_kinds(kinds, len(present))
+    for tensor, role, kind in zip(present, flat_state_roles(kinds, len(present)), owners, strict=True):
         if role in FIXED_ROLES:
             pools.append(tensor)
+            continue
+        if role in COMPRESSED_ROLES:  # per request, never paged (after its ring, which gives the rate)
+            capacity = block_table.shape[1] * pool_shapes[0][1]
+            pools.append(place_compressed(tensor, capacity, compressor_rate(pools[-1], kind)))
             continue
         shape = next(growing_shapes)
         num_blocks, block_size, heads, dim = shape
@@ -1498,6 +1659,32 @@ LINEAR_STATE_RULES = {
     "finished_request": "its row is free: nothing to clear, the next request's prefill output replaces it",
     "joining_request": "a new request takes a free row: write its prefill outputs into that row; the other "
     "rows are untouched",
+}
+
+
+# What a runtime does with a compressed (``hca``) layer's compressor states (the state mapping's contract
+# says it, so a runtime needs no code): the ring of the open window and the closed windows' entries.
+COMPRESSED_STATE_RULES = {
+    "comp_src": "the compressor's ring: the raw projections kv_proj(x) || gate_proj(x) of the latest "
+    "position p = j mod rate in slot j, [batch, 1, rate, 2 * head_dim] in the ABI dtype (zeros before the "
+    "prompt's first token); per request, never paged",
+    "comp": "the compressed entries: slot w holds window w (positions w*rate..w*rate+rate-1) folded into "
+    "one key/value entry (kv_norm of the softmax(gate + position_bias)-weighted sum, roped at w*rate), "
+    "[batch, 1, max_cache_len / rate, head_dim]; per request, never paged",
+    "prefill_to_decode": "comp_src: the prefill output is the decode input as it is (the prefill places "
+    "slot j from position j + rate * floor((prefill_len - 1 - j) / rate), zeros where negative); comp: "
+    "the prefill returns the prompt's floor(prefill_len / rate) entries [batch, 1, n, head_dim], copied "
+    "to slots 0..n-1 of zeros of the decode shape",
+    "decode_update": "each step writes row b's token into ring slot p_b % rate; when (p_b + 1) % rate == 0 "
+    "the ring holds window (p_b + 1) / rate - 1 in position order and its entry is written to that slot; "
+    "the outputs replace the inputs",
+    "visibility": "the query at position p attends over its sliding window and entry slots w < (p + 1) // "
+    "rate; the graph masks the others itself (no mask input covers the entries)",
+    "ragged": "the ring is placed from the prompt's own length, so a prompt is never padded: prefill "
+    "prompts of different lengths in separate calls; rows then decode together, each at its own position",
+    "finished_request": "its row is free: nothing to clear, the next request's prefill output replaces it",
+    "joining_request": "a new request takes a free row: write its ring and placed entries into that row",
+    "capacity": "max_cache_len must be a multiple of every compressed layer's rate",
 }
 
 
@@ -1603,6 +1790,7 @@ def kv_contract(
     short_conv: bool = False,
     per_layer: bool = False,
     hybrid: bool = False,
+    compressed: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """Everything a runtime needs besides the graphs: cache semantics, masks, positions, capacity,
     with ``dynamic`` sizes (``{"prefill_len": (1, 64)}``) how to bind them, with ``paged`` the
@@ -1616,7 +1804,8 @@ def kv_contract(
     with ``per_layer`` (the layers cache different KV shapes) the heads and widths move to each layer's
     entry (``layers[i].cache``) and ``cache.per_layer`` says so; with ``hybrid`` (layers that attend and
     run a linear mixer: Falcon-H1 side by side, Zamba and Zamba2 one after the other) that such a layer
-    carries both (``linear`` is set too).
+    carries both (``linear`` is set too); with ``compressed`` (a compressed layer kind's rate:
+    DeepSeek-V4's ``hca``) what its ring and entries hold and the rules for them (no padding either).
 
     Version 3: ``cache_position`` is ``[batch]`` (one position per row) and the optional paged cache;
     version 2 graphs took one ``[1]`` position for the whole batch."""
@@ -1665,12 +1854,19 @@ def kv_contract(
         },
         "padding": (
             {"supported": "right", "rule": padding}
-            if not (linear or lightning or short_conv)
+            if not (linear or lightning or short_conv or compressed)
             else {
                 "supported": "none",
                 "rule": "the linear layers' states take every token of a prefill row, so a prompt is never "
                 "padded: prefill prompts of different lengths in separate calls (see linear_states.ragged); "
                 "rows then decode together, each at its own position",
+            }
+            if not compressed
+            else {
+                "supported": "none",
+                "rule": "a compressed layer's ring is placed from the prompt's length (compressed.ragged), "
+                "so a prompt is never padded: prefill prompts of different lengths in separate calls; rows "
+                "then decode together, each at its own position",
             }
         ),
         "capacity": {
@@ -1706,6 +1902,8 @@ def kv_contract(
         contract["linear_states"] = {"recurrent": {"holds": LIGHTNING_STATE_CONTENTS}, **LINEAR_STATE_RULES}
     if short_conv:
         contract["linear_states"] = {"conv": {"holds": SHORT_CONV_STATE_CONTENTS}, **LINEAR_STATE_RULES}
+    if compressed:
+        contract["compressed"] = {"rates": dict(compressed), **COMPRESSED_STATE_RULES}
     if paged is not None:
         contract["paged"] = paged.contract(max_cache_len, "batch" if "batch" in dynamic else batch, per_layer)
         contract["cache"]["slot_rule"] += (
@@ -1734,6 +1932,7 @@ def build_kv_mapping(
     chunked: bool = False,
     layer_kv_dims: Sequence[KVDims] | None = None,
     kv_sources: Sequence[int | None] | None = None,
+    compress_rates: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """How prefill KV outputs become decode KV inputs, layer by layer.
 
@@ -1751,6 +1950,8 @@ def build_kv_mapping(
     states its heads and widths (``cache``), which the contract's ``cache`` no longer does.
     ``kv_sources``: per layer the earlier layer whose keys and values a ``shared`` layer attends over
     (its entry names it, ``kv_source``; the contract states the rule).
+    ``compress_rates``: a compressed layer kind's rate (``{"hca": rate}``); an ``hca`` layer's entry adds
+    its ring and entries (the second pair of templates, ``names`` ``prefill_conv``/...: ``SECOND_PAIR``).
     """
     dynamic = dynamic or {}
     batch_dim: int | str = "batch" if "batch" in dynamic else batch
@@ -1824,6 +2025,13 @@ def build_kv_mapping(
                     else {}
                 ),
                 **fixed,
+                **(
+                    _compressed_entry(
+                        tensor, layer, dims[0][1], compress_rates[kind], batch_dim, length_dim, max_cache_len
+                    )
+                    if kind in COMPRESSED_KINDS and compress_rates is not None
+                    else {}
+                ),
             }
         )
     attention = {} if mla_attention == "reexpand" else {"mla_attention": mla_attention}
@@ -1846,6 +2054,7 @@ def build_kv_mapping(
             hybrid="hybrid" in kinds,
             chunked=chunked,
             per_layer=layer_kv_dims is not None,
+            compressed={k: v for k, v in (compress_rates or {}).items() if k in kinds} or None,
         ),
         "kv_cache": "contiguous" if paged is None else "paged",
         "batch": batch,
@@ -1883,6 +2092,31 @@ def build_kv_mapping(
         ),
         "layers": layers,
     }
+
+
+def _compressed_entry(
+    tensor: Any,
+    layer: int,
+    head_dim: int,
+    rate: int,
+    batch: int | str,
+    length: int | str,
+    max_cache_len: int,
+) -> dict[str, Any]:
+    """A compressed layer's ring and entries in its mapping entry (``contract.compressed``), named by the
+    ABI's second pair of templates (``prefill_conv``/... hold them: a stack has linear layers or
+    compressed ones)."""
+    ring, entries = compressed_shapes(head_dim, rate, batch, max_cache_len)
+    prompt = (batch, 1, length if isinstance(length, str) else length // rate, head_dim)
+    out: dict[str, Any] = {"compress_rate": rate}
+    for state, template, prefill_shape, decode_shape in (
+        ("comp_src", "conv", ring, ring),
+        ("comp", "recurrent", prompt, entries),
+    ):
+        out[f"prefill_{state}_output"] = tensor(f"prefill_{template}", layer, prefill_shape)
+        out[f"decode_{state}_input"] = tensor(f"decode_{template}_in", layer, decode_shape)
+        out[f"decode_{state}_output"] = tensor(f"decode_{template}_out", layer, decode_shape)
+    return out
 
 
 MERGED_PREFILL_RULE = (
@@ -2557,6 +2791,41 @@ def _probe_layer_input_ids() -> str:
     return "DeepseekV4DecoderLayer.forward takes the call's input_ids (hash routing: tid2eid[input_ids])"
 
 
+# what the ``deepseek_v4_hca_compressor`` builtin reads of upstream's HCA compressor besides the pinned
+# forward it replaces: its modules and sizes, and the attention's call of it (the static cache's
+# ``compressed_window``/``write_compressed`` protocol stands in for DeepseekV4HCACache's)
+HCA_COMPRESSOR_PARTS = (
+    "self.compress_rate", "self.kv_proj", "self.gate_proj", "self.position_bias", "self.kv_norm",
+    "self.rotary_emb",
+)  # fmt: skip
+HCA_COMPRESSOR_CALL = ("self.compressor(", "hidden_states, q_residual, position_ids,")
+
+
+def _probe_compressor_cache() -> str:
+    expected = (
+        "DeepseekV4Attention.forward calls self.compressor(hidden_states, q_residual, position_ids, cache, "
+        "self.layer_idx) and concatenates the entries it returns after the sliding keys, with its "
+        "block_bias after the mask; DeepseekV4HCACompressor keeps compress_rate, kv_proj, gate_proj, "
+        "position_bias, kv_norm and rotary_emb, and the module apply_rotary_pos_emb"
+    )
+    attention = _attr(DEEPSEEK_V4, "DeepseekV4Attention", expected)
+    compressor = _attr(DEEPSEEK_V4, "DeepseekV4HCACompressor", expected)
+    _attr(DEEPSEEK_V4, "apply_rotary_pos_emb", expected)
+    source = " ".join(inspect.getsource(attention.forward).split())
+    concatenations = ("torch.cat([kv, compressed_kv], dim=2)", "torch.cat([attention_mask, block_bias")
+    for step in (*HCA_COMPRESSOR_CALL, *concatenations):
+        if step not in source:
+            raise _Moved(expected, f"DeepseekV4Attention.forward no longer has {step}")
+    init = inspect.getsource(compressor.__init__)
+    missing = [part for part in HCA_COMPRESSOR_PARTS if f"{part} =" not in init]
+    if missing:
+        raise _Moved(expected, f"DeepseekV4HCACompressor.__init__ no longer sets {', '.join(missing)}")
+    names = ("hidden_states", "q_residual", "position_ids")
+    if not _leading_parameters(compressor.forward, names)[0]:
+        raise _Moved(expected, _describe(compressor.forward, "DeepseekV4HCACompressor.forward"))
+    return "DeepseekV4HCACompressor(hidden_states, q_residual, position_ids, cache, layer_idx)"
+
+
 # the model types whose learned absolute position tables keep rows before position 0, and those tables
 # (their ``offset``): module -> class
 OFFSET_POSITION_MODEL_TYPES = ("opt", "biogpt", "trocr")
@@ -3058,6 +3327,18 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
         _probe_layer_input_ids,
     ),
     ContactPoint(
+        "compressor_cache",
+        "models.deepseek_v4.modeling_deepseek_v4.DeepseekV4HCACompressor, DeepseekV4Attention.forward, "
+        "DeepseekV4HCACache.store_compression_weights/update_compressor_states",
+        "the attention calls its compressor (hidden_states, q_residual, position_ids, cache, layer_idx) and "
+        "attends over the entries it returns after the sliding keys, masked by its block_bias",
+        "kadapt's static cache keeps the compressor's open window (a ring) and its entries per row "
+        "(compressed_window/write_compressed), through the pinned deepseek_v4_hca_compressor builtin, "
+        "which reads the compressor's own projections, norm, position bias and compress rope",
+        ("extraction (DeepSeek-V4)", "generated modules"),
+        _probe_compressor_cache,
+    ),
+    ContactPoint(
         "learned_positions",
         "models.opt.modeling_opt.OPTLearnedPositionalEmbedding, models.biogpt.modeling_biogpt."
         "BioGptLearnedPositionalEmbedding, models.trocr.modeling_trocr.TrOCRLearnedPositionalEmbedding",
@@ -3414,6 +3695,34 @@ class _RecordingCache:
         key, value, _ = call.states()
         return key, value
 
+    def compressed_window(self, layer_idx: Any, kv: Any, gate: Any, rate: Any, series: str = "comp") -> Any:
+        """The static cache's prefill answer (``compressed_window``): the prompt's closed windows (the
+        runtime's ``CompressorWindows`` fields; no previous window: an hca layer's compressor)."""
+        import types
+
+        import torch
+
+        if self.kind != "hca":
+            return self.__getattr__("compressed_window")
+        self.state_calls["compressed_window"] = (layer_idx, kv)
+        batch, length, dim = kv.shape
+        windows = length // rate
+        start = (torch.arange(windows, device=kv.device) * rate).unsqueeze(0).expand(batch, -1)
+        shape = (batch, windows, rate, dim)
+        chunk_kv, chunk_gate = (
+            kv[:, : windows * rate].reshape(shape),
+            gate[:, : windows * rate].reshape(shape),
+        )
+        return types.SimpleNamespace(
+            kv=chunk_kv, gate=chunk_gate, start=start, prior_kv=None, prior_gate=None
+        )
+
+    def write_compressed(self, layer_idx: Any, entries: Any, rate: Any, series: str = "comp") -> Any:
+        if self.kind != "hca":
+            return self.__getattr__("write_compressed")
+        self.state_calls["write_compressed"] = (layer_idx, entries)
+        return entries.unsqueeze(1)
+
     def update_indexer(self, indexer_key_states: Any, layer_idx: Any) -> Any:
         if self.kind != "indexed":
             return self.__getattr__("update_indexer")
@@ -3705,6 +4014,7 @@ RECURRENT_KINDS = ("linear", "hybrid")
 # The contact point each kind's cache protocol is (the rest: cache_update; a hybrid layer's attention
 # also calls ``update``)
 STATE_POINTS = {
+    "hca": "compressor_cache",
     "linear": "linear_attention_cache",
     "hybrid": "linear_attention_cache",
     "lightning": "lightning_attention_cache",
@@ -3911,6 +4221,8 @@ def _probe_layer(
     if kind == "hybrid":  # its mixer's states too, through the linear-attention API, under the same index
         mixed = _linear_protocol(layer_name, keyword, cache, index, out, taken)
         return LayerProtocol(keyword, kv_dims, mixed.linear_states)
+    if kind == "hca":
+        _check_compressor_calls(layer_name, cache, layer_idx)
     if kind != "indexed":
         return LayerProtocol(keyword, kv_dims)
     indexed_idx, index_keys = cache.state_calls.get("update_indexer", (None, None))
@@ -3925,6 +4237,23 @@ def _probe_layer(
             point="indexer_cache",
         )
     return LayerProtocol(keyword, kv_dims, index_dim=int(index_keys.shape[-1]))
+
+
+def _check_compressor_calls(layer_name: str, cache: _RecordingCache, layer_idx: Any) -> None:
+    """An ``hca`` layer's compressor hands the static cache its window and its entries, once each, under
+    the attention's index (the ``deepseek_v4_hca_compressor`` builtin: a spec without it runs upstream's
+    compressor, which reads ``cache.layers`` and is refused as a cache read above)."""
+    for call in ("compressed_window", "write_compressed"):
+        called = cache.state_calls.get(call, (None, None))[0]
+        if called != layer_idx:
+            found = "never calls it" if call not in cache.state_calls else f"calls it with {called!r}"
+            _unsupported(
+                "cache-protocol",
+                layer_name,
+                f"{layer_name}'s compressor calls cache.{call}(layer_idx={layer_idx}, ...) once",
+                f"{layer_name} {found}",
+                point="compressor_cache",
+            )
 
 
 def _failed_at(failure: BaseException) -> str:

@@ -52,6 +52,18 @@ BUILTINS: dict[str, tuple[str, str]] = {
         "kimi_adapter_core.builtins.deepseek_v2:deepseek_v2_attention_forward",
         "DeepSeek-V2 MLA attention: interleaved-pair rope of q_pe and k_pe from (cos, sin) in real math.",
     ),
+    "deepseek_v4_hca_compressor": (
+        "kimi_adapter_core.builtins.deepseek_v4:deepseek_v4_hca_compressor",
+        "DeepSeek-V4 HCA compressor (wrap): its window ring and entries in kadapt's static cache, per row.",
+    ),
+    "deepseek_v4_csa_compressor": (
+        "kimi_adapter_core.builtins.deepseek_v4:deepseek_v4_csa_compressor",
+        "DeepSeek-V4 CSA compressor (wrap): overlapping windows in the static cache; the indexer's picks.",
+    ),
+    "deepseek_v4_indexer": (
+        "kimi_adapter_core.builtins.deepseek_v4:deepseek_v4_indexer",
+        "DeepSeek-V4 Lightning indexer (wrap): its compressed keys in the static cache, a static top-k.",
+    ),
     "falcon_split_heads_slices": (
         "kimi_adapter_core.builtins.falcon:falcon_split_heads_slices",
         "Falcon _split_heads: key/value heads by slices, not list indices (no lifted constant on meta).",

@@ -12,6 +12,7 @@ _DEEPSEEK_V2 = "transformers.models.deepseek_v2.modeling_deepseek_v2"
 _FALCON = "transformers.models.falcon.modeling_falcon"
 _MPT = "transformers.models.mpt.modeling_mpt"
 _GPT_NEO = "transformers.models.gpt_neo.modeling_gpt_neo"
+_DEEPSEEK_V4 = "transformers.models.deepseek_v4.modeling_deepseek_v4"
 # The class patches the guide names for a model type whose own code needs a builtin to export
 # (docs/writing-a-spec.md, "Which bridges a family needs"): model type -> its patches, pinned to the
 # transformers release the matrix runs on (a release that changes the code refuses them: upstream drift).
@@ -116,6 +117,23 @@ GUIDE_PATCHES: dict[str, tuple[dict[str, Any], ...]] = {
     ),
 }
 
+# The class patches the guide names for a layer type whose code needs a builtin to export, added to a
+# family's where its config lists that type (DeepSeek-V4's heavily compressed layers: a stack of sliding
+# layers alone needs none, and its generated module carries no wrap).
+GUIDE_LAYER_PATCHES: dict[str, tuple[dict[str, Any], ...]] = {
+    "heavily_compressed_attention": (
+        {
+            "id": "V1",
+            "why": "the HCA compressor's open window and entries in the static cache, per row (upstream "
+            "grows them by concatenation and counts entries in a Python int for the whole batch)",
+            "target": f"{_DEEPSEEK_V4}:DeepseekV4HCACompressor.forward",
+            "kind": "wrap",
+            "impl": "builtin:deepseek_v4_hca_compressor",
+            "backends": ["extraction"],
+            "pin": {"source_sha256": "fe93d160eee3c9b08574d00bac8c4a55e510a77e1a3e5502eb2df825ba6f39c9"},
+        },
+    ),
+}
 # The ``architecture.fields`` the guide states for a family whose config keys a fact under a name
 # ``config_keys.yaml`` does not list for every family (GPT-Neo: which layers are local, their window)
 GUIDE_FIELDS: dict[str, dict[str, str]] = {

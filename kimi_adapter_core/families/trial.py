@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import KadaptError, parse_refusal
-from .guide import GUIDE_FIELDS, GUIDE_PATCHES
+from .guide import GUIDE_FIELDS, GUIDE_LAYER_PATCHES, GUIDE_PATCHES
 
 ADAPTED, REFUSED, FAILED, UNTESTED = "adapted", "refused", "failed", "untested"
 PLAN_EXACT = "exact"
@@ -200,7 +200,7 @@ def write_spec(folder: Path, model_type: str, config: dict[str, Any], paths: dic
             if model_type in GUIDE_FIELDS
             else ""
         )
-        + _patches_yaml(model_type)
+        + _patches_yaml(model_type, text)
         + "abi:\n"
         + abi_config
         + textwrap.indent(
@@ -227,10 +227,13 @@ def write_spec(folder: Path, model_type: str, config: dict[str, Any], paths: dic
     return spec
 
 
-def _patches_yaml(model_type: str) -> str:
-    """The ``patches:`` section of ``GUIDE_PATCHES[model_type]`` (empty for most types), one flow
-    mapping per patch (JSON is YAML)."""
-    patches = GUIDE_PATCHES.get(model_type, ())
+def _patches_yaml(model_type: str, text: dict[str, Any]) -> str:
+    """The ``patches:`` section of ``GUIDE_PATCHES[model_type]`` and the ``GUIDE_LAYER_PATCHES`` of the
+    layer types the text config lists (empty for most types), one flow mapping per patch (JSON is
+    YAML)."""
+    types = text.get("layer_types") if isinstance(text.get("layer_types"), list) else []
+    layer = [patch for kind in GUIDE_LAYER_PATCHES if kind in types for patch in GUIDE_LAYER_PATCHES[kind]]
+    patches = (*GUIDE_PATCHES.get(model_type, ()), *layer)
     if not patches:
         return ""
     return "patches:\n" + "".join(f"  - {json.dumps(patch)}\n" for patch in patches)
@@ -238,7 +241,8 @@ def _patches_yaml(model_type: str) -> str:
 
 def _state_templates(text: dict[str, Any]) -> tuple[str, str]:
     """The states besides key and value a stack's layers return, and take back, named as a user names
-    them: a linear layer's conv and recurrent state, a DSA layer's indexer keys (none when the config
+    them: a linear layer's conv and recurrent state, a DSA layer's indexer keys, a compressed layer's
+    ring and entries (none when the config
     says neither, or is refused: the trial reports that where apply raises it)."""
     from ..structure.derive import derive_structure
 
@@ -251,6 +255,8 @@ def _state_templates(text: dict[str, Any]) -> tuple[str, str]:
         return ', "c.{layer}", "r.{layer}"', ', "pc.{layer}", "pr.{layer}"'
     if "indexed" in kinds:
         return ', "i.{layer}"', ', "pi.{layer}"'
+    if "hca" in kinds:  # a compressor's ring and entries
+        return ', "cs.{layer}", "ce.{layer}"', ', "pcs.{layer}", "pce.{layer}"'
     return "", ""
 
 

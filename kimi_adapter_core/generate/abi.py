@@ -158,9 +158,18 @@ def structure(spec: Spec) -> ModelStructure:
     a hybrid stack's linear layers (``structure.linear``) carry their conv and recurrent states, DSA
     layers (``structure.indexer``) their indexer keys beside the KV cache, and attention layers (among
     them those reusing an indexed layer's top-k) their KV alone. A stack that mixes DSA layers with
-    layers of another kind is refused: the generated module names a DSA stack's states by those two."""
+    layers of another kind is refused: the generated module names a DSA stack's states by those two; so
+    is a stack with compressed layers (DeepSeek-V4's hca), whose states the module does not carry yet."""
     found = structure_of_raw(spec, bridged_config(spec))
     kinds = set(found.layer_kinds)
+    if found.compressor is not None:  # kadapt apply exports and verifies them; the module's template not yet
+        raise Refusal(
+            "layer-types",
+            f"{found.layer_kinds.count('hca')} of the {found.num_layers} layers are compressed (hca): the "
+            "generated extraction module does not carry a compressor's ring and entries yet (its layer "
+            "kinds, example decode inputs and state mapping name none); export with kadapt apply",
+            location=spec.locate("gate"),
+        )
     if found.indexer is not None and not kinds <= {"indexed", "attention"}:
         others = sorted(kinds - {"indexed", "attention"})
         raise Refusal(

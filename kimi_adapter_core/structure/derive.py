@@ -19,6 +19,7 @@ from ..spec.model import Spec
 from . import bounds
 from .around_layers import OutsideOp, PerLayerInputs
 from .attention_form import attention_form_of
+from .compressor_of import compressor_of
 from .indexer_of import indexer_of, topk_sources
 from .kv_sharing import kv_sources, mlp_widths
 from .layer_pattern import PATTERN_KEY, layout_types
@@ -75,7 +76,7 @@ def _attention(read: Reader, spec: Spec | None, hidden: int) -> Attention:
 
 
 # Layer spans that attend (keep a KV cache)
-ATTENDING_SPANS = ("full", "sliding", "chunked", "indexed", "hybrid")
+ATTENDING_SPANS = ("full", "sliding", "chunked", "indexed", "hybrid", "hca")
 
 
 def _attends(read: Reader, spans: list[tuple[str, int | None]]) -> bool:
@@ -229,10 +230,10 @@ def _spans(read: Reader, num_layers: int, types: list[Any] | None) -> list[tuple
 def _span(read: Reader, index: int, kind: str, modelled: str, window: Any) -> tuple[str, int | None]:
     """One listed layer's ``(kind, span)``: a sliding layer takes the config's window, a chunked layer
     its ``attention_chunk_size`` (a located error when the config has none)."""
-    if modelled == "sliding":
+    if modelled in ("sliding", "hca"):  # a compressed layer slides too (beside its entries)
         if not window:
             raise KadaptError(f"{read.where}: layer {index} is {kind} but the config sets no sliding_window")
-        return "sliding", int(window)
+        return modelled, int(window)
     if modelled == "chunked":
         chunk = read.get("attention_chunk_size")
         if not chunk:
@@ -404,7 +405,7 @@ def derive_structure(
             Layer(
                 index=i,
                 attention=span,
-                window=size if span == "sliding" else None,
+                window=size if span in ("sliding", "hca") else None,
                 mlp=kind,
                 chunk=size if span == "chunked" else None,
                 attention_shape=shape if span in ATTENDING_SPANS else None,
@@ -425,5 +426,6 @@ def derive_structure(
         per_layer_inputs=_per_layer_inputs(read),
         shared_blocks=blocks,
         residual_streams=residual_streams_of(read),
+        compressor=compressor_of(read, spans, attention),
         keys=dict(read.keys),
     )

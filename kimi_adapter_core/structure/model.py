@@ -141,11 +141,12 @@ class Layer:
     alone) and mixer blocks with no MLP (``mlp`` ``none``)."""
 
     index: int
-    # full | sliding | chunked | linear (ModelStructure.linear) | indexed (full + DSA: .indexer) | none
+    # full | sliding | chunked | linear (ModelStructure.linear) | indexed (full + DSA: .indexer) | hca
+    # (sliding + compressed entries: .compressor) | none
     # (no mixer) | hybrid (full attention and the linear mixer: side by side, Falcon-H1; a shared block's,
     # then the mixer, Zamba: .shared_blocks)
     attention: str
-    window: int | None  # keys a query sees (sliding layers only)
+    window: int | None  # keys a query sees (sliding and hca layers only)
     mlp: str  # dense | moe | none
     # chunked layers only (Llama-4): the query at position p sees keys p - p % chunk .. p
     chunk: int | None = None
@@ -180,6 +181,28 @@ class Indexer:
 
     def describe(self) -> str:
         return f"DSA indexer {self.n_heads}x{self.head_dim} top-{self.topk}"
+
+
+@dataclass(frozen=True)
+class Compressor:
+    """DeepSeek-V4's compressor of its ``hca`` layers (heavily compressed attention): each closed window
+    of ``rate`` tokens becomes one KV entry of ``head_dim`` (a softmax-gated sum of the window's raw
+    projections, normed and roped at the window's first position) that the layer attends over beside
+    its sliding window; the open window's raw ``kv || gate`` projections wait in a ring of ``rate``."""
+
+    rate: int
+    head_dim: int
+
+    def entry_bytes(self, dtype_bytes: int) -> int:
+        """One entry: every ``rate`` tokens of context (grows with the context, ``rate`` times slower)."""
+        return self.head_dim * dtype_bytes
+
+    def ring_bytes(self, dtype_bytes: int) -> int:
+        """The open window's raw projections: constant per request."""
+        return self.rate * 2 * self.head_dim * dtype_bytes
+
+    def describe(self) -> str:
+        return f"a compressor of every {self.rate} tokens into one {self.head_dim}-wide entry"
 
 
 @dataclass(frozen=True)
@@ -226,6 +249,7 @@ class ModelStructure:
     per_layer_inputs: PerLayerInputs | None = None  # per-layer embeddings (None: the layers take none)
     shared_blocks: SharedBlocks | None = None  # the hybrid layers' shared blocks (None: no hybrid layer)
     residual_streams: ResidualStreams | None = None  # hyper-connections (None: one residual stream)
+    compressor: Compressor | None = None  # the ``hca`` layers' compressor (None: no such layer)
     # fact -> the config key it was read from (so tiny verify models shrink the right keys)
     keys: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -271,9 +295,9 @@ class ModelStructure:
         token mixer: no state), ``shared`` (attends over an earlier layer's keys and values of the same
         call: no state), ``hybrid`` (a KV cache and a conv window and recurrent state: Falcon-H1's
         attention and Mamba2 side by side, Zamba's shared block and then its Mamba) or ``attention`` (a KV
-        cache)."""
+        cache), ``hca`` (a sliding KV cache, a compressor's ring and its entries: DeepSeek-V4)."""
         linear = self.linear.layer_kind if self.linear is not None else "linear"
-        special = {"linear": linear, "indexed": "indexed", "none": "none", "hybrid": "hybrid"}
+        special = {"linear": linear, "indexed": "indexed", "none": "none", "hybrid": "hybrid", "hca": "hca"}
         return tuple(
             "shared"
             if layer.kv_source is not None
@@ -378,6 +402,9 @@ class ModelStructure:
             reusing = [layer for layer in self.layers if layer.topk_source is not None]
             if reusing:
                 mixer += f" ({len(reusing)}/{self.num_layers} layers reuse an earlier layer's top-k)"
+        if self.compressor is not None:
+            compressed = sum(1 for layer in self.layers if layer.attention == "hca")
+            mixer += f", {compressed}/{self.num_layers} compressed layers ({self.compressor.describe()})"
         shaped = [layer for layer in self.layers if layer.attention_shape is not None]
         if shaped:  # per-layer shapes: how many layers differ, and how
             others = sorted({layer.attention_shape.describe() for layer in shaped if layer.attention_shape})
@@ -402,7 +429,14 @@ class ModelStructure:
         if not self.outside:  # most families: the key stays out of the IR metadata
             data.pop("outside")
         # stacks without them: metadata unchanged
-        for kind in ("linear", "indexer", "per_layer_inputs", "residual_streams", "shared_blocks"):
+        for kind in (
+            "linear",
+            "indexer",
+            "per_layer_inputs",
+            "residual_streams",
+            "shared_blocks",
+            "compressor",
+        ):
             if getattr(self, kind) is None:
                 data.pop(kind)
         for size in ("dt_rank", "block_size"):  # only Mamba1 states the one, lightning the other

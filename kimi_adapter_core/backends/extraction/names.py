@@ -30,12 +30,20 @@ LAYER_STATES = {
     "none": (),  # a block with no token mixer (Nemotron-H's mlp and moe blocks): no state
     "shared": (),  # attends over an earlier layer's keys and values of the same call (Gemma-4): no state
     "hybrid": ("key", "value", "conv", "recurrent"),  # attention and a linear mixer (Falcon-H1, Zamba)
+    # DeepSeek-V4's hca: a sliding KV, a compressor's ring and entries; csa (the runtime's kind, not yet a
+    # structure's): also its indexer's ring and entries
+    "hca": ("key", "value", "comp_src", "comp"),
+    "csa": ("key", "value", "comp_src", "comp", "index_src", "index_comp"),
 }
-# States of one fixed size per request (no sequence dimension): never placed by position, never paged.
-FIXED_ROLES = ("conv", "recurrent")
+# States of one fixed size per request (no sequence dimension; a compressor's ring): never paged.
+FIXED_ROLES = ("conv", "recurrent", "comp_src", "index_src")
+# A compressor's entries: per request too (``max_cache_len / rate`` slots per row), never paged.
+COMPRESSED_ROLES = ("comp", "index_comp")
 # The optional templates after key and value, by how many there are: none, a DSA layer's indexer keys,
-# or a linear layer's conv and recurrent state.
+# or two: a linear layer's conv and recurrent state, or a compressed layer's ring and entries (a stack
+# has one or the other: ``SECOND_PAIR`` reads the compressor's under the linear layer's names).
 EXTRA_ROLES = {0: (), 1: ("index_key",), 2: ("conv", "recurrent")}
+SECOND_PAIR = {"comp_src": "conv", "comp": "recurrent"}
 Kinds = int | Sequence[str]  # a layer count (every layer attention) or each layer's kind
 
 
@@ -71,8 +79,9 @@ class GraphNames:
 
     def template(self, direction: str, role: str) -> str | None:
         """The ``{layer}`` template of state ``role`` (key, value, conv, recurrent) in ``direction``
-        (past: decode inputs, present: outputs)."""
-        return getattr(self, f"{direction}_{role}")
+        (past: decode inputs, present: outputs); a compressor's ring and entries (comp_src, comp) take
+        the two templates a linear layer's conv and recurrent state would (``SECOND_PAIR``)."""
+        return getattr(self, f"{direction}_{SECOND_PAIR.get(role, role)}")
 
     def _names(self, direction: str, kinds: Kinds) -> list[str]:
         names = []

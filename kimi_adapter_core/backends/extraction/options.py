@@ -19,6 +19,7 @@ from ...spec.model import MergedPrefillAbi, Spec
 from ...structure.kv_layout import resolve_kv_layout
 from ...structure.model import ALL_KV_LAYOUTS, ModelStructure
 from ...vision.options import VisionOptions, vision_options
+from .compressed_options import check_compressed
 from .names import DECODE_FIXED, MERGED_FIXED, PREFILL_FIXED, GraphNames, read_graph_names, state_roles
 from .paged import PagedOptions, paged_options
 from .runtime.symbolic import SYMBOLS as DYNAMIC_SIZES
@@ -189,6 +190,13 @@ class ExtractionOptions:
         """The DSA indexer keys' width (None: no indexed layer)."""
         assert self.structure is not None, "bind_structure first"
         return self.structure.indexer.head_dim if self.structure.indexer is not None else None
+
+    @property
+    def compress_rates(self) -> dict[str, int] | None:
+        """A compressed layer kind's rate (``{"hca": rate}``; None: no compressed layer)."""
+        assert self.structure is not None, "bind_structure first"
+        compressor = self.structure.compressor
+        return {"hca": compressor.rate} if compressor is not None else None
 
     def state_roles(self, num_layers: int) -> list[str]:
         """The role of each per-layer state tensor of the first ``num_layers`` layers, in ABI order."""
@@ -457,7 +465,15 @@ def bind_structure(options: ExtractionOptions, structure: ModelStructure) -> Ext
             '"<past recurrent {layer}>" to abi.decode.inputs',
             location=options.names_where,
         )
-    if structure.linear is None and options.prefill_names.has_linear_states:
+    compressed = check_compressed(
+        structure,
+        names_state=options.prefill_names.has_linear_states,
+        max_cache_len=options.max_cache_len,
+        dynamic=options.dynamic,
+        names_where=options.names_where,
+        dynamic_where=options.dynamic_where,
+    )
+    if structure.linear is None and not compressed and options.prefill_names.has_linear_states:
         raise KadaptError(
             "the ABI names conv and recurrent states, but the model has no linear-attention layer: keep "
             "only the key and value templates",

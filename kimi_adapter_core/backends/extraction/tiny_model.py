@@ -69,6 +69,9 @@ TINY_FACTS = {
     "index_n_heads": 8,
     "index_head_dim": 16,
     "index_topk": 4,
+    # DeepSeek-V4's compressors: windows of 4 tokens, so the verify's prompt closes some and its decode
+    # closes several more (each a compressed entry written at its slot)
+    "compress_rates": {"heavily_compressed_attention": 4, "compressed_sparse_attention": 4},
 }
 
 

@@ -35,6 +35,24 @@ class _RecordingCache(DynamicCache):
     def _recording(self) -> None:
         self.written: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.indexed: dict[int, torch.Tensor] = {}  # a DSA layer's new indexer keys, [B, 1, Q, dim]
+        # a compressed layer's raw kv || gate of every token so far, [B, T, 2 * dim], by (layer, series:
+        # compressor, or a CSA layer's indexer; its ring is the last windows' worth, slot p % ring):
+        # recorded from DeepseekV4HCACache.store_compression_weights
+        self.compressor_inputs: dict[tuple[int, str], torch.Tensor] = {}
+        for index, layer in enumerate(getattr(self, "layers", ())):
+            if hasattr(layer, "store_compression_weights") and hasattr(layer, "compress_rate"):
+                layer.store_compression_weights = self._recording_compressor(index, layer)
+
+    def _recording_compressor(self, index: int, layer: Any) -> Any:
+        store = layer.store_compression_weights
+
+        def recorded(name: str, kv: torch.Tensor, gate: torch.Tensor) -> Any:
+            new = torch.cat([kv, gate], dim=-1).detach().clone()
+            past = self.compressor_inputs.get((index, name))
+            self.compressor_inputs[index, name] = new if past is None else torch.cat([past, new], dim=1)
+            return store(name, kv, gate)
+
+        return recorded
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
@@ -96,7 +114,28 @@ def _expected_states(
             flat.append(cache.indexed[layer])
         if kind == "hybrid":  # its mixer's states after its KV (Falcon-H1, Zamba), copied as for linear
             flat += [cache.get_conv_state(layer).clone(), cache.get_recurrent_state(layer).clone()]
+        if kind in runtime.COMPRESSED_KINDS:
+            flat += compressor_states(cache, layer, "compressor", runtime.LAYER_RINGS[kind])
+        if kind == "csa":  # its indexer's own series
+            flat += compressor_states(cache, layer, "indexer", runtime.LAYER_RINGS[kind])
     return flat
+
+
+def compressor_states(cache: _RecordingCache, layer: int, name: str, windows: int) -> list[torch.Tensor]:
+    """A compressed layer's ring and entries of series ``name`` as the graphs return them, from
+    transformers' own cache: the ring (``windows`` windows) slot ``j`` the raw projections of the last
+    position ``= j mod ring`` so far (zeros before the first; rows of a window no entry reads again may
+    be stale, as the graph's are), and the entries its ``compressed_kv[name]`` holds, ``[B, 1, n, dim]``
+    (``Replay.written_at`` returns as many of the graph's)."""
+    own = cache.layers[layer]
+    seen, width = cache.compressor_inputs[layer, name], own.compress_rate * windows
+    slots = torch.arange(width)
+    last = slots + width * torch.div(seen.shape[1] - 1 - slots, width, rounding_mode="floor")
+    ring = seen.index_select(1, last.clamp(min=0)) * (last >= 0).view(1, -1, 1).to(seen.dtype)
+    entries = own.compressed_kv[name]
+    if entries is None:
+        entries = seen.new_zeros(seen.shape[0], 0, seen.shape[-1] // (2 * windows))
+    return [ring.unsqueeze(1), entries.detach().clone().unsqueeze(1)]
 
 
 def _first_position(logits: torch.Tensor, reference: torch.Tensor, tolerance: Tolerance) -> int | None:

@@ -90,11 +90,16 @@ class Replay:
 
     def written_at(self, present: list[torch.Tensor], position: int) -> list[torch.Tensor]:
         """What a decode step wrote at ``position`` in each present cache, ``[B, heads, 1, dim]`` (a paged
-        pool read through the rows' block table); a linear layer's states whole (the step rewrote them)."""
-        written = []
-        for tensor, role in zip(present, self.roles(len(present)), strict=True):
+        pool read through the rows' block table); a linear layer's states whole (the step rewrote them),
+        a compressor's ring whole and its entries closed by then (``(position + 1) // rate``)."""
+        written: list[torch.Tensor] = []
+        owners = runtime.flat_state_kinds(self.kinds, len(present))
+        for tensor, role, kind in zip(present, self.roles(len(present)), owners, strict=True):
             if role in runtime.FIXED_ROLES:
                 written.append(tensor)
+                continue
+            if role in runtime.COMPRESSED_ROLES:  # the entries closed so far (its ring gives the rate)
+                written.append(tensor[:, :, : (position + 1) // runtime.compressor_rate(written[-1], kind)])
                 continue
             if self.block_table is not None:
                 tensor = runtime.paged_view(tensor, self.block_table)
@@ -116,7 +121,7 @@ class Replay:
         pools = [  # a pool per growing state: its heads and dim (keys, values, indexer keys)
             (self.paged.num_blocks, self.paged.block_size, tensor.shape[1], tensor.shape[3])
             for tensor, role in zip(present, self.roles(len(present)), strict=True)
-            if role not in runtime.FIXED_ROLES
+            if role not in (*runtime.FIXED_ROLES, *runtime.COMPRESSED_ROLES)
         ]
         return runtime.place_prefill_kv_paged(present, self.block_table, lengths, pools, self.kinds)
 
@@ -130,9 +135,14 @@ class Replay:
         """``states`` with row ``row`` replaced by its request's prefill outputs ``present`` (``length``
         tokens), the joining-request rule: a linear layer's states taken as they are, an attention
         layer's rows placed into that row's cache (paged: into that row's own blocks)."""
-        joined = []
-        for tensor, new, role in zip(states, present, self.roles(len(states)), strict=True):
-            if role in runtime.FIXED_ROLES:
+        joined: list[torch.Tensor] = []
+        owners = runtime.flat_state_kinds(self.kinds, len(states))
+        for tensor, new, role, kind in zip(states, present, self.roles(len(states)), owners, strict=True):
+            if role in runtime.COMPRESSED_ROLES:  # per row, never paged (its ring gives the rate)
+                tensor = tensor.clone()
+                rate = runtime.compressor_rate(joined[-1], kind)
+                tensor[row] = runtime.place_compressed(new[row : row + 1], tensor.shape[2] * rate, rate)[0]
+            elif role in runtime.FIXED_ROLES:
                 tensor = tensor.clone()
                 tensor[row] = new[row]
             elif self.block_table is None:

@@ -176,8 +176,11 @@ def _verify_in(
             if any(kind != "attention" for kind in small.layer_kinds) or small.layer_kv_dims is not None:
                 steps = options.verify_decode_steps
                 compare_states(report, model, replay, prompt, steps, tolerance=tolerance, suffix=suffix)
-            if small.batch > 1:  # linear states take every prompt token: rows join instead of padding
-                linear = any(kind in runtime.UNPADDED_KINDS for kind in small.layer_kinds)
+            # linear states take every prompt token, a compressor's ring is placed from the prompt's
+            # length: rows join instead of padding
+            if small.batch > 1:
+                unpadded = (*runtime.UNPADDED_KINDS, *runtime.COMPRESSED_KINDS)
+                linear = any(kind in unpadded for kind in small.layer_kinds)
                 (compare_joining if linear else compare_ragged)(
                     report,
                     model,

@@ -21,7 +21,7 @@ from torch.export import ExportedProgram
 
 from .... import upstream
 from ....errors import KadaptError
-from ..names import FIXED_ROLES, GraphNames
+from ..names import COMPRESSED_ROLES, FIXED_ROLES, GraphNames
 from ..options import MERGED, ExtractionOptions
 from ..runtime import abi as runtime
 from ..runtime import step as runtime_step
@@ -128,6 +128,7 @@ def example_inputs(
         linear_states=options.linear_states,
         index_dim=options.index_dim,
         layer_kv_dims=None if options.layer_kv_dims is None else options.layer_kv_dims[:num_layers],
+        compress_rates=options.compress_rates,
     )
 
 
@@ -151,7 +152,7 @@ def dynamic_dims(kind: str, options: ExtractionOptions, num_inputs: int) -> dict
     for position in range(num_inputs):
         if kind == MERGED and position == 1:  # image features
             continue
-        paged_pool = position >= fixed and roles[position - fixed] not in FIXED_ROLES
+        paged_pool = position >= fixed and roles[position - fixed] not in (*FIXED_ROLES, *COMPRESSED_ROLES)
         if kind == "decode" and options.paged is not None and paged_pool:  # block pools (per-row states stay)
             continue
         these = {0: "batch"} if batch else {}

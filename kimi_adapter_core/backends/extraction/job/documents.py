@@ -117,6 +117,7 @@ def kv_mapping_document(options: ExtractionOptions, backbone: Backbone) -> dict[
         chunked=options.structure is not None and options.structure.has_chunked_layers,
         layer_kv_dims=options.layer_kv_dims,
         kv_sources=[layer.kv_source for layer in options.structure.layers] if options.structure else None,
+        compress_rates=options.compress_rates,
     )
     graphs = {"prefill_graph": options.path("prefill").name, "decode_graph": options.path("decode").name}
     assert options.structure is not None

@@ -14,17 +14,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ....errors import UsageError
-from ....structure.mixer import LinearAttention
-from ....structure.model import Attention, Indexer, ModelStructure
-from ....structure.states import ConvState, RecurrentState
+from ....structure.model import Attention, ModelStructure
 from ....vision.images import ImageBatch
 from ....vision.images import vision_cache_entry_bytes as entry_bytes
 from ..model.arch import Architecture, indexed_layer_ids
 from ..model.inputs import ModelInputs
 from ..model.parallel import Parallel, heads_per_rank, kv_elements_per_rank, kv_heads_per_rank
 from ..model.params import ParamGroup
-from ..model.quant import DTYPE_BYTES, INDEX_REFERENCE_DTYPE, Policy, index_key_bytes
+from ..model.quant import DTYPE_BYTES, Policy
 from ..tables.device import Device
+from .compressed_sizing import CompressedSizing
+from .state_sizing import IndexKeySizing, LinearStateSizing
 
 
 def activation_formula(s: ModelStructure) -> str:
@@ -45,75 +45,12 @@ def activation_formula(s: ModelStructure) -> str:
     )
 
 
-STATE_CONV_DTYPE = "bf16"  # the conv window is kept in the model dtype (vLLM's mamba cache "auto")
-
-
-@dataclass(frozen=True)
-class LinearStateSizing:
-    """What each linear-attention layer of a hybrid stack keeps per request: its conv window (in the
-    model dtype) and recurrent state (float32 whatever the KV dtype: ``structure.states``), constant
-    in the context length. Under TP both split with the heads, as vLLM shards the layer."""
-
-    linear: LinearAttention
-    layers: int
-    tp: int
-
-    def conv(self, *, per_rank: bool = True) -> ConvState | None:
-        """The conv window (None: a mixer without one, MiniMax's lightning attention)."""
-        whole = self.linear.conv
-        if whole is None:
-            return None
-        return ConvState(whole.channels // (self.tp if per_rank else 1), whole.kernel)
-
-    def recurrent(self, *, per_rank: bool = True) -> RecurrentState | None:
-        """The recurrent state (None: a mixer without one, LFM2's short convolution)."""
-        whole = self.linear.recurrent
-        if whole is None:
-            return None
-        heads, *dims = whole.shape()
-        return RecurrentState((heads // (self.tp if per_rank else 1), *dims), whole.dtype)
-
-    def bytes_per_layer(self, *, per_rank: bool = True) -> int:
-        states = (self.conv(per_rank=per_rank), self.recurrent(per_rank=per_rank))
-        return sum(s.bytes_per_request(DTYPE_BYTES[STATE_CONV_DTYPE]) for s in states if s is not None)
-
-    def bytes_per_request(self, *, per_rank: bool = True) -> int:
-        return self.layers * self.bytes_per_layer(per_rank=per_rank)
-
-
-@dataclass(frozen=True)
-class IndexKeySizing:
-    """The DSA indexer keys of a DeepSeek-V3.2 stack: one ``head_dim`` key per token in each indexed
-    layer, beside its KV cache, growing with the context like it. The indexer is replicated over TP
-    (vLLM and SGLang build it of ``ReplicatedLinear``s), so every rank caches every key."""
-
-    indexer: Indexer
-    layers: int
-
-    @property
-    def bytes_per_token_layer(self) -> int:
-        """FP8 keys plus their fp32 block scales (128 + 4 B for DeepSeek-V3.2's 128-wide keys)."""
-        return index_key_bytes(self.indexer.head_dim)
-
-    @property
-    def reference_bytes_per_token_layer(self) -> int:
-        """What transformers' reference (and kadapt's extraction ABI) keeps: the model dtype, no scale."""
-        return self.indexer.bytes_per_token(DTYPE_BYTES[INDEX_REFERENCE_DTYPE])
-
-    @property
-    def bytes_per_token(self) -> int:
-        return self.bytes_per_token_layer * self.layers
-
-    def bytes(self, tokens: int) -> int:
-        """The keys of a sequence of ``tokens`` (the same on every TP rank: replicated)."""
-        return tokens * self.bytes_per_token
-
-
 @dataclass(frozen=True)
 class KvSizing:
     """The KV cache of one token: per layer, whole model and per TP rank, with sliding-window caps;
     in a hybrid stack, over its attention layers, plus the linear layers' constant ``state``; in a DSA
-    stack plus the indexer keys (``index``), which grow with the context."""
+    stack plus the indexer keys (``index``), which grow with the context; with compressed layers their
+    entries and rings (``compressed``)."""
 
     dtype: str
     layout: str  # heads | latent | expanded (the attention kind's default: what serving runtimes cache)
@@ -127,6 +64,7 @@ class KvSizing:
     # per attention layer its own attention when the layers cache different KV shapes (MiMo-V2-Flash's
     # sliding layers, Gemma-4's full layers); () when every layer caches ``attention``'s
     layer_attentions: tuple[Attention, ...] = ()
+    compressed: CompressedSizing | None = None  # DeepSeek-V4's hca layers' entries and rings
 
     @property
     def attentions(self) -> tuple[Attention, ...]:
@@ -201,10 +139,11 @@ class KvSizing:
         return 0 if self.index is None else self.index.bytes(tokens)
 
     def sequence_bytes(self, tokens: int, *, per_rank: bool = True) -> int:
-        """Everything one sequence of ``tokens`` keeps: the KV cache plus any linear-attention state
-        and any DSA indexer keys."""
+        """Everything one sequence of ``tokens`` keeps: the KV cache plus any linear-attention state,
+        any DSA indexer keys and any compressor's entries and ring."""
         kept = self.kv_bytes(tokens, per_rank=per_rank) + self.state_bytes(per_rank=per_rank)
-        return kept + self.index_bytes(tokens)
+        compressed = 0 if self.compressed is None else self.compressed.bytes(tokens)
+        return kept + self.index_bytes(tokens) + compressed
 
 
 @dataclass(frozen=True)
@@ -308,7 +247,7 @@ def state_kinds(kv: KvSizing, tokens: int) -> dict[str, dict[str, Any]] | None:
     the attention layers' KV cache (grows with the context), the linear layers' state (constant), the
     DSA indexer keys (grow with the context). None for a plain attention model (its KV cache is the
     only state)."""
-    if kv.state is None and kv.index is None:
+    if kv.state is None and kv.index is None and kv.compressed is None:
         return None
     kinds: dict[str, dict[str, Any]] = {
         "attention_kv": {
@@ -329,6 +268,12 @@ def state_kinds(kv: KvSizing, tokens: int) -> dict[str, dict[str, Any]] | None:
             "grows_with_context": True,
             "bytes_per_request_per_device": kv.index_bytes(tokens),
         }
+    if kv.compressed is not None:
+        kinds["compressed_entries"] = {
+            "layers": kv.compressed.layers,
+            "grows_with_context": True,
+            "bytes_per_request_per_device": kv.compressed.bytes(tokens),
+        }
     return kinds
 
 
@@ -342,7 +287,13 @@ def kv_sizing(s: ModelStructure, tp: int, kv_dtype: str = "bf16") -> KvSizing:
     shaped = any(s.layers[i].attention_shape is not None for i in s.attention_layer_ids)
     layer_attentions = tuple(s.layer_attention(i) for i in s.attention_layer_ids) if shaped else ()
     layout = s.attention.default_kv_layout
-    return KvSizing(kv_dtype, layout, s.attention, windows, tp, state, index, chunks, layer_attentions)
+    compressed = None
+    if s.compressor is not None:
+        layers = s.layer_kinds.count("hca")
+        compressed = CompressedSizing(s.compressor, layers, DTYPE_BYTES[kv_dtype])
+    return KvSizing(
+        kv_dtype, layout, s.attention, windows, tp, state, index, chunks, layer_attentions, compressed
+    )
 
 
 def max_seq_len(s: ModelStructure, requested: int | None) -> int:

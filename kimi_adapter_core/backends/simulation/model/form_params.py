@@ -6,8 +6,10 @@
 ``[o_groups x o_lora_rank, heads x head_dim / o_groups]`` weight; ``o_b_proj`` mixes them back) and one
 float32 sink logit per head, under transformers 5.24's ``DeepseekV4Attention`` names. A hash-routed MoE
 layer (``Moe.hash_layers``) keeps its ``tid2eid`` table ``[vocab, top_k]`` (int64) beside the router's
-weight and no correction bias. Shards as ``params`` says: query and output split by heads (``tp``), the
-shared KV head and the query's latent replicated.
+weight and no correction bias. A compressed (``hca``) layer's compressor (``Compressor``) keeps its own
+``kv_proj`` and ``gate_proj`` (``head_dim x hidden`` each), a float32 ``position_bias`` ``[rate, head_dim]``
+and a float32 ``kv_norm`` (transformers 5.24 keeps both in float32). Shards as ``params`` says: query and
+output split by heads (``tp``), the shared KV head, the compressor and the query's latent replicated.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from __future__ import annotations
 from ....structure.model import Attention, ModelStructure
 from .layer_parts import LayerParts
 
-Rows = list[tuple[str, list[tuple[str, tuple[int, ...]]], str, bool]]
+Tensors = list[tuple[str, tuple[int, ...]]]
+Rows = list[tuple[str, Tensors, str, bool]]
 
 
 def form_attention(s: ModelStructure, a: Attention, parts: LayerParts) -> Rows:
@@ -55,4 +58,16 @@ def hash_router_rows(s: ModelStructure, parts: LayerParts) -> Rows:
             "replicated",
             False,
         )
+    ]
+
+
+def compressor_rows(s: ModelStructure, parts: LayerParts) -> list[tuple[str, Tensors, str, str, bool]]:
+    """The compressed (``hca``) layers' compressor tensors: ``(name, tensors, shard, dtype, linear)``."""
+    c, h, attn = s.compressor, s.hidden_size, f"{parts.attention}.compressor"
+    assert c is not None
+    projections = [(f"{attn}.{name}.weight", (c.head_dim, h)) for name in ("kv_proj", "gate_proj")]
+    return [
+        ("projections", projections, "replicated", "bf16", True),
+        ("position_bias", [(f"{attn}.position_bias", (c.rate, c.head_dim))], "replicated", "fp32", False),
+        ("kv_norm", [(f"{attn}.kv_norm.weight", (c.head_dim,))], "replicated", "fp32", False),
     ]

@@ -3,12 +3,13 @@
 - Attention core. MHA/GQA/MQA: the model's own attention module runs (its projections, q/k norms,
   rope) and calls transformers' attention interface, which is pointed at ``AttentionKernel``: a
   fused attention priced analytically over the deployment's KV cache (``num_heads`` queries over
-  ``num_kv_heads`` cached keys, each sliding layer capped at its window). MLA: the module of the
-  spec's ``mla.attention_class`` is swapped for ``RankMLA`` - decode uses the weight-absorbed form
-  over the latent cache (FlashMLA-style), prefill expands the latent KV with ``kv_b_proj`` and runs
-  a fused causal attention. It reads DeepSeek-style MLA fields (``num_heads``, ``q_lora_rank``,
-  ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``) and the rope helpers
-  of the attention class's own module.
+  ``num_kv_heads`` cached keys, each sliding layer capped at its window; a compressed layer,
+  DeepSeek-V4's hca, also over its compressor's entries, one per closed window of ``rate`` tokens).
+  MLA: the module of the spec's ``mla.attention_class`` is swapped for ``RankMLA`` - decode uses the
+  weight-absorbed form over the latent cache (FlashMLA-style), prefill expands the latent KV with
+  ``kv_b_proj`` and runs a fused causal attention. It reads DeepSeek-style MLA fields (``num_heads``,
+  ``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``) and
+  the rope helpers of the attention class's own module.
 - Routed experts: the experts module (``moe.experts_class``, else the module holding the stacked
   ``[num_experts, ...]`` expert weights) is swapped for ``RoutedExperts``, priced analytically as
   grouped GEMMs over a balanced token split (each rank computes tokens*top_k/TP token-expert pairs),
@@ -79,6 +80,17 @@ def prefill_keys(past: int, new: int, window: int | None, chunk: int | None) -> 
     return kept + new
 
 
+def entry_pairs(past: int, new: int, rate: int) -> int:
+    """Query-entry pairs of ``new`` queries after ``past`` tokens over a compressor's entries (DeepSeek-V4's
+    hca layers): the query at ``p`` sees the ``(p + 1) // rate`` windows closed by then."""
+
+    def upto(n: int) -> int:  # sum of (q // rate) for q in 1..n
+        whole, rest = divmod(n, rate)
+        return rate * whole * (whole - 1) // 2 + whole * (rest + 1)
+
+    return upto(past + new) - upto(past)
+
+
 def mean_of(values: list[float]) -> float:
     return sum(values) / len(values)
 
@@ -137,15 +149,19 @@ class AttentionKernel:
         kvb, past = self.kv_bytes, self.dep.context_len
         per_token = kv * (hd + vd) * kvb  # one token of this rank's cache
         write = b * s * per_token
+        # a compressed layer also attends over its compressor's entries, one per closed window
+        rate = self.s.compressor.rate if kind.mixer == "hca" and self.s.compressor is not None else None
         if self.dep.decode:
-            reads = [visible_keys(past + s, w, c) for w, c in kind.spans]
+            entries = (past + s) // rate if rate else 0
+            reads = [visible_keys(past + s, w, c) + entries for w, c in kind.spans]
             pairs = mean_of([b * heads * s * r for r in reads])
             kv_read = mean_of([b * r * per_token for r in reads])
             nbytes = kv_read + 2 * b * s * heads * (hd + vd) + write
             name = "attention_decode"
         else:
-            pairs = mean_of([b * heads * prefill_pairs(past, s, w, c) for w, c in kind.spans])
-            keys = mean_of([prefill_keys(past, s, w, c) for w, c in kind.spans])
+            entries, entry_reads = (entry_pairs(past, s, rate), (past + s) // rate) if rate else (0, 0)
+            pairs = mean_of([b * heads * (prefill_pairs(past, s, w, c) + entries) for w, c in kind.spans])
+            keys = mean_of([prefill_keys(past, s, w, c) + entry_reads for w, c in kind.spans])
             kv_read = b * keys * per_token
             nbytes = 2 * b * s * heads * (hd + vd) + kv_read + write
             name = "flash_attention_prefill"

@@ -15,14 +15,9 @@ from typing import Any
 from ....errors import KadaptError
 from ....structure.states import ConvState
 from ....vision.images import max_tokens_per_image
-from ..estimate.planner import (
-    STATE_CONV_DTYPE,
-    IndexKeySizing,
-    KvSizing,
-    LinearStateSizing,
-    Plan,
-    activation_formula,
-)
+from ..estimate.compressed_sizing import CompressedSizing
+from ..estimate.planner import KvSizing, Plan, activation_formula
+from ..estimate.state_sizing import STATE_CONV_DTYPE, IndexKeySizing, LinearStateSizing
 from ..model.arch import indexed_layer_ids
 from ..model.mixer_params import PRICED_MIXERS
 from ..model.quant import DTYPE_BYTES, INDEX_KEY_DTYPE, INDEX_REFERENCE_DTYPE, INDEX_SCALE_BLOCK
@@ -89,6 +84,8 @@ def _states_json(plan: Plan) -> dict[str, Any]:
         }
     if index is not None:
         states["indexer_keys"] = _index_json(plan, index)
+    if kv.compressed is not None:
+        states["compressed_entries"] = _compressed_json(plan, kv.compressed)
     states["bytes_per_sequence"] = kv.sequence_bytes(plan.seq_len, per_rank=False)
     states["bytes_per_sequence_per_device"] = kv.sequence_bytes(plan.seq_len)
     return states
@@ -116,6 +113,24 @@ def _index_json(plan: Plan, index: IndexKeySizing) -> dict[str, Any]:
     }
 
 
+def _compressed_json(plan: Plan, compressed: CompressedSizing) -> dict[str, Any]:
+    """A compressed stack's compressor states: ``floor(T / rate)`` entries of ``head_dim`` per layer (grow
+    with the context) and a ring of the open window (constant), replicated on every TP rank."""
+    c = compressed.compressor
+    return {
+        "layers": compressed.layers,
+        "layer_ids": [i for i, kind in enumerate(plan.arch.structure.layer_kinds) if kind == "hca"],
+        "grows_with_context": True,
+        "rate": c.rate,
+        "entry_shape": [c.head_dim],
+        "ring_shape": [c.rate, 2 * c.head_dim],
+        "entries_per_sequence": plan.seq_len // c.rate,
+        "ring_bytes_per_request": compressed.ring_bytes(),
+        "bytes_per_sequence": compressed.bytes(plan.seq_len),
+        "bytes_per_sequence_per_device": compressed.bytes(plan.seq_len),
+    }
+
+
 def _state_tensor(state: LinearStateSizing, which: str) -> dict[str, Any]:
     whole, rank = (
         (state.conv(per_rank=False), state.conv())
@@ -138,7 +153,7 @@ def _state_tensor(state: LinearStateSizing, which: str) -> dict[str, Any]:
 
 def _has_states(plan: Plan) -> bool:
     """Whether the model keeps state besides its KV cache (linear-attention state, DSA indexer keys)."""
-    return plan.kv.state is not None or plan.kv.index is not None
+    return plan.kv.state is not None or plan.kv.index is not None or plan.kv.compressed is not None
 
 
 def check_priced(plan: Plan) -> None:
@@ -311,8 +326,16 @@ def _kv_text(plan: Plan) -> list[str]:
         lines += _state_text(plan)
     if kv.index is not None:
         lines += _index_text(plan, kv.index)
+    if kv.compressed is not None:
+        lines.append(
+            f"  compressed entries: {kv.compressed.describe(plan.seq_len)} = "
+            f"{kv.compressed.bytes(plan.seq_len) / MIB:.2f} MiB per request, grows "
+            f"1/{kv.compressed.compressor.rate} as fast as a KV cache (replicated over "
+            f"tp={plan.parallel.tp}, one shared head)"
+        )
     what = f"{plan.seq_len} tokens" + (" (KV + linear-attention state)" if kv.state is not None else "")
     what += " (KV + indexer keys)" if kv.index is not None else ""
+    what += " (KV + compressed entries)" if kv.compressed is not None else ""
     lines += [
         f"  one sequence of {what}: {whole / GB:.3f} GB ({device / GB:.3f} GB per device)",
         f"  max sequence length  {plan.max_seq_len}",
