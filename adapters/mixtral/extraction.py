@@ -361,6 +361,21 @@ LAYER_STATES = {
     "hca": ("key", "value", "comp_src", "comp"),
     "csa": ("key", "value", "comp_src", "comp", "index_src", "index_comp"),
 }
+
+
+def per_layer_states(states: Sequence[torch.Tensor], kinds: Sequence[str]) -> list[tuple[torch.Tensor, ...]]:
+    """Split a graph's flat state inputs into one tuple per layer, in ``LAYER_STATES`` order.
+
+    Graph inputs are flat (an exported graph takes tensors, not nested tuples); every wrapper that
+    takes states splits them by the same rule, so it lives here once.
+    """
+    counts = [len(LAYER_STATES[kind]) for kind in kinds]
+    if len(states) != sum(counts):
+        raise ValueError(f"expected {sum(counts)} past state tensors, got {len(states)}")
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return [tuple(states[start : start + n]) for start, n in zip(starts, counts, strict=True)]
+
+
 # States of one fixed size per request (no sequence dimension): never placed by position, never paged.
 # A compressor's ring (``comp_src``, ``index_src``) is one: the prefill returns it already placed.
 FIXED_ROLES = ("conv", "recurrent", "comp_src", "index_src")
@@ -1354,11 +1369,7 @@ class DecodeWrapper(_TextStack):
         *tensors: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
         block_table, past_states = (tensors[0], tensors[1:]) if self.paged else (None, tensors)
-        counts = [len(LAYER_STATES[kind]) for kind in self.kinds]
-        if len(past_states) != sum(counts):
-            raise ValueError(f"expected {sum(counts)} past state tensors, got {len(past_states)}")
-        starts = [sum(counts[:i]) for i in range(len(counts))]
-        past = [tuple(past_states[start : start + n]) for start, n in zip(starts, counts, strict=True)]
+        past = per_layer_states(past_states, self.kinds)
         cache = StaticStateCache(
             self.kv_layout, self.layer_ids, past, cache_position, block_table, kinds=self.kinds
         )
@@ -2233,11 +2244,7 @@ class StepWrapper(_TextStack):
         logit_indices: torch.Tensor,
         *pools: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        counts = [len(LAYER_STATES[kind]) for kind in self.kinds]
-        if len(pools) != sum(counts):
-            raise ValueError(f"expected {sum(counts)} past state tensors, got {len(pools)}")
-        starts = [sum(counts[:i]) for i in range(len(counts))]
-        past = [tuple(pools[start : start + n]) for start, n in zip(starts, counts, strict=True)]
+        past = per_layer_states(pools, self.kinds)
         key_length = block_table.shape[1] * pools[0].shape[1]  # max_cache_len: blocks of block_size
         position_ids = positions.view(-1, 1)
         mask = additive_causal_mask(position_ids, key_length, pools[0].dtype)
@@ -2282,21 +2289,22 @@ def step_inputs(
     last ``logits`` tokens, and zeroed pools."""
     token_rows = torch.arange(tokens, device=device).remainder(rows)
     positions = torch.div(torch.arange(tokens, device=device), rows, rounding_mode="floor")
-    blocks = max_cache_len // block_size
-    table = torch.arange(rows * blocks, device=device).remainder(num_blocks).view(rows, blocks)
     indices = torch.arange(tokens - logits, tokens, device=device)
-    index_dims: KVDims = ((1, index_dim or 1),) * 2  # the indexer keys: one head
-    paged = (block_size, num_blocks)
-    pools: list[torch.Tensor] = []
-    for layer, kind in enumerate(kinds):
-        if not LAYER_STATES[kind]:
-            continue
-        key_shape, value_shape = decode_kv_shapes(layer_dims(kv_dims, layer_kv_dims, layer), 1, 1, paged)
-        pools += [torch.zeros(key_shape, dtype=dtype, device=device)]
-        pools += [torch.zeros(value_shape, dtype=dtype, device=device)]
-        if kind == "indexed":
-            index_shape = decode_kv_shapes(index_dims, 1, 1, paged)[0]
-            pools.append(torch.zeros(index_shape, dtype=dtype, device=device))
+    # The block table and pools are the paged decode graph's: its example inputs, without the
+    # per-row token, mask and positions a step replaces with its packed ones.
+    _ids, _mask, _positions, _cache_position, table, *pools = decode_inputs(
+        kv_dims,
+        batch=rows,
+        position=0,
+        max_cache_len=max_cache_len,
+        num_layers=len(kinds),
+        dtype=dtype,
+        device=device,
+        paged=(block_size, num_blocks),
+        kinds=kinds,
+        index_dim=index_dim,
+        layer_kv_dims=layer_kv_dims,
+    )
     ids = torch.zeros(tokens, dtype=torch.long, device=device)
     return ids, positions, token_rows, table, indices, *pools
 

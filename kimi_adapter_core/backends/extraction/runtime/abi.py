@@ -326,6 +326,21 @@ LAYER_STATES = {
     "hca": ("key", "value", "comp_src", "comp"),
     "csa": ("key", "value", "comp_src", "comp", "index_src", "index_comp"),
 }
+
+
+def per_layer_states(states: Sequence[torch.Tensor], kinds: Sequence[str]) -> list[tuple[torch.Tensor, ...]]:
+    """Split a graph's flat state inputs into one tuple per layer, in ``LAYER_STATES`` order.
+
+    Graph inputs are flat (an exported graph takes tensors, not nested tuples); every wrapper that
+    takes states splits them by the same rule, so it lives here once.
+    """
+    counts = [len(LAYER_STATES[kind]) for kind in kinds]
+    if len(states) != sum(counts):
+        raise ValueError(f"expected {sum(counts)} past state tensors, got {len(states)}")
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return [tuple(states[start : start + n]) for start, n in zip(starts, counts, strict=True)]
+
+
 # States of one fixed size per request (no sequence dimension): never placed by position, never paged.
 # A compressor's ring (``comp_src``, ``index_src``) is one: the prefill returns it already placed.
 FIXED_ROLES = ("conv", "recurrent", "comp_src", "index_src")
@@ -1319,11 +1334,7 @@ class DecodeWrapper(_TextStack):
         *tensors: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
         block_table, past_states = (tensors[0], tensors[1:]) if self.paged else (None, tensors)
-        counts = [len(LAYER_STATES[kind]) for kind in self.kinds]
-        if len(past_states) != sum(counts):
-            raise ValueError(f"expected {sum(counts)} past state tensors, got {len(past_states)}")
-        starts = [sum(counts[:i]) for i in range(len(counts))]
-        past = [tuple(past_states[start : start + n]) for start, n in zip(starts, counts, strict=True)]
+        past = per_layer_states(past_states, self.kinds)
         cache = StaticStateCache(
             self.kv_layout, self.layer_ids, past, cache_position, block_table, kinds=self.kinds
         )
