@@ -358,11 +358,16 @@ def read_ledger() -> list[dict[str, Any]]:
     return json.loads(LEDGER.read_text()) if LEDGER.exists() else []
 
 
+def ledger_entry(ledger: list[dict[str, Any]], fingerprint: str) -> dict[str, Any] | None:
+    """The test score recorded under ``fingerprint``, if these rules were scored before."""
+    return next((entry for entry in ledger if entry["rules"] == fingerprint), None)
+
+
 def record_test(fingerprint: str, scores: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     """Append the test split's score under ``fingerprint`` unless these rules were scored before;
     return the earlier record, if any (a rerun is not a new test)."""
     ledger = read_ledger()
-    earlier = next((entry for entry in ledger if entry["rules"] == fingerprint), None)
+    earlier = ledger_entry(ledger, fingerprint)
     if earlier is None:
         entry = {"rules": fingerprint, "date": datetime.date.today().isoformat(), "test": scores}
         atomic_write_text(LEDGER, json.dumps([*ledger, entry], indent=1) + "\n")
@@ -512,7 +517,7 @@ def _print_scores(tallies: dict[tuple[str, str], Tally], score_test: bool) -> No
             print(f"  NOT a new test: these rules were scored on {earlier['date']} ({LEDGER.name}):")
             print(f"    then: {_pooled(earlier['test'])}")
         return
-    earlier = next((e for e in read_ledger() if e["rules"] == fingerprint), None)
+    earlier = ledger_entry(read_ledger(), fingerprint)
     if earlier is None:
         print("  test split: not scored under these rules yet (--score-test, once per change of the rules)")
     else:
