@@ -98,6 +98,15 @@ from .sweep_options import run_sweep, sweep_options
     default=None,
     help="Write a Chrome trace (chrome://tracing, Perfetto) of the step.",
 )
+@click.option(
+    "--steps",
+    "steps_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Price the steps a serving engine ran, one by one: a JSON engine trace (per step, each request "
+    "row's query tokens, cached context and logits rows; schema engine_trace.schema.json, e.g. "
+    "recorded by examples/reference_engine.py). One engine: --dp 1.",
+)
 @verbosity_options
 @sweep_options
 @serving_options
@@ -124,6 +133,7 @@ def command(
     top: int,
     fmt: str,
     trace_path: Path | None,
+    steps_path: Path | None,
     sweep: bool,
     devices: int | None,
     batches: tuple[int, ...] | None,
@@ -158,6 +168,7 @@ def command(
       kadapt simulate qwen3_moe --device h200 --decode --sweep --devices 8 --plot front.html
       kadapt simulate deepseek_v3 --device h200 --sweep --devices 16 --isl 4000 --osl 1000 --tpot 30
       kadapt simulate gpt_oss --device h100 --tp 1 --framework vllm --isl 1000 --osl 1000 --concurrency 64
+      kadapt simulate llama --device h100 --steps engine_trace.json
     """
     from ..backends.simulation.estimate.simulator import simulate
     from ..backends.simulation.model.deployment import Deployment
@@ -199,6 +210,55 @@ def command(
         routing.replace("-", "_"),
     )
     requests = isl is not None or osl is not None
+    if steps_path is not None:
+        given = [
+            flag
+            for flag, on in (
+                ("--sweep", sweep),
+                ("--concurrency", concurrency is not None),
+                ("--isl/--osl", requests),
+                ("--decode", decode),
+                ("--batch", batch != 1),
+                ("--query-len", query_len is not None),
+                ("--context-len", context_len != 0),
+                ("--mtp", mtp != 0),
+                ("--images", requested is not None),
+                ("--trace", trace_path is not None),
+                (
+                    "--devices/--batches/--plot",
+                    devices is not None or batches is not None or plot is not None,
+                ),
+            )
+            if on
+        ]
+        if given:
+            raise click.UsageError(f"--steps prices the steps the trace lists: drop {', '.join(given)}")
+        from ..backends.simulation.search import engine_steps
+
+        steps = engine_steps.read_trace(steps_path)  # the whole file checked before anything is priced
+        pricer = engine_steps.StepPricer(
+            inputs, spec, profile, dep, cost_model=cost_model, framework=framework
+        )
+        with out.stage("engine steps"):
+            priced = engine_steps.price_trace(pricer, steps)
+        if out.json:
+            out.document(
+                engine_steps.trace_json(
+                    priced,
+                    trace=str(steps_path),
+                    model=spec.name,
+                    device=profile.name,
+                    base=dep,
+                    cost_model=cost_model,
+                )
+            )
+        else:
+            header = (
+                f"{spec.name} on {profile.name}, TP{tp} EP{ep}, {framework} kernel tables, {cost_model}, "
+                f"weights {inputs.quant_label}, KV cache {kv_dtype}: engine trace {steps_path}"
+            )
+            out.result(engine_steps.trace_text(priced, header=header, top=top or None))
+        return
     if concurrency is not None:
         if isl is None or osl is None:
             raise click.UsageError("--concurrency prices requests: it needs both --isl and --osl")
