@@ -639,7 +639,7 @@ def test_save_ir_refuses_the_wrong_graph_and_writes_atomically(
     path = tmp_path / "ir.json"
     with pytest.raises(ValueError, match="is it the decode graph"):
         module.save_ir(ir, path, "decode")
-    with pytest.raises(ValueError, match="graph must be 'prefill' or 'decode'"):
+    with pytest.raises(ValueError, match="graph must be one of 'prefill', 'decode', 'step', got 'prefil'"):
         module.save_ir(ir, path, "prefil")
     assert list(tmp_path.iterdir()) == []
 

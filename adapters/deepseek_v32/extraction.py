@@ -29,9 +29,13 @@ still checked.
 
 The packed step graph (``step_wrapper``, ``step_example_inputs``; ``StepWrapper`` explains it) runs
 prefill chunks, decode tokens and speculative tokens of many requests in one call over the paged pool.
-``run_graph(..., "step", mapping=...)`` binds it through ``bind_step`` with the state mapping's ``step``
-section (``kadapt apply --step-tokens`` writes it): every index input is checked against its range, and
-``check_ownership=True`` (a debug check) refuses a call in which a block one request writes is another's.
+``save_ir(step, "deepseek_v32_step_ir.json", "step")`` names it as ``kadapt apply --step-tokens``
+does, and ``write_kv_mapping(".", config, step=(tokens, logits), num_blocks=N, block_size=B)`` adds the
+state mapping's ``step`` section over a pool of N blocks (a contiguous spec's cache paged for it):
+what a serving loop needs (``examples/reference_engine.py`` serves requests from them alone).
+``run_graph(..., "step", mapping=...)`` binds it through ``bind_step`` with that section: every index
+input is checked against its range, and ``check_ownership=True`` (a debug check) refuses a call in
+which a block one request writes is another's.
 
 Extract under ``torch.no_grad()``: with transformers 5.23 the rotary embedding's own ``no_grad`` is
 otherwise traced as a ``wrap_with_set_grad_enabled`` node that torch_ir's executor cannot run. The IR
@@ -5052,6 +5056,26 @@ KV_NAMES = {
     "prefill_key": "present.{layer}.key",
     "prefill_value": "present.{layer}.value",
 }
+# The packed step graph (``step_wrapper``): ``STEP_FIXED`` (the block table named as abi.kv_cache names
+# it), then the decode graph's pools, of abi.kv_cache's block size -> DECODE_OUTPUTS' names; a contiguous
+# spec's cache is paged for it, as ``kadapt apply --step-tokens`` pages it
+STEP_INPUTS = [
+    "input_ids",
+    "positions",
+    "token_rows",
+    "block_table",
+    "logit_indices",
+    "past.{layer}.key",
+    "past.{layer}.value",
+    "past.{layer}.index_key",
+]
+STEP_BLOCK_SIZE = 16
+# each graph's (inputs, outputs) templates, ``{layer}`` for each layer's states (``graph_names``)
+GRAPH_NAMES = {
+    "prefill": (PREFILL_INPUTS, PREFILL_OUTPUTS),
+    "decode": (DECODE_INPUTS, DECODE_OUTPUTS),
+    "step": (STEP_INPUTS, DECODE_OUTPUTS),
+}
 FILE_PREFIX = "deepseek_v32"
 LANGUAGE_MODEL_PATH = "model"
 LM_HEAD_PATH = "lm_head"
@@ -5851,13 +5875,10 @@ def step_example_inputs(
 def graph_names(
     graph: str, num_layers: int, kinds: Sequence[str] | None = None
 ) -> tuple[list[str], list[str]]:
-    """Concrete (inputs, outputs) names of ``graph`` ("prefill" or "decode"), ``{layer}`` expanded: an
+    """Concrete (inputs, outputs) names of ``graph`` ("prefill", "decode" or "step"), ``{layer}`` expanded: an
     indexed layer's key, value and indexer keys (the three templates), an attention layer's key and value,
     by each layer's kind (``kinds``; None: ``LAYER_KINDS``)."""
-    inputs, outputs = {
-        "prefill": (PREFILL_INPUTS, PREFILL_OUTPUTS),
-        "decode": (DECODE_INPUTS, DECODE_OUTPUTS),
-    }[graph]
+    inputs, outputs = GRAPH_NAMES[graph]
     kinds = LAYER_KINDS[:num_layers] if kinds is None else kinds
 
     def expand(names: list[str]) -> list[str]:
@@ -5876,6 +5897,9 @@ def kv_mapping(
     prefill_len: int = PREFILL_LEN,
     max_cache_len: int = MAX_CACHE_LEN,
     dtype: str | None = DTYPE,
+    step: tuple[int, int] | None = None,
+    num_blocks: int | None = None,
+    block_size: int | None = None,
 ) -> dict[str, Any]:
     """How prefill outputs seed the decode states, layer by layer (``config``: text config): each indexed
     layer's KV cache and its DSA indexer keys (``LAYER_KINDS``, ``INDEX_DIM``), placed and paged alike.
@@ -5883,6 +5907,7 @@ def kv_mapping(
     The attention kind and the per-layer sliding windows (None without any) come first, as in the
     state mapping ``kadapt apply`` writes. ``dtype`` is the one the model was built with.
     """
+    pool = _step_pool(batch, max_cache_len, step, num_blocks, block_size)
     layer_windows = windows(config)
     mapping = build_kv_mapping(
         kv_dims(config),
@@ -5894,12 +5919,52 @@ def kv_mapping(
         dtype=str(_torch_dtype(dtype)).removeprefix("torch."),
         names=KV_NAMES,
         mla_attention=MLA_ATTENTION,
-        paged=PAGED,
+        paged=pool,
         kinds=layer_kinds(config),
         index_dim=index_dim(config),
     )
     sliding = list(layer_windows) if any(w is not None for w in layer_windows) else None
-    return {"attention": ATTENTION, "sliding_windows": sliding, **mapping}
+    document = {"attention": ATTENTION, "sliding_windows": sliding, **mapping}
+    if step is not None and pool is not None:
+        document["step"] = step_mapping(
+            graph=f"{FILE_PREFIX}_step_ir.json",
+            inputs=STEP_INPUTS[: len(STEP_FIXED)],
+            logits=DECODE_OUTPUTS[0],
+            tokens=step[0],
+            rows=batch,
+            logit_count=step[1],
+            max_cache_len=max_cache_len,
+            block_size=pool.block_size,
+        )
+    return document
+
+
+def _step_pool(
+    batch: int,
+    max_cache_len: int,
+    step: tuple[int, int] | None,
+    num_blocks: int | None,
+    block_size: int | None,
+) -> PagedKV | None:
+    """The paged pool ``kv_mapping`` describes: ``PAGED``, or for the step graph (``step``: its tokens and
+    logits per call) a pool of ``block_size`` (default ``STEP_BLOCK_SIZE``) blocks when the spec's cache is
+    contiguous (as ``kadapt apply --step-tokens`` pages it); ``num_blocks`` sizes it apart from batch and
+    context."""
+    if step is not None:
+        tokens, logits = step
+        if not 1 <= logits <= tokens:
+            raise ValueError(f"step {step!r}: (tokens, logits) with 1 <= logits <= tokens")
+    if step is None and num_blocks is None and block_size is None:
+        return PAGED
+    if step is None and PAGED is None:
+        raise ValueError("num_blocks and block_size size the step graph's pool: give step too")
+    if PAGED is not None and block_size not in (None, PAGED.block_size):
+        raise ValueError(f"the spec's paged cache has blocks of {PAGED.block_size} tokens, not {block_size}")
+    size = PAGED.block_size if PAGED is not None else block_size or STEP_BLOCK_SIZE
+    if max_cache_len % size:
+        raise ValueError(f"max_cache_len {max_cache_len} is not a whole number of {size}-token blocks")
+    default = PAGED.num_blocks if PAGED is not None else batch * (max_cache_len // size)
+    return PagedKV(size, num_blocks if num_blocks is not None else default, STEP_INPUTS[3])
 
 
 def write_kv_mapping(
@@ -5910,10 +5975,23 @@ def write_kv_mapping(
     prefill_len: int = PREFILL_LEN,
     max_cache_len: int = MAX_CACHE_LEN,
     dtype: str | None = DTYPE,
+    step: tuple[int, int] | None = None,
+    num_blocks: int | None = None,
+    block_size: int | None = None,
 ) -> Path:
-    """Write ``<FILE_PREFIX>_kv_mapping.json`` (``kv_mapping``) into ``directory`` atomically; its path."""
+    """Write ``<FILE_PREFIX>_kv_mapping.json`` (``kv_mapping``) into ``directory`` atomically; its path.
+    ``step`` ``(tokens, logits)``: the packed step graph's call sizes, for its ``step`` section (the
+    pools are then paged, ``num_blocks`` blocks of ``block_size``: what a runtime like
+    ``examples/reference_engine.py`` reads)."""
     mapping = kv_mapping(
-        config, batch=batch, prefill_len=prefill_len, max_cache_len=max_cache_len, dtype=dtype
+        config,
+        batch=batch,
+        prefill_len=prefill_len,
+        max_cache_len=max_cache_len,
+        dtype=dtype,
+        step=step,
+        num_blocks=num_blocks,
+        block_size=block_size,
     )
     return _write_atomically(
         Path(directory) / f"{FILE_PREFIX}_kv_mapping.json", json.dumps(mapping, indent=2) + "\n"
@@ -6122,7 +6200,7 @@ def _write_atomically(path: str | Path, text: str) -> Path:
 
 
 def save_ir(ir: Any, path: str | Path, graph: str) -> Path:
-    """Write ``ir``, a ``torch_ir.IR`` of ``graph`` ("prefill" or "decode"), as JSON that
+    """Write ``ir``, a ``torch_ir.IR`` of ``graph`` ("prefill", "decode" or "step"), as JSON that
     ``torch_ir.load_ir`` reads and ``torch_ir.IRExecutor`` runs; return the path. ``ir`` is not changed.
 
     What ``torch_ir.save_ir`` (pytorch-ir 0.2.3) does not: the graph's inputs and outputs carry the ABI's
@@ -6132,8 +6210,8 @@ def save_ir(ir: Any, path: str | Path, graph: str) -> Path:
     appears atomically, whole or not at all (``torch_ir.save_ir`` fails on the dtype attributes of these
     graphs and leaves an empty file).
     """
-    if graph not in ("prefill", "decode"):
-        raise ValueError(f"graph must be 'prefill' or 'decode', got {graph!r}")
+    if graph not in GRAPH_NAMES:
+        raise ValueError(f"graph must be one of {', '.join(map(repr, GRAPH_NAMES))}, got {graph!r}")
     document = ir.to_dict()  # fresh dicts and lists, except each node's attrs, which are re-encoded below
     for name, constant in document.get("constants", {}).items():
         if constant["dtype"] not in _LOADABLE_CONSTANT_DTYPES:

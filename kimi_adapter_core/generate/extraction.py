@@ -34,6 +34,7 @@ from ..backends.extraction.names import kv_names
 from ..backends.extraction.options import abi_graph_names, spec_paged
 from ..backends.extraction.runtime import abi as runtime
 from ..backends.extraction.runtime import step, step_bind, symbolic
+from ..backends.extraction.step_options import STEP_FIXED
 from ..checkpoint import dtypes
 from ..config.source import resolve_source
 from ..errors import KadaptError
@@ -353,6 +354,12 @@ def render_extraction(spec: Spec) -> list[Rendered]:
             "paged": None if paged is None else dataclasses.asdict(paged),
             "decode_outputs": list(abi.decode.outputs),
             "kv_names": kv_names(prefill, decode),
+            # the packed step graph: its fixed inputs then the decode graph's pools, over blocks of
+            # abi.kv_cache's size (a contiguous spec's cache is paged for it, as kadapt apply does)
+            "step_inputs": [n.format(block_table=abi.kv_cache.block_table) for n in STEP_FIXED]
+            + [n for n in abi.decode.inputs if "{layer}" in n],
+            "step_block_size": abi.kv_cache.block_size,
+            "step_block_table": abi.kv_cache.block_table,
         },
         "structure": structure,
         "outside_modelled": {
