@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch_ir
+from click.testing import CliRunner
 from fixtures.modules import REPO, import_path
 from transformers import GenerationConfig
 
@@ -24,6 +25,7 @@ from kimi_adapter_core.backends.extraction import options_from_spec
 from kimi_adapter_core.backends.extraction.job.documents import kv_mapping_document
 from kimi_adapter_core.backends.extraction.options import bind_structure
 from kimi_adapter_core.backends.extraction.tiny_model import tiny_overrides
+from kimi_adapter_core.cli import cli
 from kimi_adapter_core.loading import load_config
 from kimi_adapter_core.spec import load_spec
 from kimi_adapter_core.structure.derive import derive_structure
@@ -147,8 +149,23 @@ def test_an_engine_serves_requests_from_the_generated_modules_files_alone(genera
     def execute(call: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         return module.run_graph(loaded, weights, call, "step", mapping=mapping, check_ownership=True)
 
+    class RecordingEngine(engine_module.ReferenceEngine):
+        """The engine, recording each call's rows as ``kadapt simulate --steps`` reads them."""
+
+        recorded: list[dict] = []
+
+        def _plan(self, running):
+            plan = super()._plan(running)
+            if plan:
+                rows = [
+                    {"query": count, "context": start, "logits": int(start + count >= len(request.prompt))}
+                    for request, start, count in plan
+                ]
+                self.recorded.append({"rows": rows})
+            return plan
+
     requests = [engine_module.Request(p, n, a) for p, n, a in _trace(config.vocab_size)]
-    engine = engine_module.ReferenceEngine(mapping, execute)
+    engine = RecordingEngine(mapping, execute)
     engine.serve(requests)
     cpu.generation_config.eos_token_id = None
     for index, request in enumerate(requests):  # transformers unpatched: outside patches_applied()
@@ -160,3 +177,21 @@ def test_an_engine_serves_requests_from_the_generated_modules_files_alone(genera
         assert request.output == expected[0, len(request.prompt) :].tolist(), index
     assert engine.shared_blocks >= 2  # the shared prefix was read from the cache
     assert len({tuple(r.output) for r in requests}) > REQUESTS // 2
+
+    # kadapt simulate prices the same trace's steps, on the full-size model the spec ships
+    trace = tmp_path / "engine_trace.json"
+    trace.write_text(
+        json.dumps({"source": "examples/reference_engine.py", "steps": RecordingEngine.recorded})
+    )
+    result = CliRunner().invoke(
+        cli, ["simulate", f"specs/{NAME}.yaml", "--device", "h100", "--steps", str(trace), "--format", "json"]
+    )
+    assert result.exit_code == 0, result.output
+    priced = json.loads(result.output)
+    fed = sum(row["query"] for step in RecordingEngine.recorded for row in step["rows"])
+    assert len(priced["steps"]) == len(RecordingEngine.recorded) and priced["tokens"] == fed
+    prompts = sum(len(r.prompt) for r in requests)
+    assert fed < prompts + sum(r.max_new for r in requests)  # cached prefix blocks were not fed again
+    assert priced["logits_rows"] == sum(r.max_new for r in requests)  # one sampled token per logits row
+    paths = {step["path"] for step in priced["steps"]}
+    assert paths == {"decode", "prefill"} and all(step["time_s"] > 0 for step in priced["steps"])
