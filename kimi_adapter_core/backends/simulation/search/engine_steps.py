@@ -4,8 +4,9 @@ A serving engine does not run uniform prefill or decode batches: each call of th
 (issue 39: ``abi.step``) carries, per request row, a query of any length at its own position - a
 prompt chunk, one decode token, or k+1 speculative tokens - and asks logits of the tokens it needs.
 The request sweep prices a steady state of such steps (``request_pricing.mixed_step``); this prices the
-steps an engine actually ran (``tests/test_generate_step.py`` records ``examples/reference_engine.py``'s), with the same split of
-a step into the kernels that run once over all its tokens and those that follow each request:
+steps an engine actually ran (``tests/test_generate_step.py`` records ``examples/reference_engine.py``'s),
+with the same split of a step into the kernels that run once over all its tokens and those that follow
+each request:
 
 - a step whose rows are all one-token queries runs the decode path: the decode step of its ``n`` rows
   at their mean context (a decode attention's work is linear in each row's context), exactly ``simulate
