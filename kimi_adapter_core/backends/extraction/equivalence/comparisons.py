@@ -131,12 +131,12 @@ def compare_ragged(
     ours = torch.cat(tokens, dim=1)
     rows_ours = [(ours[row : row + 1], [step[row : row + 1] for step in step_logits]) for row in range(rows)]
     prompts = [prompt[row : row + 1, : int(lengths[row])] for row in range(rows)]
-    passed, detail = _rows_against_generate(model, prompts, rows_ours, steps, tolerance)
+    passed, detail = rows_against_generate(model, prompts, rows_ours, steps, tolerance)
     paged = "" if replay.block_table is None else ", paged, blocks out of order"
     report.add(f"ragged batch{suffix}", passed, f"{rows} rows of lengths {lengths.tolist()}{paged}: {detail}")
 
 
-def _rows_against_generate(
+def rows_against_generate(
     model: nn.Module,
     prompts: list[torch.Tensor],
     ours: list[tuple[torch.Tensor, list[torch.Tensor]]],
@@ -252,7 +252,7 @@ def compare_joining(
         for row in range(rows)
     ]
     prompts = [prompt[row : row + 1] for row in range(rows)]
-    passed, detail = _rows_against_generate(model, prompts, rows_ours, steps, tolerance)
+    passed, detail = rows_against_generate(model, prompts, rows_ours, steps, tolerance)
     paged = "" if replay.block_table is None else ", paged, blocks out of order"
     report.add(f"joining rows{suffix}", passed, f"{rows} rows joining at steps {joins}{paged}: {detail}")
 

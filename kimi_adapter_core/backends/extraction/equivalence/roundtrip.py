@@ -16,7 +16,8 @@ upstream's), and in bfloat16 against transformers running the exported experts i
 graph is bit-identical to bf16 eager). A spec with a vision graph also has it
 checked against ``get_image_features`` (``vision_verify``), and one with a multimodal prefill has an
 image prompt run pixels -> vision IR -> merged prefill IR -> decode IR against transformers given the
-pixels (``multimodal_verify``); the verify cache then grows to hold that prompt.
+pixels (``multimodal_verify``); the verify cache then grows to hold that prompt. A step graph
+(``abi.step``) is served as an engine serves it (``step_replay``).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from .comparisons import (
 )
 from .reference import ABSORBED_LOW_PRECISION, reference_experts
 from .replay import Replay
+from .step_replay import compare_step
 from .tolerance import Tolerance
 from .verdict import VerifyReport
 from .vision import check_vision
@@ -189,6 +191,11 @@ def _verify_in(
                     steps=options.verify_decode_steps,
                     tolerance=tolerance,
                     suffix=suffix,
+                )
+            if small.step is not None:  # the packed step graph, fed as an engine feeds it
+                steps = options.verify_decode_steps
+                compare_step(
+                    report, model, small, weights, prompt, steps=steps, tolerance=tolerance, suffix=suffix
                 )
         if small.vision is not None:
             check_vision(report, spec, model, small, weights, tolerance=tolerance, suffix=suffix)
