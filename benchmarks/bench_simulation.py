@@ -515,7 +515,7 @@ def wide_ep_table() -> None:
     """Attention-DP / wide-EP layouts, kadapt (both cost models) against AIConfigurator's own estimate
     for the same layout (its fused graph inside a node, its large-EP graph across nodes: per-rank
     tokens, attention DP, DeepEP all-to-all, DeepEP-path expert tables, SGLang's wide-EP MLA module),
-    per step and per component."""
+    per step and per component (each cost model's)."""
     if not aiconfigurator.available():
         print(
             "\nwide-EP layouts vs AIConfigurator: needs aiconfigurator-core (pip install 'kadapt[measured]')"
@@ -544,20 +544,22 @@ def wide_ep_table() -> None:
             for k in sim.kernels:
                 parts[reference.kadapt_component(k.op)] += k.total * 1e3
             ours[cost_model] = (sim.step_time * 1e3, parts)
-        (meas, meas_parts), (roof, _) = ours["measured"], ours["roofline"]
+        (meas, meas_parts), (roof, roof_parts) = ours["measured"], ours["roofline"]
         where = f"{case.device}/{case.framework}"
         if isinstance(ref, str):
             print(f"{where:14} {case.label:38} {'-':8} {'-':>8} {meas:9.1f} {'-':>6} {roof:9.1f} {'-':>6}")
             print(f"    AIC cannot price it: {ref}")
             continue
         graph = "large-EP" if "large-EP" in ref.label else "fused"
-        split = "  ".join(
-            f"{name} {meas_parts[name]:.1f}/{ref.components[name]:.1f}" for name in reference.COMPONENTS
+        split, roof_split = (
+            "  ".join(f"{name} {parts[name]:.1f}/{ref.components[name]:.1f}" for name in reference.COMPONENTS)
+            for parts in (meas_parts, roof_parts)
         )
         print(
             f"{where:14} {case.label:38} {graph:8} {ref.total_ms:8.1f} {meas:9.1f} "
             f"{meas / ref.total_ms:6.2f} {roof:9.1f} {roof / ref.total_ms:6.2f}  {split}"
         )
+        print(f"{'':104}roofline/AIC: {roof_split}")
     print(
         "    AIC's graphs count all 61 layers as MoE layers (kadapt: 3 dense + 58 MoE), its SGLang large-EP "
         "graph has no lm_head; target: within 15% under both cost models"

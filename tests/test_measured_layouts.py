@@ -12,18 +12,20 @@ low-latency profiles.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kimi_adapter_core.backends.simulation.estimate import aiconfigurator, reference
-from kimi_adapter_core.backends.simulation.estimate.cost import comm_time
+from kimi_adapter_core.backends.simulation.estimate import aiconfigurator, ep_dispatch, reference
+from kimi_adapter_core.backends.simulation.estimate.cost import comm_time, table_shape
 from kimi_adapter_core.backends.simulation.estimate.measured import MeasuredPricer
 from kimi_adapter_core.backends.simulation.estimate.simulator import Simulation, simulate
 from kimi_adapter_core.backends.simulation.model.deployment import Deployment
 from kimi_adapter_core.backends.simulation.model.inputs import model_inputs
 from kimi_adapter_core.backends.simulation.model.parallel import Parallel
+from kimi_adapter_core.backends.simulation.model.tracer import Op
 from kimi_adapter_core.backends.simulation.tables.device import get_device
 from kimi_adapter_core.spec import load_spec
 
@@ -131,15 +133,16 @@ LAYOUTS = {
 }
 
 
-def measured_step(dep: Deployment, device: str = "h100") -> Simulation:
+def measured_step(dep: Deployment, device: str = "h100", cost_model: str = "measured") -> Simulation:
     """DeepSeek-V3 as shipped (FP8 block) under ``--cost-model measured --framework sglang``."""
     spec = load_spec(REPO / "specs" / "deepseek_v3.yaml")
     return simulate(
-        model_inputs(spec, None), spec, dep, get_device(device), cost_model="measured", framework="sglang"
+        model_inputs(spec, None), spec, dep, get_device(device), cost_model=cost_model, framework="sglang"
     )
 
 
 LAYOUT_TOLERANCE = 0.10
+ROOFLINE_TOLERANCE = 0.15  # the roofline's bar against AIConfigurator's estimate of a layout (issue 38)
 
 
 @needs_aic
@@ -151,6 +154,33 @@ def test_only_a_cross_node_ep_group_takes_the_large_ep_graph() -> None:
     assert h200.large_ep(16, 16, all_to_all=True)
     assert not h200.large_ep(16, 16, all_to_all=False) and not h200.large_ep(1, 16, all_to_all=True)
     assert gb200.large_ep(8, 8, all_to_all=True)
+
+
+@needs_aic
+def test_both_cost_models_apply_one_wide_ep_rule_with_their_own_node_size() -> None:
+    """The roofline's kernel table and the measured cost model decide "wide EP" by the same rule
+    (``ep_dispatch.wide_ep``), the roofline over the device's NVLink domain, the measured one over
+    AIConfigurator's system node: GB200's DP8 EP8 stays inside its 72-GPU NVLink domain for the
+    roofline but spans two of AIConfigurator's 4-GPU nodes; H100 DP16 EP16 is wide for both."""
+    experts = {"attention_dp": 8, "ep": 8, "all_to_all": True, "decode": False}
+    gb200 = get_device("gb200")
+    op = Op("experts", "mlp.experts", "moe_layer", 1, "experts", attrs=experts)
+    assert "graph" not in table_shape(op, gb200)
+    assert MeasuredPricer("gb200", "sglang").large_ep(8, 8, all_to_all=True)
+    wide = Op(
+        "experts", "mlp.experts", "moe_layer", 1, "experts", attrs=experts | {"attention_dp": 16, "ep": 16}
+    )
+    assert table_shape(wide, get_device("h100"))["graph"] == "wide_ep_context"
+    assert MeasuredPricer("h100_sxm", "sglang").large_ep(16, 16, all_to_all=True)
+    for node_size in (4, 72):
+        assert ep_dispatch.wide_ep(8, 8, all_to_all=True, node_size=node_size) == (node_size < 8)
+    # an attention kernel's layout: all-to-all where EP exceeds TP; off the wide-EP path, the fused
+    # path's kernels are the TP path's (matched at attention DP 1)
+    attention = {"kernel": "mla", "decode": True, "attention_dp": 16, "ep": 16, "tp": 1}
+    mla = Op("mla_decode_attention", "self_attn", "moe_layer", 1, "attention", attrs=attention)
+    assert table_shape(mla, get_device("h100"))["graph"] == "wide_ep_generation"
+    assert table_shape(mla, gb200) == attention | {"attention_dp": 1}
+    assert table_shape(replace(mla, attrs=attention | {"tp": 16}), get_device("h100"))["attention_dp"] == 1
 
 
 @needs_aic
@@ -187,6 +217,11 @@ def test_measured_attention_dp_layout_follows_aiconfigurators_own_graph(name: st
         assert parts[component] == pytest.approx(ref.components[component], rel=LAYOUT_TOLERANCE), component
     priced = [k for k in sim.kernels if k.op.kind == "experts" or k.op.name.startswith("ep_")]
     assert len(priced) == 3 and all(k.source.startswith("aiconfigurator:") for k in priced)
+    # the roofline, fitted on the same tables, within the bar: before the fused layouts priced their
+    # experts off every per-shape curve (H200 DP8 EP8 prefill 0.83x) and SGLang's wide-EP MLA as its
+    # standalone kernel (H100 DP16 EP16 prefill 1.17x)
+    roofline = measured_step(dep, device, cost_model="roofline")
+    assert roofline.step_time * 1e3 == pytest.approx(ref.total_ms, rel=ROOFLINE_TOLERANCE)
 
 
 @needs_aic
@@ -207,3 +242,54 @@ def test_attention_dp_mla_module_sums_to_its_measured_row(case: int) -> None:
     row = pricer.wide_ep_module_row(attention.op.attrs)
     assert row is not None
     assert sum(k.total for k in module) / attention.op.repeat == pytest.approx(row, rel=1e-6)
+
+
+@needs_aic
+@pytest.mark.parametrize(
+    ("name", "tolerance"),
+    [
+        ("H100 prefill DP16 EP16", 0.01),
+        ("H100 decode DP64 EP64 (LMSYS)", 0.05),
+        ("H100 prefill DP32 EP32 (LMSYS)", 0.05),
+    ],
+)
+def test_roofline_prices_sglangs_wide_ep_mla_as_its_measured_module(name: str, tolerance: float) -> None:
+    """On SGLang's wide-EP path the roofline prices MLA as the module its table measured whole (q_b,
+    kv_b / the absorbed bmms, the attention, o_proj), folded like vLLM's: the module's kernels sum to
+    the measured row (exactly at a measured shape: one 4,096-token sequence, 128 heads; the others
+    interpolate between rows), while the q_a + kv_a downscale the module runs without keeps its own
+    price. Before, 2.1x the row at the DP16 prefill (its standalone bf16 kernel and projections)."""
+    device, dep, _, _ = LAYOUTS[name]
+    sim = measured_step(dep, device, cost_model="roofline")
+    core = max((k for k in sim.kernels if k.op.kind == "attention"), key=lambda k: k.op.repeat)
+    assert core.bound == "module" and core.source.endswith("(module)")
+    inside = [
+        k
+        for k in sim.kernels
+        if k.op.scope == core.op.scope and k.op.module.startswith(core.op.module) and k is not core
+    ]
+    downscale = [k for k in inside if "q_a_proj" in k.op.name]
+    assert len(downscale) == 1 and downscale[0].time > 0 and downscale[0].bound != "in_module"
+    assert {k.bound for k in inside if k not in downscale} == {"in_module"}
+    row = MeasuredPricer(aiconfigurator.system_for(device), "sglang").wide_ep_module_row(core.op.attrs)
+    assert row is not None
+    assert core.time == pytest.approx(row, rel=tolerance)
+
+
+def test_a_fused_attention_dp_layout_prices_its_experts_as_the_tp_layout() -> None:
+    """Inside the NVLink domain an attention-DP layout runs the TP path's routed-expert kernels at its
+    DP groups' tokens (AIConfigurator's fused graph: its ``Moe`` row at attention-DP size 8 and s
+    tokens is its row at 8 x s), so H200 DP8 EP8 prices each MoE layer's experts as TP8 EP8 does at the
+    same token-expert pairs. They used to miss every per-shape curve (measured at attention DP 1) and
+    price at the median over all shapes: 579 ms of experts against AIConfigurator's 762 (0.76x)."""
+    spec = load_spec(REPO / "specs" / "deepseek_v3.yaml")
+    inputs, h200 = model_inputs(spec, None), get_device("h200")
+
+    def experts(par: Parallel) -> Any:
+        dep = Deployment(par, 8, 4096, 0, False, kv_dtype="fp8")
+        sim = simulate(inputs, spec, dep, h200, framework="sglang")
+        return next(k for k in sim.kernels if k.op.kind == "experts")
+
+    fused, tp = experts(Parallel(1, 8, 8)), experts(Parallel(8, 1, 8))
+    assert fused.op.attrs["attention_dp"] == 8 and fused.op.attrs["all_to_all"]
+    assert fused.op.flops == tp.op.flops and fused.time == pytest.approx(tp.time, rel=1e-9)

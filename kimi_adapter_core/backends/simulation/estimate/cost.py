@@ -50,6 +50,7 @@ from ..model.tracer import Op
 from ..tables.curves import Curve, Match, measured_across
 from ..tables.device import Device, LowLatencyEP, get_device
 from ..tables.kernels import KernelTable, table_for
+from . import ep_dispatch
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,9 @@ class Priced:
     # the measured floors of the module this kernel is the core of, per shape (``fold_modules``)
     floors: tuple[tuple[Match, Curve], ...] = ()
     module_time: float = 0.0  # of ``time``: the module's floor folded in (its projections, norms, ...)
+    # the projections inside the traced module that its measurement does not hold (kept as priced)
+    outside: tuple[str, ...] = ()
+    shape: dict[str, Any] | None = None  # the op's attributes as the table matched them (``table_shape``)
 
     @property
     def total(self) -> float:
@@ -169,21 +173,29 @@ def comm_time(
 
 
 def table_shape(op: Op, device: Device) -> dict[str, Any]:
-    """``op``'s attributes as a kernel table matches its curves: a routed-expert op of an
-    attention-DP layout whose tokens reach the experts by all-to-all over an EP group wider than the
-    device's NVLink domain runs the wide-EP path (DeepEP dispatch, DeepGEMM grouped GEMMs; SGLang
-    measures it on its own, ``graph``), as AIConfigurator's large-EP graph prices it across nodes:
-    on H100, DeepSeek-V3's experts of a DP16 EP16 prefill take 6.4 ms a layer there against 11.3 on
-    the fused path's rows."""
+    """``op``'s attributes as a kernel table matches its curves. The tables' per-shape curves were
+    measured without attention DP (``attention_dp: 1``); a routed-expert or attention op of an
+    attention-DP layout prices from them as the layout runs its kernels (``ep_dispatch.wide_ep``,
+    over the device's NVLink domain):
+    - tokens reaching the experts by all-to-all over an EP group wider than the NVLink domain run
+      the wide-EP path (DeepEP dispatch, DeepGEMM grouped GEMMs, SGLang's MLA module under DP
+      attention), which SGLang measures on its own: ``graph`` names it, as AIConfigurator's large-EP
+      graph prices it across nodes (on H100, DeepSeek-V3's experts of a DP16 EP16 prefill take 6.4
+      ms a layer there against 11.3 on the fused path's rows);
+    - otherwise (an EP group inside the domain, or no all-to-all) the fused path runs the TP path's
+      kernels at the DP groups' tokens, as AIConfigurator's fused graph prices it: the rows measured
+      at ``attention_dp: 1``. Matched at the layout's own DP size, no per-shape curve fitted and the
+      op priced at the median over every shape: DeepSeek-V3's experts of an H200 SGLang DP8 EP8
+      prefill took 579 ms against the 762 of AIConfigurator's fused graph (0.83 of its step)."""
     attrs = op.attrs
-    wide = (
-        op.kind == "experts"
-        and attrs.get("all_to_all")
-        and int(attrs.get("attention_dp", 1)) > 1
-        and int(attrs.get("ep", 1)) > device.links[0].max_devices
-    )
-    if not wide:
+    dp = int(attrs.get("attention_dp", 1))
+    if op.kind not in ("experts", "attention") or dp <= 1:
         return attrs
+    ep = int(attrs.get("ep", 1))
+    # an attention op's layout: its tokens reach the experts by all-to-all where EP exceeds TP
+    all_to_all = bool(attrs["all_to_all"]) if "all_to_all" in attrs else ep > int(attrs.get("tp", 1))
+    if not ep_dispatch.wide_ep(dp, ep, all_to_all=all_to_all, node_size=device.links[0].max_devices):
+        return {**attrs, "attention_dp": 1}
     return {**attrs, "graph": "wide_ep_generation" if attrs.get("decode") else "wide_ep_context"}
 
 
@@ -275,7 +287,7 @@ def _decode_attention_time(
     log(bytes), exact for a bandwidth-bound kernel (below the first point: the plain price capped by
     the first point; past the last: the plain price)."""
     kv = float(op.attrs["kv_bytes"])
-    curve = table.attention_curve(True, str(op.attrs["kernel"]), op.attrs)
+    curve = table.attention_curve(True, str(op.attrs["kernel"]), table_shape(op, device))
     if curve is None or kv <= 0 or kv >= curve.xs[-1]:
         return found
 
@@ -324,6 +336,7 @@ def price(op: Op, device: Device, table: KernelTable | None = None) -> Priced:
         return Priced(op, time, bound, source)
     compute = op.flops / device.peak(op.compute)
     memory = op.bytes / device.hbm_bandwidth
+    shape = table_shape(op, device)
     found = _priced_time(op, device, table) if table else None
     if found is not None and table is not None and op.kind == "attention" and op.attrs.get("decode"):
         found = _decode_attention_time(op, device, table, found)
@@ -337,10 +350,21 @@ def price(op: Op, device: Device, table: KernelTable | None = None) -> Priced:
     overhead = fixed or device.op_overhead
     if overhead > body:
         bound = "overhead"
-    floors: tuple[tuple[Match, Curve], ...] = ()
-    if table and _mla(op) and source != "roofline":
-        floors = table.module_floor.get("mla" if op.attrs.get("decode") else "mla_prefill", ())
-    return Priced(op, body + overhead, bound, source, floors)
+    if not (table and _mla(op) and source != "roofline"):
+        return Priced(op, body + overhead, bound, source)
+    kind = module_kind(shape)
+    floors, outside = table.module_floor.get(kind, ()), table.module_outside.get(kind, ())
+    return Priced(op, body + overhead, bound, source, floors, outside=outside, shape=shape)
+
+
+def module_kind(shape: dict[str, Any]) -> str:
+    """The kind of module an MLA kernel of ``shape`` (``table_shape``'s) is the core of, as a kernel
+    table's ``module_floor`` names it: SGLang's module under DP attention on a wide-EP layout
+    (``<graph>_mla``), else the MLA module of the framework's TP path (``mla`` in decode,
+    ``mla_prefill`` in prefill: vLLM's)."""
+    if "graph" in shape:
+        return f"{shape['graph']}_mla"
+    return "mla" if shape.get("decode") else "mla_prefill"
 
 
 def framework_pricer(framework: str) -> Callable[[Op, Device], Priced]:
@@ -358,10 +382,14 @@ def _mla(op: Op) -> bool:
     return op.kind == "attention" and op.attrs.get("kernel") == "mla"
 
 
-def _inside(op: Op, core: Op) -> bool:
+def _inside(op: Op, core: Op, outside: tuple[str, ...] = ()) -> bool:
     """Whether ``op`` runs inside the module ``core`` is the kernel of (its module or a child of it,
-    in the same traced layer)."""
-    return op is not core and op.scope == core.scope and (op.module + ".").startswith(core.module + ".")
+    in the same traced layer) and the module's measurement holds it: not a projection of ``outside``
+    (a merged GEMM's projections all of them, ``leaves``)."""
+    if op is core or op.scope != core.scope or not (op.module + ".").startswith(core.module + "."):
+        return False
+    leaves = op.attrs.get("leaves") or (op.module.rpartition(".")[2],)
+    return not (op.kind == "matmul" and outside and set(leaves) <= set(outside))
 
 
 def module_floor(floors: tuple[tuple[Match, Curve], ...], shape: dict) -> Curve | None:
@@ -391,9 +419,10 @@ def fold_modules(kernels: list[Priced]) -> list[Priced]:
     for i, core in enumerate(kernels):
         if not core.floors:
             continue
-        inside = [j for j, k in enumerate(kernels) if _inside(k.op, core.op)]
+        inside = [j for j, k in enumerate(kernels) if _inside(k.op, core.op, core.outside)]
         families = {str(kernels[j].op.attrs.get("kernel")) for j in inside if kernels[j].op.kind == "matmul"}
-        shape = {**core.op.attrs, "projections": families.pop() if len(families) == 1 else "mixed"}
+        projections = families.pop() if len(families) == 1 else "mixed"
+        shape = {**(core.shape or core.op.attrs), "projections": projections}
         floor = module_floor(core.floors, shape)
         if floor is None:
             continue

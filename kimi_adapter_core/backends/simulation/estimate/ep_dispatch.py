@@ -3,9 +3,10 @@
 Its two graphs for an attention-DP layout move tokens differently: the fused graph (an EP group inside
 a node) wraps its ``Moe`` table in ``MoeDispatch`` ops of the framework's flavour, the large-EP graph
 (across nodes) runs DeepEP's ``MoeAllToAll``. ``MeasuredPricer`` picks the graph and prices the
-description; this module only spells each one, in AIConfigurator's op vocabulary, from the comm
-description ``RoutedExperts`` records. Each returns the op and the token count to query it at, or
-None where that graph has no such op.
+description; this module spells each one, in AIConfigurator's op vocabulary, from the comm
+description ``RoutedExperts`` records (each returns the op and the token count to query it at, or
+None where that graph has no such op), and holds the rule that tells the two layouts apart
+(``wide_ep``), which both cost models apply with their own node size.
 """
 
 from __future__ import annotations
@@ -13,6 +14,18 @@ from __future__ import annotations
 from typing import Any
 
 from ..model.tracer import Op
+
+
+def wide_ep(attention_dp: int, ep: int, *, all_to_all: bool, node_size: int) -> bool:
+    """Whether a layout runs the wide-EP path: attention DP whose tokens reach the experts by
+    all-to-all (kadapt's ``ep > tp``) over an EP group wider than ``node_size`` GPUs. There the
+    routed experts run DeepEP's dispatch and DeepGEMM's grouped GEMMs (SGLang measures them apart,
+    AIConfigurator builds its large-EP graph); an EP group inside a node keeps the fused path
+    (AIConfigurator's exact estimate: "intra-node EP on the fused path"). One rule, two node sizes:
+    the roofline's kernel table takes the device's NVLink domain (``cost.table_shape``: 72 GPUs on
+    GB200), the measured cost model the node of AIConfigurator's system file, whose tables key node
+    counts (``MeasuredPricer.large_ep``: 4 on GB200)."""
+    return all_to_all and attention_dp > 1 and ep > node_size
 
 
 def fused_dispatch(op: Op, framework: str, *, decode: bool) -> tuple[dict[str, Any], int] | None:

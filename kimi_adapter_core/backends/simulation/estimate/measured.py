@@ -83,10 +83,11 @@ class MeasuredPricer:
     def large_ep(self, attention_dp: int, ep: int, *, all_to_all: bool) -> bool:
         """Whether AIConfigurator prices this layout with its large-EP graph: attention DP whose
         tokens reach the experts by all-to-all (kadapt's ``ep > tp``) over an EP group wider than one
-        node. Its exact estimate keeps an EP group inside a node on the fused graph, which prices
-        DeepSeek-V3's prefill of 8 x 4k on 8 H200 (SGLang) 2.4x above its large-EP graph (SGLang's
-        fused MoE against the DeepEP-path expert tables)."""
-        return all_to_all and attention_dp > 1 and ep > self.gpus_per_node()
+        node of its system file (``ep_dispatch.wide_ep``). Its exact estimate keeps an EP group
+        inside a node on the fused graph, which prices DeepSeek-V3's prefill of 8 x 4k on 8 H200
+        (SGLang) 2.4x above its large-EP graph (SGLang's fused MoE against the DeepEP-path expert
+        tables)."""
+        return ep_dispatch.wide_ep(attention_dp, ep, all_to_all=all_to_all, node_size=self.gpus_per_node())
 
     def _evaluate(
         self,

@@ -18,8 +18,8 @@ through a few things only, and this module measures that dependence instead of a
   mode through the elements of the weights whose format differs; a kernel that reads such a weight
   without naming it (a vector op) sends the family to the per-configuration path. So every weight
   mode of a TP size shares its three or four traces.
-- **DP and EP** reach only the routed experts (dispatch, grouped GEMM, combine: analytic kernels),
-  recomputed per configuration by the simulator's own ``RoutedExperts``.
+- **DP and EP** reach the routed experts (dispatch, grouped GEMM, combine), recomputed per configuration
+  by the simulator's own ``RoutedExperts``, and the kernels with an ``ep`` attribute, priced per EP size.
 
 Kernels are priced by a pricing callable (``cost.price`` unless one is given, so a measured cost
 model plugs in), the step finished and memory sized as ``simulate`` does (``tests/test_sweep.py``
@@ -236,7 +236,7 @@ class Sweep:
         self.quants = tuple(q for q in self.quants if q not in self.same_as)
         self._families: dict[tuple[int, int, str | None], _Family] = {}
         self._classes: dict[str | None, tuple[str | None, ...]] | None = None
-        self._scaled: dict[tuple[int, int, int, str | None], list[Priced | ScaledExperts]] = {}
+        self._scaled: dict[tuple[Any, ...], list[Priced | ScaledExperts]] = {}
         self._direct: dict[Config, list[Op]] = {}
         self._lines: dict[str | None, tuple[Any, ...]] = {}
         self._kv: dict[int, int] = {}
@@ -387,7 +387,7 @@ class Sweep:
                 ops = self._direct[config] = self.trace(self.inputs[quant], dep)
             return self.finish(ops, dep)
         priced: list[Priced] = []
-        for item in self._scaled_kernels(fam, b, quant):
+        for item in self._scaled_at(fam, b, quant, par.ep):
             if isinstance(item, ScaledExperts):
                 priced += [
                     self.pricer(op, self.device)
@@ -397,18 +397,25 @@ class Sweep:
                 priced.append(item)
         return simulator.finish_step(priced, dep)
 
-    def _scaled_kernels(self, fam: _Family, b: int, quant: str | None) -> list[Priced | ScaledExperts]:
-        """The priced kernels DP and EP do not reach, shared by every layout of the family."""
+    def _scaled_at(self, fam: _Family, b: int, quant: str | None, ep: int) -> list[Priced | ScaledExperts]:
+        """The priced kernels the routed experts do not recompute, at EP size ``ep`` (traces: EP 1)."""
         key = (fam.tp, fam.at, b, quant)  # one family per (tp, at, mode): the mode names it
-        cached = self._scaled.get(key)
-        if cached is None:
-            cached = [
-                self.pricer(entry.op(b, *self._formats_of(fam, entry, quant)), self.device)
-                if isinstance(entry, Scaled)
-                else entry
-                for entry in fam.entries or []
+        if (base := self._scaled.get(key)) is None:
+            base = self._scaled[key] = [
+                self.pricer(e.op(b, *self._formats_of(fam, e, quant)), self.device)
+                if isinstance(e, Scaled)
+                else e
+                for e in fam.entries or []
             ]
-            self._scaled[key] = cached
+        if ep <= fam.tp:  # no all-to-all: no price reads the EP size (``ep_dispatch.wide_ep``)
+            return base
+        if (cached := self._scaled.get((*key, ep))) is None:  # the kernels with layout attributes at ``ep``
+            cached = self._scaled[(*key, ep)] = [
+                self.pricer(replace(k.op, attrs=k.op.attrs | {"ep": ep}), self.device)
+                if isinstance(k, Priced) and "ep" in k.op.attrs
+                else k
+                for k in base
+            ]
         return cached
 
     def memory(self, config: Config) -> Memory:

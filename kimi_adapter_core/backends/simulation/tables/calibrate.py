@@ -30,7 +30,7 @@ This module assembles a table from the fits and writes it (``calibrate``, ``rend
 line); the rest of the calibration is one module per concern: ``calibrate_rows`` (which measured rows
 a curve is fitted on), ``calibrate_fit`` (grids, medians, efficiencies, per-shape fits),
 ``calibrate_gemm``, ``calibrate_experts``, ``calibrate_attention``, ``calibrate_mla_module`` (vLLM's
-MLA measured as a module) and ``calibrate_all_reduce``.
+MLA measured as a module, and SGLang's under DP attention) and ``calibrate_all_reduce``.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from .calibrate_all_reduce import all_reduce_curve
 from .calibrate_attention import attention_curves
 from .calibrate_experts import moe_curves
 from .calibrate_gemm import gemm_curves
-from .calibrate_mla_module import mla_module_curves
+from .calibrate_mla_module import mla_module_curves, wide_ep_module_curves
 from .calibrate_rows import FRAMEWORKS, RowFilter, _all_rows, _read_table, _tables
 from .device import get_device
 from .kernels import KERNELS_DIR
@@ -73,11 +73,18 @@ def calibrate(system: str, framework: str, row_filter: RowFilter = _all_rows) ->
         gemm = gemm_curves(root, framework, peak, bw, row_filter)
         attention = attention_curves(root, framework, peak, bw, row_filter)
         module = mla_module_curves(root, framework, peak, bw, row_filter, gemm)
+        wide = wide_ep_module_curves(root, framework, peak, bw, row_filter, gemm)
         all_reduce = all_reduce_curve(root, framework, lambda n: device.link_for(n).bandwidth)
     finally:
         _read_table.cache_clear()  # the next table reads other files: hold none of these
+    floor: dict[str, Any] = {}
     if module is not None:  # the framework's own MLA, measured as a module, replaces a borrowed kernel
         attention["prefill"]["mla"], attention["decode"]["mla"], floor = module
+    if wide is not None:  # its MLA module under DP attention prices the wide-EP layouts' MLA
+        for phase, shapes in zip(("prefill", "decode"), wide[:2], strict=True):
+            mla = attention[phase]["mla"]  # first: the per-cache-dtype fallbacks stay last
+            mla["shapes"] = [*shapes, *mla.get("shapes", ())]
+        floor |= wide[2]
     table = {
         "name": f"{system}_{framework}",
         "device": device.name,
@@ -98,7 +105,7 @@ def calibrate(system: str, framework: str, row_filter: RowFilter = _all_rows) ->
         "attention": attention,
         "all_reduce": all_reduce,
     }
-    return table | ({"module_floor": floor} if module is not None else {})
+    return table | ({"module_floor": floor} if floor else {})
 
 
 def shipped() -> list[tuple[str, str]]:

@@ -45,14 +45,19 @@ BY_BATCH = (
 )
 
 
-def _prefill_shapes(rows: Any, columns: dict[str, str], fit: Callable[[Any], dict[str, Any]]) -> list[Any]:
+def _prefill_shapes(
+    rows: Any,
+    columns: dict[str, str],
+    fit: Callable[[Any], dict[str, Any]],
+    layout: dict[str, Any] = ATTENTION_LAYOUT,
+) -> list[Any]:
     """A prefill attention curve's ``shapes``: each shape at each measured batch first (``measured_at``
     takes the first match, so a measured batch x length prices from its own rows: at one sequence the
     kernel is launch- and occupancy-bound, 0.2x the efficiency of the batches that set the median),
-    then each shape over every batch, which prices the batches not measured."""
-    return _shape_curves(rows, columns | PREFILL_BATCH, fit, ATTENTION_LAYOUT) + _shape_curves(
-        rows, columns, fit, ATTENTION_LAYOUT
-    )
+    then each shape over every batch, which prices the batches not measured; all under ``layout``
+    (what the rows were measured under)."""
+    per_batch = _shape_curves(rows, columns | PREFILL_BATCH, fit, layout)
+    return per_batch + _shape_curves(rows, columns, fit, layout)
 
 
 def _by_cache_dtype(rows: Any, key: str, axis: str) -> list[Any]:

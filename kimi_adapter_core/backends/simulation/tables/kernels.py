@@ -40,9 +40,11 @@ Curves and the op kinds they price:
   ``shapes`` (match: ``group``, the GPUs) are the smaller groups measured, each with its latency as
   ``overhead_us``.
 - ``module_floor.<kind>`` per measured shape only, by tokens: the time a module measured whole spends
-  besides its core kernel (vLLM's MLA module, ``mla`` in decode and ``mla_prefill`` in prefill:
-  projections, norms, rope, launches), which ``cost.fold_modules`` adds to the core kernel while the
-  module's other kernels are priced 0 (a head count not measured: from those around it).
+  besides its core kernel (vLLM's MLA module, ``mla`` in decode and ``mla_prefill`` in prefill;
+  SGLang's under DP attention, ``wide_ep_generation_mla`` / ``wide_ep_context_mla``: projections,
+  norms, rope, launches), which ``cost.fold_modules`` adds to the core kernel while the module's
+  other kernels are priced 0 (a head count not measured: from those around it), but for the
+  projections its ``outside`` names (SGLang's module runs without the q_a + kv_a downscale).
 - ``all_to_all``: EP dispatch and combine as the measured kernels move tokens (one row per token and
   expert it is routed to): a fixed latency by EP group size plus the rows' bytes at a measured
   fraction of the link bandwidth by tokens per rank, for groups up to the largest measured.
@@ -104,7 +106,12 @@ _FLOORS = {  # per module kind: its floor at each measured shape only (no median
         "type": "object",
         "required": ["source", "shapes"],
         "additionalProperties": False,
-        "properties": {"source": {"type": "string"}, "shapes": {"type": "array", "items": _SHAPE_CURVE}},
+        "properties": {
+            "source": {"type": "string"},
+            "shapes": {"type": "array", "items": _SHAPE_CURVE},
+            # the module's projections (leaf names) its measurement does not hold: priced as traced
+            "outside": {"type": "array", "items": {"type": "string", "minLength": 1}},
+        },
     },
 }
 _PHASES = {  # one list per all-to-all phase
@@ -230,6 +237,8 @@ class KernelTable:
     # module kind -> its measured floor (seconds by tokens) per shape: the time of a module measured
     # whole that its attention kernel does not account for (``cost.fold_modules``)
     module_floor: dict[str, tuple[tuple[Match, Curve], ...]] = field(default_factory=dict)
+    # module kind -> the projections inside the traced module its measurement does not hold
+    module_outside: dict[str, tuple[str, ...]] = field(default_factory=dict)
     origins: dict[str, str] = field(default_factory=dict)  # section -> the table that measured it
     device: str | None = None  # the device profile this table's own curves were measured on
     devices: dict[str, str | None] = field(default_factory=dict)  # section -> the base's device
@@ -361,6 +370,10 @@ def parse_kernels(data: Any, path: Path) -> KernelTable:
             for kind, body in (data.get("module_floor") or {}).items()
         }
         or (base.module_floor if base else {}),
+        module_outside={
+            kind: tuple(body.get("outside", ())) for kind, body in (data.get("module_floor") or {}).items()
+        }
+        or (base.module_outside if base else {}),
         origins=origins,
         device=data.get("device"),
         devices=devices,
