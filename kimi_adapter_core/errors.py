@@ -76,10 +76,11 @@ REFUSALS = {
     "(Gemma-4's enable_moe_block)",
     "stack-layout": "a decoder stack without the layers, embeddings and final norm the wrappers call (the "
     "spec's module_paths name them), positions reaching its layers other than by a rotary embedding, "
-    "learned absolute position embeddings the spec names or ALiBi built by the stack's own builder "
-    "(sinusoidal tables, a relative position bias), or layers without an attention that knows its layer "
-    "index (several attentions per layer), or that take an input the model's forward computes and the "
-    "wrappers do not",
+    "absolute position embeddings the spec names (a table, or computed from the positions alone) or ALiBi "
+    "built by the stack's own builder (a relative position bias), layers without an attention that knows "
+    "its layer index (several attentions per layer) or that keeps a cache, or that take an input the "
+    "model's forward computes and the wrappers do not; or a stack a spec cannot describe (layers the "
+    "forward skips, several stacks, two-stream attention, a span per phase), each named",
     "cache-protocol": "decoder layers that use the cache beyond update(key, value, layer_idx), take it under "
     "no known keyword, or return something else than the hidden states",
     "rotary-form": "a rotary embedding that gives something else than (cos, sin) per position (complex "

@@ -536,6 +536,30 @@ def _probe_learned_positions() -> str:
     return ", ".join(found)
 
 
+XGLM = "transformers.models.xglm.modeling_xglm"
+# the model types whose position embeddings a module computes from the positions (runtime
+# add_learned_positions calls it)
+COMPUTED_POSITION_MODEL_TYPES = ("xglm",)
+
+
+def _probe_sinusoidal_positions() -> str:
+    import torch
+
+    expected = (
+        "XGLMSinusoidalPositionalEmbedding(num_positions, embedding_dim, padding_idx).forward(position_ids, "
+        "cache_length=0) -> [B, Q, dim], its weights buffer's rows at position_ids + offset, no parameters"
+    )
+    table = _attr(XGLM, "XGLMSinusoidalPositionalEmbedding", expected)(6, 4, 1)
+    offset = getattr(table, "offset", None)
+    if not isinstance(offset, int) or any(True for _ in table.parameters()):
+        raise _Moved(expected, "no int offset, or parameters of its own")
+    positions = torch.tensor([[0, 3, 5]])
+    found = table(positions)
+    if tuple(found.shape) != (1, 3, 4) or not torch.equal(found[0], table.weights[positions[0] + offset]):
+        raise _Moved(expected, f"{tuple(found.shape)} of {found.flatten().tolist()}")
+    return f"XGLMSinusoidalPositionalEmbedding(position_ids): weights[position_ids + {offset}]"
+
+
 BLOOM = "transformers.models.bloom.modeling_bloom"
 MPT = "transformers.models.mpt.modeling_mpt"
 FALCON = "transformers.models.falcon.modeling_falcon"
@@ -589,6 +613,37 @@ def _probe_alibi_bias() -> str:
         "MptModel.build_mpt_alibi_tensor: [heads, 1, max_seq_len] of slope * (key - last); "
         "modeling_falcon.build_alibi_tensor: as BLOOM's"
     )
+
+
+BEAM = "transformers.models.beam.modeling_beam"
+# the model types whose forward hands its NoPE layers a query scale of the positions
+# (runtime.AttentionScaling)
+ATTENTION_SCALING_MODEL_TYPES = ("beam",)
+
+
+def _probe_attention_scaling() -> str:
+    import torch
+
+    expected = (
+        "modeling_beam.compute_attention_scaling(position_ids [B, Q]) -> [B, 1, Q, 1] of "
+        "(1 + (position + 1) / 2048) ** 0.1, handed by BeamModel.forward to the layer types whose "
+        "rope_parameters is None; BeamDecoderLayer.forward(attention_scaling=)"
+    )
+    builder = _attr(BEAM, "compute_attention_scaling", expected)
+    layer = _attr(BEAM, "BeamDecoderLayer", expected)
+    model = _attr(BEAM, "BeamModel", expected)
+    if "attention_scaling" not in _signature(layer.forward).parameters:
+        raise _Moved(expected, f"BeamDecoderLayer.forward{_signature(layer.forward)}")
+    source = " ".join(inspect.getsource(model.forward).split())
+    needs = ("rope_parameters[layer_type] is None", "compute_attention_scaling(position_ids)")
+    if not all(text in source for text in needs):
+        raise _Moved(expected, "BeamModel.forward no longer scales the layer types without rope parameters")
+    positions = torch.tensor([[0, 5, 4095]])
+    scale = builder(positions)
+    want = (1 + (positions[0].double() + 1) / 2048) ** 0.1
+    if tuple(scale.shape) != (1, 1, 3, 1) or not torch.allclose(scale.flatten().double(), want, atol=1e-6):
+        raise _Moved(expected, f"{tuple(scale.shape)} of {scale.flatten().tolist()}")
+    return "compute_attention_scaling: [B, 1, Q, 1] of (1 + (position + 1) / 2048) ** 0.1, the NoPE types'"
 
 
 # the stacks whose forward computes some layer types' rotary embedding from float32 embeddings, which
@@ -1030,6 +1085,17 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
         _probe_learned_positions,
     ),
     ContactPoint(
+        "sinusoidal_positions",
+        "models.xglm.modeling_xglm.XGLMSinusoidalPositionalEmbedding.forward(position_ids, cache_length)",
+        "a module without parameters whose forward(position_ids) returns its sinusoidal weights buffer's "
+        "rows at position_ids + offset",
+        "the wrappers add the position embeddings a module computes from each row's positions "
+        "(module_paths.position_embeddings naming it: runtime.add_learned_positions calls it), as "
+        "XGLMModel.forward does; plan counts no table for it",
+        ("extraction (XGLM)", "generated modules"),
+        _probe_sinusoidal_positions,
+    ),
+    ContactPoint(
         "alibi_bias",
         "models.bloom.modeling_bloom.BloomModel.build_alibi_tensor, BloomBlock.forward(alibi); "
         "models.mpt.modeling_mpt.MptModel.build_mpt_alibi_tensor, MptBlock.forward(position_bias); "
@@ -1044,6 +1110,18 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
         "FalconModel.forward does)",
         ("extraction (BLOOM, MPT, Falcon with alibi)", "generated modules"),
         _probe_alibi_bias,
+    ),
+    ContactPoint(
+        "attention_scaling",
+        "models.beam.modeling_beam.compute_attention_scaling, BeamModel.forward, "
+        "BeamDecoderLayer.forward(attention_scaling)",
+        "compute_attention_scaling(position_ids) -> [B, 1, Q, 1] of (1 + (position + 1) / 2048) ** 0.1, "
+        "handed to the layer types whose rope_parameters is None (the others get None)",
+        "the wrappers compute the query scale once per call with the stack's modelling module's own "
+        "function and hand it to every layer given no rotary embedding (runtime.AttentionScaling), as "
+        "BeamModel.forward does",
+        ("extraction (Beam)", "generated modules"),
+        _probe_attention_scaling,
     ),
     ContactPoint(
         "rope_input_dtype",
@@ -1588,9 +1666,10 @@ def rope_layer_types(language_model: Any) -> tuple[str | tuple[str, ...] | None,
     """Each layer's type, when the stack's rotary embedding takes one (``rotary_emb(x, position_ids,
     layer_type)``: Gemma-3, OLMo-3 give sliding and full layers their own frequencies), else None. A
     layer whose type the embedding keeps no frequencies for (not in its ``layer_types``: LFM3's ``conv``
-    layers, which take none) is None: it gets no position embeddings, as the model's forward gives it.
-    A stack whose rope is keyed by labels rather than layer types (``rope_labels``: DeepSeek-V4) gives
-    every layer the tuple of labels: each layer takes ``{label: (cos, sin)}`` of all of them."""
+    layers, which take none) or whose ``rope_parameters`` entry is None (Beam's NoPE full-attention
+    layers) is None: it gets no position embeddings, as the model's forward gives it. A stack whose
+    rope is keyed by labels rather than layer types (``rope_labels``: DeepSeek-V4) gives every layer
+    the tuple of labels: each layer takes ``{label: (cos, sin)}`` of all of them."""
     rotary_emb = getattr(language_model, "rotary_emb", None)
     if rotary_emb is None or "layer_type" not in _signature(type(rotary_emb).forward).parameters:
         return None
@@ -1607,7 +1686,12 @@ def rope_layer_types(language_model: Any) -> tuple[str | tuple[str, ...] | None,
     labels = rope_labels(language_model)
     if labels is not None:
         return (labels,) * count
-    return tuple(t if not isinstance(kept, (list, tuple)) or t in kept else None for t in types[:count])
+    rope = getattr(language_model.config, "rope_parameters", None)
+    unroped = {t for t, parameters in rope.items() if parameters is None} if isinstance(rope, dict) else set()
+    return tuple(
+        t if (not isinstance(kept, (list, tuple)) or t in kept) and t not in unroped else None
+        for t in types[:count]
+    )
 
 
 def rope_labels(language_model: Any) -> tuple[str, ...] | None:
@@ -2100,7 +2184,8 @@ def _compute_dtype(layer: Any) -> Any:
 
 def _hidden_size(layer: Any, attention: str | None = None) -> int:
     """The width a layer takes: its (attention's) config's, else the first module that states one (a
-    linear-attention mixer keeps ``hidden_size`` but no config; LFM2's short convolution a config)."""
+    linear-attention mixer keeps ``hidden_size`` but no config; LFM2's short convolution a config), else
+    the input width of its first linear projection."""
     config = getattr(_attention_of(layer, attention), "config", None) or getattr(layer, "config", None)
     if config is not None:
         return int(config.hidden_size)
@@ -2112,6 +2197,10 @@ def _hidden_size(layer: Any, attention: str | None = None) -> int:
             size = getattr(getattr(module, "config", None), "hidden_size", None)
         if isinstance(size, int):
             return size
+    # BERT-style layers (GIT) state no width: their first projection reads the hidden states
+    first = next((m for m in layer.modules() if type(m).__name__ == "Linear"), None)
+    if first is not None:
+        return int(first.in_features)
     _unsupported(
         "cache-protocol", type(layer).__name__, "a layer whose config or mixer states hidden_size", "none"
     )

@@ -20,6 +20,11 @@ NAMED = {  # model type -> code, what the reason names
     "zaya": ("hybrid", "keeps beside its KV cache a q/k conv window"),
     "inkling2_text": ("hybrid", "four short-convolution windows"),
     "dory": ("outside-layers", "reruns its recurrent section n_recurrent_loops times"),
+    "mllama_text_model": ("stack-layout", "skips the layers it lists (MllamaCrossAttentionDecoderLayer)"),
+    "blt": ("stack-layout", "runs three stacks"),
+    "xlnet": ("stack-layout", "two-stream attention"),
+    "cpmant": ("stack-layout", "prepends prompt_length prompt tokens"),
+    "moshi": ("stack-layout", "keeps only the last sliding_window keys and values"),
 }
 
 

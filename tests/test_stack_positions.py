@@ -28,7 +28,6 @@ from kimi_adapter_core.backends.extraction.runtime import abi
 from kimi_adapter_core.backends.simulation.model.inputs import model_inputs
 from kimi_adapter_core.builtins import registry
 from kimi_adapter_core.builtins.mpt import mpt_attention_forward
-from kimi_adapter_core.errors import Refusal
 from kimi_adapter_core.families.tiny import tiny_config
 from kimi_adapter_core.families.trial import GUIDE_PATCHES, buildable_config, module_paths, write_spec
 from kimi_adapter_core.loading import applied
@@ -114,15 +113,16 @@ def test_resolve_points_at_the_position_table_a_spec_does_not_name(tmp_path: Pat
     assert resolve_diagnostics(load_spec(named), named) == []
 
 
-def test_a_named_part_that_is_no_table_is_refused_naming_the_operation() -> None:
-    """XGLM's positions are sinusoidal, computed by a module from the token ids: no table to look up."""
+def test_a_module_of_the_positions_alone_passes_where_a_table_would() -> None:
+    """XGLM's positions are sinusoidal, computed by a module from the positions alone
+    (``forward(position_ids)``): the wrappers call it (``test_stack_inputs`` proves the rows); what is
+    neither (CPM-Ant's relative bias) is refused there."""
     model = tiny("xglm")
     parts = StackParts({"position_embeddings": "embed_positions"}, {"position_embeddings": "spec:9:1"})
-    with pytest.raises(Refusal) as refused:
-        check_positions(Backbone(model, model.model, model.lm_head, parts))
-    assert refused.value.code == "stack-layout"
-    assert "XGLMSinusoidalPositionalEmbedding" in refused.value.message
-    assert refused.value.location == "spec:9:1"
+    check_positions(Backbone(model, model.model, model.lm_head, parts))
+    positions = torch.tensor([[0, 5, 7]])
+    table = model.model.embed_positions
+    assert torch.equal(abi.add_learned_positions(torch.zeros(1, 3, 1), table, positions), table(positions))
 
 
 def _wrappers(spec: Spec, model: torch.nn.Module) -> tuple[abi.PrefillWrapper, abi.DecodeWrapper]:

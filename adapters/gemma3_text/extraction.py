@@ -437,11 +437,12 @@ CARRIED_INPUTS = ("prev_topk_indices",)
 # call, and ``per_layer_input`` (``PerLayerInputs``: each layer's slice of the per-layer embeddings, or
 # None where the config has none, as the model's forward passes it), ``alibi`` / ``position_bias``
 # (BLOOM's and MPT's ALiBi biases: ``AlibiBias``; None where the stack has none, Falcon's rotary configs),
-# and DeepSeek-V4's ``input_ids`` (the call's token ids: its hash-routed MoE layers pick their experts
-# by ``tid2eid[input_ids]``; contact point ``layer_input_ids``).
+# DeepSeek-V4's ``input_ids`` (the call's token ids: its hash-routed MoE layers pick their experts
+# by ``tid2eid[input_ids]``; contact point ``layer_input_ids``) and Beam's ``attention_scaling`` (its
+# NoPE layers' query scale from the positions, ``AttentionScaling``; None for a layer with rope).
 STACK_INPUTS = (
     "shared_kv_states", "per_layer_input", "original_hidden_states", "layer_idx", "alibi", "position_bias",
-    "input_ids",
+    "input_ids", "attention_scaling",
 )  # fmt: skip
 # Zamba's and Zamba2's layers also take ``original_hidden_states`` (what entered the first layer, which
 # their hybrid layers' shared blocks read beside their hidden states) and ``layer_idx`` (the index their
@@ -882,13 +883,27 @@ STACK_PARTS: dict[str, str | None] = {
 LAYER_ATTENTION = "layer_attention"
 
 
+class PositionTable(nn.Module):
+    """A stack's absolute position embeddings kept as a buffer, not a module (CTRL's ``pos_encoding``,
+    sinusoidal ``[n_positions, hidden]``): its rows at each token's position, as the model's forward
+    indexes it (``pos_encoding[position_ids, :]``). Holds the stack's own tensor."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("table", table, persistent=False)
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.table[position_ids]
+
+
 def stack_part(
     language_model: nn.Module, role: str, parts: Mapping[str, str | None] | None = None
 ) -> nn.Module | None:
     """The stack's ``role`` part at the path ``parts`` names (else ``STACK_PARTS``'); None for a rotary
     embedding the stack does not have and ``parts`` does not name (NoPE, SSM stacks), for a part
     without a usual name (learned position embeddings, an embedding norm) ``parts`` does not name, and
-    for a part ``parts`` says the stack has none of (None: TrOCR's final norm)."""
+    for a part ``parts`` says the stack has none of (None: TrOCR's final norm). Position embeddings a
+    stack keeps as a buffer come as a ``PositionTable``."""
     parts = parts or {}
     path = parts.get(role, STACK_PARTS[role])
     if path is None:
@@ -898,6 +913,11 @@ def stack_part(
     except AttributeError:
         if role == "rotary_embedding" and role not in parts:
             return None
+        if role == "position_embeddings":
+            try:
+                return PositionTable(language_model.get_buffer(path))
+            except AttributeError:
+                pass
         raise
 
 
@@ -909,9 +929,13 @@ def add_learned_positions(
     ``wpe(position_ids)``. OPT's, BioGPT's and TrOCR's tables keep their first ``offset`` (2) rows
     unused: their forwards look up ``position_ids + self.offset`` (contact point ``learned_positions``),
     which this does through the ``nn.Embedding`` lookup itself, since each of their forwards takes the
-    positions another way (the 2-D mask, a cache length)."""
+    positions another way (the 2-D mask, a cache length). A module that computes the embeddings from
+    the positions (XGLM's sinusoidal table, ``forward(position_ids, cache_length=0)``; contact point
+    ``sinusoidal_positions``; CTRL's buffer as a ``PositionTable``) is called with them."""
     if table is None:
         return hidden_states
+    if not isinstance(table, nn.Embedding):
+        return hidden_states + table(position_ids)
     offset = getattr(table, "offset", 0)
     embeddings = nn.Embedding.forward(table, position_ids + offset)  # type: ignore[arg-type]
     return hidden_states + embeddings
@@ -984,6 +1008,28 @@ class AlibiBias(nn.Module):
         return self.builder(visible, self.num_heads, dtype)
 
 
+class AttentionScaling(nn.Module):
+    """A query scale the model's forward computes once per call from the positions and hands every layer
+    of a type it gives no rotary embedding (Beam's NoPE full-attention layers, whose ``rope_parameters``
+    entry is None: ``compute_attention_scaling(position_ids)`` of its modelling module, ``[B, 1, Q, 1]``;
+    contact point ``attention_scaling``); layers with rope get None, as the forward hands them."""
+
+    BUILDER = "compute_attention_scaling"  # the modelling module's function
+
+    def __init__(self, builder: Any) -> None:
+        super().__init__()
+        self.builder = builder
+
+    @classmethod
+    def of(cls, language_model: nn.Module) -> AttentionScaling | None:
+        """The stack's query scaling; None where its modelling module has no ``BUILDER``."""
+        builder = getattr(inspect.getmodule(type(language_model)), cls.BUILDER, None)
+        return cls(builder) if builder is not None else None
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.builder(position_ids)
+
+
 def stack_layers(language_model: nn.Module, parts: Mapping[str, str | None] | None = None) -> list[nn.Module]:
     """The stack's decoder layers (at ``parts``' ``layers`` path), as many as its config counts."""
     layers = stack_part(language_model, "layers", parts)
@@ -1040,6 +1086,7 @@ class _TextStack(nn.Module):
         embedding_norm: nn.Module | None = None,
         alibi: AlibiBias | None = None,
         layer_attention: str | None = None,
+        attention_scaling: AttentionScaling | None = None,
     ) -> None:
         super().__init__()
         if kv_layout not in KV_LAYOUTS:
@@ -1052,6 +1099,7 @@ class _TextStack(nn.Module):
         self.position_embeddings = position_embeddings  # learned absolute positions (None: none)
         self.embedding_norm = embedding_norm  # a norm over the embeddings (None: none)
         self.alibi = alibi  # ALiBi biases handed to every layer (None: none)
+        self.attention_scaling = attention_scaling  # the NoPE layers' query scale (None: none)
         self.layers = nn.ModuleList(layers)
         self.streams = streams
         self.norm = norm
@@ -1144,6 +1192,7 @@ class _TextStack(nn.Module):
             embedding_norm=stack_part(language_model, "embedding_norm", parts),
             alibi=AlibiBias.of(language_model),
             layer_attention=(parts or {}).get(LAYER_ATTENTION),
+            attention_scaling=AttentionScaling.of(language_model),
             **extra,
         )
 
@@ -1193,6 +1242,9 @@ class _TextStack(nn.Module):
                 {label: ropes[label] for label in t} if isinstance(t, tuple) else ropes.get(t)  # type: ignore[index]
                 for t in self.rope_layer_types
             ]
+        # the query scale of the layers given no rope (Beam's NoPE layers); the others take None
+        scaling = self.attention_scaling(position_ids) if self.attention_scaling is not None else None
+        scalings = [scaling if embeddings is None else None for embeddings in position_embeddings]
         # one mask per span (a sliding window, ("chunk", size) or None: full), in first-use order
         # (deterministic graphs); a linear layer's state takes every token it is given: no mask (the
         # contract refuses padding); a block with no mixer neither
@@ -1219,8 +1271,14 @@ class _TextStack(nn.Module):
             carried: dict[str, Any] = {}
             shared_kv_states: dict[str, Any] = {}  # STACK_INPUTS: one per call
             first_input = hidden_states
-            for layer, mask, embeddings, kind, index in zip(
-                self.layers, layer_masks, position_embeddings, self.kinds, self.layer_ids, strict=True
+            for layer, mask, embeddings, scaled, kind, index in zip(
+                self.layers,
+                layer_masks,
+                position_embeddings,
+                scalings,
+                self.kinds,
+                self.layer_ids,
+                strict=True,
             ):
                 per_layer_input = per_layer[:, :, index, :] if per_layer is not None else None
                 hidden_states, carried = run_layer(
@@ -1233,6 +1291,7 @@ class _TextStack(nn.Module):
                         "original_hidden_states": first_input,
                         "layer_idx": index,
                         "input_ids": input_ids,
+                        "attention_scaling": scaled,
                         **biases,
                     },
                     attention_mask=mask,
@@ -2863,6 +2922,30 @@ def _probe_learned_positions() -> str:
     return ", ".join(found)
 
 
+XGLM = "transformers.models.xglm.modeling_xglm"
+# the model types whose position embeddings a module computes from the positions (runtime
+# add_learned_positions calls it)
+COMPUTED_POSITION_MODEL_TYPES = ("xglm",)
+
+
+def _probe_sinusoidal_positions() -> str:
+    import torch
+
+    expected = (
+        "XGLMSinusoidalPositionalEmbedding(num_positions, embedding_dim, padding_idx).forward(position_ids, "
+        "cache_length=0) -> [B, Q, dim], its weights buffer's rows at position_ids + offset, no parameters"
+    )
+    table = _attr(XGLM, "XGLMSinusoidalPositionalEmbedding", expected)(6, 4, 1)
+    offset = getattr(table, "offset", None)
+    if not isinstance(offset, int) or any(True for _ in table.parameters()):
+        raise _Moved(expected, "no int offset, or parameters of its own")
+    positions = torch.tensor([[0, 3, 5]])
+    found = table(positions)
+    if tuple(found.shape) != (1, 3, 4) or not torch.equal(found[0], table.weights[positions[0] + offset]):
+        raise _Moved(expected, f"{tuple(found.shape)} of {found.flatten().tolist()}")
+    return f"XGLMSinusoidalPositionalEmbedding(position_ids): weights[position_ids + {offset}]"
+
+
 BLOOM = "transformers.models.bloom.modeling_bloom"
 MPT = "transformers.models.mpt.modeling_mpt"
 FALCON = "transformers.models.falcon.modeling_falcon"
@@ -2916,6 +2999,37 @@ def _probe_alibi_bias() -> str:
         "MptModel.build_mpt_alibi_tensor: [heads, 1, max_seq_len] of slope * (key - last); "
         "modeling_falcon.build_alibi_tensor: as BLOOM's"
     )
+
+
+BEAM = "transformers.models.beam.modeling_beam"
+# the model types whose forward hands its NoPE layers a query scale of the positions
+# (runtime.AttentionScaling)
+ATTENTION_SCALING_MODEL_TYPES = ("beam",)
+
+
+def _probe_attention_scaling() -> str:
+    import torch
+
+    expected = (
+        "modeling_beam.compute_attention_scaling(position_ids [B, Q]) -> [B, 1, Q, 1] of "
+        "(1 + (position + 1) / 2048) ** 0.1, handed by BeamModel.forward to the layer types whose "
+        "rope_parameters is None; BeamDecoderLayer.forward(attention_scaling=)"
+    )
+    builder = _attr(BEAM, "compute_attention_scaling", expected)
+    layer = _attr(BEAM, "BeamDecoderLayer", expected)
+    model = _attr(BEAM, "BeamModel", expected)
+    if "attention_scaling" not in _signature(layer.forward).parameters:
+        raise _Moved(expected, f"BeamDecoderLayer.forward{_signature(layer.forward)}")
+    source = " ".join(inspect.getsource(model.forward).split())
+    needs = ("rope_parameters[layer_type] is None", "compute_attention_scaling(position_ids)")
+    if not all(text in source for text in needs):
+        raise _Moved(expected, "BeamModel.forward no longer scales the layer types without rope parameters")
+    positions = torch.tensor([[0, 5, 4095]])
+    scale = builder(positions)
+    want = (1 + (positions[0].double() + 1) / 2048) ** 0.1
+    if tuple(scale.shape) != (1, 1, 3, 1) or not torch.allclose(scale.flatten().double(), want, atol=1e-6):
+        raise _Moved(expected, f"{tuple(scale.shape)} of {scale.flatten().tolist()}")
+    return "compute_attention_scaling: [B, 1, Q, 1] of (1 + (position + 1) / 2048) ** 0.1, the NoPE types'"
 
 
 # the stacks whose forward computes some layer types' rotary embedding from float32 embeddings, which
@@ -3357,6 +3471,17 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
         _probe_learned_positions,
     ),
     ContactPoint(
+        "sinusoidal_positions",
+        "models.xglm.modeling_xglm.XGLMSinusoidalPositionalEmbedding.forward(position_ids, cache_length)",
+        "a module without parameters whose forward(position_ids) returns its sinusoidal weights buffer's "
+        "rows at position_ids + offset",
+        "the wrappers add the position embeddings a module computes from each row's positions "
+        "(module_paths.position_embeddings naming it: runtime.add_learned_positions calls it), as "
+        "XGLMModel.forward does; plan counts no table for it",
+        ("extraction (XGLM)", "generated modules"),
+        _probe_sinusoidal_positions,
+    ),
+    ContactPoint(
         "alibi_bias",
         "models.bloom.modeling_bloom.BloomModel.build_alibi_tensor, BloomBlock.forward(alibi); "
         "models.mpt.modeling_mpt.MptModel.build_mpt_alibi_tensor, MptBlock.forward(position_bias); "
@@ -3371,6 +3496,18 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
         "FalconModel.forward does)",
         ("extraction (BLOOM, MPT, Falcon with alibi)", "generated modules"),
         _probe_alibi_bias,
+    ),
+    ContactPoint(
+        "attention_scaling",
+        "models.beam.modeling_beam.compute_attention_scaling, BeamModel.forward, "
+        "BeamDecoderLayer.forward(attention_scaling)",
+        "compute_attention_scaling(position_ids) -> [B, 1, Q, 1] of (1 + (position + 1) / 2048) ** 0.1, "
+        "handed to the layer types whose rope_parameters is None (the others get None)",
+        "the wrappers compute the query scale once per call with the stack's modelling module's own "
+        "function and hand it to every layer given no rotary embedding (runtime.AttentionScaling), as "
+        "BeamModel.forward does",
+        ("extraction (Beam)", "generated modules"),
+        _probe_attention_scaling,
     ),
     ContactPoint(
         "rope_input_dtype",
@@ -3915,9 +4052,10 @@ def rope_layer_types(language_model: Any) -> tuple[str | tuple[str, ...] | None,
     """Each layer's type, when the stack's rotary embedding takes one (``rotary_emb(x, position_ids,
     layer_type)``: Gemma-3, OLMo-3 give sliding and full layers their own frequencies), else None. A
     layer whose type the embedding keeps no frequencies for (not in its ``layer_types``: LFM3's ``conv``
-    layers, which take none) is None: it gets no position embeddings, as the model's forward gives it.
-    A stack whose rope is keyed by labels rather than layer types (``rope_labels``: DeepSeek-V4) gives
-    every layer the tuple of labels: each layer takes ``{label: (cos, sin)}`` of all of them."""
+    layers, which take none) or whose ``rope_parameters`` entry is None (Beam's NoPE full-attention
+    layers) is None: it gets no position embeddings, as the model's forward gives it. A stack whose
+    rope is keyed by labels rather than layer types (``rope_labels``: DeepSeek-V4) gives every layer
+    the tuple of labels: each layer takes ``{label: (cos, sin)}`` of all of them."""
     rotary_emb = getattr(language_model, "rotary_emb", None)
     if rotary_emb is None or "layer_type" not in _signature(type(rotary_emb).forward).parameters:
         return None
@@ -3934,7 +4072,12 @@ def rope_layer_types(language_model: Any) -> tuple[str | tuple[str, ...] | None,
     labels = rope_labels(language_model)
     if labels is not None:
         return (labels,) * count
-    return tuple(t if not isinstance(kept, (list, tuple)) or t in kept else None for t in types[:count])
+    rope = getattr(language_model.config, "rope_parameters", None)
+    unroped = {t for t, parameters in rope.items() if parameters is None} if isinstance(rope, dict) else set()
+    return tuple(
+        t if (not isinstance(kept, (list, tuple)) or t in kept) and t not in unroped else None
+        for t in types[:count]
+    )
 
 
 def rope_labels(language_model: Any) -> tuple[str, ...] | None:
@@ -4427,7 +4570,8 @@ def _compute_dtype(layer: Any) -> Any:
 
 def _hidden_size(layer: Any, attention: str | None = None) -> int:
     """The width a layer takes: its (attention's) config's, else the first module that states one (a
-    linear-attention mixer keeps ``hidden_size`` but no config; LFM2's short convolution a config)."""
+    linear-attention mixer keeps ``hidden_size`` but no config; LFM2's short convolution a config), else
+    the input width of its first linear projection."""
     config = getattr(_attention_of(layer, attention), "config", None) or getattr(layer, "config", None)
     if config is not None:
         return int(config.hidden_size)
@@ -4439,6 +4583,10 @@ def _hidden_size(layer: Any, attention: str | None = None) -> int:
             size = getattr(getattr(module, "config", None), "hidden_size", None)
         if isinstance(size, int):
             return size
+    # BERT-style layers (GIT) state no width: their first projection reads the hidden states
+    first = next((m for m in layer.modules() if type(m).__name__ == "Linear"), None)
+    if first is not None:
+        return int(first.in_features)
     _unsupported(
         "cache-protocol", type(layer).__name__, "a layer whose config or mixer states hidden_size", "none"
     )
@@ -5200,7 +5348,14 @@ FACT_KEYS: dict[str, tuple[str, ...]] = {
     "hidden_size": ("hidden_size", "d_model", "n_embd"),
     "layer_types": ("layer_types", "layers_block_type"),
     "max_window_layers": ("max_window_layers",),
-    "num_heads": ("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads"),
+    "num_heads": (
+        "num_attention_heads",
+        "n_head",
+        "num_heads",
+        "n_heads",
+        "decoder_attention_heads",
+        "attention_heads",
+    ),
     "num_kv_heads": ("num_key_value_heads", "num_kv_heads", "n_head_kv"),
     "num_layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers"),
     "sliding_window": ("sliding_window",),

@@ -51,6 +51,10 @@ class Row(NamedTuple):
     plan: str = ""
 
 
+# words in the path of a stack's child that belongs to a vision tower, not to the decoder stack
+TOWER_NAMES = ("vision", "image", "visual")
+
+
 def module_paths(model: Any) -> dict[str, str | None]:
     """Where the guide tells a spec author to look: the decoder stack, its layer list and the LM head."""
     from torch.nn import ModuleList
@@ -70,10 +74,10 @@ def module_paths(model: Any) -> dict[str, str | None]:
             paths["lm_head"] = path
             break
     stack = model.get_submodule(paths["language_model"]) if _has(model, paths["language_model"]) else None
-    found = (
+    found = (  # the first list of modules outside a vision tower (GIT keeps its image encoder's first)
         name
         for name, child in (stack.named_modules() if stack is not None else ())
-        if isinstance(child, ModuleList)
+        if isinstance(child, ModuleList) and not any(word in name for word in TOWER_NAMES)
     )
     paths["language_layers"] = f"{paths['language_model']}.{next(found, 'layers')}".strip(".")
     layers = model.get_submodule(paths["language_layers"]) if _has(model, paths["language_layers"]) else None
@@ -87,14 +91,18 @@ def module_paths(model: Any) -> dict[str, str | None]:
 
 def _layer_attention(layer: Any) -> dict[str, str]:
     """``module_paths.layer_attention`` where the usual names (the runtime's ``MIXER_ATTRIBUTES``) find no
-    attention in the first decoder layer: the first submodule whose class name says attention that caches
-    under index 0 (``INDEX_ATTRIBUTES``); none where the usual names find one (a list of attentions,
-    LongCat-Flash's, is then refused by name) or nothing qualifies."""
+    attention in the first decoder layer that knows its index, or one that does not (GIT's ``attention``
+    keeps it one level down, ``attention.self``): the first submodule whose class name says attention that
+    caches under index 0 (``INDEX_ATTRIBUTES``); none where the usual names find one (a list of
+    attentions, LongCat-Flash's, is then refused by name) or nothing qualifies."""
+    from torch.nn import ModuleList
+
     from ..backends.extraction.runtime import abi as runtime
 
     try:
-        runtime.mixer_of(layer, "attention")
-        return {}
+        usual = runtime.mixer_of(layer, "attention")
+        if isinstance(usual, ModuleList) or runtime.index_of(usual) is not None:
+            return {}
     except ValueError:
         pass
     found = (
@@ -112,7 +120,8 @@ def _stack_parts(stack: Any) -> dict[str, str | None]:
     norm, a direct child that is a rotary embedding (Mamba2: ``embeddings``, ``norm_f``; Bamba:
     ``final_layernorm``; None where it has no norm child at all: post-norm layers, TrOCR), and a direct
     child that embeds positions, which has no usual name (GPT-2's
-    ``wpe``, OPT's ``embed_positions``: an embedding named ``POSITION_NAMES``, learned or not) and a norm
+    ``wpe``, OPT's ``embed_positions``: an embedding named ``POSITION_NAMES``, learned or not; else a
+    buffer so named, CTRL's ``pos_encoding``) and a norm
     over the embeddings (BLOOM's ``word_embeddings_layernorm``: a norm whose name says ``emb``, registered
     before the layer list), which have none."""
     from torch.nn import ModuleList
@@ -122,6 +131,11 @@ def _stack_parts(stack: Any) -> dict[str, str | None]:
 
     children = list(stack.named_children())
     embedding = stack.get_input_embeddings() if hasattr(stack, "get_input_embeddings") else None
+    holder = _embedding_holder(stack, embedding)
+    if holder:  # the token table inside an embeddings module (GIT, ModernBERT): its parts, by path
+        children = [(f"{holder}.{n}", c) for n, c in stack.get_submodule(holder).named_children()] + [
+            (n, c) for n, c in children if n != holder
+        ]
 
     def last(kind: str) -> str | None:  # the last direct child whose class name says it is a ``kind``
         return next((name for name, c in reversed(children) if kind in type(c).__name__.lower()), None)
@@ -131,7 +145,9 @@ def _stack_parts(stack: Any) -> dict[str, str | None]:
         (
             name
             for name, child in before_layers
-            if child is not embedding and "emb" in name and "norm" in type(child).__name__.lower()
+            if child is not embedding
+            and (name.startswith(f"{holder}.") if holder else "emb" in name)
+            and "norm" in type(child).__name__.lower()
         ),
         None,
     )
@@ -150,7 +166,15 @@ def _stack_parts(stack: Any) -> dict[str, str | None]:
                 and "embedding" in type(child).__name__.lower()
                 and "rotary" not in type(child).__name__.lower()
             ),
-            None,
+            # else a table the stack keeps as a buffer (CTRL's sinusoidal pos_encoding; not position_ids)
+            next(
+                (
+                    name
+                    for name, buffer in stack.named_buffers(recurse=False)
+                    if "pos" in name.lower() and buffer.is_floating_point()
+                ),
+                None,
+            ),
         ),
     }
     written: dict[str, str | None] = {  # a part without a usual name (None) wherever the stack has it
@@ -161,6 +185,14 @@ def _stack_parts(stack: Any) -> dict[str, str | None]:
     if found["final_norm"] is None and not hasattr(stack, str(STACK_PARTS["final_norm"])):
         written["final_norm"] = None  # no norm at all (post-norm layers: TrOCR): the stack applies none
     return written
+
+
+def _embedding_holder(stack: Any, embedding: Any) -> str:
+    """The path of the module that holds the stack's token embedding when that is not a direct child of
+    the stack (GIT's ``embeddings.word_embeddings``: ``embeddings``, which also holds its position table
+    and the norm over both); "" where it is a direct child, or the stack has none."""
+    path = next((name for name, module in stack.named_modules() if module is embedding and name), "")
+    return path.rpartition(".")[0]
 
 
 def _has(model: Any, path: str) -> bool:

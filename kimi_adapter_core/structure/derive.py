@@ -289,8 +289,12 @@ def _check_layer_types(read: Reader, types: list[Any]) -> None:
 
 
 def _outside(read: Reader) -> tuple[OutsideOp, ...]:
-    """The modelled math outside the layers that this config switches on (``outside_modelled``)."""
+    """The modelled math outside the layers that this config switches on (``outside_modelled``), after
+    what the family's modelling code always does (``outside_fixed``: CTRL's sqrt(n_embd) scale)."""
     ops = []
+    for rule in tables()["outside_fixed"].get(read.raw("model_type"), ()):
+        value = float(read.get("hidden_size")) ** 0.5  # the one value the table states: sqrt_hidden_size
+        ops.append(OutsideOp(rule["site"], rule["op"], value, rule["source"]))
     for key, rule in outside_modelled().items():
         value = read.raw(key)
         if value is MISSING or value in rule["neutral"]:

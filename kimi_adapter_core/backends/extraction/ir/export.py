@@ -347,8 +347,11 @@ def _constant_value(
     wrapper: nn.Module, program: ExportedProgram, model: nn.Module
 ) -> Callable[[str], torch.Tensor]:
     """Real value of a non-persistent buffer: the traced one, or on meta the value transformers' own
-    ``_init_weights`` gives it (``upstream.rebuild_buffer``), else ``type(owner)(owner.config)``."""
+    ``_init_weights`` gives it (``upstream.rebuild_buffer``; a model buffer the wrapper holds under a
+    module of its own, ``runtime.PositionTable``, by the model's name of the same tensor), else
+    ``type(owner)(owner.config)``."""
     modules = {id(module): path for path, module in model.named_modules()}
+    buffers = {id(tensor): path for path, tensor in model.named_buffers(remove_duplicate=False)}
 
     def value(name: str) -> torch.Tensor:
         tensor = program.constants.get(name)
@@ -356,8 +359,9 @@ def _constant_value(
             return tensor.detach().cpu()
         owner_path, _, leaf = name.rpartition(".")
         owner = wrapper.get_submodule(owner_path)
-        if id(owner) in modules:
-            path = f"{modules[id(owner)]}.{leaf}".lstrip(".")
+        held = buffers.get(id(owner._buffers.get(leaf)))
+        if id(owner) in modules or held is not None:
+            path = f"{modules[id(owner)]}.{leaf}".lstrip(".") if id(owner) in modules else str(held)
             rebuilt = upstream.rebuild_buffer(model, path)
             if rebuilt is not None:
                 return rebuilt.detach()

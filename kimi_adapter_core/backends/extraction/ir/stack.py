@@ -10,6 +10,7 @@ once, a mixer that does not know its index), and a model whose experts cannot ex
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,11 +52,13 @@ class Backbone:
 # something the model's forward computes and the wrappers do not. ``transformer_hidden_states``: what
 # Zamba2's hybrid layer hands its own mixer sublayer; the model's forward never passes it to a layer of
 # the stack (a mixer layer alone leaves it None, as the wrappers do)
+# the keywords a layer takes the cache under (``upstream.probe_decoder_layers`` finds which)
+CACHE_INPUTS = frozenset({"cache", "layer_past", "past_key_values", "past_key_value"})
 LAYER_INPUTS = frozenset(
     {"self", "hidden_states", "attention_mask", "position_ids", "position_embeddings", "use_cache",
-     "cache", "layer_past", "past_key_values", "past_key_value", "cache_position", "output_attentions",
-     "kwargs", runtime.CAUSAL_MASK_INPUT, "transformer_hidden_states"}
-) | frozenset(runtime.CARRIED_INPUTS) | frozenset(runtime.STACK_INPUTS)  # fmt: skip
+     "cache_position", "output_attentions", "kwargs", runtime.CAUSAL_MASK_INPUT,
+     "transformer_hidden_states"}
+) | CACHE_INPUTS | frozenset(runtime.CARRIED_INPUTS) | frozenset(runtime.STACK_INPUTS)  # fmt: skip
 # a decoder layer's cross-attention inputs (GPT-2, GPTBigCode, TrOCR, XGLM): the causal LM's forward hands
 # them None unless the caller gives encoder states, which a text prompt never does; the wrappers leave
 # them at their default, None, and the layer skips its cross-attention
@@ -64,6 +67,10 @@ ENCODER_INPUTS = frozenset({"encoder_hidden_states", "encoder_attention_mask"})
 # take and the wrappers leave at their default, None, which is what the model's forward passes without
 # padding: Falcon-H1's mixer padding mask (``create_recurrent_attention_mask``)
 UNPADDED_INPUTS = frozenset({"mamba_attention_mask"})
+# the NoPE layers' query scale (Beam's): the wrappers compute it with the stack's modelling module's
+# ``compute_attention_scaling`` (``runtime.AttentionScaling``); a stack without that function computes
+# it some other way
+SCALING_INPUT = "attention_scaling"
 # child module class names of a decoder layer that mixes tokens without attention
 NON_ATTENTION = ("Mamba", "Mixer", "Linear", "Conv", "Recurrent", "DeltaNet", "Rwkv", "Lstm")
 
@@ -94,13 +101,15 @@ def check_positions(backbone: Backbone) -> None:
     stack, parts = backbone.language_model, backbone.parts
     token = runtime.stack_part(stack, "embeddings", parts.stated)
     named = runtime.stack_part(stack, POSITIONS_KEY, parts.stated)
-    if named is not None and not isinstance(named, nn.Embedding):
+    if named is not None and not isinstance(named, nn.Embedding) and not computes_positions(named):
+        params = ", ".join(list(inspect.signature(type(named).forward).parameters)[1:])
         raise Refusal(
             "stack-layout",
-            f"module_paths.{POSITIONS_KEY} names {parts.path(POSITIONS_KEY)}, a {type(named).__name__}: the "
-            "wrappers add learned absolute position embeddings, a table (nn.Embedding) looked up at each "
-            "row's positions; positions another module computes (a sinusoidal table, a relative position "
-            "bias) are not supported",
+            f"module_paths.{POSITIONS_KEY} names {parts.path(POSITIONS_KEY)}, a {type(named).__name__} whose "
+            f"forward takes ({params}): the wrappers add absolute position embeddings to the token "
+            "embeddings, a table (nn.Embedding) looked up at each row's positions or a module computing "
+            "them from the positions alone (forward(position_ids): XGLM's sinusoidal table); a bias on "
+            "the attention scores of each query and key is neither",
             location=parts.where(POSITIONS_KEY),
         )
     for name, child in stack.named_children():
@@ -124,6 +133,17 @@ def check_positions(backbone: Backbone) -> None:
             "build_alibi_tensor, MPT's build_mpt_alibi_tensor), the ALiBi the prefill/decode wrappers "
             "build (runtime.AlibiBias: Falcon's too, folded into the mask as its forward does)",
         )
+
+
+def computes_positions(module: nn.Module) -> bool:
+    """Whether ``module`` computes position embeddings from the positions alone: its forward's first
+    input is ``position_ids`` and any other has a default (XGLM's sinusoidal table)."""
+    params = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    return (
+        bool(params)
+        and params[0].name == "position_ids"
+        and all(p.default is not p.empty or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in params[1:])
+    )
 
 
 def alibi_of(stack: nn.Module) -> str | None:
@@ -172,15 +192,36 @@ def check_stack(backbone: Backbone, kinds: Sequence[str] | None = None) -> None:
     check_positions(backbone)
     stack = backbone.language_model
     check_per_layer_inputs(stack)
+    # a query scale only a stack whose modelling module computes it is handed (runtime.AttentionScaling)
+    unscaled = frozenset() if runtime.AttentionScaling.of(stack) is not None else {SCALING_INPUT}
+    passed = _stack_forward_source(stack)
     for index, layer in enumerate(backbone.layers):
         params = inspect.signature(inspect.unwrap(type(layer).forward)).parameters
         unpadded = kinds is not None and kinds[index] in runtime.UNPADDED_KINDS
-        allowed = LAYER_INPUTS | ENCODER_INPUTS | (UNPADDED_INPUTS if unpadded else frozenset())
+        allowed = (LAYER_INPUTS | ENCODER_INPUTS | (UNPADDED_INPUTS if unpadded else frozenset())) - unscaled
+        # the first input is the hidden states, handed positionally whatever the layer calls it (CTRL:
+        # x); an input with a default the stack's forward never names is left at it, as that forward
+        # leaves it (Moshi's codebook_idx, which only its depth decoder hands its layers)
+        hidden = next(iter(list(params)[1:2]), None)
         extra = [
             n
             for n, p in params.items()
-            if n not in allowed and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+            if n not in allowed
+            and n != hidden
+            and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+            and (p.default is p.empty or re.search(rf"\b{n}\b", passed))
         ]
+        stateful = kinds is None or kinds[index] not in runtime.STATELESS_KINDS
+        keyword = any(p.kind == p.VAR_KEYWORD for p in params.values())
+        if stateful and not extra and not keyword and not CACHE_INPUTS & params.keys():
+            takes = ", ".join(list(params)[1:])
+            raise Refusal(
+                "stack-layout",
+                f"{type(layer).__name__}.forward (layer {index}) takes no cache ({takes}): its attention "
+                f"keeps no keys and values between calls, and {type(stack).__name__}'s forward reruns "
+                "every earlier token at each step; the ABI's decode step reads each layer's keys and "
+                "values from the cache that layer writes, and no spec field makes a layer write one",
+            )
         if extra:
             raise Refusal(
                 "stack-layout",
@@ -236,6 +277,14 @@ def check_stack(backbone: Backbone, kinds: Sequence[str] | None = None) -> None:
             "attention inside a layer (relative to it) that caches under its own index",
             location=backbone.parts.where(LAYER_ATTENTION),
         )
+
+
+def _stack_forward_source(stack: nn.Module) -> str:
+    """The source of the stack's forward ("" where it has none to read): which inputs it hands its layers."""
+    try:
+        return inspect.getsource(inspect.unwrap(type(stack).forward))
+    except (OSError, TypeError):
+        return ""
 
 
 def _attention(layer: nn.Module, index: int, parts: StackParts) -> nn.Module | None:

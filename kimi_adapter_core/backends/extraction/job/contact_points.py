@@ -22,7 +22,8 @@ def stack_points(structure: ModelStructure) -> tuple[str, ...]:
     loader's dtype plan and the model classes; a linear stack's state cache (its layer kind's protocol)
     and, for Mamba1, the head's input cast; a DSA stack's indexer cache; per-layer embeddings' methods;
     a rope by label and layers that take the token ids (DeepSeek-V4); an offset learned position
-    table's lookup (OPT); BLOOM's ALiBi builder; MoE experts' implementation."""
+    table's lookup (OPT), XGLM's sinusoidal one; BLOOM's ALiBi builder; Beam's query scale; MoE
+    experts' implementation."""
     linear = structure.linear
     points = ["cache_update"]
     if linear is not None:  # the linear layers read and update their states through the cache
@@ -41,8 +42,12 @@ def stack_points(structure: ModelStructure) -> tuple[str, ...]:
         points.append("layer_input_ids")
     if structure.model_type in upstream.OFFSET_POSITION_MODEL_TYPES:  # looked up past the table's offset
         points.append("learned_positions")
+    if structure.model_type in upstream.COMPUTED_POSITION_MODEL_TYPES:  # computed from the positions
+        points.append("sinusoidal_positions")
     if structure.model_type in upstream.ALIBI_MODEL_TYPES:  # built by the stack's build_alibi_tensor
         points.append("alibi_bias")
+    if structure.model_type in upstream.ATTENTION_SCALING_MODEL_TYPES:  # its NoPE layers' query scale
+        points.append("attention_scaling")
     points += ["loader_dtype_plan", "model_classes"]
     if linear is not None and linear.kind in upstream.HEAD_CAST_MIXERS:
         points.append("head_input_cast")  # the wrappers cast the final hidden states as it does

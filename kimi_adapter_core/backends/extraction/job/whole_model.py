@@ -17,6 +17,7 @@ families do, which is what makes a model type kadapt has never seen safe to try.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,6 +34,22 @@ from ..runtime import abi as runtime
 
 PROMPT_LEN = 12  # longer than the tiny sliding window (4), so windowed layers see a difference
 TOLERANCE = 1e-4  # relative to the largest logit: the same float32 math in another order
+
+
+def _head_transforms(model: nn.Module, spec: Spec) -> list[str]:
+    """The causal LM's children with weights, other than its language model and LM head, that its forward
+    calls (``self.<name>(``): a module it applies between the stack and the LM head (ModernBERT-decoder's
+    prediction head ``lm_head``, before its ``decoder``), each with its class name."""
+    own = {spec.module_paths[key].split(".")[0] for key in ("language_model", "lm_head")}
+    try:
+        source = inspect.getsource(inspect.unwrap(type(model).forward))
+    except (OSError, TypeError):
+        return []
+    return [
+        f"{name} ({type(child).__name__})"
+        for name, child in model.named_children()
+        if name not in own and any(True for _ in child.parameters()) and f"self.{name}(" in source
+    ]
 
 
 def _close(ours: torch.Tensor, reference: torch.Tensor) -> bool:
@@ -136,6 +153,9 @@ def _check(spec: Spec, options: ExtractionOptions) -> None:
         embeddings = runtime.add_learned_positions(
             runtime.apply_ops(embed(ids), structure.outside_ops("embeddings")), table, positions
         )
+        embedding_norm = runtime.stack_part(language_model, "embedding_norm", parts.stated)
+        if embedding_norm is not None:  # as the wrappers apply it (BLOOM, ModernBERT-decoder)
+            embeddings = embedding_norm(embeddings)
         last = norm(seen["last"]) if norm is not None else seen["last"]  # None: a post-norm stack
         head = runtime.apply_ops(lm_head(last), structure.outside_ops("logits"))
     name = type(model).__name__
@@ -149,6 +169,13 @@ def _check(spec: Spec, options: ExtractionOptions) -> None:
     elif not _close(head, reference):
         norm_path = parts.path("final_norm")
         where = f"the head: {name}'s logits are lm_head({norm_path}(hidden)) {_ratio(head, reference)}"
+        between = _head_transforms(model, spec)
+        if between:
+            where += (
+                f"; its forward also calls {', '.join(between)} on the final hidden states before "
+                f"{spec.module_paths['lm_head']} (module_paths.lm_head), and no spec field names a "
+                "module between the final norm and the LM head"
+            )
     else:
         code = "stack-differs"
         where = f"the decoder stack: {name}'s layers give other hidden states when its own forward calls them"

@@ -398,11 +398,12 @@ CARRIED_INPUTS = ("prev_topk_indices",)
 # call, and ``per_layer_input`` (``PerLayerInputs``: each layer's slice of the per-layer embeddings, or
 # None where the config has none, as the model's forward passes it), ``alibi`` / ``position_bias``
 # (BLOOM's and MPT's ALiBi biases: ``AlibiBias``; None where the stack has none, Falcon's rotary configs),
-# and DeepSeek-V4's ``input_ids`` (the call's token ids: its hash-routed MoE layers pick their experts
-# by ``tid2eid[input_ids]``; contact point ``layer_input_ids``).
+# DeepSeek-V4's ``input_ids`` (the call's token ids: its hash-routed MoE layers pick their experts
+# by ``tid2eid[input_ids]``; contact point ``layer_input_ids``) and Beam's ``attention_scaling`` (its
+# NoPE layers' query scale from the positions, ``AttentionScaling``; None for a layer with rope).
 STACK_INPUTS = (
     "shared_kv_states", "per_layer_input", "original_hidden_states", "layer_idx", "alibi", "position_bias",
-    "input_ids",
+    "input_ids", "attention_scaling",
 )  # fmt: skip
 # Zamba's and Zamba2's layers also take ``original_hidden_states`` (what entered the first layer, which
 # their hybrid layers' shared blocks read beside their hidden states) and ``layer_idx`` (the index their
@@ -843,13 +844,27 @@ STACK_PARTS: dict[str, str | None] = {
 LAYER_ATTENTION = "layer_attention"
 
 
+class PositionTable(nn.Module):
+    """A stack's absolute position embeddings kept as a buffer, not a module (CTRL's ``pos_encoding``,
+    sinusoidal ``[n_positions, hidden]``): its rows at each token's position, as the model's forward
+    indexes it (``pos_encoding[position_ids, :]``). Holds the stack's own tensor."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("table", table, persistent=False)
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.table[position_ids]
+
+
 def stack_part(
     language_model: nn.Module, role: str, parts: Mapping[str, str | None] | None = None
 ) -> nn.Module | None:
     """The stack's ``role`` part at the path ``parts`` names (else ``STACK_PARTS``'); None for a rotary
     embedding the stack does not have and ``parts`` does not name (NoPE, SSM stacks), for a part
     without a usual name (learned position embeddings, an embedding norm) ``parts`` does not name, and
-    for a part ``parts`` says the stack has none of (None: TrOCR's final norm)."""
+    for a part ``parts`` says the stack has none of (None: TrOCR's final norm). Position embeddings a
+    stack keeps as a buffer come as a ``PositionTable``."""
     parts = parts or {}
     path = parts.get(role, STACK_PARTS[role])
     if path is None:
@@ -859,6 +874,11 @@ def stack_part(
     except AttributeError:
         if role == "rotary_embedding" and role not in parts:
             return None
+        if role == "position_embeddings":
+            try:
+                return PositionTable(language_model.get_buffer(path))
+            except AttributeError:
+                pass
         raise
 
 
@@ -870,9 +890,13 @@ def add_learned_positions(
     ``wpe(position_ids)``. OPT's, BioGPT's and TrOCR's tables keep their first ``offset`` (2) rows
     unused: their forwards look up ``position_ids + self.offset`` (contact point ``learned_positions``),
     which this does through the ``nn.Embedding`` lookup itself, since each of their forwards takes the
-    positions another way (the 2-D mask, a cache length)."""
+    positions another way (the 2-D mask, a cache length). A module that computes the embeddings from
+    the positions (XGLM's sinusoidal table, ``forward(position_ids, cache_length=0)``; contact point
+    ``sinusoidal_positions``; CTRL's buffer as a ``PositionTable``) is called with them."""
     if table is None:
         return hidden_states
+    if not isinstance(table, nn.Embedding):
+        return hidden_states + table(position_ids)
     offset = getattr(table, "offset", 0)
     embeddings = nn.Embedding.forward(table, position_ids + offset)  # type: ignore[arg-type]
     return hidden_states + embeddings
@@ -945,6 +969,28 @@ class AlibiBias(nn.Module):
         return self.builder(visible, self.num_heads, dtype)
 
 
+class AttentionScaling(nn.Module):
+    """A query scale the model's forward computes once per call from the positions and hands every layer
+    of a type it gives no rotary embedding (Beam's NoPE full-attention layers, whose ``rope_parameters``
+    entry is None: ``compute_attention_scaling(position_ids)`` of its modelling module, ``[B, 1, Q, 1]``;
+    contact point ``attention_scaling``); layers with rope get None, as the forward hands them."""
+
+    BUILDER = "compute_attention_scaling"  # the modelling module's function
+
+    def __init__(self, builder: Any) -> None:
+        super().__init__()
+        self.builder = builder
+
+    @classmethod
+    def of(cls, language_model: nn.Module) -> AttentionScaling | None:
+        """The stack's query scaling; None where its modelling module has no ``BUILDER``."""
+        builder = getattr(inspect.getmodule(type(language_model)), cls.BUILDER, None)
+        return cls(builder) if builder is not None else None
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.builder(position_ids)
+
+
 def stack_layers(language_model: nn.Module, parts: Mapping[str, str | None] | None = None) -> list[nn.Module]:
     """The stack's decoder layers (at ``parts``' ``layers`` path), as many as its config counts."""
     layers = stack_part(language_model, "layers", parts)
@@ -1001,6 +1047,7 @@ class _TextStack(nn.Module):
         embedding_norm: nn.Module | None = None,
         alibi: AlibiBias | None = None,
         layer_attention: str | None = None,
+        attention_scaling: AttentionScaling | None = None,
     ) -> None:
         super().__init__()
         if kv_layout not in KV_LAYOUTS:
@@ -1013,6 +1060,7 @@ class _TextStack(nn.Module):
         self.position_embeddings = position_embeddings  # learned absolute positions (None: none)
         self.embedding_norm = embedding_norm  # a norm over the embeddings (None: none)
         self.alibi = alibi  # ALiBi biases handed to every layer (None: none)
+        self.attention_scaling = attention_scaling  # the NoPE layers' query scale (None: none)
         self.layers = nn.ModuleList(layers)
         self.streams = streams
         self.norm = norm
@@ -1105,6 +1153,7 @@ class _TextStack(nn.Module):
             embedding_norm=stack_part(language_model, "embedding_norm", parts),
             alibi=AlibiBias.of(language_model),
             layer_attention=(parts or {}).get(LAYER_ATTENTION),
+            attention_scaling=AttentionScaling.of(language_model),
             **extra,
         )
 
@@ -1154,6 +1203,9 @@ class _TextStack(nn.Module):
                 {label: ropes[label] for label in t} if isinstance(t, tuple) else ropes.get(t)  # type: ignore[index]
                 for t in self.rope_layer_types
             ]
+        # the query scale of the layers given no rope (Beam's NoPE layers); the others take None
+        scaling = self.attention_scaling(position_ids) if self.attention_scaling is not None else None
+        scalings = [scaling if embeddings is None else None for embeddings in position_embeddings]
         # one mask per span (a sliding window, ("chunk", size) or None: full), in first-use order
         # (deterministic graphs); a linear layer's state takes every token it is given: no mask (the
         # contract refuses padding); a block with no mixer neither
@@ -1180,8 +1232,14 @@ class _TextStack(nn.Module):
             carried: dict[str, Any] = {}
             shared_kv_states: dict[str, Any] = {}  # STACK_INPUTS: one per call
             first_input = hidden_states
-            for layer, mask, embeddings, kind, index in zip(
-                self.layers, layer_masks, position_embeddings, self.kinds, self.layer_ids, strict=True
+            for layer, mask, embeddings, scaled, kind, index in zip(
+                self.layers,
+                layer_masks,
+                position_embeddings,
+                scalings,
+                self.kinds,
+                self.layer_ids,
+                strict=True,
             ):
                 per_layer_input = per_layer[:, :, index, :] if per_layer is not None else None
                 hidden_states, carried = run_layer(
@@ -1194,6 +1252,7 @@ class _TextStack(nn.Module):
                         "original_hidden_states": first_input,
                         "layer_idx": index,
                         "input_ids": input_ids,
+                        "attention_scaling": scaled,
                         **biases,
                     },
                     attention_mask=mask,

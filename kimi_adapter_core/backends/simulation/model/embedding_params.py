@@ -7,6 +7,7 @@ its own tokens' positions."""
 from __future__ import annotations
 
 from ....structure.model import ModelStructure
+from ....structure.reader import tables
 
 
 def embedding_tensors(
@@ -14,9 +15,11 @@ def embedding_tensors(
 ) -> list[tuple[str, str, tuple[int, ...]]]:
     """``(role, model path, shape)`` of the learned position table ``[max_positions, hidden]`` and the
     embedding norm's weight ``[hidden]``, each where the spec names it. OPT's, BioGPT's and TrOCR's tables
-    keep 2 rows more (their ``offset``), which no config states: within the census' tolerance."""
+    keep 2 rows more (their ``offset``), which no config states: within the census' tolerance. A family
+    whose positions a module computes (``config_keys.yaml`` ``computed_positions``: XGLM) has no table."""
+    computed = s.model_type in tables()["computed_positions"]
     named = (
-        ("position_embeddings", position_embeddings, (s.max_positions, s.hidden_size)),
+        ("position_embeddings", None if computed else position_embeddings, (s.max_positions, s.hidden_size)),
         ("embedding_norm", embedding_norm, (s.hidden_size,)),
     )
     return [
