@@ -157,7 +157,7 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, ...]:
 def test_chunked_prefill_decode_and_speculative_tokens_in_one_step_equal_transformers(
     name: str, tmp_path: Path
 ) -> None:
-    mapping, out, weights, model, text = _extract(name, tmp_path)
+    mapping, out, weights, model, text, _ = _extract(name, tmp_path)
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, text.vocab_size, (n,), generator=generator).tolist() for n in PROMPTS]
     sequences = [_generate(model, prompt) for prompt in prompts]
@@ -206,7 +206,7 @@ def test_rows_reading_a_shared_prefix_block_get_the_logits_of_unshared_copies(ll
     """Request 1's prompt starts with request 0's two full blocks: its block table points at them (read
     only) and it computes only its own tokens. Its logits equal those of an unshared copy that prefilled
     the whole prompt itself, and transformers'; the ownership check lets the sharing through."""
-    mapping, out, weights, model, text = llama
+    mapping, out, weights, model, text, _ = llama
     generator = torch.Generator().manual_seed(4)
     prefix = torch.randint(3, text.vocab_size, (2 * BLOCK,), generator=generator).tolist()
     own = torch.randint(3, text.vocab_size, (3,), generator=generator).tolist()
@@ -226,7 +226,7 @@ def test_rows_reading_a_shared_prefix_block_get_the_logits_of_unshared_copies(ll
 
 
 def test_two_rows_writing_one_block_are_refused_by_the_ownership_check(llama: tuple[Any, ...]) -> None:
-    mapping, out, weights, _, _ = llama
+    mapping, out, weights, *_ = llama
     engine = Engine(mapping, out, weights)
     engine.call([(0, [0, 1], [5, 6], 1)])
     engine.share(1, 0, 1)  # row 1's first block is row 0's, and row 1 writes into it
@@ -244,7 +244,7 @@ def test_two_rows_writing_one_block_are_refused_by_the_ownership_check(llama: tu
 def test_a_step_token_past_the_cache_is_refused_by_default(llama: tuple[Any, ...]) -> None:
     """``bind_ir`` reads the step graph's limit from its own declaration (block table blocks x block
     size), as ``bind_step`` does from the mapping; the other index inputs are checked by the mapping."""
-    mapping, out, weights, _, _ = llama
+    mapping, out, weights, *_ = llama
     engine = Engine(mapping, out, weights)
     engine.call([(0, [CACHE - 1], [5], 1)])  # the last slot of the cache is fine
     with pytest.raises(
@@ -299,7 +299,7 @@ def test_a_multimodal_spec_gets_a_step_graph_that_refuses_image_placeholders(
     graph would embed it as a token where the model puts image features."""
     options = options_from_spec(load_spec("kimi_k25"), output_dir=tmp_path, step_tokens=TOKENS)
     assert options.step is not None and options.vision is not None and options.merged_prefill is not None
-    mapping, out, weights, _, _ = llama
+    mapping, out, weights, *_ = llama
     with_placeholder = {**mapping, "step": {**mapping["step"], "placeholder_token_id": 7}}
     engine = Engine(with_placeholder, out, weights)
     engine.call([(0, [0, 1], [5, 6], 1)])  # no placeholder: runs

@@ -1309,12 +1309,17 @@ class _TextStack(nn.Module):
         normed = self.norm(rows) if self.norm is not None else rows  # None: post-norm
         final = in_head_dtype(normed, self.lm_head)
         logits = apply_ops(self.lm_head(final), self.logit_ops)
-        return (logits, *cache.flat_present())
+        return (*self.head_outputs(logits, normed), *cache.flat_present())
 
     def head_rows(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The final hidden states the LM head turns into logits: all of them here; the packed step
         graph (``step.StepWrapper``) keeps only the tokens the engine asks logits for."""
         return hidden_states
+
+    def head_outputs(self, logits: torch.Tensor, normed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What the graph returns before the states: the logits here; a step graph feeding an MTP draft
+        also the final (normed) hidden states of those rows, which the MTP module reads."""
+        return (logits,)
 
 
 def flat_rope_keys(rope_layer_types: Sequence[RopeKey]) -> list[str]:
@@ -2294,11 +2299,12 @@ def step_refusal(kinds: Sequence[str]) -> str | None:
 class StepWrapper(_TextStack):
     """The packed step over a paged pool (module docstring): each token a decode row of its request."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, hidden_states: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         refusal = step_refusal(self.kinds)
         if refusal is not None:
             raise ValueError(refusal)
+        self.hidden_states = hidden_states  # also return the asked tokens' final hidden states (MTP)
         self._logit_indices: torch.Tensor | None = None
 
     def forward(
@@ -2324,15 +2330,21 @@ class StepWrapper(_TextStack):
         )
         self._logit_indices = logit_indices
         try:
-            logits, *present = self._run(input_ids.view(-1, 1), mask, position_ids, cache)
+            outputs = self._run(input_ids.view(-1, 1), mask, position_ids, cache)
         finally:
             self._logit_indices = None
-        return (logits[:, -1], *present)
+        heads = 2 if self.hidden_states else 1  # logits [N, vocab] (and hidden states [N, hidden])
+        return (*(output[:, -1] for output in outputs[:heads]), *outputs[heads:])
 
     def head_rows(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Only the tokens ``logit_indices`` names reach the norm and the LM head (``[N, 1, hidden]``)."""
         assert self._logit_indices is not None, "head_rows runs inside forward"
         return hidden_states.index_select(0, self._logit_indices)
+
+    def head_outputs(self, logits: torch.Tensor, normed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The logits, and with ``hidden_states`` the final normed hidden states an MTP module reads
+        (transformers' ``hidden_states[-1]``: the last hidden state after the final norm)."""
+        return (logits, normed) if self.hidden_states else (logits,)
 
 
 def step_inputs(
@@ -2386,10 +2398,12 @@ def step_mapping(
     max_cache_len: int,
     block_size: int,
     placeholder_token_id: int | None = None,
+    hidden: tuple[str, int] | None = None,
 ) -> dict[str, Any]:
     """The state mapping's ``step`` section: the packed step graph's fixed inputs and its rules (the pools
     are the paged decode graph's, ``contract.paged``); with ``placeholder_token_id`` (a multimodal spec's
-    image placeholder) the token its ids may not hold."""
+    image placeholder) the token its ids may not hold; with ``hidden`` (its name and width: a step graph
+    feeding the MTP draft graph) the final hidden states it returns after the logits."""
     ids, positions, token_rows, table, indices = inputs
     shapes = {ids: [tokens], positions: [tokens], token_rows: [tokens]}
     shapes.update({table: [rows, max_cache_len // block_size], indices: [logit_count]})
@@ -2408,6 +2422,18 @@ def step_mapping(
         "graph": graph,
         "inputs": [{"name": name, "shape": shape, "dtype": "int64"} for name, shape in shapes.items()],
         "logits": {"name": logits, "shape": [logit_count, "vocab"], "row_i": f"the token {indices}[i]"},
+        **(
+            {
+                "hidden_states": {
+                    "name": hidden[0],
+                    "shape": [logit_count, hidden[1]],
+                    "row_i": f"the token {indices}[i]'s final hidden state (after the final norm: "
+                    "what the MTP draft graph reads)",
+                }
+            }
+            if hidden is not None
+            else {}
+        ),
         "pools": "the paged decode graph's KV inputs and outputs, in its order (contract.paged)",
         "rule": f"{ids}[t] is token t of the call, at position {positions}[t] of request {token_rows}[t], "
         f"whose blocks are row {token_rows}[t] of {table} (contract.paged's slot rule). The graph writes "
@@ -4904,10 +4930,11 @@ def position_inputs(ir: Any, *, graph: str) -> tuple[list[int], int | None]:
     (packed ``[T]`` ids, then ``positions``) holds its block table's blocks of its pools' block size.
     A graph of any other form (vision) has no positions."""
     declared = [tuple(meta.shape) for meta in ir.graph_inputs]
-    if declared and len(declared[0]) == 1 and len(declared) > 5:  # the packed step graph (runtime/step.py):
-        table, pool = declared[3], declared[5]  # block_table [rows, blocks], pool [blocks, block_size, ..]
+    skip = int(len(declared) > 6 and len(declared[0]) == 2 and len(declared[1]) == 1)  # MTP: hidden first
+    if declared and len(declared[skip]) == 1 and len(declared) > 5 + skip:  # the packed step (or MTP) graph:
+        table, pool = declared[3 + skip], declared[5 + skip]  # block_table [rows, blocks], pool [blocks, ..]
         known = len(table) == 2 and len(pool) == 4 and all(type(n) is int for n in (table[1], pool[1]))
-        return [1], table[1] * pool[1] if known else None
+        return [1 + skip], table[1] * pool[1] if known else None
     if not declared or len(declared[0]) != 2:
         return [], None
     mask = next((index for index, shape in enumerate(declared) if len(shape) == 4), None)
@@ -5159,6 +5186,27 @@ def check_no_placeholder(token_ids: Sequence[int], placeholder: int, *, graph: s
             "the merged prefill graph (merged_prefill), place its KV in the pool and continue in the step "
             "graph"
         )
+
+
+def bind_mtp(
+    ir: Any,
+    inputs: Sequence[Any],
+    mapping: Mapping[str, Any],
+    *,
+    graph: str = "mtp",
+    check_values: bool = True,
+    check_ownership: bool = False,
+) -> Any:
+    """``bind_ir`` of the MTP draft graph (``runtime/mtp.py``): its index inputs are the step graph's
+    (same names, same ranges: ``step_value_ranges``) after the hidden states, and with ``check_ownership``
+    its writes into the MTP pools follow the step graph's block ownership rule."""
+    values = step_value_ranges(mapping) if check_values else None
+    bound = bind_ir(ir, inputs, {}, graph=graph, values=values, check_values=check_values)
+    if check_ownership:
+        size = _field(mapping, "contract.paged.block_size", int, "state mapping")
+        positions, token_rows, table = (inputs[index].tolist() for index in (2, 3, 4))
+        check_block_ownership(positions, token_rows, table, size, graph=graph)
+    return bound
 
 # fmt: on
 

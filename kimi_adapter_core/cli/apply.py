@@ -130,6 +130,13 @@ SIZE = click.IntRange(1, 1 << 24)  # tokens or sequences: 0 or a typo's 1e12 is 
     "else batch).",
 )
 @click.option(
+    "--step-mtp/--no-step-mtp",
+    default=None,
+    help="extraction: also export the MTP draft graph (<prefix>_mtp_ir.json) of a model whose config has "
+    "an MTP layer (DeepSeek-V3, GLM-4.5); the step graph then also returns its asked tokens' final hidden "
+    "states (needs the step graph; default: abi.step.mtp).",
+)
+@click.option(
     "--verify", is_flag=True, help="extraction: check the saved IR on a tiny model against transformers."
 )
 @click.option(
@@ -168,6 +175,7 @@ def command(
     num_blocks: int | None,
     step_tokens: int | None,
     step_logits: int | None,
+    step_mtp: bool | None,
     verify: bool,
     no_cache: bool,
     without: tuple[str, ...],
@@ -236,6 +244,7 @@ def command(
             num_blocks=num_blocks,
             step_tokens=step_tokens,
             step_logits=step_logits,
+            step_mtp=step_mtp,
         )
     elif (
         verify
@@ -256,13 +265,14 @@ def command(
                 num_blocks,
                 step_tokens,
                 step_logits,
+                step_mtp,
             )
         )
     ):
         raise UsageError(
             "--output-dir/--batch/--prefill-len/--max-cache-len/--kv-layout/--mla-attention/--dynamic/"
-            "--static/--kv-cache/--block-size/--num-blocks/--step-tokens/--step-logits/--verify/--no-cache "
-            "need --backend extraction"
+            "--static/--kv-cache/--block-size/--num-blocks/--step-tokens/--step-logits/--step-mtp/--verify/"
+            "--no-cache need --backend extraction"
         )
     if opts is not None:
         from ..backends.extraction.job.forked import export_processes

@@ -12,7 +12,9 @@ with the same code ``apply`` runs later, so a spec that cannot work fails at lin
   or that a spec ``quantization`` scheme contradicts - each backend's, as its config bridges leave the
   shipped one (a scheme beside no backend's ``quantization_config``: a warning, since extraction then
   reads the checkpoint dense);
-- an ``abi.kv_layout`` (or ``mla_attention``) the model's attention cannot hold (``expanded`` on GQA).
+- an ``abi.kv_layout`` (or ``mla_attention``) the model's attention cannot hold (``expanded`` on GQA);
+- an ``abi.step.mtp`` whose config states no MTP layer, or more than the one depth exported
+  (``num_nextn_predict_layers``; a config leaving it to its class's default is ``apply``'s to refuse).
 
 A fact a bare ``config.json`` leaves to its transformers class's defaults cannot be read here; the
 KV-layout check is then left to ``validate --resolve``, which builds the config object.
@@ -48,7 +50,7 @@ def config_diagnostics(
     found += unreadable or _quantization(spec, config, locator)
     if not found and spec.abi is not None:
         found += _kv_layout(spec, config, locator)
-    return found
+    return found + _mtp(spec, config, locator)
 
 
 def _refusals(spec: Any, config: dict[str, Any], locator: Locator) -> list[Diagnostic]:
@@ -160,3 +162,17 @@ def _kv_layout(spec: Any, config: dict[str, Any], locator: Locator) -> list[Diag
         where = "abi.kv_layout" if abi.kv_layout and exc.message.startswith("kv_layout") else "abi"
         return [locator.at(where, exc.message, "abi-kv-layout")]
     return []
+
+
+def _mtp(spec: Any, config: dict[str, Any], locator: Locator) -> list[Diagnostic]:
+    """``abi.step.mtp`` against the MTP layers the config states (``runtime.mtp.mtp_refusal``' rule)."""
+    from ..structure.of_spec import raw_text_section
+
+    if spec.abi is None or spec.abi.step is None or not spec.abi.step.mtp:
+        return []
+    _, text = raw_text_section(spec, config)
+    stated = [text[key] for key in ("num_nextn_predict_layers", "num_mtp_layers") if key in (text or {})]
+    if not stated or stated[0] == 1:
+        return []
+    why = "has no MTP layer" if not stated[0] else f"has {stated[0]!r} MTP layers; only one depth is exported"
+    return [locator.at("abi.step.mtp", f"the config {why}: no MTP draft graph", "abi-step")]

@@ -157,10 +157,13 @@ class StepAbi:
 
     tokens: int
     logits: int | None = None
+    mtp: bool = False  # also the MTP draft graph (runtime/mtp.py); the step graph returns hidden states
 
     @classmethod
     def from_raw(cls, raw: dict[str, Any] | None) -> StepAbi | None:
-        return None if raw is None else cls(tokens=raw["tokens"], logits=raw.get("logits"))
+        if raw is None:
+            return None
+        return cls(tokens=raw["tokens"], logits=raw.get("logits"), mtp=bool(raw.get("mtp", False)))
 
 
 def paged_size_problems(block_size: int, num_blocks: int | None, max_cache_len: int) -> list[tuple[str, str]]:

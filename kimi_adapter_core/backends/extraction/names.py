@@ -76,6 +76,7 @@ class GraphNames:
     present_recurrent: str | None = None
     past_index_key: str | None = None
     present_index_key: str | None = None
+    hidden: str | None = None  # an output after the logits: their rows' final hidden states (MTP drafts)
 
     def template(self, direction: str, role: str) -> str | None:
         """The ``{layer}`` template of state ``role`` (key, value, conv, recurrent) in ``direction``
@@ -100,7 +101,7 @@ class GraphNames:
         return [*self.fixed_inputs, *self._names("past", kinds)]
 
     def outputs(self, kinds: Kinds) -> list[str]:
-        return [self.logits, *self._names("present", kinds)]
+        return [self.logits, *([self.hidden] if self.hidden else []), *self._names("present", kinds)]
 
     @property
     def has_linear_states(self) -> bool:

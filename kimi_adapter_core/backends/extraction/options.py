@@ -290,6 +290,7 @@ def options_from_spec(
     num_blocks: int | None = None,
     step_tokens: int | None = None,
     step_logits: int | None = None,
+    step_mtp: bool | None = None,
 ) -> ExtractionOptions:
     """``spec.abi`` and ``backends.extraction`` defaults with CLI overrides, checked.
 
@@ -385,6 +386,7 @@ def options_from_spec(
         num_blocks=num_blocks,
         step_tokens=step_tokens,
         step_logits=step_logits,
+        step_mtp=step_mtp,
     )
     return ExtractionOptions(
         output_dir=out,

@@ -4,7 +4,9 @@
 context: a pool smaller than ``batch x max_cache_len / block_size`` serves an engine that admits requests
 while blocks remain and shares the blocks of common prefixes between them. ``abi.step`` /
 ``--step-tokens`` adds the packed step graph (``runtime/step.py``), which reads and writes that pool, so
-it implies a paged cache. Torch-free, like ``options``.
+it implies a paged cache; ``abi.step.mtp`` / ``--step-mtp`` adds the MTP draft graph beside it
+(``runtime/mtp.py``), for which the step graph also returns its asked tokens' final hidden states.
+Torch-free, like ``options``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,11 @@ from .names import GraphNames
 from .paged import PagedOptions
 
 STEP = "step"  # graph kind (and file name part) of the packed step graph
+MTP = "mtp"  # graph kind (and file name part) of the MTP draft graph
+HIDDEN = "hidden_states"  # the step graph's output after its logits when it feeds an MTP draft
+# The MTP graph's fixed inputs (``runtime.mtp.MTP_FIXED``) and its pools' name templates
+MTP_FIXED = ("hidden_states", "input_ids", "positions", "token_rows", "{block_table}", "logit_indices")
+MTP_PAST, MTP_PRESENT = "mtp_past.{layer}.{role}", "mtp_present.{layer}.{role}"
 # The step graph's fixed inputs, in order (``runtime.step.STEP_FIXED``, torch-free here); the block
 # table takes the name the paged decode graph gives it.
 STEP_FIXED = ("input_ids", "positions", "token_rows", "{block_table}", "logit_indices")
@@ -34,6 +41,7 @@ class StepOptions:
     rows: int
     names: GraphNames
     where: str | None = None  # spec location of abi.step, when the spec asked for it
+    mtp: GraphNames | None = None  # the MTP draft graph's names (None: not exported)
 
 
 class Serving(NamedTuple):
@@ -55,6 +63,7 @@ def serving_options(
     num_blocks: int | None = None,
     step_tokens: int | None = None,
     step_logits: int | None = None,
+    step_mtp: bool | None = None,
 ) -> Serving:
     """The pool size and the step graph of ``spec.abi`` and the CLI (its values win), over the paged
     cache ``options_from_spec`` read. A multimodal spec gets it too: its text requests (and the decode of
@@ -82,6 +91,11 @@ def serving_options(
             raise KadaptError(f"--num-blocks: kv_cache {problems[0][1]}")
         paged = dataclasses.replace(paged, num_blocks=num_blocks)
     if tokens is None:
+        if step_mtp:
+            raise KadaptError(
+                "--step-mtp: the MTP draft graph reads the step graph's hidden states: give "
+                "--step-tokens (or abi.step)"
+            )
         return Serving(paged, decode_names, None)
     assert paged is not None
     logits = step_logits if step_logits is not None else (stated.logits if stated else None)
@@ -95,5 +109,19 @@ def serving_options(
             location=located,
         )
     names = tuple(name.format(block_table=paged.block_table) for name in STEP_FIXED)
-    step_names = dataclasses.replace(decode_names, fixed_inputs=names)  # then the decode graph's pools
-    return Serving(paged, decode_names, StepOptions(tokens, logits, batch, step_names, located))
+    mtp = step_mtp if step_mtp is not None else bool(stated and stated.mtp)
+    step_names = dataclasses.replace(  # then the decode graph's pools
+        decode_names, fixed_inputs=names, hidden=HIDDEN if mtp else None
+    )
+    mtp_names = mtp_graph_names(paged.block_table) if mtp else None
+    return Serving(paged, decode_names, StepOptions(tokens, logits, batch, step_names, located, mtp_names))
+
+
+def mtp_graph_names(block_table: str) -> GraphNames:
+    """The MTP draft graph's ABI names: its fixed inputs, its one layer's pools, its draft logits."""
+    past, present = (
+        {role: template.format(layer="{layer}", role=role) for role in ("key", "value")}
+        for template in (MTP_PAST, MTP_PRESENT)
+    )
+    fixed = tuple(name.format(block_table=block_table) for name in MTP_FIXED)
+    return GraphNames(fixed, past["key"], past["value"], "mtp_logits", present["key"], present["value"])

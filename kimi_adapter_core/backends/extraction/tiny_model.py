@@ -315,3 +315,17 @@ def randomize_constants(model: nn.Module) -> list[str]:
                 row.copy_(torch.randn(row.shape, generator=generator).to(row.dtype) * module.weight.std())
                 changed.append(f"{module_name}.weight[{padding}]")
     return changed
+
+
+def random_mtp(model: nn.Module) -> nn.Module:
+    """transformers' ``MtpModel`` of the tiny CPU ``model`` (``abi.step.mtp``), every weight of its layer
+    drawn: its own init leaves the routed experts and the router uninitialised (a checkpoint always
+    supplies them), and the norms and the router's correction bias constant (``randomize_constants``)."""
+    from .runtime.mtp import mtp_model
+
+    drafts = mtp_model(model)
+    with torch.no_grad():
+        for parameter in drafts.layers.parameters():
+            parameter.normal_(0.0, model.config.get_text_config().initializer_range)
+    randomize_constants(drafts.layers)
+    return drafts

@@ -32,17 +32,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from ....checkpoint.dtypes import cast_to_abi_dtype
 from ....errors import KadaptError
 from ....spec.model import Spec
 from ....structure.derive import (
     derive_structure,
 )
 from ....structure.model import ModelStructure
-from ..job.pipeline import run
+from ..ir.mtp_export import attached
+from ..job.pipeline import backbone_of, run
 from ..job.whole_model import one_thread
 from ..options import ExtractionOptions, bind_structure
 from ..runtime import abi as runtime
-from ..tiny_model import randomize_constants, tiny_overrides
+from ..tiny_model import random_mtp, randomize_constants, tiny_overrides
 from . import multimodal as multimodal_verify
 from .checkpoint_binding import check_weights, saved_and_loaded
 from .comparisons import (
@@ -153,7 +155,12 @@ def _verify_in(
                 check_whole=keep_in is not None,
                 processes=processes,
             )
-        weights = saved_and_loaded(model, small, Path(tmp))
+        if small.step is not None and small.step.mtp is not None:  # the MTP layer where checkpoints hold it
+            with attached(backbone_of(spec, model), random_mtp(model)) as layer:
+                cast_to_abi_dtype(model, [layer], torch_dtype)
+                weights = saved_and_loaded(model, small, Path(tmp))
+        else:
+            weights = saved_and_loaded(model, small, Path(tmp))
         if not bf16:
             check_weights(report, small, weights)
         replay = Replay(small, weights)

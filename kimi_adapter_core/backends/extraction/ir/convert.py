@@ -370,7 +370,8 @@ def convert(
                 f"{kind} graph writes {spec.target} ({spec.kind.name}); the forward must not mutate state"
             )
         position = len(outputs)
-        layer, role = (None, "logits") if position == 0 else roles[position - 1]
+        heads = ["logits", *(["hidden"] if names.hidden else [])]  # the outputs before the states
+        layer, role = (None, heads[position]) if position < len(heads) else roles[position - len(heads)]
         ref = env[value.name]
         if any(output.ref == ref for output in outputs) and copies.get(value.name):
             ref = copies[value.name].pop(0)

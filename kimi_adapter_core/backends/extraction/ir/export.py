@@ -56,6 +56,8 @@ def wrapper_for(kind: str, backbone: Backbone, options: ExtractionOptions, num_l
         extra["image_token_id"] = merged.image_token_id
     if kind == "decode" and options.paged is not None:
         extra["paged"] = True
+    if kind == STEP and options.step is not None and options.step.mtp is not None:
+        extra["hidden_states"] = True  # the MTP draft graph reads the asked tokens' final hidden states
     probed = probed_stack(backbone.language_model, backbone.parts)
     return (
         classes[kind]

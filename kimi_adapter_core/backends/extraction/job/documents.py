@@ -20,8 +20,9 @@ from ..ir.stack import Backbone
 from ..names import kv_names
 from ..options import MERGED, ExtractionOptions
 from ..runtime import abi as runtime
+from ..runtime.mtp import mtp_mapping
 from ..runtime.step import step_mapping
-from ..step_options import STEP
+from ..step_options import MTP, STEP
 
 EXEC_DEVICE = "cpu"  # factory ops traced on meta get this device (the executors run on CPU)
 
@@ -47,12 +48,12 @@ def metadata(spec: Spec, backbone: Backbone, options: ExtractionOptions, graph: 
             **({"dynamic": dynamic_sizes(options, graph.kind)} if options.dynamic else {}),
             **(
                 {"kv_cache": {"kind": "paged", **paged_kv(options)._asdict()}}  # type: ignore[union-attr]
-                if options.paged is not None and graph.kind in ("decode", STEP)
+                if options.paged is not None and graph.kind in ("decode", STEP, MTP)
                 else {}
             ),
             **(
                 {"step": {"tokens": options.step.tokens, "logits": options.step.logits}}
-                if options.step is not None and graph.kind == STEP
+                if options.step is not None and graph.kind in (STEP, MTP)
                 else {}
             ),
         },
@@ -160,7 +161,10 @@ def kv_mapping_document(options: ExtractionOptions, backbone: Backbone) -> dict[
             max_cache_len=options.max_cache_len,
             block_size=options.paged.block_size,
             placeholder_token_id=merged.image_token_id if merged is not None else None,
+            hidden=(step.names.hidden, backbone.config.hidden_size) if step.names.hidden else None,
         )
+    if step is not None and step.mtp is not None and options.paged is not None:
+        extra["mtp"] = mtp_document(options, backbone)
     return {
         "format_version": FORMAT_VERSION,
         "model_name": options.model_name,
@@ -169,3 +173,29 @@ def kv_mapping_document(options: ExtractionOptions, backbone: Backbone) -> dict[
         **mapping,
         **extra,
     }
+
+
+def mtp_document(options: ExtractionOptions, backbone: Backbone) -> dict[str, Any]:
+    """The state mapping's ``mtp`` section: the draft graph, its inputs and its paged pools."""
+    step, paged = options.step, options.paged
+    assert step is not None and step.mtp is not None and step.names.hidden is not None and paged is not None
+    shapes = runtime.decode_kv_shapes(options.kv_dims, 1, 1, (paged.block_size, paged.num_blocks))
+    pools = [
+        {"role": role, "input": step.mtp.inputs(1)[len(step.mtp.fixed_inputs) + index],
+         "output": step.mtp.outputs(1)[1 + index], "shape": list(shape), "dtype": options.dtype}
+        for index, (role, shape) in enumerate(zip(("key", "value"), shapes, strict=True))
+    ]  # fmt: skip
+    return mtp_mapping(
+        graph=options.path(MTP).name,
+        inputs=step.mtp.fixed_inputs,
+        outputs=step.mtp.outputs(1),
+        hidden_size=backbone.config.hidden_size,
+        hidden_output=step.names.hidden,
+        tokens=step.tokens,
+        rows=step.rows,
+        blocks_per_row=options.max_cache_len // paged.block_size,
+        logit_count=step.logits,
+        pools=pools,
+        layer=backbone.config.num_hidden_layers,
+        dtype=options.dtype,
+    )

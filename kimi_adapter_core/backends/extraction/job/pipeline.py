@@ -4,7 +4,8 @@ With ``abi.vision`` also the vision graph, and with ``abi.vision.merged_prefill`
 (``prefill_mm``: the prefill wrapper whose embeddings take image features at placeholder tokens, traced
 and stitched like the text prefill, so its KV continues into the same decode graph), and with
 ``abi.step`` the packed step graph (``step``: prefill chunks, decode and speculative tokens of many
-requests in one call over the paged pool, ``runtime/step.py``).
+requests in one call over the paged pool, ``runtime/step.py``) and with ``abi.step.mtp`` the MTP draft
+graph (``mtp``: the model's MTP layer, ``ir/mtp_export.py``).
 """
 
 from __future__ import annotations
@@ -43,12 +44,13 @@ from ..ir.export import (
 )
 from ..ir.graph import Graph
 from ..ir.irjson import ir_chunks
+from ..ir.mtp_export import attached, build_mtp, export_mtp
 from ..ir.stack import Backbone, check_exportable, check_stack, probed_stack
 from ..ir.stitch import NotStitchable, Plan, plan, stitch
 from ..ir.weights import model_tensor_types, tied_names, weight_entries
 from ..options import MERGED, ExtractionOptions, bind_merged_prefill, bind_structure
 from ..runtime.step import step_refusal
-from ..step_options import STEP
+from ..step_options import MTP, STEP
 from . import forked
 from .contact_points import check_upstream
 from .documents import EXEC_DEVICE, kv_mapping_document, metadata
@@ -243,6 +245,11 @@ def graph_weights(graphs: Iterable[Graph]) -> dict[str, TensorType]:
     return {path: tensor for graph in graphs for path, tensor in graph.weights.items()}
 
 
+def export_mtp_graph(backbone: Backbone, mtp: nn.Module, options: ExtractionOptions, clock: Clock) -> Graph:
+    with clock.step("export mtp"):
+        return export_mtp(backbone, mtp, options, device=EXEC_DEVICE)
+
+
 def export_vision(modules: vision.VisionModules, options: ExtractionOptions, clock: Clock) -> Graph:
     with clock.step("export vision"):
         return vision.build_vision_graph(modules, options, EXEC_DEVICE, echo=clock.echo)
@@ -255,6 +262,7 @@ class Prepared(NamedTuple):
     options: ExtractionOptions  # bound to the model's structure (and the merged prefill's image tokens)
     chosen: Plan
     vision_modules: vision.VisionModules | None
+    mtp: nn.Module | None = None  # transformers' MtpModel of the model (abi.step.mtp), on meta
 
 
 def prepare(
@@ -283,10 +291,13 @@ def prepare(
         check_stack(backbone, options.layer_kinds)
         if options.step is not None and (refusal := step_refusal(options.layer_kinds)) is not None:
             raise KadaptError(f"no packed step graph: {refusal}", location=options.step.where)
+        mtp = build_mtp(backbone, options.step.where) if options.step and options.step.mtp else None
         check_exportable(backbone)
         load_export_machinery()
         dtype = getattr(torch, options.dtype)
         cast_to_abi_dtype(model, [backbone.language_model, backbone.lm_head], dtype)
+        with attached(backbone, mtp) as layer:  # the MTP layer as the loader would load it
+            cast_to_abi_dtype(model, [layer] if layer is not None else [], dtype)
         with uncounted():  # the layers themselves, before any export (a check, not an artifact)
             protocol = upstream.decoder_protocol(
                 probed_stack(backbone.language_model, backbone.parts), options.layer_kinds
@@ -310,7 +321,7 @@ def prepare(
     if check_whole:  # verify, which replays the saved files against transformers, does more
         with clock.step("whole model"), uncounted():
             check_whole_model(spec, options)
-    return Prepared(backbone, options, chosen, vision_modules)
+    return Prepared(backbone, options, chosen, vision_modules, mtp)
 
 
 def run(
@@ -330,7 +341,9 @@ def run(
     (``forked``; same bytes), and this process renames the files once both succeeded.
     """
     clock = Clock(echo)
-    backbone, options, chosen, vision_modules = prepare(spec, model, options, clock, check_whole=check_whole)
+    backbone, options, chosen, vision_modules, mtp = prepare(
+        spec, model, options, clock, check_whole=check_whole
+    )
     kinds = [*GRAPHS, *([MERGED] if options.merged_prefill is not None else [])]
     kinds += [STEP] if options.step is not None else []
     tasks: list[forked.Task] = [
@@ -338,18 +351,23 @@ def run(
     ]
     if vision_modules is not None:
         tasks.append(("vision", functools.partial(export_vision, vision_modules, options, clock)))
+    if mtp is not None:
+        tasks.append((MTP, functools.partial(export_mtp_graph, backbone, mtp, options, clock)))
     session = active_session(spec)
     layers = {kind: len(backbone.layers) for kind in kinds}
     if vision_modules is not None:
         layers["vision"] = len(vision_modules.encoder.layers)
+    if mtp is not None:
+        layers[MTP] = 1
     weight_map_path = options.path("weight_map")
     staging = Staging([*(options.path(kind) for kind in layers), options.path("kv_mapping"), weight_map_path])
     mapped_here: list[dict[str, Any]] = []  # the run's weight map, when this process made it
 
     def weight_map_of(weights: dict[str, TensorType]) -> dict[str, Any]:
-        return weight_map_document(
-            spec, model, weights, model_name=options.model_name, renames=options.weight_renames
-        )
+        with attached(backbone, mtp):  # the MTP graph's weights are the attached layer's
+            return weight_map_document(
+                spec, model, weights, model_name=options.model_name, renames=options.weight_renames
+            )
 
     def report(built: Mapping[str, Graph], group: int, groups: int) -> tuple[dict[str, Any], Any]:
         """The weights a group's graphs read; the last group also maps them ahead (while the others
@@ -383,7 +401,8 @@ def run(
         weight_map = own if decision["map"] is None else pickle.loads(decision["map"])  # noqa: S301
         with clock.step("write graphs"):
             text = {kind: graph for kind, graph in built.items() if kind != "vision"}
-            ties = tied_names(model, {path for graph in text.values() for path in graph.weights})
+            with attached(backbone, mtp):
+                ties = tied_names(model, {path for graph in text.values() for path in graph.weights})
             files: dict[Path, Iterable[str]] = {}
             for kind, graph in text.items():
                 weights = weight_entries(

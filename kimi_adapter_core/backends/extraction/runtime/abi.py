@@ -1267,12 +1267,17 @@ class _TextStack(nn.Module):
         normed = self.norm(rows) if self.norm is not None else rows  # None: post-norm
         final = in_head_dtype(normed, self.lm_head)
         logits = apply_ops(self.lm_head(final), self.logit_ops)
-        return (logits, *cache.flat_present())
+        return (*self.head_outputs(logits, normed), *cache.flat_present())
 
     def head_rows(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The final hidden states the LM head turns into logits: all of them here; the packed step
         graph (``step.StepWrapper``) keeps only the tokens the engine asks logits for."""
         return hidden_states
+
+    def head_outputs(self, logits: torch.Tensor, normed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What the graph returns before the states: the logits here; a step graph feeding an MTP draft
+        also the final (normed) hidden states of those rows, which the MTP module reads."""
+        return (logits,)
 
 
 def flat_rope_keys(rope_layer_types: Sequence[RopeKey]) -> list[str]:

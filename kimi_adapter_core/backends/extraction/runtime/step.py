@@ -71,11 +71,12 @@ def step_refusal(kinds: Sequence[str]) -> str | None:
 class StepWrapper(_TextStack):
     """The packed step over a paged pool (module docstring): each token a decode row of its request."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, hidden_states: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         refusal = step_refusal(self.kinds)
         if refusal is not None:
             raise ValueError(refusal)
+        self.hidden_states = hidden_states  # also return the asked tokens' final hidden states (MTP)
         self._logit_indices: torch.Tensor | None = None
 
     def forward(
@@ -101,15 +102,21 @@ class StepWrapper(_TextStack):
         )
         self._logit_indices = logit_indices
         try:
-            logits, *present = self._run(input_ids.view(-1, 1), mask, position_ids, cache)
+            outputs = self._run(input_ids.view(-1, 1), mask, position_ids, cache)
         finally:
             self._logit_indices = None
-        return (logits[:, -1], *present)
+        heads = 2 if self.hidden_states else 1  # logits [N, vocab] (and hidden states [N, hidden])
+        return (*(output[:, -1] for output in outputs[:heads]), *outputs[heads:])
 
     def head_rows(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Only the tokens ``logit_indices`` names reach the norm and the LM head (``[N, 1, hidden]``)."""
         assert self._logit_indices is not None, "head_rows runs inside forward"
         return hidden_states.index_select(0, self._logit_indices)
+
+    def head_outputs(self, logits: torch.Tensor, normed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The logits, and with ``hidden_states`` the final normed hidden states an MTP module reads
+        (transformers' ``hidden_states[-1]``: the last hidden state after the final norm)."""
+        return (logits, normed) if self.hidden_states else (logits,)
 
 
 def step_inputs(
@@ -163,10 +170,12 @@ def step_mapping(
     max_cache_len: int,
     block_size: int,
     placeholder_token_id: int | None = None,
+    hidden: tuple[str, int] | None = None,
 ) -> dict[str, Any]:
     """The state mapping's ``step`` section: the packed step graph's fixed inputs and its rules (the pools
     are the paged decode graph's, ``contract.paged``); with ``placeholder_token_id`` (a multimodal spec's
-    image placeholder) the token its ids may not hold."""
+    image placeholder) the token its ids may not hold; with ``hidden`` (its name and width: a step graph
+    feeding the MTP draft graph) the final hidden states it returns after the logits."""
     ids, positions, token_rows, table, indices = inputs
     shapes = {ids: [tokens], positions: [tokens], token_rows: [tokens]}
     shapes.update({table: [rows, max_cache_len // block_size], indices: [logit_count]})
@@ -185,6 +194,18 @@ def step_mapping(
         "graph": graph,
         "inputs": [{"name": name, "shape": shape, "dtype": "int64"} for name, shape in shapes.items()],
         "logits": {"name": logits, "shape": [logit_count, "vocab"], "row_i": f"the token {indices}[i]"},
+        **(
+            {
+                "hidden_states": {
+                    "name": hidden[0],
+                    "shape": [logit_count, hidden[1]],
+                    "row_i": f"the token {indices}[i]'s final hidden state (after the final norm: "
+                    "what the MTP draft graph reads)",
+                }
+            }
+            if hidden is not None
+            else {}
+        ),
         "pools": "the paged decode graph's KV inputs and outputs, in its order (contract.paged)",
         "rule": f"{ids}[t] is token t of the call, at position {positions}[t] of request {token_rows}[t], "
         f"whose blocks are row {token_rows}[t] of {table} (contract.paged's slot rule). The graph writes "

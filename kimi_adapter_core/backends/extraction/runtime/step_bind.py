@@ -116,3 +116,24 @@ def check_no_placeholder(token_ids: Sequence[int], placeholder: int, *, graph: s
             "the merged prefill graph (merged_prefill), place its KV in the pool and continue in the step "
             "graph"
         )
+
+
+def bind_mtp(
+    ir: Any,
+    inputs: Sequence[Any],
+    mapping: Mapping[str, Any],
+    *,
+    graph: str = "mtp",
+    check_values: bool = True,
+    check_ownership: bool = False,
+) -> Any:
+    """``bind_ir`` of the MTP draft graph (``runtime/mtp.py``): its index inputs are the step graph's
+    (same names, same ranges: ``step_value_ranges``) after the hidden states, and with ``check_ownership``
+    its writes into the MTP pools follow the step graph's block ownership rule."""
+    values = step_value_ranges(mapping) if check_values else None
+    bound = bind_ir(ir, inputs, {}, graph=graph, values=values, check_values=check_values)
+    if check_ownership:
+        size = _field(mapping, "contract.paged.block_size", int, "state mapping")
+        positions, token_rows, table = (inputs[index].tolist() for index in (2, 3, 4))
+        check_block_ownership(positions, token_rows, table, size, graph=graph)
+    return bound

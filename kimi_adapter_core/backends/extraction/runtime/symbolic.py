@@ -345,10 +345,11 @@ def position_inputs(ir: Any, *, graph: str) -> tuple[list[int], int | None]:
     (packed ``[T]`` ids, then ``positions``) holds its block table's blocks of its pools' block size.
     A graph of any other form (vision) has no positions."""
     declared = [tuple(meta.shape) for meta in ir.graph_inputs]
-    if declared and len(declared[0]) == 1 and len(declared) > 5:  # the packed step graph (runtime/step.py):
-        table, pool = declared[3], declared[5]  # block_table [rows, blocks], pool [blocks, block_size, ..]
+    skip = int(len(declared) > 6 and len(declared[0]) == 2 and len(declared[1]) == 1)  # MTP: hidden first
+    if declared and len(declared[skip]) == 1 and len(declared) > 5 + skip:  # the packed step (or MTP) graph:
+        table, pool = declared[3 + skip], declared[5 + skip]  # block_table [rows, blocks], pool [blocks, ..]
         known = len(table) == 2 and len(pool) == 4 and all(type(n) is int for n in (table[1], pool[1]))
-        return [1], table[1] * pool[1] if known else None
+        return [1 + skip], table[1] * pool[1] if known else None
     if not declared or len(declared[0]) != 2:
         return [], None
     mask = next((index for index, shape in enumerate(declared) if len(shape) == 4), None)
