@@ -61,9 +61,10 @@ def _check_targets(findings: _Findings) -> None:
 
 
 def _short_model_overrides(spec: Spec) -> dict[str, Any]:
-    """Keep enough layers to hold one of each kind (dense and MoE, attention and linear attention), so
-    class names can be found (and a config class that wants both mixers accepts the short stack); a
-    shared-block stack up to its first hybrid layer that reuses a block (transformers ties it there)."""
+    """Keep enough layers to hold one of each kind (dense and MoE, attention, linear attention and each
+    compressed kind), so class names can be found (and a config class that wants both mixers accepts the
+    short stack), and the ABI's states bind to the short stack's kinds; a shared-block stack up to its
+    first hybrid layer that reuses a block (transformers ties it there)."""
     from .config.source import resolve_source
     from .structure.layer_pattern import shorten_layers
     from .structure.of_spec import raw_text_section, structure_of_raw
@@ -71,9 +72,10 @@ def _short_model_overrides(spec: Spec) -> dict[str, Any]:
 
     raw = resolve_source(spec).raw
     structure = structure_of_raw(spec, raw)
-    first_of_kind: dict[tuple[bool, str], int] = {}
-    for layer in structure.layers:
-        first_of_kind.setdefault((layer.attention == "linear", layer.mlp), layer.index)
+    first_of_kind: dict[tuple[bool | str, str], int] = {}
+    for layer in structure.layers:  # compressed kinds (DeepSeek-V4's hca, csa) each carry their own states
+        mixer = layer.attention if layer.attention in ("hca", "csa") else layer.attention == "linear"
+        first_of_kind.setdefault((mixer, layer.mlp), layer.index)
     keep = max(max(first_of_kind.values()) + 1, reusing_prefix(structure))
     key, section = raw_text_section(spec, raw)
     prefix = f"{key}." if key else ""

@@ -1,5 +1,5 @@
 """DeepSeek-V4's compressed sparse attention in the runtime (issue 36): the ``csa`` state kind, proven
-at the wrappers; the structure still refuses it (``unmodelled_layer_types``), so no spec exports it yet.
+at the wrappers (kadapt's export and verify of it: ``tests/test_deepseek_v4_csa.py``).
 
 A tiny random DeepSeek-V4 ``[sliding, csa, hca]`` (both rates 4, an indexer of 8 heads keeping the top 2
 entries), driven by the runtime's prefill and decode wrappers with the three ``deepseek_v4_*`` builtins

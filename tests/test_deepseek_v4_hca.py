@@ -1,7 +1,7 @@
 """DeepSeek-V4's heavily compressed attention (issue 36): the ``hca`` state kind, proven.
 
-A tiny random DeepSeek-V4 whose layers are ``[sliding, hca, hca]`` (its compressed sparse layers, which
-``unmodelled_layer_types`` still refuses, left out), compress rate 4, so the prompt closes windows and the
+A tiny random DeepSeek-V4 whose layers are ``[sliding, hca, hca]`` (its compressed sparse layers are
+``tests/test_deepseek_v4_csa.py``'s), compress rate 4, so the prompt closes windows and the
 decode closes several more. Each hca layer keeps its sliding K=V window, a ring of the open window's raw
 ``kv_proj || gate_proj`` (slot ``p % rate``) and its compressed entries (slot ``w``: window ``w``), kept by
 the pinned ``deepseek_v4_hca_compressor`` builtin through the static cache's
@@ -38,6 +38,7 @@ from kimi_adapter_core.errors import KadaptError, Refusal
 from kimi_adapter_core.families.tiny import tiny_config
 from kimi_adapter_core.families.trial import GUIDE_LAYER_PATCHES, module_paths, write_spec
 from kimi_adapter_core.generate import render_spec
+from kimi_adapter_core.generate.common import NotExpressible
 from kimi_adapter_core.patching import portable
 from kimi_adapter_core.spec import Spec, load_spec
 from kimi_adapter_core.structure.derive import derive_structure
@@ -77,17 +78,14 @@ def _spec(folder: Path, batch: int = 1, paged: bool = False) -> Spec:
     return load_spec(path)
 
 
-def test_the_structure_states_the_compressed_layers_and_csa_stays_refused() -> None:
-    """hca layers slide and compress (their rate, one entry of the K=V head's width); a compressed sparse
-    layer is still refused by name, saying what kadapt lacks."""
+def test_the_structure_states_the_compressed_layers() -> None:
+    """hca layers slide and compress (their rate, one entry of the K=V head's width); a compressed layer
+    without its rate is refused by name."""
     s = derive_structure(_config())
     assert s.layer_kinds == ("attention", "hca", "hca") and s.windows == (WINDOW,) * 3
     assert s.compressor is not None and (s.compressor.rate, s.compressor.head_dim) == (RATE, 16)
     assert "2/3 compressed layers (a compressor of every 4 tokens into one 16-wide entry)" in s.describe()
-    assert s.to_dict()["compressor"] == {"rate": RATE, "head_dim": 16}
-    config = {**_config(), "layer_types": ["sliding_attention", HCA, "compressed_sparse_attention"]}
-    with pytest.raises(Refusal, match="layer 2 is 'compressed_sparse_attention'.*overlapping windows"):
-        derive_structure(config)
+    assert s.to_dict()["compressor"] == {"rate": RATE, "head_dim": 16, "overlap": 1, "indexer": None}
     missing = {**_config(), "compress_rates": {}}
     with pytest.raises(Refusal, match=r"compress_rates\['heavily_compressed_attention'\]"):
         derive_structure(missing)
@@ -232,7 +230,7 @@ def test_plan_sizes_the_entries_and_counts_the_compressor(tmp_path: Path) -> Non
     assert result.exit_code == 0, result.output
     plan = json.loads(result.output[result.output.index("{") :])
     entries = plan["states"]["compressed_entries"]
-    assert entries["entries_per_sequence"] == 256 // RATE and entries["layer_ids"] == [1, 2]
+    assert entries["kinds"]["hca"]["entries_per_sequence"] == 256 // RATE and entries["layer_ids"] == [1, 2]
     # bf16: 2 layers x (64 entries x 16 + a ring of 4 x 32) x 2 B
     assert entries["bytes_per_sequence"] == 2 * (64 * 16 + 4 * 32) * 2
 
@@ -254,10 +252,14 @@ def test_simulate_prices_attention_over_the_window_and_the_entries(tmp_path: Pat
 
 
 def test_generate_refuses_the_compressed_layers_by_name(tmp_path: Path) -> None:
-    """The generated extraction module does not carry the rings and entries yet: refused, located."""
+    """The generated extraction module does not carry the rings and entries yet: refused when named,
+    located at the gate, and skipped with that note by ``kadapt generate``'s every target."""
     spec = _spec(tmp_path)
-    with pytest.raises(Refusal, match=r"2 of the 3 layers are compressed \(hca\)"):
+    with pytest.raises(NotExpressible, match=r"2 \(hca\) of the 3 layers are compressed") as refused:
         render_spec(spec, ["extraction"])
+    assert refused.value.location is not None and ":4:1" in str(refused.value.location)
+    _, notes = render_spec(spec, ["extraction"], skip_inexpressible=True)
+    assert notes and "target 'extraction' skipped: 2 (hca) of the 3 layers are compressed" in notes[0]
 
 
 def test_a_cache_that_is_not_a_multiple_of_the_rate_is_refused_before_export(tmp_path: Path) -> None:

@@ -99,6 +99,18 @@ def test_full_size_apply_and_verify(spec_path: Path, shipped_apply: SharedApplie
             assert structure.indexer is not None
             index_key = (1, 1, spec.abi.max_cache_len, structure.indexer.head_dim)
             assert tuple(layer["decode_index_key_input"]["shape"]) == index_key
+        if kind in structure.compressors:  # DeepSeek-V4: an entry slot per closed window (its indexer's too)
+            c = structure.compressors[kind]
+            slots = spec.abi.max_cache_len // c.rate
+            assert tuple(layer["decode_comp_input"]["shape"]) == (1, 1, slots, c.head_dim)
+            assert tuple(layer["decode_comp_src_input"]["shape"]) == (
+                1,
+                1,
+                c.overlap * c.rate,
+                2 * c.overlap * c.head_dim,
+            )
+            if c.indexer is not None:
+                assert tuple(layer["decode_index_comp_input"]["shape"]) == (1, 1, slots, c.indexer.head_dim)
     if structure.attention.kind == "gqa":  # per-layer K/V with the config's KV heads, not the query heads
         assert key == (
             1,

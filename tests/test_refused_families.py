@@ -78,23 +78,3 @@ def test_recurrent_gemma_keeps_its_recurrent_states_in_module_attributes() -> No
     block = model.model.layers[0].temporal_block
     assert block.conv1d_state is not None and block.rg_lru.recurrent_states is not None
     assert list(out.keys()) == ["logits"]
-
-
-def test_deepseek_v4s_compressed_sparse_layers_name_their_operation() -> None:
-    """DeepSeek-V4's compressed sparse attention is refused naming the state kadapt has no kind for (its
-    overlapping windows and the indexer's compressed keys), at the first such layer; the heavily
-    compressed layers before it (kind ``hca``) are not what is refused."""
-    from kimi_adapter_core.structure.derive import derive_structure
-
-    config = AutoConfig.for_model("deepseek_v4")
-    first = config.layer_types.index("compressed_sparse_attention")
-    assert config.layer_types[:first] == ["heavily_compressed_attention"] * first
-    with pytest.raises(Refusal) as refused:
-        derive_structure(config)
-    assert refused.value.code == "layer-types"
-    message = refused.value.message
-    assert (
-        f"layer {first} is 'compressed_sparse_attention': overlapping windows fold into KV entries" in message
-    )
-    assert "its structure, state mapping, plan and simulate do not carry it yet" in message
-    assert "a spec cannot add one" in message

@@ -62,11 +62,27 @@ class Server:
         self.paged = self.contract.get("paged")
         # every state in ABI order, as each layer's entry lists them (key, value[, index_key]; conv,
         # recurrent)
-        inputs = [e for layer in mapping["layers"] for key, e in layer.items() if key.endswith("_input")]
+        states = [
+            (key.removeprefix("decode_").removesuffix("_input"), e)
+            for layer in mapping["layers"]
+            for key, e in layer.items()
+            if key.endswith("_input")
+        ]
+        inputs = [e for _, e in states]
         self.cache = [torch.zeros(e["shape"], dtype=getattr(torch, e["dtype"])) for e in inputs]
-        # a linear layer's states are one row per request: no slots, never paged (contract.linear_states)
-        fixed = set(self.contract.get("linear_states", ()))
-        self.fixed = [e["name"].rpartition(".")[2] in fixed for e in inputs]
+        # a linear layer's states are one row per request: no slots, never paged (contract.linear_states);
+        # so is a compressor's ring (contract.compressed: comp_src, a csa layer's index_src), and its
+        # entries are per request too: the prompt's placed at slots 0.., never paged
+        compressed = self.contract.get("compressed", {})
+        sparse = {"index_src", "index_comp"} if "sparse" in compressed else set()
+        fixed = (
+            set(self.contract.get("linear_states", ()))
+            | ({"comp_src"} & set(compressed))
+            | ({"index_src"} & sparse)
+        )
+        entries = ({"comp"} & set(compressed)) | ({"index_comp"} & sparse)
+        self.fixed = [state in fixed for state, _ in states]
+        self.entries = [state in entries for state, _ in states]
         self.position = torch.zeros(self.rows, dtype=torch.long)
         self.token = torch.zeros(self.rows, 1, dtype=torch.long)
         if self.paged is not None:  # a free list in scrambled order: every row's blocks out of order
@@ -89,8 +105,16 @@ class Server:
             n = int(lengths[row])
             for index in (i for i, fixed in enumerate(self.fixed) if fixed):  # the state after the prompt
                 self.cache[index][row] = present[index][row]
+            for index in (i for i, entry in enumerate(self.entries) if entry):  # the prompt's closed windows
+                self.cache[index][row] = 0
+                self.cache[index][row, :, : present[index].shape[2]] = present[index][row]
+            grown = [
+                i
+                for i, (fixed, entry) in enumerate(zip(self.fixed, self.entries, strict=True))
+                if not fixed | entry
+            ]
             if self.paged is None:  # prefill_to_decode: the row's cache is zeros with the prefill KV placed
-                for index in (i for i, fixed in enumerate(self.fixed) if not fixed):
+                for index in grown:
                     self.cache[index][row] = 0
                     self.cache[index][row, :, : self.width] = present[index][row]
             else:  # give back the row's old blocks, take fresh ones, write real tokens by the slot rule
@@ -98,7 +122,7 @@ class Server:
                 self.free += self.block_table[row].tolist()
                 self.block_table[row] = torch.tensor(self.free[: self.paged["blocks_per_row"]])
                 del self.free[: self.paged["blocks_per_row"]]
-                for index in (i for i, fixed in enumerate(self.fixed) if not fixed):
+                for index in grown:
                     for p in range(n):  # pad slots are not the row's to write
                         source = present[index]
                         self.cache[index][self.block_table[row, p // size], p % size] = source[row, :, p]

@@ -33,6 +33,7 @@ RECORD = REPO / "tests" / "recorded" / "user_outputs.json"
 SPECS = (
     "deepseek_v3",
     "deepseek_v32",
+    "deepseek_v4_flash",
     "gemma3_text",
     "gemma4_31b",
     "gemma4_e2b",

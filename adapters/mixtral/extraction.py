@@ -1762,6 +1762,24 @@ COMPRESSED_STATE_RULES = {
 }
 
 
+# What a csa layer (DeepSeek-V4's compressed sparse attention) keeps besides an hca layer's states, and
+# how (``contract.compressed.sparse`` when the stack has one): overlapping windows and the indexer.
+COMPRESSED_SPARSE_RULES = {
+    "overlap": "a csa layer's ring holds two windows (ring = 2 * rate slots, slot p % (2 * rate)) of "
+    "projections twice as wide, [batch, 1, 2 * rate, 4 * head_dim] (kv || gate, each two series): entry w "
+    "pools window w - 1's first series with window w's second (window 0's previous one weighs 0); the "
+    "prefill places slot j from position j + 2 * rate * floor((prefill_len - 1 - j) / (2 * rate))",
+    "index_src": "its Lightning indexer's ring, as comp_src with the indexer's key width index_dim: [batch, "
+    "1, 2 * rate, 4 * index_dim]; per request, never paged",
+    "index_comp": "its indexer's compressed keys, as comp with index_dim: [batch, 1, max_cache_len / rate, "
+    "index_dim], written in the same step as comp; per request, never paged",
+    "top_k": "the query at position p scores every index_comp slot (sum over the indexer's heads of "
+    "weight * relu(q . key)), hides slots w >= (p + 1) // rate and attends over its sliding window and the "
+    "comp entries of its top min(index_topk, max_cache_len / rate) scores that are visible; the graph "
+    "does it itself",
+}
+
+
 STATELESS_RULE = (
     "a layer of kind none is a block with no token mixer (an MLP alone): it keeps no state, so the graphs "
     "take and return nothing for it and a runtime carries nothing"
@@ -1879,7 +1897,8 @@ def kv_contract(
     entry (``layers[i].cache``) and ``cache.per_layer`` says so; with ``hybrid`` (layers that attend and
     run a linear mixer: Falcon-H1 side by side, Zamba and Zamba2 one after the other) that such a layer
     carries both (``linear`` is set too); with ``compressed`` (a compressed layer kind's rate:
-    DeepSeek-V4's ``hca``) what its ring and entries hold and the rules for them (no padding either).
+    DeepSeek-V4's ``hca``, ``csa``) what its ring and entries hold and the rules for them (no padding
+    either; a csa layer's overlapping windows and indexer: ``compressed.sparse``).
 
     Version 3: ``cache_position`` is ``[batch]`` (one position per row) and the optional paged cache;
     version 2 graphs took one ``[1]`` position for the whole batch."""
@@ -1978,6 +1997,8 @@ def kv_contract(
         contract["linear_states"] = {"conv": {"holds": SHORT_CONV_STATE_CONTENTS}, **LINEAR_STATE_RULES}
     if compressed:
         contract["compressed"] = {"rates": dict(compressed), **COMPRESSED_STATE_RULES}
+        if "csa" in compressed:
+            contract["compressed"]["sparse"] = COMPRESSED_SPARSE_RULES
     if paged is not None:
         contract["paged"] = paged.contract(max_cache_len, "batch" if "batch" in dynamic else batch, per_layer)
         contract["cache"]["slot_rule"] += (
@@ -2024,8 +2045,9 @@ def build_kv_mapping(
     states its heads and widths (``cache``), which the contract's ``cache`` no longer does.
     ``kv_sources``: per layer the earlier layer whose keys and values a ``shared`` layer attends over
     (its entry names it, ``kv_source``; the contract states the rule).
-    ``compress_rates``: a compressed layer kind's rate (``{"hca": rate}``); an ``hca`` layer's entry adds
-    its ring and entries (the second pair of templates, ``names`` ``prefill_conv``/...: ``SECOND_PAIR``).
+    ``compress_rates``: a compressed layer kind's rate (``{"hca": rate, "csa": rate}``); an ``hca`` layer's
+    entry adds its ring and entries (the second pair of templates, ``names`` ``prefill_conv``/...:
+    ``SECOND_PAIR``), a ``csa`` layer's also its indexer's (``prefill_index_src``/..., ``index_dim`` wide).
     """
     dynamic = dynamic or {}
     batch_dim: int | str = "batch" if "batch" in dynamic else batch
@@ -2101,7 +2123,13 @@ def build_kv_mapping(
                 **fixed,
                 **(
                     _compressed_entry(
-                        tensor, layer, dims[0][1], compress_rates[kind], batch_dim, length_dim, max_cache_len
+                        tensor,
+                        layer,
+                        (dims[0][1], index_dim or 1) if kind == "csa" else (dims[0][1],),
+                        compress_rates[kind],
+                        batch_dim,
+                        length_dim,
+                        max_cache_len,
                     )
                     if kind in COMPRESSED_KINDS and compress_rates is not None
                     else {}
@@ -2171,25 +2199,32 @@ def build_kv_mapping(
 def _compressed_entry(
     tensor: Any,
     layer: int,
-    head_dim: int,
+    widths: tuple[int, ...],
     rate: int,
     batch: int | str,
     length: int | str,
     max_cache_len: int,
 ) -> dict[str, Any]:
-    """A compressed layer's ring and entries in its mapping entry (``contract.compressed``), named by the
-    ABI's second pair of templates (``prefill_conv``/... hold them: a stack has linear layers or
-    compressed ones)."""
-    ring, entries = compressed_shapes(head_dim, rate, batch, max_cache_len)
-    prompt = (batch, 1, length if isinstance(length, str) else length // rate, head_dim)
+    """A compressed layer's rings and entries in its mapping entry (``contract.compressed``): its
+    compressor's (``widths[0]``, named by the ABI's second pair of templates: ``prefill_conv``/... hold
+    them, as a stack has linear layers or compressed ones) and, for a csa layer (``widths[1]``: its
+    indexer's key width), its indexer's (``prefill_index_src``/...). A csa ring holds two windows."""
+    windows = len(widths)  # LAYER_RINGS: hca one window, csa (with its indexer) two
     out: dict[str, Any] = {"compress_rate": rate}
-    for state, template, prefill_shape, decode_shape in (
-        ("comp_src", "conv", ring, ring),
-        ("comp", "recurrent", prompt, entries),
-    ):
-        out[f"prefill_{state}_output"] = tensor(f"prefill_{template}", layer, prefill_shape)
-        out[f"decode_{state}_input"] = tensor(f"decode_{template}_in", layer, decode_shape)
-        out[f"decode_{state}_output"] = tensor(f"decode_{template}_out", layer, decode_shape)
+    series = (
+        ("comp_src", "conv", "comp", "recurrent"),
+        ("index_src", "index_src", "index_comp", "index_comp"),
+    )
+    for width, (ring_state, ring_template, entry_state, entry_template) in zip(widths, series, strict=False):
+        ring, entries = compressed_shapes(width, rate, batch, max_cache_len, windows)
+        prompt = (batch, 1, length if isinstance(length, str) else length // rate, width)
+        for state, template, prefill_shape, decode_shape in (
+            (ring_state, ring_template, ring, ring),
+            (entry_state, entry_template, prompt, entries),
+        ):
+            out[f"prefill_{state}_output"] = tensor(f"prefill_{template}", layer, prefill_shape)
+            out[f"decode_{state}_input"] = tensor(f"decode_{template}_in", layer, decode_shape)
+            out[f"decode_{state}_output"] = tensor(f"decode_{template}_out", layer, decode_shape)
     return out
 
 
@@ -2891,31 +2926,50 @@ HCA_COMPRESSOR_PARTS = (
     "self.rotary_emb",
 )  # fmt: skip
 HCA_COMPRESSOR_CALL = ("self.compressor(", "hidden_states, q_residual, position_ids,")
+# what the ``deepseek_v4_csa_compressor`` and ``deepseek_v4_indexer`` builtins read besides: the csa
+# compressor's indexer, the indexer's query projection, scorer and top-k (its own compressor's parts too)
+COMPRESSOR_PARTS = {
+    "DeepseekV4HCACompressor": HCA_COMPRESSOR_PARTS,
+    "DeepseekV4CSACompressor": (*HCA_COMPRESSOR_PARTS, "self.head_dim", "self.indexer"),
+    "DeepseekV4Indexer": (
+        *HCA_COMPRESSOR_PARTS,
+        "self.head_dim",
+        "self.index_topk",
+        "self.q_b_proj",
+        "self.scorer",
+    ),
+}
 
 
 def _probe_compressor_cache() -> str:
     expected = (
         "DeepseekV4Attention.forward calls self.compressor(hidden_states, q_residual, position_ids, cache, "
         "self.layer_idx) and concatenates the entries it returns after the sliding keys, with its "
-        "block_bias after the mask; DeepseekV4HCACompressor keeps compress_rate, kv_proj, gate_proj, "
-        "position_bias, kv_norm and rotary_emb, and the module apply_rotary_pos_emb"
+        "block_bias after the mask; DeepseekV4HCACompressor, DeepseekV4CSACompressor and DeepseekV4Indexer "
+        "keep compress_rate, kv_proj, gate_proj, position_bias, kv_norm and rotary_emb (the csa compressor "
+        "its indexer, the indexer q_b_proj, scorer and index_topk) and take (hidden_states, q_residual, "
+        "position_ids, ...), and the module has apply_rotary_pos_emb"
     )
     attention = _attr(DEEPSEEK_V4, "DeepseekV4Attention", expected)
-    compressor = _attr(DEEPSEEK_V4, "DeepseekV4HCACompressor", expected)
     _attr(DEEPSEEK_V4, "apply_rotary_pos_emb", expected)
     source = " ".join(inspect.getsource(attention.forward).split())
     concatenations = ("torch.cat([kv, compressed_kv], dim=2)", "torch.cat([attention_mask, block_bias")
     for step in (*HCA_COMPRESSOR_CALL, *concatenations):
         if step not in source:
             raise _Moved(expected, f"DeepseekV4Attention.forward no longer has {step}")
-    init = inspect.getsource(compressor.__init__)
-    missing = [part for part in HCA_COMPRESSOR_PARTS if f"{part} =" not in init]
-    if missing:
-        raise _Moved(expected, f"DeepseekV4HCACompressor.__init__ no longer sets {', '.join(missing)}")
-    names = ("hidden_states", "q_residual", "position_ids")
-    if not _leading_parameters(compressor.forward, names)[0]:
-        raise _Moved(expected, _describe(compressor.forward, "DeepseekV4HCACompressor.forward"))
-    return "DeepseekV4HCACompressor(hidden_states, q_residual, position_ids, cache, layer_idx)"
+    for name, parts in COMPRESSOR_PARTS.items():
+        module = _attr(DEEPSEEK_V4, name, expected)
+        init = inspect.getsource(module.__init__)
+        missing = [part for part in parts if f"{part} =" not in init]
+        if missing:
+            raise _Moved(expected, f"{name}.__init__ no longer sets {', '.join(missing)}")
+        names = ("hidden_states", "q_residual", "position_ids")
+        if not _leading_parameters(module.forward, names)[0]:
+            raise _Moved(expected, _describe(module.forward, f"{name}.forward"))
+    return (
+        "DeepseekV4HCACompressor, DeepseekV4CSACompressor, DeepseekV4Indexer(hidden_states, q_residual, "
+        "position_ids, cache, layer_idx)"
+    )
 
 
 # the model types whose learned absolute position tables keep rows before position 0, and those tables
@@ -3475,13 +3529,16 @@ CONTACT_POINTS: tuple[ContactPoint, ...] = (
     ),
     ContactPoint(
         "compressor_cache",
-        "models.deepseek_v4.modeling_deepseek_v4.DeepseekV4HCACompressor, DeepseekV4Attention.forward, "
-        "DeepseekV4HCACache.store_compression_weights/update_compressor_states",
+        "models.deepseek_v4.modeling_deepseek_v4.DeepseekV4HCACompressor, DeepseekV4CSACompressor, "
+        "DeepseekV4Indexer, DeepseekV4Attention.forward, "
+        "DeepseekV4HCACache/DeepseekV4CSACache.store_compression_weights/update_compressor_states",
         "the attention calls its compressor (hidden_states, q_residual, position_ids, cache, layer_idx) and "
         "attends over the entries it returns after the sliding keys, masked by its block_bias",
         "kadapt's static cache keeps the compressor's open window (a ring) and its entries per row "
-        "(compressed_window/write_compressed), through the pinned deepseek_v4_hca_compressor builtin, "
-        "which reads the compressor's own projections, norm, position bias and compress rope",
+        "(compressed_window/write_compressed), through the pinned deepseek_v4_hca_compressor builtin (a "
+        "csa layer's two-window ring, entries and its indexer's through deepseek_v4_csa_compressor and "
+        "deepseek_v4_indexer, a static top-k over every slot), which read the compressor's own "
+        "projections, norm, position bias and compress rope (the indexer's query projection and scorer)",
         ("extraction (DeepSeek-V4)", "generated modules"),
         _probe_compressor_cache,
     ),
@@ -3867,14 +3924,15 @@ class _RecordingCache:
 
     def compressed_window(self, layer_idx: Any, kv: Any, gate: Any, rate: Any, series: str = "comp") -> Any:
         """The static cache's prefill answer (``compressed_window``): the prompt's closed windows (the
-        runtime's ``CompressorWindows`` fields; no previous window: an hca layer's compressor)."""
+        runtime's ``CompressorWindows`` fields) and, for a csa layer's overlapping series, each window's
+        previous one (window 0's weighs nothing: a gate of -inf)."""
         import types
 
         import torch
 
-        if self.kind != "hca":
+        if self.kind not in COMPRESSOR_SERIES:
             return self.__getattr__("compressed_window")
-        self.state_calls["compressed_window"] = (layer_idx, kv)
+        self.state_calls[f"compressed_window:{series}"] = (layer_idx, kv)
         batch, length, dim = kv.shape
         windows = length // rate
         start = (torch.arange(windows, device=kv.device) * rate).unsqueeze(0).expand(batch, -1)
@@ -3883,14 +3941,20 @@ class _RecordingCache:
             kv[:, : windows * rate].reshape(shape),
             gate[:, : windows * rate].reshape(shape),
         )
+        if self.kind == "hca":
+            return types.SimpleNamespace(
+                kv=chunk_kv, gate=chunk_gate, start=start, prior_kv=None, prior_gate=None
+            )
+        prior_kv = torch.cat([torch.zeros_like(chunk_kv[:, :1]), chunk_kv[:, :-1]], dim=1)
+        prior_gate = torch.cat([torch.full_like(chunk_gate[:, :1], float("-inf")), chunk_gate[:, :-1]], dim=1)
         return types.SimpleNamespace(
-            kv=chunk_kv, gate=chunk_gate, start=start, prior_kv=None, prior_gate=None
+            kv=chunk_kv, gate=chunk_gate, start=start, prior_kv=prior_kv, prior_gate=prior_gate
         )
 
     def write_compressed(self, layer_idx: Any, entries: Any, rate: Any, series: str = "comp") -> Any:
-        if self.kind != "hca":
+        if self.kind not in COMPRESSOR_SERIES:
             return self.__getattr__("write_compressed")
-        self.state_calls["write_compressed"] = (layer_idx, entries)
+        self.state_calls[f"write_compressed:{series}"] = (layer_idx, entries)
         return entries.unsqueeze(1)
 
     def update_indexer(self, indexer_key_states: Any, layer_idx: Any) -> Any:
@@ -4187,10 +4251,15 @@ FIXED_STATE_KINDS = ("linear", "lightning", "short_conv")
 # through it
 CONV_KINDS = ("linear", "short_conv", "hybrid")
 RECURRENT_KINDS = ("linear", "hybrid")
+# Compressed layer kinds (DeepSeek-V4) and the series their compressors hand the static cache (the
+# runtime's ``COMPRESSED_SERIES``, named apart: the generated modules embed both files): a csa layer's
+# indexer compresses keys of its own
+COMPRESSOR_SERIES = {"hca": ("comp",), "csa": ("comp", "index")}
 # The contact point each kind's cache protocol is (the rest: cache_update; a hybrid layer's attention
 # also calls ``update``)
 STATE_POINTS = {
     "hca": "compressor_cache",
+    "csa": "compressor_cache",
     "linear": "linear_attention_cache",
     "hybrid": "linear_attention_cache",
     "lightning": "lightning_attention_cache",
@@ -4397,8 +4466,8 @@ def _probe_layer(
     if kind == "hybrid":  # its mixer's states too, through the linear-attention API, under the same index
         mixed = _linear_protocol(layer_name, keyword, cache, index, out, taken)
         return LayerProtocol(keyword, kv_dims, mixed.linear_states)
-    if kind == "hca":
-        _check_compressor_calls(layer_name, cache, layer_idx)
+    if kind in COMPRESSOR_SERIES:
+        _check_compressor_calls(layer_name, cache, layer_idx, COMPRESSOR_SERIES[kind])
     if kind != "indexed":
         return LayerProtocol(keyword, kv_dims)
     indexed_idx, index_keys = cache.state_calls.get("update_indexer", (None, None))
@@ -4415,21 +4484,28 @@ def _probe_layer(
     return LayerProtocol(keyword, kv_dims, index_dim=int(index_keys.shape[-1]))
 
 
-def _check_compressor_calls(layer_name: str, cache: _RecordingCache, layer_idx: Any) -> None:
-    """An ``hca`` layer's compressor hands the static cache its window and its entries, once each, under
-    the attention's index (the ``deepseek_v4_hca_compressor`` builtin: a spec without it runs upstream's
-    compressor, which reads ``cache.layers`` and is refused as a cache read above)."""
-    for call in ("compressed_window", "write_compressed"):
-        called = cache.state_calls.get(call, (None, None))[0]
-        if called != layer_idx:
-            found = "never calls it" if call not in cache.state_calls else f"calls it with {called!r}"
-            _unsupported(
-                "cache-protocol",
-                layer_name,
-                f"{layer_name}'s compressor calls cache.{call}(layer_idx={layer_idx}, ...) once",
-                f"{layer_name} {found}",
-                point="compressor_cache",
-            )
+def _check_compressor_calls(
+    layer_name: str, cache: _RecordingCache, layer_idx: Any, series: tuple[str, ...]
+) -> None:
+    """A compressed layer's compressor (a csa layer's indexer too: ``series``) hands the static cache its
+    window and its entries, once each per series, under the attention's index (the
+    ``deepseek_v4_hca_compressor``, ``deepseek_v4_csa_compressor`` and ``deepseek_v4_indexer`` builtins: a
+    spec without them runs upstream's, which reads ``cache.layers`` and is refused as a cache read
+    above)."""
+    for name in series:
+        for call in (f"compressed_window:{name}", f"write_compressed:{name}"):
+            called = cache.state_calls.get(call, (None, None))[0]
+            if called != layer_idx:
+                found = "never calls it" if call not in cache.state_calls else f"calls it with {called!r}"
+                method, _, which = call.partition(":")
+                _unsupported(
+                    "cache-protocol",
+                    layer_name,
+                    f"{layer_name}'s compressor calls cache.{method}(layer_idx={layer_idx}, ..., series="
+                    f"{which!r}) once",
+                    f"{layer_name} {found}",
+                    point="compressor_cache",
+                )
 
 
 def _failed_at(failure: BaseException) -> str:

@@ -118,8 +118,8 @@ GUIDE_PATCHES: dict[str, tuple[dict[str, Any], ...]] = {
 }
 
 # The class patches the guide names for a layer type whose code needs a builtin to export, added to a
-# family's where its config lists that type (DeepSeek-V4's heavily compressed layers: a stack of sliding
-# layers alone needs none, and its generated module carries no wrap).
+# family's where its config lists that type (DeepSeek-V4's compressed layers: a stack of sliding layers
+# alone needs none, and its generated module carries no wrap).
 GUIDE_LAYER_PATCHES: dict[str, tuple[dict[str, Any], ...]] = {
     "heavily_compressed_attention": (
         {
@@ -131,6 +131,29 @@ GUIDE_LAYER_PATCHES: dict[str, tuple[dict[str, Any], ...]] = {
             "impl": "builtin:deepseek_v4_hca_compressor",
             "backends": ["extraction"],
             "pin": {"source_sha256": "fe93d160eee3c9b08574d00bac8c4a55e510a77e1a3e5502eb2df825ba6f39c9"},
+        },
+    ),
+    "compressed_sparse_attention": (
+        {
+            "id": "V2",
+            "why": "the CSA compressor's two-window ring and entries in the static cache, per row, and each "
+            "query's view of the entries its indexer picks (upstream concatenates, counts entries in a "
+            "Python int and keeps the previous window's first series apart)",
+            "target": f"{_DEEPSEEK_V4}:DeepseekV4CSACompressor.forward",
+            "kind": "wrap",
+            "impl": "builtin:deepseek_v4_csa_compressor",
+            "backends": ["extraction"],
+            "pin": {"source_sha256": "96a32e9bf30e10d682d944a792a3b549691e89c6eb36cef040951e697cf64a14"},
+        },
+        {
+            "id": "V3",
+            "why": "the Lightning indexer's compressed keys in the static cache and a static top-k over each "
+            "entry slot, those not closed hidden (upstream's top-k runs over the entries it has)",
+            "target": f"{_DEEPSEEK_V4}:DeepseekV4Indexer.forward",
+            "kind": "wrap",
+            "impl": "builtin:deepseek_v4_indexer",
+            "backends": ["extraction"],
+            "pin": {"source_sha256": "2c64d711f0e15b8050941751a81d51d374fe9f81f2e5f8a19c4c0d48ffc6be19"},
         },
     ),
 }

@@ -168,6 +168,9 @@ PERIOD_KEYS = (
 # per-layer lists without a period whose every kind the tiny stack keeps, up to its first layer (HY-V4's
 # indexer_types: full layers first, then ones that reuse their top-k)
 FIRST_OF_EACH_KEYS = ("indexer_types",)
+# layer types the tiny stack keeps up to the first layer of, where the config lists them (DeepSeek-V4's
+# compressed kinds: its default list opens with two hca layers before the first csa one)
+FIRST_OF_EACH_TYPES = ("heavily_compressed_attention", "compressed_sparse_attention")
 
 
 def _layers(config: Any) -> int:
@@ -180,6 +183,9 @@ def _layers(config: Any) -> int:
         value = _get(config, key)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             keep = max(keep, value)
+    if isinstance(types, (list, tuple)):
+        firsts = [types.index(kind) + 1 for kind in FIRST_OF_EACH_TYPES if kind in types]
+        keep = max(keep, *firsts) if firsts else keep
     for key in FIRST_OF_EACH_KEYS:
         kinds = _get(config, key)
         if isinstance(kinds, (list, tuple)) and len(kinds) == total:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 import tempfile
 import textwrap
 import traceback
@@ -210,6 +211,7 @@ def write_spec(folder: Path, model_type: str, config: dict[str, Any], paths: dic
     abi_config = "  config: text_config\n" if isinstance(config.get("text_config"), dict) else ""
     text = config["text_config"] if isinstance(config.get("text_config"), dict) else config
     states, past = _state_templates(text)
+    capacity = _capacity(text)
     spec = folder / f"{model_type.replace('-', '_')}.yaml"
     spec.write_text(
         textwrap.dedent(
@@ -240,7 +242,7 @@ def write_spec(folder: Path, model_type: str, config: dict[str, Any], paths: dic
                 """\
                 batch: 1
                 prefill_len: 8
-                max_cache_len: 64
+                max_cache_len: CAPACITY
                 dtype: float32
                 prefill:
                   inputs: [input_ids, attention_mask, position_ids]
@@ -252,11 +254,24 @@ def write_spec(folder: Path, model_type: str, config: dict[str, Any], paths: dic
                 """
             )
             .replace("STATES", states)
-            .replace("PAST", past),
+            .replace("PAST", past)
+            .replace("CAPACITY", str(capacity)),
             "  ",
         )
     )
     return spec
+
+
+def _capacity(text: dict[str, Any]) -> int:
+    """The guide's ``max_cache_len``: 64, or its least multiple of every compressed layer's rate (their
+    entries take ``max_cache_len / rate`` slots; DeepSeek-V4's hca layers fold 128 tokens per entry)."""
+    from ..structure.derive import derive_structure
+
+    try:
+        rates = [c.rate for c in derive_structure(text).compressors.values()]
+    except KadaptError:
+        return 64
+    return math.lcm(64, *rates)
 
 
 def _patches_yaml(model_type: str, text: dict[str, Any]) -> str:
@@ -274,8 +289,8 @@ def _patches_yaml(model_type: str, text: dict[str, Any]) -> str:
 def _state_templates(text: dict[str, Any]) -> tuple[str, str]:
     """The states besides key and value a stack's layers return, and take back, named as a user names
     them: a linear layer's conv and recurrent state, a DSA layer's indexer keys, a compressed layer's
-    ring and entries (none when the config
-    says neither, or is refused: the trial reports that where apply raises it)."""
+    ring and entries (a csa layer's indexer's too; none when the config says neither, or is refused: the
+    trial reports that where apply raises it)."""
     from ..structure.derive import derive_structure
 
     try:
@@ -287,6 +302,11 @@ def _state_templates(text: dict[str, Any]) -> tuple[str, str]:
         return ', "c.{layer}", "r.{layer}"', ', "pc.{layer}", "pr.{layer}"'
     if "indexed" in kinds:
         return ', "i.{layer}"', ', "pi.{layer}"'
+    if "csa" in kinds:  # a compressor's ring and entries, then its indexer's
+        return (
+            ', "cs.{layer}", "ce.{layer}", "is.{layer}", "ie.{layer}"',
+            ', "pcs.{layer}", "pce.{layer}", "pis.{layer}", "pie.{layer}"',
+        )
     if "hca" in kinds:  # a compressor's ring and entries
         return ', "cs.{layer}", "ce.{layer}"', ', "pcs.{layer}", "pce.{layer}"'
     return "", ""

@@ -28,6 +28,7 @@ from ..structure.kv_layout import resolve_kv_layout as options_resolve_kv_layout
 from ..structure.model import ModelStructure
 from ..structure.of_spec import structure_of_raw
 from ..structure.states import RecurrentState
+from .common import cannot
 
 INDEX_DTYPE = "int64"
 KVDims = tuple[tuple[int, int], tuple[int, int]]
@@ -159,16 +160,18 @@ def structure(spec: Spec) -> ModelStructure:
     layers (``structure.indexer``) their indexer keys beside the KV cache, and attention layers (among
     them those reusing an indexed layer's top-k) their KV alone. A stack that mixes DSA layers with
     layers of another kind is refused: the generated module names a DSA stack's states by those two; so
-    is a stack with compressed layers (DeepSeek-V4's hca), whose states the module does not carry yet."""
+    is a stack with compressed layers (DeepSeek-V4's hca, csa), whose states the module does not carry yet."""
     found = structure_of_raw(spec, bridged_config(spec))
     kinds = set(found.layer_kinds)
-    if found.compressor is not None:  # kadapt apply exports and verifies them; the module's template not yet
-        raise Refusal(
-            "layer-types",
-            f"{found.layer_kinds.count('hca')} of the {found.num_layers} layers are compressed (hca): the "
-            "generated extraction module does not carry a compressor's ring and entries yet (its layer "
-            "kinds, example decode inputs and state mapping name none); export with kadapt apply",
-            location=spec.locate("gate"),
+    if found.compressors:  # kadapt apply exports and verifies them; the module's template not yet
+        counts = " and ".join(f"{found.layer_kinds.count(kind)} ({kind})" for kind in found.compressors)
+        raise cannot(
+            spec,
+            "extraction",
+            f"{counts} of the {found.num_layers} layers are compressed: the generated extraction module "
+            "does not carry a compressor's ring and entries yet (its layer kinds, example decode inputs "
+            "and state mapping name none); export with kadapt apply",
+            "gate",
         )
     if found.indexer is not None and not kinds <= {"indexed", "attention"}:
         others = sorted(kinds - {"indexed", "attention"})

@@ -1,9 +1,9 @@
 """What a generated TensorCast profile cannot declare, refused with the reason before anything renders.
 
 msmodeling prices gated DeltaNet and DeepSeek sparse attention only inside its own builtin profiles;
-a generated profile has no field for a linear-attention module, a sparse attention class or an
-attention chunk (Llama-4), so a spec whose layers need one gets a located refusal naming what
-TensorCast lacks."""
+a generated profile has no field for a linear-attention module, a sparse attention class, an
+attention chunk (Llama-4) or a compressor (DeepSeek-V4), so a spec whose layers need one gets a located
+refusal naming what TensorCast lacks."""
 
 from __future__ import annotations
 
@@ -42,6 +42,26 @@ def refuse_unpriced_layers(spec: Spec) -> None:
     refuse_linear_attention(spec, found)
     refuse_sparse_attention(spec, found)
     refuse_chunked_attention(spec, found)
+    refuse_compressed_attention(spec, found)
+
+
+def refuse_compressed_attention(spec: Spec, found: ModelStructure) -> None:
+    """A stack with compressed layers (DeepSeek-V4's hca and csa) cannot be profiled: TensorCast's
+    attention sees a sliding window or every key, so it would price each compressed layer as its sliding
+    window alone, without the compressor's entries (nor a csa layer's Lightning indexer and top-k)."""
+    if not found.compressors:
+        return
+    counts = " and ".join(f"{found.layer_kinds.count(kind)} {kind}" for kind in found.compressors)
+    raise cannot(
+        spec,
+        TARGET,
+        f"{counts} of the {found.num_layers} layers are compressed attention (a compressor folds every "
+        "rate tokens into an entry the layer attends over beside its sliding window; csa picks them with "
+        "a Lightning indexer), and TensorCast's ModelProfile has no field that declares a compressor "
+        "(msmodeling 0.2.0 knows a sliding window or full attention); a generated profile would price "
+        "every compressed layer as its sliding window alone",
+        "gate",
+    )
 
 
 def refuse_chunked_attention(spec: Spec, found: ModelStructure) -> None:

@@ -19,7 +19,7 @@ from ..spec.model import Spec
 from . import bounds
 from .around_layers import OutsideOp, PerLayerInputs
 from .attention_form import attention_form_of
-from .compressor_of import compressor_of
+from .compressor_of import compressor_of, legacy_layer_types
 from .indexer_of import indexer_of, topk_sources
 from .kv_sharing import kv_sources, mlp_widths
 from .layer_pattern import PATTERN_KEY, layout_types
@@ -76,7 +76,9 @@ def _attention(read: Reader, spec: Spec | None, hidden: int) -> Attention:
 
 
 # Layer spans that attend (keep a KV cache)
-ATTENDING_SPANS = ("full", "sliding", "chunked", "indexed", "hybrid", "hca")
+ATTENDING_SPANS = ("full", "sliding", "chunked", "indexed", "hybrid", "hca", "csa")
+# Layer spans that slide (a compressed layer slides too, beside its entries)
+SLIDING_SPANS = ("sliding", "hca", "csa")
 
 
 def _attends(read: Reader, spans: list[tuple[str, int | None]]) -> bool:
@@ -133,6 +135,8 @@ def _layer_types(read: Reader, num_layers: int) -> list[Any] | None:
         types = layout_types(read.raw, num_layers, read.get("mamba_state_size") is not None)
     if types is None:
         types = _chunked_types(read, num_layers)
+    if types is None:  # DeepSeek-V4's published config.json: a compress ratio per layer
+        types = legacy_layer_types(read, num_layers)
     return types
 
 
@@ -230,7 +234,7 @@ def _spans(read: Reader, num_layers: int, types: list[Any] | None) -> list[tuple
 def _span(read: Reader, index: int, kind: str, modelled: str, window: Any) -> tuple[str, int | None]:
     """One listed layer's ``(kind, span)``: a sliding layer takes the config's window, a chunked layer
     its ``attention_chunk_size`` (a located error when the config has none)."""
-    if modelled in ("sliding", "hca"):  # a compressed layer slides too (beside its entries)
+    if modelled in SLIDING_SPANS:
         if not window:
             raise KadaptError(f"{read.where}: layer {index} is {kind} but the config sets no sliding_window")
         return modelled, int(window)
@@ -409,7 +413,7 @@ def derive_structure(
             Layer(
                 index=i,
                 attention=span,
-                window=size if span in ("sliding", "hca") else None,
+                window=size if span in SLIDING_SPANS else None,
                 mlp=kind,
                 chunk=size if span == "chunked" else None,
                 attention_shape=shape if span in ATTENDING_SPANS else None,
@@ -430,6 +434,7 @@ def derive_structure(
         per_layer_inputs=_per_layer_inputs(read),
         shared_blocks=blocks,
         residual_streams=residual_streams_of(read),
-        compressor=compressor_of(read, spans, attention),
+        compressor=compressor_of(read, spans, attention, "hca"),
+        sparse_compressor=compressor_of(read, spans, attention, "csa"),
         keys=dict(read.keys),
     )

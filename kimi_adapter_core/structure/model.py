@@ -14,6 +14,7 @@ from typing import Any
 
 from .around_layers import OutsideOp, PerLayerInputs, ResidualStreams
 from .attention_form import AttentionForm
+from .compressed import Compressor, Indexer
 from .mixer import LinearAttention
 from .rope import Rope
 
@@ -142,11 +143,12 @@ class Layer:
 
     index: int
     # full | sliding | chunked | linear (ModelStructure.linear) | indexed (full + DSA: .indexer) | hca
-    # (sliding + compressed entries: .compressor) | none
+    # (sliding + compressed entries: .compressor) | csa (sliding + the entries an indexer picks:
+    # .sparse_compressor) | none
     # (no mixer) | hybrid (full attention and the linear mixer: side by side, Falcon-H1; a shared block's,
     # then the mixer, Zamba: .shared_blocks)
     attention: str
-    window: int | None  # keys a query sees (sliding and hca layers only)
+    window: int | None  # keys a query sees (sliding, hca and csa layers only)
     mlp: str  # dense | moe | none
     # chunked layers only (Llama-4): the query at position p sees keys p - p % chunk .. p
     chunk: int | None = None
@@ -163,46 +165,6 @@ class Layer:
     # over (``indexer_types`` ``shared``: GLM-5, HY-V4); it caches keys and values, no indexer keys.
     # None: it scores its own indexer keys (or is not indexed)
     topk_source: int | None = None
-
-
-@dataclass(frozen=True)
-class Indexer:
-    """DeepSeek sparse attention's indexer (DSA: DeepSeek-V3.2): ``n_heads`` query heads of ``head_dim``
-    score every cached key of its own (one ``head_dim`` key per token, beside the layer's KV cache) and
-    the attention then sees only each query's ``topk`` best keys."""
-
-    n_heads: int
-    head_dim: int
-    topk: int
-
-    def bytes_per_token(self, dtype_bytes: int) -> int:
-        """The indexer keys one ``indexed`` layer caches per token (grows with the context, like KV)."""
-        return self.head_dim * dtype_bytes
-
-    def describe(self) -> str:
-        return f"DSA indexer {self.n_heads}x{self.head_dim} top-{self.topk}"
-
-
-@dataclass(frozen=True)
-class Compressor:
-    """DeepSeek-V4's compressor of its ``hca`` layers (heavily compressed attention): each closed window
-    of ``rate`` tokens becomes one KV entry of ``head_dim`` (a softmax-gated sum of the window's raw
-    projections, normed and roped at the window's first position) that the layer attends over beside
-    its sliding window; the open window's raw ``kv || gate`` projections wait in a ring of ``rate``."""
-
-    rate: int
-    head_dim: int
-
-    def entry_bytes(self, dtype_bytes: int) -> int:
-        """One entry: every ``rate`` tokens of context (grows with the context, ``rate`` times slower)."""
-        return self.head_dim * dtype_bytes
-
-    def ring_bytes(self, dtype_bytes: int) -> int:
-        """The open window's raw projections: constant per request."""
-        return self.rate * 2 * self.head_dim * dtype_bytes
-
-    def describe(self) -> str:
-        return f"a compressor of every {self.rate} tokens into one {self.head_dim}-wide entry"
 
 
 @dataclass(frozen=True)
@@ -250,6 +212,7 @@ class ModelStructure:
     shared_blocks: SharedBlocks | None = None  # the hybrid layers' shared blocks (None: no hybrid layer)
     residual_streams: ResidualStreams | None = None  # hyper-connections (None: one residual stream)
     compressor: Compressor | None = None  # the ``hca`` layers' compressor (None: no such layer)
+    sparse_compressor: Compressor | None = None  # the ``csa`` layers' (an indexer; None: no such layer)
     # fact -> the config key it was read from (so tiny verify models shrink the right keys)
     keys: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -288,6 +251,12 @@ class ModelStructure:
         return any(chunk is not None for chunk in self.chunks)
 
     @property
+    def compressors(self) -> dict[str, Compressor]:
+        """The compressed layer kinds' compressors (``hca``, ``csa``), those the stack has."""
+        found = {"hca": self.compressor, "csa": self.sparse_compressor}
+        return {kind: compressor for kind, compressor in found.items() if compressor is not None}
+
+    @property
     def layer_kinds(self) -> tuple[str, ...]:
         """Each layer's kind as the ABI carries its state: ``linear`` (conv window and recurrent state),
         ``lightning`` (a recurrent state alone: MiniMax), ``indexed`` (a KV cache and the DSA indexer's
@@ -295,9 +264,11 @@ class ModelStructure:
         token mixer: no state), ``shared`` (attends over an earlier layer's keys and values of the same
         call: no state), ``hybrid`` (a KV cache and a conv window and recurrent state: Falcon-H1's
         attention and Mamba2 side by side, Zamba's shared block and then its Mamba) or ``attention`` (a KV
-        cache), ``hca`` (a sliding KV cache, a compressor's ring and its entries: DeepSeek-V4)."""
+        cache), ``hca`` (a sliding KV cache, a compressor's ring and its entries: DeepSeek-V4), ``csa``
+        (those and its Lightning indexer's ring and entries)."""
         linear = self.linear.layer_kind if self.linear is not None else "linear"
-        special = {"linear": linear, "indexed": "indexed", "none": "none", "hybrid": "hybrid", "hca": "hca"}
+        special = {"linear": linear, "indexed": "indexed", "none": "none", "hybrid": "hybrid"}
+        special.update({kind: kind for kind in ("hca", "csa")})
         return tuple(
             "shared"
             if layer.kv_source is not None
@@ -402,9 +373,10 @@ class ModelStructure:
             reusing = [layer for layer in self.layers if layer.topk_source is not None]
             if reusing:
                 mixer += f" ({len(reusing)}/{self.num_layers} layers reuse an earlier layer's top-k)"
-        if self.compressor is not None:
-            compressed = sum(1 for layer in self.layers if layer.attention == "hca")
-            mixer += f", {compressed}/{self.num_layers} compressed layers ({self.compressor.describe()})"
+        for kind, compressor in self.compressors.items():
+            compressed = sum(1 for layer in self.layers if layer.attention == kind)
+            label = "compressed" if kind == "hca" else "compressed sparse"
+            mixer += f", {compressed}/{self.num_layers} {label} layers ({compressor.describe()})"
         shaped = [layer for layer in self.layers if layer.attention_shape is not None]
         if shaped:  # per-layer shapes: how many layers differ, and how
             others = sorted({layer.attention_shape.describe() for layer in shaped if layer.attention_shape})
@@ -436,6 +408,7 @@ class ModelStructure:
             "residual_streams",
             "shared_blocks",
             "compressor",
+            "sparse_compressor",
         ):
             if getattr(self, kind) is None:
                 data.pop(kind)

@@ -22,6 +22,7 @@ LIST_FACTS = (
     "layer_types",
     "dense_layer_list",
     "indexer_types",
+    "compress_ratios",
     "mlp_layer_types",
     "moe_layer_list",
     "rope_layer_flags",

@@ -30,8 +30,8 @@ LAYER_STATES = {
     "none": (),  # a block with no token mixer (Nemotron-H's mlp and moe blocks): no state
     "shared": (),  # attends over an earlier layer's keys and values of the same call (Gemma-4): no state
     "hybrid": ("key", "value", "conv", "recurrent"),  # attention and a linear mixer (Falcon-H1, Zamba)
-    # DeepSeek-V4's hca: a sliding KV, a compressor's ring and entries; csa (the runtime's kind, not yet a
-    # structure's): also its indexer's ring and entries
+    # DeepSeek-V4's hca: a sliding KV, a compressor's ring and entries; csa: also its indexer's ring and
+    # entries
     "hca": ("key", "value", "comp_src", "comp"),
     "csa": ("key", "value", "comp_src", "comp", "index_src", "index_comp"),
 }
@@ -41,8 +41,14 @@ FIXED_ROLES = ("conv", "recurrent", "comp_src", "index_src")
 COMPRESSED_ROLES = ("comp", "index_comp")
 # The optional templates after key and value, by how many there are: none, a DSA layer's indexer keys,
 # or two: a linear layer's conv and recurrent state, or a compressed layer's ring and entries (a stack
-# has one or the other: ``SECOND_PAIR`` reads the compressor's under the linear layer's names).
-EXTRA_ROLES = {0: (), 1: ("index_key",), 2: ("conv", "recurrent")}
+# has one or the other: ``SECOND_PAIR`` reads the compressor's under the linear layer's names), or four:
+# those and a csa layer's indexer's ring and entries.
+EXTRA_ROLES = {
+    0: (),
+    1: ("index_key",),
+    2: ("conv", "recurrent"),
+    4: ("conv", "recurrent", "index_src", "index_comp"),
+}
 SECOND_PAIR = {"comp_src": "conv", "comp": "recurrent"}
 Kinds = int | Sequence[str]  # a layer count (every layer attention) or each layer's kind
 
@@ -77,6 +83,10 @@ class GraphNames:
     past_index_key: str | None = None
     present_index_key: str | None = None
     hidden: str | None = None  # an output after the logits: their rows' final hidden states (MTP drafts)
+    past_index_src: str | None = None  # a csa layer's indexer ring and entries
+    present_index_src: str | None = None
+    past_index_comp: str | None = None
+    present_index_comp: str | None = None
 
     def template(self, direction: str, role: str) -> str | None:
         """The ``{layer}`` template of state ``role`` (key, value, conv, recurrent) in ``direction``
@@ -117,7 +127,7 @@ def kv_names(prefill: GraphNames, decode: GraphNames) -> dict[str, str]:
     (``prefill_key``, ``decode_key_in``, ``decode_key_out``, ... and, when the ABI names them, the
     linear layers' ``conv`` and ``recurrent`` states alike)."""
     names: dict[str, str] = {}
-    for roles in (("key", "value"), ("conv", "recurrent"), ("index_key",)):
+    for roles in (("key", "value"), ("conv", "recurrent"), ("index_key",), ("index_src", "index_comp")):
         for key, graph, direction in (
             ("prefill_{}", prefill, "present"),
             ("decode_{}_in", decode, "past"),
@@ -156,7 +166,9 @@ def read_graph_names(
         raise KadaptError(
             f'{where}.outputs must be [<logits>, "<present key {{layer}}>", "<present value {{layer}}>"], '
             'followed by "<present conv {layer}>", "<present recurrent {layer}>" for a stack with '
-            'linear-attention layers, or by "<present index_key {layer}>" for DSA layers, got '
+            'linear-attention layers (or a compressor\'s "<present comp_src {layer}>", "<present comp '
+            '{layer}>", then for csa layers "<present index_src {layer}>", "<present index_comp '
+            '{layer}>"), or by "<present index_key {layer}>" for DSA layers, got '
             f"{outputs}",
             location=location,
         )

@@ -187,16 +187,17 @@ class ExtractionOptions:
 
     @property
     def index_dim(self) -> int | None:
-        """The DSA indexer keys' width (None: no indexed layer)."""
+        """The DSA indexer keys' width, or a csa layer's Lightning indexer's (None: neither)."""
         assert self.structure is not None, "bind_structure first"
-        return self.structure.indexer.head_dim if self.structure.indexer is not None else None
+        s = self.structure
+        indexer = s.indexer or (s.sparse_compressor.indexer if s.sparse_compressor is not None else None)
+        return indexer.head_dim if indexer is not None else None
 
     @property
     def compress_rates(self) -> dict[str, int] | None:
-        """A compressed layer kind's rate (``{"hca": rate}``; None: no compressed layer)."""
+        """Each compressed layer kind's rate (``{"hca": rate, "csa": rate}``; None: no compressed layer)."""
         assert self.structure is not None, "bind_structure first"
-        compressor = self.structure.compressor
-        return {"hca": compressor.rate} if compressor is not None else None
+        return {kind: c.rate for kind, c in self.structure.compressors.items()} or None
 
     def state_roles(self, num_layers: int) -> list[str]:
         """The role of each per-layer state tensor of the first ``num_layers`` layers, in ABI order."""
@@ -470,6 +471,7 @@ def bind_structure(options: ExtractionOptions, structure: ModelStructure) -> Ext
     compressed = check_compressed(
         structure,
         names_state=options.prefill_names.has_linear_states,
+        names_index=options.prefill_names.present_index_src is not None,
         max_cache_len=options.max_cache_len,
         dynamic=options.dynamic,
         names_where=options.names_where,

@@ -1723,6 +1723,24 @@ COMPRESSED_STATE_RULES = {
 }
 
 
+# What a csa layer (DeepSeek-V4's compressed sparse attention) keeps besides an hca layer's states, and
+# how (``contract.compressed.sparse`` when the stack has one): overlapping windows and the indexer.
+COMPRESSED_SPARSE_RULES = {
+    "overlap": "a csa layer's ring holds two windows (ring = 2 * rate slots, slot p % (2 * rate)) of "
+    "projections twice as wide, [batch, 1, 2 * rate, 4 * head_dim] (kv || gate, each two series): entry w "
+    "pools window w - 1's first series with window w's second (window 0's previous one weighs 0); the "
+    "prefill places slot j from position j + 2 * rate * floor((prefill_len - 1 - j) / (2 * rate))",
+    "index_src": "its Lightning indexer's ring, as comp_src with the indexer's key width index_dim: [batch, "
+    "1, 2 * rate, 4 * index_dim]; per request, never paged",
+    "index_comp": "its indexer's compressed keys, as comp with index_dim: [batch, 1, max_cache_len / rate, "
+    "index_dim], written in the same step as comp; per request, never paged",
+    "top_k": "the query at position p scores every index_comp slot (sum over the indexer's heads of "
+    "weight * relu(q . key)), hides slots w >= (p + 1) // rate and attends over its sliding window and the "
+    "comp entries of its top min(index_topk, max_cache_len / rate) scores that are visible; the graph "
+    "does it itself",
+}
+
+
 STATELESS_RULE = (
     "a layer of kind none is a block with no token mixer (an MLP alone): it keeps no state, so the graphs "
     "take and return nothing for it and a runtime carries nothing"
@@ -1840,7 +1858,8 @@ def kv_contract(
     entry (``layers[i].cache``) and ``cache.per_layer`` says so; with ``hybrid`` (layers that attend and
     run a linear mixer: Falcon-H1 side by side, Zamba and Zamba2 one after the other) that such a layer
     carries both (``linear`` is set too); with ``compressed`` (a compressed layer kind's rate:
-    DeepSeek-V4's ``hca``) what its ring and entries hold and the rules for them (no padding either).
+    DeepSeek-V4's ``hca``, ``csa``) what its ring and entries hold and the rules for them (no padding
+    either; a csa layer's overlapping windows and indexer: ``compressed.sparse``).
 
     Version 3: ``cache_position`` is ``[batch]`` (one position per row) and the optional paged cache;
     version 2 graphs took one ``[1]`` position for the whole batch."""
@@ -1939,6 +1958,8 @@ def kv_contract(
         contract["linear_states"] = {"conv": {"holds": SHORT_CONV_STATE_CONTENTS}, **LINEAR_STATE_RULES}
     if compressed:
         contract["compressed"] = {"rates": dict(compressed), **COMPRESSED_STATE_RULES}
+        if "csa" in compressed:
+            contract["compressed"]["sparse"] = COMPRESSED_SPARSE_RULES
     if paged is not None:
         contract["paged"] = paged.contract(max_cache_len, "batch" if "batch" in dynamic else batch, per_layer)
         contract["cache"]["slot_rule"] += (
@@ -1985,8 +2006,9 @@ def build_kv_mapping(
     states its heads and widths (``cache``), which the contract's ``cache`` no longer does.
     ``kv_sources``: per layer the earlier layer whose keys and values a ``shared`` layer attends over
     (its entry names it, ``kv_source``; the contract states the rule).
-    ``compress_rates``: a compressed layer kind's rate (``{"hca": rate}``); an ``hca`` layer's entry adds
-    its ring and entries (the second pair of templates, ``names`` ``prefill_conv``/...: ``SECOND_PAIR``).
+    ``compress_rates``: a compressed layer kind's rate (``{"hca": rate, "csa": rate}``); an ``hca`` layer's
+    entry adds its ring and entries (the second pair of templates, ``names`` ``prefill_conv``/...:
+    ``SECOND_PAIR``), a ``csa`` layer's also its indexer's (``prefill_index_src``/..., ``index_dim`` wide).
     """
     dynamic = dynamic or {}
     batch_dim: int | str = "batch" if "batch" in dynamic else batch
@@ -2062,7 +2084,13 @@ def build_kv_mapping(
                 **fixed,
                 **(
                     _compressed_entry(
-                        tensor, layer, dims[0][1], compress_rates[kind], batch_dim, length_dim, max_cache_len
+                        tensor,
+                        layer,
+                        (dims[0][1], index_dim or 1) if kind == "csa" else (dims[0][1],),
+                        compress_rates[kind],
+                        batch_dim,
+                        length_dim,
+                        max_cache_len,
                     )
                     if kind in COMPRESSED_KINDS and compress_rates is not None
                     else {}
@@ -2132,25 +2160,32 @@ def build_kv_mapping(
 def _compressed_entry(
     tensor: Any,
     layer: int,
-    head_dim: int,
+    widths: tuple[int, ...],
     rate: int,
     batch: int | str,
     length: int | str,
     max_cache_len: int,
 ) -> dict[str, Any]:
-    """A compressed layer's ring and entries in its mapping entry (``contract.compressed``), named by the
-    ABI's second pair of templates (``prefill_conv``/... hold them: a stack has linear layers or
-    compressed ones)."""
-    ring, entries = compressed_shapes(head_dim, rate, batch, max_cache_len)
-    prompt = (batch, 1, length if isinstance(length, str) else length // rate, head_dim)
+    """A compressed layer's rings and entries in its mapping entry (``contract.compressed``): its
+    compressor's (``widths[0]``, named by the ABI's second pair of templates: ``prefill_conv``/... hold
+    them, as a stack has linear layers or compressed ones) and, for a csa layer (``widths[1]``: its
+    indexer's key width), its indexer's (``prefill_index_src``/...). A csa ring holds two windows."""
+    windows = len(widths)  # LAYER_RINGS: hca one window, csa (with its indexer) two
     out: dict[str, Any] = {"compress_rate": rate}
-    for state, template, prefill_shape, decode_shape in (
-        ("comp_src", "conv", ring, ring),
-        ("comp", "recurrent", prompt, entries),
-    ):
-        out[f"prefill_{state}_output"] = tensor(f"prefill_{template}", layer, prefill_shape)
-        out[f"decode_{state}_input"] = tensor(f"decode_{template}_in", layer, decode_shape)
-        out[f"decode_{state}_output"] = tensor(f"decode_{template}_out", layer, decode_shape)
+    series = (
+        ("comp_src", "conv", "comp", "recurrent"),
+        ("index_src", "index_src", "index_comp", "index_comp"),
+    )
+    for width, (ring_state, ring_template, entry_state, entry_template) in zip(widths, series, strict=False):
+        ring, entries = compressed_shapes(width, rate, batch, max_cache_len, windows)
+        prompt = (batch, 1, length if isinstance(length, str) else length // rate, width)
+        for state, template, prefill_shape, decode_shape in (
+            (ring_state, ring_template, ring, ring),
+            (entry_state, entry_template, prompt, entries),
+        ):
+            out[f"prefill_{state}_output"] = tensor(f"prefill_{template}", layer, prefill_shape)
+            out[f"decode_{state}_input"] = tensor(f"decode_{template}_in", layer, decode_shape)
+            out[f"decode_{state}_output"] = tensor(f"decode_{template}_out", layer, decode_shape)
     return out
 
 

@@ -23,7 +23,7 @@ from ..model.parallel import Parallel, heads_per_rank, kv_elements_per_rank, kv_
 from ..model.params import ParamGroup
 from ..model.quant import DTYPE_BYTES, Policy
 from ..tables.device import Device
-from .compressed_sizing import CompressedSizing
+from .compressed_sizing import CompressedKind, CompressedSizing
 from .state_sizing import IndexKeySizing, LinearStateSizing
 
 
@@ -64,7 +64,7 @@ class KvSizing:
     # per attention layer its own attention when the layers cache different KV shapes (MiMo-V2-Flash's
     # sliding layers, Gemma-4's full layers); () when every layer caches ``attention``'s
     layer_attentions: tuple[Attention, ...] = ()
-    compressed: CompressedSizing | None = None  # DeepSeek-V4's hca layers' entries and rings
+    compressed: CompressedSizing | None = None  # DeepSeek-V4's hca and csa layers' entries and rings
 
     @property
     def attentions(self) -> tuple[Attention, ...]:
@@ -288,9 +288,12 @@ def kv_sizing(s: ModelStructure, tp: int, kv_dtype: str = "bf16") -> KvSizing:
     layer_attentions = tuple(s.layer_attention(i) for i in s.attention_layer_ids) if shaped else ()
     layout = s.attention.default_kv_layout
     compressed = None
-    if s.compressor is not None:
-        layers = s.layer_kinds.count("hca")
-        compressed = CompressedSizing(s.compressor, layers, DTYPE_BYTES[kv_dtype])
+    if s.compressors:
+        kinds = tuple(
+            CompressedKind(kind, c, tuple(i for i, k in enumerate(s.layer_kinds) if k == kind))
+            for kind, c in s.compressors.items()
+        )
+        compressed = CompressedSizing(kinds, DTYPE_BYTES[kv_dtype])
     return KvSizing(
         kv_dtype, layout, s.attention, windows, tp, state, index, chunks, layer_attentions, compressed
     )

@@ -61,13 +61,53 @@ def hash_router_rows(s: ModelStructure, parts: LayerParts) -> Rows:
     ]
 
 
-def compressor_rows(s: ModelStructure, parts: LayerParts) -> list[tuple[str, Tensors, str, str, bool]]:
-    """The compressed (``hca``) layers' compressor tensors: ``(name, tensors, shard, dtype, linear)``."""
-    c, h, attn = s.compressor, s.hidden_size, f"{parts.attention}.compressor"
-    assert c is not None
-    projections = [(f"{attn}.{name}.weight", (c.head_dim, h)) for name in ("kv_proj", "gate_proj")]
+# The plan group label of each compressed kind's compressor tensors
+COMPRESSOR_LABELS = {"hca": "compressor", "csa": "csa_compressor"}
+
+
+def compressor_rows(
+    s: ModelStructure, parts: LayerParts, kind: str = "hca"
+) -> list[tuple[str, Tensors, str, str, bool]]:
+    """The compressed layers' compressor tensors of ``kind``: ``(name, tensors, shard, dtype, linear)``.
+    A csa compressor projects two series (``2 x head_dim``) and carries its Lightning indexer: a
+    compressor of its own of the indexer's key width, the query projection from the attention's low-rank
+    query residual and the per-head score weights (transformers keeps the biases and norms float32)."""
+    c, h, attn = s.compressors[kind], s.hidden_size, f"{parts.attention}.compressor"
+    rows = _compressor(attn, c.overlap * c.head_dim, c.head_dim, c.rate, h, "")
+    if c.indexer is None:
+        return rows
+    i, index = c.indexer, f"{attn}.indexer"
+    rows += _compressor(index, c.overlap * i.head_dim, i.head_dim, c.rate, h, "indexer.")
+    form = s.attention.form  # the indexer's queries come from the attention's low-rank query residual
+    q_rank = (form.q_lora_rank if form is not None else None) or s.attention.q_lora_rank or h
+    rows.append(
+        (
+            "indexer.q_b_proj",
+            [(f"{index}.q_b_proj.weight", (i.n_heads * i.head_dim, q_rank))],
+            "replicated",
+            "bf16",
+            True,
+        )
+    )
+    rows.append(
+        (
+            "indexer.weights_proj",
+            [(f"{index}.scorer.weights_proj.weight", (i.n_heads, h))],
+            "replicated",
+            "bf16",
+            True,
+        )
+    )
+    return rows
+
+
+def _compressor(
+    path: str, width: int, head_dim: int, rate: int, hidden: int, label: str
+) -> list[tuple[str, Tensors, str, str, bool]]:
+    """One compressor's projections (``width`` wide: its series), float32 position bias and norm."""
+    projections = [(f"{path}.{name}.weight", (width, hidden)) for name in ("kv_proj", "gate_proj")]
     return [
-        ("projections", projections, "replicated", "bf16", True),
-        ("position_bias", [(f"{attn}.position_bias", (c.rate, c.head_dim))], "replicated", "fp32", False),
-        ("kv_norm", [(f"{attn}.kv_norm.weight", (c.head_dim,))], "replicated", "fp32", False),
+        (f"{label}projections", projections, "replicated", "bf16", True),
+        (f"{label}position_bias", [(f"{path}.position_bias", (rate, width))], "replicated", "fp32", False),
+        (f"{label}kv_norm", [(f"{path}.kv_norm.weight", (head_dim,))], "replicated", "fp32", False),
     ]

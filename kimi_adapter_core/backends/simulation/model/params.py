@@ -33,7 +33,7 @@ from ....structure.residual_streams import STREAM_HEAD
 from ....vision.tower import VisionArch
 from .arch import Architecture, indexed_layer_ids
 from .embedding_params import embedding_tensors
-from .form_params import compressor_rows, form_attention, hash_router_rows
+from .form_params import COMPRESSOR_LABELS, compressor_rows, form_attention, hash_router_rows
 from .layer_parts import FP32_ROUTER, LayerParts, shared_expert, sublayers
 from .mixer_params import LINEAR_TENSORS, Shard, Tensors
 from .shared_block_params import BlockGroup, shared_block_groups
@@ -315,9 +315,10 @@ def text_groups(s: ModelStructure, n: Naming) -> list[ParamGroup]:
     if s.indexer is not None:
         for name, tensors, shard, linear in _indexer(s):
             groups.append(_layers(n, f"attn.{name}", indexed_layer_ids(s), tensors, shard, "bf16", linear))
-    hca = [i for i, kind in enumerate(s.layer_kinds) if kind == "hca"]
-    for name, tensors, shard, dtype, linear in compressor_rows(s, parts) if hca else ():
-        groups.append(_layers(n, f"attn.compressor.{name}", hca, tensors, shard, dtype, linear))  # type: ignore[arg-type]
+    for kind in s.compressors:  # hca: attn.compressor.*, csa: attn.csa_compressor.* (its indexer's too)
+        ids, label = [i for i, k in enumerate(s.layer_kinds) if k == kind], COMPRESSOR_LABELS[kind]
+        for name, tensors, shard, dtype, linear in compressor_rows(s, parts, kind):
+            groups.append(_layers(n, f"attn.{label}.{name}", ids, tensors, shard, dtype, linear))  # type: ignore[arg-type]
     if s.linear is not None and s.linear.kind in LINEAR_TENSORS:  # another kind: ``plan.check_priced``
         tensors_of, label = LINEAR_TENSORS[s.linear.kind]
         for name, tensors, shard, linear in tensors_of(s):

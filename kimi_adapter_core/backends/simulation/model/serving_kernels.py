@@ -4,7 +4,8 @@
   rope) and calls transformers' attention interface, which is pointed at ``AttentionKernel``: a
   fused attention priced analytically over the deployment's KV cache (``num_heads`` queries over
   ``num_kv_heads`` cached keys, each sliding layer capped at its window; a compressed layer,
-  DeepSeek-V4's hca, also over its compressor's entries, one per closed window of ``rate`` tokens).
+  DeepSeek-V4's hca, also over its compressor's entries, one per closed window of ``rate`` tokens, a csa
+  layer over the top-k of them its Lightning indexer picks, the indexer priced beside it).
   MLA: the module of the spec's ``mla.attention_class`` is swapped for ``RankMLA`` - decode uses the
   weight-absorbed form over the latent cache (FlashMLA-style), prefill expands the latent KV with
   ``kv_b_proj`` and runs a fused causal attention. It reads DeepSeek-style MLA fields (``num_heads``,
@@ -31,7 +32,7 @@ import torch
 from torch import nn
 
 from ....errors import KadaptError
-from ....structure.model import ModelStructure
+from ....structure.model import Compressor, ModelStructure
 from .deployment import Deployment
 from .parallel import heads_per_rank, kv_heads_per_rank
 from .quant import DTYPE_BYTES, WeightFormat
@@ -80,15 +81,22 @@ def prefill_keys(past: int, new: int, window: int | None, chunk: int | None) -> 
     return kept + new
 
 
-def entry_pairs(past: int, new: int, rate: int) -> int:
+def entry_pairs(past: int, new: int, rate: int, cap: int | None = None) -> int:
     """Query-entry pairs of ``new`` queries after ``past`` tokens over a compressor's entries (DeepSeek-V4's
-    hca layers): the query at ``p`` sees the ``(p + 1) // rate`` windows closed by then."""
+    hca and csa layers): the query at ``p`` sees the ``(p + 1) // rate`` windows closed by then, a csa
+    query at most ``cap`` of them (its indexer's top-k)."""
 
     def upto(n: int) -> int:  # sum of (q // rate) for q in 1..n
         whole, rest = divmod(n, rate)
         return rate * whole * (whole - 1) // 2 + whole * (rest + 1)
 
-    return upto(past + new) - upto(past)
+    def capped(n: int) -> int:  # sum of min(q // rate, cap) for q in 1..n
+        if cap is None:
+            return upto(n)
+        below = cap * rate - 1  # q // rate < cap for q <= below
+        return upto(min(n, below)) + cap * max(0, n - below)
+
+    return capped(past + new) - capped(past)
 
 
 def mean_of(values: list[float]) -> float:
@@ -112,6 +120,38 @@ def attention_attrs(kind: str, dep: Deployment, b: int, s: int, heads: int, kv_r
         "ep": dep.parallel.ep,
         "tp": dep.parallel.tp,
     }
+
+
+def price_csa_indexer(
+    rec: Recorder, c: Compressor, b: int, s: int, past: int, key_bytes: int, decode: bool
+) -> None:
+    """A csa layer's Lightning indexer, priced from its formula (roofline: no measured kernel): every
+    query scores each entry closed for it (``sum_h w_h relu(q_h . k)`` over ``n_heads`` heads of
+    ``head_dim``) and keeps its top-k; replicated over TP like the compressor (one shared key head). Its
+    projections and compressor run as the model's own (traced)."""
+    assert c.indexer is not None
+    heads, dim, topk = c.indexer.n_heads, c.indexer.head_dim, c.indexer.topk
+    closed = (past + s) // c.rate
+    scored = b * (s * closed if decode else entry_pairs(past, s, c.rate))  # (query, entry) pairs
+    keys_read = b * closed * dim * key_bytes
+    shapes = f"B{b} Hi{heads}x{dim} q{s} entries{closed} top{topk}"
+    rec.analytic(
+        "csa_indexer_logits",
+        "attention",
+        flops=2 * scored * heads * dim + 3 * scored * heads,  # q.k, relu, x weight, sum over heads
+        nbytes=keys_read + b * s * heads * dim * key_bytes + scored * 4,  # keys, queries, fp32 logits
+        shapes=shapes,
+        attrs={"csa_indexer": "logits", "top_k": topk},
+    )
+    rec.analytic(
+        "csa_indexer_topk",
+        "attention",
+        flops=scored,
+        nbytes=scored * 4 + b * s * min(topk, closed) * 4,  # the logits read, the int32 picks written
+        compute="vector",
+        shapes=shapes,
+        attrs={"csa_indexer": "topk", "top_k": topk},
+    )
 
 
 class AttentionKernel:
@@ -149,17 +189,22 @@ class AttentionKernel:
         kvb, past = self.kv_bytes, self.dep.context_len
         per_token = kv * (hd + vd) * kvb  # one token of this rank's cache
         write = b * s * per_token
-        # a compressed layer also attends over its compressor's entries, one per closed window
-        rate = self.s.compressor.rate if kind.mixer == "hca" and self.s.compressor is not None else None
+        # a compressed layer also attends over its compressor's entries, one per closed window (a csa
+        # layer over the top-k its indexer picks of them, priced beside it: ``price_csa_indexer``)
+        compressor = self.s.compressors.get(kind.mixer)
+        rate = compressor.rate if compressor is not None else None
+        cap = compressor.indexer.topk if compressor is not None and compressor.indexer is not None else None
+        if compressor is not None and compressor.indexer is not None:
+            price_csa_indexer(self.rec, compressor, b, s, past, self.kv_bytes, self.dep.decode)
         if self.dep.decode:
-            entries = (past + s) // rate if rate else 0
+            entries = compressor.attended((past + s) // rate) if compressor is not None and rate else 0
             reads = [visible_keys(past + s, w, c) + entries for w, c in kind.spans]
             pairs = mean_of([b * heads * s * r for r in reads])
             kv_read = mean_of([b * r * per_token for r in reads])
             nbytes = kv_read + 2 * b * s * heads * (hd + vd) + write
             name = "attention_decode"
         else:
-            entries, entry_reads = (entry_pairs(past, s, rate), (past + s) // rate) if rate else (0, 0)
+            entries, entry_reads = (entry_pairs(past, s, rate, cap), (past + s) // rate) if rate else (0, 0)
             pairs = mean_of([b * heads * (prefill_pairs(past, s, w, c) + entries) for w, c in kind.spans])
             keys = mean_of([prefill_keys(past, s, w, c) + entry_reads for w, c in kind.spans])
             kv_read = b * keys * per_token

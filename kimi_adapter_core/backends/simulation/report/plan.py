@@ -114,17 +114,35 @@ def _index_json(plan: Plan, index: IndexKeySizing) -> dict[str, Any]:
 
 
 def _compressed_json(plan: Plan, compressed: CompressedSizing) -> dict[str, Any]:
-    """A compressed stack's compressor states: ``floor(T / rate)`` entries of ``head_dim`` per layer (grow
-    with the context) and a ring of the open window (constant), replicated on every TP rank."""
-    c = compressed.compressor
+    """A compressed stack's compressor states: per kind ``floor(T / rate)`` entries of ``head_dim`` per
+    layer (a csa layer's indexer keys beside them: both grow with the context) and a ring of the open
+    windows (constant), replicated on every TP rank."""
+    kinds = {}
+    for k in compressed.kinds:
+        c = k.compressor
+        index = c.indexer
+        kinds[k.kind] = {
+            "layers": len(k.layer_ids),
+            "layer_ids": list(k.layer_ids),
+            "rate": c.rate,
+            "entry_shape": [c.head_dim],
+            "ring_shape": [c.overlap * c.rate, 2 * c.overlap * c.head_dim],
+            "entries_per_sequence": plan.seq_len // c.rate,
+            **(
+                {
+                    "indexer": {"n_heads": index.n_heads, "head_dim": index.head_dim, "topk": index.topk},
+                    "index_entry_shape": [index.head_dim],
+                    "index_ring_shape": [c.overlap * c.rate, 2 * c.overlap * index.head_dim],
+                }
+                if index is not None
+                else {}
+            ),
+        }
     return {
         "layers": compressed.layers,
-        "layer_ids": [i for i, kind in enumerate(plan.arch.structure.layer_kinds) if kind == "hca"],
+        "layer_ids": sorted(i for k in compressed.kinds for i in k.layer_ids),
         "grows_with_context": True,
-        "rate": c.rate,
-        "entry_shape": [c.head_dim],
-        "ring_shape": [c.rate, 2 * c.head_dim],
-        "entries_per_sequence": plan.seq_len // c.rate,
+        "kinds": kinds,
         "ring_bytes_per_request": compressed.ring_bytes(),
         "bytes_per_sequence": compressed.bytes(plan.seq_len),
         "bytes_per_sequence_per_device": compressed.bytes(plan.seq_len),
@@ -330,7 +348,8 @@ def _kv_text(plan: Plan) -> list[str]:
         lines.append(
             f"  compressed entries: {kv.compressed.describe(plan.seq_len)} = "
             f"{kv.compressed.bytes(plan.seq_len) / MIB:.2f} MiB per request, grows "
-            f"1/{kv.compressed.compressor.rate} as fast as a KV cache (replicated over "
+            f"{' and '.join(f'1/{k.compressor.rate} ({k.kind})' for k in kv.compressed.kinds)} as fast as "
+            "a KV cache (replicated over "
             f"tp={plan.parallel.tp}, one shared head)"
         )
     what = f"{plan.seq_len} tokens" + (" (KV + linear-attention state)" if kv.state is not None else "")
