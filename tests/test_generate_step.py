@@ -158,8 +158,8 @@ def test_an_engine_serves_requests_from_the_generated_modules_files_alone(genera
             plan = super()._plan(running)
             if plan:
                 rows = [
-                    {"query": count, "context": start, "logits": int(start + count >= len(request.prompt))}
-                    for request, start, count in plan
+                    {"query": len(tokens), "context": start, "logits": wanted}
+                    for _request, start, tokens, wanted in plan
                 ]
                 self.recorded.append({"rows": rows})
             return plan

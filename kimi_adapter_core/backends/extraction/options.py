@@ -189,8 +189,7 @@ class ExtractionOptions:
     def index_dim(self) -> int | None:
         """The DSA indexer keys' width, or a csa layer's Lightning indexer's (None: neither)."""
         assert self.structure is not None, "bind_structure first"
-        s = self.structure
-        indexer = s.indexer or (s.sparse_compressor.indexer if s.sparse_compressor is not None else None)
+        indexer = self.structure.indexer or getattr(self.structure.sparse_compressor, "indexer", None)
         return indexer.head_dim if indexer is not None else None
 
     @property
@@ -295,9 +294,8 @@ def options_from_spec(
 ) -> ExtractionOptions:
     """``spec.abi`` and ``backends.extraction`` defaults with CLI overrides, checked.
 
-    ``kv_cache``/``block_size`` override ``abi.kv_cache`` (``paged`` with ``block_size``, default the
-    spec's or 16); ``num_blocks``, ``step_tokens`` and ``step_logits`` the pool size and ``abi.step``
-    (``step_options.serving_options``)."""
+    ``kv_cache``/``block_size`` override ``abi.kv_cache``; ``num_blocks``, ``step_tokens``, ``step_logits``
+    and ``step_mtp`` the pool size and ``abi.step`` (``step_options.serving_options``)."""
     abi = spec.abi
     if abi is None:
         raise KadaptError(f"spec {spec.name} has no `abi` section: extraction needs the prefill/decode ABI")
