@@ -214,3 +214,28 @@ def test_generate_refuses_the_compressed_layers_by_name(tmp_path: Path) -> None:
     """The generated extraction module does not carry the rings and entries yet: refused, located."""
     with pytest.raises(NotExpressible, match=r"1 \(hca\) and 1 \(csa\) of the 3 layers are compressed"):
         render_spec(_spec(tmp_path), ["extraction"])
+
+
+@pytest.mark.compat
+def test_compressed_layers_stitch_reading_their_own_rotary_tables(tmp_path: Path) -> None:
+    """Each compressor holds its own rotary table (a non-persistent buffer): copies of a compressed layer
+    read their own layer's (stitching would otherwise fall back to tracing all 43 layers of the Flash
+    model, minutes instead of seconds). Five layers, the last two copies of the csa and hca layers: export
+    and verify equal transformers, every ring and entry too."""
+    spec = _spec(tmp_path, batch=2)
+    out = tmp_path / "out"
+    overrides = {
+        "num_hidden_layers": 5,
+        "layer_types": ["sliding_attention", CSA, HCA, CSA, HCA],
+        "mlp_layer_types": ["hash_moe", "moe", "moe", "moe", "moe"],
+    }
+    options = dataclasses.replace(
+        options_from_spec(spec, output_dir=out), verify_dtypes=("float32",), verify_overrides=overrides
+    )
+    report = verify(spec, options, echo=lambda line: None, keep_in=out)
+    assert report.passed, [(c.name, c.detail) for c in report.checks if not c.passed]
+    for graph in ("prefill", "decode"):
+        document = json.loads((out / f"deepseek_v4_{graph}_ir.json").read_text())
+        assert document["metadata"]["stitching"] == {"traced_layers": 3, "replicated_from": {"3": 1, "4": 2}}
+        tables = [name for name in document["constants"] if "compressor" in name and "inv_freq" in name]
+        assert {name.split(".")[2] for name in tables} == {"1", "2", "3", "4"}  # each layer its own

@@ -159,8 +159,9 @@ def test_a_layer_reading_an_older_layer_is_not_stitchable() -> None:
 
 
 def test_a_layer_reading_its_own_constant_is_not_stitchable() -> None:
-    """A per-layer non-persistent buffer has a value only for the traced layers: no copy may read it.
-    (Layers found under another wrapper path, as the vision encoder's, via ``layer_scope``.)"""
+    """Without ``constant_values`` a per-layer non-persistent buffer has a value only for the traced
+    layers: no copy may read it. (Layers found under another wrapper path, as the vision encoder's, via
+    ``layer_scope``.)"""
     value = TensorType((1,), "float32")
 
     def node(node_id: int, layer: int | None, inputs: list[Ref]) -> Node:
@@ -206,3 +207,48 @@ def test_build_graph_falls_back_to_tracing_every_layer(monkeypatch: pytest.Monke
         graph = build_graph("prefill", backbone, options, plan(backbone.layers), Clock(lines.append))
     assert any("tracing all 4 layers" in line for line in lines)
     assert not graph.notes and {node.layer for node in graph.nodes} >= {0, 1, 2, 3}
+
+
+def test_a_clone_reads_its_own_layers_constant_where_its_value_is_known() -> None:
+    """DeepSeek-V4's compressors each hold a rotary table (a non-persistent buffer): a copy of a layer
+    reads its own layer's, whose value ``constant_values`` gives (the model's, or on meta the value
+    transformers' init gives it); without one, or of another shape, the layer is not stitchable."""
+    value = TensorType((1,), "float32")
+    graph = Graph(
+        "prefill",
+        [GraphInput("x", value, "fixed")],
+        [GraphOutput("logits", Ref(NODE, 3), "logits")],
+        [
+            _node(0, None, [Ref(INPUT, 0)]),
+            _node(1, 0, [Ref(NODE, 0), Ref(CONSTANT, "l0.table")]),
+            _node(2, 1, [Ref(NODE, 1), Ref(CONSTANT, "l1.table")]),
+            _node(3, None, [Ref(NODE, 2)]),
+        ],
+        {},
+        {"l0.table": torch.zeros(1), "l1.table": torch.ones(1)},
+    )
+    names = options_from_spec(SPEC, output_dir="/tmp").prefill_names
+    paths = ["l0", "l1", "l2", "l3"]
+    own = {"l2.table": torch.full((1,), 2.0, dtype=torch.float64), "l3.table": torch.full((1,), 3.0)}
+    stitched = stitch(
+        graph, Plan(2, {2: 1, 3: 1}), layer_paths=paths, tensor_types={}, names=names, constant_values=own.get
+    )
+    reads = [r.key for node in stitched.nodes for r in node.inputs if r.kind == CONSTANT]
+    assert reads == ["l0.table", "l1.table", "l2.table", "l3.table"]
+    assert stitched.constants["l2.table"].dtype == torch.float32  # stored as the traced one is
+    assert stitched.constants["l2.table"].item() == 2.0 and stitched.constants["l3.table"].item() == 3.0
+    wrong = (  # no value for layer 3, none at all, another shape
+        {"l2.table": torch.ones(1)}.get,
+        {}.get,
+        {"l2.table": torch.ones(2), "l3.table": torch.ones(1)}.get,
+    )
+    for values in wrong:
+        with pytest.raises(NotStitchable, match="layer 1 reads its own constant l1.table"):
+            stitch(
+                graph,
+                Plan(2, {2: 1, 3: 1}),
+                layer_paths=paths,
+                tensor_types={},
+                names=names,
+                constant_values=values,
+            )

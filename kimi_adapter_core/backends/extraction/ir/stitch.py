@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from torch import nn
 
@@ -172,12 +173,14 @@ class _Clone:
         source: int,
         target: int,
         carry_in: Slot,
+        constant_values: Callable[[str], Any] | None = None,
     ) -> None:
         self.stitched = stitched
         self.template = template
         self.layer_paths = layer_paths
         self.layer_scope = layer_scope
         self.tensor_types = tensor_types
+        self.constant_values = constant_values
         self.source = source
         self.target = target
         self.source_carry_in = layout.carry[source - 1]
@@ -217,7 +220,15 @@ class _Clone:
             self.stitched.weights[path] = self.template.weights[ref.key]
             return Ref(WEIGHT, path)
         if ref.kind == CONSTANT and ref.key.startswith(prefix):
-            raise NotStitchable(f"layer {self.source} reads its own constant {ref.key}")
+            # a layer's own non-persistent buffer (DeepSeek-V4's compressors each hold a rotary table):
+            # the clone reads the target layer's own value, as a trace of it would
+            path = self.layer_paths[self.target] + "." + ref.key[len(prefix) :]
+            traced = self.template.constants[ref.key]
+            value = self.constant_values(path) if self.constant_values is not None else None
+            if value is None or tuple(value.shape) != tuple(traced.shape):
+                raise NotStitchable(f"layer {self.source} reads its own constant {ref.key}")
+            self.stitched.constants[path] = value.to(traced.dtype)  # as stored (a float cast follows)
+            return Ref(CONSTANT, path)
         return ref
 
     def node(self, node: Node, new_id: int) -> Node:
@@ -242,12 +253,15 @@ def stitch(
     tensor_types: dict[str, TensorType],
     names: GraphNames,
     layer_scope: str = "layers",
+    constant_values: Callable[[str], Any] | None = None,
 ) -> Graph:
     """The graph of all ``len(layer_paths)`` layers from a trace of ``chosen.prefix`` layers.
 
     ``layer_paths[j]`` is layer ``j``'s module path in the model (``model.language_model.layers.5``);
     ``tensor_types`` the model's parameters, to check every clone's weights exist as traced;
-    ``layer_scope`` the layers' module path inside the traced wrapper (node scopes ``<layer_scope>.<j>...``).
+    ``layer_scope`` the layers' module path inside the traced wrapper (node scopes ``<layer_scope>.<j>...``);
+    ``constant_values`` a layer's own non-persistent buffer by model path (None: a layer reading one is
+    not stitchable).
     """
     if not chosen.templates:
         return graph
@@ -267,7 +281,16 @@ def stitch(
     for target in range(chosen.prefix, len(layer_paths)):
         source = chosen.templates[target]
         clone = _Clone(
-            stitched, graph, layout, layer_paths, layer_scope, tensor_types, source, target, carry[-1]
+            stitched,
+            graph,
+            layout,
+            layer_paths,
+            layer_scope,
+            tensor_types,
+            source,
+            target,
+            carry[-1],
+            constant_values,
         )
         clone.add_kv_inputs(names)
         for node in layout.layers[source]:

@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from .... import upstream
 from ....checkpoint.naming import rename_weight
 from ....checkpoint.tensors import TensorType, dtype_name
 from ....checkpoint.weight_map import ir_quantization
@@ -74,3 +75,10 @@ def model_tensor_types(model: nn.Module) -> dict[str, TensorType]:
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         types[name] = TensorType(tuple(tensor.shape), dtype_name(tensor.dtype))
     return types
+
+
+def buffer_value(model: nn.Module, path: str) -> Any:
+    """Non-persistent buffer ``path`` of ``model`` as a CPU tensor: its own value, or on the meta device
+    the one transformers' ``_init_weights`` gives it (``upstream.rebuild_buffer``; None: none does)."""
+    tensor = model.get_buffer(path)
+    return tensor.detach().cpu() if tensor.device.type != "meta" else upstream.rebuild_buffer(model, path)

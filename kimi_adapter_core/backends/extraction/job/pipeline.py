@@ -47,7 +47,7 @@ from ..ir.irjson import ir_chunks
 from ..ir.mtp_export import attached, build_mtp, export_mtp
 from ..ir.stack import Backbone, check_exportable, check_stack, probed_stack
 from ..ir.stitch import NotStitchable, Plan, plan, stitch
-from ..ir.weights import model_tensor_types, tied_names, weight_entries
+from ..ir.weights import buffer_value, model_tensor_types, tied_names, weight_entries
 from ..options import MERGED, ExtractionOptions, bind_merged_prefill, bind_structure
 from ..runtime.step import step_refusal
 from ..step_options import MTP, STEP
@@ -118,6 +118,7 @@ def build_graph(
                 layer_paths=[module_paths[id(layer)] for layer in backbone.layers],
                 tensor_types=model_tensor_types(backbone.model),
                 names=graph_names(kind, options),
+                constant_values=lambda path: buffer_value(backbone.model, path),
             )
     except NotStitchable as exc:
         clock.echo(f"  cannot replicate layers ({exc}); tracing all {len(backbone.layers)} layers")
