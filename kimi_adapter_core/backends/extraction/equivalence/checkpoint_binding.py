@@ -60,7 +60,20 @@ def saved_and_loaded(model: nn.Module, options: ExtractionOptions, tmp: Path) ->
     for entry in doc["weights"].values():
         for group in entry["sources"]:
             group.pop("storage", None)
-    return load_weights(doc, checkpoint)
+    return in_torch_memory(load_weights(doc, checkpoint))
+
+
+def in_torch_memory(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``weights`` copied into tensors torch allocates (64-byte aligned), as the model's parameters are.
+
+    safetensors hands out each tensor where it lies in the file, right after the tensors before it (so
+    aligned to its element size only), and CPU GEMM kernels (MKL's on AVX-512 here) sum in another order
+    for an operand that is not 64-byte aligned: the same float32 ``linear`` then differs from
+    transformers' in the last bit. A bf16 graph can round that into a logit ulp many steps later
+    (DeepSeek-V4-Flash's hyper-connection ``attn_hc.fn``, fp32: tokens parted from ``generate`` after
+    178 of 200 decode steps), which verify would blame on the graph. Where a runtime puts its weights
+    is its own affair; verify compares the graphs' math."""
+    return {name: tensor.clone() for name, tensor in weights.items()}
 
 
 def _in_spec_names(model: nn.Module, saved: Path, renames: tuple[tuple[str, str], ...], out: Path) -> Path:
