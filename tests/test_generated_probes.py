@@ -21,6 +21,8 @@ from transformers.models.llama4 import modeling_llama4
 from kimi_adapter_core.backends.extraction import options_from_spec
 from kimi_adapter_core.backends.extraction.job.contact_points import stack_points
 from kimi_adapter_core.backends.extraction.tiny_model import tiny_overrides
+from kimi_adapter_core.generate.common import NotExpressible
+from kimi_adapter_core.generate.extraction import render_extraction
 from kimi_adapter_core.loading import load_config
 from kimi_adapter_core.spec import load_spec
 from kimi_adapter_core.structure.of_spec import structure_of_config
@@ -43,9 +45,22 @@ def checked_at_import(path: Path) -> tuple[str, ...]:
     return ast.literal_eval(calls[0].args[0])
 
 
+# shipped specs whose extraction module kadapt generate skips, and the located reason it gives: the
+# compressed layers' rings and entries, which the module's template does not carry yet (issue 36)
+NOT_GENERATED = {
+    "deepseek_v4_flash": "compressed: the generated extraction module does not carry a compressor"
+}
+
+
 def test_every_shipped_spec_with_an_abi_has_a_generated_module() -> None:
+    """Or generate refuses it, located, saying why (never a silently missing module)."""
     with_abi = sorted(p.stem for p in (REPO / "specs").glob("*.yaml") if load_spec(p).abi is not None)
-    assert GENERATED == [name for name in with_abi if name != "kimi_k25_remote"]
+    skipped = {"kimi_k25_remote", *NOT_GENERATED}
+    assert GENERATED == [name for name in with_abi if name not in skipped]
+    for name, reason in NOT_GENERATED.items():
+        with pytest.raises(NotExpressible, match=reason) as refused:
+            render_extraction(load_spec(REPO / "specs" / f"{name}.yaml"))
+        assert f"specs/{name}.yaml:" in str(refused.value)
 
 
 @pytest.mark.parametrize("name", GENERATED)

@@ -119,7 +119,9 @@ def ir_chunks(
                 "data": tensor.tolist(),
                 "dtype": str(tensor.dtype).removeprefix("torch."),
             }
-            for path, tensor in graph.constants.items()
+            # by name: torch.export's one-trace and two-call paths list a layer's buffers in other
+            # orders (DeepSeek-V4's compressor and indexer rotary tables), and the bytes must not care
+            for path, tensor in sorted(graph.constants.items())
         },
     }
     yield _dumps(header)[:-1] + ',"nodes":['

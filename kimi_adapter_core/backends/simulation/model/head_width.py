@@ -29,9 +29,13 @@ def refuse_hidden_derived_heads(
         return
     heads = heads_per_rank(a, tp)
     derived = s.hidden_size // heads
+    # widths the config states for other parts (an indexer's, a compressor's entries): a module of
+    # that width keeps its own (DeepSeek-V4's 128-wide indexer is 4096 / 32 at TP 2 by coincidence)
+    indexers = [s.indexer, *(c.indexer for c in s.compressors.values())]
+    stated = {i.head_dim for i in indexers if i is not None} | {c.head_dim for c in s.compressors.values()}
     for name, layer in layers:
         for path, m in layer.named_modules(prefix=name):
-            if getattr(m, "head_dim", None) == derived != a.head_dim:
+            if getattr(m, "head_dim", None) == derived != a.head_dim and derived not in stated:
                 raise KadaptError(
                     f"--tp {tp}: {type(m).__name__} ({path}) takes its head width from config "
                     f"{s.keys.get('hidden_size', 'hidden_size')} / {s.keys['num_heads']} "
