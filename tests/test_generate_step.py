@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch_ir
 from click.testing import CliRunner
+from fixtures.engine_trace import generate
 from fixtures.modules import REPO, import_path
-from transformers import GenerationConfig
 
 from kimi_adapter_core.backends.extraction import options_from_spec
 from kimi_adapter_core.backends.extraction.job.documents import kv_mapping_document
@@ -167,14 +167,8 @@ def test_an_engine_serves_requests_from_the_generated_modules_files_alone(genera
     requests = [engine_module.Request(p, n, a) for p, n, a in _trace(config.vocab_size)]
     engine = RecordingEngine(mapping, execute)
     engine.serve(requests)
-    cpu.generation_config.eos_token_id = None
     for index, request in enumerate(requests):  # transformers unpatched: outside patches_applied()
-        settings = GenerationConfig(
-            max_new_tokens=request.max_new, min_new_tokens=request.max_new, do_sample=False, pad_token_id=0
-        )
-        with torch.no_grad():
-            expected = cpu.generate(torch.tensor([request.prompt]), generation_config=settings)
-        assert request.output == expected[0, len(request.prompt) :].tolist(), index
+        assert request.output == generate(cpu, request.prompt, request.max_new), index
     assert engine.shared_blocks >= 2  # the shared prefix was read from the cache
     assert len({tuple(r.output) for r in requests}) > REQUESTS // 2
 
