@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 
 from kimi_adapter_core.checkpoint.loader import load_weights
 from kimi_adapter_core.checkpoint.naming import rename_weight
-from kimi_adapter_core.checkpoint.storage import FP8_BLOCK, MXFP4, PACK_QUANTIZED
+from kimi_adapter_core.checkpoint.storage import FP4_E2M1, FP8_BLOCK, MXFP4, PACK_QUANTIZED
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import KadaptError, Refusal
 from kimi_adapter_core.spec import load_spec
@@ -146,6 +146,72 @@ def test_each_checkpoint_loads_through_the_weight_map_its_config_gives(storage: 
     torch.testing.assert_close(
         prefill_logits(options, weights, prompt), eager_logits(spec, reference.eval(), prompt)
     )
+
+
+def _as_deepseek_v4_ships_it(
+    tensors: dict[str, torch.Tensor], doc: dict[str, Any], generator: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """``tensors`` (a ``save_pretrained`` state) with every source the weight map says is quantized
+    stored as DeepSeek-V4-Flash ships it: FP8 with power-of-two ue8m0 block scales, the routed experts
+    FP4 (two random e2m1 codes a byte) with one ue8m0 scale per 32 inputs of a row."""
+    stored = dict(tensors)
+    for entry in doc["weights"].values():
+        for group in (g for g in entry["sources"] if "storage" in g):
+            storage = group["storage"]
+            for name in group["tensors"]:
+                rows, cols = tensors[name].shape
+                if storage["format"] == FP8_BLOCK:
+                    br, bc = storage["block"]
+                    grid = (-(-rows // br), -(-cols // bc))
+                    scale = torch.exp2(torch.randint(-8, -5, grid, generator=generator).float())
+                    stored[name], _ = fp8_quantized(tensors[name].float(), scale, (br, bc))
+                else:
+                    assert storage["format"] == FP4_E2M1, storage["format"]
+                    codes = torch.randint(0, 256, (rows, cols // 2), generator=generator, dtype=torch.uint8)
+                    stored[name] = codes.view(torch.int8)
+                    scale = torch.exp2(torch.randint(-3, 3, (rows, cols // 32), generator=generator).float())
+                stored[name + "_scale_inv"] = scale.to(torch.float8_e8m0fnu)
+    return stored
+
+
+def test_deepseek_v4_flash_checkpoint_loads_as_transformers_reads_it(tmp_path: Path) -> None:
+    """DeepSeek-V4-Flash's quantization_config (FP8 with ue8m0 scales, ``expert_dtype: fp4``): the weight
+    map stores the routed experts FP4 and every other linear FP8 but the head, which the checkpoint
+    renames (``head.weight``) and keeps bf16; transformers' own loader reads the very checkpoint the
+    map describes - no tensor missing or unexpected - into the weights kadapt's loader gives."""
+    from transformers import AutoModelForCausalLM
+
+    qc = json.loads((REPO / "specs" / "deepseek_v4_flash" / "config.json").read_text())["quantization_config"]
+    qc = {**qc, "weight_block_size": [8, 16]}  # whole blocks of the tiny shapes (see FP8 above)
+    spec, options, config, model = extract("deepseek_v4_flash", tmp_path / "ir", quantization_config=qc)
+    doc = json.loads(options.path("weight_map").read_text())
+    assert _formats(doc) == {FP8_BLOCK, FP4_E2M1}
+    head = doc["weights"]["lm_head.weight"]["sources"]
+    assert head[0]["tensors"] == ["head.weight"] and "storage" not in head[0]
+    for entry in doc["weights"].values():
+        for group in (g for g in entry["sources"] if "storage" in g):
+            routed = re.search(r"\.experts\.\d+\.", group["tensors"][0]) is not None
+            assert (group["storage"]["format"] == FP4_E2M1) == routed, group["tensors"][0]
+            assert group["storage"]["tensors"]["scale"]["dtype"] == "float8_e8m0fnu"
+
+    model.save_pretrained(tmp_path / "saved")
+    plain = json.loads((tmp_path / "saved" / "config.json").read_text())
+    stored = _as_deepseek_v4_ships_it(
+        load_file(str(tmp_path / "saved" / "model.safetensors")), doc, torch.Generator().manual_seed(7)
+    )
+    checkpoint = _write(tmp_path / "fp8", stored, {**plain, "quantization_config": qc})
+    assert _read_by(doc) == set(stored)
+    weights = load_weights(doc, checkpoint)
+    # on CPU transformers dequantizes an FP8 checkpoint while loading it (to bf16: every value here is
+    # a short mantissa times a power of two, exact in bf16)
+    reference, info = AutoModelForCausalLM.from_pretrained(
+        checkpoint, dtype=torch.float32, output_loading_info=True
+    )
+    assert not any(info.values()), info
+    state = reference.state_dict()
+    assert set(weights) <= set(state) and len(weights) == len(doc["weights"])
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, state[name].to(tensor.dtype)), name
 
 
 def test_kimi_config_without_quantization_config_is_a_dense_checkpoint(tmp_path: Path) -> None:
@@ -291,10 +357,9 @@ def test_ir_quantization_is_the_weight_map_entry(name: str, shipped_apply: Share
     [weight_map] = result.out.glob("*_weight_map.json")
     doc = json.loads(weight_map.read_text())
     raw = json.loads(load_spec(name).source.config.read_text())
-    method = (
-        raw.get("text_config", {}).get("quantization_config") or raw.get("quantization_config") or {}
-    ).get("quant_method")
-    assert _formats(doc) == FORMAT_OF[method]
+    qc = raw.get("text_config", {}).get("quantization_config") or raw.get("quantization_config") or {}
+    fp4_experts = {FP4_E2M1} if qc.get("expert_dtype") == "fp4" else set()  # DeepSeek-V4's routed experts
+    assert _formats(doc) == FORMAT_OF[qc.get("quant_method")] | fp4_experts
     files = list(result.out.glob("*_ir.json"))
     assert len(files) >= 2
     for path in files:

@@ -4,8 +4,9 @@
 in one ``KadaptError`` naming the file (and tensor or key) - never a read outside the folder, a hang
 on a FIFO, a tensor cast into a wrong weight, or a raw exception. The tiny checkpoint holds every
 storage format the weight map describes (dense, stacked experts, a chunked and rope-permuted fused
-tensor, int4 pack-quantized, FP8 block-scaled, MXFP4) in two shards with an index; data-driven cases
-live in ``tests/hostile/checkpoints/`` (see its README), the rest need a filesystem shape built here.
+tensor, int4 pack-quantized, FP8 block-scaled, MXFP4, DeepSeek-V4's FP4 experts with e8m0 scales) in
+two shards with an index; data-driven cases live in ``tests/hostile/checkpoints/`` (see its README),
+the rest need a filesystem shape built here.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from safetensors.torch import save_file
 
 from kimi_adapter_core.checkpoint.guard import DTYPES
 from kimi_adapter_core.checkpoint.loader import load_weights
-from kimi_adapter_core.checkpoint.storage import fp8_block, mxfp4, pack_quantized
+from kimi_adapter_core.checkpoint.storage import fp4_e2m1, fp8_block, mxfp4, pack_quantized
 from kimi_adapter_core.errors import KadaptError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -88,6 +89,9 @@ def _weight_map() -> dict[str, Any]:
             "mx.gate_up_proj": _entry(
                 [2, 32, 4], [_group(["mx.gate_up_proj"], [2, 32, 4], mxfp4((2, 32, 4)))], []
             ),
+            "fp4.weight": _entry(
+                [4, 64], [_group(["fp4.weight"], [4, 64], fp4_e2m1((4, 64), "float8_e8m0fnu"))], []
+            ),
         },
     }
     return json.loads(json.dumps(doc))  # the builders share their blocks: never mutate those
@@ -95,7 +99,9 @@ def _weight_map() -> dict[str, Any]:
 
 def _tensors() -> tuple[Shards, dict[str, torch.Tensor]]:
     """(shard name -> tensors, graph weight -> the value it must load as), expected values computed
-    independently of the loader (transformers' own MXFP4 dequantizer, the fixtures' quantizers)."""
+    independently of the loader (transformers' own MXFP4 and FP8/FP4 dequantizers, the fixtures'
+    quantizers)."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     gen = torch.Generator().manual_seed(0)
@@ -106,6 +112,8 @@ def _tensors() -> tuple[Shards, dict[str, torch.Tensor]]:
     fp8_stored, fp8 = fp8_quantized(torch.randn(8, 32, generator=gen), fp8_scale, (4, 16))
     blocks = torch.randint(0, 256, (2, 4, 1, 16), generator=gen).to(torch.uint8)
     scales = torch.randint(122, 129, (2, 4, 1), generator=gen).to(torch.uint8)
+    fp4_codes = torch.randint(-128, 128, (4, 32), generator=gen).to(torch.int8)
+    fp4_scale = torch.exp2(torch.randint(-3, 3, (4, 2), generator=gen).float()).to(torch.float8_e8m0fnu)
     shards = {
         SHARDS[0]: {"dense.weight": dense, "experts.0.w": e0, "experts.1.w": e1, "wqkv.weight": wqkv},
         SHARDS[1]: {
@@ -114,6 +122,8 @@ def _tensors() -> tuple[Shards, dict[str, torch.Tensor]]:
             "fp8.weight_scale_inv": fp8_scale,
             "mx.gate_up_proj_blocks": blocks,
             "mx.gate_up_proj_scales": scales,
+            "fp4.weight": fp4_codes,
+            "fp4.weight_scale_inv": fp4_scale,
         },
     }
     expected = {
@@ -123,6 +133,7 @@ def _tensors() -> tuple[Shards, dict[str, torch.Tensor]]:
         "int4.weight": int4,
         "fp8.weight": fp8,
         "mx.gate_up_proj": convert_moe_packed_tensors(blocks, scales, dtype=torch.float32),
+        "fp4.weight": Fp8Dequantize(None)._dequantize_one(fp4_codes, fp4_scale, torch.float32),
     }
     return shards, expected
 

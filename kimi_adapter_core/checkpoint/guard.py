@@ -29,7 +29,9 @@ from ..errors import KadaptError
 
 INDEX = "model.safetensors.index.json"
 PACK_QUANTIZED, FP8_BLOCK, MXFP4 = "compressed-tensors/pack-quantized", "fp8-block", "mxfp4"
-MXFP4_BLOCK = 32
+FP4_E2M1 = "fp4-e2m1"
+MXFP4_BLOCK = FP4_BLOCK = 32
+FORMATS = (PACK_QUANTIZED, FP8_BLOCK, MXFP4, FP4_E2M1)
 
 # The dtypes kadapt writes into a weight map (graph weights, sources, storage tensors): a map naming any
 # other is refused, never resolved as an attribute of torch.
@@ -39,6 +41,7 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e8m0fnu": torch.float8_e8m0fnu,
     "int64": torch.int64,
     "int32": torch.int32,
     "int16": torch.int16,
@@ -47,12 +50,13 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 FLOAT_SCALES = ("float32", "bfloat16", "float16")
+FP8_SCALES = ("float32", "float8_e8m0fnu")  # an fp8 quantization_config's scale_fmt: float, ue8m0
 INT_BITS = (1, 2, 4, 8)  # values compressed-tensors packs whole into an int32 word
 # safetensors' header dtype codes, by torch's spelling
 STORED_DTYPES = {
     "F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16", "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
-    "U8": "uint8", "BOOL": "bool",
+    "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu", "I64": "int64", "I32": "int32", "I16": "int16",
+    "I8": "int8", "U8": "uint8", "BOOL": "bool",
 }  # fmt: skip
 
 
@@ -363,8 +367,10 @@ class MapReader:
             implied = self._fp8_block(storage, where, shape)
         elif kind == MXFP4:
             implied = self._mxfp4(storage, where, shape)
+        elif kind == FP4_E2M1:
+            implied = self._fp4_e2m1(storage, where, shape)
         else:
-            raise self.error(f"{where}.format", kind, f"one of {PACK_QUANTIZED}, {FP8_BLOCK}, {MXFP4}")
+            raise self.error(f"{where}.format", kind, f"one of {', '.join(FORMATS)}")
         if set(tensors) != set(implied):
             found = ", ".join(sorted(map(str, tensors))) or "none"
             raise KadaptError(
@@ -414,7 +420,22 @@ class MapReader:
         block_rows, block_cols = self.sizes(storage, "block", where, length=2, minimum=1)
         return {
             "weight": ("float8_e4m3fn", [rows, cols]),
-            "scale": ("float32", [_ceil(rows, block_rows), _ceil(cols, block_cols)]),
+            "scale": (self._scale_dtype(storage, where), [_ceil(rows, block_rows), _ceil(cols, block_cols)]),
+        }
+
+    def _scale_dtype(self, storage: Any, where: str) -> str:
+        scale = self.get(storage["tensors"], "scale", f"{where}.tensors")
+        return self.dtype(scale, "dtype", f"{where}.tensors.scale", FP8_SCALES)
+
+    def _fp4_e2m1(self, storage: Any, where: str, shape: list[int]) -> dict[str, tuple[str, list[int]]]:
+        rows, cols = self._matrix(shape, where, 2)
+        if self.get(storage, "block", where) != FP4_BLOCK or type(storage["block"]) is not int:
+            raise self.error(f"{where}.block", storage["block"], str(FP4_BLOCK))
+        if cols % FP4_BLOCK:
+            raise KadaptError(f"{self.source}: {where}: {cols} inputs do not split into FP4 blocks of 32")
+        return {
+            "weight": ("int8", [rows, cols // 2]),
+            "scale": (self._scale_dtype(storage, where), [rows, cols // FP4_BLOCK]),
         }
 
     def _mxfp4(self, storage: Any, where: str, shape: list[int]) -> dict[str, tuple[str, list[int]]]:

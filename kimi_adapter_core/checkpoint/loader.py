@@ -22,6 +22,8 @@ import torch
 from ..errors import KadaptError
 from .guard import (
     DTYPES,
+    FP4_BLOCK,
+    FP4_E2M1,
     FP8_BLOCK,
     MXFP4,
     PACK_QUANTIZED,
@@ -103,6 +105,15 @@ def _mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return values.flatten(-2).transpose(1, 2).contiguous()
 
 
+def _fp4_e2m1(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V4's FP4 expert weight: int8 ``[out, in/2]`` (two e2m1 codes a byte, low nibble first)
+    times one scale per ``FP4_BLOCK`` inputs of a row -> float32 ``[out, in]``."""
+    e2m1 = torch.tensor(E2M1, dtype=torch.float32)
+    codes = weight.view(torch.uint8)
+    values = torch.stack((e2m1[(codes & 0x0F).long()], e2m1[(codes >> 4).long()]), dim=-1).flatten(-2)
+    return values * scale.to(torch.float32).repeat_interleave(FP4_BLOCK, dim=-1)
+
+
 def _read(checkpoint: Checkpoint, name: str, group: Mapping[str, Any]) -> torch.Tensor:
     """Source tensor ``name`` of ``group`` (checked by ``MapReader``), dequantized per its storage."""
     storage = group.get("storage")
@@ -114,6 +125,8 @@ def _read(checkpoint: Checkpoint, name: str, group: Mapping[str, Any]) -> torch.
     }
     if storage["format"] == MXFP4:
         return _mxfp4(parts["blocks"], parts["scales"])
+    if storage["format"] == FP4_E2M1:
+        return _fp4_e2m1(parts["weight"], parts["scale"])
     rows, cols = group["shape"]
     if storage["format"] == PACK_QUANTIZED:
         shape = [int(v) for v in parts["shape"].tolist()]

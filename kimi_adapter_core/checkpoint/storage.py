@@ -14,7 +14,11 @@ a config that disagree are a located error, and schemes beside a dense config a 
   offset by ``2**(bits-1)``), ``X.weight_scale`` (one scale per ``group_size`` inputs) and
   ``X.weight_shape`` (the unpacked shape); ``w = (q - 2**(bits-1)) * scale``.
 - ``fp8`` with ``weight_block_size`` (DeepSeek-V3): ``X.weight`` in float8_e4m3fn plus
-  ``X.weight_scale_inv`` (float32, one per block); ``w = weight * scale_inv[block]``.
+  ``X.weight_scale_inv`` (float32, one per block; ``scale_fmt: ue8m0``, DeepSeek-V4's: float8_e8m0fnu, a
+  power of two in one byte); ``w = weight * scale_inv[block]``. With ``expert_dtype: fp4`` (DeepSeek-V4)
+  the routed experts' per-expert weights are FP4 instead (``fp4-e2m1``): ``X.weight`` int8 ``[out, in/2]``
+  (two e2m1 values a byte, low nibble first) and ``X.weight_scale_inv`` ``[out, in/32]`` in the
+  ``scale_fmt`` dtype - transformers' ``FP8Experts`` layout.
 - ``mxfp4`` (gpt-oss's routed experts, the stacked ``experts.gate_up_proj`` / ``experts.down_proj``
   of shape ``[E, in, out]``): ``X_blocks`` (uint8 ``[E, out, in/32, 16]``, two e2m1 values a byte,
   low nibble first) and ``X_scales`` (uint8 e8m0 ``[E, out, in/32]``);
@@ -54,6 +58,14 @@ PACK_QUANTIZED = "compressed-tensors/pack-quantized"
 FP8_BLOCK = "fp8-block"
 MXFP4 = "mxfp4"
 MXFP4_BLOCK = 32  # e2m1 values per e8m0 scale (OCP microscaling)
+FP4_E2M1 = "fp4-e2m1"
+FP4_BLOCK = 32  # e2m1 values of one row per scale (transformers' FP8Experts: sf_gran_k 32)
+# ``scale_fmt`` of an fp8 quantization_config -> the dtype of its scales (transformers' FineGrainedFP8Config)
+SCALE_DTYPES = {"float": "float32", "ue8m0": "float8_e8m0fnu"}
+EXPERT_DTYPES = ("fp8", "fp4")
+# a routed expert's own weight (``mlp.experts.3.gate_proj``, DeepSeek-V4's ``ffn.experts.3.w1``), which
+# transformers' fp8 quantizer stores in ``expert_dtype``; a shared expert is an ordinary linear
+ROUTED_EXPERT = re.compile(r"(^|\.)experts\.\d+\.")
 # the expert tensors transformers' Mxfp4GptOssExperts stores packed
 MXFP4_TENSORS = ("experts.gate_up_proj", "experts.down_proj")
 
@@ -108,7 +120,7 @@ def pack_quantized(shape: tuple[int, ...], bits: int, group_size: int, scale_dty
 
 
 @functools.cache
-def fp8_block(shape: tuple[int, ...], block: tuple[int, int]) -> Storage:
+def fp8_block(shape: tuple[int, ...], block: tuple[int, int], scale_dtype: str = "float32") -> Storage:
     rows, cols = shape
     return {
         "format": FP8_BLOCK,
@@ -117,11 +129,31 @@ def fp8_block(shape: tuple[int, ...], block: tuple[int, int]) -> Storage:
             "weight": {"suffix": "", "dtype": "float8_e4m3fn", "shape": [rows, cols]},
             "scale": {
                 "suffix": "_scale_inv",
-                "dtype": "float32",
+                "dtype": scale_dtype,
                 "shape": [math.ceil(rows / block[0]), math.ceil(cols / block[1])],
             },
         },
         "dequantize": f"w[r, c] = weight[r, c] * scale_inv[r // {block[0]}, c // {block[1]}]",
+    }
+
+
+@functools.cache
+def fp4_e2m1(shape: tuple[int, ...], scale_dtype: str) -> Storage:
+    """Storage of one routed expert's ``[out, in]`` weight as DeepSeek-V4 ships it (``expert_dtype: fp4``)."""
+    rows, cols = shape
+    if cols % FP4_BLOCK:
+        raise KadaptError(f"weight map: {cols} inputs do not split into FP4 blocks of {FP4_BLOCK}")
+    return {
+        "format": FP4_E2M1,
+        "block": FP4_BLOCK,
+        "tensors": {
+            "weight": {"suffix": "", "dtype": "int8", "shape": [rows, cols // 2]},
+            "scale": {"suffix": "_scale_inv", "dtype": scale_dtype, "shape": [rows, cols // FP4_BLOCK]},
+        },
+        "dequantize": (
+            f"w[r, c] = e2m1[(weight[r, c // 2] >> 4*(c % 2)) & 15] * scale_inv[r, c // {FP4_BLOCK}]; "
+            "e2m1 = [0, .5, 1, 1.5, 2, 3, 4, 6, -0, -.5, -1, -1.5, -2, -3, -4, -6]"
+        ),
     }
 
 
@@ -225,12 +257,24 @@ def _fp8(qc: dict[str, Any], head: str, where: str) -> StorageRule:
             f"{where}: weight_block_size must be two positive integers, found {list(block)!r:.80}"
         )
     skip = _names(qc, "modules_to_not_convert", where)
+    scale_fmt = qc.get("scale_fmt") or "float"
+    if scale_fmt not in SCALE_DTYPES:
+        described = ", ".join(SCALE_DTYPES)
+        raise KadaptError(f"{where}: scale_fmt {scale_fmt!r} is not described ({described} are)")
+    expert_dtype = qc.get("expert_dtype") or "fp8"
+    if expert_dtype not in EXPERT_DTYPES:
+        raise KadaptError(
+            f"{where}: expert_dtype {expert_dtype!r} is not described ({', '.join(EXPERT_DTYPES)} are)"
+        )
+    scale = SCALE_DTYPES[scale_fmt]
 
     def rule(name: str, shape: tuple[int, ...], linear: bool) -> Storage | None:
         module = name.removesuffix(".weight")
         if not linear or module == head or not_converted(module, skip):
             return None
-        return fp8_block(shape, block if len(block) == 2 else shape)  # type: ignore[arg-type]
+        if expert_dtype == "fp4" and ROUTED_EXPERT.search(module):
+            return fp4_e2m1(shape, scale)
+        return fp8_block(shape, block if len(block) == 2 else shape, scale)  # type: ignore[arg-type]
 
     return rule
 
@@ -282,7 +326,9 @@ def describe(storage: Storage | None) -> str:
         return f"int{storage['bits']} pack-quantized, groups of {storage['group_size']}, {scale} scales"
     if storage["format"] == FP8_BLOCK:
         rows, cols = storage["block"]
-        return f"float8_e4m3fn with {rows}x{cols} block scales"
+        return f"float8_e4m3fn with {rows}x{cols} block scales ({storage['tensors']['scale']['dtype']})"
+    if storage["format"] == FP4_E2M1:
+        return f"fp4 e2m1 with one {storage['tensors']['scale']['dtype']} scale per {storage['block']} inputs"
     return str(storage["format"])
 
 

@@ -86,7 +86,7 @@ def weight_map_document(
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     qc, found_in = quantization_config_of(text, config)
-    head = rename_weight(_head_path(weights), renames).removesuffix(".weight")
+    head = _head_source(sources, _head_path(weights)).removesuffix(".weight")
     stored = checkpoint_storage(
         qc, found_in, spec.quantization, head=head, locate=lambda i: spec.locate(f"quantization[{i}]")
     )
@@ -116,6 +116,15 @@ def weight_map_document(
 def _head_path(weights: Mapping[str, TensorType]) -> str:
     """The output head among ``weights`` (the first, in their order), which no storage quantizes."""
     return next((p for p in weights if p.endswith("lm_head.weight")), "lm_head.weight")
+
+
+def _head_source(sources: Mapping[str, CheckpointSource], head: str) -> str:
+    """The checkpoint tensor the output head is read from - the name a quantization rule sees, which a
+    conversion mapping may rename (DeepSeek-V4 stores ``lm_head.weight`` as ``head.weight``)."""
+    source = sources.get(head)
+    if source is None or len(source.groups) != 1 or len(source.groups[0].tensors) != 1:
+        return head
+    return source.groups[0].tensors[0]
 
 
 def same_document(weights: Mapping[str, TensorType], other: Mapping[str, TensorType]) -> bool:

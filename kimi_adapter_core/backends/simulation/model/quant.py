@@ -5,7 +5,9 @@
   config's ``quantization_config`` decides - compressed-tensors pack-quantized (Kimi-K2.5: routed
   experts int4, group 32, bf16 scales, computed in bf16), block-scaled FP8 (DeepSeek-V3: every linear
   weight of the text model FP8 e4m3 with one fp32 scale per 128x128 block, computed at the FP8 peak),
-  MXFP4 (gpt-oss: routed experts 4-bit e2m1 with one e8m0 scale per 32 weights, computed in bf16) -
+  MXFP4 (gpt-oss: routed experts 4-bit e2m1 with one e8m0 scale per 32 weights, computed in bf16),
+  DeepSeek-V4's ``expert_dtype: fp4`` (routed experts e2m1 with one ue8m0 scale per 32 inputs of a row,
+  FP8 activations: the W4A8 kernel; its other linears FP8 with ue8m0 block scales) -
   and without one every tensor is in its native dtype. The spec's ``quantization`` schemes are claims:
   one the config contradicts is a located error, one beside a dense config a note. A scheme whose
   glob matches no tensor of the model is an error located at the scheme.
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ....checkpoint.storage import (
+    FP4_E2M1,
     FP8_BLOCK,
     MXFP4,
     MXFP4_BLOCK,
@@ -104,7 +107,9 @@ def is_text_linear(group: ParamGroup) -> bool:
 
 
 def _scale_bytes(dtype: str) -> int:
-    """Bytes of one scale of torch dtype name ``dtype`` (``bfloat16``, ``float32``)."""
+    """Bytes of one scale of torch dtype name ``dtype`` (``bfloat16``, ``float32``, ``float8_e8m0fnu``)."""
+    if dtype.startswith("float8"):
+        return 1
     return DTYPE_BYTES.get(dtype.replace("bfloat16", "bf16").replace("float32", "fp32"), 2)
 
 
@@ -133,12 +138,16 @@ def storage_format(storage: Storage | None, shape: tuple[int, ...], native: Weig
         bits, group = storage["bits"], storage["group_size"]
         scale = _scale_bytes(storage["tensors"]["scale"]["dtype"])
         return WeightFormat(f"int{bits}/g{group}", bits, group, scale, "bf16")
-    if storage["format"] == FP8_BLOCK:  # fp32 scale_inv per block, computed at the FP8 peak
+    if storage["format"] == FP8_BLOCK:  # a scale_inv per block, computed at the FP8 peak
         block = tuple(storage["block"])
         if block == shape:  # one scale for the whole tensor: negligible
             return WeightFormat("fp8", 8, 0, 0, "fp8")
-        return WeightFormat("fp8/b" + "x".join(map(str, block)), 8, math.prod(block), 4, "fp8")
-    assert storage["format"] == MXFP4, storage["format"]  # the third format checkpoint_storage describes
+        scale = _scale_bytes(storage["tensors"]["scale"]["dtype"])
+        return WeightFormat("fp8/b" + "x".join(map(str, block)), 8, math.prod(block), scale, "fp8")
+    if storage["format"] == FP4_E2M1:  # DeepSeek-V4's experts: FP8 activations times FP4 weights
+        scale = _scale_bytes(storage["tensors"]["scale"]["dtype"])
+        return WeightFormat(f"fp4/g{storage['block']}", 4, storage["block"], scale, "fp8")
+    assert storage["format"] == MXFP4, storage["format"]  # the last format checkpoint_storage describes
     return MXFP4_FORMAT
 
 
