@@ -178,7 +178,9 @@ def test_deepseek_v4_flash_checkpoint_loads_as_transformers_reads_it(tmp_path: P
     """DeepSeek-V4-Flash's quantization_config (FP8 with ue8m0 scales, ``expert_dtype: fp4``): the weight
     map stores the routed experts FP4 and every other linear FP8 but the head, which the checkpoint
     renames (``head.weight``) and keeps bf16; transformers' own loader reads the very checkpoint the
-    map describes - no tensor missing or unexpected - into the weights kadapt's loader gives."""
+    map describes - no tensor missing or unexpected - into the weights kadapt's loader gives, both as
+    ``save_pretrained`` names it and under the published checkpoint's names (the base model's, without
+    ``model.``, and scales as ``X.scale``), which transformers' loader accepts too."""
     from transformers import AutoModelForCausalLM
 
     qc = json.loads((REPO / "specs" / "deepseek_v4_flash" / "config.json").read_text())["quantization_config"]
@@ -201,17 +203,24 @@ def test_deepseek_v4_flash_checkpoint_loads_as_transformers_reads_it(tmp_path: P
     )
     checkpoint = _write(tmp_path / "fp8", stored, {**plain, "quantization_config": qc})
     assert _read_by(doc) == set(stored)
-    weights = load_weights(doc, checkpoint)
-    # on CPU transformers dequantizes an FP8 checkpoint while loading it (to bf16: every value here is
-    # a short mantissa times a power of two, exact in bf16)
-    reference, info = AutoModelForCausalLM.from_pretrained(
-        checkpoint, dtype=torch.float32, output_loading_info=True
-    )
-    assert not any(info.values()), info
-    state = reference.state_dict()
-    assert set(weights) <= set(state) and len(weights) == len(doc["weights"])
-    for name, tensor in weights.items():
-        assert torch.equal(tensor, state[name].to(tensor.dtype)), name
+    # the names the published checkpoint uses: the base model's (no ``model.`` prefix), scales as ``X.scale``
+    published = {
+        re.sub(r"\.weight_scale_inv$", ".scale", name.removeprefix("model.")): t for name, t in stored.items()
+    }
+    assert doc["base_model_prefix"] == "model" and len(published) == len(stored)
+    published_dir = _write(tmp_path / "published", published, {**plain, "quantization_config": qc})
+    for folder in (checkpoint, published_dir):
+        weights = load_weights(doc, folder)
+        # on CPU transformers dequantizes an FP8 checkpoint while loading it (to bf16: every value here
+        # is a short mantissa times a power of two, exact in bf16)
+        reference, info = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, output_loading_info=True
+        )
+        assert not any(info.values()), info
+        state = reference.state_dict()
+        assert set(weights) <= set(state) and len(weights) == len(doc["weights"])
+        for name, tensor in weights.items():
+            assert torch.equal(tensor, state[name].to(tensor.dtype)), name
 
 
 def test_kimi_config_without_quantization_config_is_a_dense_checkpoint(tmp_path: Path) -> None:

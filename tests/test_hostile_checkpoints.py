@@ -424,6 +424,44 @@ def test_a_tensor_in_two_globbed_shards_is_ambiguous(base: Base, tmp_path: Path)
     )
 
 
+def test_names_transformers_accepts_load_the_same_weights(base: Base, tmp_path: Path) -> None:
+    """A checkpoint of the base model (names without the map's ``base_model_prefix``) whose FP8 scales
+    are named as DeepSeek-V4-Flash ships them (``X.scale``) loads the same weights."""
+    doc = copy.deepcopy(base.doc)
+    doc["base_model_prefix"] = "model"
+    for entry in doc["weights"].values():
+        for group in entry["sources"]:
+            group["tensors"] = [f"model.{name}" for name in group["tensors"]]
+    renamed = {"fp8.weight_scale_inv": "fp8.scale", "fp4.weight_scale_inv": "fp4.qscale_weight"}
+    shards = {f: {renamed.get(n, n): t for n, t in ts.items()} for f, ts in base.shards.items()}
+    _assert_loads(base, doc, _write(tmp_path / "ckpt", shards))
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        (
+            "both scale names",
+            "tensor fp8.weight_scale_inv is stored under 2 names (fp8.weight_scale_inv, fp8.scale)",
+        ),
+        ("bad prefix", "base_model_prefix is '../model', expected a module name"),
+    ],
+)
+def test_a_name_under_two_forms_or_a_path_as_prefix_is_refused(
+    change: str, error: str, base: Base, tmp_path: Path
+) -> None:
+    doc, shards = copy.deepcopy(base.doc), copy.copy(base.shards)
+    if change == "bad prefix":
+        doc["base_model_prefix"] = "../model"
+    else:
+        shards[SHARDS[1]] = {
+            **shards[SHARDS[1]],
+            "fp8.scale": shards[SHARDS[1]]["fp8.weight_scale_inv"].clone(),
+        }
+    (tmp_path / "map.json").write_text(json.dumps(doc))
+    _refused(tmp_path / "map.json", _write(tmp_path / "ckpt", shards), error)
+
+
 def test_a_tensor_missing_from_the_shard_the_index_names_or_from_every_shard(
     base: Base, tmp_path: Path
 ) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -51,6 +52,10 @@ DTYPES: dict[str, torch.dtype] = {
 }
 FLOAT_SCALES = ("float32", "bfloat16", "float16")
 FP8_SCALES = ("float32", "float8_e8m0fnu")  # an fp8 quantization_config's scale_fmt: float, ue8m0
+# other names transformers' FP8 loader reads a ``X.weight_scale_inv`` under (its quantizer's renames):
+# DeepSeek-V4-Flash ships ``X.scale``, Mistral Large 4 ``X.qscale_weight``
+SCALE_INV_FORMS = (".scale", ".qscale_weight")
+MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 INT_BITS = (1, 2, 4, 8)  # values compressed-tensors packs whole into an int32 word
 # safetensors' header dtype codes, by torch's spelling
 STORED_DTYPES = {
@@ -302,6 +307,15 @@ class MapReader:
         allowed = tuple(allowed)
         if not isinstance(value, str) or value not in allowed:
             raise self.error(_at(where, key), value, f"one of {', '.join(allowed)}")
+        return value
+
+    def base_model_prefix(self, doc: Any) -> str:
+        """The document's ``base_model_prefix`` (absent: none): a module name, never a path."""
+        if not isinstance(doc, Mapping) or "base_model_prefix" not in doc:
+            return ""
+        value = doc["base_model_prefix"]
+        if not isinstance(value, str) or (value and not MODULE_NAME.fullmatch(value)):
+            raise self.error("base_model_prefix", value, "a module name (letters, digits, _) or ''")
         return value
 
     def weights(self, doc: Any) -> dict[str, Any]:

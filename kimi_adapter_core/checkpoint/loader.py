@@ -27,6 +27,7 @@ from .guard import (
     FP8_BLOCK,
     MXFP4,
     PACK_QUANTIZED,
+    SCALE_INV_FORMS,
     Folder,
     MapReader,
     add_names,
@@ -42,9 +43,10 @@ class Checkpoint:
     Shards come from the folder's index, else from its ``*.safetensors`` files (a name in two of them
     is ambiguous, so an error); either way each resolves inside the folder to a regular file."""
 
-    def __init__(self, directory: Path | str) -> None:
+    def __init__(self, directory: Path | str, base_model_prefix: str = "") -> None:
         folder = Folder(directory)
         self.root = folder.root
+        self.base_model_prefix = base_model_prefix
         self._handles: dict[Path, Any] = {}
         indexed = folder.indexed()
         if indexed is not None:
@@ -67,13 +69,31 @@ class Checkpoint:
                 raise KadaptError(f"{file}: not a readable safetensors file ({exc})") from exc
         return self._handles[file]
 
-    def get(self, name: str, dtype: str, shape: list[int]) -> torch.Tensor:
-        """Tensor ``name``, checked from the file's header to be stored ``dtype`` of ``shape`` first."""
+    def resolve(self, name: str, forms: tuple[str, ...] = ()) -> str:
+        """The name tensor ``name`` is stored under: ``name`` or one of its other ``forms``, each also
+        without the base model's prefix - the names transformers' loader accepts (a checkpoint of the
+        base model; DeepSeek-V4-Flash's ``layers.0...`` for ``model.layers.0...``). Present under two
+        of them, which is the checkpoint's tensor is ambiguous: an error."""
+        prefix = f"{self.base_model_prefix}." if self.base_model_prefix else ""
+        names = (name, *forms)
+        candidates = [*names, *(n[len(prefix) :] for n in names if prefix and n.startswith(prefix))]
+        present = [n for n in dict.fromkeys(candidates) if n in self.files]
+        if not present:
+            raise KadaptError(f"{self.root}: checkpoint has no tensor {name}")
+        if len(present) > 1:
+            raise KadaptError(
+                f"{self.root}: tensor {name} is stored under {len(present)} names ({', '.join(present)}): "
+                "which one is the checkpoint's is ambiguous"
+            )
+        return present[0]
+
+    def get(self, name: str, dtype: str, shape: list[int], forms: tuple[str, ...] = ()) -> torch.Tensor:
+        """Tensor ``name`` (or its other ``forms``, ``resolve``), checked from the file's header to be
+        stored ``dtype`` of ``shape`` first."""
         from safetensors import SafetensorError
 
-        file = self.files.get(name)
-        if file is None:
-            raise KadaptError(f"{self.root}: checkpoint has no tensor {name}")
+        name = self.resolve(name, forms)
+        file = self.files[name]
         handle = self._handle(file)
         try:
             stored = handle.get_slice(name)
@@ -114,13 +134,20 @@ def _fp4_e2m1(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return values * scale.to(torch.float32).repeat_interleave(FP4_BLOCK, dim=-1)
 
 
+def _forms(name: str, suffix: str) -> tuple[str, ...]:
+    """Other names of storage tensor ``name + suffix``: an FP8 scale as transformers' loader reads it."""
+    if suffix != "_scale_inv" or not name.endswith(".weight"):
+        return ()
+    return tuple(name.removesuffix(".weight") + form for form in SCALE_INV_FORMS)
+
+
 def _read(checkpoint: Checkpoint, name: str, group: Mapping[str, Any]) -> torch.Tensor:
     """Source tensor ``name`` of ``group`` (checked by ``MapReader``), dequantized per its storage."""
     storage = group.get("storage")
     if storage is None:
         return checkpoint.get(name, group["dtype"], group["shape"])
     parts = {
-        role: checkpoint.get(name + t["suffix"], t["dtype"], t["shape"])
+        role: checkpoint.get(name + t["suffix"], t["dtype"], t["shape"], _forms(name, t["suffix"]))
         for role, t in storage["tensors"].items()
     }
     if storage["format"] == MXFP4:
@@ -249,8 +276,9 @@ def load_weights(
 ) -> dict[str, torch.Tensor]:
     """Every graph weight of ``weight_map``, built from the checkpoint directory ``checkpoint``."""
     doc, source = _document(weight_map)
-    weights = MapReader(source).weights(doc)  # the whole map checked before any checkpoint file opens
-    store = Checkpoint(Path(checkpoint))
+    reader = MapReader(source)
+    weights = reader.weights(doc)  # the whole map checked before any checkpoint file opens
+    store = Checkpoint(Path(checkpoint), reader.base_model_prefix(doc))
     out = {}
     for name, entry in weights.items():
         where = f"{source}: weights[{name!r}]"

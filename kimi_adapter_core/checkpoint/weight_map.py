@@ -42,6 +42,11 @@ RULES = {
         "absent: the tensor is stored under its name with the source's dtype; otherwise the tensor name plus "
         "each storage tensor's suffix, combined as 'dequantize' says"
     ),
+    "names": (
+        "a tensor the checkpoint lacks is read under the forms transformers' loader accepts: its name "
+        "without the leading `base_model_prefix.`, and a `_scale_inv` storage tensor of `X.weight` as "
+        "`X.scale` or `X.qscale_weight`; a tensor present under two of its forms is ambiguous"
+    ),
 }
 # ops the weight map learnt after its first models: a document states their rules only when it uses
 # them, so the maps of every model without them stay the bytes they were
@@ -104,6 +109,7 @@ def weight_map_document(
         "format": FORMAT,
         "version": VERSION,
         "model": model_name,
+        "base_model_prefix": getattr(model, "base_model_prefix", "") or "",
         "quantization": stored.found_in,
         "notes": list(stored.notes),
         "rules": _rules(entries),
