@@ -38,7 +38,11 @@ Sources
   prefill, a 96-GPU LMSYS-style layout) under both cost models against AIConfigurator's own estimate
   for that layout, through the graph its exact estimate builds: the fused one inside a node, the
   large-EP one (DeepEP all-to-all, DeepEP-path expert tables, SGLang's attention-DP MLA module)
-  across nodes; per step and per component, and the reason where it cannot price the layout.
+  across nodes; per step and per component, and the reason where it cannot price the layout. Then
+  expert-TP layouts (``--moe-tp``: each rank holds a slice of every local expert's width) of
+  DeepSeek-V3 and Qwen3-235B-A22B on H200 against AIConfigurator's estimate at its ``moe_tp_size``:
+  TensorRT-LLM TP8 x MoE-TP8 and TP8 x EP4 x MoE-TP2 (dstack's TensorRT-LLM layout), vLLM TP8 x
+  MoE-TP8, SGLang DP8 attention over MoE-TP8 experts (``--only expert-tp``).
 
 - [HELD-OUT] The kernel tables scored on cells they never saw, on a development and a test split:
   ``benchmarks/held_out.py`` (its docstring says how; ``--held-out-only`` runs its development split).
@@ -591,6 +595,76 @@ def published_table() -> None:
     )
 
 
+# expert-TP layouts against AIConfigurator's estimate at its moe_tp_size (H200): label, the model case
+# (spec, AIConfigurator model, KV dtype, quant overrides), the layout, the framework
+EXPERT_TP_CASES = [
+    ("DeepSeek-V3 TRT-LLM TP8 MoE-TP8", AIC_MODELS[0], Parallel(8, 1, 1, moe_tp=8), "trtllm"),
+    ("DeepSeek-V3 TRT-LLM TP8 EP4 MoE-TP2", AIC_MODELS[0], Parallel(8, 1, 4, moe_tp=2), "trtllm"),
+    ("Qwen3-235B TRT-LLM TP8 MoE-TP8", AIC_MODELS[1], Parallel(8, 1, 1, moe_tp=8), "trtllm"),
+    ("DeepSeek-V3 vLLM TP8 MoE-TP8", AIC_MODELS[0], Parallel(8, 1, 1, moe_tp=8), "vllm"),
+    ("DeepSeek-V3 SGLang DP8 MoE-TP8", AIC_MODELS[0], Parallel(1, 8, 1, moe_tp=8), "sglang"),
+]
+
+
+def expert_tp_table() -> None:
+    """Expert TP under both cost models against AIConfigurator's own estimate of the same layout:
+    total per step and the routed experts' GEMMs, decode b1 / b32 / b128 (queries per DP rank) at
+    context 4096 and a 4k prefill."""
+    print()
+    if not aiconfigurator.available():
+        print("expert-TP layouts vs AIConfigurator: skipped (aiconfigurator-core not installed)")
+        return
+    print("Expert-TP layouts (--moe-tp) vs AIConfigurator 0.12 at its moe_tp_size, H200, ms/step")
+    print(
+        f"{'case':52} {'AIC':>8} {'roofline':>9} {'ratio':>6} {'measured':>9} {'ratio':>6}  "
+        "experts AIC/roof/meas"
+    )
+    ratios: list[float] = []
+    for label, case, par, framework in EXPERT_TP_CASES:
+        spec = load_spec(REPO / "specs" / f"{case.spec}.yaml")
+        inputs = model_inputs(spec, None)
+        for point, batch, decode in AIC_POINTS:
+            ref = reference.reference_step(
+                case.model,
+                "h200_sxm",
+                framework,
+                tp=par.tp,
+                ep=par.ep,
+                dp=par.dp,
+                moe_tp=par.moe_tp,
+                decode=decode,
+                batch=batch,
+                seq=4096,
+                **case.quant,
+            )
+            dep = Deployment(
+                par,
+                batch * par.dp,
+                1 if decode else 4096,
+                4096 if decode else 0,
+                decode,
+                kv_dtype=case.kv_dtype,
+            )
+            step, experts = {}, {}
+            for cost_model in ("roofline", "measured"):
+                sim = simulate(
+                    inputs, spec, dep, get_device("h200"), cost_model=cost_model, framework=framework
+                )
+                step[cost_model] = sim.step_time * 1e3
+                experts[cost_model] = sum(
+                    k.total * 1e3 for k in sim.kernels if reference.kadapt_component(k.op) == "experts"
+                )
+            roof, meas = step["roofline"] / ref.total_ms, step["measured"] / ref.total_ms
+            ratios += [roof, meas]
+            print(
+                f"{label + ' ' + point:52} {ref.total_ms:8.2f} {step['roofline']:9.2f} {roof:6.2f} "
+                f"{step['measured']:9.2f} {meas:6.2f}  {ref.components['experts']:.1f}/"
+                f"{experts['roofline']:.1f}/{experts['measured']:.1f}"
+            )
+    within = sum(1 for r in ratios if abs(r - 1) <= 0.15)
+    print(f"    target: every total within 15% under both cost models: {within}/{len(ratios)}")
+
+
 # every section of a full run, in order; ``--only NAME`` prints one
 SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "published": lambda _: published_table(),
@@ -598,6 +672,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "aic": lambda _: aic_table(),
     "all-to-all": lambda _: all_to_all_table(),
     "wide-ep": lambda _: wide_ep_table(),
+    "expert-tp": lambda _: expert_tp_table(),
     "held-out": lambda _: held_out.held_out_table(),
     "serving": lambda _: serving_anchors.serving_table(),
 }
@@ -620,7 +695,8 @@ def main() -> None:
         "--only",
         choices=list(SECTIONS),
         help="print one section: the published anchors, the A3 cases, the H200 AIC cases, the all-to-all "
-        "per call, the attention-DP / wide-EP layouts against AIConfigurator, held-out accuracy, or the "
+        "per call, the attention-DP / wide-EP layouts against AIConfigurator, the expert-TP layouts against "
+        "AIConfigurator, held-out accuracy, or the "
         "published end-to-end serving points (simulate --concurrency vs measured, AIConfigurator beside)",
     )
     options = parser.parse_args()

@@ -97,7 +97,7 @@ class AicServing:
                 tp_size=par.tp,
                 pp_size=1,
                 attention_dp_size=par.dp,
-                moe_tp_size=point.moe_tp,  # the stated expert sharding (kadapt prices EP only)
+                moe_tp_size=point.moe_tp,  # the stated expert sharding, as kadapt prices it
                 moe_ep_size=point.moe_ep,
                 gemm_quant_mode=quant.get("gemm_quant_mode"),
                 kvcache_quant_mode=AIC_KV[point.kv_dtype],

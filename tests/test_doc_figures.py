@@ -12,7 +12,8 @@ from kimi_adapter_core.backends.simulation.estimate import aiconfigurator
 
 doc_figures = import_path(REPO / "benchmarks" / "doc_figures.py", "doc_figures")
 BLOCKS = doc_figures.blocks(doc_figures.DOC.read_text(encoding="utf-8"))
-LIVE = ("aic", "serving")  # computed through AIConfigurator's engine: its figures need the package
+# computed through AIConfigurator's engine: their figures need the package
+LIVE = ("aic", "expert-tp", "serving")
 
 
 def test_the_doc_holds_the_blocks_the_benchmark_can_write() -> None:

@@ -53,7 +53,7 @@ def test_every_point_loads_with_its_source_and_assumptions() -> None:
         assert p.concurrency >= 1 and p.isl >= 1 and p.osl >= 2, p.id
         assert p.output_tok_s > 0 and p.mean_tpot_ms > 0 and p.median_ttft_ms > 0, p.id
         # a layout kadapt prices differently from the stated one says so
-        assert p.layout_assumed or p.parallel.ep == p.moe_ep, p.id
+        assert p.layout_assumed or (p.parallel.ep, p.parallel.moe_tp) == (p.moe_ep, p.moe_tp), p.id
 
 
 def _tampered(tmp_path: Path, change: dict[str, object], drop: str | None = None) -> Path:

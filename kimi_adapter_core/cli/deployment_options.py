@@ -66,6 +66,15 @@ _OPTIONS = (
         "--ep", type=PARALLEL, default=1, show_default=True, help="Expert-parallel size for routed experts."
     ),
     click.option(
+        "--moe-tp",
+        type=PARALLEL,
+        default=1,
+        show_default=True,
+        help="Expert-TP size: each rank holds 1/N of every local expert's intermediate width (vLLM's and "
+        "SGLang's --tp without expert parallelism: --moe-tp = devices, --ep 1). Above 1, --moe-tp x --ep "
+        "must equal the devices (tp x dp), as AIConfigurator's moe_tp_size x moe_ep_size; 1: whole experts.",
+    ),
+    click.option(
         "--quant",
         default=None,
         help="Weight mode from backends.simulation.quant_modes [default: checkpoint, i.e. what the "
@@ -140,7 +149,7 @@ def requested_images(
 
 
 def deployment_options(command: F) -> F:
-    """Add ``--device --device-file --tp --dp --ep --quant --kv-dtype`` to ``command``."""
+    """Add ``--device --device-file --tp --dp --ep --moe-tp --quant --kv-dtype`` to ``command``."""
     for option in reversed(_OPTIONS):
         command = option(command)
     return command

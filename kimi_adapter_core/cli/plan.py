@@ -49,6 +49,7 @@ def command(
     tp: int,
     dp: int,
     ep: int,
+    moe_tp: int,
     batch: int,
     seq_len: int | None,
     prefill_chunk: int,
@@ -97,7 +98,7 @@ def command(
     out.detail(f"device: {device_file.resolve() if device_file else device or 'none'}")
     plan = make_plan(
         inputs,
-        Parallel(tp=tp, dp=dp, ep=ep),
+        Parallel(tp=tp, dp=dp, ep=ep, moe_tp=moe_tp),
         batch=batch,
         seq_len=seq_len,
         prefill_chunk=prefill_chunk,

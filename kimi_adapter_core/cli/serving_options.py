@@ -184,6 +184,7 @@ def _worker_json(p: Point, workers: int) -> dict[str, Any]:
         "tp": c.parallel.tp,
         "dp": c.parallel.dp,
         "ep": c.parallel.ep,
+        "moe_tp": c.parallel.moe_tp,
         "batch": c.batch,
         "workers": workers,
         "step_time_s": p.step_time,

@@ -120,6 +120,7 @@ def command(
     tp: int,
     dp: int,
     ep: int,
+    moe_tp: int,
     quant: str | None,
     mtp: int,
     mtp_acceptance: float,
@@ -199,7 +200,7 @@ def command(
     if decode and query_len not in (None, 1):
         raise click.UsageError("--query-len is fixed at 1 (+ --mtp) for --decode")
     dep = Deployment(
-        Parallel(tp=tp, dp=dp, ep=ep),
+        Parallel(tp=tp, dp=dp, ep=ep, moe_tp=moe_tp),
         batch,
         1 if decode else (2048 if query_len is None else query_len),
         context_len,
@@ -210,6 +211,10 @@ def command(
         routing.replace("-", "_"),
     )
     requests = isl is not None or osl is not None
+    if sweep and moe_tp > 1:
+        raise click.UsageError(
+            f"--moe-tp {moe_tp} prices one layout; --sweep searches whole-expert (EP) layouts: drop --moe-tp"
+        )
     if steps_path is not None:
         given = [
             flag
@@ -253,9 +258,10 @@ def command(
                 )
             )
         else:
+            expert_tp = f" MoE-TP{moe_tp}" if moe_tp > 1 else ""
             header = (
-                f"{spec.name} on {profile.name}, TP{tp} EP{ep}, {framework} kernel tables, {cost_model}, "
-                f"weights {inputs.quant_label}, KV cache {kv_dtype}: engine trace {steps_path}"
+                f"{spec.name} on {profile.name}, TP{tp} EP{ep}{expert_tp}, {framework} kernel tables, "
+                f"{cost_model}, weights {inputs.quant_label}, KV cache {kv_dtype}: engine trace {steps_path}"
             )
             out.result(engine_steps.trace_text(priced, header=header, top=top or None))
         return

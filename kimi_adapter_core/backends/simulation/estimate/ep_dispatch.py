@@ -43,8 +43,8 @@ def fused_dispatch(op: Op, framework: str, *, decode: bool) -> tuple[dict[str, A
         "hidden_size": int(comm["hidden"]),
         "topk": int(comm["top_k"]),
         "num_experts": int(comm["experts"]),
-        "moe_tp_size": 1,
-        "moe_ep_size": int(comm["group"]),
+        "moe_tp_size": int(comm.get("moe_tp", 1)),
+        "moe_ep_size": int(comm.get("ep", comm["group"])),  # expert TP's gather: its group is DP's
         "attention_dp_size": dp,
         "pre_dispatch": op.name.startswith("ep_dispatch"),
         "attn_ar_modeled": False,

@@ -127,6 +127,8 @@ class MeasuredPricer:
         if op.kind == "comm" and op.comm is not None:
             if op.comm["collective"] == "all_to_all":
                 return self._all_to_all(op, decode)
+            if "moe_tp" in op.comm:  # expert TP's all-gather / reduce-scatter around the experts
+                return self._gathered(op, decode)
             return self._comm(op.comm)
         return None
 
@@ -183,7 +185,8 @@ class MeasuredPricer:
         if attrs["kernel"] in _DSA_KERNELS:
             return self._dsa(attrs)
         dp, ep, tp = (int(attrs.get(key, 1)) for key in ("attention_dp", "ep", "tp"))
-        if attrs["kernel"] == "mla" and self.large_ep(dp, ep, all_to_all=ep > tp):
+        all_to_all = bool(attrs["all_to_all"]) if "all_to_all" in attrs else ep > tp
+        if attrs["kernel"] == "mla" and self.large_ep(dp, ep, all_to_all=all_to_all):
             module = self._wide_ep_mla(attrs)
             if module is not None:
                 return module
@@ -380,11 +383,12 @@ class MeasuredPricer:
         if quant is None:
             return None
         distribution = "power_law_1.01" if attrs.get("routing") == "power_law" else "balanced"
+        moe_tp = int(attrs.get("moe_tp", 1))  # its tables key the whole width and the expert-TP size
         shape = {
             "name": "moe",
             "scale_factor": 1.0,
             "hidden_size": int(attrs["hidden"]),
-            "inter_size": int(attrs["width"]),
+            "inter_size": int(attrs["width"]) * moe_tp,
             "topk": int(attrs["top_k"]),
             "num_experts": int(attrs["experts"]),
             "moe_ep_size": int(attrs["ep"]),
@@ -412,7 +416,7 @@ class MeasuredPricer:
         else:
             tokens = max(1, round(float(attrs["tokens"])))
             moe = shape | {"attention_dp_size": 1}
-        moe |= {"moe_tp_size": 1, "moe_backend": None, "is_context": True}
+        moe |= {"moe_tp_size": moe_tp, "moe_backend": None, "is_context": True}
         return self._evaluate({"Moe": moe}, context=True, batch=1, s=tokens, x=tokens)
 
     def _all_to_all(self, op: Op, decode: bool) -> float | None:
@@ -432,6 +436,15 @@ class MeasuredPricer:
                 if seconds is not None:
                     return seconds
         return self.deepep_all_to_all(op, decode)
+
+    def _gathered(self, op: Op, decode: bool) -> float | None:
+        """Expert TP's token gather (reduce-scatter after) across attention-DP groups: its fused
+        graph's ``MoeDispatch`` at the layout's MoE-TP and EP sizes, where its tables measured it."""
+        fused = ep_dispatch.fused_dispatch(op, self.framework, decode=decode)
+        if fused is None:
+            return None
+        spec, tokens = fused
+        return self._evaluate(spec, context=not decode, batch=1, s=tokens, x=tokens, measured_only=True)
 
     def deepep_all_to_all(self, op: Op, decode: bool) -> float | None:
         """EP dispatch or combine in AIConfigurator's DeepEP tables (``ep_dispatch.deepep_all_to_all``),

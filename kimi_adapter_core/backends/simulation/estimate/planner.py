@@ -34,7 +34,7 @@ def activation_formula(s: ModelStructure) -> str:
     if s.dense_layer_ids:
         terms.append("2*I/tp")
     if s.moe is not None and s.moe_layer_ids:
-        terms.append("dp*top_k/ep*(hidden+3*I_moe)")
+        terms.append("dp*top_k/ep*(hidden+3*I_moe/moe_tp)")
     if s.linear is not None:
         terms.append("(2*Hk*dk+2*Hv*dv+2*Hv)/tp")
     if s.indexer is not None:
@@ -322,8 +322,8 @@ def params_per_device(group: ParamGroup, params: int, s: ModelStructure, par: Pa
     if group.shard == "kv":  # by the KV heads of the group's own attention shape
         a = group.attention or s.attention
         return params // a.num_kv_heads * kv_heads_per_rank(a, par.tp)
-    if group.shard == "ep":
-        return params // par.ep
+    if group.shard == "ep":  # whole experts over EP, each's width over expert TP
+        return params // par.moe_group
     if group.shard == "vocab":  # vocab-parallel: each TP rank holds ceil(vocab / tp) rows
         return math.ceil(s.vocab_size / par.tp) * (params // s.vocab_size)
     return params
@@ -365,7 +365,8 @@ def activation_bytes(s: ModelStructure, par: Parallel, tokens: int, logits_token
     dense = 2 * s.intermediate_size // par.tp
     moe = 0.0
     if s.moe is not None and s.moe_layer_ids:
-        moe = par.dp * s.moe.top_k / par.ep * (s.hidden_size + 3 * s.moe.expert_intermediate_size)
+        width = s.moe.expert_intermediate_size // par.moe_tp  # a rank's slice under expert TP
+        moe = par.dp * s.moe.top_k / par.ep * (s.hidden_size + 3 * width)
     linear = 0
     if s.linear is not None:  # the in projections' outputs: q, k, v, the output gate z, b and a
         lin = s.linear

@@ -73,6 +73,7 @@ def reference_step(
     tp: int,
     ep: int,
     dp: int = 1,
+    moe_tp: int = 1,
     decode: bool,
     batch: int,
     seq: int,
@@ -84,8 +85,9 @@ def reference_step(
     new tokens per attention-DP rank. ``comm_backends`` (``{"context": "deepep_ht", "generation":
     "deepep_ll"}``) builds its large-EP graph - the MoE all-to-all, DeepEP-path expert tables and,
     for SGLang, the wide-EP MLA module - which its own layout search picks for a cross-node EP; else
-    its TP/EP graph. The total is AIConfigurator's ``predict_*_latency``; components sum its ops (an
-    op that falls back to its parts is split into them)."""
+    its TP/EP graph; ``moe_tp`` shards each expert's width (its rule: ``tp x dp = moe_tp x ep``).
+    The total is AIConfigurator's ``predict_*_latency``; components sum its ops (an op that falls
+    back to its parts is split into them)."""
     engine = require()
     import aiconfigurator_core
     from aiconfigurator_core.sdk.config_builders import build_model_config
@@ -96,7 +98,7 @@ def reference_step(
         tp_size=tp,
         pp_size=1,
         attention_dp_size=dp,
-        moe_tp_size=1,
+        moe_tp_size=moe_tp,
         moe_ep_size=ep,
         gemm_quant_mode=quant.get("gemm_quant_mode"),
         kvcache_quant_mode=quant.get("kvcache_quant_mode"),
@@ -135,6 +137,7 @@ def reference_step(
             ((name, ms, _energy, tier),) = handle.evaluate_ops_json(json.dumps([leaf]), **shape)
             components[aic_component(name)] += ms
             rows.append((name, ms, tier))
-    layout = f"TP{tp} DP{dp} EP{ep}" + (" large-EP" if comm_backends else "")
+    layout = f"TP{tp} DP{dp} EP{ep}" + (f" MoE-TP{moe_tp}" if moe_tp > 1 else "")
+    layout += " large-EP" if comm_backends else ""
     label = f"AIConfigurator {framework} {system} {layout}, {model}"
     return Reference(total, components, tuple(rows), label)

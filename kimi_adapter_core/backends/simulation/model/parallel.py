@@ -1,7 +1,11 @@
 """The parallel layout of a deployment, the divisibility rules it must satisfy, and per-rank sizes.
 
 Devices = TP x DP. Attention, dense MLP and shared experts are sharded TP-ways and replicated over DP
-groups; routed experts are sharded EP-ways over the devices (EP must divide TP x DP); embeddings and
+groups; routed experts are sharded EP-ways over the devices (EP must divide TP x DP), each whole on its
+rank, or (expert TP, ``moe_tp`` > 1) EP-ways and each expert's intermediate width MoE-TP-ways, the
+MoE group then spanning every device: MoE-TP x EP = TP x DP, AIConfigurator's rule for its
+``moe_tp_size`` / ``moe_ep_size`` (vLLM's and SGLang's ``--tp`` without expert parallelism is
+MoE-TP = TP; TensorRT-LLM's ``--ep_size`` below ``--tp_size`` is MoE-TP = TP / EP); embeddings and
 lm_head are vocab-parallel over TP. Query heads split over TP; KV heads split too, and once TP
 exceeds them each rank holds one KV head (replicated TP / KV-heads times, as vLLM does); MLA's
 latent cache has no heads and is replicated on every TP rank. A hybrid stack's linear-attention
@@ -26,14 +30,27 @@ class Parallel:
     tp: int = 1
     dp: int = 1
     ep: int = 1
+    moe_tp: int = 1  # expert TP: each rank holds 1/moe_tp of every local expert's intermediate width
 
     @property
     def devices(self) -> int:
         return self.tp * self.dp
 
+    @property
+    def moe_tp_label(self) -> str:
+        """`` moe_tp=N`` for a report's layout line under expert TP (empty without: lines unchanged)."""
+        return f" moe_tp={self.moe_tp}" if self.moe_tp > 1 else ""
+
+    @property
+    def moe_group(self) -> int:
+        """Ranks sharing one set of routed experts' weights (EP x expert TP): each holds
+        1 / ``moe_group`` of them and runs ``moe_tp / tp`` of a DP group's token-expert pairs."""
+        return self.ep * self.moe_tp
+
     def check(self, s: ModelStructure) -> None:
         """Raise ``UsageError`` naming the first size that does not divide."""
-        for name, value in (("--tp", self.tp), ("--dp", self.dp), ("--ep", self.ep)):
+        sizes = (("--tp", self.tp), ("--dp", self.dp), ("--ep", self.ep), ("--moe-tp", self.moe_tp))
+        for name, value in sizes:
             if value < 1:
                 raise UsageError(f"{name} must be >= 1 (got {value})")
         a, key = s.attention, _keys(s)
@@ -76,6 +93,8 @@ class Parallel:
                 )
             )
         if s.moe is not None and s.moe_layer_ids:
+            if self.moe_tp > 1:
+                self._check_expert_tp(s, key)
             rules.append(
                 (
                     s.moe.num_experts,
@@ -89,8 +108,9 @@ class Parallel:
                 what = key("shared_expert_intermediate_size") or key("expert_intermediate_size")
                 message = f"--tp {self.tp} does not divide the shared-expert width {width}{what}"
                 rules.append((width, self.tp, message))
-        elif self.ep > 1:
-            raise UsageError(f"--ep {self.ep} given but the model has no routed experts")
+        elif self.ep > 1 or self.moe_tp > 1:
+            given = f"--ep {self.ep}" if self.ep > 1 else f"--moe-tp {self.moe_tp}"
+            raise UsageError(f"{given} given but the model has no routed experts")
         if s.linear is not None:  # a linear layer's heads split over TP like vLLM's (never replicated)
             facts = MIXERS.get(s.linear.kind, {})  # the fact each size is read from
             split = [(s.linear.num_value_heads, "value", facts.get("num_value_heads", ""))]
@@ -118,6 +138,28 @@ class Parallel:
                     f"--tp {self.tp} neither divides the {kv} KV heads{whose} nor is a multiple of them "
                     "(KV heads are split over TP ranks, or replicated once TP exceeds them)"
                 )
+
+    def _check_expert_tp(self, s: ModelStructure, key: Callable[[str], str]) -> None:
+        """Expert TP's own rules: MoE-TP x EP spans the TP x DP devices (AIConfigurator asserts it)
+        and MoE-TP divides the expert width; a refusal lists the layouts that satisfy both."""
+        assert s.moe is not None
+        width, experts = s.moe.expert_intermediate_size, s.moe.num_experts
+        valid = [
+            f"--moe-tp {n} --ep {self.devices // n}"
+            for n in range(2, self.devices + 1)
+            if self.devices % n == 0 and width % n == 0 and experts % (self.devices // n) == 0
+        ]
+        choices = f"; valid at {self.devices} devices: {', '.join(valid)}" if valid else ""
+        if width % self.moe_tp:
+            raise UsageError(
+                f"--moe-tp {self.moe_tp} does not divide the expert width {width}"
+                f"{key('expert_intermediate_size')}{choices}"
+            )
+        if self.moe_tp * self.ep != self.devices:
+            raise UsageError(
+                f"--moe-tp {self.moe_tp} x --ep {self.ep} must equal the {self.devices} devices "
+                f"(tp {self.tp} x dp {self.dp}): expert TP spans the MoE group over every device{choices}"
+            )
 
     def split_batch(self, batch: int) -> int:
         if batch < 1:

@@ -119,6 +119,8 @@ def attention_attrs(kind: str, dep: Deployment, b: int, s: int, heads: int, kv_r
         "attention_dp": dep.parallel.dp,
         "ep": dep.parallel.ep,
         "tp": dep.parallel.tp,
+        # expert TP across DP groups gathers the tokens: no all-to-all, whatever EP and TP are
+        **({"all_to_all": False} if dep.parallel.moe_tp > 1 and dep.parallel.dp > 1 else {}),
     }
 
 
@@ -246,7 +248,14 @@ class RoutedExperts(nn.Module):
     holds all of its group's tokens after the attention all-reduce, runs them through its local
     experts and the MLP all-reduce sums the partial outputs - TensorRT-LLM's (and SGLang's/vLLM's
     non-DeepEP) layout, with no dispatch or combine. Otherwise tokens travel by all-to-all
-    (DeepEP-style, see ``cost.py``)."""
+    (DeepEP-style, see ``cost.py``).
+
+    Expert TP (``moe_tp`` > 1): each rank holds ``1 / moe_tp`` of every local expert's intermediate
+    width and runs every pair routed to its ``experts / ep`` experts (``tokens * top_k * moe_tp / tp``:
+    the same FLOPs, the weights read ``moe_tp`` times narrower); its partial outputs are summed by the
+    TP all-reduce after the MoE block where the MoE group is one TP group (``dp == 1``), else the DP
+    groups' tokens are all-gathered before the experts and the partial outputs reduce-scattered back
+    (SGLang's DP attention over TP-sharded experts, AIConfigurator's ``MoeDispatch`` at ``moe_tp``)."""
 
     def __init__(self, s: ModelStructure, rec: Recorder, dep: Deployment, fmt: WeightFormat) -> None:
         super().__init__()
@@ -262,12 +271,15 @@ class RoutedExperts(nn.Module):
         moe, hidden, par = self.s.moe, self.s.hidden_size, self.dep.parallel
         assert moe is not None
         tokens = hidden_states.shape[0]  # this rank's attention-side tokens
-        pairs = tokens * moe.top_k / par.tp  # balanced split of every token-expert pair over the devices
+        # balanced split of every token-expert pair over the devices (EP only), or over the EP group
+        # (expert TP: the moe_tp ranks sharing an expert each run all of its pairs, on their slice)
+        pairs = tokens * moe.top_k * par.moe_tp / par.tp
         local = moe.num_experts // par.ep
         touched = local * (1 - (1 - 1 / local) ** pairs)  # expected experts hit by uniform routing
-        width = moe.expert_intermediate_size
+        width = moe.expert_intermediate_size // par.moe_tp  # this rank's slice of an expert's width
         per_expert = 3 * hidden * width
-        all_to_all = par.ep > par.tp
+        gathered = par.moe_tp > 1 and par.dp > 1  # expert TP across DP groups: all-gather, reduce-scatter
+        all_to_all = par.ep > par.tp and not gathered
         sent = tokens / par.tp  # tokens each rank sends (TP ranks of a group split their shared tokens)
         dispatch_bytes = 1 if self.fmt.eight_bit_activations else 2  # 8-bit activations are dispatched
         comm = {
@@ -285,6 +297,14 @@ class RoutedExperts(nn.Module):
             "attention_dp": par.dp,
             "rank_tokens": tokens,
         }
+        if gathered:  # every DP group's tokens reach every rank, one TP group's share from each
+            comm |= {"ep": par.ep, "moe_tp": par.moe_tp, "group": par.dp}
+            everyone = par.dp * tokens * hidden
+            self.rec.analytic(
+                "ep_dispatch(all_gather)",
+                "comm",
+                comm=comm | {"collective": "all_gather", "bytes": everyone * dispatch_bytes},
+            )
         if all_to_all:
             self.rec.analytic(
                 "ep_dispatch(all_to_all)",
@@ -320,8 +340,15 @@ class RoutedExperts(nn.Module):
                 "top_k": moe.top_k,
                 "experts": moe.num_experts,
                 "ep": par.ep,
+                **({"moe_tp": par.moe_tp} if par.moe_tp > 1 else {}),
             },
         )
+        if gathered:
+            self.rec.analytic(
+                "ep_combine(reduce_scatter)",
+                "comm",
+                comm=comm | {"collective": "reduce_scatter", "bytes": everyone * 2},
+            )
         if all_to_all:
             self.rec.analytic(
                 "ep_combine(all_to_all)",

@@ -197,7 +197,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             "structure": plan.arch.structure.to_dict(),
             "vision": asdict(plan.arch.vision) if plan.arch.vision else None,
         },
-        "parallel": {"tp": p.tp, "dp": p.dp, "ep": p.ep, "devices": p.devices},
+        "parallel": {"tp": p.tp, "dp": p.dp, "ep": p.ep, "moe_tp": p.moe_tp, "devices": p.devices},
         "batch": plan.batch,
         "seq_len": plan.seq_len,
         "max_seq_len": plan.max_seq_len,
@@ -412,7 +412,8 @@ def plan_text(plan: Plan) -> str:
     check_priced(plan)
     s, p = plan.arch.structure, plan.parallel
     lines = [
-        f"kadapt plan: {plan.arch.model_type}  tp={p.tp} dp={p.dp} ep={p.ep} ({p.devices} devices)  "
+        f"kadapt plan: {plan.arch.model_type}  tp={p.tp} dp={p.dp} ep={p.ep}{p.moe_tp_label} "
+        f"({p.devices} devices)  "
         f"batch={plan.batch} seq_len={plan.seq_len}  weights={plan.quant}"
         + (f"  device={plan.device.name}" if plan.device else ""),
         "",
@@ -435,7 +436,7 @@ def plan_text(plan: Plan) -> str:
             f"{w.params / 1e9:.3f}",
             w.format,
             f"{w.total_bytes / GB:.2f}",
-            w.group.shard,
+            "ep x moe_tp" if w.group.shard == "ep" and p.moe_tp > 1 else w.group.shard,
             f"{w.bytes_per_device / GB:.3f}",
         ]
         for w in plan.weights

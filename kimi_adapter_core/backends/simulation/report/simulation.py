@@ -29,7 +29,7 @@ def sim_json(sim: Simulation) -> dict[str, Any]:
         "device": sim.device.name,
         "quantization": sim.quant,
         "kv_dtype": d.kv_dtype,
-        "parallel": {"tp": p.tp, "dp": p.dp, "ep": p.ep, "devices": p.devices},
+        "parallel": {"tp": p.tp, "dp": p.dp, "ep": p.ep, "moe_tp": p.moe_tp, "devices": p.devices},
         "batch": d.batch,
         "query_len": d.tokens_per_query,
         "context_len": d.context_len,
@@ -87,7 +87,7 @@ def sim_text(sim: Simulation, top: int | None = None) -> str:
         for r in shown
     ]
     lines = [
-        f"kadapt simulate: {phase(sim)} on {sim.device.name}  tp={p.tp} dp={p.dp} ep={p.ep} "
+        f"kadapt simulate: {phase(sim)} on {sim.device.name}  tp={p.tp} dp={p.dp} ep={p.ep}{p.moe_tp_label} "
         f"({p.devices} devices)  batch={d.batch} query_len={d.tokens_per_query} context_len={d.context_len}"
         f"  weights={sim.quant}  kv={d.kv_dtype}  routing={d.routing}"
         + (f"  mtp={d.mtp}@{d.mtp_acceptance:g}" if d.mtp else ""),

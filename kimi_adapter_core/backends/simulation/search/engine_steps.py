@@ -224,7 +224,7 @@ def trace_json(
         "trace": trace,
         "model": model,
         "device": device,
-        "parallel": {"tp": par.tp, "dp": par.dp, "ep": par.ep},
+        "parallel": {"tp": par.tp, "dp": par.dp, "ep": par.ep, "moe_tp": par.moe_tp},
         "kv_dtype": base.kv_dtype,
         "routing": base.routing,
         "cost_model": cost_model,

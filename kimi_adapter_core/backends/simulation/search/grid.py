@@ -40,7 +40,7 @@ class Config:
     @property
     def layout(self) -> str:
         p = self.parallel
-        return f"TP{p.tp} DP{p.dp} EP{p.ep}"
+        return f"TP{p.tp} DP{p.dp} EP{p.ep}" + (f" MoE-TP{p.moe_tp}" if p.moe_tp > 1 else "")
 
 
 @dataclass(frozen=True)

@@ -151,7 +151,8 @@ class Candidate:
 
 def _short(config: Config) -> str:
     p = config.parallel
-    sizes = [f"{name}{n}" for name, n in (("tp", p.tp), ("dp", p.dp), ("ep", p.ep)) if n > 1]
+    layout = (("tp", p.tp), ("dp", p.dp), ("ep", p.ep), ("moe_tp", p.moe_tp))
+    sizes = [f"{name}{n}" for name, n in layout if n > 1]
     return " ".join([*sizes, f"b{config.batch}"])
 
 

@@ -155,7 +155,9 @@ class ServingSearch:
                 result.worker_sizes[workers] = "no layout divides the model's heads and widths"
                 continue
             if self.layout is not None:
-                candidates = [par for par in candidates if par == self.layout]
+                # the one layout asked for, expert TP included (the grid enumerates EP layouts)
+                asked = self.layout
+                candidates = [asked for par in candidates if replace(par, moe_tp=asked.moe_tp) == asked]
             pars = []
             for par in candidates:
                 rule = self.framework.refusal(par)

@@ -61,8 +61,8 @@ class ServingPoint:
     version: str
     parallel: Parallel  # the layout kadapt prices
     layout_stated: str
-    layout_assumed: bool  # ``parallel`` is not the stated layout (kadapt has no expert-TP: see the note)
-    moe_tp: int  # the stated routed-expert sharding (expert TP x EP = devices), for AIConfigurator
+    layout_assumed: bool  # ``parallel`` is not the stated layout (see the point's certainty note)
+    moe_tp: int  # the routed-expert sharding (expert TP x EP = devices), as stated or as priced
     moe_ep: int
     kv_dtype: str
     isl: int
@@ -107,7 +107,8 @@ def _point(entry: dict[str, Any], index: int, file: str) -> ServingPoint:
     framework = _need(entry, "framework", str, where)
     if framework not in FRAMEWORKS:
         raise KadaptError(f"{where}: framework {framework!r} not in {FRAMEWORKS}")
-    par = Parallel(*(_need(layout, k, int, f"{where} layout") for k in ("tp", "dp", "ep")))
+    sizes = (_need(layout, k, int, f"{where} layout") for k in ("tp", "dp", "ep"))
+    par = Parallel(*sizes, moe_tp=int(layout.get("moe_tp", 1)))  # priced with the stated expert TP
     devices = _need(entry, "devices", int, where)
     if par.devices != devices:
         raise KadaptError(f"{where}: layout tp x dp = {par.devices} but devices = {devices}")

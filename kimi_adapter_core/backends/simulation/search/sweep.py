@@ -387,7 +387,7 @@ class Sweep:
                 ops = self._direct[config] = self.trace(self.inputs[quant], dep)
             return self.finish(ops, dep)
         priced: list[Priced] = []
-        for item in self._scaled_at(fam, b, quant, par.ep):
+        for item in self._scaled_at(fam, b, quant, par):
             if isinstance(item, ScaledExperts):
                 priced += [
                     self.pricer(op, self.device)
@@ -397,8 +397,11 @@ class Sweep:
                 priced.append(item)
         return simulator.finish_step(priced, dep)
 
-    def _scaled_at(self, fam: _Family, b: int, quant: str | None, ep: int) -> list[Priced | ScaledExperts]:
-        """The priced kernels the routed experts do not recompute, at EP size ``ep`` (traces: EP 1)."""
+    def _scaled_at(
+        self, fam: _Family, b: int, quant: str | None, par: Parallel
+    ) -> list[Priced | ScaledExperts]:
+        """The priced kernels the routed experts do not recompute, at ``par``'s EP size (traces: EP 1)
+        and, under expert TP across DP groups, without an all-to-all (its tokens are gathered)."""
         key = (fam.tp, fam.at, b, quant)  # one family per (tp, at, mode): the mode names it
         if (base := self._scaled.get(key)) is None:
             base = self._scaled[key] = [
@@ -407,11 +410,13 @@ class Sweep:
                 else e
                 for e in fam.entries or []
             ]
+        ep, gathered = par.ep, par.moe_tp > 1 and par.dp > 1
         if ep <= fam.tp:  # no all-to-all: no price reads the EP size (``ep_dispatch.wide_ep``)
             return base
-        if (cached := self._scaled.get((*key, ep))) is None:  # the kernels with layout attributes at ``ep``
-            cached = self._scaled[(*key, ep)] = [
-                self.pricer(replace(k.op, attrs=k.op.attrs | {"ep": ep}), self.device)
+        layout = {"ep": ep} | ({"all_to_all": False} if gathered else {})
+        if (cached := self._scaled.get((*key, ep, gathered))) is None:  # the kernels with layout attributes
+            cached = self._scaled[(*key, ep, gathered)] = [
+                self.pricer(replace(k.op, attrs=k.op.attrs | layout), self.device)
                 if isinstance(k, Priced) and "ep" in k.op.attrs
                 else k
                 for k in base

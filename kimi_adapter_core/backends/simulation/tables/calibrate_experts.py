@@ -3,8 +3,10 @@
 Per expert dtype (``MOE_DTYPES``): the grouped GEMMs' efficiency by token-expert pairs per local
 expert on balanced routing, net of the routed-expert pipeline's fixed cost (``_pipeline_floor``), and
 the power-law / balanced slowdown on the time above that floor (``_factor_curve``), each with its
-curves per model shape and EP size (``EXPERT_SHAPE``). Separate from the other op kinds' fits because
-the experts are priced by their own axis, floor and routing factor.
+curves per model shape and EP size (``EXPERT_SHAPE``), and per expert-TP size where the same kernel
+was measured with each expert's width sharded (``_expert_tp_curves``: matched by ``moe_tp`` and the
+width a rank holds; the median curves stay those of whole experts). Separate from the other op
+kinds' fits because the experts are priced by their own axis, floor and routing factor.
 """
 
 from __future__ import annotations
@@ -50,6 +52,11 @@ EXPERT_LAYOUT = {"attention_dp": 1}
 # attention-DP rank's tokens x its DP size). Its curves match the ``graph`` the pricer gives a layout
 # whose EP group is wider than the device's NVLink domain (``cost.table_shape``)
 WIDE_EP_PHASES = {"context": "wide_ep_context", "generation": "wide_ep_generation"}
+# expert-TP rows fitted: MoE groups (MoE-TP x EP) of up to two 8-GPU nodes, where expert TP is served
+# (wider groups run DeepEP's whole experts); AIConfigurator's tables reach MoE-TP32 x EP8, and every
+# row would triple a table's size. An expert-TP op outside prices from the whole-expert curves at the
+# width a rank holds
+EXPERT_TP_GROUP_MAX = 16
 
 
 def moe_curves(
@@ -115,6 +122,10 @@ def moe_curves(
                     EXPERT_LAYOUT,
                 ),
             }
+        sharded = _expert_tp_curves(root, framework, dtype, ideal, floor_ms, found.source, row_filter)
+        curves[key]["shapes"][:0] = sharded[0]  # first: a whole-expert shape never matches them
+        if key in factors:
+            factors[key]["shapes"][:0] = sharded[1]
         for phase, graph in WIDE_EP_PHASES.items():
             wide = _wide_ep_curves(root, framework, dtype, ideal, floor_ms, graph, phase, row_filter)
             curves[key]["shapes"] += wide[0]
@@ -123,10 +134,65 @@ def moe_curves(
     return curves, factors
 
 
+def _expert_tp_curves(
+    root: Path,
+    framework: str,
+    dtype: str,
+    ideal: Any,
+    floor_ms: float,
+    source: str,
+    row_filter: RowFilter,
+) -> tuple[list[Any], list[Any]]:
+    """Efficiency and power-law curves per shape of the rows measured with expert TP (``moe_tp_size``
+    > 1: each rank holds ``inter_size / moe_tp_size`` of every local expert and runs all of its EP
+    shard's pairs), from the file and kernel of the whole-expert curves (``source``; none otherwise:
+    another kernel's rows are not this one's). Matched by ``moe_tp`` and the rank's width, which a
+    whole-expert op (no ``moe_tp``) never matches: TensorRT-LLM's DeepSeek-V3 experts at MoE-TP8 ran
+    a 4k prefill in 2.4x the time of EP8 (H200), which the width-matched whole-expert curves put at
+    1.5x."""
+
+    def select(t: Any) -> Any:
+        keep = (t.moe_dtype == dtype) & (t.moe_tp_size > 1) & ~t.kernel_source.str.contains("nongated")
+        keep &= t.moe_tp_size * t.moe_ep_size <= EXPERT_TP_GROUP_MAX
+        return t[keep & (t.hidden_size >= 4096) & (t.num_experts >= 64)]
+
+    try:
+        found = measured(root, ("moe", "moe_perf.parquet"), framework, select, row_filter)
+    except KadaptError:
+        return [], []
+    if found.source != source:
+        return [], []
+    table = found.rows
+    table = table.assign(inter_size=table.inter_size // table.moe_tp_size)  # the width a rank holds
+    local = table.num_experts / table.moe_ep_size
+    pairs = table.num_tokens * table.topk / table.moe_ep_size
+    table = table.assign(pairs_per_expert=pairs / local, pairs=pairs, local=local)
+    table = table.assign(ideal=ideal(table))
+    balanced = table[table.distribution == "balanced"]
+    columns = EXPERT_SHAPE | {"moe_tp": "moe_tp_size"}
+    curves = _shape_curves(
+        balanced,
+        columns,
+        lambda rows: _expert_curve(rows, _pipeline_floor(rows, floor_ms)),
+        EXPERT_LAYOUT,
+    )
+    joined = _routing_pairs(table, balanced)
+    factors = _shape_curves(
+        joined,
+        columns,
+        lambda rows: _factor_curve(rows, _pipeline_floor(rows, floor_ms)),
+        EXPERT_LAYOUT,
+    )
+    return [c | {"source": f"{source}, balanced, expert TP"} for c in curves], [
+        f | {"source": f"{source}, power_law_1.01 / balanced, expert TP"} for f in factors
+    ]
+
+
 def _routing_pairs(table: Any, even: Any, skew: str = "power_law_1.01") -> Any:
     """``even`` (evenly routed) rows joined with the ``skew`` rows of the same shape, with their
     latency ``ratio``."""
     shape = ["num_tokens", "hidden_size", "inter_size", "topk", "num_experts", "moe_ep_size"]
+    shape += ["moe_tp_size"] if "moe_tp_size" in table else []
     skewed = table[table.distribution == skew][[*shape, "latency"]]
     joined = even.merge(skewed, on=shape, suffixes=("", "_skewed"))
     return joined.assign(ratio=joined.latency_skewed / joined.latency)
