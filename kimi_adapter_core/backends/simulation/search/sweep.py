@@ -12,19 +12,16 @@ through a few things only, and this module measures that dependence instead of a
   needs: same kernels and the same price for each. b = 1 is a family of its own (eager code takes
   other paths for one row). A family that fails a check is traced per configuration instead,
   exactly as ``simulate`` does. A family's kernels are ``scaling``'s affine entries.
-- **Weight formats.** One tagged trace serves every weight mode (``weight_modes``: each matmul
-  names the weight it read; ``in_mode`` re-formats the weights and fuses again). Which projections
-  merge depends on the kernel families, so modes that merge alike form one family, repriced per
-  mode through the elements of the weights whose format differs; a kernel that reads such a weight
-  without naming it (a vector op) sends the family to the per-configuration path. So every weight
-  mode of a TP size shares its three or four traces.
-- **DP and EP** reach the routed experts (dispatch, grouped GEMM, combine), recomputed per configuration
-  by the simulator's own ``RoutedExperts``, and the kernels with an ``ep`` attribute, priced per EP size.
+- **Weight formats.** One tagged trace serves every weight mode of a TP size (``weight_modes``: each
+  matmul names its weight; ``in_mode`` re-formats and fuses again); modes that merge projections
+  alike form one family, repriced per mode through the weights whose format differs; a kernel that
+  reads such a weight unnamed (a vector op) sends the family to the per-configuration path.
+- **DP and EP** reach the routed experts (dispatch, GEMM, combine: the simulator's ``RoutedExperts``
+  per configuration) and the kernels with an ``ep`` attribute, priced per EP size.
 
-Kernels are priced by a pricing callable (``cost.price`` unless one is given, so a measured cost
-model plugs in), the step finished and memory sized as ``simulate`` does (``tests/test_sweep.py``
-checks kernels, step time and memory against ``simulate`` on sampled configurations). What a sweep
-covers and returns (layouts, weight modes, batches, priced points) is ``grid``'s.
+Kernels are priced by a pricing callable (``cost.price`` unless given: a measured cost model plugs
+in), the step finished and memory sized as ``simulate`` does (``tests/test_sweep.py`` checks them on
+sampled configurations). What a sweep covers and returns (layouts, modes, batches, points) is ``grid``'s.
 """
 
 from __future__ import annotations
@@ -397,11 +394,9 @@ class Sweep:
                 priced.append(item)
         return simulator.finish_step(priced, dep)
 
-    def _scaled_at(
-        self, fam: _Family, b: int, quant: str | None, par: Parallel
-    ) -> list[Priced | ScaledExperts]:
-        """The priced kernels the routed experts do not recompute, at ``par``'s EP size (traces: EP 1)
-        and, under expert TP across DP groups, without an all-to-all (its tokens are gathered)."""
+    def _scaled_at(self, fam: _Family, b: int, quant: str | None, par: Parallel) -> list[Any]:
+        """The priced kernels (``Priced | ScaledExperts``) the routed experts do not recompute, at
+        ``par``'s EP size (traces: EP 1); under expert TP across DP groups no all-to-all (tokens gathered)."""
         key = (fam.tp, fam.at, b, quant)  # one family per (tp, at, mode): the mode names it
         if (base := self._scaled.get(key)) is None:
             base = self._scaled[key] = [
