@@ -53,3 +53,22 @@ def test_one_block_table_row_is_said_not_claimed(tmp_path: Path) -> None:
     code, output = _apply(tmp_path, *STEP, "--batch", "1")
     assert code == 0, output
     assert "[ok] step graph" not in output and NO_SCRATCH_ROW[:60] in " ".join(output.split())
+
+
+def test_verify_compares_the_aux_hidden_states_and_fails_the_wrong_layer(tmp_path: Path, monkeypatch) -> None:
+    """``--step-aux-layers``: verify compares every asked row's aux hidden states with transformers'
+    ``hidden_states[i + 1]``; a graph returning the layer before fails it while its logits still pass."""
+    code, output = _apply(tmp_path, *STEP, "--batch", "4", "--step-aux-layers", "0,2")
+    assert code == 0, output
+    line = next(line.strip() for line in output.splitlines() if "step graph" in line)
+    assert line.startswith("[ok] step graph") and "aux hidden states of layers [0, 2] max |diff|" in line
+    keep = runtime_step.StepWrapper.layer_output
+
+    def one_late(self, position: int, hidden_states: torch.Tensor) -> None:
+        keep(self, position + 1, hidden_states)  # layer i - 1's output kept as layer i's
+
+    monkeypatch.setattr(runtime_step.StepWrapper, "layer_output", one_late)
+    code, output = _apply(tmp_path, *STEP, "--batch", "4", "--step-aux-layers", "1,2")
+    assert code != 0
+    line = next(line for line in output.splitlines() if "step graph" in line)
+    assert "[FAIL]" in line and "equal to model.generate row by row" in line

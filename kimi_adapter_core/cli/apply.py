@@ -70,6 +70,25 @@ def verify_failure(report: Any, output_dir: Path) -> str:
 SIZE = click.IntRange(1, 1 << 24)  # tokens or sequences: 0 or a typo's 1e12 is a usage error
 
 
+class LayerIds(click.ParamType):
+    """A comma-separated list of decoder layer ids: ``1,15,28``."""
+
+    name = "layers"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> tuple[int, ...]:
+        if isinstance(value, tuple):
+            return value
+        try:
+            layers = tuple(int(part) for part in str(value).split(",") if part.strip())
+        except ValueError:
+            self.fail(f"{value!r} is not a comma-separated list of layer ids", param, ctx)
+        if not layers or min(layers) < 0:
+            self.fail(f"{value!r}: layer ids are >= 0", param, ctx)
+        return layers
+
+
 @click.command(name="apply")
 @spec_argument()
 @click.option("--backend", type=click.Choice(CHOICES), default="extraction", show_default=True)
@@ -137,6 +156,14 @@ SIZE = click.IntRange(1, 1 << 24)  # tokens or sequences: 0 or a typo's 1e12 is 
     "states (needs the step graph; default: abi.step.mtp).",
 )
 @click.option(
+    "--step-aux-layers",
+    type=LayerIds(),
+    default=None,
+    help="extraction: the step graph also returns its asked tokens' hidden states after these decoder "
+    "layers, concatenated (comma-separated, increasing: an EAGLE-3 draft's features; default: "
+    "abi.step.aux_layers).",
+)
+@click.option(
     "--verify", is_flag=True, help="extraction: check the saved IR on a tiny model against transformers."
 )
 @click.option(
@@ -176,6 +203,7 @@ def command(
     step_tokens: int | None,
     step_logits: int | None,
     step_mtp: bool | None,
+    step_aux_layers: tuple[int, ...] | None,
     verify: bool,
     no_cache: bool,
     without: tuple[str, ...],
@@ -245,6 +273,7 @@ def command(
             step_tokens=step_tokens,
             step_logits=step_logits,
             step_mtp=step_mtp,
+            step_aux_layers=step_aux_layers,
         )
     elif (
         verify
@@ -266,13 +295,14 @@ def command(
                 step_tokens,
                 step_logits,
                 step_mtp,
+                step_aux_layers,
             )
         )
     ):
         raise UsageError(
             "--output-dir/--batch/--prefill-len/--max-cache-len/--kv-layout/--mla-attention/--dynamic/"
-            "--static/--kv-cache/--block-size/--num-blocks/--step-tokens/--step-logits/--step-mtp/--verify/"
-            "--no-cache need --backend extraction"
+            "--static/--kv-cache/--block-size/--num-blocks/--step-tokens/--step-logits/--step-mtp/"
+            "--step-aux-layers/--verify/--no-cache need --backend extraction"
         )
     if opts is not None:
         from ..backends.extraction.job.forked import export_processes

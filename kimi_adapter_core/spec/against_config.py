@@ -14,7 +14,8 @@ with the same code ``apply`` runs later, so a spec that cannot work fails at lin
   reads the checkpoint dense);
 - an ``abi.kv_layout`` (or ``mla_attention``) the model's attention cannot hold (``expanded`` on GQA);
 - an ``abi.step.mtp`` whose config states no MTP layer, or more than the one depth exported
-  (``num_nextn_predict_layers``; a config leaving it to its class's default is ``apply``'s to refuse).
+  (``num_nextn_predict_layers``; a config leaving it to its class's default is ``apply``'s to refuse);
+- an ``abi.step.aux_layers`` id past the config's decoder layers.
 
 A fact a bare ``config.json`` leaves to its transformers class's defaults cannot be read here; the
 KV-layout check is then left to ``validate --resolve``, which builds the config object.
@@ -22,6 +23,7 @@ KV-layout check is then left to ``validate --resolve``, which builds the config 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +52,7 @@ def config_diagnostics(
     found += unreadable or _quantization(spec, config, locator)
     if not found and spec.abi is not None:
         found += _kv_layout(spec, config, locator)
-    return found + _mtp(spec, config, locator)
+    return found + _mtp(spec, config, locator) + _aux_layers(spec, config, locator)
 
 
 def _refusals(spec: Any, config: dict[str, Any], locator: Locator) -> list[Diagnostic]:
@@ -176,3 +178,30 @@ def _mtp(spec: Any, config: dict[str, Any], locator: Locator) -> list[Diagnostic
         return []
     why = "has no MTP layer" if not stated[0] else f"has {stated[0]!r} MTP layers; only one depth is exported"
     return [locator.at("abi.step.mtp", f"the config {why}: no MTP draft graph", "abi-step")]
+
+
+def _aux_layers(spec: Any, config: dict[str, Any], locator: Locator) -> list[Diagnostic]:
+    """``abi.step.aux_layers`` against the decoder layers the config states (``apply`` checks the same
+    rule, ``aux_layer_range_problem``, against the model it builds)."""
+    from ..structure.of_spec import structure_of_raw
+
+    if spec.abi is None or spec.abi.step is None or not spec.abi.step.aux_layers:
+        return []
+    try:
+        structure = structure_of_raw(spec, config)
+    except KadaptError:
+        return []  # refused or left to the config class's defaults: reported above or by --resolve
+    problem = aux_layer_range_problem(spec.abi.step.aux_layers, structure.num_layers)
+    return [locator.at("abi.step.aux_layers", problem, "abi-step")] if problem else []
+
+
+def aux_layer_range_problem(layers: Sequence[int], num_layers: int) -> str | None:
+    """Which ``abi.step.aux_layers`` a stack of ``num_layers`` decoder layers lacks (None: none): the rule
+    ``validate`` checks against the config and ``apply`` against the model it builds."""
+    outside = [layer for layer in layers if not 0 <= layer < num_layers]
+    if not outside:
+        return None
+    return (
+        f"aux_layers {outside} outside 0..{num_layers - 1}: the model has {num_layers} decoder layers "
+        "(layer i's hidden state is the one after decoder layer i)"
+    )

@@ -158,12 +158,17 @@ class StepAbi:
     tokens: int
     logits: int | None = None
     mtp: bool = False  # also the MTP draft graph (runtime/mtp.py); the step graph returns hidden states
+    # decoder layers whose output hidden states the step graph also returns (an EAGLE-3 draft's features)
+    aux_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_raw(cls, raw: dict[str, Any] | None) -> StepAbi | None:
         if raw is None:
             return None
-        return cls(tokens=raw["tokens"], logits=raw.get("logits"), mtp=bool(raw.get("mtp", False)))
+        aux = tuple(raw.get("aux_layers", ()))
+        return cls(
+            tokens=raw["tokens"], logits=raw.get("logits"), mtp=bool(raw.get("mtp", False)), aux_layers=aux
+        )
 
 
 def paged_size_problems(block_size: int, num_blocks: int | None, max_cache_len: int) -> list[tuple[str, str]]:

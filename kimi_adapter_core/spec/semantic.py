@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import bisect
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -246,12 +246,16 @@ class _Checks(ShippedConfigChecks):
 
     def check_step(self, step: Any, kv_cache: Any, vision: Any) -> None:
         """``abi.step`` returns logits of at most its tokens, reads a paged pool (a contiguous
-        ``kv_cache`` contradicts it) and is text only (what apply refuses, said here)."""
+        ``kv_cache`` contradicts it), is text only (what apply refuses, said here) and names its
+        auxiliary layers in increasing order (the order they are concatenated in)."""
         if not isinstance(step, dict) or not self.clean("abi.step"):
             return
         tokens, logits = step.get("tokens"), step.get("logits")
         if isinstance(tokens, int) and isinstance(logits, int) and logits > tokens:
             self.error("abi.step.logits", f"step logits {logits} exceed its tokens {tokens}", "abi-lengths")
+        problem = aux_layer_order_problem(step.get("aux_layers", []))
+        if problem is not None:
+            self.error("abi.step.aux_layers", problem, "abi-step")
         kind = kv_cache.get("kind") if isinstance(kv_cache, dict) else kv_cache
         if kind == "contiguous":
             self.error(
@@ -343,3 +347,11 @@ class _Checks(ShippedConfigChecks):
                     f"simulation profile model_type {sim_type!r} differs from gate.model_type {gate_type!r}",
                     "simulation-model-type",
                 )
+
+
+def aux_layer_order_problem(layers: Sequence[int]) -> str | None:
+    """Why ``abi.step.aux_layers`` is out of order (None: it is not): their hidden states are concatenated
+    in layer order, as vLLM collects them walking the layers. ``validate``'s rule and ``apply``'s."""
+    if list(layers) != sorted(set(layers)):
+        return f"aux_layers {list(layers)} must be increasing (their hidden states are concatenated in order)"
+    return None

@@ -83,6 +83,7 @@ class GraphNames:
     past_index_key: str | None = None
     present_index_key: str | None = None
     hidden: str | None = None  # an output after the logits: their rows' final hidden states (MTP drafts)
+    aux: str | None = None  # then their rows' hidden states of chosen layers, concatenated (EAGLE-3)
     past_index_src: str | None = None  # a csa layer's indexer ring and entries
     present_index_src: str | None = None
     past_index_comp: str | None = None
@@ -111,7 +112,12 @@ class GraphNames:
         return [*self.fixed_inputs, *self._names("past", kinds)]
 
     def outputs(self, kinds: Kinds) -> list[str]:
-        return [self.logits, *([self.hidden] if self.hidden else []), *self._names("present", kinds)]
+        return [*self.heads, *self._names("present", kinds)]
+
+    @property
+    def heads(self) -> list[str]:
+        """The outputs before the states: the logits, then the hidden states a draft reads, if any."""
+        return [self.logits, *(name for name in (self.hidden, self.aux) if name)]
 
     @property
     def has_linear_states(self) -> bool:

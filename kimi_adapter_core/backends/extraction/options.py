@@ -291,11 +291,12 @@ def options_from_spec(
     step_tokens: int | None = None,
     step_logits: int | None = None,
     step_mtp: bool | None = None,
+    step_aux_layers: tuple[int, ...] | None = None,
 ) -> ExtractionOptions:
     """``spec.abi`` and ``backends.extraction`` defaults with CLI overrides, checked.
 
-    ``kv_cache``/``block_size`` override ``abi.kv_cache``; ``num_blocks``, ``step_tokens``, ``step_logits``
-    and ``step_mtp`` the pool size and ``abi.step`` (``step_options.serving_options``)."""
+    ``kv_cache``/``block_size`` override ``abi.kv_cache``; ``num_blocks``, ``step_tokens``, ``step_logits``,
+    ``step_mtp`` and ``step_aux_layers`` the pool size and ``abi.step`` (``step_options.serving_options``)."""
     abi = spec.abi
     if abi is None:
         raise KadaptError(f"spec {spec.name} has no `abi` section: extraction needs the prefill/decode ABI")
@@ -357,9 +358,7 @@ def options_from_spec(
         )
     prefill_names, decode_names = abi_graph_names(spec)
     located = spec.locate("abi.kv_cache") if "abi.kv_cache" in spec.positions else None
-    from_cli = (
-        kv_cache is not None or block_size is not None
-    )  # a size from the command line is not the spec's
+    from_cli = kv_cache is not None or block_size is not None  # a size from the command line: not the spec's
     paged = paged_options(
         cache_abi,
         batch=sizes["batch"],
@@ -368,9 +367,8 @@ def options_from_spec(
         where=lambda field: located if field == "block_table" or not from_cli else None,
     )
     if paged is not None:
-        decode_names = dataclasses.replace(
-            decode_names, fixed_inputs=(*decode_names.fixed_inputs, paged.block_table)
-        )
+        fixed = (*decode_names.fixed_inputs, paged.block_table)
+        decode_names = dataclasses.replace(decode_names, fixed_inputs=fixed)
     merged, note = None, None
     if abi.vision is not None and abi.vision.merged_prefill is not None:
         merged, note = merged_prefill_options(
@@ -386,6 +384,7 @@ def options_from_spec(
         step_tokens=step_tokens,
         step_logits=step_logits,
         step_mtp=step_mtp,
+        step_aux_layers=step_aux_layers,
     )
     return ExtractionOptions(
         output_dir=out,

@@ -5,8 +5,9 @@ context: a pool smaller than ``batch x max_cache_len / block_size`` serves an en
 while blocks remain and shares the blocks of common prefixes between them. ``abi.step`` /
 ``--step-tokens`` adds the packed step graph (``runtime/step.py``), which reads and writes that pool, so
 it implies a paged cache; ``abi.step.mtp`` / ``--step-mtp`` adds the MTP draft graph beside it
-(``runtime/mtp.py``), for which the step graph also returns its asked tokens' final hidden states.
-Torch-free, like ``options``.
+(``runtime/mtp.py``), for which the step graph also returns its asked tokens' final hidden states, and
+``abi.step.aux_layers`` / ``--step-aux-layers`` the hidden states of chosen layers an EAGLE-3 draft
+reads. Torch-free, like ``options``.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from typing import NamedTuple
 
 from ...errors import KadaptError
 from ...spec.model import Spec, paged_name_problems, paged_size_problems
+from ...spec.semantic import aux_layer_order_problem
 from .names import GraphNames
 from .paged import PagedOptions
 
 STEP = "step"  # graph kind (and file name part) of the packed step graph
 MTP = "mtp"  # graph kind (and file name part) of the MTP draft graph
 HIDDEN = "hidden_states"  # the step graph's output after its logits when it feeds an MTP draft
+AUX = "aux_hidden_states"  # then the chosen layers' hidden states, concatenated (abi.step.aux_layers)
 # The MTP graph's fixed inputs (``runtime.mtp.MTP_FIXED``) and its pools' name templates
 MTP_FIXED = ("hidden_states", "input_ids", "positions", "token_rows", "{block_table}", "logit_indices")
 MTP_PAST, MTP_PRESENT = "mtp_past.{layer}.{role}", "mtp_present.{layer}.{role}"
@@ -42,6 +45,8 @@ class StepOptions:
     names: GraphNames
     where: str | None = None  # spec location of abi.step, when the spec asked for it
     mtp: GraphNames | None = None  # the MTP draft graph's names (None: not exported)
+    # decoder layers whose output hidden states the step graph also returns, concatenated (EAGLE-3)
+    aux_layers: tuple[int, ...] = ()
 
 
 class Serving(NamedTuple):
@@ -64,6 +69,7 @@ def serving_options(
     step_tokens: int | None = None,
     step_logits: int | None = None,
     step_mtp: bool | None = None,
+    step_aux_layers: tuple[int, ...] | None = None,
 ) -> Serving:
     """The pool size and the step graph of ``spec.abi`` and the CLI (its values win), over the paged
     cache ``options_from_spec`` read. A multimodal spec gets it too: its text requests (and the decode of
@@ -91,11 +97,12 @@ def serving_options(
             raise KadaptError(f"--num-blocks: kv_cache {problems[0][1]}")
         paged = dataclasses.replace(paged, num_blocks=num_blocks)
     if tokens is None:
-        if step_mtp:
-            raise KadaptError(
-                "--step-mtp: the MTP draft graph reads the step graph's hidden states: give "
-                "--step-tokens (or abi.step)"
-            )
+        for flag, given, reader in (
+            ("--step-mtp", step_mtp, "the MTP draft graph reads the step graph's hidden states"),
+            ("--step-aux-layers", step_aux_layers, "the step graph returns the aux layers' hidden states"),
+        ):
+            if given:
+                raise KadaptError(f"{flag}: {reader}: give --step-tokens (or abi.step)")
         return Serving(paged, decode_names, None)
     assert paged is not None
     logits = step_logits if step_logits is not None else (stated.logits if stated else None)
@@ -110,11 +117,17 @@ def serving_options(
         )
     names = tuple(name.format(block_table=paged.block_table) for name in STEP_FIXED)
     mtp = step_mtp if step_mtp is not None else bool(stated and stated.mtp)
+    aux = tuple(step_aux_layers if step_aux_layers is not None else (stated.aux_layers if stated else ()))
+    problem = aux_layer_order_problem(aux)
+    if problem is not None:
+        where = "--step-aux-layers" if step_aux_layers is not None else "abi.step.aux_layers"
+        raise KadaptError(f"{where}: {problem}", location=None if step_aux_layers is not None else located)
     step_names = dataclasses.replace(  # then the decode graph's pools
-        decode_names, fixed_inputs=names, hidden=HIDDEN if mtp else None
+        decode_names, fixed_inputs=names, hidden=HIDDEN if mtp else None, aux=AUX if aux else None
     )
     mtp_names = mtp_graph_names(paged.block_table) if mtp else None
-    return Serving(paged, decode_names, StepOptions(tokens, logits, batch, step_names, located, mtp_names))
+    step = StepOptions(tokens, logits, batch, step_names, located, mtp_names, aux)
+    return Serving(paged, decode_names, step)
 
 
 def mtp_graph_names(block_table: str) -> GraphNames:

@@ -105,6 +105,9 @@ def _small_options(
             merged_prefill=dataclasses.replace(options.merged_prefill, prefill_len=length),
             max_cache_len=max(small.max_cache_len, length + MERGED_DECODE_STEPS),
         )
+    if small.step is not None and small.step.aux_layers:  # the spec's layers, folded into the tiny stack
+        aux = tuple(sorted({min(layer, structure.num_layers - 1) for layer in small.step.aux_layers}))
+        small = dataclasses.replace(small, step=dataclasses.replace(small.step, aux_layers=aux))
     if small.paged is not None:  # whole blocks, and a spare row's worth so blocks land out of order
         size = small.paged.block_size
         per_row = -(-small.max_cache_len // size)

@@ -8,7 +8,9 @@ next tokens first, then prompt chunks within the call's token and logits budgets
 order from the pool; unused tokens go to the last block-table row, a scratch row whose blocks no request
 owns (the state mapping's rule). Every call is bound through ``bind_step`` with the ownership check on.
 Each request's greedy tokens must equal ``generate`` on its prompt alone, and every logits row asked
-for must be within the tolerance of generate's at that position.
+for must be within the tolerance of generate's at that position. A step graph returning aux layers'
+hidden states (``abi.step.aux_layers``) has each asked row of them compared with transformers'
+``hidden_states[i + 1]`` of the request's tokens (untied from the final norm: the last layer's output).
 
 A step graph of one block-table row (``--batch 1``) has no scratch row for unused tokens, so it cannot
 be fed as an engine feeds it; verify says so instead of claiming it.
@@ -22,11 +24,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..ir.export import step_example
 from ..options import ExtractionOptions
 from ..runtime import step as runtime_step
 from ..runtime.step_bind import bind_step
 from .comparisons import rows_against_generate
-from .tolerance import Tolerance
+from .tolerance import Tolerance, compare
 from .verdict import VerifyReport
 
 NO_SCRATCH_ROW = (
@@ -42,6 +45,7 @@ class _Request:
     fed: int = 0  # tokens whose KV the pool holds
     output: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
+    aux: list[torch.Tensor] = field(default_factory=list)  # the asked rows' aux hidden states
 
 
 def compare_step(
@@ -69,24 +73,12 @@ def compare_step(
     requests = [_Request(prompt[row, :length].tolist(), row) for row, length in enumerate(lengths)]
     ir = torch_ir.load_ir(str(options.path("step")))
     mapping = json.loads(options.path("kv_mapping").read_text())
-    example = runtime_step.step_inputs(
-        options.kv_dims,
-        tokens=step.tokens,
-        rows=step.rows,
-        logits=step.logits,
-        block_size=paged.block_size,
-        num_blocks=paged.num_blocks,
-        max_cache_len=options.max_cache_len,
-        kinds=options.layer_kinds,
-        dtype=getattr(torch, options.dtype),
-        device="cpu",
-        index_dim=options.index_dim,
-        layer_kv_dims=options.layer_kv_dims,
-    )
+    example = step_example(options, len(options.layer_kinds), "cpu")
     pools = list(example[len(runtime_step.STEP_FIXED) :])
     per_row = options.max_cache_len // paged.block_size
     order = torch.randperm(paged.num_blocks, generator=torch.Generator().manual_seed(7))
     table = order[: step.rows * per_row].view(step.rows, per_row)  # blocks out of order in the pool
+    heads = len(step.names.heads)  # the logits (and hidden states), then the pools
     calls = mixed = 0
     while any(len(r.output) <= steps for r in requests):
         plan = _plan(requests, step.tokens, step.logits, steps)
@@ -110,24 +102,55 @@ def compare_step(
             *pools,
         )
         bound = bind_step(ir, call, mapping, check_ownership=True)
-        logits, *pools = torch_ir.IRExecutor(bound, weights).execute(call)
-        logits = logits.reshape(step.logits, -1)
+        outputs = torch_ir.IRExecutor(bound, weights).execute(call)
+        logits, pools = outputs[0].reshape(step.logits, -1), outputs[heads:]
+        aux = outputs[heads - 1] if step.aux_layers else None  # the last output before the pools
         for request, count in plan:
             request.fed += count
         for index, request in enumerate(wanted):
             request.logits.append(logits[index : index + 1])
             request.output.append(int(logits[index].argmax()))
+            if aux is not None:
+                request.aux.append(aux[index])
         calls += 1
         mixed += len({count > 1 for _, count in plan}) > 1
     ours = [(torch.tensor([r.output]), r.logits) for r in requests]
     prompts = [torch.tensor([r.prompt]) for r in requests]
     passed, detail = rows_against_generate(model, prompts, ours, steps, tolerance)
+    if step.aux_layers:
+        close = compare(_aux_pairs(model, requests, step.aux_layers), tolerance)
+        passed = passed and close.passed
+        detail += f"; aux hidden states of layers {list(step.aux_layers)} {close.detail()}"
     report.add(
         f"step graph{suffix}",
         passed,
         f"{len(requests)} requests of lengths {lengths} in {calls} calls of {step.tokens} tokens ({mixed} "
         f"mixing prompt chunks with decode tokens), blocks out of order, ownership checked: {detail}",
     )
+
+
+def _aux_pairs(
+    model: nn.Module, requests: list[_Request], layers: tuple[int, ...]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each request's asked aux rows (its last prompt position, then each decode position) beside
+    transformers' ``hidden_states[i + 1]`` there, concatenated as the graph does: one forward of the
+    tokens it was fed, ``tie_last_hidden_states`` off so the last layer's is its output, not the final
+    norm's."""
+    text = model.config.get_text_config()
+    before = getattr(text, "tie_last_hidden_states", None)
+    text.tie_last_hidden_states = False
+    pairs = []
+    try:
+        for request in requests:
+            fed = request.prompt + request.output[:-1]
+            with torch.no_grad():
+                states = model(torch.tensor([fed]), output_hidden_states=True).hidden_states
+            asked = range(len(request.prompt) - 1, len(fed))
+            expected = torch.cat([states[layer + 1][0, asked[0] :] for layer in layers], dim=-1)
+            pairs.append((torch.stack(request.aux), expected))
+    finally:
+        text.tie_last_hidden_states = before
+    return pairs
 
 
 def _plan(requests: list[_Request], tokens: int, logits: int, steps: int) -> list[tuple[_Request, int]]:

@@ -370,7 +370,7 @@ def convert(
                 f"{kind} graph writes {spec.target} ({spec.kind.name}); the forward must not mutate state"
             )
         position = len(outputs)
-        heads = ["logits", *(["hidden"] if names.hidden else [])]  # the outputs before the states
+        heads = ["logits", *(["hidden"] if names.hidden else []), *(["aux"] if names.aux else [])]
         layer, role = (None, heads[position]) if position < len(heads) else roles[position - len(heads)]
         ref = env[value.name]
         if any(output.ref == ref for output in outputs) and copies.get(value.name):

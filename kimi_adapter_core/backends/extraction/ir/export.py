@@ -29,6 +29,7 @@ from ..step_options import STEP
 from .convert import Symbols, convert, symbol_names
 from .graph import Graph
 from .stack import Backbone, probed_stack
+from .stitch import Plan, through
 
 
 def graph_names(kind: str, options: ExtractionOptions) -> GraphNames:
@@ -58,6 +59,8 @@ def wrapper_for(kind: str, backbone: Backbone, options: ExtractionOptions, num_l
         extra["paged"] = True
     if kind == STEP and options.step is not None and options.step.mtp is not None:
         extra["hidden_states"] = True  # the MTP draft graph reads the asked tokens' final hidden states
+    if kind == STEP and options.step is not None and options.step.aux_layers:
+        extra["aux_layers"] = options.step.aux_layers  # an EAGLE-3 draft reads these layers' outputs
     probed = probed_stack(backbone.language_model, backbone.parts)
     return (
         classes[kind]
@@ -81,27 +84,36 @@ def wrapper_for(kind: str, backbone: Backbone, options: ExtractionOptions, num_l
     )
 
 
+def step_example(
+    options: ExtractionOptions, num_layers: int, device: str | torch.device
+) -> tuple[torch.Tensor, ...]:
+    """The step graph's example inputs at ``options``' sizes over the first ``num_layers`` layers: what
+    its export traces, what the MTP graph's export takes its index inputs from and what verify's step
+    replay starts its pools from (``runtime.step.step_inputs``)."""
+    step, paged = options.step, options.paged
+    assert step is not None and paged is not None, "the step graph reads a paged pool"
+    return runtime_step.step_inputs(
+        options.kv_dims,
+        tokens=step.tokens,
+        rows=step.rows,
+        logits=step.logits,
+        block_size=paged.block_size,
+        num_blocks=paged.num_blocks,
+        max_cache_len=options.max_cache_len,
+        kinds=options.layer_kinds[:num_layers],
+        dtype=getattr(torch, options.dtype),
+        device=device,
+        index_dim=options.index_dim,
+        layer_kv_dims=None if options.layer_kv_dims is None else options.layer_kv_dims[:num_layers],
+    )
+
+
 def example_inputs(
     kind: str, backbone: Backbone, options: ExtractionOptions, num_layers: int
 ) -> tuple[Any, ...]:
     dtype = getattr(torch, options.dtype)
     if kind == STEP:
-        step, paged = options.step, options.paged
-        assert step is not None and paged is not None
-        return runtime_step.step_inputs(
-            options.kv_dims,
-            tokens=step.tokens,
-            rows=step.rows,
-            logits=step.logits,
-            block_size=paged.block_size,
-            num_blocks=paged.num_blocks,
-            max_cache_len=options.max_cache_len,
-            kinds=options.layer_kinds[:num_layers],
-            dtype=dtype,
-            device=backbone.device,
-            index_dim=options.index_dim,
-            layer_kv_dims=None if options.layer_kv_dims is None else options.layer_kv_dims[:num_layers],
-        )
+        return step_example(options, num_layers, backbone.device)
     if kind == "prefill":
         return runtime.prefill_inputs(
             batch=options.batch, prefill_len=options.prefill_len, dtype=dtype, device=backbone.device
@@ -132,6 +144,17 @@ def example_inputs(
         layer_kv_dims=None if options.layer_kv_dims is None else options.layer_kv_dims[:num_layers],
         compress_rates=options.compress_rates,
     )
+
+
+def traced_for(kind: str, chosen: Plan, options: ExtractionOptions) -> Plan:
+    """The layers ``kind``'s graph traces: ``chosen``'s, and for a step graph returning aux layers'
+    hidden states one layer past the last of them (or every layer). A replicated layer has no nodes
+    but its states' outputs, so an aux layer must be traced; and the final nodes' read of the last
+    traced layer is re-pointed at the last layer's, so an aux layer must not be the last traced one."""
+    if kind != STEP or options.step is None or not options.step.aux_layers:
+        return chosen
+    layers = chosen.prefix + len(chosen.templates)  # every layer after the prefix has a template
+    return through(chosen, min(max(options.step.aux_layers) + 2, layers))
 
 
 def dynamic_dims(kind: str, options: ExtractionOptions, num_inputs: int) -> dict[int, dict[int, str]]:

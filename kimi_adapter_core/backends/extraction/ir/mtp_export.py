@@ -28,7 +28,7 @@ from ..runtime import mtp as runtime_mtp
 from ..runtime.abi import stack_part
 from ..step_options import MTP
 from .convert import Symbols, convert
-from .export import _constant_value, _param_path, export_program
+from .export import _constant_value, _param_path, export_program, step_example
 from .graph import Graph
 from .stack import Backbone, probed_stack
 
@@ -87,19 +87,15 @@ def mtp_wrapper(backbone: Backbone, mtp: nn.Module, options: ExtractionOptions) 
 
 
 def mtp_example_inputs(backbone: Backbone, options: ExtractionOptions) -> tuple[Any, ...]:
-    step, paged = options.step, options.paged
-    assert step is not None and paged is not None
+    paged = options.paged
+    assert paged is not None
     return runtime_mtp.mtp_inputs(
+        step_example(options, 0, backbone.device),  # its index inputs only: no layer's pools
         options.kv_dims,
         hidden_size=backbone.config.hidden_size,
-        tokens=step.tokens,
-        rows=step.rows,
-        logits=step.logits,
         block_size=paged.block_size,
         num_blocks=paged.num_blocks,
-        max_cache_len=options.max_cache_len,
         dtype=getattr(torch, options.dtype),
-        device=backbone.device,
     )
 
 

@@ -19,7 +19,7 @@ traces node for node.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -89,6 +89,13 @@ def plan(layers: Sequence[nn.Module]) -> Plan:
     return Plan(len(kinds))
 
 
+def through(chosen: Plan, layers: int) -> Plan:
+    """``chosen`` tracing at least its first ``layers`` layers (the rest still replicated)."""
+    if layers <= chosen.prefix:
+        return chosen
+    return Plan(layers, {j: source for j, source in chosen.templates.items() if j >= layers})
+
+
 LayerOf = Callable[[Node], int | None]
 
 
@@ -125,7 +132,9 @@ class _Layout:
     carry: list[Slot]  # per traced layer: the one value it hands to the next layer
 
 
-def _layout(graph: Graph, prefix: int, layer_of: LayerOf) -> _Layout:
+def _layout(graph: Graph, prefix: int, layer_of: LayerOf, tail_reads: Collection[int] = ()) -> _Layout:
+    """``graph`` cut at its layers; the final nodes may read the last traced layer and the layers
+    ``tail_reads`` names (the step graph's aux layers: traced, so kept as they are)."""
     head: list[Node] = []
     tail: list[Node] = []
     layers: list[list[Node]] = [[] for _ in range(prefix)]
@@ -150,7 +159,7 @@ def _layout(graph: Graph, prefix: int, layer_of: LayerOf) -> _Layout:
                 continue
             if reader_layer is not None and source != reader_layer - 1:
                 raise NotStitchable(f"layer {reader_layer} reads layer {source}")
-            if reader_layer is None and source != prefix - 1:
+            if reader_layer is None and source != prefix - 1 and source not in tail_reads:
                 raise NotStitchable(f"the final nodes read layer {source}")
             if (ref.key, ref.index) not in graph_outputs:
                 handed[source].add((ref.key, ref.index))
@@ -254,6 +263,7 @@ def stitch(
     names: GraphNames,
     layer_scope: str = "layers",
     constant_values: Callable[[str], Any] | None = None,
+    tail_reads: Collection[int] = (),
 ) -> Graph:
     """The graph of all ``len(layer_paths)`` layers from a trace of ``chosen.prefix`` layers.
 
@@ -261,11 +271,12 @@ def stitch(
     ``tensor_types`` the model's parameters, to check every clone's weights exist as traced;
     ``layer_scope`` the layers' module path inside the traced wrapper (node scopes ``<layer_scope>.<j>...``);
     ``constant_values`` a layer's own non-persistent buffer by model path (None: a layer reading one is
-    not stitchable).
+    not stitchable); ``tail_reads`` the traced layers whose hand-on value the final nodes read besides
+    the last one's (the step graph's aux layers).
     """
     if not chosen.templates:
         return graph
-    layout = _layout(graph, chosen.prefix, _layer_finder(layer_scope))
+    layout = _layout(graph, chosen.prefix, _layer_finder(layer_scope), tail_reads)
     stitched = Graph(
         graph.kind,
         list(graph.inputs),

@@ -30,6 +30,10 @@ EXEC_DEVICE = "cpu"  # factory ops traced on meta get this device (the executors
 def metadata(spec: Spec, backbone: Backbone, options: ExtractionOptions, graph: Graph) -> dict[str, Any]:
     config = backbone.config
     merged = graph.kind == MERGED
+    step = options.step
+    aux_layers = (
+        {"aux_layers": list(step.aux_layers)} if step and step.aux_layers and graph.kind == STEP else {}
+    )
     return {
         "graph": graph.kind,
         "model_name": options.model_name,
@@ -52,7 +56,7 @@ def metadata(spec: Spec, backbone: Backbone, options: ExtractionOptions, graph: 
                 else {}
             ),
             **(
-                {"step": {"tokens": options.step.tokens, "logits": options.step.logits}}
+                {"step": {"tokens": options.step.tokens, "logits": options.step.logits, **aux_layers}}
                 if options.step is not None and graph.kind in (STEP, MTP)
                 else {}
             ),
@@ -162,6 +166,7 @@ def kv_mapping_document(options: ExtractionOptions, backbone: Backbone) -> dict[
             block_size=options.paged.block_size,
             placeholder_token_id=merged.image_token_id if merged is not None else None,
             hidden=(step.names.hidden, backbone.config.hidden_size) if step.names.hidden else None,
+            aux=(step.names.aux, step.aux_layers, backbone.config.hidden_size) if step.names.aux else None,
         )
     if step is not None and step.mtp is not None and options.paged is not None:
         extra["mtp"] = mtp_document(options, backbone)

@@ -32,6 +32,7 @@ from ....checkpoint.weight_map import same_document, weight_map_document
 from ....errors import KadaptError, Refusal
 from ....patching.gate import uncounted
 from ....patching.session import active_session
+from ....spec.against_config import aux_layer_range_problem
 from ....spec.model import Spec
 from ....structure.derive import derive_structure
 from ..ir import vision
@@ -41,6 +42,7 @@ from ..ir.export import (
     graph_names,
     load_export_machinery,
     to_graph,
+    traced_for,
 )
 from ..ir.graph import Graph
 from ..ir.irjson import ir_chunks
@@ -119,6 +121,7 @@ def build_graph(
                 tensor_types=model_tensor_types(backbone.model),
                 names=graph_names(kind, options),
                 constant_values=lambda path: buffer_value(backbone.model, path),
+                tail_reads=options.step.aux_layers if kind == STEP and options.step is not None else (),
             )
     except NotStitchable as exc:
         clock.echo(f"  cannot replicate layers ({exc}); tracing all {len(backbone.layers)} layers")
@@ -292,6 +295,10 @@ def prepare(
         check_stack(backbone, options.layer_kinds)
         if options.step is not None and (refusal := step_refusal(options.layer_kinds)) is not None:
             raise KadaptError(f"no packed step graph: {refusal}", location=options.step.where)
+        if options.step is not None and options.step.aux_layers:
+            problem = aux_layer_range_problem(options.step.aux_layers, len(backbone.layers))
+            if problem is not None:
+                raise KadaptError(f"no packed step graph: {problem}", location=options.step.where)
         mtp = build_mtp(backbone, options.step.where) if options.step and options.step.mtp else None
         check_exportable(backbone)
         load_export_machinery()
@@ -348,7 +355,11 @@ def run(
     kinds = [*GRAPHS, *([MERGED] if options.merged_prefill is not None else [])]
     kinds += [STEP] if options.step is not None else []
     tasks: list[forked.Task] = [
-        (kind, functools.partial(build_graph, kind, backbone, options, chosen, clock)) for kind in kinds
+        (
+            kind,
+            functools.partial(build_graph, kind, backbone, options, traced_for(kind, chosen, options), clock),
+        )
+        for kind in kinds
     ]
     if vision_modules is not None:
         tasks.append(("vision", functools.partial(export_vision, vision_modules, options, clock)))

@@ -1232,14 +1232,16 @@ class _TextStack(nn.Module):
             carried: dict[str, Any] = {}
             shared_kv_states: dict[str, Any] = {}  # STACK_INPUTS: one per call
             first_input = hidden_states
-            for layer, mask, embeddings, scaled, kind, index in zip(
-                self.layers,
-                layer_masks,
-                position_embeddings,
-                scalings,
-                self.kinds,
-                self.layer_ids,
-                strict=True,
+            for position, (layer, mask, embeddings, scaled, kind, index) in enumerate(
+                zip(
+                    self.layers,
+                    layer_masks,
+                    position_embeddings,
+                    scalings,
+                    self.kinds,
+                    self.layer_ids,
+                    strict=True,
+                )
             ):
                 per_layer_input = per_layer[:, :, index, :] if per_layer is not None else None
                 hidden_states, carried = run_layer(
@@ -1261,6 +1263,7 @@ class _TextStack(nn.Module):
                     position_embeddings=embeddings,
                     **{self.cache_keyword: cache if kind not in STATELESS_KINDS else None},
                 )
+                self.layer_output(position, hidden_states)
         if self.streams is not None:
             hidden_states = self.streams(hidden_states)
         rows = self.head_rows(hidden_states)
@@ -1268,6 +1271,10 @@ class _TextStack(nn.Module):
         final = in_head_dtype(normed, self.lm_head)
         logits = apply_ops(self.lm_head(final), self.logit_ops)
         return (*self.head_outputs(logits, normed), *cache.flat_present())
+
+    def layer_output(self, position: int, hidden_states: torch.Tensor) -> None:
+        """What decoder layer ``position`` of the stack handed on: nothing keeps it here; the packed step
+        graph keeps the layers an EAGLE-3 draft reads (``step.StepWrapper``'s ``aux_layers``)."""
 
     def head_rows(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The final hidden states the LM head turns into logits: all of them here; the packed step

@@ -128,31 +128,23 @@ class MtpWrapper(_TextStack):
 
 
 def mtp_inputs(
+    step_example: Sequence[torch.Tensor],
     kv_dims: KVDims,
     *,
     hidden_size: int,
-    tokens: int,
-    rows: int,
-    logits: int,
     block_size: int,
     num_blocks: int,
-    max_cache_len: int,
     dtype: torch.dtype,
-    device: str | torch.device = "meta",
 ) -> tuple[torch.Tensor, ...]:
-    """Example MTP inputs: the step graph's example index inputs (``step.step_inputs``' rule), zero
-    hidden states and one zeroed paged pool (key, value)."""
-    token_rows = torch.arange(tokens, device=device).remainder(rows)
-    positions = torch.div(torch.arange(tokens, device=device), rows, rounding_mode="floor")
-    blocks = max_cache_len // block_size
-    table = torch.arange(rows * blocks, device=device).remainder(num_blocks).view(rows, blocks)
-    indices = torch.arange(tokens - logits, tokens, device=device)
+    """Example MTP inputs: the step graph's example index inputs (``step_example``, ``step.step_inputs``:
+    the draft graph is fed the step's positions, rows, block table and asked tokens), zero hidden states
+    and one zeroed paged pool (key, value)."""
+    ids, positions, token_rows, table, indices = step_example[:5]
     key_shape, value_shape = decode_kv_shapes(kv_dims, 1, 1, (block_size, num_blocks))
-    hidden = torch.zeros(tokens, hidden_size, dtype=dtype, device=device)
-    ids = torch.zeros(tokens, dtype=torch.long, device=device)
+    hidden = torch.zeros(ids.shape[0], hidden_size, dtype=dtype, device=ids.device)
     pools = (
-        torch.zeros(key_shape, dtype=dtype, device=device),
-        torch.zeros(value_shape, dtype=dtype, device=device),
+        torch.zeros(key_shape, dtype=dtype, device=ids.device),
+        torch.zeros(value_shape, dtype=dtype, device=ids.device),
     )
     return hidden, ids, positions, token_rows, table, indices, *pools
 
