@@ -23,6 +23,7 @@ import click
 from ..errors import KadaptError, UsageError
 from ..patching.selection import CHOICES
 from .collector import collector_tuned, freeze
+from .int_list import IntList
 from .output import format_option, reporter, verbosity_options
 from .source_options import source_options
 from .spec_argument import spec_argument
@@ -68,25 +69,6 @@ def verify_failure(report: Any, output_dir: Path) -> str:
 
 
 SIZE = click.IntRange(1, 1 << 24)  # tokens or sequences: 0 or a typo's 1e12 is a usage error
-
-
-class LayerIds(click.ParamType):
-    """A comma-separated list of decoder layer ids: ``1,15,28``."""
-
-    name = "layers"
-
-    def convert(
-        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
-    ) -> tuple[int, ...]:
-        if isinstance(value, tuple):
-            return value
-        try:
-            layers = tuple(int(part) for part in str(value).split(",") if part.strip())
-        except ValueError:
-            self.fail(f"{value!r} is not a comma-separated list of layer ids", param, ctx)
-        if not layers or min(layers) < 0:
-            self.fail(f"{value!r}: layer ids are >= 0", param, ctx)
-        return layers
 
 
 @click.command(name="apply")
@@ -157,7 +139,7 @@ class LayerIds(click.ParamType):
 )
 @click.option(
     "--step-aux-layers",
-    type=LayerIds(),
+    type=IntList(0, "layer ids"),
     default=None,
     help="extraction: the step graph also returns its asked tokens' hidden states after these decoder "
     "layers, concatenated (comma-separated, increasing: an EAGLE-3 draft's features; default: "

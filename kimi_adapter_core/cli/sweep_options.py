@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from .int_list import IntList
+
 if TYPE_CHECKING:
     from ..backends.simulation.estimate.topology import TopologyNote
     from ..backends.simulation.model.deployment import Deployment
@@ -31,25 +33,6 @@ if TYPE_CHECKING:
     from ..spec.model import Spec
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-class BatchList(click.ParamType):
-    """A comma-separated list of positive batch sizes: ``1,8,64``."""
-
-    name = "list"
-
-    def convert(
-        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
-    ) -> tuple[int, ...]:
-        if isinstance(value, tuple):
-            return value
-        try:
-            batches = tuple(int(part) for part in str(value).split(",") if part.strip())
-        except ValueError:
-            self.fail(f"{value!r} is not a comma-separated list of integers", param, ctx)
-        if not batches or min(batches) < 1:
-            self.fail(f"{value!r}: batch sizes must be >= 1", param, ctx)
-        return batches
 
 
 _OPTIONS = (
@@ -68,7 +51,7 @@ _OPTIONS = (
     ),
     click.option(
         "--batches",
-        type=BatchList(),
+        type=IntList(1, "batch sizes"),
         default=None,
         help="Global batch sizes the sweep tries [default: 1,2,4,...,1024].",
     ),
