@@ -148,6 +148,16 @@ def test_each_checkpoint_loads_through_the_weight_map_its_config_gives(storage: 
     )
 
 
+# DeepSeek-V4's top-level tensors by their model name (no ``model.``) as its checkpoint names them, where
+# transformers' renamings are anchored at the base model's names (conversion_mapping.py, deepseek_v4)
+V4_TOP_LEVEL_NAMES = {
+    "embed_tokens.weight": "embed.weight",
+    "hc_head.hc_base": "hc_head_base",
+    "hc_head.hc_fn": "hc_head_fn",
+    "hc_head.hc_scale": "hc_head_scale",
+}
+
+
 def _as_deepseek_v4_ships_it(
     tensors: dict[str, torch.Tensor], doc: dict[str, Any], generator: torch.Generator
 ) -> dict[str, torch.Tensor]:
@@ -180,7 +190,7 @@ def test_deepseek_v4_flash_checkpoint_loads_as_transformers_reads_it(tmp_path: P
     renames (``head.weight``) and keeps bf16; transformers' own loader reads the very checkpoint the
     map describes - no tensor missing or unexpected - into the weights kadapt's loader gives, both as
     ``save_pretrained`` names it and under the published checkpoint's names (the base model's, without
-    ``model.``, and scales as ``X.scale``), which transformers' loader accepts too."""
+    ``model.``, ``embed.weight``, scales as ``X.scale``), which transformers' loader accepts too."""
     from transformers import AutoModelForCausalLM
 
     qc = json.loads((REPO / "specs" / "deepseek_v4_flash" / "config.json").read_text())["quantization_config"]
@@ -203,11 +213,19 @@ def test_deepseek_v4_flash_checkpoint_loads_as_transformers_reads_it(tmp_path: P
     )
     checkpoint = _write(tmp_path / "fp8", stored, {**plain, "quantization_config": qc})
     assert _read_by(doc) == set(stored)
-    # the names the published checkpoint uses: the base model's (no ``model.`` prefix), scales as ``X.scale``
+    # the names the published checkpoint uses (DeepSeek's inference code's): the base model's, without
+    # ``model.``, its top-level tensors under their own names, scales as ``X.scale``
+    own = {f"model.{k}": v for k, v in V4_TOP_LEVEL_NAMES.items()}
+    assert doc["base_model_prefix"] == "model" and doc["aliases"] == own
     published = {
-        re.sub(r"\.weight_scale_inv$", ".scale", name.removeprefix("model.")): t for name, t in stored.items()
+        re.sub(r"\.weight_scale_inv$", ".scale", own.get(name, name).removeprefix("model.")): t
+        for name, t in stored.items()
     }
-    assert doc["base_model_prefix"] == "model" and len(published) == len(stored)
+    assert (
+        len(published) == len(stored)
+        and "embed.weight" in published
+        and "layers.0.attn.wkv.scale" in published
+    )
     published_dir = _write(tmp_path / "published", published, {**plain, "quantization_config": qc})
     for folder in (checkpoint, published_dir):
         weights = load_weights(doc, folder)

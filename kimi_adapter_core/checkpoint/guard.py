@@ -318,6 +318,15 @@ class MapReader:
             raise self.error("base_model_prefix", value, "a module name (letters, digits, _) or ''")
         return value
 
+    def aliases(self, doc: Any) -> dict[str, str]:
+        """The document's ``aliases`` (absent: none): checkpoint tensor name -> another name of it."""
+        if not isinstance(doc, Mapping) or "aliases" not in doc:
+            return {}
+        value = doc["aliases"]
+        if not isinstance(value, dict) or not all(isinstance(v, str) and v for v in value.values()):
+            raise self.error("aliases", value, "an object (tensor name -> another name of it)")
+        return value
+
     def weights(self, doc: Any) -> dict[str, Any]:
         """The document's ``weights``, every entry checked."""
         weights = self.typed(doc, "weights", "", dict, "an object (graph weight -> entry)")

@@ -60,6 +60,10 @@ class CheckpointSource:
     groups: tuple[SourceGroup, ...]
     ops: tuple[dict[str, Any], ...]  # applied in order; see weight_loader.combine
     linear: bool  # the sources are ``nn.Linear`` weights (what a quantization ``targets: [Linear]`` selects)
+    # the base model's name of a plain source where transformers' renamings give it another than its
+    # name without the prefix (DeepSeek-V4's ``embed.weight`` for ``model.embed_tokens.weight``: a rename
+    # anchored at the base model's names), which transformers' loader accepts as well
+    alias: str | None = None
 
     @property
     def tensors(self) -> tuple[str, ...]:
@@ -251,6 +255,26 @@ def _checkpoint_namer(renamings: list[Any], renames: tuple[tuple[str, str], ...]
     return lambda path: _renamed(path, reverse)
 
 
+def _alias_namer(
+    renamings: list[Any], renames: tuple[tuple[str, str], ...], prefix: str
+) -> Callable[[str, str], str | None]:
+    """``(model path, its checkpoint name)`` -> the base model's checkpoint name of that tensor (the
+    path without ``prefix``, renamings reversed) where it is not simply the name without the prefix;
+    None otherwise, or under the spec's ``weight_renames`` (they state the names)."""
+    if renames or not renamings or not prefix:
+        return lambda path, name: None
+    reverse = [renaming.reverse_transform() for renaming in renamings[::-1]]
+    head = prefix + "."
+
+    def alias(path: str, name: str) -> str | None:
+        if not path.startswith(head):
+            return None
+        base = _renamed(path.removeprefix(head), reverse)
+        return None if base in (name, name.removeprefix(head)) else base
+
+    return alias
+
+
 def _is_linear_weight(model: nn.Module, path: str) -> bool:
     owner, _, leaf = path.rpartition(".")
     return leaf == "weight" and isinstance(model.get_submodule(owner), nn.Linear)
@@ -263,6 +287,18 @@ def _checked_names(source: CheckpointSource) -> list[str]:
     return [name for group in source.groups for name in dict.fromkeys((group.tensors[0], group.tensors[-1]))]
 
 
+def _loads_as(
+    name: str, renamings: list[Any], converters: list[Any], model: nn.Module, meta_state: dict[str, bool]
+) -> str:
+    """The model path transformers' loader reads checkpoint tensor ``name`` into."""
+    from transformers.core_model_loading import rename_source_key
+
+    loaded, _ = rename_source_key(name, renamings, converters, model.base_model_prefix, meta_state)
+    if loaded not in meta_state and name in meta_state:  # the loader keeps the model's own name
+        loaded = name  # (upstream.LOADER_KEEPS_OWN_NAMES: DeepSeek-V4's final norm.weight)
+    return loaded
+
+
 def checkpoint_sources(
     model: nn.Module, weights: dict[str, TensorType], renames: tuple[tuple[str, str], ...]
 ) -> dict[str, CheckpointSource]:
@@ -271,10 +307,9 @@ def checkpoint_sources(
     Each checkpoint name is the expanded source under the spec's ``weight_renames``, checked to load
     back into that very path through transformers' own renamings and converters.
     """
-    from transformers.core_model_loading import rename_source_key
-
     renamings, converters = _converters(model)
     checkpoint_name = _checkpoint_namer(renamings, renames)
+    alias_of = _alias_namer(renamings, renames, model.base_model_prefix)
     meta_state = dict.fromkeys(weights, True)
     out: dict[str, CheckpointSource] = {}
     for path, tensor in weights.items():
@@ -286,10 +321,12 @@ def checkpoint_sources(
                 break
         loads_as = path
         if converter is None or target is None:
+            name = checkpoint_name(path)
+            alias = alias_of(path, name)
+            if alias is not None and _loads_as(alias, renamings, converters, model, meta_state) != path:
+                alias = None  # only a name transformers' loader reads into this very path
             source = CheckpointSource(
-                (SourceGroup("", (checkpoint_name(path),), tuple(tensor.shape)),),
-                (),
-                _is_linear_weight(model, path),
+                (SourceGroup("", (name,), tuple(tensor.shape)),), (), _is_linear_weight(model, path), alias
             )
         else:
             ops = [d for op in converter.operations if (d := _op(op, path, converter, target, model))]
@@ -315,9 +352,7 @@ def checkpoint_sources(
             # a one-to-many converter renames its source to the first target; its ops make the others
             loads_as = target.prefix + _targets(converter)[0] + target.suffix
         for name in _checked_names(source):
-            loaded, _ = rename_source_key(name, renamings, converters, model.base_model_prefix, meta_state)
-            if loaded not in meta_state and name in meta_state:  # the loader keeps the model's own name
-                loaded = name  # (upstream.LOADER_KEEPS_OWN_NAMES: DeepSeek-V4's final norm.weight)
+            loaded = _loads_as(name, renamings, converters, model, meta_state)
             if loaded != loads_as:
                 raise KadaptError(
                     f"weight map: checkpoint tensor {name} (from {path}) would load into {loaded}, "

@@ -43,10 +43,13 @@ class Checkpoint:
     Shards come from the folder's index, else from its ``*.safetensors`` files (a name in two of them
     is ambiguous, so an error); either way each resolves inside the folder to a regular file."""
 
-    def __init__(self, directory: Path | str, base_model_prefix: str = "") -> None:
+    def __init__(
+        self, directory: Path | str, base_model_prefix: str = "", aliases: Mapping[str, str] | None = None
+    ) -> None:
         folder = Folder(directory)
         self.root = folder.root
         self.base_model_prefix = base_model_prefix
+        self.aliases = dict(aliases or {})
         self._handles: dict[Path, Any] = {}
         indexed = folder.indexed()
         if indexed is not None:
@@ -70,12 +73,13 @@ class Checkpoint:
         return self._handles[file]
 
     def resolve(self, name: str, forms: tuple[str, ...] = ()) -> str:
-        """The name tensor ``name`` is stored under: ``name`` or one of its other ``forms``, each also
-        without the base model's prefix - the names transformers' loader accepts (a checkpoint of the
-        base model; DeepSeek-V4-Flash's ``layers.0...`` for ``model.layers.0...``). Present under two
-        of them, which is the checkpoint's tensor is ambiguous: an error."""
+        """The name tensor ``name`` is stored under: ``name``, one of its other ``forms`` or its
+        ``aliases`` entry, each also without the base model's prefix - the names transformers' loader
+        accepts (a checkpoint of the base model: DeepSeek-V4-Flash's ``layers.0...`` for
+        ``model.layers.0...``, ``embed.weight`` for ``model.embed_tokens.weight``). Present under two of
+        them, which is the checkpoint's tensor is ambiguous: an error."""
         prefix = f"{self.base_model_prefix}." if self.base_model_prefix else ""
-        names = (name, *forms)
+        names = (name, *forms, *(self.aliases[n] for n in (name, *forms) if n in self.aliases))
         candidates = [*names, *(n[len(prefix) :] for n in names if prefix and n.startswith(prefix))]
         present = [n for n in dict.fromkeys(candidates) if n in self.files]
         if not present:
@@ -146,8 +150,14 @@ def _read(checkpoint: Checkpoint, name: str, group: Mapping[str, Any]) -> torch.
     storage = group.get("storage")
     if storage is None:
         return checkpoint.get(name, group["dtype"], group["shape"])
+    bases = (name, checkpoint.aliases[name]) if name in checkpoint.aliases else (name,)
     parts = {
-        role: checkpoint.get(name + t["suffix"], t["dtype"], t["shape"], _forms(name, t["suffix"]))
+        role: checkpoint.get(
+            name + t["suffix"],
+            t["dtype"],
+            t["shape"],
+            (*(b + t["suffix"] for b in bases[1:]), *(f for b in bases for f in _forms(b, t["suffix"]))),
+        )
         for role, t in storage["tensors"].items()
     }
     if storage["format"] == MXFP4:
@@ -278,7 +288,7 @@ def load_weights(
     doc, source = _document(weight_map)
     reader = MapReader(source)
     weights = reader.weights(doc)  # the whole map checked before any checkpoint file opens
-    store = Checkpoint(Path(checkpoint), reader.base_model_prefix(doc))
+    store = Checkpoint(Path(checkpoint), reader.base_model_prefix(doc), reader.aliases(doc))
     out = {}
     for name, entry in weights.items():
         where = f"{source}: weights[{name!r}]"

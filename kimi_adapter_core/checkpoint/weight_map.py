@@ -44,8 +44,9 @@ RULES = {
     ),
     "names": (
         "a tensor the checkpoint lacks is read under the forms transformers' loader accepts: its name "
-        "without the leading `base_model_prefix.`, and a `_scale_inv` storage tensor of `X.weight` as "
-        "`X.scale` or `X.qscale_weight`; a tensor present under two of its forms is ambiguous"
+        "without the leading `base_model_prefix.`, its `aliases` entry (the base model's name where "
+        "transformers renames it), and a `_scale_inv` storage tensor of `X.weight` as `X.scale` or "
+        "`X.qscale_weight`; a tensor present under two of its forms is ambiguous"
     ),
 }
 # ops the weight map learnt after its first models: a document states their rules only when it uses
@@ -110,6 +111,7 @@ def weight_map_document(
         "version": VERSION,
         "model": model_name,
         "base_model_prefix": getattr(model, "base_model_prefix", "") or "",
+        "aliases": dict(sorted((s.groups[0].tensors[0], s.alias) for s in sources.values() if s.alias)),
         "quantization": stored.found_in,
         "notes": list(stored.notes),
         "rules": _rules(entries),
