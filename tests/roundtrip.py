@@ -66,8 +66,7 @@ from kimi_adapter_core.spec import Spec, load_spec
 REPO = Path(__file__).resolve().parents[1]
 # (a spec whose requires exclude the installed transformers is not vendored here: its module's pins
 # refuse this release's code, as kadapt apply refuses the spec; fixtures/releases.py; nor is one whose
-# extraction module kadapt generate skips with a note: DeepSeek-V4's compressed layers, which the module
-# does not carry yet)
+# extraction module kadapt generate skips with a note)
 EXTRACTABLE = [
     p.stem
     for p in runnable(sorted((REPO / "specs").glob("*.yaml")))
@@ -159,10 +158,15 @@ def reference(model, config, prompt, steps, implementation):
 def states(layer):
     """The state names of a KV mapping layer, as its entries name them: a linear-attention layer's conv
     and recurrent state (a lightning layer's recurrent alone, a short convolution's conv window alone), an
-    attention's key and value (and a DSA layer's indexer keys, placed and updated like the key), none for
-    a block without a mixer."""
-    roles = ("conv", "recurrent", "key", "value", "index_key")
+    attention's key and value (and a DSA layer's indexer keys, placed and updated like the key; a
+    compressed layer's compressor ring and entries, a csa layer's indexer's after those), none for a
+    block without a mixer."""
+    roles = ("conv", "recurrent", "key", "value", "index_key", "comp_src", "comp", "index_src", "index_comp")
     return tuple(role for role in roles if f"prefill_{role}_output" in layer)
+
+
+# contract.compressed: a compressor's ring is the decode input as the prefill returns it
+RINGS = ("comp_src", "index_src")
 
 
 def run(m, kind, graph, weights, feeds):
@@ -225,7 +229,7 @@ def roundtrip(m, tiny, dtype, out, prefill_len, max_cache_len, steps):
         for part in states(layer):
             present = outputs[layer[f"prefill_{part}_output"]["name"]]
             target = layer[f"decode_{part}_input"]
-            if layer.get("kind") in ("linear", "lightning", "short_conv"):  # contract.linear_states: as it is
+            if layer.get("kind") in ("linear", "lightning", "short_conv") or part in RINGS:  # as it is
                 cache[target["name"]] = present
                 continue
             zeros = torch.zeros(target["shape"], dtype=getattr(torch, target["dtype"]))

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
+from fixtures.modules import import_path
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as modeling
 
@@ -36,7 +37,6 @@ from kimi_adapter_core.families.guide import GUIDE_LAYER_PATCHES
 from kimi_adapter_core.families.tiny import tiny_config
 from kimi_adapter_core.families.trial import module_paths, write_spec
 from kimi_adapter_core.generate import render_spec
-from kimi_adapter_core.generate.common import NotExpressible
 from kimi_adapter_core.patching import portable
 from kimi_adapter_core.spec import Spec, load_spec
 from kimi_adapter_core.structure.derive import derive_structure
@@ -210,10 +210,17 @@ def test_prefill_entry_pairs_are_capped_by_the_top_k() -> None:
     assert entry_pairs(5, 11, 4, 2) == sum(min((p + 1) // 4, 2) for p in range(5, 16))
 
 
-def test_generate_refuses_the_compressed_layers_by_name(tmp_path: Path) -> None:
-    """The generated extraction module does not carry the rings and entries yet: refused, located."""
-    with pytest.raises(NotExpressible, match=r"1 \(hca\) and 1 \(csa\) of the 3 layers are compressed"):
-        render_spec(_spec(tmp_path), ["extraction"])
+def test_generate_carries_the_compressed_sparse_layers(tmp_path: Path) -> None:
+    """The generated extraction module carries the csa layers beside the hca one: each kind and rate,
+    and the indexer's key width, which its config readers read as kadapt's structure does."""
+    files, notes = render_spec(_spec(tmp_path), ["extraction"], skip_inexpressible=True)
+    assert notes == []
+    path = tmp_path / "extraction.py"
+    path.write_text(next(item.text for item in files if item.path.name == "extraction.py"))
+    module = import_path(path, "generated_deepseek_v4_csa")
+    assert module.LAYER_KINDS == module.layer_kinds(module.SOURCE_CONFIG) == ("attention", "csa", "hca")
+    assert module.COMPRESS_RATES == module.compress_rates(module.SOURCE_CONFIG) == {"csa": RATE, "hca": RATE}
+    assert module.INDEX_DIM == module.index_dim(module.SOURCE_CONFIG) == INDEX_DIM
 
 
 @pytest.mark.compat

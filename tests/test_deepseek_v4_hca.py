@@ -16,17 +16,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from click.testing import CliRunner
+from fixtures.modules import import_path
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as modeling
 
 from kimi_adapter_core import upstream
 from kimi_adapter_core.backends.extraction import options_from_spec, verify
+from kimi_adapter_core.backends.extraction.ir import export
+from kimi_adapter_core.backends.extraction.job.documents import kv_mapping_document
 from kimi_adapter_core.backends.extraction.options import bind_structure
 from kimi_adapter_core.backends.extraction.runtime import abi
 from kimi_adapter_core.backends.extraction.tiny_model import randomize_constants
@@ -38,7 +42,6 @@ from kimi_adapter_core.errors import KadaptError, Refusal
 from kimi_adapter_core.families.tiny import tiny_config
 from kimi_adapter_core.families.trial import GUIDE_LAYER_PATCHES, module_paths, write_spec
 from kimi_adapter_core.generate import render_spec
-from kimi_adapter_core.generate.common import NotExpressible
 from kimi_adapter_core.patching import portable
 from kimi_adapter_core.spec import Spec, load_spec
 from kimi_adapter_core.structure.derive import derive_structure
@@ -251,15 +254,40 @@ def test_simulate_prices_attention_over_the_window_and_the_entries(tmp_path: Pat
     assert flops == 4 * 2 * 2 * 16 * (WINDOW + 2 * (WINDOW + 201 // RATE))
 
 
-def test_generate_refuses_the_compressed_layers_by_name(tmp_path: Path) -> None:
-    """The generated extraction module does not carry the rings and entries yet: refused when named,
-    located at the gate, and skipped with that note by ``kadapt generate``'s every target."""
+def test_generate_carries_the_compressed_layers(tmp_path: Path) -> None:
+    """The generated extraction module carries the hca layers (their kind and rate, no indexer: the
+    shipped DeepSeek-V4-Flash's module runs end to end in tests/test_generated_deepseek_v4.py), its
+    config readers agreeing with kadapt's structure, and ``kadapt generate`` notes no skip."""
     spec = _spec(tmp_path)
-    with pytest.raises(NotExpressible, match=r"2 \(hca\) of the 3 layers are compressed") as refused:
-        render_spec(spec, ["extraction"])
-    assert refused.value.location is not None and ":4:1" in str(refused.value.location)
-    _, notes = render_spec(spec, ["extraction"], skip_inexpressible=True)
-    assert notes and "target 'extraction' skipped: 2 (hca) of the 3 layers are compressed" in notes[0]
+    files, notes = render_spec(spec, ["extraction"], skip_inexpressible=True)
+    assert notes == []
+    path = tmp_path / "extraction.py"
+    path.write_text(next(item.text for item in files if item.path.name == "extraction.py"))
+    module = import_path(path, "generated_deepseek_v4_hca")
+    assert module.LAYER_KINDS == module.layer_kinds(module.SOURCE_CONFIG) == ("attention", "hca", "hca")
+    assert module.COMPRESS_RATES == module.compress_rates(module.SOURCE_CONFIG) == {"hca": RATE}
+    assert [kind for _, kind, *_ in module.PATCHES] == ["wrap"] and not hasattr(module, "INDEX_DIM")
+
+
+def test_the_generated_modules_paged_state_mapping_is_kadapts(tmp_path: Path) -> None:
+    """Paged, the module's state mapping is the one ``kadapt apply`` writes (the rings and entries per
+    request, never paged, beside the KV block pools), and its example decode inputs the export's."""
+    spec = _spec(tmp_path, paged=True)
+    files, _ = render_spec(spec, ["extraction"])
+    path = tmp_path / "extraction.py"
+    path.write_text(next(item.text for item in files if item.path.name == "extraction.py"))
+    module = import_path(path, "generated_deepseek_v4_hca_paged")
+    options = bind_structure(
+        options_from_spec(spec, output_dir=tmp_path / "out"), derive_structure(_config())
+    )
+    expected = kv_mapping_document(options, types.SimpleNamespace(layers=[None] * 3))  # type: ignore[arg-type]
+    for key in ("format_version", "model_name", "prefill_graph", "decode_graph"):
+        expected.pop(key)
+    config = module.text_config(module.load_config())
+    assert module.kv_mapping(config) == expected
+    got = module.decode_example_inputs(config)
+    want = export.example_inputs("decode", types.SimpleNamespace(device="meta"), options, 3)  # type: ignore[arg-type]
+    assert [t.shape for t in got] == [t.shape for t in want]
 
 
 def test_a_cache_that_is_not_a_multiple_of_the_rate_is_refused_before_export(tmp_path: Path) -> None:

@@ -83,7 +83,7 @@ def test_committed_outputs_match_a_fresh_render(spec_path: Path) -> None:
 @pytest.mark.parametrize("spec_path", SHIPPED, ids=lambda p: p.stem)
 def test_every_shipped_spec_renders_every_target_it_can(spec_path: Path) -> None:
     """Extraction module, TensorCast profile and docs page for each spec; only a spec without an
-    ``abi`` or with compressed layers (DeepSeek-V4) skips the extraction target, and only one whose
+    ``abi`` skips the extraction target, and only one whose
     experts TensorCast cannot read (``experts_layout: other``) or whose layers it cannot declare the
     TensorCast profile, and each says so."""
     spec = load_spec(spec_path)
@@ -91,12 +91,8 @@ def test_every_shipped_spec_renders_every_target_it_can(spec_path: Path) -> None
     name = spec.name
     expected = {"adapters/__init__.py", f"adapters/{name}/__init__.py", f"docs/specs/{name}.md"}
     skipped = []
-    compressed = beyond_tensorcast(spec) == "declares a compressor"
-    if spec.abi is not None and not compressed:
+    if spec.abi is not None:
         expected.add(f"adapters/{name}/extraction.py")
-    elif compressed:  # DeepSeek-V4: the module carries no compressor ring or entries yet
-        assert notes[0].startswith(f"{name}: target 'extraction' skipped: ") and "are compressed" in notes[0]
-        skipped.append(notes[0])
     else:
         skipped.append(f"{name}: target 'extraction' skipped: the spec has no 'abi' entry")
     lacks = beyond_tensorcast(spec)
@@ -115,8 +111,6 @@ def test_every_shipped_spec_renders_every_target_it_can(spec_path: Path) -> None
             "gate_up_proj, down_proj) cannot read these experts"
         )
     assert notes == tuple(skipped)
-    if compressed:  # neither adapter renders: the spec's package holds nothing, only its docs page
-        expected -= {"adapters/__init__.py", f"adapters/{name}/__init__.py"}
     assert set(files) == expected
 
 

@@ -48,6 +48,7 @@ from kimi_adapter_core import upstream
 from kimi_adapter_core.backends.extraction import options_from_spec
 from kimi_adapter_core.backends.extraction.ir import encoding
 from kimi_adapter_core.backends.extraction.job.documents import kv_mapping_document
+from kimi_adapter_core.backends.extraction.names import state_roles
 from kimi_adapter_core.backends.extraction.options import ExtractionOptions, bind_structure
 from kimi_adapter_core.backends.extraction.runtime import abi as runtime
 from kimi_adapter_core.backends.extraction.tiny_model import tiny_overrides
@@ -62,7 +63,7 @@ from kimi_adapter_core.structure.states import RecurrentState
 REPO = Path(__file__).resolve().parents[1]
 SPEC_PATHS = sorted((REPO / "specs").glob("*.yaml"))
 # Specs without an `abi` have no extraction target (test_generate.py checks the skip note), nor those
-# whose module generate skips (test_generated_probes.py's NOT_GENERATED: compressed layers).
+# whose module generate skips (test_generated_probes.py's NOT_GENERATED).
 EXTRACTABLE = [
     p.stem
     for p in SPEC_PATHS
@@ -164,6 +165,13 @@ def test_module_is_standalone_and_bakes_in_kadapts_structure(
     assert getattr(module, "LAYER_KV_DIMS", None) == per_layer
     if per_layer is not None:
         assert module.layer_kv_dims(text) == per_layer
+    # a stack of several layer kinds: each layer's, and a compressed kind's rate (DeepSeek-V4)
+    if hasattr(module, "LAYER_KINDS"):
+        assert module.LAYER_KINDS == module.layer_kinds(text) == shipped.layer_kinds
+    rates = {kind: compressor.rate for kind, compressor in shipped.compressors.items()}
+    assert getattr(module, "COMPRESS_RATES", {}) == rates
+    if rates:
+        assert module.compress_rates(text) == rates
     if not shipped.attention.is_mla:
         words = outside_runtime(fam.path.read_text(encoding="utf-8")).lower()
         assert not [w for w in MLA_WORDS if w in words]
@@ -245,7 +253,7 @@ def test_patches_are_gated_and_restored(family: Callable[[str], Family], name: s
     patches = [p for p in fam.spec.patches if "extraction" in p.backends]
     assert [p[0] for p in module.PATCHES] == [p.id for p in patches]
     model = module.build_model(device="meta", overrides=fam.tiny)
-    for _id, owner_module, owner_path, attr, _impl, _pin in module.PATCHES:
+    for _id, _kind, owner_module, owner_path, attr, _impl, _options, _pin in module.PATCHES:
         owner: Any = __import__(owner_module, fromlist=["_"])
         for part in owner_path.split(".") if owner_path else ():
             owner = getattr(owner, part)
@@ -338,11 +346,15 @@ def test_wrappers_equal_kadapts_runtime_and_transformers(family: Callable[[str],
         assert torch.equal(a, b)
     torch.testing.assert_close(got[0], eager, rtol=0, atol=TOLERANCE)
 
-    # greedy decode steps over the placed prefill cache, each token checked against a full forward
+    # greedy decode steps over the placed prefill cache, each token checked against a full forward; a
+    # compressed stack decodes until the last token closes a window of every rate, so the decode graph
+    # writes an entry of each compressor (and of a csa layer's indexer) and attends over it
     cache = module.place_prefill_kv(got[1:], CACHE, kinds)
     tokens = ids
     token = got[0][:, -1].argmax(-1, keepdim=True)
-    for step in range(STEPS):
+    rates = (fam.options.compress_rates or {}).values()
+    steps = max([STEPS, *((PREFILL // rate + 1) * rate - PREFILL for rate in rates)])
+    for step in range(steps):
         position = PREFILL + step
         example = module.decode_example_inputs(text, "cpu", position=position, max_cache_len=CACHE)
         step_mask = module.additive_causal_mask(example[2], CACHE, dtype)
@@ -368,6 +380,10 @@ def test_wrappers_equal_kadapts_runtime_and_transformers(family: Callable[[str],
         torch.testing.assert_close(got[0], eager, rtol=0, atol=TOLERANCE)
         cache = list(got[1:])
         token = got[0][:, -1].argmax(-1, keepdim=True)
+    for (layer, role), entries in zip(state_roles(kinds), cache, strict=True):
+        if role in ("comp", "index_comp"):  # the entry of the window decode closed last: written
+            rate = fam.options.compress_rates[kinds[layer]]
+            assert entries[:, :, (PREFILL + steps) // rate - 1].abs().sum() > 0, (layer, role)
 
 
 def test_nemotron_h_decode_departs_only_by_the_dt_clamp(family: Callable[[str], Family]) -> None:
@@ -399,8 +415,13 @@ def test_nemotron_h_decode_departs_only_by_the_dt_clamp(family: Callable[[str], 
 
 
 def test_sliding_windows_change_the_result(family: Callable[[str], Family]) -> None:
-    """The windows the generated wrappers pass are what makes a sliding family right."""
-    sliding = [n for n in EXTRACTABLE if family(n).shipped.has_sliding_layers]
+    """The windows the generated wrappers pass are what makes a sliding family right (one whose layers
+    are all attention, so a wrapper without the windows needs nothing else)."""
+    sliding = [
+        n
+        for n in EXTRACTABLE
+        if family(n).shipped.has_sliding_layers and set(family(n).shipped.layer_kinds) == {"attention"}
+    ]
     assert sliding, "no shipped spec has sliding-window layers"
     fam = family(sliding[0])
     module = fam.module

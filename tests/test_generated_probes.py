@@ -45,11 +45,9 @@ def checked_at_import(path: Path) -> tuple[str, ...]:
     return ast.literal_eval(calls[0].args[0])
 
 
-# shipped specs whose extraction module kadapt generate skips, and the located reason it gives: the
-# compressed layers' rings and entries, which the module's template does not carry yet (issue 36)
-NOT_GENERATED = {
-    "deepseek_v4_flash": "compressed: the generated extraction module does not carry a compressor"
-}
+# shipped specs whose extraction module kadapt generate skips, and the located reason it gives (none
+# today: DeepSeek-V4's compressed layers are carried since issue 36)
+NOT_GENERATED: dict[str, str] = {}
 
 
 def test_every_shipped_spec_with_an_abi_has_a_generated_module() -> None:

@@ -5990,10 +5990,16 @@ def check_pin(
         )
 
 
-# (id, module, owner, attribute, implementation, pin): kind ``replace`` -- the implementation is called
-# with the original's arguments (``self`` first) instead of the original; a pin (signature, source
-# sha256 of the upstream function it was written against) is checked before patching.
-PATCHES: tuple[tuple[str, str, str, str, Callable[..., Any], tuple[str | None, str | None] | None], ...] = ()
+# Each patch kind's behaviour, built by kadapt's own builder of the kind (``replace``: the implementation
+# is called with the original's arguments, ``self`` first, instead of the original; ``wrap``: the
+# implementation is called with the original first, ``impl(original, self, ...)``).
+PATCH_KINDS: dict[str, Callable[..., Callable[..., Any]]] = {}
+# (id, kind, module, owner, attribute, implementation, options, pin): a pin (signature, source sha256 of
+# the upstream function it was written against) is checked before patching.
+PATCHES: tuple[
+    tuple[str, str, str, str, str, Callable[..., Any], dict[str, Any], tuple[str | None, str | None] | None],
+    ...,
+] = ()
 
 
 @contextlib.contextmanager
@@ -6001,7 +6007,7 @@ def patches_applied() -> Iterator[None]:
     """Install ``PATCHES`` for the block; the originals come back on exit, even after an error."""
     restore: list[tuple[Any, str, Any, bool]] = []
     try:
-        for patch_id, module, owner_path, attr, impl, pin in PATCHES:
+        for patch_id, kind, module, owner_path, attr, impl, options, pin in PATCHES:
             owner: Any = importlib.import_module(module)
             for name in owner_path.split(".") if owner_path else ():  # "" patches a module function
                 owner = getattr(owner, name)
@@ -6009,7 +6015,7 @@ def patches_applied() -> Iterator[None]:
             original = getattr(stored, "__func__", stored)
             if pin is not None:
                 check_pin(patch_id, f"{module}:{owner_path}.{attr}", original, pin)
-            dispatcher = _gated(original, impl)
+            dispatcher = _gated(original, PATCH_KINDS[kind](patch_id, options, impl, original))
             if isinstance(stored, (staticmethod, classmethod)):
                 dispatcher = type(stored)(dispatcher)
             restore.append((owner, attr, stored, attr in vars(owner)))
@@ -6444,6 +6450,44 @@ def _encoded(value: Any, where: str) -> Any:
         raise TypeError(f"{where}: {exc}") from exc
 
 
+def _own_copies(document: dict[str, Any]) -> None:
+    """Give a second graph output of one tensor a copy of its own, in place: a clone node of it appended
+    to ``document``'s nodes, which that output then names (a layer whose one KV head is both key and value,
+    DeepSeek-V4, returns it as both from the prefill), so every ABI output has a node and a name of its
+    own, as in kadapt's own IR."""
+    producers = {
+        out["name"]: (node["name"], index)
+        for node in document["nodes"]
+        for index, out in enumerate(node["outputs"])
+    }
+    taken = set(producers) | {node["name"] for node in document["nodes"]}
+    taken |= {meta["name"] for meta in document["graph_inputs"]}
+    seen: set[str] = set()
+    for meta in document["graph_outputs"]:
+        if meta["name"] not in seen or meta["name"] not in producers:
+            seen.add(meta["name"])
+            continue
+        node, index = producers[meta["name"]]
+        clone = next(
+            f"{meta['name']}_copy_{n}"
+            for n in range(1, len(taken) + 2)
+            if f"{meta['name']}_copy_{n}" not in taken
+        )
+        taken.add(clone)
+        tensor = {"shape": meta["shape"], "dtype": meta["dtype"]}
+        source = {"name": meta["name"], **tensor, "producer_node": node, "producer_output_idx": index}
+        document["nodes"].append(
+            {
+                "name": clone,
+                "op_type": "aten.clone.default",
+                "inputs": [source],
+                "outputs": [{"name": clone, **tensor}],
+                "attrs": {},
+            }
+        )
+        meta["name"] = clone
+
+
 def _abi_named(document: dict[str, Any], graph: str) -> None:
     """Rename ``document``'s graph inputs and outputs to ``graph_names(graph, layers)``, in place.
 
@@ -6452,6 +6496,7 @@ def _abi_named(document: dict[str, Any], graph: str) -> None:
     consumer's ``name`` and ``producer_node`` change with it, and a node whose single output is a graph
     output takes that output's name, as in kadapt's own IR (node ``logits`` computes ``logits``).
     """
+    _own_copies(document)
     inputs, outputs, nodes = document["graph_inputs"], document["graph_outputs"], document["nodes"]
     layers = (len(outputs) - 1) // 2
     names_in, names_out = graph_names(graph, layers)

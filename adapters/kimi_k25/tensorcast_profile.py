@@ -748,21 +748,21 @@ class ClassPatch:
 
 # -- patch kinds: each returns the patched behaviour, taking the original's arguments ----------------
 
-
-Behaviour = Callable[..., Any]
+# (A behaviour is a ``Callable[..., Any]``, spelled out: ``kadapt generate`` embeds the builders in
+# generated modules, which carry the names a function reads, and a typing alias is none it can write.)
 
 
 def build_replace(
-    patch_id: str, options: Mapping[str, Any], impl: Behaviour | None, original: Behaviour
-) -> Behaviour:
+    patch_id: str, options: Mapping[str, Any], impl: Callable[..., Any] | None, original: Callable[..., Any]
+) -> Callable[..., Any]:
     if impl is None:
         raise ValueError(f"patch {patch_id}: kind replace needs an impl")
     return impl
 
 
 def build_wrap(
-    patch_id: str, options: Mapping[str, Any], impl: Behaviour | None, original: Behaviour
-) -> Behaviour:
+    patch_id: str, options: Mapping[str, Any], impl: Callable[..., Any] | None, original: Callable[..., Any]
+) -> Callable[..., Any]:
     allow = options.get("allow_kwargs")
     allowed = set(allow) if allow is not None else None
     renames = dict(options.get("rename_kwargs") or {})
@@ -790,8 +790,8 @@ def pad_or_trim(result: Any, arity: int) -> tuple[Any, ...]:
 
 
 def build_adapt_return(
-    patch_id: str, options: Mapping[str, Any], impl: Behaviour | None, original: Behaviour
-) -> Behaviour:
+    patch_id: str, options: Mapping[str, Any], impl: Callable[..., Any] | None, original: Callable[..., Any]
+) -> Callable[..., Any]:
     arity = options.get("arity")
     if not isinstance(arity, int) or arity < 1:
         raise ValueError(f"patch {patch_id}: kind adapt_return needs options.arity (a positive integer)")
@@ -803,8 +803,8 @@ def build_adapt_return(
 
 
 def build_meta_stub(
-    patch_id: str, options: Mapping[str, Any], impl: Behaviour | None, original: Behaviour
-) -> Behaviour:
+    patch_id: str, options: Mapping[str, Any], impl: Callable[..., Any] | None, original: Callable[..., Any]
+) -> Callable[..., Any]:
     def stub(*args: Any, **kwargs: Any) -> Any:
         import torch
 
@@ -819,7 +819,7 @@ def build_meta_stub(
 
 
 # kind -> builder(patch_id, options, impl, original) returning the patched behaviour
-BUILDERS: dict[str, Callable[[str, Mapping[str, Any], Behaviour | None, Behaviour], Behaviour]] = {
+BUILDERS: dict[str, Callable[..., Callable[..., Any]]] = {
     "replace": build_replace,
     "wrap": build_wrap,
     "adapt_return": build_adapt_return,

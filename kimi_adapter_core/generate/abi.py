@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ..backends.extraction.compressed_options import check_compressed
 from ..backends.extraction.names import DECODE_FIXED, LAYER_STATES, PREFILL_FIXED, GraphNames
 from ..backends.extraction.options import abi_graph_names, spec_paged
 from ..backends.extraction.runtime import abi as runtime
@@ -28,7 +29,6 @@ from ..structure.kv_layout import resolve_kv_layout as options_resolve_kv_layout
 from ..structure.model import ModelStructure
 from ..structure.of_spec import structure_of_raw
 from ..structure.states import RecurrentState
-from .common import cannot
 
 INDEX_DTYPE = "int64"
 KVDims = tuple[tuple[int, int], tuple[int, int]]
@@ -159,20 +159,11 @@ def structure(spec: Spec) -> ModelStructure:
     a hybrid stack's linear layers (``structure.linear``) carry their conv and recurrent states, DSA
     layers (``structure.indexer``) their indexer keys beside the KV cache, and attention layers (among
     them those reusing an indexed layer's top-k) their KV alone. A stack that mixes DSA layers with
-    layers of another kind is refused: the generated module names a DSA stack's states by those two; so
-    is a stack with compressed layers (DeepSeek-V4's hca, csa), whose states the module does not carry yet."""
+    layers of another kind is refused: the generated module names a DSA stack's states by those two.
+    Compressed layers (DeepSeek-V4's ``hca``, ``csa``: ``structure.compressors``) carry a compressor's ring
+    and entries after their sliding KV, a csa layer its indexer's after those."""
     found = structure_of_raw(spec, bridged_config(spec))
     kinds = set(found.layer_kinds)
-    if found.compressors:  # kadapt apply exports and verifies them; the module's template not yet
-        counts = " and ".join(f"{found.layer_kinds.count(kind)} ({kind})" for kind in found.compressors)
-        raise cannot(
-            spec,
-            "extraction",
-            f"{counts} of the {found.num_layers} layers are compressed: the generated extraction module "
-            "does not carry a compressor's ring and entries yet (its layer kinds, example decode inputs "
-            "and state mapping name none); export with kadapt apply",
-            "gate",
-        )
     if found.indexer is not None and not kinds <= {"indexed", "attention"}:
         others = sorted(kinds - {"indexed", "attention"})
         raise Refusal(
@@ -187,9 +178,22 @@ def structure(spec: Spec) -> ModelStructure:
 
 def check_state_names(spec: Spec, found: ModelStructure) -> None:
     """The ABI names every state the layers return and no other: a linear layer's conv and recurrent
-    state, a DSA layer's indexer keys (``kadapt apply`` checks the same before it exports)."""
+    state, a DSA layer's indexer keys, a compressed layer's ring and entries (``kadapt apply`` checks the
+    same before it exports)."""
     prefill, _ = abi_graph_names(spec)
     where = spec.locate("abi.prefill.outputs")
+    if found.compressors:  # the ring and entries in the second pair of templates: kadapt apply's checks
+        assert spec.abi is not None
+        check_compressed(
+            found,
+            names_state=prefill.has_linear_states,
+            names_index=prefill.present_index_src is not None,
+            max_cache_len=spec.abi.max_cache_len,
+            dynamic=spec.abi.dynamic,
+            names_where=where,
+            dynamic_where=spec.locate("abi.dynamic"),
+        )
+        return
     for present, named, roles, what in (
         (found.linear is not None, prefill.has_linear_states, ("conv", "recurrent"), "linear-attention"),
         (found.indexer is not None, prefill.has_index_keys, ("index_key",), "DSA (indexed_attention)"),

@@ -15,10 +15,14 @@ hybrid stack also each layer's kind and a linear layer's states (a conv window a
 lightning attention the recurrent state alone, LFM2's short convolution the conv window alone), which
 its wrappers, example inputs, names and state mapping carry in the layer's place; for a DSA stack
 (DeepSeek-V3.2) each layer's kind and the width of the indexer keys, which they carry after the
-layer's key and value. It also carries the config keys each of those facts is read from, so that
+layer's key and value; for a stack with compressed layers (DeepSeek-V4's ``hca``,
+``csa``) each layer's kind, each kind's compress rate and a csa layer's indexer key width, which they
+carry as a compressor's ring and entries (a csa layer's indexer's after those) after the layer's key
+and value. It also carries the config keys each of those facts is read from, so that
 ``kv_dims(config)``, ``windows(config)`` (and ``layer_kv_dims(config)``, ``chunks(config)``,
-``layer_kinds(config)``, ``linear_states(config)``, ``index_dim(config)``) follow a config built with
-overrides (a tiny model of the same family) the way kadapt's ``derive_structure`` would.
+``layer_kinds(config)``, ``linear_states(config)``, ``index_dim(config)``, ``compress_rates(config)``)
+follow a config built with overrides (a tiny model of the same family) the way kadapt's
+``derive_structure`` would.
 """
 
 from __future__ import annotations
@@ -34,14 +38,17 @@ from ..backends.extraction.names import kv_names
 from ..backends.extraction.options import abi_graph_names, spec_paged
 from ..backends.extraction.runtime import abi as runtime
 from ..backends.extraction.runtime import step, step_bind, symbolic
+from ..backends.extraction.runtime.abi import COMPRESSED_KINDS
 from ..backends.extraction.step_options import STEP_FIXED
 from ..checkpoint import dtypes
 from ..config.source import resolve_source
 from ..errors import KadaptError
 from ..patching import portable
 from ..patching.impls import resolve_impl
+from ..patching.portable import BUILDERS
 from ..patching.targets import parse_target
 from ..spec.model import Spec
+from ..structure.compressor_of import LEGACY_RATIO_TYPES
 from ..structure.kv_sharing import kv_sharing_rule
 from ..structure.layer_shapes import LATENT_LAYER_FACTS, per_layer_attributes
 from ..structure.linear_of import DERIVED, MIXERS
@@ -57,8 +64,9 @@ from .environment import render
 from .literals import py_literal
 
 TARGET = "extraction"
-# Patch kinds the generated module can carry (see templates/extraction/module.py.j2).
-GENERATED_KINDS = ("replace",)
+# Patch kinds the generated module can carry (see templates/extraction/module.py.j2): each is built by
+# kadapt's own builder of the kind (``patching.portable.BUILDERS``), embedded in the module.
+GENERATED_KINDS = ("replace", "wrap")
 # Structural facts the generated ``kv_dims`` (per KV layout) and ``windows`` read from a text config.
 KV_FACTS = {
     "heads": ("num_heads", "num_kv_heads", "head_dim", "hidden_size"),
@@ -84,6 +92,11 @@ VALUE_FACTS = ("v_head_dim",)
 INDEX_FACTS = ("index_head_dim", "indexer_types")  # indexer_types: which DSA layers score their own keys
 # What the generated ``chunks`` reads from a stack with chunked-attention layers (Llama-4's rule).
 CHUNK_FACTS = ("attention_chunk_size", "rope_layer_flags", "no_rope_interval")
+# What the generated ``layer_kinds``, ``compress_rates`` and ``index_dim`` read from a stack with
+# compressed layers (DeepSeek-V4: each kind's rate by layer type, or the legacy per-layer ratios; the csa
+# layers' Lightning indexer's key width).
+COMPRESSED_FACTS = ("compress_rates", "compress_ratios")
+CSA_FACTS = ("index_head_dim",)
 
 
 def _fail(spec: Spec, where: str, message: str) -> KadaptError:
@@ -105,11 +118,14 @@ def _patches(spec: Spec, embedded: EmbeddedCallables) -> list[dict[str, Any]]:
             raise _fail(spec, patch.where, f"patch {patch.id}: kind {patch.kind!r} has no generated form yet")
         ref = parse_target(patch.target)
         impl_name = embedded.add(resolve_impl(patch.impl or ""), what=f"patch {patch.id} ({patch.impl})")
+        builder = embedded.add(BUILDERS[patch.kind], what=f"patch kind {patch.kind}")
         rows.append(
             {
                 "id": patch.id,
                 "why": patch.why,
                 "kind": patch.kind,
+                "builder": builder,
+                "options": dict(patch.options),
                 "module": ref.module,
                 "owner": ".".join(ref.owner_path),
                 "attr": ref.attr,
@@ -195,6 +211,13 @@ def structure_context(spec: Spec, d: abi_tables.Dims) -> dict[str, Any]:
     read = [f for fact in sizes.values() for f in DERIVED.get(fact, (fact,))]
     linear_facts = (*HYBRID_FACTS, *read) if d.hybrid else ()
     index_facts = INDEX_FACTS if d.index_dim is not None else ()
+    compressors = d.structure.compressors
+    # the config's layer types that are compressed layers -> their ABI kind (config_keys.yaml: hca, csa)
+    compressed_types = {
+        layer_type: span for layer_type, span in tables()["layer_types"].items() if span in COMPRESSED_KINDS
+    }
+    sparse = compressors.get("csa")
+    compressed_facts = (*COMPRESSED_FACTS, *(CSA_FACTS if sparse else ())) if compressors else ()
     chunked = d.structure.has_chunked_layers
     chunk_facts = CHUNK_FACTS if chunked else ()
     attention = d.structure.attention
@@ -202,7 +225,15 @@ def structure_context(spec: Spec, d: abi_tables.Dims) -> dict[str, Any]:
     value_facts = VALUE_FACTS if narrow_values else ()
     facts = tuple(
         dict.fromkeys(
-            (*WINDOW_FACTS, *KV_FACTS[d.kv_layout], *value_facts, *linear_facts, *index_facts, *chunk_facts)
+            (
+                *WINDOW_FACTS,
+                *KV_FACTS[d.kv_layout],
+                *value_facts,
+                *linear_facts,
+                *index_facts,
+                *compressed_facts,
+                *chunk_facts,
+            )
         )
     )
     assert spec.abi is not None
@@ -237,6 +268,8 @@ def structure_context(spec: Spec, d: abi_tables.Dims) -> dict[str, Any]:
         "chunked": chunked,
         "chunks": periodic_literal(d.structure.chunks) if chunked else None,
         "fact_keys": fact_candidates(spec, facts),
+        # facts the family's code fixes whatever the config says (config_keys.yaml ``fixed``)
+        "fixed_facts": tables()["fixed"].get(d.structure.model_type, {}),
         "hybrid": d.hybrid,
         "num_layers": d.num_layers,
         "linear_count": len(d.structure.linear_layer_ids),
@@ -271,8 +304,18 @@ def structure_context(spec: Spec, d: abi_tables.Dims) -> dict[str, Any]:
         # state; the config key that says how many last layers do
         "shared": bool(d.structure.shared_layer_ids),
         "kv_sharing_key": (kv_sharing_rule(d.structure.model_type) or {}).get("key"),
-        # per-layer kinds the wrappers, names and mapping take (hybrid, DSA or KV-sharing stacks)
-        "kinds": d.hybrid or d.index_dim is not None or bool(d.structure.shared_layer_ids),
+        # compressed layers (DeepSeek-V4's hca, csa): each kind's rate, the layer types (and the legacy
+        # per-layer ratios) that name them, and a csa layer's indexer key width (INDEX_DIM)
+        "compressed": bool(compressors),
+        "compress_rates": {kind: compressor.rate for kind, compressor in compressors.items()},
+        "compressed_types": compressed_types,
+        "legacy_ratio_types": {
+            ratio: compressed_types.get(layer_type, "attention")
+            for ratio, layer_type in LEGACY_RATIO_TYPES.items()
+        },
+        "sparse_index_dim": sparse.indexer.head_dim if sparse is not None and sparse.indexer else None,
+        # per-layer kinds the wrappers, names and mapping take (hybrid, DSA, KV-sharing or compressed stacks)
+        "kinds": any((d.hybrid, d.index_dim is not None, d.structure.shared_layer_ids, compressors)),
         # blocks with no token mixer (Nemotron-H's mlp and moe blocks) and the layer types that name them
         "stateless": bool(d.structure.mixerless_layer_ids),
         "stateless_types": tuple(mlp_block_types()),
@@ -397,6 +440,7 @@ def render_extraction(spec: Spec) -> list[Rendered]:
         "impl_constants": dict(sorted(embedded.constants.items())),
         "impl_sources": list(embedded.sources.values()),
         "patches": patches,
+        "patch_kinds": {row["kind"]: row["builder"] for row in patches},
         "cast": cast,
         "check_pin": check_pin,
         **bridge_context(spec, backend=TARGET, target=TARGET),
