@@ -1285,14 +1285,16 @@ class _TextStack(nn.Module):
             carried: dict[str, Any] = {}
             shared_kv_states: dict[str, Any] = {}  # STACK_INPUTS: one per call
             first_input = hidden_states
-            for layer, mask, embeddings, scaled, kind, index in zip(
-                self.layers,
-                layer_masks,
-                position_embeddings,
-                scalings,
-                self.kinds,
-                self.layer_ids,
-                strict=True,
+            for position, (layer, mask, embeddings, scaled, kind, index) in enumerate(
+                zip(
+                    self.layers,
+                    layer_masks,
+                    position_embeddings,
+                    scalings,
+                    self.kinds,
+                    self.layer_ids,
+                    strict=True,
+                )
             ):
                 per_layer_input = per_layer[:, :, index, :] if per_layer is not None else None
                 hidden_states, carried = run_layer(
@@ -1314,6 +1316,7 @@ class _TextStack(nn.Module):
                     position_embeddings=embeddings,
                     **{self.cache_keyword: cache if kind not in STATELESS_KINDS else None},
                 )
+                self.layer_output(position, hidden_states)
         if self.streams is not None:
             hidden_states = self.streams(hidden_states)
         rows = self.head_rows(hidden_states)
@@ -1321,6 +1324,10 @@ class _TextStack(nn.Module):
         final = in_head_dtype(normed, self.lm_head)
         logits = apply_ops(self.lm_head(final), self.logit_ops)
         return (*self.head_outputs(logits, normed), *cache.flat_present())
+
+    def layer_output(self, position: int, hidden_states: torch.Tensor) -> None:
+        """What decoder layer ``position`` of the stack handed on: nothing keeps it here; the packed step
+        graph keeps the layers an EAGLE-3 draft reads (``step.StepWrapper``'s ``aux_layers``)."""
 
     def head_rows(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The final hidden states the LM head turns into logits: all of them here; the packed step
@@ -2345,13 +2352,17 @@ def step_refusal(kinds: Sequence[str]) -> str | None:
 class StepWrapper(_TextStack):
     """The packed step over a paged pool (module docstring): each token a decode row of its request."""
 
-    def __init__(self, *args: Any, hidden_states: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, hidden_states: bool = False, aux_layers: Sequence[int] = (), **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
-        refusal = step_refusal(self.kinds)
+        refusal = step_refusal(self.kinds) or aux_refusal(aux_layers, len(self.layers), self.streams)
         if refusal is not None:
             raise ValueError(refusal)
         self.hidden_states = hidden_states  # also return the asked tokens' final hidden states (MTP)
+        self.aux_layers = tuple(aux_layers)  # and their hidden states after these layers (EAGLE-3)
         self._logit_indices: torch.Tensor | None = None
+        self._aux: list[torch.Tensor] = []  # the aux layers' outputs, while forward runs
 
     def forward(
         self,
@@ -2378,9 +2389,16 @@ class StepWrapper(_TextStack):
         try:
             outputs = self._run(input_ids.view(-1, 1), mask, position_ids, cache)
         finally:
-            self._logit_indices = None
-        heads = 2 if self.hidden_states else 1  # logits [N, vocab] (and hidden states [N, hidden])
+            self._logit_indices, self._aux = None, []
+        # logits [N, vocab], then the final hidden states [N, hidden] and the aux layers' [N, k * hidden]
+        heads = 1 + self.hidden_states + bool(self.aux_layers)
         return (*(output[:, -1] for output in outputs[:heads]), *outputs[heads:])
+
+    def layer_output(self, position: int, hidden_states: torch.Tensor) -> None:
+        """Keep the output of an aux layer (``[T, 1, hidden]``: every token's, the asked rows are taken
+        after the stack)."""
+        if position in self.aux_layers:
+            self._aux.append(hidden_states)
 
     def head_rows(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Only the tokens ``logit_indices`` names reach the norm and the LM head (``[N, 1, hidden]``)."""
@@ -2388,9 +2406,25 @@ class StepWrapper(_TextStack):
         return hidden_states.index_select(0, self._logit_indices)
 
     def head_outputs(self, logits: torch.Tensor, normed: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The logits, and with ``hidden_states`` the final normed hidden states an MTP module reads
-        (transformers' ``hidden_states[-1]``: the last hidden state after the final norm)."""
-        return (logits, normed) if self.hidden_states else (logits,)
+        """The logits, with ``hidden_states`` the final normed hidden states an MTP module reads
+        (transformers' ``hidden_states[-1]``: the last hidden state after the final norm), with
+        ``aux_layers`` the asked rows of those layers' outputs, concatenated (an EAGLE-3 draft's ``fc``
+        input)."""
+        aux = (torch.cat([self.head_rows(kept) for kept in self._aux], dim=-1),) if self.aux_layers else ()
+        return (logits, *((normed,) if self.hidden_states else ()), *aux)
+
+
+def aux_refusal(aux_layers: Sequence[int], num_layers: int, streams: ResidualStreams | None) -> str | None:
+    """Why a step graph over ``num_layers`` traced layers cannot return these aux layers (None: it can)."""
+    outside = [layer for layer in aux_layers if not 0 <= layer < num_layers]
+    if outside:
+        return f"aux layers {outside} are not among the {num_layers} layers the step graph runs"
+    if aux_layers and streams is not None:
+        return (
+            "aux layers of a stack with residual streams (hyper-connections): its layers hand on several "
+            "streams, and which hidden state an EAGLE-3 draft reads of them is not defined"
+        )
+    return None
 
 
 def step_inputs(
@@ -2445,11 +2479,13 @@ def step_mapping(
     block_size: int,
     placeholder_token_id: int | None = None,
     hidden: tuple[str, int] | None = None,
+    aux: tuple[str, Sequence[int], int] | None = None,
 ) -> dict[str, Any]:
     """The state mapping's ``step`` section: the packed step graph's fixed inputs and its rules (the pools
     are the paged decode graph's, ``contract.paged``); with ``placeholder_token_id`` (a multimodal spec's
     image placeholder) the token its ids may not hold; with ``hidden`` (its name and width: a step graph
-    feeding the MTP draft graph) the final hidden states it returns after the logits."""
+    feeding the MTP draft graph) the final hidden states it returns after the logits; with ``aux`` (its
+    name, the layers and the hidden width: ``abi.step.aux_layers``) the layers' hidden states after those."""
     ids, positions, token_rows, table, indices = inputs
     shapes = {ids: [tokens], positions: [tokens], token_rows: [tokens]}
     shapes.update({table: [rows, max_cache_len // block_size], indices: [logit_count]})
@@ -2478,6 +2514,21 @@ def step_mapping(
                 }
             }
             if hidden is not None
+            else {}
+        ),
+        **(
+            {
+                "aux_hidden_states": {
+                    "name": aux[0],
+                    "layers": list(aux[1]),
+                    "shape": [logit_count, len(aux[1]) * aux[2]],
+                    "row_i": f"the token {indices}[i]'s hidden states after decoder layers {list(aux[1])}, "
+                    f"concatenated in that order ({aux[2]} columns each): layer l's is the residual stream "
+                    "decoder layer l hands on (transformers' hidden_states[l + 1]; the last layer's before "
+                    "the final norm), what an EAGLE-3 draft reads",
+                }
+            }
+            if aux is not None
             else {}
         ),
         "pools": "the paged decode graph's KV inputs and outputs, in its order (contract.paged)",
