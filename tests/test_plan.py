@@ -370,3 +370,19 @@ def test_plan_never_imports_torch() -> None:
         "assert 'torch' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v4_flash", "deepseek_v3", "llama"])
+def test_a_key_that_is_also_the_value_is_sized_once_for_a_runtime(name: str) -> None:
+    """DeepSeek-V4's one KV head is key and value: the ABI still caches both (its states), and plan
+    says what a runtime caching it once needs - half, the key alone; no other attention gets the line."""
+    result = CliRunner().invoke(cli, ["plan", str(REPO / "specs" / f"{name}.yaml"), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    kv = json.loads(result.output)["kv_cache"]
+    text = CliRunner().invoke(cli, ["plan", str(REPO / "specs" / f"{name}.yaml")]).output
+    if name != "deepseek_v4_flash":
+        assert "bytes_per_token_value_is_key" not in kv and "shared key/value head" not in text
+        return
+    assert kv["bytes_per_token"] == 43 * (512 + 512) * 2
+    assert kv["bytes_per_token_value_is_key"] == 43 * 512 * 2
+    assert f"a runtime storing it once needs {43 * 512 * 2} B per token" in text

@@ -52,7 +52,20 @@ def _kv_json(plan: Plan) -> dict[str, Any]:
         # the layers cache different KV shapes: each attention layer's bytes per token (else the key is
         # absent and the per-layer figures above are every layer's)
         **({"layer_bytes_per_token": list(kv.layer_bytes_per_token())} if kv.layer_attentions else {}),
+        # a key that is also the value (DeepSeek-V4): what a runtime storing it once needs
+        **({"bytes_per_token_value_is_key": _value_is_key_bytes(kv)} if _value_is_key(kv) else {}),
     }
+
+
+def _value_is_key(kv: Any) -> bool:
+    form = kv.attention.form
+    return form is not None and form.value_is_key and kv.layout == "heads"
+
+
+def _value_is_key_bytes(kv: Any) -> int:
+    """Bytes per token of every attention layer with its shared key/value head cached once: the key."""
+    (_, key), (_, value) = kv.attention.kv_dims(kv.layout)
+    return kv.bytes_per_token * key // (key + value)
 
 
 def _states_json(plan: Plan) -> dict[str, Any]:
@@ -327,6 +340,11 @@ def _kv_text(plan: Plan) -> list[str]:
     scope = f"{kv.layers} attention layers, grows with context; " if kv.state is not None else ""
     lines = [f"KV cache ({scope}{kv.dtype}, per token per layer; cached as {kv.layout})"]
     lines += [f"  {r[0]:<{width[0]}}  {r[1]:<{width[1]}}  {r[2]}" for r in rows]
+    if _value_is_key(kv):
+        lines.append(
+            "  shared key/value head: the ABI caches its key and value (the same values); a runtime "
+            f"storing it once needs {_value_is_key_bytes(kv)} B per token"
+        )
     lines += _shapes_text(kv)
     sliding = [w for w in kv.windows if w is not None]
     if sliding:
