@@ -51,6 +51,8 @@ Sources
   runs, dstack's H200 SGLang / vLLM / TensorRT-LLM sweep, GPUStack's H100 / A100 vLLM runs; sources and
   assumptions in ``tables/published/serving_points.yaml``) priced with ``kadapt simulate --concurrency``,
   AIConfigurator's aggregated estimate beside: ``benchmarks/serving_anchors.py`` (``--only serving``).
+  What those anchors miss at concurrency <= 4, the measured TPOT against the priced decode step and
+  AIConfigurator's step of the same shape: ``benchmarks/serving_gap.py`` (``--only serving-gap``).
 
 TensorCast column: ``--tensorcast DIR --tensorcast-python PY`` (or KADAPT_TENSORCAST /
 KADAPT_TENSORCAST_PYTHON), a checkout and a python that imports it; ~1 minute per case on a CPU.
@@ -69,6 +71,7 @@ from pathlib import Path
 
 import held_out  # benchmarks/held_out.py, beside this script
 import serving_anchors  # benchmarks/serving_anchors.py, beside this script
+import serving_gap  # benchmarks/serving_gap.py, beside this script
 
 from kimi_adapter_core.backends.simulation.estimate import aiconfigurator, reference
 from kimi_adapter_core.backends.simulation.estimate.measured import MeasuredPricer
@@ -675,6 +678,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "expert-tp": lambda _: expert_tp_table(),
     "held-out": lambda _: held_out.held_out_table(),
     "serving": lambda _: serving_anchors.serving_table(),
+    "serving-gap": lambda _: serving_gap.serving_gap_table(),
 }
 
 
@@ -697,7 +701,8 @@ def main() -> None:
         help="print one section: the published anchors, the A3 cases, the H200 AIC cases, the all-to-all "
         "per call, the attention-DP / wide-EP layouts against AIConfigurator, the expert-TP layouts against "
         "AIConfigurator, held-out accuracy, or the "
-        "published end-to-end serving points (simulate --concurrency vs measured, AIConfigurator beside)",
+        "published end-to-end serving points (simulate --concurrency vs measured, AIConfigurator beside), "
+        "or what they miss at concurrency <= 4",
     )
     options = parser.parse_args()
     if options.held_out_only:
