@@ -157,3 +157,15 @@ def test_decode_inputs_carry_the_csa_rings_and_entries() -> None:
         (2, 1, 8, 32),
         (2, 1, 8, 8),
     ]
+
+
+@pytest.mark.parametrize("impl", WRAPPED.values())
+def test_the_builtins_take_the_cache_under_either_releases_name(impl: Any) -> None:
+    """transformers 5.23 names the forwards' cache ``past_key_values``, 5.24 ``cache``: a builtin handed
+    any cache but kadapt's, by position or under either name, calls upstream's forward back by position."""
+    cache = DynamicCache()
+    args = (torch.zeros(1, 2, 4), torch.zeros(1, 2, 4), torch.zeros(1, 2, dtype=torch.long))
+    expected = ("module", *args, cache, 3)
+    for how in ({"cache": cache}, {"past_key_values": cache}):
+        assert impl(lambda *called: called, "module", *args, layer_idx=3, **how) == expected
+    assert impl(lambda *called: called, "module", *args, cache, 3) == expected

@@ -9,7 +9,7 @@ the pinned ``deepseek_v4_hca_compressor`` builtin through the static cache's
 transformers' own ``DynamicCache`` (``DeepseekV4HCACache``) at every step; kadapt's export verifies,
 rows joining a running batch, contiguous and paged; plan sizes the entries and counts the compressor's
 tensors exactly; simulate prices the attention over the window and the entries. transformers 5.23 has the
-family too (the builtin's pin is re-taken for its source, as ``kadapt pin --write`` would).
+family too: the guide's pin lists both releases' sources.
 """
 
 from __future__ import annotations
@@ -40,9 +40,8 @@ from kimi_adapter_core.builtins.deepseek_v4 import deepseek_v4_hca_compressor
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import KadaptError, Refusal
 from kimi_adapter_core.families.tiny import tiny_config
-from kimi_adapter_core.families.trial import GUIDE_LAYER_PATCHES, module_paths, write_spec
+from kimi_adapter_core.families.trial import module_paths, write_spec
 from kimi_adapter_core.generate import render_spec
-from kimi_adapter_core.patching import portable
 from kimi_adapter_core.spec import Spec, load_spec
 from kimi_adapter_core.structure.derive import derive_structure
 
@@ -73,9 +72,6 @@ def _spec(folder: Path, batch: int = 1, paged: bool = False) -> Spec:
         built = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
     path = write_spec(folder, "deepseek_v4", config, module_paths(built))
     text = path.read_text().replace("batch: 1", f"batch: {batch}")
-    # the guide pins transformers 5.24's compressor; an older release's is reviewed the same way
-    pinned = GUIDE_LAYER_PATCHES[HCA][0]["pin"]["source_sha256"]
-    text = text.replace(pinned, portable.source_sha256(modeling.DeepseekV4HCACompressor.forward))
     pool = "dtype: float32\n  kv_cache: {kind: paged, block_size: 8}\n"
     path.write_text(text.replace("dtype: float32\n", pool) if paged else text)
     return load_spec(path)

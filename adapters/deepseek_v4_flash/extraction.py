@@ -2990,7 +2990,13 @@ HCA_COMPRESSOR_PARTS = (
     "self.compress_rate", "self.kv_proj", "self.gate_proj", "self.position_bias", "self.kv_norm",
     "self.rotary_emb",
 )  # fmt: skip
-HCA_COMPRESSOR_CALL = ("self.compressor(", "hidden_states, q_residual, position_ids,")
+# the attention hands its compressor all five by position; the cache is ``cache`` on 5.24 and
+# ``past_key_values`` on 5.23, the builtins' fourth positional parameter on both
+COMPRESSOR_CACHE_NAMES = ("cache", "past_key_values")
+HCA_COMPRESSOR_CALL = tuple(
+    f"self.compressor(hidden_states, q_residual, position_ids, {name}, self.layer_idx)"
+    for name in COMPRESSOR_CACHE_NAMES
+)
 # what the ``deepseek_v4_csa_compressor`` and ``deepseek_v4_indexer`` builtins read besides: the csa
 # compressor's indexer, the indexer's query projection, scorer and top-k (its own compressor's parts too)
 COMPRESSOR_PARTS = {
@@ -3013,13 +3019,16 @@ def _probe_compressor_cache() -> str:
         "block_bias after the mask; DeepseekV4HCACompressor, DeepseekV4CSACompressor and DeepseekV4Indexer "
         "keep compress_rate, kv_proj, gate_proj, position_bias, kv_norm and rotary_emb (the csa compressor "
         "its indexer, the indexer q_b_proj, scorer and index_topk) and take (hidden_states, q_residual, "
-        "position_ids, ...), and the module has apply_rotary_pos_emb"
+        "position_ids, cache, layer_idx) (5.23: past_key_values for cache), and the module has "
+        "apply_rotary_pos_emb"
     )
     attention = _attr(DEEPSEEK_V4, "DeepseekV4Attention", expected)
     _attr(DEEPSEEK_V4, "apply_rotary_pos_emb", expected)
-    source = " ".join(inspect.getsource(attention.forward).split())
+    source = " ".join(inspect.getsource(attention.forward).split()).replace("( ", "(").replace(" )", ")")
+    if not any(call in source for call in HCA_COMPRESSOR_CALL):
+        raise _Moved(expected, f"DeepseekV4Attention.forward no longer has {HCA_COMPRESSOR_CALL[0]}")
     concatenations = ("torch.cat([kv, compressed_kv], dim=2)", "torch.cat([attention_mask, block_bias")
-    for step in (*HCA_COMPRESSOR_CALL, *concatenations):
+    for step in concatenations:
         if step not in source:
             raise _Moved(expected, f"DeepseekV4Attention.forward no longer has {step}")
     for name, parts in COMPRESSOR_PARTS.items():
@@ -3029,7 +3038,10 @@ def _probe_compressor_cache() -> str:
         if missing:
             raise _Moved(expected, f"{name}.__init__ no longer sets {', '.join(missing)}")
         names = ("hidden_states", "q_residual", "position_ids")
-        if not _leading_parameters(module.forward, names)[0]:
+        if not any(
+            _leading_parameters(module.forward, (*names, cache, "layer_idx"))[0]
+            for cache in COMPRESSOR_CACHE_NAMES
+        ):
             raise _Moved(expected, _describe(module.forward, f"{name}.forward"))
     return (
         "DeepseekV4HCACompressor, DeepseekV4CSACompressor, DeepseekV4Indexer(hidden_states, q_residual, "
@@ -6181,6 +6193,13 @@ def _bias(hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return zeros.masked_fill(hidden, torch.finfo(dtype).min)
 
 
+def _cache(cache: Any, past_key_values: Any) -> Any:
+    """The cache the caller handed over: transformers 5.24 names the forwards' fourth parameter ``cache``,
+    5.23 ``past_key_values`` (the attention passes it by position on both; upstream's forward, called
+    back by position, takes it under either name)."""
+    return cache if cache is not None else past_key_values
+
+
 def _closed(position_ids: torch.Tensor, rate: int) -> torch.Tensor:
     """Per query the windows closed by its position ``p``: ``(p + 1) // rate`` (entries ``w`` below it)."""
     return torch.div(position_ids + 1, rate, rounding_mode="floor")
@@ -6217,11 +6236,14 @@ def deepseek_v4_hca_compressor(
     position_ids: torch.Tensor,
     cache: Any = None,
     layer_idx: int = 0,
+    *,
+    past_key_values: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``wrap`` impl for ``DeepseekV4HCACompressor.forward``: with kadapt's static cache, every compressed
     entry slot ``[B, 1, slots, head_dim]`` and the additive bias ``[B, 1, Q, slots]`` that hides those
     not yet closed for each query (upstream returns the entries it has and, in decode, no bias); with
     any other cache (transformers' own, in the reference runs) upstream's forward as it is."""
+    cache = _cache(cache, past_key_values)
     if not hasattr(cache, "compressed_window"):
         return original(self, hidden_states, q_residual, position_ids, cache, layer_idx)
     compressed = _compress(self, hidden_states, cache, layer_idx, "comp")
@@ -6263,11 +6285,14 @@ def deepseek_v4_csa_compressor(
     position_ids: torch.Tensor,
     cache: Any = None,
     layer_idx: int = 0,
+    *,
+    past_key_values: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``wrap`` impl for ``DeepseekV4CSACompressor.forward``: with kadapt's static cache, every entry slot
     (each the previous window's first series and its own second, pooled over ``2 x rate`` rows) and the
     bias that shows each query only the entries its indexer picked (``deepseek_v4_indexer``: ``-1``
     marks an invalid pick, as upstream's); with any other cache upstream's forward as it is."""
+    cache = _cache(cache, past_key_values)
     if not hasattr(cache, "compressed_window"):
         return original(self, hidden_states, q_residual, position_ids, cache, layer_idx)
     compressed = _compress(self, hidden_states, cache, layer_idx, "comp")
@@ -6285,12 +6310,15 @@ def deepseek_v4_indexer(
     position_ids: torch.Tensor,
     cache: Any = None,
     layer_idx: int = 0,
+    *,
+    past_key_values: Any = None,
 ) -> torch.Tensor:
     """``wrap`` impl for ``DeepseekV4Indexer.forward``: with kadapt's static cache, its own compressor's
     entries (series ``index``) scored by every query, the entries not closed for it at ``-inf``, and the
     top ``min(index_topk, slots)`` picks, a pick of an entry not closed ``-1`` (upstream's top-k over
     the entries it has: the same valid picks, in another order, whose order nothing reads); with any
     other cache upstream's forward as it is."""
+    cache = _cache(cache, past_key_values)
     if not hasattr(cache, "compressed_window"):
         return original(self, hidden_states, q_residual, position_ids, cache, layer_idx)
     batch, length, _ = hidden_states.shape
@@ -6367,12 +6395,20 @@ def pin_drift(
 
 
 def check_pin(
-    patch_id: str, target: str, func: Callable[..., Any], pin: tuple[str | None, str | None]
+    patch_id: str,
+    target: str,
+    func: Callable[..., Any],
+    pin: Sequence[tuple[str | None, str | None, str | None]],
 ) -> None:
-    """Refuse to patch ``func`` when it drifted from ``pin`` (signature, source sha256)."""
-    drifted = pin_drift(func, *pin)
-    if drifted:
-        found = "; ".join(f"{field} pinned {then}, found {now}" for field, then, now in drifted)
+    """Refuse to patch ``func`` unless it matches one of the sources in ``pin``: ``(release, signature,
+    source sha256)`` each, release None in the one-source form (a field None: not pinned)."""
+    drifts = [(release, pin_drift(func, signature, sha256)) for release, signature, sha256 in pin]
+    if all(drifted for _, drifted in drifts):
+        found = "; ".join(
+            f"{field} pinned {then}{f' for {release}' if release else ''}, found {now}"
+            for release, drifted in drifts
+            for field, then, now in drifted
+        )
         raise RuntimeError(
             f"patch {patch_id}: upstream drift: {target} no longer matches its pin ({found}); review the "
             "patch against the new upstream code and regenerate with `kadapt pin --write`"
@@ -6385,10 +6421,20 @@ def check_pin(
 PATCH_KINDS: dict[str, Callable[..., Callable[..., Any]]] = {
     "wrap": build_wrap,
 }
-# (id, kind, module, owner, attribute, implementation, options, pin): a pin (signature, source sha256 of
-# the upstream function it was written against) is checked before patching.
+# (id, kind, module, owner, attribute, implementation, options, pin): a pin (the sources of the upstream
+# function it was reviewed against, (release, signature, source sha256) each, release None in the
+# one-source form) is checked before patching: a function matching none of them is refused.
 PATCHES: tuple[
-    tuple[str, str, str, str, str, Callable[..., Any], dict[str, Any], tuple[str | None, str | None] | None],
+    tuple[
+        str,
+        str,
+        str,
+        str,
+        str,
+        Callable[..., Any],
+        dict[str, Any],
+        tuple[tuple[str | None, str | None, str | None], ...] | None,
+    ],
     ...,
 ] = (
     # V1: the HCA compressor's open window and entries in the static cache, per row (upstream grows them by
@@ -6401,7 +6447,10 @@ PATCHES: tuple[
         "forward",
         deepseek_v4_hca_compressor,
         {},
-        (None, "fe93d160eee3c9b08574d00bac8c4a55e510a77e1a3e5502eb2df825ba6f39c9"),
+        (
+            ("5.23.0", None, "d3bfb74b252d12facf9e68ce710e926dcf1e2a66aaed268848e04ead42317977"),
+            ("5.24.0", None, "fe93d160eee3c9b08574d00bac8c4a55e510a77e1a3e5502eb2df825ba6f39c9"),
+        ),
     ),
     # V2: the CSA compressor's two-window ring and entries in the static cache, per row, and each query's
     # view of the entries its indexer picks (upstream concatenates, counts entries in a Python int and keeps
@@ -6414,7 +6463,10 @@ PATCHES: tuple[
         "forward",
         deepseek_v4_csa_compressor,
         {},
-        (None, "96a32e9bf30e10d682d944a792a3b549691e89c6eb36cef040951e697cf64a14"),
+        (
+            ("5.23.0", None, "9b8a1dcdd447aa66aed9bbae54113b7b10c48b5341b129380a81e1ae1e6b7e09"),
+            ("5.24.0", None, "96a32e9bf30e10d682d944a792a3b549691e89c6eb36cef040951e697cf64a14"),
+        ),
     ),
     # V3: the Lightning indexer's compressed keys in the static cache and a static top-k over each entry
     # slot, those not closed hidden (upstream's top-k runs over the entries it has)
@@ -6426,7 +6478,10 @@ PATCHES: tuple[
         "forward",
         deepseek_v4_indexer,
         {},
-        (None, "2c64d711f0e15b8050941751a81d51d374fe9f81f2e5f8a19c4c0d48ffc6be19"),
+        (
+            ("5.23.0", None, "0d79ce39e8c075955fa4fc904a007a25f3e0b3fb9d39ceb3e233c979c1a157cb"),
+            ("5.24.0", None, "2c64d711f0e15b8050941751a81d51d374fe9f81f2e5f8a19c4c0d48ffc6be19"),
+        ),
     ),
 )
 

@@ -689,12 +689,20 @@ def pin_drift(
 
 
 def check_pin(
-    patch_id: str, target: str, func: Callable[..., Any], pin: tuple[str | None, str | None]
+    patch_id: str,
+    target: str,
+    func: Callable[..., Any],
+    pin: Sequence[tuple[str | None, str | None, str | None]],
 ) -> None:
-    """Refuse to patch ``func`` when it drifted from ``pin`` (signature, source sha256)."""
-    drifted = pin_drift(func, *pin)
-    if drifted:
-        found = "; ".join(f"{field} pinned {then}, found {now}" for field, then, now in drifted)
+    """Refuse to patch ``func`` unless it matches one of the sources in ``pin``: ``(release, signature,
+    source sha256)`` each, release None in the one-source form (a field None: not pinned)."""
+    drifts = [(release, pin_drift(func, signature, sha256)) for release, signature, sha256 in pin]
+    if all(drifted for _, drifted in drifts):
+        found = "; ".join(
+            f"{field} pinned {then}{f' for {release}' if release else ''}, found {now}"
+            for release, drifted in drifts
+            for field, then, now in drifted
+        )
         raise RuntimeError(
             f"patch {patch_id}: upstream drift: {target} no longer matches its pin ({found}); review the "
             "patch against the new upstream code and regenerate with `kadapt pin --write`"
@@ -730,12 +738,14 @@ class ClassPatch:
         impl: Callable[..., Any] | None = None,
         value: Any = None,
         options: Mapping[str, Any] | None = None,
-        pin: tuple[str | None, str | None] | None = None,
+        pin: tuple[tuple[str | None, str | None, str | None], ...] | None = None,
     ) -> None:
         self.id, self.kind, self.module, self.owner, self.attr = id, kind, module, tuple(owner), attr
         self.remote, self.impl, self.value = remote, impl, value
         self.options: Mapping[str, Any] = dict(options or {})
-        self.pin = pin  # (signature, source_sha256) of the upstream function, checked before patching
+        # the sources of the upstream function it was reviewed against, (release, signature,
+        # source_sha256) each, checked before patching: it patches only a function matching one
+        self.pin = pin
 
     @property
     def target(self) -> str:
@@ -1094,8 +1104,11 @@ PATCHES: tuple[ClassPatch, ...] = (
         remote=False,
         impl=patch_embed_flat_linear,
         pin=(
-            "(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, **kwargs) -> torch.Tensor",  # noqa: E501 - the pinned signature, verbatim
-            "030b479aa13ad74c1846dbdd5dc23f7ceeb00f1c974c0da0c63e9cafd2cb326a",
+            (
+                None,
+                "(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, **kwargs) -> torch.Tensor",  # noqa: E501 - the pinned signature, verbatim
+                "030b479aa13ad74c1846dbdd5dc23f7ceeb00f1c974c0da0c63e9cafd2cb326a",
+            ),
         ),
     ),
     # P5: The placeholder check compares the image-token count with the feature rows through .item(), which
@@ -1108,8 +1121,11 @@ PATCHES: tuple[ClassPatch, ...] = (
         attr="get_placeholder_mask",
         remote=False,
         pin=(
-            "(self, input_ids: torch.LongTensor, inputs_embeds: torch.Tensor, image_features: torch.Tensor | None = None, video_features: torch.Tensor | None = None)",  # noqa: E501 - the pinned signature, verbatim
-            "d2bd83df1ef5e3636d3a47f23d07d2c2db7ae29503d1f2a74dc1373872dff616",
+            (
+                None,
+                "(self, input_ids: torch.LongTensor, inputs_embeds: torch.Tensor, image_features: torch.Tensor | None = None, video_features: torch.Tensor | None = None)",  # noqa: E501 - the pinned signature, verbatim
+                "d2bd83df1ef5e3636d3a47f23d07d2c2db7ae29503d1f2a74dc1373872dff616",
+            ),
         ),
         options={"allow_kwargs": ["inputs_embeds"]},
     ),

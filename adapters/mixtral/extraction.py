@@ -2976,7 +2976,13 @@ HCA_COMPRESSOR_PARTS = (
     "self.compress_rate", "self.kv_proj", "self.gate_proj", "self.position_bias", "self.kv_norm",
     "self.rotary_emb",
 )  # fmt: skip
-HCA_COMPRESSOR_CALL = ("self.compressor(", "hidden_states, q_residual, position_ids,")
+# the attention hands its compressor all five by position; the cache is ``cache`` on 5.24 and
+# ``past_key_values`` on 5.23, the builtins' fourth positional parameter on both
+COMPRESSOR_CACHE_NAMES = ("cache", "past_key_values")
+HCA_COMPRESSOR_CALL = tuple(
+    f"self.compressor(hidden_states, q_residual, position_ids, {name}, self.layer_idx)"
+    for name in COMPRESSOR_CACHE_NAMES
+)
 # what the ``deepseek_v4_csa_compressor`` and ``deepseek_v4_indexer`` builtins read besides: the csa
 # compressor's indexer, the indexer's query projection, scorer and top-k (its own compressor's parts too)
 COMPRESSOR_PARTS = {
@@ -2999,13 +3005,16 @@ def _probe_compressor_cache() -> str:
         "block_bias after the mask; DeepseekV4HCACompressor, DeepseekV4CSACompressor and DeepseekV4Indexer "
         "keep compress_rate, kv_proj, gate_proj, position_bias, kv_norm and rotary_emb (the csa compressor "
         "its indexer, the indexer q_b_proj, scorer and index_topk) and take (hidden_states, q_residual, "
-        "position_ids, ...), and the module has apply_rotary_pos_emb"
+        "position_ids, cache, layer_idx) (5.23: past_key_values for cache), and the module has "
+        "apply_rotary_pos_emb"
     )
     attention = _attr(DEEPSEEK_V4, "DeepseekV4Attention", expected)
     _attr(DEEPSEEK_V4, "apply_rotary_pos_emb", expected)
-    source = " ".join(inspect.getsource(attention.forward).split())
+    source = " ".join(inspect.getsource(attention.forward).split()).replace("( ", "(").replace(" )", ")")
+    if not any(call in source for call in HCA_COMPRESSOR_CALL):
+        raise _Moved(expected, f"DeepseekV4Attention.forward no longer has {HCA_COMPRESSOR_CALL[0]}")
     concatenations = ("torch.cat([kv, compressed_kv], dim=2)", "torch.cat([attention_mask, block_bias")
-    for step in (*HCA_COMPRESSOR_CALL, *concatenations):
+    for step in concatenations:
         if step not in source:
             raise _Moved(expected, f"DeepseekV4Attention.forward no longer has {step}")
     for name, parts in COMPRESSOR_PARTS.items():
@@ -3015,7 +3024,10 @@ def _probe_compressor_cache() -> str:
         if missing:
             raise _Moved(expected, f"{name}.__init__ no longer sets {', '.join(missing)}")
         names = ("hidden_states", "q_residual", "position_ids")
-        if not _leading_parameters(module.forward, names)[0]:
+        if not any(
+            _leading_parameters(module.forward, (*names, cache, "layer_idx"))[0]
+            for cache in COMPRESSOR_CACHE_NAMES
+        ):
             raise _Moved(expected, _describe(module.forward, f"{name}.forward"))
     return (
         "DeepseekV4HCACompressor, DeepseekV4CSACompressor, DeepseekV4Indexer(hidden_states, q_residual, "
@@ -5845,12 +5857,20 @@ def pin_drift(
 
 
 def check_pin(
-    patch_id: str, target: str, func: Callable[..., Any], pin: tuple[str | None, str | None]
+    patch_id: str,
+    target: str,
+    func: Callable[..., Any],
+    pin: Sequence[tuple[str | None, str | None, str | None]],
 ) -> None:
-    """Refuse to patch ``func`` when it drifted from ``pin`` (signature, source sha256)."""
-    drifted = pin_drift(func, *pin)
-    if drifted:
-        found = "; ".join(f"{field} pinned {then}, found {now}" for field, then, now in drifted)
+    """Refuse to patch ``func`` unless it matches one of the sources in ``pin``: ``(release, signature,
+    source sha256)`` each, release None in the one-source form (a field None: not pinned)."""
+    drifts = [(release, pin_drift(func, signature, sha256)) for release, signature, sha256 in pin]
+    if all(drifted for _, drifted in drifts):
+        found = "; ".join(
+            f"{field} pinned {then}{f' for {release}' if release else ''}, found {now}"
+            for release, drifted in drifts
+            for field, then, now in drifted
+        )
         raise RuntimeError(
             f"patch {patch_id}: upstream drift: {target} no longer matches its pin ({found}); review the "
             "patch against the new upstream code and regenerate with `kadapt pin --write`"
@@ -5861,10 +5881,20 @@ def check_pin(
 # is called with the original's arguments, ``self`` first, instead of the original; ``wrap``: the
 # implementation is called with the original first, ``impl(original, self, ...)``).
 PATCH_KINDS: dict[str, Callable[..., Callable[..., Any]]] = {}
-# (id, kind, module, owner, attribute, implementation, options, pin): a pin (signature, source sha256 of
-# the upstream function it was written against) is checked before patching.
+# (id, kind, module, owner, attribute, implementation, options, pin): a pin (the sources of the upstream
+# function it was reviewed against, (release, signature, source sha256) each, release None in the
+# one-source form) is checked before patching: a function matching none of them is refused.
 PATCHES: tuple[
-    tuple[str, str, str, str, str, Callable[..., Any], dict[str, Any], tuple[str | None, str | None] | None],
+    tuple[
+        str,
+        str,
+        str,
+        str,
+        str,
+        Callable[..., Any],
+        dict[str, Any],
+        tuple[tuple[str | None, str | None, str | None], ...] | None,
+    ],
     ...,
 ] = ()
 

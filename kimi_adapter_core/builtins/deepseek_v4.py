@@ -22,6 +22,13 @@ reference runs):
   it has (the same valid picks, up to exact ties, whose tie-break no rule defines); the attention sees
   the picked entries only.
 
+The forwards of transformers 5.23 and 5.24 differ only in the cache parameter's name (5.23:
+``past_key_values``; 5.24: ``cache``, behind a ``deprecate_kwarg``; the spec pins both sources), which
+the builtins take by position or under either name, and in their modules' dtypes: 5.24 builds
+``position_bias`` and ``kv_norm`` in float32, 5.23 in the model's dtype, and both releases' loaders keep
+them float32 (``_keep_in_fp32_modules_strict``), so for a loaded checkpoint both forwards compute the
+same; the builtins read every dtype off the module, as upstream's forward does.
+
 The pooling itself is upstream's, line for line: ``softmax(gate + position_bias)`` over the window (CSA:
 the previous window's first series and its own second, window 0's previous one at weight 0) in
 float32, cast to the projections' dtype, the weighted sum, ``kv_norm``, then the compress rope at the
@@ -44,11 +51,14 @@ def deepseek_v4_hca_compressor(
     position_ids: torch.Tensor,
     cache: Any = None,
     layer_idx: int = 0,
+    *,
+    past_key_values: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``wrap`` impl for ``DeepseekV4HCACompressor.forward``: with kadapt's static cache, every compressed
     entry slot ``[B, 1, slots, head_dim]`` and the additive bias ``[B, 1, Q, slots]`` that hides those
     not yet closed for each query (upstream returns the entries it has and, in decode, no bias); with
     any other cache (transformers' own, in the reference runs) upstream's forward as it is."""
+    cache = _cache(cache, past_key_values)
     if not hasattr(cache, "compressed_window"):
         return original(self, hidden_states, q_residual, position_ids, cache, layer_idx)
     compressed = _compress(self, hidden_states, cache, layer_idx, "comp")
@@ -66,11 +76,14 @@ def deepseek_v4_csa_compressor(
     position_ids: torch.Tensor,
     cache: Any = None,
     layer_idx: int = 0,
+    *,
+    past_key_values: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``wrap`` impl for ``DeepseekV4CSACompressor.forward``: with kadapt's static cache, every entry slot
     (each the previous window's first series and its own second, pooled over ``2 x rate`` rows) and the
     bias that shows each query only the entries its indexer picked (``deepseek_v4_indexer``: ``-1``
     marks an invalid pick, as upstream's); with any other cache upstream's forward as it is."""
+    cache = _cache(cache, past_key_values)
     if not hasattr(cache, "compressed_window"):
         return original(self, hidden_states, q_residual, position_ids, cache, layer_idx)
     compressed = _compress(self, hidden_states, cache, layer_idx, "comp")
@@ -88,12 +101,15 @@ def deepseek_v4_indexer(
     position_ids: torch.Tensor,
     cache: Any = None,
     layer_idx: int = 0,
+    *,
+    past_key_values: Any = None,
 ) -> torch.Tensor:
     """``wrap`` impl for ``DeepseekV4Indexer.forward``: with kadapt's static cache, its own compressor's
     entries (series ``index``) scored by every query, the entries not closed for it at ``-inf``, and the
     top ``min(index_topk, slots)`` picks, a pick of an entry not closed ``-1`` (upstream's top-k over
     the entries it has: the same valid picks, in another order, whose order nothing reads); with any
     other cache upstream's forward as it is."""
+    cache = _cache(cache, past_key_values)
     if not hasattr(cache, "compressed_window"):
         return original(self, hidden_states, q_residual, position_ids, cache, layer_idx)
     batch, length, _ = hidden_states.shape
@@ -109,6 +125,13 @@ def deepseek_v4_indexer(
         scores.masked_fill(future, float("-inf")).topk(min(self.index_topk, keys.shape[1]), dim=-1).indices
     )
     return torch.where(picks >= closed, torch.full_like(picks, -1), picks)
+
+
+def _cache(cache: Any, past_key_values: Any) -> Any:
+    """The cache the caller handed over: transformers 5.24 names the forwards' fourth parameter ``cache``,
+    5.23 ``past_key_values`` (the attention passes it by position on both; upstream's forward, called
+    back by position, takes it under either name)."""
+    return cache if cache is not None else past_key_values
 
 
 def _compress(

@@ -97,7 +97,7 @@ def pin_findings() -> list[dict[str, Any]]:
         spec = load_spec(path)
         outside = unmet(spec)  # a spec for other releases: apply refuses it here, its pins do not apply
         for patch in spec.patches:
-            if patch.pin is None:
+            if not patch.pins:
                 continue
             row = {"spec": spec.name, "id": patch.id, "target": patch.target}
             if outside:
@@ -114,12 +114,21 @@ def pin_findings() -> list[dict[str, Any]]:
                 continue
             ref = parse_target(patch.target)
             try:
-                drifted = pins.drift(patch.pin, resolve_in(ref, import_module(ref)).function())
+                function = resolve_in(ref, import_module(ref)).function()
+                drifts = [(pin, pins.drift(pin, function)) for pin in patch.pins]
             except KadaptError as exc:
                 rows.append({**row, "status": "moved", "found": exc.message})
                 continue
-            found = "; ".join(f"{field} {now} (pinned {then})" for field, then, now in drifted)
-            rows.append({**row, "status": "moved" if drifted else "ok", "found": found or "matches its pin"})
+            matched = next((pin for pin, drifted in drifts if not drifted), None)  # any reviewed source
+            if matched is not None:
+                rows.append({**row, "status": "ok", "found": f"matches {pins.describe(matched)}"})
+                continue
+            found = "; ".join(
+                f"{field} {now} (pinned {then}{f' for {pin.release}' if pin.release else ''})"
+                for pin, drifted in drifts
+                for field, then, now in drifted
+            )
+            rows.append({**row, "status": "moved", "found": found})
     return rows
 
 

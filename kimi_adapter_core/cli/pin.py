@@ -2,13 +2,16 @@
 
 Run it after reviewing a patch against new upstream code. Without ``--write`` it only prints the
 unified diff and exits 1 when pins are stale (a finding, like a failing lint); with ``--write`` it
-rewrites the spec atomically, touching nothing but pin lines. The stale diff is the finding, so
+rewrites the spec atomically, touching nothing but pin lines. A per-release pin (a list, one entry
+per transformers release reviewed) is stale only when no entry accepts the installed source; then it
+gains (or has replaced) the installed release's entry, the others kept. The stale diff is the finding, so
 ``-q`` keeps it; what ``--write`` did and "up to date" are informational.
 """
 
 from __future__ import annotations
 
 import difflib
+from importlib import metadata
 from pathlib import Path
 
 import click
@@ -31,6 +34,9 @@ def command(
     spec_path: Path, write: bool, trust_remote_code: bool, source_dir: Path | None, from_hub: bool, fmt: str
 ) -> None:
     """Recompute signature/source_sha256 pins of SPEC's patches and print the diff.
+
+    A per-release pin (a list of entries, each with its transformers release) gains the installed
+    release's entry when none of its entries accepts the installed source; the others are kept.
 
     JSON (--format json): {"spec", "up_to_date", "written", "pins": {ID: {"target",
     "signature", "source_sha256"}}, "diff"}; stale pins without --write exit 1 after it.
@@ -56,11 +62,12 @@ def command(
         ).resolve_targets()
     callables = [p for p in spec.patches if p.kind in CALLABLE_KINDS]
     fresh = {p.id: pins.compute(resolved[p.id].function()) for p in callables}
+    release = metadata.version("transformers")
     for patch in callables:
         pin = fresh[patch.id]
         out.detail(f"{patch.id} {patch.target}: signature {pin.signature}, sha256 {pin.source_sha256}")
     old = spec_path.read_text(encoding="utf-8")
-    new = rewrite_pins(old, spec, fresh)
+    new = rewrite_pins(old, spec, {p.id: pins.repinned(p.pins, fresh[p.id], release) for p in callables})
     diff = "".join(
         difflib.unified_diff(
             old.splitlines(keepends=True),

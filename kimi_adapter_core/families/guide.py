@@ -119,7 +119,8 @@ GUIDE_PATCHES: dict[str, tuple[dict[str, Any], ...]] = {
 
 # The class patches the guide names for a layer type whose code needs a builtin to export, added to a
 # family's where its config lists that type (DeepSeek-V4's compressed layers: a stack of sliding layers
-# alone needs none, and its generated module carries no wrap).
+# alone needs none, and its generated module carries no wrap), pinned per release: the compressors'
+# forwards were reviewed against transformers 5.23's sources and 5.24's, which differ.
 GUIDE_LAYER_PATCHES: dict[str, tuple[dict[str, Any], ...]] = {
     "heavily_compressed_attention": (
         {
@@ -130,7 +131,16 @@ GUIDE_LAYER_PATCHES: dict[str, tuple[dict[str, Any], ...]] = {
             "kind": "wrap",
             "impl": "builtin:deepseek_v4_hca_compressor",
             "backends": ["extraction"],
-            "pin": {"source_sha256": "fe93d160eee3c9b08574d00bac8c4a55e510a77e1a3e5502eb2df825ba6f39c9"},
+            "pin": [
+                {
+                    "transformers": "5.23.0",
+                    "source_sha256": "d3bfb74b252d12facf9e68ce710e926dcf1e2a66aaed268848e04ead42317977",
+                },
+                {
+                    "transformers": "5.24.0",
+                    "source_sha256": "fe93d160eee3c9b08574d00bac8c4a55e510a77e1a3e5502eb2df825ba6f39c9",
+                },
+            ],
         },
     ),
     "compressed_sparse_attention": (
@@ -143,7 +153,16 @@ GUIDE_LAYER_PATCHES: dict[str, tuple[dict[str, Any], ...]] = {
             "kind": "wrap",
             "impl": "builtin:deepseek_v4_csa_compressor",
             "backends": ["extraction"],
-            "pin": {"source_sha256": "96a32e9bf30e10d682d944a792a3b549691e89c6eb36cef040951e697cf64a14"},
+            "pin": [
+                {
+                    "transformers": "5.23.0",
+                    "source_sha256": "9b8a1dcdd447aa66aed9bbae54113b7b10c48b5341b129380a81e1ae1e6b7e09",
+                },
+                {
+                    "transformers": "5.24.0",
+                    "source_sha256": "96a32e9bf30e10d682d944a792a3b549691e89c6eb36cef040951e697cf64a14",
+                },
+            ],
         },
         {
             "id": "V3",
@@ -153,7 +172,16 @@ GUIDE_LAYER_PATCHES: dict[str, tuple[dict[str, Any], ...]] = {
             "kind": "wrap",
             "impl": "builtin:deepseek_v4_indexer",
             "backends": ["extraction"],
-            "pin": {"source_sha256": "2c64d711f0e15b8050941751a81d51d374fe9f81f2e5f8a19c4c0d48ffc6be19"},
+            "pin": [
+                {
+                    "transformers": "5.23.0",
+                    "source_sha256": "0d79ce39e8c075955fa4fc904a007a25f3e0b3fb9d39ceb3e233c979c1a157cb",
+                },
+                {
+                    "transformers": "5.24.0",
+                    "source_sha256": "2c64d711f0e15b8050941751a81d51d374fe9f81f2e5f8a19c4c0d48ffc6be19",
+                },
+            ],
         },
     ),
 }

@@ -130,7 +130,7 @@ def _patches(spec: Spec, embedded: EmbeddedCallables) -> list[dict[str, Any]]:
                 "owner": ".".join(ref.owner_path),
                 "attr": ref.attr,
                 "impl": impl_name,
-                "pin": (patch.pin.signature, patch.pin.source_sha256) if patch.pin is not None else None,
+                "pin": tuple((pin.release, pin.signature, pin.source_sha256) for pin in patch.pins) or None,
             }
         )
     return rows

@@ -386,7 +386,7 @@ def _patches(spec: Spec, embedded: EmbeddedCallables) -> list[dict[str, Any]]:
                 "impl": impl,
                 "value": patch.value,
                 "options": dict(sorted(patch.options.items())),
-                "pin": (patch.pin.signature, patch.pin.source_sha256) if patch.pin is not None else None,
+                "pin": tuple((pin.release, pin.signature, pin.source_sha256) for pin in patch.pins) or None,
             }
         )
     return rows

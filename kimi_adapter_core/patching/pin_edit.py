@@ -21,12 +21,26 @@ def _is_content(line: str) -> bool:
     return bool(stripped) and not stripped.startswith("#")
 
 
-def _pin_lines(pin: Pin, indent: str) -> list[str]:
+def _field_lines(pin: Pin, first: str, rest: str) -> list[str]:
+    """The pinned fields, ``first`` before the first line and ``rest`` before the others."""
+    fields = [
+        ("transformers", pin.release),
+        ("signature", pin.signature),
+        ("source_sha256", pin.source_sha256),
+    ]
+    present = [(key, value) for key, value in fields if value is not None]
+    return [
+        f"{first if i == 0 else rest}{key}: {json.dumps(value)}\n" for i, (key, value) in enumerate(present)
+    ]
+
+
+def _pin_lines(pins: tuple[Pin, ...], indent: str) -> list[str]:
+    """A ``pin:`` block: one source as a mapping, a per-release pin as a list of them."""
     lines = [f"{indent}pin:\n"]
-    if pin.signature is not None:
-        lines.append(f"{indent}  signature: {json.dumps(pin.signature)}\n")
-    if pin.source_sha256 is not None:
-        lines.append(f"{indent}  source_sha256: {json.dumps(pin.source_sha256)}\n")
+    if len(pins) == 1 and pins[0].release is None:
+        return lines + _field_lines(pins[0], f"{indent}  ", f"{indent}  ")
+    for pin in pins:
+        lines += _field_lines(pin, f"{indent}  - ", f"{indent}    ")
     return lines
 
 
@@ -44,8 +58,8 @@ def _entry_end(lines: list[str], start: int, key_indent: int) -> int:
     return last_content + 1
 
 
-def rewrite_pins(text: str, spec: Spec, pins: dict[str, Pin]) -> str:
-    """``text`` with each patch ``id`` in ``pins`` carrying exactly that pin block."""
+def rewrite_pins(text: str, spec: Spec, pins: dict[str, tuple[Pin, ...]]) -> str:
+    """``text`` with each patch ``id`` in ``pins`` carrying exactly those pins."""
     lines = text.splitlines(keepends=True)
     if lines and not lines[-1].endswith("\n"):
         lines[-1] += "\n"

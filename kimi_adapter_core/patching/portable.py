@@ -17,7 +17,8 @@ needs them) and never kadapt. The patch kinds:
   alone when the class already has the attribute).
 
 A patch with a pin (the signature and source sha256 of the upstream function it was written against,
-``pin_drift``) is checked before it is installed: drifted upstream code is refused, never patched.
+``pin_drift``; one per transformers release it was reviewed against, when several) is checked before it
+is installed: upstream code matching none of them is refused, never patched.
 
 Every patched attribute becomes a dispatcher that decides on each call: the receiver (``self``)
 is owned when its own ``config`` passes the gate, or when it was built inside a model whose root
@@ -67,12 +68,20 @@ def pin_drift(
 
 
 def check_pin(
-    patch_id: str, target: str, func: Callable[..., Any], pin: tuple[str | None, str | None]
+    patch_id: str,
+    target: str,
+    func: Callable[..., Any],
+    pin: Sequence[tuple[str | None, str | None, str | None]],
 ) -> None:
-    """Refuse to patch ``func`` when it drifted from ``pin`` (signature, source sha256)."""
-    drifted = pin_drift(func, *pin)
-    if drifted:
-        found = "; ".join(f"{field} pinned {then}, found {now}" for field, then, now in drifted)
+    """Refuse to patch ``func`` unless it matches one of the sources in ``pin``: ``(release, signature,
+    source sha256)`` each, release None in the one-source form (a field None: not pinned)."""
+    drifts = [(release, pin_drift(func, signature, sha256)) for release, signature, sha256 in pin]
+    if all(drifted for _, drifted in drifts):
+        found = "; ".join(
+            f"{field} pinned {then}{f' for {release}' if release else ''}, found {now}"
+            for release, drifted in drifts
+            for field, then, now in drifted
+        )
         raise RuntimeError(
             f"patch {patch_id}: upstream drift: {target} no longer matches its pin ({found}); review the "
             "patch against the new upstream code and regenerate with `kadapt pin --write`"
@@ -108,12 +117,14 @@ class ClassPatch:
         impl: Callable[..., Any] | None = None,
         value: Any = None,
         options: Mapping[str, Any] | None = None,
-        pin: tuple[str | None, str | None] | None = None,
+        pin: tuple[tuple[str | None, str | None, str | None], ...] | None = None,
     ) -> None:
         self.id, self.kind, self.module, self.owner, self.attr = id, kind, module, tuple(owner), attr
         self.remote, self.impl, self.value = remote, impl, value
         self.options: Mapping[str, Any] = dict(options or {})
-        self.pin = pin  # (signature, source_sha256) of the upstream function, checked before patching
+        # the sources of the upstream function it was reviewed against, (release, signature,
+        # source_sha256) each, checked before patching: it patches only a function matching one
+        self.pin = pin
 
     @property
     def target(self) -> str:

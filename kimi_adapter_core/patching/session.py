@@ -153,8 +153,8 @@ class Session:
             planned.reason = f"{resolved.ref.attr} = {patch.value!r} on claimed instances"
             return
         original = resolved.function()
-        if patch.pin is not None:
-            pins.verify(patch.pin, original, target=patch.target, location=planned.location)
+        if patch.pins:
+            pins.verify(patch.pins, original, target=patch.target, location=planned.location)
         cell = [original]
         behaviour = kinds.build(patch, via_cell(cell), planned.impl)
         dispatcher = gated(self.spec.name, cell, behaviour, self.reach.setdefault(patch.id, Reach()))
@@ -167,7 +167,7 @@ class Session:
             resolved.owner, resolved.ref.attr, new, resolved.raw, resolved.own, True, dispatcher, original
         )
         planned.installers.append(change.install)
-        planned.reason = f"gated on {self.spec.gate.model_type}" + (", pinned" if patch.pin else "")
+        planned.reason = f"gated on {self.spec.gate.model_type}" + (", pinned" if patch.pins else "")
 
     def _attribute_installer(self, patch: Patch, resolved: Resolved) -> Callable[[], Change]:
         descriptor = GatedAttribute(

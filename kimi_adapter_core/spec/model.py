@@ -68,8 +68,13 @@ class ConfigBridge:
 
 @dataclass(frozen=True)
 class Pin:
+    """One upstream source a patch was reviewed against: its signature and/or source sha256 and, in a
+    per-release pin (a list under ``pin:``), the transformers release it came from (None: the
+    one-source form, which names no release)."""
+
     signature: str | None
     source_sha256: str | None
+    release: str | None = None
 
 
 @dataclass(frozen=True)
@@ -81,9 +86,14 @@ class Patch:
     impl: str | None  # "builtin:name" or "package.module:callable"
     options: dict[str, Any]
     value: Any
-    pin: Pin | None
+    pins: tuple[Pin, ...]  # the sources it was reviewed against, any of which it applies to; () unpinned
     backends: tuple[str, ...]
     where: str
+
+    @property
+    def per_release(self) -> bool:
+        """True when the pin lists its sources by release (the list form of ``pin:``)."""
+        return any(pin.release is not None for pin in self.pins)
 
     @property
     def is_remote(self) -> bool:
@@ -365,6 +375,14 @@ def _backends(entry: dict[str, Any]) -> tuple[str, ...]:
     return tuple(entry.get("backends") or BACKENDS)
 
 
+def _pins(raw: dict[str, Any] | list[dict[str, Any]] | None) -> tuple[Pin, ...]:
+    """A patch's ``pin:``: one source (a mapping) or one per reviewed release (a list)."""
+    if not raw:
+        return ()
+    listed = raw if isinstance(raw, list) else [raw]
+    return tuple(Pin(p.get("signature"), p.get("source_sha256"), p.get("transformers")) for p in listed)
+
+
 def build_spec(path: Path, raw: dict[str, Any], positions: dict[str, Location]) -> Spec:
     """Build the typed view of a spec that already passed schema validation."""
     gate = raw["gate"]
@@ -418,7 +436,7 @@ def build_spec(path: Path, raw: dict[str, Any], positions: dict[str, Location]) 
                 impl=p.get("impl"),
                 options=dict(p.get("options") or {}),
                 value=p.get("value"),
-                pin=Pin(p["pin"].get("signature"), p["pin"].get("source_sha256")) if p.get("pin") else None,
+                pins=_pins(p.get("pin")),
                 backends=_backends(p),
                 where=f"patches[{i}]",
             )

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
 
 from ..builtins import registry
 from .diagnostics import Diagnostic, Locator, Severity, join_breadcrumb
@@ -72,6 +73,7 @@ class _Checks(ShippedConfigChecks):
         self.check_ids()
         self.check_impls()
         self.check_targets()
+        self.check_pins()
         self.check_source()
         self.check_requires()
         self.check_abi()
@@ -146,6 +148,49 @@ class _Checks(ShippedConfigChecks):
             if isinstance(target, str) and self.clean(f"{where}.target"):
                 module, _, attr = target.partition(":")
                 self.check_target_parts(f"{where}.target", module, attr, _IDENT, "a single name")
+
+    def check_pins(self) -> None:
+        """A per-release pin (a list) names transformers releases: its target must be transformers' code
+        (remote code is pinned by its revision), each release a PEP 440 version, listed once and inside
+        the spec's ``requires`` range (an entry for a release the spec refuses is never checked)."""
+        required = self.section("requires").get("transformers")
+        try:
+            allowed = SpecifierSet(required) if isinstance(required, str) else None
+        except InvalidSpecifier:  # reported by check_requires
+            allowed = None
+        for where, entry in entries(self.raw, "patches"):
+            listed, target = entry.get("pin"), entry.get("target")
+            if not isinstance(listed, list) or not self.clean(f"{where}.pin"):
+                continue
+            if isinstance(target, str) and not target.startswith("transformers."):
+                self.error(
+                    f"{where}.pin",
+                    f"a per-release pin lists transformers releases, and {target} is not transformers' code "
+                    "(remote code is pinned by source.hub.revision); pin it with one source",
+                    "pin-release-target",
+                )
+            seen: dict[Version, str] = {}
+            for i, pin in enumerate(listed):
+                at = f"{where}.pin[{i}].transformers"
+                try:
+                    release = Version(pin["transformers"])
+                except InvalidVersion:
+                    self.error(at, f"{pin['transformers']!r} is not a PEP 440 release", "pin-release")
+                    continue
+                if release in seen:
+                    line, _ = self.locator.position(seen[release])
+                    self.error(
+                        at, f"transformers {release} is pinned twice (first line {line})", "pin-release"
+                    )
+                    continue
+                seen[release] = at
+                if allowed is not None and not allowed.contains(release, prereleases=True):
+                    self.error(
+                        at,
+                        f"transformers {release} is outside the spec's requires range {required!r}, where "
+                        "apply refuses the spec: this entry would never be checked",
+                        "pin-release-outside-requires",
+                    )
 
     def check_target_parts(
         self, where: str, module: str, attr: str, attr_form: re.Pattern[str], shape: str

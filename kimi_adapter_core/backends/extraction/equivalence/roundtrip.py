@@ -6,8 +6,9 @@ The check runs the real path end to end: the spec is applied, a tiny model is bu
 extracted by ``pipeline.run`` (tracing, layer replication, JSON writing), the JSON files are loaded
 back with ``torch_ir.load_ir`` and executed by ``torch_ir``'s executor with the weights of an
 identical CPU model renamed to checkpoint names. The reference is transformers itself with the
-patches removed: prefill logits, then a greedy generation of ``decode_steps`` tokens that the one
-decode graph produces by being fed its own present KV, must equal ``model.generate(do_sample=False)``
+patches removed (its parameters in the dtypes ``from_pretrained`` loads them with, as the graphs'):
+prefill logits, then a greedy generation of ``decode_steps`` tokens that the one decode graph produces
+by being fed its own present KV, must equal ``model.generate(do_sample=False)``
 token for token, logits within a tolerance relative to their magnitude (``tolerance.compare``, row by
 row: the same float error grows with the logits). It runs twice: in float32 against the upstream eager
 experts loop (``verify_tolerance``, 1e-4 x each row's largest |logit|, at least 1: the exported math is
@@ -141,6 +142,9 @@ def _verify_in(
         torch.manual_seed(0)
         with applied(spec, backend="extraction"):
             model = load_model(spec, device="cpu", config=config, dtype=torch_dtype).eval()
+            # the reference holds what from_pretrained(dtype=...) loads, as the graphs do: transformers
+            # 5.23 builds DeepSeek-V4's float32-kept parameters in the model's dtype, its loader in float32
+            cast_to_abi_dtype(model, [model], torch_dtype)
             randomize_constants(model)
             meta = load_model(spec, device="meta", config=config, dtype=torch_dtype).eval()
             small = _small_options(spec, options, structure, keep_in or Path(tmp), dtype, meta)
