@@ -37,6 +37,16 @@ what a serving loop needs (``examples/reference_engine.py`` serves requests from
 input is checked against its range, and ``check_ownership=True`` (a debug check) refuses a call in
 which a block one request writes is another's.
 
+The step graph's drafts: ``aux_layers`` (default ``STEP_AUX_LAYERS``, the spec's ``abi.step.aux_layers``)
+makes it also return those decoder layers' hidden states for an EAGLE-3 draft, and ``mtp`` (default
+``STEP_MTP``, ``abi.step.mtp``) the final hidden states the MTP draft graph reads; ``step_wrapper``,
+``graph_names``, ``save_ir`` and ``kv_mapping`` take both, give them all the same. The MTP draft graph
+(``MtpWrapper``, embedded below) is transformers' ``MtpModel`` layer over a paged pool of its own:
+``mtp_module(model)`` builds it (or refuses, as ``kadapt apply --step-mtp`` does, without ``MtpModel``
+in the installed transformers or an MTP layer in the config), ``mtp_wrapper(model, mtp)`` and
+``mtp_example_inputs`` extract it, ``save_ir(mtp_ir, "glm4_moe_mtp_ir.json", "mtp")`` names it
+and ``kv_mapping(..., step=..., mtp=True)`` adds the state mapping's ``mtp`` section.
+
 Extract under ``torch.no_grad()``: with transformers 5.23 the rotary embedding's own ``no_grad`` is
 otherwise traced as a ``wrap_with_set_grad_enabled`` node that torch_ir's executor cannot run. The IR
 names its weights after the wrapper's parameters and buffers (``layers.0.self_attn.o_proj.weight``,
@@ -2527,6 +2537,174 @@ def step_mapping(
         f"sharing). Logits row i is the token {indices}[i]'s. Unused tokens: a request whose block-table "
         "row points at a scratch block no live request owns",
         **placeholder,
+    }
+
+# fmt: on
+
+# ---------------------------------------------------------------------------------------------
+# The MTP draft graph's wrapper, verbatim from kimi_adapter_core/backends/extraction/runtime/mtp.py
+# ---------------------------------------------------------------------------------------------
+
+# fmt: off
+MTP_FIXED = ("hidden_states", "input_ids", "positions", "token_rows", "block_table", "logit_indices")
+
+
+def mtp_refusal(config: Any) -> str | None:
+    """Why ``config``'s model has no MTP draft graph under the installed transformers (None: it has one)."""
+    import transformers
+
+    try:
+        from transformers.modeling_layers import MtpModel  # noqa: F401
+    except ImportError:
+        return (
+            f"transformers {transformers.__version__} has no transformers.modeling_layers.MtpModel (the MTP "
+            "module the draft graph is traced from and proven against; 5.23 and later have it)"
+        )
+    return mtp_layer_refusal(config)
+
+
+def mtp_layer_refusal(config: Any) -> str | None:
+    """Why ``config`` states no MTP layer the draft graph can export (None: exactly one), whatever the
+    installed transformers: what decides whether a generated module carries the MTP graph at all."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    count = getattr(text, "num_mtp_layers", None)
+    if not count:
+        return (
+            f"the {text.model_type} config has no MTP layers (num_nextn_predict_layers / num_mtp_layers is "
+            f"{count!r}): there is no draft module to export; drafts for it come from elsewhere (n-gram, a "
+            "draft model), verified in the step graph"
+        )
+    if count != 1:
+        return f"the config has {count} MTP layers: only one depth is exported (a second chains the first)"
+    return None
+
+
+def mtp_model(main_model: nn.Module) -> nn.Module:
+    """transformers' ``MtpModel`` of ``main_model``, built on ``main_model``'s device (meta: no weights),
+    its embeddings, rotary embedding and LM head the main model's own."""
+    from transformers.modeling_layers import MtpModel
+
+    device = next(main_model.parameters()).device
+    with torch.device(device):
+        return MtpModel(main_model, main_model.config.get_text_config().num_mtp_layers).eval()
+
+
+class MtpWrapper(_TextStack):
+    """One MTP depth as a packed graph over its paged pool (module docstring)."""
+
+    def __init__(
+        self, mtp: nn.Module, *, kv_layout: str, cache_keyword: str, mla_attention: str = "reexpand"
+    ) -> None:
+        if getattr(mtp, "has_per_layer_rope", False):
+            raise ValueError("the MTP layer takes a per-layer-type rope, which the MTP graph does not pass")
+        layer = mtp.layers[0]
+        norm = layer.post_norm if layer.use_post_norm else getattr(mtp, "shared_post_norm", None)
+        super().__init__(
+            mtp.embed_tokens,
+            [layer.mtp_block],
+            norm,
+            mtp.rotary_emb,
+            mtp.shared_head,
+            kv_layout=kv_layout,
+            cache_keyword=cache_keyword,
+            mla_attention=mla_attention,
+        )
+        self.enorm, self.hnorm, self.eh_proj = layer.enorm, layer.hnorm, layer.eh_proj
+        self.hidden_first = bool(getattr(mtp.config, "mtp_hidden_states_first", False))
+        self._logit_indices: torch.Tensor | None = None
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        token_rows: torch.Tensor,
+        block_table: torch.Tensor,
+        logit_indices: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        slots = positions.view(-1, 1)
+        mask = additive_causal_mask(slots, block_table.shape[1] * key.shape[1], key.dtype)
+        rows = block_table.index_select(0, token_rows)
+        cache = StaticStateCache(self.kv_layout, self.layer_ids, [(key, value)], positions, rows)
+        embeds = self.embed_tokens(input_ids.view(-1, 1))
+        previous = hidden_states.view(-1, 1, hidden_states.shape[-1])
+        parts = (self.hnorm(previous), self.enorm(embeds))
+        projected = self.eh_proj(torch.cat(parts if self.hidden_first else parts[::-1], dim=-1))
+        self._logit_indices = logit_indices
+        try:
+            logits, *present = self._stack(projected, mask, slots + 1, cache)
+        finally:
+            self._logit_indices = None
+        return (logits[:, -1], *present)
+
+    def head_rows(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Only the tokens ``logit_indices`` names reach the post norm and the LM head."""
+        assert self._logit_indices is not None, "head_rows runs inside forward"
+        return hidden_states.index_select(0, self._logit_indices)
+
+
+def mtp_inputs(
+    step_example: Sequence[torch.Tensor],
+    kv_dims: KVDims,
+    *,
+    hidden_size: int,
+    block_size: int,
+    num_blocks: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, ...]:
+    """Example MTP inputs: the step graph's example index inputs (``step_example``, ``step.step_inputs``:
+    the draft graph is fed the step's positions, rows, block table and asked tokens), zero hidden states
+    and one zeroed paged pool (key, value)."""
+    ids, positions, token_rows, table, indices = step_example[:5]
+    key_shape, value_shape = decode_kv_shapes(kv_dims, 1, 1, (block_size, num_blocks))
+    hidden = torch.zeros(ids.shape[0], hidden_size, dtype=dtype, device=ids.device)
+    pools = (
+        torch.zeros(key_shape, dtype=dtype, device=ids.device),
+        torch.zeros(value_shape, dtype=dtype, device=ids.device),
+    )
+    return hidden, ids, positions, token_rows, table, indices, *pools
+
+
+def mtp_mapping(
+    *,
+    graph: str,
+    inputs: Sequence[str],
+    outputs: Sequence[str],
+    hidden_size: int,
+    hidden_output: str,
+    tokens: int,
+    rows: int,
+    blocks_per_row: int,
+    logit_count: int,
+    pools: Sequence[dict[str, Any]],
+    layer: int,
+    dtype: str,
+) -> dict[str, Any]:
+    """The state mapping's ``mtp`` section: the draft graph's inputs, its pool entries (shape and dtype,
+    paged like the main pools through the same block table) and the drafting rule."""
+    hidden, ids, positions, token_rows, table, indices = inputs
+    shapes = {hidden: [tokens, hidden_size], ids: [tokens], positions: [tokens], token_rows: [tokens]}
+    shapes.update({table: [rows, blocks_per_row], indices: [logit_count]})
+    return {
+        "graph": graph,
+        "checkpoint_layer": layer,
+        "inputs": [
+            {"name": name, "shape": shape, "dtype": dtype if name == hidden else "int64"}
+            for name, shape in shapes.items()
+        ],
+        "pools": list(pools),
+        "logits": {"name": outputs[0], "shape": [logit_count, "vocab"], "row_i": f"the token {indices}[i]"},
+        "rule": f"{hidden}[t] is the step graph's {hidden_output} row of the token at position "
+        f"{positions}[t] of request {token_rows}[t] (row {token_rows}[t] of {table}, the step graph's block "
+        f"table), {ids}[t] the token at position {positions}[t] + 1 of that request (the main "
+        "model's greedy token after its last position). Its KV goes to slot "
+        f"{positions}[t] of the MTP pools (contract.paged's slot rule, the request's own blocks), and it "
+        f"attends over slots 0..{positions}[t]: every position of a request must be fed once (prompt "
+        "positions included), in order, before a draft is read. Logits row i drafts the token at "
+        f"position {positions}[{indices}[i]] + 2. Draft from the last accepted position; after a "
+        "verification, feed the positions accepted since (rejected positions are overwritten later)",
     }
 
 # fmt: on
@@ -5393,11 +5571,31 @@ STEP_INPUTS = [
     "past.{layer}.value",
 ]
 STEP_BLOCK_SIZE = 16
+# abi.step.aux_layers: decoder layers whose output hidden states the step graph also returns after the
+# logits, concatenated, as STEP_AUX (an EAGLE-3 draft's features; layer i's: hidden_states[i + 1])
+STEP_AUX_LAYERS: tuple[int, ...] = ()
+STEP_AUX = "aux_hidden_states"
+# abi.step.mtp: the step graph also returns its asked tokens' final hidden states (after the logits, as
+# STEP_HIDDEN), which the MTP draft graph reads; its fixed inputs, then its one layer's pools
+STEP_MTP = False
+STEP_HIDDEN = "hidden_states"
+MTP_INPUTS = [
+    "hidden_states",
+    "input_ids",
+    "positions",
+    "token_rows",
+    "block_table",
+    "logit_indices",
+    "mtp_past.0.key",
+    "mtp_past.0.value",
+]
+MTP_OUTPUTS = ["mtp_logits", "mtp_present.0.key", "mtp_present.0.value"]
 # each graph's (inputs, outputs) templates, ``{layer}`` for each layer's states (``graph_names``)
 GRAPH_NAMES = {
     "prefill": (PREFILL_INPUTS, PREFILL_OUTPUTS),
     "decode": (DECODE_INPUTS, DECODE_OUTPUTS),
     "step": (STEP_INPUTS, DECODE_OUTPUTS),
+    "mtp": (MTP_INPUTS, MTP_OUTPUTS),
 }
 FILE_PREFIX = "glm4_moe"
 LANGUAGE_MODEL_PATH = "model"
@@ -6023,10 +6221,19 @@ def decode_wrapper(model: torch.nn.Module, num_layers: int | None = None) -> Dec
     )
 
 
-def step_wrapper(model: torch.nn.Module, num_layers: int | None = None) -> StepWrapper:
+def step_wrapper(
+    model: torch.nn.Module,
+    num_layers: int | None = None,
+    *,
+    aux_layers: Sequence[int] = STEP_AUX_LAYERS,
+    mtp: bool = STEP_MTP,
+) -> StepWrapper:
     """The packed step graph over the paged pool (``StepWrapper``): ``STEP_FIXED`` then the decode graph's
     pools -> logits of the asked-for tokens and the pools. A stack whose layers a step cannot serve (linear
-    state, KV sharing: ``step_refusal``) raises ``ValueError``."""
+    state, KV sharing: ``step_refusal``) raises ``ValueError``, as do ``aux_layers`` it does not run
+    (``aux_refusal``): their hidden states (concatenated, ``STEP_AUX``) follow the logits,
+    after the final hidden states the MTP draft graph reads (``STEP_HIDDEN``) with ``mtp``.
+    """
     language_model = model.get_submodule(LANGUAGE_MODEL_PATH)
     return StepWrapper.from_language_model(
         language_model,
@@ -6038,7 +6245,37 @@ def step_wrapper(model: torch.nn.Module, num_layers: int | None = None) -> StepW
         embedding_ops=outside_ops(language_model.config, "embeddings"),
         logit_ops=outside_ops(language_model.config, "logits"),
         rope_layer_types=rope_layer_types(language_model),
+        hidden_states=mtp,
+        aux_layers=aux_layers,
     )
+
+
+def mtp_module(model: torch.nn.Module, *, dtype: str | None = DTYPE) -> torch.nn.Module:
+    """transformers' ``MtpModel`` of ``model`` (``build_model``'s; on its device, random init on a real one:
+    load its layer's weights, checkpoint layer ``num_hidden_layers``, as ``MtpModel.from_pretrained`` does),
+    its layer brought to ``dtype`` as ``build_model`` brings the stack and claimed, so the patches apply to
+    it. Refused as ``kadapt apply --step-mtp`` refuses it (``mtp_refusal``): no ``MtpModel`` in the
+    installed transformers, or a config without exactly one MTP layer."""
+    refusal = mtp_refusal(model.config)
+    if refusal is not None:
+        raise KadaptError(f"no MTP draft graph: {refusal}")
+    drafts = mtp_model(model)
+    if dtype is not None:
+        cast_to_abi_dtype(model, [drafts.layers], _torch_dtype(dtype))
+    for module in drafts.modules():
+        _CLAIMED.add(module)
+    return drafts
+
+
+def mtp_wrapper(model: torch.nn.Module, mtp: torch.nn.Module) -> MtpWrapper:
+    """The MTP draft graph (``MtpWrapper``) of ``mtp`` (``mtp_module(model)``): ``MTP_INPUTS`` ->
+    ``MTP_OUTPUTS``, the draft logits of the asked-for tokens and its pools."""
+    language_model = model.get_submodule(LANGUAGE_MODEL_PATH)
+    return MtpWrapper(
+        mtp,
+        kv_layout=KV_LAYOUT,
+        cache_keyword=_probed_cache_keyword(language_model),
+    ).eval()
 
 
 def graph_weights(wrapper: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -6062,18 +6299,20 @@ def run_graph(
     mapping: Mapping[str, Any] | None = None,
     check_ownership: bool = False,
 ) -> list[torch.Tensor]:
-    """Execute ``ir`` (``torch_ir.load_ir`` of the saved ``graph``, "prefill", "decode" or "step") on
+    """Execute ``ir`` (``torch_ir.load_ir`` of the saved ``graph``, "prefill", "decode", "step" or "mtp") on
     ``inputs`` with ``weights`` (``graph_weights``), bound through ``bind_ir`` first: an input the graph was
     not made for, or a row at a position outside ``0..max_cache_len-1``, is a ``KadaptError`` before
     execution (a decode or step graph states its own ``max_cache_len``; a prefill's is that of the cache its
     KV fills). With ``check=False`` nothing reads the tensors' values (one min and max per position input):
     faster, and a decode row past the cache is then dropped without an error. A step graph given its state
     ``mapping`` binds through ``bind_step``: its other index inputs are checked too, and with
-    ``check_ownership`` the blocks each request writes."""
+    ``check_ownership`` the blocks each request writes. An MTP graph given it binds through ``bind_mtp``."""
     import torch_ir
 
     if graph == "step" and mapping is not None:
         bound = bind_step(ir, inputs, mapping, check_values=check, check_ownership=check_ownership)
+    elif graph == "mtp" and mapping is not None:
+        bound = bind_mtp(ir, inputs, mapping, check_values=check, check_ownership=check_ownership)
     else:
         bound = bind_ir(ir, inputs, {}, graph=graph, max_cache_len=max_cache_len, check_values=check)
     return list(torch_ir.IRExecutor(bound, weights).execute(tuple(inputs)))
@@ -6158,9 +6397,63 @@ def step_example_inputs(
     )
 
 
-def graph_names(graph: str, num_layers: int) -> tuple[list[str], list[str]]:
-    """Concrete (inputs, outputs) names of ``graph`` ("prefill", "decode" or "step"), ``{layer}`` expanded."""
+def mtp_example_inputs(
+    config: Any,
+    device: str | torch.device = "meta",
+    *,
+    tokens: int,
+    logits: int = 1,
+    rows: int = BATCH,
+    max_cache_len: int = MAX_CACHE_LEN,
+    block_size: int | None = None,
+    num_blocks: int | None = None,
+    dtype: str | None = DTYPE,
+) -> tuple[torch.Tensor, ...]:
+    """Positional MTP inputs (``mtp_inputs``): zero hidden states, the step graph's index inputs of the same
+    sizes (``step_example_inputs``) and one zeroed pool (key, value) of ``num_blocks`` blocks."""
+    step = step_example_inputs(
+        config,
+        device,
+        tokens=tokens,
+        logits=logits,
+        rows=rows,
+        max_cache_len=max_cache_len,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        num_layers=0,
+        dtype=dtype,
+    )
+    return mtp_inputs(
+        step,
+        kv_dims(config),
+        hidden_size=config.hidden_size,
+        block_size=block_size if block_size is not None else PAGED.block_size,
+        num_blocks=num_blocks if num_blocks is not None else PAGED.num_blocks,
+        dtype=_torch_dtype(dtype),
+    )
+
+
+def _graph_templates(graph: str, aux_layers: Sequence[int], mtp: bool = False) -> tuple[list[str], list[str]]:
+    """``GRAPH_NAMES[graph]``, the step graph's outputs with what its drafts read after the logits
+    (``_draft_heads``), as ``kadapt apply`` names them."""
     inputs, outputs = GRAPH_NAMES[graph]
+    return inputs, [outputs[0], *_draft_heads(graph, aux_layers, mtp), *outputs[1:]]
+
+
+def _draft_heads(graph: str, aux_layers: Sequence[int], mtp: bool = False) -> list[str]:
+    """The outputs a step graph returns between its logits and its states, for its drafts:
+    ``STEP_HIDDEN`` with ``mtp``, then ``STEP_AUX`` with ``aux_layers``."""
+    if graph != "step":
+        return []
+    return [STEP_HIDDEN] * mtp + [STEP_AUX] * bool(aux_layers)
+
+
+def graph_names(
+    graph: str, num_layers: int, *, aux_layers: Sequence[int] = STEP_AUX_LAYERS, mtp: bool = STEP_MTP
+) -> tuple[list[str], list[str]]:
+    """Concrete (inputs, outputs) names of ``graph`` ("prefill", "decode", "step" or "mtp"),
+    ``{layer}`` expanded; the step graph's ``aux_layers`` and ``mtp`` as ``step_wrapper``'s."""
+    inputs, outputs = _graph_templates(graph, aux_layers, mtp)
 
     def expand(names: list[str]) -> list[str]:
         fixed = [n for n in names if "{layer}" not in n]
@@ -6180,6 +6473,8 @@ def kv_mapping(
     step: tuple[int, int] | None = None,
     num_blocks: int | None = None,
     block_size: int | None = None,
+    aux_layers: Sequence[int] = STEP_AUX_LAYERS,
+    mtp: bool = STEP_MTP,
 ) -> dict[str, Any]:
     """How prefill KV outputs seed the decode cache, layer by layer (``config``: text config).
 
@@ -6211,8 +6506,44 @@ def kv_mapping(
             logit_count=step[1],
             max_cache_len=max_cache_len,
             block_size=pool.block_size,
+            hidden=(STEP_HIDDEN, config.hidden_size) if mtp else None,
+            aux=(STEP_AUX, list(aux_layers), config.hidden_size) if aux_layers else None,
         )
+    if step is not None and pool is not None and mtp:
+        document["mtp"] = _mtp_section(config, step, batch, max_cache_len, pool, dtype)
     return document
+
+
+def _mtp_section(
+    config: Any, step: tuple[int, int], batch: int, max_cache_len: int, pool: PagedKV, dtype: str | None
+) -> dict[str, Any]:
+    """The state mapping's ``mtp`` section (``mtp_mapping``): the draft graph's inputs and its pools, paged
+    like the main pools through the step graph's block table; refused as ``mtp_module`` refuses."""
+    refusal = mtp_refusal(config)
+    if refusal is not None:
+        raise KadaptError(f"no MTP draft graph: {refusal}")
+    shapes = decode_kv_shapes(kv_dims(config), 1, 1, (pool.block_size, pool.num_blocks))
+    fixed = len(MTP_INPUTS) - 2
+    dtype_name = str(_torch_dtype(dtype)).removeprefix("torch.")
+    pools = [
+        {"role": role, "input": MTP_INPUTS[fixed + index], "output": MTP_OUTPUTS[1 + index],
+         "shape": list(shape), "dtype": dtype_name}
+        for index, (role, shape) in enumerate(zip(("key", "value"), shapes, strict=True))
+    ]  # fmt: skip
+    return mtp_mapping(
+        graph=f"{FILE_PREFIX}_mtp_ir.json",
+        inputs=MTP_INPUTS[:fixed],
+        outputs=MTP_OUTPUTS,
+        hidden_size=config.hidden_size,
+        hidden_output=STEP_HIDDEN,
+        tokens=step[0],
+        rows=batch,
+        blocks_per_row=max_cache_len // pool.block_size,
+        logit_count=step[1],
+        pools=pools,
+        layer=int(_fact(config, "num_layers")),
+        dtype=dtype_name,
+    )
 
 
 def _step_pool(
@@ -6254,11 +6585,14 @@ def write_kv_mapping(
     step: tuple[int, int] | None = None,
     num_blocks: int | None = None,
     block_size: int | None = None,
+    aux_layers: Sequence[int] = STEP_AUX_LAYERS,
+    mtp: bool = STEP_MTP,
 ) -> Path:
     """Write ``<FILE_PREFIX>_kv_mapping.json`` (``kv_mapping``) into ``directory`` atomically; its path.
     ``step`` ``(tokens, logits)``: the packed step graph's call sizes, for its ``step`` section (the
     pools are then paged, ``num_blocks`` blocks of ``block_size``: what a runtime like
-    ``examples/reference_engine.py`` reads)."""
+    ``examples/reference_engine.py`` reads); ``aux_layers`` and ``mtp`` as the step
+    wrapper's: the section's ``aux_hidden_states`` (and ``hidden_states``, with the ``mtp`` section)."""
     mapping = kv_mapping(
         config,
         batch=batch,
@@ -6268,6 +6602,8 @@ def write_kv_mapping(
         step=step,
         num_blocks=num_blocks,
         block_size=block_size,
+        aux_layers=aux_layers,
+        mtp=mtp,
     )
     return _write_atomically(
         Path(directory) / f"{FILE_PREFIX}_kv_mapping.json", json.dumps(mapping, indent=2) + "\n"
@@ -6398,8 +6734,15 @@ def _own_copies(document: dict[str, Any]) -> None:
         meta["name"] = clone
 
 
-def _abi_named(document: dict[str, Any], graph: str) -> None:
-    """Rename ``document``'s graph inputs and outputs to ``graph_names(graph, layers)``, in place.
+def _states_only(document: dict[str, Any], heads: int) -> dict[str, Any]:
+    """``document`` seen with its logits as its only output before the states (a step graph's ``heads``
+    outputs, its hidden states for a draft among them, are no layer's), for counting its layers."""
+    outputs = document["graph_outputs"]
+    return {**document, "graph_outputs": outputs[:1] + outputs[heads:]}
+
+
+def _abi_named(document: dict[str, Any], graph: str, aux_layers: Sequence[int], mtp: bool = False) -> None:
+    """Rename ``document``'s graph inputs and outputs to ``graph_names(graph, layers, ...)``, in place.
 
     torch_ir names them after FX nodes (``past_key_values_0``, ``linear_26``). Every reference follows:
     a tensor is known by its producer (a node's output slot, or a graph input's own name), so each
@@ -6408,8 +6751,10 @@ def _abi_named(document: dict[str, Any], graph: str) -> None:
     """
     _own_copies(document)
     inputs, outputs, nodes = document["graph_inputs"], document["graph_outputs"], document["nodes"]
-    layers = (len(outputs) - 1) // 2
-    names_in, names_out = graph_names(graph, layers)
+    steps = {"aux_layers": aux_layers, "mtp": mtp}
+    heads = 1 + len(_draft_heads(graph, aux_layers, mtp))
+    layers = (len(outputs) - heads) // 2
+    names_in, names_out = graph_names(graph, layers, **steps)
     if (len(inputs), len(outputs)) != (len(names_in), len(names_out)):
         raise ValueError(
             f"the IR has {len(inputs)} inputs and {len(outputs)} outputs, the {graph} graph of {layers} "
@@ -6490,9 +6835,17 @@ def _write_atomically(path: str | Path, text: str) -> Path:
     return target
 
 
-def save_ir(ir: Any, path: str | Path, graph: str) -> Path:
-    """Write ``ir``, a ``torch_ir.IR`` of ``graph`` ("prefill", "decode" or "step"), as JSON that
+def save_ir(
+    ir: Any,
+    path: str | Path,
+    graph: str,
+    *,
+    aux_layers: Sequence[int] = STEP_AUX_LAYERS,
+    mtp: bool = STEP_MTP,
+) -> Path:
+    """Write ``ir``, a ``torch_ir.IR`` of ``graph`` ("prefill", "decode", "step" or "mtp"), as JSON that
     ``torch_ir.load_ir`` reads and ``torch_ir.IRExecutor`` runs; return the path. ``ir`` is not changed.
+    A step graph's ``aux_layers`` and ``mtp``: those its ``step_wrapper`` was given.
 
     What ``torch_ir.save_ir`` (pytorch-ir 0.2.3) does not: the graph's inputs and outputs carry the ABI's
     names (``graph_names``, the KV mapping's names; see ``_abi_named``); dtype, layout and memory-format
@@ -6509,7 +6862,8 @@ def save_ir(ir: Any, path: str | Path, graph: str) -> Path:
             raise ValueError(
                 f"constant {name} is {constant['dtype']}, which torch_ir.load_ir reads back as float32"
             )
-    _abi_named(document, graph)
+    _abi_named(document, graph, aux_layers, mtp)
+    heads = 1 + len(_draft_heads(graph, aux_layers, mtp))
     for node in document["nodes"]:
         node["attrs"] = {
             key: _encoded(value, f"node {node['name']} ({node['op_type']}) attribute {key}")
@@ -6518,7 +6872,8 @@ def save_ir(ir: Any, path: str | Path, graph: str) -> Path:
     document["metadata"] = {
         "graph": graph,
         "spec": SPEC_NAME,
-        "num_layers": (len(document["graph_outputs"]) - 1) // 2,
+        "num_layers": (len(document["graph_outputs"]) - heads) // 2,
+        **({"aux_layers": list(aux_layers)} if graph == "step" and aux_layers else {}),
         "enums": enum_tables(),
     }
     return _write_atomically(path, _json_text(document))

@@ -37,6 +37,10 @@ what a serving loop needs (``examples/reference_engine.py`` serves requests from
 input is checked against its range, and ``check_ownership=True`` (a debug check) refuses a call in
 which a block one request writes is another's.
 
+The step graph's aux layers: ``aux_layers`` (default ``STEP_AUX_LAYERS``, the spec's
+``abi.step.aux_layers``) makes it also return those decoder layers' hidden states for an EAGLE-3 draft;
+``step_wrapper``, ``graph_names``, ``save_ir`` and ``kv_mapping`` take it, give them all the same.
+
 Extract under ``torch.no_grad()``: with transformers 5.23 the rotary embedding's own ``no_grad`` is
 otherwise traced as a ``wrap_with_set_grad_enabled`` node that torch_ir's executor cannot run. The IR
 names its weights after the wrapper's parameters and buffers (``layers.0.self_attn.o_proj.weight``,
@@ -5422,6 +5426,10 @@ STEP_INPUTS = [
     "past.{layer}.recurrent",
 ]
 STEP_BLOCK_SIZE = 16
+# abi.step.aux_layers: decoder layers whose output hidden states the step graph also returns after the
+# logits, concatenated, as STEP_AUX (an EAGLE-3 draft's features; layer i's: hidden_states[i + 1])
+STEP_AUX_LAYERS: tuple[int, ...] = ()
+STEP_AUX = "aux_hidden_states"
 # each graph's (inputs, outputs) templates, ``{layer}`` for each layer's states (``graph_names``)
 GRAPH_NAMES = {
     "prefill": (PREFILL_INPUTS, PREFILL_OUTPUTS),
@@ -6159,10 +6167,17 @@ def decode_wrapper(model: torch.nn.Module, num_layers: int | None = None) -> Dec
     )
 
 
-def step_wrapper(model: torch.nn.Module, num_layers: int | None = None) -> StepWrapper:
+def step_wrapper(
+    model: torch.nn.Module,
+    num_layers: int | None = None,
+    *,
+    aux_layers: Sequence[int] = STEP_AUX_LAYERS,
+) -> StepWrapper:
     """The packed step graph over the paged pool (``StepWrapper``): ``STEP_FIXED`` then the decode graph's
     pools -> logits of the asked-for tokens and the pools. A stack whose layers a step cannot serve (linear
-    state, KV sharing: ``step_refusal``) raises ``ValueError``."""
+    state, KV sharing: ``step_refusal``) raises ``ValueError``, as do ``aux_layers`` it does not run
+    (``aux_refusal``): their hidden states (concatenated, ``STEP_AUX``) follow the logits.
+    """
     language_model = model.get_submodule(LANGUAGE_MODEL_PATH)
     kinds = layer_kinds(language_model.config)
     return StepWrapper.from_language_model(
@@ -6176,6 +6191,7 @@ def step_wrapper(model: torch.nn.Module, num_layers: int | None = None) -> StepW
         logit_ops=outside_ops(language_model.config, "logits"),
         rope_layer_types=rope_layer_types(language_model),
         layer_kinds=kinds,
+        aux_layers=aux_layers,
     )
 
 
@@ -6298,13 +6314,32 @@ def step_example_inputs(
     )
 
 
+def _graph_templates(graph: str, aux_layers: Sequence[int]) -> tuple[list[str], list[str]]:
+    """``GRAPH_NAMES[graph]``, the step graph's outputs with what its drafts read after the logits
+    (``_draft_heads``), as ``kadapt apply`` names them."""
+    inputs, outputs = GRAPH_NAMES[graph]
+    return inputs, [outputs[0], *_draft_heads(graph, aux_layers), *outputs[1:]]
+
+
+def _draft_heads(graph: str, aux_layers: Sequence[int]) -> list[str]:
+    """The outputs a step graph returns between its logits and its states, for its drafts:
+    ``STEP_AUX`` with ``aux_layers``."""
+    if graph != "step":
+        return []
+    return [STEP_AUX] * bool(aux_layers)
+
+
 def graph_names(
-    graph: str, num_layers: int, kinds: Sequence[str] | None = None
+    graph: str,
+    num_layers: int,
+    kinds: Sequence[str] | None = None,
+    *,
+    aux_layers: Sequence[int] = STEP_AUX_LAYERS,
 ) -> tuple[list[str], list[str]]:
     """Concrete (inputs, outputs) names of ``graph`` ("prefill", "decode" or "step"), ``{layer}`` expanded: an
     attention layer's key and value (the first two templates), a linear layer's conv and recurrent state
     (the next two), by each layer's kind (``kinds``; None: ``LAYER_KINDS``)."""
-    inputs, outputs = GRAPH_NAMES[graph]
+    inputs, outputs = _graph_templates(graph, aux_layers)
     kinds = LAYER_KINDS[:num_layers] if kinds is None else kinds
 
     def expand(names: list[str]) -> list[str]:
@@ -6326,6 +6361,7 @@ def kv_mapping(
     step: tuple[int, int] | None = None,
     num_blocks: int | None = None,
     block_size: int | None = None,
+    aux_layers: Sequence[int] = STEP_AUX_LAYERS,
 ) -> dict[str, Any]:
     """How prefill outputs seed the decode states, layer by layer (``config``: text config): an attention
     layer's KV cache, a linear layer's conv and recurrent state (``LAYER_KINDS``, ``LINEAR_STATES``).
@@ -6360,6 +6396,7 @@ def kv_mapping(
             logit_count=step[1],
             max_cache_len=max_cache_len,
             block_size=pool.block_size,
+            aux=(STEP_AUX, list(aux_layers), config.hidden_size) if aux_layers else None,
         )
     return document
 
@@ -6403,11 +6440,13 @@ def write_kv_mapping(
     step: tuple[int, int] | None = None,
     num_blocks: int | None = None,
     block_size: int | None = None,
+    aux_layers: Sequence[int] = STEP_AUX_LAYERS,
 ) -> Path:
     """Write ``<FILE_PREFIX>_kv_mapping.json`` (``kv_mapping``) into ``directory`` atomically; its path.
     ``step`` ``(tokens, logits)``: the packed step graph's call sizes, for its ``step`` section (the
     pools are then paged, ``num_blocks`` blocks of ``block_size``: what a runtime like
-    ``examples/reference_engine.py`` reads)."""
+    ``examples/reference_engine.py`` reads); ``aux_layers`` as the step
+    wrapper's: the section's ``aux_hidden_states``."""
     mapping = kv_mapping(
         config,
         batch=batch,
@@ -6417,6 +6456,7 @@ def write_kv_mapping(
         step=step,
         num_blocks=num_blocks,
         block_size=block_size,
+        aux_layers=aux_layers,
     )
     return _write_atomically(
         Path(directory) / f"{FILE_PREFIX}_kv_mapping.json", json.dumps(mapping, indent=2) + "\n"
@@ -6559,8 +6599,15 @@ def _own_copies(document: dict[str, Any]) -> None:
         meta["name"] = clone
 
 
-def _abi_named(document: dict[str, Any], graph: str) -> None:
-    """Rename ``document``'s graph inputs and outputs to ``graph_names(graph, layers)``, in place.
+def _states_only(document: dict[str, Any], heads: int) -> dict[str, Any]:
+    """``document`` seen with its logits as its only output before the states (a step graph's ``heads``
+    outputs, its hidden states for a draft among them, are no layer's), for counting its layers."""
+    outputs = document["graph_outputs"]
+    return {**document, "graph_outputs": outputs[:1] + outputs[heads:]}
+
+
+def _abi_named(document: dict[str, Any], graph: str, aux_layers: Sequence[int]) -> None:
+    """Rename ``document``'s graph inputs and outputs to ``graph_names(graph, layers, ...)``, in place.
 
     torch_ir names them after FX nodes (``past_key_values_0``, ``linear_26``). Every reference follows:
     a tensor is known by its producer (a node's output slot, or a graph input's own name), so each
@@ -6569,10 +6616,12 @@ def _abi_named(document: dict[str, Any], graph: str) -> None:
     """
     _own_copies(document)
     inputs, outputs, nodes = document["graph_inputs"], document["graph_outputs"], document["nodes"]
-    layers = (len(outputs) - 1) // 2
-    kinds = _graph_kinds(document)
+    steps = {"aux_layers": aux_layers}
+    heads = 1 + len(_draft_heads(graph, aux_layers))
+    layers = (len(outputs) - heads) // 2
+    kinds = _graph_kinds(_states_only(document, heads))
     layers = len(kinds)
-    names_in, names_out = graph_names(graph, layers, kinds)
+    names_in, names_out = graph_names(graph, layers, kinds, **steps)
     if (len(inputs), len(outputs)) != (len(names_in), len(names_out)):
         raise ValueError(
             f"the IR has {len(inputs)} inputs and {len(outputs)} outputs, the {graph} graph of {layers} "
@@ -6653,9 +6702,10 @@ def _write_atomically(path: str | Path, text: str) -> Path:
     return target
 
 
-def save_ir(ir: Any, path: str | Path, graph: str) -> Path:
-    """Write ``ir``, a ``torch_ir.IR`` of ``graph`` ("prefill", "decode" or "step"), as JSON that
+def save_ir(ir: Any, path: str | Path, graph: str, *, aux_layers: Sequence[int] = STEP_AUX_LAYERS) -> Path:
+    """Write ``ir``, a ``torch_ir.IR`` of ``graph`` ("prefill", "decode", "step"), as JSON that
     ``torch_ir.load_ir`` reads and ``torch_ir.IRExecutor`` runs; return the path. ``ir`` is not changed.
+    A step graph's ``aux_layers``: those its ``step_wrapper`` was given.
 
     What ``torch_ir.save_ir`` (pytorch-ir 0.2.3) does not: the graph's inputs and outputs carry the ABI's
     names (``graph_names``, the KV mapping's names; see ``_abi_named``); dtype, layout and memory-format
@@ -6672,7 +6722,8 @@ def save_ir(ir: Any, path: str | Path, graph: str) -> Path:
             raise ValueError(
                 f"constant {name} is {constant['dtype']}, which torch_ir.load_ir reads back as float32"
             )
-    _abi_named(document, graph)
+    _abi_named(document, graph, aux_layers)
+    heads = 1 + len(_draft_heads(graph, aux_layers))
     for node in document["nodes"]:
         node["attrs"] = {
             key: _encoded(value, f"node {node['name']} ({node['op_type']}) attribute {key}")
@@ -6681,7 +6732,8 @@ def save_ir(ir: Any, path: str | Path, graph: str) -> Path:
     document["metadata"] = {
         "graph": graph,
         "spec": SPEC_NAME,
-        "num_layers": len(_graph_kinds(document)),
+        "num_layers": len(_graph_kinds(_states_only(document, heads))),
+        **({"aux_layers": list(aux_layers)} if graph == "step" and aux_layers else {}),
         "enums": enum_tables(),
     }
     return _write_atomically(path, _json_text(document))

@@ -62,6 +62,7 @@ from .common import Rendered, cannot, gate_context, package_files, require, spec
 from .embed import EmbeddedCallables, split_module
 from .environment import render
 from .literals import py_literal
+from .serving import serving_context
 
 TARGET = "extraction"
 # Patch kinds the generated module can carry (see templates/extraction/module.py.j2): each is built by
@@ -346,6 +347,8 @@ def render_extraction(spec: Spec) -> list[Rendered]:
     # the packed step graph's wrapper (over the runtime's) and its binding (over the binder's)
     step_module = split_module(Path(step.__file__), provided=runtime_module.names)
     step_binder = split_module(Path(step_bind.__file__), provided=binder_module.names | {"KadaptError"})
+    # the step graph's aux layers, and the MTP draft graph where the config has an MTP layer
+    serving, mtp_module = serving_context(spec, TARGET, runtime_module.names)
     embedded = EmbeddedCallables(provided={upstream.__name__: upstream_module.names})
     patches = _patches(spec, embedded)
     # The backend's own dtype step, so a generated model holds the dtypes kadapt exports.
@@ -353,6 +356,7 @@ def render_extraction(spec: Spec) -> list[Rendered]:
     # kadapt's own pin check, so a generated module refuses drifted upstream code as apply does
     check_pin = embedded.add(portable.check_pin, what="patch pins")
     bodies = (runtime_module, step_module, encoding_module, upstream_module, binder_module, step_binder)
+    bodies += (mtp_module,) if mtp_module is not None else ()
     shared = sorted(
         {
             name
@@ -363,8 +367,8 @@ def render_extraction(spec: Spec) -> list[Rendered]:
     )
     if shared:  # one would silently replace the other in the generated module
         raise KadaptError(
-            "runtime.py, step.py, encoding.py, upstream.py, symbolic.py and step_bind.py must not define "
-            f"the same names: {shared}"
+            "runtime.py, step.py, mtp.py, encoding.py, upstream.py, symbolic.py and step_bind.py must not "
+            f"define the same names: {shared}"
         )
     whole = frozenset().union(*(module.names for module in bodies))
     clashes = sorted(whole & set(embedded.sources))
@@ -427,6 +431,7 @@ def render_extraction(spec: Spec) -> list[Rendered]:
         "binder": {"body": binder_module.body, "source": binder_module.source},
         "step": {"body": step_module.body, "source": step_module.source},
         "step_binder": {"body": step_binder.body, "source": step_binder.source},
+        "serving": serving,
         "upstream": {
             "body": upstream_module.body,
             "summary": upstream_module.summary,

@@ -50,6 +50,12 @@ def mtp_refusal(config: Any) -> str | None:
             f"transformers {transformers.__version__} has no transformers.modeling_layers.MtpModel (the MTP "
             "module the draft graph is traced from and proven against; 5.23 and later have it)"
         )
+    return mtp_layer_refusal(config)
+
+
+def mtp_layer_refusal(config: Any) -> str | None:
+    """Why ``config`` states no MTP layer the draft graph can export (None: exactly one), whatever the
+    installed transformers: what decides whether a generated module carries the MTP graph at all."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     count = getattr(text, "num_mtp_layers", None)
     if not count:
@@ -76,7 +82,9 @@ def mtp_model(main_model: nn.Module) -> nn.Module:
 class MtpWrapper(_TextStack):
     """One MTP depth as a packed graph over its paged pool (module docstring)."""
 
-    def __init__(self, mtp: nn.Module, *, kv_layout: str, cache_keyword: str, mla_attention: str) -> None:
+    def __init__(
+        self, mtp: nn.Module, *, kv_layout: str, cache_keyword: str, mla_attention: str = "reexpand"
+    ) -> None:
         if getattr(mtp, "has_per_layer_rope", False):
             raise ValueError("the MTP layer takes a per-layer-type rope, which the MTP graph does not pass")
         layer = mtp.layers[0]
