@@ -31,7 +31,14 @@ from .aiconfigurator import _database_handle, _gpus_per_node
 
 # kadapt weight kernel -> AIConfigurator quant mode (GEMM, MoE)
 _GEMM_QUANT = {"bf16": "bfloat16", "fp8": "fp8", "fp8_block": "fp8_block", "int8": "fp8", "fp32": "bfloat16"}
-_MOE_QUANT = {"bf16": "bfloat16", "fp8": "fp8", "fp8_block": "fp8_block", "w4a16": "int4_wo", "int8": "fp8"}
+_MOE_QUANT = {
+    "bf16": "bfloat16",
+    "fp8": "fp8",
+    "fp8_block": "fp8_block",
+    "w4a16": "int4_wo",  # int4 group-quantized experts (Kimi-K2.5)
+    "w4a16_mxfp4": "w4a16_mxfp4",  # MXFP4 experts (gpt-oss): their own kernels' rows, not int4's
+    "int8": "fp8",
+}
 _KV = {"bf16": "bfloat16", "fp8": "fp8"}
 _DSA_KERNELS = ("dsa", "dsa_indexer", "dsa_topk")  # sparse MLA, indexer scoring, top-k (one DSA module)
 # a DSA kernel's sizes -> the key of AIConfigurator's DSA_MODEL_DIMS they must equal

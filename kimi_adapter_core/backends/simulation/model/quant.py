@@ -77,9 +77,13 @@ class WeightFormat:
     @property
     def kernel(self) -> str:
         """The kernel family a matmul on this weight runs (the key of the efficiency tables):
-        bf16 | fp32 | fp8 (per-tensor) | fp8_block | int8 | w4a16 (Marlin-like) | w4a8."""
+        bf16 | fp32 | fp8 (per-tensor) | fp8_block | int8 | w4a16 (int4 groups, Marlin-like) |
+        w4a16_mxfp4 (MXFP4 weights, bf16 math: its own kernels, e.g. FlashInfer's TensorRT-LLM MXFP4
+        MoE on Blackwell, which AIConfigurator measured apart from int4 group quantization) | w4a8."""
         if self.bits == 4:
-            return "w4a8" if self.compute in ("int8", "fp8") else "w4a16"
+            if self.compute in ("int8", "fp8"):
+                return "w4a8"
+            return "w4a16_mxfp4" if self.label == MXFP4 else "w4a16"
         if self.compute == "fp8":
             return "fp8_block" if self.group_size else "fp8"
         return self.compute
@@ -125,7 +129,7 @@ def scheme_format(scheme: QuantScheme) -> WeightFormat:
 
 # MXFP4 (OCP microscaling, gpt-oss): 4-bit e2m1 values, one e8m0 (1-byte) scale per 32; transformers
 # quantizes only the routed experts (Mxfp4GptOssExperts). Hopper has no FP4 unit: computed in bf16.
-MXFP4_FORMAT = WeightFormat("mxfp4", 4, MXFP4_BLOCK, 1, "bf16")
+MXFP4_FORMAT = WeightFormat(MXFP4, 4, MXFP4_BLOCK, 1, "bf16")
 
 
 def storage_format(storage: Storage | None, shape: tuple[int, ...], native: WeightFormat) -> WeightFormat:

@@ -32,8 +32,15 @@ MOE_DTYPES = {
     "fp8_block": ("fp8_block", 1.0 + 4 / 16384, "fp8"),
     "fp8": ("fp8", 1.0, "fp8"),
     "bf16": ("bfloat16", 2.0, "bf16"),
-    "w4a16": ("int4_wo", 0.5 + 2 / 32, "bf16"),
+    "w4a16": ("int4_wo", 0.5 + 2 / 32, "bf16"),  # int4, one bf16 scale per 32 (Kimi-K2.5)
+    "w4a16_mxfp4": ("w4a16_mxfp4", 0.5 + 1 / 32, "bf16"),  # e2m1, one e8m0 scale per 32 (gpt-oss)
 }
+# expert dtypes fitted on every model shape measured: AIConfigurator measured MXFP4 only on models
+# that ship it (gpt-oss-20b and -120b, hidden 2880; B200 SGLang also a 3584-wide one), all of which
+# the fine-grained filter (``_model_shapes``) drops. Priced as ``w4a16`` before, on Kimi-K2.5's int4
+# curve (B200 SGLang: a 38 us pipeline floor), gpt-oss's experts cost twice AIConfigurator's MXFP4
+# rows (1.32 ms per decode step at TP8 against 0.65: 18-19 us per layer for one token)
+EVERY_SHAPE = ("w4a16_mxfp4",)
 # op attribute -> the measured table's column: the shape a per-shape curve is fitted at and matched by
 EXPERT_SHAPE = {
     "hidden": "hidden_size",
@@ -65,7 +72,8 @@ def moe_curves(
     """Grouped expert GEMMs by token-expert pairs per local expert; balanced routing sets the curve,
     the power-law/balanced latency ratio at the same shape sets the imbalance factor. Gated experts
     only (kadapt's experts are gate/up/down) and fine-grained MoE of large models (hidden >= 4096,
-    >= 64 experts: DeepSeek-V3, Kimi-K2.5, Qwen3-235B). The per-shape curves also price an EP size
+    >= 64 experts: DeepSeek-V3, Kimi-K2.5, Qwen3-235B), but MXFP4 at every shape measured (gpt-oss:
+    ``_model_shapes``). The per-shape curves also price an EP size
     not measured from the model shape's EP sizes around it, and a model shape measured at no EP size
     from the model widths around it at its EP size (``curves.measured_across``)."""
     curves: dict[str, Any] = {}
@@ -74,7 +82,7 @@ def moe_curves(
 
         def select(t: Any, dtype: str = dtype) -> Any:
             keep = (t.moe_dtype == dtype) & (t.moe_tp_size == 1) & ~t.kernel_source.str.contains("nongated")
-            return t[keep & (t.hidden_size >= 4096) & (t.num_experts >= 64)]
+            return _model_shapes(t[keep], dtype)
 
         try:
             found = measured(root, ("moe", "moe_perf.parquet"), framework, select, row_filter)
@@ -154,7 +162,7 @@ def _expert_tp_curves(
     def select(t: Any) -> Any:
         keep = (t.moe_dtype == dtype) & (t.moe_tp_size > 1) & ~t.kernel_source.str.contains("nongated")
         keep &= t.moe_tp_size * t.moe_ep_size <= EXPERT_TP_GROUP_MAX
-        return t[keep & (t.hidden_size >= 4096) & (t.num_experts >= 64)]
+        return _model_shapes(t[keep], dtype)
 
     try:
         found = measured(root, ("moe", "moe_perf.parquet"), framework, select, row_filter)
@@ -186,6 +194,16 @@ def _expert_tp_curves(
     return [c | {"source": f"{source}, balanced, expert TP"} for c in curves], [
         f | {"source": f"{source}, power_law_1.01 / balanced, expert TP"} for f in factors
     ]
+
+
+def _model_shapes(rows: Any, dtype: str) -> Any:
+    """The rows of the model shapes ``dtype``'s curves are fitted on: the fine-grained MoE of large
+    models (hidden >= 4096, >= 64 experts) - AIConfigurator's many small models would set the
+    median curves of the large ones kadapt prices - but for a dtype measured only on the models that
+    ship it (``EVERY_SHAPE``), whose every shape is kept."""
+    if dtype in EVERY_SHAPE:
+        return rows
+    return rows[(rows.hidden_size >= 4096) & (rows.num_experts >= 64)]
 
 
 def _routing_pairs(table: Any, even: Any, skew: str = "power_law_1.01") -> Any:

@@ -23,7 +23,7 @@ Curves and the op kinds they price:
 - ``gemm.<dtype>`` by M (tokens): the compute efficiency of dense matmuls; ``gemm_memory.<dtype>`` by
   bytes moved: their memory efficiency (a small weight streams at a fraction of HBM bandwidth).
   dtypes bf16, fp8 (per-tensor), fp8_block, and whatever else a table measures (a missing dtype falls
-  back: int8 -> fp8, w4a16 -> bf16, w4a8 -> fp8).
+  back: int8 -> fp8, w4a16_mxfp4 -> w4a16 -> bf16, w4a8 -> fp8).
 - ``gemm_floor.<dtype>`` by M: the fixed cost of one standalone GEMM call (``latency_us``: the
   median latency of the measured calls whose work takes under 2 us at the peaks), which replaces the
   device's op overhead; the ``gemm`` / ``gemm_memory`` efficiencies are fitted net of it. vLLM's
@@ -173,6 +173,7 @@ _FALLBACK = {
     "int8": "fp8",
     "fp8": "fp8_block",
     "fp8_block": "fp8",
+    "w4a16_mxfp4": "w4a16",  # a table without MXFP4 rows: the int4 weight-only kernel's 4-bit reads
     "w4a16": "bf16",
     "w4a8": "fp8",
     "fp32": "bf16",
