@@ -1,9 +1,8 @@
 """Typed, read-only view of a validated adapter spec.
 
-The YAML is validated against the JSON Schema first (``schema/adapter-spec.v1.json``); these
-dataclasses are built only from documents that passed, so they do no validation of their own.
-Every entry keeps the JSON-pointer-like ``where`` path of the node it came from so that later
-stages (apply, generate) can point back at the spec line through ``Spec.locate``.
+The YAML is validated against the JSON Schema first (``schema/adapter-spec.v1.json``); these dataclasses
+are built only from documents that passed, so they do no validation of their own. Every entry keeps the
+``where`` path of the node it came from: later stages point back at the spec line (``Spec.locate``).
 """
 
 from __future__ import annotations
