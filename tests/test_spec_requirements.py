@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -61,7 +62,21 @@ def test_a_satisfied_range_applies(tmp_path: Path) -> None:
         assert ledger.entries
 
 
-def test_doctor_does_not_check_the_pins_of_a_spec_for_other_releases(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_doctor_does_not_check_the_pins_of_a_spec_for_other_releases(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A spec whose ``requires`` the installed release misses has its pins listed as not checked, with
+    the range; the others' pins are checked. Every shipped spec takes 5.23 and 5.24 now: a copy of
+    Llama-4 Scout's reviewed for 5.24 alone stands in, with 5.23 installed."""
+    for name in ("kimi_k25", "llama4_scout"):
+        shutil.copytree(REPO / "specs" / name, tmp_path / name)
+        shutil.copy(REPO / "specs" / f"{name}.yaml", tmp_path / f"{name}.yaml")
+    scout = tmp_path / "llama4_scout.yaml"
+    text = scout.read_text(encoding="utf-8")
+    assert 'transformers: ">=5.23,<6"' in text
+    text = re.sub(r'      - transformers: "5\.23\.0"\n(?:        .*\n)+', "", text)
+    scout.write_text(text.replace('transformers: ">=5.23,<6"', 'transformers: ">=5.24,<6"'))
+    monkeypatch.setattr("kimi_adapter_core.resources.shipped_dir", lambda name: tmp_path)
     monkeypatch.setattr(
         "kimi_adapter_core.spec.requirements.metadata.version",
         lambda package: "5.23.0" if package == "transformers" else "2.13.0",

@@ -6098,7 +6098,12 @@ PATCHES: tuple[
         {},
         (
             (
-                None,
+                "5.23.0",
+                "(self, x, position_ids)",
+                "e09f3552503f29610a1eca59de16877e8bff34b64dd0596c3159ca2470ca3805",
+            ),
+            (
+                "5.24.0",
                 "(self, x, position_ids)",
                 "8f2fa823a60a9eb365d0bcbc8b5b24893f37192cdafa6421a3371826e8db8e57",
             ),
@@ -6114,7 +6119,10 @@ PATCHES: tuple[
         "forward",
         llama4_attention_forward,
         {},
-        ((None, None, "a77422c908cc05c7c0ba0ba26a24cbe1581a902dd6906a554bf7faab2e69c1bf"),),
+        (
+            ("5.23.0", None, "a370ae0caed0afdb98bd9686d2c5bf4cf8ab87e89c542221a5ae12a40b70295e"),
+            ("5.24.0", None, "a77422c908cc05c7c0ba0ba26a24cbe1581a902dd6906a554bf7faab2e69c1bf"),
+        ),
     ),
 )
 

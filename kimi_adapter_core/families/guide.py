@@ -24,10 +24,18 @@ _LLAMA4_PATCHES: tuple[dict[str, Any], ...] = (
         "kind": "replace",
         "impl": "builtin:llama4_rotary_cos_sin",
         "backends": ["extraction"],
-        "pin": {
-            "signature": "(self, x, position_ids)",
-            "source_sha256": "8f2fa823a60a9eb365d0bcbc8b5b24893f37192cdafa6421a3371826e8db8e57",
-        },
+        "pin": [
+            {
+                "transformers": "5.23.0",
+                "signature": "(self, x, position_ids)",
+                "source_sha256": "e09f3552503f29610a1eca59de16877e8bff34b64dd0596c3159ca2470ca3805",
+            },
+            {
+                "transformers": "5.24.0",
+                "signature": "(self, x, position_ids)",
+                "source_sha256": "8f2fa823a60a9eb365d0bcbc8b5b24893f37192cdafa6421a3371826e8db8e57",
+            },
+        ],
     },
     {
         "id": "L2",
@@ -36,7 +44,16 @@ _LLAMA4_PATCHES: tuple[dict[str, Any], ...] = (
         "kind": "replace",
         "impl": "builtin:llama4_attention_forward",
         "backends": ["extraction"],
-        "pin": {"source_sha256": "a77422c908cc05c7c0ba0ba26a24cbe1581a902dd6906a554bf7faab2e69c1bf"},
+        "pin": [
+            {
+                "transformers": "5.23.0",
+                "source_sha256": "a370ae0caed0afdb98bd9686d2c5bf4cf8ab87e89c542221a5ae12a40b70295e",
+            },
+            {
+                "transformers": "5.24.0",
+                "source_sha256": "a77422c908cc05c7c0ba0ba26a24cbe1581a902dd6906a554bf7faab2e69c1bf",
+            },
+        ],
     },
 )
 GUIDE_PATCHES: dict[str, tuple[dict[str, Any], ...]] = {
