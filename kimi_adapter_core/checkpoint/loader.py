@@ -120,22 +120,22 @@ def unpack_int(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
     return values.reshape(*packed.shape[:-1], -1)[..., :columns] - (1 << (bits - 1))
 
 
+def _e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """Bytes of two e2m1 codes each (low nibble first) -> float32 values, the last dim twice as wide."""
+    e2m1 = torch.tensor(E2M1, dtype=torch.float32)
+    return torch.stack((e2m1[(codes & 0x0F).long()], e2m1[(codes >> 4).long()]), dim=-1).flatten(-2)
+
+
 def _mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """MXFP4 ``[E, out, in/32, 16]`` blocks and ``[E, out, in/32]`` e8m0 scales -> ``[E, in, out]``."""
-    e2m1 = torch.tensor(E2M1, dtype=torch.float32)
-    blocks = blocks.to(torch.uint8)
-    values = torch.stack((e2m1[(blocks & 0x0F).long()], e2m1[(blocks >> 4).long()]), dim=-1)
-    values = torch.ldexp(values.flatten(-2), (scales.to(torch.int32) - 127)[..., None])
+    values = torch.ldexp(_e2m1(blocks.to(torch.uint8)), (scales.to(torch.int32) - 127)[..., None])
     return values.flatten(-2).transpose(1, 2).contiguous()
 
 
 def _fp4_e2m1(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """DeepSeek-V4's FP4 expert weight: int8 ``[out, in/2]`` (two e2m1 codes a byte, low nibble first)
     times one scale per ``FP4_BLOCK`` inputs of a row -> float32 ``[out, in]``."""
-    e2m1 = torch.tensor(E2M1, dtype=torch.float32)
-    codes = weight.view(torch.uint8)
-    values = torch.stack((e2m1[(codes & 0x0F).long()], e2m1[(codes >> 4).long()]), dim=-1).flatten(-2)
-    return values * scale.to(torch.float32).repeat_interleave(FP4_BLOCK, dim=-1)
+    return _e2m1(weight.view(torch.uint8)) * scale.to(torch.float32).repeat_interleave(FP4_BLOCK, dim=-1)
 
 
 def _forms(name: str, suffix: str) -> tuple[str, ...]:
