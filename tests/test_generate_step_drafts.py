@@ -35,6 +35,7 @@ from fixtures.step_graph import (
     Sizes,
     StepGraph,
     extract_step,
+    layer_outputs,
     mtp_executor,
     mtp_reference_draft,
     step_executor,
@@ -137,20 +138,6 @@ def _pools(mapping: dict[str, Any]) -> list[torch.Tensor]:
     return [torch.zeros(e["shape"]) for e in entries]
 
 
-def _layer_outputs(model: Any, sequence: list[int]) -> list[torch.Tensor]:
-    """transformers' ``hidden_states[i + 1]`` at every position, the last layer's from its own output."""
-    last: list[torch.Tensor] = []
-    hook = model.model.layers[-1].register_forward_hook(
-        lambda _m, _i, out: last.append(out[0] if isinstance(out, tuple) else out)
-    )
-    try:
-        with torch.no_grad():
-            states = model(torch.tensor([sequence]), output_hidden_states=True).hidden_states
-    finally:
-        hook.remove()
-    return [state[0] for state in states[1:-1]] + [last[0][0]]
-
-
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     a, b = a.detach(), b.detach()
     return float((a - b).abs().max()) <= 1e-4 * max(1.0, float(b.abs().max()))
@@ -192,7 +179,7 @@ def test_the_generated_step_graph_returns_aux_layers_as_kadapt_and_transformers(
         torch.randint(3, config.vocab_size, (n,), generator=generator).tolist() for n in (LONG, SHORT)
     )
     table, pools, kadapt_pools = _table(mapping), _pools(mapping), _pools(mapping)
-    outputs = {0: _layer_outputs(graph.model, long), 1: _layer_outputs(graph.model, short)}
+    outputs = {0: layer_outputs(graph.model, long), 1: layer_outputs(graph.model, short)}
     checked = 0
     for items in (
         [(0, list(range(6)), long), (1, list(range(4)), short)],  # a chunk beside a whole prompt

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from fixtures.step_graph import Sizes, StepGraph, extract_step, step_executor
+from fixtures.step_graph import Sizes, StepGraph, extract_step, layer_outputs, step_executor
 
 from kimi_adapter_core.backends.extraction import options_from_spec, run
 from kimi_adapter_core.backends.extraction.tiny_model import tiny_overrides
@@ -54,24 +54,6 @@ def _call(
         *pools,
     )
     return call, [(row, position) for _, row, position in wanted]
-
-
-def _layer_outputs(model: Any, sequence: list[int]) -> list[torch.Tensor]:
-    """transformers' hidden state after each decoder layer at every position of ``sequence``:
-    ``hidden_states[i + 1]``, and the last layer's own output (a forward hook), which ``hidden_states[-1]``
-    replaces by the final norm's."""
-    layers = model.model.layers
-    last: list[torch.Tensor] = []
-    hook = layers[-1].register_forward_hook(
-        lambda _m, _i, out: last.append(out[0] if isinstance(out, tuple) else out)
-    )
-    try:
-        with torch.no_grad():
-            states = model(torch.tensor([sequence]), output_hidden_states=True).hidden_states
-    finally:
-        hook.remove()
-    assert len(states) == len(layers) + 1
-    return [state[0] for state in states[1:-1]] + [last[0][0]]
 
 
 @pytest.mark.slow
@@ -115,7 +97,7 @@ def test_aux_hidden_states_of_chunks_and_speculative_tokens_equal_transformers(
         assert tuple(hidden.shape) == (LOGITS, len(aux) * width)
         got |= {key: (logits[i], hidden[i]) for i, key in enumerate(wanted)}
     assert len(got) == 5 + 3 + 3 + 1
-    outputs = [_layer_outputs(graph.model, sequence) for sequence in sequences]
+    outputs = [layer_outputs(graph.model, sequence) for sequence in sequences]
     with torch.no_grad():
         references = [graph.model(torch.tensor([s])).logits[0] for s in sequences]
     for (row, position), (logits, hidden) in got.items():
