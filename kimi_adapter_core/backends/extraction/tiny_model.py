@@ -65,8 +65,12 @@ TINY_FACTS = {
     # lightning attention (MiniMax): prefill blocks shorter than the verify prompt, so it spans several
     # blocks and a partial one (each block carries the state into the next)
     "lightning_block_size": 16,
-    # DSA: fewer keys than a verify context holds, so the indexer's top-k selection decides the result
-    "index_n_heads": 8,
+    # DSA: fewer keys than a verify context holds, so the indexer's top-k selection decides the result.
+    # As many indexer heads as GLM-5 publishes: a key's score is sum over heads of weight x relu(q.k), so a
+    # query whose few head weights are all negative ranks every key with all-negative dot products equal
+    # at 0, and which tied key top-k keeps has no defined answer (with 8 heads GLM-5's 200-step verify met
+    # such a tie at decode step 80; with 32 the chance is ~2^-32 a query)
+    "index_n_heads": 32,
     "index_head_dim": 16,
     "index_topk": 4,
     # DeepSeek-V4's compressors: windows of 4 tokens, so the verify's prompt closes some and its decode
