@@ -10,7 +10,13 @@ request pricing decodes) split as AIConfigurator splits its own step of the same
 (``reference.COMPONENTS``), the kernels kadapt launches per layer, and the gap per step, per layer
 and per launch.
 
-It then asks whether the gap is a per-framework constant (CPU scheduling, sampling, launch gaps: one
+It then recomputes the engine-kernel floor (``estimate/engine_kernels.py``: the small kernels a
+framework launches that the trace does not hold, each its memory roofline plus the floor) on the
+development source below, the median of the floors that close each of its points' gaps, prints it
+against the shipped one, and prices the other points of its framework, device and release family
+without and with the engine kernels (their test, scored once when the floor was chosen).
+
+Last, it asks whether the gap is a per-framework constant (CPU scheduling, sampling, launch gaps: one
 number a serving engine adds to every step whatever the model): such a constant is chosen on one
 development source (its median gap) and scored once on the other sources of the same framework,
 device and release, reported apart. Nothing here changes a price: it is the evidence for
@@ -22,10 +28,11 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from unittest import mock
 
 from serving_anchors import AIC_KV, AIC_MODELS, REPO, AicServing, Estimate, kadapt_estimate
 
-from kimi_adapter_core.backends.simulation.estimate import aiconfigurator, reference
+from kimi_adapter_core.backends.simulation.estimate import aiconfigurator, engine_kernels, reference
 from kimi_adapter_core.backends.simulation.estimate.simulator import Simulation, simulate
 from kimi_adapter_core.backends.simulation.model.deployment import Deployment
 from kimi_adapter_core.backends.simulation.search.grid import quant_modes, sweep_inputs
@@ -58,6 +65,11 @@ class Gap:
     def layers(self) -> int:
         """Decoder layers: one attention kernel each (no MTP is priced here)."""
         return sum(k.op.repeat for k in self.step.kernels if k.op.kind == "attention")
+
+    @property
+    def engine(self) -> int:
+        """Engine kernels (``engine_kernels``) kadapt prices per step, off a second stream."""
+        return sum(k.op.repeat for k in self.step.kernels if "engine_kernel" in k.op.attrs and k.total > 0)
 
     @property
     def launches(self) -> int:
@@ -173,6 +185,47 @@ def _constant(found: Sequence[Gap]) -> None:
         )
 
 
+def _solve_floor(point: ServingPoint) -> float:
+    """The engine-kernel floor (us) that makes kadapt's TPOT of ``point`` the measured one: the TPOT
+    is linear in the floor (every engine kernel of a decode step adds it once), so two prices fix it."""
+    device = point.device
+    with mock.patch.dict(engine_kernels.FLOOR_US, {device: 0.0}):
+        at0 = kadapt_estimate(point).tpot_ms
+    with mock.patch.dict(engine_kernels.FLOOR_US, {device: 1.0}):
+        at1 = kadapt_estimate(point).tpot_ms
+    return (point.mean_tpot_ms - at0) / (at1 - at0)
+
+
+def _floor(found: Sequence[Gap]) -> None:
+    """The engine-kernel floor chosen on the development source (the median over its points of the
+    floor that closes each one's gap) against the shipped ``FLOOR_US``, and the test points of its
+    framework, device and release family priced without the engine kernels and with them."""
+    dev = [g for g in found if g.source == DEV_SOURCE]
+    if not dev:
+        return
+    family = {g.family for g in dev}
+    test = [g for g in found if g.source != DEV_SOURCE and g.family in family]
+    device = dev[0].point.device
+    chosen = statistics.median(_solve_floor(g.point) for g in dev)
+    print(
+        f"engine-kernel floor chosen on {DEV_SOURCE} (development, {len(dev)} points): {chosen:.2f} us "
+        f"(shipped, engine_kernels.FLOOR_US[{device!r}]: {engine_kernels.FLOOR_US.get(device)} us); "
+        f"the other {len(test)} points of its family (test), TPOT ratio without -> with the engine kernels:"
+    )
+    before, after = [], []
+    for g in test:
+        with mock.patch.dict(engine_kernels.RULES, clear=True):
+            without = kadapt_estimate(g.point).tpot_ms / g.point.mean_tpot_ms
+        with_ = g.kadapt.tpot_ms / g.point.mean_tpot_ms
+        before.append(abs(without - 1))
+        after.append(abs(with_ - 1))
+        per_layer = g.engine / g.layers
+        print(f"    {g.point.id:44} {without:5.2f} -> {with_:5.2f} ({per_layer:.1f} engine kernels/layer)")
+    if test:
+        median = f"{statistics.median(before):.1%} -> {statistics.median(after):.1%}"
+        print(f"    test median |TPOT ratio - 1|: {median}")
+
+
 def serving_gap_table() -> None:
     """The low-concurrency points, their decode steps and the per-step constant test."""
     found = gaps()
@@ -212,4 +265,5 @@ def serving_gap_table() -> None:
         "    AIC step parts: reference_step's sum of its ops, before AIC overlaps DeepSeek's shared experts "
         "and with a measured module's fallback parts counted too (dstack vLLM): compare its totals there"
     )
+    _floor(found)
     _constant(found)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 from fixtures.modules import REPO, import_path
 
 from kimi_adapter_core.backends.simulation.estimate import reference
@@ -23,13 +24,16 @@ serving_gap = import_path(REPO / "benchmarks" / "serving_gap.py", "serving_gap")
 POINT = "sglang-b200-gptoss-sharegpt-c1"  # one request on 8 B200: the fastest anchor to price
 
 
-def _point() -> ServingPoint:
-    (point,) = [p for p in serving_gap.serving_points() if p.id == POINT]
+def _point(name: str = POINT) -> ServingPoint:
+    (point,) = [p for p in serving_gap.serving_points() if p.id == name]
     return point
 
 
-def test_the_split_step_is_the_decode_step_the_tpot_is_priced_from() -> None:
-    point = _point()
+# DeepSeek-R1 on SGLang: FP8 block-scaled and MLA, so the step holds engine kernels the request
+# pricing's sweep must insert as ``simulate`` does
+@pytest.mark.parametrize("point_id", [POINT, "sglang-b200-dsr1-1000x1000-c1"])
+def test_the_split_step_is_the_decode_step_the_tpot_is_priced_from(point_id: str) -> None:
+    point = _point(point_id)
     spec = load_spec(REPO / "specs" / f"{point.spec}.yaml")
     priced = price_concurrency(
         spec,
@@ -42,6 +46,8 @@ def test_the_split_step_is_the_decode_step_the_tpot_is_priced_from() -> None:
     )
     step = serving_gap.decode_step(point)
     assert step.step_time == priced.decode.step_time
+    engine = [k for k in step.kernels if "engine_kernel" in k.op.attrs]
+    assert bool(engine) == (point_id != POINT)  # gpt-oss: none (its rope writes the bf16 cache)
     parts = serving_gap.parts(step)
     assert abs(sum(parts[name] for name in reference.COMPONENTS) - parts["total"]) < 1e-9
     assert parts["experts"] > 0 and parts["communication"] > 0  # TP8 with routed experts

@@ -11,6 +11,8 @@ another device (H800 has none of its own) says so in the op's source (borrowed).
 time above that device's bound over as a time: ideal here + (measured time - ideal there), since a
 latency-bound kernel does not speed up with bandwidth (``_priced_time``); on another die its
 efficiencies are taken against this device's peaks and bandwidth.
+Engine:     a small kernel the serving engine launches around the traced ones (``engine_kernels``):
+            time = bytes / (hbm_bw * memory efficiency) + the device's engine-kernel floor
 All-reduce: time = latency + 2 * (n-1)/n * bytes / (link_bw * link_eff)     (ring; inside a node the
             kernel table's measured latency and efficiency by message size replace the profile's,
             the group size's own where the table measured it)
@@ -50,7 +52,7 @@ from ..model.tracer import Op
 from ..tables.curves import Curve, Match, measured_across
 from ..tables.device import Device, LowLatencyEP, get_device
 from ..tables.kernels import KernelTable, table_for
-from . import ep_dispatch
+from . import engine_kernels, ep_dispatch
 
 
 @dataclass(frozen=True)
@@ -334,6 +336,10 @@ def price(op: Op, device: Device, table: KernelTable | None = None) -> Priced:
         else:
             source = "roofline"
         return Priced(op, time, bound, source)
+    if "engine_kernel" in op.attrs:  # a small kernel the engine launches: roofline + floor
+        body = op.bytes / (device.hbm_bandwidth * device.memory_efficiency)
+        added = engine_kernels.floor(device)
+        return Priced(op, body + added, "overhead" if added > body else "memory", "engine: roofline + floor")
     compute = op.flops / device.peak(op.compute)
     memory = op.bytes / device.hbm_bandwidth
     shape = table_shape(op, device)

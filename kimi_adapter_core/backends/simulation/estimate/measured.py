@@ -191,13 +191,17 @@ class MeasuredPricer:
     def _attention(self, attrs: dict[str, Any]) -> float | None:
         if attrs["kernel"] in _DSA_KERNELS:
             return self._dsa(attrs)
+        module = self.whole_mla(attrs)
+        return module if module is not None else self._attention_kernel(attrs)
+
+    def whole_mla(self, attrs: dict[str, Any]) -> float | None:
+        """An attention kernel's price as SGLang's whole MLA module measured under attention DP across
+        nodes (``_wide_ep_mla``), or None: not such a layout, or the standalone tables price it."""
         dp, ep, tp = (int(attrs.get(key, 1)) for key in ("attention_dp", "ep", "tp"))
         all_to_all = bool(attrs["all_to_all"]) if "all_to_all" in attrs else ep > tp
-        if attrs["kernel"] == "mla" and self.large_ep(dp, ep, all_to_all=all_to_all):
-            module = self._wide_ep_mla(attrs)
-            if module is not None:
-                return module
-        return self._attention_kernel(attrs)
+        if attrs.get("kernel") != "mla" or not self.large_ep(dp, ep, all_to_all=all_to_all):
+            return None
+        return self._wide_ep_mla(attrs)
 
     def _wide_ep_mla(self, attrs: dict[str, Any]) -> float | None:
         """Attention-DP MLA as AIConfigurator's SGLang large-EP graph prices it: SGLang's whole MLA

@@ -11,7 +11,8 @@ lack, and every op says where its price came from).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ....errors import KadaptError
@@ -22,6 +23,7 @@ from ..model.rank_model import trace_rank
 from ..model.tracer import Op, fuse
 from ..tables.device import Device
 from .cost import Priced, fold_modules, kernel_table, overlap_shared_experts, price
+from .engine_kernels import engine_kernels
 from .planner import Memory, activation_bytes, kv_sizing, memory, state_kinds, weight_lines
 from .topology import layout_notes
 
@@ -102,6 +104,22 @@ def finish_step(kernels: list[Priced], dep: Deployment) -> list[Priced]:
     return overlap_shared_experts(kernels) if dep.decode else kernels
 
 
+def inside_whole_modules(kernels: list[Priced], whole: Callable[[Op], bool]) -> list[Priced]:
+    """``kernels`` with every engine kernel inside a module that ``whole`` says is priced as its
+    measurement (the measured cost model's SGLang wide-EP MLA module) priced 0 (bound ``in_module``):
+    the measured row holds the module's own quantizations, rope and cache write, as the roofline's
+    ``cost.fold_modules`` prices them inside a module floor."""
+    cores = [(k.op.scope, k.op.module + ".") for k in kernels if k.op.kind == "attention" and whole(k.op)]
+
+    def inside(op: Op) -> bool:
+        return any(op.scope == scope and (op.module + ".").startswith(core) for scope, core in cores)
+
+    return [
+        replace(k, time=0.0, bound="in_module") if "engine_kernel" in k.op.attrs and inside(k.op) else k
+        for k in kernels
+    ]
+
+
 def simulate(
     inputs: ModelInputs,
     spec: Spec,
@@ -128,6 +146,7 @@ def simulate(
         require()
         measured = MeasuredPricer(system_for(device.name), framework)
     ops, trace_notes = trace_kernels(spec, inputs, dep)
+    ops = engine_kernels(ops, framework, dep.decode)
     table = kernel_table(device, framework)
     priced = []
     for op in ops:
@@ -137,6 +156,9 @@ def simulate(
             if measured and seconds is not None
             else price(op, device, table)
         )
+    if measured is not None:  # a module measured whole holds its engine kernels
+        whole = measured.whole_mla
+        priced = inside_whole_modules(priced, lambda op: whole(op.attrs) is not None)
     kernels = tuple(finish_step(priced, dep))
     kv = kv_sizing(s, dep.parallel.tp, dep.kv_dtype)
     logits_tokens = dep.tokens_per_rank if dep.decode else dep.batch_per_rank

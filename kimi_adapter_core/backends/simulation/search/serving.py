@@ -136,6 +136,7 @@ class ServingSearch:
             batches=tuple(sorted(set(batches))),
             kv_tokens=kv_tokens,
             models=self.models,
+            framework=self.framework.name,
         )
 
     def _weights_fit(self, sweep: Sweep, par: Parallel, quant: str | None) -> bool:

@@ -1,8 +1,8 @@
 """``kadapt simulate --sweep``: price every parallel layout, batch and weight mode for N devices.
 
-Calling ``simulate`` per configuration would build and trace the per-rank model on meta each time
-(0.1-0.4 s), and a sweep has thousands of configurations. A traced step depends on a configuration
-through a few things only, and this module measures that dependence instead of assuming it:
+Calling ``simulate`` per configuration would build and trace the per-rank model each time (0.1-0.4 s)
+for thousands of configurations. A traced step depends on a configuration through a few things
+only, and this module measures that dependence instead of assuming it:
 
 - **TP** fixes the per-rank shapes: the per-rank model is built once per TP size (``RankModel``,
   about half of a trace) and traced at every shape the sweep needs (DP = devices / TP).
@@ -19,8 +19,8 @@ through a few things only, and this module measures that dependence instead of a
 - **DP and EP** reach the routed experts (dispatch, GEMM, combine: the simulator's ``RoutedExperts``
   per configuration) and the kernels with an ``ep`` attribute, priced per EP size.
 
-Kernels are priced by a pricing callable (``cost.price`` unless given: a measured cost model plugs
-in), the step finished and memory sized as ``simulate`` does (``tests/test_sweep.py`` checks them on
+Kernels are priced by a pricing callable (``cost.price`` unless given), with ``framework``'s engine
+kernels, the step finished and memory sized as ``simulate`` does (``tests/test_sweep.py`` checks
 sampled configurations). What a sweep covers and returns (layouts, modes, batches, points) is ``grid``'s.
 """
 
@@ -36,6 +36,7 @@ from ....loading import applied
 from ....spec.model import Spec
 from ..estimate import simulator
 from ..estimate.cost import Priced, price
+from ..estimate.engine_kernels import engine_kernels
 from ..estimate.planner import Memory, activation_bytes, kv_sizing, params_per_device, weight_lines
 from ..model.deployment import Deployment
 from ..model.inputs import ModelInputs
@@ -53,11 +54,9 @@ Pricer = Callable[[Op, Device], Priced]
 
 
 class _Family:
-    """The kernels of every configuration with one TP size and per-rank batches in ``[at, ...)``
-    (or exactly ``at`` when ``single``), from a few traces (see the module docstring).
-
-    ``entries`` is None when the family cannot be scaled (``reason`` says why): its configurations
-    are then traced one by one."""
+    """The kernels of every configuration with one TP size and per-rank batches in ``[at, ...)`` (or
+    exactly ``at`` when ``single``), from a few traces (module docstring); ``entries`` is None when
+    the family cannot be scaled (``reason`` says why): its configurations are then traced one by one."""
 
     def __init__(
         self,
@@ -198,9 +197,9 @@ class Sweep:
     ``inputs`` maps each swept weight mode (None: the checkpoint) to its ``model_inputs``; ``base``
     carries the step shape (query/context length, decode, MTP, KV dtype, routing): its layout and
     batch are replaced per configuration. ``kv_tokens`` sizes each sequence's KV cache when it must
-    hold more than the step's context (a request-level search prices decode at a request's mean
-    context but must fit its last token); ``models`` shares built per-rank models between sweeps of
-    one model and spec (keyed by TP size and whether MTP drafts are traced)."""
+    hold more than the step's context (a request prices decode at its mean context but must fit its
+    last token); ``models`` shares built per-rank models between sweeps of one model and spec (keyed
+    by TP size and whether MTP drafts are traced); ``framework`` adds its engine kernels."""
 
     def __init__(
         self,
@@ -214,15 +213,15 @@ class Sweep:
         batches: Sequence[int] = DEFAULT_BATCHES,
         kv_tokens: int | None = None,
         models: dict[tuple[int, bool], RankModel] | None = None,
+        framework: str | None = None,
     ) -> None:
         if not inputs:
             raise UsageError("a sweep needs at least one weight mode")
         self.spec, self.inputs, self.device, self.base = spec, dict(inputs), device, base
         self.devices, self.batches = devices, batch_grid(batches)
-        self.quants = tuple(self.inputs)
-        first = self.inputs[self.quants[0]]
+        self.quants, first = tuple(self.inputs), next(iter(self.inputs.values()))
         self.s = first.arch.structure
-        self.pricer = pricer or price
+        self.pricer, self.framework = pricer or price, framework
         self.traces, self.trace_seconds = 0, 0.0
         self._groups = {g.name: g for g in first.groups}
         routed = self._groups.get("routed_experts")
@@ -237,7 +236,7 @@ class Sweep:
         self._direct: dict[Config, list[Op]] = {}
         self._lines: dict[str | None, tuple[Any, ...]] = {}
         self._kv: dict[int, int] = {}
-        # per (TP size, MTP): built once, traced at every shape; a request-level search hands every
+        # per (TP size, MTP), built once and traced at every shape; a request-level search hands every
         # sweep of one model the same dict, so a prefill and a decode sweep share the built models
         self._models = {} if models is None else models
         self.kv_tokens = kv_tokens  # tokens a sequence's KV cache holds (None: context + new tokens)
@@ -256,8 +255,7 @@ class Sweep:
     def record(self, inputs: ModelInputs, dep: Deployment) -> list[Op]:
         """The ops (before fusion) one step of ``dep`` records with the weights in ``inputs``' formats,
         on the per-rank model of its TP size (built on first use)."""
-        self.traces += 1
-        start = time.perf_counter()
+        self.traces, start = self.traces + 1, time.perf_counter()
         try:
             key = (dep.parallel.tp, bool(dep.mtp))
             model = self._models.get(key)
@@ -269,19 +267,21 @@ class Sweep:
 
     def trace(self, inputs: ModelInputs, dep: Deployment) -> list[Op]:
         """The fused kernels ``simulate`` prices for ``dep`` (a real trace, untagged)."""
-        return fuse(self.record(inputs, dep))
+        return self._fuse(self.record(inputs, dep))
+
+    def _fuse(self, ops: list[Op]) -> list[Op]:
+        """``fuse``, then the small kernels the sweep's framework launches around them."""
+        return engine_kernels(fuse(ops), self.framework or "", self.base.decode)
 
     def raw(self, tp: int, b: int) -> TaggedTrace:
         """The tagged trace at TP ``tp`` and per-rank batch ``b`` in the first swept mode, shared by
         every weight mode (``in_mode``); traced once."""
         found = self._raw.get((tp, b))
         if found is None:
-            dp = self.devices // tp
-            tagger = Tagger(self.inputs[self.quants[0]].policy)
+            dp, tagger = self.devices // tp, Tagger(self.inputs[self.quants[0]].policy)
             inputs = replace(self.inputs[self.quants[0]], policy=tagger)
-            found = self._raw[(tp, b)] = TaggedTrace(
-                self.record(inputs, self.deployment(Parallel(tp, dp, 1), b * dp)), tagger
-            )
+            ops = self.record(inputs, self.deployment(Parallel(tp, dp, 1), b * dp))
+            found = self._raw[(tp, b)] = TaggedTrace(ops, tagger)
         return found
 
     def in_mode(self, raw: TaggedTrace, quant: str | None) -> list[Op]:
@@ -289,13 +289,13 @@ class Sweep:
         each weight's reads re-formatted, then the projections merged and vector ops fused as the
         tracer does (which projections merge depends on the formats' kernel families)."""
         if quant == self.quants[0]:
-            return fuse(raw.ops)
+            return self._fuse(raw.ops)
 
         def convert(fmt: WeightFormat) -> WeightFormat:
             index = tag_index(fmt.compute)
             return fmt if index is None else tagged(self.format(quant, raw.tagger.keys[index]), index)
 
-        return fuse([reformat(op, convert) for op in raw.ops])
+        return self._fuse([reformat(op, convert) for op in raw.ops])
 
     def finish(self, ops: Iterable[Op], dep: Deployment) -> list[Priced]:
         return simulator.finish_step([self.pricer(op, self.device) for op in ops], dep)
