@@ -183,6 +183,21 @@ FACT_RULES: dict[str, Rule] = {
     "index_n_heads": _positive(MAX_HEADS),
     "index_head_dim": _positive(MAX_WIDTH),
     "index_topk": _positive(MAX_POSITIONS),
+    # DeepSeek-V4's grouped output projection: o_groups groups of the heads, each to o_lora_rank
+    "o_groups": _positive(MAX_HEADS),
+    "o_lora_rank": _positive(MAX_WIDTH),
+    # the linear-attention mixers' sizes (KDA, Mamba2, lightning attention); Mamba's head width and dt
+    # rank may be "auto" (their config classes compute them), so ``linear_of`` reads those two
+    "kda_num_heads": _positive(MAX_HEADS),
+    "kda_head_dim": _positive(MAX_WIDTH),
+    "mamba_num_heads": _positive(MAX_HEADS),
+    "mamba_state_size": _positive(MAX_WIDTH),
+    "mamba_groups": _positive(MAX_HEADS),
+    "mamba_conv_kernel": _positive(MAX_CONV_KERNEL),
+    "mamba_expand": POSITIVE_NUMBER,
+    "mamba_inner": _positive(MAX_WIDTH),
+    "mamba_gated_norm": FLAG,
+    "lightning_block_size": _positive(MAX_POSITIONS),
 }
 
 
@@ -294,6 +309,7 @@ def cross_field(facts: Facts, prefix: str) -> list[Violation]:
         _top_k_within,
         _top_k_groups_within,
         _linear_heads_split,
+        _output_groups_split,
     )
     found = [rule(facts) for rule in rules]
     return [Violation(prefix + key, problem) for key, problem in filter(None, found)]
@@ -316,6 +332,16 @@ def _linear_heads_split(facts: Facts) -> tuple[str, str] | None:
     key_heads = facts.key("linear_num_key_heads")
     problem = f"the {values} linear value heads do not split into {keys} key heads ({key_heads})"
     return facts.key("linear_num_value_heads"), problem
+
+
+def _output_groups_split(facts: Facts) -> tuple[str, str] | None:
+    """DeepSeek-V4: the grouped output projection splits the heads' channels (heads x head_dim) evenly
+    into ``o_groups`` groups (transformers reshapes the attention output so)."""
+    heads, width, groups = facts.value("num_heads"), facts.value("head_dim"), facts.value("o_groups")
+    if heads is None or width is None or groups is None or (heads * width) % groups == 0:
+        return None
+    channels = f"{heads} x {width} attention channels ({facts.key('num_heads')} x {facts.key('head_dim')})"
+    return facts.key("o_groups"), f"the {channels} do not split into {groups} output groups"
 
 
 def _width_per_head(facts: Facts) -> tuple[str, str] | None:

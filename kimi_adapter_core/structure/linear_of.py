@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from ..errors import KadaptError, Refusal
 from ..spec.model import Spec
+from .bounds import shown
 from .mixer import LinearAttention
 
 
@@ -23,9 +24,13 @@ class Reader(Protocol):
     """What this reads of ``derive.Reader``: facts by name, where the config is, the spec."""
 
     where: str
+    origin: str
+    prefix: str
     spec: Spec | None
 
     def get(self, fact: str, default: Any = None) -> Any: ...
+
+    def peek(self, fact: str) -> tuple[str, Any] | None: ...
 
 
 # Sizes no config key states, computed as the config classes compute them: a constant 1, and Mamba1's
@@ -137,16 +142,52 @@ def linear_of(read: Reader, spans: list[tuple[str, int | None]]) -> LinearAttent
             gated = read.get("mamba_gated_norm") is not False or kind != "mamba2"  # Falcon-H1's switch
             sizes_read = {name: _size(read, fact) for name, fact in sizes.items()}
             return LinearAttention(kind=kind, **sizes_read, gated_norm=gated)
+    location = read.spec.locate("gate") if read.spec is not None else None
+    near = _nearest_mixer(read)
+    if near is not None:
+        kind, missing = near
+        raise Refusal(
+            "hybrid",
+            f"{read.origin}: the linear_attention layers state {MIXER_NAMES[kind]}'s sizes but not "
+            + ", ".join(_keys(read, fact) for fact in missing)
+            + f" (a {MIXER_NAMES[kind]} mixer is sized by "
+            + ", ".join(_keys(read, fact) for fact in _needed(kind))
+            + ")",
+            location=location,
+        )
     wanted = "; ".join(
         f"{MIXER_NAMES[kind]}: " + ", ".join(_keys(read, fact) for fact in _needed(kind)) for kind in MIXERS
     )
     raise Refusal(
         "hybrid",
-        f"{read.where}: linear_attention layers whose mixer kadapt cannot size; it models a conv window and "
+        f"{read.origin}: linear_attention layers whose mixer kadapt cannot size; it models a conv window and "
         f"a recurrent state sized by one of these key sets ({wanted}), and this linear attention keeps "
         "other state",
-        location=read.spec.locate("gate") if read.spec is not None else None,
+        location=location,
     )
+
+
+# Facts any attention config states, which say nothing of which mixer a config meant
+ANY_ATTENTION = frozenset({"num_heads", "head_dim", "hidden_size"})
+
+
+def _nearest_mixer(read: Reader) -> tuple[str, list[str]] | None:
+    """The mixer whose own facts the config states most of (at least one, not all), and the facts it
+    lacks: a config that names gated DeltaNet's key heads but not its value heads lacks a key, it is
+    not another kind of linear attention."""
+    candidates = getattr(read, "candidates", {})
+    generic = {key for fact in ANY_ATTENTION for key in candidates.get(fact, [fact])}
+    best: tuple[float, str, list[str]] | None = None
+    for kind in MIXERS:
+        own = [fact for fact in _needed(kind) if fact not in ANY_ATTENTION]
+        # stated under a key of its own (Mamba2's head width read from a plain head_dim says nothing)
+        stated = [fact for fact in own if (read.peek(fact) or ("", None))[0] not in generic | {""}]
+        if not stated or len(stated) == len(own):
+            continue
+        share = len(stated) / len(own)
+        if best is None or share > best[0]:
+            best = (share, kind, [fact for fact in _needed(kind) if not _stated(read, fact)])
+    return None if best is None else (best[1], best[2])
 
 
 def _needed(kind: str) -> tuple[str, ...]:
@@ -195,5 +236,7 @@ def _size(read: Reader, fact: str) -> int:
     whole = isinstance(value, int) and not isinstance(value, bool)
     whole = whole or (isinstance(value, float) and value.is_integer())
     if not whole or value < 1:
-        raise KadaptError(f"{read.where}: {_keys(read, fact)} is {value!r}; expected a positive whole number")
+        found = read.peek(fact)
+        key = read.prefix + found[0] if found is not None else _keys(read, fact)
+        raise KadaptError(f"{read.origin}: {key}: expected a positive whole number, found {shown(value)}")
     return int(value)
