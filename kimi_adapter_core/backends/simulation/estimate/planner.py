@@ -244,15 +244,16 @@ def active_params(s: ModelStructure, weights: tuple[WeightLine, ...]) -> int:
 
 def state_kinds(kv: KvSizing, tokens: int) -> dict[str, dict[str, Any]] | None:
     """Per state kind of a hybrid or DSA stack, what one request of ``tokens`` keeps on one device:
-    the attention layers' KV cache (grows with the context), the linear layers' state (constant), the
-    DSA indexer keys (grow with the context). None for a plain attention model (its KV cache is the
-    only state)."""
+    the attention layers' KV cache (grows with the context unless every layer keeps a window or a
+    chunk: DeepSeek-V4's), the linear layers' state (constant), the DSA indexer keys and compressed
+    entries (grow with the context). None for a plain attention model (its KV cache is the only
+    state)."""
     if kv.state is None and kv.index is None and kv.compressed is None:
         return None
     kinds: dict[str, dict[str, Any]] = {
         "attention_kv": {
             "layers": kv.layers,
-            "grows_with_context": True,
+            "grows_with_context": any(cap is None for cap in kv.caps),
             "bytes_per_request_per_device": kv.kv_bytes(tokens),
         }
     }

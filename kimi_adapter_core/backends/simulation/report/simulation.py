@@ -119,28 +119,37 @@ def sim_text(sim: Simulation, top: int | None = None) -> str:
 
 
 def _states_text(sim: Simulation) -> list[str]:
-    """A hybrid or DSA stack's state per request on one device, by kind (nothing for plain attention
-    models)."""
+    """A hybrid, DSA or compressed stack's state per request on one device, by kind, each saying
+    whether it grows with the context (nothing for plain attention models)."""
     if sim.states is None:
         return []
-    kv = sim.states["attention_kv"]
     tokens = sim.deployment.context_len + sim.deployment.tokens_per_query
-    line = (
-        f"  state per request: KV cache {kv['bytes_per_request_per_device'] / MIB:.2f} MiB "
-        f"({kv['layers']} attention layers, {tokens} tokens: grows with context)"
-    )
-    linear, index = sim.states.get("linear_attention"), sim.states.get("indexer_keys")
-    if linear is not None:
-        line += (
-            f" + linear-attention state {linear['bytes_per_request_per_device'] / MIB:.2f} MiB "
-            f"({linear['layers']} layers, constant)"
-        )
-    if index is not None:
-        line += (
-            f" + indexer keys {index['bytes_per_request_per_device'] / MIB:.2f} MiB "
-            f"({index['layers']} indexed layers, grow with context)"
-        )
-    return [line]
+    kv = sim.states["attention_kv"]
+    kept = f"{kv['layers']} attention layers, {tokens} tokens: {_trend(kv, 'grows')}"
+    parts = [f"KV cache {_state_size(kv)} ({kept})"]
+    for kind, label, layers in STATE_LINES:
+        state = sim.states.get(kind)
+        if state is not None:
+            parts.append(
+                f"{label} {_state_size(state)} ({state['layers']} {layers}, {_trend(state, 'grow')})"
+            )
+    return ["  state per request: " + " + ".join(parts)]
+
+
+# The per-request states after the KV cache, in the order ``planner.state_kinds`` lists them
+STATE_LINES = (
+    ("linear_attention", "linear-attention state", "layers"),
+    ("indexer_keys", "indexer keys", "indexed layers"),
+    ("compressed_entries", "compressed entries", "compressed layers"),
+)
+
+
+def _state_size(state: dict[str, Any]) -> str:
+    return f"{state['bytes_per_request_per_device'] / MIB:.2f} MiB"
+
+
+def _trend(state: dict[str, Any], verb: str) -> str:
+    return f"{verb} with context" if state["grows_with_context"] else "constant"
 
 
 def _count(n: int, noun: str) -> str:
