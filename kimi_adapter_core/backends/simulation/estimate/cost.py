@@ -264,11 +264,14 @@ def _priced_time(op: Op, device: Device, table: KernelTable) -> tuple[float, flo
     source = _measuring_device(table, _section(op), device)
     if source.peak_flops != device.peak_flops:
         source = device
-    compute, memory = op.flops / source.peak(op.compute), op.bytes / source.hbm_bandwidth
+    unit = op.compute
+    if op.kind == "experts":  # a fallback curve computed in another unit (FP4 x FP8 experts on Hopper)
+        unit = table.grouped_compute(str(op.attrs.get("kernel", op.compute)), op.compute)
+    compute, memory = op.flops / source.peak(unit), op.bytes / source.hbm_bandwidth
     found = _table_time(op, table, compute, memory, table_shape(op, device))
     if found is None or source is device:
         return found
-    here = max(op.flops / device.peak(op.compute), op.bytes / device.hbm_bandwidth)
+    here = max(op.flops / device.peak(unit), op.bytes / device.hbm_bandwidth)
     return max(0.0, found[0] - max(compute, memory)) + here, found[1]
 
 

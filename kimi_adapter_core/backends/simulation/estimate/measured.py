@@ -37,8 +37,12 @@ _MOE_QUANT = {
     "fp8_block": "fp8_block",
     "w4a16": "int4_wo",  # int4 group-quantized experts (Kimi-K2.5)
     "w4a16_mxfp4": "w4a16_mxfp4",  # MXFP4 experts (gpt-oss): their own kernels' rows, not int4's
+    "w4a8_mxfp4": "w4a8_mxfp4_mxfp8",  # FP4 experts on FP8 activations (DeepSeek-V4), Blackwell only
     "int8": "fp8",
 }
+# a framework's own mode: SGLang's DeepSeek-V4 FP4 experts are AIConfigurator's ``w4a8_mxfp4_mxfp8_trtllm``
+# (its sdk/models/helpers.py ``resolve_dsv4_moe_arch_mode``); no Hopper rows (roofline prices those)
+_FRAMEWORK_MOE_QUANT = {"sglang": {"w4a8_mxfp4": "w4a8_mxfp4_mxfp8_trtllm"}}
 _KV = {"bf16": "bfloat16", "fp8": "fp8"}
 _DSA_KERNELS = ("dsa", "dsa_indexer", "dsa_topk")  # sparse MLA, indexer scoring, top-k (one DSA module)
 # a DSA kernel's sizes -> the key of AIConfigurator's DSA_MODEL_DIMS they must equal
@@ -390,7 +394,8 @@ class MeasuredPricer:
         TP group) priced SGLang's DP64 EP64 decode experts 9.6x higher. Otherwise (or where that
         table lacks the shape) ``Moe`` at every rank's tokens, as its fused graphs query it (the
         ``Moe`` table at attention-DP size ``dp`` and ``s`` tokens is its row at ``dp x s``)."""
-        quant = _MOE_QUANT.get(str(attrs["kernel"]))
+        kernel = str(attrs["kernel"])
+        quant = _FRAMEWORK_MOE_QUANT.get(self.framework, {}).get(kernel, _MOE_QUANT.get(kernel))
         if quant is None:
             return None
         distribution = "power_law_1.01" if attrs.get("routing") == "power_law" else "balanced"

@@ -79,10 +79,13 @@ class WeightFormat:
         """The kernel family a matmul on this weight runs (the key of the efficiency tables):
         bf16 | fp32 | fp8 (per-tensor) | fp8_block | int8 | w4a16 (int4 groups, Marlin-like) |
         w4a16_mxfp4 (MXFP4 weights, bf16 math: its own kernels, e.g. FlashInfer's TensorRT-LLM MXFP4
-        MoE on Blackwell, which AIConfigurator measured apart from int4 group quantization) | w4a8."""
+        MoE on Blackwell, which AIConfigurator measured apart from int4 group quantization) |
+        w4a8_mxfp4 (e2m1 weights with a one-byte scale per 32 times MXFP8 activations: DeepSeek-V4's
+        FP4 experts, the Blackwell kernel AIConfigurator measured as ``w4a8_mxfp4_mxfp8``) | w4a8
+        (int4 weights, 8-bit activations: the ``--quant W4A8`` mode)."""
         if self.bits == 4:
             if self.compute in ("int8", "fp8"):
-                return "w4a8"
+                return "w4a8_mxfp4" if self.label.startswith(FP4_LABEL) else "w4a8"
             return "w4a16_mxfp4" if self.label == MXFP4 else "w4a16"
         if self.compute == "fp8":
             return "fp8_block" if self.group_size else "fp8"
@@ -127,6 +130,9 @@ def scheme_format(scheme: QuantScheme) -> WeightFormat:
     )
 
 
+# the label of an e2m1 (FP4) weight with block scales and FP8 activations (DeepSeek-V4's experts)
+FP4_LABEL = "fp4"
+
 # MXFP4 (OCP microscaling, gpt-oss): 4-bit e2m1 values, one e8m0 (1-byte) scale per 32; transformers
 # quantizes only the routed experts (Mxfp4GptOssExperts). Hopper has no FP4 unit: computed in bf16.
 MXFP4_FORMAT = WeightFormat(MXFP4, 4, MXFP4_BLOCK, 1, "bf16")
@@ -150,7 +156,7 @@ def storage_format(storage: Storage | None, shape: tuple[int, ...], native: Weig
         return WeightFormat("fp8/b" + "x".join(map(str, block)), 8, math.prod(block), scale, "fp8")
     if storage["format"] == FP4_E2M1:  # DeepSeek-V4's experts: FP8 activations times FP4 weights
         scale = _scale_bytes(storage["tensors"]["scale"]["dtype"])
-        return WeightFormat(f"fp4/g{storage['block']}", 4, storage["block"], scale, "fp8")
+        return WeightFormat(f"{FP4_LABEL}/g{storage['block']}", 4, storage["block"], scale, "fp8")
     assert storage["format"] == MXFP4, storage["format"]  # the last format checkpoint_storage describes
     return MXFP4_FORMAT
 

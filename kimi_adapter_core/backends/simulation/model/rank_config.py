@@ -71,6 +71,9 @@ class LayerKind:
     # MiMo-V2-Flash's sliding ones); None: the stack's
     shape: Attention | None = None
     mlp_width: int | None = None  # their dense MLP width where it differs from the stack's (Gemma-4)
+    # their MoE picks experts by token id (DeepSeek-V4's hash_moe: the router GEMM and scores, then a
+    # tid2eid lookup, no top-k): traced apart from the top-k layers of the same mixer
+    hash_routed: bool = False
 
     @property
     def spans(self) -> tuple[tuple[int | None, int | None], ...]:
@@ -132,13 +135,16 @@ class LayerKind:
 def layer_kinds(s: ModelStructure) -> list[LayerKind]:
     """One entry per mixer and MLP kind present, in the order their first layers appear. A linear
     layer is ``linear`` whatever its ABI kind (MiniMax's ``lightning``, LFM2's ``short_conv`` too): its
-    mixer is swapped for its serving kernels, not run through the attention interface."""
-    kinds: dict[tuple[str, str, Attention | None, int | None], list[int]] = {}
+    mixer is swapped for its serving kernels, not run through the attention interface. A hash-routed
+    MoE layer is a kind of its own: DeepSeek-V4's csa layers begin with hash-routed layer 2, which
+    priced all 21 as hash-routed (23 hash routers where the model has 3)."""
+    hash_ids = set(s.moe.hash_layers) if s.moe is not None else set()
+    kinds: dict[tuple[str, str, Attention | None, int | None, bool], list[int]] = {}
     for layer, mixer in zip(s.layers, s.layer_kinds, strict=True):
         mixer = "linear" if layer.attention == "linear" else mixer
         if layer.topk_source is not None:  # DSA over an earlier layer's top-k: priced sparse, not scored
             mixer = "topk_reuse"
-        key = (mixer, layer.mlp, layer.attention_shape, layer.mlp_width)
+        key = (mixer, layer.mlp, layer.attention_shape, layer.mlp_width, layer.index in hash_ids)
         kinds.setdefault(key, []).append(layer.index)
     return [
         LayerKind(
@@ -149,8 +155,9 @@ def layer_kinds(s: ModelStructure) -> list[LayerKind]:
             tuple(s.layers[i].chunk for i in ids) if s.has_chunked_layers else (),
             shape,
             width,
+            hashed,
         )
-        for (mixer, mlp, shape, width), ids in sorted(kinds.items(), key=lambda item: item[1][0])
+        for (mixer, mlp, shape, width, hashed), ids in sorted(kinds.items(), key=lambda item: item[1][0])
     ]
 
 

@@ -100,6 +100,7 @@ class RankParts:
     rows: list[SplitRows] = field(default_factory=list)  # their linears, row-split when sized for all TP
     configs: list[Any] = field(default_factory=list)  # configs of the traced layers' attention
     names: dict[int, str] = field(default_factory=dict)  # id(parameter) -> its name in the built model
+    tables: dict[int, str] = field(default_factory=dict)  # id(integer buffer) -> its name, likewise
     # hyper-connections' head, merging the residual streams before the final norm (None: one stream)
     stream_head: nn.Module | None = None
 
@@ -141,6 +142,10 @@ class RankParts:
                 checkpoint = inputs.naming.checkpoint(self.names.get(id(param), ""))
                 group = group_of.get(checkpoint)
                 rec.mark_weight(param, inputs.policy(group, checkpoint) if group else NATIVE["bf16"])
+            for table in part.buffers():  # a lookup table the checkpoint stores (DeepSeek-V4's tid2eid):
+                checkpoint = inputs.naming.checkpoint(self.tables.get(id(table), ""))  # reads its rows only
+                if (group := group_of.get(checkpoint)) is not None:
+                    rec.mark_weight(table, inputs.policy(group, checkpoint))
 
 
 def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts, list[str]]:
@@ -190,6 +195,7 @@ def _build(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[RankParts,
     # computed buffers (rotary inv_freq) keep their dtype
     cast_to_abi_dtype(model, [part for _, part in parts.named()], torch.bfloat16)
     parts.names = {id(t): n for n, t in model.named_parameters()}  # before any swap: the model's own names
+    parts.tables = {id(t): n for n, t in model.named_buffers() if not t.is_floating_point()}
 
     unbound = Recorder()  # every swapped kernel is bound to the trace's recorder before it runs
     for traced in parts.layers:

@@ -236,12 +236,14 @@ class Recorder(TorchDispatchMode):
         weight = next((self._weights[id(t)] for t in ins if id(t) in self._weights), None)
         inputs = [(self._root.get(id(t), id(t)), self._read_bytes(t)) for t in ins]
         outputs = [(id(t), float(_nbytes(t))) for t in outs]
+        # a weight indexed by a tensor is a table lookup too (DeepSeek-V4's hash router, tid2eid[ids])
+        gather = short in _GATHER or (short == "index" and bool(ins) and id(ins[0]) in self._weights)
         weights = [
             (self._root.get(id(t), id(t)), self._weights[id(t)], t.numel())
             for i, t in enumerate(ins)
-            if id(t) in self._weights and not (i == 0 and short in _GATHER)
+            if id(t) in self._weights and not (i == 0 and gather)
         ]
-        if short in _GATHER:  # reads only the gathered rows, not the whole table
+        if gather:  # reads only the gathered rows, not the whole table
             inputs[0] = (inputs[0][0], sum(b for _, b in outputs))
         counter = flop_registry.get(func._overloadpacket)
         attrs: dict[str, Any] = {"tag": self._tag} if self._tag else {}

@@ -34,6 +34,12 @@ MOE_DTYPES = {
     "bf16": ("bfloat16", 2.0, "bf16"),
     "w4a16": ("int4_wo", 0.5 + 2 / 32, "bf16"),  # int4, one bf16 scale per 32 (Kimi-K2.5)
     "w4a16_mxfp4": ("w4a16_mxfp4", 0.5 + 1 / 32, "bf16"),  # e2m1, one e8m0 scale per 32 (gpt-oss)
+    # e2m1, one ue8m0 scale per 32, MXFP8 activations (DeepSeek-V4): measured on Blackwell only, on
+    # DeepSeek-V4-Flash's and -Pro's shapes (4096 x 2048 x 256 top-6, 7168 x 3072 x 384 top-6), which
+    # the fine-grained filter keeps: SGLang's rows of that mode on those shapes are its FlashInfer
+    # TensorRT-LLM MXFP4 kernel (``sglang_mxfp4_flashinfer_trtllm_moe``, the kernel AIConfigurator
+    # prices DeepSeek-V4 with on Blackwell SGLang), its other kernel's rows being gpt-oss and Kimi-K3
+    "w4a8_mxfp4": ("w4a8_mxfp4_mxfp8", 0.5 + 1 / 32, "fp8"),
 }
 # expert dtypes fitted on every model shape measured: AIConfigurator measured MXFP4 only on models
 # that ship it (gpt-oss-20b and -120b, hidden 2880; B200 SGLang also a 3584-wide one), all of which
@@ -41,6 +47,9 @@ MOE_DTYPES = {
 # curve (B200 SGLang: a 38 us pipeline floor), gpt-oss's experts cost twice AIConfigurator's MXFP4
 # rows (1.32 ms per decode step at TP8 against 0.65: 18-19 us per layer for one token)
 EVERY_SHAPE = ("w4a16_mxfp4",)
+# expert dtypes AIConfigurator measured on Blackwell only (FP4 x FP8 needs its FP4 tensor cores): a
+# Hopper table has none, and its ops price from the fallback (``kernels._FALLBACK``)
+BLACKWELL_ONLY = ("w4a8_mxfp4",)
 # op attribute -> the measured table's column: the shape a per-shape curve is fitted at and matched by
 EXPERT_SHAPE = {
     "hidden": "hidden_size",
@@ -87,9 +96,9 @@ def moe_curves(
         try:
             found = measured(root, ("moe", "moe_perf.parquet"), framework, select, row_filter)
         except KadaptError:
-            if row_filter is _all_rows:
+            if row_filter is _all_rows and key not in BLACKWELL_ONLY:
                 raise
-            continue  # a part fit without any row of this dtype: its ops price as a dtype not measured
+            continue  # no row of this dtype here: its ops price as the dtype it falls back to
         table = found.rows
         local = table.num_experts / table.moe_ep_size
         pairs = table.num_tokens * table.topk / table.moe_ep_size

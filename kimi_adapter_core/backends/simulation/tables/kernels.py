@@ -23,7 +23,8 @@ Curves and the op kinds they price:
 - ``gemm.<dtype>`` by M (tokens): the compute efficiency of dense matmuls; ``gemm_memory.<dtype>`` by
   bytes moved: their memory efficiency (a small weight streams at a fraction of HBM bandwidth).
   dtypes bf16, fp8 (per-tensor), fp8_block, and whatever else a table measures (a missing dtype falls
-  back: int8 -> fp8, w4a16_mxfp4 -> w4a16 -> bf16, w4a8 -> fp8).
+  back: int8 -> fp8, w4a8_mxfp4 -> w4a16 -> bf16, w4a16_mxfp4 -> w4a16, w4a8 -> fp8; a fallback computed
+  in bf16 prices the op at the bf16 peak, ``KernelTable.grouped_compute``).
 - ``gemm_floor.<dtype>`` by M: the fixed cost of one standalone GEMM call (``latency_us``: the
   median latency of the measured calls whose work takes under 2 us at the peaks), which replaces the
   device's op overhead; the ``gemm`` / ``gemm_memory`` efficiencies are fitted net of it. vLLM's
@@ -173,12 +174,22 @@ _FALLBACK = {
     "int8": "fp8",
     "fp8": "fp8_block",
     "fp8_block": "fp8",
+    # DeepSeek-V4's FP4 experts where no FP4 x FP8 row was measured (Hopper: no FP4 tensor cores).
+    # SGLang serves that checkpoint on Hopper with FlashInfer's SM90 CUTLASS mixed-input MoE, 4-bit
+    # weights with a scale per 32 times bf16 activations (AIConfigurator's ``w4a16_mxfp4_cutlass``,
+    # which it has no rows of and calls distinct from gpt-oss's Triton MXFP4 path, ``w4a16_mxfp4``):
+    # the group-scaled int4 x bf16 kernels measured on the fine-grained shapes (Kimi-K2.5's) price it.
+    # gpt-oss's MXFP4 rows (its shapes, 0.15-0.35 of HBM bandwidth at one pair per expert) priced an
+    # H200 decode step's experts (TP8 EP8, 64 tokens) at 7.0-22.9 ms against 5.7-6.4 on these
+    "w4a8_mxfp4": "w4a16",
     "w4a16_mxfp4": "w4a16",  # a table without MXFP4 rows: the int4 weight-only kernel's 4-bit reads
     "w4a16": "bf16",
     "w4a8": "fp8",
     "fp32": "bf16",
 }
 
+# a dtype whose fallback multiplies in another unit -> the peak key of that unit
+_FALLBACK_UNIT = {"w4a8_mxfp4": "bf16"}
 
 # a routed-expert op not measured prices from its model shape's curves at the EP sizes around it,
 # else from the curves of the other model widths measured at its EP size
@@ -253,12 +264,24 @@ class KernelTable:
         return self.devices[section] if section in self.devices else self.device
 
     @staticmethod
-    def _pick(curves: dict[str, Curve], dtype: str) -> Curve | None:
+    def _picked(curves: dict[str, Curve], dtype: str) -> str:
+        """The dtype whose curve prices ``dtype``: itself, else its nearest fallback measured."""
         seen = set()
         while dtype not in curves and dtype in _FALLBACK and dtype not in seen:
             seen.add(dtype)
             dtype = _FALLBACK[dtype]
-        return curves.get(dtype) or curves.get("bf16")
+        return dtype if dtype in curves else "bf16"
+
+    @classmethod
+    def _pick(cls, curves: dict[str, Curve], dtype: str) -> Curve | None:
+        return curves.get(cls._picked(curves, dtype))
+
+    def grouped_compute(self, dtype: str, compute: str) -> str:
+        """The peak (``compute`` key) the grouped-GEMM curve pricing ``dtype`` was fitted against:
+        ``compute`` unless the curve is a fallback's computed in bf16 (DeepSeek-V4's FP8-activation
+        FP4 experts on Hopper run 4-bit x bf16, at half the FP8 peak)."""
+        unit = _FALLBACK_UNIT.get(dtype)
+        return unit if unit is not None and self._picked(self.grouped, dtype) != dtype else compute
 
     def gemm_eff(self, dtype: str, m: float, nbytes: float) -> tuple[float, float] | None:
         """(compute efficiency at M, memory efficiency at ``nbytes`` moved)."""
