@@ -27,23 +27,9 @@ from typing import Any
 
 from ..model.tracer import Op
 from . import ep_dispatch
+from .aic_modes import GEMM_QUANT, kv_dtype, moe_quant
 from .aiconfigurator import _database_handle, _gpus_per_node
 
-# kadapt weight kernel -> AIConfigurator quant mode (GEMM, MoE)
-_GEMM_QUANT = {"bf16": "bfloat16", "fp8": "fp8", "fp8_block": "fp8_block", "int8": "fp8", "fp32": "bfloat16"}
-_MOE_QUANT = {
-    "bf16": "bfloat16",
-    "fp8": "fp8",
-    "fp8_block": "fp8_block",
-    "w4a16": "int4_wo",  # int4 group-quantized experts (Kimi-K2.5)
-    "w4a16_mxfp4": "w4a16_mxfp4",  # MXFP4 experts (gpt-oss): their own kernels' rows, not int4's
-    "w4a8_mxfp4": "w4a8_mxfp4_mxfp8",  # FP4 experts on FP8 activations (DeepSeek-V4), Blackwell only
-    "int8": "fp8",
-}
-# a framework's own mode: SGLang's DeepSeek-V4 FP4 experts are AIConfigurator's ``w4a8_mxfp4_mxfp8_trtllm``
-# (its sdk/models/helpers.py ``resolve_dsv4_moe_arch_mode``); no Hopper rows (roofline prices those)
-_FRAMEWORK_MOE_QUANT = {"sglang": {"w4a8_mxfp4": "w4a8_mxfp4_mxfp8_trtllm"}}
-_KV = {"bf16": "bfloat16", "fp8": "fp8"}
 _DSA_KERNELS = ("dsa", "dsa_indexer", "dsa_topk")  # sparse MLA, indexer scoring, top-k (one DSA module)
 # a DSA kernel's sizes -> the key of AIConfigurator's DSA_MODEL_DIMS they must equal
 _DSA_DIMS = {"hidden": "hidden_size", "topk": "index_topk", "index_dim": "index_head_dim"}
@@ -66,7 +52,7 @@ def _dsa_architecture(attrs: dict[str, Any]) -> str | None:
 def _module_projection_quant(attrs: dict[str, Any]) -> str | None:
     """The quant mode of a module's projections (its q_b_proj's), as AIConfigurator keys the module."""
     kernels = [kernel for tag, _n, _k, kernel, _h, _m in attrs.get("module_gemms", ()) if tag == "proj"]
-    return _GEMM_QUANT.get(kernels[0]) if kernels else None
+    return GEMM_QUANT.get(kernels[0]) if kernels else None
 
 
 @dataclass
@@ -161,7 +147,7 @@ class MeasuredPricer:
     ) -> float | None:
         """A dense GEMM (``Gemm``) or, tagged ``mla_bmm_*`` with ``batch`` heads, MLA's absorbed
         per-head bmm (``MlaBmm``), at M = ``m`` rows."""
-        quant = _GEMM_QUANT.get(kernel)
+        quant = GEMM_QUANT.get(kernel)
         if quant is None:
             return None
         if tag.startswith("mla_bmm") and batch > 1:  # MLA's absorbed per-head bmm (decode)
@@ -243,7 +229,7 @@ class MeasuredPricer:
             "name": "attention",
             "scale_factor": 1.0,
             "num_heads": int(attrs["heads"]),
-            "kv_cache_dtype": _KV.get(str(attrs["kv_dtype"]), "bfloat16"),
+            "kv_cache_dtype": kv_dtype(str(attrs["kv_dtype"])),
             "attn_backend": "flashinfer",  # AIConfigurator's default for the SGLang module
         }
         if decode:
@@ -296,7 +282,7 @@ class MeasuredPricer:
             "name": "attention",
             "scale_factor": 1.0,
             "num_heads": int(attrs["heads"]),
-            "kv_cache_dtype": _KV.get(str(attrs["kv_dtype"]), "bfloat16"),
+            "kv_cache_dtype": kv_dtype(str(attrs["kv_dtype"])),
             "fmha_quant_mode": "bfloat16",
             "gemm_quant_mode": gemm,
             "architecture": architecture,
@@ -319,7 +305,7 @@ class MeasuredPricer:
             int(attrs["seq"]),
             int(attrs["past"]),
         )
-        kv = _KV.get(str(attrs["kv_dtype"]), "bfloat16")
+        kv = kv_dtype(str(attrs["kv_dtype"]))
         if attrs["kernel"] == "mla":
             if decode:
                 spec = {
@@ -395,7 +381,7 @@ class MeasuredPricer:
         table lacks the shape) ``Moe`` at every rank's tokens, as its fused graphs query it (the
         ``Moe`` table at attention-DP size ``dp`` and ``s`` tokens is its row at ``dp x s``)."""
         kernel = str(attrs["kernel"])
-        quant = _FRAMEWORK_MOE_QUANT.get(self.framework, {}).get(kernel, _MOE_QUANT.get(kernel))
+        quant = moe_quant(self.framework, kernel)
         if quant is None:
             return None
         distribution = "power_law_1.01" if attrs.get("routing") == "power_law" else "balanced"
