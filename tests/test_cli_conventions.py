@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -288,3 +289,21 @@ def test_installed_kadapt_entry_point_follows_the_conventions() -> None:
     assert failed.returncode == 1 and json.loads(failed.stdout)["error"]["diagnostics"]
     help_text = call("generate", "--help")
     assert help_text.returncode == 0 and "Examples:" in help_text.stdout
+
+
+def test_quiet_silences_transformers_warnings_for_the_command_only() -> None:
+    """Llama-4-Scout's published rope factors (high = low = 1.0) make transformers warn when its config
+    is built (``validate --resolve``): a check that passes under ``-q`` prints nothing, in a fresh
+    process whichever side of the command ``-q`` stands; without ``-q`` the warning is still shown."""
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_VERBOSITY"}
+    spec = str(REPO / "specs" / "llama4_scout.yaml")
+
+    def kadapt(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "kimi_adapter_core", *args]
+        return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+    loud = kadapt("validate", "--resolve", spec)
+    assert loud.returncode == 0 and "high_freq_factor" in loud.stderr, loud.stderr
+    for args in (("-q", "validate", "--resolve", spec), ("validate", "--resolve", spec, "-q")):
+        quiet = kadapt(*args)
+        assert (quiet.returncode, quiet.stdout, quiet.stderr) == (0, "", ""), args

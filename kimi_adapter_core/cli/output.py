@@ -20,6 +20,8 @@ Imports nothing heavy: ``kadapt --help`` and ``kadapt validate`` load this modul
 from __future__ import annotations
 
 import json
+import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -118,6 +120,27 @@ def _set_level(ctx: click.Context, param: click.Parameter, value: bool) -> None:
     if out.level not in (NORMAL, level):
         raise click.UsageError("-q/--quiet and -v/--verbose cannot be combined", ctx)
     out.level = level
+    if level == QUIET:
+        _quiet_transformers(ctx)
+
+
+def _quiet_transformers(ctx: click.Context) -> None:
+    """``-q`` silences transformers' warnings too (a published config's own oddity, such as Llama-4's
+    equal rope frequency factors, is not a finding of the check), without importing it: its logger
+    now, and the verbosity its first import reads; both as they were when the command ends."""
+    logger = logging.getLogger("transformers")
+    level, env = logger.level, os.environ.get("TRANSFORMERS_VERBOSITY")
+
+    def restore() -> None:
+        logger.setLevel(level)
+        if env is None:
+            os.environ.pop("TRANSFORMERS_VERBOSITY", None)
+        else:
+            os.environ["TRANSFORMERS_VERBOSITY"] = env
+
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+    logger.setLevel(logging.ERROR)
+    ctx.call_on_close(restore)
 
 
 _VERBOSITY = (
