@@ -205,3 +205,18 @@ def test_expert_tp_layouts_against_aiconfigurator(
     assert abs(ratio - 1) <= AIC_BAR, (
         f"{name} {cost_model}: {ratio:.2f} of AIConfigurator's {ref.total_ms:.1f} ms"
     )
+
+
+@pytest.mark.parametrize(
+    ("layout", "replicated"), [((), True), (("--moe-tp", "8"), False), (("--ep", "8"), False)]
+)
+def test_replicated_experts_are_stated(layout: tuple[str, ...], replicated: bool) -> None:
+    """``--tp 8`` alone keeps every routed expert whole on every rank, which no serving engine does
+    (vLLM's and SGLang's --tp shards the experts' width): the report says so, and how to ask for either."""
+    args = ["simulate", str(SPEC_PATH), "--device", "h200", "--tp", "8", "--decode", "--batch", "8", *layout]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    note = "routed experts replicated on each of the 8 devices (--ep 1 --moe-tp 1)"
+    assert (note in result.output) is replicated, result.output[-2000:]
+    if replicated:
+        assert "--moe-tp 8" in result.output and "--ep 8" in result.output

@@ -67,19 +67,26 @@ def command(
     features of one --image-size image) and for the batch (--batch sequences x --images images, total
     and per device).
 
-    A hybrid stack (linear-attention + attention layers: Qwen3-Next, Qwen3.5) caches KV in its
-    attention layers only; each linear layer keeps a conv window and a float32 recurrent state per
-    request, constant in the context, sized beside the KV cache and counted in memory.
+    A hybrid stack (linear-attention or SSM layers beside attention: Qwen3-Next, Qwen3.5, Kimi-Linear,
+    Nemotron-H, MiniMax-Text-01) caches KV in its attention layers only; each linear layer keeps its
+    recurrent state (and a conv window where it has one) per request, constant in the context, sized
+    beside the KV cache and counted in memory.
 
-    A DSA stack (DeepSeek-V3.2) also caches one indexer key per token in each indexed layer (FP8 with
-    an fp32 scale per 128 channels, as serving runtimes keep them; replicated over TP), growing with
-    the context beside the latent KV cache; the indexer's weights are counted in its layers.
+    A DSA stack (DeepSeek-V3.2, GLM-5) also caches one indexer key per token in each indexed layer
+    (FP8 with an fp32 scale per 128 channels, as serving runtimes keep them; replicated over TP),
+    growing with the context beside the latent KV cache; the indexer's weights are counted in its
+    layers. DeepSeek-V4's compressed layers keep their compressed entries (growing 1/4 or 1/128 as
+    fast as a KV cache) and a ring of the open window, beside a sliding-window KV cache.
+
+    Sliding-window and chunked layers (Gemma, Llama-4) keep one window or chunk per request; layers
+    of different shapes (Gemma-4) are sized each by its own.
 
     JSON (--format json): {"model_type", "architecture", "parallel", "batch", "seq_len",
     "max_seq_len", "kv_cache", "quantization", "weights", "activation_formula",
-    "memory_per_device", "vision_cache_entry_bytes", "vision_cache", "device", "warnings"}; a hybrid
-    or DSA stack adds "states" (each state kind: its layers, shapes, dtypes and bytes; DSA:
-    "indexer_keys").
+    "memory_per_device", "vision_cache_entry_bytes", "vision_cache", "device", "warnings"}; a stack
+    with state beyond its KV cache adds "states": each state kind ("attention_kv",
+    "linear_attention", "indexer_keys", "compressed_entries") with its layers, bytes and whether it
+    grows with the context.
 
     \b
     Examples:

@@ -152,9 +152,10 @@ def command(
     "query_len", "context_len", "mtp", "mtp_acceptance", "routing", "cost_model", "step_time_s",
     "output_tokens_per_step", "tokens_per_s", "tokens_per_s_per_device", "ops", "memory_per_device",
     "warnings"}; with --images also "image_prefill" (encoder, projector, merged prefill and total
-    seconds; the step then runs the vision kernels before the text prefill); for a hybrid or DSA stack
-    also "states" (per request and device: the attention layers' KV cache, the linear layers' constant
-    state, the DSA indexer keys). A hybrid stack's linear-attention layers are priced as their conv and
+    seconds; the step then runs the vision kernels before the text prefill); for a stack with state
+    beyond its KV cache also "states" (per request and device, each kind with whether it grows: the
+    attention layers' KV cache, the linear layers' constant state, the DSA indexer keys, DeepSeek-V4's
+    compressed entries). A hybrid stack's linear-attention layers are priced as their conv and
     gated-delta scan (prefill) or state update (decode) kernels, attention kernels in its attention
     layers only. A DSA layer (DeepSeek-V3.2) is priced as its indexer (projections, the scoring of
     every visible key, the top-k) and attention over each query's top-k latents only (a short

@@ -178,6 +178,13 @@ def simulate(
             "MTP blocks (eh_proj + one decoder layer of the model's last kind + lm_head)"
         )
     notes += mem.warnings(device)
+    par = dep.parallel
+    if s.moe is not None and s.moe.num_experts and par.devices > 1 and par.ep == par.moe_tp == 1:
+        notes.append(
+            f"routed experts replicated on each of the {par.devices} devices (--ep 1 --moe-tp 1); "
+            f"vLLM's and SGLang's --tp {par.devices} shards each expert's width (--moe-tp {par.devices}), "
+            f"expert parallelism the experts themselves (--ep {par.devices})"
+        )
     if measured is None:  # AIConfigurator's own collectives count its nodes; the roofline's do not
         notes += layout_notes(device, table, dep.parallel)
     states = state_kinds(kv, tokens)
