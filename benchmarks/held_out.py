@@ -70,11 +70,13 @@ from kimi_adapter_core.spec import load_spec
 REPO = Path(__file__).resolve().parents[1]
 LEDGER = Path(__file__).resolve().parent / "held_out_ledger.json"
 # the source of the rules a held-out table prices with: fitting (calibrate*), curves and their
-# lookup across shapes (curves, kernels), and pricing an op from them (cost)
+# lookup across shapes (curves, kernels), which per-shape curves are plausible (plausible), and pricing
+# an op from them (cost)
 RULES = (
     "kimi_adapter_core/backends/simulation/estimate/cost.py",
     "kimi_adapter_core/backends/simulation/tables/curves.py",
     "kimi_adapter_core/backends/simulation/tables/kernels.py",
+    "kimi_adapter_core/backends/simulation/tables/plausible.py",
     "kimi_adapter_core/backends/simulation/tables/calibrate*.py",
 )
 # a curve's source: "<device>/<op>/<framework>/<version>/<file> (<kernel>)..." -> its measurement

@@ -352,6 +352,9 @@ def price(op: Op, device: Device, table: KernelTable | None = None) -> Priced:
     bound = "compute" if compute >= memory else "memory"
     if found is not None and table is not None:
         (body, fixed), source = found, table_source(table, _section(op), device)
+        if op.kind == "experts" and shape.get("routing") == "power_law":
+            kernel, pairs = str(shape.get("kernel", op.compute)), float(shape.get("pairs_per_expert", 1.0))
+            source += table.imbalance_note(kernel, pairs, shape)
     else:
         compute, memory = compute / device.compute_efficiency, memory / device.memory_efficiency
         body, fixed, source = max(compute, memory), 0.0, "roofline"

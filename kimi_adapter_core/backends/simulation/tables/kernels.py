@@ -66,6 +66,7 @@ import yaml
 
 from ....errors import KadaptError
 from .curves import EXPERT_WIDTH, Curve, Match, Shape, _matched, measured_at
+from .plausible import RoutingCheck, checked
 
 KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
 # the generated tables hold a curve per measured shape (thousands of lines): libyaml's safe loader
@@ -254,6 +255,8 @@ class KernelTable:
     origins: dict[str, str] = field(default_factory=dict)  # section -> the table that measured it
     device: str | None = None  # the device profile this table's own curves were measured on
     devices: dict[str, str | None] = field(default_factory=dict)  # section -> the base's device
+    # grouped dtype -> its routing curve as the file holds it, where per-shape curves were left out
+    routing_checks: dict[str, RoutingCheck] = field(default_factory=dict)
 
     def origin(self, section: str) -> str:
         """Name of the table whose measurements a section's curves are (a base's when borrowed)."""
@@ -324,6 +327,26 @@ class KernelTable:
         curve = self._pick(self.imbalance, dtype)
         return curve.at(shape, *EXPERT_ACROSS).floor_factor(pairs_per_expert) if curve else 1.0
 
+    def imbalance_note(self, dtype: str, pairs_per_expert: float, shape: Shape | None = None) -> str:
+        """What the op's source says where a per-shape routing curve outside the plausible band
+        (``plausible``) would have priced it: the factor it would have taken, the band, and the
+        factor it takes from the next more general curve ("" where none was left out there)."""
+        curve = self._pick(self.imbalance, dtype)
+        picked = next((key for key, found in self.imbalance.items() if found is curve), None)
+        check = self.routing_checks.get(picked) if picked else None
+        if check is None or curve is None:
+            return ""
+        was = check.raw.at(shape, *EXPERT_ACROSS)(pairs_per_expert)
+        now = curve.at(shape, *EXPERT_ACROSS)(pairs_per_expert)
+        if was == now:
+            return ""
+        (low, high), (lowest, highest) = check.band, check.outer
+        return (
+            f" (power-law factor {was:.3g} from a per-shape curve outside the plausible bands (a quarter "
+            f"of its points past [{low:.2f}, {high:.2f}] or one past [{lowest:.2f}, {highest:.2f}]) not "
+            f"used; {now:.3g} from the curves around it)"
+        )
+
     def attention_curve(self, decode: bool, kind: str, shape: Shape | None = None) -> Curve | None:
         """The attention curve of ``kind`` in that phase, measured at ``shape`` (``heads`` per rank,
         and ``kv_heads`` for GQA) where there is one, else from the curves measured at the head
@@ -356,6 +379,8 @@ def parse_kernels(data: Any, path: Path) -> KernelTable:
 
     base = _base(data["base"], path) if data.get("base") else None
     attention = data.get("attention") or {}
+    factors = curves((data.get("routing") or {}).get("power_law"), "routing.power_law", "factor")
+    screened = {dtype: checked(curve) for dtype, curve in factors.items()}
     ar = data.get("all_reduce")
 
     origins: dict[str, str] = {}
@@ -382,9 +407,7 @@ def parse_kernels(data: Any, path: Path) -> KernelTable:
         gemm_memory=inherit(curves(data.get("gemm_memory"), "gemm_memory"), "gemm_memory"),
         gemm_floor=inherit(_seconds(data.get("gemm_floor"), "gemm_floor"), "gemm_floor"),
         grouped=inherit(curves(data.get("grouped_gemm"), "grouped_gemm"), "grouped"),
-        imbalance=inherit(
-            curves((data.get("routing") or {}).get("power_law"), "routing.power_law", "factor"), "imbalance"
-        ),
+        imbalance=inherit({dtype: kept for dtype, (kept, _) in screened.items()}, "imbalance"),
         prefill=inherit(curves(attention.get("prefill"), "attention.prefill"), "prefill"),
         decode=inherit(curves(attention.get("decode"), "attention.decode"), "decode"),
         all_reduce=(ar["latency_us"] * 1e-6, _curve(ar, "all_reduce")) if ar else (base and base.all_reduce),
@@ -401,6 +424,8 @@ def parse_kernels(data: Any, path: Path) -> KernelTable:
         origins=origins,
         device=data.get("device"),
         devices=devices,
+        routing_checks={dtype: check for dtype, (_, check) in screened.items() if check}
+        or (base.routing_checks if base and not factors else {}),
     )
 
 
