@@ -337,15 +337,7 @@ class KernelTable:
         if check is None or curve is None:
             return ""
         was = check.raw.at(shape, *EXPERT_ACROSS)(pairs_per_expert)
-        now = curve.at(shape, *EXPERT_ACROSS)(pairs_per_expert)
-        if was == now:
-            return ""
-        (low, high), (lowest, highest) = check.band, check.outer
-        return (
-            f" (power-law factor {was:.3g} from a per-shape curve outside the plausible bands (a quarter "
-            f"of its points past [{low:.2f}, {high:.2f}] or one past [{lowest:.2f}, {highest:.2f}]) not "
-            f"used; {now:.3g} from the curves around it)"
-        )
+        return check.note(was, curve.at(shape, *EXPERT_ACROSS)(pairs_per_expert))
 
     def attention_curve(self, decode: bool, kind: str, shape: Shape | None = None) -> Curve | None:
         """The attention curve of ``kind`` in that phase, measured at ``shape`` (``heads`` per rank,

@@ -56,6 +56,18 @@ class RoutingCheck:
     outer: tuple[float, float]  # the fences no point of a curve priced with lies outside
     dropped: tuple[Match, ...]  # the shapes whose curve had a factor outside the band
 
+    def note(self, was: float, now: float) -> str:
+        """What an op's source says where a left-out curve would have priced it at ``was``: the
+        bands, and ``now``, the factor the next more general curve gives ("" where they agree)."""
+        if was == now:
+            return ""
+        (low, high), (lowest, highest) = self.band, self.outer
+        return (
+            f" (power-law factor {was:.3g} from a per-shape curve outside the plausible bands (a quarter "
+            f"of its points past [{low:.2f}, {high:.2f}] or one past [{lowest:.2f}, {highest:.2f}]) not "
+            f"used; {now:.3g} from the curves around it)"
+        )
+
 
 def _quartile(values: list[float], q: float) -> float:
     """The ``q`` quantile of sorted ``values``, linear between order statistics."""
