@@ -321,3 +321,11 @@ def test_weight_rename_regex_that_overflows_is_a_diagnostic(tmp_path):
     path = _llama_copy(tmp_path, replace=("    output_dir: out/llama\n", renames))
     found = [d for d in check_spec(path).diagnostics if d.code == "weight-rename-regex"]
     assert len(found) == 2, [d.render() for d in check_spec(path).diagnostics]
+
+
+def test_a_truncated_source_config_names_where_it_breaks(tmp_path):
+    path = _llama_copy(tmp_path)
+    (tmp_path / "llama" / "config.json").write_text('{\n "hidden_size": "x', encoding="utf-8")
+    diag = _only([d for d in check_spec(path).diagnostics if d.breadcrumb == "source.config"])
+    assert diag.code == "config-json"
+    assert "is not valid JSON (Unterminated string starting at: line 2, column 17)" in diag.message

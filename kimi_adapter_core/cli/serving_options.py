@@ -361,7 +361,7 @@ def run_concurrency(
     lines += notes_text(notes)
     if not c.fits:
         lines.append(
-            f"WARNING: does not fit in device memory ({c.memory.used / 2**30:.1f} GiB used per device of "
-            f"{(device.memory_bytes or 0) / 2**30:.1f}); the timing is still informative"
+            f"WARNING: does not fit in device memory ({c.memory.used / 1e9:.1f} GB used per device of "
+            f"{(device.memory_bytes or 0) / 1e9:.1f} GB); the timing is still informative"
         )
     return "\n".join(lines)

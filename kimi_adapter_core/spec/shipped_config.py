@@ -54,7 +54,7 @@ class ShippedConfigChecks:
         except json.JSONDecodeError as exc:
             self.error(
                 "source.config",
-                f"{relative} is not valid JSON ({exc.msg} at {exc.lineno}:{exc.colno})",
+                f"{relative} is not valid JSON ({exc.msg}: line {exc.lineno}, column {exc.colno})",
                 "config-json",
             )
             return None
