@@ -300,3 +300,16 @@ def test_layers_reusing_a_top_k_attend_sparsely_without_scoring(tmp_path: Path) 
     for group in ("attn.indexer_proj", "attn.indexer_weights_proj"):
         per_layer = groups["all_full"][group]["params"] / layers
         assert groups["reusing"][group]["params"] == pytest.approx(per_layer * (layers - shared))
+
+
+def test_an_fp8_latent_cache_is_sized_as_sparse_mla_runtimes_store_it(dsa: Path) -> None:
+    """With an indexer, an FP8 latent is FlashMLA's sparse FP8 layout (vLLM's ``fp8_ds_mla``, 656 B a
+    token): 512 fp8 latent channels, an fp32 scale per 128 of them and the 64-channel rope key in bf16.
+    DeepSeek-V3 itself (no indexer) keeps the plain FP8 latent, 576 B."""
+    sparse = _cli("plan", dsa, "--kv-dtype", "fp8", "--seq-len", "4096", "--format", "json")["kv_cache"]
+    assert sparse["bytes_per_token_layer"] == 512 + 512 // 128 * 4 + 64 * 2 == 656
+    assert sparse["bytes_per_token"] == LAYERS * 656
+    plain = _cli("plan", REPO / "specs" / "deepseek_v3.yaml", "--kv-dtype", "fp8", "--format", "json")
+    assert plain["kv_cache"]["bytes_per_token_layer"] == 576
+    text = CliRunner().invoke(cli, ["plan", str(dsa), "--kv-dtype", "fp8", "--seq-len", "4096"]).output
+    assert "656 B   (512 fp8 + an fp32 scale per 128 + 64 bf16 rope" in text

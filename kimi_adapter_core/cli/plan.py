@@ -74,9 +74,10 @@ def command(
 
     A DSA stack (DeepSeek-V3.2, GLM-5) also caches one indexer key per token in each indexed layer
     (FP8 with an fp32 scale per 128 channels, as serving runtimes keep them; replicated over TP),
-    growing with the context beside the latent KV cache; the indexer's weights are counted in its
-    layers. DeepSeek-V4's compressed layers keep their compressed entries (growing 1/4 or 1/128 as
-    fast as a KV cache) and a ring of the open window, beside a sliding-window KV cache.
+    growing with the context beside the latent KV cache (with --kv-dtype fp8 sized as sparse MLA
+    runtimes store it: 512 fp8 + an fp32 scale per 128 + 64 bf16 rope, 656 B); the indexer's weights
+    are counted in its layers. DeepSeek-V4's compressed layers keep their compressed entries (growing
+    1/4 or 1/128 as fast as a KV cache) and a ring of the open window, beside a sliding-window KV cache.
 
     Sliding-window and chunked layers (Gemma, Llama-4) keep one window or chunk per request; layers
     of different shapes (Gemma-4) are sized each by its own.

@@ -26,6 +26,8 @@ from ..tables.device import Device
 from .compressed_sizing import CompressedKind, CompressedSizing
 from .state_sizing import IndexKeySizing, LinearStateSizing
 
+SPARSE_FP8_GROUP = 128  # latent channels per fp32 scale of FlashMLA's sparse FP8 KV layout
+
 
 def activation_formula(s: ModelStructure) -> str:
     """The activation estimate of ``activation_bytes``, with the terms this model has."""
@@ -73,11 +75,26 @@ class KvSizing:
 
     def layer_bytes_per_token(self, *, per_rank: bool = False) -> tuple[int, ...]:
         """Per attention layer the bytes one token takes in it (whole model, or one TP rank's share)."""
-        elements = [
-            kv_elements_per_rank(a, self.layout, self.tp) if per_rank else a.kv_elements(self.layout)
+        return tuple(
+            self._bytes(
+                a, kv_elements_per_rank(a, self.layout, self.tp) if per_rank else a.kv_elements(self.layout)
+            )
             for a in self.attentions
-        ]
-        return tuple(count * self.bytes_per_elem for count in elements)
+        )
+
+    @property
+    def sparse_fp8(self) -> bool:
+        """A DSA stack's FP8 latent cache as serving runtimes store it: FlashMLA's sparse FP8 layout
+        (vLLM's ``fp8_ds_mla``, which vLLM picks for any fp8 KV dtype on the sparse backend): per token
+        the latent in FP8, one fp32 scale per 128 of it and the rope key in bf16 (V3.2: 656 B, not 576)."""
+        return self.index is not None and self.dtype == "fp8" and self.layout == "latent"
+
+    def _bytes(self, attention: Attention, elements: int) -> int:
+        """Bytes of ``elements`` cached elements of one token in one layer (``sparse_fp8``: its layout)."""
+        if not self.sparse_fp8 or attention.kv_lora_rank is None:
+            return elements * self.bytes_per_elem
+        latent = attention.kv_lora_rank
+        return latent + -(-latent // SPARSE_FP8_GROUP) * 4 + (elements - latent) * 2
 
     @property
     def bytes_per_elem(self) -> int:
@@ -94,7 +111,7 @@ class KvSizing:
 
     @property
     def bytes_per_token_layer(self) -> int:
-        return self.elems_per_token_layer * self.bytes_per_elem
+        return self._bytes(self.attention, self.elems_per_token_layer)
 
     @property
     def bytes_per_token(self) -> int:
@@ -104,12 +121,15 @@ class KvSizing:
     @property
     def rank_bytes_per_token_layer(self) -> int:
         """One TP rank's share: heads split over TP, replicated past the KV heads (MLA latent: all)."""
-        return kv_elements_per_rank(self.attention, self.layout, self.tp) * self.bytes_per_elem
+        return self._bytes(self.attention, kv_elements_per_rank(self.attention, self.layout, self.tp))
 
     def layouts(self) -> dict[str, int]:
         """Bytes per token per layer of every layout the attention kind can cache in."""
         return {
-            name: self.attention.kv_elements(name) * self.bytes_per_elem for name in self.attention.kv_layouts
+            name: self._bytes(self.attention, self.attention.kv_elements(name))
+            if name == self.layout
+            else self.attention.kv_elements(name) * self.bytes_per_elem
+            for name in self.attention.kv_layouts
         }
 
     def cached_token_layers(self, tokens: int) -> int:

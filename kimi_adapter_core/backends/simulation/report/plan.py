@@ -326,6 +326,8 @@ def _kv_text(plan: Plan) -> list[str]:
             f"({kd}+{vd})" if kh == vh == 1 else f"{kh}x({kd}+{vd})" if kh == vh else f"{kh}x{kd}+{vh}x{vd}"
         )
         ratio = "" if layout == kv.layout else f"   ({nbytes / layouts[kv.layout]:.1f}x {kv.layout})"
+        if layout == kv.layout and kv.sparse_fp8:  # FlashMLA's sparse FP8 layout (KvSizing.sparse_fp8)
+            ratio = f"   ({kd} fp8 + an fp32 scale per 128 + {vd} bf16 rope, as sparse MLA runtimes keep it)"
         rows.append((_LAYOUT_LABELS[layout], f"{elems} elems", f"{nbytes:>8} B{ratio}"))
     if p.tp > 1:
         if kv.layout == "latent":
