@@ -41,6 +41,7 @@ measured expert rows (which of them a measured row holds depends on the MoE runn
 
 from __future__ import annotations
 
+from ..model.quant import DTYPE_BYTES
 from ..model.tracer import Op
 from ..tables.device import Device
 
@@ -51,7 +52,6 @@ RULES = {"sglang": ("act_quant", "mla_rope", "mla_q_concat", "kv_write", "rope")
 # points of that release; a device with none takes its profile's per-kernel overhead (op_overhead_us)
 FLOOR_US = {"b200": 4.0}
 SCALE_GROUP = 128  # channels per fp32 scale of SGLang's per-token-group FP8 quantization
-KV_ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}
 
 
 def floor(device: Device) -> float:
@@ -86,7 +86,7 @@ def _attention_kernels(op: Op, rules: tuple[str, ...], qk_norm: bool) -> list[Op
     step (none around other attention kernels: their engines' source has not been read for them)."""
     a = op.attrs
     tokens = float(a["batch"]) * float(a["seq"])
-    kv_bytes = KV_ELEMENT_BYTES.get(str(a["kv_dtype"]), 2)
+    kv_bytes = DTYPE_BYTES.get(str(a["kv_dtype"]), 2)
     out = []
     if a.get("kernel") == "mla":  # one latent + rope key per token, never windowed
         elements = (

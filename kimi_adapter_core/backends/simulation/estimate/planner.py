@@ -21,12 +21,10 @@ from ..model.arch import Architecture, indexed_layer_ids
 from ..model.inputs import ModelInputs
 from ..model.parallel import Parallel, heads_per_rank, kv_elements_per_rank, kv_heads_per_rank
 from ..model.params import ParamGroup
-from ..model.quant import DTYPE_BYTES, Policy
+from ..model.quant import DTYPE_BYTES, Policy, fp8_scaled_bytes
 from ..tables.device import Device
 from .compressed_sizing import CompressedKind, CompressedSizing
 from .state_sizing import IndexKeySizing, LinearStateSizing
-
-SPARSE_FP8_GROUP = 128  # latent channels per fp32 scale of FlashMLA's sparse FP8 KV layout
 
 
 def activation_formula(s: ModelStructure) -> str:
@@ -94,7 +92,7 @@ class KvSizing:
         if not self.sparse_fp8 or attention.kv_lora_rank is None:
             return elements * self.bytes_per_elem
         latent = attention.kv_lora_rank
-        return latent + -(-latent // SPARSE_FP8_GROUP) * 4 + (elements - latent) * 2
+        return fp8_scaled_bytes(latent) + (elements - latent) * DTYPE_BYTES["bf16"]
 
     @property
     def bytes_per_elem(self) -> int:

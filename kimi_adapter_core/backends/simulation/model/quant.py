@@ -53,10 +53,16 @@ INDEX_SCALE_BYTES = 4
 INDEX_REFERENCE_DTYPE = "bf16"
 
 
+def fp8_scaled_bytes(channels: int) -> int:
+    """Bytes of ``channels`` FP8 values with one fp32 scale per 128 of them: a cached DSA indexer key,
+    and the latent part of FlashMLA's sparse FP8 KV layout (``planner.KvSizing.sparse_fp8``)."""
+    scales = math.ceil(channels / INDEX_SCALE_BLOCK) * INDEX_SCALE_BYTES
+    return channels * DTYPE_BYTES[INDEX_KEY_DTYPE] + scales
+
+
 def index_key_bytes(head_dim: int) -> int:
     """Bytes of one cached DSA indexer key: FP8 channels plus their fp32 block scales (132 for 128)."""
-    scales = math.ceil(head_dim / INDEX_SCALE_BLOCK) * INDEX_SCALE_BYTES
-    return head_dim * DTYPE_BYTES[INDEX_KEY_DTYPE] + scales
+    return fp8_scaled_bytes(head_dim)
 
 
 @dataclass(frozen=True)
