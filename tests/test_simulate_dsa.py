@@ -313,3 +313,15 @@ def test_an_fp8_latent_cache_is_sized_as_sparse_mla_runtimes_store_it(dsa: Path)
     assert plain["kv_cache"]["bytes_per_token_layer"] == 576
     text = CliRunner().invoke(cli, ["plan", str(dsa), "--kv-dtype", "fp8", "--seq-len", "4096"]).output
     assert "656 B   (512 fp8 + an fp32 scale per 128 + 64 bf16 rope" in text
+
+
+def test_sparse_attention_reads_the_fp8_latent_in_the_layout_the_plan_sizes(dsa: Path) -> None:
+    """At --kv-dtype fp8 the sparse kernel gathers and writes 656-byte latents (the layout ``plan``
+    sizes), not 576: against bf16 (1152 B) each of the 8 x 2048 selected keys and the 8 written tokens
+    saves 1152 - 656 bytes a layer."""
+    bf16, fp8 = (
+        _ops(_decode(dsa, 65536, "--kv-dtype", dtype), "sparse_mla_decode")[0] for dtype in ("bf16", "fp8")
+    )
+    assert bf16["count"] == fp8["count"] == 58
+    saved = (bf16["bytes"] - fp8["bytes"]) / 58
+    assert saved == (8 * 2048 + 8) * (2 * (512 + 64) - 656)

@@ -21,7 +21,7 @@ from ..model.arch import Architecture, indexed_layer_ids
 from ..model.inputs import ModelInputs
 from ..model.parallel import Parallel, heads_per_rank, kv_elements_per_rank, kv_heads_per_rank
 from ..model.params import ParamGroup
-from ..model.quant import DTYPE_BYTES, Policy, fp8_scaled_bytes
+from ..model.quant import DTYPE_BYTES, Policy, sparse_fp8_latent_bytes
 from ..tables.device import Device
 from .compressed_sizing import CompressedKind, CompressedSizing
 from .state_sizing import IndexKeySizing, LinearStateSizing
@@ -91,8 +91,7 @@ class KvSizing:
         """Bytes of ``elements`` cached elements of one token in one layer (``sparse_fp8``: its layout)."""
         if not self.sparse_fp8 or attention.kv_lora_rank is None:
             return elements * self.bytes_per_elem
-        latent = attention.kv_lora_rank
-        return fp8_scaled_bytes(latent) + (elements - latent) * DTYPE_BYTES["bf16"]
+        return sparse_fp8_latent_bytes(attention.kv_lora_rank, elements - attention.kv_lora_rank)
 
     @property
     def bytes_per_elem(self) -> int:

@@ -15,7 +15,7 @@ from torch import nn
 from .... import upstream
 from ....errors import KadaptError
 from .deployment import Deployment
-from .quant import DTYPE_BYTES, INDEX_KEY_DTYPE, index_key_bytes
+from .quant import DTYPE_BYTES, INDEX_KEY_DTYPE, index_key_bytes, sparse_fp8_latent_bytes
 from .rank_config import LayerKind
 from .serving_kernels import attended_pairs, attention_attrs, mean_of
 from .tracer import Recorder
@@ -99,6 +99,14 @@ class RankMLA(nn.Module):
     def kv_bytes(self) -> float:
         return DTYPE_BYTES[self.dep.kv_dtype]
 
+    @property
+    def latent_token_bytes(self) -> float:
+        """Bytes of one token's cached latent + rope key in this layer: a DSA layer's FP8 cache is
+        FlashMLA's sparse FP8 layout (what the planner sizes), any other the KV dtype's elements."""
+        if self.index is not None and self.dep.kv_dtype == INDEX_KEY_DTYPE:
+            return sparse_fp8_latent_bytes(self.rank, self.rope)
+        return (self.rank + self.rope) * self.kv_bytes
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -126,7 +134,7 @@ class RankMLA(nn.Module):
             cos, sin = position_embeddings
             q_rot, k_rot = self.rotate(q_rot, k_rot, cos, sin)
         context = self.dep.context_len + s
-        cache_write = b * s * (rank + rope) * self.kv_bytes
+        cache_write = b * s * self.latent_token_bytes
         if self.index is not None:  # DSA: the indexer picks each query's top-k keys, in both phases
             if self.scores:
                 assert q_resid is not None  # ``_indexer_sizes`` refuses an indexer without the query residual
@@ -290,7 +298,7 @@ class RankMLA(nn.Module):
         pairs = heads * selected
         # HBM reads: each query's gathered rows, but a sequence's cache at most once (a prefill's
         # queries gather the same rows again, from L2)
-        kv_read = min(selected, b * context) * (rank + rope) * self.kv_bytes
+        kv_read = min(selected, b * context) * self.latent_token_bytes
         scored = b * attended_pairs(past, s, None)
         self.rec.analytic(
             "sparse_mla_decode" if self.dep.decode else "sparse_mla_prefill",
@@ -313,7 +321,7 @@ class RankMLA(nn.Module):
         heads, rope, rank = self.heads, self.rope, self.rank
         reads = [min(context, w or context) for w in self.kind.windows]
         pairs = mean_of([b * heads * s * r for r in reads])
-        kv_read = mean_of([b * r * (rank + rope) * self.kv_bytes for r in reads])
+        kv_read = mean_of([b * r * self.latent_token_bytes for r in reads])
         self.rec.analytic(
             "mla_decode_attention",
             "attention",

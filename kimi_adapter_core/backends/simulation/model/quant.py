@@ -55,9 +55,17 @@ INDEX_REFERENCE_DTYPE = "bf16"
 
 def fp8_scaled_bytes(channels: int) -> int:
     """Bytes of ``channels`` FP8 values with one fp32 scale per 128 of them: a cached DSA indexer key,
-    and the latent part of FlashMLA's sparse FP8 KV layout (``planner.KvSizing.sparse_fp8``)."""
+    and the latent part of FlashMLA's sparse FP8 KV layout (``sparse_fp8_latent_bytes``)."""
     scales = math.ceil(channels / INDEX_SCALE_BLOCK) * INDEX_SCALE_BYTES
     return channels * DTYPE_BYTES[INDEX_KEY_DTYPE] + scales
+
+
+def sparse_fp8_latent_bytes(latent: int, rope: int) -> int:
+    """Bytes of one token's DSA latent in FlashMLA's sparse FP8 layout (vLLM's ``fp8_ds_mla``, which vLLM
+    picks for any fp8 KV dtype on the sparse backend): the latent in FP8 with an fp32 scale per 128 of it,
+    the rope key in bf16 - 656 B for DeepSeek-V3.2's 512 + 64, not 576. The planner sizes the cache with
+    it and the simulator's sparse attention reads it, so the two cannot disagree."""
+    return fp8_scaled_bytes(latent) + rope * DTYPE_BYTES["bf16"]
 
 
 def index_key_bytes(head_dim: int) -> int:
