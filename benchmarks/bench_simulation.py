@@ -53,6 +53,8 @@ Sources
   AIConfigurator's aggregated estimate beside: ``benchmarks/serving_anchors.py`` (``--only serving``).
   What those anchors miss at concurrency <= 4, the measured TPOT against the priced decode step and
   AIConfigurator's step of the same shape: ``benchmarks/serving_gap.py`` (``--only serving-gap``).
+  The points whose engine ran without CUDA graphs: the host time per launch chosen on a development
+  split and scored on the rest: ``benchmarks/eager_launch.py`` (``--only eager``).
 
 TensorCast column: ``--tensorcast DIR --tensorcast-python PY`` (or KADAPT_TENSORCAST /
 KADAPT_TENSORCAST_PYTHON), a checkout and a python that imports it; ~1 minute per case on a CPU.
@@ -69,6 +71,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import eager_launch  # benchmarks/eager_launch.py, beside this script
 import held_out  # benchmarks/held_out.py, beside this script
 import serving_anchors  # benchmarks/serving_anchors.py, beside this script
 import serving_gap  # benchmarks/serving_gap.py, beside this script
@@ -679,6 +682,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "held-out": lambda _: held_out.held_out_table(),
     "serving": lambda _: serving_anchors.serving_table(),
     "serving-gap": lambda _: serving_gap.serving_gap_table(),
+    "eager": lambda _: eager_launch.eager_table(),
 }
 
 
@@ -702,7 +706,8 @@ def main() -> None:
         "per call, the attention-DP / wide-EP layouts against AIConfigurator, the expert-TP layouts against "
         "AIConfigurator, held-out accuracy, or the "
         "published end-to-end serving points (simulate --concurrency vs measured, AIConfigurator beside), "
-        "or what they miss at concurrency <= 4",
+        "what they miss at concurrency <= 4, or the host time per launch of the points run without CUDA "
+        "graphs",
     )
     options = parser.parse_args()
     if options.held_out_only:

@@ -22,7 +22,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from kimi_adapter_core.backends.simulation.estimate import aiconfigurator
+from kimi_adapter_core.backends.simulation.estimate import aiconfigurator, eager
 from kimi_adapter_core.backends.simulation.model.deployment import Deployment
 from kimi_adapter_core.backends.simulation.search.concurrency import price_concurrency
 from kimi_adapter_core.backends.simulation.search.grid import quant_modes, sweep_inputs
@@ -54,11 +54,19 @@ class Estimate:
     tok_s_per_device: float
 
 
-def kadapt_estimate(point: ServingPoint) -> Estimate:
+def host_time(point: ServingPoint) -> float:
+    """Seconds of host time per launched kernel the point is priced with: ``eager.HOST_US`` where its
+    engine ran without CUDA graphs (its ``engine`` fact), else 0."""
+    return 0.0 if point.cuda_graphs else eager.HOST_US * 1e-6
+
+
+def kadapt_estimate(point: ServingPoint, host: float | None = None) -> Estimate:
     """``kadapt simulate SPEC --device D --tp --dp --ep --framework F --kv-dtype K --isl --osl
-    --concurrency N`` of the point, the checkpoint as shipped."""
+    --concurrency N`` of the point, the checkpoint as shipped, with ``--eager`` where its engine ran
+    without CUDA graphs; ``host`` overrides the host time per launch (seconds)."""
     spec = load_spec(REPO / "specs" / f"{point.spec}.yaml")
-    base = Deployment(point.parallel, 1, 1, 0, False, kv_dtype=point.kv_dtype)
+    eager_host = host_time(point) if host is None else host
+    base = Deployment(point.parallel, 1, 1, 0, False, kv_dtype=point.kv_dtype, eager_host=eager_host)
     c = price_concurrency(
         spec,
         sweep_inputs(spec, quant_modes(spec, None)),
@@ -221,6 +229,12 @@ def serving_table() -> None:
         k_med = f"{statistics.median(k_errors):.1%}" if k_errors else "-"
         a_med = f"{statistics.median(a_errors):.1%}" if a_errors else "-"
         print(f"  {title}: median |ratio-1| kadapt {k_med}, AIC {a_med}")
+    graphless = [p.id for p in points if not p.cuda_graphs]
+    if graphless:
+        print(
+            f"  priced eager (their engine ran without CUDA graphs, as its source says): {len(graphless)} "
+            f"points, {graphless[0]} ..; every launched kernel at least {eager.HOST_US:g} us of host time"
+        )
     assumed = [p.id for p in points if p.layout_assumed]
     if assumed:
         print(

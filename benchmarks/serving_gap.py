@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from unittest import mock
 
-from serving_anchors import AIC_KV, AIC_MODELS, REPO, AicServing, Estimate, kadapt_estimate
+from serving_anchors import AIC_KV, AIC_MODELS, REPO, AicServing, Estimate, host_time, kadapt_estimate
 
 from kimi_adapter_core.backends.simulation.estimate import aiconfigurator, engine_kernels, reference
 from kimi_adapter_core.backends.simulation.estimate.simulator import Simulation, simulate
@@ -87,7 +87,8 @@ class Gap:
 
 
 def decode_step(point: ServingPoint) -> Simulation:
-    """kadapt's decode step of the point as the request pricing decodes it."""
+    """kadapt's decode step of the point as the request pricing decodes it (eager where its engine ran
+    without CUDA graphs)."""
     spec = load_spec(REPO / "specs" / f"{point.spec}.yaml")
     (inputs,) = sweep_inputs(spec, quant_modes(spec, None)).values()
     dep = Deployment(
@@ -97,6 +98,7 @@ def decode_step(point: ServingPoint) -> Simulation:
         point.isl + point.osl // 2,
         True,
         kv_dtype=point.kv_dtype,
+        eager_host=host_time(point),
     )
     return simulate(inputs, spec, dep, get_device(point.device), framework=point.framework)
 

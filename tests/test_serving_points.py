@@ -56,6 +56,22 @@ def test_every_point_loads_with_its_source_and_assumptions() -> None:
         assert p.layout_assumed or (p.parallel.ep, p.parallel.moe_tp) == (p.moe_ep, p.moe_tp), p.id
 
 
+def test_engine_facts_say_which_points_ran_without_cuda_graphs() -> None:
+    """dstack's TensorRT-LLM 0.17 points ran the PyTorch backend's default ``use_cuda_graph=False``
+    (priced eager), its SGLang 0.4.3 points graphed; each fact cites the source it was read in, and a
+    point that states none is priced as graphed."""
+    points = serving_points()
+    eager = {p.id for p in points if not p.cuda_graphs}
+    assert eager == {p.id for p in points if p.id.startswith("dstack-h200-dsr1-trtllm-")} and len(eager) == 9
+    for p in points:
+        if p.id.startswith("dstack-h200-dsr1-trtllm-"):
+            assert "9b931c0f" in p.engine_source and "use_cuda_graph" in p.engine_source, p.id
+        elif p.id.startswith("dstack-h200-dsr1-sglang-"):
+            assert p.cuda_graphs and "0.4.3.post2" in p.engine_source, p.id
+        else:
+            assert p.cuda_graphs and p.engine_source == "", p.id
+
+
 def _tampered(tmp_path: Path, change: dict[str, object], drop: str | None = None) -> Path:
     data = yaml.safe_load(POINTS_FILE.read_text(encoding="utf-8"))
     first = data["points"][0]
@@ -75,6 +91,9 @@ def _tampered(tmp_path: Path, change: dict[str, object], drop: str | None = None
         ({"devices": 4}, None, "devices = 4"),
         ({"framework": "tgi"}, None, "framework 'tgi'"),
         ({"measured_throughput": 1.0}, None, "unknown keys"),
+        ({"engine": {"cuda_graphs": "no", "source": "s"}}, None, "engine.cuda_graphs must be true or false"),
+        ({"engine": {"cuda_graphs": False}}, None, "engine must be a mapping of cuda_graphs and source"),
+        ({"engine": {"cuda_graphs": False, "source": ""}}, None, "source missing"),
     ],
 )
 def test_a_bad_point_is_refused_by_name(

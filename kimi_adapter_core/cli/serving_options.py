@@ -325,6 +325,7 @@ def run_concurrency(
 ) -> str:
     """Price ``base.parallel`` serving ``concurrency`` requests of ``workload`` (aggregated; the sweep's
     candidate for that layout and batch) and report it in ``fmt``, with its weights and KV modes."""
+    from ..backends.simulation.report.simulation import eager_json, eager_text
     from ..backends.simulation.search.concurrency import price_concurrency
     from ..backends.simulation.search.launch_rules import framework as framework_of
 
@@ -338,6 +339,7 @@ def run_concurrency(
             "device": device.name,
             "workload": {"isl": workload.isl, "osl": workload.osl, "concurrency": concurrency},
             "framework": {"name": fw.name, "title": fw.title, "step_tokens": fw.step_tokens.max},
+            **eager_json(base.eager_host),
             **candidate_json(c, weights, base.kv_dtype, notes),
             "chunk": c.chunk,
             "mixed_step_time_s": c.mixed_step_time,
@@ -351,6 +353,7 @@ def run_concurrency(
         f"requests of ISL {workload.isl}, OSL {workload.osl}, {fw.title} ({fw.name}), aggregated: chunked "
         f"prefill, step budget {fw.step_tokens.max} tokens, {c.chunk} prompt tokens per mixed step",
         f"weights {weights.label(c.quant)}, KV cache {base.kv_dtype}",
+        *eager_text(base.eager_host),
         f"TTFT {c.ttft * 1e3:.1f} ms, TPOT {c.tpot * 1e3:.2f} ms",
         f"output tokens/s: {c.tokens_per_s_per_device:.1f} per device, "
         f"{c.tokens_per_s_per_user:.1f} per user ({c.requests_per_s:.2f} requests/s)",

@@ -17,6 +17,7 @@ from pathlib import Path
 import click
 
 from ..atomic import atomic_write_text
+from ..backends.simulation.estimate.eager import HOST_US
 from ..backends.simulation.model.inputs import model_inputs
 from ..backends.simulation.model.parallel import Parallel
 from ..backends.simulation.tables.device import get_device
@@ -88,6 +89,13 @@ from .sweep_options import run_sweep, sweep_options
     "and, with --cost-model measured, AIConfigurator's tables.",
 )
 @click.option(
+    "--eager",
+    is_flag=True,
+    help="Price the step as an engine that runs it without CUDA graphs (e.g. TensorRT-LLM 0.17's PyTorch "
+    f"backend by default): every launched kernel takes at least {HOST_US:g} us of host time to launch "
+    "(docs/cost_model.md). A step or --concurrency.",
+)
+@click.option(
     "--top", type=int, default=25, show_default=True, help="Rows of the op table in text output (0: all)."
 )
 @format_option
@@ -131,6 +139,7 @@ def command(
     routing: str,
     cost_model: str,
     framework: str,
+    eager: bool,
     top: int,
     fmt: str,
     trace_path: Path | None,
@@ -151,7 +160,8 @@ def command(
     JSON (--format json): {"phase", "model", "device", "quantization", "kv_dtype", "parallel", "batch",
     "query_len", "context_len", "mtp", "mtp_acceptance", "routing", "cost_model", "step_time_s",
     "output_tokens_per_step", "tokens_per_s", "tokens_per_s_per_device", "ops", "memory_per_device",
-    "warnings"}; with --images also "image_prefill" (encoder, projector, merged prefill and total
+    "warnings"}; with --eager also "eager" (the host time per launched kernel); with --images also
+    "image_prefill" (encoder, projector, merged prefill and total
     seconds; the step then runs the vision kernels before the text prefill); for a stack with state
     beyond its KV cache also "states" (per request and device, each kind with whether it grows: the
     attention layers' KV cache, the linear layers' constant state, the DSA indexer keys, DeepSeek-V4's
@@ -170,6 +180,7 @@ def command(
       kadapt simulate qwen3_moe --device h200 --decode --sweep --devices 8 --plot front.html
       kadapt simulate deepseek_v3 --device h200 --sweep --devices 16 --isl 4000 --osl 1000 --tpot 30
       kadapt simulate gpt_oss --device h100 --tp 1 --framework vllm --isl 1000 --osl 1000 --concurrency 64
+      kadapt simulate deepseek_v3 --device h200 --tp 8 --ep 4 --moe-tp 2 --decode --batch 4 --eager
       kadapt simulate llama --device h100 --steps engine_trace.json
     """
     from ..backends.simulation.estimate.simulator import simulate
@@ -200,6 +211,9 @@ def command(
     out.detail(f"device: {device_file.resolve() if device_file else device}")
     if decode and query_len not in (None, 1):
         raise click.UsageError("--query-len is fixed at 1 (+ --mtp) for --decode")
+    if eager and (sweep or steps_path is not None or requested is not None):
+        flag = "--sweep" if sweep else "--steps" if steps_path is not None else "--images"
+        raise click.UsageError(f"--eager prices one step or --concurrency; drop {flag}")
     dep = Deployment(
         Parallel(tp=tp, dp=dp, ep=ep, moe_tp=moe_tp),
         batch,
@@ -210,6 +224,7 @@ def command(
         mtp_acceptance,
         kv_dtype,
         routing.replace("-", "_"),
+        HOST_US * 1e-6 if eager else 0.0,
     )
     requests = isl is not None or osl is not None
     if sweep and moe_tp > 1:

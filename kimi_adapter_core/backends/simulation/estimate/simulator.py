@@ -23,6 +23,7 @@ from ..model.rank_model import trace_rank
 from ..model.tracer import Op, fuse
 from ..tables.device import Device
 from .cost import Priced, fold_modules, kernel_table, overlap_shared_experts, price
+from .eager import eager_step
 from .engine_kernels import engine_kernels
 from .planner import Memory, activation_bytes, kv_sizing, memory, state_kinds, weight_lines
 from .topology import layout_notes
@@ -99,9 +100,12 @@ def trace_kernels(spec: Spec, inputs: ModelInputs, dep: Deployment) -> tuple[lis
 
 def finish_step(kernels: list[Priced], dep: Deployment) -> list[Priced]:
     """A step's priced kernels as the step runs them: a module measured whole priced as measured
-    (``fold_modules``); decode: the shared experts overlap the routed path."""
+    (``fold_modules``); decode: the shared experts overlap the routed path; an engine without CUDA
+    graphs (``dep.eager_host``): every launched kernel at least the host's time to launch it
+    (``eager.eager_step``, last: a kernel hidden on a second stream is still launched)."""
     kernels = fold_modules(kernels)
-    return overlap_shared_experts(kernels) if dep.decode else kernels
+    kernels = overlap_shared_experts(kernels) if dep.decode else kernels
+    return eager_step(kernels, dep.eager_host)
 
 
 def inside_whole_modules(kernels: list[Priced], whole: Callable[[Op], bool]) -> list[Priced]:

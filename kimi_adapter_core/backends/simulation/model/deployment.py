@@ -6,6 +6,8 @@ MTP drafts being verified); a prefill step feeds ``query_len`` tokens on top of 
 ones (chunked prefill / prefix-cache hits). ``routing`` says how tokens spread over the routed experts:
 ``power_law`` (real routers without expert-load balancing: a few hot experts set the busiest rank's
 time, priced by the factor measured in the kernel table) or ``uniform`` (a perfectly balanced load).
+``eager_host`` is the host's time per launched kernel of an engine that runs the step without CUDA
+graphs (``estimate/eager.py``; 0: the step is replayed as a graph, as kernel tables price it).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class Deployment:
     mtp_acceptance: float = 0.7
     kv_dtype: str = "bf16"
     routing: str = "power_law"  # power_law | uniform
+    eager_host: float = 0.0  # seconds of host time per launched kernel (0: CUDA graphs)
 
     @property
     def tokens_per_query(self) -> int:
@@ -64,6 +67,8 @@ class Deployment:
             raise UsageError("--mtp applies to decode steps; add --decode")
         if self.routing not in ROUTINGS:
             raise UsageError(f"routing must be one of {', '.join(ROUTINGS)} (got {self.routing!r})")
+        if self.eager_host < 0:
+            raise UsageError(f"the host time per eager launch must be >= 0 (got {self.eager_host})")
         if not 0 <= self.mtp_acceptance <= 1:
             raise UsageError(f"--mtp-acceptance must be in [0, 1] (got {self.mtp_acceptance})")
         # a config that states no max_position_embeddings (0: a pure SSM stack's) bounds nothing

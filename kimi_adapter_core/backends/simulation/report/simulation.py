@@ -36,6 +36,7 @@ def sim_json(sim: Simulation) -> dict[str, Any]:
         "mtp": d.mtp,
         "mtp_acceptance": d.mtp_acceptance,
         "routing": d.routing,
+        **eager_json(d.eager_host),
         "cost_model": {
             "name": sim.cost_model,
             "sources": {
@@ -68,6 +69,21 @@ def sim_json(sim: Simulation) -> dict[str, Any]:
     }
 
 
+def eager_json(host: float) -> dict[str, Any]:
+    """The ``eager`` entry of a step or request price run without CUDA graphs (none when graphed)."""
+    return {"eager": {"cuda_graphs": False, "host_us_per_kernel": host * 1e6}} if host else {}
+
+
+def eager_text(host: float) -> list[str]:
+    """The line saying a step was priced without CUDA graphs, and at what host time (none when graphed)."""
+    if not host:
+        return []
+    return [
+        f"priced eager (no CUDA graphs): every launched kernel takes at least {host * 1e6:g} us of host "
+        "time (estimate/eager.py)"
+    ]
+
+
 def sim_text(sim: Simulation, top: int | None = None) -> str:
     d, p = sim.deployment, sim.deployment.parallel
     step = sim.step_time
@@ -92,6 +108,7 @@ def sim_text(sim: Simulation, top: int | None = None) -> str:
         f"  weights={sim.quant}  kv={d.kv_dtype}  routing={d.routing}"
         + (f"  mtp={d.mtp}@{d.mtp_acceptance:g}" if d.mtp else ""),
         f"model: {sim.model}",
+        *eager_text(d.eager_host),
         "",
         text_table(["scope", "module", "op", "count", "ms", "%", "bound", "source"], table, text_columns=3),
     ]

@@ -40,6 +40,7 @@ _KEYS = {
     "measured_concurrency",
     "measured",
     "certainty",
+    "engine",
 }
 _MEASURED = ("output_tok_s", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms")
 _WORKLOAD = ("dataset", "requests", "total_input_tokens", "total_output_tokens")
@@ -74,6 +75,8 @@ class ServingPoint:
     mean_tpot_ms: float
     median_tpot_ms: float
     certainty: str
+    cuda_graphs: bool = True  # the engine replayed its decode step as a CUDA graph (``engine``; default)
+    engine_source: str = ""  # where the engine's source says how it ran the step ("": not read)
 
     @property
     def output_tok_s_per_device(self) -> float:
@@ -85,6 +88,21 @@ def _need(entry: dict[str, Any], key: str, kind: type | tuple[type, ...], where:
     if not isinstance(value, kind) or isinstance(value, bool) or value == "":
         raise KadaptError(f"{where}: {key} missing or not a {kind} (got {value!r})")
     return value
+
+
+def _engine(entry: dict[str, Any], where: str) -> tuple[bool, str]:
+    """A point's ``engine`` fact: whether its decode step ran as a CUDA graph and where the engine's
+    source says so; (True, "") when the point states none."""
+    engine = entry.get("engine")
+    if engine is None:
+        return True, ""
+    if not isinstance(engine, dict) or set(engine) != {"cuda_graphs", "source"}:
+        raise KadaptError(f"{where}: engine must be a mapping of cuda_graphs and source (got {engine!r})")
+    if not isinstance(engine["cuda_graphs"], bool):
+        raise KadaptError(
+            f"{where}: engine.cuda_graphs must be true or false (got {engine['cuda_graphs']!r})"
+        )
+    return engine["cuda_graphs"], _need(engine, "source", str, f"{where} engine")
 
 
 def _point(entry: dict[str, Any], index: int, file: str) -> ServingPoint:
@@ -117,6 +135,7 @@ def _point(entry: dict[str, Any], index: int, file: str) -> ServingPoint:
         raise KadaptError(f"{where}: layout moe_tp x moe_ep must be {devices} devices")
     if par.ep != moe_ep and not layout.get("assumed"):
         raise KadaptError(f"{where}: layout ep is not the stated MoE's: mark it assumed")
+    cuda_graphs, engine_source = _engine(entry, where)
     requests = workload["requests"]
     isl = round(workload["total_input_tokens"] / requests)
     osl = round(workload["total_output_tokens"] / requests)
@@ -145,6 +164,8 @@ def _point(entry: dict[str, Any], index: int, file: str) -> ServingPoint:
         mean_tpot_ms=float(measured["mean_tpot_ms"]),
         median_tpot_ms=float(measured["median_tpot_ms"]),
         certainty=_need(entry, "certainty", str, where),
+        cuda_graphs=cuda_graphs,
+        engine_source=engine_source,
     )
 
 
