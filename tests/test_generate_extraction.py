@@ -794,4 +794,5 @@ def test_config_strings_reach_the_module_docstring_escaped(tmp_path: Path) -> No
     ]
     docstring = ast.get_docstring(ast.parse(module.text))  # it parses: the quotes did not close it
     words = " ".join(docstring.split())
-    assert "rope " + " ".join(config["rope_scaling"]["rope_type"].split()) + "." in words
+    rope_type = " ".join(config["rope_scaling"]["rope_type"].split())
+    assert f"rope {rope_type} x8 from 8192 positions." in words

@@ -3,7 +3,7 @@
 transformers 5 keeps Gemma-3's ``rope_parameters`` per layer type (full layers linear x8 with theta 1e6,
 sliding ones default with theta 1e4). kadapt used to read that mapping as one flat rope and said
 ``rope default`` with no theta. A tiny Gemma-3 (2 layers: one sliding, one full) is described from its
-config object and its raw JSON, exported and planned; a uniform-rope model keeps its old description.
+config object and its raw JSON, exported and planned; a plain uniform rope keeps its old metadata.
 """
 
 from __future__ import annotations
@@ -154,12 +154,16 @@ def test_a_null_layer_type_entry_has_no_rope() -> None:
     assert derive_structure(config).describe().endswith(f"rope none (full_attention), {SLIDING}")
 
 
-def test_uniform_rope_description_is_unchanged() -> None:
+def test_uniform_rope_description_states_its_scaling() -> None:
+    """One rope for every layer: its type and scaling (test_rope_facts.py), no theta (the JSON has it)."""
     llama = derive_structure(json.loads((REPO / "specs" / "llama" / "config.json").read_text()))
-    expected = "32 layers, hidden 4096, GQA 32 heads / 8 KV heads x 128, dense MLP 14336, rope llama3"
+    expected = (
+        "32 layers, hidden 4096, GQA 32 heads / 8 KV heads x 128, dense MLP 14336, "
+        "rope llama3 x8 from 8192 positions"
+    )
     assert llama.describe() == expected
 
 
-def test_uniform_rope_metadata_is_unchanged() -> None:
-    llama = derive_structure(json.loads((REPO / "specs" / "llama" / "config.json").read_text()))
-    assert list(llama.to_dict()["rope"].items()) == [("type", "llama3"), ("theta", 500000.0)]
+def test_plain_uniform_rope_metadata_is_unchanged() -> None:
+    mistral = derive_structure(json.loads((REPO / "specs" / "mistral" / "config.json").read_text()))
+    assert list(mistral.to_dict()["rope"].items()) == [("type", "default"), ("theta", 10000.0)]

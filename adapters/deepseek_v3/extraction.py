@@ -64,7 +64,7 @@ behaviour only for claimed modules, checked on every call.
 
 Text backbone: 61 layers, hidden 7168, MLA 128 heads, kv_lora_rank 512, q_lora_rank 1536, head_dim
 192/128, MoE 256 experts top-8 + 1 shared (width 2048, sigmoid, normalized), dense layers [0, 1, 2],
-rope yarn.
+rope yarn x40 from 4096 positions.
 KV cache: layout `latent` (the default of MLA attention); per layer and token a key of 1 x 512 and a
 value of 1 x 64 (heads x width); MLA attention `reexpand`.
 
@@ -5606,7 +5606,8 @@ MODEL_CLASSES = ("AutoModelForImageTextToText", "AutoModelForCausalLM", "AutoMod
 
 # The text backbone as kadapt derives it from SOURCE_CONFIG after the extraction bridges:
 # 61 layers, hidden 7168, MLA 128 heads, kv_lora_rank 512, q_lora_rank 1536, head_dim 192/128, MoE 256
-# experts top-8 + 1 shared (width 2048, sigmoid, normalized), dense layers [0, 1, 2], rope yarn
+# experts top-8 + 1 shared (width 2048, sigmoid, normalized), dense layers [0, 1, 2], rope yarn x40 from
+# 4096 positions
 STRUCTURE: dict[str, Any] = {
     "attention": {
         "head_dim": 192,
@@ -5641,7 +5642,7 @@ STRUCTURE: dict[str, Any] = {
     },
     "num_layers": 61,
     "num_mtp_layers": 1,
-    "rope": {"theta": 10000.0, "type": "yarn"},
+    "rope": {"factor": 40.0, "original_max_position_embeddings": 4096, "theta": 10000.0, "type": "yarn"},
     "tie_word_embeddings": False,
     "vocab_size": 129280,
 }

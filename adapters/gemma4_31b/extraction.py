@@ -58,8 +58,8 @@ behaviour only for claimed modules, checked on every call.
 
 Text backbone: 60 layers, hidden 5376, GQA 32 heads / 16 KV heads x 256 (10/60 layers GQA 32 heads /
 4 KV heads x 512, values from the key projection), dense MLP 21504, 50/60 sliding-window layers,
-rope proportional theta 1e6 (full_attention), default theta 1e4 (sliding_attention), logits soft-
-capped at 30 (final_logit_softcapping).
+rope proportional partial 0.25 theta 1e6 (full_attention), default theta 1e4 (sliding_attention),
+logits soft-capped at 30 (final_logit_softcapping).
 KV cache: layout `heads` (the default of GQA attention); per layer and token a key and value of the
 layer's own shape (``LAYER_KV_DIMS``, heads x width): 50 sliding layers a key of 16 x 256 and a
 value of 16 x 256, 10 full layers a key of 4 x 512 and a value of 4 x 512; sliding-window layers are
@@ -5417,8 +5417,8 @@ MODEL_CLASSES = ("AutoModelForImageTextToText", "AutoModelForCausalLM", "AutoMod
 
 # The text backbone as kadapt derives it from SOURCE_CONFIG after the extraction bridges:
 # 60 layers, hidden 5376, GQA 32 heads / 16 KV heads x 256 (10/60 layers GQA 32 heads / 4 KV heads x 512,
-# values from the key projection), dense MLP 21504, 50/60 sliding-window layers, rope proportional theta 1e6
-# (full_attention), default theta 1e4 (sliding_attention), logits soft-capped at 30
+# values from the key projection), dense MLP 21504, 50/60 sliding-window layers, rope proportional partial
+# 0.25 theta 1e6 (full_attention), default theta 1e4 (sliding_attention), logits soft-capped at 30
 # (final_logit_softcapping)
 STRUCTURE: dict[str, Any] = {
     "attention": {"head_dim": 256, "kind": "gqa", "num_heads": 32, "num_kv_heads": 16, "v_head_dim": 256},
@@ -5584,7 +5584,7 @@ STRUCTURE: dict[str, Any] = {
     "outside": ({"key": "final_logit_softcapping", "op": "softcap", "site": "logits", "value": 30.0},),
     "rope": {
         "by_layer_type": {
-            "full_attention": {"theta": 1000000.0, "type": "proportional"},
+            "full_attention": {"partial_rotary_factor": 0.25, "theta": 1000000.0, "type": "proportional"},
             "sliding_attention": {"theta": 10000.0, "type": "default"},
         },
         "theta": None,

@@ -58,8 +58,8 @@ behaviour only for claimed modules, checked on every call.
 
 Text backbone: 35 layers, hidden 1536, MQA 8 heads / 1 KV heads x 256 (7/35 layers MQA 8 heads / 1
 KV heads x 512), the last 20/35 layers reuse the keys and values of layers 13, 14 (KV sharing),
-dense MLP 6144 (20/35 layers 12288), 28/35 sliding-window layers, rope proportional theta 1e6
-(full_attention), default theta 1e4 (sliding_attention), logits soft-capped at 30
+dense MLP 6144 (20/35 layers 12288), 28/35 sliding-window layers, rope proportional partial 0.25
+theta 1e6 (full_attention), default theta 1e4 (sliding_attention), logits soft-capped at 30
 (final_logit_softcapping), per-layer embeddings 256 wide (vocab 262144).
 KV cache: layout `heads` (the default of MQA attention); per layer and token a key and value of the
 layer's own shape (``LAYER_KV_DIMS``, heads x width): 12 sliding layers a key of 1 x 256 and a value
@@ -5420,9 +5420,9 @@ MODEL_CLASSES = ("AutoModelForImageTextToText", "AutoModelForCausalLM", "AutoMod
 # The text backbone as kadapt derives it from SOURCE_CONFIG after the extraction bridges:
 # 35 layers, hidden 1536, MQA 8 heads / 1 KV heads x 256 (7/35 layers MQA 8 heads / 1 KV heads x 512), the
 # last 20/35 layers reuse the keys and values of layers 13, 14 (KV sharing), dense MLP 6144 (20/35 layers
-# 12288), 28/35 sliding-window layers, rope proportional theta 1e6 (full_attention), default theta 1e4
-# (sliding_attention), logits soft-capped at 30 (final_logit_softcapping), per-layer embeddings 256 wide
-# (vocab 262144)
+# 12288), 28/35 sliding-window layers, rope proportional partial 0.25 theta 1e6 (full_attention), default
+# theta 1e4 (sliding_attention), logits soft-capped at 30 (final_logit_softcapping), per-layer embeddings
+# 256 wide (vocab 262144)
 STRUCTURE: dict[str, Any] = {
     "attention": {"head_dim": 256, "kind": "mqa", "num_heads": 8, "num_kv_heads": 1, "v_head_dim": 256},
     "hidden_size": 1536,
@@ -5572,7 +5572,7 @@ STRUCTURE: dict[str, Any] = {
     "per_layer_inputs": {"vocab": 262144, "width": 256},
     "rope": {
         "by_layer_type": {
-            "full_attention": {"theta": 1000000.0, "type": "proportional"},
+            "full_attention": {"partial_rotary_factor": 0.25, "theta": 1000000.0, "type": "proportional"},
             "sliding_attention": {"theta": 10000.0, "type": "default"},
         },
         "theta": None,

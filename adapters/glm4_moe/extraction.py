@@ -63,7 +63,7 @@ claimed, and the spec's patches (installed by ``patches_applied``, removed on ex
 behaviour only for claimed modules, checked on every call.
 
 Text backbone: 92 layers, hidden 5120, GQA 96 heads / 8 KV heads x 128, MoE 160 experts top-8 + 1
-shared (width 1536, sigmoid, normalized), dense layers [0, 1, 2], rope default.
+shared (width 1536, sigmoid, normalized), dense layers [0, 1, 2], rope default partial 0.5.
 KV cache: layout `heads` (the default of GQA attention); per layer and token a key of 8 x 128 and a
 value of 8 x 128 (heads x width).
 
@@ -5604,7 +5604,7 @@ MODEL_CLASSES = ("AutoModelForImageTextToText", "AutoModelForCausalLM", "AutoMod
 
 # The text backbone as kadapt derives it from SOURCE_CONFIG after the extraction bridges:
 # 92 layers, hidden 5120, GQA 96 heads / 8 KV heads x 128, MoE 160 experts top-8 + 1 shared (width 1536,
-# sigmoid, normalized), dense layers [0, 1, 2], rope default
+# sigmoid, normalized), dense layers [0, 1, 2], rope default partial 0.5
 STRUCTURE: dict[str, Any] = {
     "attention": {"head_dim": 128, "kind": "gqa", "num_heads": 96, "num_kv_heads": 8, "v_head_dim": 128},
     "hidden_size": 5120,
@@ -5629,7 +5629,7 @@ STRUCTURE: dict[str, Any] = {
     },
     "num_layers": 92,
     "num_mtp_layers": 1,
-    "rope": {"theta": 1000000.0, "type": "default"},
+    "rope": {"partial_rotary_factor": 0.5, "theta": 1000000.0, "type": "default"},
     "tie_word_embeddings": False,
     "vocab_size": 151552,
 }

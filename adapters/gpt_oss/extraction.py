@@ -57,7 +57,7 @@ claimed, and the spec's patches (installed by ``patches_applied``, removed on ex
 behaviour only for claimed modules, checked on every call.
 
 Text backbone: 36 layers, hidden 2880, GQA 64 heads / 8 KV heads x 64, MoE 128 experts top-4 (width
-2880, softmax, normalized), 18/36 sliding-window layers, rope yarn.
+2880, softmax, normalized), 18/36 sliding-window layers, rope yarn x32 from 4096 positions.
 KV cache: layout `heads` (the default of GQA attention); per layer and token a key of 8 x 64 and a
 value of 8 x 64 (heads x width); sliding-window layers are masked inside the graph (``WINDOWS``).
 
@@ -5414,7 +5414,7 @@ MODEL_CLASSES = ("AutoModelForImageTextToText", "AutoModelForCausalLM", "AutoMod
 
 # The text backbone as kadapt derives it from SOURCE_CONFIG after the extraction bridges:
 # 36 layers, hidden 2880, GQA 64 heads / 8 KV heads x 64, MoE 128 experts top-4 (width 2880, softmax,
-# normalized), 18/36 sliding-window layers, rope yarn
+# normalized), 18/36 sliding-window layers, rope yarn x32 from 4096 positions
 STRUCTURE: dict[str, Any] = {
     "attention": {"head_dim": 64, "kind": "gqa", "num_heads": 64, "num_kv_heads": 8, "v_head_dim": 64},
     "hidden_size": 2880,
@@ -5473,7 +5473,7 @@ STRUCTURE: dict[str, Any] = {
     },
     "num_layers": 36,
     "num_mtp_layers": 0,
-    "rope": {"theta": 150000.0, "type": "yarn"},
+    "rope": {"factor": 32.0, "original_max_position_embeddings": 4096, "theta": 150000.0, "type": "yarn"},
     "tie_word_embeddings": False,
     "vocab_size": 201088,
 }

@@ -58,7 +58,7 @@ behaviour only for claimed modules, checked on every call.
 
 Text backbone: 61 layers, hidden 7168, MLA 64 heads, kv_lora_rank 512, q_lora_rank 1536, head_dim
 192/128, MoE 384 experts top-8 + 1 shared (width 2048, sigmoid, normalized), dense layers [0], rope
-yarn.
+yarn x64 from 4096 positions.
 KV cache: layout `latent` (from abi.kv_layout); per layer and token a key of 1 x 512 and a value of
 1 x 64 (heads x width); MLA attention `reexpand`.
 
@@ -5417,7 +5417,8 @@ MODEL_CLASSES = ("AutoModelForImageTextToText", "AutoModelForCausalLM", "AutoMod
 
 # The text backbone as kadapt derives it from SOURCE_CONFIG after the extraction bridges:
 # 61 layers, hidden 7168, MLA 64 heads, kv_lora_rank 512, q_lora_rank 1536, head_dim 192/128, MoE 384
-# experts top-8 + 1 shared (width 2048, sigmoid, normalized), dense layers [0], rope yarn
+# experts top-8 + 1 shared (width 2048, sigmoid, normalized), dense layers [0], rope yarn x64 from 4096
+# positions
 STRUCTURE: dict[str, Any] = {
     "attention": {
         "head_dim": 192,
@@ -5452,7 +5453,7 @@ STRUCTURE: dict[str, Any] = {
     },
     "num_layers": 61,
     "num_mtp_layers": 0,
-    "rope": {"theta": 50000.0, "type": "yarn"},
+    "rope": {"factor": 64.0, "original_max_position_embeddings": 4096, "theta": 50000.0, "type": "yarn"},
     "tie_word_embeddings": False,
     "vocab_size": 163840,
 }

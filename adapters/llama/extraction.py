@@ -56,8 +56,8 @@ extraction config bridges, checks the gate and builds the model with transformer
 claimed, and the spec's patches (installed by ``patches_applied``, removed on exit) change
 behaviour only for claimed modules, checked on every call.
 
-Text backbone: 32 layers, hidden 4096, GQA 32 heads / 8 KV heads x 128, dense MLP 14336, rope
-llama3.
+Text backbone: 32 layers, hidden 4096, GQA 32 heads / 8 KV heads x 128, dense MLP 14336, rope llama3
+x8 from 8192 positions.
 KV cache: layout `heads` (the default of GQA attention); per layer and token a key of 8 x 128 and a
 value of 8 x 128 (heads x width).
 
@@ -5412,7 +5412,8 @@ LM_HEAD_PATH = "lm_head"
 MODEL_CLASSES = ("AutoModelForImageTextToText", "AutoModelForCausalLM", "AutoModel")
 
 # The text backbone as kadapt derives it from SOURCE_CONFIG after the extraction bridges:
-# 32 layers, hidden 4096, GQA 32 heads / 8 KV heads x 128, dense MLP 14336, rope llama3
+# 32 layers, hidden 4096, GQA 32 heads / 8 KV heads x 128, dense MLP 14336, rope llama3 x8 from 8192
+# positions
 STRUCTURE: dict[str, Any] = {
     "attention": {"head_dim": 128, "kind": "gqa", "num_heads": 32, "num_kv_heads": 8, "v_head_dim": 128},
     "hidden_size": 4096,
@@ -5423,7 +5424,7 @@ STRUCTURE: dict[str, Any] = {
     "moe": None,
     "num_layers": 32,
     "num_mtp_layers": 0,
-    "rope": {"theta": 500000.0, "type": "llama3"},
+    "rope": {"factor": 8.0, "original_max_position_embeddings": 8192, "theta": 500000.0, "type": "llama3"},
     "tie_word_embeddings": False,
     "vocab_size": 128256,
 }

@@ -57,7 +57,8 @@ claimed, and the spec's patches (installed by ``patches_applied``, removed on ex
 behaviour only for claimed modules, checked on every call.
 
 Text backbone: 48 layers, hidden 5120, GQA 40 heads / 8 KV heads x 128, MoE 16 experts top-1 + 1
-shared (width 8192, sigmoid), 36/48 chunked-attention layers (chunk 8192), rope llama3.
+shared (width 8192, sigmoid), 36/48 chunked-attention layers (chunk 8192), rope llama3 x16 from 8192
+positions, 12/48 layers without rope [3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47].
 KV cache: layout `heads` (the default of GQA attention); per layer and token a key of 8 x 128 and a
 value of 8 x 128 (heads x width); chunked-attention layers (Llama-4) are masked inside the graph to
 their own chunk (``CHUNKS``).
@@ -5415,7 +5416,8 @@ MODEL_CLASSES = ("AutoModelForImageTextToText", "AutoModelForCausalLM", "AutoMod
 
 # The text backbone as kadapt derives it from SOURCE_CONFIG after the extraction bridges:
 # 48 layers, hidden 5120, GQA 40 heads / 8 KV heads x 128, MoE 16 experts top-1 + 1 shared (width 8192,
-# sigmoid), 36/48 chunked-attention layers (chunk 8192), rope llama3
+# sigmoid), 36/48 chunked-attention layers (chunk 8192), rope llama3 x16 from 8192 positions, 12/48 layers
+# without rope [3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47]
 STRUCTURE: dict[str, Any] = {
     "attention": {"head_dim": 128, "kind": "gqa", "num_heads": 40, "num_kv_heads": 8, "v_head_dim": 128},
     "hidden_size": 5120,
@@ -5462,7 +5464,13 @@ STRUCTURE: dict[str, Any] = {
     },
     "num_layers": 48,
     "num_mtp_layers": 0,
-    "rope": {"theta": 500000.0, "type": "llama3"},
+    "rope": {
+        "factor": 16.0,
+        "nope_layers": [3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47],
+        "original_max_position_embeddings": 8192,
+        "theta": 500000.0,
+        "type": "llama3",
+    },
     "tie_word_embeddings": False,
     "vocab_size": 202048,
 }

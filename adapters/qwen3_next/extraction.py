@@ -58,7 +58,7 @@ behaviour only for claimed modules, checked on every call.
 
 Text backbone: 48 layers, hidden 2048, 36/48 linear-attention layers (gated DeltaNet 16x128 key /
 32x128 value heads, conv 4), GQA 16 heads / 2 KV heads x 256, MoE 512 experts top-10 + 1 shared
-(width 512, softmax, normalized), rope default.
+(width 512, softmax, normalized), rope default partial 0.25.
 KV cache: layout `heads` (the default of GQA attention); per layer and token a key of 2 x 256 and a
 value of 2 x 256 (heads x width).
 Linear-attention layers (36 of 48, ``LAYER_KINDS``) keep no KV cache: per request a conv window of
@@ -5444,7 +5444,7 @@ MODEL_CLASSES = ("AutoModelForImageTextToText", "AutoModelForCausalLM", "AutoMod
 # The text backbone as kadapt derives it from SOURCE_CONFIG after the extraction bridges:
 # 48 layers, hidden 2048, 36/48 linear-attention layers (gated DeltaNet 16x128 key / 32x128 value heads,
 # conv 4), GQA 16 heads / 2 KV heads x 256, MoE 512 experts top-10 + 1 shared (width 512, softmax,
-# normalized), rope default
+# normalized), rope default partial 0.25
 STRUCTURE: dict[str, Any] = {
     "attention": {"head_dim": 256, "kind": "gqa", "num_heads": 16, "num_kv_heads": 2, "v_head_dim": 256},
     "hidden_size": 2048,
@@ -5499,7 +5499,7 @@ STRUCTURE: dict[str, Any] = {
     },
     "num_layers": 48,
     "num_mtp_layers": 0,
-    "rope": {"theta": 10000000.0, "type": "default"},
+    "rope": {"partial_rotary_factor": 0.25, "theta": 10000000.0, "type": "default"},
     "tie_word_embeddings": False,
     "vocab_size": 151936,
 }

@@ -121,6 +121,8 @@ def _non_negative(high: int) -> Rule:
 WIDTH = _positive(MAX_WIDTH)
 POSITIVE_NUMBER = Rule("number", "a positive finite number", 0, None, exclusive_low=True)
 FINITE_NUMBER = Rule("number", "a finite number")
+# a rope's partial_rotary_factor: the share of each head's width it rotates (0 would rotate nothing)
+FRACTION = Rule("number", "a positive fraction", 0, 1, exclusive_low=True)
 FLAG = Rule("bool", "true or false")
 STRINGS = Rule("strings", "a list of strings")
 MAPPING = Rule("mapping", "a mapping")
@@ -170,6 +172,8 @@ FACT_RULES: dict[str, Rule] = {
     "tie_word_embeddings": FLAG,
     "rope_parameters": Rule("mapping", "a mapping of RoPE parameters"),
     "rope_theta": POSITIVE_NUMBER,
+    "partial_rotary_factor": FRACTION,
+    "original_positions": _positive(MAX_POSITIONS),
     "num_mtp_layers": _non_negative(MAX_LAYERS),
     "linear_num_key_heads": _positive(MAX_HEADS),
     "linear_num_value_heads": _positive(MAX_HEADS),
@@ -262,16 +266,26 @@ def shown_path(path: str | os.PathLike[str]) -> str:
         return str(absolute)
 
 
+# the numbers of a rope mapping read as sizes or scales (``rope_of``); any other number must be finite
+ROPE_RULES: dict[str, Rule] = {
+    "rope_theta": POSITIVE_NUMBER,
+    "factor": POSITIVE_NUMBER,
+    "partial_rotary_factor": FRACTION,
+    "original_max_position_embeddings": _positive(MAX_POSITIONS),
+}
+
+
 def rope_violations(key: str, params: Mapping[str, Any], *, nested: bool = True) -> list[Violation]:
     """Numbers of a ``rope_parameters`` mapping (and of its per-layer-type mappings, one level down)
-    must be finite, ``rope_theta`` positive; ``key`` is the mapping's path in the config file."""
+    must be finite; theta, the scaling factor, the rotated share of the head (at most all of it) and the
+    original context are read as such (``ROPE_RULES``); ``key`` is the mapping's path in the config file."""
     found = []
     for name, value in params.items():
         path = f"{key}.{name}"
         if isinstance(value, Mapping) and nested:
             found += rope_violations(path, value, nested=False)
-        elif name == "rope_theta" and value is not None:  # derive reads it as a float
-            found += _violation(path, value, POSITIVE_NUMBER)
+        elif name in ROPE_RULES and value is not None:  # derive reads them as numbers
+            found += _violation(path, value, ROPE_RULES[name])
         elif _has_kind("number", value):  # the rest may be strings (rope_type) or flags
             found += _violation(path, value, FINITE_NUMBER)
     return found

@@ -37,7 +37,7 @@ from .moe_of import moe_layer_kinds, moe_of
 from .reader import MISSING, Reader, locate, mlp_block_types, outside_modelled, tables
 from .refusals import refuse_outside_layer_features, refuse_unmodelled_layers
 from .residual_streams import residual_streams_of
-from .rope_of import rope_of
+from .rope_of import rope_flags, rope_of
 from .shared_blocks import hybrid_layer_type, mlp_kinds, shared_blocks_of
 
 
@@ -251,19 +251,11 @@ def _span(read: Reader, index: int, kind: str, modelled: str, window: Any) -> tu
 def _chunked_types(read: Reader, num_layers: int) -> list[str] | None:
     """Llama-4's rule (its config class builds ``layer_types`` from it when the JSON has none): with an
     ``attention_chunk_size``, layers that use rope are chunked and the NoPE layers full attention, the
-    NoPE layers from ``no_rope_layers`` (1 = uses rope), or when that is missing or empty every
-    ``no_rope_layer_interval``-th layer (default 4, the class's). None: no chunk size, no such rule."""
+    NoPE layers as ``rope_of.rope_flags`` reads them. None: no chunk size, no such rule."""
     if not read.get("attention_chunk_size"):
         return None
-    flags = read.get("rope_layer_flags")
-    if not flags:
-        interval = int(read.get("no_rope_interval") or 4)
-        flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
-    elif len(flags) < num_layers:
-        raise KadaptError(
-            f"{read.where}: no_rope_layers lists {len(flags)} layers, the model has {num_layers}"
-        )
-    return ["chunked_attention" if flag else "full_attention" for flag in flags[:num_layers]]
+    flags = rope_flags(read, num_layers)  # never None with a chunk size: the class's interval at least
+    return ["chunked_attention" if flag else "full_attention" for flag in flags or ()]
 
 
 def _check_layer_types(read: Reader, types: list[Any]) -> None:
@@ -425,7 +417,7 @@ def derive_structure(
                 zip(spans, kinds, shapes, sources, widths, topk_sources(read, spans), strict=True)
             )
         ),
-        rope=rope_of(read),
+        rope=rope_of(read, num_layers),
         tie_word_embeddings=bool(read.get("tie_word_embeddings", False)),
         num_mtp_layers=int(read.get("num_mtp_layers", 0) or 0),
         outside=_outside(read),

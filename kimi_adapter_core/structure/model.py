@@ -392,7 +392,7 @@ class ModelStructure:
             mlp += f", {len(self.mlpless_layer_ids)}/{self.num_layers} blocks a mixer alone (no MLP)"
         return (
             f"{self.num_layers} layers, hidden {self.hidden_size}, {mixer}, "
-            f"{mlp}{spans}, {self.rope.describe()}{outside}"
+            f"{mlp}{spans}, {self.rope.describe(self.num_layers)}{outside}"
         )
 
     def to_dict(self) -> dict[str, Any]:
