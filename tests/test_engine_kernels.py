@@ -1,10 +1,11 @@
 """The small kernels a serving engine launches around the traced ones (``estimate/engine_kernels.py``,
 issue 38 item 3). Each is created by a feature of the model and the framework's source, never by a
 fit: an FP8-block GEMM's input gets a quantization kernel and a bf16 one does not; MLA gets its rope,
-cache write and query concatenation; per-head q/k norms get a rope kernel apart from them; a bf16 GQA
-cache write rides on the rope kernel and an FP8 one does not. Each is priced as its memory roofline
-plus the device's floor, the one free parameter (chosen on the development source of
-``benchmarks/serving_gap.py``)."""
+cache write and query concatenation; per-head q/k norms get a rope kernel apart from them (SGLang); a
+GQA cache write rides on SGLang's rope kernel with a bf16 cache and is vLLM's own kernel with any;
+vLLM's MXFP4 experts on a device without FP8 tensor cores (Marlin) get their routing, alignment,
+activation and sum kernels. Each is priced as its memory roofline plus the device's floor, the one
+free parameter (chosen on the development source of ``benchmarks/serving_gap.py``)."""
 
 from __future__ import annotations
 
@@ -94,9 +95,58 @@ def test_gqa_kernels_follow_qk_norms_and_the_cache_dtype() -> None:
     assert engine(fp8) == {"kv_write": layers}
 
 
-def test_only_sglang_decode_steps_get_them() -> None:
+def test_trtllm_and_prefill_steps_get_none() -> None:
     assert engine(step("deepseek_v3", framework="trtllm")) == {}  # no rules read for it
     assert engine(step("deepseek_v3", decode=False)) == {}  # a prefill's kernels are not at floors
+    assert engine(step("deepseek_v3", framework="vllm", decode=False)) == {}
+
+
+def test_vllm_quantizes_fp8_linears_but_not_mla_bmms(deepseek: Simulation) -> None:
+    """vLLM dequantizes W_UK / W_UV to bf16 at load: its bmms read no quantized input, so it runs
+    SGLang's quantizations less the two before the absorbed bmms, a bf16 checkpoint none, and a
+    device without FP8 tensor cores none."""
+    vllm = step("deepseek_v3", framework="vllm")
+    bmms = sum(
+        k.op.repeat
+        for k in deepseek.kernels
+        if k.op.kind == "matmul" and k.op.attrs.get("kernel") == "fp8_block" and "tag" in k.op.attrs
+    )
+    assert bmms == 2 * 61
+    assert engine(vllm)["act_quant"] == engine(deepseek)["act_quant"] - bmms
+    assert "act_quant" not in engine(step("deepseek_v3", "BF16", framework="vllm"))
+    # without FP8 tensor cores (A100) vLLM runs FP8 linears as weight-only Marlin GEMMs
+    assert "act_quant" not in engine(step("deepseek_v3", framework="vllm", device="a100"))
+
+
+def test_vllm_mla_concatenates_the_query_with_any_cache_dtype() -> None:
+    """FlashMLA's decode concatenates q_nope and q_pe whatever the cache holds; SGLang's TRT-LLM MLA
+    backend folds it into its FP8 rope kernel."""
+    fp8 = engine(step("deepseek_v3", framework="vllm", kv_dtype="fp8"))
+    assert fp8["mla_rope"] == fp8["kv_write"] == fp8["mla_q_concat"] == 61
+
+
+def test_vllm_writes_a_gqa_cache_in_a_kernel_of_its_own() -> None:
+    """reshape_and_cache_flash runs whatever the cache dtype; no rope apart from q/k norms (Inductor
+    decides that fusion in vLLM, so no rule)."""
+    llama = step("llama", framework="vllm")
+    layers = sum(k.op.repeat for k in llama.kernels if k.op.kind == "attention")
+    assert engine(llama) == {"kv_write": layers}
+    assert engine(step("qwen3_moe", framework="vllm")) == {"kv_write": 94}
+
+
+def test_vllm_marlin_moe_kernels_follow_the_device() -> None:
+    """gpt-oss's MXFP4 experts run on Marlin below compute capability 9 (A100: no FP8 tensor cores),
+    with its routing, alignment, workspace, activation and sum kernels around the experts op; on
+    Hopper its Triton kernels, whose routing the measured MXFP4 rows hold, get none; SGLang none."""
+    marlin = ("moe_logits_fp32", "moe_renorm_sum", "moe_renorm_div", "moe_align", "moe_workspace")
+    marlin += ("moe_act", "moe_sum")
+    a100 = step("gpt_oss", framework="vllm", device="a100")
+    assert engine(a100) == {"kv_write": 36, **dict.fromkeys(marlin, 36)}
+    for i, k in enumerate(a100.kernels):  # in the experts' module, right before them
+        if k.op.attrs.get("engine_kernel") == "moe_sum":
+            assert a100.kernels[i + 1].op.kind == "experts" and a100.kernels[i + 1].op.module == k.op.module
+    assert engine(step("gpt_oss", framework="vllm", device="h100")) == {"kv_write": 36}
+    assert engine(step("gpt_oss", device="a100")) == {}  # SGLang: a bf16 cache written by the rope
 
 
 def test_each_is_its_roofline_plus_the_device_floor(deepseek: Simulation) -> None:

@@ -150,7 +150,7 @@ def simulate(
         require()
         measured = MeasuredPricer(system_for(device.name), framework)
     ops, trace_notes = trace_kernels(spec, inputs, dep)
-    ops = engine_kernels(ops, framework, dep.decode)
+    ops = engine_kernels(ops, framework, dep.decode, device)
     table = kernel_table(device, framework)
     priced = []
     for op in ops:

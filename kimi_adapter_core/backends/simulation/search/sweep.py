@@ -271,7 +271,7 @@ class Sweep:
 
     def _fuse(self, ops: list[Op]) -> list[Op]:
         """``fuse``, then the small kernels the sweep's framework launches around them."""
-        return engine_kernels(fuse(ops), self.framework or "", self.base.decode)
+        return engine_kernels(fuse(ops), self.framework or "", self.base.decode, self.device)
 
     def raw(self, tp: int, b: int) -> TaggedTrace:
         """The tagged trace at TP ``tp`` and per-rank batch ``b`` in the first swept mode, shared by
