@@ -15,6 +15,9 @@ renamed, so nothing else is touched):
 This module is what both share: the lazy import (without the package ``require()`` raises a
 ``KadaptError`` naming the extra), the kadapt device -> AIConfigurator system map, and the tables
 and engine of one system and framework (``_database``, ``_database_handle``, ``_gpus_per_node``).
+One read goes past the engine: the balanced expert rows of one shape (``balanced_moe_rows``), from
+the table its MoE op loads (as its own ``legacy_moe_compute_coverage`` reads them), which the measured
+cost model holds to the calibration's rule on broken EP sizes.
 """
 
 from __future__ import annotations
@@ -98,3 +101,27 @@ def _database_handle(system: str, framework: str) -> Any:
 
 def _gpus_per_node(system: str, framework: str) -> int:
     return int(_database(system, framework).system_spec["node"]["num_gpus_per_node"])
+
+
+@cache
+def balanced_moe_rows(
+    system: str, framework: str, quant: str, shape: tuple[int, int, int, int, int]
+) -> dict[int, dict[int, float]]:
+    """AIConfigurator's balanced routed-expert rows of one shape (``shape``: top-k, experts, hidden,
+    whole expert width, expert-TP size) on ``quant``, as its MoE op prices from them: EP size ->
+    tokens -> ms. Empty where the table holds no such shape, or is laid out otherwise than read here
+    (a release that moved it: the rows are then priced as measured)."""
+    try:
+        from aiconfigurator_core.sdk.operations.moe import MoE
+
+        database = _database(system, framework)
+        MoE.load_data(database)
+        by_quant = {getattr(mode, "name", mode): rows for mode, rows in database._moe_data.items()}
+        top_k, experts, hidden, width, moe_tp = shape
+        by_ep = by_quant[quant]["balanced"][top_k][experts][hidden][width][moe_tp]
+        return {
+            int(ep): {int(tokens): float(row["latency"]) for tokens, row in by_tokens.items()}
+            for ep, by_tokens in by_ep.items()
+        }
+    except (ImportError, AttributeError, KeyError, TypeError, ValueError):
+        return {}

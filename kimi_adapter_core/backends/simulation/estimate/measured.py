@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..model.tracer import Op
+from ..tables.calibrate_rows import broken_ep_sizes
 from . import ep_dispatch
 from .aic_modes import GEMM_QUANT, kv_dtype, moe_quant
-from .aiconfigurator import _database_handle, _gpus_per_node
+from .aiconfigurator import _database_handle, _gpus_per_node, balanced_moe_rows
 
 _DSA_KERNELS = ("dsa", "dsa_indexer", "dsa_topk")  # sparse MLA, indexer scoring, top-k (one DSA module)
 # a DSA kernel's sizes -> the key of AIConfigurator's DSA_MODEL_DIMS they must equal
@@ -379,7 +380,11 @@ class MeasuredPricer:
         and the attention-DP size; its regular ``Moe`` table (SGLang's fused MoE, measured inside one
         TP group) priced SGLang's DP64 EP64 decode experts 9.6x higher. Otherwise (or where that
         table lacks the shape) ``Moe`` at every rank's tokens, as its fused graphs query it (the
-        ``Moe`` table at attention-DP size ``dp`` and ``s`` tokens is its row at ``dp x s``)."""
+        ``Moe`` table at attention-DP size ``dp`` and ``s`` tokens is its row at ``dp x s``). None
+        (the roofline prices it) where the ``Moe`` table's balanced rows of the shape at its EP size
+        are a broken measurement by the calibration's rule (``calibrate_rows.broken_ep_sizes``; H100
+        rc20, bf16 4096 x 1,024, 512 experts, EP4: 5.08 ms at 64 tokens, EP2 2.14), power-law routing
+        included (the calibration's routing factors are joined to the balanced rows it keeps)."""
         kernel = str(attrs["kernel"])
         quant = moe_quant(self.framework, kernel)
         if quant is None:
@@ -418,6 +423,10 @@ class MeasuredPricer:
         else:
             tokens = max(1, round(float(attrs["tokens"])))
             moe = shape | {"attention_dp_size": 1}
+        key = (shape["topk"], shape["num_experts"], shape["hidden_size"], shape["inter_size"], moe_tp)
+        rows = balanced_moe_rows(self.system, self.framework, quant, key)
+        if any(broken.ep == shape["moe_ep_size"] for broken in broken_ep_sizes(rows)):
+            return None
         moe |= {"moe_tp_size": moe_tp, "moe_backend": None, "is_context": True}
         return self._evaluate({"Moe": moe}, context=True, batch=1, s=tokens, x=tokens)
 

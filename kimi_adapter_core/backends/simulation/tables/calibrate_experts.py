@@ -25,7 +25,7 @@ from .calibrate_fit import (
     _point_curve,
     _shape_curves,
 )
-from .calibrate_rows import RowFilter, _all_rows, measured
+from .calibrate_rows import SLOWER_MS, SLOWER_RATIO, RowFilter, _all_rows, broken_ep_sizes, measured
 
 # kadapt grouped-GEMM kernel -> (AIConfigurator moe_dtype, weight bytes per parameter, peak key)
 MOE_DTYPES = {
@@ -114,11 +114,13 @@ def moe_curves(
         # each row's bound once, for every fit below to read (pricing the rows again for each of
         # hundreds of shapes took a fifth of a table's time)
         table = table.assign(ideal=ideal(table))
-        balanced = table[table.distribution == "balanced"]
+        balanced, left_out = _without_broken_ep(table[table.distribution == "balanced"], EXPERT_SHAPE)
         floor_ms = _pipeline_floor(balanced)
+        sharded = _expert_tp_curves(root, framework, dtype, ideal, floor_ms, found.source, row_filter)
+        note = _left_out_note([*left_out, *sharded[2]])
         curves[key] = {
             **_expert_curve(balanced, floor_ms, MOE_GRID),
-            "source": f"{found.source}, balanced; {BY_SHAPE}",
+            "source": f"{found.source}, balanced; {BY_SHAPE}{note}",
             "shapes": _shape_curves(
                 balanced,
                 EXPERT_SHAPE,
@@ -131,7 +133,7 @@ def moe_curves(
             factors[key] = {
                 "pairs_per_expert": MOE_GRID,
                 "factor": _median_curve(joined, "pairs_per_expert", MOE_GRID, "ratio"),
-                "source": f"{found.source}, power_law_1.01 / balanced; {BY_SHAPE}",
+                "source": f"{found.source}, power_law_1.01 / balanced; {BY_SHAPE}{note}",
                 "shapes": _shape_curves(
                     joined,
                     EXPERT_SHAPE,
@@ -139,7 +141,6 @@ def moe_curves(
                     EXPERT_LAYOUT,
                 ),
             }
-        sharded = _expert_tp_curves(root, framework, dtype, ideal, floor_ms, found.source, row_filter)
         curves[key]["shapes"][:0] = sharded[0]  # first: a whole-expert shape never matches them
         if key in factors:
             factors[key]["shapes"][:0] = sharded[1]
@@ -159,14 +160,15 @@ def _expert_tp_curves(
     floor_ms: float,
     source: str,
     row_filter: RowFilter,
-) -> tuple[list[Any], list[Any]]:
+) -> tuple[list[Any], list[Any], list[str]]:
     """Efficiency and power-law curves per shape of the rows measured with expert TP (``moe_tp_size``
     > 1: each rank holds ``inter_size / moe_tp_size`` of every local expert and runs all of its EP
     shard's pairs), from the file and kernel of the whole-expert curves (``source``; none otherwise:
     another kernel's rows are not this one's). Matched by ``moe_tp`` and the rank's width, which a
     whole-expert op (no ``moe_tp``) never matches: TensorRT-LLM's DeepSeek-V3 experts at MoE-TP8 ran
     a 4k prefill in 2.4x the time of EP8 (H200), which the width-matched whole-expert curves put at
-    1.5x."""
+    1.5x. Also the shapes' EP sizes left out (``_without_broken_ep``), for the whole-expert curve's
+    source."""
 
     def select(t: Any) -> Any:
         keep = (t.moe_dtype == dtype) & (t.moe_tp_size > 1) & ~t.kernel_source.str.contains("nongated")
@@ -176,17 +178,17 @@ def _expert_tp_curves(
     try:
         found = measured(root, ("moe", "moe_perf.parquet"), framework, select, row_filter)
     except KadaptError:
-        return [], []
+        return [], [], []
     if found.source != source:
-        return [], []
+        return [], [], []
     table = found.rows
     table = table.assign(inter_size=table.inter_size // table.moe_tp_size)  # the width a rank holds
     local = table.num_experts / table.moe_ep_size
     pairs = table.num_tokens * table.topk / table.moe_ep_size
     table = table.assign(pairs_per_expert=pairs / local, pairs=pairs, local=local)
     table = table.assign(ideal=ideal(table))
-    balanced = table[table.distribution == "balanced"]
     columns = EXPERT_SHAPE | {"moe_tp": "moe_tp_size"}
+    balanced, left_out = _without_broken_ep(table[table.distribution == "balanced"], columns)
     curves = _shape_curves(
         balanced,
         columns,
@@ -200,9 +202,11 @@ def _expert_tp_curves(
         lambda rows: _factor_curve(rows, _pipeline_floor(rows, floor_ms)),
         EXPERT_LAYOUT,
     )
-    return [c | {"source": f"{source}, balanced, expert TP"} for c in curves], [
-        f | {"source": f"{source}, power_law_1.01 / balanced, expert TP"} for f in factors
-    ]
+    return (
+        [c | {"source": f"{source}, balanced, expert TP"} for c in curves],
+        [f | {"source": f"{source}, power_law_1.01 / balanced, expert TP"} for f in factors],
+        left_out,
+    )
 
 
 def _model_shapes(rows: Any, dtype: str) -> Any:
@@ -213,6 +217,45 @@ def _model_shapes(rows: Any, dtype: str) -> Any:
     if dtype in EVERY_SHAPE:
         return rows
     return rows[(rows.hidden_size >= 4096) & (rows.num_experts >= 64)]
+
+
+def _without_broken_ep(balanced: Any, columns: dict[str, str]) -> tuple[Any, list[str]]:
+    """``balanced`` without the EP sizes ``calibrate_rows.broken_ep_sizes`` leaves out of each model
+    shape (``columns`` but the EP size), and each one left out, named for a curve's source:
+    AIConfigurator's rows of an EP size slower than a smaller one's at the same tokens are a broken
+    measurement of less work, and a shape's curve fitted on them priced it so (TensorRT-LLM rc20 on
+    H100, hidden 4096 x 1,024, 512 experts at EP4: efficiency ~0.2 and a 148 us floor, where its EP2
+    and EP8 reach 0.83-0.94 and 35-41 us; Qwen3-Next's experts priced from it at 69 ms a 2k prefill,
+    8 on B200). Their power-law rows go with them: the routing factors are joined to these rows."""
+    names = {attr: column for attr, column in columns.items() if column != "moe_ep_size"}
+    shape = list(names.values())
+    medians = balanced.groupby([*shape, "moe_ep_size", "num_tokens"]).latency.median()
+    left_out: list[tuple[int, ...]] = []
+    labels = []
+    for values, rows in medians.groupby(level=list(range(len(shape)))):
+        latency: dict[int, dict[int, float]] = {}
+        for (*_, ep, tokens), ms in rows.items():
+            latency.setdefault(int(ep), {})[int(tokens)] = float(ms)
+        for broken in broken_ep_sizes(latency):
+            left_out.append((*map(int, values), broken.ep))
+            named = ", ".join(f"{attr} {int(v)}" for attr, v in zip(names, values, strict=True))
+            labels.append(f"{named}, EP {broken.ep} ({broken.slower} of {broken.compared} rows)")
+    if not left_out:
+        return balanced, []
+    keep = ~balanced.set_index([*shape, "moe_ep_size"]).index.isin(left_out)
+    return balanced[keep], labels
+
+
+def _left_out_note(labels: list[str]) -> str:
+    """What a dtype's curves' source says of the EP sizes left out of its shapes ("" where none is)."""
+    if not labels:
+        return ""
+    return (
+        f"; balanced rows left out where an EP size's rows took over {SLOWER_RATIO}x and "
+        f"{SLOWER_MS * 1e3:.0f} us more than a smaller EP size's at the same tokens at over half its token "
+        f"counts (a larger EP size runs less work per rank: a broken measurement; the shape prices from the "
+        f"EP sizes around it): {'; '.join(labels)}"
+    )
 
 
 def _routing_pairs(table: Any, even: Any, skew: str = "power_law_1.01") -> Any:

@@ -7,11 +7,15 @@ a ``source``; ``_read_table`` keeps the last few parquet files read, since one t
 from the same files again. Separate from the fits (``calibrate_gemm``, ``calibrate_experts``,
 ``calibrate_attention``, ``calibrate_mla_module``, ``calibrate_all_reduce``) because choosing the data is
 one rule for every op kind, and the only code here that knows AIConfigurator's folder layout.
+
+``broken_ep_sizes`` is the rule that leaves a routed-expert shape's broken EP sizes out: the calibration
+applies it to the rows it fits on, the measured cost model (``estimate/measured.py``) to the rows
+AIConfigurator prices from, so both leave out the same measurements.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -23,6 +27,12 @@ from ....errors import KadaptError
 
 FRAMEWORKS = ("trtllm", "sglang", "vllm")  # the order a missing kernel is borrowed in
 RowFilter = Callable[[str, Any], Any]  # (op, rows) -> the rows to fit on
+# a balanced expert row is slower than the fastest smaller EP size's at the same tokens where it takes
+# over SLOWER_RATIO x that row and over SLOWER_MS more; an EP size with over BROKEN_SHARE of its rows so
+# is left out (``broken_ep_sizes``)
+SLOWER_RATIO = 1.3
+SLOWER_MS = 0.05
+BROKEN_SHARE = 0.5
 
 
 def _tables(system: str) -> Path:
@@ -92,3 +102,50 @@ def measured(
                 f"{where} ({kernel})",
             )
     raise KadaptError(f"AIConfigurator's {root.name} tables hold no {op}/{file} rows for {framework}")
+
+
+@dataclass(frozen=True)
+class BrokenEp:
+    """An EP size of one routed-expert shape whose balanced rows are left out, and how many were slower."""
+
+    ep: int
+    slower: int  # rows slower than the fastest smaller EP size's at the same tokens
+    compared: int  # rows at a token count a smaller EP size kept also measured
+
+
+def broken_ep_sizes(latency: Mapping[int, Mapping[int, float]]) -> tuple[BrokenEp, ...]:
+    """The EP sizes of one routed-expert shape (same model shape, quant, framework and kernel) whose
+    balanced rows are a broken measurement, from ``latency`` (EP size -> tokens -> ms).
+
+    Why a larger EP size may not be slower: at the same tokens a rank of EP ``e`` holds ``1/e`` of the
+    experts and runs ``tokens x top_k / e`` token-expert pairs, at the same pairs per local expert, so
+    its grouped GEMMs do a fraction ``e'/e`` of an EP ``e'`` rank's work at the same efficiency, and its
+    fixed pipeline cost (routing and permuting every token on the TP path) is the same. So a row over
+    ``SLOWER_RATIO`` x the fastest smaller EP size's row at the same tokens, and over ``SLOWER_MS``
+    slower (the pipeline's run-to-run spread at a few tokens, where rows take 0.05-0.2 ms), was not a
+    measurement of less work. One such row is kept: AIConfigurator's tables hold them at one to a few
+    tokens and past 12k tokens at EP 32-256 in every table (Blackwell's included), never more than a
+    third of an EP size's rows. An EP size with over ``BROKEN_SHARE`` of its rows so is left out whole
+    (every one found holds 59-100%, all TensorRT-LLM 1.3.0rc20's on H100 / H200: bf16 hidden 4096 x
+    1,024, 512 experts top-10 at EP4 on H100 takes 5.08 ms at 64 tokens against 2.14 at EP2 and 0.55
+    at EP8, rc10's 1.52): its rows at the few token counts it passes are the same broken run, and the
+    shape then prices from the EP sizes around it. The EP sizes left out set no reference for larger
+    ones. The same EP sizes are left out at a ratio of 1.2 to 1.5 (``SLOWER_RATIO``); without the
+    ``SLOWER_MS`` margin 11 more would be, all Hopper's at EP 128-256, whose rows of tens of
+    microseconds (mostly the fixed cost) sit under 50 us above a smaller EP size's.
+    Checked smallest EP size first; the smallest measured is never left out (nothing to compare)."""
+    fastest: dict[int, float] = {}  # tokens -> the fastest row of the smaller EP sizes kept
+    broken = []
+    for ep in sorted(latency):
+        rows = latency[ep]
+        compared = [(tokens, ms) for tokens, ms in rows.items() if tokens in fastest]
+        slower = sum(
+            ms > SLOWER_RATIO * fastest[tokens] and ms - fastest[tokens] > SLOWER_MS
+            for tokens, ms in compared
+        )
+        if compared and slower > BROKEN_SHARE * len(compared):
+            broken.append(BrokenEp(int(ep), slower, len(compared)))
+            continue
+        for tokens, ms in rows.items():
+            fastest[tokens] = min(ms, fastest.get(tokens, ms))
+    return tuple(broken)

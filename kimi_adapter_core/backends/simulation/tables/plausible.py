@@ -13,8 +13,8 @@ top-1 model at EP8-64, a 256-expert one at EP64) or the 0.001 clamp at 1-64 pair
 
 The bands are fitted from the table's own spread: over every point at one or more pairs per local
 expert of every shape curve of that dtype, Tukey's fences in log(factor) - the quartiles +- 3
-interquartile ranges ("far out": [0.25, 4.1] for H200 / TensorRT-LLM bf16, [0.32, 3.6] for its
-fp8-block experts) and +- 6 ([0.08, 13.6], [0.11, 10.2]). A shape curve is not used where over a
+interquartile ranges ("far out": [0.28, 3.8] for H200 / TensorRT-LLM bf16, [0.32, 3.6] for its
+fp8-block experts) and +- 6 ([0.09, 11.8], [0.11, 10.2]). A shape curve is not used where over a
 quarter of its checked points lie outside the first band (its rows are wrong across the range: the
 audited shape, every point 3.7-10) or any point outside the second (a 0.001 clamp or a 20-750x
 point); a point or a few just outside the first band is the rows' noise and stays (MXFP4 on H100 /
@@ -24,8 +24,8 @@ EP sizes around it, else the other model widths at its EP size, else the median 
 ``curves.measured_across``), and the op's ``source`` says so (``KernelTable.imbalance_note``). Below
 one pair per expert the points are not checked: the time above the pipeline floor is a fraction of
 one expert's pass and the curve's ``floor_factor`` prices the rank routed fewer experts. Only the
-routing factors: the efficiency curves' anomalies (a shape's balanced rows slower than its
-neighbours') are left to the calibration, whose rows they reproduce.
+routing factors: a shape's balanced rows slower than a smaller EP size's never reach a table (the
+calibration leaves them out: ``calibrate_rows.broken_ep_sizes``).
 
 Separate from ``kernels`` (loading and queries) because this is one rule on one section's values,
 applied where a table is loaded so every table, shipped or user, is held to it.
