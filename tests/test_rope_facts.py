@@ -66,9 +66,10 @@ STATED: dict[str, tuple[str, dict[str, Any]]] = {
             },
         },
     ),
-    # unchanged: a plain rope, a whole-head factor (Nemotron-H states 1.0) and no rope at all
+    # unchanged: a plain rope and no rope at all; Nemotron-H's config states a rope_theta (and a whole-head
+    # partial_rotary_factor 1.0), but transformers' NemotronHAttention applies no rope (config_keys ``fixed``)
     "mistral": ("rope default", {"type": "default", "theta": 10000.0}),
-    "nemotron_h": ("rope default", {"type": "default", "theta": 10000.0}),
+    "nemotron_h": ("rope none", {"type": "none", "theta": None}),
     "kimi_linear": ("rope none", {"type": "none", "theta": None}),
 }
 

@@ -59,7 +59,7 @@ behaviour only for claimed modules, checked on every call.
 Text backbone: 52 layers, hidden 2688, 23/52 linear-attention layers (Mamba2 SSM 64x64 heads, state
 128, 8 groups, conv 4), GQA 32 heads / 2 KV heads x 128, 23/52 blocks an MLP alone (no mixer), MoE
 128 experts top-6 + 1 shared (width 1856, sigmoid, normalized), 29/52 blocks a mixer alone (no MLP),
-rope default.
+rope none.
 KV cache: layout `heads` (the default of GQA attention); per layer and token a key of 2 x 128 and a
 value of 2 x 128 (heads x width).
 Linear-attention layers (23 of 52, ``LAYER_KINDS``) keep no KV cache: per request a conv window of
@@ -5448,7 +5448,7 @@ MODEL_CLASSES = ("AutoModelForImageTextToText", "AutoModelForCausalLM", "AutoMod
 # The text backbone as kadapt derives it from SOURCE_CONFIG after the extraction bridges:
 # 52 layers, hidden 2688, 23/52 linear-attention layers (Mamba2 SSM 64x64 heads, state 128, 8 groups, conv
 # 4), GQA 32 heads / 2 KV heads x 128, 23/52 blocks an MLP alone (no mixer), MoE 128 experts top-6 + 1
-# shared (width 1856, sigmoid, normalized), 29/52 blocks a mixer alone (no MLP), rope default
+# shared (width 1856, sigmoid, normalized), 29/52 blocks a mixer alone (no MLP), rope none
 STRUCTURE: dict[str, Any] = {
     "attention": {"head_dim": 128, "kind": "gqa", "num_heads": 32, "num_kv_heads": 2, "v_head_dim": 128},
     "hidden_size": 2688,
@@ -5531,7 +5531,7 @@ STRUCTURE: dict[str, Any] = {
     },
     "num_layers": 52,
     "num_mtp_layers": 0,
-    "rope": {"theta": 10000.0, "type": "default"},
+    "rope": {"theta": None, "type": "none"},
     "tie_word_embeddings": False,
     "vocab_size": 131072,
 }
@@ -5649,6 +5649,9 @@ FACT_KEYS: dict[str, tuple[str, ...]] = {
     "sliding_window_pattern": ("sliding_window_pattern",),
     "use_sliding_window": ("use_sliding_window",),
 }
+# Facts nemotron_h's modelling code fixes whatever its config says (kadapt's table of
+# fixed facts): ``_fact`` reads them from here, never from the config.
+FIXED_FACTS: dict[str, Any] = {"rope_parameters": None, "rope_theta": None}
 
 # The model config as shipped with the spec (before bridges).
 SOURCE_CONFIG: dict[str, Any] = {
@@ -5923,7 +5926,10 @@ def text_config(config: Any) -> Any:
 
 
 def _fact(config: Any, fact: str, default: Any = None) -> Any:
-    """``fact`` of a text config (object or mapping): the first key of ``FACT_KEYS[fact]`` set, not None."""
+    """``fact`` of a text config (object or mapping): the first key of ``FACT_KEYS[fact]`` set, not None;
+    a fact the family's code fixes (``FIXED_FACTS``) whatever the config says."""
+    if fact in FIXED_FACTS:  # its config key is not read
+        return FIXED_FACTS[fact]
     for key in FACT_KEYS[fact]:
         value = config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
         if value is not None:
