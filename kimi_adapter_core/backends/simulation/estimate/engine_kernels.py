@@ -142,6 +142,21 @@ def _quant(op: Op) -> Op:
     return _kernel(op, "act_quant", elements * 3 + elements / SCALE_GROUP * 4)
 
 
+def _qk_normed(ops: list[Op]) -> set[tuple[str, str]]:
+    """``(scope, module)`` of every module holding a per-head ``q_norm`` / ``k_norm`` vector kernel
+    below it (each enclosing module of one): an attention there has q/k norms. One pass over the step,
+    not one per attention op."""
+    normed: set[tuple[str, str]] = set()
+    for o in ops:
+        parent, _, leaf = o.module.rpartition(".")
+        if o.kind != "vector" or leaf not in ("q_norm", "k_norm"):
+            continue
+        while parent:
+            normed.add((o.scope, parent))
+            parent = parent.rpartition(".")[0]
+    return normed
+
+
 def _attention_kernels(op: Op, rules: tuple[str, ...], qk_norm: bool) -> list[Op]:
     """The rope and cache-write kernels the engine runs around an MLA or GQA attention op of a decode
     step (none around other attention kernels: their engines' source has not been read for them)."""
@@ -202,6 +217,7 @@ def engine_kernels(ops: list[Op], framework: str, decode: bool, device: Device) 
     fp8_cores = "fp8" in device.peak_flops
     quantizes = {"act_quant", "bmm_quant"} & set(rules) if fp8_cores or "marlin_fp8" not in rules else set()
     marlin = "marlin_moe" in rules and not fp8_cores
+    normed = _qk_normed(ops)
     out: list[Op] = []
     quantized: set[tuple[str, int]] = set()
     for op in ops:
@@ -212,14 +228,7 @@ def engine_kernels(ops: list[Op], framework: str, decode: bool, device: Device) 
                 quantized.add(key)
                 out.append(_quant(op))
         if op.kind == "attention" and op.attrs.get("decode"):
-            qk_norm = any(
-                o.kind == "vector"
-                and o.scope == op.scope
-                and o.module.startswith(op.module + ".")
-                and o.module.rpartition(".")[2] in ("q_norm", "k_norm")
-                for o in ops
-            )
-            out += _attention_kernels(op, rules, qk_norm)
+            out += _attention_kernels(op, rules, (op.scope, op.module) in normed)
         if marlin and op.kind == "experts" and op.attrs.get("kernel") == "w4a16_mxfp4":
             out += _marlin_moe(op)
         out.append(op)
