@@ -48,7 +48,7 @@ MAX_POSITIONS = 1 << 32  # Llama-4-Scout: 10,485,760 (10M tokens); default confi
 
 @dataclass(frozen=True)
 class Rule:
-    """What one value must be: ``kind`` int | number | bool | mapping | ints | strings, within
+    """What one value must be: ``kind`` int | number | bool | string | mapping | ints | strings, within
     ``[low, high]`` for numbers; ``what`` is how a finding names it (``a positive integer``)."""
 
     kind: str
@@ -101,6 +101,8 @@ def _has_kind(kind: str, value: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if kind == "bool":
         return isinstance(value, bool)
+    if kind == "string":
+        return isinstance(value, str)
     if kind == "mapping":
         return isinstance(value, Mapping)
     return isinstance(value, Sequence) and not isinstance(value, (str, bytes))  # ints, strings
@@ -266,27 +268,42 @@ def shown_path(path: str | os.PathLike[str]) -> str:
         return str(absolute)
 
 
-# the numbers of a rope mapping read as sizes or scales (``rope_of``); any other number must be finite
+# the entries of a rope mapping ``rope_of`` reads: the type names it (and the label states it), the
+# numbers are sizes or scales; any other number must be finite
+ROPE_TYPE = Rule("string", "a rope type name (a string)")
 ROPE_RULES: dict[str, Rule] = {
+    "rope_type": ROPE_TYPE,
+    "type": ROPE_TYPE,
     "rope_theta": POSITIVE_NUMBER,
-    "factor": POSITIVE_NUMBER,
+    # the factor stretches a trained context of at least one position to at most MAX_POSITIONS
+    "factor": Rule("number", "a positive finite number", 0, MAX_POSITIONS, exclusive_low=True),
     "partial_rotary_factor": FRACTION,
     "original_max_position_embeddings": _positive(MAX_POSITIONS),
 }
+# an entry of a rope mapping nested per layer type or label (Gemma-3's, DeepSeek-V4's): ``rope_of``
+# reads each as that layer type's rope, null as none
+LAYER_ROPE = Rule("mapping", "a layer type's or label's mapping of RoPE parameters (or null: no rope)")
 
 
 def rope_violations(key: str, params: Mapping[str, Any], *, nested: bool = True) -> list[Violation]:
     """Numbers of a ``rope_parameters`` mapping (and of its per-layer-type mappings, one level down)
-    must be finite; theta, the scaling factor, the rotated share of the head (at most all of it) and the
-    original context are read as such (``ROPE_RULES``); ``key`` is the mapping's path in the config file."""
+    must be finite; the type, theta, the scaling factor, the rotated share of the head (at most all of
+    it) and the original context are read as such (``ROPE_RULES``), a mapping or not. A mapping nested
+    per layer type holds a mapping or null under every other key, as ``rope_of`` reads it (a string
+    there would be dropped unread). ``key`` is the mapping's path in the config file."""
+    per_layer_type = nested and any(
+        isinstance(value, Mapping) for name, value in params.items() if name not in ROPE_RULES
+    )
     found = []
     for name, value in params.items():
         path = f"{key}.{name}"
-        if isinstance(value, Mapping) and nested:
-            found += rope_violations(path, value, nested=False)
-        elif name in ROPE_RULES and value is not None:  # derive reads them as numbers
+        if name in ROPE_RULES and value is not None:  # derive reads them as a name or numbers
             found += _violation(path, value, ROPE_RULES[name])
-        elif _has_kind("number", value):  # the rest may be strings (rope_type) or flags
+        elif isinstance(value, Mapping) and nested:
+            found += rope_violations(path, value, nested=False)
+        elif per_layer_type and value is not None:
+            found += _violation(path, value, LAYER_ROPE)
+        elif _has_kind("number", value):  # the rest may be strings or flags
             found += _violation(path, value, FINITE_NUMBER)
     return found
 
@@ -324,6 +341,7 @@ def cross_field(facts: Facts, prefix: str) -> list[Violation]:
         _top_k_groups_within,
         _linear_heads_split,
         _output_groups_split,
+        _rope_flag_per_layer,
     )
     found = [rule(facts) for rule in rules]
     return [Violation(prefix + key, problem) for key, problem in filter(None, found)]
@@ -366,6 +384,16 @@ def _width_per_head(facts: Facts) -> tuple[str, str] | None:
         return None
     problem = f"{heads} heads leave no width per head of the {hidden} hidden ({facts.key('hidden_size')})"
     return facts.key("num_heads"), problem + " and no head_dim is set"
+
+
+def _rope_flag_per_layer(facts: Facts) -> tuple[str, str] | None:
+    """Llama-4's ``no_rope_layers``: a flag for every layer (transformers indexes it by layer; an empty
+    list is the class's default)."""
+    flags, layers = facts.value("rope_layer_flags"), facts.value("num_layers")
+    if not flags or layers is None or len(flags) >= layers:
+        return None
+    expected = f"expected a flag for each of the {layers} layers ({facts.key('num_layers')})"
+    return facts.key("rope_layer_flags"), f"{expected}, found {len(flags)}"
 
 
 def _at_most(facts: Facts, fact: str, whole: str, what: str) -> tuple[str, str] | None:

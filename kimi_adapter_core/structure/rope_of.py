@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, Protocol
 
-from ..errors import KadaptError
 from .rope import BY_LABEL, PER_LAYER_TYPE, Rope
 
 # rope types whose scaling stretches a trained context: transformers fills their
@@ -69,11 +68,7 @@ def rope_flags(read: Reader, num_layers: int) -> list[int] | None:
     ``attention_chunk_size`` (Llama-4's) every 4th (the class's default). None: the config says nothing
     of NoPE layers."""
     flags = read.get("rope_layer_flags")
-    if flags:
-        if len(flags) < num_layers:
-            raise KadaptError(
-                f"{read.where}: no_rope_layers lists {len(flags)} layers, the model has {num_layers}"
-            )
+    if flags:  # a flag for every layer at least (``bounds``: checked with the config's values)
         return [int(flag) for flag in flags[:num_layers]]
     interval = read.get("no_rope_interval")
     if interval is None and not read.get("attention_chunk_size"):
