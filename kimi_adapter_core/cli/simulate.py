@@ -92,8 +92,9 @@ from .sweep_options import run_sweep, sweep_options
     "--eager",
     is_flag=True,
     help="Price the step as an engine that runs it without CUDA graphs (e.g. TensorRT-LLM 0.17's PyTorch "
-    f"backend by default): every launched kernel takes at least {HOST_US:g} us of host time to launch "
-    "(docs/cost_model.md). A step or --concurrency.",
+    f"backend by default): every launched kernel takes at least {HOST_US:g} us of host time to launch, "
+    "the host time chosen on TensorRT-LLM 0.17's published points (another engine's may differ; "
+    "docs/cost_model.md). A step or --concurrency.",
 )
 @click.option(
     "--top", type=int, default=25, show_default=True, help="Rows of the op table in text output (0: all)."
