@@ -53,6 +53,10 @@ def test_an_eager_step_takes_at_least_its_launches_times_the_host_time() -> None
         else:
             assert (e.time, e.bound) == (g.time, g.bound)  # a kernel longer than a launch keeps its price
     assert 0 < floored < len(graphed.kernels)  # the llama decode step has kernels on both sides of 41.5 us
+    # the cost model's source summary names the host for the kernels it bounds, not the tables
+    hosted = eager.launches(k for k in eager_step.kernels if k.bound == "host")  # each once per layer
+    assert eager_step.sources()[eager.HOST_SOURCE] == (floored, pytest.approx(hosted * HOST))
+    assert eager.HOST_SOURCE not in graphed.sources()
 
 
 def test_a_graphed_step_is_the_step_as_priced() -> None:

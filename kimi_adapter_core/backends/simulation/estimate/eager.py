@@ -40,6 +40,8 @@ if TYPE_CHECKING:  # torch-free: the CLI reads HOST_US for its help without impo
 # host time per launched kernel of an eager step (us): chosen on dstack's TensorRT-LLM 0.17 PyTorch
 # backend points at concurrency 4 and 8 on 8 x H200 (development split; ``benchmarks/eager_launch.py``)
 HOST_US = 41.5
+# what the cost model's source summary names a kernel the host's launch time bounds
+HOST_SOURCE = "host launch (eager)"
 
 
 def eager_step(kernels: Iterable[Priced], host: float) -> list[Priced]:

@@ -23,7 +23,7 @@ from ..model.rank_model import trace_rank
 from ..model.tracer import Op, fuse
 from ..tables.device import Device
 from .cost import Priced, fold_modules, kernel_table, overlap_shared_experts, price
-from .eager import eager_step
+from .eager import HOST_SOURCE, eager_step
 from .engine_kernels import engine_kernels
 from .planner import Memory, activation_bytes, kv_sizing, memory, state_kinds, weight_lines
 from .topology import layout_notes
@@ -84,11 +84,13 @@ class Simulation:
         return sorted(rows, key=lambda r: r.time, reverse=True)
 
     def sources(self) -> dict[str, tuple[int, float]]:
-        """Per price source: (kernels, seconds of the step)."""
+        """Per price source: (kernels, seconds of the step). A kernel whose time an eager engine's host
+        sets (bound ``host``) counts under ``HOST_SOURCE``, not under the table that priced its work."""
         out: dict[str, tuple[int, float]] = {}
         for k in self.kernels:
-            count, time = out.get(k.source, (0, 0.0))
-            out[k.source] = (count + 1, time + k.total)
+            source = HOST_SOURCE if k.bound == "host" else k.source
+            count, time = out.get(source, (0, 0.0))
+            out[source] = (count + 1, time + k.total)
         return out
 
 
