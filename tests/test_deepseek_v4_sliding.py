@@ -85,17 +85,19 @@ def test_the_structure_states_the_attention_the_rope_labels_and_the_hash_layers(
     text = s.describe()
     assert "MQA 4 heads / 1 KV heads x 16, shared key/value head" in text
     assert "output in 8 groups of rank 16" in text and "2 layers pick them by token id" in text
+    # the rotated width is qk_rope_head_dim (the attention's "rope on the last 8 channels"): the config's
+    # partial_rotary_factor, the same width as a fraction, is not stated twice
     assert (
-        "rope by label (every layer takes each): default partial 0.5 theta 1.6e5 (compress), "
-        "default partial 0.5 theta 1e4 (main)" in text
+        "rope by label (every layer takes each): default theta 1.6e5 (compress), default theta 1e4 (main)"
+        in text
     )
     data = s.to_dict()
     assert data["rope"] == {
         "type": "by_label",
         "theta": None,
         "by_label": {
-            "compress": {"type": "default", "theta": 160000.0, "partial_rotary_factor": 0.5},
-            "main": {"type": "default", "theta": 10000.0, "partial_rotary_factor": 0.5},
+            "compress": {"type": "default", "theta": 160000.0},
+            "main": {"type": "default", "theta": 10000.0},
         },
     }
     assert data["attention"]["form"]["o_groups"] == 8 and data["moe"]["hash_layers"] == (0, 1)

@@ -62,8 +62,8 @@ q_lora_rank 1024, rope on the last 64 channels (interleaved), sinks, output in 8
 compressed sparse layers (a compressor of every 4 tokens into one 512-wide entry over 2 overlapping
 windows, a Lightning indexer 64x128 top-512), MoE 256 experts top-6 + 1 shared (width 2048,
 sqrtsoftplus, normalized; 3 layers pick them by token id), 43/43 sliding-window layers, rope by
-label (every layer takes each): yarn x16 from 65536 positions partial 0.125 theta 1.6e5 (compress),
-default partial 0.125 theta 1e4 (main), 4 residual streams (hyper-connections, mixed by Sinkhorn).
+label (every layer takes each): yarn x16 from 65536 positions theta 1.6e5 (compress), default theta
+1e4 (main), 4 residual streams (hyper-connections, mixed by Sinkhorn).
 KV cache: layout `heads` (the default of MQA attention); per layer and token a key of 1 x 512 and a
 value of 1 x 512 (heads x width); sliding-window layers are masked inside the graph (``WINDOWS``).
 DeepSeek-V4 compressed attention: the `hca` and `csa` layers (``LAYER_KINDS``; the others slide with
@@ -5478,9 +5478,8 @@ MODEL_CLASSES = ("AutoModelForImageTextToText", "AutoModelForCausalLM", "AutoMod
 # compressor of every 128 tokens into one 512-wide entry), 21/43 compressed sparse layers (a compressor of
 # every 4 tokens into one 512-wide entry over 2 overlapping windows, a Lightning indexer 64x128 top-512),
 # MoE 256 experts top-6 + 1 shared (width 2048, sqrtsoftplus, normalized; 3 layers pick them by token id),
-# 43/43 sliding-window layers, rope by label (every layer takes each): yarn x16 from 65536 positions partial
-# 0.125 theta 1.6e5 (compress), default partial 0.125 theta 1e4 (main), 4 residual streams (hyper-
-# connections, mixed by Sinkhorn)
+# 43/43 sliding-window layers, rope by label (every layer takes each): yarn x16 from 65536 positions theta
+# 1.6e5 (compress), default theta 1e4 (main), 4 residual streams (hyper-connections, mixed by Sinkhorn)
 STRUCTURE: dict[str, Any] = {
     "attention": {
         "form": {
@@ -5567,11 +5566,10 @@ STRUCTURE: dict[str, Any] = {
             "compress": {
                 "factor": 16.0,
                 "original_max_position_embeddings": 65536,
-                "partial_rotary_factor": 0.125,
                 "theta": 160000.0,
                 "type": "yarn",
             },
-            "main": {"partial_rotary_factor": 0.125, "theta": 10000.0, "type": "default"},
+            "main": {"theta": 10000.0, "type": "default"},
         },
         "theta": None,
         "type": "by_label",

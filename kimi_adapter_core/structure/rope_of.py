@@ -103,6 +103,11 @@ def _rope_kind(read: Reader, params: Mapping[str, Any] | None, *, top_level: boo
     partial = _number(params.get("partial_rotary_factor"))
     if partial is None:  # standardize_rope_params moves a top-level one into every mapping
         partial = _number(read.get("partial_rotary_factor"))
+    if read.get("qk_rope_head_dim") is not None:
+        # the rotated width is a stated size (MLA, DeepSeek-V4), which the attention's description
+        # gives; a fraction beside it says it twice, and some config classes recompute it per layer
+        # type from that size and the layer's head width (Dots3NoteTextConfig), so the JSON's would lie
+        partial = None
     return Rope(
         type=rope_type,
         theta=float(theta) if theta is not None else None,
