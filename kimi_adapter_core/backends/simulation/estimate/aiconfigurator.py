@@ -15,9 +15,9 @@ renamed, so nothing else is touched):
 This module is what both share: the lazy import (without the package ``require()`` raises a
 ``KadaptError`` naming the extra), the kadapt device -> AIConfigurator system map, and the tables
 and engine of one system and framework (``_database``, ``_database_handle``, ``_gpus_per_node``).
-One read goes past the engine: the balanced expert rows of one shape (``balanced_moe_rows``), from
-the table its MoE op loads (as its own ``legacy_moe_compute_coverage`` reads them), which the measured
-cost model holds to the calibration's rule on broken EP sizes.
+One read goes past the engine: the balanced expert rows of one shape, from the table its MoE op loads
+(as its own ``legacy_moe_compute_coverage`` reads them), held to the calibration's rule on broken EP
+sizes once per shape (``broken_moe_eps``) for the measured cost model.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from functools import cache
 from typing import Any
 
 from ....errors import KadaptError
+from ..tables.calibrate_rows import broken_ep_sizes
 
 EXTRA = "measured"
 PACKAGE = "aiconfigurator-core"
@@ -104,7 +105,17 @@ def _gpus_per_node(system: str, framework: str) -> int:
 
 
 @cache
-def balanced_moe_rows(
+def broken_moe_eps(
+    system: str, framework: str, quant: str, shape: tuple[int, int, int, int, int]
+) -> frozenset[int]:
+    """The EP sizes of one routed-expert shape (``_balanced_moe_rows``' key) whose balanced rows the
+    calibration's rule calls a broken measurement (``calibrate_rows.broken_ep_sizes``); judged once per
+    shape, not at every op priced."""
+    rows = _balanced_moe_rows(system, framework, quant, shape)
+    return frozenset(broken.ep for broken in broken_ep_sizes(rows))
+
+
+def _balanced_moe_rows(
     system: str, framework: str, quant: str, shape: tuple[int, int, int, int, int]
 ) -> dict[int, dict[int, float]]:
     """AIConfigurator's balanced routed-expert rows of one shape (``shape``: top-k, experts, hidden,

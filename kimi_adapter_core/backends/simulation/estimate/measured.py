@@ -26,10 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..model.tracer import Op
-from ..tables.calibrate_rows import broken_ep_sizes
 from . import ep_dispatch
 from .aic_modes import GEMM_QUANT, kv_dtype, moe_quant
-from .aiconfigurator import _database_handle, _gpus_per_node, balanced_moe_rows
+from .aiconfigurator import _database_handle, _gpus_per_node, broken_moe_eps
 
 _DSA_KERNELS = ("dsa", "dsa_indexer", "dsa_topk")  # sparse MLA, indexer scoring, top-k (one DSA module)
 # a DSA kernel's sizes -> the key of AIConfigurator's DSA_MODEL_DIMS they must equal
@@ -424,8 +423,7 @@ class MeasuredPricer:
             tokens = max(1, round(float(attrs["tokens"])))
             moe = shape | {"attention_dp_size": 1}
         key = (shape["topk"], shape["num_experts"], shape["hidden_size"], shape["inter_size"], moe_tp)
-        rows = balanced_moe_rows(self.system, self.framework, quant, key)
-        if any(broken.ep == shape["moe_ep_size"] for broken in broken_ep_sizes(rows)):
+        if shape["moe_ep_size"] in broken_moe_eps(self.system, self.framework, quant, key):
             return None
         moe |= {"moe_tp_size": moe_tp, "moe_backend": None, "is_context": True}
         return self._evaluate({"Moe": moe}, context=True, batch=1, s=tokens, x=tokens)
