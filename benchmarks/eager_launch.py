@@ -20,15 +20,11 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Sequence
 
-from serving_anchors import REPO, kadapt_estimate
+from serving_anchors import kadapt_estimate
+from serving_gap import decode_step
 
 from kimi_adapter_core.backends.simulation.estimate import eager
-from kimi_adapter_core.backends.simulation.estimate.simulator import simulate
-from kimi_adapter_core.backends.simulation.model.deployment import Deployment
-from kimi_adapter_core.backends.simulation.search.grid import quant_modes, sweep_inputs
 from kimi_adapter_core.backends.simulation.search.serving_points import ServingPoint, serving_points
-from kimi_adapter_core.backends.simulation.tables.device import get_device
-from kimi_adapter_core.spec import load_spec
 
 DEV_CONCURRENCY = 8  # eager points at this concurrency or below choose the host time; the rest test it
 US = 1e-6
@@ -75,13 +71,7 @@ def _median_error(rows: Sequence[tuple[float, float]]) -> str:
 def decode_steps(point: ServingPoint, host: float) -> tuple[float, float, float, int]:
     """kadapt's decode step (ms) at the point's shape graphed and eager at ``host`` seconds per launch,
     the launch queue's lower bound (ms) and the kernels the step launches."""
-    spec = load_spec(REPO / "specs" / f"{point.spec}.yaml")
-    (inputs,) = sweep_inputs(spec, quant_modes(spec, None)).values()
-    dep = Deployment(
-        point.parallel, point.concurrency, 1, point.isl + point.osl // 2, True, kv_dtype=point.kv_dtype
-    )
-    device = get_device(point.device)
-    graphed = simulate(inputs, spec, dep, device, framework=point.framework)
+    graphed = decode_step(point, 0.0)
     launched = eager.launches(graphed.kernels)
     eager_step = sum(k.total for k in eager.eager_step(graphed.kernels, host))
     bound = max(graphed.step_time, launched * host)

@@ -86,9 +86,9 @@ class Gap:
         return self.point.framework, self.point.device, self.point.version.split(".post")[0]
 
 
-def decode_step(point: ServingPoint) -> Simulation:
+def decode_step(point: ServingPoint, host: float | None = None) -> Simulation:
     """kadapt's decode step of the point as the request pricing decodes it (eager where its engine ran
-    without CUDA graphs)."""
+    without CUDA graphs; ``host`` overrides the host time per launch, seconds)."""
     spec = load_spec(REPO / "specs" / f"{point.spec}.yaml")
     (inputs,) = sweep_inputs(spec, quant_modes(spec, None)).values()
     dep = Deployment(
@@ -98,7 +98,7 @@ def decode_step(point: ServingPoint) -> Simulation:
         point.isl + point.osl // 2,
         True,
         kv_dtype=point.kv_dtype,
-        eager_host=host_time(point),
+        eager_host=host_time(point) if host is None else host,
     )
     return simulate(inputs, spec, dep, get_device(point.device), framework=point.framework)
 
