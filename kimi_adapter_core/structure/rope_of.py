@@ -100,21 +100,28 @@ def _rope_kind(read: Reader, params: Mapping[str, Any] | None, *, top_level: boo
         return Rope("none", None)
     rope_type = str(params.get("rope_type") or params.get("type") or "default")
     theta = params.get("rope_theta") or read.get("rope_theta")
-    partial = _number(params.get("partial_rotary_factor"))
-    if partial is None:  # standardize_rope_params moves a top-level one into every mapping
-        partial = _number(read.get("partial_rotary_factor"))
-    if read.get("qk_rope_head_dim") is not None:
-        # the rotated width is a stated size (MLA, DeepSeek-V4), which the attention's description
-        # gives; a fraction beside it says it twice, and some config classes recompute it per layer
-        # type from that size and the layer's head width (Dots3NoteTextConfig), so the JSON's would lie
-        partial = None
     return Rope(
         type=rope_type,
         theta=float(theta) if theta is not None else None,
         factor=_number(params.get("factor")),
         original_positions=_original_positions(read, params, rope_type, top_level=top_level),
-        partial=partial if partial is not None and partial != 1 else None,
+        partial=_partial(read, params),
     )
+
+
+def _partial(read: Reader, params: Mapping[str, Any]) -> float | None:
+    """The share of each head's width the rope rotates, below 1 (None: all of it, or a stated size):
+    the mapping's ``partial_rotary_factor``, else the config's (``standardize_rope_params`` moves a
+    top-level one into every mapping). Where the config states ``qk_rope_head_dim`` (MLA, DeepSeek-V4)
+    the rotated width is that size, which the attention's description gives: a fraction beside it says
+    it twice, and some config classes recompute it per layer type from that size and the layer's head
+    width (Dots3NoteTextConfig), so the JSON's would lie."""
+    if read.get("qk_rope_head_dim") is not None:
+        return None
+    partial = _number(params.get("partial_rotary_factor"))
+    if partial is None:
+        partial = _number(read.get("partial_rotary_factor"))
+    return partial if partial is not None and partial != 1 else None
 
 
 def _original_positions(
