@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import KadaptError
-from kimi_adapter_core.structure.bounds import ConfigValueError
+from kimi_adapter_core.structure.bounds import ROPE_TYPES, ConfigValueError, rope_violations
 from kimi_adapter_core.structure.derive import derive_structure
 
 REPO = Path(__file__).resolve().parents[1]
@@ -175,3 +175,28 @@ def test_fuzzed_config_values_never_escape(base: str, data: st.DataObject) -> No
         spec, _ = write_spec(Path(folder), base, {key: value})
         for command in ("validate", "plan"):
             assert_clean_exit(run(command, str(spec)))
+
+
+@pytest.mark.compat
+def test_rope_types_are_the_ones_transformers_builds() -> None:
+    """``bounds.ROPE_TYPES`` is the list of rope types the installed transformers validates (and so
+    builds): a release that adds or drops one fails here, not in a user's ``apply``."""
+    from transformers.modeling_rope_utils import RotaryEmbeddingConfigMixin
+
+    prefix, suffix = "_validate_", "_rope_parameters"
+    validated = {
+        name[len(prefix) : -len(suffix)]
+        for name in dir(RotaryEmbeddingConfigMixin)
+        if name.startswith(prefix) and name.endswith(suffix)
+    }
+    assert validated == set(ROPE_TYPES)
+
+
+def test_remote_code_names_its_own_rope_types() -> None:
+    """A spec that loads remote code is not held to transformers' rope types (its classes name their
+    own); the factor of a scaling type still is."""
+    params = {"rope_type": "deepseek_yarn", "factor": 40.0}
+    assert rope_violations("rope_scaling", params, remote_code=True) == []
+    assert [v.key for v in rope_violations("rope_scaling", params)] == ["rope_scaling.rope_type"]
+    null = {"type": "yarn", "factor": None}
+    assert [v.key for v in rope_violations("rope_scaling", null, remote_code=True)] == ["rope_scaling.factor"]

@@ -268,6 +268,14 @@ def shown_path(path: str | os.PathLike[str]) -> str:
         return str(absolute)
 
 
+# the rope types transformers builds: the ``_validate_<type>_rope_parameters`` methods of its
+# ``RotaryEmbeddingConfigMixin`` (5.23 and 5.24 alike; ``test_rope_types`` holds them to the installed
+# release). Its rotary classes look any other up in ``ROPE_INIT_FUNCTIONS`` and fail with a KeyError
+# after kadapt has planned the model; remote code brings its own rope classes and names
+ROPE_TYPES = ("axial", "default", "dynamic", "linear", "llama3", "longrope", "proportional", "yarn")
+# the types that scale by a ``factor``: transformers' validation requires the key (a null one it only
+# warns about, then rotates with a factor of nothing)
+FACTOR_ROPE_TYPES = ("dynamic", "linear", "llama3", "yarn")
 # the entries of a rope mapping ``rope_of`` reads: the type names it (and the label states it), the
 # numbers are sizes or scales; any other number must be finite
 ROPE_TYPE = Rule("string", "a rope type name (a string)")
@@ -285,12 +293,16 @@ ROPE_RULES: dict[str, Rule] = {
 LAYER_ROPE = Rule("mapping", "a layer type's or label's mapping of RoPE parameters (or null: no rope)")
 
 
-def rope_violations(key: str, params: Mapping[str, Any], *, nested: bool = True) -> list[Violation]:
+def rope_violations(
+    key: str, params: Mapping[str, Any], *, remote_code: bool = False, nested: bool = True
+) -> list[Violation]:
     """Numbers of a ``rope_parameters`` mapping (and of its per-layer-type mappings, one level down)
     must be finite; the type, theta, the scaling factor, the rotated share of the head (at most all of
     it) and the original context are read as such (``ROPE_RULES``), a mapping or not. A mapping nested
     per layer type holds a mapping or null under every other key, as ``rope_of`` reads it (a string
-    there would be dropped unread). ``key`` is the mapping's path in the config file."""
+    there would be dropped unread). Each rope mapping names a type transformers builds (not checked for
+    ``remote_code``, whose classes name their own) and carries the factor its type scales by.
+    ``key`` is the mapping's path in the config file."""
     per_layer_type = nested and any(
         isinstance(value, Mapping) for name, value in params.items() if name not in ROPE_RULES
     )
@@ -300,12 +312,29 @@ def rope_violations(key: str, params: Mapping[str, Any], *, nested: bool = True)
         if name in ROPE_RULES and value is not None:  # derive reads them as a name or numbers
             found += _violation(path, value, ROPE_RULES[name])
         elif isinstance(value, Mapping) and nested:
-            found += rope_violations(path, value, nested=False)
+            found += rope_violations(path, value, remote_code=remote_code, nested=False)
         elif per_layer_type and value is not None:
             found += _violation(path, value, LAYER_ROPE)
         elif _has_kind("number", value):  # the rest may be strings or flags
             found += _violation(path, value, FINITE_NUMBER)
-    return found
+    return found if per_layer_type else found + _rope_type_violations(key, params, remote_code)
+
+
+def _rope_type_violations(key: str, params: Mapping[str, Any], remote_code: bool) -> list[Violation]:
+    """One rope mapping's type against the types transformers builds, and the factor its type needs
+    (``rope_of`` reads a missing type as ``default``; a type that is no string is ``ROPE_TYPE``'s)."""
+    name = "rope_type" if "rope_type" in params or "type" not in params else "type"
+    kind = params.get(name) or "default"
+    if not isinstance(kind, str):
+        return []
+    if kind not in ROPE_TYPES and not remote_code:
+        what = f"one of transformers' rope types ({', '.join(ROPE_TYPES)})"
+        return [Violation(f"{key}.{name}", f"expected {what}, found {shown(kind)}")]
+    if kind in FACTOR_ROPE_TYPES and params.get("factor") is None:
+        found = shown(params["factor"]) if "factor" in params else "none"
+        what = f"a positive number (rope type {kind!r} scales by it)"
+        return [Violation(f"{key}.factor", f"expected {what}, found {found}")]
+    return []
 
 
 def _violation(key: str, value: Any, rule: Rule) -> list[Violation]:
