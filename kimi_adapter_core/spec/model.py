@@ -90,11 +90,6 @@ class Patch:
     where: str
 
     @property
-    def per_release(self) -> bool:
-        """True when the pin lists its sources by release (the list form of ``pin:``)."""
-        return any(pin.release is not None for pin in self.pins)
-
-    @property
     def is_remote(self) -> bool:
         return self.target.startswith("remote:")
 

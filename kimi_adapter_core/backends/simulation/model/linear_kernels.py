@@ -66,11 +66,6 @@ def is_gated_delta_net(module: nn.Module) -> bool:
     )
 
 
-def gated_delta_nets(layer: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(path, module) of every gated-DeltaNet mixer inside a decoder layer."""
-    return [(path, m) for path, m in layer.named_modules() if path and is_gated_delta_net(m)]
-
-
 class RankLinearMixer(nn.Module):
     """What every linear-attention / SSM mixer's serving kernels share (gated DeltaNet here, KDA and
     Mamba2 in ``ssm_kernels``): bound to a recorder and a deployment per trace, a causal depthwise conv
