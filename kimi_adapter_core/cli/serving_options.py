@@ -344,6 +344,8 @@ def run_concurrency(
             "chunk": c.chunk,
             "mixed_step_time_s": c.mixed_step_time,
             "fits": c.fits,
+            "in_flight": concurrency - c.queued,
+            "queued": c.queued,
             "notes": notes_json(notes),
         }
         return json.dumps(doc, indent=2)
@@ -359,12 +361,20 @@ def run_concurrency(
         f"{c.tokens_per_s_per_user:.1f} per user ({c.requests_per_s:.2f} requests/s)",
         f"steps: decode {c.decode.step_time * 1e3:.2f} ms, mixed {c.mixed_step_time * 1e3:.2f} ms",
     ]
+    if c.queued:
+        lines.append(
+            f"in flight: {concurrency - c.queued} requests, as many as the KV cache holds beside the weights "
+            f"and activations ({c.memory.used / 1e9:.1f} GB used per device of "
+            f"{(device.memory_bytes or 0) / 1e9:.1f} GB); the other {c.queued} wait in the engine's queue "
+            "(in TTFT)"
+        )
     if marks:
         lines.append(f"topology notes: {','.join(marks)}")
     lines += notes_text(notes)
     if not c.fits:
         lines.append(
             f"WARNING: does not fit in device memory ({c.memory.used / 1e9:.1f} GB used per device of "
-            f"{(device.memory_bytes or 0) / 1e9:.1f} GB); the timing is still informative"
+            f"{(device.memory_bytes or 0) / 1e9:.1f} GB, not one request per DP group beside the weights "
+            "and activations); priced as if it did"
         )
     return "\n".join(lines)

@@ -9,6 +9,12 @@ aggregated (one pool, chunked prefill) at the framework's default step budget (`
 for. The price is the sweep's own candidate for that layout and batch (``request_pricing.aggregated``),
 never a second formula, so the two cannot drift apart.
 
+N requests whose KV cache does not fit beside the weights and activations are not all in flight: the
+engine admits as many as its cache holds and queues the others (``admitted``). The price is then that
+of the requests in flight, and TTFT adds the queue's wait (published runs at 128 requests of 3,200 +
+6,400 tokens on 8 H200 measured TTFTs of 18-21 minutes). Where not even one request per DP group fits,
+the timing is that of all N, and the report says it does not fit.
+
 Disaggregated serving is not priced here: a published xPyD point names two layouts and the pool
 sizes, which the one ``--tp --dp --ep`` layout does not say.
 """
@@ -88,9 +94,53 @@ def price_concurrency(
     pricer: Pricer | None = None,
 ) -> Candidate:
     """The aggregated candidate of ``base.parallel`` serving ``concurrency`` requests of ``workload``
-    (one weight mode: ``inputs`` holds one), fitting in memory or not (``Candidate.fits`` says)."""
+    (one weight mode: ``inputs`` holds one). Where their KV cache does not fit beside the weights and
+    activations, the engine holds as many requests in flight as it does (``admitted``) and the others
+    wait in its queue: the candidate is priced at those in flight, its TTFT adds the wait, and
+    ``Candidate.queued`` counts the waiting requests. Where not even one request per DP group fits, or
+    what does not fit is not the KV cache (a mixed step's activations), the candidate is priced at
+    ``concurrency`` and ``Candidate.fits`` says it does not fit."""
     if len(inputs) != 1:
         raise UsageError("--concurrency prices one weight mode (--quant names one, or none: the checkpoint)")
+    priced = _priced(spec, inputs, device, base, workload, framework_name, concurrency, pricer)
+    held = admitted(priced, concurrency, base.parallel.dp)
+    if held == concurrency or held < base.parallel.dp:
+        return priced
+    in_flight = _priced(spec, inputs, device, base, workload, framework_name, held, pricer)
+    if not in_flight.fits:
+        return priced
+    # the queue drains at the service rate: a request waits (concurrency - held) / rate for its slot
+    # (Little's law over the clients' closed loop: every finished request is replaced at once)
+    wait = (concurrency - held) / in_flight.requests_per_s
+    return replace(in_flight, ttft=in_flight.ttft + wait, queued=concurrency - held)
+
+
+def admitted(candidate: Candidate, concurrency: int, dp: int) -> int:
+    """The requests the engine holds in flight of ``concurrency`` priced as ``candidate``: all of them
+    when they fit, else as many (a multiple of ``dp``: the same in every DP group) as the device memory
+    left beside the weights and activations holds at their full ISL + OSL tokens of KV cache each, as
+    TensorRT-LLM's default capacity scheduler (``GUARANTEED_NO_EVICT``) reserves a request's whole
+    sequence before admitting it. SGLang and vLLM admit on the cache a request holds so far and retract
+    or preempt one when decoding outgrows the cache, so they hold as many on average at best."""
+    memory = candidate.memory
+    if candidate.fits or memory.capacity is None or memory.kv_cache <= 0:
+        return concurrency
+    room = memory.capacity - (memory.used - memory.kv_cache)
+    per_request = memory.kv_cache / concurrency
+    return max(0, min(concurrency, int(room // per_request)) // dp * dp)
+
+
+def _priced(
+    spec: Spec,
+    inputs: Mapping[str | None, ModelInputs],
+    device: Device,
+    base: Deployment,
+    workload: Workload,
+    framework_name: str,
+    concurrency: int,
+    pricer: Pricer | None,
+) -> Candidate:
+    """The one aggregated candidate of ``base.parallel`` at batch ``concurrency``, as priced."""
     search = concurrency_search(spec, inputs, device, base, workload, framework_name, concurrency, pricer)
     result = search.run()
     found = [c for c in result.candidates if c.decode.config.parallel == base.parallel]

@@ -27,7 +27,8 @@ is priced from the step sweep's kernels in one of two serving modes:
   and ``y`` decode workers fit in the devices and the slower pool sets the request rate as high as it
   goes: ``min(x x prefill rate, y x decode rate)``. The KV-cache transfer between pools is not priced.
 
-Queueing is not modelled in either mode: TTFT is that of a lightly loaded server. AIConfigurator
+Queueing is not modelled in either mode: TTFT is that of a lightly loaded server (``concurrency``
+adds the wait of requests the KV cache cannot hold beside the ones in flight). AIConfigurator
 0.12 multiplies its aggregated TTFT by ``min(2 + (steps to prefill the batch - 3) / 20, 4)``
 (TensorRT-LLM and SGLang; vLLM: ``1 + log2(b) / 8``, calibrated), which its source calls a legacy
 heuristic; it also leaves 3 mixed steps out of TensorRT-LLM's and SGLang's TPOT (an empirical
@@ -98,6 +99,8 @@ class Candidate:
     meets_sla: bool
     chunk: int = 0  # agg: prompt tokens per DP group a mixed step carries beside the decode batch
     mixed_step_time: float = 0.0  # agg: seconds of a mixed step (the longest gap between two tokens)
+    # ``--concurrency``: requests the clients keep open beyond what the KV cache holds, waiting (in ttft)
+    queued: int = 0
 
     @property
     def quant(self) -> str | None:
