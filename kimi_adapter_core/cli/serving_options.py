@@ -73,7 +73,8 @@ _SERVING_OPTIONS = (
         default=None,
         help="With --isl/--osl, without --sweep: price the one layout --tp/--dp/--ep serving this many "
         "concurrent requests, aggregated (chunked prefill at --framework's default step budget): TTFT, "
-        "TPOT and output tokens/s per device and per user.",
+        "TPOT and output tokens/s per device and per user. Requests whose KV cache does not fit wait in "
+        "the engine's queue (in TTFT).",
     ),
     click.option(
         "--serving",
