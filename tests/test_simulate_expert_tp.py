@@ -8,6 +8,7 @@ all-to-all. Both cost models are checked against AIConfigurator's own estimate o
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from kimi_adapter_core.backends.simulation.estimate.planner import make_plan
 from kimi_adapter_core.backends.simulation.estimate.simulator import simulate
 from kimi_adapter_core.backends.simulation.model.deployment import Deployment
 from kimi_adapter_core.backends.simulation.model.inputs import ModelInputs, model_inputs
-from kimi_adapter_core.backends.simulation.model.parallel import Parallel
+from kimi_adapter_core.backends.simulation.model.parallel import Parallel, framework_moe_tp
 from kimi_adapter_core.backends.simulation.model.quant import NATIVE
 from kimi_adapter_core.backends.simulation.model.serving_kernels import RoutedExperts
 from kimi_adapter_core.backends.simulation.model.tracer import Op, Recorder
@@ -208,15 +209,31 @@ def test_expert_tp_layouts_against_aiconfigurator(
 
 
 @pytest.mark.parametrize(
-    ("layout", "replicated"), [((), True), (("--moe-tp", "8"), False), (("--ep", "8"), False)]
+    ("layout", "replicated", "moe_tp"),
+    [((), False, 8), (("--moe-tp", "1"), True, 1), (("--ep", "8"), False, 1), (("--ep", "4"), False, 2)],
 )
-def test_replicated_experts_are_stated(layout: tuple[str, ...], replicated: bool) -> None:
-    """``--tp 8`` alone keeps every routed expert whole on every rank, which no serving engine does
-    (vLLM's and SGLang's --tp shards the experts' width): the report says so, and how to ask for either."""
+def test_without_moe_tp_the_experts_are_sharded_as_every_framework_does(
+    layout: tuple[str, ...], replicated: bool, moe_tp: int
+) -> None:
+    """``--tp 8`` alone shards each expert's width over the devices EP leaves, as vLLM's and SGLang's
+    --tp and TensorRT-LLM's default moe_tp_size do; whole experts on every rank, which no serving engine
+    runs, only when asked for (``--moe-tp 1``), and the report says so and how to ask for either."""
     args = ["simulate", str(SPEC_PATH), "--device", "h200", "--tp", "8", "--decode", "--batch", "8", *layout]
-    result = CliRunner().invoke(cli, args)
+    result = CliRunner().invoke(cli, [*args, "--format", "json"])
     assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["parallel"]["moe_tp"] == moe_tp, doc["parallel"]
     note = "routed experts replicated on each of the 8 devices (--ep 1 --moe-tp 1)"
-    assert (note in result.output) is replicated, result.output[-2000:]
+    assert any(note in w for w in doc["warnings"]) is replicated, doc["warnings"]
     if replicated:
-        assert "--moe-tp 8" in result.output and "--ep 8" in result.output
+        assert any("--moe-tp 8" in w and "--ep 8" in w for w in doc["warnings"])
+
+
+def test_the_default_expert_tp_follows_the_model() -> None:
+    """1 for a dense model, where EP spans the devices, and where the devices EP leaves do not divide
+    the expert width (DeepSeek-V3's 2,048: 3 devices); else the devices over EP."""
+    dense = model_inputs(load_spec(REPO / "specs" / "llama.yaml"), None).arch.structure
+    moe = model_inputs(load_spec(SPEC_PATH), None).arch.structure
+    assert framework_moe_tp(dense, 8, 1) == 1
+    assert [framework_moe_tp(moe, 8, ep) for ep in (1, 2, 8)] == [8, 4, 1]
+    assert framework_moe_tp(moe, 3, 1) == 1 and framework_moe_tp(moe, 8, 3) == 1

@@ -68,11 +68,12 @@ _OPTIONS = (
     click.option(
         "--moe-tp",
         type=PARALLEL,
-        default=1,
-        show_default=True,
+        default=None,
         help="Expert-TP size: each rank holds 1/N of every local expert's intermediate width (vLLM's and "
         "SGLang's --tp without expert parallelism: --moe-tp = devices, --ep 1). Above 1, --moe-tp x --ep "
-        "must equal the devices (tp x dp), as AIConfigurator's moe_tp_size x moe_ep_size; 1: whole experts.",
+        "must equal the devices (tp x dp), as AIConfigurator's moe_tp_size x moe_ep_size; 1: whole experts. "
+        "[default: the devices --ep leaves (devices / ep), as every framework shards the experts without "
+        "the flag, where that divides the expert width; else 1; --sweep: 1]",
     ),
     click.option(
         "--quant",

@@ -18,7 +18,7 @@ import click
 
 from ..backends.simulation.estimate.planner import make_plan
 from ..backends.simulation.model.inputs import model_inputs
-from ..backends.simulation.model.parallel import Parallel
+from ..backends.simulation.model.parallel import Parallel, framework_moe_tp
 from ..backends.simulation.report.plan import plan_json, plan_text
 from ..backends.simulation.tables.device import get_device
 from ..spec import load_spec
@@ -49,7 +49,7 @@ def command(
     tp: int,
     dp: int,
     ep: int,
-    moe_tp: int,
+    moe_tp: int | None,
     batch: int,
     seq_len: int | None,
     prefill_chunk: int,
@@ -104,6 +104,8 @@ def command(
     requested = requested_images(spec, inputs.arch, images, image_size)
     profile = get_device(device, device_file) if (device or device_file) else None
     out.detail(f"device: {device_file.resolve() if device_file else device or 'none'}")
+    if moe_tp is None:
+        moe_tp = framework_moe_tp(inputs.arch.structure, tp * dp, ep)
     plan = make_plan(
         inputs,
         Parallel(tp=tp, dp=dp, ep=ep, moe_tp=moe_tp),

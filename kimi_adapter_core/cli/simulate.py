@@ -19,7 +19,7 @@ import click
 from ..atomic import atomic_write_text
 from ..backends.simulation.estimate.eager import HOST_US
 from ..backends.simulation.model.inputs import model_inputs
-from ..backends.simulation.model.parallel import Parallel
+from ..backends.simulation.model.parallel import Parallel, framework_moe_tp
 from ..backends.simulation.tables.device import get_device
 from ..spec import load_spec
 from .deployment_options import deployment_options, image_options, requested_images
@@ -129,7 +129,7 @@ def command(
     tp: int,
     dp: int,
     ep: int,
-    moe_tp: int,
+    moe_tp: int | None,
     quant: str | None,
     mtp: int,
     mtp_acceptance: float,
@@ -215,6 +215,12 @@ def command(
     if eager and (sweep or steps_path is not None or requested is not None):
         flag = "--sweep" if sweep else "--steps" if steps_path is not None else "--images"
         raise click.UsageError(f"--eager prices one step or --concurrency; drop {flag}")
+    if sweep and moe_tp is not None and moe_tp > 1:
+        raise click.UsageError(
+            f"--moe-tp {moe_tp} prices one layout; --sweep searches whole-expert (EP) layouts: drop --moe-tp"
+        )
+    if moe_tp is None:
+        moe_tp = 1 if sweep else framework_moe_tp(inputs.arch.structure, tp * dp, ep)
     dep = Deployment(
         Parallel(tp=tp, dp=dp, ep=ep, moe_tp=moe_tp),
         batch,
@@ -228,10 +234,6 @@ def command(
         HOST_US * 1e-6 if eager else 0.0,
     )
     requests = isl is not None or osl is not None
-    if sweep and moe_tp > 1:
-        raise click.UsageError(
-            f"--moe-tp {moe_tp} prices one layout; --sweep searches whole-expert (EP) layouts: drop --moe-tp"
-        )
     if steps_path is not None:
         given = [
             flag

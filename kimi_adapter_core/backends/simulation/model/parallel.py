@@ -169,6 +169,19 @@ class Parallel:
         return batch // self.dp
 
 
+def framework_moe_tp(s: ModelStructure, devices: int, ep: int) -> int:
+    """The expert TP a framework runs when none is asked for: the devices ``ep`` leaves. vLLM's and
+    SGLang's ``--tp`` without expert parallelism shard every expert's width over the TP group, and
+    TensorRT-LLM's ``moe_tp_size`` defaults to ``tp_size // moe_ep_size``; none replicates whole experts
+    on every device. 1 for a model without routed experts, where EP spans the devices or does not
+    divide them, or where that size does not divide the expert width (the experts are then replicated,
+    and ``simulate`` says so)."""
+    if s.moe is None or not s.moe_layer_ids or ep >= devices or devices % ep:
+        return 1
+    size = devices // ep
+    return size if s.moe.expert_intermediate_size % size == 0 else 1
+
+
 def _keys(s: ModelStructure) -> Callable[[str], str]:
     """`` (config num_attention_heads)``: the config key a size was read from, for a refusal to name
     beside the option (empty for a fact the config states under no key: a nominal or derived size)."""
