@@ -81,6 +81,22 @@ def test_second_run_restores_the_same_bytes_and_report(tmp_path, _private_extrac
     assert [e["id"] for e in reached] == ["K1"]
 
 
+def test_text_summary_says_restored_not_extracted_on_a_hit(tmp_path, _private_extraction_cache):
+    """A hit traces nothing: its summary line must not claim an extraction (it did, at 0.2 s)."""
+
+    def summary(out: Path) -> list[str]:
+        result = CliRunner().invoke(
+            cli, ["apply", str(LLAMA), "--output-dir", str(out)], catch_exceptions=False
+        )
+        assert result.exit_code == 0, result.output
+        return [
+            line for line in result.stdout.splitlines() if line.startswith(("extracted ", "restored llama"))
+        ]
+
+    assert [line.split(" (")[0] for line in summary(tmp_path / "a")] == ["extracted llama"]
+    assert [line.split(" (")[0] for line in summary(tmp_path / "b")] == ["restored llama"]
+
+
 def test_doctor_reports_the_cache(tmp_path, _private_extraction_cache):
     def reported() -> dict[str, Any]:
         result = CliRunner().invoke(cli, ["doctor", "--format", "json"], catch_exceptions=False)

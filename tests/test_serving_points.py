@@ -138,6 +138,8 @@ def test_concurrency_text_and_json() -> None:
         (["--concurrency", "8", *CONCURRENCY[4:], "--sweep"], "drop --sweep"),
         (["--concurrency", "8", *CONCURRENCY[4:], "--decode"], "drop --decode"),
         (["--concurrency", "8", *CONCURRENCY[4:], "--tpot", "10"], "apply to --sweep"),
+        (["--concurrency", "8", *CONCURRENCY[4:], "--cost-model", "measured"], "drop --cost-model measured"),
+        (["--concurrency", "8", *CONCURRENCY[4:], "--devices", "8"], "--devices, --batches and --plot apply"),
         (["--concurrency", "8", *CONCURRENCY[4:], "--tp", "3"], "--tp 3 does not divide"),
     ],
 )

@@ -205,7 +205,7 @@ def command(
       kadapt apply kimi_k25 --backend none --format json
       kadapt apply llama --dynamic prefill_len --dynamic batch --batch 8
       kadapt apply llama --batch 8 --kv-cache paged --block-size 16 --verify
-      kadapt apply llama --batch 8 --num-blocks 64 --step-tokens 256
+      kadapt apply llama --batch 8 --num-blocks 512 --step-tokens 256
     """
     out = reporter(fmt)
     out.detail(f"spec: {spec_path.resolve()}")

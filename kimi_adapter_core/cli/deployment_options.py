@@ -78,9 +78,10 @@ _OPTIONS = (
     click.option(
         "--quant",
         default=None,
-        help="Weight mode from backends.simulation.quant_modes [default: checkpoint, i.e. what the "
-        "config's quantization_config stores; dense without one]. With --sweep also a comma-separated "
-        "list (checkpoint names the shipped weights) or all: the checkpoint and every declared mode.",
+        help="Weight mode the spec declares (its backends.simulation.quant_modes) [default: checkpoint, "
+        "i.e. what the config's quantization_config stores; dense without one]. With simulate --sweep also "
+        "a comma-separated list (checkpoint names the shipped weights) or all: the checkpoint and every "
+        "declared mode.",
     ),
     click.option(
         "--kv-dtype",

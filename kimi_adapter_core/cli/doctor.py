@@ -174,8 +174,8 @@ def command(fmt: str) -> None:
 
     Exits 1 when a contact point or a pin moved. JSON (--format json): {"ok", "environment":
     {"python", "platform", "kadapt", "packages": {NAME: {"version", "tested", "used_for"}}, "tested",
-    "tensorcast", "extraction_cache": {"path", "entries", "bytes"}}, "contact_points": [{"name",
-    "symbol", "status", "found", "expected", "why", "used_by"}], "pins":
+    "tensorcast", "extraction_cache": {"path", "entries", "bytes"}, "export_traces"}, "contact_points":
+    [{"name", "symbol", "status", "found", "expected", "why", "used_by"}], "pins":
     [{"spec", "id", "target", "status", "found"}]}.
 
     \b

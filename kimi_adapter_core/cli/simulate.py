@@ -182,7 +182,7 @@ def command(
       kadapt simulate deepseek_v3 --device h200 --sweep --devices 16 --isl 4000 --osl 1000 --tpot 30
       kadapt simulate gpt_oss --device h100 --tp 1 --framework vllm --isl 1000 --osl 1000 --concurrency 64
       kadapt simulate deepseek_v3 --device h200 --tp 8 --ep 4 --moe-tp 2 --decode --batch 4 --eager
-      kadapt simulate llama --device h100 --steps engine_trace.json
+      kadapt simulate llama --device h100 --steps examples/engine_trace.json
     """
     from ..backends.simulation.estimate.simulator import simulate
     from ..backends.simulation.model.deployment import Deployment
@@ -299,10 +299,14 @@ def command(
                 "--concurrency prices one aggregated deployment: --ttft, --tpot and --serving disagg "
                 "apply to --sweep"
             )
-        if cost_model != "roofline" or devices is not None or batches is not None or plot is not None:
+        if cost_model != "roofline":
             raise click.UsageError(
-                "--concurrency prices with the roofline cost model; --devices, --batches and --plot "
-                "apply to --sweep"
+                f"--concurrency prices with the roofline cost model: drop --cost-model {cost_model}"
+            )
+        if devices is not None or batches is not None or plot is not None:
+            raise click.UsageError(
+                "--concurrency prices the one layout --tp/--dp/--ep: --devices, --batches and "
+                "--plot apply to --sweep"
             )
         from ..backends.simulation.search.request_pricing import Workload
 

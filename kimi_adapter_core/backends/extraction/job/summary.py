@@ -170,7 +170,8 @@ class ExtractionSummary:
 
     def render(self) -> str:
         sizes = ", ".join(f"{k} {v}" for k, v in self.sizes.items())
-        lines = [f"extracted {self.model_name} ({self.attention_label}; {sizes}) in {self.seconds:.1f} s"]
+        verb = "restored" if self.cache is not None and self.cache.hit else "extracted"  # not traced again
+        lines = [f"{verb} {self.model_name} ({self.attention_label}; {sizes}) in {self.seconds:.1f} s"]
         width = max([8, *map(len, self.graphs)])  # prefill_mm is wider than the other kinds
         for kind, stats in self.graphs.items():
             traced = f", {stats.traced_layers} traced" if stats.traced_layers != stats.layers else ""
