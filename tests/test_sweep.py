@@ -456,6 +456,9 @@ def test_a_list_of_modes_applies_to_the_sweep_only() -> None:
         cli, ["simulate", "llama", "--device", "h200", "--sweep", "--quant", "w4a8"]
     )
     assert undeclared.exit_code == 2 and "not declared by this spec" in undeclared.output
+    for listed in ("all", "BF16,W8A8"):  # plan sizes one mode: the list is the sweep's, not undeclared
+        plan = CliRunner().invoke(cli, ["plan", "qwen3_moe", "--quant", listed])
+        assert plan.exit_code == 2 and "a list of modes or 'all' applies to simulate --sweep" in plan.output
 
 
 def test_simulate_notes_its_layouts_topology_and_names_the_kv_dtype() -> None:

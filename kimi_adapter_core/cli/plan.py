@@ -100,6 +100,8 @@ def command(
     spec = load_spec(spec_path)
     for line in spec.deprecations:
         out.note(line)
+    if quant is not None and ("," in quant or quant.strip().upper() == "ALL"):
+        raise click.UsageError(f"--quant {quant}: a list of modes or 'all' applies to simulate --sweep")
     inputs = model_inputs(spec, quant)
     requested = requested_images(spec, inputs.arch, images, image_size)
     profile = get_device(device, device_file) if (device or device_file) else None
