@@ -35,6 +35,7 @@ from serving_anchors import AIC_KV, AIC_MODELS, REPO, AicServing, Estimate, host
 from kimi_adapter_core.backends.simulation.estimate import aiconfigurator, engine_kernels, reference
 from kimi_adapter_core.backends.simulation.estimate.simulator import Simulation, simulate
 from kimi_adapter_core.backends.simulation.model.deployment import Deployment
+from kimi_adapter_core.backends.simulation.search.concurrency import lockstep_batch
 from kimi_adapter_core.backends.simulation.search.grid import quant_modes, sweep_inputs
 from kimi_adapter_core.backends.simulation.search.serving_points import ServingPoint, serving_points
 from kimi_adapter_core.backends.simulation.tables.device import get_device
@@ -93,7 +94,7 @@ def decode_step(point: ServingPoint, host: float | None = None) -> Simulation:
     (inputs,) = sweep_inputs(spec, quant_modes(spec, None)).values()
     dep = Deployment(
         point.parallel,
-        point.concurrency,
+        lockstep_batch(point.concurrency, point.parallel.dp),
         1,
         point.isl + point.osl // 2,
         True,
@@ -119,7 +120,7 @@ def aic_step(point: ServingPoint) -> dict[str, float] | str:
             dp=par.dp,
             moe_tp=point.moe_tp,
             decode=True,
-            batch=point.concurrency // par.dp,
+            batch=lockstep_batch(point.concurrency, par.dp) // par.dp,
             seq=point.isl + point.osl // 2,
             kvcache_quant_mode=AIC_KV[point.kv_dtype],
             **quant,

@@ -134,7 +134,6 @@ def test_concurrency_text_and_json() -> None:
     [
         (["--concurrency", "8"], "needs both --isl and --osl"),
         (["--concurrency", "8", "--isl", "512"], "needs both --isl and --osl"),
-        (["--concurrency", "3", *CONCURRENCY[4:], "--tp", "1", "--dp", "2"], "does not split over --dp 2"),
         (["--concurrency", "8", *CONCURRENCY[4:], "--sweep"], "drop --sweep"),
         (["--concurrency", "8", *CONCURRENCY[4:], "--decode"], "drop --decode"),
         (["--concurrency", "8", *CONCURRENCY[4:], "--tpot", "10"], "apply to --sweep"),

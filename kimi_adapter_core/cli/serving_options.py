@@ -345,8 +345,9 @@ def run_concurrency(
             "chunk": c.chunk,
             "mixed_step_time_s": c.mixed_step_time,
             "fits": c.fits,
-            "in_flight": concurrency - c.queued,
-            "queued": c.queued,
+            "in_flight": min(concurrency, c.decode.config.batch),
+            "queued": concurrency - min(concurrency, c.decode.config.batch),
+            "idle_slots": c.idle,
             "notes": notes_json(notes),
         }
         return json.dumps(doc, indent=2)
@@ -362,12 +363,20 @@ def run_concurrency(
         f"{c.tokens_per_s_per_user:.1f} per user ({c.requests_per_s:.2f} requests/s)",
         f"steps: decode {c.decode.step_time * 1e3:.2f} ms, mixed {c.mixed_step_time * 1e3:.2f} ms",
     ]
+    in_flight = min(concurrency, c.decode.config.batch)
     if c.queued:
         lines.append(
-            f"in flight: {concurrency - c.queued} requests, as many as the KV cache holds beside the weights "
-            f"and activations ({c.memory.used / 1e9:.1f} GB used per device of "
-            f"{(device.memory_bytes or 0) / 1e9:.1f} GB); the other {c.queued} wait in the engine's queue "
-            "(in TTFT)"
+            f"in flight: {in_flight} requests, as many as the KV cache holds beside the weights and "
+            f"activations ({c.memory.used / 1e9:.1f} GB used per device of "
+            f"{(device.memory_bytes or 0) / 1e9:.1f} GB); the other {concurrency - in_flight} wait in the "
+            "engine's queue (in TTFT)"
+        )
+    if c.idle:
+        dp = base.parallel.dp
+        lines.append(
+            f"{concurrency} requests over {dp} DP groups: priced as {c.decode.config.batch // dp} per group, "
+            "the busiest group's pace (the groups step in lockstep: one with fewer requests waits for it, "
+            f"one with none runs an idle batch), at the rate of the {concurrency} requests"
         )
     if marks:
         lines.append(f"topology notes: {','.join(marks)}")

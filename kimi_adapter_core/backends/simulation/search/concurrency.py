@@ -9,6 +9,12 @@ aggregated (one pool, chunked prefill) at the framework's default step budget (`
 for. The price is the sweep's own candidate for that layout and batch (``request_pricing.aggregated``),
 never a second formula, so the two cannot drift apart.
 
+N requests that do not split evenly over the DP groups are priced as the busiest group sets every
+group's pace: attention-DP groups step in lockstep (SGLang's scheduler all-reduces every group's token
+count each step and a group without requests runs an idle batch; the MoE runs on every group's rows),
+so the price is that of ceil(N / dp) requests per group, at the rate of the N requests (dstack's SGLang
+DP8 runs measured the same TPOT at 4 and 8 requests: 43.6 and 43.8 ms).
+
 N requests whose KV cache does not fit beside the weights and activations are not all in flight: the
 engine admits as many as its cache holds and queues the others (``admitted``). The price is then that
 of the requests in flight, and TTFT adds the queue's wait (published runs at 128 requests of 3,200 +
@@ -102,17 +108,32 @@ def price_concurrency(
     ``concurrency`` and ``Candidate.fits`` says it does not fit."""
     if len(inputs) != 1:
         raise UsageError("--concurrency prices one weight mode (--quant names one, or none: the checkpoint)")
-    priced = _priced(spec, inputs, device, base, workload, framework_name, concurrency, pricer)
-    held = admitted(priced, concurrency, base.parallel.dp)
-    if held == concurrency or held < base.parallel.dp:
+    if concurrency < 1:
+        raise UsageError(f"--concurrency must be >= 1 (got {concurrency})")
+    dp = base.parallel.dp
+    even = lockstep_batch(concurrency, dp)
+    priced = _priced(spec, inputs, device, base, workload, framework_name, even, pricer)
+    held = admitted(priced, even, dp)
+    if held != even and held >= dp:
+        in_flight = _priced(spec, inputs, device, base, workload, framework_name, held, pricer)
+        if in_flight.fits:
+            # the queue drains at the service rate: a request waits (even - held) / rate for its slot
+            # (Little's law over the clients' closed loop: every finished request is replaced at once)
+            wait = (even - held) / in_flight.requests_per_s
+            priced = replace(in_flight, ttft=in_flight.ttft + wait, queued=even - held)
+    if even == concurrency:
         return priced
-    in_flight = _priced(spec, inputs, device, base, workload, framework_name, held, pricer)
-    if not in_flight.fits:
-        return priced
-    # the queue drains at the service rate: a request waits (concurrency - held) / rate for its slot
-    # (Little's law over the clients' closed loop: every finished request is replaced at once)
-    wait = (concurrency - held) / in_flight.requests_per_s
-    return replace(in_flight, ttft=in_flight.ttft + wait, queued=concurrency - held)
+    # DP groups step in lockstep (the MoE runs on every group's rows each step; a group without a
+    # request runs an idle batch): each request runs at the busiest group's pace, and the rate is that
+    # of the requests there are
+    rate = priced.requests_per_s * concurrency / even
+    return replace(priced, requests_per_s=rate, idle=even - concurrency)
+
+
+def lockstep_batch(concurrency: int, dp: int) -> int:
+    """The batch ``concurrency`` requests over ``dp`` DP groups are priced at: every group as busy as
+    the busiest (``ceil(concurrency / dp)`` requests each), whose pace the lockstep groups keep."""
+    return -(-concurrency // dp) * dp
 
 
 def admitted(candidate: Candidate, concurrency: int, dp: int) -> int:

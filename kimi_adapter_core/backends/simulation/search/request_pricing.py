@@ -101,6 +101,8 @@ class Candidate:
     mixed_step_time: float = 0.0  # agg: seconds of a mixed step (the longest gap between two tokens)
     # ``--concurrency``: requests the clients keep open beyond what the KV cache holds, waiting (in ttft)
     queued: int = 0
+    # ``--concurrency`` not a multiple of the DP groups: request slots of the even split left empty
+    idle: int = 0
 
     @property
     def quant(self) -> str | None:

@@ -1,11 +1,16 @@
-"""``--concurrency N`` where N requests' KV cache does not fit: the engine holds as many as it can and
-queues the rest (``search/concurrency.admitted``).
+"""``--concurrency N``: which requests are in flight and at whose pace (``search/concurrency``).
+
+Where N requests' KV cache does not fit, the engine holds as many as it can and queues the rest
+(``admitted``).
 
 What must hold: the requests in flight are the most whose cache fits beside the weights and activations
 (one more per DP group would not), the same in every DP group; the price is that of the requests in
 flight, priced directly; TTFT adds the queue's wait at the service rate; a concurrency that fits queues
 none; where not even one request per group fits, the price is of all N and says it does not fit; the
 text and JSON reports say how many are in flight and how many wait.
+
+Where N does not split evenly over the DP groups, the groups step in lockstep at the busiest group's
+pace: the price is that of ceil(N / dp) requests per group, at the rate of N requests.
 """
 
 from __future__ import annotations
@@ -82,3 +87,24 @@ def test_the_reports_say_how_many_are_in_flight_and_how_many_wait(queued: Candid
     doc = json.loads(CliRunner().invoke(cli, [*args, "--format", "json"]).output)
     assert (doc["in_flight"], doc["queued"], doc["fits"]) == (128 - queued.queued, queued.queued, True)
     assert doc["ttft_s"] == pytest.approx(queued.ttft)
+
+
+def test_an_uneven_split_runs_at_the_busiest_groups_pace() -> None:
+    """3 requests over 2 DP groups: TTFT and TPOT of 2 per group (the busier group sets both groups'
+    steps), three quarters of 4 requests' rate; the reports say so."""
+    inputs = sweep_inputs(LLAMA, quant_modes(LLAMA, None))
+    short = Workload(512, 64)
+
+    def at(concurrency: int) -> Candidate:
+        return price_concurrency(LLAMA, inputs, get_device("a100"), TWO_GROUPS, short, "vllm", concurrency)
+
+    three, four = at(3), at(4)
+    assert (three.ttft, three.tpot, three.decode.config.batch) == (four.ttft, four.tpot, 4)
+    assert three.requests_per_s == pytest.approx(four.requests_per_s * 3 / 4, rel=1e-12)
+    assert (three.idle, four.idle, three.queued) == (1, 0, 0)
+    args = ["simulate", "llama", "--device", "a100", "--dp", "2", "--framework", "vllm", "--isl", "512"]
+    args += ["--osl", "64", "--concurrency", "3"]
+    text = CliRunner().invoke(cli, args)
+    assert text.exit_code == 0 and "3 requests over 2 DP groups: priced as 2 per group" in text.output
+    doc = json.loads(CliRunner().invoke(cli, [*args, "--format", "json"]).output)
+    assert (doc["in_flight"], doc["queued"], doc["idle_slots"]) == (3, 0, 1)
