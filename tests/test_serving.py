@@ -40,6 +40,8 @@ from kimi_adapter_core.backends.simulation.search.pareto_plot import PlotPoint, 
 from kimi_adapter_core.backends.simulation.search.request_pricing import (
     Workload,
     aggregated,
+    mixed_step,
+    moe_group_kernel,
     prompt_attention,
     rows_and_requests,
 )
@@ -223,7 +225,9 @@ def test_aggregated_throughput_never_beats_decoding_alone(free: ServingResult) -
         steps = WORKLOAD.osl - 1  # no MTP
         bound = c.decode_workers * c.decode.config.batch / (steps * c.decode.step_time)
         assert c.requests_per_s < bound
-        alone = c.decode.config.batch == c.decode.config.parallel.dp  # no other request's chunks
+        # no other request's chunks: one request in all (attention-DP groups step in lockstep, so a
+        # request alone in its group still waits for the other groups' chunks)
+        alone = c.decode.config.batch == 1
         assert c.tpot == c.decode.step_time if alone else c.tpot > c.decode.step_time
 
 
@@ -232,20 +236,29 @@ def _point(par: Parallel, batch: int, step: float) -> Point:
 
 
 def test_a_prompt_longer_than_the_chunk_takes_ceil_isl_over_chunk_steps() -> None:
+    """Two DP groups in lockstep: each group's chunks stall both groups, each in a pass of its own
+    (``t_one``: one group's chunk on the experts) while the cycle has steps enough; a prefill-bound
+    cycle puts both groups' chunks in every step (``t_mix``)."""
     par, w = Parallel(1, 2, 1), Workload(1000, 101)
     decode, prefill = _point(par, 8, 0.01), _point(par, 2, 0.05)
     mem = decode.memory
     for chunk, steps in ((300, 4), (500, 2), (1000, 1)):
-        c = aggregated(decode, prefill, 0.03, chunk, mem, w, 1.0, 4)
-        m = 4 * 1000 / chunk  # mixed steps per cycle: 4 requests per DP group
-        cycle = m * 0.03 + (100 - m) * 0.01
-        assert c.ttft == pytest.approx(steps * 0.03 + cycle / 100 / 2, rel=1e-12)
-        seen = m - 1000 / chunk  # the other 3 requests' chunks
-        assert c.tpot == pytest.approx((seen * 0.03 + (100 - seen) * 0.01) / 100, rel=1e-12)
+        c = aggregated(decode, prefill, 0.03, chunk, mem, w, 1.0, 4, t_one=0.02)
+        mixed = 2 * 4 * 1000 / chunk  # both groups' chunks: 4 requests per DP group
+        cycle = mixed * 0.02 + (100 - mixed) * 0.01
+        assert c.ttft == pytest.approx(steps * 0.02 + cycle / 100 / 2, rel=1e-12)
+        seen = mixed - 1000 / chunk  # every chunk but the request's own
+        assert c.tpot == pytest.approx((seen * 0.02 + (100 - seen) * 0.01) / 100, rel=1e-12)
         assert c.requests_per_s == pytest.approx(2 * 8 / cycle, rel=1e-12)  # 2 replicas of 2 devices
-    # prefill-bound: more mixed steps than decode steps, every step mixed
-    c = aggregated(decode, prefill, 0.03, 10, mem, w, 1.0, 2)
+    # prefill-bound: more chunks than steps, both groups' chunks in every step
+    c = aggregated(decode, prefill, 0.03, 10, mem, w, 1.0, 2, t_one=0.02)
     assert c.tpot == pytest.approx(0.03) and c.requests_per_s == pytest.approx(8 / (400 * 0.03))
+    # one group: its own chunks only, and a pass with one group's chunk is the mixed step
+    one = Parallel(1, 1, 1)
+    alone = aggregated(_point(one, 4, 0.01), _point(one, 1, 0.05), 0.03, 300, mem, w, 1.0, 1, t_one=0.02)
+    m = 4 * 1000 / 300
+    seen = m - 1000 / 300
+    assert alone.tpot == pytest.approx((seen * 0.03 + (100 - seen) * 0.01) / 100, rel=1e-12)
 
 
 def test_a_mixed_steps_rows_are_the_prefill_steps() -> None:
@@ -368,3 +381,28 @@ def test_request_sweep_usage_errors(extra: list[str], message: str) -> None:
     result = CliRunner().invoke(cli, ["simulate", "llama", "--device", "h200", *extra])
     assert result.exit_code == 2 and message in result.output, result.output
     assert "Traceback" not in result.output
+
+
+def test_a_pass_with_one_groups_chunk_runs_the_experts_on_one_chunk() -> None:
+    """Under attention DP a pass in which one group carries a prompt chunk runs that group's own
+    kernels at the chunk's rows and the MoE group's kernels (the routed experts and their dispatch and
+    combine, nothing else) at every group's decode rows plus the one chunk: cheaper than the pass in
+    which every group carries one, and the same pass when there is one group."""
+    loaded = load_spec(REPO / "specs" / "mixtral.yaml")
+    inputs = sweep_inputs(loaded, quant_modes(loaded, None))
+    (mode,) = inputs
+    par, chunk, decode_rows = Parallel(1, 2, 2), 512, 4
+    rows_base = Deployment(Parallel(), 1, 1, 0, False)
+    every, one = (
+        Config(par, (decode_rows + chunk) * 2, mode),
+        Config(par, (decode_rows + chunk // 2) * 2, mode),
+    )
+    rows = Sweep(loaded, inputs, H200, rows_base, 2, batches=(every.batch, one.batch))
+    rows.run([every, one])
+    full, half = rows.kernels(every), rows.kernels(one)
+    moe = {(k.op.module, k.op.name) for k in full if moe_group_kernel(k.op)}
+    assert {name.split("(")[0] for _, name in moe} == {"grouped_gemm", "ep_dispatch", "ep_combine"}
+    t_mix = mixed_step(full, [], 0.0, 0.0)
+    t_one = mixed_step(full, [], 0.0, 0.0, half)
+    assert rows_and_requests(half)[0] < t_one < t_mix
+    assert mixed_step(full, [], 0.0, 0.0, full) == pytest.approx(t_mix, rel=1e-12)

@@ -17,7 +17,10 @@ is priced from the step sweep's kernels in one of two serving modes:
   ISL / c`` of the steps mixed (all of them when ``m > n``): ``cycle = m x t_mix + max(n - m, 0) x
   t_decode``; a request's decode steps hold the other ``r - 1`` requests' chunks, so ``TPOT = (k x
   t_mix + (n - k) x t_decode) / (OSL - 1)`` with ``k = min(m - ISL / c, n)`` mixed steps among them;
-  ``TTFT = ceil(ISL / c) x t_mix + half a mean step`` (waiting for the step in flight). The prompts
+  ``TTFT = ceil(ISL / c) x t_mix + half a mean step`` (waiting for the step in flight). Attention-DP
+  groups step in lockstep (the experts run on every group's rows each step), so with ``dp`` groups
+  every group's chunks stall every group: ``dp x m`` chunks per cycle, each in a pass of its own
+  priced with one group's chunk on the experts while the cycle has steps enough (``aggregated``). The prompts
   being prefilled (about ``c / ISL + 1`` per group) come on top of the ``r`` decoding requests and
   their KV cache is not counted.
 - **disaggregated** (xPyD): ``x`` prefill workers and ``y`` decode workers, each pool with its own
@@ -196,15 +199,33 @@ def prompt_attention(kernels: Iterable[Priced]) -> float:
     return sum(k.total for k in kernels if k.op.kind == "attention")
 
 
+def moe_group_kernel(op: Op) -> bool:
+    """Whether a kernel runs on the MoE group's rows, every DP group's together, rather than on one
+    DP group's own: the routed experts and their dispatch and combine (all-to-all, or expert TP's
+    all-gather and reduce-scatter across the groups)."""
+    return op.kind == "experts" or op.name.startswith(("ep_dispatch", "ep_combine"))
+
+
 def mixed_step(
-    rows_step: Iterable[Priced], decode_step: Iterable[Priced], attention: float, share: float
+    rows_step: Iterable[Priced],
+    decode_step: Iterable[Priced],
+    attention: float,
+    share: float,
+    moe_rows_step: Iterable[Priced] | None = None,
 ) -> float:
     """One forward pass carrying a DP group's decode batch and a chunk of prompt tokens, priced as one
     pass (the weights read once for both): the row kernels of ``rows_step``, a prefill-path step over
     all the pass's rows (decode tokens plus the chunk: frameworks run a pass holding prompt tokens on
     their prefill path, e.g. its all-to-all mode), the decode batch's per-request kernels
     (``decode_step``), and the chunk's ``share`` (chunk / ISL) of one whole prompt's ``attention``
-    (causal attention over a prompt does the same work in chunks as in one step)."""
+    (causal attention over a prompt does the same work in chunks as in one step). With
+    ``moe_rows_step`` the MoE group's kernels (``moe_group_kernel``) are that step's instead: a pass in
+    which one DP group carries the chunk, whose experts see every group's decode rows and one chunk
+    (``rows_step`` then prices what the chunk's own group runs)."""
+    rows_step = list(rows_step)
+    if moe_rows_step is not None:
+        own = [k for k in rows_step if not moe_group_kernel(k.op)]
+        rows_step = own + [k for k in moe_rows_step if moe_group_kernel(k.op)]
     return rows_and_requests(rows_step)[0] + rows_and_requests(decode_step)[1] + attention * share
 
 
@@ -217,20 +238,34 @@ def aggregated(
     workload: Workload,
     mtp_tokens: float,
     devices: int,
+    t_one: float | None = None,
 ) -> Candidate:
     """One worker serving both phases with chunked prefill (see the module docstring), replicated
     over the devices. Per DP group, ``r`` requests finish per cycle: ``n`` decode steps each, their
     ``r x ISL`` prompt tokens carried by ``m = r x ISL / chunk`` of the steps (mixed, ``t_mix``); a
-    request's decode steps hold the other ``r - 1`` requests' chunks, never its own."""
+    request's decode steps hold the other requests' chunks, never its own.
+
+    Attention-DP groups step in lockstep (the experts run on every group's rows each step; a group
+    without work runs an idle batch), so every group's chunks stall every group: a cycle's ``dp x m``
+    chunks each take a step of their own at ``t_one`` (a pass in which one group carries a chunk; all
+    groups' chunks at once: ``t_mix``) while there are steps enough, and share the cycle's steps
+    beyond (a step carrying ``k`` groups' chunks priced between the two, linearly in ``k``)."""
     par, batch = decode.config.parallel, decode.config.batch
     n = (workload.osl - 1) / mtp_tokens  # decode steps per request
     per_prompt = workload.isl / chunk  # mixed steps one prompt's tokens take
-    m = batch / par.dp * per_prompt  # mixed steps per cycle
+    m = batch / par.dp * per_prompt  # one group's mixed steps per cycle
+    steps = max(n, m)  # steps per cycle
+    mixed = min(par.dp * m, steps)  # steps carrying a chunk of some group
+    t_step = t_mix
+    if par.dp > 1:
+        groups = par.dp * m / mixed  # groups carrying a chunk in such a step
+        t_step = (t_mix if t_one is None else t_one) * (par.dp - groups) / (par.dp - 1)
+        t_step += t_mix * (groups - 1) / (par.dp - 1)
     t_dec = decode.step_time
-    cycle = m * t_mix + max(n - m, 0) * t_dec
-    seen = min(max(m - per_prompt, 0), n)  # mixed steps among a request's n decode steps
-    tpot = (seen * t_mix + (n - seen) * t_dec) / n / mtp_tokens
-    ttft = math.ceil(per_prompt) * t_mix + cycle / max(n, m) / 2
+    cycle = mixed * t_step + (steps - mixed) * t_dec
+    seen = min(max(mixed - per_prompt, 0), n)  # mixed steps among a request's n decode steps
+    tpot = (seen * t_step + (n - seen) * t_dec) / n / mtp_tokens
+    ttft = math.ceil(per_prompt) * t_step + cycle / steps / 2
     replicas = devices // par.devices
     return Candidate(
         "agg",
@@ -245,7 +280,7 @@ def aggregated(
         memory,
         workload.meets(ttft, tpot),
         chunk,
-        t_mix,
+        t_step,
     )
 
 

@@ -197,9 +197,10 @@ class ServingSearch:
             if "agg" in self.modes:
                 chunks = self._chunks(pars)
                 rows_configs = [
-                    self._rows_config(c, chunk)
+                    self._rows_config(c, share)
                     for c in decode_configs
                     for chunk in chunks[(c.parallel, c.batch)]
+                    for share in {chunk, self._one_group_share(c.parallel, chunk)}
                 ]
                 rows = self._sweep(self.rows_base, workers, [c.batch for c in rows_configs], None)
                 rows.run(rows_configs)  # traced and priced here; ``_aggregated`` reads the kernels
@@ -228,6 +229,12 @@ class ServingSearch:
             for b in self.batches
             if b % par.dp == 0
         }
+
+    @staticmethod
+    def _one_group_share(par: Parallel, chunk: int) -> int:
+        """Prompt tokens per DP group that put one group's ``chunk`` on the MoE group's rows: the
+        rows step whose experts price a pass in which one group carries the chunk (``mixed_step``)."""
+        return -(-chunk // par.dp)
 
     def _rows_config(self, decode: Config, chunk: int) -> Config:
         """The prefill-path step whose rows are a mixed step's: per DP group, the decode batch's tokens
@@ -266,9 +273,11 @@ class ServingSearch:
             for chunk in chunks[(par, d.config.batch)]:
                 rows_step = rows.kernels(self._rows_config(d.config, chunk))
                 t_mix = mixed_step(rows_step, decode_step, attention, chunk / w.isl)
+                one_group = rows.kernels(self._rows_config(d.config, self._one_group_share(par, chunk)))
+                t_one = mixed_step(rows_step, decode_step, attention, chunk / w.isl, one_group)
                 peak = activation_bytes(self.s, par, decode_rows + chunk, decode_rows)
                 memory = replace(d.memory, activations=max(d.memory.activations, peak))
-                found.append(aggregated(d, p, t_mix, chunk, memory, w, self.mtp_tokens, self.devices))
+                found.append(aggregated(d, p, t_mix, chunk, memory, w, self.mtp_tokens, self.devices, t_one))
         return found
 
     def _disaggregated(self, decode_points: list[Point], prefill_points: list[Point]) -> list[Candidate]:
