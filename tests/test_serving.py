@@ -349,7 +349,14 @@ def test_kadapt_simulate_request_sweep(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, [*args, "--plot", str(plot), "--format", "json"])
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
-    assert doc["workload"] == {"isl": 512, "osl": 64, "ttft_s": None, "tpot_s": 0.012}
+    assert doc["workload"] == {
+        "isl": 512,
+        "osl": 64,
+        "ttft_s": None,
+        "tpot_s": 0.012,
+        "mtp": 0,
+        "mtp_acceptance": 0.7,
+    }
     assert doc["framework"]["name"] == "trtllm" and doc["refused"] == {"attention-dp-all-or-nothing": 1}
     assert doc["front"] and all(p["tpot_s"] <= 0.012 for p in doc["front"])
     assert set(doc["picks"]) == {"agg", "disagg"}
@@ -360,9 +367,11 @@ def test_kadapt_simulate_request_sweep(tmp_path: Path) -> None:
     for row in [*doc["front"], *(p for p in doc["picks"].values() if p)]:
         assert (row["weights"], row["weight_format"], row["shipped_weights"]) == ("BF16", "bf16", "bf16")
         assert row["weights_as_shipped"] and row["kv_dtype"] == "bf16" and row["topology_notes"] == []
-    text = CliRunner().invoke(cli, [*args, "--serving", "agg"])
+    text = CliRunner().invoke(cli, [*args, "--serving", "agg", "--mtp", "1"])
     assert text.exit_code == 0, text.output
     assert "picks" in text.output and "disagg" not in text.output
+    # the drafts change every TPOT and rate: the report says they were priced (it did not)
+    assert "MTP: 1 draft token verified per decode step, 0.7 accepted" in text.output
     assert "weights: BF16 priced; the checkpoint ships bf16" in text.output
     assert any("weights BF16 (shipped: bf16), KV bf16" in line for line in text.output.splitlines())
 
@@ -374,6 +383,9 @@ def test_kadapt_simulate_request_sweep(tmp_path: Path) -> None:
         (["--sweep", "--devices", "2", "--tpot", "20"], "request sweep"),
         (["--isl", "512", "--osl", "64"], "apply to --sweep"),
         (["--sweep", "--isl", "512", "--osl", "64", "--decode"], "drop --decode"),
+        # click's bounds let nan through: every deployment then missed the SLA, silently
+        (["--sweep", "--isl", "512", "--osl", "64", "--tpot", "nan"], "nan is not a finite number"),
+        (["--sweep", "--isl", "512", "--osl", "64", "--ttft", "inf"], "inf is not a finite number"),
         (["--sweep", "--isl", "512", "--osl", "1"], "--osl"),
     ],
 )

@@ -119,7 +119,7 @@ def test_concurrency_text_and_json() -> None:
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
-    assert doc["workload"] == {"isl": 512, "osl": 64, "concurrency": 8}
+    assert doc["workload"] == {"isl": 512, "osl": 64, "concurrency": 8, "mtp": 0, "mtp_acceptance": 0.7}
     assert (doc["mode"], doc["decode"]["batch"], doc["devices"]) == ("agg", 8, 1)
     assert (doc["weights"], doc["kv_dtype"], doc["shipped_weights"]) == ("bf16 (shipped)", "fp8", "bf16")
     assert doc["framework"] == {"name": "vllm", "title": "vLLM", "step_tokens": 8192}
@@ -127,6 +127,26 @@ def test_concurrency_text_and_json() -> None:
     assert doc["tokens_per_s_per_user"] == pytest.approx(1 / doc["tpot_s"])
     assert 0 < doc["tokens_per_s_per_device"] <= 8 * doc["tokens_per_s_per_user"]
     assert doc["ttft_s"] > doc["decode"]["step_time_s"] and doc["fits"]
+
+
+def test_concurrency_prices_mtp_drafts() -> None:
+    """``--mtp`` applies to ``--concurrency`` as to the request sweep (its decode steps verify the
+    drafts): it was refused with "add --decode", which ``--concurrency`` refuses in turn. The drafts
+    make the decode step dearer and each request's TPOT shorter."""
+    base = [*CONCURRENCY, "--concurrency", "8", "--format", "json"]
+    plain = CliRunner().invoke(cli, base)
+    drafted = CliRunner().invoke(cli, [*base, "--mtp", "1", "--mtp-acceptance", "0.5"])
+    assert plain.exit_code == 0 and drafted.exit_code == 0, drafted.output
+    p, d = json.loads(plain.output), json.loads(drafted.output)
+    assert (d["workload"]["mtp"], d["workload"]["mtp_acceptance"]) == (1, 0.5)
+    assert d["decode"]["step_time_s"] > p["decode"]["step_time_s"]
+    assert d["tpot_s"] < p["tpot_s"]
+    # 1.5 output tokens per request per decode step: a TPOT no shorter than the step / 1.5
+    assert d["tpot_s"] >= d["decode"]["step_time_s"] / 1.5
+    text = CliRunner().invoke(cli, [*CONCURRENCY, "--concurrency", "8", "--mtp", "1"])
+    assert "MTP: 1 draft token verified per decode step, 0.7 accepted" in text.output, text.output
+    bad = CliRunner().invoke(cli, [*CONCURRENCY, "--concurrency", "8", "--mtp", "1", "--mtp-acceptance", "2"])
+    assert bad.exit_code == 2 and "--mtp-acceptance must be in [0, 1] (got 2" in bad.output, bad.output
 
 
 @pytest.mark.parametrize(

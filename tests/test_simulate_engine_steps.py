@@ -7,6 +7,8 @@ anything is priced."""
 from __future__ import annotations
 
 import json
+import os
+from dataclasses import astuple
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from kimi_adapter_core.backends.simulation.estimate import aiconfigurator
+from kimi_adapter_core.backends.simulation.search.engine_steps import read_trace
 from kimi_adapter_core.cli import cli
 
 SPEC = "specs/deepseek_v3.yaml"  # MLA: prefill expands the cached latents (a row kernel that grows)
@@ -103,6 +106,10 @@ def test_steps_refuse_the_options_of_other_modes_and_a_second_attention_group(tm
         cli, ["simulate", SPEC, "--device", "h200", "--dp", "8", "--ep", "8", "--steps", trace]
     )
     assert result.exit_code == 2 and "--dp must be 1 (got 8)" in result.output
+    # a layout that does not divide the model is the engine's fault, not the first step's
+    result = CliRunner().invoke(cli, ["simulate", SPEC, "--device", "h200", "--tp", "3", "--steps", trace])
+    assert result.exit_code == 2 and "--tp 3 does not divide the 128 attention heads" in result.output
+    assert "steps[0]" not in result.output, result.output
 
 
 def test_a_context_past_the_model_names_the_step(tmp_path: Path) -> None:
@@ -111,3 +118,33 @@ def test_a_context_past_the_model_names_the_step(tmp_path: Path) -> None:
     assert (
         result.exit_code == 2 and "steps[1]: " in result.output and "max_position_embeddings" in result.output
     )
+
+
+def test_a_trace_past_the_json_parser_is_a_located_refusal(tmp_path: Path) -> None:
+    """Nesting past the parser's stack and an int past str()'s 4300 digits raised a bare RecursionError
+    and ValueError (a traceback); a FIFO's refusal read "a engine trace"."""
+    deep, digits = tmp_path / "deep.json", tmp_path / "digits.json"
+    deep.write_text('{"steps": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    digits.write_text('{"steps": [{"rows": [{"query": 1, "context": ' + "9" * 5000 + "}]}]}")
+    for path, problem in ((deep, "nested too deeply"), (digits, "Exceeds the limit (4300 digits)")):
+        result = CliRunner().invoke(cli, ["simulate", SPEC, *LAYOUT, "--steps", str(path)])
+        assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+        assert f"{path}: not valid JSON: {problem}" in result.output and "sys." not in result.output
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    result = CliRunner().invoke(cli, ["simulate", SPEC, *LAYOUT, "--steps", str(fifo)])
+    assert result.exit_code == 1 and "a trace file must be a regular file" in result.output, result.output
+
+
+def test_integers_written_as_floats_price_as_the_ints_they_are(tmp_path: Path) -> None:
+    """JSON Schema's ``integer`` admits 1000.0 and 1e3, so such a trace passed the schema and its float
+    query reached torch (``zeros(): ... got float``, a traceback) or printed ``tokens 2.0``."""
+    ints = _trace(tmp_path, [[{"query": 300, "context": 1200}], [{"query": 1, "context": 900}] * 2])
+    floats = tmp_path / "floats.json"
+    floats.write_text(
+        '{"steps": [{"rows": [{"query": 3e2, "context": 1200.0, "logits": 1.0}]},'
+        ' {"rows": [{"query": 1.0, "context": 900.0}, {"query": 1.0, "context": 9e2}]}]}'
+    )
+    assert read_trace(floats) == read_trace(ints)
+    assert all(type(v) is int for step in read_trace(floats) for row in step for v in astuple(row))
+    assert _run("--steps", str(floats))["steps"] == _run("--steps", ints)["steps"]

@@ -257,6 +257,29 @@ def test_png_plot_needs_matplotlib(tmp_path: Path) -> None:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_png_plot_without_matplotlib_is_refused_before_the_sweep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It was refused by ``write_plot``, after every configuration had been priced."""
+    import importlib.util
+
+    from kimi_adapter_core.backends.simulation.search import sweep as sweep_module
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "matplotlib" else found(n, *a)
+    )
+
+    def never(self: object) -> None:
+        raise AssertionError("the sweep ran before the plot was refused")
+
+    monkeypatch.setattr(sweep_module.Sweep, "run", never)
+    result = CliRunner().invoke(
+        tiny, ["llama", "--sweep", "--devices", "2", "--plot", str(tmp_path / "f.png")]
+    )
+    assert result.exit_code == 1 and "needs matplotlib" in str(result.exception or result.output), result
+
+
 # --- command line ----------------------------------------------------------------------------------
 @click.command()
 @click.argument("name")
@@ -315,6 +338,16 @@ def test_cli_text_lists_the_front_with_layouts() -> None:
         and "TP" in result.output
         and "configurations: 6 = 3 layouts x 1 weight modes (checkpoint)" in result.output
     )
+
+
+def test_cli_text_says_when_nothing_was_priced() -> None:
+    """Three devices serve Llama only as DP3 and no default batch splits over 3: every configuration
+    is skipped, which the report blamed on memory ("no configuration fits in memory")."""
+    result = CliRunner().invoke(tiny, ["llama", "--sweep", "--devices", "3"])
+    assert result.exit_code == 0, result.output
+    assert "batch not divisible by DP" in result.output
+    assert "no configuration was priced: no Pareto front" in result.output
+    assert "fits in memory" not in result.output
 
 
 @pytest.mark.parametrize(

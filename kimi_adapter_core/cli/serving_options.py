@@ -13,6 +13,7 @@ imported here: the search itself (torch) is imported when it runs.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -43,6 +44,23 @@ if TYPE_CHECKING:
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+
+class _TargetMs(click.FloatRange):
+    """An SLA target in ms, > 0 and finite: click's bounds compare false against nan and let it
+    through, and a nan target silently excluded every deployment ("none ... meets the SLA")."""
+
+    def __init__(self) -> None:
+        super().__init__(0, min_open=True)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(
+                f"{number} is not a finite number of milliseconds (omit the option for no target)", param, ctx
+            )
+        return number
+
+
 _SERVING_OPTIONS = (
     click.option(
         "--isl",
@@ -57,13 +75,13 @@ _SERVING_OPTIONS = (
     ),
     click.option(
         "--ttft",
-        type=click.FloatRange(0, min_open=True),
+        type=_TargetMs(),
         default=None,
         help="With --isl: time-to-first-token target in ms (deployments above it are excluded).",
     ),
     click.option(
         "--tpot",
-        type=click.FloatRange(0, min_open=True),
+        type=_TargetMs(),
         default=None,
         help="With --isl: time-per-output-token target in ms (deployments above it are excluded).",
     ),
@@ -110,11 +128,13 @@ def run_serving(
     the report in ``fmt`` (and write the plot when asked). ``base`` carries MTP, the KV dtype and the
     routing; ``quant`` names the weight modes as in ``run_sweep`` (default: the checkpoint as shipped)."""
     from ..backends.simulation.estimate.cost import framework_pricer
-    from ..backends.simulation.search.pareto_plot import SUFFIXES, SlaLine, write_plot
+    from ..backends.simulation.search.pareto_plot import SUFFIXES, SlaLine, require_writer, write_plot
     from ..backends.simulation.search.serving import ServingSearch, plot_points
 
     if plot is not None and plot.suffix.lower() not in SUFFIXES:
         raise click.UsageError(f"--plot {plot}: the suffix must be one of {', '.join(SUFFIXES)}")
+    if plot is not None:
+        require_writer(plot)
     by_mode, weights = sweep_modes(spec, quant)
     search = ServingSearch(
         spec,
@@ -147,8 +167,10 @@ def run_serving(
         )
         write_plot(plot, plot_points(result, label, weights.label), title, sla)
     if fmt == "json":
-        return json.dumps(serving_json(result, spec, device, plot, weights, base.kv_dtype, notes), indent=2)
-    return serving_text(result, spec, device, plot, weights, base.kv_dtype, notes)
+        doc = serving_json(result, spec, device, plot, weights, base.kv_dtype, notes)
+        doc["workload"].update(mtp=base.mtp, mtp_acceptance=base.mtp_acceptance)
+        return json.dumps(doc, indent=2)
+    return serving_text(result, spec, device, plot, weights, base.kv_dtype, notes, _mtp_text(base))
 
 
 def _pools(c: Candidate) -> tuple[Parallel, ...]:
@@ -259,13 +281,16 @@ def serving_text(
     weights: WeightModes,
     kv_dtype: str,
     notes: Notes,
+    mtp: Sequence[str] = (),
 ) -> str:
+    """The request sweep's report; ``mtp``: the line saying the drafts priced (``_mtp_text``), if any."""
     fw = result.framework
     sizes = "; ".join(f"{n}: {why}" for n, why in result.worker_sizes.items())
     lines = [
         f"request sweep: {spec.name} on {result.devices} x {device.name}, {_workload(result.workload)}, "
         f"KV cache {kv_dtype}, {fw.title} ({fw.name})",
         weights.summary(),
+        *mtp,
         f"workers of N devices: {sizes}",
     ]
     for rule in fw.rules:
@@ -313,6 +338,18 @@ def serving_text(
     return "\n".join(lines)
 
 
+def _mtp_text(base: Deployment) -> list[str]:
+    """The MTP line of a request report (``--concurrency``, the request sweep): the drafts change every
+    TPOT and rate, so the report says they were priced."""
+    if not base.mtp:
+        return []
+    return [
+        f"MTP: {base.mtp} draft token{'s' if base.mtp > 1 else ''} verified per decode step, "
+        f"{base.mtp_acceptance:g} accepted "
+        f"({1 + base.mtp * base.mtp_acceptance:g} output tokens per request per decode step)"
+    ]
+
+
 def run_concurrency(
     spec: Spec,
     device: Device,
@@ -338,7 +375,13 @@ def run_concurrency(
         doc = {
             "model": spec.name,
             "device": device.name,
-            "workload": {"isl": workload.isl, "osl": workload.osl, "concurrency": concurrency},
+            "workload": {
+                "isl": workload.isl,
+                "osl": workload.osl,
+                "concurrency": concurrency,
+                "mtp": base.mtp,
+                "mtp_acceptance": base.mtp_acceptance,
+            },
             "framework": {"name": fw.name, "title": fw.title, "step_tokens": fw.step_tokens.max},
             **eager_json(base.eager_host),
             **candidate_json(c, weights, base.kv_dtype, notes),
@@ -357,6 +400,7 @@ def run_concurrency(
         f"requests of ISL {workload.isl}, OSL {workload.osl}, {fw.title} ({fw.name}), aggregated: chunked "
         f"prefill, step budget {fw.step_tokens.max} tokens, {c.chunk} prompt tokens per mixed step",
         f"weights {weights.label(c.quant)}, KV cache {base.kv_dtype}",
+        *_mtp_text(base),
         *eager_text(base.eager_host),
         f"TTFT {c.ttft * 1e3:.1f} ms, TPOT {c.tpot * 1e3:.2f} ms",
         f"output tokens/s: {c.tokens_per_s_per_device:.1f} per device, "

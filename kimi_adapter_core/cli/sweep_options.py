@@ -106,11 +106,13 @@ def run_sweep(
 
     ``quant`` is ``--quant``: the weight modes to sweep (``grid.quant_modes``; default the checkpoint as
     shipped). ``pricer`` replaces the default per-kernel pricing (a measured cost model)."""
-    from ..backends.simulation.search.pareto_plot import SUFFIXES, PlotPoint, write_plot
+    from ..backends.simulation.search.pareto_plot import SUFFIXES, PlotPoint, require_writer, write_plot
     from ..backends.simulation.search.sweep import Sweep
 
     if plot is not None and plot.suffix.lower() not in SUFFIXES:
         raise click.UsageError(f"--plot {plot}: the suffix must be one of {', '.join(SUFFIXES)}")
+    if plot is not None:
+        require_writer(plot)
     by_mode, weights = sweep_modes(spec, quant)
     sweep = Sweep(spec, by_mode, device, base, devices, pricer=pricer, batches=batches)
     result = sweep.run()
@@ -267,8 +269,9 @@ def sweep_text(
         f"  dropped {len(result.dropped)} that do not fit in {device.name} memory; {len(result.fitting)} fit",
     ]
     front = result.front
-    if not front:
-        lines.append("no configuration fits in memory: no Pareto front")
+    if not front:  # nothing priced (every configuration skipped, above) is not a memory verdict
+        why = "no configuration fits in memory" if result.points else "no configuration was priced"
+        lines.append(f"{why}: no Pareto front")
     else:
         labels = [weights.label(p.config.quant) for p in front]
         w = column_width(labels, "weights")

@@ -65,7 +65,9 @@ def concurrency_search(
             "(each DP group serves concurrency / dp requests)"
         )
     s = next(iter(inputs.values())).arch.structure
-    replace(base, batch=concurrency).check(s)  # the layout divides the model, or a located error
+    # checked as the decode step it runs (``--mtp`` drafts are verified there; a prefill refuses them):
+    # the layout divides the model and the MTP settings are in range, or a located error
+    replace(base, batch=concurrency, query_len=1, decode=True).check(s)
     fw = framework(framework_name)
     rule = fw.refusal(par)
     if rule is not None:

@@ -78,7 +78,7 @@ def read_trace(path: str | Path) -> tuple[Step, ...]:
     wrong (``steps[3].rows[0].query: ...``); nothing is priced before the whole file is valid."""
     name = str(path)
     try:
-        raw = read_regular_file(path, MAX_TRACE_BYTES, "engine trace")
+        raw = read_regular_file(path, MAX_TRACE_BYTES, "trace file")
     except FileRefused as exc:
         raise KadaptError(exc.message, location=name) from None
     except OSError as exc:
@@ -89,6 +89,9 @@ def read_trace(path: str | Path) -> tuple[Step, ...]:
         raise KadaptError(f"not valid UTF-8 (byte {exc.start})", location=name) from None
     except json.JSONDecodeError as exc:
         raise KadaptError(f"not valid JSON: {exc.msg}", location=f"{name}:{exc.lineno}:{exc.colno}") from None
+    except (ValueError, RecursionError) as exc:  # an int past str()'s 4300 digits; nesting past the stack
+        problem = "nested too deeply" if isinstance(exc, RecursionError) else str(exc).split(";")[0]
+        raise KadaptError(f"not valid JSON: {problem}", location=name) from None
     problems = [
         f"{_breadcrumb(error.absolute_path)}: {error.message}"
         for error in sorted(_validator().iter_errors(data), key=lambda e: [str(p) for p in e.absolute_path])
@@ -108,8 +111,12 @@ def read_trace(path: str | Path) -> tuple[Step, ...]:
             "not a valid engine trace (schema: engine_trace.schema.json):\n  " + "\n  ".join(listed),
             location=name,
         )
+    # JSON Schema's integers include 1000.0 and 1e3 (a float with no fraction): priced as the int they are
     return tuple(
-        tuple(TraceRow(row["query"], row["context"], row.get("logits", 1)) for row in step["rows"])
+        tuple(
+            TraceRow(int(row["query"]), int(row["context"]), int(row.get("logits", 1)))
+            for row in step["rows"]
+        )
         for step in data["steps"]
     )
 
@@ -169,6 +176,8 @@ class StepPricer:
                 "--steps prices one engine's steps, one attention group: --dp must be 1 "
                 f"(got {base.parallel.dp})"
             )
+        # the layout is the engine's, not a step's: refused once, before any step (not as "steps[0]: ...")
+        base.parallel.check(inputs.arch.structure)
         self.inputs, self.spec, self.device = inputs, spec, device
         self.base = replace(base, mtp=0)
         self.cost_model, self.framework = cost_model, framework

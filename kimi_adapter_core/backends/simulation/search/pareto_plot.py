@@ -14,6 +14,7 @@ allows, and points that miss the SLA are drawn hollow. Written atomically.
 from __future__ import annotations
 
 import html
+import importlib.util
 import io
 import math
 from collections.abc import Sequence
@@ -46,6 +47,16 @@ class SlaLine:
 
     x: float
     label: str
+
+
+NO_MATPLOTLIB = "a .png plot needs matplotlib, which is not installed; write .html or .svg instead"
+
+
+def require_writer(path: Path) -> None:
+    """Refuse a plot that cannot be written before the sweep runs: a .png without matplotlib was
+    refused only after every configuration had been priced (minutes for a large model)."""
+    if path.suffix.lower() == ".png" and importlib.util.find_spec("matplotlib") is None:
+        raise KadaptError(NO_MATPLOTLIB)
 
 
 def write_plot(path: Path, points: Sequence[PlotPoint], title: str, sla: SlaLine | None = None) -> None:
@@ -184,9 +195,7 @@ def _png(points: Sequence[PlotPoint], title: str, sla: SlaLine | None) -> bytes:
         from matplotlib import pyplot
         from matplotlib.ticker import NullLocator
     except ImportError as exc:
-        raise KadaptError(
-            "a .png plot needs matplotlib, which is not installed; write .html or .svg instead"
-        ) from exc
+        raise KadaptError(NO_MATPLOTLIB) from exc
     figure, axes = pyplot.subplots(figsize=(8.6, 5.4))
     try:
         for name in dict.fromkeys(p.series for p in points):
