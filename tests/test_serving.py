@@ -253,6 +253,11 @@ def test_a_prompt_longer_than_the_chunk_takes_ceil_isl_over_chunk_steps() -> Non
     # prefill-bound: more chunks than steps, both groups' chunks in every step
     c = aggregated(decode, prefill, 0.03, 10, mem, w, 1.0, 2, t_one=0.02)
     assert c.tpot == pytest.approx(0.03) and c.requests_per_s == pytest.approx(8 / (400 * 0.03))
+    # each request lives one cycle of 400 mixed steps, 100 of them decoding: its first token comes
+    # after the other 300 (ceil(1000 / 10) = 100 steps alone had TTFT + TPOT x 100 at 6 s, not 12 s)
+    assert c.ttft == pytest.approx(300 * 0.03 + 0.03 / 2, rel=1e-12)
+    in_flight = 8 / c.requests_per_s  # Little: one cycle, for 8 requests
+    assert c.ttft + 100 * c.tpot == pytest.approx(in_flight + 0.03 / 2, rel=1e-12)
     # one group: its own chunks only, and a pass with one group's chunk is the mixed step
     one = Parallel(1, 1, 1)
     alone = aggregated(_point(one, 4, 0.01), _point(one, 1, 0.05), 0.03, 300, mem, w, 1.0, 1, t_one=0.02)

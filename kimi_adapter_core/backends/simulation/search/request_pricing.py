@@ -17,7 +17,9 @@ is priced from the step sweep's kernels in one of two serving modes:
   ISL / c`` of the steps mixed (all of them when ``m > n``): ``cycle = m x t_mix + max(n - m, 0) x
   t_decode``; a request's decode steps hold the other ``r - 1`` requests' chunks, so ``TPOT = (k x
   t_mix + (n - k) x t_decode) / (OSL - 1)`` with ``k = min(m - ISL / c, n)`` mixed steps among them;
-  ``TTFT = ceil(ISL / c) x t_mix + half a mean step`` (waiting for the step in flight). Attention-DP
+  ``TTFT = ceil(ISL / c) x t_mix + half a mean step`` (waiting for the step in flight), or, prefill-bound
+  (``m > n``), ``(m - n) x t_mix + half a step`` when longer: a request lives one cycle, ``n`` steps of it
+  decoding, so its prompt waits for the chunks of the prompts ahead of it. Attention-DP
   groups step in lockstep (the experts run on every group's rows each step), so with ``dp`` groups
   every group's chunks stall every group: ``dp x m`` chunks per cycle, each in a pass of its own
   priced with one group's chunk on the experts while the cycle has steps enough (``aggregated``). The prompts
@@ -30,8 +32,9 @@ is priced from the step sweep's kernels in one of two serving modes:
   and ``y`` decode workers fit in the devices and the slower pool sets the request rate as high as it
   goes: ``min(x x prefill rate, y x decode rate)``. The KV-cache transfer between pools is not priced.
 
-Queueing is not modelled in either mode: TTFT is that of a lightly loaded server (``concurrency``
-adds the wait of requests the KV cache cannot hold beside the ones in flight). AIConfigurator
+Beyond a prefill-bound worker's wait (above), queueing is not modelled in either mode: TTFT is that of
+a lightly loaded server (``concurrency`` adds the wait of requests the KV cache cannot hold beside the
+ones in flight). AIConfigurator
 0.12 multiplies its aggregated TTFT by ``min(2 + (steps to prefill the batch - 3) / 20, 4)``
 (TensorRT-LLM and SGLang; vLLM: ``1 + log2(b) / 8``, calibrated), which its source calls a legacy
 heuristic; it also leaves 3 mixed steps out of TensorRT-LLM's and SGLang's TPOT (an empirical
@@ -265,7 +268,10 @@ def aggregated(
     cycle = mixed * t_step + (steps - mixed) * t_dec
     seen = min(max(mixed - per_prompt, 0), n)  # mixed steps among a request's n decode steps
     tpot = (seen * t_step + (n - seen) * t_dec) / n / mtp_tokens
-    ttft = math.ceil(per_prompt) * t_step + cycle / steps / 2
+    # prefill-bound (m > n): every step is mixed and a request lives one cycle of m steps, n of them
+    # decoding, so its prompt waits m - n steps for its first token (the r requests in flight cannot
+    # all be prefilling at once); ceil(ISL / c) alone put TTFT + (OSL - 1) x TPOT far below the cycle
+    ttft = max(math.ceil(per_prompt), steps - n) * t_step + cycle / steps / 2
     replicas = devices // par.devices
     return Candidate(
         "agg",
