@@ -114,10 +114,15 @@ def price_concurrency(
         raise UsageError(f"--concurrency must be >= 1 (got {concurrency})")
     dp = base.parallel.dp
     even = lockstep_batch(concurrency, dp)
-    priced = _priced(spec, inputs, device, base, workload, framework_name, even, pricer)
+
+    def at(batch: int) -> Candidate:
+        search = concurrency_search(spec, inputs, device, base, workload, framework_name, batch, pricer)
+        return _priced(search, base.parallel)
+
+    priced = at(even)
     held = admitted(priced, even, dp)
     if held != even and held >= dp:
-        in_flight = _priced(spec, inputs, device, base, workload, framework_name, held, pricer)
+        in_flight = at(held)
         if in_flight.fits:
             # the queue drains at the service rate: a request waits (even - held) / rate for its slot
             # (Little's law over the clients' closed loop: every finished request is replaced at once)
@@ -153,24 +158,12 @@ def admitted(candidate: Candidate, concurrency: int, dp: int) -> int:
     return max(0, min(concurrency, int(room // per_request)) // dp * dp)
 
 
-def _priced(
-    spec: Spec,
-    inputs: Mapping[str | None, ModelInputs],
-    device: Device,
-    base: Deployment,
-    workload: Workload,
-    framework_name: str,
-    concurrency: int,
-    pricer: Pricer | None,
-) -> Candidate:
-    """The one aggregated candidate of ``base.parallel`` at batch ``concurrency``, as priced."""
-    search = concurrency_search(spec, inputs, device, base, workload, framework_name, concurrency, pricer)
+def _priced(search: ServingSearch, par: Parallel) -> Candidate:
+    """The one aggregated candidate of layout ``par`` that ``search`` (one batch) finds, as priced."""
     result = search.run()
-    found = [c for c in result.candidates if c.decode.config.parallel == base.parallel]
+    found = [c for c in result.candidates if c.decode.config.parallel == par]
     if not found:
-        why = result.worker_sizes.get(base.parallel.devices, "no candidate")
-        raise UsageError(
-            f"cannot price TP{base.parallel.tp} DP{base.parallel.dp} EP{base.parallel.ep}: {why}"
-        )
+        why = result.worker_sizes.get(par.devices, "no candidate")
+        raise UsageError(f"cannot price TP{par.tp} DP{par.dp} EP{par.ep}: {why}")
     (candidate,) = found  # one layout, one batch, one budget
     return candidate
