@@ -321,7 +321,9 @@ def _value_violations(read: Reader) -> list[bounds.Violation]:
     if "rope_parameters" in valid:
         key, params = valid["rope_parameters"]
         remote_code = bool(read.spec and read.spec.source.trust_remote_code)
-        found += bounds.rope_violations(read.prefix + key, params, remote_code=remote_code)
+        types = read.raw("layer_types")
+        named = frozenset(map(str, types)) if isinstance(types, (list, tuple)) else frozenset()
+        found += bounds.rope_violations(read.prefix + key, params, remote_code=remote_code, layer_types=named)
     for key, rule in outside_modelled().items():  # a scale or a soft-cap: applied as a positive factor
         answer = read.peek(key)
         if answer is not None and answer[1] not in rule["neutral"]:
