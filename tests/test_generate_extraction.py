@@ -775,12 +775,20 @@ def test_a_paged_spec_generates_the_paged_decode_abi(tmp_path: Path) -> None:
         module.run_graph(decode, module.graph_weights(wrapper), past_the_cache, "decode", check=False)
 
 
-def test_config_strings_reach_the_module_docstring_escaped(tmp_path: Path) -> None:
-    """A config string the structure line quotes (the rope type) cannot close the module docstring."""
+def test_config_strings_reach_the_module_docstring_escaped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A config string the structure line quotes (the rope type) cannot close the module docstring.
+    ``validate`` holds a native spec's rope type to transformers' list (``bounds.ROPE_TYPES``), so the
+    list is widened here to let the string reach the renderer, as a remote-code spec's would."""
     from kimi_adapter_core.generate.extraction import render_extraction
+    from kimi_adapter_core.structure import bounds
 
+    hostile = 'llama3"""\nimport os  # \\'
+    monkeypatch.setattr(bounds, "ROPE_TYPES", (*bounds.ROPE_TYPES, hostile))
+    monkeypatch.setattr(bounds, "FACTOR_ROPE_TYPES", (*bounds.FACTOR_ROPE_TYPES, hostile))
     config = json.loads((REPO / "specs" / "llama" / "config.json").read_text())
-    config["rope_scaling"]["rope_type"] = 'llama3"""\nimport os  # \\'
+    config["rope_scaling"]["rope_type"] = hostile
     (tmp_path / "h").mkdir()
     (tmp_path / "h" / "config.json").write_text(json.dumps(config))
     spec_text = (
