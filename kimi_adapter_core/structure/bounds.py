@@ -305,10 +305,12 @@ def rope_violations(
     must be finite; the type, theta, the scaling factor, the rotated share of the head (at most all of
     it) and the original context are read as such (``ROPE_RULES``), a mapping or not. A mapping nested
     per layer type holds a mapping or null under every other key, as ``rope_of`` reads it (a string
-    there would be dropped unread), and null (no rope) only under a type of the config's ``layer_types``:
-    ``rope_of`` reads a null label (DeepSeek-V4's ``compress``) as no entry at all, so the label's rope
-    would vanish unsaid. Each rope mapping names a type transformers builds (not checked for
-    ``remote_code``, whose classes name their own) and carries the factor its type scales by.
+    there would be dropped unread), and null (no rope) only in a mapping keyed by the config's
+    ``layer_types``: in one keyed by labels none of which is a layer type (DeepSeek-V4's ``main`` and
+    ``compress``) ``rope_of`` reads a null label as no entry at all, so the label's rope would vanish
+    unsaid (a null layer type the config has no layer of, as in a truncated Beam, is harmless). Each
+    rope mapping names a type transformers builds (not checked for ``remote_code``, whose classes name
+    their own) and carries the factor its type scales by.
     ``key`` is the mapping's path in the config file."""
     per_layer_type = nested and any(
         isinstance(value, Mapping) for name, value in params.items() if name not in ROPE_RULES
@@ -322,9 +324,8 @@ def rope_violations(
             found += rope_violations(path, value, remote_code=remote_code, nested=False)
         elif per_layer_type and value is not None:
             found += _violation(path, value, LAYER_ROPE)
-        elif per_layer_type and name not in layer_types:
-            named = f"layer_types names no {name!r}" if layer_types else "the config has no layer_types"
-            what = f"a mapping of RoPE parameters (null means no rope only under a layer type: {named})"
+        elif per_layer_type and layer_types and not layer_types & params.keys():
+            what = "a mapping of RoPE parameters (keyed by labels, not layer types: null names no rope)"
             found.append(Violation(path, f"expected {what}, found null"))
         elif _has_kind("number", value):  # the rest may be strings or flags
             found += _violation(path, value, FINITE_NUMBER)
