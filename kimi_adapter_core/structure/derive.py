@@ -37,7 +37,7 @@ from .moe_of import moe_layer_kinds, moe_of
 from .reader import MISSING, Reader, locate, mlp_block_types, outside_modelled, tables
 from .refusals import refuse_outside_layer_features, refuse_unmodelled_layers
 from .residual_streams import residual_streams_of
-from .rope_of import rope_flags, rope_of
+from .rope_of import named_layer_types, rope_flags, rope_of
 from .shared_blocks import hybrid_layer_type, mlp_kinds, shared_blocks_of
 
 
@@ -321,8 +321,7 @@ def _value_violations(read: Reader) -> list[bounds.Violation]:
     if "rope_parameters" in valid:
         key, params = valid["rope_parameters"]
         remote_code = bool(read.spec and read.spec.source.trust_remote_code)
-        types = read.raw("layer_types")
-        named = frozenset(map(str, types)) if isinstance(types, (list, tuple)) else frozenset()
+        named = named_layer_types(read)
         found += bounds.rope_violations(read.prefix + key, params, remote_code=remote_code, layer_types=named)
     for key, rule in outside_modelled().items():  # a scale or a soft-cap: applied as a positive factor
         answer = read.peek(key)

@@ -54,8 +54,7 @@ def rope_of(read: Reader, num_layers: int) -> Rope:
     if not nested:
         return replace(_rope_kind(read, params, top_level=True), nope_layers=nope)
     by_layer_type = tuple((name, _rope_kind(read, nested[name], top_level=False)) for name in sorted(nested))
-    types = read.raw("layer_types")
-    named = set(types) if isinstance(types, (list, tuple)) else set()
+    named = named_layer_types(read)
     labelled = bool(named) and not named & nested.keys()  # keyed by labels, not by the layers' types
     kind = BY_LABEL if labelled else PER_LAYER_TYPE
     return Rope(type=kind, theta=None, by_layer_type=by_layer_type, nope_layers=nope)
@@ -77,13 +76,20 @@ def rope_flags(read: Reader, num_layers: int) -> list[int] | None:
     return [int((i + 1) % interval != 0) for i in range(num_layers)]
 
 
+def named_layer_types(read: Reader) -> frozenset[str]:
+    """The layer types the config's ``layer_types`` names (empty without a list): what tells a rope
+    mapping keyed by layer types from one keyed by labels. Entries are read as text, as the value check
+    (``bounds``) sees them before it has refused any that are not."""
+    types = read.raw("layer_types")
+    return frozenset(map(str, types)) if isinstance(types, (list, tuple)) else frozenset()
+
+
 def _rope_by_layer_type(read: Reader, params: Mapping[str, Any]) -> dict[str, Mapping[str, Any] | None]:
     """Layer type -> its rope mapping when ``params`` is nested: the keys holding a mapping, and those
     the config's ``layer_types`` names that hold null (no rope there); empty for a flat mapping."""
     if not any(isinstance(value, Mapping) for value in params.values()):
         return {}
-    types = read.raw("layer_types")
-    named = set(types) if isinstance(types, (list, tuple)) else set()
+    named = named_layer_types(read)
     return {
         str(key): value
         for key, value in params.items()
