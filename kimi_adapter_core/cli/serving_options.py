@@ -371,6 +371,7 @@ def run_concurrency(
     c = price_concurrency(spec, by_mode, device, base, workload, framework, concurrency)
     notes = layout_notes(device, framework, [base.parallel])
     fw = framework_of(framework)
+    in_flight = min(concurrency, c.decode.config.batch)  # the even split's idle slots hold none
     if fmt == "json":
         doc = {
             "model": spec.name,
@@ -388,8 +389,8 @@ def run_concurrency(
             "chunk": c.chunk,
             "mixed_step_time_s": c.mixed_step_time,
             "fits": c.fits,
-            "in_flight": min(concurrency, c.decode.config.batch),
-            "queued": concurrency - min(concurrency, c.decode.config.batch),
+            "in_flight": in_flight,
+            "queued": concurrency - in_flight,
             "idle_slots": c.idle,
             "notes": notes_json(notes),
         }
@@ -407,7 +408,6 @@ def run_concurrency(
         f"{c.tokens_per_s_per_user:.1f} per user ({c.requests_per_s:.2f} requests/s)",
         f"steps: decode {c.decode.step_time * 1e3:.2f} ms, mixed {c.mixed_step_time * 1e3:.2f} ms",
     ]
-    in_flight = min(concurrency, c.decode.config.batch)
     if c.queued:
         lines.append(
             f"in flight: {in_flight} requests, as many as the KV cache holds beside the weights and "

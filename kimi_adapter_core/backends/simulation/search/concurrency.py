@@ -43,31 +43,25 @@ from .serving import ServingSearch
 from .sweep import Pricer
 
 
-def concurrency_search(
+def _search(
     spec: Spec,
     inputs: Mapping[str | None, ModelInputs],
     device: Device,
     base: Deployment,
     workload: Workload,
     framework_name: str,
-    concurrency: int,
+    batch: int,
     pricer: Pricer | None = None,
 ) -> ServingSearch:
-    """The aggregated request search of ``base.parallel`` alone at batch ``concurrency`` and the
-    framework's default step budget, after the checks that name what is wrong with the point; priced
-    with the framework's kernel table unless ``pricer`` says otherwise."""
+    """The aggregated request search of ``base.parallel`` alone at ``batch`` (a multiple of its DP
+    groups: ``price_concurrency`` sizes it) and the framework's default step budget, after the checks
+    that name what is wrong with the point; priced with the framework's kernel table unless ``pricer``
+    says otherwise."""
     par: Parallel = base.parallel
-    if concurrency < 1:
-        raise UsageError(f"--concurrency must be >= 1 (got {concurrency})")
-    if concurrency % par.dp:
-        raise UsageError(
-            f"--concurrency {concurrency} does not split over --dp {par.dp} attention groups "
-            "(each DP group serves concurrency / dp requests)"
-        )
     s = next(iter(inputs.values())).arch.structure
     # checked as the decode step it runs (``--mtp`` drafts are verified there; a prefill refuses them):
     # the layout divides the model and the MTP settings are in range, or a located error
-    replace(base, batch=concurrency, query_len=1, decode=True).check(s)
+    replace(base, batch=batch, query_len=1, decode=True).check(s)
     fw = framework(framework_name)
     rule = fw.refusal(par)
     if rule is not None:
@@ -84,7 +78,7 @@ def concurrency_search(
         workload,
         framework_name,
         modes=("agg",),
-        batches=(concurrency,),
+        batches=(batch,),
         pricer=pricer or framework_pricer(framework_name),
         layout=par,
         budgets=(fw.step_tokens.max,),
@@ -116,7 +110,7 @@ def price_concurrency(
     even = lockstep_batch(concurrency, dp)
 
     def at(batch: int) -> Candidate:
-        search = concurrency_search(spec, inputs, device, base, workload, framework_name, batch, pricer)
+        search = _search(spec, inputs, device, base, workload, framework_name, batch, pricer)
         return _priced(search, base.parallel)
 
     priced = at(even)
