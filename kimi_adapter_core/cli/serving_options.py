@@ -23,6 +23,7 @@ import click
 
 from .sweep_options import (
     Notes,
+    check_plot,
     column_width,
     layout_notes,
     notes_json,
@@ -128,13 +129,10 @@ def run_serving(
     the report in ``fmt`` (and write the plot when asked). ``base`` carries MTP, the KV dtype and the
     routing; ``quant`` names the weight modes as in ``run_sweep`` (default: the checkpoint as shipped)."""
     from ..backends.simulation.estimate.cost import framework_pricer
-    from ..backends.simulation.search.pareto_plot import SUFFIXES, SlaLine, require_writer, write_plot
+    from ..backends.simulation.search.pareto_plot import SlaLine, write_plot
     from ..backends.simulation.search.serving import ServingSearch, plot_points
 
-    if plot is not None and plot.suffix.lower() not in SUFFIXES:
-        raise click.UsageError(f"--plot {plot}: the suffix must be one of {', '.join(SUFFIXES)}")
-    if plot is not None:
-        require_writer(plot)
+    check_plot(plot)
     by_mode, weights = sweep_modes(spec, quant)
     search = ServingSearch(
         spec,

@@ -90,6 +90,18 @@ def sweep_modes(spec: Spec, quant: str | None) -> tuple[dict[str | None, ModelIn
     return by_mode, WeightModes(shipped, modes, declared_modes(spec), formats)
 
 
+def check_plot(plot: Path | None) -> None:
+    """Refuse a ``--plot`` the sweep could not write, before any configuration is priced: a suffix
+    without a writer (usage error) or a .png without matplotlib (``pareto_plot.require_writer``)."""
+    from ..backends.simulation.search.pareto_plot import SUFFIXES, require_writer
+
+    if plot is None:
+        return
+    if plot.suffix.lower() not in SUFFIXES:
+        raise click.UsageError(f"--plot {plot}: the suffix must be one of {', '.join(SUFFIXES)}")
+    require_writer(plot)
+
+
 def run_sweep(
     spec: Spec,
     device: Device,
@@ -106,13 +118,10 @@ def run_sweep(
 
     ``quant`` is ``--quant``: the weight modes to sweep (``grid.quant_modes``; default the checkpoint as
     shipped). ``pricer`` replaces the default per-kernel pricing (a measured cost model)."""
-    from ..backends.simulation.search.pareto_plot import SUFFIXES, PlotPoint, require_writer, write_plot
+    from ..backends.simulation.search.pareto_plot import PlotPoint, write_plot
     from ..backends.simulation.search.sweep import Sweep
 
-    if plot is not None and plot.suffix.lower() not in SUFFIXES:
-        raise click.UsageError(f"--plot {plot}: the suffix must be one of {', '.join(SUFFIXES)}")
-    if plot is not None:
-        require_writer(plot)
+    check_plot(plot)
     by_mode, weights = sweep_modes(spec, quant)
     sweep = Sweep(spec, by_mode, device, base, devices, pricer=pricer, batches=batches)
     result = sweep.run()
