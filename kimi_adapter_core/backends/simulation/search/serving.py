@@ -273,8 +273,10 @@ class ServingSearch:
             for chunk in chunks[(par, d.config.batch)]:
                 rows_step = rows.kernels(self._rows_config(d.config, chunk))
                 t_mix = mixed_step(rows_step, decode_step, attention, chunk / w.isl)
-                one_group = rows.kernels(self._rows_config(d.config, self._one_group_share(par, chunk)))
-                t_one = mixed_step(rows_step, decode_step, attention, chunk / w.isl, one_group)
+                t_one = t_mix  # one group: its chunk is every group's
+                if par.dp > 1:
+                    one_group = rows.kernels(self._rows_config(d.config, self._one_group_share(par, chunk)))
+                    t_one = mixed_step(rows_step, decode_step, attention, chunk / w.isl, one_group)
                 peak = activation_bytes(self.s, par, decode_rows + chunk, decode_rows)
                 memory = replace(d.memory, activations=max(d.memory.activations, peak))
                 found.append(aggregated(d, p, t_mix, chunk, memory, w, self.mtp_tokens, self.devices, t_one))
