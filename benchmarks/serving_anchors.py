@@ -6,8 +6,8 @@ workload and every assumption are recorded there) is priced as published with ``
 --concurrency`` (``search/concurrency.price_concurrency``: the request sweep's aggregated candidate for
 that layout and batch, the roofline cost model, the framework's own kernel-efficiency table, the
 checkpoint as shipped) and, when ``aiconfigurator-core`` is installed, by AIConfigurator 0.12's own
-aggregated serving estimate of the same point (its backend's ``run_agg`` at the framework's default
-step budget, the batch split over attention-DP ranks; the reason is printed when it cannot price it).
+aggregated serving estimate of the same point (its backend's ``run_agg`` at the step budget per DP
+group the engine ran with, as kadapt prices it, the batch split over attention-DP ranks; the reason is printed when it cannot price it).
 
 Scored: TPOT and output tokens/s per GPU (steady-state figures both tools model). TTFT is printed
 with its ratio to the published median TTFT (the mean includes queueing behind earlier prompts, which
@@ -63,7 +63,8 @@ def host_time(point: ServingPoint) -> float:
 def kadapt_estimate(point: ServingPoint, host: float | None = None) -> Estimate:
     """``kadapt simulate SPEC --device D --tp --dp --ep --framework F --kv-dtype K --isl --osl
     --concurrency N`` of the point, the checkpoint as shipped, with ``--eager`` where its engine ran
-    without CUDA graphs; ``host`` overrides the host time per launch (seconds)."""
+    without CUDA graphs and the step budget its release defaults to; ``host`` overrides the host time
+    per launch (seconds)."""
     spec = load_spec(REPO / "specs" / f"{point.spec}.yaml")
     eager_host = host_time(point) if host is None else host
     base = Deployment(point.parallel, 1, 1, 0, False, kv_dtype=point.kv_dtype, eager_host=eager_host)
@@ -75,6 +76,7 @@ def kadapt_estimate(point: ServingPoint, host: float | None = None) -> Estimate:
         Workload(point.isl, point.osl),
         point.framework,
         point.concurrency,
+        step_tokens=point.step_tokens,
     )
     return Estimate(c.ttft * 1e3, c.tpot * 1e3, c.tokens_per_s_per_device)
 
@@ -117,7 +119,9 @@ class AicServing:
             )
             model = get_model(model_path, config, point.framework)
             runtime = RuntimeConfig(batch_size=point.concurrency // par.dp, isl=point.isl, osl=point.osl)
-            step = framework_of(point.framework).step_tokens.max
+            step = point.step_tokens or framework_of(point.framework).step_tokens.default(
+                get_device(point.device).memory_bytes, par.dp
+            )  # the budget per DP group the engine ran with, as kadapt prices it
             summary = get_backend(point.framework).run_agg(model, database, runtime, ctx_tokens=step)
             row = summary.get_summary_df().iloc[0]
         except Exception as exc:  # noqa: BLE001 - AIConfigurator's own errors (a kernel it never measured)

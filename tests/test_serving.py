@@ -185,10 +185,12 @@ def test_request_steps_are_simulates_steps(free: ServingResult) -> None:
 # --- aggregated: chunked prefill ------------------------------------------------------------------
 def test_step_budgets_leave_room_for_the_decode_rows_when_they_count() -> None:
     counted, apart = StepTokens(2048, True, "s"), StepTokens(2048, False, "s")
-    assert counted.chunks(16, 10**6) == [496, 1008, 2032]  # budgets 512, 1024, 2048 less 16 decode rows
-    assert apart.chunks(16, 10**6) == [512, 1024, 2048]
-    assert counted.chunks(600, 10**6) == [424, 1448]  # 600 rows fill the 512 budget: no prompt fits
-    assert counted.chunks(16, 700) == [496, 700]  # never more prompt tokens than a cycle brings
+    tried = counted.budgets(None, 1)
+    assert tried == (512, 1024, 2048)  # the sweep's budgets up to the cap
+    assert counted.chunks(16, 10**6, tried) == [496, 1008, 2032]  # less 16 decode rows
+    assert apart.chunks(16, 10**6, tried) == [512, 1024, 2048]
+    assert counted.chunks(600, 10**6, tried) == [424, 1448]  # 600 rows fill the 512 budget: no prompt fits
+    assert counted.chunks(16, 700, tried) == [496, 700]  # never more prompt tokens than a cycle brings
     assert all(framework(name).step_tokens.max >= 512 for name in frameworks())
 
 

@@ -94,6 +94,9 @@ def _tampered(tmp_path: Path, change: dict[str, object], drop: str | None = None
         ({"engine": {"cuda_graphs": "no", "source": "s"}}, None, "engine.cuda_graphs must be true or false"),
         ({"engine": {"cuda_graphs": False}}, None, "engine must be a mapping of cuda_graphs and source"),
         ({"engine": {"cuda_graphs": False, "source": ""}}, None, "source missing"),
+        ({"step_tokens": {"per_dp_group": 4096}}, None, "step_tokens must be a mapping"),
+        ({"step_tokens": {"per_dp_group": 0, "source": "s"}}, None, "per_dp_group must be >= 1"),
+        ({"step_tokens": {"per_dp_group": "4k", "source": "s"}}, None, "per_dp_group missing or not"),
     ],
 )
 def test_a_bad_point_is_refused_by_name(
@@ -122,7 +125,13 @@ def test_concurrency_text_and_json() -> None:
     assert doc["workload"] == {"isl": 512, "osl": 64, "concurrency": 8, "mtp": 0, "mtp_acceptance": 0.7}
     assert (doc["mode"], doc["decode"]["batch"], doc["devices"]) == ("agg", 8, 1)
     assert (doc["weights"], doc["kv_dtype"], doc["shipped_weights"]) == ("bf16 (shipped)", "fp8", "bf16")
-    assert doc["framework"] == {"name": "vllm", "title": "vLLM", "step_tokens": 8192}
+    assert doc["framework"] == {
+        "name": "vllm",
+        "title": "vLLM",
+        "step_tokens": 8192,
+        "prompt_steps": "mixed",
+        "prompt_cuda_graphs": True,
+    }
     # 8 requests in flight, each at 1 / TPOT tokens/s (no prompt waits longer than the cycle it joins)
     assert doc["tokens_per_s_per_user"] == pytest.approx(1 / doc["tpot_s"])
     assert 0 < doc["tokens_per_s_per_device"] <= 8 * doc["tokens_per_s_per_user"]

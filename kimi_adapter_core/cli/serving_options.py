@@ -91,7 +91,8 @@ _SERVING_OPTIONS = (
         type=click.IntRange(1, 1 << 20),
         default=None,
         help="With --isl/--osl, without --sweep: price the one layout --tp/--dp/--ep serving this many "
-        "concurrent requests, aggregated (chunked prefill at --framework's default step budget): TTFT, "
+        "concurrent requests, aggregated at --framework's default step budget (chunked prefill; SGLang: "
+        "prompt steps of their own, run first and eagerly): TTFT, "
         "TPOT and output tokens/s per device and per user. Requests whose KV cache does not fit wait in "
         "the engine's queue (in TTFT).",
     ),
@@ -370,6 +371,8 @@ def run_concurrency(
     notes = layout_notes(device, framework, [base.parallel])
     fw = framework_of(framework)
     in_flight = min(concurrency, c.decode.config.batch)  # the even split's idle slots hold none
+    budget = fw.step_tokens.default(device.memory_bytes, base.parallel.dp)
+    graphs = fw.prompt_steps.cuda_graphs and not base.eager_host
     if fmt == "json":
         doc = {
             "model": spec.name,
@@ -381,7 +384,13 @@ def run_concurrency(
                 "mtp": base.mtp,
                 "mtp_acceptance": base.mtp_acceptance,
             },
-            "framework": {"name": fw.name, "title": fw.title, "step_tokens": fw.step_tokens.max},
+            "framework": {
+                "name": fw.name,
+                "title": fw.title,
+                "step_tokens": budget,
+                "prompt_steps": "apart" if c.apart else "mixed",
+                "prompt_cuda_graphs": graphs,
+            },
             **eager_json(base.eager_host),
             **candidate_json(c, weights, base.kv_dtype, notes),
             "chunk": c.chunk,
@@ -394,17 +403,25 @@ def run_concurrency(
         }
         return json.dumps(doc, indent=2)
     marks = _marks(c, notes)
+    if c.apart:
+        how = (
+            f"prompt steps apart, run before decoding resumes, step budget {budget} tokens per DP group, "
+            f"{c.chunk} prompt tokens per prompt step"
+        )
+    else:
+        how = f"chunked prefill, step budget {budget} tokens, {c.chunk} prompt tokens per mixed step"
+    step = "prompt" if c.apart else "mixed"
     lines = [
         f"{spec.name} on {c.devices} x {device.name}, {c.decode.config.layout}, {concurrency} concurrent "
-        f"requests of ISL {workload.isl}, OSL {workload.osl}, {fw.title} ({fw.name}), aggregated: chunked "
-        f"prefill, step budget {fw.step_tokens.max} tokens, {c.chunk} prompt tokens per mixed step",
+        f"requests of ISL {workload.isl}, OSL {workload.osl}, {fw.title} ({fw.name}), aggregated: {how}",
         f"weights {weights.label(c.quant)}, KV cache {base.kv_dtype}",
         *_mtp_text(base),
         *eager_text(base.eager_host),
         f"TTFT {c.ttft * 1e3:.1f} ms, TPOT {c.tpot * 1e3:.2f} ms",
         f"output tokens/s: {c.tokens_per_s_per_device:.1f} per device, "
         f"{c.tokens_per_s_per_user:.1f} per user ({c.requests_per_s:.2f} requests/s)",
-        f"steps: decode {c.decode.step_time * 1e3:.2f} ms, mixed {c.mixed_step_time * 1e3:.2f} ms",
+        f"steps: decode {c.decode.step_time * 1e3:.2f} ms, {step} {c.mixed_step_time * 1e3:.2f} ms"
+        f"{'' if graphs else ' (launched eagerly)'}",
     ]
     if c.queued:
         lines.append(

@@ -52,9 +52,11 @@ def _search(
     framework_name: str,
     batch: int,
     pricer: Pricer | None = None,
+    step_tokens: int | None = None,
 ) -> ServingSearch:
     """The aggregated request search of ``base.parallel`` alone at ``batch`` (a multiple of its DP
-    groups: ``price_concurrency`` sizes it) and the framework's default step budget, after the checks
+    groups: ``price_concurrency`` sizes it) and the framework's default step budget on the device
+    (``step_tokens``: per DP group, that budget instead), after the checks
     that name what is wrong with the point; priced with the framework's kernel table unless ``pricer``
     says otherwise."""
     par: Parallel = base.parallel
@@ -81,7 +83,7 @@ def _search(
         batches=(batch,),
         pricer=pricer or framework_pricer(framework_name),
         layout=par,
-        budgets=(fw.step_tokens.max,),
+        budgets=(step_tokens or fw.step_tokens.default(device.memory_bytes, par.dp),),
     )
 
 
@@ -94,6 +96,7 @@ def price_concurrency(
     framework_name: str,
     concurrency: int,
     pricer: Pricer | None = None,
+    step_tokens: int | None = None,
 ) -> Candidate:
     """The aggregated candidate of ``base.parallel`` serving ``concurrency`` requests of ``workload``
     (one weight mode: ``inputs`` holds one). Where their KV cache does not fit beside the weights and
@@ -101,7 +104,9 @@ def price_concurrency(
     wait in its queue: the candidate is priced at those in flight, its TTFT adds the wait, and
     ``Candidate.queued`` counts the waiting requests. Where not even one request per DP group fits, or
     what does not fit is not the KV cache (a mixed step's activations), the candidate is priced at
-    ``concurrency`` and ``Candidate.fits`` says it does not fit."""
+    ``concurrency`` and ``Candidate.fits`` says it does not fit. ``step_tokens``: the step budget per DP
+    group the engine ran with, where it is not the framework's default on the device (a release whose
+    default differs)."""
     if len(inputs) != 1:
         raise UsageError("--concurrency prices one weight mode (--quant names one, or none: the checkpoint)")
     if concurrency < 1:
@@ -110,7 +115,7 @@ def price_concurrency(
     even = lockstep_batch(concurrency, dp)
 
     def at(batch: int) -> Candidate:
-        search = _search(spec, inputs, device, base, workload, framework_name, batch, pricer)
+        search = _search(spec, inputs, device, base, workload, framework_name, batch, pricer, step_tokens)
         return _priced(search, base.parallel)
 
     priced = at(even)

@@ -25,6 +25,15 @@ is priced from the step sweep's kernels in one of two serving modes:
   priced with one group's chunk on the experts while the cycle has steps enough (``aggregated``). The prompts
   being prefilled (about ``c / ISL + 1`` per group) come on top of the ``r`` decoding requests and
   their KV cache is not counted.
+- **aggregated, prompt steps apart** (SGLang's default, ``frameworks.yaml`` ``prompt_steps``): a
+  waiting prompt runs in a step of its own before decoding resumes, launched eagerly where the
+  framework replays only decode steps as CUDA graphs. A finished request is replaced at once (the
+  clients' closed loop), so prompts arrive at the decode steps where requests finish: the ``r`` of a
+  cycle land on ``n`` steps, and those landing on the same step are prefilled together
+  (``prompt_batches``: Poisson over the steps, a batch in steps of at most the budget). A cycle is
+  ``P`` prompt steps of ``T`` tokens and ``n`` decode steps; a request's TPOT holds the other
+  requests' prompt steps, its TTFT its own batch's. With attention-DP groups in lockstep, each group's
+  prompt steps are passes every other group decodes in, at the prompt pass's pace (``prefill_first``).
 - **disaggregated** (xPyD): ``x`` prefill workers and ``y`` decode workers, each pool with its own
   layout. A prefill worker runs ``k`` requests per DP group per step (``TTFT = t_prefill(k)``; the
   fastest option meeting the TTFT target per worker size), a decode worker ``batch`` requests
@@ -103,12 +112,14 @@ class Candidate:
     osl: int
     memory: Memory  # per device of the decode (agg: the only) worker
     meets_sla: bool
-    chunk: int = 0  # agg: prompt tokens per DP group a mixed step carries beside the decode batch
-    mixed_step_time: float = 0.0  # agg: seconds of a mixed step (the longest gap between two tokens)
+    chunk: int = 0  # agg: prompt tokens per DP group a mixed (``apart``: prompt) step carries
+    mixed_step_time: float = 0.0  # agg: seconds of a mixed (prompt) step: the longest gap between tokens
     # ``--concurrency``: requests the clients keep open beyond what the KV cache holds, waiting (in ttft)
     queued: int = 0
     # ``--concurrency`` not a multiple of the DP groups: request slots of the even split left empty
     idle: int = 0
+    # agg: prompt tokens run in steps of their own before decoding resumes (``prefill_first``)
+    apart: bool = False
 
     @property
     def quant(self) -> str | None:
@@ -287,6 +298,62 @@ def aggregated(
         workload.meets(ttft, tpot),
         chunk,
         t_step,
+    )
+
+
+def prompt_batches(requests: float, steps: float, isl: int, budget: int) -> tuple[float, int, int]:
+    """A framework that runs waiting prompts in steps of their own (prefill first): ``requests``
+    prompts arrive over a cycle's ``steps`` decode steps, each where a request finishes, spread as
+    Poisson arrivals; those arriving at one step are prefilled together (``steps x (1 - exp(-requests
+    / steps))`` batches), a batch in steps of at most ``budget`` tokens. Returns the prompt steps per
+    cycle, the steps one batch takes and the prompt tokens of one step."""
+    batches = -steps * math.expm1(-requests / steps)
+    tokens = requests / batches * isl  # prompt tokens one batch brings
+    split = math.ceil(tokens / budget)
+    return batches * split, split, math.ceil(tokens / split)
+
+
+def prefill_first(
+    decode: Point,
+    prefill: Point,
+    t_prompt: float,
+    budget: int,
+    memory: Memory,
+    workload: Workload,
+    mtp_tokens: float,
+    devices: int,
+) -> Candidate:
+    """One worker serving both phases with prompt steps apart (see the module docstring), replicated
+    over the devices. Per DP group, ``r`` requests finish per cycle of ``n`` decode steps each; their
+    prompts take ``P`` steps of ``t_prompt`` (``prompt_batches``; under attention DP a pass in which
+    one group prefills and the others decode). A request's decode steps hold the other prompt steps of
+    the cycle but its own batch's (those are in its TTFT), and, with ``dp`` groups, the ``(dp - 1) x
+    P`` passes in which another group prefills, each at ``t_prompt`` (at most ``n``: beyond, the
+    groups' prompt steps coincide)."""
+    par, batch = decode.config.parallel, decode.config.batch
+    n = (workload.osl - 1) / mtp_tokens  # decode steps per request
+    steps, split, tokens = prompt_batches(batch / par.dp, n, workload.isl, budget)
+    slow = min((par.dp - 1) * steps, n)  # decode steps in another group's prompt pass
+    t_dec = decode.step_time
+    cycle = (steps + slow) * t_prompt + (n - slow) * t_dec
+    tpot = ((steps - split + slow) * t_prompt + (n - slow) * t_dec) / n / mtp_tokens
+    ttft = split * t_prompt + cycle / (steps + n) / 2  # its batch's steps, half a mean step's wait
+    replicas = devices // par.devices
+    return Candidate(
+        "agg",
+        decode,
+        prefill,
+        replicas,
+        0,
+        ttft,
+        tpot,
+        replicas * batch / cycle,
+        workload.osl,
+        memory,
+        workload.meets(ttft, tpot),
+        tokens,
+        t_prompt,
+        apart=True,
     )
 
 

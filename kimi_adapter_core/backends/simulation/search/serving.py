@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 
 from ....errors import UsageError
 from ....spec.model import Spec
+from ..estimate.eager import HOST_US, eager_step
 from ..estimate.planner import activation_bytes
 from ..model.deployment import Deployment
 from ..model.inputs import ModelInputs
@@ -33,10 +34,19 @@ from ..model.parallel import Parallel
 from ..model.rank_model import RankModel
 from ..tables.device import Device
 from .grid import Config, Point, divisors, layouts
-from .launch_rules import STEP_BUDGETS, Framework, framework
+from .launch_rules import Framework, framework
 from .pareto import pareto_front
 from .pareto_plot import PlotPoint
-from .request_pricing import Candidate, Workload, aggregated, disaggregated, mixed_step, prompt_attention
+from .request_pricing import (
+    Candidate,
+    Workload,
+    aggregated,
+    disaggregated,
+    mixed_step,
+    prefill_first,
+    prompt_attention,
+    prompt_batches,
+)
 from .sweep import Pricer, Sweep
 
 MODES = ("agg", "disagg")
@@ -114,8 +124,9 @@ class ServingSearch:
         self.prefill_batches = tuple(sorted(set(prefill_batches)))
         self.pricer = pricer
         # ``layout``: search that one layout only (``kadapt simulate --concurrency``); ``budgets``: the
-        # aggregated step budgets tried (default ``STEP_BUDGETS`` up to the framework's cap)
-        self.layout, self.budgets = layout, budgets or STEP_BUDGETS
+        # aggregated step budgets per DP group tried (default: ``STEP_BUDGETS`` up to the framework's
+        # cap on the device, shared by the DP groups where it divides them)
+        self.layout, self.budgets = layout, budgets
         self.decode_base = replace(
             base, query_len=1, context_len=workload.isl + workload.osl // 2, decode=True, batch=1
         )
@@ -123,6 +134,11 @@ class ServingSearch:
         # an aggregated worker's mixed steps: their row kernels, one-token queries on the prefill path
         self.rows_base = replace(self.prefill_base, query_len=1)
         self.mtp_tokens = 1 + base.mtp * base.mtp_acceptance  # output tokens per request per decode step
+        # prompt steps apart from decoding (``prompt_steps.mixed`` false), launched eagerly unless replayed
+        self.apart = not self.framework.prompt_steps.mixed
+        self.prompt_host = base.eager_host
+        if not self.framework.prompt_steps.cuda_graphs:
+            self.prompt_host = max(self.prompt_host, HOST_US * 1e-6)
         self.models: dict[tuple[int, bool], RankModel] = {}  # shared by every sweep of the search
 
     def _sweep(self, base: Deployment, workers: int, batches: Iterable[int], kv_tokens: int | None) -> Sweep:
@@ -197,10 +213,10 @@ class ServingSearch:
             if "agg" in self.modes:
                 chunks = self._chunks(pars)
                 rows_configs = [
-                    self._rows_config(c, share)
+                    config
                     for c in decode_configs
                     for chunk in chunks[(c.parallel, c.batch)]
-                    for share in {chunk, self._one_group_share(c.parallel, chunk)}
+                    for config in self._mixed_rows(c, chunk)
                 ]
                 rows = self._sweep(self.rows_base, workers, [c.batch for c in rows_configs], None)
                 rows.run(rows_configs)  # traced and priced here; ``_aggregated`` reads the kernels
@@ -219,16 +235,41 @@ class ServingSearch:
         return result
 
     def _chunks(self, pars: Sequence[Parallel]) -> dict[tuple[Parallel, int], list[int]]:
-        """Per layout and decode batch, the prompt chunks its mixed steps are tried with: the
-        framework's step budgets, less the decode rows when they count, at most a cycle's prompt
-        tokens."""
-        tpq, w = self.decode_base.tokens_per_query, self.workload
+        """Per layout and decode batch, the prompt chunks its mixed steps (or the budgets its prompt
+        steps) are tried with: the framework's step budgets per DP group, less the decode rows when
+        they count, at most a cycle's prompt tokens."""
+        tpq, w, step = self.decode_base.tokens_per_query, self.workload, self.framework.step_tokens
         return {
-            (par, b): self.framework.step_tokens.chunks(b // par.dp * tpq, b // par.dp * w.isl, self.budgets)
+            (par, b): step.chunks(
+                b // par.dp * tpq,
+                b // par.dp * w.isl,
+                self.budgets or step.budgets(self.device.memory_bytes, par.dp),
+            )
             for par in pars
             for b in self.batches
             if b % par.dp == 0
         }
+
+    def _prompt_tokens(self, decode: Config, budget: int) -> tuple[float, int, int]:
+        """``prompt_batches`` of a worker running ``decode``'s batch with prompt steps apart."""
+        n = (self.workload.osl - 1) / self.mtp_tokens
+        return prompt_batches(decode.batch / decode.parallel.dp, n, self.workload.isl, budget)
+
+    def _mixed_rows(self, decode: Config, chunk: int) -> list[Config]:
+        """The rows steps a pass carrying prompt tokens is priced from: the decode rows plus the chunk
+        per DP group (prompt steps apart: the prompt step's tokens alone), and under attention DP the
+        step putting one group's prompt tokens on the MoE group's rows (``_one_group_share``)."""
+        par = decode.parallel
+        if self.apart:
+            tokens = self._prompt_tokens(decode, chunk)[2]
+            own = replace(decode, batch=tokens * par.dp)
+        else:
+            tokens = chunk
+            own = self._rows_config(decode, chunk)
+        configs = [own]
+        if par.dp > 1:
+            configs.append(self._rows_config(decode, self._one_group_share(par, tokens)))
+        return configs
 
     @staticmethod
     def _one_group_share(par: Parallel, chunk: int) -> int:
@@ -271,6 +312,9 @@ class ServingSearch:
             attention = prompt_attention(prefill.kernels(p.config))
             decode_rows = d.config.batch // par.dp * tpq
             for chunk in chunks[(par, d.config.batch)]:
+                if self.apart:
+                    found.append(self._prefill_first(d, p, rows, prefill, chunk))
+                    continue
                 rows_step = rows.kernels(self._rows_config(d.config, chunk))
                 t_mix = mixed_step(rows_step, decode_step, attention, chunk / w.isl)
                 t_one = t_mix  # one group: its chunk is every group's
@@ -281,6 +325,22 @@ class ServingSearch:
                 memory = replace(d.memory, activations=max(d.memory.activations, peak))
                 found.append(aggregated(d, p, t_mix, chunk, memory, w, self.mtp_tokens, self.devices, t_one))
         return found
+
+    def _prefill_first(self, d: Point, p: Point, rows: Sweep, prefill: Sweep, budget: int) -> Candidate:
+        """The candidate of decode point ``d`` with prompt steps apart at ``budget`` tokens per step and
+        DP group: a prompt step (one group's, under attention DP, with the other groups' decode rows on
+        the experts) launched as the framework launches it (``prompt_host``)."""
+        par, host = d.config.parallel, self.prompt_host
+        configs = self._mixed_rows(d.config, budget)
+        tokens = self._prompt_tokens(d.config, budget)[2]
+        attention = prompt_attention(eager_step(prefill.kernels(p.config), host))
+        one_group = eager_step(rows.kernels(configs[1]), host) if par.dp > 1 else None
+        own = eager_step(rows.kernels(configs[0]), host)
+        t_prompt = mixed_step(own, [], attention, tokens / self.workload.isl, one_group)
+        peak = activation_bytes(self.s, par, tokens, 1)
+        memory = replace(d.memory, activations=max(d.memory.activations, peak))
+        w = self.workload
+        return prefill_first(d, p, t_prompt, budget, memory, w, self.mtp_tokens, self.devices)
 
     def _disaggregated(self, decode_points: list[Point], prefill_points: list[Point]) -> list[Candidate]:
         """Per weight mode and prefill worker size, the prefill option starting the most requests per

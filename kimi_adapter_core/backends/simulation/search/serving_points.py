@@ -41,6 +41,7 @@ _KEYS = {
     "measured",
     "certainty",
     "engine",
+    "step_tokens",
 }
 _MEASURED = ("output_tok_s", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms")
 _WORKLOAD = ("dataset", "requests", "total_input_tokens", "total_output_tokens")
@@ -77,6 +78,8 @@ class ServingPoint:
     certainty: str
     cuda_graphs: bool = True  # the engine replayed its decode step as a CUDA graph (``engine``; default)
     engine_source: str = ""  # where the engine's source says how it ran the step ("": not read)
+    # the step budget per DP group the release ran with, where it is not ``frameworks.yaml``'s default
+    step_tokens: int | None = None
 
     @property
     def output_tok_s_per_device(self) -> float:
@@ -103,6 +106,22 @@ def _engine(entry: dict[str, Any], where: str) -> tuple[bool, str]:
             f"{where}: engine.cuda_graphs must be true or false (got {engine['cuda_graphs']!r})"
         )
     return engine["cuda_graphs"], _need(engine, "source", str, f"{where} engine")
+
+
+def _step_tokens(entry: dict[str, Any], where: str) -> int | None:
+    """A point's ``step_tokens`` fact: the prompt tokens per step and DP group its release defaults to
+    where that is not the framework's current default (``frameworks.yaml``), with where the release's
+    source says so; None when the point states none."""
+    step = entry.get("step_tokens")
+    if step is None:
+        return None
+    if not isinstance(step, dict) or set(step) != {"per_dp_group", "source"}:
+        raise KadaptError(f"{where}: step_tokens must be a mapping of per_dp_group and source (got {step!r})")
+    _need(step, "source", str, f"{where} step_tokens")
+    tokens = _need(step, "per_dp_group", int, f"{where} step_tokens")
+    if tokens < 1:
+        raise KadaptError(f"{where}: step_tokens.per_dp_group must be >= 1 (got {tokens})")
+    return tokens
 
 
 def _point(entry: dict[str, Any], index: int, file: str) -> ServingPoint:
@@ -166,6 +185,7 @@ def _point(entry: dict[str, Any], index: int, file: str) -> ServingPoint:
         certainty=_need(entry, "certainty", str, where),
         cuda_graphs=cuda_graphs,
         engine_source=engine_source,
+        step_tokens=_step_tokens(entry, where),
     )
 
 
