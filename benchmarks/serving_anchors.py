@@ -7,7 +7,8 @@ workload and every assumption are recorded there) is priced as published with ``
 that layout and batch, the roofline cost model, the framework's own kernel-efficiency table, the
 checkpoint as shipped) and, when ``aiconfigurator-core`` is installed, by AIConfigurator 0.12's own
 aggregated serving estimate of the same point (its backend's ``run_agg`` at the step budget per DP
-group the engine ran with, as kadapt prices it, the batch split over attention-DP ranks; the reason is printed when it cannot price it).
+group the engine ran with, as kadapt prices it, the batch split over attention-DP ranks; the reason
+is printed when it cannot price it).
 
 Scored: TPOT and output tokens/s per GPU (steady-state figures both tools model). TTFT is printed
 with its ratio to the published median TTFT (the mean includes queueing behind earlier prompts, which

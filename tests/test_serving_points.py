@@ -138,6 +138,27 @@ def test_concurrency_text_and_json() -> None:
     assert doc["ttft_s"] > doc["decode"]["step_time_s"] and doc["fits"]
 
 
+def test_concurrency_prices_the_stated_step_budget() -> None:
+    """``--step-tokens`` is the server's budget flag: a smaller one carries fewer prompt tokens per
+    mixed step, so a prompt takes more, shorter steps; SGLang's is divided over the DP groups, as its
+    server arguments do under DP attention."""
+    args = [*CONCURRENCY, "--concurrency", "8", "--framework", "vllm", "--format", "json"]
+    default = json.loads(CliRunner().invoke(cli, args).output)
+    small = CliRunner().invoke(cli, [*args, "--step-tokens", "256"])
+    assert small.exit_code == 0, small.output
+    s = json.loads(small.output)
+    assert (default["framework"]["step_tokens"], s["framework"]["step_tokens"]) == (8192, 256)
+    assert s["chunk"] == 256 - 8 and default["chunk"] > s["chunk"]  # vLLM counts the 8 decode rows
+    assert s["mixed_step_time_s"] < default["mixed_step_time_s"]
+    # a 512-token prompt in ceil(512 / 248) = 3 such steps, then half a mean step's wait
+    assert s["ttft_s"] >= 3 * s["mixed_step_time_s"] and s["ttft_s"] < 4 * s["mixed_step_time_s"]
+    dp = ["simulate", "qwen3_moe", "--device", "h200", "--tp", "1", "--dp", "8", "--ep", "8"]
+    dp += ["--isl", "512", "--osl", "64", "--concurrency", "16", "--framework", "sglang", "--format", "json"]
+    shared = CliRunner().invoke(cli, [*dp, "--step-tokens", "16384"])
+    assert shared.exit_code == 0, shared.output
+    assert json.loads(shared.output)["framework"]["step_tokens"] == 2048
+
+
 def test_concurrency_prices_mtp_drafts() -> None:
     """``--mtp`` applies to ``--concurrency`` as to the request sweep (its decode steps verify the
     drafts): it was refused with "add --decode", which ``--concurrency`` refuses in turn. The drafts
@@ -169,6 +190,7 @@ def test_concurrency_prices_mtp_drafts() -> None:
         (["--concurrency", "8", *CONCURRENCY[4:], "--cost-model", "measured"], "drop --cost-model measured"),
         (["--concurrency", "8", *CONCURRENCY[4:], "--devices", "8"], "--devices, --batches and --plot apply"),
         (["--concurrency", "8", *CONCURRENCY[4:], "--tp", "3"], "--tp 3 does not divide"),
+        (["--step-tokens", "4096"], "--step-tokens sets the budget of a --concurrency price"),
     ],
 )
 def test_concurrency_usage_errors(extra: list[str], message: str) -> None:

@@ -97,6 +97,14 @@ _SERVING_OPTIONS = (
         "the engine's queue (in TTFT).",
     ),
     click.option(
+        "--step-tokens",
+        type=click.IntRange(1, 1 << 24),
+        default=None,
+        help="With --concurrency: the server's step budget flag (TensorRT-LLM --max_num_tokens, SGLang "
+        "--chunked-prefill-size, vLLM --max-num-batched-tokens) where it was launched with one; SGLang "
+        "divides it over the DP groups. Default: the framework's default on the device.",
+    ),
+    click.option(
         "--serving",
         type=click.Choice(["both", "agg", "disagg"]),
         default="both",
@@ -107,8 +115,8 @@ _SERVING_OPTIONS = (
 
 
 def serving_options(command: F) -> F:
-    """Add ``--isl --osl --ttft --tpot --concurrency --serving`` (the request-level search and the
-    one-deployment request price) to ``command``."""
+    """Add ``--isl --osl --ttft --tpot --concurrency --step-tokens --serving`` (the request-level search
+    and the one-deployment request price) to ``command``."""
     return with_options(_SERVING_OPTIONS, command)
 
 
@@ -356,22 +364,28 @@ def run_concurrency(
     workload: Workload,
     concurrency: int,
     *,
+    step_tokens: int | None = None,
     framework: str,
     quant: str | None = None,
     fmt: str = "text",
 ) -> str:
     """Price ``base.parallel`` serving ``concurrency`` requests of ``workload`` (aggregated; the sweep's
-    candidate for that layout and batch) and report it in ``fmt``, with its weights and KV modes."""
+    candidate for that layout and batch) and report it in ``fmt``, with its weights and KV modes;
+    ``step_tokens`` is the server's step budget flag (default: the framework's on the device)."""
     from ..backends.simulation.report.simulation import eager_json, eager_text
     from ..backends.simulation.search.concurrency import price_concurrency
     from ..backends.simulation.search.launch_rules import framework as framework_of
 
     by_mode, weights = sweep_modes(spec, quant)
-    c = price_concurrency(spec, by_mode, device, base, workload, framework, concurrency)
-    notes = layout_notes(device, framework, [base.parallel])
     fw = framework_of(framework)
+    dp = base.parallel.dp
+    if step_tokens is None:
+        budget = fw.step_tokens.default(device.memory_bytes, dp)
+    else:
+        budget = fw.step_tokens.per_group(step_tokens, dp)
+    c = price_concurrency(spec, by_mode, device, base, workload, framework, concurrency, step_tokens=budget)
+    notes = layout_notes(device, framework, [base.parallel])
     in_flight = min(concurrency, c.decode.config.batch)  # the even split's idle slots hold none
-    budget = fw.step_tokens.default(device.memory_bytes, base.parallel.dp)
     graphs = fw.prompt_steps.cuda_graphs and not base.eager_host
     if fmt == "json":
         doc = {
@@ -431,7 +445,6 @@ def run_concurrency(
             "engine's queue (in TTFT)"
         )
     if c.idle:
-        dp = base.parallel.dp
         lines.append(
             f"{concurrency} requests over {dp} DP groups: priced as {c.decode.config.batch // dp} per group, "
             "the busiest group's pace (the groups step in lockstep: one with fewer requests waits for it, "

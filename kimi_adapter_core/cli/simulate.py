@@ -154,6 +154,7 @@ def command(
     ttft: float | None,
     tpot: float | None,
     concurrency: int | None,
+    step_tokens: int | None,
     serving: str,
 ) -> None:
     """Price one step of SPEC's model on a device and report time, tokens/s and memory.
@@ -317,12 +318,15 @@ def command(
                 dep,
                 Workload(isl, osl),
                 concurrency,
+                step_tokens=step_tokens,
                 framework=framework,
                 quant=quant,
                 fmt="json" if out.json else "text",
             )
         out.result(report)
         return
+    if step_tokens is not None:
+        raise click.UsageError("--step-tokens sets the budget of a --concurrency price")
     if not requests and (ttft is not None or tpot is not None or serving != "both"):
         raise click.UsageError("--ttft, --tpot and --serving apply to a request sweep (--sweep --isl --osl)")
     if requests and not sweep:

@@ -72,14 +72,15 @@ class StepTokens:
 
     def default(self, memory_bytes: int | None, dp: int) -> int:
         """Per DP group, the budget a worker of ``dp`` groups runs without a budget flag."""
-        return self._per_group(self.cap(memory_bytes), dp)
+        return self.per_group(self.cap(memory_bytes), dp)
 
     def budgets(self, memory_bytes: int | None, dp: int) -> tuple[int, ...]:
         """Per DP group, the budgets the request sweep tries: ``STEP_BUDGETS`` up to the device's cap."""
         cap = self.cap(memory_bytes)
-        return tuple(dict.fromkeys(self._per_group(b, dp) for b in STEP_BUDGETS if b <= cap))
+        return tuple(dict.fromkeys(self.per_group(b, dp) for b in STEP_BUDGETS if b <= cap))
 
-    def _per_group(self, budget: int, dp: int) -> int:
+    def per_group(self, budget: int, dp: int) -> int:
+        """The budget each of ``dp`` DP groups runs of a worker launched with ``budget``."""
         return max(budget // dp, 1) if self.divided_over_dp else budget
 
     def chunks(self, decode_rows: int, most: int, budgets: tuple[int, ...]) -> list[int]:

@@ -78,7 +78,8 @@ class ServingPoint:
     certainty: str
     cuda_graphs: bool = True  # the engine replayed its decode step as a CUDA graph (``engine``; default)
     engine_source: str = ""  # where the engine's source says how it ran the step ("": not read)
-    # the step budget per DP group the release ran with, where it is not ``frameworks.yaml``'s default
+    # the step budget per DP group the server ran with (a stated flag, its release's default) where it is
+    # not ``frameworks.yaml``'s default
     step_tokens: int | None = None
 
     @property
@@ -109,9 +110,10 @@ def _engine(entry: dict[str, Any], where: str) -> tuple[bool, str]:
 
 
 def _step_tokens(entry: dict[str, Any], where: str) -> int | None:
-    """A point's ``step_tokens`` fact: the prompt tokens per step and DP group its release defaults to
-    where that is not the framework's current default (``frameworks.yaml``), with where the release's
-    source says so; None when the point states none."""
+    """A point's ``step_tokens`` fact: the step budget per DP group the server ran with where that is
+    not the framework's current default (``frameworks.yaml``): a stated launch flag, or the default of
+    its release, with where it is stated or the release's source says so; None when the point states
+    none."""
     step = entry.get("step_tokens")
     if step is None:
         return None
