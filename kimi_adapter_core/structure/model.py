@@ -78,10 +78,16 @@ class Attention:
             return (1, self.kv_lora_rank), (1, self.qk_rope_head_dim)
         return (self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.v_head_dim)
 
+    @property
+    def value_is_key(self) -> bool:
+        """Whether the values are the keys themselves (DeepSeek-V4's shared key/value head): the ABI
+        carries both states, a serving engine stores one."""
+        return self.form is not None and self.form.value_is_key
+
     def kv_elements(self, layout: str) -> int:
-        """Elements one layer caches per token (key + value)."""
+        """Elements one layer caches per token (key + value; the key alone where ``value_is_key``)."""
         (kh, kd), (vh, vd) = self.kv_dims(layout)
-        return kh * kd + vh * vd
+        return kh * kd + (0 if self.value_is_key else vh * vd)
 
     def describe(self) -> str:
         if self.is_mla:

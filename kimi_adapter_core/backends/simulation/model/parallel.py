@@ -206,6 +206,7 @@ def kv_heads_per_rank(a: Attention, tp: int) -> int:
 
 def kv_elements_per_rank(a: Attention, layout: str, tp: int) -> int:
     """Elements one TP rank caches per token per layer in ``layout``: each cached head group is split
-    like the heads (latent: one shared "head", replicated; heads: KV heads, replicated past TP = KV)."""
+    like the heads (latent: one shared "head", replicated; heads: KV heads, replicated past TP = KV);
+    values that are the keys (``value_is_key``) are not stored twice."""
     (kh, kd), (vh, vd) = a.kv_dims(layout)
-    return max(1, kh // tp) * kd + max(1, vh // tp) * vd
+    return max(1, kh // tp) * kd + (0 if a.value_is_key else max(1, vh // tp) * vd)

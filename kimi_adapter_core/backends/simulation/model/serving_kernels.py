@@ -189,7 +189,8 @@ class AttentionKernel:
         self._check(kind, heads, kv, hd, vd)
         self.called.add(kind.name)
         kvb, past = self.kv_bytes, self.dep.context_len
-        per_token = kv * (hd + vd) * kvb  # one token of this rank's cache
+        # one token of this rank's cache (the key alone where the values are the keys: DeepSeek-V4)
+        per_token = kv * (hd + (0 if kind.attention(self.s).value_is_key else vd)) * kvb
         write = b * s * per_token
         # a compressed layer also attends over its compressor's entries, one per closed window (a csa
         # layer over the top-k its indexer picks of them, priced beside it: ``price_csa_indexer``)
