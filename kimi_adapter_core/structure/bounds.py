@@ -333,11 +333,13 @@ def rope_violations(
 
 
 def _rope_type_violations(key: str, params: Mapping[str, Any], remote_code: bool) -> list[Violation]:
-    """One rope mapping's type against the types transformers builds, and the factor its type needs
-    (``rope_of`` reads a missing type as ``default``; a type that is no string is ``ROPE_TYPE``'s)."""
+    """One rope mapping's type against the types transformers builds, and the factor its type needs.
+    The type is read as transformers reads it (``rope_type``, else the legacy ``type``, else
+    ``default``), so a null or empty one is refused (transformers' rotary embedding raises a bare
+    ``KeyError`` on it) rather than read as ``default``; a type that is no string is ``ROPE_TYPE``'s."""
     name = "rope_type" if "rope_type" in params or "type" not in params else "type"
-    kind = params.get(name) or "default"
-    if not isinstance(kind, str):
+    kind = params.get(name, "default")
+    if kind is not None and not isinstance(kind, str):
         return []
     if kind not in ROPE_TYPES and not remote_code:
         what = f"one of transformers' rope types ({', '.join(ROPE_TYPES)})"

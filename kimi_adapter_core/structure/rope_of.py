@@ -104,7 +104,9 @@ def _rope_kind(read: Reader, params: Mapping[str, Any] | None, *, top_level: boo
     top-level ``original_max_position_embeddings`` precedence over the mapping's, as it does Phi-3's."""
     if params is None:
         return Rope("none", None)
-    rope_type = str(params.get("rope_type") or params.get("type") or "default")
+    # as transformers reads it (``bounds`` refuses a null or empty type: only a remote-code config,
+    # whose classes name their own types, gets here with one, read as ``default``)
+    rope_type = str(params.get("rope_type", params.get("type", "default")) or "default")
     theta = params.get("rope_theta") or read.get("rope_theta")
     return Rope(
         type=rope_type,
