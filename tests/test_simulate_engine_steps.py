@@ -29,7 +29,7 @@ def _run(*args: str) -> Any:
     return json.loads(result.output)
 
 
-def _trace(tmp_path: Path, steps: list[list[dict[str, int]]]) -> str:
+def _trace(tmp_path: Path, steps: list[list[dict[str, object]]]) -> str:
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"source": "test", "steps": [{"rows": rows} for rows in steps]}))
     return str(path)
@@ -86,6 +86,16 @@ def test_a_bad_trace_is_refused_with_every_located_problem_before_any_pricing(tm
     assert (
         result.exit_code == 1 and "steps[0].rows[0].logits: 3 logits rows of a 2-token query" in result.output
     )
+    # a row asking too many logits is named beside the schema's findings, not after they are fixed
+    both = _trace(tmp_path, [[{"query": 2, "context": -1, "logits": 3}], [{"query": "1", "context": 0}]])
+    result = CliRunner().invoke(cli, ["simulate", SPEC, *LAYOUT, "--steps", both])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    for where in (
+        "steps[0].rows[0].context",
+        "steps[0].rows[0].logits: 3 logits rows",
+        "steps[1].rows[0].query",
+    ):
+        assert where in result.output, (where, result.output)
 
     broken = tmp_path / "broken.json"
     broken.write_text('{"steps": [\n  {"rows": [}\n]}')

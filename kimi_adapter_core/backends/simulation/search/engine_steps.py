@@ -96,14 +96,7 @@ def read_trace(path: str | Path) -> tuple[Step, ...]:
         f"{_breadcrumb(error.absolute_path)}: {error.message}"
         for error in sorted(_validator().iter_errors(data), key=lambda e: [str(p) for p in e.absolute_path])
     ]
-    if not problems:
-        problems = [
-            f"steps[{i}].rows[{j}].logits: {row['logits']} logits rows of a {row['query']}-token query "
-            "(at most one per token)"
-            for i, step in enumerate(data["steps"])
-            for j, row in enumerate(step["rows"])
-            if row.get("logits", 1) > row["query"]
-        ]
+    problems += _too_many_logits(data)  # with the schema's findings: every error of the file at once
     if problems:
         more = len(problems) - MAX_REPORTED
         listed = problems[:MAX_REPORTED] + ([f"... and {more} more"] if more > 0 else [])
@@ -119,6 +112,26 @@ def read_trace(path: str | Path) -> tuple[Step, ...]:
         )
         for step in data["steps"]
     )
+
+
+def _too_many_logits(data: Any) -> list[str]:
+    """Rows asking for more logits than they have tokens (a rule the schema cannot state), among the
+    rows whose ``query`` and ``logits`` are numbers, whatever else in the file the schema refuses."""
+    steps = data.get("steps") if isinstance(data, dict) else None
+    found = []
+    for i, step in enumerate(steps if isinstance(steps, list) else ()):
+        rows = step.get("rows") if isinstance(step, dict) else None
+        for j, row in enumerate(rows if isinstance(rows, list) else ()):
+            if not isinstance(row, dict):
+                continue
+            query, logits = row.get("query"), row.get("logits", 1)
+            numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (query, logits))
+            if numbers and logits > query:
+                found.append(
+                    f"steps[{i}].rows[{j}].logits: {logits} logits rows of a {query}-token query "
+                    "(at most one per token)"
+                )
+    return found
 
 
 @dataclass(frozen=True)
