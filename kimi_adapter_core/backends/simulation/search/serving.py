@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 
 from ....errors import UsageError
 from ....spec.model import Spec
-from ..estimate.eager import HOST_US, eager_step
+from ..estimate.eager import HOST_US
 from ..estimate.planner import activation_bytes
 from ..model.deployment import Deployment
 from ..model.inputs import ModelInputs
@@ -130,15 +130,21 @@ class ServingSearch:
         self.decode_base = replace(
             base, query_len=1, context_len=workload.isl + workload.osl // 2, decode=True, batch=1
         )
-        self.prefill_base = replace(base, query_len=workload.isl, context_len=0, decode=False, mtp=0, batch=1)
+        # prompt steps apart from decoding (``prompt_steps.mixed`` false); a step carrying prompt tokens
+        # (a prefill worker's, an aggregated worker's prompt or mixed step) launched eagerly unless the
+        # framework replays it as a CUDA graph
+        self.apart = not self.framework.prompt_steps.mixed
+        host = (
+            base.eager_host
+            if self.framework.prompt_steps.cuda_graphs
+            else max(base.eager_host, HOST_US * 1e-6)
+        )
+        self.prefill_base = replace(
+            base, query_len=workload.isl, context_len=0, decode=False, mtp=0, batch=1, eager_host=host
+        )
         # an aggregated worker's mixed steps: their row kernels, one-token queries on the prefill path
         self.rows_base = replace(self.prefill_base, query_len=1)
         self.mtp_tokens = 1 + base.mtp * base.mtp_acceptance  # output tokens per request per decode step
-        # prompt steps apart from decoding (``prompt_steps.mixed`` false), launched eagerly unless replayed
-        self.apart = not self.framework.prompt_steps.mixed
-        self.prompt_host = base.eager_host
-        if not self.framework.prompt_steps.cuda_graphs:
-            self.prompt_host = max(self.prompt_host, HOST_US * 1e-6)
         self.models: dict[tuple[int, bool], RankModel] = {}  # shared by every sweep of the search
 
     def _sweep(self, base: Deployment, workers: int, batches: Iterable[int], kv_tokens: int | None) -> Sweep:
@@ -329,13 +335,13 @@ class ServingSearch:
     def _prefill_first(self, d: Point, p: Point, rows: Sweep, prefill: Sweep, budget: int) -> Candidate:
         """The candidate of decode point ``d`` with prompt steps apart at ``budget`` tokens per step and
         DP group: a prompt step (one group's, under attention DP, with the other groups' decode rows on
-        the experts) launched as the framework launches it (``prompt_host``)."""
-        par, host = d.config.parallel, self.prompt_host
+        the experts) launched as the framework launches it (the prefill and rows sweeps' host time)."""
+        par = d.config.parallel
         configs = self._mixed_rows(d.config, budget)
         tokens = self._prompt_tokens(d.config, budget)[2]
-        attention = prompt_attention(eager_step(prefill.kernels(p.config), host))
-        one_group = eager_step(rows.kernels(configs[1]), host) if par.dp > 1 else None
-        own = eager_step(rows.kernels(configs[0]), host)
+        attention = prompt_attention(prefill.kernels(p.config))
+        one_group = rows.kernels(configs[1]) if par.dp > 1 else None
+        own = rows.kernels(configs[0])
         t_prompt = mixed_step(own, [], attention, tokens / self.workload.isl, one_group)
         peak = activation_bytes(self.s, par, tokens, 1)
         memory = replace(d.memory, activations=max(d.memory.activations, peak))
