@@ -155,7 +155,7 @@ class Candidate:
         d = self.decode.config
         if self.mode == "agg":
             replicas = f" x{self.decode_workers}" if self.decode_workers > 1 else ""
-            return f"{d.layout}{replicas} b{d.batch} chunk {self.chunk}"
+            return f"{d.layout}{replicas} b{d.batch} {'prompt' if self.apart else 'chunk'} {self.chunk}"
         p = self.prefill.config
         return (
             f"{self.prefill_workers}P({p.layout} b{p.batch}) + {self.decode_workers}D({d.layout} b{d.batch})"
@@ -166,7 +166,7 @@ class Candidate:
         """The layout, short enough to print beside a plotted point (sizes of 1 left out)."""
         d = _short(self.decode.config)
         if self.mode == "agg":
-            d = f"{d} c{self.chunk}"
+            d = f"{d} {'p' if self.apart else 'c'}{self.chunk}"
             return d if self.decode_workers == 1 else f"{d} x{self.decode_workers}"
         return f"{self.prefill_workers}P {_short(self.prefill.config)} + {self.decode_workers}D {d}"
 
@@ -301,15 +301,26 @@ def aggregated(
     )
 
 
-def prompt_batches(requests: float, steps: float, isl: int, budget: int) -> tuple[float, int, int]:
+def prompt_batches(requests: float, steps: float, isl: int, budget: int) -> tuple[float, float, int]:
     """A framework that runs waiting prompts in steps of their own (prefill first): ``requests``
     prompts arrive over a cycle's ``steps`` decode steps, each where a request finishes, spread as
-    Poisson arrivals; those arriving at one step are prefilled together (``steps x (1 - exp(-requests
-    / steps))`` batches), a batch in steps of at most ``budget`` tokens. Returns the prompt steps per
-    cycle, the steps one batch takes and the prompt tokens of one step."""
-    batches = -steps * math.expm1(-requests / steps)
-    tokens = requests / batches * isl  # prompt tokens one batch brings
-    split = math.ceil(tokens / budget)
+    Poisson arrivals (``requests / steps`` per step); those arriving at one step are prefilled together
+    (``steps x (1 - exp(-requests / steps))`` batches), a batch of ``k`` prompts in ``ceil(k x ISL /
+    budget)`` steps. Returns the prompt steps per cycle, the mean steps of one batch (averaged over
+    ``k``, not taken at the mean ``k``: one 1,024-token prompt takes two 512-token steps, not three)
+    and the mean prompt tokens of one step."""
+    rate = requests / steps
+    batches = -steps * math.expm1(-rate)
+    # E[ceil(k x ISL / budget)] over the batch sizes, Poisson(rate) without k = 0, summed in logs over
+    # the k that hold its mass (12 standard deviations about the mean)
+    spread = 12 * math.sqrt(rate) + 10
+    split = mass = 0.0
+    for k in range(max(1, math.floor(rate - spread)), math.ceil(rate + spread) + 1):
+        p = math.exp(k * math.log(rate) - rate - math.lgamma(k + 1))
+        mass += p
+        split += p * math.ceil(k * isl / budget)
+    split /= mass
+    tokens = requests / batches * isl  # prompt tokens one batch brings, on average
     return batches * split, split, math.ceil(tokens / split)
 
 

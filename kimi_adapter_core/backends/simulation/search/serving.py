@@ -245,7 +245,7 @@ class ServingSearch:
         steps) are tried with: the framework's step budgets per DP group, less the decode rows when
         they count, at most a cycle's prompt tokens."""
         tpq, w, step = self.decode_base.tokens_per_query, self.workload, self.framework.step_tokens
-        return {
+        chunks = {
             (par, b): step.chunks(
                 b // par.dp * tpq,
                 b // par.dp * w.isl,
@@ -255,6 +255,13 @@ class ServingSearch:
             for b in self.batches
             if b % par.dp == 0
         }
+        if self.apart:  # budgets above what a prompt batch brings give the same prompt steps: one each
+            for (par, b), budgets in chunks.items():
+                seen = {
+                    self._prompt_tokens(Config(par, b, None), budget): budget for budget in reversed(budgets)
+                }
+                chunks[(par, b)] = sorted(seen.values())
+        return chunks
 
     def _prompt_tokens(self, decode: Config, budget: int) -> tuple[float, int, int]:
         """``prompt_batches`` of a worker running ``decode``'s batch with prompt steps apart."""
