@@ -85,9 +85,10 @@ class Attention:
         return self.form is not None and self.form.value_is_key
 
     def kv_elements(self, layout: str) -> int:
-        """Elements one layer caches per token (key + value; the key alone where ``value_is_key``)."""
+        """Elements one layer caches per token (key + value, as the ABI carries them: both where
+        ``value_is_key``)."""
         (kh, kd), (vh, vd) = self.kv_dims(layout)
-        return kh * kd + (0 if self.value_is_key else vh * vd)
+        return kh * kd + vh * vd
 
     def describe(self) -> str:
         if self.is_mla:

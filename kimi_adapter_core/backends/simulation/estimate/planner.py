@@ -65,6 +65,9 @@ class KvSizing:
     # sliding layers, Gemma-4's full layers); () when every layer caches ``attention``'s
     layer_attentions: tuple[Attention, ...] = ()
     compressed: CompressedSizing | None = None  # DeepSeek-V4's hca and csa layers' entries and rings
+    # a key that is also the value (DeepSeek-V4) counted once, as a serving runtime stores it (simulate);
+    # False: both, as the ABI carries them (plan, which states the runtime's figure beside)
+    value_once: bool = False
 
     @property
     def attentions(self) -> tuple[Attention, ...]:
@@ -73,12 +76,12 @@ class KvSizing:
 
     def layer_bytes_per_token(self, *, per_rank: bool = False) -> tuple[int, ...]:
         """Per attention layer the bytes one token takes in it (whole model, or one TP rank's share)."""
-        return tuple(
-            self._bytes(
-                a, kv_elements_per_rank(a, self.layout, self.tp) if per_rank else a.kv_elements(self.layout)
-            )
-            for a in self.attentions
-        )
+        return tuple(self._bytes(a, self._elements(a, per_rank)) for a in self.attentions)
+
+    def _elements(self, a: Attention, per_rank: bool) -> int:
+        """Elements one token caches in a layer of attention ``a`` (whole model or one TP rank)."""
+        tp = self.tp if per_rank else 1
+        return kv_elements_per_rank(a, self.layout, tp, value_once=self.value_once)
 
     @property
     def sparse_fp8(self) -> bool:
@@ -118,7 +121,7 @@ class KvSizing:
     @property
     def rank_bytes_per_token_layer(self) -> int:
         """One TP rank's share: heads split over TP, replicated past the KV heads (MLA latent: all)."""
-        return self._bytes(self.attention, kv_elements_per_rank(self.attention, self.layout, self.tp))
+        return self._bytes(self.attention, self._elements(self.attention, True))
 
     def layouts(self) -> dict[str, int]:
         """Bytes per token per layer of every layout the attention kind can cache in."""
@@ -295,7 +298,7 @@ def state_kinds(kv: KvSizing, tokens: int) -> dict[str, dict[str, Any]] | None:
     return kinds
 
 
-def kv_sizing(s: ModelStructure, tp: int, kv_dtype: str = "bf16") -> KvSizing:
+def kv_sizing(s: ModelStructure, tp: int, kv_dtype: str = "bf16", *, value_once: bool = False) -> KvSizing:
     if kv_dtype not in DTYPE_BYTES:
         raise UsageError(f"unknown KV cache dtype {kv_dtype!r} (known: {', '.join(DTYPE_BYTES)})")
     windows = tuple(s.layers[i].window for i in s.attention_layer_ids)
@@ -313,7 +316,17 @@ def kv_sizing(s: ModelStructure, tp: int, kv_dtype: str = "bf16") -> KvSizing:
         )
         compressed = CompressedSizing(kinds, DTYPE_BYTES[kv_dtype])
     return KvSizing(
-        kv_dtype, layout, s.attention, windows, tp, state, index, chunks, layer_attentions, compressed
+        kv_dtype,
+        layout,
+        s.attention,
+        windows,
+        tp,
+        state,
+        index,
+        chunks,
+        layer_attentions,
+        compressed,
+        value_once,
     )
 
 

@@ -166,7 +166,7 @@ def simulate(
         whole = measured.whole_mla
         priced = inside_whole_modules(priced, lambda op: whole(op.attrs) is not None)
     kernels = tuple(finish_step(priced, dep))
-    kv = kv_sizing(s, dep.parallel.tp, dep.kv_dtype)
+    kv = kv_sizing(s, dep.parallel.tp, dep.kv_dtype, value_once=True)  # a serving runtime's cache
     logits_tokens = dep.tokens_per_rank if dep.decode else dep.batch_per_rank
     tokens = dep.context_len + dep.tokens_per_query
     mem = memory(

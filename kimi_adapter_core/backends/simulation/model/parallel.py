@@ -204,9 +204,9 @@ def kv_heads_per_rank(a: Attention, tp: int) -> int:
     return max(1, a.num_kv_heads // tp)
 
 
-def kv_elements_per_rank(a: Attention, layout: str, tp: int) -> int:
+def kv_elements_per_rank(a: Attention, layout: str, tp: int, *, value_once: bool = False) -> int:
     """Elements one TP rank caches per token per layer in ``layout``: each cached head group is split
     like the heads (latent: one shared "head", replicated; heads: KV heads, replicated past TP = KV);
-    values that are the keys (``value_is_key``) are not stored twice."""
+    ``value_once``: values that are the keys (``value_is_key``) counted once, as a runtime stores them."""
     (kh, kd), (vh, vd) = a.kv_dims(layout)
-    return max(1, kh // tp) * kd + (0 if a.value_is_key else max(1, vh // tp) * vd)
+    return max(1, kh // tp) * kd + (0 if value_once and a.value_is_key else max(1, vh // tp) * vd)

@@ -427,7 +427,7 @@ class Sweep:
             lines = self._lines[config.quant] = weight_lines(self.inputs[config.quant], Parallel())
         sequence = self._kv.get(par.tp)
         if sequence is None:
-            kv = kv_sizing(s, par.tp, dep.kv_dtype)
+            kv = kv_sizing(s, par.tp, dep.kv_dtype, value_once=True)  # a serving runtime's cache
             tokens = self.kv_tokens or dep.context_len + dep.tokens_per_query
             sequence = self._kv[par.tp] = kv.sequence_bytes(tokens)
         logits_tokens = dep.tokens_per_rank if dep.decode else dep.batch_per_rank
