@@ -28,11 +28,13 @@ from kimi_adapter_core.backends.simulation.search.request_pricing import (
     prefill_first,
     prompt_batches,
 )
+from kimi_adapter_core.backends.simulation.search.serving import ServingSearch
 from kimi_adapter_core.backends.simulation.tables.device import get_device
 from kimi_adapter_core.spec import load_spec
 
 H200, B200 = get_device("h200"), get_device("b200")
 LLAMA = load_spec(REPO / "specs" / "llama.yaml")
+BASE = Deployment(Parallel(), 1, 1, 0, True)
 
 
 def test_sglang_budget_follows_device_memory_and_is_shared_by_dp_groups() -> None:
@@ -55,34 +57,38 @@ def test_every_framework_states_how_it_runs_prompt_steps() -> None:
 
 
 def test_prompts_arriving_apart_are_prefilled_one_by_one() -> None:
-    steps, split, tokens = prompt_batches(4, 10_000, 1000, 8192)
-    assert steps == pytest.approx(4, rel=1e-3)  # four arrivals over 10,000 steps: four batches
-    assert split == pytest.approx(1) and tokens == 1001  # a batch of one prompt, rarely two
+    steps, own, tokens = prompt_batches(4, 10_000, 1000, 8192)
+    assert steps == pytest.approx(4, rel=1e-3)  # four arrivals over 10,000 steps: four prompt steps
+    assert own == pytest.approx(1) and 1000 <= tokens <= 1001  # its own batch: itself, rarely two
+
+
+def test_a_single_request_sees_no_other_prompt() -> None:
+    for osl_steps in (1, 2, 7, 1e4):  # whatever the cycle's length
+        steps, own, tokens = prompt_batches(1, osl_steps, 4000, 8192)
+        assert (steps, own, tokens) == (1, 1, 4000)  # its own prompt step only: none in its TPOT
 
 
 def test_prompts_arriving_together_share_steps_up_to_the_budget() -> None:
-    steps, split, tokens = prompt_batches(1000, 10, 1000, 8192)
-    # ~100 prompts per decode step (Poisson): ceil(k x 1000 / 8192) steps each, about 12.7 on average
-    assert 12 < split < 13.5 and tokens <= 8192
-    assert steps == pytest.approx(10 * split, rel=1e-6)  # every decode step has arrivals
-    assert tokens * split == pytest.approx(100_000, rel=1e-3)
+    steps, own, tokens = prompt_batches(1000, 10, 1000, 8192)
+    # ~100 prompts per decode step: ceil(k x 1000 / 8192) steps each, about 12.8 for a request's batch
+    assert 12 < own < 13.5 and tokens <= 8192
+    assert steps == pytest.approx(10 * own, rel=0.02)  # every decode step brings a batch
+    assert tokens * steps == pytest.approx(1000 * 1000, rel=1e-3)  # a cycle prefills every prompt
 
 
 def test_a_batch_takes_its_expected_steps_not_the_steps_of_its_mean_size() -> None:
-    # one 1,024-token prompt in two 512-token steps: the mean batch (1.0005 prompts, 1,024.5 tokens)
-    # would take three
-    steps, split, tokens = prompt_batches(1, 10_000, 1024, 512)
-    assert split == pytest.approx(2, rel=1e-3) and tokens == 512
-    steps, split, tokens = prompt_batches(1, 1000, 20_000, 8192)
-    assert split == pytest.approx(3, rel=1e-3) and tokens == pytest.approx(20_000 / 3, rel=1e-3)
-    assert steps == pytest.approx(3, rel=1e-3)
+    # one 1,024-token prompt in two 512-token steps (rarely a second prompt with it: four)
+    steps, own, tokens = prompt_batches(2, 10_000, 1024, 512)
+    assert own == pytest.approx(2, rel=1e-3) and steps == pytest.approx(4, rel=1e-3) and tokens == 512
+    steps, own, tokens = prompt_batches(1, 1000, 20_000, 8192)
+    assert (steps, own, tokens) == (3, 3, 6667)
 
 
 def test_prompt_batches_hold_at_extreme_arrival_rates() -> None:
-    steps, split, tokens = prompt_batches(10**6, 3, 100, 8192)  # e^-rate underflows: summed in logs
-    assert split == pytest.approx(10**6 / 3 * 100 / 8192, rel=1e-3) and tokens <= 8192
-    steps, split, tokens = prompt_batches(1, 1e9, 100, 8192)
-    assert (split, tokens) == (pytest.approx(1), 101)
+    steps, own, tokens = prompt_batches(10**6, 3, 100, 8192)  # summed in logs: exp(-rate) underflows
+    assert own == pytest.approx(10**6 / 3 * 100 / 8192, rel=1e-3) and tokens <= 8192
+    steps, own, tokens = prompt_batches(5, 0.5, 100, 8192)  # under one decode step a request: one batch
+    assert (steps, own, tokens) == (1, 1, 500)
 
 
 def _point(par: Parallel, batch: int, step_time: float) -> Point:
@@ -93,21 +99,56 @@ def _point(par: Parallel, batch: int, step_time: float) -> Point:
 def test_prefill_first_prices_a_cycle_of_prompt_and_decode_steps(dp: int) -> None:
     par = Parallel(tp=1, dp=dp)
     w = Workload(2000, 101)
-    decode, t_prompt = _point(par, 8 * dp, 0.010), 0.050
-    c = prefill_first(decode, decode, t_prompt, 1024, decode.memory, w, 1.0, dp)
+    decode, t_one, t_all = _point(par, 8 * dp, 0.010), 0.050, 0.080
+    c = prefill_first(decode, decode, t_one, t_all, 1024, decode.memory, w, 1.0, dp)
     n = 100  # decode steps per request
-    steps, split, tokens = prompt_batches(8, n, 2000, 1024)
-    assert split >= 2 and c.chunk == tokens <= 1024 and c.apart  # ~2,000 tokens a batch, 1,024 a step
-    slow = min((dp - 1) * steps, n)  # this group decoding in another group's prompt pass
+    steps, own, tokens = prompt_batches(8, n, 2000, 1024)
+    assert own >= 2 and c.chunk == tokens <= 1024 and c.apart  # ~2,000 tokens a batch, 1,024 a step
+    # dp x steps group prompt steps fit in distinct passes (4 x ~16 < ~16 + 100): one group each
+    t_prompt = t_one if dp > 1 else t_all
+    slow = (dp - 1) * steps  # this group decoding in another group's prompt pass
     cycle = (steps + slow) * t_prompt + (n - slow) * 0.010
     assert c.requests_per_s == pytest.approx(8 * dp / cycle)
     # its own batch's prompt steps are in its TTFT, not between its tokens
-    assert c.tpot == pytest.approx(((steps - split + slow) * t_prompt + (n - slow) * 0.010) / n)
-    assert c.ttft == pytest.approx(split * t_prompt + cycle / (steps + n) / 2)
+    assert c.tpot == pytest.approx(((steps - own + slow) * t_prompt + (n - slow) * 0.010) / n)
+    assert c.ttft == pytest.approx(own * t_prompt + cycle / (steps + n) / 2)
+    assert c.ttft + (w.osl - 1) * c.tpot == pytest.approx(cycle, rel=1e-2)  # a request lives one cycle
     assert c.mixed_step_time == t_prompt
     if dp > 1:  # other groups' prompts slow this group's decoding
-        alone = prefill_first(_point(Parallel(), 8, 0.010), decode, t_prompt, 1024, decode.memory, w, 1.0, 1)
+        alone = prefill_first(
+            _point(Parallel(), 8, 0.010), decode, t_one, t_all, 1024, decode.memory, w, 1.0, 1
+        )
         assert c.tpot > alone.tpot
+
+
+def test_a_lone_request_decodes_at_the_decode_step() -> None:
+    """Its own prompt is in its TTFT and no other request's prompt interrupts it, however short."""
+    for osl in (2, 3, 64):
+        c = prefill_first(
+            _point(Parallel(), 1, 0.010),
+            None,
+            0.2,
+            0.2,
+            8192,
+            Memory(1, 1, 1, None),
+            Workload(4000, osl),
+            1.0,
+            1,
+        )
+        assert c.tpot == pytest.approx(0.010) and c.ttft >= 0.2
+
+
+def test_coinciding_group_prompt_steps_are_priced_toward_all_groups_prefilling() -> None:
+    """8 DP groups of 64 requests and 20 decode steps each: 8 x ~64 group prompt steps cannot take
+    a pass each within a group's ~84 passes, so passes carry several groups' prompt steps, each priced
+    between one group prefilling and all of them."""
+    par, w = Parallel(tp=1, dp=8), Workload(2000, 21)
+    decode = _point(par, 8 * 64, 0.010)
+    c = prefill_first(decode, decode, 0.050, 0.200, 2048, decode.memory, w, 1.0, 8)
+    steps, _, _ = prompt_batches(64, 20, 2000, 2048)
+    groups = 8 * steps / (steps + 20)
+    assert 1 < groups < 8 and c.mixed_step_time == pytest.approx(0.050 + 0.150 * (groups - 1) / 7)
+    assert c.tpot > 0.010
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +178,17 @@ def _decode_kernels(c: object) -> list[object]:
 
     dep = Deployment(c.decode.config.parallel, c.decode.config.batch, 1, 1088, True)
     return simulate(model_inputs(LLAMA, "bf16"), LLAMA, dep, H200).kernels
+
+
+def test_the_sweep_lists_each_distinct_prompt_step_once() -> None:
+    """Budgets above what a prompt batch brings give the same prompt steps: one candidate, not one per
+    budget (the front had listed the same SGLang deployment four times)."""
+    inputs = sweep_inputs(LLAMA, quant_modes(LLAMA, "bf16"))
+    w = Workload(1024, 256)
+    result = ServingSearch(LLAMA, inputs, H200, BASE, 2, w, "sglang", modes=("agg",), batches=(1, 4)).run()
+    seen: dict[object, list[int]] = {}
+    for c in result.candidates:
+        assert c.apart
+        seen.setdefault(c.decode.config, []).append(c.chunk)
+    assert seen and all(len(chunks) == len(set(chunks)) for chunks in seen.values()), seen
+    assert any(len(chunks) > 1 for chunks in seen.values())  # budgets below a prompt still split it

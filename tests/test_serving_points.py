@@ -156,7 +156,8 @@ def test_concurrency_prices_the_stated_step_budget() -> None:
     dp += ["--isl", "512", "--osl", "64", "--concurrency", "16", "--framework", "sglang", "--format", "json"]
     shared = CliRunner().invoke(cli, [*dp, "--step-tokens", "16384"])
     assert shared.exit_code == 0, shared.output
-    assert json.loads(shared.output)["framework"]["step_tokens"] == 2048
+    doc = json.loads(shared.output)
+    assert doc["framework"]["step_tokens"] == 2048 and doc["chunk"] <= 2048  # priced at it
 
 
 def test_concurrency_prices_mtp_drafts() -> None:
@@ -191,6 +192,24 @@ def test_concurrency_prices_mtp_drafts() -> None:
         (["--concurrency", "8", *CONCURRENCY[4:], "--devices", "8"], "--devices, --batches and --plot apply"),
         (["--concurrency", "8", *CONCURRENCY[4:], "--tp", "3"], "--tp 3 does not divide"),
         (["--step-tokens", "4096"], "--step-tokens sets the budget of a --concurrency price"),
+        (
+            ["--concurrency", "8", *CONCURRENCY[4:], "--framework", "vllm", "--step-tokens", "8"],
+            "no room for a prompt",
+        ),
+        (
+            [
+                "--concurrency",
+                "8",
+                *CONCURRENCY[4:],
+                "--framework",
+                "sglang",
+                "--dp",
+                "2",
+                "--step-tokens",
+                "1",
+            ],
+            "no token per group",
+        ),
     ],
 )
 def test_concurrency_usage_errors(extra: list[str], message: str) -> None:

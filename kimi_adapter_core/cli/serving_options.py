@@ -381,6 +381,11 @@ def run_concurrency(
     dp = base.parallel.dp
     if step_tokens is None:
         budget = fw.step_tokens.default(device.memory_bytes, dp)
+    elif fw.step_tokens.divided_over_dp and step_tokens < dp:
+        raise click.UsageError(
+            f"--step-tokens {step_tokens} over {dp} DP groups leaves no token per group ({fw.title} divides "
+            "it over the DP groups)"
+        )
     else:
         budget = fw.step_tokens.per_group(step_tokens, dp)
     c = price_concurrency(spec, by_mode, device, base, workload, framework, concurrency, step_tokens=budget)

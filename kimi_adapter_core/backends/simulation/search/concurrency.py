@@ -4,10 +4,11 @@ Published serving benchmarks (``bench_serving --max-concurrency N``, InferenceMA
 at a fixed number of requests in flight; the request sweep (``serving``) searches layouts and batches
 for the best under an SLA. This prices the published point: the request sweep restricted to the one
 layout (``--tp --dp --ep``) and the one batch (N requests in flight, split over the DP groups),
-aggregated (one pool, chunked prefill) at the framework's default step budget (``frameworks.yaml``
-``step_tokens.max``: what a server launched without a budget flag runs), in the one weight mode asked
-for. The price is the sweep's own candidate for that layout and batch (``request_pricing.aggregated``),
-never a second formula, so the two cannot drift apart.
+aggregated (one pool: chunked prefill, or prompt steps apart where the framework runs them so) at
+the framework's default step budget on the device (``frameworks.yaml`` ``step_tokens``: what a server
+launched without a budget flag runs; ``--step-tokens`` names another), in the one weight mode asked
+for. The price is the sweep's own candidate for that layout and batch (``request_pricing.aggregated``
+or ``prefill_first``), never a second formula, so the two cannot drift apart.
 
 N requests that do not split evenly over the DP groups are priced as the busiest group sets every
 group's pace: attention-DP groups step in lockstep (SGLang's scheduler all-reduces every group's token
@@ -71,6 +72,13 @@ def _search(
             f"{fw.title} cannot launch TP{par.tp} DP{par.dp} EP{par.ep} ({rule.id}): {rule.why} "
             f"[{rule.source}]"
         )
+    budget = step_tokens or fw.step_tokens.default(device.memory_bytes, par.dp)
+    rows = batch // par.dp * replace(base, query_len=1, decode=True).tokens_per_query
+    if fw.step_tokens.counts_decode and budget <= rows:
+        raise UsageError(
+            f"a step budget of {budget} tokens per DP group leaves no room for a prompt beside its {rows} "
+            f"decode rows ({fw.title} counts them against it): raise --step-tokens above {rows}"
+        )
     return ServingSearch(
         spec,
         inputs,
@@ -83,7 +91,7 @@ def _search(
         batches=(batch,),
         pricer=pricer or framework_pricer(framework_name),
         layout=par,
-        budgets=(step_tokens or fw.step_tokens.default(device.memory_bytes, par.dp),),
+        budgets=(budget,),
     )
 
 

@@ -122,9 +122,9 @@ def _too_many_logits(data: Any) -> list[str]:
     for i, step in enumerate(steps if isinstance(steps, list) else ()):
         rows = step.get("rows") if isinstance(step, dict) else None
         for j, row in enumerate(rows if isinstance(rows, list) else ()):
-            if not isinstance(row, dict):
+            if not isinstance(row, dict) or "logits" not in row:  # the default, one, is the schema's
                 continue
-            query, logits = row.get("query"), row.get("logits", 1)
+            query, logits = row.get("query"), row["logits"]
             numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (query, logits))
             if numbers and logits > query:
                 found.append(

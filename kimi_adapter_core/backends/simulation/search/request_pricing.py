@@ -1,9 +1,10 @@
 """Whole requests priced from step kernels: the workload, and one deployment's TTFT, TPOT and rate.
 
 A request is an ISL-token prompt (prefill) and OSL output tokens (decode). Each candidate deployment
-is priced from the step sweep's kernels in one of two serving modes:
+is priced from the step sweep's kernels in one of two serving modes, the aggregated one under the
+framework's prompt-step policy (``frameworks.yaml`` ``prompt_steps``):
 
-- **aggregated** (chunked prefill, as TensorRT-LLM, SGLang and vLLM schedule by default): one pool
+- **aggregated** (chunked prefill, as TensorRT-LLM and vLLM schedule by default): one pool
   of workers (each a TP x DP layout of ``w`` devices, replicated ``devices // w`` times) serves both
   phases. Each step of a DP group carries its ``r = batch / dp`` decoding requests and, in a *mixed*
   step, a chunk of ``c`` prompt tokens; ``c`` is the framework's per-step token budget less the decode
@@ -30,10 +31,13 @@ is priced from the step sweep's kernels in one of two serving modes:
   framework replays only decode steps as CUDA graphs. A finished request is replaced at once (the
   clients' closed loop), so prompts arrive at the decode steps where requests finish: the ``r`` of a
   cycle land on ``n`` steps, and those landing on the same step are prefilled together
-  (``prompt_batches``: Poisson over the steps, a batch in steps of at most the budget). A cycle is
+  (``prompt_batches``: uniformly over the steps, a batch in steps of at most the budget). A cycle is
   ``P`` prompt steps of ``T`` tokens and ``n`` decode steps; a request's TPOT holds the other
   requests' prompt steps, its TTFT its own batch's. With attention-DP groups in lockstep, each group's
-  prompt steps are passes every other group decodes in, at the prompt pass's pace (``prefill_first``).
+  prompt steps are passes every other group decodes in, at the prompt pass's pace, and passes where
+  several groups prefill at once are priced toward all of them prefilling (``prefill_first``).
+  SGLang prefills a batch without CUDA graphs: every kernel of a prompt step (and of a disaggregated
+  prefill worker's step) takes at least the host's time to launch it (``estimate/eager.py``).
 - **disaggregated** (xPyD): ``x`` prefill workers and ``y`` decode workers, each pool with its own
   layout. A prefill worker runs ``k`` requests per DP group per step (``TTFT = t_prefill(k)``; the
   fastest option meeting the TTFT target per worker size), a decode worker ``batch`` requests
@@ -208,9 +212,11 @@ def rows_and_requests(kernels: Iterable[Priced]) -> tuple[float, float]:
     return rows, requests
 
 
-def prompt_attention(kernels: Iterable[Priced]) -> float:
-    """The attention time of a prefill step (its ``attention`` kernels)."""
-    return sum(k.total for k in kernels if k.op.kind == "attention")
+def prompt_attention(kernels: Iterable[Priced], share: float = 1.0, host: float = 0.0) -> float:
+    """The attention time of a prefill step (its ``attention`` kernels), or of ``share`` of its work
+    in one step (a chunk of the prompt, or several prompts) launched with ``host`` seconds per kernel:
+    each layer's kernel runs once per step whatever the share, so the launch floor is paid once."""
+    return sum(max(k.time * share, host) * k.op.repeat for k in kernels if k.op.kind == "attention")
 
 
 def moe_group_kernel(op: Op) -> bool:
@@ -301,33 +307,54 @@ def aggregated(
     )
 
 
-def prompt_batches(requests: float, steps: float, isl: int, budget: int) -> tuple[float, float, int]:
-    """A framework that runs waiting prompts in steps of their own (prefill first): ``requests``
-    prompts arrive over a cycle's ``steps`` decode steps, each where a request finishes, spread as
-    Poisson arrivals (``requests / steps`` per step); those arriving at one step are prefilled together
-    (``steps x (1 - exp(-requests / steps))`` batches), a batch of ``k`` prompts in ``ceil(k x ISL /
-    budget)`` steps. Returns the prompt steps per cycle, the mean steps of one batch (averaged over
-    ``k``, not taken at the mean ``k``: one 1,024-token prompt takes two 512-token steps, not three)
-    and the mean prompt tokens of one step."""
-    rate = requests / steps
-    batches = -steps * math.expm1(-rate)
-    # E[ceil(k x ISL / budget)] over the batch sizes, Poisson(rate) without k = 0, summed in logs over
-    # the k that hold its mass (12 standard deviations about the mean)
-    spread = 12 * math.sqrt(rate) + 10
-    split = mass = 0.0
-    for k in range(max(1, math.floor(rate - spread)), math.ceil(rate + spread) + 1):
-        p = math.exp(k * math.log(rate) - rate - math.lgamma(k + 1))
-        mass += p
-        split += p * math.ceil(k * isl / budget)
-    split /= mass
-    tokens = requests / batches * isl  # prompt tokens one batch brings, on average
-    return batches * split, split, math.ceil(tokens / split)
+def _binomial(trials: int, p: float) -> list[tuple[int, float]]:
+    """``(k, P(k))`` of Binomial(trials, p) over the k that hold its mass (12 standard deviations about
+    the mean), in logs so that large trials hold."""
+    if trials == 0 or p >= 1:
+        return [(trials if p >= 1 else 0, 1.0)]
+    mean, spread = trials * p, 12 * math.sqrt(trials * p * (1 - p)) + 10
+    lo, hi = max(0, math.floor(mean - spread)), min(trials, math.ceil(mean + spread))
+    head = math.lgamma(trials + 1)
+    return [
+        (
+            k,
+            math.exp(
+                head
+                - math.lgamma(k + 1)
+                - math.lgamma(trials - k + 1)
+                + k * math.log(p)
+                + (trials - k) * math.log1p(-p)
+            ),
+        )
+        for k in range(lo, hi + 1)
+    ]
+
+
+def prompt_batches(requests: int, steps: float, isl: int, budget: int) -> tuple[float, float, int]:
+    """A framework that runs waiting prompts in steps of their own (prefill first): a DP group's
+    ``requests`` each arrive once a cycle, at one of its ``steps`` decode steps (where a request
+    finishes: spread uniformly), and those arriving at one step are prefilled together, a batch of
+    ``k`` prompts in ``ceil(k x ISL / budget)`` steps. Seen from one request: its own batch holds it
+    and Binomial(requests - 1, 1 / steps) others; each other decode step brings Binomial(requests - 1,
+    1 / steps) of the others. Returns the prompt steps of a request's cycle, those of its own batch
+    (in its TTFT; the rest are in its TPOT) and the mean prompt tokens of one step."""
+    slots = max(steps, 1.0)  # below one decode step per request every prompt lands on the same one
+
+    def steps_of(prompts: int) -> int:
+        return math.ceil(prompts * isl / budget)
+
+    others = _binomial(requests - 1, 1 / slots)
+    own = sum(p * steps_of(1 + k) for k, p in others)
+    elsewhere = (slots - 1) * sum(p * steps_of(k) for k, p in others)
+    total = own + elsewhere
+    return total, own, min(budget, math.ceil(requests * isl / total))
 
 
 def prefill_first(
     decode: Point,
     prefill: Point,
-    t_prompt: float,
+    t_one: float,
+    t_all: float,
     budget: int,
     memory: Memory,
     workload: Workload,
@@ -336,19 +363,26 @@ def prefill_first(
 ) -> Candidate:
     """One worker serving both phases with prompt steps apart (see the module docstring), replicated
     over the devices. Per DP group, ``r`` requests finish per cycle of ``n`` decode steps each; their
-    prompts take ``P`` steps of ``t_prompt`` (``prompt_batches``; under attention DP a pass in which
-    one group prefills and the others decode). A request's decode steps hold the other prompt steps of
-    the cycle but its own batch's (those are in its TTFT), and, with ``dp`` groups, the ``(dp - 1) x
-    P`` passes in which another group prefills, each at ``t_prompt`` (at most ``n``: beyond, the
-    groups' prompt steps coincide)."""
+    prompts take ``P`` steps a cycle (``prompt_batches``), ``s`` of them a request's own batch's (in
+    its TTFT) and the others in its TPOT. With ``dp`` attention-DP groups in lockstep every pass in
+    which some group prefills stalls the others' decoding: a group's cycle is its ``P`` prompt passes,
+    the ``min((dp - 1) x P, n)`` passes in which only other groups prefill (it decodes in them) and its
+    other decode steps. The ``dp x P`` group prompt steps share ``min(dp x P, P + n)`` passes, each
+    priced between one group prefilling (``t_one``) and all of them (``t_all``), linearly in the groups
+    per pass."""
     par, batch = decode.config.parallel, decode.config.batch
     n = (workload.osl - 1) / mtp_tokens  # decode steps per request
-    steps, split, tokens = prompt_batches(batch / par.dp, n, workload.isl, budget)
-    slow = min((par.dp - 1) * steps, n)  # decode steps in another group's prompt pass
+    steps, own, tokens = prompt_batches(batch // par.dp, n, workload.isl, budget)
+    passes = min(par.dp * steps, steps + n)  # passes in which some group prefills
+    t_prompt = t_all
+    if par.dp > 1:
+        groups = par.dp * steps / passes  # groups prefilling in such a pass
+        t_prompt = t_one + (t_all - t_one) * (groups - 1) / (par.dp - 1)
+    slow = passes - steps  # this group's decode steps in another group's prompt pass
     t_dec = decode.step_time
     cycle = (steps + slow) * t_prompt + (n - slow) * t_dec
-    tpot = ((steps - split + slow) * t_prompt + (n - slow) * t_dec) / n / mtp_tokens
-    ttft = split * t_prompt + cycle / (steps + n) / 2  # its batch's steps, half a mean step's wait
+    tpot = ((steps - own + slow) * t_prompt + (n - slow) * t_dec) / n / mtp_tokens
+    ttft = own * t_prompt + cycle / (steps + n) / 2  # its batch's steps, half a mean step's wait
     replicas = devices // par.devices
     return Candidate(
         "agg",

@@ -4,7 +4,8 @@ A step-level sweep prices one decode (or prefill) step per layout. A deployment 
 requests: an ISL-token prompt (prefill) and OSL output tokens (decode), against a time-to-first-token
 (TTFT) and a time-per-output-token (TPOT) target. This module searches whole requests priced from
 the step sweep's kernels in two serving modes (``request_pricing`` has the arithmetic of each):
-**aggregated** (chunked prefill: one pool of workers serves both phases) and **disaggregated**
+**aggregated** (one pool of workers serves both phases: chunked prefill, or SGLang's prompt steps
+apart from decoding) and **disaggregated**
 (xPyD: a prefill and a decode pool, each with its own layout).
 
 A layout is searched only when the serving framework can launch it (``launch_rules``, from
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from ....errors import UsageError
 from ....spec.model import Spec
-from ..estimate.eager import HOST_US
+from ..estimate.eager import HOST_US, eager_step
 from ..estimate.planner import activation_bytes
 from ..model.deployment import Deployment
 from ..model.inputs import ModelInputs
@@ -130,18 +131,14 @@ class ServingSearch:
         self.decode_base = replace(
             base, query_len=1, context_len=workload.isl + workload.osl // 2, decode=True, batch=1
         )
-        # prompt steps apart from decoding (``prompt_steps.mixed`` false); a step carrying prompt tokens
-        # (a prefill worker's, an aggregated worker's prompt or mixed step) launched eagerly unless the
-        # framework replays it as a CUDA graph
+        # prompt steps apart from decoding (``prompt_steps.mixed`` false), and the host time per launch of
+        # a step carrying prompt tokens (a prefill worker's, an aggregated worker's prompt step) where the
+        # framework launches it eagerly (0: replayed as a graph, or eager already by ``base.eager_host``):
+        # applied to the kernels as priced, after ``prompt_attention`` scales the attention to a step
         self.apart = not self.framework.prompt_steps.mixed
-        host = (
-            base.eager_host
-            if self.framework.prompt_steps.cuda_graphs
-            else max(base.eager_host, HOST_US * 1e-6)
-        )
-        self.prefill_base = replace(
-            base, query_len=workload.isl, context_len=0, decode=False, mtp=0, batch=1, eager_host=host
-        )
+        graphed = self.framework.prompt_steps.cuda_graphs
+        self.prompt_host = 0.0 if graphed else max(base.eager_host, HOST_US * 1e-6)
+        self.prefill_base = replace(base, query_len=workload.isl, context_len=0, decode=False, mtp=0, batch=1)
         # an aggregated worker's mixed steps: their row kernels, one-token queries on the prefill path
         self.rows_base = replace(self.prefill_base, query_len=1)
         self.mtp_tokens = 1 + base.mtp * base.mtp_acceptance  # output tokens per request per decode step
@@ -212,6 +209,8 @@ class ServingSearch:
             ):
                 priced = sweep.run(configs)
                 points[phase] = priced.points
+                if phase == "prefill" and self.prompt_host:
+                    points[phase] = [self._launched_eagerly(p, sweep) for p in priced.points]
                 result.steps_priced += len(priced.points)
                 for family, why in priced.fallbacks.items():
                     result.fallbacks[f"{phase} on {workers} devices, {family}"] = why
@@ -255,18 +254,31 @@ class ServingSearch:
             for b in self.batches
             if b % par.dp == 0
         }
-        if self.apart:  # budgets above what a prompt batch brings give the same prompt steps: one each
+        if self.apart:
+            # budgets above what most prompt batches bring give the same prompt steps (their mean
+            # tokens): one candidate each, at the largest such budget
             for (par, b), budgets in chunks.items():
-                seen = {
-                    self._prompt_tokens(Config(par, b, None), budget): budget for budget in reversed(budgets)
-                }
+                seen = {self._prompt_tokens(Config(par, b, None), budget)[2]: budget for budget in budgets}
                 chunks[(par, b)] = sorted(seen.values())
         return chunks
 
-    def _prompt_tokens(self, decode: Config, budget: int) -> tuple[float, int, int]:
+    def _prompt_tokens(self, decode: Config, budget: int) -> tuple[float, float, int]:
         """``prompt_batches`` of a worker running ``decode``'s batch with prompt steps apart."""
         n = (self.workload.osl - 1) / self.mtp_tokens
-        return prompt_batches(decode.batch / decode.parallel.dp, n, self.workload.isl, budget)
+        return prompt_batches(decode.batch // decode.parallel.dp, n, self.workload.isl, budget)
+
+    def _launched_eagerly(self, p: Point, sweep: Sweep) -> Point:
+        """Prefill point ``p`` as the framework launches a prompt step: each kernel at least the host's
+        time per launch (``prompt_host``), the step longer by what the floors add."""
+        kernels = sweep.kernels(p.config)
+        added = sum(k.total for k in eager_step(kernels, self.prompt_host)) - sum(k.total for k in kernels)
+        slower = p.step_time / (p.step_time + added)
+        return replace(
+            p,
+            step_time=p.step_time + added,
+            tokens_per_s_per_device=p.tokens_per_s_per_device * slower,
+            tokens_per_s_per_user=p.tokens_per_s_per_user * slower,
+        )
 
     def _mixed_rows(self, decode: Config, chunk: int) -> list[Config]:
         """The rows steps a pass carrying prompt tokens is priced from: the decode rows plus the chunk
@@ -341,19 +353,23 @@ class ServingSearch:
 
     def _prefill_first(self, d: Point, p: Point, rows: Sweep, prefill: Sweep, budget: int) -> Candidate:
         """The candidate of decode point ``d`` with prompt steps apart at ``budget`` tokens per step and
-        DP group: a prompt step (one group's, under attention DP, with the other groups' decode rows on
-        the experts) launched as the framework launches it (the prefill and rows sweeps' host time)."""
-        par = d.config.parallel
+        DP group, each launched as the framework launches it (``prompt_host``): a pass in which every
+        group prefills its prompt step, and under attention DP one in which a single group does (the
+        experts at its tokens and the other groups' decode rows)."""
+        par, host = d.config.parallel, self.prompt_host
         configs = self._mixed_rows(d.config, budget)
         tokens = self._prompt_tokens(d.config, budget)[2]
-        attention = prompt_attention(prefill.kernels(p.config))
-        one_group = rows.kernels(configs[1]) if par.dp > 1 else None
-        own = rows.kernels(configs[0])
-        t_prompt = mixed_step(own, [], attention, tokens / self.workload.isl, one_group)
+        # the whole prompt's attention kernels, each layer's run once at the step's share of its work
+        attention = prompt_attention(prefill.kernels(p.config), tokens / self.workload.isl, host)
+        own = eager_step(rows.kernels(configs[0]), host)
+        t_all = mixed_step(own, [], attention, 1.0)
+        t_one = t_all
+        if par.dp > 1:
+            t_one = mixed_step(own, [], attention, 1.0, eager_step(rows.kernels(configs[1]), host))
         peak = activation_bytes(self.s, par, tokens, 1)
         memory = replace(d.memory, activations=max(d.memory.activations, peak))
         w = self.workload
-        return prefill_first(d, p, t_prompt, budget, memory, w, self.mtp_tokens, self.devices)
+        return prefill_first(d, p, t_one, t_all, budget, memory, w, self.mtp_tokens, self.devices)
 
     def _disaggregated(self, decode_points: list[Point], prefill_points: list[Point]) -> list[Candidate]:
         """Per weight mode and prefill worker size, the prefill option starting the most requests per
