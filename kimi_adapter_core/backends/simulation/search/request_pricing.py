@@ -289,7 +289,25 @@ def aggregated(
     # decoding, so its prompt waits m - n steps for its first token (the r requests in flight cannot
     # all be prefilling at once); ceil(ISL / c) alone put TTFT + (OSL - 1) x TPOT far below the cycle
     ttft = max(math.ceil(per_prompt), steps - n) * t_step + cycle / steps / 2
-    replicas = devices // par.devices
+    return _one_pool(decode, prefill, devices, workload, memory, ttft, tpot, cycle, chunk, t_step)
+
+
+def _one_pool(
+    decode: Point,
+    prefill: Point,
+    devices: int,
+    workload: Workload,
+    memory: Memory,
+    ttft: float,
+    tpot: float,
+    cycle: float,
+    chunk: int,
+    t_prompt: float,
+    apart: bool = False,
+) -> Candidate:
+    """The aggregated candidate of a worker whose DP groups each finish ``batch / dp`` requests per
+    ``cycle`` seconds, replicated over the devices."""
+    replicas = devices // decode.config.parallel.devices
     return Candidate(
         "agg",
         decode,
@@ -298,12 +316,13 @@ def aggregated(
         0,
         ttft,
         tpot,
-        replicas * batch / cycle,
+        replicas * decode.config.batch / cycle,
         workload.osl,
         memory,
         workload.meets(ttft, tpot),
         chunk,
-        t_step,
+        t_prompt,
+        apart=apart,
     )
 
 
@@ -383,23 +402,7 @@ def prefill_first(
     cycle = (steps + slow) * t_prompt + (n - slow) * t_dec
     tpot = ((steps - own + slow) * t_prompt + (n - slow) * t_dec) / n / mtp_tokens
     ttft = own * t_prompt + cycle / (steps + n) / 2  # its batch's steps, half a mean step's wait
-    replicas = devices // par.devices
-    return Candidate(
-        "agg",
-        decode,
-        prefill,
-        replicas,
-        0,
-        ttft,
-        tpot,
-        replicas * batch / cycle,
-        workload.osl,
-        memory,
-        workload.meets(ttft, tpot),
-        tokens,
-        t_prompt,
-        apart=True,
-    )
+    return _one_pool(decode, prefill, devices, workload, memory, ttft, tpot, cycle, tokens, t_prompt, True)
 
 
 def disaggregated(

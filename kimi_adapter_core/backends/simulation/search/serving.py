@@ -283,18 +283,19 @@ class ServingSearch:
     def _mixed_rows(self, decode: Config, chunk: int) -> list[Config]:
         """The rows steps a pass carrying prompt tokens is priced from: the decode rows plus the chunk
         per DP group (prompt steps apart: the prompt step's tokens alone), and under attention DP the
-        step putting one group's prompt tokens on the MoE group's rows (``_one_group_share``)."""
+        step putting one group's prompt tokens on the MoE group's rows (``_one_group_share``; prompt
+        steps apart: beside the other groups' decode rows only, the prefilling group decodes none)."""
         par = decode.parallel
-        if self.apart:
-            tokens = self._prompt_tokens(decode, chunk)[2]
-            own = replace(decode, batch=tokens * par.dp)
-        else:
-            tokens = chunk
+        if not self.apart:
             own = self._rows_config(decode, chunk)
-        configs = [own]
-        if par.dp > 1:
-            configs.append(self._rows_config(decode, self._one_group_share(par, tokens)))
-        return configs
+            one = self._rows_config(decode, self._one_group_share(par, chunk))
+            return [own, one] if par.dp > 1 else [own]
+        tokens = self._prompt_tokens(decode, chunk)[2]
+        own = replace(decode, batch=tokens * par.dp)
+        if par.dp == 1:
+            return [own]
+        others = (par.dp - 1) * (decode.batch // par.dp) * self.decode_base.tokens_per_query
+        return [own, replace(decode, batch=-(-(others + tokens) // par.dp) * par.dp)]
 
     @staticmethod
     def _one_group_share(par: Parallel, chunk: int) -> int:
