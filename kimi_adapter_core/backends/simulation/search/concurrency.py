@@ -64,7 +64,8 @@ def _search(
     s = next(iter(inputs.values())).arch.structure
     # checked as the decode step it runs (``--mtp`` drafts are verified there; a prefill refuses them):
     # the layout divides the model and the MTP settings are in range, or a located error
-    replace(base, batch=batch, query_len=1, decode=True).check(s)
+    decode = replace(base, batch=batch, query_len=1, decode=True)
+    decode.check(s)
     fw = framework(framework_name)
     rule = fw.refusal(par)
     if rule is not None:
@@ -73,7 +74,7 @@ def _search(
             f"[{rule.source}]"
         )
     budget = step_tokens or fw.step_tokens.default(device.memory_bytes, par.dp)
-    rows = batch // par.dp * replace(base, query_len=1, decode=True).tokens_per_query
+    rows = batch // par.dp * decode.tokens_per_query
     if fw.step_tokens.counts_decode and budget <= rows:
         raise UsageError(
             f"a step budget of {budget} tokens per DP group leaves no room for a prompt beside its {rows} "

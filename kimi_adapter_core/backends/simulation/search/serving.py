@@ -341,11 +341,13 @@ class ServingSearch:
                 if self.apart:
                     found.append(self._prefill_first(d, p, rows, prefill, chunk))
                     continue
-                rows_step = rows.kernels(self._rows_config(d.config, chunk))
+                # the rows steps the sweep priced for this pass (``_mixed_rows``: the same configs)
+                configs = self._mixed_rows(d.config, chunk)
+                rows_step = rows.kernels(configs[0])
                 t_mix = mixed_step(rows_step, decode_step, attention, chunk / w.isl)
                 t_one = t_mix  # one group: its chunk is every group's
                 if par.dp > 1:
-                    one_group = rows.kernels(self._rows_config(d.config, self._one_group_share(par, chunk)))
+                    one_group = rows.kernels(configs[1])
                     t_one = mixed_step(rows_step, decode_step, attention, chunk / w.isl, one_group)
                 peak = activation_bytes(self.s, par, decode_rows + chunk, decode_rows)
                 memory = replace(d.memory, activations=max(d.memory.activations, peak))
