@@ -5,15 +5,20 @@ Run: ``python benchmarks/bench_simulation.py --only serving``. Every point of
 workload and every assumption are recorded there) is priced as published with ``kadapt simulate
 --concurrency`` (``search/concurrency.price_concurrency``: the request sweep's aggregated candidate for
 that layout and batch, the roofline cost model, the framework's own kernel-efficiency table, the
-checkpoint as shipped) and, when ``aiconfigurator-core`` is installed, by AIConfigurator 0.12's own
-aggregated serving estimate of the same point (its backend's ``run_agg`` at the step budget per DP
-group the engine ran with, as kadapt prices it, the batch split over attention-DP ranks; the reason
-is printed when it cannot price it).
+checkpoint as shipped). A point of bench_serving's random dataset is priced as the finite run it was,
+with ``--requests --random-range-ratio --seed`` (``price_run``): its requests' lengths are drawn
+again and the last ones finish while slots stand empty; its tok/s/GPU is the run's, and the run's
+mean requests in flight are printed beside the published ``concurrency`` as a check. When
+``aiconfigurator-core`` is installed, AIConfigurator 0.12's own aggregated serving estimate of the same
+point is printed beside (its backend's ``run_agg`` at the step budget per DP group the engine ran
+with, as kadapt prices it, the batch split over attention-DP ranks; the reason is printed when it
+cannot price it).
 
-Scored: TPOT and output tokens/s per GPU (steady-state figures both tools model). TTFT is printed
-with its ratio to the published median TTFT (the mean includes queueing behind earlier prompts, which
-neither kadapt nor - beyond a fitted factor - AIConfigurator models) and summarised apart, not scored.
-A point kadapt cannot price is listed with the reason and counted as a miss.
+Scored: TPOT and output tokens/s per GPU (AIConfigurator's the steady state's, kadapt's the run's
+where the run can be drawn again). TTFT is printed with its ratio to the published median TTFT (the
+mean includes queueing behind earlier prompts, which neither kadapt nor - beyond a fitted factor -
+AIConfigurator models) and summarised apart, not scored. A point kadapt cannot price is listed with
+the reason and counted as a miss.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from pathlib import Path
 
 from kimi_adapter_core.backends.simulation.estimate import aiconfigurator, eager
 from kimi_adapter_core.backends.simulation.model.deployment import Deployment
-from kimi_adapter_core.backends.simulation.search.concurrency import price_concurrency
+from kimi_adapter_core.backends.simulation.search.concurrency import price_concurrency, price_run
 from kimi_adapter_core.backends.simulation.search.grid import quant_modes, sweep_inputs
 from kimi_adapter_core.backends.simulation.search.launch_rules import framework as framework_of
 from kimi_adapter_core.backends.simulation.search.request_pricing import Workload
@@ -53,6 +58,7 @@ class Estimate:
     ttft_ms: float
     tpot_ms: float
     tok_s_per_device: float
+    in_flight: float | None = None  # a run's mean requests in flight (None: the steady state's)
 
 
 def host_time(point: ServingPoint) -> float:
@@ -69,10 +75,18 @@ def kadapt_estimate(point: ServingPoint, host: float | None = None) -> Estimate:
     spec = load_spec(REPO / "specs" / f"{point.spec}.yaml")
     eager_host = host_time(point) if host is None else host
     base = Deployment(point.parallel, 1, 1, 0, False, kv_dtype=point.kv_dtype, eager_host=eager_host)
+    inputs, device = sweep_inputs(spec, quant_modes(spec, None)), get_device(point.device)
+    if point.prompts is not None:
+        c, run = price_run(
+            spec, inputs, device, base, point.framework, point.concurrency, point.prompts,
+            step_tokens=point.step_tokens,
+        )  # fmt: skip
+        per_device = run.output_tok_s / c.devices
+        return Estimate(c.ttft * 1e3, c.tpot * 1e3, per_device, run.mean_in_flight)
     c = price_concurrency(
         spec,
-        sweep_inputs(spec, quant_modes(spec, None)),
-        get_device(point.device),
+        inputs,
+        device,
         base,
         Workload(point.isl, point.osl),
         point.framework,
@@ -181,6 +195,7 @@ def serving_table() -> None:
         "AIC": ([], 0, []),
         "kadapt on AIC's points": ([], 0, []),
     }
+    in_flight: list[float] = []  # a priced run's mean requests in flight over the published concurrency
     paired_k: list[list[float]] = []
     paired_a: list[list[float]] = []
     by_source: dict[str, tuple[list[float], list[float]]] = {}  # source title -> kadapt, AIC errors
@@ -199,6 +214,14 @@ def serving_table() -> None:
             else f"{'-':>11} {'-':>9} {'-':>7}"
         )
         print(f"{p.id:44} {measured} | {est} | {k_cell:>20} | {a_cell:>20}")
+        # one request at a time is in flight whatever the run (a check only above one)
+        if (
+            isinstance(k, Estimate)
+            and k.in_flight is not None
+            and p.measured_concurrency
+            and p.concurrency > 1
+        ):
+            in_flight.append(k.in_flight / p.measured_concurrency)
         for label, est_, scored, ttft in (("kadapt", k, k_scored, k_ttft), ("AIC", a, a_scored, a_ttft)):
             ratios, misses, ttfts = scores[label]
             if isinstance(est_, str):
@@ -234,6 +257,15 @@ def serving_table() -> None:
         k_med = f"{statistics.median(k_errors):.1%}" if k_errors else "-"
         a_med = f"{statistics.median(a_errors):.1%}" if a_errors else "-"
         print(f"  {title}: median |ratio-1| kadapt {k_med}, AIC {a_med}")
+    if in_flight:
+        runs = sum(1 for p in points if p.prompts is not None)
+        print(
+            f"  priced as their finite runs (bench_serving's random dataset drawn again): {runs} points; "
+            f"mean requests in flight vs the published concurrency, {len(in_flight)} points above one "
+            "request: median "
+            f"|ratio-1| {statistics.median(abs(r - 1) for r in in_flight):.1%}, range "
+            f"{min(in_flight):.2f}-{max(in_flight):.2f}"
+        )
     graphless = [p.id for p in points if not p.cuda_graphs]
     if graphless:
         print(

@@ -425,3 +425,32 @@ def test_a_pass_with_one_groups_chunk_runs_the_experts_on_one_chunk() -> None:
     t_one = mixed_step(full, [], 0.0, 0.0, half)
     assert rows_and_requests(half)[0] < t_one < t_mix
     assert mixed_step(full, [], 0.0, 0.0, full) == pytest.approx(t_mix, rel=1e-12)
+
+
+def test_a_mixed_step_launched_eagerly_is_priced_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A framework that mixes prompt chunks into decode steps but replays only decode-only steps as
+    CUDA graphs (vLLM V0, TensorRT-LLM's PyTorch backend) runs every mixed step eagerly: each of its
+    kernels at least the host's time per launch. Its decode steps stay graphed."""
+    from dataclasses import replace
+
+    from kimi_adapter_core.backends.simulation.estimate.eager import HOST_US
+    from kimi_adapter_core.backends.simulation.search import launch_rules
+    from kimi_adapter_core.backends.simulation.search.concurrency import price_concurrency
+
+    inputs = sweep_inputs(LLAMA, quant_modes(LLAMA, None))
+    base = Deployment(Parallel(), 1, 1, 0, False)
+
+    def priced() -> Any:
+        return price_concurrency(LLAMA, inputs, get_device("h100"), base, WORKLOAD, "vllm", 4)
+
+    graphed = priced()
+    vllm = framework("vllm")
+    assert vllm.prompt_steps.mixed and vllm.prompt_steps.cuda_graphs
+    eager_steps = launch_rules.PromptSteps(True, False, "test: mixed steps launched eagerly")
+    monkeypatch.setitem(launch_rules._load(), "vllm", replace(vllm, prompt_steps=eager_steps))
+    eager = priced()
+    assert not eager.apart and eager.chunk == graphed.chunk
+    assert eager.decode.step_time == graphed.decode.step_time  # decode-only steps replay their graph
+    # the mixed step's short kernels wait for their launches, and the TPOT and TTFT holding it follow
+    assert eager.mixed_step_time > graphed.mixed_step_time + HOST_US * 1e-6
+    assert eager.tpot > graphed.tpot and eager.ttft > graphed.ttft

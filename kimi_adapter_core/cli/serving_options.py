@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from .run_options import RUN_OPTIONS, run_json, run_text
 from .sweep_options import (
     Notes,
     check_plot,
@@ -36,6 +37,7 @@ from .sweep_options import (
 if TYPE_CHECKING:
     from ..backends.simulation.model.deployment import Deployment
     from ..backends.simulation.model.parallel import Parallel
+    from ..backends.simulation.search.benchmark_run import RandomPrompts
     from ..backends.simulation.search.grid import Point
     from ..backends.simulation.search.request_pricing import Candidate, Workload
     from ..backends.simulation.search.serving import ServingResult
@@ -104,6 +106,7 @@ _SERVING_OPTIONS = (
         "--chunked-prefill-size, vLLM --max-num-batched-tokens) where it was launched with one; SGLang "
         "divides it over the DP groups. Default: the framework's default on the device.",
     ),
+    *RUN_OPTIONS,
     click.option(
         "--serving",
         type=click.Choice(["both", "agg", "disagg"]),
@@ -115,8 +118,9 @@ _SERVING_OPTIONS = (
 
 
 def serving_options(command: F) -> F:
-    """Add ``--isl --osl --ttft --tpot --concurrency --step-tokens --serving`` (the request-level search
-    and the one-deployment request price) to ``command``."""
+    """Add ``--isl --osl --ttft --tpot --concurrency --step-tokens --requests --random-range-ratio --seed
+    --serving`` (the request-level search, the one-deployment request price and its finite run) to
+    ``command``."""
     return with_options(_SERVING_OPTIONS, command)
 
 
@@ -368,13 +372,17 @@ def run_concurrency(
     framework: str,
     quant: str | None = None,
     fmt: str = "text",
+    prompts: RandomPrompts | None = None,
 ) -> str:
     """Price ``base.parallel`` serving ``concurrency`` requests of ``workload`` (aggregated; the sweep's
     candidate for that layout and batch) and report it in ``fmt``, with its weights and KV modes;
-    ``step_tokens`` is the server's step budget flag (default: the framework's on the device)."""
+    ``step_tokens`` is the server's step budget flag (default: the framework's on the device). With
+    ``prompts`` (``--requests``), the requests are the run's, priced at their mean lengths, and the
+    report adds the finite run (``price_run``)."""
     from ..backends.simulation.report.simulation import eager_json, eager_text
-    from ..backends.simulation.search.concurrency import price_concurrency
+    from ..backends.simulation.search.concurrency import price_concurrency, price_run
     from ..backends.simulation.search.launch_rules import framework as framework_of
+    from ..backends.simulation.search.request_pricing import Workload
 
     by_mode, weights = sweep_modes(spec, quant)
     fw = framework_of(framework)
@@ -388,7 +396,14 @@ def run_concurrency(
         )
     else:
         budget = fw.step_tokens.per_group(step_tokens, dp)
-    c = price_concurrency(spec, by_mode, device, base, workload, framework, concurrency, step_tokens=budget)
+    run = None
+    if prompts is None:
+        c = price_concurrency(
+            spec, by_mode, device, base, workload, framework, concurrency, step_tokens=budget
+        )
+    else:
+        c, run = price_run(spec, by_mode, device, base, framework, concurrency, prompts, step_tokens=budget)
+        workload = Workload(*prompts.means())
     notes = layout_notes(device, framework, [base.parallel])
     in_flight = min(concurrency, c.decode.config.batch)  # the even split's idle slots hold none
     graphs = fw.prompt_steps.cuda_graphs and not base.eager_host
@@ -418,6 +433,7 @@ def run_concurrency(
             "in_flight": in_flight,
             "queued": concurrency - in_flight,
             "idle_slots": c.idle,
+            **({} if run is None or prompts is None else {"run": run_json(run, prompts, c.devices)}),
             "notes": notes_json(notes),
         }
         return json.dumps(doc, indent=2)
@@ -455,6 +471,8 @@ def run_concurrency(
             "the busiest group's pace (the groups step in lockstep: one with fewer requests waits for it, "
             f"one with none runs an idle batch), at the rate of the {concurrency} requests"
         )
+    if run is not None and prompts is not None:
+        lines.append(run_text(run, prompts, concurrency, c.devices))
     if marks:
         lines.append(f"topology notes: {','.join(marks)}")
     lines += notes_text(notes)

@@ -155,6 +155,9 @@ def command(
     tpot: float | None,
     concurrency: int | None,
     step_tokens: int | None,
+    run_requests: int | None,
+    random_range_ratio: float | None,
+    seed: int | None,
     serving: str,
 ) -> None:
     """Price one step of SPEC's model on a device and report time, tokens/s and memory.
@@ -182,6 +185,7 @@ def command(
       kadapt simulate qwen3_moe --device h200 --decode --sweep --devices 8 --plot front.html
       kadapt simulate deepseek_v3 --device h200 --sweep --devices 16 --isl 4000 --osl 1000 --tpot 30
       kadapt simulate gpt_oss --device h100 --tp 1 --framework vllm --isl 1000 --osl 1000 --concurrency 64
+      kadapt simulate qwen3_moe --device h200 --tp 8 --isl 1000 --osl 1000 --concurrency 16 --requests 80
       kadapt simulate deepseek_v3 --device h200 --tp 8 --ep 4 --moe-tp 2 --decode --batch 4 --eager
       kadapt simulate llama --device h100 --steps examples/engine_trace.json
     """
@@ -309,8 +313,19 @@ def command(
                 "--concurrency prices the one layout --tp/--dp/--ep: --devices, --batches and "
                 "--plot apply to --sweep"
             )
+        from ..backends.simulation.search.benchmark_run import RandomPrompts
         from ..backends.simulation.search.request_pricing import Workload
 
+        if run_requests is None and (random_range_ratio is not None or seed is not None):
+            raise click.UsageError(
+                "--random-range-ratio and --seed draw the lengths of a run: add --requests"
+            )
+        if random_range_ratio is None and seed is not None:
+            raise click.UsageError("--seed draws random lengths: add --random-range-ratio")
+        prompts = None
+        if run_requests is not None:
+            ratio = 1.0 if random_range_ratio is None else random_range_ratio
+            prompts = RandomPrompts(isl, osl, run_requests, ratio, 1 if seed is None else seed)
         with out.stage("concurrency"):
             report = run_concurrency(
                 spec,
@@ -322,11 +337,14 @@ def command(
                 framework=framework,
                 quant=quant,
                 fmt="json" if out.json else "text",
+                prompts=prompts,
             )
         out.result(report)
         return
     if step_tokens is not None:
         raise click.UsageError("--step-tokens sets the budget of a --concurrency price")
+    if run_requests is not None or random_range_ratio is not None or seed is not None:
+        raise click.UsageError("--requests, --random-range-ratio and --seed price a --concurrency run")
     if not requests and (ttft is not None or tpot is not None or serving != "both"):
         raise click.UsageError("--ttft, --tpot and --serving apply to a request sweep (--sweep --isl --osl)")
     if requests and not sweep:

@@ -22,6 +22,10 @@ of the requests in flight, and TTFT adds the queue's wait (published runs at 128
 6,400 tokens on 8 H200 measured TTFTs of 18-21 minutes). Where not even one request per DP group fits,
 the timing is that of all N, and the report says it does not fit.
 
+A published point is also a finite run: N requests through the client's C slots, the last ones
+finishing while slots stand empty (``benchmark_run``). ``price_run`` prices it from the steady state
+at C requests and at one.
+
 Disaggregated serving is not priced here: a published xPyD point names two layouts and the pool
 sizes, which the one ``--tp --dp --ep`` layout does not say.
 """
@@ -38,6 +42,7 @@ from ..model.deployment import Deployment
 from ..model.inputs import ModelInputs
 from ..model.parallel import Parallel
 from ..tables.device import Device
+from .benchmark_run import RandomPrompts, Run, closed_loop
 from .launch_rules import framework
 from .request_pricing import Candidate, Workload
 from .serving import ServingSearch
@@ -143,6 +148,31 @@ def price_concurrency(
     # of the requests there are
     rate = priced.requests_per_s * concurrency / even
     return replace(priced, requests_per_s=rate, idle=even - concurrency)
+
+
+def price_run(
+    spec: Spec,
+    inputs: Mapping[str | None, ModelInputs],
+    device: Device,
+    base: Deployment,
+    framework_name: str,
+    concurrency: int,
+    prompts: RandomPrompts,
+    pricer: Pricer | None = None,
+    step_tokens: int | None = None,
+) -> tuple[Candidate, Run]:
+    """The steady state of ``concurrency`` requests of the run's mean lengths (``price_concurrency``)
+    and the run of ``prompts`` through a client keeping ``concurrency`` in flight (``closed_loop``:
+    each request's TTFT the steady state's, its TPOT affine in the requests in flight between the
+    price at one request and at ``concurrency``)."""
+    workload = Workload(*prompts.means())
+
+    def at(n: int) -> Candidate:
+        return price_concurrency(spec, inputs, device, base, workload, framework_name, n, pricer, step_tokens)
+
+    full = at(concurrency)
+    one = at(1) if concurrency > 1 else full
+    return full, closed_loop(prompts.lengths()[1], concurrency, full.ttft, one.tpot, full.tpot)
 
 
 def lockstep_batch(concurrency: int, dp: int) -> int:

@@ -334,8 +334,10 @@ class ServingSearch:
             p = one_prompt.get((par, quant))
             if p is None:
                 continue
-            decode_step = decode.kernels(d.config)
-            attention = prompt_attention(prefill.kernels(p.config))
+            # a mixed pass launched as the framework launches a step carrying prompt tokens
+            # (``prompt_host``: every kernel of it at least the host's time, eager)
+            host = self.prompt_host
+            decode_step = eager_step(decode.kernels(d.config), host)
             decode_rows = d.config.batch // par.dp * tpq
             for chunk in chunks[(par, d.config.batch)]:
                 if self.apart:
@@ -343,12 +345,13 @@ class ServingSearch:
                     continue
                 # the rows steps the sweep priced for this pass (``_mixed_rows``: the same configs)
                 configs = self._mixed_rows(d.config, chunk)
-                rows_step = rows.kernels(configs[0])
-                t_mix = mixed_step(rows_step, decode_step, attention, chunk / w.isl)
+                rows_step = eager_step(rows.kernels(configs[0]), host)
+                attention = prompt_attention(prefill.kernels(p.config), chunk / w.isl, host)
+                t_mix = mixed_step(rows_step, decode_step, attention, 1.0)
                 t_one = t_mix  # one group: its chunk is every group's
                 if par.dp > 1:
-                    one_group = rows.kernels(configs[1])
-                    t_one = mixed_step(rows_step, decode_step, attention, chunk / w.isl, one_group)
+                    one_group = eager_step(rows.kernels(configs[1]), host)
+                    t_one = mixed_step(rows_step, decode_step, attention, 1.0, one_group)
                 peak = activation_bytes(self.s, par, decode_rows + chunk, decode_rows)
                 memory = replace(d.memory, activations=max(d.memory.activations, peak))
                 found.append(aggregated(d, p, t_mix, chunk, memory, w, self.mtp_tokens, self.devices, t_one))

@@ -22,6 +22,7 @@ import yaml
 
 from ....errors import KadaptError
 from ..model.parallel import Parallel
+from .benchmark_run import RandomPrompts
 
 POINTS_FILE = Path(__file__).parents[1] / "tables" / "published" / "serving_points.yaml"
 FRAMEWORKS = ("trtllm", "sglang", "vllm")
@@ -81,6 +82,11 @@ class ServingPoint:
     # the step budget per DP group the server ran with (a stated flag, its release's default) where it is
     # not ``frameworks.yaml``'s default
     step_tokens: int | None = None
+    # the run's requests as its client drew them (bench_serving's random dataset), or None where the
+    # lengths cannot be drawn again (a dataset file's prompts): priced as the steady state then
+    prompts: RandomPrompts | None = None
+    # the client's mean requests in flight over the run (bench_serving's ``concurrency``), where published
+    measured_concurrency: float | None = None
 
     @property
     def output_tok_s_per_device(self) -> float:
@@ -124,6 +130,33 @@ def _step_tokens(entry: dict[str, Any], where: str) -> int | None:
     if tokens < 1:
         raise KadaptError(f"{where}: step_tokens.per_dp_group must be >= 1 (got {tokens})")
     return tokens
+
+
+def _prompts(workload: dict[str, Any], where: str) -> RandomPrompts | None:
+    """A random-dataset point's ``range_ratio`` and ``seed`` (both required there, refused elsewhere):
+    the client's draws of its requests' lengths."""
+    keys = {"range_ratio", "seed"} & set(workload)
+    if workload["dataset"] != "random":
+        if keys:
+            raise KadaptError(f"{where}: workload {sorted(keys)} belong to the random dataset only")
+        return None
+    ratio, seed = workload.get("range_ratio"), workload.get("seed")
+    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 <= ratio <= 1:
+        raise KadaptError(f"{where}: workload.range_ratio must be a number in [0, 1] (got {ratio!r})")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
+        raise KadaptError(f"{where}: workload.seed must be an integer in [0, 2**32) (got {seed!r})")
+    isl, osl = (_need(workload, k, int, f"{where} workload") for k in ("isl_nominal", "osl_nominal"))
+    return RandomPrompts(isl, osl, workload["requests"], float(ratio), seed)
+
+
+def _measured_concurrency(entry: dict[str, Any], where: str) -> float | None:
+    """The published mean requests in flight (null where the source's column is not usable)."""
+    value = entry.get("measured_concurrency")
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        raise KadaptError(f"{where}: measured_concurrency must be a number > 0 or null (got {value!r})")
+    return float(value)
 
 
 def _point(entry: dict[str, Any], index: int, file: str) -> ServingPoint:
@@ -188,6 +221,8 @@ def _point(entry: dict[str, Any], index: int, file: str) -> ServingPoint:
         cuda_graphs=cuda_graphs,
         engine_source=engine_source,
         step_tokens=_step_tokens(entry, where),
+        prompts=_prompts(workload, where),
+        measured_concurrency=_measured_concurrency(entry, where),
     )
 
 
