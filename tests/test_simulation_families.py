@@ -38,6 +38,34 @@ SHIPPED = tuple(sorted(p.stem for p in (REPO / "specs").glob("*.yaml") if p.stem
 _SPECS: dict[str, Spec] = {}
 
 
+def test_a_remote_code_spec_is_refused_before_any_work(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """kimi_k25_remote runs the hub's own Python, which ``simulate`` does not run (it takes no
+    ``--trust-remote-code``): refused at the spec's source, naming the shipped spec that prices the same
+    model through a transformers class, before the config is read or anything traced. ``plan`` sizes it
+    from its config."""
+
+    def no_work(*_: object) -> None:
+        raise AssertionError("simulate read the model before refusing it")
+
+    monkeypatch.setattr("kimi_adapter_core.cli.simulate.model_inputs", no_work)
+    remote = REPO / "specs" / "kimi_k25_remote.yaml"
+    result = CliRunner().invoke(cli, ["simulate", str(remote), "--device", "h200", "--tp", "8"])
+    assert result.exit_code == 1, result.output
+    assert f"{remote}:" in result.output and "does not run" in result.output
+    assert "kimi_k25.yaml" in result.output  # the same metadata.model, through transformers' classes
+    assert "--trust-remote-code" not in result.output and "Traceback" not in result.output
+    # alone in its folder, it names no alternative
+    shutil.copytree(REPO / "specs" / "kimi_k25_remote", tmp_path / "kimi_k25_remote")
+    alone = tmp_path / remote.name
+    alone.write_text(remote.read_text(encoding="utf-8"), encoding="utf-8")
+    lonely = CliRunner().invoke(cli, ["simulate", str(alone), "--device", "h200"])
+    assert lonely.exit_code == 1 and "no spec beside it prices this model" in lonely.output, lonely.output
+    monkeypatch.undo()
+    assert CliRunner().invoke(cli, ["plan", str(remote)]).exit_code == 0
+
+
 def shipped(name: str) -> Spec:
     if name not in _SPECS:
         _SPECS[name] = load_spec(REPO / "specs" / f"{name}.yaml")

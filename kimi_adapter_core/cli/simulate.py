@@ -21,7 +21,9 @@ from ..backends.simulation.estimate.eager import HOST_US
 from ..backends.simulation.model.inputs import model_inputs
 from ..backends.simulation.model.parallel import Parallel, framework_moe_tp
 from ..backends.simulation.tables.device import get_device
+from ..errors import KadaptError
 from ..spec import load_spec
+from ..spec.model import Spec
 from .deployment_options import deployment_options, image_options, requested_images
 from .output import format_option, reporter, verbosity_options
 from .serving_options import run_concurrency, run_serving, serving_options
@@ -204,6 +206,7 @@ def command(
     spec = load_spec(spec_path)
     for line in spec.deprecations:
         out.note(line)
+    refuse_remote_code(spec)
     if not sweep and quant is not None and ("," in quant or quant.strip().upper() == "ALL"):
         raise click.UsageError(f"--quant {quant}: a list of modes or 'all' applies to --sweep")
     inputs = model_inputs(spec, None if sweep else quant)  # a sweep's modes: ``sweep_modes``
@@ -422,3 +425,33 @@ def command(
         out.result(
             sim_text(sim, top or None) if prefill is None else image_prefill_text(prefill, top or None)
         )
+
+
+def refuse_remote_code(spec: Spec) -> None:
+    """Refuse a spec whose model is its repository's own remote code before any work: ``simulate``
+    traces the model through transformers' own classes and runs no remote code (it takes no
+    ``--trust-remote-code``), so it could only fail later, deep in the trace, asking for a flag it does
+    not have. The error names the specs beside it that read the same model through a transformers
+    class; ``plan`` sizes such a spec from its config alone."""
+    from ..patching.remote import uses_remote_code
+    from ..structure.bounds import shown_path
+
+    if not uses_remote_code(spec):
+        return
+    model = spec.raw["metadata"].get("model")
+    others = []
+    for path in sorted(spec.path.parent.glob("*.yaml")):
+        if path.resolve() == spec.path.resolve():
+            continue
+        try:
+            other = load_spec(path)
+        except KadaptError:
+            continue  # a broken neighbour is no alternative
+        if model and other.raw["metadata"].get("model") == model and not uses_remote_code(other):
+            others.append(shown_path(path))
+    instead = f"price {model} with {' or '.join(others)}" if others else "no spec beside it prices this model"
+    raise KadaptError(
+        f"spec {spec.name} runs the model's own remote code, which kadapt simulate does not run (it traces "
+        f"transformers' own classes); {instead}; kadapt plan sizes this spec from its config",
+        location=spec.locate("source"),
+    )
