@@ -68,10 +68,10 @@ def host_time(point: ServingPoint) -> float:
 
 
 def kadapt_estimate(point: ServingPoint, host: float | None = None) -> Estimate:
-    """``kadapt simulate SPEC --device D --tp --dp --ep --framework F --kv-dtype K --isl --osl
-    --concurrency N`` of the point, the checkpoint as shipped, with ``--eager`` where its engine ran
-    without CUDA graphs and the step budget its release defaults to; ``host`` overrides the host time
-    per launch (seconds)."""
+    """``kadapt simulate SPEC --device D --tp --dp --ep --framework F --framework-version V --kv-dtype K
+    --isl --osl --concurrency N`` of the point (``--requests`` where its run can be drawn again), the
+    checkpoint as shipped, with ``--eager`` where its engine ran without CUDA graphs, its stated step
+    budget or its release's default; ``host`` overrides the host time per launch (seconds)."""
     spec = load_spec(REPO / "specs" / f"{point.spec}.yaml")
     eager_host = host_time(point) if host is None else host
     base = Deployment(point.parallel, 1, 1, 0, False, kv_dtype=point.kv_dtype, eager_host=eager_host)
@@ -79,7 +79,7 @@ def kadapt_estimate(point: ServingPoint, host: float | None = None) -> Estimate:
     if point.prompts is not None:
         c, run = price_run(
             spec, inputs, device, base, point.framework, point.concurrency, point.prompts,
-            step_tokens=point.step_tokens,
+            step_tokens=point.step_tokens, framework_version=point.release,
         )  # fmt: skip
         per_device = run.output_tok_s / c.devices
         return Estimate(c.ttft * 1e3, c.tpot * 1e3, per_device, run.mean_in_flight)
@@ -92,6 +92,7 @@ def kadapt_estimate(point: ServingPoint, host: float | None = None) -> Estimate:
         point.framework,
         point.concurrency,
         step_tokens=point.step_tokens,
+        framework_version=point.release,
     )
     return Estimate(c.ttft * 1e3, c.tpot * 1e3, c.tokens_per_s_per_device)
 
@@ -134,9 +135,10 @@ class AicServing:
             )
             model = get_model(model_path, config, point.framework)
             runtime = RuntimeConfig(batch_size=point.concurrency // par.dp, isl=point.isl, osl=point.osl)
-            step = point.step_tokens or framework_of(point.framework).step_tokens.default(
-                get_device(point.device).memory_bytes, par.dp
-            )  # the budget per DP group the engine ran with, as kadapt prices it
+            device = get_device(point.device)
+            step = point.step_tokens or framework_of(point.framework, point.release).step_tokens.default(
+                device.memory_bytes, par.dp, device.name
+            )  # the budget per DP group the engine ran with (its release's default), as kadapt prices it
             summary = get_backend(point.framework).run_agg(model, database, runtime, ctx_tokens=step)
             row = summary.get_summary_df().iloc[0]
         except Exception as exc:  # noqa: BLE001 - AIConfigurator's own errors (a kernel it never measured)
@@ -265,6 +267,14 @@ def serving_table() -> None:
             "request: median "
             f"|ratio-1| {statistics.median(abs(r - 1) for r in in_flight):.1%}, range "
             f"{min(in_flight):.2f}-{max(in_flight):.2f}"
+        )
+    unread = sorted(
+        {f"{p.framework} {p.release}" for p in points if framework_of(p.framework, p.release).note}
+    )
+    if unread:
+        print(
+            f"  releases whose step budget and prompt steps are priced with a caveat (frameworks.yaml "
+            f"releases: not read, or what the facts leave out): {', '.join(unread)}"
         )
     graphless = [p.id for p in points if not p.cuda_graphs]
     if graphless:

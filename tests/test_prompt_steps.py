@@ -7,12 +7,18 @@ the device's memory and is shared by the attention-DP groups, as its server argu
 arriving at the same decode step are prefilled together, in steps of at most the budget; a request's
 TPOT holds the other requests' prompt steps but not its own batch's, which are in its TTFT; other DP
 groups' prompt steps slow this group's decode steps (lockstep); an eager prompt step takes at least the
-host's time per launched kernel.
+host's time per launched kernel. A release's facts are the ones its source sets (``--framework-version``):
+SGLang 0.4.3 halves the budget under DP attention, vLLM before 0.8 ran V0 (chunked prefill at 2048 tokens,
+a step carrying a prompt chunk launched eagerly); a release no entry covers is priced as the newest read,
+saying so.
 """
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from click.testing import CliRunner
 from fixtures.spec_files import REPO
 
 from kimi_adapter_core.backends.simulation.estimate.eager import HOST_US, launches
@@ -29,7 +35,10 @@ from kimi_adapter_core.backends.simulation.search.request_pricing import (
     prompt_batches,
 )
 from kimi_adapter_core.backends.simulation.search.serving import ServingSearch
+from kimi_adapter_core.backends.simulation.search.serving_points import serving_points
 from kimi_adapter_core.backends.simulation.tables.device import get_device
+from kimi_adapter_core.cli import cli
+from kimi_adapter_core.errors import KadaptError, UsageError
 from kimi_adapter_core.spec import load_spec
 
 H200, B200 = get_device("h200"), get_device("b200")
@@ -192,3 +201,113 @@ def test_the_sweep_lists_each_distinct_prompt_step_once() -> None:
         seen.setdefault(c.decode.config, []).append(c.chunk)
     assert seen and all(len(chunks) == len(set(chunks)) for chunks in seen.values()), seen
     assert any(len(chunks) > 1 for chunks in seen.values())  # budgets below a prompt still split it
+
+
+# --- the release a point ran (``frameworks.yaml`` ``releases``, ``--framework-version``) ---------------
+A100, H100 = get_device("a100"), get_device("h100")
+
+
+def _budgets(name: str, version: str | None) -> list[int]:
+    """The default budget per DP group on H200 (DP 1 and 8), B200, A100 and H100 at one DP group."""
+    step = framework(name, version).step_tokens
+    return [
+        step.default(H200.memory_bytes, 1, "h200"),
+        step.default(H200.memory_bytes, 8, "h200"),
+        step.default(B200.memory_bytes, 1, "b200"),
+        step.default(A100.memory_bytes, 1, "a100"),
+        step.default(H100.memory_bytes, 1, "h100"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "version", "budgets"),
+    [
+        ("sglang", None, [8192, 1024, 16384, 8192, 8192]),  # 0.5.6: divided by the DP size
+        ("sglang", "0.5.6.post1", [8192, 1024, 16384, 8192, 8192]),
+        ("sglang", "0.5.1", [8192, 1024, 16384, 8192, 8192]),
+        ("sglang", "0.4.6", [8192, 1024, 8192, 8192, 8192]),  # no 16384 tier yet
+        ("sglang", "0.4.3.post2", [8192, 4096, 8192, 8192, 8192]),  # halved under DP attention
+        ("vllm", None, [8192, 8192, 16384, 2048, 8192]),  # 0.33: 16384 above 160 GiB, A100 2048
+        ("vllm", "0.10.2", [8192, 8192, 8192, 2048, 8192]),
+        ("vllm", "0.8.0", [8192, 8192, 2048, 2048, 8192]),  # by device name: H100 and H200 only
+        ("vllm", "0.7.4.dev181+gf35f8e22", [2048, 2048, 2048, 2048, 2048]),  # V0 chunked prefill
+    ],
+)
+def test_a_releases_step_budget_is_the_one_its_source_sets(
+    name: str, version: str | None, budgets: list[int]
+) -> None:
+    assert _budgets(name, version) == budgets
+    fw = framework(name, version)
+    assert fw.read and "was not read" not in fw.note  # every one of these was read
+    assert bool(fw.note) == (version is not None and version.startswith("0.7"))  # V0's chunked-prefill caveat
+
+
+def test_v0_launches_a_step_carrying_prompt_tokens_eagerly() -> None:
+    v0, v1 = framework("vllm", "0.7.3"), framework("vllm", "0.8.0")
+    assert (v0.prompt_steps.mixed, v0.prompt_steps.cuda_graphs) == (True, False)
+    assert (v1.prompt_steps.mixed, v1.prompt_steps.cuda_graphs) == (True, True)
+    assert "_use_captured_graph" in v0.prompt_steps.source
+
+
+def test_a_release_no_entry_covers_is_priced_as_the_newest_read_and_says_so() -> None:
+    newest = framework("sglang")
+    unread = framework("sglang", "0.5.23")
+    assert unread.step_tokens == newest.step_tokens and unread.prompt_steps == newest.prompt_steps
+    assert unread.note == f"SGLang 0.5.23 was not read: priced with the facts read in {newest.read}"
+    with pytest.raises(UsageError, match="'0.5.x' is not a release version"):
+        framework("sglang", "0.5.x")
+
+
+def test_the_published_points_are_priced_at_their_releases_defaults() -> None:
+    """dstack's SGLang 0.4.3.post2 DP8 points ran 4096 tokens per DP group (8192 halved), its vLLM
+    0.7.4 nightly V0 with chunked prefill at 2048, eager when a step carries a prompt chunk."""
+    points = serving_points()
+    sglang = [p for p in points if p.framework == "sglang" and p.version == "0.4.3.post2"]
+    vllm = [p for p in points if p.framework == "vllm" and p.version.startswith("0.7.4")]
+    assert len(sglang) == 9 and len(vllm) == 9
+    for p in sglang:
+        assert p.step_tokens is None  # not stated at launch: the release's default
+        device = get_device(p.device)
+        assert framework("sglang", p.release).step_tokens.default(device.memory_bytes, p.parallel.dp) == 4096
+    for p in vllm:
+        fw = framework("vllm", p.release)
+        assert (
+            fw.step_tokens.default(H200.memory_bytes, 1, "h200") == 2048 and not fw.prompt_steps.cuda_graphs
+        )
+        assert "--enable-chunked-prefill" in p.layout_stated
+
+
+def test_framework_version_in_the_reports_and_its_usage_errors() -> None:
+    args = ["simulate", "llama", "--device", "h100", "--framework", "vllm", "--isl", "512", "--osl", "64"]
+    runner = CliRunner()
+    old = runner.invoke(cli, [*args, "--concurrency", "8", "--framework-version", "0.7.3"])
+    assert old.exit_code == 0, old.output
+    assert "vLLM step budget and prompt steps as read in 0.7.3" in old.output
+    assert "step budget 2048 tokens" in old.output and "(launched eagerly)" in old.output
+    assert "NOTE: vLLM V0 is priced with chunked prefill" in old.output
+    doc = json.loads(
+        runner.invoke(
+            cli, [*args, "--concurrency", "8", "--framework-version", "0.20.0", "--format", "json"]
+        ).output
+    )
+    assert doc["framework"]["release_note"].startswith("vLLM 0.20.0 was not read")
+    sweep = runner.invoke(cli, [*args, "--sweep", "--devices", "1", "--framework-version", "0.7.3"])
+    assert sweep.exit_code == 0 and "as read in 0.7.3" in sweep.output, sweep.output
+    step = runner.invoke(cli, ["simulate", "llama", "--device", "h100", "--framework-version", "0.7.3"])
+    assert step.exit_code == 2 and "--framework-version prices requests" in step.output
+    bad = runner.invoke(cli, [*args, "--concurrency", "2", "--framework-version", "x.y"])
+    assert (
+        bad.exit_code != 0
+        and "'x.y' is not a release version" in bad.output
+        and "Traceback" not in bad.output
+    )
+
+
+def test_a_bad_release_entry_is_refused_naming_it() -> None:
+    from kimi_adapter_core.backends.simulation.search import launch_rules
+
+    with pytest.raises(KadaptError, match=r"vllm.releases\[0\].versions: '>>0.8' is not a version specifier"):
+        steps = {"mixed": True, "cuda_graphs": False, "source": "s"}
+        launch_rules._release({"versions": ">>0.8", "read": "x", "prompt_steps": steps}, "vllm.releases[0]")
+    with pytest.raises(KadaptError, match="needs versions, read and step_tokens or prompt_steps"):
+        launch_rules._release({"versions": "<1", "read": "x"}, "vllm.releases[0]")

@@ -25,7 +25,7 @@ from kimi_adapter_core.backends.simulation.estimate.cost import framework_pricer
 from kimi_adapter_core.backends.simulation.model.deployment import Deployment
 from kimi_adapter_core.backends.simulation.search.concurrency import price_concurrency
 from kimi_adapter_core.backends.simulation.search.grid import quant_modes, sweep_inputs
-from kimi_adapter_core.backends.simulation.search.launch_rules import frameworks
+from kimi_adapter_core.backends.simulation.search.launch_rules import framework, frameworks
 from kimi_adapter_core.backends.simulation.search.request_pricing import Workload
 from kimi_adapter_core.backends.simulation.search.serving import ServingSearch
 from kimi_adapter_core.backends.simulation.search.serving_points import (
@@ -97,6 +97,8 @@ def _tampered(tmp_path: Path, change: dict[str, object], drop: str | None = None
         ({"step_tokens": {"per_dp_group": 4096}}, None, "step_tokens must be a mapping"),
         ({"step_tokens": {"per_dp_group": 0, "source": "s"}}, None, "per_dp_group must be >= 1"),
         ({"step_tokens": {"per_dp_group": "4k", "source": "s"}}, None, "per_dp_group missing or not"),
+        ({"framework_version": "nightly 0.5"}, None, "framework_version must start with a release version"),
+        ({"measured_concurrency": -1}, None, "measured_concurrency must be a number > 0 or null"),
     ],
 )
 def test_a_bad_point_is_refused_by_name(
@@ -128,6 +130,7 @@ def test_concurrency_text_and_json() -> None:
     assert doc["framework"] == {
         "name": "vllm",
         "title": "vLLM",
+        "facts_read_in": framework("vllm").read,  # the newest release read, no --framework-version
         "step_tokens": 8192,
         "prompt_steps": "mixed",
         "prompt_cuda_graphs": True,

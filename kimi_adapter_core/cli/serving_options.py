@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from .release_facts import release_json, release_text
 from .run_options import RUN_OPTIONS, run_json, run_text
 from .sweep_options import (
     Notes,
@@ -137,10 +138,13 @@ def run_serving(
     quant: str | None = None,
     plot: Path | None = None,
     fmt: str = "text",
+    framework_version: str | None = None,
 ) -> str:
     """Search aggregated and disaggregated deployments of ``workload`` on ``devices`` devices; return
     the report in ``fmt`` (and write the plot when asked). ``base`` carries MTP, the KV dtype and the
-    routing; ``quant`` names the weight modes as in ``run_sweep`` (default: the checkpoint as shipped)."""
+    routing; ``quant`` names the weight modes as in ``run_sweep`` (default: the checkpoint as shipped);
+    ``framework_version`` the release whose step budget and prompt steps price it (None: the newest
+    read)."""
     from ..backends.simulation.estimate.cost import framework_pricer
     from ..backends.simulation.search.pareto_plot import SlaLine, write_plot
     from ..backends.simulation.search.serving import ServingSearch, plot_points
@@ -158,6 +162,7 @@ def run_serving(
         modes=modes,
         batches=batches,
         pricer=framework_pricer(framework),  # the framework's kernel table, as ``simulate --framework``
+        framework_version=framework_version,
     )
     result = search.run()
     if result.quants:
@@ -264,7 +269,7 @@ def serving_json(
         "device": device.name,
         "devices": result.devices,
         "workload": {"isl": w.isl, "osl": w.osl, "ttft_s": w.ttft, "tpot_s": w.tpot},
-        "framework": {"name": fw.name, "title": fw.title, "rules": describe_rules(fw)},
+        "framework": {"name": fw.name, "title": fw.title, **release_json(fw), "rules": describe_rules(fw)},
         "modes": list(result.modes),
         "kv_dtype": kv_dtype,
         "shipped_weights": weights.shipped,
@@ -302,6 +307,7 @@ def serving_text(
         f"KV cache {kv_dtype}, {fw.title} ({fw.name})",
         weights.summary(),
         *mtp,
+        *release_text(fw),
         f"workers of N devices: {sizes}",
     ]
     for rule in fw.rules:
@@ -373,22 +379,24 @@ def run_concurrency(
     quant: str | None = None,
     fmt: str = "text",
     prompts: RandomPrompts | None = None,
+    framework_version: str | None = None,
 ) -> str:
     """Price ``base.parallel`` serving ``concurrency`` requests of ``workload`` (aggregated; the sweep's
     candidate for that layout and batch) and report it in ``fmt``, with its weights and KV modes;
     ``step_tokens`` is the server's step budget flag (default: the framework's on the device). With
     ``prompts`` (``--requests``), the requests are the run's, priced at their mean lengths, and the
-    report adds the finite run (``price_run``)."""
+    report adds the finite run (``price_run``). ``framework_version``: the release whose step budget
+    and prompt steps price it (None: the newest read)."""
     from ..backends.simulation.report.simulation import eager_json, eager_text
     from ..backends.simulation.search.concurrency import price_concurrency, price_run
     from ..backends.simulation.search.launch_rules import framework as framework_of
     from ..backends.simulation.search.request_pricing import Workload
 
     by_mode, weights = sweep_modes(spec, quant)
-    fw = framework_of(framework)
+    fw = framework_of(framework, framework_version)
     dp = base.parallel.dp
     if step_tokens is None:
-        budget = fw.step_tokens.default(device.memory_bytes, dp)
+        budget = fw.step_tokens.default(device.memory_bytes, dp, device.name)
     elif fw.step_tokens.divided_over_dp and step_tokens < dp:
         raise click.UsageError(
             f"--step-tokens {step_tokens} over {dp} DP groups leaves no token per group ({fw.title} divides "
@@ -397,12 +405,11 @@ def run_concurrency(
     else:
         budget = fw.step_tokens.per_group(step_tokens, dp)
     run = None
+    priced_as = {"step_tokens": budget, "framework_version": framework_version}
     if prompts is None:
-        c = price_concurrency(
-            spec, by_mode, device, base, workload, framework, concurrency, step_tokens=budget
-        )
+        c = price_concurrency(spec, by_mode, device, base, workload, framework, concurrency, **priced_as)
     else:
-        c, run = price_run(spec, by_mode, device, base, framework, concurrency, prompts, step_tokens=budget)
+        c, run = price_run(spec, by_mode, device, base, framework, concurrency, prompts, **priced_as)
         workload = Workload(*prompts.means())
     notes = layout_notes(device, framework, [base.parallel])
     in_flight = min(concurrency, c.decode.config.batch)  # the even split's idle slots hold none
@@ -421,6 +428,7 @@ def run_concurrency(
             "framework": {
                 "name": fw.name,
                 "title": fw.title,
+                **release_json(fw),
                 "step_tokens": budget,
                 "prompt_steps": "apart" if c.apart else "mixed",
                 "prompt_cuda_graphs": graphs,
@@ -451,6 +459,7 @@ def run_concurrency(
         f"requests of ISL {workload.isl}, OSL {workload.osl}, {fw.title} ({fw.name}), aggregated: {how}",
         f"weights {weights.label(c.quant)}, KV cache {base.kv_dtype}",
         *_mtp_text(base),
+        *release_text(fw),
         *eager_text(base.eager_host),
         f"TTFT {c.ttft * 1e3:.1f} ms, TPOT {c.tpot * 1e3:.2f} ms",
         f"output tokens/s: {c.tokens_per_s_per_device:.1f} per device, "

@@ -91,6 +91,14 @@ from .sweep_options import run_sweep, sweep_options
     "and, with --cost-model measured, AIConfigurator's tables.",
 )
 @click.option(
+    "--framework-version",
+    default=None,
+    metavar="VERSION",
+    help="With --isl/--osl: the --framework release whose step budget and prompt steps price the requests "
+    "(e.g. 0.4.3.post2; frameworks.yaml `releases`). Default: the newest release read; a release no entry "
+    "covers is priced so, with a note.",
+)
+@click.option(
     "--eager",
     is_flag=True,
     help="Price the step as an engine that runs it without CUDA graphs (e.g. TensorRT-LLM 0.17's PyTorch "
@@ -142,6 +150,7 @@ def command(
     routing: str,
     cost_model: str,
     framework: str,
+    framework_version: str | None,
     eager: bool,
     top: int,
     fmt: str,
@@ -242,6 +251,11 @@ def command(
         HOST_US * 1e-6 if eager else 0.0,
     )
     requests = isl is not None or osl is not None
+    if framework_version is not None and (not requests or steps_path is not None):
+        raise click.UsageError(
+            "--framework-version prices requests (--isl/--osl with --sweep or --concurrency): a step is "
+            "priced with --framework's kernel tables, whichever release"
+        )
     if steps_path is not None:
         given = [
             flag
@@ -341,6 +355,7 @@ def command(
                 quant=quant,
                 fmt="json" if out.json else "text",
                 prompts=prompts,
+                framework_version=framework_version,
             )
         out.result(report)
         return
@@ -378,6 +393,7 @@ def command(
                 quant=quant,
                 plot=plot,
                 fmt="json" if out.json else "text",
+                framework_version=framework_version,
             )
         out.result(report)
         return

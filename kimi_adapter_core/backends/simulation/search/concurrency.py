@@ -59,6 +59,7 @@ def _search(
     batch: int,
     pricer: Pricer | None = None,
     step_tokens: int | None = None,
+    framework_version: str | None = None,
 ) -> ServingSearch:
     """The aggregated request search of ``base.parallel`` alone at ``batch`` (a multiple of its DP
     groups: ``price_concurrency`` sizes it) and the framework's default step budget on the device
@@ -71,14 +72,14 @@ def _search(
     # the layout divides the model and the MTP settings are in range, or a located error
     decode = replace(base, batch=batch, query_len=1, decode=True)
     decode.check(s)
-    fw = framework(framework_name)
+    fw = framework(framework_name, framework_version)
     rule = fw.refusal(par)
     if rule is not None:
         raise UsageError(
             f"{fw.title} cannot launch TP{par.tp} DP{par.dp} EP{par.ep} ({rule.id}): {rule.why} "
             f"[{rule.source}]"
         )
-    budget = step_tokens or fw.step_tokens.default(device.memory_bytes, par.dp)
+    budget = step_tokens or fw.step_tokens.default(device.memory_bytes, par.dp, device.name)
     rows = batch // par.dp * decode.tokens_per_query
     if fw.step_tokens.counts_decode and budget <= rows:
         raise UsageError(
@@ -98,6 +99,7 @@ def _search(
         pricer=pricer or framework_pricer(framework_name),
         layout=par,
         budgets=(budget,),
+        framework_version=framework_version,
     )
 
 
@@ -111,6 +113,7 @@ def price_concurrency(
     concurrency: int,
     pricer: Pricer | None = None,
     step_tokens: int | None = None,
+    framework_version: str | None = None,
 ) -> Candidate:
     """The aggregated candidate of ``base.parallel`` serving ``concurrency`` requests of ``workload``
     (one weight mode: ``inputs`` holds one). Where their KV cache does not fit beside the weights and
@@ -120,7 +123,7 @@ def price_concurrency(
     what does not fit is not the KV cache (a mixed step's activations), the candidate is priced at
     ``concurrency`` and ``Candidate.fits`` says it does not fit. ``step_tokens``: the step budget per DP
     group the engine ran with, where it is not the framework's default on the device (a release whose
-    default differs)."""
+    default differs); ``framework_version``: the release whose facts price it (``launch_rules``)."""
     if len(inputs) != 1:
         raise UsageError("--concurrency prices one weight mode (--quant names one, or none: the checkpoint)")
     if concurrency < 1:
@@ -129,7 +132,18 @@ def price_concurrency(
     even = lockstep_batch(concurrency, dp)
 
     def at(batch: int) -> Candidate:
-        search = _search(spec, inputs, device, base, workload, framework_name, batch, pricer, step_tokens)
+        search = _search(
+            spec,
+            inputs,
+            device,
+            base,
+            workload,
+            framework_name,
+            batch,
+            pricer,
+            step_tokens,
+            framework_version,
+        )
         return _priced(search, base.parallel)
 
     priced = at(even)
@@ -160,6 +174,7 @@ def price_run(
     prompts: RandomPrompts,
     pricer: Pricer | None = None,
     step_tokens: int | None = None,
+    framework_version: str | None = None,
 ) -> tuple[Candidate, Run]:
     """The steady state of ``concurrency`` requests of the run's mean lengths (``price_concurrency``)
     and the run of ``prompts`` through a client keeping ``concurrency`` in flight (``closed_loop``:
@@ -168,7 +183,9 @@ def price_run(
     workload = Workload(*prompts.means())
 
     def at(n: int) -> Candidate:
-        return price_concurrency(spec, inputs, device, base, workload, framework_name, n, pricer, step_tokens)
+        return price_concurrency(
+            spec, inputs, device, base, workload, framework_name, n, pricer, step_tokens, framework_version
+        )
 
     full = at(concurrency)
     one = at(1) if concurrency > 1 else full

@@ -7,6 +7,13 @@ forward step carries per DP group (``step_tokens``) and whether prompt tokens sh
 decode rows and run as a CUDA graph (``prompt_steps``). ``framework`` reads it once, checked: a typo
 in a variable or bound would silently refuse nothing.
 
+Those facts move between releases (SGLang 0.4.3 halves its step budget under DP attention, 0.5.6
+divides it by the DP size; vLLM before 0.8 ran the V0 engine, which launches a step carrying prompt
+tokens eagerly). Each framework's facts are those of the newest release whose source was read
+(``read``, ``versions``); ``releases`` holds older releases whose facts differ, each naming the
+releases read. ``framework(name, version)`` (``--framework-version``) picks the entry covering a
+release; a release no entry covers is priced with the newest facts read and a note saying so.
+
 Separate from ``serving`` because it is data about the frameworks, not search: the CLI lists the
 rules (``describe_rules``) without running a search.
 """
@@ -14,12 +21,14 @@ rules (``describe_rules``) without running a search.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import yaml
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
 
 from ....errors import KadaptError, UsageError
 from ..model.parallel import Parallel
@@ -61,27 +70,38 @@ class StepTokens:
     source: str
     by_memory: tuple[tuple[float, int], ...] = ()  # (below GiB, cap)
     divided_over_dp: bool = False
+    # SGLang before 0.4.5: --enable-dp-attention halves the budget, every DP group running the half
+    halved_over_dp: bool = False
+    by_device: tuple[tuple[str, int], ...] = ()  # (device profile name, cap): ahead of the memory rule
 
-    def cap(self, memory_bytes: int | None) -> int:
-        """The default budget of a worker on devices of ``memory_bytes`` (None: not stated, ``max``)."""
+    def cap(self, memory_bytes: int | None, device: str | None = None) -> int:
+        """The default budget of a worker on devices of ``memory_bytes`` (None: not stated, ``max``)
+        named ``device`` (a profile name a ``by_device`` entry may name)."""
+        for name, cap in self.by_device:
+            if device == name:
+                return cap
         if memory_bytes is not None:
             for below_gib, cap in self.by_memory:
                 if memory_bytes < below_gib * 2**30:
                     return cap
         return self.max
 
-    def default(self, memory_bytes: int | None, dp: int) -> int:
+    def default(self, memory_bytes: int | None, dp: int, device: str | None = None) -> int:
         """Per DP group, the budget a worker of ``dp`` groups runs without a budget flag."""
-        return self.per_group(self.cap(memory_bytes), dp)
+        return self.per_group(self.cap(memory_bytes, device), dp)
 
-    def budgets(self, memory_bytes: int | None, dp: int) -> tuple[int, ...]:
+    def budgets(self, memory_bytes: int | None, dp: int, device: str | None = None) -> tuple[int, ...]:
         """Per DP group, the budgets the request sweep tries: ``STEP_BUDGETS`` up to the device's cap."""
-        cap = self.cap(memory_bytes)
+        cap = self.cap(memory_bytes, device)
         return tuple(dict.fromkeys(self.per_group(b, dp) for b in STEP_BUDGETS if b <= cap))
 
     def per_group(self, budget: int, dp: int) -> int:
         """The budget each of ``dp`` DP groups runs of a worker launched with ``budget``."""
-        return max(budget // dp, 1) if self.divided_over_dp else budget
+        if self.divided_over_dp:
+            return max(budget // dp, 1)
+        if self.halved_over_dp and dp > 1:
+            return max(budget // 2, 1)
+        return budget
 
     def chunks(self, decode_rows: int, most: int, budgets: tuple[int, ...]) -> list[int]:
         """Prompt tokens a mixed step carries beside ``decode_rows`` decode tokens, one per budget
@@ -109,28 +129,75 @@ class PromptSteps:
 
 
 @dataclass(frozen=True)
+class Release:
+    """Releases of a framework whose step budget or prompt steps differ from its newest facts, and the
+    releases whose source was read to say so (``read``)."""
+
+    versions: SpecifierSet
+    read: str
+    step_tokens: StepTokens | None
+    prompt_steps: PromptSteps | None
+    note: str = ""  # what these facts leave out for the release (printed with every price of it)
+
+
+@dataclass(frozen=True)
 class Framework:
     name: str
     title: str
     rules: tuple[Rule, ...]
     step_tokens: StepTokens
     prompt_steps: PromptSteps
+    read: str = ""  # the releases whose source these facts were read in
+    versions: SpecifierSet | None = None  # the releases they hold for (None: not stated)
+    releases: tuple[Release, ...] = ()  # older releases whose facts differ
+    # what the facts leave out for the release asked for: a release entry's note, or that no entry
+    # covers it and the newest facts read stand for it
+    note: str = ""
 
     def refusal(self, par: Parallel) -> Rule | None:
         """The first rule that refuses ``par``, or None when the framework can launch it."""
         return next((rule for rule in self.rules if rule.refuses(par)), None)
+
+    def at(self, version: str | None) -> Framework:
+        """The facts of release ``version`` (None: the newest read): the release entry covering it, or
+        these facts with a ``note`` saying that the release asked for was not read."""
+        if version is None:
+            return self
+        try:
+            wanted = Version(version)
+        except InvalidVersion:
+            raise UsageError(
+                f"--framework-version {version!r} is not a release version (e.g. 0.5.6)"
+            ) from None
+        for release in self.releases:
+            if release.versions.contains(wanted, prereleases=True):
+                steps = release.prompt_steps or self.prompt_steps
+                tokens = release.step_tokens or self.step_tokens
+                return replace(
+                    self,
+                    step_tokens=tokens,
+                    prompt_steps=steps,
+                    read=release.read,
+                    releases=(),
+                    note=release.note,
+                )
+        if self.versions is not None and self.versions.contains(wanted, prereleases=True):
+            return replace(self, releases=())
+        note = f"{self.title} {version} was not read: priced with the facts read in {self.read}"
+        return replace(self, releases=(), note=note)
 
 
 def frameworks() -> tuple[str, ...]:
     return tuple(_load())
 
 
-def framework(name: str) -> Framework:
-    """The feasibility rules of serving framework ``name`` (``frameworks.yaml``)."""
+def framework(name: str, version: str | None = None) -> Framework:
+    """Serving framework ``name`` (``frameworks.yaml``): its launch rules, step budget and prompt
+    steps, as of release ``version`` (None: the newest release read; ``Framework.at``)."""
     table = _load()
     if name not in table:
         raise UsageError(f"unknown serving framework {name!r} (known: {', '.join(table)})")
-    return table[name]
+    return table[name].at(version)
 
 
 @cache
@@ -151,27 +218,66 @@ def _load() -> dict[str, Framework]:
             rules.append(Rule(raw["id"], when, raw["why"], raw["source"]))
         if not rules and not entry.get("source"):
             raise KadaptError(f"{FRAMEWORKS_FILE.name}: {name} has no rules and no source saying why")
-        step = entry.get("step_tokens") or {}
-        if not isinstance(step.get("max"), int) or step["max"] < 1 or not step.get("source"):
-            raise KadaptError(f"{FRAMEWORKS_FILE.name}: {name}.step_tokens needs a max >= 1 and a source")
-        by_memory = tuple((float(b["below_gib"]), int(b["max"])) for b in step.get("by_memory", ()))
-        if list(by_memory) != sorted(by_memory) or any(cap < 1 for _, cap in by_memory):
-            where = f"{FRAMEWORKS_FILE.name}: {name}.step_tokens.by_memory"
-            raise KadaptError(f"{where}: expected rising bounds and caps >= 1, found {by_memory}")
-        tokens = StepTokens(
-            step["max"],
-            bool(step.get("counts_decode", True)),
-            step["source"],
-            by_memory,
-            bool(step.get("divided_over_dp", False)),
+        tokens = _step_tokens(entry.get("step_tokens") or {}, f"{name}.step_tokens")
+        steps = _prompt_steps(entry.get("prompt_steps") or {}, f"{name}.prompt_steps")
+        releases = tuple(
+            _release(raw, f"{name}.releases[{i}]") for i, raw in enumerate(entry.get("releases", ()))
         )
-        prompt = entry.get("prompt_steps") or {}
-        if {"mixed", "cuda_graphs", "source"} - set(prompt):
-            where = f"{FRAMEWORKS_FILE.name}: {name}.prompt_steps"
-            raise KadaptError(f"{where}: expected mixed, cuda_graphs and a source, found {sorted(prompt)}")
-        steps = PromptSteps(bool(prompt["mixed"]), bool(prompt["cuda_graphs"]), prompt["source"])
-        table[name] = Framework(name, entry["title"], tuple(rules), tokens, steps)
+        versions = _versions(entry["versions"], f"{name}.versions") if "versions" in entry else None
+        read = entry.get("read")
+        if not isinstance(read, str) or not read:
+            raise KadaptError(
+                f"{FRAMEWORKS_FILE.name}: {name} needs `read`: the releases its facts were read in"
+            )
+        table[name] = Framework(name, entry["title"], tuple(rules), tokens, steps, read, versions, releases)
     return table
+
+
+def _step_tokens(step: Mapping[str, Any], where: str) -> StepTokens:
+    if not isinstance(step.get("max"), int) or step["max"] < 1 or not step.get("source"):
+        raise KadaptError(f"{FRAMEWORKS_FILE.name}: {where} needs a max >= 1 and a source")
+    by_memory = tuple((float(b["below_gib"]), int(b["max"])) for b in step.get("by_memory", ()))
+    if list(by_memory) != sorted(by_memory) or any(cap < 1 for _, cap in by_memory):
+        raise KadaptError(
+            f"{FRAMEWORKS_FILE.name}: {where}.by_memory: expected rising bounds and caps >= 1, "
+            f"found {by_memory}"
+        )
+    by_device = tuple((str(d["device"]), int(d["max"])) for d in step.get("by_device", ()))
+    if any(cap < 1 for _, cap in by_device):
+        raise KadaptError(f"{FRAMEWORKS_FILE.name}: {where}.by_device: caps must be >= 1, found {by_device}")
+    divided, halved = bool(step.get("divided_over_dp", False)), bool(step.get("halved_over_dp", False))
+    if divided and halved:
+        raise KadaptError(f"{FRAMEWORKS_FILE.name}: {where}: divided_over_dp or halved_over_dp, not both")
+    counts = bool(step.get("counts_decode", True))
+    return StepTokens(step["max"], counts, step["source"], by_memory, divided, halved, by_device)
+
+
+def _prompt_steps(prompt: Mapping[str, Any], where: str) -> PromptSteps:
+    if {"mixed", "cuda_graphs", "source"} - set(prompt):
+        found = sorted(prompt)
+        raise KadaptError(
+            f"{FRAMEWORKS_FILE.name}: {where}: expected mixed, cuda_graphs and a source, found {found}"
+        )
+    return PromptSteps(bool(prompt["mixed"]), bool(prompt["cuda_graphs"]), prompt["source"])
+
+
+def _versions(text: Any, where: str) -> SpecifierSet:
+    try:
+        return SpecifierSet(str(text))
+    except InvalidSpecifier:
+        raise KadaptError(f"{FRAMEWORKS_FILE.name}: {where}: {text!r} is not a version specifier") from None
+
+
+def _release(raw: Mapping[str, Any], where: str) -> Release:
+    """One ``releases`` entry: the versions it covers, the releases read, and what it overrides."""
+    if not raw.get("read") or not ({"step_tokens", "prompt_steps"} & set(raw)):
+        raise KadaptError(
+            f"{FRAMEWORKS_FILE.name}: {where}: needs versions, read and step_tokens or prompt_steps"
+        )
+    tokens = _step_tokens(raw["step_tokens"], f"{where}.step_tokens") if "step_tokens" in raw else None
+    steps = _prompt_steps(raw["prompt_steps"], f"{where}.prompt_steps") if "prompt_steps" in raw else None
+    versions = _versions(raw.get("versions"), f"{where}.versions")
+    return Release(versions, str(raw["read"]), tokens, steps, str(raw.get("note", "")))
 
 
 def describe_rules(fw: Framework) -> list[dict[str, Any]]:

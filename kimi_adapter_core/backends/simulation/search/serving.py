@@ -111,6 +111,7 @@ class ServingSearch:
         pricer: Pricer | None = None,
         layout: Parallel | None = None,
         budgets: tuple[int, ...] | None = None,
+        framework_version: str | None = None,
     ) -> None:
         if devices < 1:
             raise UsageError(f"--devices must be >= 1 (got {devices})")
@@ -120,7 +121,9 @@ class ServingSearch:
         unknown = set(modes) - set(MODES)
         if unknown or not modes:
             raise UsageError(f"serving modes must be among {', '.join(MODES)} (got {', '.join(modes)})")
-        self.workload, self.framework, self.modes = workload, framework(framework_name), tuple(modes)
+        # the framework's facts as of ``framework_version`` (None: the newest release read)
+        self.framework = framework(framework_name, framework_version)
+        self.workload, self.modes = workload, tuple(modes)
         self.batches = tuple(sorted(set(batches))) if batches else REQUEST_BATCHES
         self.prefill_batches = tuple(sorted(set(prefill_batches)))
         self.pricer = pricer
@@ -248,7 +251,7 @@ class ServingSearch:
             (par, b): step.chunks(
                 b // par.dp * tpq,
                 b // par.dp * w.isl,
-                self.budgets or step.budgets(self.device.memory_bytes, par.dp),
+                self.budgets or step.budgets(self.device.memory_bytes, par.dp, self.device.name),
             )
             for par in pars
             for b in self.batches

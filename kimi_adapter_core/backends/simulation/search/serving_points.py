@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from packaging.version import InvalidVersion, Version
 
 from ....errors import KadaptError
 from ..model.parallel import Parallel
@@ -87,6 +88,12 @@ class ServingPoint:
     prompts: RandomPrompts | None = None
     # the client's mean requests in flight over the run (bench_serving's ``concurrency``), where published
     measured_concurrency: float | None = None
+
+    @property
+    def release(self) -> str:
+        """The framework release the point ran, as ``--framework-version`` takes it (the version's
+        first word: ``0.17.post1.dev (PyTorch backend, ...)`` ran 0.17.post1.dev)."""
+        return self.version.split()[0]
 
     @property
     def output_tok_s_per_device(self) -> float:
@@ -190,6 +197,13 @@ def _point(entry: dict[str, Any], index: int, file: str) -> ServingPoint:
     if par.ep != moe_ep and not layout.get("assumed"):
         raise KadaptError(f"{where}: layout ep is not the stated MoE's: mark it assumed")
     cuda_graphs, engine_source = _engine(entry, where)
+    version = str(_need(entry, "framework_version", (str, int, float), where))
+    try:
+        Version(version.split()[0])
+    except InvalidVersion:
+        raise KadaptError(
+            f"{where}: framework_version must start with a release version (got {version!r})"
+        ) from None
     requests = workload["requests"]
     isl = round(workload["total_input_tokens"] / requests)
     osl = round(workload["total_output_tokens"] / requests)
@@ -202,7 +216,7 @@ def _point(entry: dict[str, Any], index: int, file: str) -> ServingPoint:
         device=_need(entry, "device", str, where),
         devices=devices,
         framework=framework,
-        version=str(_need(entry, "framework_version", (str, int, float), where)),
+        version=version,
         parallel=par,
         layout_stated=_need(layout, "stated", str, f"{where} layout"),
         layout_assumed=bool(layout.get("assumed", False)),
