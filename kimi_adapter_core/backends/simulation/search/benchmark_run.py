@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from ....errors import UsageError
 
@@ -58,7 +59,12 @@ class RandomPrompts:
             raise UsageError(f"--seed must be in [0, 2**32) (got {self.seed}): numpy's legacy generator")
 
     def lengths(self) -> tuple[list[int], list[int]]:
-        """Per request, its prompt and output tokens, as ``bench_serving`` draws them."""
+        """Per request, its prompt and output tokens, as ``bench_serving`` draws them (drawn once: the
+        run, its mean lengths and its report read the same draws)."""
+        return self._drawn
+
+    @cached_property
+    def _drawn(self) -> tuple[list[int], list[int]]:
         import numpy as np  # only a benchmark run needs it (the CLI's help and validate do not)
 
         self.check()
@@ -115,7 +121,11 @@ def closed_loop(
                 f[0] = max(f[0] - step, 0.0)
             else:
                 f[1] = max(f[1] - step / tpot, 0.0)
-        done = [f for f in flight if f[0] <= 1e-12 and f[1] <= 1e-9]
-        latencies += sum(now - f[2] for f in done)
-        flight = [f for f in flight if not (f[0] <= 1e-12 and f[1] <= 1e-9)]
+        left = []
+        for f in flight:  # a request with neither TTFT nor tokens left has finished: its latency counts
+            if f[0] > 1e-12 or f[1] > 1e-9:
+                left.append(f)
+            else:
+                latencies += now - f[2]
+        flight = left
     return Run(now, sum(outputs), latencies / now if now > 0 else float(concurrency))

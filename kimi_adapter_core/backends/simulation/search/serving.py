@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from ....errors import UsageError
 from ....spec.model import Spec
+from ..estimate.cost import Priced
 from ..estimate.eager import HOST_US, eager_step
 from ..estimate.planner import activation_bytes
 from ..model.deployment import Deployment
@@ -341,15 +342,16 @@ class ServingSearch:
             # (``prompt_host``: every kernel of it at least the host's time, eager)
             host = self.prompt_host
             decode_step = eager_step(decode.kernels(d.config), host)
+            prompt = prefill.kernels(p.config)  # one whole prompt's step, each chunk's attention a share
             decode_rows = d.config.batch // par.dp * tpq
             for chunk in chunks[(par, d.config.batch)]:
                 if self.apart:
-                    found.append(self._prefill_first(d, p, rows, prefill, chunk))
+                    found.append(self._prefill_first(d, p, rows, prompt, chunk))
                     continue
                 # the rows steps the sweep priced for this pass (``_mixed_rows``: the same configs)
                 configs = self._mixed_rows(d.config, chunk)
                 rows_step = eager_step(rows.kernels(configs[0]), host)
-                attention = prompt_attention(prefill.kernels(p.config), chunk / w.isl, host)
+                attention = prompt_attention(prompt, chunk / w.isl, host)
                 t_mix = mixed_step(rows_step, decode_step, attention, 1.0)
                 t_one = t_mix  # one group: its chunk is every group's
                 if par.dp > 1:
@@ -360,16 +362,19 @@ class ServingSearch:
                 found.append(aggregated(d, p, t_mix, chunk, memory, w, self.mtp_tokens, self.devices, t_one))
         return found
 
-    def _prefill_first(self, d: Point, p: Point, rows: Sweep, prefill: Sweep, budget: int) -> Candidate:
+    def _prefill_first(
+        self, d: Point, p: Point, rows: Sweep, prompt: Sequence[Priced], budget: int
+    ) -> Candidate:
         """The candidate of decode point ``d`` with prompt steps apart at ``budget`` tokens per step and
         DP group, each launched as the framework launches it (``prompt_host``): a pass in which every
         group prefills its prompt step, and under attention DP one in which a single group does (the
-        experts at its tokens and the other groups' decode rows)."""
+        experts at its tokens and the other groups' decode rows). ``prompt``: the kernels of prefill
+        point ``p``'s step (one whole prompt per DP group), whose attention a prompt step runs a share of."""
         par, host = d.config.parallel, self.prompt_host
         configs = self._mixed_rows(d.config, budget)
         tokens = self._prompt_tokens(d.config, budget)[2]
         # the whole prompt's attention kernels, each layer's run once at the step's share of its work
-        attention = prompt_attention(prefill.kernels(p.config), tokens / self.workload.isl, host)
+        attention = prompt_attention(prompt, tokens / self.workload.isl, host)
         own = eager_step(rows.kernels(configs[0]), host)
         t_all = mixed_step(own, [], attention, 1.0)
         t_one = t_all
