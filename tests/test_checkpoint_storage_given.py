@@ -372,7 +372,10 @@ def test_plain_validate_checks_the_schemes_against_the_config(
     )
 
 
-@pytest.mark.parametrize("name", EXTRACTABLE)
+# in reverse name order: test_user_outputs asks for the shared runs in name order, so when the two files run
+# side by side (one per xdist worker) they meet on one spec's run at most instead of each waiting on the
+# lock for the run the other is making, spec after spec
+@pytest.mark.parametrize("name", EXTRACTABLE[::-1])
 def test_ir_quantization_is_the_weight_map_entry(name: str, shipped_apply: SharedApplies) -> None:
     """For every shipped spec, in the files ``kadapt apply`` writes at full size (the shared run,
     ``shipped_apply``): each IR weight (text, and vision and the multimodal prefill when exported) is a

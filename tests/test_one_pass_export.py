@@ -12,51 +12,48 @@ import pytest
 import torch
 from click.testing import CliRunner
 from fixtures.archetypes import covering
-from fixtures.shared_apply import Applied, SharedApplies
 
 from kimi_adapter_core import upstream
+from kimi_adapter_core.backends.extraction import options_from_spec, run
 from kimi_adapter_core.backends.extraction.ir import export
+from kimi_adapter_core.backends.extraction.tiny_model import tiny_overrides
 from kimi_adapter_core.cli import cli
 from kimi_adapter_core.errors import KadaptError
+from kimi_adapter_core.loading import applied, load_config, load_model
+from kimi_adapter_core.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 # every feature a shipped spec has (fixtures/archetypes.py)
 SHIPPED = covering(sorted(p.stem for p in (REPO / "specs").glob("*.yaml") if p.stem != "kimi_k25_remote"))
 OPTIONS = [
-    ("llama", ("--dynamic", "prefill_len", "--dynamic", "batch", "--batch", "4")),
-    ("llama", ("--batch", "2", "--kv-cache", "paged", "--block-size", "16")),
-    ("deepseek_v3", ("--kv-layout", "latent", "--mla-attention", "absorbed")),
-    ("kimi_k25", ("--dynamic", "prefill_len")),
+    ("llama", {"dynamic": ("prefill_len", "batch"), "batch": 4}),
+    ("llama", {"batch": 2, "kv_cache": "paged", "block_size": 4}),
+    ("deepseek_v3", {"kv_layout": "latent", "mla_attention": "absorbed"}),
+    ("kimi_k25", {"dynamic": ("prefill_len",)}),
 ]
 
 
-def artifacts(spec: str, options: tuple[str, ...], out: Path) -> dict[str, bytes]:
-    args = ["apply", str(REPO / "specs" / f"{spec}.yaml"), "--no-cache", "--output-dir", str(out), "-q"]
-    result = CliRunner().invoke(cli, [*args, *options], catch_exceptions=False)
-    assert result.exit_code == 0, result.output
+def artifacts(name: str, sizes: dict[str, Any], out: Path) -> dict[str, bytes]:
+    """The files ``run`` writes for spec ``name`` shrunk to ``--verify``'s tiny sizes (every kind of
+    layer, cache and graph the spec has, at a fraction of the full-size trace), at the spec's dtype."""
+    spec = load_spec(name)
+    options = options_from_spec(spec, output_dir=out, prefill_len=8, max_cache_len=16, **sizes)
+    config = load_config(spec, backend="extraction", overrides=tiny_overrides(spec, options))
+    with applied(spec):
+        run(spec, load_model(spec, device="meta", config=config), options, echo=lambda _: None)
     return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
 
 
-def traced(shipped: Applied) -> dict[str, bytes]:
-    """The artifacts of the run every test shares for a shipped spec at its defaults (the README's
-    command, traced: its cache was empty)."""
-    assert shipped.exit_code == 0, shipped.output
-    assert shipped.data()["extraction"]["cache"]["hit"] is False
-    return shipped.files()
-
-
-@pytest.mark.parametrize(("spec", "options"), [*((s, ()) for s in SHIPPED), *OPTIONS])
+@pytest.mark.parametrize(("spec", "sizes"), [*((s, {}) for s in SHIPPED), *OPTIONS])
 def test_one_trace_writes_the_bytes_of_export_then_run_decompositions(
-    spec: str,
-    options: tuple[str, ...],
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    shipped_apply: SharedApplies,
+    spec: str, sizes: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The two export paths on the same tiny model: its graphs hold every op the full-size graphs
+    hold, only fewer of them (the full-size bytes are pinned by ``test_user_outputs``)."""
     assert export.one_pass_export() is not None  # the tested torch takes the one-trace path
-    one = artifacts(spec, options, tmp_path / "one") if options else traced(shipped_apply(spec))
+    one = artifacts(spec, sizes, tmp_path / "one")
     monkeypatch.setattr(export, "one_pass_export", lambda: None)  # the two public calls
-    two = artifacts(spec, options, tmp_path / "two")
+    two = artifacts(spec, sizes, tmp_path / "two")
     assert one.keys() == two.keys() and len(one) >= 4
     assert [name for name in one if one[name] != two[name]] == []
 
