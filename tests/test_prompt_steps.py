@@ -29,6 +29,8 @@ from kimi_adapter_core.backends.simulation.search.concurrency import price_concu
 from kimi_adapter_core.backends.simulation.search.grid import Config, Point, quant_modes, sweep_inputs
 from kimi_adapter_core.backends.simulation.search.launch_rules import framework, frameworks
 from kimi_adapter_core.backends.simulation.search.request_pricing import (
+    EAGER,
+    GRAPHED,
     Workload,
     follows_requests,
     prefill_first,
@@ -48,9 +50,11 @@ BASE = Deployment(Parallel(), 1, 1, 0, True)
 
 def test_sglang_budget_follows_device_memory_and_is_shared_by_dp_groups() -> None:
     step = framework("sglang").step_tokens
-    assert step.default(B200.memory_bytes, 1) == 16384  # 0.5.6: above 160 GiB
+    assert step.default(B200.memory_bytes, 1) == 16384  # 0.5.23: above 160 GiB
     assert step.default(H200.memory_bytes, 1) == 8192  # below 160 GiB
     assert step.default(40 * 2**30, 1) == 4096  # below 60 GiB
+    assert step.default(30 * 2**30, 1) == 4096  # 0.5.23 only: 2048 below 20 GiB (0.5.6: below 35)
+    assert framework("sglang", "0.5.6").step_tokens.default(30 * 2**30, 1) == 2048
     assert step.default(H200.memory_bytes, 8) == 1024  # --enable-dp-attention divides it by the DP size
     assert step.budgets(H200.memory_bytes, 2) == (256, 512, 1024, 2048, 4096)  # the sweep's, shared
     trtllm = framework("trtllm").step_tokens
@@ -61,7 +65,11 @@ def test_every_framework_states_how_it_runs_prompt_steps() -> None:
     for name in frameworks():
         assert framework(name).prompt_steps.source
     sglang = framework("sglang").prompt_steps
-    assert (sglang.mixed, sglang.cuda_graphs) == (False, False)
+    assert (sglang.mixed, sglang.cuda_graphs) == (False, True)  # 0.5.23: breakable prefill graphs
+    old = framework("sglang", "0.5.6").prompt_steps
+    assert (old.mixed, old.cuda_graphs) == (False, False)
+    for version in ("0.4.3.post2", "0.4.6", "0.4.7", "0.5.1"):  # every older entry: eager too
+        assert not framework("sglang", version).prompt_steps.cuda_graphs
     assert framework("vllm").prompt_steps.mixed and framework("trtllm").prompt_steps.mixed
 
 
@@ -162,15 +170,21 @@ def test_coinciding_group_prompt_steps_are_priced_toward_all_groups_prefilling()
 
 @pytest.fixture(scope="module")
 def priced() -> dict[str, object]:
-    """Llama-3.1-8B on 2 H200 (TP2), 16 requests of 1024 + 64 tokens, under SGLang and TensorRT-LLM."""
+    """Llama-3.1-8B on 2 H200 (TP2), 16 requests of 1024 + 64 tokens, under SGLang 0.5.6 (eager prompt
+    steps), SGLang 0.5.23 (replayed) and TensorRT-LLM."""
     inputs = sweep_inputs(LLAMA, quant_modes(LLAMA, "bf16"))
     base = Deployment(Parallel(tp=2), 1, 1, 0, True)
     w = Workload(1024, 64)
-    return {fw: price_concurrency(LLAMA, inputs, H200, base, w, fw, 16) for fw in ("sglang", "trtllm")}
+    found = {fw: price_concurrency(LLAMA, inputs, H200, base, w, fw, 16) for fw in ("sglang", "trtllm")}
+    found["sglang 0.5.6"] = price_concurrency(
+        LLAMA, inputs, H200, base, w, "sglang", 16, framework_version="0.5.6"
+    )
+    return found
 
 
 def test_sglang_runs_prompt_steps_apart_and_eagerly(priced: dict[str, object]) -> None:
-    c = priced["sglang"]
+    c = priced["sglang 0.5.6"]
+    assert c.prompt_launch == EAGER
     assert c.apart and not priced["trtllm"].apart
     # a prompt step is one eager pass: at least the host's time for each kernel it launches, every
     # kernel of the decode step but the logits (a prompt step's one row of logits is not priced)
@@ -187,6 +201,48 @@ def _decode_kernels(c: object) -> list[object]:
 
     dep = Deployment(c.decode.config.parallel, c.decode.config.batch, 1, 1088, True)
     return simulate(model_inputs(LLAMA, "bf16"), LLAMA, dep, H200).kernels
+
+
+def test_sglang_0_5_23_replays_its_prompt_steps(priced: dict[str, object]) -> None:
+    """The same requests on 0.5.23: the prompt step replayed as a graph is faster than 0.5.6's eager one,
+    and so are TTFT and TPOT (other requests' prompt steps stall less); decoding is the same."""
+    new, old = priced["sglang"], priced["sglang 0.5.6"]
+    assert new.apart and new.prompt_launch == GRAPHED
+    assert new.decode.step_time == old.decode.step_time
+    assert new.mixed_step_time < old.mixed_step_time and new.ttft < old.ttft and new.tpot < old.tpot
+
+
+def test_which_prompt_steps_sglang_0_5_23_replays() -> None:
+    """Up to the step budget per DP group, at most 8192 tokens for MLA, under attention DP only in a pass
+    every group prefills in, and never for the models it turns the prefill graph off for."""
+    steps = framework("sglang").prompt_steps
+    dense = {"mla": False, "every_group": True, "architectures": ("LlamaForCausalLM",), "device": "h200"}
+    assert steps.replayed(8192, 8192, **dense) and not steps.replayed(8193, 8192, **dense)
+    mla = {**dense, "mla": True, "architectures": ("DeepseekV3ForCausalLM",)}
+    assert steps.replayed(8192, 16384, **mla) and not steps.replayed(8193, 16384, **mla)
+    assert not steps.replayed(1024, 1024, **{**dense, "every_group": False})
+    assert not steps.replayed(1024, 16384, **{**mla, "device": "b200"})  # trtllm_mla on SM100
+    assert "trtllm_mla" in steps.eager_reason(("DeepseekV3ForCausalLM",), "gb200")
+    assert steps.eager_reason(("DeepseekV3ForCausalLM",), "h200") is None
+    for arch in ("KimiLinearForCausalLM", "DeepseekV4ForCausalLM", "Qwen3VLMoeForConditionalGeneration"):
+        assert not steps.replayed(1024, 8192, **{**dense, "architectures": (arch,)}), arch
+    for arch in ("KimiK25ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"):  # allowlisted
+        assert steps.replayed(1024, 8192, **{**dense, "architectures": (arch,)}), arch
+    assert not framework("sglang", "0.5.6").prompt_steps.replayed(16, 8192, **dense)
+
+
+def test_the_report_says_why_a_models_prompt_steps_run_eagerly() -> None:
+    args = ["simulate", "deepseek_v3", "--framework", "sglang", "--isl", "1024", "--osl", "64", "--tp", "8"]
+    runner = CliRunner()
+    b200 = json.loads(
+        runner.invoke(cli, [*args, "--device", "b200", "--concurrency", "8", "--format", "json"]).output
+    )
+    assert (
+        b200["framework"]["prompt_cuda_graphs"] is False
+        and "trtllm_mla" in b200["framework"]["prompt_eager_why"]
+    )
+    h200 = runner.invoke(cli, [*args, "--device", "h200", "--concurrency", "8"])
+    assert h200.exit_code == 0 and "(launched eagerly)" not in h200.output and "NOTE:" not in h200.output
 
 
 def test_the_sweep_lists_each_distinct_prompt_step_once() -> None:
@@ -222,7 +278,7 @@ def _budgets(name: str, version: str | None) -> list[int]:
 @pytest.mark.parametrize(
     ("name", "version", "budgets"),
     [
-        ("sglang", None, [8192, 1024, 16384, 8192, 8192]),  # 0.5.6: divided by the DP size
+        ("sglang", None, [8192, 1024, 16384, 8192, 8192]),  # 0.5.23: divided by the DP size
         ("sglang", "0.5.6.post1", [8192, 1024, 16384, 8192, 8192]),
         ("sglang", "0.5.1", [8192, 1024, 16384, 8192, 8192]),
         ("sglang", "0.4.6", [8192, 1024, 8192, 8192, 8192]),  # no 16384 tier yet
@@ -251,9 +307,9 @@ def test_v0_launches_a_step_carrying_prompt_tokens_eagerly() -> None:
 
 def test_a_release_no_entry_covers_is_priced_as_the_newest_read_and_says_so() -> None:
     newest = framework("sglang")
-    unread = framework("sglang", "0.5.23")
+    unread = framework("sglang", "0.5.12")
     assert unread.step_tokens == newest.step_tokens and unread.prompt_steps == newest.prompt_steps
-    assert unread.note == f"SGLang 0.5.23 was not read: priced with the facts read in {newest.read}"
+    assert unread.note == f"SGLang 0.5.12 was not read: priced with the facts read in {newest.read}"
     with pytest.raises(UsageError, match="'0.5.x' is not a release version"):
         framework("sglang", "0.5.x")
 

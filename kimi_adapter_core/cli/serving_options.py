@@ -95,9 +95,8 @@ _SERVING_OPTIONS = (
         default=None,
         help="With --isl/--osl, without --sweep: price the one layout --tp/--dp/--ep serving this many "
         "concurrent requests, aggregated at --framework's default step budget (chunked prefill; SGLang: "
-        "prompt steps of their own, run first and eagerly): TTFT, "
-        "TPOT and output tokens/s per device and per user. Requests whose KV cache does not fit wait in "
-        "the engine's queue (in TTFT).",
+        "prompt steps of their own, run first): TTFT, TPOT and output tokens/s per device and per user. "
+        "Requests whose KV cache does not fit wait in the engine's queue (in TTFT).",
     ),
     click.option(
         "--step-tokens",
@@ -390,7 +389,7 @@ def run_concurrency(
     from ..backends.simulation.report.simulation import eager_json, eager_text
     from ..backends.simulation.search.concurrency import price_concurrency, price_run
     from ..backends.simulation.search.launch_rules import framework as framework_of
-    from ..backends.simulation.search.request_pricing import Workload
+    from ..backends.simulation.search.request_pricing import EAGER, EVERY_GROUP_GRAPHED, Workload
 
     by_mode, weights = sweep_modes(spec, quant)
     fw = framework_of(framework, framework_version)
@@ -413,7 +412,10 @@ def run_concurrency(
         workload = Workload(*prompts.means())
     notes = layout_notes(device, framework, [base.parallel])
     in_flight = min(concurrency, c.decode.config.batch)  # the even split's idle slots hold none
-    graphs = fw.prompt_steps.cuda_graphs and not base.eager_host
+    # the engine eager throughout (``base.eager_host``) launches its prompt steps eagerly too
+    launch = EAGER if base.eager_host else c.prompt_launch
+    archs = next(iter(by_mode.values())).arch.architectures
+    why_eager = fw.prompt_steps.eager_reason(archs, device.name) if launch == EAGER else None
     if fmt == "json":
         doc = {
             "model": spec.name,
@@ -431,7 +433,9 @@ def run_concurrency(
                 **release_json(fw),
                 "step_tokens": budget,
                 "prompt_steps": "apart" if c.apart else "mixed",
-                "prompt_cuda_graphs": graphs,
+                "prompt_cuda_graphs": launch != EAGER,
+                **({"prompt_cuda_graphs_when": launch} if launch == EVERY_GROUP_GRAPHED else {}),
+                **({"prompt_eager_why": why_eager} if why_eager else {}),
             },
             **eager_json(base.eager_host),
             **candidate_json(c, weights, base.kv_dtype, notes),
@@ -465,7 +469,8 @@ def run_concurrency(
         f"output tokens/s: {c.tokens_per_s_per_device:.1f} per device, "
         f"{c.tokens_per_s_per_user:.1f} per user ({c.requests_per_s:.2f} requests/s)",
         f"steps: decode {c.decode.step_time * 1e3:.2f} ms, {step} {c.mixed_step_time * 1e3:.2f} ms"
-        f"{'' if graphs else ' (launched eagerly)'}",
+        + {EAGER: " (launched eagerly)", EVERY_GROUP_GRAPHED: f" ({launch}, else eager)"}.get(launch, ""),
+        *([f"NOTE: {why_eager}"] if why_eager else []),
     ]
     if c.queued:
         lines.append(

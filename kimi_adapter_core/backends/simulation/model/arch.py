@@ -33,6 +33,8 @@ class Architecture:
     model_type: str
     structure: ModelStructure
     vision: VisionArch | None
+    # the config's ``architectures``: what a serving framework picks its model code and defaults by
+    architectures: tuple[str, ...] = ()
 
 
 def read_config(spec: Spec) -> dict[str, Any]:
@@ -57,7 +59,9 @@ def architecture(spec: Spec, raw: dict[str, Any]) -> Architecture:
     if isinstance(vision_cfg, dict) and "vision_tower" in spec.module_paths:
         origin = shown_path(spec.source.config) if spec.source.config is not None else "config"
         vision = vision_arch(vision_cfg, structure.hidden_size, origin=origin)
-    return Architecture(str(raw.get("model_type", "")), structure, vision)
+    names = raw.get("architectures")
+    architectures = tuple(str(n) for n in names) if isinstance(names, list) else ()
+    return Architecture(str(raw.get("model_type", "")), structure, vision, architectures)
 
 
 def indexed_layer_ids(s: ModelStructure) -> tuple[int, ...]:

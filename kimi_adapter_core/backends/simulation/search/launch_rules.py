@@ -117,15 +117,69 @@ class StepTokens:
 
 
 @dataclass(frozen=True)
+class EagerFor:
+    """Models whose prompt steps a framework launches eagerly although it replays other models' (matched
+    by their config's ``architectures``; on the named device profiles only, when ``devices`` is set)."""
+
+    architectures: frozenset[str]
+    devices: frozenset[str]  # empty: on every device
+    why: str
+
+    def matches(self, architectures: tuple[str, ...], device: str) -> bool:
+        return bool(self.architectures & set(architectures)) and (not self.devices or device in self.devices)
+
+
+@dataclass(frozen=True)
+class GraphLimits:
+    """Which steps carrying prompt tokens a framework that replays them as CUDA graphs replays (SGLang's
+    prefill graphs are captured per token count up to a cap, and not for every model or pass)."""
+
+    within_step_budget: bool  # a step of more prompt tokens per DP group than the step budget is eager
+    mla_max_tokens: int | None  # multi-head latent attention: one of more tokens per DP group is eager
+    every_group: bool  # under attention DP a pass replays only when every DP group carries prompt tokens
+    eager_for: tuple[EagerFor, ...]
+    source: str
+
+
+@dataclass(frozen=True)
 class PromptSteps:
     """How a framework runs prompt tokens by default: beside the decode rows in one step (``mixed``,
     chunked prefill) or in steps of their own run before decoding whenever a prompt waits; and
     whether a step carrying prompt tokens is replayed as a CUDA graph (else launched eagerly,
-    ``estimate/eager.py``)."""
+    ``estimate/eager.py``), within ``limits`` when only some are."""
 
     mixed: bool
     cuda_graphs: bool
     source: str
+    limits: GraphLimits | None = None
+
+    def replayed(
+        self,
+        tokens: int,
+        budget: int,
+        *,
+        mla: bool,
+        every_group: bool,
+        architectures: tuple[str, ...],
+        device: str,
+    ) -> bool:
+        """Whether a pass carrying ``tokens`` prompt tokens per DP group (at a step budget of ``budget``
+        per group) is replayed as a CUDA graph; ``every_group``: every DP group carries prompt tokens in
+        it (always true without attention DP)."""
+        limits = self.limits
+        if not self.cuda_graphs or limits is None:
+            return self.cuda_graphs
+        return not (
+            (limits.within_step_budget and tokens > budget)
+            or (mla and limits.mla_max_tokens is not None and tokens > limits.mla_max_tokens)
+            or (limits.every_group and not every_group)
+            or any(rule.matches(architectures, device) for rule in limits.eager_for)
+        )
+
+    def eager_reason(self, architectures: tuple[str, ...], device: str) -> str | None:
+        """Why this model's prompt steps are never replayed on ``device`` (an ``eager_for`` entry), if so."""
+        rules = () if self.limits is None else self.limits.eager_for
+        return next((rule.why for rule in rules if rule.matches(architectures, device)), None)
 
 
 @dataclass(frozen=True)
@@ -253,12 +307,58 @@ def _step_tokens(step: Mapping[str, Any], where: str) -> StepTokens:
 
 
 def _prompt_steps(prompt: Mapping[str, Any], where: str) -> PromptSteps:
-    if {"mixed", "cuda_graphs", "source"} - set(prompt):
+    if {"mixed", "cuda_graphs", "source"} - set(prompt) or set(prompt) - {
+        "mixed",
+        "cuda_graphs",
+        "source",
+        "limits",
+    }:
         found = sorted(prompt)
         raise KadaptError(
-            f"{FRAMEWORKS_FILE.name}: {where}: expected mixed, cuda_graphs and a source, found {found}"
+            f"{FRAMEWORKS_FILE.name}: {where}: expected mixed, cuda_graphs, a source and optional limits, "
+            f"found {found}"
         )
-    return PromptSteps(bool(prompt["mixed"]), bool(prompt["cuda_graphs"]), prompt["source"])
+    limits = None
+    if "limits" in prompt:
+        if not prompt["cuda_graphs"]:
+            raise KadaptError(
+                f"{FRAMEWORKS_FILE.name}: {where}.limits: limits only where cuda_graphs is true"
+            )
+        limits = _graph_limits(prompt["limits"], f"{where}.limits")
+    return PromptSteps(bool(prompt["mixed"]), bool(prompt["cuda_graphs"]), prompt["source"], limits)
+
+
+_LIMIT_KEYS = {"within_step_budget", "mla_max_tokens", "every_group", "eager_for", "source"}
+
+
+def _graph_limits(raw: Any, where: str) -> GraphLimits:
+    if not isinstance(raw, Mapping) or set(raw) - _LIMIT_KEYS or not raw.get("source"):
+        found = sorted(raw) if isinstance(raw, Mapping) else raw
+        keys = ", ".join(sorted(_LIMIT_KEYS - {"source"}))
+        raise KadaptError(
+            f"{FRAMEWORKS_FILE.name}: {where}: expected a source and some of {keys}, found {found}"
+        )
+    most = raw.get("mla_max_tokens")
+    if most is not None and (not isinstance(most, int) or most < 1):
+        raise KadaptError(
+            f"{FRAMEWORKS_FILE.name}: {where}.mla_max_tokens: expected a count >= 1, found {most!r}"
+        )
+    eager = []
+    for i, rule in enumerate(raw.get("eager_for", ())):
+        archs, devices = rule.get("architectures"), rule.get("devices", [])
+        if not archs or not rule.get("why") or set(rule) - {"architectures", "devices", "why"}:
+            raise KadaptError(
+                f"{FRAMEWORKS_FILE.name}: {where}.eager_for[{i}]: expected architectures, a why and optional "
+                f"devices, found {sorted(rule)}"
+            )
+        eager.append(EagerFor(frozenset(archs), frozenset(devices), str(rule["why"])))
+    return GraphLimits(
+        bool(raw.get("within_step_budget", False)),
+        most,
+        bool(raw.get("every_group", False)),
+        tuple(eager),
+        raw["source"],
+    )
 
 
 def _versions(text: Any, where: str) -> SpecifierSet:

@@ -101,6 +101,9 @@ class Workload:
 
 
 # --- one priced deployment ----------------------------------------------------------------------
+GRAPHED, EAGER, EVERY_GROUP_GRAPHED = "graphed", "eager", "graphed when every DP group carries prompt tokens"
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One way to serve the workload on the devices: a pool (aggregated) or two (disaggregated)."""
@@ -124,6 +127,9 @@ class Candidate:
     idle: int = 0
     # agg: prompt tokens run in steps of their own before decoding resumes (``prefill_first``)
     apart: bool = False
+    # agg: how the framework launches a step carrying prompt tokens: GRAPHED, EAGER, or (attention DP)
+    # replayed only in a pass in which every DP group carries prompt tokens (EVERY_GROUP_GRAPHED)
+    prompt_launch: str = ""
 
     @property
     def quant(self) -> str | None:

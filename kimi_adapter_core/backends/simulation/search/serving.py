@@ -40,6 +40,9 @@ from .launch_rules import Framework, framework
 from .pareto import pareto_front
 from .pareto_plot import PlotPoint
 from .request_pricing import (
+    EAGER,
+    EVERY_GROUP_GRAPHED,
+    GRAPHED,
     Candidate,
     Workload,
     aggregated,
@@ -137,11 +140,11 @@ class ServingSearch:
         )
         # prompt steps apart from decoding (``prompt_steps.mixed`` false), and the host time per launch of
         # a step carrying prompt tokens (a prefill worker's, an aggregated worker's prompt step) where the
-        # framework launches it eagerly (0: replayed as a graph, or eager already by ``base.eager_host``):
-        # applied to the kernels as priced, after ``prompt_attention`` scales the attention to a step
+        # framework launches it eagerly (``_prompt_host``): applied to the kernels as priced, after
+        # ``prompt_attention`` scales the attention to a step
         self.apart = not self.framework.prompt_steps.mixed
-        graphed = self.framework.prompt_steps.cuda_graphs
-        self.prompt_host = 0.0 if graphed else max(base.eager_host, HOST_US * 1e-6)
+        self.eager_host = max(base.eager_host, HOST_US * 1e-6)
+        self.architectures = next(iter(self.inputs.values())).arch.architectures
         self.prefill_base = replace(base, query_len=workload.isl, context_len=0, decode=False, mtp=0, batch=1)
         # an aggregated worker's mixed steps: their row kernels, one-token queries on the prefill path
         self.rows_base = replace(self.prefill_base, query_len=1)
@@ -161,6 +164,27 @@ class ServingSearch:
             models=self.models,
             framework=self.framework.name,
         )
+
+    def _prompt_host(self, tokens: int, budget: int, every_group: bool = True) -> float:
+        """The host time per launch of a pass carrying ``tokens`` prompt tokens per DP group at a step
+        budget of ``budget`` per group: 0 where the framework replays it as a CUDA graph
+        (``prompt_steps``; ``every_group``: every DP group carries prompt tokens in it)."""
+        replayed = self.framework.prompt_steps.replayed(
+            tokens,
+            budget,
+            mla=self.s.attention.is_mla,
+            every_group=every_group,
+            architectures=self.architectures,
+            device=self.device.name,
+        )
+        return 0.0 if replayed else self.eager_host
+
+    def _server_budget(self, par: Parallel) -> int:
+        """Per DP group, the step budget the server runs with: the largest tried (``--step-tokens``), else
+        the framework's default on the device."""
+        if self.budgets:
+            return max(self.budgets)
+        return self.framework.step_tokens.default(self.device.memory_bytes, par.dp, self.device.name)
 
     def _weights_fit(self, sweep: Sweep, par: Parallel, quant: str | None) -> bool:
         return sweep.memory(Config(par, par.dp, quant)).weights <= (self.device.memory_bytes or math.inf)
@@ -213,7 +237,7 @@ class ServingSearch:
             ):
                 priced = sweep.run(configs)
                 points[phase] = priced.points
-                if phase == "prefill" and self.prompt_host:
+                if phase == "prefill":
                     points[phase] = [self._launched_eagerly(p, sweep) for p in priced.points]
                 result.steps_priced += len(priced.points)
                 for family, why in priced.fallbacks.items():
@@ -272,10 +296,15 @@ class ServingSearch:
         return prompt_batches(decode.batch // decode.parallel.dp, n, self.workload.isl, budget)
 
     def _launched_eagerly(self, p: Point, sweep: Sweep) -> Point:
-        """Prefill point ``p`` as the framework launches a prompt step: each kernel at least the host's
-        time per launch (``prompt_host``), the step longer by what the floors add."""
+        """Prefill point ``p`` as the framework launches a prompt step: where it launches it eagerly
+        (``_prompt_host``), each kernel at least the host's time per launch, the step longer by what the
+        floors add."""
+        par = p.config.parallel
+        host = self._prompt_host(p.config.batch // par.dp * self.workload.isl, self._server_budget(par))
+        if not host:
+            return p
         kernels = sweep.kernels(p.config)
-        added = sum(k.total for k in eager_step(kernels, self.prompt_host)) - sum(k.total for k in kernels)
+        added = sum(k.total for k in eager_step(kernels, host)) - sum(k.total for k in kernels)
         slower = p.step_time / (p.step_time + added)
         return replace(
             p,
@@ -338,16 +367,17 @@ class ServingSearch:
             p = one_prompt.get((par, quant))
             if p is None:
                 continue
-            # a mixed pass launched as the framework launches a step carrying prompt tokens
-            # (``prompt_host``: every kernel of it at least the host's time, eager)
-            host = self.prompt_host
-            decode_step = eager_step(decode.kernels(d.config), host)
             prompt = prefill.kernels(p.config)  # one whole prompt's step, each chunk's attention a share
+            decode_kernels = decode.kernels(d.config)
             decode_rows = d.config.batch // par.dp * tpq
             for chunk in chunks[(par, d.config.batch)]:
                 if self.apart:
                     found.append(self._prefill_first(d, p, rows, prompt, chunk))
                     continue
+                # a mixed pass launched as the framework launches a step carrying prompt tokens
+                # (``_prompt_host``: where eager, every kernel of it at least the host's time)
+                host = self._prompt_host(chunk, self._server_budget(par))
+                decode_step = eager_step(decode_kernels, host)
                 # the rows steps the sweep priced for this pass (``_mixed_rows``: the same configs)
                 configs = self._mixed_rows(d.config, chunk)
                 rows_step = eager_step(rows.kernels(configs[0]), host)
@@ -359,31 +389,39 @@ class ServingSearch:
                     t_one = mixed_step(rows_step, decode_step, attention, 1.0, one_group)
                 peak = activation_bytes(self.s, par, decode_rows + chunk, decode_rows)
                 memory = replace(d.memory, activations=max(d.memory.activations, peak))
-                found.append(aggregated(d, p, t_mix, chunk, memory, w, self.mtp_tokens, self.devices, t_one))
+                c = aggregated(d, p, t_mix, chunk, memory, w, self.mtp_tokens, self.devices, t_one)
+                found.append(replace(c, prompt_launch=EAGER if host else GRAPHED))
         return found
 
     def _prefill_first(
         self, d: Point, p: Point, rows: Sweep, prompt: Sequence[Priced], budget: int
     ) -> Candidate:
         """The candidate of decode point ``d`` with prompt steps apart at ``budget`` tokens per step and
-        DP group, each launched as the framework launches it (``prompt_host``): a pass in which every
+        DP group, each launched as the framework launches it (``_prompt_host``): a pass in which every
         group prefills its prompt step, and under attention DP one in which a single group does (the
         experts at its tokens and the other groups' decode rows). ``prompt``: the kernels of prefill
         point ``p``'s step (one whole prompt per DP group), whose attention a prompt step runs a share of."""
-        par, host = d.config.parallel, self.prompt_host
+        par = d.config.parallel
         configs = self._mixed_rows(d.config, budget)
         tokens = self._prompt_tokens(d.config, budget)[2]
+        # every group prefilling, then (attention DP) one group prefilling beside the others' decode rows
+        host_all, host_one = self._prompt_host(tokens, budget), self._prompt_host(tokens, budget, par.dp == 1)
+        share = tokens / self.workload.isl
         # the whole prompt's attention kernels, each layer's run once at the step's share of its work
-        attention = prompt_attention(prompt, tokens / self.workload.isl, host)
-        own = eager_step(rows.kernels(configs[0]), host)
-        t_all = mixed_step(own, [], attention, 1.0)
+        t_all = mixed_step(
+            eager_step(rows.kernels(configs[0]), host_all), [], prompt_attention(prompt, share, host_all), 1.0
+        )
         t_one = t_all
         if par.dp > 1:
-            t_one = mixed_step(own, [], attention, 1.0, eager_step(rows.kernels(configs[1]), host))
+            own = eager_step(rows.kernels(configs[0]), host_one)
+            one = eager_step(rows.kernels(configs[1]), host_one)
+            t_one = mixed_step(own, [], prompt_attention(prompt, share, host_one), 1.0, one)
         peak = activation_bytes(self.s, par, tokens, 1)
         memory = replace(d.memory, activations=max(d.memory.activations, peak))
         w = self.workload
-        return prefill_first(d, p, t_one, t_all, budget, memory, w, self.mtp_tokens, self.devices)
+        c = prefill_first(d, p, t_one, t_all, budget, memory, w, self.mtp_tokens, self.devices)
+        launch = EAGER if host_all else (EVERY_GROUP_GRAPHED if host_one else GRAPHED)
+        return replace(c, prompt_launch=launch)
 
     def _disaggregated(self, decode_points: list[Point], prefill_points: list[Point]) -> list[Candidate]:
         """Per weight mode and prefill worker size, the prefill option starting the most requests per
