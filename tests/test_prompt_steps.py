@@ -284,8 +284,12 @@ def _budgets(name: str, version: str | None) -> list[int]:
         ("sglang", "0.4.6", [8192, 1024, 8192, 8192, 8192]),  # no 16384 tier yet
         ("sglang", "0.4.3.post2", [8192, 4096, 8192, 8192, 8192]),  # halved under DP attention
         ("vllm", None, [8192, 8192, 16384, 2048, 8192]),  # 0.33: 16384 above 160 GiB, A100 2048
+        ("vllm", "0.28.0", [8192, 8192, 16384, 2048, 8192]),  # 0.28 added the 160 GiB tier
+        ("vllm", "0.27.1", [8192, 8192, 8192, 2048, 8192]),
         ("vllm", "0.10.2", [8192, 8192, 8192, 2048, 8192]),
-        ("vllm", "0.8.0", [8192, 8192, 2048, 2048, 8192]),  # by device name: H100 and H200 only
+        ("vllm", "0.8.5.post1", [8192, 8192, 8192, 8192, 8192]),  # from 70 GiB, the A100 80GB too
+        ("vllm", "0.8.4", [8192, 8192, 2048, 2048, 8192]),  # by device name: H100 and H200 only
+        ("vllm", "0.8.0", [8192, 8192, 2048, 2048, 8192]),
         ("vllm", "0.7.4.dev181+gf35f8e22", [2048, 2048, 2048, 2048, 2048]),  # V0 chunked prefill
     ],
 )
@@ -343,10 +347,10 @@ def test_framework_version_in_the_reports_and_its_usage_errors() -> None:
     assert "NOTE: vLLM V0 is priced with chunked prefill" in old.output
     doc = json.loads(
         runner.invoke(
-            cli, [*args, "--concurrency", "8", "--framework-version", "0.20.0", "--format", "json"]
+            cli, [*args, "--concurrency", "8", "--framework-version", "0.34.0", "--format", "json"]
         ).output
     )
-    assert doc["framework"]["release_note"].startswith("vLLM 0.20.0 was not read")
+    assert doc["framework"]["release_note"].startswith("vLLM 0.34.0 was not read")
     sweep = runner.invoke(cli, [*args, "--sweep", "--devices", "1", "--framework-version", "0.7.3"])
     assert sweep.exit_code == 0 and "as read in 0.7.3" in sweep.output, sweep.output
     step = runner.invoke(cli, ["simulate", "llama", "--device", "h100", "--framework-version", "0.7.3"])
