@@ -95,6 +95,7 @@ import re
 import secrets
 import sys
 import textwrap
+import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
@@ -6010,6 +6011,123 @@ def _gated(original: Callable[..., Any], patched: Callable[..., Any]) -> Callabl
     return dispatcher
 
 
+_CACHE_KEY = "__kadapt_compact_scans__"
+
+
+_INVERSE = "_kadapt_unit_lower_inverse"
+
+
+_LOOP = (
+    "(?P<indent>[ \\t]*)for i in range\\(1, chunk_size\\):\\n",
+    "[ \\t]+row = (?P<name>\\w+)\\[\\.\\.\\., i, :i\\]\\.clone\\(\\)\\n",
+    "[ \\t]+sub = (?P=name)\\[\\.\\.\\., :i, :i\\]\\.clone\\(\\)\\n",
+    "[ \\t]+(?P=name)\\[\\.\\.\\., i, :i\\] = row \\+ \\(row\\.unsqueeze\\(-1\\) \\* sub\\)\\.sum\\(-2\\)\\n",
+    "(?:[ \\t]*\\n)*",
+    "[ \\t]*(?P=name) = (?P=name) \\+ torch\\.eye\\(chunk_size, dtype=(?P=name)\\.dtype, ",
+    "device=(?P=name)\\.device\\)\\n",
+)
+
+
+def unit_lower_inverse(strict_lower: torch.Tensor) -> torch.Tensor:
+    """``(I - A)^-1`` for ``A`` strictly lower-triangular over its last two dimensions ``[..., n, n]``.
+
+    Recursive 2x2 block inversion, all blocks of a level at once: with ``X`` the block-diagonal
+    inverse over blocks of size ``s``, the inverse over blocks of ``2s`` is ``X + X (A * M) X``, where
+    ``M`` keeps the entries of ``A`` inside a ``2s`` block but outside its two ``s`` blocks (for
+    ``[[X1, 0], [0, X2]]`` that adds ``X2 A21 X1``, the block-triangular inverse). ``ceil(log2 n)``
+    levels of two matmuls each, instead of ``n - 1`` sequential row updates."""
+    n = strict_lower.shape[-1]
+    index = torch.arange(n, device=strict_lower.device)
+    inverse = torch.eye(n, dtype=strict_lower.dtype, device=strict_lower.device).expand_as(strict_lower)
+    size = 1
+    while size < n:
+        same_pair = (index.unsqueeze(-1) // (2 * size)) == (index // (2 * size))
+        same_block = (index.unsqueeze(-1) // size) == (index // size)
+        across = strict_lower * (same_pair & ~same_block).to(strict_lower.dtype)
+        inverse = inverse + inverse @ across @ inverse
+        size *= 2
+    return inverse
+
+
+def _rebuilt(function: types.FunctionType) -> types.FunctionType | None:
+    """``function`` compiled again from its source with the forward substitution replaced, in a copy
+    of its module's globals; None when its source does not hold the loop."""
+    try:
+        source = textwrap.dedent(inspect.getsource(function))
+    except (OSError, TypeError):
+        return None
+    match = re.search("".join(_LOOP), source)
+    if match is None:
+        return None
+    body = source[source.index("def ") :]  # drop upstream's kernel-hub decorators
+    start = body.index(match.group(0))
+    replaced = f"{match['indent']}{match['name']} = {_INVERSE}({match['name']})\n"
+    body = body[:start] + replaced + body[start + len(match.group(0)) :]
+    namespace = dict(function.__globals__)
+    namespace[_INVERSE] = unit_lower_inverse
+    exec(
+        compile(body, f"<kadapt compact scan of {function.__module__}.{function.__qualname__}>", "exec"),
+        namespace,
+    )
+    return namespace[function.__name__]
+
+
+def _swaps(module_globals: dict[str, Any]) -> dict[str, Callable[..., Any]]:
+    """The scans of a modelling module that hold the loop, by global name, rebuilt once per module."""
+    if _CACHE_KEY not in module_globals:
+        name = module_globals["__name__"]
+        found: dict[str, Callable[..., Any]] = {}
+        for attr, value in list(module_globals.items()):
+            function = inspect.unwrap(value) if callable(value) else None
+            if isinstance(function, types.FunctionType) and function.__module__ == name:
+                if (rebuilt := _rebuilt(function)) is not None:
+                    found[attr] = rebuilt
+        module_globals[_CACHE_KEY] = found
+    return module_globals[_CACHE_KEY]
+
+
+@contextmanager
+def _swapped(module_globals: dict[str, Any]) -> Iterator[None]:
+    swaps = _swaps(module_globals)
+    saved = {attr: module_globals[attr] for attr in swaps}
+    module_globals.update(swaps)
+    try:
+        yield
+    finally:
+        module_globals.update(saved)
+
+
+def compact_delta_scan(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    """``wrap`` impl for a linear-attention layer's ``forward``: upstream's forward, with its modelling
+    module's chunked scans using ``unit_lower_inverse`` for the duration of the call."""
+    with _swapped(inspect.unwrap(original).__globals__):
+        return original(self, *args, **kwargs)
+
+
+def build_wrap(
+    patch_id: str, options: Mapping[str, Any], impl: Callable[..., Any] | None, original: Callable[..., Any]
+) -> Callable[..., Any]:
+    allow = options.get("allow_kwargs")
+    allowed = set(allow) if allow is not None else None
+    renames = dict(options.get("rename_kwargs") or {})
+    stash = options.get("stash_extra_as")
+
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        for old, new in renames.items():
+            if old in kwargs and new not in kwargs:
+                kwargs[new] = kwargs.pop(old)
+        extra: dict[str, Any] = {}
+        if allowed is not None:
+            extra = {k: kwargs.pop(k) for k in list(kwargs) if k not in allowed}
+        if stash:
+            setattr(self, stash, extra)
+        if impl is not None:
+            return impl(original, self, *args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    return wrapped
+
+
 def cast_to_abi_dtype(model: nn.Module, roots: Iterable[nn.Module], dtype: torch.dtype) -> int:
     """Bring the parameters and persistent buffers under ``roots`` (submodules of ``model``) to the ABI
     dtype, as ``from_pretrained(dtype=dtype)`` would load them.
@@ -6092,7 +6210,9 @@ def check_pin(
 # Each patch kind's behaviour, built by kadapt's own builder of the kind (``replace``: the implementation
 # is called with the original's arguments, ``self`` first, instead of the original; ``wrap``: the
 # implementation is called with the original first, ``impl(original, self, ...)``).
-PATCH_KINDS: dict[str, Callable[..., Callable[..., Any]]] = {}
+PATCH_KINDS: dict[str, Callable[..., Callable[..., Any]]] = {
+    "wrap": build_wrap,
+}
 # (id, kind, module, owner, attribute, implementation, options, pin): a pin (the sources of the upstream
 # function it was reviewed against, (release, signature, source sha256) each, release None in the
 # one-source form) is checked before patching: a function matching none of them is refused.
@@ -6108,7 +6228,24 @@ PATCHES: tuple[
         tuple[tuple[str | None, str | None, str | None], ...] | None,
     ],
     ...,
-] = ()
+] = (
+    # Q1: the gated DeltaNet scan inverts each 64-token chunk's triangular system by a 63-step in-place loop
+    # when exporting (~800 graph nodes per layer); the same scan with a log-depth block inverse instead
+    # (kimi_adapter_core/builtins/delta_scan.py)
+    (
+        "Q1",
+        "wrap",
+        "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+        "Qwen3_5MoeGatedDeltaNet",
+        "forward",
+        compact_delta_scan,
+        {},
+        (
+            ("5.23.0", None, "e9febb8c7d8be936343363f577a2d20b61dca7b2c5967d068baa12c02425157e"),
+            ("5.24.0", None, "49dac15b219dcafc01413c2c13b94895c82ca8c61ae7c4adb2076647b57561b6"),
+        ),
+    ),
+)
 
 
 @contextlib.contextmanager

@@ -44,6 +44,10 @@ BUILTINS: dict[str, tuple[str, str]] = {
         "kimi_adapter_core.builtins.llama4:llama4_attention_forward",
         "Llama-4 attention: interleaved-pair rope from (cos, sin) in real math; NoPE temperature per row.",
     ),
+    "compact_delta_scan": (
+        "kimi_adapter_core.builtins.delta_scan:compact_delta_scan",
+        "Gated-DeltaNet forward (wrap): its chunked scan with a log-depth triangular inverse (not a loop).",
+    ),
     "deepseek_v2_rotary_cos_sin": (
         "kimi_adapter_core.builtins.deepseek_v2:deepseek_v2_rotary_cos_sin",
         "DeepSeek-V2 rotary forward: real (cos, sin) of upstream's angles instead of complex freqs_cis.",
