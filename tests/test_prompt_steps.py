@@ -371,3 +371,33 @@ def test_a_bad_release_entry_is_refused_naming_it() -> None:
         launch_rules._release({"versions": ">>0.8", "read": "x", "prompt_steps": steps}, "vllm.releases[0]")
     with pytest.raises(KadaptError, match="needs versions, read and step_tokens or prompt_steps"):
         launch_rules._release({"versions": "<1", "read": "x"}, "vllm.releases[0]")
+
+
+def test_a_device_no_profile_has_is_refused_naming_where(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device name in frameworks.yaml is matched against the profile's name: a typo would never match,
+    and the rule it belongs to would silently never apply."""
+    from dataclasses import replace
+
+    from kimi_adapter_core.backends.simulation.search import launch_rules
+
+    table = dict(launch_rules._load())
+    launch_rules._check_device_names(table)  # the shipped facts name shipped profiles only
+    sglang = table["sglang"]
+    limits = sglang.prompt_steps.limits
+    typo = replace(limits.eager_for[0], devices=frozenset({"b200", "gb-200"}))
+    steps = replace(sglang.prompt_steps, limits=replace(limits, eager_for=(typo, *limits.eager_for[1:])))
+    table["sglang"] = replace(sglang, prompt_steps=steps)
+    with pytest.raises(
+        KadaptError,
+        match=r"sglang.prompt_steps.limits.eager_for\[0\].devices: no device profile is named 'gb-200' "
+        r"\(shipped: a100, ",
+    ):
+        launch_rules._check_device_names(table)
+    vllm = table["vllm"]
+    tokens = replace(vllm.releases[2].step_tokens, by_device=(("h100", 8192), ("H200", 8192)))
+    releases = (*vllm.releases[:2], replace(vllm.releases[2], step_tokens=tokens), *vllm.releases[3:])
+    table = {"vllm": replace(vllm, releases=releases)}
+    with pytest.raises(
+        KadaptError, match=r"vllm.releases\[2\].step_tokens.by_device: no device profile is named 'H200'"
+    ):
+        launch_rules._check_device_names(table)

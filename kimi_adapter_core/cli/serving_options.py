@@ -434,7 +434,7 @@ def run_concurrency(
                 "step_tokens": budget,
                 "prompt_steps": "apart" if c.apart else "mixed",
                 "prompt_cuda_graphs": launch != EAGER,
-                **({"prompt_cuda_graphs_when": launch} if launch == EVERY_GROUP_GRAPHED else {}),
+                **({"prompt_cuda_graphs_when": launch.value} if launch == EVERY_GROUP_GRAPHED else {}),
                 **({"prompt_eager_why": why_eager} if why_eager else {}),
             },
             **eager_json(base.eager_host),
@@ -469,7 +469,7 @@ def run_concurrency(
         f"output tokens/s: {c.tokens_per_s_per_device:.1f} per device, "
         f"{c.tokens_per_s_per_user:.1f} per user ({c.requests_per_s:.2f} requests/s)",
         f"steps: decode {c.decode.step_time * 1e3:.2f} ms, {step} {c.mixed_step_time * 1e3:.2f} ms"
-        + {EAGER: " (launched eagerly)", EVERY_GROUP_GRAPHED: f" ({launch}, else eager)"}.get(launch, ""),
+        + (launch.aside if launch else ""),
         *([f"NOTE: {why_eager}"] if why_eager else []),
     ]
     if c.queued:

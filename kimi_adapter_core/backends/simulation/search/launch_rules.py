@@ -284,7 +284,40 @@ def _load() -> dict[str, Framework]:
                 f"{FRAMEWORKS_FILE.name}: {name} needs `read`: the releases its facts were read in"
             )
         table[name] = Framework(name, entry["title"], tuple(rules), tokens, steps, read, versions, releases)
+    _check_device_names(table)
     return table
+
+
+def _named_devices(fw: Framework) -> list[tuple[str, str]]:
+    """``(where, device profile name)`` for every device a framework's facts name."""
+    named: list[tuple[str, str]] = []
+    for where, tokens, steps in [
+        (fw.name, fw.step_tokens, fw.prompt_steps),
+        *((f"{fw.name}.releases[{i}]", r.step_tokens, r.prompt_steps) for i, r in enumerate(fw.releases)),
+    ]:
+        if tokens is not None:
+            named += [(f"{where}.step_tokens.by_device", device) for device, _ in tokens.by_device]
+        if steps is not None and steps.limits is not None:
+            for i, rule in enumerate(steps.limits.eager_for):
+                named += [
+                    (f"{where}.prompt_steps.limits.eager_for[{i}].devices", d) for d in sorted(rule.devices)
+                ]
+    return named
+
+
+def _check_device_names(table: Mapping[str, Framework]) -> None:
+    """Refuse a device name no shipped profile has: it is matched against the profile's name, so a typo
+    would silently never match and the rule would never apply."""
+    from ..tables.device import SHIPPED_DIR, load_device_file
+
+    shipped = {load_device_file(file).name for file in SHIPPED_DIR.glob("*.yaml")}
+    for fw in table.values():
+        for where, device in _named_devices(fw):
+            if device not in shipped:
+                raise KadaptError(
+                    f"{FRAMEWORKS_FILE.name}: {where}: no device profile is named {device!r} "
+                    f"(shipped: {', '.join(sorted(shipped))})"
+                )
 
 
 def _step_tokens(step: Mapping[str, Any], where: str) -> StepTokens:

@@ -65,6 +65,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import Enum
 
 from ....errors import UsageError
 from ..estimate.cost import Priced
@@ -101,7 +102,25 @@ class Workload:
 
 
 # --- one priced deployment ----------------------------------------------------------------------
-GRAPHED, EAGER, EVERY_GROUP_GRAPHED = "graphed", "eager", "graphed when every DP group carries prompt tokens"
+class PromptLaunch(Enum):
+    """How a framework launches an aggregated worker's steps carrying prompt tokens."""
+
+    GRAPHED = "graphed"
+    EAGER = "eager"
+    # attention DP: replayed only in a pass in which every DP group carries prompt tokens
+    EVERY_GROUP_GRAPHED = "graphed when every DP group carries prompt tokens"
+
+    @property
+    def aside(self) -> str:
+        """What a report adds after the prompt step's time (nothing for a replayed one)."""
+        return {"graphed": "", "eager": " (launched eagerly)"}.get(self.value, f" ({self.value}, else eager)")
+
+
+GRAPHED, EAGER, EVERY_GROUP_GRAPHED = (
+    PromptLaunch.GRAPHED,
+    PromptLaunch.EAGER,
+    PromptLaunch.EVERY_GROUP_GRAPHED,
+)
 
 
 @dataclass(frozen=True)
@@ -127,9 +146,8 @@ class Candidate:
     idle: int = 0
     # agg: prompt tokens run in steps of their own before decoding resumes (``prefill_first``)
     apart: bool = False
-    # agg: how the framework launches a step carrying prompt tokens: GRAPHED, EAGER, or (attention DP)
-    # replayed only in a pass in which every DP group carries prompt tokens (EVERY_GROUP_GRAPHED)
-    prompt_launch: str = ""
+    # agg: how the framework launches a step carrying prompt tokens (disaggregated: None)
+    prompt_launch: PromptLaunch | None = None
 
     @property
     def quant(self) -> str | None:

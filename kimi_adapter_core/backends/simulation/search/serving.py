@@ -370,13 +370,14 @@ class ServingSearch:
             prompt = prefill.kernels(p.config)  # one whole prompt's step, each chunk's attention a share
             decode_kernels = decode.kernels(d.config)
             decode_rows = d.config.batch // par.dp * tpq
+            budget = self._server_budget(par)
             for chunk in chunks[(par, d.config.batch)]:
                 if self.apart:
                     found.append(self._prefill_first(d, p, rows, prompt, chunk))
                     continue
                 # a mixed pass launched as the framework launches a step carrying prompt tokens
                 # (``_prompt_host``: where eager, every kernel of it at least the host's time)
-                host = self._prompt_host(chunk, self._server_budget(par))
+                host = self._prompt_host(chunk, budget)
                 decode_step = eager_step(decode_kernels, host)
                 # the rows steps the sweep priced for this pass (``_mixed_rows``: the same configs)
                 configs = self._mixed_rows(d.config, chunk)
@@ -408,12 +409,11 @@ class ServingSearch:
         host_all, host_one = self._prompt_host(tokens, budget), self._prompt_host(tokens, budget, par.dp == 1)
         share = tokens / self.workload.isl
         # the whole prompt's attention kernels, each layer's run once at the step's share of its work
-        t_all = mixed_step(
-            eager_step(rows.kernels(configs[0]), host_all), [], prompt_attention(prompt, share, host_all), 1.0
-        )
+        every = eager_step(rows.kernels(configs[0]), host_all)
+        t_all = mixed_step(every, [], prompt_attention(prompt, share, host_all), 1.0)
         t_one = t_all
         if par.dp > 1:
-            own = eager_step(rows.kernels(configs[0]), host_one)
+            own = every if host_one == host_all else eager_step(rows.kernels(configs[0]), host_one)
             one = eager_step(rows.kernels(configs[1]), host_one)
             t_one = mixed_step(own, [], prompt_attention(prompt, share, host_one), 1.0, one)
         peak = activation_bytes(self.s, par, tokens, 1)
