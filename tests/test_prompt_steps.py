@@ -231,6 +231,77 @@ def test_which_prompt_steps_sglang_0_5_23_replays() -> None:
     assert not framework("sglang", "0.5.6").prompt_steps.replayed(16, 8192, **dense)
 
 
+@pytest.mark.parametrize(
+    ("version", "case", "replayed"),
+    [
+        ("0.5.9", "dense", False),  # piecewise prefill graph still opt-in
+        ("0.5.12", "dense", True),  # piecewise by default from 0.5.10
+        ("0.5.12", "dense dp2", False),  # off under attention DP until 0.5.16
+        ("0.5.12", "dense disaggregated", False),  # off in PD disaggregation until 0.5.14
+        ("0.5.12", "mla 2048", True),
+        ("0.5.12", "mla 2049", False),  # MLA captured up to 2048 tokens until 0.5.22
+        ("0.5.12", "DeepseekV32ForCausalLM", False),  # on the disabled-arch list until 0.5.12
+        ("0.5.13", "DeepseekV32ForCausalLM", True),
+        ("0.5.13", "Qwen3NextForCausalLM", False),
+        ("0.5.14", "Qwen3_5MoeForConditionalGeneration", False),  # every multimodal model until 0.5.15
+        ("0.5.16", "Qwen3_5MoeForConditionalGeneration", True),  # allowlisted from 0.5.16
+        ("0.5.16", "dense dp2", False),
+        ("0.5.17", "dense dp2", True),  # every DP group prefilling, from 0.5.17
+        ("0.5.17", "mla 1024", False),  # no MLA model until 0.5.18
+        ("0.5.17", "KimiK25ForConditionalGeneration", False),  # off the allowlist until 0.5.18
+        ("0.5.18", "KimiK25ForConditionalGeneration", True),
+        ("0.5.18", "mla 2048", True),
+        ("0.5.19", "KimiLinearForCausalLM", True),  # KDA turned off from 0.5.20
+        ("0.5.20", "KimiLinearForCausalLM", False),
+        ("0.5.22", "mla 4096", False),
+        ("0.5.23", "mla 4096", True),  # 8192 for MLA in 0.5.23
+    ],
+)
+def test_which_prompt_steps_each_sglang_release_replays(version: str, case: str, replayed: bool) -> None:
+    """SGLang 0.5.7 to 0.5.22, each read in its wheel: the prefill graph's default, cap and exclusions."""
+    fw = framework("sglang", version)
+    assert "was not read" not in fw.note
+    args = {"mla": False, "every_group": True, "architectures": ("LlamaForCausalLM",), "device": "h200"}
+    tokens = 1024
+    if case.startswith("mla"):
+        args |= {"mla": True, "architectures": ("DeepseekV3ForCausalLM",)}
+        tokens = int(case.split()[1])
+    elif case == "dense dp2":
+        args["dp"] = 2
+    elif case == "dense disaggregated":
+        args["disaggregated"] = True
+    elif case != "dense":
+        args["architectures"] = (case,)
+        args["mla"] = case in ("DeepseekV32ForCausalLM", "KimiK25ForConditionalGeneration")
+    assert fw.prompt_steps.replayed(tokens, 8192, **args) is replayed
+
+
+def test_sglang_releases_budget_tiers_and_their_notes() -> None:
+    """0.5.20 raised the 20-35 GiB tier to 4096 tokens; an entry whose facts kadapt cannot all state says
+    which with every price, and the reasons a release never replays a model's prompt steps are reported."""
+    gib24 = 24 * 2**30
+    assert framework("sglang", "0.5.19").step_tokens.default(gib24, 1) == 2048
+    assert framework("sglang", "0.5.20").step_tokens.default(gib24, 1) == 4096
+    assert "DeepSeek sparse attention" in framework("sglang", "0.5.17").note
+    steps = framework("sglang", "0.5.16").prompt_steps
+    assert "latent-attention (MLA)" in steps.eager_reason(("DeepseekV3ForCausalLM",), "h200", mla=True)
+    assert "under attention DP" in steps.eager_reason(("LlamaForCausalLM",), "h200", dp=8)
+    assert steps.eager_reason(("LlamaForCausalLM",), "h200") is None
+
+
+def test_the_report_says_a_release_never_replays_an_mla_models_prompt_steps() -> None:
+    args = ["simulate", "deepseek_v3", "--framework", "sglang", "--isl", "1024", "--osl", "64", "--tp", "8"]
+    args += ["--device", "h200", "--concurrency", "8"]
+    old = CliRunner().invoke(cli, [*args, "--framework-version", "0.5.16", "--format", "json"])
+    doc = json.loads(old.output)
+    assert doc["framework"]["prompt_cuda_graphs"] is False
+    assert "latent-attention (MLA)" in doc["framework"]["prompt_eager_why"]
+    new = json.loads(
+        CliRunner().invoke(cli, [*args, "--framework-version", "0.5.18", "--format", "json"]).output
+    )
+    assert new["framework"]["prompt_cuda_graphs"] is True and "prompt_eager_why" not in new["framework"]
+
+
 def test_the_report_says_why_a_models_prompt_steps_run_eagerly() -> None:
     args = ["simulate", "deepseek_v3", "--framework", "sglang", "--isl", "1024", "--osl", "64", "--tp", "8"]
     runner = CliRunner()
@@ -311,9 +382,9 @@ def test_v0_launches_a_step_carrying_prompt_tokens_eagerly() -> None:
 
 def test_a_release_no_entry_covers_is_priced_as_the_newest_read_and_says_so() -> None:
     newest = framework("sglang")
-    unread = framework("sglang", "0.5.12")
+    unread = framework("sglang", "0.5.24")
     assert unread.step_tokens == newest.step_tokens and unread.prompt_steps == newest.prompt_steps
-    assert unread.note == f"SGLang 0.5.12 was not read: priced with the facts read in {newest.read}"
+    assert unread.note == f"SGLang 0.5.24 was not read: priced with the facts read in {newest.read}"
     with pytest.raises(UsageError, match="'0.5.x' is not a release version"):
         framework("sglang", "0.5.x")
 

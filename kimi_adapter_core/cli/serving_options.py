@@ -414,8 +414,9 @@ def run_concurrency(
     in_flight = min(concurrency, c.decode.config.batch)  # the even split's idle slots hold none
     # the engine eager throughout (``base.eager_host``) launches its prompt steps eagerly too
     launch = EAGER if base.eager_host else c.prompt_launch
-    archs = next(iter(by_mode.values())).arch.architectures
-    why_eager = fw.prompt_steps.eager_reason(archs, device.name) if launch == EAGER else None
+    a = next(iter(by_mode.values())).arch
+    why = fw.prompt_steps.eager_reason(a.architectures, device.name, mla=a.structure.attention.is_mla, dp=dp)
+    why_eager = why if launch == EAGER else None
     if fmt == "json":
         doc = {
             "model": spec.name,

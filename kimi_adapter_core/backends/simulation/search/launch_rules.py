@@ -135,10 +135,13 @@ class GraphLimits:
     prefill graphs are captured per token count up to a cap, and not for every model or pass)."""
 
     within_step_budget: bool  # a step of more prompt tokens per DP group than the step budget is eager
-    mla_max_tokens: int | None  # multi-head latent attention: one of more tokens per DP group is eager
+    # multi-head latent attention: one of more tokens per DP group is eager (0: every one)
+    mla_max_tokens: int | None
     every_group: bool  # under attention DP a pass replays only when every DP group carries prompt tokens
     eager_for: tuple[EagerFor, ...]
     source: str
+    attention_dp: bool = True  # False: under attention DP no prompt step is replayed
+    disaggregated: bool = True  # False: a disaggregated prefill worker replays no prompt step
 
 
 @dataclass(frozen=True)
@@ -162,10 +165,13 @@ class PromptSteps:
         every_group: bool,
         architectures: tuple[str, ...],
         device: str,
+        dp: int = 1,
+        disaggregated: bool = False,
     ) -> bool:
         """Whether a pass carrying ``tokens`` prompt tokens per DP group (at a step budget of ``budget``
         per group) is replayed as a CUDA graph; ``every_group``: every DP group carries prompt tokens in
-        it (always true without attention DP)."""
+        it (always true without attention DP); ``dp``: the worker's attention DP groups;
+        ``disaggregated``: the worker is a disaggregated prefill worker."""
         limits = self.limits
         if not self.cuda_graphs or limits is None:
             return self.cuda_graphs
@@ -173,13 +179,24 @@ class PromptSteps:
             (limits.within_step_budget and tokens > budget)
             or (mla and limits.mla_max_tokens is not None and tokens > limits.mla_max_tokens)
             or (limits.every_group and not every_group)
+            or (not limits.attention_dp and dp > 1)
+            or (not limits.disaggregated and disaggregated)
             or any(rule.matches(architectures, device) for rule in limits.eager_for)
         )
 
-    def eager_reason(self, architectures: tuple[str, ...], device: str) -> str | None:
-        """Why this model's prompt steps are never replayed on ``device`` (an ``eager_for`` entry), if so."""
-        rules = () if self.limits is None else self.limits.eager_for
-        return next((rule.why for rule in rules if rule.matches(architectures, device)), None)
+    def eager_reason(
+        self, architectures: tuple[str, ...], device: str, *, mla: bool = False, dp: int = 1
+    ) -> str | None:
+        """Why this model's prompt steps are never replayed on ``device`` (an ``eager_for`` entry, or a
+        limit no step of a model with ``mla`` at ``dp`` attention DP groups passes), if so."""
+        limits = self.limits
+        if limits is None:
+            return None
+        if mla and limits.mla_max_tokens == 0:
+            return f"this release replays no prompt step of a latent-attention (MLA) model ({limits.source})"
+        if dp > 1 and not limits.attention_dp:
+            return f"this release replays no prompt step under attention DP ({limits.source})"
+        return next((rule.why for rule in limits.eager_for if rule.matches(architectures, device)), None)
 
 
 @dataclass(frozen=True)
@@ -361,7 +378,10 @@ def _prompt_steps(prompt: Mapping[str, Any], where: str) -> PromptSteps:
     return PromptSteps(bool(prompt["mixed"]), bool(prompt["cuda_graphs"]), prompt["source"], limits)
 
 
-_LIMIT_KEYS = {"within_step_budget", "mla_max_tokens", "every_group", "eager_for", "source"}
+_LIMIT_KEYS = {
+    "within_step_budget", "mla_max_tokens", "every_group", "eager_for", "attention_dp", "disaggregated",
+    "source",
+}  # fmt: skip
 
 
 def _graph_limits(raw: Any, where: str) -> GraphLimits:
@@ -372,9 +392,9 @@ def _graph_limits(raw: Any, where: str) -> GraphLimits:
             f"{FRAMEWORKS_FILE.name}: {where}: expected a source and some of {keys}, found {found}"
         )
     most = raw.get("mla_max_tokens")
-    if most is not None and (not isinstance(most, int) or most < 1):
+    if most is not None and (not isinstance(most, int) or most < 0):
         raise KadaptError(
-            f"{FRAMEWORKS_FILE.name}: {where}.mla_max_tokens: expected a count >= 1, found {most!r}"
+            f"{FRAMEWORKS_FILE.name}: {where}.mla_max_tokens: expected a count >= 0, found {most!r}"
         )
     eager = []
     for i, rule in enumerate(raw.get("eager_for", ())):
@@ -391,6 +411,8 @@ def _graph_limits(raw: Any, where: str) -> GraphLimits:
         bool(raw.get("every_group", False)),
         tuple(eager),
         raw["source"],
+        bool(raw.get("attention_dp", True)),
+        bool(raw.get("disaggregated", True)),
     )
 
 

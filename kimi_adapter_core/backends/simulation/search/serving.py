@@ -165,10 +165,13 @@ class ServingSearch:
             framework=self.framework.name,
         )
 
-    def _prompt_host(self, tokens: int, budget: int, every_group: bool = True) -> float:
-        """The host time per launch of a pass carrying ``tokens`` prompt tokens per DP group at a step
-        budget of ``budget`` per group: 0 where the framework replays it as a CUDA graph
-        (``prompt_steps``; ``every_group``: every DP group carries prompt tokens in it)."""
+    def _prompt_host(
+        self, tokens: int, budget: int, par: Parallel, every_group: bool = True, disaggregated: bool = False
+    ) -> float:
+        """The host time per launch of a pass of worker ``par`` carrying ``tokens`` prompt tokens per DP
+        group at a step budget of ``budget`` per group: 0 where the framework replays it as a CUDA graph
+        (``prompt_steps``; ``every_group``: every DP group carries prompt tokens in it;
+        ``disaggregated``: a disaggregated prefill worker's)."""
         replayed = self.framework.prompt_steps.replayed(
             tokens,
             budget,
@@ -176,6 +179,8 @@ class ServingSearch:
             every_group=every_group,
             architectures=self.architectures,
             device=self.device.name,
+            dp=par.dp,
+            disaggregated=disaggregated,
         )
         return 0.0 if replayed else self.eager_host
 
@@ -300,7 +305,8 @@ class ServingSearch:
         (``_prompt_host``), each kernel at least the host's time per launch, the step longer by what the
         floors add."""
         par = p.config.parallel
-        host = self._prompt_host(p.config.batch // par.dp * self.workload.isl, self._server_budget(par))
+        tokens = p.config.batch // par.dp * self.workload.isl
+        host = self._prompt_host(tokens, self._server_budget(par), par, disaggregated=True)
         if not host:
             return p
         kernels = sweep.kernels(p.config)
@@ -377,7 +383,7 @@ class ServingSearch:
                     continue
                 # a mixed pass launched as the framework launches a step carrying prompt tokens
                 # (``_prompt_host``: where eager, every kernel of it at least the host's time)
-                host = self._prompt_host(chunk, budget)
+                host = self._prompt_host(chunk, budget, par)
                 decode_step = eager_step(decode_kernels, host)
                 # the rows steps the sweep priced for this pass (``_mixed_rows``: the same configs)
                 configs = self._mixed_rows(d.config, chunk)
@@ -406,7 +412,8 @@ class ServingSearch:
         configs = self._mixed_rows(d.config, budget)
         tokens = self._prompt_tokens(d.config, budget)[2]
         # every group prefilling, then (attention DP) one group prefilling beside the others' decode rows
-        host_all, host_one = self._prompt_host(tokens, budget), self._prompt_host(tokens, budget, par.dp == 1)
+        host_all = self._prompt_host(tokens, budget, par)
+        host_one = self._prompt_host(tokens, budget, par, par.dp == 1)
         share = tokens / self.workload.isl
         # the whole prompt's attention kernels, each layer's run once at the step's share of its work
         every = eager_step(rows.kernels(configs[0]), host_all)
