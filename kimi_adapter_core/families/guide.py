@@ -56,7 +56,60 @@ _LLAMA4_PATCHES: tuple[dict[str, Any], ...] = (
         ],
     },
 )
+
+
+def _compact_delta_scan(module: str, layer: str, pin_5_23: str, pin_5_24: str) -> tuple[dict[str, Any], ...]:
+    """The gated DeltaNet's export-time scan with a block inverse (``builtins/delta_scan.py``), as
+    ``specs/qwen3_next.yaml`` declares it: the layer's forward pinned on both releases' sources."""
+    return (
+        {
+            "id": "G1",
+            "why": "the gated DeltaNet scan's 63-step triangular loop, traced as ~800 nodes per layer, as a "
+            "log-depth block inverse",
+            "target": f"transformers.models.{module}.modeling_{module}:{layer}.forward",
+            "kind": "wrap",
+            "impl": "builtin:compact_delta_scan",
+            "backends": ["extraction"],
+            "pin": [
+                {"transformers": "5.23.0", "source_sha256": pin_5_23},
+                {"transformers": "5.24.0", "source_sha256": pin_5_24},
+            ],
+        },
+    )
+
+
+_QWEN3_5_SCAN = _compact_delta_scan(
+    "qwen3_5",
+    "Qwen3_5GatedDeltaNet",
+    "e9febb8c7d8be936343363f577a2d20b61dca7b2c5967d068baa12c02425157e",
+    "49dac15b219dcafc01413c2c13b94895c82ca8c61ae7c4adb2076647b57561b6",
+)
+_QWEN3_5_MOE_SCAN = _compact_delta_scan(
+    "qwen3_5_moe",
+    "Qwen3_5MoeGatedDeltaNet",
+    "e9febb8c7d8be936343363f577a2d20b61dca7b2c5967d068baa12c02425157e",
+    "49dac15b219dcafc01413c2c13b94895c82ca8c61ae7c4adb2076647b57561b6",
+)
+
 GUIDE_PATCHES: dict[str, tuple[dict[str, Any], ...]] = {
+    # gated DeltaNet stacks whose eager scan is transformers' solve_triangular (Kimi-Linear's and Bailing's
+    # scans run the loop eagerly too, so their bf16 graphs stay bit-identical without the wrap)
+    "qwen3_5": _QWEN3_5_SCAN,
+    "qwen3_5_text": _QWEN3_5_SCAN,
+    "qwen3_5_moe": _QWEN3_5_MOE_SCAN,
+    "qwen3_5_moe_text": _QWEN3_5_MOE_SCAN,
+    "qwen3_next": _compact_delta_scan(
+        "qwen3_next",
+        "Qwen3NextGatedDeltaNet",
+        "a5c1b27444531b31dc2cf93aae4870341a8a81d9889c1fa5a2c098c7b8454973",
+        "ae37b2fcb1d51f1ce0b6f24b8d086fc91412267755627022c30fdd3f8f29e190",
+    ),
+    "olmo_hybrid": _compact_delta_scan(
+        "olmo_hybrid",
+        "OlmoHybridGatedDeltaNet",
+        "1c77261ce5e9e95777eb7d928948a1b66bd8e7c15ed10d1f7af719a6cebb0ad7",
+        "ebbcf092238236e24bbe524bde6d3ef799055d781bca8f26c1f3648f00c05576",
+    ),
     "gpt_neo": (
         {
             "id": "N1",
