@@ -22,13 +22,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 PARALLEL = click.IntRange(1, 1 << 16)  # devices per dimension: 0 or a typo's 1e12 is a usage error
 
 
-def shipped_device_names() -> list[str]:
-    """The names of the device profiles kadapt ships (its ``devices/`` folder), sorted."""
-    from ..backends.simulation.tables.device import SHIPPED_DIR, load_device_file
-
-    return sorted(load_device_file(file).name for file in SHIPPED_DIR.glob("*.yaml"))
-
-
 class DeviceOption(click.Option):
     """``--device``: its help lists the shipped profiles, read from their folder when help is shown
     (a profile added there is listed without editing this file; parsing them all takes ~0.1 s, which
@@ -36,6 +29,8 @@ class DeviceOption(click.Option):
     (``~/.config/kadapt/devices``, ``$KADAPT_DEVICE_PATH``) are names too, checked by ``get_device``."""
 
     def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
+        from ..backends.simulation.tables.device import shipped_device_names
+
         self.help = (
             f"Device profile name: {', '.join(shipped_device_names())} (see docs/cost_model.md; profiles "
             "of your own go in ~/.config/kadapt/devices or $KADAPT_DEVICE_PATH)."

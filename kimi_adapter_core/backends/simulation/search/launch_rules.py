@@ -325,15 +325,15 @@ def _named_devices(fw: Framework) -> list[tuple[str, str]]:
 def _check_device_names(table: Mapping[str, Framework]) -> None:
     """Refuse a device name no shipped profile has: it is matched against the profile's name, so a typo
     would silently never match and the rule would never apply."""
-    from ..tables.device import SHIPPED_DIR, load_device_file
+    from ..tables.device import shipped_device_names
 
-    shipped = {load_device_file(file).name for file in SHIPPED_DIR.glob("*.yaml")}
+    shipped = shipped_device_names()
     for fw in table.values():
         for where, device in _named_devices(fw):
             if device not in shipped:
                 raise KadaptError(
                     f"{FRAMEWORKS_FILE.name}: {where}: no device profile is named {device!r} "
-                    f"(shipped: {', '.join(sorted(shipped))})"
+                    f"(shipped: {', '.join(shipped)})"
                 )
 
 

@@ -113,7 +113,9 @@ class PromptLaunch(Enum):
     @property
     def aside(self) -> str:
         """What a report adds after the prompt step's time (nothing for a replayed one)."""
-        return {"graphed": "", "eager": " (launched eagerly)"}.get(self.value, f" ({self.value}, else eager)")
+        if self is PromptLaunch.GRAPHED:
+            return ""
+        return " (launched eagerly)" if self is PromptLaunch.EAGER else f" ({self.value}, else eager)"
 
 
 GRAPHED, EAGER, EVERY_GROUP_GRAPHED = (

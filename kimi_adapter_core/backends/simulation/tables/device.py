@@ -263,6 +263,11 @@ def known_devices() -> dict[str, Device]:
     return found
 
 
+def shipped_device_names() -> list[str]:
+    """The names of the device profiles kadapt ships (its ``devices/`` folder), sorted."""
+    return sorted(load_device_file(file).name for file in SHIPPED_DIR.glob("*.yaml"))
+
+
 @lru_cache(maxsize=256)
 def _profile(file: Path, _mtime_ns: int, _size: int) -> tuple[Device, tuple[str, ...]]:
     """One profile of the search folders and its aliases, parsed once per version of the file (keyed by
